@@ -1,0 +1,1 @@
+"""Thin NVIDIA FLARE adapters: executor, aggregator, controller, job export. No algorithm math here."""

@@ -1,0 +1,101 @@
+"""The site-side FLARE executor: decodes a task, hands it to SiteRuntime, encodes the declared result."""
+
+from __future__ import annotations
+
+import traceback
+
+from nvflare.apis.dxo import DXO, DataKind, from_shareable
+from nvflare.apis.executor import Executor
+from nvflare.apis.fl_constant import ReturnCode
+from nvflare.apis.fl_context import FLContext
+from nvflare.apis.shareable import Shareable, make_reply
+from nvflare.apis.signal import Signal
+
+from medflare.errors import MedflareError
+from medflare.flare.tasks import TASK_SUBMIT_MODEL, TASK_TRAIN, TASK_VALIDATE, round_context
+from medflare.site_runtime import SiteRuntime, SiteSettings, TaskSpec, read_site_data_config, site_index_from_name
+
+
+class MedflareExecutor(Executor):
+    """Runs any registered method's local work at a site (GPU when present, else CPU).
+
+    Handles ``train`` (score the received global model, train, return the declared payload), ``validate``
+    (score only), ``submit_model``, and any method-specific phase (handed to the trainer's ``run_phase``). Every constructor argument is kept as a same-named attribute so FLARE's
+    job tooling can rebuild the component from its config.
+
+    Args:
+        method: registered method name.
+        task: {"num_classes", "in_channels", "image_size"} shared with the server.
+        model: model factory name.
+        method_args: the method's hyperparameters.
+        train: TrainConfig overrides.
+        data: simulation data spec (partitioned), or None / {"source": "site"} to read the site's own
+            ``local/medflare_site.json`` in POC and production.
+        sites: the job's site names in order (decides each simulated site's partition).
+        seed: job seed.
+    """
+
+    def __init__(
+        self,
+        method: str,
+        task: dict,
+        model: str = "cnn",
+        method_args: dict | None = None,
+        train: dict | None = None,
+        data: dict | None = None,
+        sites: list | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.method = method
+        self.task = task
+        self.model = model
+        self.method_args = method_args or {}
+        self.train = train or {}
+        self.data = data
+        self.sites = sites
+        self.seed = seed
+        self._runtime: SiteRuntime | None = None
+
+    def _get_runtime(self, fl_ctx: FLContext) -> SiteRuntime:
+        if self._runtime is None:
+            site = fl_ctx.get_identity_name()
+            config_dir = fl_ctx.get_engine().get_workspace().get_site_config_dir()
+            settings = SiteSettings(
+                method=self.method,
+                task=TaskSpec(**self.task),
+                data=read_site_data_config(config_dir, self.data),
+                model=self.model,
+                method_args=self.method_args,
+                train=self.train,
+                seed=self.seed,
+            )
+            index = site_index_from_name(site, self.sites) if not settings.data.get("local") else 0
+            self._runtime = SiteRuntime(settings, site, index, log=lambda msg: self.log_info(fl_ctx, f"{site}: {msg}"))
+        return self._runtime
+
+    def execute(self, task_name: str, shareable: Shareable, fl_ctx: FLContext, abort_signal: Signal) -> Shareable:
+        site = fl_ctx.get_identity_name()
+        try:
+            runtime = self._get_runtime(fl_ctx)
+            return self._dispatch(runtime, task_name, shareable, abort_signal)
+        except MedflareError as exc:
+            self.log_error(fl_ctx, f"{site}: task '{task_name}' failed: {exc}")
+        except Exception as exc:  # the site must answer the server, whatever broke
+            self.log_error(fl_ctx, f"{site}: task '{task_name}' crashed: {exc}\n{traceback.format_exc()}")
+        return make_reply(ReturnCode.EXECUTION_EXCEPTION)
+
+    def _dispatch(self, runtime: SiteRuntime, task_name: str, shareable: Shareable, abort_signal: Signal) -> Shareable:
+        dxo = from_shareable(shareable)
+        if task_name == TASK_VALIDATE:
+            return DXO(DataKind.METRICS, data={}, meta=runtime.validate(dxo.data)).to_shareable()
+        if task_name == TASK_SUBMIT_MODEL:
+            return DXO(DataKind.WEIGHTS, data=runtime.shared_weights(), meta={}).to_shareable()
+        ctx = round_context(dxo.meta)
+        if task_name == TASK_TRAIN:
+            arrays, meta = runtime.train(dxo.data, ctx, lambda: abort_signal.triggered)
+        else:  # a method-specific phase, e.g. a public-set logit exchange
+            arrays, meta = runtime.run_phase(task_name, dxo.data, ctx)
+        if abort_signal.triggered:
+            return make_reply(ReturnCode.TASK_ABORTED)
+        return DXO(DataKind.WEIGHTS, data=arrays, meta=meta).to_shareable()

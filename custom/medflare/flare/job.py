@@ -1,0 +1,144 @@
+"""Write a FLARE job folder for any registered method: one builder for every method and every environment.
+
+Two deployment modes:
+- ``byoc``: the job carries the medflare package in ``app/custom/`` (needs the submitter's BYOC right).
+- ``preinstalled``: the job carries configs only; sites run a reviewed, pip-installed medflare and allow-list
+  ``medflare.`` classes in their ``local/resources.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from medflare.run_config import RunConfig
+from medflare.site_runtime import TaskSpec
+
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # .../custom/medflare
+APP_NAME = "app"
+MODES = ("byoc", "preinstalled")
+
+
+def server_config(run: RunConfig, task: TaskSpec, shot_groups: dict | None = None) -> dict[str, Any]:
+    """config_fed_server.json: the (FLARE PT) model persistor, the medflare aggregator and controller."""
+    model_args = {
+        "method": run.method,
+        "model": run.model,
+        "num_classes": task.num_classes,
+        "in_channels": task.in_channels,
+        "image_size": task.image_size,
+        "pretrained": run.pretrained,
+        "method_args": run.method_args,
+        "seed": run.seed,
+    }
+    return {
+        "format_version": 2,
+        # FLARE's default 2 s polling interval dominates short rounds; 0.1 s is safe on loopback and LAN.
+        "server": {"heart_beat_timeout": 600, "task_request_interval": run.task_request_interval},
+        "task_data_filters": [],
+        "task_result_filters": [],
+        "components": [
+            {
+                "id": "persistor",
+                "path": "medflare.flare.persistor.MedflareModelPersistor",
+                "args": {"model": {"path": "medflare.flare.models.build_global_model", "args": model_args}},
+            },
+            {
+                "id": "aggregator",
+                "path": "medflare.flare.aggregator.MedflareAggregator",
+                "args": {
+                    "method": run.method,
+                    "num_classes": task.num_classes,
+                    "num_rounds": run.rounds,
+                    "method_args": run.method_args,
+                },
+            },
+        ],
+        "workflows": [
+            {
+                "id": "controller",
+                "path": "medflare.flare.controller.MedflareController",
+                "args": {
+                    "num_rounds": run.rounds,
+                    "min_clients": run.required_clients,
+                    "persistor_id": "persistor",
+                    "aggregator_id": "aggregator",
+                    "shot_groups": shot_groups,
+                },
+            }
+        ],
+    }
+
+
+def client_config(run: RunConfig, task: TaskSpec) -> dict[str, Any]:
+    """config_fed_client.json: the medflare executor for every task."""
+    return {
+        "format_version": 2,
+        "executors": [
+            {
+                "tasks": ["*"],  # train, validate, submit_model and any method-specific phase
+                "executor": {
+                    "id": "executor",
+                    "path": "medflare.flare.executor.MedflareExecutor",
+                    "args": {
+                        "method": run.method,
+                        "task": {
+                            "num_classes": task.num_classes,
+                            "in_channels": task.in_channels,
+                            "image_size": task.image_size,
+                        },
+                        "model": run.model,
+                        "method_args": run.method_args,
+                        "train": run.train,
+                        "data": run.site_data(),
+                        "sites": run.site_names,
+                        "seed": run.seed,
+                    },
+                },
+            }
+        ],
+        "task_result_filters": [],
+        "task_data_filters": [],
+        "components": [],
+    }
+
+
+def meta_config(run: RunConfig) -> dict[str, Any]:
+    """meta.json: one app deployed to every participant."""
+    return {
+        "name": run.job_name,
+        "resource_spec": {},
+        "min_clients": run.required_clients,
+        "deploy_map": {APP_NAME: ["@ALL"]},
+    }
+
+
+def export_job(
+    run: RunConfig, out_dir: str | Path, task: TaskSpec, mode: str = "byoc", shot_groups: dict | None = None
+) -> Path:
+    """Write ``out_dir/<job name>/`` and return its path. An existing folder of that name is replaced."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got '{mode}'")
+    job_dir = Path(out_dir) / run.job_name
+    staging = job_dir.with_name(job_dir.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    config_dir = staging / APP_NAME / "config"
+    config_dir.mkdir(parents=True)
+    _write_json(staging / "meta.json", meta_config(run))
+    _write_json(config_dir / "config_fed_server.json", server_config(run, task, shot_groups))
+    _write_json(config_dir / "config_fed_client.json", client_config(run, task))
+    if mode == "byoc":
+        shutil.copytree(PACKAGE_DIR, staging / APP_NAME / "custom" / "medflare", ignore=_ignore_caches)
+    shutil.rmtree(job_dir, ignore_errors=True)
+    staging.rename(job_dir)  # only a complete job folder ever appears under its real name
+    return job_dir
+
+
+def _ignore_caches(directory: str, names: list[str]) -> list[str]:
+    return [n for n in names if n == "__pycache__" or n.endswith(".pyc")]
+
+
+def _write_json(path: Path, content: dict[str, Any]) -> None:
+    path.write_text(json.dumps(content, indent=2, sort_keys=False) + "\n")

@@ -1,0 +1,23 @@
+"""FedAvg with cross-entropy: the baseline every paper compares against."""
+
+from dataclasses import dataclass
+
+from medflare.methods.base import MethodSpec
+from medflare.methods.fedavg.client import FedAvgTrainer
+from medflare.registry import register_method
+
+
+@dataclass
+class FedAvgConfig:
+    """FedAvg has no hyperparameters beyond the shared TrainConfig."""
+
+
+SPEC = register_method(
+    MethodSpec(
+        name="fedavg",
+        summary="FedAvg: cross-entropy locally, sample-count-weighted average of all weights",
+        config_cls=FedAvgConfig,
+        trainer_cls=FedAvgTrainer,
+        reference="McMahan et al., Communication-Efficient Learning of Deep Networks from Decentralized Data, 2017",
+    )
+)

@@ -1,0 +1,30 @@
+"""FedProx: FedAvg plus a proximal term that keeps local weights near the received global model."""
+
+from dataclasses import dataclass
+
+from medflare.errors import ConfigError
+from medflare.methods.base import MethodSpec
+from medflare.methods.fedprox.client import FedProxTrainer
+from medflare.registry import register_method
+
+
+@dataclass
+class FedProxConfig:
+    """FedProx options."""
+
+    mu: float = 0.01  # proximal weight; the Fed-MAS appendix sweeps {0.1, 0.01, 0.001}
+
+    def __post_init__(self) -> None:
+        if not self.mu >= 0:
+            raise ConfigError(f"fedprox mu must be >= 0, got {self.mu}")
+
+
+SPEC = register_method(
+    MethodSpec(
+        name="fedprox",
+        summary="FedProx: cross-entropy + (mu/2)||w - w_global||^2, sample-count-weighted average",
+        config_cls=FedProxConfig,
+        trainer_cls=FedProxTrainer,
+        reference="Li et al., Federated Optimization in Heterogeneous Networks, MLSys 2020",
+    )
+)

@@ -1,0 +1,141 @@
+"""The user-facing run configuration: defaults <- --config file <- command-line flags <- --set overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from medflare.config import from_dict, parse_value
+from medflare.errors import ConfigError
+from medflare.methods.base import TrainConfig
+from medflare.registry import get_method
+from medflare.site_runtime import TaskSpec, resolve_train_config
+
+# --set prefixes and the RunConfig field each one writes into
+SECTIONS = {"method": "method_args", "train": "train", "data": "data", "task": "task"}
+
+
+@dataclass
+class RunConfig:
+    """Everything one federated job needs.
+
+    Attributes:
+        method: registered method name.
+        model: model factory name.
+        pretrained: None, "imagenet" (efficientnet_lite0 only) or a local weights file, loaded on the server.
+        rounds: federated rounds.
+        clients: number of sites (simulation and POC).
+        min_clients: valid updates a round needs (0 = all sites).
+        seed: seed for data generation, partitioning and model init.
+        data: DataConfig fields for simulated sites; {"source": "site"} makes each site read its own config.
+        train: TrainConfig overrides.
+        method_args: the method's hyperparameters.
+        task: {"num_classes", "in_channels", "image_size"}; inferred from the data when empty.
+        shot_thresholds: (head_min, tail_max) class-count thresholds for head/medium/tail metrics, or None.
+        task_request_interval: FLARE server polling interval in seconds (2.0 is FLARE's default; 0.1 is faster).
+        name: job name (default: the method name).
+    """
+
+    method: str = "fedavg"
+    model: str = "cnn"
+    pretrained: str | None = None
+    rounds: int = 3
+    clients: int = 2
+    min_clients: int = 0
+    seed: int = 0
+    data: dict[str, Any] = field(default_factory=lambda: {"source": "synthetic", "partition": "iid"})
+    train: dict[str, Any] = field(default_factory=dict)
+    method_args: dict[str, Any] = field(default_factory=dict)
+    task: dict[str, Any] = field(default_factory=dict)
+    shot_thresholds: list[int] | None = None
+    task_request_interval: float = 0.1
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1 or self.clients < 1:
+            raise ConfigError("rounds and clients must be >= 1")
+        if not 0 <= self.min_clients <= self.clients:
+            raise ConfigError(f"min_clients must be between 0 and clients={self.clients}, got {self.min_clients}")
+
+    @property
+    def job_name(self) -> str:
+        return self.name or self.method
+
+    @property
+    def required_clients(self) -> int:
+        return self.min_clients or self.clients
+
+    @property
+    def site_names(self) -> list[str]:
+        return [f"site-{i + 1}" for i in range(self.clients)]
+
+    def validate(self) -> None:
+        """Fail before launching anything: unknown method, bad method or train options."""
+        spec = get_method(self.method)
+        from_dict(spec.config_cls, self.method_args, f"method '{self.method}'")
+        resolve_train_config(spec, self.train)
+        from medflare.models import list_models
+
+        if self.model not in list_models():
+            raise ConfigError(f"unknown model '{self.model}'; available: {', '.join(list_models())}")
+
+    def site_data(self) -> dict[str, Any]:
+        """The data config the sites receive (num_sites and seed filled in for simulation)."""
+        if self.data.get("source", "site") == "site":
+            return {"source": "site"}
+        return {"seed": self.seed, **self.data, "num_sites": self.clients}
+
+    def task_spec(self) -> TaskSpec:
+        """The declared task; missing fields are read off the data (simulation) or must be given (site data)."""
+        return TaskSpec(**self.task) if len(self.task) == 3 else infer_task(self)
+
+    def train_config(self) -> TrainConfig:
+        return resolve_train_config(get_method(self.method), self.train)
+
+
+def infer_task(run: RunConfig) -> TaskSpec:
+    """Class count, channels and image size of the (simulation) data source."""
+    if run.data.get("source", "site") == "site":
+        raise ConfigError(
+            "with site-local data the job must declare task.num_classes, task.in_channels and task.image_size "
+            "(e.g. --set task.num_classes=2 --set task.in_channels=1 --set task.image_size=28)"
+        )
+    from medflare.data import load_source
+
+    splits = load_source(run.data["source"], seed=run.seed, num_classes=run.task.get("num_classes"))
+    sample = splits.train.get_image(0)
+    size = run.data.get("image_size") or int(sample.shape[0])
+    inferred = {"num_classes": splits.train.num_classes, "in_channels": splits.train.channels, "image_size": size}
+    return TaskSpec(**{**inferred, **run.task})
+
+
+def apply_overrides(run: RunConfig, overrides: list[str]) -> RunConfig:
+    """Apply ``section.key=value`` overrides, e.g. ``method.mu=0.1``, ``train.lr=0.01``, ``rounds=5``."""
+    changes: dict[str, Any] = {}
+    nested = {name: dict(getattr(run, name)) for name in SECTIONS.values()}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set expects key=value, got '{item}'")
+        section, dot, sub = key.partition(".")
+        if dot and section in SECTIONS:
+            nested[SECTIONS[section]][sub] = parse_value(raw)
+        elif not dot and key in {f.name for f in dataclasses.fields(RunConfig)}:
+            changes[key] = parse_value(raw)
+        else:
+            raise ConfigError(f"--set: unknown key '{key}'; use method.X, train.X, data.X, task.X or a top-level option")
+    return from_dict(RunConfig, {**dataclasses.asdict(run), **nested, **changes}, "run config")
+
+
+def merge_run_config(base: Mapping[str, Any], flags: Mapping[str, Any]) -> RunConfig:
+    """Defaults <- file values <- flags that were given (None means 'not given')."""
+    merged = {**dict(base)}
+    for key, value in flags.items():
+        if value is None:
+            continue
+        if key in ("data", "train", "method_args", "task"):
+            merged[key] = {**merged.get(key, {}), **value}
+        else:
+            merged[key] = value
+    return from_dict(RunConfig, merged, "run config")

@@ -1,0 +1,174 @@
+"""Everything a site does for a method, without FLARE: build data, model and trainer; train; evaluate.
+
+The FLARE executor is a thin shell around :class:`SiteRuntime`, so the whole site side can be tested (and
+benchmarked against a bare PyTorch loop) without starting FLARE.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+
+from medflare import contracts
+from medflare.config import from_dict
+from medflare.contracts import ContractContext
+from medflare.errors import ConfigError, DataError
+from medflare.methods.base import LocalTrainer, MethodSpec, RoundContext, TrainConfig
+from medflare.registry import get_method
+
+SITE_CONFIG_FILE = "medflare_site.json"  # in a site's local/ folder (POC and production)
+
+
+@dataclass
+class TaskSpec:
+    """Facts about the task that site and server must agree on (no data, no paths)."""
+
+    num_classes: int
+    in_channels: int
+    image_size: int
+
+
+@dataclass
+class SiteSettings:
+    """One site's full configuration, assembled from the job and (in POC/production) the site's own file."""
+
+    method: str
+    task: TaskSpec
+    data: dict[str, Any]
+    model: str = "cnn"
+    method_args: dict[str, Any] = field(default_factory=dict)
+    train: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+
+
+def resolve_train_config(spec: MethodSpec, overrides: Mapping[str, Any] | None) -> TrainConfig:
+    """TrainConfig = shared defaults <- the method's paper defaults <- the job's overrides."""
+    return from_dict(TrainConfig, {**dict(spec.train_defaults), **dict(overrides or {})}, "train")
+
+
+def read_site_data_config(site_config_dir: str | Path, job_data: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The data config a site uses.
+
+    In simulation the job carries a partitioned data spec. In POC and production the job says
+    ``{"source": "site"}`` (or nothing) and the site reads its own ``local/medflare_site.json``; the server and
+    the job never see a data path.
+    """
+    if job_data and job_data.get("source", "site") != "site":
+        return dict(job_data)
+    path = Path(site_config_dir) / SITE_CONFIG_FILE
+    if not path.is_file():
+        raise DataError(
+            f"this site has no data configured: {path} is missing. Create it with "
+            '{"data": {"source": "folder:/path/to/images"}} (or csv:/path/manifest.csv, medmnist:/path/file.npz)'
+        )
+    try:
+        site_data = json.loads(path.read_text())["data"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise DataError(f"{path} must be JSON with a 'data' object: {exc}") from exc
+    overrides = {k: v for k, v in (job_data or {}).items() if k != "source"}
+    return {**overrides, **site_data, "local": True, "num_sites": 1}
+
+
+def pick_device() -> torch.device:
+    """CUDA when the site has a GPU, else CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class SiteRuntime:
+    """A site's live state for one job: data, model, trainer (optimizer and personal state persist)."""
+
+    def __init__(self, settings: SiteSettings, site_name: str, site_index: int, log: Callable[[str], None] = print):
+        self.settings = settings
+        self.site_name = site_name
+        self.spec = get_method(settings.method)
+        self.method_cfg = from_dict(self.spec.config_cls, settings.method_args, f"method '{settings.method}'")
+        self.train_cfg = resolve_train_config(self.spec, settings.train)
+        self.log = log
+        torch.manual_seed(settings.seed + site_index)
+        if self.train_cfg.torch_threads > 0:
+            torch.set_num_threads(self.train_cfg.torch_threads)
+        self.device = pick_device()
+        self.data = self._load_data(site_index)
+        self.model = self._build_model()
+        self.trainer: LocalTrainer = self.spec.trainer_cls(
+            self.model, self.data, self.train_cfg, self.method_cfg, self.spec.payload, self.device, log
+        )
+        self.contract_ctx = ContractContext(num_classes=settings.task.num_classes)
+        self.model_keys = list(self.model.state_dict().keys())
+
+    def _load_data(self, site_index: int) -> Any:
+        from medflare.data import DataConfig, make_site_data
+
+        cfg = from_dict(DataConfig, {**self.settings.data, "num_classes": self.settings.task.num_classes}, "data")
+        data = make_site_data(cfg, site_index, self.site_name)
+        task = self.settings.task
+        if data.channels != task.in_channels:
+            raise DataError(
+                f"{self.site_name}: images have {data.channels} channel(s) but the job declares "
+                f"in_channels={task.in_channels}; fix the job's task.in_channels or the site's data"
+            )
+        self.log(f"{len(data.train)} train / {len(data.val)} val / {len(data.test)} test images")
+        return data
+
+    def _build_model(self) -> torch.nn.Module:
+        task = self.settings.task
+        model = self.spec.build_model(
+            self.settings.model, task.num_classes, task.in_channels, task.image_size, None, self.method_cfg
+        )
+        model = model.to(self.device)
+        if self.device.type == "cuda":
+            model = model.to(memory_format=torch.channels_last)
+        return model
+
+    def train(
+        self, params: Mapping[str, np.ndarray], ctx: RoundContext, should_abort: Callable[[], bool] = lambda: False
+    ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """Load the global model, score it, train locally; return what the method declares it sends."""
+        self.trainer.receive(params)
+        meta = self._evaluation_meta()
+        meta.update(self.trainer.train_round(ctx, should_abort))
+        arrays = self.trainer.outgoing_arrays()
+        self.spec.payload.check_outgoing(arrays, meta, self.model_keys, self.contract_ctx)
+        return arrays, meta
+
+    def run_phase(
+        self, phase: str, arrays: Mapping[str, np.ndarray], ctx: RoundContext
+    ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """A method-specific task; its result is checked against the payload like any other."""
+        out_arrays, meta = self.trainer.run_phase(phase, arrays, ctx)
+        self.spec.payload.check_outgoing(out_arrays, meta, self.model_keys, self.contract_ctx)
+        return out_arrays, meta
+
+    def validate(self, params: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        """Score a received model without training (final evaluation)."""
+        self.trainer.receive(params)
+        meta = self._evaluation_meta()
+        self.spec.payload.check_outgoing({}, meta, self.model_keys, self.contract_ctx)
+        return meta
+
+    def shared_weights(self) -> dict[str, np.ndarray]:
+        """The site's current shareable weights (for submit_model / cross-site evaluation)."""
+        return self.trainer.outgoing_arrays()
+
+    def _evaluation_meta(self) -> dict[str, Any]:
+        return {
+            contracts.EVAL_VAL: self.trainer.evaluate("val").to_dict(),
+            contracts.EVAL_TEST: self.trainer.evaluate("test").to_dict(),
+        }
+
+
+def site_index_from_name(site_name: str, sites: list[str] | None) -> int:
+    """Position of a site in the job's site list (used to pick its simulated partition)."""
+    if sites:
+        if site_name not in sites:
+            raise ConfigError(f"site '{site_name}' is not in the job's site list {sites}")
+        return sites.index(site_name)
+    digits = "".join(ch for ch in site_name.rsplit("-", 1)[-1] if ch.isdigit())
+    if not digits:
+        raise ConfigError(f"cannot derive a partition index from site name '{site_name}'; list the sites in the job")
+    return int(digits) - 1
