@@ -33,6 +33,9 @@ class RunConfig:
         method_args: the method's hyperparameters.
         task: {"num_classes", "in_channels", "image_size"}; inferred from the data when empty.
         shot_thresholds: (head_min, tail_max) class-count thresholds for head/medium/tail metrics, or None.
+        site_train: per-site TrainConfig overrides, e.g. {"site-2": {"batch_size": 16}}.
+        straggler_seconds: once min_clients sites answered, how long the rest may take before a round goes on.
+        task_timeout: seconds a site may spend on one task before it counts as dropped out (0 = no limit).
         task_request_interval: FLARE server polling interval in seconds (2.0 is FLARE's default; 0.1 is faster).
         name: job name (default: the method name).
     """
@@ -49,6 +52,9 @@ class RunConfig:
     method_args: dict[str, Any] = field(default_factory=dict)
     task: dict[str, Any] = field(default_factory=dict)
     shot_thresholds: list[int] | None = None
+    site_train: dict[str, dict[str, Any]] = field(default_factory=dict)
+    straggler_seconds: int = 600
+    task_timeout: int = 0
     task_request_interval: float = 0.1
     name: str = ""
 
@@ -75,6 +81,10 @@ class RunConfig:
         spec = get_method(self.method)
         from_dict(spec.config_cls, self.method_args, f"method '{self.method}'")
         resolve_train_config(spec, self.train)
+        for site, overrides in self.site_train.items():
+            if site not in self.site_names:
+                raise ConfigError(f"site_train names '{site}', which is not one of {self.site_names}")
+            resolve_train_config(spec, {**self.train, **overrides})
         from medflare.models import list_models
 
         if self.model not in list_models():

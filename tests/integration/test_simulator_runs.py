@@ -74,3 +74,25 @@ def test_exported_byoc_job_runs_under_nvflare_simulator(tmp_path: Path) -> None:
     assert sim.returncode == 0, sim.stdout[-3000:] + sim.stderr[-3000:]
     results = next((tmp_path / "ws").glob("**/app_server/medflare_results.json"))
     assert len(json.loads(results.read_text())["rounds"]) == 1
+
+
+DIVERGING_SITE_2 = {"site-2": {"optimizer": "sgd", "lr": 1e30}}
+
+
+def test_a_failing_site_is_left_out_and_the_round_goes_on(tmp_path: Path) -> None:
+    run = RunConfig(method="fedavg", rounds=2, clients=2, min_clients=1, data=DATA, train=QUICK, site_train=DIVERGING_SITE_2)
+    summary = run_simulation(run, tmp_path / "out", echo=lambda line: None)
+    for entry in summary["per_round"]:
+        assert entry["share"] == {"site-1": 1.0}
+        assert "site-2" in entry["failed"]
+    assert summary["rounds_completed"] == 2
+
+
+def test_too_few_sites_stops_the_job_with_a_clear_error_and_no_output(tmp_path: Path) -> None:
+    from medflare.errors import MedflareError
+
+    run = RunConfig(method="fedavg", rounds=2, clients=2, data=DATA, train=QUICK, site_train=DIVERGING_SITE_2)
+    with pytest.raises(MedflareError, match="min_clients=2"):
+        run_simulation(run, tmp_path / "out", echo=lambda line: None)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+    assert (tmp_path / "out.failed.log").is_file()

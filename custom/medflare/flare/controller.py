@@ -44,7 +44,9 @@ class MedflareController(Controller):
         min_clients: sites whose valid update a round needs; fewer stops the job with a clear error.
         persistor_id: component id of the model persistor (FLARE's PTFileModelPersistor).
         aggregator_id: component id of the MedflareAggregator.
-        wait_time_after_min_received: seconds to wait for stragglers once ``min_clients`` answered.
+        wait_time_after_min_received: once ``min_clients`` sites answered, how long the others may still take
+            before the round goes on without them. A failed site counts as an answer, so this is what keeps a
+            fast failure from cutting a round short.
         train_timeout: seconds a site may take for one task (0 = no limit).
         shot_groups: optional {"head": [...], "medium": [...], "tail": [...]} class ids for long-tail metrics.
         key_metric: validation metric that selects the best model (saved as best_FL_global_model.pt).
@@ -56,7 +58,7 @@ class MedflareController(Controller):
         min_clients: int = 2,
         persistor_id: str = "persistor",
         aggregator_id: str = "aggregator",
-        wait_time_after_min_received: int = 0,
+        wait_time_after_min_received: int = 600,
         train_timeout: int = 0,
         shot_groups: dict | None = None,
         key_metric: str = "balanced_accuracy",
@@ -250,10 +252,10 @@ class MedflareController(Controller):
             self._best = score
             self._results["best"] = {"model_version": model_version, self.key_metric: score}
             self.fire_event(AppEventType.GLOBAL_BEST_MODEL_AVAILABLE, fl_ctx)
-        if "test" in summary:
+        bacc = summary.get("test", {}).get("balanced_accuracy")
+        if bacc is not None:
             self.log_info(
-                fl_ctx, f"medflare: model {model_version} test balanced accuracy "
-                f"{summary['test']['balanced_accuracy']:.4f} ({len(evaluations)} sites)"
+                fl_ctx, f"medflare: model {model_version} test balanced accuracy {bacc:.4f} ({len(evaluations)} sites)"
             )
 
     def _final_validation(self, abort_signal: Signal, fl_ctx: FLContext) -> None:

@@ -33,6 +33,7 @@ class MedflareExecutor(Executor):
             ``local/medflare_site.json`` in POC and production.
         sites: the job's site names in order (decides each simulated site's partition).
         seed: job seed.
+        site_train: per-site TrainConfig overrides, e.g. {"site-2": {"batch_size": 16}} for a smaller GPU.
     """
 
     def __init__(
@@ -45,6 +46,7 @@ class MedflareExecutor(Executor):
         data: dict | None = None,
         sites: list | None = None,
         seed: int = 0,
+        site_train: dict | None = None,
     ) -> None:
         super().__init__()
         self.method = method
@@ -55,6 +57,7 @@ class MedflareExecutor(Executor):
         self.data = data
         self.sites = sites
         self.seed = seed
+        self.site_train = site_train or {}
         self._runtime: SiteRuntime | None = None
 
     def _get_runtime(self, fl_ctx: FLContext) -> SiteRuntime:
@@ -67,7 +70,7 @@ class MedflareExecutor(Executor):
                 data=read_site_data_config(config_dir, self.data),
                 model=self.model,
                 method_args=self.method_args,
-                train=self.train,
+                train={**self.train, **self.site_train.get(site, {})},
                 seed=self.seed,
             )
             index = site_index_from_name(site, self.sites) if not settings.data.get("local") else 0

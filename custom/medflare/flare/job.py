@@ -66,6 +66,8 @@ def server_config(run: RunConfig, task: TaskSpec, shot_groups: dict | None = Non
                     "persistor_id": "persistor",
                     "aggregator_id": "aggregator",
                     "shot_groups": shot_groups,
+                    "wait_time_after_min_received": run.straggler_seconds,
+                    "train_timeout": run.task_timeout,
                 },
             }
         ],
@@ -95,6 +97,7 @@ def client_config(run: RunConfig, task: TaskSpec) -> dict[str, Any]:
                         "data": run.site_data(),
                         "sites": run.site_names,
                         "seed": run.seed,
+                        "site_train": run.site_train,
                     },
                 },
             }

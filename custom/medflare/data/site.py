@@ -1,0 +1,245 @@
+"""Per-site data: the torch `ImageDataset`, the `DataConfig` of a job, and `make_site_data` for one site.
+
+Simulation (`local=False`): every site loads the same source with the same seed and keeps only its own slice,
+so no data, paths or labels ever travel between sites or to the server. The training split is partitioned
+with `DataConfig.partition`; val and test are split IID (stratified), so summing per-site confusion counts
+gives exactly the pooled metric. POC/production (`local=True`): the source is the site's own data and is
+used whole.
+
+Order of the training-label pipeline: partition → label-set mask (-1 for classes the site does not
+annotate) → label noise on the remaining labels. Val and test labels always stay clean.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from medflare.data.noise import NOISE_KINDS, inject_label_noise
+from medflare.data.partition import apply_label_mask, parse_scheme, partition
+from medflare.data.sources import load_source
+from medflare.data.synthetic import apply_site_shift
+from medflare.data.transforms import AUGMENTATIONS, build_transform
+from medflare.data.types import DataSplits, ImageSet
+from medflare.errors import ConfigError, DataError
+
+# Val/test slices are allowed to be small (or empty for tiny sources); only training needs min_size.
+_EVAL_MIN_SIZE = 0
+
+
+class ImageDataset(Dataset):
+    """Torch dataset over an `ImageSet`: item i is (transformed float32 `[C, H, W]` tensor, int64 label).
+
+    Labels are returned as Python ints (the default collate makes them an int64 tensor); -1 marks an
+    unlabeled sample under label-set mismatch.
+    """
+
+    def __init__(self, images: ImageSet, transform: Callable[[np.ndarray], torch.Tensor]) -> None:
+        self.images = images
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return self.transform(self.images.get_image(index)), int(self.images.labels[index])
+
+    @property
+    def labels(self) -> np.ndarray:
+        """int64 `[N]` labels of this split (after masking and noise for training)."""
+        return self.images.labels
+
+
+@dataclass
+class DataConfig:
+    """Data settings of a job, identical on every site (simulation) or site-specific (local).
+
+    Attributes:
+        source: `load_source` spec.
+        partition: Scheme for the TRAIN split (see `medflare.data.partition`); val/test are split IID.
+        num_sites: Number of simulated sites.
+        seed: Seed of the source, the partition and the label noise.
+        image_size: Model input size; None = the source's native size.
+        label_noise: Flip rate μ of training labels (0 = clean).
+        noise_kind: "symmetric" or "pairflip".
+        site_shift: Acquisition-shift strength per site (in-memory sources only), 0 = none.
+        local: True in POC/production: the source is this site's own data, used whole, no partitioning.
+        min_size: Smallest allowed training slice per site.
+        num_classes: Declared class count, checked against the data.
+        augment: Training augmentation of `build_transform` ("none", "basic", "strong").
+    """
+
+    source: str = "synthetic"
+    partition: str = "iid"
+    num_sites: int = 2
+    seed: int = 0
+    image_size: int | None = None
+    label_noise: float = 0.0
+    noise_kind: str = "symmetric"
+    site_shift: float = 0.0
+    local: bool = False
+    min_size: int = 10
+    num_classes: int | None = None
+    augment: str = "basic"
+
+    def __post_init__(self) -> None:
+        parse_scheme(self.partition)  # fail early on a bad scheme string
+        checks = [
+            (self.num_sites >= 1, f"num_sites={self.num_sites} must be >= 1"),
+            (self.seed >= 0, f"seed={self.seed} must be >= 0"),
+            (self.image_size is None or self.image_size >= 1, f"image_size={self.image_size} must be >= 1"),
+            (0.0 <= self.label_noise <= 1.0, f"label_noise={self.label_noise} must be in [0, 1]"),
+            (self.noise_kind in NOISE_KINDS, f"noise_kind='{self.noise_kind}' must be one of {NOISE_KINDS}"),
+            (self.site_shift >= 0.0, f"site_shift={self.site_shift} must be >= 0"),
+            (self.min_size >= 0, f"min_size={self.min_size} must be >= 0"),
+            (self.num_classes is None or self.num_classes >= 2, f"num_classes={self.num_classes} must be >= 2"),
+            (self.augment in AUGMENTATIONS, f"augment='{self.augment}' must be one of {AUGMENTATIONS}"),
+        ]
+        problems = [message for ok, message in checks if not ok]
+        if problems:
+            raise ConfigError("Invalid data config: " + "; ".join(problems) + ".")
+
+
+@dataclass
+class SiteData:
+    """Everything a site trains and evaluates on.
+
+    Attributes:
+        train: Training dataset (augmented; labels masked and noised as configured).
+        val: Validation dataset (clean labels, deterministic transform).
+        test: Test dataset (clean labels, deterministic transform).
+        num_classes: Number of classes K.
+        channels: Input channels (1 or 3).
+        image_size: Model input height and width.
+        class_counts: int64 `[K]` counts of labelled training samples (after noise, -1 excluded).
+        identified: bool `[K]` classes this site annotates (label-set mismatch), else None.
+        attributes_test: Attribute per test sample (for per-attribute metrics), else None.
+        site_name: Name of the site, e.g. "site-1".
+    """
+
+    train: ImageDataset
+    val: ImageDataset
+    test: ImageDataset
+    num_classes: int
+    channels: int
+    image_size: int
+    class_counts: np.ndarray
+    identified: np.ndarray | None
+    attributes_test: np.ndarray | None
+    site_name: str
+
+
+def make_site_data(cfg: DataConfig, site_index: int, site_name: str = "") -> SiteData:
+    """Builds the datasets of one site.
+
+    Args:
+        cfg: Data config (the same on every simulated site).
+        site_index: 0-based index of this site among `cfg.num_sites` (ignored for the partition when local).
+        site_name: Name used in messages and `SiteData.site_name`; default "site-<index+1>".
+
+    Raises:
+        ConfigError: Site index out of range, or a site shift on a file-based source.
+        DataError: The source cannot be loaded, or this site's training split is empty.
+    """
+    site_name = site_name or f"site-{site_index + 1}"
+    splits = load_source(cfg.source, seed=cfg.seed, num_classes=cfg.num_classes)
+    train, val, test, identified = _site_sets(cfg, splits, site_index, site_name)
+    if cfg.site_shift > 0:
+        train, val, test = (_shifted(image_set, cfg, site_index) for image_set in (train, val, test))
+    num_classes = splits.train.num_classes
+    image_size = cfg.image_size or int(splits.info["image_size"])
+    channels = splits.train.channels
+    return SiteData(
+        train=ImageDataset(train, build_transform(channels, image_size, train=True, augment=cfg.augment)),
+        val=ImageDataset(val, build_transform(channels, image_size, train=False)),
+        test=ImageDataset(test, build_transform(channels, image_size, train=False)),
+        num_classes=num_classes,
+        channels=channels,
+        image_size=image_size,
+        class_counts=_labelled_counts(train.labels, num_classes),
+        identified=identified,
+        attributes_test=test.attributes,
+        site_name=site_name,
+    )
+
+
+def describe_partition(cfg: DataConfig) -> list[dict]:
+    """Per-site summary of a simulated split (for run summaries and reports; simulation only).
+
+    Returns:
+        One dict per site: site, site_index, n_train, n_unlabeled, n_val, n_test, class_counts (list of K
+        ints over labelled training samples) and identified (list of K bools, or None).
+
+    Raises:
+        ConfigError: `cfg.local` is True (a real site's data is not visible to whoever calls this).
+    """
+    if cfg.local:
+        raise ConfigError("describe_partition is for simulation only; with local=True each site owns its data.")
+    splits = load_source(cfg.source, seed=cfg.seed, num_classes=cfg.num_classes)
+    num_classes = splits.train.num_classes
+    summary = []
+    for site_index in range(cfg.num_sites):
+        train, val, test, identified = _site_sets(cfg, splits, site_index, f"site-{site_index + 1}")
+        summary.append({
+            "site": f"site-{site_index + 1}",
+            "site_index": site_index,
+            "n_train": len(train),
+            "n_unlabeled": int((train.labels < 0).sum()),
+            "n_val": len(val),
+            "n_test": len(test),
+            "class_counts": _labelled_counts(train.labels, num_classes).tolist(),
+            "identified": None if identified is None else identified.tolist(),
+        })
+    return summary
+
+
+def _site_sets(cfg: DataConfig, splits: DataSplits, site_index: int,
+               site_name: str) -> tuple[ImageSet, ImageSet, ImageSet, np.ndarray | None]:
+    """This site's train/val/test sets (train labels masked and noised) and its identified-class mask."""
+    num_classes = splits.train.num_classes
+    if cfg.local:
+        train, val, test, identified = splits.train, splits.val, splits.test, None
+    else:
+        if not 0 <= site_index < cfg.num_sites:
+            raise ConfigError(f"Site '{site_name}' has index {site_index}, outside [0, {cfg.num_sites}); "
+                              "check num_sites in the data config.")
+        train_split = partition(splits.train.labels, cfg.num_sites, cfg.partition, seed=cfg.seed,
+                                min_size=cfg.min_size, attributes=splits.train.attributes, num_classes=num_classes)
+        train = splits.train.subset(train_split.indices[site_index])
+        identified = None if train_split.identified is None else train_split.identified[site_index]
+        val, test = (_iid_slice(image_set, cfg, site_index) for image_set in (splits.val, splits.test))
+    if len(train) == 0:
+        raise DataError(f"Site '{site_name}' has no training samples in source '{cfg.source}'; give the site data, "
+                        "or use fewer sites / another partition.")
+    labels = train.labels if identified is None else apply_label_mask(train.labels, identified)
+    if cfg.label_noise > 0:
+        labels = inject_label_noise(labels, num_classes, cfg.label_noise, cfg.noise_kind, seed=cfg.seed)
+    if labels is not train.labels:
+        train = dataclasses.replace(train, labels=labels)
+    return train, val, test, identified
+
+
+def _iid_slice(image_set: ImageSet, cfg: DataConfig, site_index: int) -> ImageSet:
+    """This site's stratified IID share of an evaluation split; the shares of all sites tile the split."""
+    if len(image_set) == 0:
+        return image_set
+    shares = partition(image_set.labels, cfg.num_sites, "iid", seed=cfg.seed, min_size=_EVAL_MIN_SIZE,
+                       num_classes=image_set.num_classes)
+    return image_set.subset(shares.indices[site_index])
+
+
+def _shifted(image_set: ImageSet, cfg: DataConfig, site_index: int) -> ImageSet:
+    if not image_set.in_memory:
+        raise ConfigError(f"site_shift needs an in-memory source (synthetic or medmnist), not '{cfg.source}'; "
+                          "set site_shift to 0.")
+    return dataclasses.replace(image_set, images=apply_site_shift(image_set.images, site_index, cfg.site_shift,
+                                                                  cfg.seed))
+
+
+def _labelled_counts(labels: np.ndarray, num_classes: int) -> np.ndarray:
+    return np.bincount(labels[labels >= 0], minlength=num_classes).astype(np.int64)

@@ -1,0 +1,324 @@
+"""`load_source`: turns a source spec string into train/val/test `ImageSet`s.
+
+Spec forms:
+    synthetic[:key=val,...]   embedded generator (see `medflare.data.synthetic.SyntheticConfig` for the keys)
+    medmnist:PATH             a MedMNIST .npz (train/val/test images and labels; any size, 1 or 3 channels)
+    folder:DIR                DIR/<class>/<images> or DIR/{train,val,test}/<class>/<images>
+    csv:FILE                  manifest with header path,label[,site][,attribute][,split]
+
+Without explicit splits (folder without split folders, CSV without a `split` column) a seeded stratified
+70/15/15 train/val/test split is made. Results are cached in-process per (spec, seed, num_classes), with
+read-only arrays: treat a returned `DataSplits` as immutable (`ImageSet.subset` returns copies).
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import os
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from medflare.data.readers import IMAGE_SUFFIXES, is_image_file, read_image
+from medflare.data.synthetic import SyntheticConfig, make_synthetic
+from medflare.data.types import DataSplits, ImageSet
+from medflare.errors import ConfigError, DataError
+
+SOURCE_FORMS = ("synthetic", "synthetic:key=val,...", "medmnist:PATH", "folder:DIR", "csv:FILE")
+SPLITS = ("train", "val", "test")
+SPLIT_FRACTIONS = (0.70, 0.15, 0.15)
+CSV_REQUIRED = ("path", "label")
+CSV_OPTIONAL = ("site", "attribute", "split")
+# Simulated sites may run as threads of one process: load each source once instead of racing to build it.
+_LOAD_LOCK = threading.Lock()
+
+
+def load_source(spec: str, *, seed: int = 0, num_classes: int | None = None) -> DataSplits:
+    """Loads (or generates) a data source as train/val/test splits.
+
+    Args:
+        spec: Source spec; see the module docstring for the forms.
+        seed: Seed of the synthetic generator and of the automatic stratified split.
+        num_classes: Declared class count; checked against the data when given.
+
+    Returns:
+        The splits plus `info` (source, kind, class_names, num_classes, channels, image_size, counts). The
+        same object is returned for repeated calls with the same arguments in one process.
+
+    Raises:
+        ConfigError: Unknown spec form or bad synthetic options.
+        DataError: Missing path, unreadable data, labels outside [0, C), or a class count that disagrees with
+            `num_classes`.
+    """
+    with _LOAD_LOCK:
+        return _load_source_cached(spec.strip(), int(seed), None if num_classes is None else int(num_classes))
+
+
+def clear_source_cache() -> None:
+    """Forgets every cached `load_source` result (e.g. after files of a folder/CSV source changed)."""
+    with _LOAD_LOCK:
+        _load_source_cached.cache_clear()
+
+
+@functools.lru_cache(maxsize=8)
+def _load_source_cached(spec: str, seed: int, num_classes: int | None) -> DataSplits:
+    kind, _, argument = spec.partition(":")
+    loaders: dict[str, Callable[[str, int, int | None], DataSplits]] = {
+        "synthetic": _load_synthetic,
+        "medmnist": _load_medmnist,
+        "folder": _load_folder,
+        "csv": _load_csv,
+    }
+    if kind not in loaders or (kind != "synthetic" and not argument):
+        raise ConfigError(f"Unknown data source '{spec}'; valid forms: {', '.join(SOURCE_FORMS)}.")
+    splits = loaders[kind](argument, seed, num_classes)
+    splits.info = _describe(splits, spec, kind) | splits.info
+    for image_set in (splits.train, splits.val, splits.test):
+        _freeze(image_set)
+    return splits
+
+
+def _load_synthetic(options: str, seed: int, num_classes: int | None) -> DataSplits:
+    config = SyntheticConfig.from_spec(options)
+    if num_classes is not None and config.classes != num_classes:
+        raise DataError(
+            f"Source 'synthetic{':' if options else ''}{options}' generates classes={config.classes} but "
+            f"num_classes={num_classes} is declared; add classes={num_classes} to the synthetic spec "
+            f"(e.g. 'synthetic:classes={num_classes}') or fix num_classes."
+        )
+    return make_synthetic(config, seed)
+
+
+def _load_medmnist(path: str, seed: int, num_classes: int | None) -> DataSplits:
+    del seed  # MedMNIST ships its own split
+    _require_path(path, "MedMNIST file", "file")
+    try:
+        with np.load(path) as archive:
+            arrays = {key: archive[key] for key in archive.files}
+    except Exception as err:
+        raise DataError(f"Cannot read MedMNIST file '{path}' ({type(err).__name__}: {err}); "
+                        "re-download it from the MedMNIST site.") from err
+    needed = [f"{split}_{what}" for split in SPLITS for what in ("images", "labels")]
+    missing = [key for key in needed if key not in arrays]
+    if missing:
+        raise DataError(f"MedMNIST file '{path}' lacks key(s) {', '.join(missing)}; expected {', '.join(needed)}.")
+    labels, images = {}, {}
+    for split in SPLITS:
+        raw = arrays[f"{split}_labels"]
+        if raw.ndim == 2 and raw.shape[1] != 1:
+            raise DataError(f"MedMNIST file '{path}' has multi-label targets {raw.shape} in {split}_labels; "
+                            "medflare supports single-label classification only.")
+        labels[split] = raw.reshape(-1).astype(np.int64)
+        pixels = arrays[f"{split}_images"]
+        images[split] = pixels[..., None] if pixels.ndim == 3 else pixels
+        if images[split].ndim != 4 or images[split].shape[-1] not in (1, 3) or images[split].dtype != np.uint8:
+            raise DataError(f"MedMNIST file '{path}': {split}_images is {pixels.dtype} {pixels.shape}; "
+                            "expected uint8 (N, H, W) or (N, H, W, 3).")
+    num_found = _check_labels(labels, num_classes, where=lambda split, row: f"'{path}' {split}_labels[{row}]")
+    sets = {split: ImageSet(labels=labels[split], num_classes=num_found, channels=images[split].shape[-1],
+                            images=images[split], name=f"medmnist:{path}[{split}]") for split in SPLITS}
+    return DataSplits(**sets, info={"class_names": [f"class_{k}" for k in range(num_found)]})
+
+
+def _load_folder(root: str, seed: int, num_classes: int | None) -> DataSplits:
+    _require_path(root, "Image folder", "dir")
+    present = [split for split in SPLITS if os.path.isdir(os.path.join(root, split))]
+    if present and len(present) < len(SPLITS):
+        absent = [split for split in SPLITS if split not in present]
+        raise DataError(
+            f"Image folder '{root}' has split folder(s) {', '.join(present)} but not {', '.join(absent)}; add "
+            "the missing split folder(s), or use class folders only to get a seeded stratified 70/15/15 split."
+        )
+    split_roots = {split: os.path.join(root, split) for split in present} or {"all": root}
+    class_names = sorted({name for folder in split_roots.values() for name in _subfolders(folder)})
+    if not class_names:
+        raise DataError(f"Image folder '{root}' has no class folders; expected {root}/<class_name>/<image files>.")
+    if num_classes is not None and num_classes != len(class_names):
+        raise DataError(
+            f"Image folder '{root}' has {len(class_names)} class folders ({', '.join(class_names)}) but "
+            f"num_classes={num_classes} is declared; add/remove class folders or fix num_classes."
+        )
+    files = {split: _list_class_files(folder, class_names) for split, folder in split_roots.items()}
+    counts = np.bincount(np.concatenate([labels for _, labels in files.values()]), minlength=len(class_names))
+    if (counts == 0).any():
+        empty = [class_names[k] for k in np.flatnonzero(counts == 0)]
+        raise DataError(f"Image folder '{root}': class folder(s) {', '.join(empty)} hold no images with suffixes "
+                        f"{', '.join(IMAGE_SUFFIXES)}; add images or remove the folder(s).")
+    if "all" in files:
+        paths, labels = files["all"]
+        parts = stratified_split(labels, SPLIT_FRACTIONS, seed)
+        files = {split: ([paths[i] for i in part], labels[part]) for split, part in zip(SPLITS, parts)}
+    return _file_splits(files, len(class_names), f"folder:{root}", class_names)
+
+
+def _read_manifest(manifest: str) -> tuple[list[str], list[tuple[dict[str, str], int]]]:
+    """Header and (row dict, line number) pairs of a CSV manifest, with the required columns checked."""
+    _require_path(manifest, "CSV manifest", "file")
+    with open(manifest, newline="", encoding="utf-8-sig") as handle:
+        reader = csv.DictReader(handle)
+        header = [name.strip() for name in reader.fieldnames or []]
+        missing = [name for name in CSV_REQUIRED if name not in header]
+        if missing:
+            raise DataError(f"CSV manifest '{manifest}' lacks column(s) {', '.join(missing)}; the header must be "
+                            f"path,label with optional {','.join(CSV_OPTIONAL)} (found: {','.join(header)}).")
+        rows = [({key.strip(): (value or "").strip() for key, value in row.items() if key}, line)
+                for line, row in enumerate(reader, start=2)]
+    if not rows:
+        raise DataError(f"CSV manifest '{manifest}' has no data rows.")
+    return header, rows
+
+
+def _load_csv(manifest: str, seed: int, num_classes: int | None) -> DataSplits:
+    header, rows = _read_manifest(manifest)
+    base = os.path.dirname(os.path.abspath(manifest))
+
+    def at(line: int) -> str:
+        return f"'{manifest}' line {line}"
+
+    def integer(row: dict, column: str, line: int) -> int:
+        try:
+            return int(row[column])
+        except ValueError as err:
+            raise DataError(f"{at(line)}: {column} '{row[column]}' is not an integer.") from err
+
+    paths = []
+    for row, line in rows:
+        path = row["path"] if os.path.isabs(row["path"]) else os.path.join(base, row["path"])
+        if not row["path"] or not os.path.isfile(path):
+            raise DataError(f"{at(line)}: image file '{path}' does not exist; fix the path (relative to the CSV's "
+                            "folder) or remove the row.")
+        if not is_image_file(path):
+            raise DataError(f"{at(line)}: '{path}' is not a supported image ({', '.join(IMAGE_SUFFIXES)}).")
+        paths.append(path)
+    labels = np.array([integer(row, "label", line) for row, line in rows], dtype=np.int64)
+    lines = [line for _, line in rows]
+    num_found = _check_labels({"all": labels}, num_classes, where=lambda _, row: at(lines[row]))
+    columns: dict[str, np.ndarray] = {}
+    if "attribute" in header:
+        columns["attributes"] = np.array([integer(row, "attribute", line) for row, line in rows], dtype=np.int64)
+    if "site" in header:
+        columns["groups"] = np.array([row["site"] for row, _ in rows], dtype=object)
+    if "split" in header:
+        names = [row["split"].lower() for row, _ in rows]
+        bad = next((i for i, name in enumerate(names) if name not in SPLITS), None)
+        if bad is not None:
+            raise DataError(f"{at(lines[bad])}: split '{rows[bad][0]['split']}' is not one of {', '.join(SPLITS)}.")
+        parts = [np.flatnonzero(np.array(names) == split) for split in SPLITS]
+    else:
+        parts = stratified_split(labels, SPLIT_FRACTIONS, seed)
+    channels, image_size = _probe_first_image(paths)
+    sets = {split: ImageSet(labels=labels[part], num_classes=num_found, channels=channels,
+                            paths=[paths[i] for i in part], name=f"csv:{manifest}[{split}]",
+                            **{key: value[part] for key, value in columns.items()})
+            for split, part in zip(SPLITS, parts)}
+    return DataSplits(**sets, info={"class_names": [f"class_{k}" for k in range(num_found)],
+                                    "image_size": image_size})
+
+
+def stratified_split(labels: np.ndarray, fractions: tuple[float, ...], seed: int) -> list[np.ndarray]:
+    """Seeded stratified split of sample indices into len(fractions) sorted parts.
+
+    Per class, the samples are shuffled and cut at the rounded cumulative fractions, so every part gets its
+    share of every class (a class with a single sample goes to the first part).
+    """
+    rng = np.random.default_rng([seed, 7])
+    edges = np.cumsum(fractions)[:-1] / np.sum(fractions)
+    parts: list[list[np.ndarray]] = [[] for _ in fractions]
+    for k in np.unique(labels):
+        members = rng.permutation(np.flatnonzero(labels == k))
+        cuts = np.rint(edges * len(members)).astype(int)
+        cuts[0] = max(cuts[0], 1)  # the first (training) part never loses a class entirely
+        for part, chunk in zip(parts, np.split(members, np.maximum.accumulate(cuts))):
+            part.append(chunk)
+    return [np.sort(np.concatenate(part)) if part else np.empty(0, dtype=np.int64) for part in parts]
+
+
+def _check_labels(labels: dict[str, np.ndarray], num_classes: int | None,
+                  where: Callable[[str, int], str]) -> int:
+    """Checks labels against [0, C) and returns C (the declared count, or max label + 1)."""
+    everything = np.concatenate(list(labels.values()))
+    if len(everything) == 0:
+        raise DataError(f"{where(next(iter(labels)), 0)}: the source has no labelled samples.")
+    limit = num_classes if num_classes is not None else max(int(everything.max()) + 1, 1)
+    for split, values in labels.items():
+        bad = np.flatnonzero((values < 0) | (values >= limit))
+        if len(bad) == 0:
+            continue
+        row, value = int(bad[0]), int(values[bad[0]])
+        if value < 0:
+            raise DataError(f"{where(split, row)}: label {value} is negative; labels must be class ids in "
+                            f"[0, {limit}). Correct the label.")
+        raise DataError(f"{where(split, row)}: label {value} is outside [0, {limit}): the data needs "
+                        f"num_classes >= {int(everything.max()) + 1} but {num_classes} is declared; fix "
+                        "num_classes or the label.")
+    return limit
+
+
+def _file_splits(files: dict[str, tuple[list[str], np.ndarray]], num_classes: int, name: str,
+                 class_names: list[str]) -> DataSplits:
+    channels, image_size = _probe_first_image([path for paths, _ in files.values() for path in paths])
+    sets = {split: ImageSet(labels=labels, num_classes=num_classes, channels=channels, paths=list(paths),
+                            name=f"{name}[{split}]") for split, (paths, labels) in files.items()}
+    return DataSplits(**sets, info={"class_names": class_names, "image_size": image_size})
+
+
+def _probe_first_image(paths: list[str]) -> tuple[int, int]:
+    """Channels (1 or 3) and height of the first image: they define the source's native format.
+
+    Later images with another channel count are converted on access, and other sizes are resized by the
+    transform, so a mixed folder still works.
+    """
+    pixels = read_image(paths[0])
+    return (1 if pixels.shape[-1] == 1 else 3), int(pixels.shape[0])
+
+
+def _describe(splits: DataSplits, spec: str, kind: str) -> dict:
+    train = splits.train
+    if "image_size" in splits.info:
+        image_size = splits.info["image_size"]
+    else:
+        image_size = int(train.images.shape[1])
+    return {
+        "source": spec,
+        "kind": kind,
+        "num_classes": train.num_classes,
+        "channels": train.channels,
+        "image_size": image_size,
+        "counts": {split: np.bincount(getattr(splits, split).labels[getattr(splits, split).labels >= 0],
+                                      minlength=train.num_classes).tolist() for split in SPLITS},
+    }
+
+
+def _freeze(image_set: ImageSet) -> None:
+    """Marks cached arrays read-only, so no caller can silently change what other sites load."""
+    for array in (image_set.labels, image_set.images, image_set.attributes, image_set.groups):
+        if array is not None:
+            array.setflags(write=False)
+
+
+def _require_path(path: str, what: str, kind: str) -> None:
+    exists = os.path.isdir(path) if kind == "dir" else os.path.isfile(path)
+    if not exists:
+        raise DataError(f"{what} '{path}' does not exist (or is not a {'folder' if kind == 'dir' else 'file'}); "
+                        "fix the path in the data source spec.")
+
+
+def _subfolders(folder: str) -> list[str]:
+    return sorted(entry.name for entry in os.scandir(folder) if entry.is_dir() and not entry.name.startswith("."))
+
+
+def _list_class_files(folder: str, class_names: list[str]) -> tuple[list[str], np.ndarray]:
+    """Image files under `folder/<class>/` in sorted order (so labels come in a deterministic order)."""
+    paths, labels = [], []
+    for label, name in enumerate(class_names):
+        class_folder = os.path.join(folder, name)
+        if not os.path.isdir(class_folder):
+            continue
+        for file_name in sorted(os.listdir(class_folder)):
+            path = os.path.join(class_folder, file_name)
+            if is_image_file(file_name) and os.path.isfile(path):
+                paths.append(path)
+                labels.append(label)
+    return paths, np.array(labels, dtype=np.int64)

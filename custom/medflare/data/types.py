@@ -1,0 +1,124 @@
+"""Containers for image data: one split (`ImageSet`) and a train/val/test triple (`DataSplits`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from medflare.data.readers import read_image
+from medflare.errors import DataError
+
+#: Label value of a sample whose class this site does not annotate (label-set mismatch, FedLSM).
+UNLABELED = -1
+
+
+@dataclass
+class ImageSet:
+    """One split of a classification data set, held in memory or as a list of files decoded on access.
+
+    Exactly one of `images` (uint8 `[N, H, W, C]`) and `paths` (N file names) is set.
+
+    Attributes:
+        labels: int64 `[N]` class ids in `[0, num_classes)`; `UNLABELED` (-1) marks a sample whose class this site
+            does not annotate (label-set mismatch).
+        num_classes: Number of classes of the task (not only those present in this split).
+        channels: 1 (grayscale) or 3 (RGB); `get_image` always returns this many channels.
+        images: uint8 `[N, H, W, C]` pixels when the set is in memory.
+        paths: Image files (PNG/JPEG/DICOM/NIfTI) decoded lazily by `get_image`.
+        attributes: Optional int64 `[N]` binary attribute, e.g. 0 light / 1 dark skin tone.
+        groups: Optional object `[N]` site/group column of a CSV manifest.
+        name: Where the set comes from, used in error messages (e.g. "csv:/data/manifest.csv[train]").
+    """
+
+    labels: np.ndarray
+    num_classes: int
+    channels: int
+    images: np.ndarray | None = None
+    paths: list[str] | None = None
+    attributes: np.ndarray | None = None
+    groups: np.ndarray | None = None
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        self.labels = np.asarray(self.labels, dtype=np.int64).reshape(-1)
+        where = f"image set '{self.name}'"
+        if (self.images is None) == (self.paths is None):
+            raise DataError(f"{where}: give exactly one of `images` (in memory) or `paths` (files).")
+        if self.channels not in (1, 3):
+            raise DataError(f"{where}: channels must be 1 or 3, got {self.channels}.")
+        if self.images is not None and (self.images.ndim != 4 or self.images.shape[-1] != self.channels):
+            raise DataError(
+                f"{where}: images must be uint8 [N, H, W, {self.channels}], got shape {self.images.shape}."
+            )
+        n = len(self.labels)
+        stored = len(self.images) if self.images is not None else len(self.paths or [])
+        if stored != n:
+            raise DataError(f"{where}: {stored} images but {n} labels.")
+        if self.attributes is not None:
+            self.attributes = np.asarray(self.attributes, dtype=np.int64).reshape(-1)
+        for column, values in (("attributes", self.attributes), ("groups", self.groups)):
+            if values is not None and len(values) != n:
+                raise DataError(f"{where}: {column} has {len(values)} entries but there are {n} labels.")
+        bad = (self.labels < UNLABELED) | (self.labels >= self.num_classes)
+        if bad.any():
+            row = int(np.flatnonzero(bad)[0])
+            raise DataError(
+                f"{where}: label {int(self.labels[row])} at row {row} is outside [0, {self.num_classes}) "
+                f"(or {UNLABELED} for unlabeled); fix the label or declare more classes."
+            )
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    @property
+    def in_memory(self) -> bool:
+        """Whether the pixels are held in `images` (True) or decoded from `paths` on access (False)."""
+        return self.images is not None
+
+    def subset(self, indices: np.ndarray) -> ImageSet:
+        """Returns the samples at `indices` (in that order) as a new set; arrays are copied, not shared."""
+        indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+        return ImageSet(
+            labels=self.labels[indices],
+            num_classes=self.num_classes,
+            channels=self.channels,
+            images=None if self.images is None else self.images[indices],
+            paths=None if self.paths is None else [self.paths[i] for i in indices],
+            attributes=None if self.attributes is None else self.attributes[indices],
+            groups=None if self.groups is None else self.groups[indices],
+            name=self.name,
+        )
+
+    def get_image(self, i: int) -> np.ndarray:
+        """Returns sample `i` as a fresh uint8 `[H, W, channels]` array.
+
+        Raises:
+            DataError: The file of sample `i` is missing, corrupt or in an unsupported format.
+        """
+        if self.images is not None:
+            # A copy, so callers can never write into a cached source.
+            return np.array(self.images[i])
+        path = self.paths[i]
+        try:
+            return read_image(path, self.channels)
+        except DataError as err:
+            raise DataError(f"{err} (sample {i} of image set '{self.name}')") from err
+
+
+@dataclass
+class DataSplits:
+    """Train/val/test splits of one source plus a description.
+
+    Attributes:
+        train: Training split.
+        val: Validation split (model selection only).
+        test: Test split (reporting only; never used for selection).
+        info: Description: `source`, `kind`, `class_names`, `num_classes`, `channels`, `image_size` and
+            per-split `counts` (class histograms), plus source-specific keys.
+    """
+
+    train: ImageSet
+    val: ImageSet
+    test: ImageSet
+    info: dict = field(default_factory=dict)

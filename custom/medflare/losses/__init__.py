@@ -1,0 +1,25 @@
+"""Training losses shared by the methods; one loss per module.
+
+Plain cross-entropy is ``torch.nn.functional.cross_entropy`` and is not wrapped here.
+"""
+
+from medflare.losses.balanced_softmax import balanced_softmax_loss
+from medflare.losses.class_weights import class_balanced_weights, drw_class_weights
+from medflare.losses.focal import focal_loss
+from medflare.losses.kl import kl_to_teacher
+from medflare.losses.ldam import LDAMLoss
+from medflare.losses.logit_calibration import logit_calibrated_ce
+from medflare.losses.proximal import proximal_term
+from medflare.losses.symmetric_ce import symmetric_cross_entropy
+
+__all__ = [
+    "LDAMLoss",
+    "balanced_softmax_loss",
+    "class_balanced_weights",
+    "drw_class_weights",
+    "focal_loss",
+    "kl_to_teacher",
+    "logit_calibrated_ce",
+    "proximal_term",
+    "symmetric_cross_entropy",
+]

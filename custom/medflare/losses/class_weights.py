@@ -1,0 +1,57 @@
+"""Per-class loss weights for long-tailed training: class-balanced (effective number) and its deferred schedule."""
+
+from __future__ import annotations
+
+import torch
+
+from medflare.errors import ConfigError
+from medflare.losses._counts import CountsLike, as_class_counts
+
+__all__ = ["class_balanced_weights", "drw_class_weights"]
+
+
+def class_balanced_weights(class_counts: CountsLike, beta: float = 0.9999) -> torch.Tensor:
+    """Weights ``(1 − β) / (1 − β^n_k)`` normalised to sum to K (float32, CPU).
+
+    β = 0 gives uniform weights; β → 1 approaches inverse frequency. A class with zero local samples is treated
+    as having one (its weight is irrelevant to the loss, which only weighs classes present in the batch, but it
+    must stay finite for the normalisation).
+
+    Args:
+        class_counts: training count per class ``[K]``.
+        beta: effective-number hyperparameter in [0, 1).
+
+    Raises:
+        ConfigError: if β is outside [0, 1).
+
+    References:
+        Cui et al., Class-Balanced Loss Based on Effective Number of Samples, CVPR 2019.
+    """
+    if not 0.0 <= beta < 1.0:
+        raise ConfigError(f"class-balanced beta must be in [0, 1), got {beta}")
+    counts = as_class_counts(class_counts, device=torch.device("cpu")).clamp(min=1.0)
+    weights = (1.0 - beta) / (1.0 - torch.pow(torch.tensor(beta, dtype=torch.float64), counts))
+    return (weights * (len(counts) / weights.sum())).float()
+
+
+def drw_class_weights(
+    class_counts: CountsLike,
+    current_round: int,
+    total_rounds: int,
+    beta: float = 0.9999,
+    start_fraction: float = 0.8,
+) -> torch.Tensor:
+    """Deferred re-weighting: uniform weights before ``start_fraction · total_rounds``, class-balanced after.
+
+    Args:
+        class_counts: training count per class ``[K]``.
+        current_round: zero-based round index.
+        total_rounds: number of rounds in the run.
+        beta: effective-number hyperparameter once re-weighting is on.
+        start_fraction: fraction of the rounds after which re-weighting switches on (0.8 in Fed-MAS / LDAM-DRW).
+
+    References:
+        Cao et al., Learning Imbalanced Datasets with Label-Distribution-Aware Margin Loss, NeurIPS 2019.
+    """
+    deferred = current_round < start_fraction * total_rounds
+    return class_balanced_weights(class_counts, beta=0.0 if deferred else beta)

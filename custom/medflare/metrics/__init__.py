@@ -1,0 +1,16 @@
+"""Federated evaluation: sites send summable :class:`EvalStats`, the server sums them and calls
+:func:`compute_metrics`, which gives the same values as scikit-learn on the pooled predictions."""
+
+from medflare.metrics.classification import compute_metrics, shot_groups_from_counts
+from medflare.metrics.eval_stats import DEFAULT_BINS, EvalStats
+from medflare.metrics.roc import binned_auc, binned_roc_curve, interpolated_auc
+
+__all__ = [
+    "DEFAULT_BINS",
+    "EvalStats",
+    "binned_auc",
+    "binned_roc_curve",
+    "compute_metrics",
+    "interpolated_auc",
+    "shot_groups_from_counts",
+]

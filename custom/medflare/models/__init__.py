@@ -1,0 +1,37 @@
+"""Model registry and factory: every network behind one interface (:class:`Classifier`).
+
+Importing a family module registers its models; add a family by adding one import line below.
+"""
+
+from medflare.models import cnn, efficientnet_lite, torchvision_nets, vit  # noqa: F401  (registers the models)
+from medflare.models._factory import IMAGENET, create_model
+from medflare.models._registry import ModelInfo, get_model_info, is_model, list_models, register_model
+from medflare.models.classifier import Classifier, CosineLinear
+from medflare.models.device import get_device
+from medflare.models.efficientnet_lite import (
+    IMAGENET_LITE0_MEAN,
+    IMAGENET_LITE0_STD,
+    imagenet_lite0_weights_path,
+    load_imagenet_lite0_state_dict,
+)
+from medflare.models.weights import WeightsReport, load_weights, read_state_dict_file
+
+__all__ = [
+    "IMAGENET",
+    "IMAGENET_LITE0_MEAN",
+    "IMAGENET_LITE0_STD",
+    "Classifier",
+    "CosineLinear",
+    "ModelInfo",
+    "WeightsReport",
+    "create_model",
+    "get_device",
+    "get_model_info",
+    "imagenet_lite0_weights_path",
+    "is_model",
+    "list_models",
+    "load_imagenet_lite0_state_dict",
+    "load_weights",
+    "read_state_dict_file",
+    "register_model",
+]

@@ -1,0 +1,151 @@
+"""Every registered model, through the registry: no per-model test code (timm's tests/test_models.py pattern)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torchvision
+
+from medflare.errors import ConfigError
+from medflare.models import (
+    Classifier,
+    CosineLinear,
+    create_model,
+    get_device,
+    get_model_info,
+    is_model,
+    list_models,
+    register_model,
+)
+from medflare.models.vit import vit_patch_size
+
+NUM_CLASSES = 7
+EXPECTED_MODELS = {
+    "cnn",
+    "resnet18",
+    "resnet50",
+    "efficientnet_b0",
+    "efficientnet_lite0",
+    "mobilenet_v2",
+    "shufflenet",
+    "densenet121",
+    "vit_tiny",
+}
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+def test_expected_models_are_registered() -> None:
+    assert EXPECTED_MODELS <= set(list_models())
+    assert list_models("resnet*") == ["resnet18", "resnet50"]
+    assert is_model("cnn") and not is_model("resnet19")
+
+
+@pytest.mark.parametrize("in_channels", [1, 3])
+@pytest.mark.parametrize("name", list_models())
+def test_forward_small_input(name: str, in_channels: int) -> None:
+    model = create_model(name, NUM_CLASSES, in_channels).eval()
+    images = torch.randn(2, in_channels, 28, 28)
+    with torch.no_grad():
+        features = model.forward_features(images)
+        logits = model(images)
+    assert isinstance(model, Classifier)
+    assert features.shape == (2, model.num_features)
+    assert logits.shape == (2, NUM_CLASSES) and model.num_classes == NUM_CLASSES
+    assert torch.isfinite(logits).all()
+    torch.testing.assert_close(model.forward_head(features), logits)
+
+
+@pytest.mark.parametrize("name", list_models())
+def test_backward_reaches_every_parameter(name: str) -> None:
+    model = create_model(name, NUM_CLASSES, in_channels=1).train()
+    model(torch.randn(2, 1, 28, 28)).sum().backward()
+    without_grad = [n for n, p in model.named_parameters() if p.grad is None]
+    assert not without_grad
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", list_models())
+def test_state_dict_is_backbone_and_head(name: str) -> None:
+    model = create_model(name, NUM_CLASSES)
+    keys = list(model.state_dict())
+    assert all(k.startswith(("backbone.", "head.")) for k in keys)
+    assert model.head.weight.shape == (NUM_CLASSES, model.num_features)
+
+
+def test_reset_classifier_replaces_head_only() -> None:
+    model = create_model("cnn", NUM_CLASSES).eval()
+    backbone_before = {k: v.clone() for k, v in model.backbone.state_dict().items()}
+    model.reset_classifier(3)
+    assert model.num_classes == 3 and model(torch.randn(2, 3, 28, 28)).shape == (2, 3)
+    for key, value in model.backbone.state_dict().items():
+        torch.testing.assert_close(value, backbone_before[key])
+
+
+def test_classifier_composes_with_sibling_modules() -> None:
+    class WithPersonalHead(Classifier):
+        def __init__(self, base: Classifier) -> None:
+            super().__init__(base.backbone, base.head)
+            self.personal_head = torch.nn.Linear(base.num_features, base.num_classes)
+
+    model = WithPersonalHead(create_model("cnn", NUM_CLASSES))
+    prefixes = {k.split(".")[0] for k in model.state_dict()}
+    assert prefixes == {"backbone", "head", "personal_head"}
+
+
+def test_cosine_head_gives_bounded_logits() -> None:
+    model = create_model("cnn", NUM_CLASSES)
+    model.head = CosineLinear(model.num_features, NUM_CLASSES)
+    logits = model(torch.randn(4, 3, 28, 28))
+    assert logits.abs().max() <= 1.0 + 1e-6 and list(model.state_dict()).count("head.weight") == 1
+
+
+def test_unknown_model_lists_registered_names() -> None:
+    with pytest.raises(ConfigError, match="resnet18"):
+        create_model("resnet19", NUM_CLASSES)
+
+
+def test_duplicate_registration_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="twice"):
+        register_model("cnn")(get_model_info("cnn").entrypoint)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_MODELS - {"efficientnet_lite0"}))
+def test_imagenet_only_for_lite0(name: str) -> None:
+    with pytest.raises(ConfigError, match="efficientnet_lite0"):
+        create_model(name, NUM_CLASSES, pretrained="imagenet")
+
+
+@pytest.mark.parametrize("bad", [{"num_classes": 0}, {"in_channels": 0}, {"image_size": -1}])
+def test_non_positive_sizes_are_rejected(bad: dict[str, int]) -> None:
+    args = {"num_classes": NUM_CLASSES, "in_channels": 3, "image_size": 28} | bad
+    with pytest.raises(ConfigError):
+        create_model("cnn", args.pop("num_classes"), **args)
+
+
+@pytest.mark.parametrize(("image_size", "patch"), [(28, 4), (32, 4), (64, 8), (224, 16)])
+def test_vit_patch_size_follows_image_size(image_size: int, patch: int) -> None:
+    assert vit_patch_size(image_size) == patch
+
+
+def test_vit_rejects_unfit_image_size() -> None:
+    with pytest.raises(ConfigError, match="patch"):
+        create_model("vit_tiny", NUM_CLASSES, image_size=27)
+
+
+def test_densenet_matches_torchvision_on_even_feature_maps() -> None:
+    model = create_model("densenet121", NUM_CLASSES).eval()
+    reference = torchvision.models.densenet121(weights=None).eval()
+    reference.classifier = torch.nn.Identity()
+    reference.load_state_dict({k.removeprefix("backbone."): v for k, v in model.backbone.state_dict().items()})
+    images = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(model.forward_features(images), reference(images))
+
+
+def test_get_device() -> None:
+    device = get_device()
+    assert isinstance(device, torch.device) and device.type in {"cpu", "cuda"}
