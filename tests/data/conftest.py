@@ -1,8 +1,7 @@
-"""Fixtures of the data-layer tests: MD5-checked MedMNIST files and tiny PNG data sets written on the fly."""
+"""Fixtures of the data-layer tests: tiny PNG data sets written on the fly (MedMNIST files: tests/conftest.py)."""
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,44 +10,6 @@ import pytest
 from PIL import Image
 
 from medflare.data import clear_source_cache
-
-# ../shared/data relative to the repository root (tests/data/conftest.py -> parents[2] is the root).
-SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
-MEDMNIST_MD5 = {
-    "pneumoniamnist.npz": "28209eda62fecd6e6a2d98b1501bb15f",
-    "retinamnist.npz": "bd4c0672f1bba3e3a89f0e4e876791e4",
-    "breastmnist.npz": "750601b1f35ba3300ea97c75c52ff8f6",
-}
-
-
-def _md5(path: Path) -> str:
-    digest = hashlib.md5()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-@pytest.fixture(scope="session")
-def medmnist_file() -> Callable[[str], Path]:
-    """Returns a getter for a MedMNIST file of ../shared/data, skipping if absent and failing on a bad MD5."""
-    checked: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in checked:
-            path = SHARED_DATA / "medmnist" / name
-            if not path.is_file():
-                pytest.skip(f"{path} is absent: real-data tests need ../shared/data next to the repository "
-                            "(see the project README); skipping.")
-            actual = _md5(path)
-            assert actual == MEDMNIST_MD5[name], (
-                f"{path} has MD5 {actual}, expected {MEDMNIST_MD5[name]}: the file is corrupt or not the "
-                "official MedMNIST v3.0.2 file; restore it."
-            )
-            checked[name] = path
-        return checked[name]
-
-    return get
 
 
 @pytest.fixture(autouse=True)

@@ -64,3 +64,38 @@ def test_start_round_forgets_the_previous_round(core: RoundAggregation) -> None:
     core.accept("site-1", *update(1.0))
     core.start_round(GLOBAL, RoundContext(1, 2))
     assert not core.updates and not core.rejected
+
+
+def test_two_phase_round_without_weights() -> None:
+    """A logit-exchange style round: phase 1 collects an array, phase 2 sends each site what phase 1 built."""
+    from medflare.contracts import Payload
+    from medflare.methods.base import AggregateResult, ServerRule
+
+    class ExchangeRule(ServerRule):
+        def phases(self, ctx):
+            return ["share_probs", "train"]
+
+        def expected_arrays(self, phase, global_params, payload):
+            return {"probs": ((4, 3), np.dtype(np.float32))} if phase == "share_probs" else {}
+
+        def phase_arrays(self, phase, global_params, earlier):
+            if phase == "share_probs":
+                return {}
+            stacked = np.stack([u.arrays["probs"] for u in earlier["share_probs"]])
+            return {"mean_probs": stacked.mean(axis=0)}
+
+        def aggregate(self, global_params, updates, ctx):
+            return AggregateResult(params=dict(global_params), shares={u.site: 1 / len(updates) for u in updates})
+
+    core = RoundAggregation("fedavg", {}, num_classes=3, num_rounds=1)
+    core.rule = ExchangeRule(None, 1)
+    core.spec = type(core.spec)(**{**core.spec.__dict__, "payload": Payload(sends_weights=False, arrays=("probs",))})
+    core.start_round({}, RoundContext(0, 1))
+    assert core.start_phase("share_probs") == {}
+    assert core.accept("site-1", {"probs": np.zeros((4, 3), np.float32)}, {}) is None
+    assert core.accept("site-2", {"probs": np.ones((4, 3), np.float32)}, {}) is None
+    assert "shape" in core.accept("site-3", {"probs": np.ones((2, 3), np.float32)}, {})
+    sent = core.start_phase("train")
+    np.testing.assert_allclose(sent["mean_probs"], 0.5)
+    assert core.accept("site-1", {}, {"n_samples": 4}) is None
+    assert core.aggregate().shares == {"site-1": 1.0}

@@ -96,3 +96,17 @@ def test_too_few_sites_stops_the_job_with_a_clear_error_and_no_output(tmp_path: 
         run_simulation(run, tmp_path / "out", echo=lambda line: None)
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
     assert (tmp_path / "out.failed.log").is_file()
+
+
+@pytest.mark.realdata
+@pytest.mark.parametrize("method", ["fedavg", "bsm-fl", "fedprox"])
+def test_baselines_complete_on_pneumoniamnist(method: str, medmnist_file, tmp_path: Path) -> None:
+    path = medmnist_file("pneumoniamnist.npz")
+    run = RunConfig(method=method, rounds=2, clients=3, data={"source": f"medmnist:{path}", "partition": "dirichlet:0.5"},
+                    train=QUICK)
+    summary = run_simulation(run, tmp_path / method, echo=lambda line: None)
+    assert summary["rounds_completed"] == 2
+    assert summary["config"]["task"] == {"num_classes": 2, "in_channels": 1, "image_size": 28}
+    assert set(summary["per_round"][-1]["share"]) == {"site-1", "site-2", "site-3"}
+    assert sum(f["n_val"] for f in summary["clients"].values()) == 524  # the official val split, spread over sites
+    assert 0.0 <= summary["final"]["balanced_accuracy"] <= 1.0
