@@ -177,7 +177,7 @@ def markdown_report(summary: Mapping[str, Any]) -> str:
 
 
 def write_plots(summary: Mapping[str, Any], out: Path) -> list[Path]:
-    """Learning curves and per-site aggregation shares over rounds."""
+    """Learning curves, each site's share of the aggregate, and any other per-site value (e.g. RF) over rounds."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -186,7 +186,7 @@ def write_plots(summary: Mapping[str, Any], out: Path) -> list[Path]:
     rounds = [e["round"] for e in summary["per_round"]]
     if not rounds:
         return []
-    files = [out / "learning_curves.png", out / "shares.png"]
+    files = [out / "learning_curves.png"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for metric in ("balanced_accuracy", "accuracy", "macro_f1"):
         axes[0].plot(rounds, [e["metrics"].get(metric) for e in summary["per_round"]], marker="o", label=f"test {metric}")
@@ -200,15 +200,36 @@ def write_plots(summary: Mapping[str, Any], out: Path) -> list[Path]:
     fig.tight_layout()
     fig.savefig(files[0], dpi=110)
     plt.close(fig)
+    for key in ["share"] + [k for k in site_valued_keys(summary["per_round"]) if k not in ("share", "train_loss")]:
+        files.append(out / ("shares.png" if key == "share" else f"{key}.png"))
+        _plot_per_site(plt, summary, key, files[-1])
+    return files
+
+
+PER_SITE_TITLES = {"share": "contribution of each site to the global model", "rf": "rescue factor RF per site"}
+
+
+def site_valued_keys(per_round: list[Mapping[str, Any]]) -> list[str]:
+    """Per-round entries that map each site to a number (shares, RF, ...), in first-seen order."""
+    keys: list[str] = []
+    for entry in per_round:
+        for key, value in entry.items():
+            numeric = isinstance(value, dict) and value and all(isinstance(v, (int, float)) for v in value.values())
+            if numeric and key not in keys:
+                keys.append(key)
+    return keys
+
+
+def _plot_per_site(plt: Any, summary: Mapping[str, Any], key: str, path: Path) -> None:
+    rounds = [e["round"] for e in summary["per_round"]]
     fig, ax = plt.subplots(figsize=(6, 4))
     for site in sorted(summary["clients"]):
-        ax.plot(rounds, [e["share"].get(site) for e in summary["per_round"]], marker="o", label=site)
-    ax.set(xlabel="round", ylabel="share of the aggregate", title="aggregation weight per site")
+        ax.plot(rounds, [e.get(key, {}).get(site) for e in summary["per_round"]], marker="o", label=site)
+    ax.set(xlabel="round", ylabel=key, title=PER_SITE_TITLES.get(key, f"{key} per site"))
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(files[1], dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    return files
 
 
 def comparison_outputs(summaries: list[Mapping[str, Any]], out_dir: str | Path) -> list[Path]:

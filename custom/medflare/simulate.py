@@ -17,6 +17,7 @@ from medflare.flare.controller import RESULTS_FILE
 from medflare.flare.job import export_job
 from medflare.report import build_summary, write_outputs
 from medflare.run_config import RunConfig
+from medflare.site_runtime import SITE_LOG_FILE
 
 # Simulator log lines worth showing live: round progress, per-site epochs, rejections, errors.
 PROGRESS = re.compile(r"medflare:|round \d+/\d+ epoch|REJECTED|ERROR|Error:")
@@ -141,7 +142,12 @@ def _read_results(workspace: Path) -> dict[str, Any]:
 
 
 def _keep_model(workspace: Path, out: Path) -> None:
+    """Copy the global models, and each simulated site's local log (in production those stay at the site)."""
     app = _server_app_dir(workspace)
     for name in ("FL_global_model.pt", "best_FL_global_model.pt"):
         if (app / name).exists():
             shutil.copy(app / name, out / name)
+    for log in sorted(workspace.glob(f"site-*/**/{SITE_LOG_FILE}")):
+        site = log.relative_to(workspace).parts[0]
+        (out / "sites" / site).mkdir(parents=True, exist_ok=True)
+        shutil.copy(log, out / "sites" / site / SITE_LOG_FILE)

@@ -22,6 +22,7 @@ from medflare.methods.base import LocalTrainer, MethodSpec, RoundContext, TrainC
 from medflare.registry import get_method
 
 SITE_CONFIG_FILE = "medflare_site.json"  # in a site's local/ folder (POC and production)
+SITE_LOG_FILE = "medflare_site_log.jsonl"  # per-site diagnostics that never leave the site
 
 
 @dataclass
@@ -82,7 +83,14 @@ def pick_device() -> torch.device:
 class SiteRuntime:
     """A site's live state for one job: data, model, trainer (optimizer and personal state persist)."""
 
-    def __init__(self, settings: SiteSettings, site_name: str, site_index: int, log: Callable[[str], None] = print):
+    def __init__(
+        self,
+        settings: SiteSettings,
+        site_name: str,
+        site_index: int,
+        log: Callable[[str], None] = print,
+        local_dir: str | Path | None = None,
+    ):
         self.settings = settings
         self.site_name = site_name
         self.spec = get_method(settings.method)
@@ -98,6 +106,8 @@ class SiteRuntime:
         self.trainer: LocalTrainer = self.spec.trainer_cls(
             self.model, self.data, self.train_cfg, self.method_cfg, self.spec.payload, self.device, log
         )
+        if local_dir is not None:
+            self.trainer.local_log = JsonLinesLog(Path(local_dir) / SITE_LOG_FILE)
         self.contract_ctx = ContractContext(num_classes=settings.task.num_classes)
         self.model_keys = list(self.model.state_dict().keys())
 
@@ -160,6 +170,18 @@ class SiteRuntime:
             contracts.EVAL_VAL: self.trainer.evaluate("val").to_dict(),
             contracts.EVAL_TEST: self.trainer.evaluate("test").to_dict(),
         }
+
+
+class JsonLinesLog:
+    """Appends one JSON object per line to a file in the site's own workspace."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
 
 
 def site_index_from_name(site_name: str, sites: list[str] | None) -> int:

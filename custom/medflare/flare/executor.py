@@ -74,7 +74,10 @@ class MedflareExecutor(Executor):
                 seed=self.seed,
             )
             index = site_index_from_name(site, self.sites) if not settings.data.get("local") else 0
-            self._runtime = SiteRuntime(settings, site, index, log=lambda msg: self.log_info(fl_ctx, f"{site}: {msg}"))
+            app_dir = fl_ctx.get_engine().get_workspace().get_app_dir(fl_ctx.get_job_id())
+            self._runtime = SiteRuntime(
+                settings, site, index, log=lambda msg: self.log_info(fl_ctx, f"{site}: {msg}"), local_dir=app_dir
+            )
         return self._runtime
 
     def execute(self, task_name: str, shareable: Shareable, fl_ctx: FLContext, abort_signal: Signal) -> Shareable:

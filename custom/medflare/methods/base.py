@@ -124,6 +124,12 @@ class LocalTrainer:
         self.use_amp = device.type == "cuda"
         self.scaler = torch.amp.GradScaler("cuda") if self.use_amp else None
         self.class_counts = torch.as_tensor(np.asarray(data.class_counts), dtype=torch.float32, device=device)
+        self.local_log: Callable[[dict[str, Any]], None] | None = None  # set by the site runtime
+
+    def record_locally(self, **values: Any) -> None:
+        """Keep per-site diagnostics (e.g. Fed-MAS's w and ŵ) in the site's own log; they are never sent."""
+        if self.local_log is not None:
+            self.local_log(values)
 
     # ----- lifecycle called by the FLARE executor -------------------------------------------------
     def receive(self, params: Mapping[str, np.ndarray]) -> None:
@@ -335,14 +341,18 @@ class ServerRule:
         """What to record about this round besides the shares."""
         return {}
 
+    def shares(self, updates: list[SiteUpdate], ctx: RoundContext) -> dict[str, float]:
+        """Each site's share of the aggregate: its weight over the sum of weights."""
+        return normalise_weights({u.site: self.site_weight(u, ctx) for u in updates})
+
     def aggregate(
         self, global_params: Mapping[str, np.ndarray], updates: list[SiteUpdate], ctx: RoundContext
     ) -> AggregateResult:
         """Combine accepted updates into the next global model."""
-        weights = {u.site: self.site_weight(u, ctx) for u in updates}
-        shared = weighted_average({u.site: u.arrays for u in updates}, weights, row_weights=self.row_weights(updates))
+        shares = self.shares(updates, ctx)
+        shared = weighted_average({u.site: u.arrays for u in updates}, shares, row_weights=self.row_weights(updates))
         params = {**dict(global_params), **shared}
-        return AggregateResult(params=params, shares=normalise_weights(weights), info=self.round_info(updates, ctx))
+        return AggregateResult(params=params, shares=shares, info=self.round_info(updates, ctx))
 
 
 ModelBuilder = Callable[..., nn.Module]

@@ -1,0 +1,62 @@
+"""Fed-MAS's rescue factor, as pure tensor/numpy functions.
+
+References:
+    Elbatel, Wang, Martí, Fu and Li, Federated Model Aggregation via Self-Supervised Priors for Highly
+    Imbalanced Medical Image Classification, MICCAI 2023 workshops (Eq. 3 and 5; spec §2(a) steps 2-4).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def distillation_distance(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """Per-sample L_f = 2 - 2 <ŷ, ŷ'> with both features L2-normalised; shape [B], values in [0, 4]."""
+    return 2 - 2 * (F.normalize(student, dim=1) * F.normalize(teacher, dim=1)).sum(dim=1)
+
+
+class ClassMeanAccumulator:
+    """Accumulates Σ_i L_f(x_i) per class and divides by the site's full class count M_k.
+
+    Summing per-batch class means weighted by count_k/M_k (the authors' code) is the same number, so a
+    pass over the data gives each class's mean distance, and E epochs give the sum of E per-epoch means.
+    """
+
+    def __init__(self, num_classes: int) -> None:
+        self.sums = torch.zeros(num_classes, dtype=torch.float64)
+
+    def add(self, labels: torch.Tensor, values: torch.Tensor) -> None:
+        """Add a batch of per-sample values; unlabelled samples (label -1) are skipped."""
+        keep = labels >= 0
+        self.sums.index_add_(0, labels[keep].cpu(), values[keep].detach().double().cpu())
+
+    def per_class(self, class_counts: np.ndarray) -> np.ndarray:
+        """Σ L_f / M_k for every class; 0 for classes the site does not have."""
+        counts = np.asarray(class_counts, dtype=np.float64)
+        sums = self.sums.numpy()
+        return np.divide(sums, counts, out=np.zeros_like(sums), where=counts > 0)
+
+
+def rescue_factor(w: np.ndarray, w_hat: np.ndarray, invert: bool = False) -> float:
+    """RF = Σ_{k: w_k ≠ 0} w̄_k ŵ̄_k with w̄, ŵ̄ normalised to sum 1 (the authors' normalisation, spec §2(e)2).
+
+    Args:
+        w: per-class distance of the received global model, before training (the global divergence).
+        w_hat: per-class distance accumulated during local training.
+        invert: the ``mas_inv`` option: use 1/ŵ_k (for ŵ_k > 0) before normalising.
+
+    Returns:
+        RF in (0, 1]: 1 for a one-class site, about 1/K_local for a site whose classes all look alike.
+
+    Raises:
+        ValueError: when no class has a positive distance (nothing to weigh the site by).
+    """
+    w, w_hat = np.asarray(w, dtype=np.float64), np.asarray(w_hat, dtype=np.float64)
+    if invert:
+        w_hat = np.divide(1.0, w_hat, out=np.zeros_like(w_hat), where=w_hat > 0)
+    if w.sum() <= 0 or w_hat.sum() <= 0:
+        raise ValueError("rescue factor undefined: every per-class distance is zero")
+    present = w != 0
+    return float(np.sum((w / w.sum())[present] * (w_hat / w_hat.sum())[present]))

@@ -1,0 +1,170 @@
+"""Fed-MAS: rescue factor, aggregation rule, frozen prior and what leaves the site."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from nvflare.apis.dxo import from_shareable
+from nvflare.apis.shareable import Shareable
+from nvflare.apis.signal import Signal
+
+from medflare.flare.aggregator import RoundAggregation
+from medflare.flare.executor import MedflareExecutor
+from medflare.methods.base import RoundContext
+from medflare.methods.fed_mas.prior import MOCO_PREFIX, build_prior
+from medflare.methods.fed_mas.rescue import ClassMeanAccumulator, distillation_distance, rescue_factor
+from medflare.methods.fed_mas.server import cap_shares
+from medflare.site_runtime import SiteRuntime, SiteSettings, TaskSpec
+
+# ----- rescue factor, by hand -------------------------------------------------------------------------
+
+
+def test_rescue_factor_two_classes_by_hand() -> None:
+    # w̄ = [0.25, 0.75], ŵ̄ = [0.25, 0.75] -> RF = 0.25² + 0.75² = 0.625
+    assert rescue_factor(np.array([0.2, 0.6]), np.array([1.0, 3.0])) == pytest.approx(0.625)
+
+
+def test_rescue_factor_skips_absent_classes_and_inverts_for_mas_inv() -> None:
+    w, w_hat = np.array([0.2, 0.0, 0.6]), np.array([1.0, 0.0, 3.0])
+    assert rescue_factor(w, w_hat) == pytest.approx(0.625)
+    # mas_inv: ŵ -> [1, 0, 1/3] -> ŵ̄ = [0.75, 0, 0.25] -> RF = 0.25*0.75 + 0.75*0.25
+    assert rescue_factor(w, w_hat, invert=True) == pytest.approx(0.375)
+    assert rescue_factor(np.array([0.0, 0.7]), np.array([0.0, 5.0])) == pytest.approx(1.0)  # one-class site
+
+
+def test_class_mean_accumulator_divides_by_full_class_counts() -> None:
+    acc = ClassMeanAccumulator(3)
+    acc.add(torch.tensor([0, 0, 1, -1]), torch.tensor([1.0, 3.0, 2.0, 100.0]))  # the unlabelled sample is skipped
+    np.testing.assert_allclose(acc.per_class(np.array([2, 1, 0])), [2.0, 2.0, 0.0])
+
+
+def test_distillation_distance_range() -> None:
+    x = torch.tensor([[1.0, 0.0], [1.0, 0.0], [1.0, 0.0]])
+    y = torch.tensor([[2.0, 0.0], [0.0, 1.0], [-1.0, 0.0]])
+    torch.testing.assert_close(distillation_distance(x, y), torch.tensor([0.0, 2.0, 4.0]))
+
+
+# ----- server rule ------------------------------------------------------------------------------------
+
+GLOBAL = {"w": np.zeros(2, np.float32)}
+
+
+def fedmas_round(**method_args) -> RoundAggregation:
+    core = RoundAggregation("fedmas", method_args, num_classes=2, num_rounds=10)
+    core.start_round(GLOBAL, RoundContext(0, 10))
+    core.start_phase("train")
+    return core
+
+
+def test_aggregation_is_rf_weighted() -> None:
+    core = fedmas_round()
+    core.accept("a", {"w": np.array([1.0, 0.0], np.float32)}, {"n_samples": 1000, "rf": 0.2})
+    core.accept("b", {"w": np.array([0.0, 1.0], np.float32)}, {"n_samples": 10, "rf": 0.6})
+    result = core.aggregate()
+    np.testing.assert_allclose(result.params["w"], [0.25, 0.75])  # RF̄ = 0.2/0.8, 0.6/0.8; sample counts ignored
+    assert result.shares == pytest.approx({"a": 0.25, "b": 0.75})
+    assert result.info == {"rf": {"a": 0.2, "b": 0.6}}
+
+
+@pytest.mark.parametrize("rf", [float("nan"), float("inf"), -0.3, 0.0, 1.5, "0.5", None])
+def test_bad_rf_is_excluded(rf) -> None:
+    core = fedmas_round()
+    meta = {"n_samples": 5} if rf is None else {"n_samples": 5, "rf": rf}
+    assert core.accept("bad", {"w": np.ones(2, np.float32)}, meta) is not None
+    assert core.accept("good", {"w": np.zeros(2, np.float32)}, {"n_samples": 5, "rf": 0.5}) is None
+    assert core.aggregate().shares == {"good": 1.0}
+
+
+def test_mas_drw_uses_sample_counts_until_the_switch() -> None:
+    core = RoundAggregation("fedmas", {"aggregation": "mas_drw"}, num_classes=2, num_rounds=10)
+    for round_index, expected_a in ((7, 0.75), (8, None)):
+        core.start_round(GLOBAL, RoundContext(round_index, 10))
+        core.start_phase("train")
+        core.accept("a", {"w": np.zeros(2, np.float32)}, {"n_samples": 30, "rf": 0.5})
+        core.accept("b", {"w": np.zeros(2, np.float32)}, {"n_samples": 10, "rf": 0.25})
+        share_a = core.aggregate().shares["a"]
+        if expected_a is not None:
+            assert share_a == pytest.approx(expected_a)
+        else:  # effective number of 1/RF: (1-β)/(1-β^(1/RF)) ≈ RF, so about 2/3
+            beta = 0.9999
+            wa, wb = (1 - beta) / (1 - beta**2), (1 - beta) / (1 - beta**4)
+            assert share_a == pytest.approx(wa / (wa + wb))
+
+
+def test_cap_shares_redistributes_the_excess() -> None:
+    capped = cap_shares({"a": 0.7, "b": 0.2, "c": 0.1}, 0.5)
+    assert capped == pytest.approx({"a": 0.5, "b": 0.2 + 0.2 * 2 / 3, "c": 0.1 + 0.2 / 3})
+    assert cap_shares({"a": 0.7, "b": 0.3}, 0.0) == {"a": 0.7, "b": 0.3}
+
+
+# ----- site side: frozen prior and payload ------------------------------------------------------------
+
+SETTINGS = SiteSettings(
+    method="fedmas",
+    task=TaskSpec(num_classes=5, in_channels=3, image_size=28),
+    data={"source": "synthetic:n=300", "partition": "iid", "num_sites": 2},
+    method_args={"prior_input_size": 32},
+    train={"max_steps": 2, "batch_size": 32},
+)
+
+
+@pytest.fixture(scope="module")
+def runtime() -> SiteRuntime:
+    return SiteRuntime(SETTINGS, "site-1", 0, log=lambda m: None)
+
+
+def prior_state(runtime: SiteRuntime) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in runtime.trainer.prior.state_dict().items()}
+
+
+def test_prior_weights_and_bn_buffers_are_bit_identical_after_a_round(runtime: SiteRuntime) -> None:
+    before = prior_state(runtime)
+    assert any("running_mean" in k for k in before)
+    runtime.train(runtime.shared_weights(), RoundContext(0, 2))
+    after = prior_state(runtime)
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not runtime.trainer.prior.training and not any(p.requires_grad for p in runtime.trainer.prior.parameters())
+
+
+def test_repo_compat_flag_reproduces_the_teacher_bn_drift() -> None:
+    settings = SiteSettings(**{**SETTINGS.__dict__, "method_args": {"prior_input_size": 32, "repo_compat_teacher_bn": True}})
+    runtime = SiteRuntime(settings, "site-1", 0, log=lambda m: None)
+    before = prior_state(runtime)
+    runtime.train(runtime.shared_weights(), RoundContext(0, 2))
+    after = prior_state(runtime)
+    assert any(not torch.equal(before[k], after[k]) for k in before if "running_mean" in k)
+
+
+def test_outgoing_shareable_carries_weights_and_rf_only(runtime: SiteRuntime) -> None:
+    from nvflare.apis.dxo import DXO, DataKind
+
+    task = DXO(DataKind.WEIGHTS, data=runtime.shared_weights(), meta={"round": 0, "total_rounds": 2}).to_shareable()
+    result = MedflareExecutor(method="fedmas", task={})._dispatch(runtime, "train", task, Signal())
+    dxo = from_shareable(result)
+    assert set(dxo.data) == set(runtime.model.state_dict())  # the model's own keys: no prior, no w, no ŵ
+    assert not any(k.startswith(("prior", "encoder")) for k in dxo.data)
+    assert set(dxo.meta) == {"rf", "n_samples", "train_loss", "train_seconds", "eval_val", "eval_test"}
+    assert 0 < dxo.meta["rf"] <= 1
+    prior_keys = set(runtime.trainer.prior.state_dict())
+    assert not prior_keys & set(dxo.data)
+
+
+def test_bsm_kd_sends_no_rf() -> None:
+    settings = SiteSettings(**{**SETTINGS.__dict__, "method": "bsm-kd"})
+    _, meta = SiteRuntime(settings, "site-1", 0, log=lambda m: None).train({}, RoundContext(0, 1))
+    assert "rf" not in meta
+
+
+def test_moco_checkpoint_layout_loads(tmp_path: Path) -> None:
+    import torchvision
+
+    network = torchvision.models.resnet50(weights=None)
+    network.fc = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 128))
+    state = {f"{MOCO_PREFIX}{k}": v for k, v in network.state_dict().items()}
+    state["module.encoder_k.conv1.weight"] = torch.zeros(1)  # the key encoder is ignored
+    torch.save({"state_dict": state, "epoch": 800}, tmp_path / "moco.pth.tar")
+    prior = build_prior(f"moco:{tmp_path / 'moco.pth.tar'}", 0, input_size=32)
+    assert prior(torch.zeros(2, 1, 28, 28)).shape == (2, 2048)
+    torch.testing.assert_close(prior.encoder.conv1.weight, network.conv1.weight)
