@@ -32,7 +32,8 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model name (see 'medflare models'; default cnn)")
     parser.add_argument("--pretrained", help="'imagenet' (efficientnet_lite0) or a local weights file")
     parser.add_argument("--seed", type=int, help="seed for data, partition and initial model (default 0)")
-    parser.add_argument("--config", help="JSON or TOML file with run options (flags override it)")
+    parser.add_argument("--scenario", help="named set-up: hyperkvasir-like | isic-attribute-like (see docs/scenarios)")
+    parser.add_argument("--config", help="JSON or TOML file with run options (overrides the scenario; flags override it)")
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
         help="override any option: method.mu=0.1, train.weight_decay=1e-4, data.label_noise=0.2, min_clients=2",
@@ -41,9 +42,12 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
 
 def build_run_config(args: argparse.Namespace) -> Any:
     """Defaults <- --config <- flags <- --set."""
-    from medflare.run_config import apply_overrides, merge_run_config
+    from medflare.run_config import apply_overrides, merge_run_config, merge_sections
 
-    base: dict[str, Any] = load_config_file(args.config) if args.config else {}
+    from medflare.scenarios import load_scenario
+
+    scenario = load_scenario(args.scenario) if args.scenario else {}
+    base = merge_sections(scenario, load_config_file(args.config) if args.config else {})
     base["method"] = args.method
     data = {k: v for k, v in (("source", args.data), ("partition", args.partition)) if v is not None}
     train = {

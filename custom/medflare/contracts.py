@@ -24,6 +24,7 @@ TRAIN_LOSS = "train_loss"  # mean training loss of this round
 TRAIN_SECONDS = "train_seconds"  # wall time of local training
 EVAL_VAL = "eval_val"  # EvalStats.to_dict() of the *received* model on the site's validation split
 EVAL_TEST = "eval_test"  # same on the site's test split (reported, never used for selection)
+EVAL_TEST_BY_ATTRIBUTE = "eval_test_by_attribute"  # {attribute value: EvalStats dict} when images carry one
 
 # Keys the server writes into each task (server -> site).
 ROUND = "round"
@@ -105,12 +106,25 @@ def eval_stats_dict(name: str) -> MetaValidator:
     return check
 
 
+def eval_stats_by_group(name: str) -> MetaValidator:
+    """Validator for {group name: EvalStats dictionary} (e.g. per skin-tone attribute)."""
+    check_one = eval_stats_dict(name)
+
+    def check(value: Any, ctx: ContractContext) -> Any:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise PayloadError(f"'{name}' must map group names to evaluation statistics")
+        return {group: check_one(stats, ctx) for group, stats in value.items()}
+
+    return check
+
+
 COMMON_META: dict[str, MetaValidator] = {
     N_SAMPLES: non_negative_number(N_SAMPLES),
     TRAIN_LOSS: non_negative_number(TRAIN_LOSS),
     TRAIN_SECONDS: non_negative_number(TRAIN_SECONDS),
     EVAL_VAL: eval_stats_dict(EVAL_VAL),
     EVAL_TEST: eval_stats_dict(EVAL_TEST),
+    EVAL_TEST_BY_ATTRIBUTE: eval_stats_by_group(EVAL_TEST_BY_ATTRIBUTE),
 }
 
 

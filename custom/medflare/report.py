@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 TABLE_METRICS = ("accuracy", "balanced_accuracy", "macro_f1", "auc_macro_ovr")
-LONG_TAIL_METRICS = ("head", "medium", "tail")
+LONG_TAIL_METRICS = ("head_accuracy", "medium_accuracy", "tail_accuracy", "hmt_mean")
+ATTRIBUTE_METRICS = ("bacc_attr_0", "bacc_attr_1", "bacc_attr_mean")
 
 
 def build_summary(
@@ -33,7 +34,8 @@ def build_summary(
         "method": results.get("method", config.get("method")),
         "config": dict(config),
         "rounds_completed": len(rounds),
-        "final": final_eval.get("test", {}),
+        "final": with_attribute_scores(final_eval),
+        "final_by_attribute": final_eval.get("test_by_attribute", {}),
         "final_val": final_eval.get("val", {}),
         "initial": evaluations.get("0", {}).get("test", {}),
         "best": results.get("best", {}),
@@ -45,11 +47,24 @@ def build_summary(
     }
 
 
+def with_attribute_scores(evaluation: Mapping[str, Any]) -> dict[str, Any]:
+    """Test metrics plus balanced accuracy per image attribute (``bacc_attr_<value>``) and their mean.
+
+    The mean over attribute groups is the Fed-MAS paper's ISIC-FL "Avg" (Light, Dark).
+    """
+    metrics = dict(evaluation.get("test", {}))
+    per_attribute = {a: m.get("balanced_accuracy") for a, m in evaluation.get("test_by_attribute", {}).items()}
+    if per_attribute and None not in per_attribute.values():
+        metrics.update({f"bacc_attr_{a}": v for a, v in per_attribute.items()})
+        metrics["bacc_attr_mean"] = sum(per_attribute.values()) / len(per_attribute)
+    return metrics
+
+
 def _round_entry(record: Mapping[str, Any], evaluation: Mapping[str, Any]) -> dict[str, Any]:
     sites = record.get("sites", {})
     entry = {
         "round": record["round"] + 1,
-        "metrics": evaluation.get("test", {}),
+        "metrics": with_attribute_scores(evaluation),
         "val_metrics": evaluation.get("val", {}),
         "wall_seconds": record.get("wall_seconds"),
         "share": record.get("share", {}),
@@ -128,8 +143,8 @@ def _fmt(value: Any) -> str:
 
 
 def metric_columns(final: Mapping[str, Any]) -> list[str]:
-    """The metrics shown in tables: the standard four plus head/medium/tail when present."""
-    return [m for m in TABLE_METRICS + LONG_TAIL_METRICS if m in final]
+    """The metrics shown in tables: the standard four, plus head/medium/tail and per-attribute ones when present."""
+    return [m for m in TABLE_METRICS + LONG_TAIL_METRICS + ATTRIBUTE_METRICS if m in final]
 
 
 def results_table(summaries: list[Mapping[str, Any]]) -> str:
@@ -139,9 +154,13 @@ def results_table(summaries: list[Mapping[str, Any]]) -> str:
     columns = metric_columns(summaries[0]["final"])
     lines = ["| method | rounds | " + " | ".join(columns) + " |", "|---" * (len(columns) + 2) + "|"]
     for s in summaries:
-        values = " | ".join(f"{s['final'].get(c, float('nan')):.4f}" for c in columns)
+        values = " | ".join(_cell(s["final"].get(c)) for c in columns)
         lines.append(f"| {s['method']} | {s['rounds_completed']} | {values} |")
     return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    return f"{value:.4f}" if isinstance(value, (int, float)) else "n/a"
 
 
 def markdown_report(summary: Mapping[str, Any]) -> str:

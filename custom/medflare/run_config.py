@@ -138,14 +138,16 @@ def apply_overrides(run: RunConfig, overrides: list[str]) -> RunConfig:
     return from_dict(RunConfig, {**dataclasses.asdict(run), **nested, **changes}, "run config")
 
 
+def merge_sections(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """``override`` on top of ``base``; the nested sections (data, train, method_args, task) merge key by key."""
+    merged = {**dict(base), **dict(override)}
+    for key in SECTIONS.values():
+        if key in base and key in override:
+            merged[key] = {**base[key], **override[key]}
+    return merged
+
+
 def merge_run_config(base: Mapping[str, Any], flags: Mapping[str, Any]) -> RunConfig:
     """Defaults <- file values <- flags that were given (None means 'not given')."""
-    merged = {**dict(base)}
-    for key, value in flags.items():
-        if value is None:
-            continue
-        if key in ("data", "train", "method_args", "task"):
-            merged[key] = {**merged.get(key, {}), **value}
-        else:
-            merged[key] = value
-    return from_dict(RunConfig, merged, "run config")
+    given = {key: value for key, value in flags.items() if value is not None}
+    return from_dict(RunConfig, merge_sections(base, given), "run config")

@@ -18,7 +18,7 @@ from medflare import contracts
 from medflare.config import from_dict
 from medflare.contracts import ContractContext
 from medflare.errors import ConfigError, DataError
-from medflare.methods.base import LocalTrainer, MethodSpec, RoundContext, TrainConfig
+from medflare.methods.base import LocalTrainer, MethodSpec, RoundContext, TrainConfig, eval_stats
 from medflare.registry import get_method
 
 SITE_CONFIG_FILE = "medflare_site.json"  # in a site's local/ folder (POC and production)
@@ -166,10 +166,20 @@ class SiteRuntime:
         return self.trainer.outgoing_arrays()
 
     def _evaluation_meta(self) -> dict[str, Any]:
-        return {
+        """Summable statistics of the received model: val, test, and test per image attribute when known."""
+        num_classes = self.settings.task.num_classes
+        labels, probs, losses = self.trainer.predictions("test")
+        meta = {
             contracts.EVAL_VAL: self.trainer.evaluate("val").to_dict(),
-            contracts.EVAL_TEST: self.trainer.evaluate("test").to_dict(),
+            contracts.EVAL_TEST: eval_stats(labels, probs, losses, num_classes).to_dict(),
         }
+        attributes = self.data.attributes_test
+        if attributes is not None:
+            meta[contracts.EVAL_TEST_BY_ATTRIBUTE] = {
+                str(value): eval_stats(labels, probs, losses, num_classes, keep=attributes == value).to_dict()
+                for value in np.unique(attributes)
+            }
+        return meta
 
 
 class JsonLinesLog:

@@ -40,7 +40,9 @@ def test_summary_has_every_documented_field(fedavg_run) -> None:
 def test_payload_records_exactly_the_declared_keys(fedavg_run) -> None:
     _, summary = fedavg_run
     for site, sent in summary["payload"].items():
-        assert sent["meta_keys"] == sorted(["eval_test", "eval_val", "n_samples", "train_loss", "train_seconds"])
+        assert sent["meta_keys"] == sorted(
+            ["eval_test", "eval_test_by_attribute", "eval_val", "n_samples", "train_loss", "train_seconds"]
+        )
         assert all(b > 1000 for b in sent["bytes_per_round"])
 
 

@@ -145,7 +145,7 @@ def test_outgoing_shareable_carries_weights_and_rf_only(runtime: SiteRuntime) ->
     dxo = from_shareable(result)
     assert set(dxo.data) == set(runtime.model.state_dict())  # the model's own keys: no prior, no w, no ŵ
     assert not any(k.startswith(("prior", "encoder")) for k in dxo.data)
-    assert set(dxo.meta) == {"rf", "n_samples", "train_loss", "train_seconds", "eval_val", "eval_test"}
+    assert set(dxo.meta) == {"rf", "n_samples", "train_loss", "train_seconds", "eval_val", "eval_test", "eval_test_by_attribute"}
     assert 0 < dxo.meta["rf"] <= 1
     prior_keys = set(runtime.trainer.prior.state_dict())
     assert not prior_keys & set(dxo.data)

@@ -2,7 +2,8 @@
 
 Spec forms:
     synthetic[:key=val,...]   embedded generator (see `medflare.data.synthetic.SyntheticConfig` for the keys)
-    medmnist:PATH             a MedMNIST .npz (train/val/test images and labels; any size, 1 or 3 channels)
+    medmnist:PATH             a MedMNIST .npz (train/val/test images and labels; any size, 1 or 3 channels;
+                              optional <split>_attributes, one integer per image)
     folder:DIR                DIR/<class>/<images> or DIR/{train,val,test}/<class>/<images>
     csv:FILE                  manifest with header path,label[,site][,attribute][,split]
 
@@ -117,9 +118,23 @@ def _load_medmnist(path: str, seed: int, num_classes: int | None) -> DataSplits:
             raise DataError(f"MedMNIST file '{path}': {split}_images is {pixels.dtype} {pixels.shape}; "
                             "expected uint8 (N, H, W) or (N, H, W, 3).")
     num_found = _check_labels(labels, num_classes, where=lambda split, row: f"'{path}' {split}_labels[{row}]")
+    attributes = {split: _npz_attributes(arrays, split, len(labels[split]), path) for split in SPLITS}
     sets = {split: ImageSet(labels=labels[split], num_classes=num_found, channels=images[split].shape[-1],
-                            images=images[split], name=f"medmnist:{path}[{split}]") for split in SPLITS}
+                            images=images[split], attributes=attributes[split], name=f"medmnist:{path}[{split}]")
+            for split in SPLITS}
     return DataSplits(**sets, info={"class_names": [f"class_{k}" for k in range(num_found)]})
+
+
+def _npz_attributes(arrays: dict[str, np.ndarray], split: str, count: int, path: str) -> np.ndarray | None:
+    """Optional ``<split>_attributes`` (one int per image, e.g. 0 light / 1 dark) in a MedMNIST-layout file."""
+    raw = arrays.get(f"{split}_attributes")
+    if raw is None:
+        return None
+    values = np.asarray(raw).reshape(-1)
+    if values.shape[0] != count or values.dtype.kind not in "iub":
+        raise DataError(f"'{path}': {split}_attributes must hold one integer per image ({count}), got "
+                        f"{values.dtype} {np.asarray(raw).shape}.")
+    return values.astype(np.int64)
 
 
 def _load_folder(root: str, seed: int, num_classes: int | None) -> DataSplits:

@@ -217,8 +217,12 @@ class MedflareController(Controller):
             return None
         num_classes = self.aggregator.num_classes
         try:
-            evaluation = {split: EvalStats.from_dict(meta[key]) for split, key in EVAL_KEYS if key in meta}
-            for stats in evaluation.values():
+            evaluation: dict[str, Any] = {split: EvalStats.from_dict(meta[key]) for split, key in EVAL_KEYS if key in meta}
+            by_attribute = meta.get(contracts.EVAL_TEST_BY_ATTRIBUTE) or {}
+            evaluation["test_by_attribute"] = {a: EvalStats.from_dict(d) for a, d in by_attribute.items()}
+            for stats in [evaluation[split] for split, _ in EVAL_KEYS if split in evaluation] + list(
+                evaluation["test_by_attribute"].values()
+            ):
                 if stats.confusion.shape != (num_classes, num_classes):
                     raise ValueError(f"confusion must be {num_classes}x{num_classes}")
             return evaluation
@@ -246,6 +250,14 @@ class MedflareController(Controller):
                 stats = sum(parts[1:], parts[0])
                 summary[split] = compute_metrics(stats, self.shot_groups)
                 summary[f"{split}_stats"] = stats.to_dict()
+        by_attribute: dict[str, list[EvalStats]] = {}
+        for evaluation in evaluations.values():
+            for attribute, stats in evaluation.get("test_by_attribute", {}).items():
+                by_attribute.setdefault(attribute, []).append(stats)
+        if by_attribute:
+            summary["test_by_attribute"] = {
+                a: compute_metrics(sum(parts[1:], parts[0])) for a, parts in sorted(by_attribute.items())
+            }
         self._results["evaluations"][str(model_version)] = summary
         score = summary.get("val", {}).get(self.key_metric)
         if score is not None and score > self._best:

@@ -93,6 +93,9 @@ def round_lr(cfg: TrainConfig, ctx: RoundContext) -> float:
 class LocalTrainer:
     """Runs one site's local update. Methods subclass it and override hooks, never the loop.
 
+    Batches without a single labelled sample are skipped unless ``uses_unlabelled_samples`` is true
+    (semi-supervised and contrastive methods), so a supervised loss never averages over nothing.
+
     Args:
         model: the site's network (already on ``device``).
         data: the site's SiteData (train/val/test datasets, class counts).
@@ -102,6 +105,8 @@ class LocalTrainer:
         device: where to train.
         log: progress sink (the FLARE executor passes its logger).
     """
+
+    uses_unlabelled_samples = False
 
     def __init__(
         self,
@@ -168,25 +173,31 @@ class LocalTrainer:
         meta.update(self.round_meta(ctx))
         return meta
 
-    def evaluate(self, split: str) -> Any:
-        """Summable evaluation statistics of the current model on ``split`` ('val' or 'test')."""
-        from medflare.metrics import EvalStats
+    def predictions(self, split: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(labels, class probabilities, per-sample cross-entropy) of the current model on ``split``.
 
+        Rows keep the dataset's order (so they line up with per-sample attributes); label -1 rows have loss 0.
+        """
         dataset = getattr(self.data, split)
         loader = DataLoader(dataset, batch_size=self.train_cfg.eval_batch_size, shuffle=False, num_workers=0)
-        num_classes = int(self.data.num_classes)
-        stats = EvalStats.from_predictions(np.zeros(0, dtype=np.int64), np.zeros((0, num_classes)), num_classes)
+        labels, probs, losses = [], [], []
         self.model.eval()
         with torch.no_grad():
-            for images, labels in loader:
+            for images, batch_labels in loader:
                 logits = self.predict_logits(images.to(self.device)).float()
-                keep = labels >= 0
-                loss = F.cross_entropy(logits[keep.to(self.device)], labels[keep].to(self.device), reduction="sum")
-                probs = torch.softmax(logits, dim=1).cpu().numpy()[keep.numpy()]
-                stats = stats + EvalStats.from_predictions(
-                    labels[keep].numpy(), probs, num_classes, loss_sum=float(loss.item())
-                )
-        return stats
+                target = batch_labels.to(self.device)
+                loss = F.cross_entropy(logits, target.clamp(min=0), reduction="none") * (target >= 0)
+                labels.append(batch_labels.numpy())
+                probs.append(torch.softmax(logits, dim=1).cpu().numpy())
+                losses.append(loss.cpu().numpy())
+        num_classes = int(self.data.num_classes)
+        if not labels:
+            return np.zeros(0, np.int64), np.zeros((0, num_classes)), np.zeros(0)
+        return np.concatenate(labels), np.concatenate(probs), np.concatenate(losses)
+
+    def evaluate(self, split: str) -> Any:
+        """Summable evaluation statistics of the current model on ``split`` ('val' or 'test')."""
+        return eval_stats(*self.predictions(split), num_classes=int(self.data.num_classes))
 
     # ----- hooks ----------------------------------------------------------------------------------
     def on_round_start(self, ctx: RoundContext) -> None:
@@ -228,6 +239,8 @@ class LocalTrainer:
         for images, labels in self.train_loader():
             if self._step_cap_reached(done + steps) or should_abort():
                 break
+            if not self.uses_unlabelled_samples and not bool((labels >= 0).any()):
+                continue  # nothing to learn from in this batch for a supervised loss
             images, labels = images.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
             loss = self._step(optimizer, images, labels)
             loss_sum, steps = loss_sum + loss, steps + 1
@@ -271,6 +284,14 @@ class LocalTrainer:
             num_workers=self.train_cfg.num_workers,
             pin_memory=self.device.type == "cuda",
         )
+
+
+def eval_stats(labels: np.ndarray, probs: np.ndarray, losses: np.ndarray, num_classes: int, keep=None) -> Any:
+    """EvalStats of the labelled rows (optionally only rows where ``keep`` is true)."""
+    from medflare.metrics import EvalStats
+
+    rows = labels >= 0 if keep is None else (labels >= 0) & keep
+    return EvalStats.from_predictions(labels[rows], probs[rows], num_classes, loss_sum=float(losses[rows].sum()))
 
 
 def build_optimizer(params: list[nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
