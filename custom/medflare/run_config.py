@@ -34,6 +34,8 @@ class RunConfig:
         task: {"num_classes", "in_channels", "image_size"}; inferred from the data when empty.
         shot_thresholds: (head_min, tail_max) class-count thresholds for head/medium/tail metrics, or None.
         site_train: per-site TrainConfig overrides, e.g. {"site-2": {"batch_size": 16}}.
+        site_evaluation: when sites send evaluation counts of the received model: every_round (default),
+            final (only the last model), or off. They reveal each site's val/test class counts.
         straggler_seconds: once min_clients sites answered, how long the rest may take before a round goes on.
         task_timeout: seconds a site may spend on one task before it counts as dropped out (0 = no limit).
         task_request_interval: FLARE server polling interval in seconds (2.0 is FLARE's default; 0.1 is faster).
@@ -53,6 +55,7 @@ class RunConfig:
     task: dict[str, Any] = field(default_factory=dict)
     shot_thresholds: list[int] | None = None
     site_train: dict[str, dict[str, Any]] = field(default_factory=dict)
+    site_evaluation: str = "every_round"
     straggler_seconds: int = 600
     task_timeout: int = 0
     task_request_interval: float = 0.1

@@ -22,6 +22,7 @@ from medflare.methods.base import LocalTrainer, MethodSpec, RoundContext, TrainC
 from medflare.registry import get_method
 
 SITE_CONFIG_FILE = "medflare_site.json"  # in a site's local/ folder (POC and production)
+EVALUATION_MODES = ("every_round", "final", "off")
 SITE_LOG_FILE = "medflare_site_log.jsonl"  # per-site diagnostics that never leave the site
 
 
@@ -45,6 +46,11 @@ class SiteSettings:
     method_args: dict[str, Any] = field(default_factory=dict)
     train: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
+    evaluation: str = "every_round"  # every_round | final | off: when the site sends evaluation counts
+
+    def __post_init__(self) -> None:
+        if self.evaluation not in EVALUATION_MODES:
+            raise ConfigError(f"evaluation must be one of {EVALUATION_MODES}, got '{self.evaluation}'")
 
 
 def resolve_train_config(spec: MethodSpec, overrides: Mapping[str, Any] | None) -> TrainConfig:
@@ -140,7 +146,7 @@ class SiteRuntime:
     ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """Load the global model, score it, train locally; return what the method declares it sends."""
         self.trainer.receive(params)
-        meta = self._evaluation_meta()
+        meta = self._evaluation_meta() if self.settings.evaluation == "every_round" else {}
         meta.update(self.trainer.train_round(ctx, should_abort))
         arrays = self.trainer.outgoing_arrays()
         self.spec.payload.check_outgoing(arrays, meta, self.model_keys, self.contract_ctx)
@@ -157,7 +163,7 @@ class SiteRuntime:
     def validate(self, params: Mapping[str, np.ndarray]) -> dict[str, Any]:
         """Score a received model without training (final evaluation)."""
         self.trainer.receive(params)
-        meta = self._evaluation_meta()
+        meta = self._evaluation_meta() if self.settings.evaluation != "off" else {}
         self.spec.payload.check_outgoing({}, meta, self.model_keys, self.contract_ctx)
         return meta
 

@@ -34,6 +34,7 @@ class MedflareExecutor(Executor):
         sites: the job's site names in order (decides each simulated site's partition).
         seed: job seed.
         site_train: per-site TrainConfig overrides, e.g. {"site-2": {"batch_size": 16}} for a smaller GPU.
+        evaluation: when the site sends evaluation counts of the received model: every_round, final, off.
     """
 
     def __init__(
@@ -47,6 +48,7 @@ class MedflareExecutor(Executor):
         sites: list | None = None,
         seed: int = 0,
         site_train: dict | None = None,
+        evaluation: str = "every_round",
     ) -> None:
         super().__init__()
         self.method = method
@@ -58,6 +60,7 @@ class MedflareExecutor(Executor):
         self.sites = sites
         self.seed = seed
         self.site_train = site_train or {}
+        self.evaluation = evaluation
         self._runtime: SiteRuntime | None = None
 
     def _get_runtime(self, fl_ctx: FLContext) -> SiteRuntime:
@@ -72,6 +75,7 @@ class MedflareExecutor(Executor):
                 method_args=self.method_args,
                 train={**self.train, **self.site_train.get(site, {})},
                 seed=self.seed,
+                evaluation=self.evaluation,
             )
             index = site_index_from_name(site, self.sites) if not settings.data.get("local") else 0
             app_dir = fl_ctx.get_engine().get_workspace().get_app_dir(fl_ctx.get_job_id())

@@ -98,6 +98,7 @@ def client_config(run: RunConfig, task: TaskSpec) -> dict[str, Any]:
                         "sites": run.site_names,
                         "seed": run.seed,
                         "site_train": run.site_train,
+                        "evaluation": run.site_evaluation,
                     },
                 },
             }

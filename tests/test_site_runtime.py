@@ -1,0 +1,58 @@
+"""The site side without FLARE: where data comes from, and when evaluation counts are sent."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from medflare.errors import ConfigError, DataError
+from medflare.methods.base import RoundContext
+from medflare.site_runtime import SiteRuntime, SiteSettings, TaskSpec, read_site_data_config, site_index_from_name
+
+TASK = TaskSpec(num_classes=5, in_channels=3, image_size=28)
+DATA = {"source": "synthetic:n=200", "partition": "iid", "num_sites": 2}
+EVAL_KEYS = {"eval_val", "eval_test", "eval_test_by_attribute"}
+
+
+def test_simulation_data_comes_from_the_job() -> None:
+    assert read_site_data_config("/nonexistent", DATA) == DATA
+
+
+def test_site_data_comes_from_the_sites_own_file(tmp_path: Path) -> None:
+    (tmp_path / "medflare_site.json").write_text(json.dumps({"data": {"source": "folder:/data/xray"}}))
+    config = read_site_data_config(tmp_path, {"source": "site", "image_size": 32})
+    assert config == {"image_size": 32, "source": "folder:/data/xray", "local": True, "num_sites": 1}
+
+
+def test_missing_site_file_says_what_to_create(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="medflare_site.json"):
+        read_site_data_config(tmp_path, {"source": "site"})
+    (tmp_path / "medflare_site.json").write_text("{not json")
+    with pytest.raises(DataError, match="JSON"):
+        read_site_data_config(tmp_path, None)
+
+
+def test_site_index_from_job_list_or_name() -> None:
+    assert site_index_from_name("hospital-b", ["hospital-a", "hospital-b"]) == 1
+    assert site_index_from_name("site-3", None) == 2
+    with pytest.raises(ConfigError):
+        site_index_from_name("hospital-c", ["hospital-a"])
+
+
+@pytest.mark.parametrize("mode, in_train, in_validate", [("every_round", True, True), ("final", False, True), ("off", False, False)])
+def test_evaluation_modes(mode: str, in_train: bool, in_validate: bool) -> None:
+    settings = SiteSettings("fedavg", TASK, DATA, train={"max_steps": 1}, evaluation=mode)
+    runtime = SiteRuntime(settings, "site-1", 0, log=lambda m: None)
+    _, train_meta = runtime.train({}, RoundContext(0, 1))
+    assert (EVAL_KEYS <= set(train_meta)) is in_train and (not EVAL_KEYS & set(train_meta)) is not in_train
+    assert (EVAL_KEYS <= set(runtime.validate({}))) is in_validate
+
+
+def test_unknown_evaluation_mode_is_refused() -> None:
+    with pytest.raises(ConfigError, match="evaluation"):
+        SiteSettings("fedavg", TASK, DATA, evaluation="sometimes")
+
+
+def test_channel_mismatch_names_the_site() -> None:
+    with pytest.raises(DataError, match="site-1.*in_channels=1"):
+        SiteRuntime(SiteSettings("fedavg", TaskSpec(5, 1, 28), DATA), "site-1", 0, log=lambda m: None)
