@@ -216,6 +216,8 @@ def write_plots(summary: Mapping[str, Any], out: Path) -> list[Path]:
         axes[1].plot(rounds, [e["train_loss"].get(site) for e in summary["per_round"]], marker=".", label=site)
     axes[1].set(xlabel="round", ylabel="mean local training loss", title="local training loss per site")
     axes[1].legend(fontsize=8)
+    for ax in axes:
+        ax.xaxis.set_major_locator(integer_ticks())
     fig.tight_layout()
     fig.savefig(files[0], dpi=110)
     plt.close(fig)
@@ -226,6 +228,13 @@ def write_plots(summary: Mapping[str, Any], out: Path) -> list[Path]:
 
 
 PER_SITE_TITLES = {"share": "contribution of each site to the global model", "rf": "rescue factor RF per site"}
+
+
+def integer_ticks() -> Any:
+    """Round axes show whole rounds only."""
+    from matplotlib.ticker import MaxNLocator
+
+    return MaxNLocator(integer=True)
 
 
 def site_valued_keys(per_round: list[Mapping[str, Any]]) -> list[str]:
@@ -245,6 +254,7 @@ def _plot_per_site(plt: Any, summary: Mapping[str, Any], key: str, path: Path) -
     for site in sorted(summary["clients"]):
         ax.plot(rounds, [e.get(key, {}).get(site) for e in summary["per_round"]], marker="o", label=site)
     ax.set(xlabel="round", ylabel=key, title=PER_SITE_TITLES.get(key, f"{key} per site"))
+    ax.xaxis.set_major_locator(integer_ticks())
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -267,6 +277,7 @@ def comparison_outputs(summaries: list[Mapping[str, Any]], out_dir: str | Path) 
         rounds = [e["round"] for e in s["per_round"]]
         ax.plot(rounds, [e["metrics"].get("balanced_accuracy") for e in s["per_round"]], marker="o", label=s["method"])
     ax.set(xlabel="round", ylabel="test balanced accuracy", title="global model per round")
+    ax.xaxis.set_major_locator(integer_ticks())
     ax.legend()
     fig.tight_layout()
     fig.savefig(plot_file, dpi=110)

@@ -84,6 +84,7 @@ def run_simulation(run: RunConfig, out_dir: str | Path, echo: Callable[[str], No
             raise SimulationError(f"the job stopped early: {summary['error']}")
         write_outputs(summary, staging)
         _keep_model(workspace, staging)
+        _plot_site_logs(run, staging)
         shutil.rmtree(workspace, ignore_errors=True)  # logs stay in simulator.log; the model is copied out
         shutil.rmtree(out, ignore_errors=True)
         staging.rename(out)
@@ -125,6 +126,16 @@ def _shorten(line: str) -> str:
         if at > 0 and "round" in line[at:]:
             return "  " + line[at:]
     return "  " + line[-200:]
+
+
+def _plot_site_logs(run: RunConfig, out: Path) -> None:
+    """Draw each simulated site's local diagnostics with the method's own plot, if it has one."""
+    from medflare.registry import get_method
+
+    plot = get_method(run.method).site_log_plot
+    for log in sorted(out.glob(f"sites/*/{SITE_LOG_FILE}")) if plot else []:
+        records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+        plot(records, log.with_name("diagnostics.png"))
 
 
 def _server_app_dir(workspace: Path) -> Path:

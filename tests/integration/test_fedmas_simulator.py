@@ -27,3 +27,4 @@ def test_fedmas_records_rf_and_rf_weighted_shares(tmp_path: Path) -> None:
         assert not {"w", "w_hat"} & set(summary["payload"][site]["meta_keys"])
     assert (tmp_path / "fedmas" / "rf.png").is_file()
     assert (tmp_path / "fedmas" / "sites" / "site-1" / "medflare_site_log.jsonl").is_file()
+    assert (tmp_path / "fedmas" / "sites" / "site-1" / "diagnostics.png").is_file()

@@ -402,6 +402,7 @@ class MethodSpec:
         build_model: network builder (method-specific heads go here).
         train_defaults: TrainConfig overrides the method's paper uses.
         reference: paper or source the method follows.
+        site_log_plot: optional picture of a site's local log records (simulation copies site logs out).
     """
 
     name: str
@@ -413,3 +414,4 @@ class MethodSpec:
     build_model: ModelBuilder = default_model_builder
     train_defaults: Mapping[str, Any] = field(default_factory=dict)
     reference: str = ""
+    site_log_plot: Callable[[list[dict[str, Any]], Any], Any] | None = None

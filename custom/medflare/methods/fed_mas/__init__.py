@@ -12,6 +12,7 @@ from medflare.errors import ConfigError
 from medflare.methods.base import MethodSpec
 from medflare.methods.fed_mas.client import RF_KEY, FedMasTrainer
 from medflare.methods.fed_mas.model import FedMasNet
+from medflare.methods.fed_mas.plots import plot_divergence
 from medflare.methods.fed_mas.prior import IMAGENET_LITE0, prior_feature_dim
 from medflare.methods.fed_mas.server import FedMasRule
 from medflare.registry import register_method
@@ -79,6 +80,7 @@ SPEC = register_method(
         build_model=build_fedmas_model,
         train_defaults=TRAIN_DEFAULTS,
         reference=REFERENCE,
+        site_log_plot=plot_divergence,
     )
 )
 
