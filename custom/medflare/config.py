@@ -38,11 +38,6 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
     return value
 
 
-def to_dict(obj: Any) -> dict[str, Any]:
-    """A dataclass as a plain JSON-able dict."""
-    return dataclasses.asdict(obj)
-
-
 def load_config_file(path: str | Path) -> dict[str, Any]:
     """Read a JSON or TOML run configuration."""
     file = Path(path)

@@ -19,6 +19,7 @@ from medflare.config import from_dict
 from medflare.contracts import ContractContext
 from medflare.errors import ConfigError, DataError
 from medflare.methods.base import LocalTrainer, MethodSpec, RoundContext, TrainConfig, eval_stats
+from medflare.models import get_device
 from medflare.registry import get_method
 
 SITE_CONFIG_FILE = "medflare_site.json"  # in a site's local/ folder (POC and production)
@@ -81,11 +82,6 @@ def read_site_data_config(site_config_dir: str | Path, job_data: Mapping[str, An
     return {**overrides, **site_data, "local": True, "num_sites": 1}
 
 
-def pick_device() -> torch.device:
-    """CUDA when the site has a GPU, else CPU."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 class SiteRuntime:
     """A site's live state for one job: data, model, trainer (optimizer and personal state persist)."""
 
@@ -106,7 +102,7 @@ class SiteRuntime:
         torch.manual_seed(settings.seed + site_index)
         if self.train_cfg.torch_threads > 0:
             torch.set_num_threads(self.train_cfg.torch_threads)
-        self.device = pick_device()
+        self.device = get_device()  # CUDA when the site has a GPU, else CPU
         self.data = self._load_data(site_index)
         self.model = self._build_model()
         self.trainer: LocalTrainer = self.spec.trainer_cls(

@@ -1,6 +1,6 @@
 """Pure numpy operations on name -> array dictionaries (no FLARE, no torch training)."""
 
 from medflare.ops.aggregate import normalise_weights, weighted_average
-from medflare.ops.state import load_params, model_params, param_specs
+from medflare.ops.state import load_params, model_params
 
-__all__ = ["normalise_weights", "weighted_average", "load_params", "model_params", "param_specs"]
+__all__ = ["normalise_weights", "weighted_average", "load_params", "model_params"]

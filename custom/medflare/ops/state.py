@@ -16,11 +16,6 @@ def model_params(model: nn.Module, keep: Callable[[str], bool] = lambda key: Tru
     return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items() if keep(k)}
 
 
-def param_specs(model: nn.Module, keep: Callable[[str], bool] = lambda key: True) -> dict[str, tuple]:
-    """key -> (shape, numpy dtype) for the kept keys: what the server expects back from a site."""
-    return {k: (tuple(v.shape), v.detach().cpu().numpy().dtype) for k, v in model.state_dict().items() if keep(k)}
-
-
 def load_params(model: nn.Module, params: Mapping[str, np.ndarray], keep: Callable[[str], bool]) -> list[str]:
     """Copy received arrays into the model for the keys ``keep`` accepts; other keys stay as they are.
 
