@@ -21,6 +21,7 @@ from medflare.site_runtime import SITE_LOG_FILE
 
 # Simulator log lines worth showing live: round progress, per-site epochs, rejections, errors.
 PROGRESS = re.compile(r"medflare:|round \d+/\d+ epoch|REJECTED|ERROR|Error:")
+MESSAGE_START = re.compile(r"medflare:|[\w.-]+: round \d+/|round \d+: REJECTED")
 
 
 class SimulationError(MedflareError, RuntimeError):
@@ -121,11 +122,8 @@ def _launch(run: RunConfig, job_dir: Path, workspace: Path, log_path: Path, echo
 
 def _shorten(line: str) -> str:
     """Drop FLARE's timestamp/logger prefix so progress lines stay readable."""
-    for marker in ("medflare:", "site-"):
-        at = line.find(marker)
-        if at > 0 and "round" in line[at:]:
-            return "  " + line[at:]
-    return "  " + line[-200:]
+    match = MESSAGE_START.search(line)
+    return "  " + (line[match.start():] if match else line[-200:])
 
 
 def _plot_site_logs(run: RunConfig, out: Path) -> None:
