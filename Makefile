@@ -39,3 +39,35 @@ test-fast: install
 
 clean:
 	rm -rf runs .pytest_cache
+
+# ----- deployment (issue 4): generated artifacts, provisioning, POC, the site wheel -------------------------
+.PHONY: apps templates policies deploy-artifacts provision poc-demo wheel
+PROJECT ?= provisioning/project.yml
+PROVISION_WS ?= runs/provision
+POC_METHOD ?= fedavg
+
+# apps/<method>/: the ready-to-submit (pre-installed) job of every registered method; tests fail when stale.
+apps: install
+	$(PY) -m medflare.deploy.apps
+
+# job_templates/<method>/: one `nvflare job create` template per method, from the same builders.
+templates: install
+	$(PY) -m medflare.deploy.templates
+
+# provisioning/site_local/: the reviewed site-local policy files (authorization, privacy, resources).
+policies: install
+	$(PY) -c "from medflare.deploy.policies import write_policy_templates as w; w()"
+
+deploy-artifacts: apps templates policies
+
+# Startup kits for provisioning/project.yml (with site policies) in $(PROVISION_WS).
+provision: install
+	provisioning/provision.sh -p $(PROJECT) -w $(PROVISION_WS)
+
+# One command: a 2-site POC on loopback, one method's job (BYOC), results in runs/poc-demo, then stop and clean.
+poc-demo: install
+	PATH="$(abspath $(VENV))/bin:$$PATH" poc/run.sh $(POC_METHOD) --mode byoc -o runs/poc-demo --rounds 3 --max-steps 5
+
+# The wheel a pre-installed site reviews and installs (pip install dist/medflare-*.whl).
+wheel: install
+	$(PY) -m pip wheel --no-deps --wheel-dir dist . && rm -rf build

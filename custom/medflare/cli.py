@@ -86,8 +86,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     run = build_run_config(args)
     out = Path(args.out or f"runs/{run.job_name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    print(f"medflare: running {run.method} on {run.clients} simulated sites for {run.rounds} rounds -> {out}")
-    summary = run_simulation(run, out)
+    if getattr(args, "env", "sim") == "poc":
+        from medflare.deploy.poc import run_poc
+
+        print(f"medflare: running {run.method} on a {run.clients}-site FLARE POC for {run.rounds} rounds -> {out}")
+        summary = run_poc(run, out, mode=args.mode)
+    else:
+        print(f"medflare: running {run.method} on {run.clients} simulated sites for {run.rounds} rounds -> {out}")
+        summary = run_simulation(run, out)
     print()
     print(results_table([summary]))
     timing = summary["timing"]
@@ -153,6 +159,10 @@ def make_parser() -> argparse.ArgumentParser:
     run.add_argument("method", help="registered method (see 'medflare methods')")
     _add_run_options(run)
     run.add_argument("--out", help="result folder (default runs/<method>-<time>)")
+    run.add_argument("--env", choices=["sim", "poc"], default="sim",
+                     help="sim: FLARE simulator (default); poc: a real local FLARE POC (mTLS kits, one process per site)")
+    run.add_argument("--mode", choices=["byoc", "preinstalled"], default="byoc",
+                     help="with --env poc: job carries the code (byoc) or sites use their installed medflare")
     run.set_defaults(func=cmd_run)
     compare = sub.add_parser("compare", help="run several methods with identical settings; one table")
     compare.add_argument("methods", nargs="+", help="registered methods to compare")

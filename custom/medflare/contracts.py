@@ -26,6 +26,14 @@ EVAL_VAL = "eval_val"  # EvalStats.to_dict() of the *received* model on the site
 EVAL_TEST = "eval_test"  # same on the site's test split (reported, never used for selection)
 EVAL_TEST_BY_ATTRIBUTE = "eval_test_by_attribute"  # {attribute value: EvalStats dict} when images carry one
 
+PRIVACY_SCOPE_PREFIX = "medflare-"  # a job names the scope medflare-<method>; sites bind its result filters
+
+
+def privacy_scope(method: str) -> str:
+    """The FLARE privacy scope a job of ``method`` names in meta.json (see deploy/policies.py)."""
+    return PRIVACY_SCOPE_PREFIX + method
+
+
 # Keys the server writes into each task (server -> site).
 ROUND = "round"
 TOTAL_ROUNDS = "total_rounds"

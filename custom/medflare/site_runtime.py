@@ -163,6 +163,9 @@ class SiteRuntime:
         self.spec.payload.check_outgoing({}, meta, self.model_keys, self.contract_ctx)
         return meta
 
+    def close(self) -> None:
+        """Nothing to release for a single-process site (the data-parallel site stops its helper ranks)."""
+
     def shared_weights(self) -> dict[str, np.ndarray]:
         """The site's current shareable weights (for submit_model / cross-site evaluation)."""
         return self.trainer.outgoing_arrays()

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 from nvflare.apis.dxo import from_shareable
-from nvflare.apis.shareable import Shareable
 from nvflare.apis.signal import Signal
 
 from medflare.flare.aggregator import RoundAggregation

@@ -5,12 +5,14 @@ from __future__ import annotations
 import traceback
 
 from nvflare.apis.dxo import DXO, DataKind, from_shareable
+from nvflare.apis.event_type import EventType
 from nvflare.apis.executor import Executor
 from nvflare.apis.fl_constant import ReturnCode
 from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable, make_reply
 from nvflare.apis.signal import Signal
 
+from medflare.distributed import DataParallelSite, site_distributed_config
 from medflare.errors import MedflareError
 from medflare.flare.tasks import TASK_SUBMIT_MODEL, TASK_TRAIN, TASK_VALIDATE, round_context
 from medflare.site_runtime import SiteRuntime, SiteSettings, TaskSpec, read_site_data_config, site_index_from_name
@@ -20,7 +22,9 @@ class MedflareExecutor(Executor):
     """Runs any registered method's local work at a site (GPU when present, else CPU).
 
     Handles ``train`` (score the received global model, train, return the declared payload), ``validate``
-    (score only), ``submit_model``, and any method-specific phase (handed to the trainer's ``run_phase``). Every constructor argument is kept as a same-named attribute so FLARE's
+    (score only), ``submit_model``, and any method-specific phase (handed to the trainer's ``run_phase``).
+    A site whose ``local/medflare_site.json`` asks for several processes trains data-parallel
+    (:mod:`medflare.distributed`) and still sends one update. Every constructor argument is kept as a same-named attribute so FLARE's
     job tooling can rebuild the component from its config.
 
     Args:
@@ -61,12 +65,13 @@ class MedflareExecutor(Executor):
         self.seed = seed
         self.site_train = site_train or {}
         self.evaluation = evaluation
-        self._runtime: SiteRuntime | None = None
+        self._runtime: SiteRuntime | DataParallelSite | None = None
 
-    def _get_runtime(self, fl_ctx: FLContext) -> SiteRuntime:
+    def _get_runtime(self, fl_ctx: FLContext) -> SiteRuntime | DataParallelSite:
         if self._runtime is None:
             site = fl_ctx.get_identity_name()
-            config_dir = fl_ctx.get_engine().get_workspace().get_site_config_dir()
+            workspace = fl_ctx.get_engine().get_workspace()
+            config_dir = workspace.get_site_config_dir()
             settings = SiteSettings(
                 method=self.method,
                 task=TaskSpec(**self.task),
@@ -78,11 +83,19 @@ class MedflareExecutor(Executor):
                 evaluation=self.evaluation,
             )
             index = site_index_from_name(site, self.sites) if not settings.data.get("local") else 0
-            app_dir = fl_ctx.get_engine().get_workspace().get_app_dir(fl_ctx.get_job_id())
-            self._runtime = SiteRuntime(
-                settings, site, index, log=lambda msg: self.log_info(fl_ctx, f"{site}: {msg}"), local_dir=app_dir
-            )
+            log = lambda msg: self.log_info(fl_ctx, f"{site}: {msg}")  # noqa: E731
+            local_dir = workspace.get_app_dir(fl_ctx.get_job_id())
+            parallel = site_distributed_config(config_dir)  # a multi-GPU site asks for several processes
+            if parallel.processes > 1:
+                self._runtime = DataParallelSite(settings, site, index, parallel, log, local_dir=local_dir)
+            else:
+                self._runtime = SiteRuntime(settings, site, index, log=log, local_dir=local_dir)
         return self._runtime
+
+    def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
+        if event_type == EventType.END_RUN and self._runtime is not None:
+            self._runtime.close()
+        super().handle_event(event_type, fl_ctx)
 
     def execute(self, task_name: str, shareable: Shareable, fl_ctx: FLContext, abort_signal: Signal) -> Shareable:
         site = fl_ctx.get_identity_name()
@@ -95,7 +108,7 @@ class MedflareExecutor(Executor):
             self.log_error(fl_ctx, f"{site}: task '{task_name}' crashed: {exc}\n{traceback.format_exc()}")
         return make_reply(ReturnCode.EXECUTION_EXCEPTION)
 
-    def _dispatch(self, runtime: SiteRuntime, task_name: str, shareable: Shareable, abort_signal: Signal) -> Shareable:
+    def _dispatch(self, runtime: SiteRuntime | DataParallelSite, task_name: str, shareable: Shareable, abort_signal: Signal) -> Shareable:
         dxo = from_shareable(shareable)
         if task_name == TASK_VALIDATE:
             return DXO(DataKind.METRICS, data={}, meta=runtime.validate(dxo.data)).to_shareable()

@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from medflare.contracts import privacy_scope
 from medflare.run_config import RunConfig
 from medflare.site_runtime import TaskSpec
 
@@ -110,9 +111,12 @@ def client_config(run: RunConfig, task: TaskSpec) -> dict[str, Any]:
 
 
 def meta_config(run: RunConfig) -> dict[str, Any]:
-    """meta.json: one app deployed to every participant."""
+    """meta.json: one app deployed to every participant, under the method's privacy scope."""
     return {
         "name": run.job_name,
+        # Sites with a privacy policy apply this scope's result filters (the method's Payload guard);
+        # FLARE ignores it where no policy is defined (simulator, plain POC).
+        "scope": privacy_scope(run.method),
         "resource_spec": {},
         "min_clients": run.required_clients,
         "deploy_map": {APP_NAME: ["@ALL"]},

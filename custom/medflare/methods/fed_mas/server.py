@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 
-from medflare import contracts
 from medflare.errors import ConfigError
 from medflare.methods.base import RoundContext, ServerRule, SiteUpdate
 from medflare.methods.fed_mas.client import RF_KEY

@@ -1,0 +1,569 @@
+"""Run medflare jobs in a real FLARE POC (provisioned mTLS kits, separate server/site processes) on one machine.
+
+Everything a POC touches lives under one root folder: its own ``HOME`` (FLARE's startup-kit registry) and its
+own ``NVFLARE_POC_WORKSPACE``, so nothing leaks into the user's ``~/.nvflare`` and re-running is safe. The POC is
+prepared from ``provisioning/project.yml`` (same server, orgs and admin roles; clients renamed ``site-1..N``),
+and jobs are submitted as that project's ``lead``, exactly as in production.
+
+Command line (what the ``poc/*.sh`` scripts run)::
+
+    python -m medflare.deploy.poc prepare --sites 2
+    python -m medflare.deploy.poc start
+    python -m medflare.deploy.poc submit fedavg --mode preinstalled [run options]
+    python -m medflare.deploy.poc wait
+    python -m medflare.deploy.poc download -o runs/poc-fedavg
+    python -m medflare.deploy.poc stop
+    python -m medflare.deploy.poc clean
+    python -m medflare.deploy.poc run fedavg --mode byoc -o runs/poc-fedavg   # all of the above
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import yaml
+
+from medflare.deploy.policies import SITE_MODES, install_site_policies
+from medflare.deploy.provision import admin_with_role, load_project, nvflare_command, participants
+from medflare.errors import MedflareError
+
+REPO_DIR = Path(__file__).resolve().parents[3]
+DEFAULT_PROJECT = REPO_DIR / "provisioning" / "project.yml"
+DEFAULT_ROOT = Path(os.environ.get("MEDFLARE_POC_ROOT", "runs/poc"))
+DEFAULT_PORT = int(os.environ.get("MEDFLARE_POC_PORT", "8002"))
+SITE_PREFIX = "site-"  # simulated partitions are keyed by site-1..N (RunConfig.site_names)
+STATE_FILE = "medflare_poc.json"
+Echo = Callable[[str], None]
+
+
+class PocError(MedflareError, RuntimeError):
+    """A POC step failed; the message says which and why."""
+
+
+def poc_project(project: Mapping[str, Any], sites: list[str], port: int) -> dict[str, Any]:
+    """The consortium's project.yml turned into a one-machine POC project.
+
+    Keeps the server, the admins and their roles; replaces the hospitals by ``sites`` (orgs reused in turn,
+    so authorization rules such as ``o:site`` still mean something); puts the server on ``port``. FLARE's
+    ``poc prepare -i`` then points every participant at localhost.
+    """
+    hospitals = participants(project, "client")
+    orgs = [h["org"] for h in hospitals] or ["poc"]
+    server = {k: v for k, v in participants(project, "server")[0].items() if k != "host_names"}
+    server.update(fed_learn_port=port, admin_port=port)
+    clients = [{"name": name, "type": "client", "org": orgs[i % len(orgs)]} for i, name in enumerate(sites)]
+    others = [p for p in project["participants"] if p.get("type") not in ("server", "client")]
+    return {**project, "participants": [server, *clients, *others]}
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """True when something already listens on ``host:port``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+@dataclass
+class PocSession:
+    """One isolated POC: its root folder, port and the FLARE CLI calls that drive it.
+
+    Attributes:
+        root: folder holding ``home/``, ``poc/`` (the FLARE POC workspace) and ``medflare_poc.json``.
+        port: the server's single FL/admin port on loopback.
+        project_file: the consortium project.yml the POC is derived from.
+        echo: progress sink.
+    """
+
+    root: Path
+    port: int = DEFAULT_PORT
+    project_file: Path = DEFAULT_PROJECT
+    echo: Echo = print
+    state: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.root = Path(self.root).resolve()
+        state_path = self.root / STATE_FILE
+        if state_path.is_file():
+            self.state = json.loads(state_path.read_text())
+            self.port = int(self.state.get("port", self.port))
+
+    # ----- paths and environment --------------------------------------------------------------------
+    @property
+    def workspace(self) -> Path:
+        return self.root / "poc"
+
+    @property
+    def home(self) -> Path:
+        return self.root / "home"
+
+    def prod_dir(self) -> Path:
+        return self.workspace / self.state["project"] / "prod_00"
+
+    def kit(self, participant: str) -> Path:
+        """A participant's startup kit inside the POC."""
+        return self.prod_dir() / participant
+
+    def env(self) -> dict[str, str]:
+        env = {**os.environ, "HOME": str(self.home), "NVFLARE_POC_WORKSPACE": str(self.workspace)}
+        env.pop("NVFLARE_STARTUP_KIT_DIR", None)  # the kit is always chosen explicitly
+        return env
+
+    def nvflare(self, *args: str, timeout: float = 300, check: bool = True) -> dict[str, Any]:
+        """Run one ``nvflare ... --format json`` command in this POC's environment; return its JSON reply."""
+        command = nvflare_command() + list(args) + ["--format", "json"]
+        try:
+            proc = subprocess.run(command, capture_output=True, text=True, env=self.env(), timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            raise PocError(f"'nvflare {' '.join(args)}' did not finish within {timeout:.0f} s") from exc
+        reply = _last_json(proc.stdout) or {"status": "error", "message": (proc.stderr or proc.stdout)[-2000:]}
+        reply["exit_code"] = proc.returncode
+        if check and proc.returncode != 0:
+            raise PocError(f"'nvflare {' '.join(args)}' failed (exit {proc.returncode}): {reply.get('message', reply)}")
+        return reply
+
+    def _save_state(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        (self.root / STATE_FILE).write_text(json.dumps(self.state, indent=2) + "\n")
+
+    # ----- lifecycle --------------------------------------------------------------------------------
+    def prepare(self, n_sites: int = 2, site_modes: Mapping[str, str] | None = None, default_mode: str = "byoc") -> None:
+        """Provision a fresh POC with ``n_sites`` sites and install medflare's site policies in every kit.
+
+        A POC left over in this root is stopped and removed first (safe to re-run). A port held by anything
+        else is refused with a clear message: FLARE POCs on one host must not share a port.
+
+        Args:
+            n_sites: number of sites, named site-1..N.
+            site_modes: per-site mode override, e.g. {"site-3": "preinstalled"}.
+            default_mode: mode of the other sites ("byoc" sites accept both BYOC and pre-installed jobs).
+        """
+        site_modes = dict(site_modes or {})
+        sites = [f"{SITE_PREFIX}{i + 1}" for i in range(n_sites)]
+        if set(site_modes) - set(sites) or {default_mode, *site_modes.values()} - set(SITE_MODES):
+            raise PocError(f"site modes {site_modes} must name sites among {sites} and modes among {SITE_MODES}")
+        self.discard()
+        if port_in_use(self.port):
+            raise PocError(
+                f"port {self.port} is in use by another process (another FLARE POC or server?). Stop it, or "
+                f"choose another port with --port / MEDFLARE_POC_PORT."
+            )
+        project = poc_project(load_project(self.project_file), sites, self.port)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.home.mkdir(exist_ok=True)
+        project_file = self.root / "project.yml"
+        project_file.write_text(yaml.safe_dump(project, sort_keys=False))
+        self.nvflare("poc", "prepare", "-i", str(project_file), "--force")
+        self.state = {
+            "project": project["name"],
+            "port": self.port,
+            "sites": sites,
+            "site_modes": {site: site_modes.get(site, default_mode) for site in sites},
+            "server": participants(project, "server")[0]["name"],
+            "lead": admin_with_role(project, "lead"),
+            "project_admin": admin_with_role(project, "project_admin"),
+            "admins": {a["name"]: a.get("role") for a in participants(project, "admin")},
+            "jobs": {},
+        }
+        for site in [self.state["server"], *sites]:
+            install_site_policies(self.kit(site), self.state["site_modes"].get(site, default_mode))
+        self._save_state()
+        self.echo(f"poc: prepared {n_sites} sites ({self.state['site_modes']}) in {self.workspace}")
+
+    def start(self, exclude: list[str] | None = None, timeout: float = 120) -> None:
+        """Start the server and the sites (except ``exclude``); returns when FLARE reports them ready."""
+        self._require_prepared()
+        args = ["poc", "start", "--timeout", str(int(timeout))]
+        for name in exclude or []:
+            args += ["-ex", name]
+        self.nvflare(*args, timeout=timeout + 60)
+        self.echo(f"poc: started on localhost:{self.port}")
+
+    def start_site(self, site: str, timeout: float = 60) -> None:
+        """Start one more site and wait until the server lists it as connected."""
+        self.nvflare("poc", "start", "-p", site, "--timeout", str(int(timeout)), timeout=timeout + 60)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if site in self.connected_sites():
+                return
+            time.sleep(1)
+        raise PocError(f"{site} did not connect to the server within {timeout:.0f} s; see {self.kit(site)}/log.txt")
+
+    def connected_sites(self) -> list[str]:
+        """Sites the server currently lists as connected."""
+        reply = self.nvflare("system", "status", "--startup-kit", str(self.kit(self.state["project_admin"])),
+                             check=False, timeout=60)
+        text = json.dumps(reply.get("data", {}))
+        return [site for site in self.state["sites"] if f'"{site}"' in text]
+
+    def stop(self) -> None:
+        """Stop every POC process (waits for FLARE's shutdown, then ends any straggler of this POC by pid)."""
+        if not self.workspace.exists():
+            return
+        self.nvflare("poc", "stop", check=False, timeout=120)
+        for pid in self._own_pids():  # only processes whose command line names this POC's workspace
+            _terminate(pid)
+
+    def clean(self) -> None:
+        """Delete the POC workspace (FLARE refuses right after stop while processes exit: retry, then force)."""
+        for attempt in range(5):
+            if not self.workspace.exists():
+                break
+            if self.nvflare("poc", "clean", check=False, timeout=60)["exit_code"] == 0:
+                break
+            time.sleep(2 + attempt)
+        else:
+            self.nvflare("poc", "clean", "--force", check=False, timeout=120)
+        shutil.rmtree(self.workspace, ignore_errors=True)
+        (self.root / STATE_FILE).unlink(missing_ok=True)
+        self.state = {}
+
+    def discard(self) -> None:
+        """Stop and remove whatever POC this root holds (used before prepare and after failures)."""
+        if self.workspace.exists() or self._own_pids():
+            self.echo(f"poc: stopping and removing the previous POC in {self.root}")
+            self.stop()
+            self.clean()
+
+    # ----- jobs -------------------------------------------------------------------------------------
+    def submit(self, job_dir: str | Path, user: str | None = None) -> str:
+        """Submit a job folder as ``user`` (default: the project's lead); return the job id."""
+        self._require_prepared()
+        user = user or self.state["lead"]
+        reply = self.nvflare("job", "submit", "-j", str(job_dir), "--startup-kit", str(self.kit(user)))
+        job_id = reply["data"]["job_id"]
+        self.state["jobs"][job_id] = {"job_dir": str(job_dir), "user": user, "submitted_at": time.time()}
+        self.state["last_job"] = job_id
+        self._save_state()
+        self.echo(f"poc: submitted {Path(job_dir).name} as {user}: job {job_id}")
+        return job_id
+
+    def try_submit(self, job_dir: str | Path, user: str) -> dict[str, Any]:
+        """Submit and return FLARE's reply without raising (to check that a submission is refused)."""
+        return self.nvflare("job", "submit", "-j", str(job_dir), "--startup-kit", str(self.kit(user)), check=False)
+
+    def wait(self, job_id: str | None = None, timeout: float = 600) -> str:
+        """Wait for a job to end; return its final status (e.g. FINISHED:COMPLETED). Never raises on failure."""
+        job_id = job_id or self.state["last_job"]
+        user = self.state["jobs"].get(job_id, {}).get("user", self.state["lead"])
+        reply = self.nvflare("job", "wait", job_id, "--timeout", str(int(timeout)),
+                             "--startup-kit", str(self.kit(user)), check=False, timeout=timeout + 60)
+        status = reply.get("data", {}).get("status") or reply.get("error_code") or "UNKNOWN"
+        self.state["jobs"].setdefault(job_id, {})["status"] = status
+        self._save_state()
+        return status
+
+    def download(self, job_id: str | None, out_dir: str | Path) -> Path:
+        """Download a finished job's workspace; return the folder holding ``workspace/app_server``."""
+        job_id = job_id or self.state["last_job"]
+        user = self.state["jobs"].get(job_id, {}).get("user", self.state["lead"])
+        reply = self.nvflare("job", "download", job_id, "-o", str(out_dir), "--force",
+                             "--startup-kit", str(self.kit(user)))
+        return Path(reply["data"]["download_path"])
+
+    def server_log(self) -> str:
+        """The POC server's log (deploy refusals and job failures are reported there)."""
+        path = self.kit(self.state["server"]) / "log.txt"
+        return path.read_text(errors="replace") if path.is_file() else ""
+
+    # ----- internals --------------------------------------------------------------------------------
+    def _require_prepared(self) -> None:
+        if not self.state:
+            raise PocError(f"no POC is prepared in {self.root}; run 'prepare' first")
+
+    def _own_pids(self) -> list[int]:
+        marker = str(self.workspace)
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if marker in cmdline:
+                pids.append(int(entry.name))
+        return pids
+
+
+def _terminate(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+
+
+def _last_json(text: str) -> dict[str, Any] | None:
+    """The last JSON object printed on stdout (FLARE may print warnings before it)."""
+    for line in reversed(text.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
+# ----- jobs for POC ---------------------------------------------------------------------------------
+def retarget_job(job_dir: str | Path, sites: list[str], name: str) -> None:
+    """Deploy a job to ``sites`` only (plus the server) and rename it."""
+    meta_path = Path(job_dir) / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta.update(name=name, deploy_map={"app": ["server", *sites]}, min_clients=len(sites))
+    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def export_poc_job(run: Any, out_dir: str | Path, mode: str) -> Path:
+    """The run's FLARE job (``byoc`` or ``preinstalled``) with its privacy scope, as POC and production get it."""
+    from medflare.flare.job import export_job
+    from medflare.simulate import describe_sites, shot_groups_for
+
+    _, class_counts = describe_sites(run)
+    return export_job(run, out_dir, run.task_spec(), mode=mode, shot_groups=shot_groups_for(run, class_counts))
+
+
+def find_results(download_dir: str | Path) -> Path:
+    """The controller's results file inside a downloaded job."""
+    from medflare.flare.controller import RESULTS_FILE
+
+    found = sorted(Path(download_dir).glob(f"**/app_server/{RESULTS_FILE}"))
+    if not found:
+        raise PocError(f"the downloaded job has no {RESULTS_FILE} under {download_dir}: it did not run")
+    return found[0]
+
+
+def write_run_outputs(run: Any, download_dir: Path, out: Path, launched_at: float | None, extra: dict) -> dict:
+    """summary.json / rounds.csv / report.md / plots (as ``medflare run`` writes them) from a downloaded job."""
+    from medflare.report import build_summary, write_outputs
+    from medflare.simulate import describe_sites
+
+    results_path = find_results(download_dir)
+    results = json.loads(results_path.read_text())
+    clients, _ = describe_sites(run)
+    config = {**vars(run), "task": vars(run.task_spec()), "train_resolved": vars(run.train_config()), **extra}
+    summary = build_summary(results, config, clients, launched_at)
+    summary["deployment"] = extra
+    write_outputs(summary, out)
+    app = results_path.parent
+    for name in ("FL_global_model.pt", "best_FL_global_model.pt"):
+        if (app / name).exists():
+            shutil.copy(app / name, out / name)
+    server_log = app.parent / "log.txt"
+    if server_log.exists():
+        shutil.copy(server_log, out / "poc_server.log")
+    return summary
+
+
+def run_poc(
+    run: Any,
+    out_dir: str | Path,
+    echo: Echo = print,
+    mode: str = "byoc",
+    port: int = DEFAULT_PORT,
+    timeout: float = 1800,
+) -> dict[str, Any]:
+    """The POC twin of ``run_simulation``: prepare and start a POC, submit the job as the lead, wait,
+    download, write the run's outputs, stop and clean.
+
+    Everything is staged in ``<out>.partial`` (including the POC itself) and moved to ``out`` only after
+    success; on failure the POC is stopped and removed and its server log kept as ``<out>.failed.log``.
+
+    Args:
+        run: the RunConfig (``clients`` decides the number of POC sites).
+        out_dir: result folder.
+        echo: progress sink.
+        mode: "byoc" (the job carries medflare) or "preinstalled" (sites use their installed medflare).
+        port: the POC server port on loopback.
+        timeout: seconds the job may take.
+    """
+    run.validate()
+    out = Path(out_dir).resolve()
+    staging = out.with_name(out.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    session = PocSession(staging / "poc", port=port, echo=echo)
+    try:
+        session.prepare(run.clients)
+        job_dir = export_poc_job(run, staging / "job", mode)
+        launched_at = time.time()
+        session.start()
+        job_id = session.submit(job_dir)
+        echo(f"poc: waiting for job {job_id} ({run.rounds} rounds)")
+        status = session.wait(job_id, timeout=timeout)
+        if status != "FINISHED:COMPLETED":
+            raise PocError(f"job {job_id} ended as {status}; see the server log")
+        download = session.download(job_id, staging / "download")
+        extra = {"env": "poc", "mode": mode, "job_id": job_id, "status": status, "sites": session.state["sites"]}
+        summary = write_run_outputs(run, download, staging, launched_at, extra)
+        if summary.get("error"):
+            raise PocError(f"the job stopped early: {summary['error']}")
+        session.stop()
+        session.clean()
+        for leftover in ("poc", "download"):
+            shutil.rmtree(staging / leftover, ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)
+        staging.rename(out)
+        return summary
+    except BaseException:
+        log = session.server_log() if session.state else ""
+        if log:
+            out.with_name(out.name + ".failed.log").write_text(log)
+        session.discard()
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+# ----- command line ---------------------------------------------------------------------------------
+def _run_config_from_args(args: Any) -> Any:
+    from medflare.cli import build_run_config
+
+    run = build_run_config(args)
+    run.validate()
+    return run
+
+
+def _cmd_prepare(session: PocSession, args: Any) -> int:
+    modes = dict(item.split("=", 1) for item in args.site_mode)
+    session.prepare(args.sites, modes, args.mode_default)
+    return 0
+
+
+def _cmd_start(session: PocSession, args: Any) -> int:
+    session.start(exclude=args.exclude, timeout=args.timeout)
+    return 0
+
+
+def _cmd_submit(session: PocSession, args: Any) -> int:
+    import dataclasses
+
+    run = _run_config_from_args(args)
+    job_dir = export_poc_job(run, session.root / "jobs" / args.mode, args.mode)
+    job_id = session.submit(job_dir, args.user)
+    session.state["jobs"][job_id].update(run=dataclasses.asdict(run), mode=args.mode)
+    session._save_state()
+    print(job_id)
+    return 0
+
+
+def _cmd_wait(session: PocSession, args: Any) -> int:
+    status = session.wait(args.job_id, args.timeout)
+    print(status)
+    return 0 if status == "FINISHED:COMPLETED" else 1
+
+
+def _cmd_download(session: PocSession, args: Any) -> int:
+    from medflare.config import from_dict
+    from medflare.report import results_table
+    from medflare.run_config import RunConfig
+
+    job_id = args.job_id or session.state.get("last_job")
+    if not job_id:
+        raise PocError("no job submitted in this POC")
+    job = session.state["jobs"][job_id]
+    run = from_dict(RunConfig, job["run"], "run config")
+    out = Path(args.output or f"runs/poc-{run.job_name}-{job_id[:8]}").resolve()
+    download = session.download(job_id, session.root / "downloads")
+    extra = {"env": "poc", "mode": job.get("mode"), "job_id": job_id, "status": job.get("status"),
+             "sites": session.state["sites"]}
+    out.mkdir(parents=True, exist_ok=True)
+    summary = write_run_outputs(run, download, out, None, extra)
+    print(results_table([summary]))
+    print(f"results: {out}  (summary.json, rounds.csv, report.md, learning_curves.png)")
+    return 0
+
+
+def _cmd_stop(session: PocSession, args: Any) -> int:
+    session.stop()
+    return 0
+
+
+def _cmd_clean(session: PocSession, args: Any) -> int:
+    session.stop()
+    session.clean()
+    return 0
+
+
+def _cmd_run(session: PocSession, args: Any) -> int:
+    from medflare.report import results_table
+
+    run = _run_config_from_args(args)
+    out = Path(args.output or f"runs/poc-{run.job_name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    summary = run_poc(run, out, mode=args.mode, port=args.port)
+    print(results_table([summary]))
+    print(f"results: {out.resolve()}")
+    return 0
+
+
+def make_parser() -> Any:
+    import argparse
+
+    from medflare.cli import _add_run_options
+
+    parser = argparse.ArgumentParser(prog="python -m medflare.deploy.poc", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--root", default=str(DEFAULT_ROOT),
+                        help="folder for this POC (HOME, workspace, jobs); default $MEDFLARE_POC_ROOT or runs/poc")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="server port (default $MEDFLARE_POC_PORT or 8002)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("prepare", help="provision a fresh POC (removes any previous one in --root)")
+    p.add_argument("--sites", type=int, default=2, help="number of sites site-1..N (default 2)")
+    p.add_argument("--mode-default", choices=SITE_MODES, default="byoc", help="site mode (default byoc)")
+    p.add_argument("--site-mode", action="append", default=[], metavar="SITE=MODE", help="e.g. site-2=preinstalled")
+    p.set_defaults(func=_cmd_prepare)
+    p = sub.add_parser("start", help="start server and sites; returns when they are ready")
+    p.add_argument("--exclude", action="append", default=[], help="participant not to start")
+    p.add_argument("--timeout", type=float, default=120)
+    p.set_defaults(func=_cmd_start)
+    for name, func, text in (("submit", _cmd_submit, "export a method's job and submit it as the lead"),
+                             ("run", _cmd_run, "prepare, start, submit, wait, download, stop and clean")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("method")
+        _add_run_options(p)
+        p.add_argument("--mode", choices=["byoc", "preinstalled"], default="byoc")
+        if name == "submit":
+            p.add_argument("--user", help="admin who submits (default: the project's lead)")
+        else:
+            p.add_argument("-o", "--output", help="result folder (default runs/poc-<method>-<time>)")
+        p.set_defaults(func=func)
+    p = sub.add_parser("wait", help="wait for a job (default: the last submitted); exit 0 if it completed")
+    p.add_argument("job_id", nargs="?")
+    p.add_argument("--timeout", type=float, default=1800)
+    p.set_defaults(func=_cmd_wait)
+    p = sub.add_parser("download", help="download a job and write summary.json, rounds.csv, report.md, plots")
+    p.add_argument("job_id", nargs="?")
+    p.add_argument("-o", "--output", help="result folder (default runs/poc-<method>-<job>)")
+    p.set_defaults(func=_cmd_download)
+    sub.add_parser("stop", help="stop every process of this POC").set_defaults(func=_cmd_stop)
+    sub.add_parser("clean", help="stop (if needed) and delete this POC").set_defaults(func=_cmd_clean)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    import sys
+
+    args = make_parser().parse_args(argv)
+    session = PocSession(Path(args.root), port=args.port)
+    try:
+        return args.func(session, args)
+    except MedflareError as exc:
+        print(f"poc: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

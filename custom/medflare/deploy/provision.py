@@ -1,0 +1,145 @@
+"""Provision a consortium: ``nvflare provision`` writes the startup kits, then medflare's site policies go in.
+
+Command line (what ``provisioning/provision.sh`` runs)::
+
+    python -m medflare.deploy.provision -p provisioning/project.yml -w /secure/workspace \\
+        [--mode byoc|preinstalled] [--site-mode hospital-b=preinstalled] [--gpus hospital-a=2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from medflare.deploy.policies import SITE_MODES, install_site_policies, is_site_kit
+
+
+class ProvisionError(RuntimeError):
+    """``nvflare provision`` failed or wrote no kits."""
+
+
+def nvflare_command() -> list[str]:
+    """The nvflare CLI of this interpreter's environment (never whatever comes first on PATH)."""
+    candidate = Path(sys.executable).with_name("nvflare")
+    return [str(candidate)] if candidate.exists() else [sys.executable, "-m", "nvflare.cli"]
+
+
+def load_project(path: str | Path) -> dict[str, Any]:
+    """A project.yml as a dict (raises a clear error when it is not one)."""
+    project = yaml.safe_load(Path(path).read_text())
+    if not isinstance(project, dict) or "participants" not in project:
+        raise ProvisionError(f"{path} is not a FLARE project.yml (no 'participants')")
+    return project
+
+
+def participants(project: Mapping[str, Any], kind: str) -> list[dict[str, Any]]:
+    """Participants of one type ("server", "client" or "admin"), in file order."""
+    return [p for p in project["participants"] if p.get("type") == kind]
+
+
+def admin_with_role(project: Mapping[str, Any], role: str) -> str:
+    """The name of the first admin with ``role`` (e.g. the lead who submits jobs)."""
+    for admin in participants(project, "admin"):
+        if admin.get("role") == role:
+            return str(admin["name"])
+    raise ProvisionError(f"the project has no admin with role '{role}'")
+
+
+def latest_prod_dir(workspace: str | Path, project_name: str) -> Path:
+    """The newest ``<workspace>/<project>/prod_NN`` (each provisioning run writes the next NN)."""
+    prods = sorted((Path(workspace) / project_name).glob("prod_[0-9][0-9]"))
+    if not prods:
+        raise ProvisionError(f"no startup kits under {Path(workspace) / project_name}")
+    return prods[-1]
+
+
+def install_policies(
+    prod_dir: str | Path,
+    default_mode: str = "byoc",
+    site_modes: Mapping[str, str] | None = None,
+    site_gpus: Mapping[str, int] | None = None,
+    site_configs: Mapping[str, dict] | None = None,
+) -> dict[str, list[Path]]:
+    """Write site-local policies into every server and client kit of ``prod_dir``; returns files per kit."""
+    site_modes, site_gpus, site_configs = site_modes or {}, site_gpus or {}, site_configs or {}
+    written = {}
+    for kit in sorted(p for p in Path(prod_dir).iterdir() if p.is_dir() and is_site_kit(p)):
+        written[kit.name] = install_site_policies(
+            kit,
+            site_modes.get(kit.name, default_mode),
+            num_gpus=site_gpus.get(kit.name, 0),
+            site_config=site_configs.get(kit.name),
+        )
+    return written
+
+
+def provision(
+    project_yml: str | Path,
+    workspace: str | Path,
+    default_mode: str = "byoc",
+    site_modes: Mapping[str, str] | None = None,
+    site_gpus: Mapping[str, int] | None = None,
+) -> Path:
+    """Run ``nvflare provision`` and install medflare's site policies; return the new ``prod_NN`` folder."""
+    project = load_project(project_yml)
+    unknown = set(site_modes or {}) | set(site_gpus or {})
+    unknown -= {p["name"] for p in project["participants"]}
+    if unknown:
+        raise ProvisionError(f"--site-mode/--gpus name participants not in {project_yml}: {sorted(unknown)}")
+    Path(workspace).mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(
+        nvflare_command() + ["provision", "-p", str(project_yml), "-w", str(workspace)],
+        capture_output=True, text=True,
+    )
+    if proc.returncode != 0:
+        raise ProvisionError(f"nvflare provision failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    prod_dir = latest_prod_dir(workspace, project["name"])
+    install_policies(prod_dir, default_mode, site_modes, site_gpus)
+    return prod_dir
+
+
+def _pairs(items: list[str], flag: str) -> dict[str, str]:
+    pairs = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"{flag} expects NAME=VALUE, got '{item}'")
+        pairs[name] = value
+    return pairs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Provision a medflare consortium (startup kits + site policies).")
+    parser.add_argument("-p", "--project", required=True, help="project.yml")
+    parser.add_argument("-w", "--workspace", required=True, help="folder for the kits (keep it private)")
+    parser.add_argument("--mode", choices=SITE_MODES, default="byoc", help="site mode for every site (default byoc)")
+    parser.add_argument("--site-mode", action="append", default=[], metavar="SITE=MODE",
+                        help="per-site override, e.g. hospital-b=preinstalled")
+    parser.add_argument("--gpus", action="append", default=[], metavar="SITE=N",
+                        help="GPUs a site offers to jobs (resources.json), e.g. hospital-a=2")
+    args = parser.parse_args(argv)
+    site_modes = _pairs(args.site_mode, "--site-mode")
+    bad = {m for m in site_modes.values() if m not in SITE_MODES}
+    if bad:
+        parser.error(f"--site-mode values must be one of {SITE_MODES}, got {sorted(bad)}")
+    site_gpus = {name: int(n) for name, n in _pairs(args.gpus, "--gpus").items()}
+    try:
+        prod_dir = provision(args.project, args.workspace, args.mode, site_modes, site_gpus)
+    except ProvisionError as exc:
+        print(f"provision: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"startup kits with medflare site policies: {prod_dir}")
+    for kit in sorted(prod_dir.iterdir()):
+        if kit.is_dir():
+            print(f"  {kit.name}")
+    print("send each kit to its owner only (it holds that participant's private key).")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""Data-parallel local training for a site with several GPUs: N processes, one update.
+
+The FLARE executor's own process is rank 0; it starts ranks 1..N-1 once per job (``torch.multiprocessing``,
+spawn) and they live until the job ends, so each rank keeps its optimizer state across rounds exactly like a
+single-process site. Every round each rank loads the received global model, trains on its
+``DistributedSampler`` shard of the same global batch, and gradients are averaged across ranks with
+``torch.distributed.all_reduce`` before every optimizer step (the DDP algorithm; gloo on CPU, nccl on GPU).
+Rank 0's weights - identical on every rank - are the site's one update.
+
+Gradient averaging is attached to the parameters (hooks) instead of wrapping the model in
+``DistributedDataParallel``: methods call submodules such as ``model.forward_features`` that would bypass
+the DDP wrapper's reducer, and the state-dict keys must stay those of the shared model. The global batch per
+step is ``train.batch_size`` at any process count (each rank takes ``batch_size / N``), so the number of
+processes changes speed, not the optimisation (BatchNorm layers see per-rank batch statistics, as in plain DDP
+without SyncBatchNorm, so models with BatchNorm match single-process training only approximately).
+
+Configured per site:
+- ``local/medflare_site.json``: ``{"data": {...}, "distributed": {"processes": 2, "backend": "auto"}}``
+- ``local/resources.json``: the GPUs the site offers (``GPUResourceManager.num_of_gpus``), and the job's
+  ``resource_spec`` (``{"hospital-a": {"num_of_gpus": 2}}``) reserves them; FLARE then sets
+  ``CUDA_VISIBLE_DEVICES`` for the job, and on GPU the process count is capped by the visible GPUs.
+
+The medflare executor switches to it by itself when the site's config asks for more than one process; jobs
+need no change.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+from medflare.errors import ConfigError
+from medflare.methods.base import RoundContext
+from medflare.site_runtime import SITE_CONFIG_FILE, SiteRuntime, SiteSettings
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class DistributedConfig:
+    """How many local processes a site trains with.
+
+    Attributes:
+        processes: data-parallel processes (1 = ordinary single-process training).
+        backend: "auto" (nccl on GPU, gloo on CPU), "gloo" or "nccl".
+        shuffle_seed: seed of the shared shuffling order (same on every rank).
+    """
+
+    processes: int = 1
+    backend: str = "auto"
+    shuffle_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.processes < 1:
+            raise ConfigError(f"distributed.processes must be >= 1, got {self.processes}")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ConfigError(f"distributed.backend must be auto, gloo or nccl, got '{self.backend}'")
+
+    def resolved_backend(self) -> str:
+        if self.backend != "auto":
+            return self.backend
+        return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def site_distributed_config(site_config_dir: str | Path) -> DistributedConfig:
+    """The site's ``distributed`` block from ``local/medflare_site.json``, capped by the GPUs FLARE gave the job.
+
+    On a GPU site FLARE's GPUResourceConsumer exposes only the GPUs the job's ``resource_spec`` reserved
+    (CUDA_VISIBLE_DEVICES), so one process per visible GPU at most.
+    """
+    path = Path(site_config_dir) / SITE_CONFIG_FILE
+    block = json.loads(path.read_text()).get("distributed", {}) if path.is_file() else {}
+    config = DistributedConfig(**block)
+    if torch.cuda.is_available() and config.processes > torch.cuda.device_count():
+        config.processes = max(1, torch.cuda.device_count())
+    return config
+
+
+def enable_data_parallel(runtime: SiteRuntime, rank: int, world_size: int, shuffle_seed: int) -> None:
+    """Make one rank's trainer train on its shard with gradients averaged across ranks.
+
+    The trainer's loop is untouched: its ``train_loader`` is replaced (on this instance) by a sharded loader
+    with ``batch_size / world_size`` per rank, and every trainable parameter gets a hook that all-reduces its
+    gradient and divides by the world size during ``backward()``.
+    """
+    trainer = runtime.trainer
+    batch_size = trainer.train_cfg.batch_size
+    if batch_size % world_size:
+        raise ConfigError(f"train.batch_size={batch_size} must be divisible by distributed.processes={world_size}")
+    epoch = {"count": 0}
+
+    def sharded_loader(self: Any) -> DataLoader:
+        sampler = DistributedSampler(self.data.train, num_replicas=world_size, rank=rank, shuffle=True,
+                                     seed=shuffle_seed, drop_last=False)
+        sampler.set_epoch(epoch["count"])
+        epoch["count"] += 1  # a new shared order every epoch, as a shuffled single-process loader gives
+        per_rank = batch_size // world_size
+        return DataLoader(self.data.train, batch_size=per_rank, sampler=sampler,
+                          drop_last=len(sampler) > per_rank, num_workers=self.train_cfg.num_workers)
+
+    trainer.train_loader = types.MethodType(sharded_loader, trainer)
+    if world_size > 1:
+        for parameter in trainer.model.parameters():
+            if parameter.requires_grad:
+                parameter.register_hook(_average_across_ranks(world_size))
+
+
+def _average_across_ranks(world_size: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+        return grad / world_size
+
+    return hook
+
+
+def _helper_rank(rank: int, world_size: int, init_method: str, backend: str, settings: SiteSettings,
+                 site_name: str, site_index: int, shuffle_seed: int, inbox: Any, outbox: Any) -> None:
+    """Ranks 1..N-1: build the same site, then train every round rank 0 asks for, until told to stop."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    try:
+        runtime = SiteRuntime(settings, site_name, site_index, log=lambda message: None)
+        enable_data_parallel(runtime, rank, world_size, shuffle_seed)
+        outbox.put(("ready", rank))
+        while True:
+            item = inbox.get()
+            if item is None:
+                break
+            params, ctx = item
+            runtime.train(params, ctx)
+            outbox.put(("done", rank))
+    except BaseException as exc:  # rank 0 must hear about it instead of hanging in all_reduce
+        outbox.put(("error", f"rank {rank}: {exc!r}"))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+class DataParallelSite:
+    """A site that trains with ``config.processes`` processes and answers like a SiteRuntime.
+
+    Args:
+        settings: the site's settings (same on every rank).
+        site_name: FLARE site name.
+        site_index: the site's partition index (simulated data) or 0 (site-local data).
+        config: process count and backend.
+        log: progress sink (rank 0 only).
+        local_dir: where rank 0 keeps the site's local log.
+    """
+
+    def __init__(self, settings: SiteSettings, site_name: str, site_index: int, config: DistributedConfig,
+                 log: Log = print, local_dir: str | Path | None = None) -> None:
+        self.world_size = config.processes
+        self.log = log
+        context = mp.get_context("spawn")
+        self._inboxes = [context.Queue() for _ in range(self.world_size - 1)]
+        self._outbox = context.Queue()
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        backend = config.resolved_backend()
+        self._helpers = [
+            context.Process(
+                target=_helper_rank,
+                args=(rank, self.world_size, init_method, backend, settings, site_name, site_index,
+                      config.shuffle_seed, self._inboxes[rank - 1], self._outbox),
+                daemon=True,
+            )
+            for rank in range(1, self.world_size)
+        ]
+        for helper in self._helpers:
+            helper.start()
+        if torch.cuda.is_available():
+            torch.cuda.set_device(0)
+        dist.init_process_group(backend, init_method=init_method, rank=0, world_size=self.world_size)
+        self.runtime = SiteRuntime(settings, site_name, site_index, log, local_dir=local_dir)
+        enable_data_parallel(self.runtime, 0, self.world_size, config.shuffle_seed)
+        self._collect("ready")
+        log(f"data-parallel training with {self.world_size} processes ({backend})")
+
+    def train(self, params: Mapping[str, np.ndarray], ctx: RoundContext,
+              should_abort: Callable[[], bool] = lambda: False) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """Every rank trains on its shard; rank 0's (identical) weights and meta are the site's update."""
+        plain = {k: np.asarray(v) for k, v in params.items()}
+        for inbox in self._inboxes:
+            inbox.put((plain, ctx))
+        arrays, meta = self.runtime.train(plain, ctx)  # no abort mid-round: ranks must take the same steps
+        self._collect("done")
+        return arrays, meta
+
+    def run_phase(self, phase: str, arrays: Mapping[str, np.ndarray], ctx: RoundContext) -> tuple[dict, dict]:
+        return self.runtime.run_phase(phase, arrays, ctx)
+
+    def validate(self, params: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        return self.runtime.validate(params)
+
+    def shared_weights(self) -> dict[str, np.ndarray]:
+        return self.runtime.shared_weights()
+
+    def close(self) -> None:
+        """Stop the helper ranks and leave the process group."""
+        for inbox in self._inboxes:
+            inbox.put(None)
+        for helper in self._helpers:
+            helper.join(timeout=30)
+            if helper.is_alive():
+                helper.terminate()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _collect(self, expected: str) -> None:
+        for _ in self._helpers:
+            kind, detail = self._outbox.get(timeout=3600)
+            if kind == "error":
+                self.close()
+                raise RuntimeError(f"a data-parallel rank failed: {detail}")
+            if kind != expected:
+                raise RuntimeError(f"data-parallel rank sent '{kind}', expected '{expected}'")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

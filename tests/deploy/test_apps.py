@@ -1,0 +1,34 @@
+"""apps/: the committed ready-to-submit job of every registered method matches a fresh regeneration."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from medflare.deploy.apps import APPS_DIR, add_code, stale_apps, write_app
+from medflare.registry import list_methods
+
+
+def test_apps_are_up_to_date() -> None:
+    differences = stale_apps()
+    assert differences == [], "apps/ is stale; run 'make apps':\n" + "\n".join(differences[:20])
+
+
+def test_every_registered_method_has_a_preinstalled_app() -> None:
+    assert sorted(p.name for p in APPS_DIR.iterdir() if p.is_dir()) == list_methods()
+    for method in list_methods():
+        app = APPS_DIR / method
+        meta = json.loads((app / "meta.json").read_text())
+        assert meta["scope"] == f"medflare-{method}" and meta["deploy_map"] == {"app": ["@ALL"]}
+        assert not (app / "app" / "custom").exists()  # pre-installed: configs only
+        client = json.loads((app / "app" / "config" / "config_fed_client.json").read_text())
+        args = client["executors"][0]["executor"]["args"]
+        assert args["method"] == method and args["data"] == {"source": "site"}  # no data path in the job
+        server = (app / "app" / "config" / "config_fed_server.json").read_text()
+        assert '"path": "medflare.' in server and '"path": "nvflare.' not in server
+
+
+def test_add_code_turns_an_app_into_a_byoc_job(tmp_path: Path) -> None:
+    job = add_code(write_app(list_methods()[0], tmp_path))
+    assert (job / "app" / "custom" / "medflare" / "flare" / "executor.py").is_file()
+    assert not list((job / "app" / "custom").rglob("__pycache__"))
