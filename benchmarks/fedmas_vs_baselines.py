@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from medflare.config import parse_value
 from medflare.data.checksums import verify_medmnist_file
 from medflare.run_config import RunConfig, merge_sections
 from medflare.scenarios import load_scenario
@@ -30,7 +31,9 @@ from medflare.simulate import run_simulation
 RETINA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "medmnist" / "retinamnist.npz"
 
 
-def setting_config(setting: str, seed: int, rounds: int, method: str, extra_train: dict[str, Any]) -> RunConfig:
+def setting_config(
+    setting: str, seed: int, rounds: int, method: str, extra_train: dict[str, Any], method_args: dict[str, Any]
+) -> RunConfig:
     """The run configuration of one (setting, seed, method) cell."""
     if setting == "synthetic":
         base = load_scenario("hyperkvasir-like")
@@ -44,7 +47,8 @@ def setting_config(setting: str, seed: int, rounds: int, method: str, extra_trai
         }
     else:
         raise SystemExit(f"unknown setting '{setting}'")
-    override = {"method": method, "seed": seed, "rounds": rounds, "train": extra_train, "name": f"{method}-s{seed}"}
+    override = {"method": method, "seed": seed, "rounds": rounds, "train": extra_train, "name": f"{method}-s{seed}",
+                "method_args": method_args}
     return RunConfig(**merge_sections(base, override))
 
 
@@ -65,20 +69,24 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["fedmas", "bsm-fl", "fedavg"])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--max-steps", type=int, default=0, help="cap optimizer steps per site per round (0 = full epochs)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="method option for every method in --methods, e.g. max_share=0.25 (labelled in the table)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    method_args = {k: parse_value(v) for k, _, v in (item.partition("=") for item in args.set)}
     out = Path(args.out or f"runs/bench-fedmas-{args.setting}")
     out.mkdir(parents=True, exist_ok=True)
     extra_train = {"max_steps": args.max_steps} if args.max_steps else {}
-    rows: dict[str, list[dict[str, float]]] = {m: [] for m in args.methods}
+    label = "".join(f"[{item}]" for item in args.set)
+    rows: dict[str, list[dict[str, float]]] = {m + label: [] for m in args.methods}
     started = time.time()
     for seed in args.seeds:
         for method in args.methods:
-            run = setting_config(args.setting, seed, args.rounds, method, extra_train)
+            run = setting_config(args.setting, seed, args.rounds, method, extra_train, method_args)
             print(f"[{time.time() - started:6.0f}s] {args.setting} seed {seed} {method} ...", flush=True)
             summary = run_simulation(run, out / f"{method}-seed{seed}", echo=lambda line: None)
             final = summary["final"]
-            rows[method].append({
+            rows[method + label].append({
                 "seed": seed,
                 "balanced_accuracy": final["balanced_accuracy"],
                 "tail_accuracy": final.get("tail_accuracy"),
@@ -106,7 +114,7 @@ def write_report(args: argparse.Namespace, rows: dict[str, list[dict[str, float]
         lines.append(f"| {method} | " + " | ".join(f"{m:.4f} ± {s:.4f}" for m, s in (
             stats["balanced_accuracy"], stats["tail_accuracy"], stats["head_accuracy"])) +
             f" | {stats['train_seconds'][0]:.2f} |")
-    if "fedmas" in table and "bsm-fl" in table:
+    if "fedmas" in table and "bsm-fl" in table:  # only from one benchmark run, so both share the machine's load
         ratio = table["fedmas"]["train_seconds"][0] / table["bsm-fl"]["train_seconds"][0]
         lines += ["", f"Fed-MAS local work per round / BSM-FL local work per round: **{ratio:.2f}x** (same run)."]
     lines += ["", f"Wall time of the whole benchmark: {seconds / 60:.1f} min.", ""]
