@@ -78,13 +78,10 @@ def run_simulation(run: RunConfig, out_dir: str | Path, echo: Callable[[str], No
         workspace = staging / "workspace"
         launched_at = time.time()
         _launch(run, job_dir, workspace, staging / "simulator.log", echo)
-        results = _read_results(workspace)
-        config = {**vars(run), "task": vars(task), "train_resolved": vars(run.train_config())}
-        summary = build_summary(results, config, clients, launched_at)
+        summary = write_job_outputs(run, _results_file(workspace), staging, clients, launched_at)
         if summary.get("error"):
             raise SimulationError(f"the job stopped early: {summary['error']}")
-        write_outputs(summary, staging)
-        _keep_model(workspace, staging)
+        _keep_site_logs(workspace, staging)
         _plot_site_logs(run, staging)
         shutil.rmtree(workspace, ignore_errors=True)  # logs stay in simulator.log; the model is copied out
         shutil.rmtree(out, ignore_errors=True)
@@ -143,19 +140,39 @@ def _server_app_dir(workspace: Path) -> Path:
     return candidates[0]
 
 
-def _read_results(workspace: Path) -> dict[str, Any]:
+def _results_file(workspace: Path) -> Path:
     path = _server_app_dir(workspace) / RESULTS_FILE
     if not path.is_file():
         raise SimulationError(f"the job wrote no {RESULTS_FILE}; see simulator.log for the cause")
-    return json.loads(path.read_text())
+    return path
 
 
-def _keep_model(workspace: Path, out: Path) -> None:
-    """Copy the global models, and each simulated site's local log (in production those stay at the site)."""
-    app = _server_app_dir(workspace)
+def write_job_outputs(
+    run: RunConfig,
+    results_file: Path,
+    out: Path,
+    clients: dict[str, Any],
+    launched_at: float | None,
+    deployment: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """summary.json, rounds.csv, report.md, plots and the global models, from the controller's results file.
+
+    Shared by the simulator and POC runners, so ``medflare run`` writes the same outputs in every environment.
+    """
+    results = json.loads(results_file.read_text())
+    config = {**vars(run), "task": vars(run.task_spec()), "train_resolved": vars(run.train_config())}
+    summary = build_summary(results, {**config, **(deployment or {})}, clients, launched_at)
+    if deployment:
+        summary["deployment"] = deployment
+    write_outputs(summary, out)
     for name in ("FL_global_model.pt", "best_FL_global_model.pt"):
-        if (app / name).exists():
-            shutil.copy(app / name, out / name)
+        if (results_file.parent / name).exists():
+            shutil.copy(results_file.parent / name, out / name)
+    return summary
+
+
+def _keep_site_logs(workspace: Path, out: Path) -> None:
+    """Copy each simulated site's local log (in production those stay at the site)."""
     for log in sorted(workspace.glob(f"site-*/**/{SITE_LOG_FILE}")):
         site = log.relative_to(workspace).parts[0]
         (out / "sites" / site).mkdir(parents=True, exist_ok=True)

@@ -349,21 +349,12 @@ def find_results(download_dir: str | Path) -> Path:
 
 def write_run_outputs(run: Any, download_dir: Path, out: Path, launched_at: float | None, extra: dict) -> dict:
     """summary.json / rounds.csv / report.md / plots (as ``medflare run`` writes them) from a downloaded job."""
-    from medflare.report import build_summary, write_outputs
-    from medflare.simulate import describe_sites
+    from medflare.simulate import describe_sites, write_job_outputs
 
     results_path = find_results(download_dir)
-    results = json.loads(results_path.read_text())
     clients, _ = describe_sites(run)
-    config = {**vars(run), "task": vars(run.task_spec()), "train_resolved": vars(run.train_config()), **extra}
-    summary = build_summary(results, config, clients, launched_at)
-    summary["deployment"] = extra
-    write_outputs(summary, out)
-    app = results_path.parent
-    for name in ("FL_global_model.pt", "best_FL_global_model.pt"):
-        if (app / name).exists():
-            shutil.copy(app / name, out / name)
-    server_log = app.parent / "log.txt"
+    summary = write_job_outputs(run, results_path, out, clients, launched_at, deployment=extra)
+    server_log = results_path.parent.parent / "log.txt"
     if server_log.exists():
         shutil.copy(server_log, out / "poc_server.log")
     return summary
