@@ -67,3 +67,18 @@ def test_corrupt_image_names_the_file(tmp_path: Path, capsys) -> None:
     manifest = write_png_dataset(tmp_path, [0, 1] * 10, corrupt=3)
     code, out = run_cli(["run", "fedavg", "--data", f"csv:{manifest}", "--out", str(tmp_path / "o")], capsys)
     assert code == 2 and "img3.png" in out
+
+
+def test_export_defaults_to_site_local_data(tmp_path: Path, capsys) -> None:
+    import json
+
+    code, out = run_cli(["export", "fedavg", "-o", str(tmp_path), "--set", "task.num_classes=2",
+                         "--set", "task.in_channels=1", "--set", "task.image_size=28"], capsys)
+    assert code == 0 and "medflare_site.json" in out
+    client = json.loads((tmp_path / "fedavg" / "app" / "config" / "config_fed_client.json").read_text())
+    assert client["executors"][0]["executor"]["args"]["data"] == {"source": "site"}
+
+
+def test_export_without_a_task_for_site_data_says_what_to_declare(tmp_path: Path, capsys) -> None:
+    code, out = run_cli(["export", "fedavg", "-o", str(tmp_path)], capsys)
+    assert code == 2 and "task.num_classes" in out

@@ -16,7 +16,7 @@ EXAMPLES = """examples:
   medflare run fedavg --clients 2 --rounds 3
   medflare run bsm-fl --data synthetic:imbalance=20 --partition dirichlet:0.5 --clients 3
   medflare run fedprox --data medmnist:../shared/data/medmnist/pneumoniamnist.npz --set method.mu=0.1
-  medflare export fedavg -o jobs/ --mode preinstalled
+  medflare export fedavg -o jobs/ --mode preinstalled --set task.num_classes=2 --set task.in_channels=1 --set task.image_size=28
 """
 
 
@@ -126,11 +126,22 @@ def cmd_export(args: argparse.Namespace) -> int:
     from medflare.flare.job import export_job
 
     run = build_run_config(args)
-    if args.data is None and "source" not in run.data:
-        run.data = {"source": "site"}
+    if not data_was_chosen(args):
+        run.data = {"source": "site"}  # an exported job is for POC/production: each hospital reads its own data
     job_dir = export_job(run, args.output, run.task_spec(), mode=args.mode)
-    print(f"wrote {job_dir} ({args.mode}); run it with: nvflare simulator {job_dir} -n {run.clients} -t {run.clients}")
+    if run.data["source"] == "site":
+        print(f"wrote {job_dir} ({args.mode}); each site reads its images from local/medflare_site.json. "
+              f"Submit it with: nvflare job submit -j {job_dir}")
+    else:
+        print(f"wrote {job_dir} ({args.mode}) with simulated data '{run.data['source']}'; "
+              f"run it with: nvflare simulator {job_dir} -n {run.clients} -t {run.clients}")
     return 0
+
+
+def data_was_chosen(args: argparse.Namespace) -> bool:
+    """True when --data, a scenario or a config file picked the data source (else the built-in default did)."""
+    from_file = bool(args.config) and "source" in load_config_file(args.config).get("data", {})
+    return args.data is not None or bool(args.scenario) or from_file
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -169,7 +180,9 @@ def make_parser() -> argparse.ArgumentParser:
     _add_run_options(compare)
     compare.add_argument("--out", help="result folder (default runs/compare-<time>)")
     compare.set_defaults(func=cmd_compare)
-    export = sub.add_parser("export", help="write a FLARE job folder for nvflare simulator / nvflare job submit")
+    export = sub.add_parser(
+        "export", help="write a FLARE job folder (site-local data unless --data is given) for nvflare job submit"
+    )
     export.add_argument("method", help="registered method (see 'medflare methods')")
     _add_run_options(export)
     export.add_argument("-o", "--output", required=True, help="folder to write the job into")
