@@ -106,9 +106,10 @@ def eval_stats_dict(name: str) -> MetaValidator:
     def check(value: Any, ctx: ContractContext) -> Any:
         from medflare.metrics import EvalStats  # local: metrics imports nothing from here
 
-        stats = EvalStats.from_dict(value)
-        if stats.confusion.shape != (ctx.num_classes, ctx.num_classes):
-            raise PayloadError(f"'{name}' confusion must be {ctx.num_classes}x{ctx.num_classes}")
+        try:
+            EvalStats.from_dict(value, num_classes=ctx.num_classes)
+        except PayloadError as exc:
+            raise PayloadError(f"'{name}': {exc}") from exc
         return value
 
     return check

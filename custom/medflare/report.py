@@ -197,10 +197,7 @@ def markdown_report(summary: Mapping[str, Any]) -> str:
 
 def write_plots(summary: Mapping[str, Any], out: Path) -> list[Path]:
     """Learning curves, each site's share of the aggregate, and any other per-site value (e.g. RF) over rounds."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rounds = [e["round"] for e in summary["per_round"]]
     if not rounds:
@@ -228,6 +225,16 @@ def write_plots(summary: Mapping[str, Any], out: Path) -> list[Path]:
 
 
 PER_SITE_TITLES = {"share": "contribution of each site to the global model", "rf": "rescue factor RF per site"}
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot on the file-only Agg backend (sites and CI have no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def integer_ticks() -> Any:
@@ -263,10 +270,7 @@ def _plot_per_site(plt: Any, summary: Mapping[str, Any], key: str, path: Path) -
 
 def comparison_outputs(summaries: list[Mapping[str, Any]], out_dir: str | Path) -> list[Path]:
     """comparison.md (final metrics table) and comparison.png (test balanced accuracy per round per method)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

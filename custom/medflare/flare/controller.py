@@ -217,14 +217,13 @@ class MedflareController(Controller):
             return None
         num_classes = self.aggregator.num_classes
         try:
-            evaluation: dict[str, Any] = {split: EvalStats.from_dict(meta[key]) for split, key in EVAL_KEYS if key in meta}
+            evaluation: dict[str, Any] = {
+                split: EvalStats.from_dict(meta[key], num_classes=num_classes) for split, key in EVAL_KEYS if key in meta
+            }
             by_attribute = meta.get(contracts.EVAL_TEST_BY_ATTRIBUTE) or {}
-            evaluation["test_by_attribute"] = {a: EvalStats.from_dict(d) for a, d in by_attribute.items()}
-            for stats in [evaluation[split] for split, _ in EVAL_KEYS if split in evaluation] + list(
-                evaluation["test_by_attribute"].values()
-            ):
-                if stats.confusion.shape != (num_classes, num_classes):
-                    raise ValueError(f"confusion must be {num_classes}x{num_classes}")
+            evaluation["test_by_attribute"] = {
+                a: EvalStats.from_dict(d, num_classes=num_classes) for a, d in by_attribute.items()
+            }
             return evaluation
         except Exception as exc:
             self.log_warning(fl_ctx, f"ignoring malformed evaluation statistics from {site}: {exc}")

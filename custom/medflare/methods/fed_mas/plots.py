@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from medflare.report import integer_ticks
+from medflare.report import integer_ticks, pyplot
 
 
 def plot_divergence(records: list[dict[str, Any]], path: Path) -> Path | None:
@@ -15,10 +15,7 @@ def plot_divergence(records: list[dict[str, Any]], path: Path) -> Path | None:
     records = [r for r in records if "w" in r and "w_hat" in r]
     if not records:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     last = records[-1]
     w, w_hat = np.asarray(last["w"], float), np.asarray(last["w_hat"], float)
