@@ -1,10 +1,11 @@
 """The wire contract: what may leave a site, declared once per method, and checked on both ends.
 
-A method declares a :class:`Payload`. The site-side executor calls :meth:`Payload.check_outgoing` on every
-result before it is sent, so a method that tries to send an undeclared meta key, a private parameter or a
-non-finite number fails loudly at the site. The server calls :func:`validate_update` on every incoming result,
-so a malformed, tampered or numerically broken update is rejected with a reason instead of poisoning the
-global model.
+A method declares a :class:`Payload`. The site-side runtime calls :meth:`Payload.check_outgoing` on every
+result before it is sent, so a method that tries to send an undeclared meta key, a private parameter, a
+non-finite number or an out-of-range array fails loudly at the site. The server calls :func:`validate_update`
+on every incoming result, so a malformed, oversized, tampered or numerically broken update is rejected with a
+reason instead of poisoning the global model. A site's own privacy filter (``deploy/filters.py``) applies
+:func:`check_result_values`, the part of the same checks that needs no knowledge of the server's model.
 """
 
 from __future__ import annotations
@@ -25,8 +26,11 @@ TRAIN_SECONDS = "train_seconds"  # wall time of local training
 EVAL_VAL = "eval_val"  # EvalStats.to_dict() of the *received* model on the site's validation split
 EVAL_TEST = "eval_test"  # same on the site's test split (reported, never used for selection)
 EVAL_TEST_BY_ATTRIBUTE = "eval_test_by_attribute"  # {attribute value: EvalStats dict} when images carry one
+EVAL_EXTRA = "eval_extra"  # {evaluation name: {"val"|"test": EvalStats dict}}: method-declared evaluations
 
 PRIVACY_SCOPE_PREFIX = "medflare-"  # a job names the scope medflare-<method>; sites bind its result filters
+TRAIN_PHASE = "train"  # the phase whose results are aggregated into the next global model
+MAX_SAMPLES = 100_000_000  # no site trains on more images than this; larger n_samples is a forged weight
 
 
 def privacy_scope(method: str) -> str:
@@ -38,17 +42,38 @@ def privacy_scope(method: str) -> str:
 ROUND = "round"
 TOTAL_ROUNDS = "total_rounds"
 STAGE = "stage"
+STAGE_ROUND = "stage_round"
+STAGE_ROUNDS = "stage_rounds"
+SCORED = "scored"  # False in stages without a classifier (pre-training): sites send no evaluation
+ARRAY_DIMS = "array_dims"  # named dimensions of this task's declared arrays, e.g. {"rows": 512}
+TRANSFER_DTYPE = "transfer_dtype"  # "float32" (default) or "float16": how float weights travel
 
 MetaValidator = Callable[[Any, "ContractContext"], Any]
 
 
 @dataclass(frozen=True)
 class ContractContext:
-    """What a validator may need to know about the task (never about a site's data)."""
+    """What a validator may need to know about the task (never about a site's data).
+
+    Attributes:
+        num_classes: K of the task.
+        dims: named array dimensions of the current task (see :class:`ArraySpec`).
+    """
 
     num_classes: int
+    dims: Mapping[str, int] = field(default_factory=dict)
+
+    def resolve(self, dim: int | str) -> int | None:
+        """A declared dimension as a number: ints as they are, "num_classes" = K, other names from ``dims``."""
+        if isinstance(dim, int):
+            return dim
+        if dim == "num_classes":
+            return self.num_classes
+        value = self.dims.get(dim)
+        return None if value is None else int(value)
 
 
+# ----- meta validators ----------------------------------------------------------------------------------------
 def _finite_number(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise PayloadError(f"'{name}' must be a number, got {type(value).__name__}")
@@ -58,13 +83,14 @@ def _finite_number(value: Any, name: str) -> float:
     return number
 
 
-def non_negative_number(name: str) -> MetaValidator:
-    """Validator for a finite scalar >= 0."""
+def non_negative_number(name: str, upper: float | None = None) -> MetaValidator:
+    """Validator for a finite scalar >= 0 (and <= ``upper`` when given)."""
 
     def check(value: Any, ctx: ContractContext) -> float:
         number = _finite_number(value, name)
-        if number < 0:
-            raise PayloadError(f"'{name}' must be >= 0, got {number}")
+        if number < 0 or (upper is not None and number > upper):
+            bound = f" and <= {upper:g}" if upper is not None else ""
+            raise PayloadError(f"'{name}' must be >= 0{bound}, got {number}")
         return number
 
     return check
@@ -87,6 +113,8 @@ def class_vector(name: str) -> MetaValidator:
     """Validator for a length-K vector of finite, non-negative numbers (e.g. per-class counts)."""
 
     def check(value: Any, ctx: ContractContext) -> list[float]:
+        if isinstance(value, (str, bytes)):
+            raise PayloadError(f"'{name}' must be a numeric vector, got a string")
         try:
             array = np.asarray(value, dtype=np.float64)
         except (TypeError, ValueError) as exc:
@@ -101,56 +129,200 @@ def class_vector(name: str) -> MetaValidator:
 
 
 def eval_stats_dict(name: str) -> MetaValidator:
-    """Validator for an EvalStats dictionary (summable confusion and score histograms)."""
+    """Validator for an EvalStats dictionary; returns its canonical form, so nothing else rides along."""
 
     def check(value: Any, ctx: ContractContext) -> Any:
         from medflare.metrics import EvalStats  # local: metrics imports nothing from here
 
         try:
-            EvalStats.from_dict(value, num_classes=ctx.num_classes)
+            canonical = EvalStats.from_dict(value, num_classes=ctx.num_classes).to_dict()
         except PayloadError as exc:
             raise PayloadError(f"'{name}': {exc}") from exc
-        return value
+        extra = sorted(set(value) - set(canonical)) if isinstance(value, dict) else []
+        if extra:
+            raise PayloadError(f"'{name}' carries undeclared entries {extra[:5]}")
+        return canonical
 
     return check
 
 
-def eval_stats_by_group(name: str) -> MetaValidator:
-    """Validator for {group name: EvalStats dictionary} (e.g. per skin-tone attribute)."""
+def eval_stats_by_group(name: str, max_groups: int = 64) -> MetaValidator:
+    """Validator for {group name: EvalStats dictionary} (e.g. per skin-tone attribute, or per split)."""
     check_one = eval_stats_dict(name)
 
     def check(value: Any, ctx: ContractContext) -> Any:
-        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-            raise PayloadError(f"'{name}' must map group names to evaluation statistics")
+        if not isinstance(value, dict) or not all(isinstance(k, str) and len(k) <= 64 for k in value):
+            raise PayloadError(f"'{name}' must map short group names to evaluation statistics")
+        if len(value) > max_groups:
+            raise PayloadError(f"'{name}' has {len(value)} groups, at most {max_groups} are allowed")
         return {group: check_one(stats, ctx) for group, stats in value.items()}
 
     return check
 
 
+def eval_extra(name: str) -> MetaValidator:
+    """Validator for {evaluation name: {"val"|"test": EvalStats dict}} (method-declared evaluations)."""
+    check_splits = eval_stats_by_group(name, max_groups=2)
+
+    def check(value: Any, ctx: ContractContext) -> Any:
+        if not isinstance(value, dict) or len(value) > 8:
+            raise PayloadError(f"'{name}' must map at most 8 evaluation names to their statistics")
+        checked = {}
+        for evaluation, splits in value.items():
+            if not isinstance(splits, dict) or not set(splits) <= {"val", "test"}:
+                raise PayloadError(f"'{name}.{evaluation}' must map 'val'/'test' to statistics")
+            checked[str(evaluation)] = check_splits(splits, ctx)
+        return checked
+
+    return check
+
+
 COMMON_META: dict[str, MetaValidator] = {
-    N_SAMPLES: non_negative_number(N_SAMPLES),
+    N_SAMPLES: non_negative_number(N_SAMPLES, upper=MAX_SAMPLES),
     TRAIN_LOSS: non_negative_number(TRAIN_LOSS),
     TRAIN_SECONDS: non_negative_number(TRAIN_SECONDS),
     EVAL_VAL: eval_stats_dict(EVAL_VAL),
     EVAL_TEST: eval_stats_dict(EVAL_TEST),
     EVAL_TEST_BY_ATTRIBUTE: eval_stats_by_group(EVAL_TEST_BY_ATTRIBUTE),
+    EVAL_EXTRA: eval_extra(EVAL_EXTRA),
 }
 
 
+# ----- arrays ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ArraySpec:
+    """Shape, dtype and value rules of one named non-parameter array (e.g. public-set probabilities).
+
+    Attributes:
+        shape: ints, "num_classes", or names the server fills in per task (``ARRAY_DIMS``), e.g. ("rows", "num_classes").
+        dtypes: allowed dtype names; the first is the default a site sends.
+        low, high: inclusive value range, None = unbounded.
+        row_sum: every row (last axis) must sum to this within ``row_sum_tol`` (probability rows: 1.0).
+        integral: values must be whole numbers (counts).
+        phase: the task whose result carries the array (site -> server); ignored for server -> site arrays.
+    """
+
+    shape: tuple[int | str, ...]
+    dtypes: tuple[str, ...] = ("float32",)
+    low: float | None = None
+    high: float | None = None
+    row_sum: float | None = None
+    row_sum_tol: float = 1e-2
+    integral: bool = False
+    phase: str = TRAIN_PHASE
+
+    def resolved_shape(self, ctx: ContractContext) -> tuple[int | None, ...]:
+        """The shape with every known dimension filled in (None where the task did not say)."""
+        return tuple(ctx.resolve(d) for d in self.shape)
+
+    def check(self, name: str, value: Any, ctx: ContractContext) -> np.ndarray:
+        """Return ``value`` as an array or raise PayloadError naming the first broken rule."""
+        array = _numeric_array(name, value)
+        shape = self.resolved_shape(ctx)
+        if len(array.shape) != len(shape) or any(s is not None and s != a for s, a in zip(shape, array.shape)):
+            raise PayloadError(f"'{name}' has shape {tuple(array.shape)}, expected {_shape_text(shape)}")
+        if array.dtype.name not in self.dtypes:
+            raise PayloadError(f"'{name}' has dtype {array.dtype}, expected one of {list(self.dtypes)}")
+        _check_finite(name, array)
+        values = array.astype(np.float64)
+        if self.low is not None and values.size and values.min() < self.low:
+            raise PayloadError(f"'{name}' has values below {self.low}: min {values.min():.6g}")
+        if self.high is not None and values.size and values.max() > self.high:
+            raise PayloadError(f"'{name}' has values above {self.high}: max {values.max():.6g}")
+        if self.integral and not np.all(values == np.round(values)):
+            raise PayloadError(f"'{name}' must hold whole numbers (counts)")
+        if self.row_sum is not None and values.size:
+            worst = float(np.abs(values.sum(axis=-1) - self.row_sum).max())
+            if worst > self.row_sum_tol:
+                raise PayloadError(f"rows of '{name}' must sum to {self.row_sum} (±{self.row_sum_tol}), off by {worst:.4g}")
+        return array
+
+    def nbytes(self, ctx: ContractContext) -> int:
+        """Largest valid size in bytes (unknown dimensions count as 1)."""
+        count = int(np.prod([d or 1 for d in self.resolved_shape(ctx)], dtype=np.int64))
+        return count * max(np.dtype(d).itemsize for d in self.dtypes)
+
+
+def probabilities(rows: str = "rows", dtypes: tuple[str, ...] = ("float16", "float32"), phase: str = TRAIN_PHASE) -> ArraySpec:
+    """A rows × K matrix of class probabilities: values in [0, 1], rows summing to 1."""
+    return ArraySpec(shape=(rows, "num_classes"), dtypes=dtypes, low=0.0, high=1.0, row_sum=1.0, phase=phase)
+
+
+def counts(shape: tuple[int | str, ...] = ("num_classes",), phase: str = TRAIN_PHASE) -> ArraySpec:
+    """Non-negative whole-number counts (e.g. per-class positives and negatives)."""
+    return ArraySpec(shape=shape, dtypes=("int64", "float64", "float32"), low=0.0, integral=True, phase=phase)
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What the server expects under one key of one site result: exact shape, allowed dtypes, value rules."""
+
+    shape: tuple[int, ...]
+    dtypes: tuple[str, ...]
+    rules: ArraySpec | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * max(np.dtype(d).itemsize for d in self.dtypes)
+
+    def check(self, name: str, value: Any, ctx: ContractContext) -> np.ndarray:
+        if self.rules is not None:
+            return self.rules.check(name, value, ctx)
+        array = _numeric_array(name, value)
+        if tuple(array.shape) != tuple(self.shape):
+            raise PayloadError(f"'{name}' has shape {tuple(array.shape)}, expected {tuple(self.shape)}")
+        if array.dtype.name not in self.dtypes:
+            raise PayloadError(f"'{name}' has dtype {array.dtype}, expected {' or '.join(self.dtypes)}")
+        _check_finite(name, array)
+        return array
+
+
+def weight_expectations(
+    global_params: Mapping[str, np.ndarray], keys: list[str], transfer_dtype: str = "float32"
+) -> dict[str, Expected]:
+    """key -> Expected for model weights: the global model's exact shape and dtype (float16 for float keys
+    when weights travel in half precision)."""
+    expected = {}
+    for key in keys:
+        value = np.asarray(global_params[key])
+        dtypes = (value.dtype.name,)
+        if value.dtype.kind == "f" and transfer_dtype != value.dtype.name:
+            dtypes = (transfer_dtype,)
+        expected[key] = Expected(tuple(value.shape), dtypes)
+    return expected
+
+
+def array_expectations(specs: Mapping[str, ArraySpec], ctx: ContractContext) -> dict[str, Expected]:
+    """key -> Expected for declared arrays; unresolved dimensions are an error of the server rule."""
+    expected = {}
+    for name, spec in specs.items():
+        shape = spec.resolved_shape(ctx)
+        if any(d is None for d in shape):
+            raise PayloadError(f"the server rule did not set the dimensions {spec.shape} of '{name}'")
+        expected[name] = Expected(tuple(int(d) for d in shape), spec.dtypes, spec)
+    return expected
+
+
+# ----- the declaration -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Payload:
-    """Everything a method's site sends to the server, declared in one place.
+    """Everything a method's site sends to the server, and every non-model array it accepts, declared once.
 
     Attributes:
         sends_weights: whether model parameters leave the site at all (False for logit-exchange methods).
         private_keys: regex of state-dict keys that never leave the site (e.g. a personalized head).
-        arrays: names of extra arrays sent instead of / besides weights (e.g. public-set probabilities).
+        stage_excluded_keys: stage -> regex of state-dict keys that do not travel in that stage (e.g. the
+            pre-training decoder during fine-tuning).
+        arrays: extra named arrays a site sends, with their rules and the phase that carries them.
+        receives: names of non-parameter arrays the server may send (e.g. a per-site distillation target).
         meta: method-specific meta keys and their validators, on top of :data:`COMMON_META`.
     """
 
     sends_weights: bool = True
     private_keys: str | None = None
-    arrays: tuple[str, ...] = ()
+    stage_excluded_keys: Mapping[str, str] = field(default_factory=dict)
+    arrays: Mapping[str, ArraySpec] = field(default_factory=dict)
+    receives: tuple[str, ...] = ()
     meta: Mapping[str, MetaValidator] = field(default_factory=dict)
 
     def is_private(self, key: str) -> bool:
@@ -161,74 +333,126 @@ class Payload:
         """All meta keys this method may send, with their validators."""
         return {**COMMON_META, **dict(self.meta)}
 
-    def shared_keys(self, model_keys: list[str]) -> list[str]:
-        """The model's state-dict keys that may leave the site."""
+    def shared_keys(self, model_keys: list[str], stage: str = TRAIN_PHASE) -> list[str]:
+        """The model's state-dict keys that leave the site (and are broadcast) in ``stage``."""
         if not self.sends_weights:
             return []
-        return [k for k in model_keys if not self.is_private(k)]
+        excluded = self.stage_excluded_keys.get(stage)
+        return [
+            k for k in model_keys if not self.is_private(k) and not (excluded and re.search(excluded, k))
+        ]
+
+    def arrays_for(self, phase: str) -> dict[str, ArraySpec]:
+        """Declared arrays a result of ``phase`` carries."""
+        return {name: spec for name, spec in self.arrays.items() if spec.phase == phase}
 
     def check_outgoing(
-        self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any], model_keys: list[str], ctx: ContractContext
+        self,
+        arrays: Mapping[str, Any],
+        meta: Mapping[str, Any],
+        model_keys: list[str],
+        ctx: ContractContext,
+        phase: str = TRAIN_PHASE,
+        stage: str = TRAIN_PHASE,
     ) -> None:
-        """Raise PayloadError if a site result carries anything the method did not declare.
+        """Raise PayloadError if a site result carries anything the method did not declare, or a bad value.
 
         Called at the site on every result, just before it is handed to FLARE.
         """
-        allowed_arrays = set(self.shared_keys(model_keys)) | set(self.arrays)
-        leaked = sorted(set(arrays) - allowed_arrays)
+        weights = set(self.shared_keys(model_keys, stage)) if phase == TRAIN_PHASE else set()
+        declared = self.arrays_for(phase)
+        leaked = sorted(set(arrays) - weights - set(declared))
         if leaked:
             raise PayloadError(f"refusing to send undeclared or private arrays: {leaked[:5]}")
-        _check_meta(meta, self.allowed_meta(), ctx)
-        _check_finite_arrays(arrays)
+        missing = sorted(set(declared) - set(arrays))
+        if missing:
+            raise PayloadError(f"a '{phase}' result must carry the declared arrays {missing}")
+        check_result_values(self, arrays, meta, ctx, phase)
+
+
+def check_result_values(
+    payload: Payload, arrays: Mapping[str, Any], meta: Mapping[str, Any], ctx: ContractContext, phase: str
+) -> dict[str, Any]:
+    """The checks a site can make without the server's model: privacy, array types and rules, and meta.
+
+    Shared by the site runtime (before sending) and the site's privacy filter, so a site's policy never
+    depends on the server's honesty. Returns the validated meta.
+    """
+    private = sorted(k for k in arrays if payload.is_private(k))
+    if private:
+        raise PayloadError(f"refusing to send private arrays {private[:5]}")
+    declared = payload.arrays_for(phase)
+    if not payload.sends_weights or phase != TRAIN_PHASE:
+        undeclared = sorted(set(arrays) - set(declared))
+        if undeclared:
+            raise PayloadError(f"a '{phase}' result of this method carries no weights, got arrays {undeclared[:5]}")
+    for key, value in arrays.items():
+        if key in declared:
+            declared[key].check(key, value, ctx)
+        else:
+            _check_finite(key, _numeric_array(key, value))
+    return _check_meta(meta, payload.allowed_meta(), ctx)
+
+
+def _numeric_array(name: str, value: Any) -> np.ndarray:
+    if not isinstance(value, np.ndarray) or value.dtype.kind not in "fiub":
+        kind = value.dtype if isinstance(value, np.ndarray) else type(value).__name__
+        raise PayloadError(f"'{name}' must be a numeric array, got {kind}")
+    return value
+
+
+def _check_finite(name: str, array: np.ndarray) -> None:
+    if array.dtype.kind == "f" and not np.all(np.isfinite(array)):
+        raise PayloadError(f"'{name}' contains NaN or Inf")
+
+
+def _shape_text(shape: tuple[int | None, ...]) -> str:
+    return "(" + ", ".join("?" if d is None else str(d) for d in shape) + ")"
 
 
 def _check_meta(meta: Mapping[str, Any], allowed: Mapping[str, MetaValidator], ctx: ContractContext) -> dict:
     undeclared = sorted(set(meta) - set(allowed))
     if undeclared:
-        raise PayloadError(f"undeclared meta keys {undeclared}; declared: {sorted(allowed)}")
+        raise PayloadError(f"undeclared meta keys {undeclared[:5]}; declared: {sorted(allowed)}")
     return {key: allowed[key](value, ctx) for key, value in meta.items()}
 
 
-def _check_finite_arrays(arrays: Mapping[str, np.ndarray]) -> None:
-    for key, value in arrays.items():
-        array = np.asarray(value)
-        if array.dtype.kind == "f" and not np.all(np.isfinite(array)):
-            raise PayloadError(f"array '{key}' contains NaN or Inf")
+def result_nbytes(arrays: Mapping[str, Any]) -> int:
+    """Bytes of a result's arrays, read from their headers (nothing is copied)."""
+    return int(sum(getattr(value, "nbytes", 0) for value in arrays.values()))
 
 
 def validate_update(
     arrays: Mapping[str, Any],
     meta: Mapping[str, Any],
-    expected: Mapping[str, tuple[tuple[int, ...], np.dtype]],
+    expected: Mapping[str, Expected],
     payload: Payload,
     ctx: ContractContext,
+    size_factor: float = 1.5,
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Server-side check of one site's update; returns the arrays as numpy and the validated meta.
+    """Server-side check of one site's result; returns the arrays and the validated (canonical) meta.
 
     Args:
         arrays: what the site sent (weights and/or declared arrays).
         meta: the site's meta.
-        expected: key -> (shape, dtype) the server expects: shared model keys plus declared arrays.
+        expected: key -> :class:`Expected` for this task (see :func:`weight_expectations`, :func:`array_expectations`).
         payload: the method's declaration.
-        ctx: task facts (class count).
+        ctx: task facts (class count, array dimensions).
+        size_factor: a result larger than this times the declared size is refused before anything else.
 
     Raises:
-        PayloadError: naming the first problem (missing/extra key, shape, dtype, non-finite value, bad meta).
+        PayloadError: naming the first problem (size, missing/extra key, shape, dtype, value rule, non-finite
+            value, bad meta).
     """
+    declared_bytes = sum(e.nbytes for e in expected.values())
+    sent_bytes = result_nbytes(arrays)
+    if sent_bytes > size_factor * declared_bytes + 1024:
+        raise PayloadError(f"result is {sent_bytes} bytes, the task declares at most {declared_bytes}")
     missing = sorted(set(expected) - set(arrays))
     extra = sorted(set(arrays) - set(expected))
     if missing:
         raise PayloadError(f"missing keys {missing[:5]} ({len(missing)} in all)")
     if extra:
         raise PayloadError(f"unexpected keys {extra[:5]} ({len(extra)} in all)")
-    clean: dict[str, np.ndarray] = {}
-    for key, (shape, dtype) in expected.items():
-        value = np.asarray(arrays[key])
-        if tuple(value.shape) != tuple(shape):
-            raise PayloadError(f"'{key}' has shape {tuple(value.shape)}, expected {tuple(shape)}")
-        if value.dtype.kind != np.dtype(dtype).kind:
-            raise PayloadError(f"'{key}' has dtype {value.dtype}, expected {np.dtype(dtype)}")
-        if value.dtype.kind == "f" and not np.all(np.isfinite(value)):
-            raise PayloadError(f"'{key}' contains NaN or Inf")
-        clean[key] = value
+    clean = {key: rule.check(key, arrays[key], ctx) for key, rule in expected.items()}
     return clean, _check_meta(meta, payload.allowed_meta(), ctx)

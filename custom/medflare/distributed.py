@@ -202,8 +202,8 @@ class DataParallelSite:
     def run_phase(self, phase: str, arrays: Mapping[str, np.ndarray], ctx: RoundContext) -> tuple[dict, dict]:
         return self.runtime.run_phase(phase, arrays, ctx)
 
-    def validate(self, params: Mapping[str, np.ndarray]) -> dict[str, Any]:
-        return self.runtime.validate(params)
+    def validate(self, params: Mapping[str, np.ndarray], ctx: RoundContext | None = None) -> dict[str, Any]:
+        return self.runtime.validate(params, ctx)
 
     def shared_weights(self) -> dict[str, np.ndarray]:
         return self.runtime.shared_weights()

@@ -36,3 +36,29 @@ def list_methods() -> list[str]:
 
 def _load_builtin_methods() -> None:
     import medflare.methods  # noqa: F401  (importing it runs the one registration line per method)
+
+
+PLUGIN_PACKAGE = "medflare_plugins"  # a job's own methods ship as app/custom/medflare_plugins/<name>.py (BYOC)
+
+
+def load_plugins(modules: list[str]) -> None:
+    """Import a job's plugin modules, each of which registers its own methods with :func:`register_method`.
+
+    Only modules of the ``medflare_plugins`` package are accepted: it is never installed, so plugins exist only
+    in a job that carries its own code (BYOC), which a pre-installed site refuses.
+
+    Raises:
+        ConfigError: for a module outside that package or one that cannot be imported.
+    """
+    import importlib
+
+    for module in modules:
+        if not isinstance(module, str) or not module.startswith(PLUGIN_PACKAGE + "."):
+            raise ConfigError(f"plugin '{module}' must be a module of the '{PLUGIN_PACKAGE}' package")
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ConfigError(
+                f"cannot import plugin '{module}': {exc}. Plugins ship inside the job (BYOC); a site that only "
+                "runs its installed medflare cannot load them"
+            ) from exc

@@ -29,12 +29,12 @@ def build_summary(
     rounds = list(results.get("rounds", []))
     evaluations = results.get("evaluations", {})
     per_round = [_round_entry(record, evaluations.get(str(record["round"] + 1), {})) for record in rounds]
-    final_eval = evaluations.get(str(len(rounds)), {}) if rounds else {}
+    final_eval = results.get("final") or (evaluations.get(str(len(rounds)), {}) if rounds else {})
     return {
         "method": results.get("method", config.get("method")),
         "config": dict(config),
         "rounds_completed": len(rounds),
-        "final": with_attribute_scores(final_eval),
+        "final": final_metrics(final_eval),
         "final_by_attribute": final_eval.get("test_by_attribute", {}),
         "final_val": final_eval.get("val", {}),
         "initial": evaluations.get("0", {}).get("test", {}),
@@ -45,6 +45,15 @@ def build_summary(
         "timing": _timing(results, rounds, launched_at),
         "error": results.get("error"),
     }
+
+
+def final_metrics(evaluation: Mapping[str, Any]) -> dict[str, Any]:
+    """The final model's pooled test metrics, plus per-site metrics (``by_site``) and their mean over sites
+    (``site_mean``), method-declared evaluations (``extra``) and the method's own named figures."""
+    metrics = with_attribute_scores(evaluation)
+    metrics.update({key: evaluation[key] for key in ("by_site", "site_mean", "extra") if key in evaluation})
+    metrics.update(evaluation.get("method_metrics") or {})
+    return metrics
 
 
 def with_attribute_scores(evaluation: Mapping[str, Any]) -> dict[str, Any]:
@@ -66,6 +75,7 @@ def _round_entry(record: Mapping[str, Any], evaluation: Mapping[str, Any]) -> di
         "round": record["round"] + 1,
         "metrics": with_attribute_scores(evaluation),
         "val_metrics": evaluation.get("val", {}),
+        "by_site": evaluation.get("by_site", {}),
         "wall_seconds": record.get("wall_seconds"),
         "share": record.get("share", {}),
         "train_loss": {site: facts.get("train_loss") for site, facts in sites.items()},

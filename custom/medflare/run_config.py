@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping
 
 from medflare.config import from_dict, parse_value
@@ -40,6 +41,13 @@ class RunConfig:
         task_timeout: seconds a site may spend on one task before it counts as dropped out (0 = no limit).
         task_request_interval: FLARE server polling interval in seconds (2.0 is FLARE's default; 0.1 is faster).
         name: job name (default: the method name).
+        site_model: per-site architectures, e.g. {"site-1": "resnet10"}; only for methods whose server holds
+            no model (no weights travel).
+        robust: server-side defences, {"max_norm_ratio": 10, "max_share": 0.5} (see flare.aggregator.RobustConfig).
+        transfer_dtype: float32 (default) or float16: how float weights travel (the server aggregates in float64
+            and keeps the global model in its own precision).
+        plugins: Python files that register extra methods (``register_method``); they ship inside the job
+            (BYOC), so a researcher can run a method without changing medflare.
     """
 
     method: str = "fedavg"
@@ -60,6 +68,10 @@ class RunConfig:
     task_timeout: int = 0
     task_request_interval: float = 0.1
     name: str = ""
+    site_model: dict[str, str] = field(default_factory=dict)
+    robust: dict[str, Any] = field(default_factory=dict)
+    transfer_dtype: str = "float32"
+    plugins: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.rounds < 1 or self.clients < 1:
@@ -80,9 +92,13 @@ class RunConfig:
         return [f"site-{i + 1}" for i in range(self.clients)]
 
     def validate(self) -> None:
-        """Fail before launching anything: unknown method, bad method or train options."""
+        """Fail before launching anything: unknown method, bad method or train options, stages that do not add
+        up to the rounds, per-site models a weight-averaging method cannot use."""
+        load_plugin_files(self.plugins)
         spec = get_method(self.method)
-        from_dict(spec.config_cls, self.method_args, f"method '{self.method}'")
+        from medflare.flare.aggregator import RoundAggregation
+
+        RoundAggregation(self.method, self.method_args, 2, self.rounds, self.robust, self.transfer_dtype)
         resolve_train_config(spec, self.train)
         for site, overrides in self.site_train.items():
             if site not in self.site_names:
@@ -90,8 +106,20 @@ class RunConfig:
             resolve_train_config(spec, {**self.train, **overrides})
         from medflare.models import list_models
 
-        if self.model not in list_models():
-            raise ConfigError(f"unknown model '{self.model}'; available: {', '.join(list_models())}")
+        for site, model in {"": self.model, **self.site_model}.items():
+            if model not in list_models():
+                raise ConfigError(f"unknown model '{model}'; available: {', '.join(list_models())}")
+            if site and site not in self.site_names:
+                raise ConfigError(f"site_model names '{site}', which is not one of {self.site_names}")
+        if spec.server_model and any(model != self.model for model in self.site_model.values()):
+            raise ConfigError(
+                f"'{self.method}' averages weights, so every site trains model '{self.model}'; per-site models "
+                "(site_model) need a method that sends no weights"
+            )
+
+    def plugin_modules(self) -> list[str]:
+        """The module names the job's plugin files have inside the job (``medflare_plugins.<file stem>``)."""
+        return [plugin_module_name(path) for path in self.plugins]
 
     def site_data(self) -> dict[str, Any]:
         """The data config the sites receive (num_sites and seed filled in for simulation)."""
@@ -154,3 +182,36 @@ def merge_run_config(base: Mapping[str, Any], flags: Mapping[str, Any]) -> RunCo
     """Defaults <- file values <- flags that were given (None means 'not given')."""
     given = {key: value for key, value in flags.items() if value is not None}
     return from_dict(RunConfig, merge_sections(base, given), "run config")
+
+
+def plugin_module_name(path: str | Path) -> str:
+    """``medflare_plugins.<stem>`` for a plugin file."""
+    from medflare.registry import PLUGIN_PACKAGE
+
+    stem = Path(path).stem
+    if not stem.isidentifier():
+        raise ConfigError(f"plugin file name '{Path(path).name}' must be a valid Python module name")
+    return f"{PLUGIN_PACKAGE}.{stem}"
+
+
+def load_plugin_files(paths: list[str]) -> None:
+    """Import plugin files here (under the names they will have inside the job) so their methods register."""
+    import importlib.util
+    import sys
+
+    for path in paths:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"plugin file not found: {file}")
+        name = plugin_module_name(file)
+        if name in sys.modules:
+            continue
+        module_spec = importlib.util.spec_from_file_location(name, file)
+        assert module_spec is not None and module_spec.loader is not None
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as exc:
+            del sys.modules[name]
+            raise ConfigError(f"plugin {file} failed to load: {exc}") from exc

@@ -7,6 +7,7 @@ benchmarked against a bare PyTorch loop) without starting FLARE.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -25,6 +26,7 @@ from medflare.registry import get_method
 SITE_CONFIG_FILE = "medflare_site.json"  # in a site's local/ folder (POC and production)
 EVALUATION_MODES = ("every_round", "final", "off")
 SITE_LOG_FILE = "medflare_site_log.jsonl"  # per-site diagnostics that never leave the site
+SITE_STATE_FILE = "medflare_site_state.pt"  # optimizer, private keys and method state of the running job
 
 
 @dataclass
@@ -82,6 +84,39 @@ def read_site_data_config(site_config_dir: str | Path, job_data: Mapping[str, An
     return {**overrides, **site_data, "local": True, "num_sites": 1}
 
 
+def resolve_site_model(
+    method: str, job_model: str, site_models: Mapping[str, str] | None, site: str, site_config_dir: str | Path | None
+) -> str:
+    """The architecture this site trains: its own ``local/medflare_site.json`` "model", else the job's per-site
+    choice (``site_model``), else the job's model.
+
+    Only methods whose server holds no model (no weights travel) may mix architectures; for the others every
+    site must train the job's model, because the server averages weights key by key.
+    """
+    local = _site_file(site_config_dir).get("model") if site_config_dir is not None else None
+    chosen = local or (site_models or {}).get(site) or job_model
+    if chosen != job_model and get_method(method).server_model:
+        where = "its local medflare_site.json" if local else "the job's site_model"
+        raise ConfigError(
+            f"{site}: {where} asks for model '{chosen}', but '{method}' averages weights, so every site must train "
+            f"the job's model '{job_model}'; per-site architectures need a method that sends no weights (e.g. mdhfl)"
+        )
+    return str(chosen)
+
+
+def _site_file(site_config_dir: str | Path) -> dict[str, Any]:
+    path = Path(site_config_dir) / SITE_CONFIG_FILE
+    if not path.is_file():
+        return {}
+    try:
+        content = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(content, dict):
+        raise ConfigError(f"{path} must hold a JSON object")
+    return content
+
+
 class SiteRuntime:
     """A site's live state for one job: data, model, trainer (optimizer and personal state persist)."""
 
@@ -110,8 +145,9 @@ class SiteRuntime:
         )
         if local_dir is not None:
             self.trainer.local_log = JsonLinesLog(Path(local_dir) / SITE_LOG_FILE)
-        self.contract_ctx = ContractContext(num_classes=settings.task.num_classes)
         self.model_keys = list(self.model.state_dict().keys())
+        self.state_path = Path(local_dir) / SITE_STATE_FILE if local_dir is not None else None
+        self._restore_state()  # a site process restarted inside a running job continues where it stopped
 
     def _load_data(self, site_index: int) -> Any:
         from medflare.data import DataConfig, make_site_data
@@ -138,30 +174,59 @@ class SiteRuntime:
         return model
 
     def train(
-        self, params: Mapping[str, np.ndarray], ctx: RoundContext, should_abort: Callable[[], bool] = lambda: False
+        self, arrays: Mapping[str, np.ndarray], ctx: RoundContext, should_abort: Callable[[], bool] = lambda: False
     ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-        """Load the global model, score it, train locally; return what the method declares it sends."""
-        self.trainer.receive(params)
-        meta = self._evaluation_meta() if self.settings.evaluation == "every_round" else {}
+        """Score the site's own model (method-declared evaluations), load the received arrays, score the global
+        model, train locally; return what the method declares it sends for this stage."""
+        scoring = ctx.scored and self.settings.evaluation == "every_round"
+        meta = self._extra_evaluation_meta() if scoring else {}
+        self.trainer.receive(arrays)
+        if scoring:
+            meta.update(self._evaluation_meta())
         meta.update(self.trainer.train_round(ctx, should_abort))
-        arrays = self.trainer.outgoing_arrays()
-        self.spec.payload.check_outgoing(arrays, meta, self.model_keys, self.contract_ctx)
-        return arrays, meta
+        out_arrays = self.trainer.outgoing_arrays(ctx)
+        self._check_outgoing(out_arrays, meta, contracts.TRAIN_PHASE, ctx)
+        self.save_state()
+        return out_arrays, meta
 
     def run_phase(
         self, phase: str, arrays: Mapping[str, np.ndarray], ctx: RoundContext
     ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """A method-specific task; its result is checked against the payload like any other."""
         out_arrays, meta = self.trainer.run_phase(phase, arrays, ctx)
-        self.spec.payload.check_outgoing(out_arrays, meta, self.model_keys, self.contract_ctx)
+        self._check_outgoing(out_arrays, meta, phase, ctx)
+        self.save_state()
         return out_arrays, meta
 
-    def validate(self, params: Mapping[str, np.ndarray]) -> dict[str, Any]:
-        """Score a received model without training (final evaluation)."""
-        self.trainer.receive(params)
-        meta = self._evaluation_meta() if self.settings.evaluation != "off" else {}
-        self.spec.payload.check_outgoing({}, meta, self.model_keys, self.contract_ctx)
+    def validate(self, arrays: Mapping[str, np.ndarray], ctx: RoundContext | None = None) -> dict[str, Any]:
+        """Score the site's own model and the received (final) model without training."""
+        ctx = ctx or RoundContext(0, 1)
+        scoring = self.settings.evaluation != "off"
+        meta = self._extra_evaluation_meta() if scoring else {}
+        self.trainer.receive(arrays)
+        if scoring:
+            meta.update(self._evaluation_meta())
+        self._check_outgoing({}, meta, "validate", ctx)
         return meta
+
+    def _check_outgoing(self, arrays: Mapping[str, Any], meta: Mapping[str, Any], phase: str, ctx: RoundContext) -> None:
+        contract = ContractContext(self.settings.task.num_classes, dims=ctx.server_meta.get(contracts.ARRAY_DIMS) or {})
+        self.spec.payload.check_outgoing(arrays, meta, self.model_keys, contract, phase=phase, stage=ctx.stage)
+
+    # ----- state kept at the site ------------------------------------------------------------------
+    def save_state(self) -> None:
+        """Write the trainer's state (optimizer, private keys, method state) into the site's job workspace."""
+        if self.state_path is None:
+            return
+        tmp = self.state_path.with_suffix(".tmp")
+        torch.save(self.trainer.state_dict(), tmp)
+        os.replace(tmp, self.state_path)  # never a half-written state file
+
+    def _restore_state(self) -> None:
+        if self.state_path is None or not self.state_path.is_file():
+            return
+        self.trainer.load_state(torch.load(self.state_path, map_location=self.device, weights_only=False))
+        self.log(f"restored this site's state for the running job from {self.state_path.name}")
 
     def close(self) -> None:
         """Nothing to release for a single-process site (the data-parallel site stops its helper ranks)."""
@@ -185,6 +250,14 @@ class SiteRuntime:
                 for value in np.unique(attributes)
             }
         return meta
+
+    def _extra_evaluation_meta(self) -> dict[str, Any]:
+        """Method-declared evaluations of the site's own model (before the received model is loaded)."""
+        extra: dict[str, dict[str, Any]] = {}
+        for split in ("val", "test"):
+            for name, stats in self.trainer.extra_evaluations(split).items():
+                extra.setdefault(name, {})[split] = stats.to_dict()
+        return {contracts.EVAL_EXTRA: extra} if extra else {}
 
 
 class JsonLinesLog:

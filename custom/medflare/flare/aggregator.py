@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
@@ -11,31 +12,77 @@ from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable
 from nvflare.app_common.abstract.aggregator import Aggregator
 
+from medflare import contracts
 from medflare.config import from_dict
-from medflare.contracts import ContractContext, validate_update
-from medflare.errors import MedflareError
-from medflare.methods.base import AggregateResult, RoundContext, ServerRule, SiteUpdate
-from medflare.registry import get_method
+from medflare.contracts import ContractContext, Expected, validate_update
+from medflare.errors import ConfigError, MedflareError, PayloadError
+from medflare.methods.base import AggregateResult, PerSite, RoundContext, ServerRule, SiteUpdate, Stage
+from medflare.registry import get_method, load_plugins
 
 SHARES = "shares"
 INFO = "info"
+TRANSFER_DTYPES = ("float32", "float16")
+
+
+@dataclass(frozen=True)
+class RobustConfig:
+    """Optional defences against one site taking over or breaking the aggregate (on in production templates).
+
+    Attributes:
+        max_norm_ratio: reject a site whose update norm ‖θ_site − θ_global‖ exceeds this multiple of the
+            median norm of the other sites (0 = off; needs at least two sites).
+        max_share: cap on any one site's share of the aggregate (0 = off); relaxes to equal shares when no
+            split of this round's sites can meet it.
+    """
+
+    max_norm_ratio: float = 0.0
+    max_share: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.max_norm_ratio < 0 or not 0 <= self.max_share <= 1:
+            raise ConfigError(f"robust: max_norm_ratio must be >= 0 and max_share in [0, 1], got {self}")
 
 
 class RoundAggregation:
-    """FLARE-free core of one round: accept (validate) updates, then aggregate. Testable on its own."""
+    """FLARE-free core of one round: accept (validate) results phase by phase, then aggregate.
 
-    def __init__(self, method: str, method_args: Mapping[str, Any] | None, num_classes: int, num_rounds: int):
+    Args:
+        method: registered method name.
+        method_args: the method's hyperparameters.
+        num_classes: K of the task.
+        num_rounds: the job's rounds; the rule's stages must add up to it.
+        robust: :class:`RobustConfig` fields.
+        transfer_dtype: dtype float weights travel in ("float32" or "float16").
+    """
+
+    def __init__(
+        self,
+        method: str,
+        method_args: Mapping[str, Any] | None,
+        num_classes: int,
+        num_rounds: int,
+        robust: Mapping[str, Any] | None = None,
+        transfer_dtype: str = "float32",
+    ):
         self.spec = get_method(method)
         method_cfg = from_dict(self.spec.config_cls, dict(method_args or {}), f"method '{method}'")
-        self.rule: ServerRule = self.spec.server_rule_cls(method_cfg, num_rounds)
-        self.contract_ctx = ContractContext(num_classes=num_classes)
+        self.rule: ServerRule = self.spec.server_rule_cls(method_cfg, num_rounds, self.spec.payload)
+        self.stages = checked_stages(self.rule.stages(), num_rounds, method)
+        self.robust = from_dict(RobustConfig, dict(robust or {}), "robust")
+        self.rule.max_share = self.robust.max_share
+        if transfer_dtype not in TRANSFER_DTYPES:
+            raise ConfigError(f"transfer_dtype must be one of {TRANSFER_DTYPES}, got '{transfer_dtype}'")
+        self.transfer_dtype = transfer_dtype
+        self.num_classes = num_classes
+        self.contract = ContractContext(num_classes=num_classes)
         self.global_params: dict[str, np.ndarray] = {}
         self.ctx = RoundContext(round=0, total_rounds=num_rounds)
-        self.phase = "train"
-        self.expected: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+        self.phase = ""
+        self.expected: dict[str, Expected] = {}
         self.updates: dict[str, SiteUpdate] = {}
         self.rejected: dict[str, str] = {}
         self.earlier: dict[str, list[SiteUpdate]] = {}  # this round's completed phases
+        self.first_samples: dict[str, float] = {}  # site -> n_samples of its first accepted update
 
     def start_round(self, global_params: Mapping[str, np.ndarray], ctx: RoundContext) -> None:
         """Forget the previous round."""
@@ -43,44 +90,105 @@ class RoundAggregation:
         self.ctx = ctx
         self.earlier, self.updates, self.rejected, self.phase = {}, {}, {}, ""
 
-    def start_phase(self, phase: str) -> dict[str, np.ndarray]:
-        """Begin a phase of the round: returns the arrays to send and fixes what valid results look like."""
+    def start_phase(self, phase: str) -> dict[str, np.ndarray] | PerSite:
+        """Begin a phase of the round: returns what to send, and fixes what valid results look like."""
         if self.phase:
             self.earlier[self.phase] = self.accepted()
         self.phase = phase
         self.updates, self.rejected = {}, {}
-        self.expected = self.rule.expected_arrays(phase, self.global_params, self.spec.payload)
-        return self.rule.phase_arrays(phase, self.global_params, self.earlier)
+        self.contract = ContractContext(self.num_classes, dims=dict(self.rule.array_dims(phase, self.ctx)))
+        self.expected = self.rule.expected_arrays(phase, self.ctx, self.global_params, self.contract)
+        return self.rule.phase_arrays(phase, self.ctx, self.global_params, self.earlier)
 
-    def expected_arrays(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-        """key -> (shape, dtype) a valid result of the current phase carries."""
-        return self.expected
+    def task_header(self) -> dict[str, Any]:
+        """Meta the server adds to this phase's task besides the round: array dimensions, transfer dtype."""
+        return {contracts.ARRAY_DIMS: dict(self.contract.dims), contracts.TRANSFER_DTYPE: self.transfer_dtype}
 
     def accepted(self) -> list[SiteUpdate]:
         """Accepted updates of the current phase, in site-name order (for reproducibility)."""
         return [self.updates[site] for site in sorted(self.updates)]
 
     def accept(self, site: str, arrays: Mapping[str, Any], meta: Mapping[str, Any]) -> str | None:
-        """Validate and keep one site's update. Returns None when accepted, else the rejection reason."""
+        """Validate and keep one site's result. Returns None when accepted, else the rejection reason."""
         if site in self.updates:
             reason = "a second update in the same round"
         else:
             try:
-                clean, clean_meta = validate_update(
-                    arrays, meta, self.expected_arrays(), self.spec.payload, self.contract_ctx
-                )
-                if self.phase == "train":  # the aggregation weight must be computable
-                    self.rule.site_weight(SiteUpdate(site, clean, clean_meta), self.ctx)
-                self.updates[site] = SiteUpdate(site, clean, clean_meta)
+                clean, clean_meta = validate_update(arrays, meta, self.expected, self.spec.payload, self.contract)
+                update = SiteUpdate(site, clean, clean_meta)
+                if self.phase == contracts.TRAIN_PHASE:
+                    self._check_sample_count(update)
+                    self.rule.site_weight(update, self.ctx)  # the aggregation weight must be computable
+                self.updates[site] = update
                 return None
             except (MedflareError, KeyError, TypeError, ValueError) as exc:
                 reason = str(exc) or type(exc).__name__
         self.rejected[site] = reason
         return reason
 
+    def _check_sample_count(self, update: SiteUpdate) -> None:
+        """A site's training-set size does not change within a job: a jump is a forged aggregation weight."""
+        n = update.meta.get(contracts.N_SAMPLES)
+        if n is None:
+            return
+        first = self.first_samples.setdefault(update.site, float(n))
+        if not first / 2 <= float(n) <= 2 * first:
+            raise PayloadError(f"n_samples={n:g} is implausible: this site reported {first:g} in its first round")
+
     def aggregate(self) -> AggregateResult:
-        """The next global model from the last phase's accepted updates."""
-        return self.rule.aggregate(self.global_params, self.accepted(), self.ctx)
+        """The next global model from the last phase's accepted updates, after the robust checks.
+
+        Raises:
+            PayloadError: when nothing is left to aggregate, or the aggregate is not finite (the previous global
+                model is then kept; nothing is persisted).
+        """
+        updates = self._drop_outlier_updates(self.accepted())
+        result = self.rule.aggregate(self.global_params, updates, self.ctx)
+        broken = sorted(k for k, v in result.params.items() if np.asarray(v).dtype.kind == "f" and not np.all(np.isfinite(v)))
+        if broken:
+            raise PayloadError(f"the aggregate has NaN/Inf in {broken[:5]}; the previous global model is kept")
+        return result
+
+    def _drop_outlier_updates(self, updates: list[SiteUpdate]) -> list[SiteUpdate]:
+        """Reject sites whose update norm exceeds ``max_norm_ratio`` × the median norm of the other sites."""
+        ratio = self.robust.max_norm_ratio
+        if ratio <= 0 or len(updates) < 2 or not self.global_params:
+            return updates
+        norms = {u.site: update_norm(u.arrays, self.global_params) for u in updates}
+        kept = []
+        for update in updates:
+            others = float(np.median([n for s, n in norms.items() if s != update.site]))
+            if others > 0 and norms[update.site] > ratio * others:
+                self.rejected[update.site] = (
+                    f"update norm {norms[update.site]:.4g} exceeds {ratio:g} x the other sites' median {others:.4g}"
+                )
+                self.updates.pop(update.site, None)
+            else:
+                kept.append(update)
+        return kept
+
+
+def update_norm(arrays: Mapping[str, np.ndarray], global_params: Mapping[str, np.ndarray]) -> float:
+    """‖θ_site − θ_global‖₂ over the floating-point keys both carry (computed in float64)."""
+    total = 0.0
+    for key, value in arrays.items():
+        reference = global_params.get(key)
+        if reference is not None and np.asarray(reference).dtype.kind == "f":
+            diff = np.asarray(value, dtype=np.float64) - np.asarray(reference, dtype=np.float64)
+            total += float(np.dot(diff.ravel(), diff.ravel()))
+    return float(np.sqrt(total))
+
+
+def checked_stages(stages: list[Stage], num_rounds: int, method: str) -> list[Stage]:
+    """The rule's stages, which must add up to the job's rounds."""
+    total = sum(stage.rounds for stage in stages)
+    if total != num_rounds or any(stage.rounds < 1 for stage in stages):
+        plan = " + ".join(f"{s.name}={s.rounds}" for s in stages)
+        raise ConfigError(
+            f"method '{method}' runs stages {plan} = {total} rounds, but the job has rounds={num_rounds}; "
+            "set rounds to the sum, or change the stage budgets in the method's options"
+        )
+    return stages
 
 
 class MedflareAggregator(Aggregator):
@@ -91,22 +199,38 @@ class MedflareAggregator(Aggregator):
         num_classes: class count declared by the job (validates per-class vectors).
         num_rounds: total rounds (some server rules schedule by round).
         method_args: the method's hyperparameters (the server rule reads its own).
+        robust: :class:`RobustConfig` fields (update-norm bound, share cap); off when empty.
+        transfer_dtype: dtype float weights travel in ("float32", or "float16" for half the bytes).
+        plugins: ``medflare_plugins.*`` modules the job carries that register its own methods.
     """
 
-    def __init__(self, method: str, num_classes: int, num_rounds: int, method_args: dict | None = None) -> None:
+    def __init__(
+        self,
+        method: str,
+        num_classes: int,
+        num_rounds: int,
+        method_args: dict | None = None,
+        robust: dict | None = None,
+        transfer_dtype: str = "float32",
+        plugins: list | None = None,
+    ) -> None:
         super().__init__()
+        self.plugins = plugins or []
+        load_plugins(self.plugins)
         self.method = method
         self.num_classes = num_classes
         self.num_rounds = num_rounds
         self.method_args = method_args or {}
-        self.core = RoundAggregation(method, self.method_args, num_classes, num_rounds)
+        self.robust = robust or {}
+        self.transfer_dtype = transfer_dtype
+        self.core = RoundAggregation(method, self.method_args, num_classes, num_rounds, self.robust, transfer_dtype)
 
     def start_round(self, global_params: Mapping[str, np.ndarray], ctx: RoundContext) -> None:
         """Called by the controller before it sends the round's first task."""
         self.core.start_round(global_params, ctx)
 
-    def start_phase(self, phase: str) -> dict[str, np.ndarray]:
-        """Called by the controller before each phase; returns the arrays to send."""
+    def start_phase(self, phase: str) -> dict[str, np.ndarray] | PerSite:
+        """Called by the controller before each phase; returns what to send (one dict, or per site)."""
         return self.core.start_phase(phase)
 
     def accept(self, shareable: Shareable, fl_ctx: FLContext) -> bool:

@@ -9,6 +9,7 @@ app folder after every round, so a crashed job still leaves its history behind.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -27,13 +28,13 @@ from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.app_event_type import AppEventType
 
 from medflare import contracts
+from medflare.errors import PayloadError
+from medflare.evaluation import site_evaluation, summarize
 from medflare.flare.aggregator import INFO, SHARES, MedflareAggregator
-from medflare.flare.tasks import TASK_VALIDATE, round_meta
-from medflare.methods.base import RoundContext
-from medflare.metrics import EvalStats, compute_metrics
+from medflare.flare.tasks import TASK_VALIDATE, round_meta, round_plan
+from medflare.methods.base import PerSite, RoundContext, Stage
 
 RESULTS_FILE = "medflare_results.json"
-EVAL_KEYS = (("val", contracts.EVAL_VAL), ("test", contracts.EVAL_TEST))
 
 
 class MedflareController(Controller):
@@ -103,14 +104,13 @@ class MedflareController(Controller):
 
     def control_flow(self, abort_signal: Signal, fl_ctx: FLContext) -> None:
         try:
-            round_index = 0
-            for stage, stage_rounds in self.aggregator.core.rule.stages():
-                for _ in range(stage_rounds):
-                    if abort_signal.triggered:
-                        return
-                    self._run_round(round_index, stage, abort_signal, fl_ctx)
-                    round_index += 1
-            self._final_validation(abort_signal, fl_ctx)
+            stages = self.aggregator.core.stages
+            self._results["stages"] = [dataclasses.asdict(stage) for stage in stages]
+            for ctx in round_plan(stages, self.num_rounds):
+                if abort_signal.triggered:
+                    return
+                self._run_round(ctx, abort_signal, fl_ctx)
+            self._final_validation(stages[-1], abort_signal, fl_ctx)
             self._results["finished_at"] = time.time()
             self._write_results()
             self.log_info(fl_ctx, f"medflare: finished {self.num_rounds} rounds; results in {self.results_path}")
@@ -121,26 +121,26 @@ class MedflareController(Controller):
             self.system_panic(f"medflare controller failed: {exc}", fl_ctx)
 
     # ----- one round --------------------------------------------------------------------------------
-    def _run_round(self, round_index: int, stage: str, abort_signal: Signal, fl_ctx: FLContext) -> None:
+    def _run_round(self, plan: RoundContext, abort_signal: Signal, fl_ctx: FLContext) -> None:
         started = time.time()
-        rule = self.aggregator.core.rule
-        base = RoundContext(round=round_index, total_rounds=self.num_rounds, stage=stage)
-        ctx = RoundContext(round_index, self.num_rounds, stage, server_meta=rule.server_meta(base))
-        self.log_info(fl_ctx, f"medflare: round {round_index + 1}/{self.num_rounds} ({stage}) started")
-        self.aggregator.start_round(self.global_params, ctx)
-        fl_ctx.set_prop(AppConstants.CURRENT_ROUND, round_index, private=True, sticky=True)
+        core = self.aggregator.core
+        ctx = dataclasses.replace(plan, server_meta=core.rule.server_meta(plan))
+        self.log_info(fl_ctx, f"medflare: round {ctx.round + 1}/{self.num_rounds} ({ctx.stage}) started")
+        core.start_round(self.global_params, ctx)
+        fl_ctx.set_prop(AppConstants.CURRENT_ROUND, ctx.round, private=True, sticky=True)
         fl_ctx.set_prop(AppConstants.GLOBAL_MODEL, make_model_learnable(self.global_params, {}), private=True, sticky=True)
         self.fire_event(AppEventType.ROUND_STARTED, fl_ctx)
-        record = self._new_record(round_index, started)
-        record["stage"] = stage
+        record = self._new_record(ctx.round, started)
+        record["stage"] = ctx.stage
         evaluations: dict[str, dict] = {}
-        for phase in rule.phases(ctx):
-            arrays = self.aggregator.start_phase(phase)
-            evaluations = self._broadcast(phase, arrays, ctx, record, abort_signal, fl_ctx) or evaluations
+        for phase in core.rule.phases(ctx):
+            outgoing = core.start_phase(phase)
+            self._send_phase(phase, outgoing, ctx, record, evaluations, abort_signal, fl_ctx)
             if abort_signal.triggered:
                 return
-            self._require_enough_sites(round_index, phase, record)
-        self._record_evaluation(round_index, evaluations, fl_ctx)
+            self._require_enough_sites(ctx.round, phase, record)
+        if ctx.scored:
+            self._record_evaluation(ctx.round, evaluations, fl_ctx)
         self._aggregate(record, fl_ctx)
         record["wall_seconds"] = time.time() - started
         self._results["rounds"].append(record)
@@ -149,13 +149,14 @@ class MedflareController(Controller):
         rejected = f", rejected {sorted(record['rejected'])}" if record["rejected"] else ""
         self.log_info(
             fl_ctx,
-            f"medflare: round {round_index + 1}/{self.num_rounds} done in {record['wall_seconds']:.1f}s; "
-            f"accepted {sorted(record['share'])}{rejected}",
+            f"medflare: round {ctx.round + 1}/{self.num_rounds} done in {record['wall_seconds']:.1f}s; "
+            f"accepted {sorted(record.get('share', {}))}{rejected}",
         )
 
     def _require_enough_sites(self, round_index: int, phase: str, record: dict) -> None:
-        record["rejected"].update(self.aggregator.core.rejected)
-        accepted = len(self.aggregator.core.updates)
+        core = self.aggregator.core
+        record["rejected"].update(core.rejected)
+        accepted = len(core.updates)
         if accepted < self.min_clients:
             raise RuntimeError(
                 f"round {round_index + 1} ({phase}): only {accepted} site(s) sent a valid result, the job needs "
@@ -166,25 +167,59 @@ class MedflareController(Controller):
     def _new_record(self, round_index: int, started: float) -> dict[str, Any]:
         return {"round": round_index, "started_at": started, "failed": {}, "rejected": {}, "payload": {}, "sites": {}}
 
-    def _broadcast(
-        self, task_name: str, arrays: dict, ctx: RoundContext, record: dict, abort_signal: Signal, fl_ctx: FLContext
-    ) -> dict[str, dict]:
-        evaluations: dict[str, dict] = {}
+    def _send_phase(
+        self,
+        phase: str,
+        outgoing: dict | PerSite,
+        ctx: RoundContext,
+        record: dict,
+        evaluations: dict[str, dict],
+        abort_signal: Signal,
+        fl_ctx: FLContext,
+    ) -> None:
+        """Send a phase's task (one broadcast, or one task per site) and collect results as they arrive."""
+        header = {**round_meta(ctx), **self.aggregator.core.task_header()}
 
         def on_result(client_task: ClientTask, fl_ctx: FLContext) -> None:
-            self._on_result(task_name, client_task, record, evaluations, fl_ctx)
+            self._on_result(phase, client_task, record, evaluations, fl_ctx)
             client_task.result = None  # free memory: the aggregator keeps what it needs
 
-        data = DXO(DataKind.WEIGHTS, data=arrays, meta=round_meta(ctx)).to_shareable()
-        task = Task(name=task_name, data=data, timeout=self.train_timeout, result_received_cb=on_result)
-        self.broadcast_and_wait(
-            task=task,
-            fl_ctx=fl_ctx,
-            min_responses=self.min_clients,
-            wait_time_after_min_received=self.wait_time_after_min_received,
-            abort_signal=abort_signal,
-        )
-        return evaluations
+        def make_task(arrays: dict) -> Task:
+            data = DXO(DataKind.WEIGHTS, data=arrays, meta=header).to_shareable()
+            return Task(name=phase, data=data, timeout=self.train_timeout, result_received_cb=on_result)
+
+        if not isinstance(outgoing, PerSite):
+            self.broadcast_and_wait(
+                task=make_task(outgoing),
+                fl_ctx=fl_ctx,
+                min_responses=self.min_clients,
+                wait_time_after_min_received=self.wait_time_after_min_received,
+                abort_signal=abort_signal,
+            )
+            return
+        tasks = {site: make_task(arrays) for site, arrays in sorted(outgoing.arrays.items())}
+        for site, task in tasks.items():
+            self.broadcast(task=task, fl_ctx=fl_ctx, targets=[site], min_responses=1)
+        self._wait_for_sites(list(tasks.values()), abort_signal, fl_ctx)
+
+    def _wait_for_sites(self, tasks: list[Task], abort_signal: Signal, fl_ctx: FLContext) -> None:
+        """Wait for per-site tasks with broadcast's semantics: once ``min_clients`` answered, stragglers get
+        ``wait_time_after_min_received`` seconds before their tasks are cancelled."""
+        deadline = None
+        while any(task.completion_status is None for task in tasks):
+            if abort_signal.triggered:
+                for task in tasks:
+                    self.cancel_task(task, fl_ctx=fl_ctx)
+                return
+            answered = sum(task.completion_status is not None for task in tasks)
+            if deadline is None and answered >= min(self.min_clients, len(tasks)):
+                deadline = time.time() + self.wait_time_after_min_received
+            if deadline is not None and time.time() > deadline:
+                for task in tasks:
+                    if task.completion_status is None:
+                        self.cancel_task(task, fl_ctx=fl_ctx)
+                return
+            time.sleep(self._task_check_period)
 
     def _on_result(
         self, task_name: str, client_task: ClientTask, record: dict, evaluations: dict, fl_ctx: FLContext
@@ -202,36 +237,29 @@ class MedflareController(Controller):
             return
         meta = dxo.meta or {}
         add_payload(record["payload"], site, dxo)
-        if task_name != TASK_VALIDATE:
-            self.aggregator.accept(result, fl_ctx)
+        if task_name != TASK_VALIDATE and not self.aggregator.accept(result, fl_ctx):
+            return  # a rejected result contributes nothing, its evaluation included
         facts = {k: meta[k] for k in (contracts.N_SAMPLES, contracts.TRAIN_LOSS, contracts.TRAIN_SECONDS) if k in meta}
         if facts:
-            record["sites"][site] = facts
-        evaluation = self._site_evaluation(site, meta, fl_ctx)
+            record["sites"].setdefault(site, {}).update(facts)
+        try:
+            evaluation = site_evaluation(meta, self.aggregator.num_classes)
+        except Exception as exc:
+            self.log_warning(fl_ctx, f"ignoring malformed evaluation statistics from {site}: {exc}")
+            return
         if evaluation:
             evaluations[site] = evaluation
 
-    def _site_evaluation(self, site: str, meta: dict, fl_ctx: FLContext) -> dict[str, EvalStats] | None:
-        """The site's evaluation statistics, or None (logged) when absent or malformed."""
-        if contracts.EVAL_TEST not in meta:
-            return None
-        num_classes = self.aggregator.num_classes
-        try:
-            evaluation: dict[str, Any] = {
-                split: EvalStats.from_dict(meta[key], num_classes=num_classes) for split, key in EVAL_KEYS if key in meta
-            }
-            by_attribute = meta.get(contracts.EVAL_TEST_BY_ATTRIBUTE) or {}
-            evaluation["test_by_attribute"] = {
-                a: EvalStats.from_dict(d, num_classes=num_classes) for a, d in by_attribute.items()
-            }
-            return evaluation
-        except Exception as exc:
-            self.log_warning(fl_ctx, f"ignoring malformed evaluation statistics from {site}: {exc}")
-            return None
-
     def _aggregate(self, record: dict, fl_ctx: FLContext) -> None:
         self.fire_event(AppEventType.BEFORE_AGGREGATION, fl_ctx)
-        dxo = from_shareable(self.aggregator.aggregate(fl_ctx))
+        try:
+            dxo = from_shareable(self.aggregator.aggregate(fl_ctx))
+        except PayloadError as exc:  # nothing to aggregate, or a non-finite aggregate: keep the last model
+            record["aggregation_error"] = str(exc)
+            record["rejected"].update(self.aggregator.core.rejected)
+            self.log_error(fl_ctx, f"medflare: round {record['round'] + 1}: {exc}")
+            return
+        record["rejected"].update(self.aggregator.core.rejected)  # includes robust-rule rejections
         self.global_params = dict(dxo.data)
         record["share"] = dxo.meta[SHARES]
         record.update(dxo.meta[INFO])
@@ -240,23 +268,9 @@ class MedflareController(Controller):
         self.persistor.save(learnable, fl_ctx)
 
     # ----- evaluation -------------------------------------------------------------------------------
-    def _record_evaluation(self, model_version: int, evaluations: dict[str, dict], fl_ctx: FLContext) -> None:
+    def _record_evaluation(self, model_version: int, evaluations: dict[str, dict], fl_ctx: FLContext) -> dict:
         """Sum the sites' statistics of model ``model_version`` and keep the best model by validation."""
-        summary: dict[str, Any] = {"sites": sorted(evaluations)}
-        for split in ("val", "test"):
-            parts = [e[split] for e in evaluations.values() if split in e]
-            if parts:
-                stats = sum(parts[1:], parts[0])
-                summary[split] = compute_metrics(stats, self.shot_groups)
-                summary[f"{split}_stats"] = stats.to_dict()
-        by_attribute: dict[str, list[EvalStats]] = {}
-        for evaluation in evaluations.values():
-            for attribute, stats in evaluation.get("test_by_attribute", {}).items():
-                by_attribute.setdefault(attribute, []).append(stats)
-        if by_attribute:
-            summary["test_by_attribute"] = {
-                a: compute_metrics(sum(parts[1:], parts[0])) for a, parts in sorted(by_attribute.items())
-            }
+        summary = summarize(evaluations, self.shot_groups)
         self._results["evaluations"][str(model_version)] = summary
         score = summary.get("val", {}).get(self.key_metric)
         if score is not None and score > self._best:
@@ -268,12 +282,24 @@ class MedflareController(Controller):
             self.log_info(
                 fl_ctx, f"medflare: model {model_version} test balanced accuracy {bacc:.4f} ({len(evaluations)} sites)"
             )
+        return summary
 
-    def _final_validation(self, abort_signal: Signal, fl_ctx: FLContext) -> None:
-        ctx = RoundContext(self.num_rounds, self.num_rounds, stage="final")
+    def _final_validation(self, last_stage: Stage, abort_signal: Signal, fl_ctx: FLContext) -> None:
+        """Score the final global model at every site; its metrics land in ``results["final"]``."""
+        ctx = RoundContext(
+            self.num_rounds, self.num_rounds, stage=last_stage.name, stage_round=last_stage.rounds,
+            stage_rounds=last_stage.rounds, scored=True,
+        )
         record = self._new_record(self.num_rounds, time.time())
-        evaluations = self._broadcast(TASK_VALIDATE, self.global_params, ctx, record, abort_signal, fl_ctx)
-        self._record_evaluation(self.num_rounds, evaluations, fl_ctx)
+        core = self.aggregator.core
+        core.start_round(self.global_params, ctx)
+        keys = core.spec.payload.shared_keys(list(self.global_params), ctx.stage)
+        arrays = {k: self.global_params[k] for k in keys}
+        evaluations: dict[str, dict] = {}
+        self._send_phase(TASK_VALIDATE, arrays, ctx, record, evaluations, abort_signal, fl_ctx)
+        final = self._record_evaluation(self.num_rounds, evaluations, fl_ctx)
+        method_metrics = core.rule.final_metrics(final)
+        self._results["final"] = {"model_version": self.num_rounds, **final, "method_metrics": method_metrics}
         self._results["final_validation"] = {"wall_seconds": time.time() - record["started_at"], "failed": record["failed"]}
 
     def _write_results(self) -> None:

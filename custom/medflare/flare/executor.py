@@ -14,8 +14,16 @@ from nvflare.apis.signal import Signal
 
 from medflare.distributed import DataParallelSite, site_distributed_config
 from medflare.errors import MedflareError
+from medflare.registry import load_plugins
 from medflare.flare.tasks import TASK_SUBMIT_MODEL, TASK_TRAIN, TASK_VALIDATE, round_context
-from medflare.site_runtime import SiteRuntime, SiteSettings, TaskSpec, read_site_data_config, site_index_from_name
+from medflare.site_runtime import (
+    SiteRuntime,
+    SiteSettings,
+    TaskSpec,
+    read_site_data_config,
+    resolve_site_model,
+    site_index_from_name,
+)
 
 
 class MedflareExecutor(Executor):
@@ -39,6 +47,9 @@ class MedflareExecutor(Executor):
         seed: job seed.
         site_train: per-site TrainConfig overrides, e.g. {"site-2": {"batch_size": 16}} for a smaller GPU.
         evaluation: when the site sends evaluation counts of the received model: every_round, final, off.
+        site_model: per-site architectures, e.g. {"site-1": "resnet10"} (methods that send no weights only); a
+            site's own ``local/medflare_site.json`` "model" overrides it.
+        plugins: ``medflare_plugins.*`` modules the job carries that register its own methods (BYOC only).
     """
 
     def __init__(
@@ -53,8 +64,12 @@ class MedflareExecutor(Executor):
         seed: int = 0,
         site_train: dict | None = None,
         evaluation: str = "every_round",
+        site_model: dict | None = None,
+        plugins: list | None = None,
     ) -> None:
         super().__init__()
+        self.plugins = plugins or []
+        load_plugins(self.plugins)
         self.method = method
         self.task = task
         self.model = model
@@ -65,6 +80,7 @@ class MedflareExecutor(Executor):
         self.seed = seed
         self.site_train = site_train or {}
         self.evaluation = evaluation
+        self.site_model = site_model or {}
         self._runtime: SiteRuntime | DataParallelSite | None = None
 
     def _get_runtime(self, fl_ctx: FLContext) -> SiteRuntime | DataParallelSite:
@@ -76,7 +92,7 @@ class MedflareExecutor(Executor):
                 method=self.method,
                 task=TaskSpec(**self.task),
                 data=read_site_data_config(config_dir, self.data),
-                model=self.model,
+                model=resolve_site_model(self.method, self.model, self.site_model, site, config_dir),
                 method_args=self.method_args,
                 train={**self.train, **self.site_train.get(site, {})},
                 seed=self.seed,
@@ -108,13 +124,15 @@ class MedflareExecutor(Executor):
             self.log_error(fl_ctx, f"{site}: task '{task_name}' crashed: {exc}\n{traceback.format_exc()}")
         return make_reply(ReturnCode.EXECUTION_EXCEPTION)
 
-    def _dispatch(self, runtime: SiteRuntime | DataParallelSite, task_name: str, shareable: Shareable, abort_signal: Signal) -> Shareable:
+    def _dispatch(
+        self, runtime: SiteRuntime | DataParallelSite, task_name: str, shareable: Shareable, abort_signal: Signal
+    ) -> Shareable:
         dxo = from_shareable(shareable)
+        ctx = round_context(dxo.meta)
         if task_name == TASK_VALIDATE:
-            return DXO(DataKind.METRICS, data={}, meta=runtime.validate(dxo.data)).to_shareable()
+            return DXO(DataKind.METRICS, data={}, meta=runtime.validate(dxo.data, ctx)).to_shareable()
         if task_name == TASK_SUBMIT_MODEL:
             return DXO(DataKind.WEIGHTS, data=runtime.shared_weights(), meta={}).to_shareable()
-        ctx = round_context(dxo.meta)
         if task_name == TASK_TRAIN:
             arrays, meta = runtime.train(dxo.data, ctx, lambda: abort_signal.triggered)
         else:  # a method-specific phase, e.g. a public-set logit exchange

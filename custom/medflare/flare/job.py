@@ -33,6 +33,7 @@ def server_config(run: RunConfig, task: TaskSpec, shot_groups: dict | None = Non
         "pretrained": run.pretrained,
         "method_args": run.method_args,
         "seed": run.seed,
+        "plugins": run.plugin_modules(),
     }
     return {
         "format_version": 2,
@@ -54,6 +55,9 @@ def server_config(run: RunConfig, task: TaskSpec, shot_groups: dict | None = Non
                     "num_classes": task.num_classes,
                     "num_rounds": run.rounds,
                     "method_args": run.method_args,
+                    "robust": run.robust,
+                    "transfer_dtype": run.transfer_dtype,
+                    "plugins": run.plugin_modules(),
                 },
             },
         ],
@@ -100,6 +104,8 @@ def client_config(run: RunConfig, task: TaskSpec) -> dict[str, Any]:
                         "seed": run.seed,
                         "site_train": run.site_train,
                         "evaluation": run.site_evaluation,
+                        "site_model": run.site_model,
+                        "plugins": run.plugin_modules(),
                     },
                 },
             }
@@ -139,9 +145,25 @@ def export_job(
     _write_json(config_dir / "config_fed_client.json", client_config(run, task))
     if mode == "byoc":
         shutil.copytree(PACKAGE_DIR, staging / APP_NAME / "custom" / "medflare", ignore=_ignore_caches)
+        _copy_plugins(run, staging / APP_NAME / "custom")
+    elif run.plugins:
+        raise ValueError("plugins ship inside the job, so they need --mode byoc")
     shutil.rmtree(job_dir, ignore_errors=True)
     staging.rename(job_dir)  # only a complete job folder ever appears under its real name
     return job_dir
+
+
+def _copy_plugins(run: RunConfig, custom_dir: Path) -> None:
+    """Plugin files go to app/custom/medflare_plugins/, the package the job's components import them from."""
+    if not run.plugins:
+        return
+    from medflare.registry import PLUGIN_PACKAGE
+
+    package = custom_dir / PLUGIN_PACKAGE
+    package.mkdir()
+    (package / "__init__.py").write_text('"""Methods this job brings along (medflare plugins)."""\n')
+    for path, module in zip(run.plugins, run.plugin_modules()):
+        shutil.copy(path, package / (module.rsplit(".", 1)[1] + ".py"))
 
 
 def _ignore_caches(directory: str, names: list[str]) -> list[str]:

@@ -1,33 +1,60 @@
-"""Task names and the round header the server puts into every task."""
+"""Task names, the round plan, and the round header the server puts into every task."""
 
 from __future__ import annotations
 
 from typing import Any, Mapping
 
 from medflare import contracts
-from medflare.methods.base import RoundContext
+from medflare.methods.base import RoundContext, Stage
 
-TASK_TRAIN = "train"
+TASK_TRAIN = contracts.TRAIN_PHASE
 TASK_VALIDATE = "validate"
 TASK_SUBMIT_MODEL = "submit_model"
+
+
+def round_plan(stages: list[Stage], total_rounds: int) -> list[RoundContext]:
+    """One RoundContext per round, stage by stage, with job-level and in-stage counters."""
+    plan, index = [], 0
+    for stage in stages:
+        for stage_round in range(stage.rounds):
+            plan.append(
+                RoundContext(
+                    round=index, total_rounds=total_rounds, stage=stage.name, stage_round=stage_round,
+                    stage_rounds=stage.rounds, scored=stage.scored,
+                )
+            )
+            index += 1
+    return plan
 
 
 def round_meta(ctx: RoundContext) -> dict[str, Any]:
     """Server -> site meta for a task."""
     return {
+        **dict(ctx.server_meta),
         contracts.ROUND: ctx.round,
         contracts.TOTAL_ROUNDS: ctx.total_rounds,
         contracts.STAGE: ctx.stage,
-        **dict(ctx.server_meta),
+        contracts.STAGE_ROUND: ctx.stage_round,
+        contracts.STAGE_ROUNDS: ctx.stage_rounds,
+        contracts.SCORED: ctx.scored,
     }
 
 
+HEADER_KEYS = (
+    contracts.ROUND, contracts.TOTAL_ROUNDS, contracts.STAGE, contracts.STAGE_ROUND, contracts.STAGE_ROUNDS,
+    contracts.SCORED,
+)
+
+
 def round_context(meta: Mapping[str, Any]) -> RoundContext:
-    """Site-side decode of :func:`round_meta`."""
-    header = {contracts.ROUND, contracts.TOTAL_ROUNDS, contracts.STAGE}
+    """Site-side decode of :func:`round_meta`; every other key (array dims, transfer dtype, rule meta) is
+    kept in ``server_meta``."""
     return RoundContext(
         round=int(meta.get(contracts.ROUND, 0)),
         total_rounds=int(meta.get(contracts.TOTAL_ROUNDS, 1)),
-        stage=str(meta.get(contracts.STAGE, "train")),
-        server_meta={k: v for k, v in meta.items() if k not in header},
+        stage=str(meta.get(contracts.STAGE, contracts.TRAIN_PHASE)),
+        stage_round=int(meta.get(contracts.STAGE_ROUND, -1)),
+        stage_rounds=int(meta.get(contracts.STAGE_ROUNDS, 0)),
+        scored=bool(meta.get(contracts.SCORED, True)),
+        server_meta={k: v for k, v in meta.items() if k not in HEADER_KEYS},
     )

@@ -19,9 +19,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from medflare import contracts
-from medflare.contracts import Payload
+from medflare.contracts import ContractContext, Payload
 from medflare.errors import ConfigError, PayloadError
-from medflare.ops import load_params, model_params, normalise_weights, weighted_average
+from medflare.ops import cap_shares, load_params, model_params, normalise_weights, weighted_average
 
 Log = Callable[[str], None]
 
@@ -55,13 +55,49 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class Stage:
+    """One stage of a job: a named run of consecutive rounds (e.g. "pretrain", then "finetune").
+
+    Attributes:
+        name: stage name; travels with every task (``RoundContext.stage``).
+        rounds: rounds in this stage; a rule's stages add up to the job's rounds.
+        scored: whether sites score the global model and the best model is selected (pre-training has no
+            classifier to score).
+    """
+
+    name: str
+    rounds: int
+    scored: bool = True
+
+
+@dataclass(frozen=True)
 class RoundContext:
-    """Where in the job a task sits (sent by the server with every task)."""
+    """Where in the job a task sits (sent by the server with every task).
+
+    ``stage_round`` / ``stage_rounds`` index the round inside the current stage (they default to the job-level
+    counters for single-stage jobs), so per-stage schedules restart with each stage.
+    """
 
     round: int
     total_rounds: int
     stage: str = "train"
     server_meta: Mapping[str, Any] = field(default_factory=dict)
+    stage_round: int = -1
+    stage_rounds: int = 0
+    scored: bool = True
+
+    def __post_init__(self) -> None:
+        if self.stage_round < 0:
+            object.__setattr__(self, "stage_round", self.round)
+        if self.stage_rounds <= 0:
+            object.__setattr__(self, "stage_rounds", self.total_rounds)
+
+
+@dataclass
+class PerSite:
+    """Arrays the server sends to each site separately in one phase; a site not listed gets no task."""
+
+    arrays: dict[str, dict[str, np.ndarray]]
 
 
 @dataclass
@@ -130,26 +166,78 @@ class LocalTrainer:
         self.scaler = torch.amp.GradScaler("cuda") if self.use_amp else None
         self.class_counts = torch.as_tensor(np.asarray(data.class_counts), dtype=torch.float32, device=device)
         self.local_log: Callable[[dict[str, Any]], None] | None = None  # set by the site runtime
+        self.received: dict[str, np.ndarray] = {}  # declared non-parameter arrays of the current task
+        self._stage: str | None = None  # the stage of the last round trained (kept across restarts)
+        self._configured_stage: str | None = None  # the stage on_stage_start last ran for (this process)
 
     def record_locally(self, **values: Any) -> None:
         """Keep per-site diagnostics (e.g. Fed-MAS's w and ŵ) in the site's own log; they are never sent."""
         if self.local_log is not None:
             self.local_log(values)
 
-    # ----- lifecycle called by the FLARE executor -------------------------------------------------
-    def receive(self, params: Mapping[str, np.ndarray]) -> None:
-        """Load the received global arrays; private keys are never overwritten."""
+    # ----- lifecycle called by the site runtime -----------------------------------------------------
+    def receive(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Load the received global weights and keep the declared non-parameter arrays for the trainer.
+
+        Private keys are never overwritten. A declared server array (``Payload.receives``) lands in
+        ``self.received``; anything else the model does not have is an error (server and site disagree).
+        """
+        declared = set(self.payload.receives)
+        self.received = {k: np.asarray(v) for k, v in arrays.items() if k in declared}
+        params = {k: v for k, v in arrays.items() if k not in declared}
         load_params(self.model, params, keep=lambda key: not self.payload.is_private(key))
 
-    def outgoing_arrays(self) -> dict[str, np.ndarray]:
-        """The arrays this site sends: its shared weights (methods sending other arrays override)."""
-        if not self.payload.sends_weights:
+    def outgoing_arrays(self, ctx: RoundContext | None = None) -> dict[str, np.ndarray]:
+        """The arrays this site sends after training: its shared weights for this stage, in the transfer dtype.
+
+        Methods sending other arrays (e.g. probabilities) override this.
+        """
+        ctx = ctx or RoundContext(0, 1)
+        keys = set(self.payload.shared_keys(list(self.model.state_dict()), ctx.stage))
+        if not keys:
             return {}
-        return model_params(self.model, keep=lambda key: not self.payload.is_private(key))
+        transfer = np.dtype(ctx.server_meta.get(contracts.TRANSFER_DTYPE, "float32"))
+        return {
+            k: v.astype(transfer) if v.dtype.kind == "f" and v.dtype != transfer else v
+            for k, v in model_params(self.model, keep=keys.__contains__).items()
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything this site must keep between rounds and across a restart of its process.
+
+        The optimizer state and the private parameters by default; methods add their own (``extra_state``).
+        """
+        private = model_params(self.model, keep=self.payload.is_private)
+        return {
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "private": private,
+            "stage": self._stage,
+            "extra": self.extra_state(),
+        }
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (called when a site restarts inside a running job)."""
+        load_params(self.model, state.get("private") or {}, keep=self.payload.is_private)
+        self._stage = state.get("stage")
+        if state.get("optimizer") is not None:
+            self._get_optimizer().load_state_dict(state["optimizer"])
+        self.load_extra_state(state.get("extra") or {})
+
+    def extra_evaluations(self, split: str) -> dict[str, Any]:
+        """Method-declared evaluations of the site's own local model on ``split``: {name: EvalStats}.
+
+        Called before the received model is loaded, i.e. on the model as the site's last local training left
+        it (e.g. FCA's personalized head). Summed and reported by the server like the standard evaluation.
+        """
+        return {}
 
     def train_round(self, ctx: RoundContext, should_abort: Callable[[], bool] = lambda: False) -> dict[str, Any]:
         """Run E local epochs (or ``max_steps``) and return this round's meta."""
         start = time.perf_counter()
+        if ctx.stage != self._configured_stage:  # also after a restart: hooks may set up in-memory state
+            self._configured_stage = ctx.stage
+            self.on_stage_start(ctx)
+        self._stage = ctx.stage
         self.on_round_start(ctx)
         optimizer = self._get_optimizer()
         for group in optimizer.param_groups:
@@ -206,6 +294,16 @@ class LocalTrainer:
     def compute_loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The method's training loss for one batch. Unlabelled samples carry label -1 and are ignored."""
         return F.cross_entropy(self.model(images), labels, ignore_index=-1)
+
+    def extra_state(self) -> dict[str, Any]:
+        """Method-specific state to keep across rounds and restarts (e.g. MOON's previous local model)."""
+        return {}
+
+    def load_extra_state(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`extra_state`."""
+
+    def on_stage_start(self, ctx: RoundContext) -> None:
+        """Called on the first round of a new stage, before training (e.g. switch the loss or the heads)."""
 
     def after_step(self) -> None:
         """Called after every optimizer step (e.g. an EMA teacher update)."""
@@ -308,46 +406,73 @@ def build_optimizer(params: list[nn.Parameter], cfg: TrainConfig) -> torch.optim
 class ServerRule:
     """Server-side aggregation: sample-count-weighted average of every shared array (FedAvg).
 
-    Subclasses change :meth:`site_weight` (e.g. RF), :meth:`row_weights` (per-class rows) or
-    :meth:`aggregate` as a whole. Keys a site never sends (private keys) keep the server's value.
+    Subclasses change :meth:`site_weight` (e.g. RF), :meth:`row_weights` (per-class rows),
+    :meth:`aggregate` as a whole, or the shape of a round: :meth:`stages`, :meth:`phases`, what each phase
+    sends (:meth:`phase_arrays`, per site if needed) and expects back (:meth:`expected_arrays`). Keys a site
+    never sends (private keys) keep the server's value. Pure numpy: the FLARE layer calls these hooks.
+
+    Args:
+        method_cfg: the method's hyperparameters.
+        total_rounds: the job's rounds (all stages together).
+        payload: the method's wire declaration.
     """
 
-    def __init__(self, method_cfg: Any, total_rounds: int) -> None:
+    def __init__(self, method_cfg: Any, total_rounds: int, payload: Payload = Payload()) -> None:
         self.cfg = method_cfg
         self.total_rounds = total_rounds
+        self.payload = payload
+        self.max_share = 0.0  # job-level cap on one site's share (RobustConfig), applied in shares()
 
-    def stages(self) -> list[tuple[str, int]]:
-        """(stage name, rounds) run in order; multi-stage methods (pre-train, then fine-tune) override."""
-        return [("train", self.total_rounds)]
+    def stages(self) -> list[Stage]:
+        """Stages run in order; their rounds add up to the job's rounds. Multi-stage methods override."""
+        return [Stage("train", self.total_rounds)]
 
     def phases(self, ctx: RoundContext) -> list[str]:
         """Task names sent to the sites in one round, in order; the last phase's updates are aggregated.
 
         One phase ("train") by default. A logit-exchange method returns e.g. ["public_probs", "train"].
         """
-        return ["train"]
+        return [contracts.TRAIN_PHASE]
+
+    def array_dims(self, phase: str, ctx: RoundContext) -> dict[str, int]:
+        """Named dimensions of the arrays declared for ``phase`` (e.g. {"rows": public chunk size})."""
+        return {}
 
     def phase_arrays(
-        self, phase: str, global_params: Mapping[str, np.ndarray], earlier: Mapping[str, list[SiteUpdate]]
-    ) -> dict[str, np.ndarray]:
-        """Arrays the server sends with a phase's task (the global model by default).
+        self,
+        phase: str,
+        ctx: RoundContext,
+        global_params: Mapping[str, np.ndarray],
+        earlier: Mapping[str, list[SiteUpdate]],
+    ) -> dict[str, np.ndarray] | PerSite:
+        """What the server sends with a phase's task: one dict for every site, or :class:`PerSite`.
+
+        By default the "train" task carries the global weights that travel in this stage, other phases nothing.
 
         Args:
             phase: the task name about to be sent.
+            ctx: the round.
             global_params: the current global model.
-            earlier: validated updates of this round's earlier phases, by phase.
+            earlier: validated results of this round's earlier phases, by phase.
         """
-        return dict(global_params)
+        if phase != contracts.TRAIN_PHASE:
+            return {}
+        return {k: global_params[k] for k in self.payload.shared_keys(list(global_params), ctx.stage)}
 
     def expected_arrays(
-        self, phase: str, global_params: Mapping[str, np.ndarray], payload: Payload
-    ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-        """key -> (shape, dtype) a valid site result carries in ``phase``: the global model's shared keys."""
-        keys = payload.shared_keys(list(global_params))
-        return {k: (np.shape(global_params[k]), np.asarray(global_params[k]).dtype) for k in keys}
+        self, phase: str, ctx: RoundContext, global_params: Mapping[str, np.ndarray], contract: ContractContext
+    ) -> dict[str, contracts.Expected]:
+        """key -> what a valid result of ``phase`` carries: the stage's shared weights in "train", exact dtype,
+        plus the arrays the payload declares for the phase."""
+        expected = contracts.array_expectations(self.payload.arrays_for(phase), contract)
+        if phase == contracts.TRAIN_PHASE:
+            keys = self.payload.shared_keys(list(global_params), ctx.stage)
+            transfer = str(ctx.server_meta.get(contracts.TRANSFER_DTYPE, "float32"))
+            expected.update(contracts.weight_expectations(global_params, keys, transfer))
+        return expected
 
     def server_meta(self, ctx: RoundContext) -> dict[str, Any]:
-        """Extra meta sent to every site with the task."""
+        """Extra meta sent to every site with the round's tasks."""
         return {}
 
     def site_weight(self, update: SiteUpdate, ctx: RoundContext) -> float:
@@ -363,17 +488,23 @@ class ServerRule:
         return {}
 
     def shares(self, updates: list[SiteUpdate], ctx: RoundContext) -> dict[str, float]:
-        """Each site's share of the aggregate: its weight over the sum of weights."""
-        return normalise_weights({u.site: self.site_weight(u, ctx) for u in updates})
+        """Each site's share of the aggregate: its weight over the sum of weights (capped by ``max_share``)."""
+        return cap_shares(normalise_weights({u.site: self.site_weight(u, ctx) for u in updates}), self.max_share)
 
     def aggregate(
         self, global_params: Mapping[str, np.ndarray], updates: list[SiteUpdate], ctx: RoundContext
     ) -> AggregateResult:
-        """Combine accepted updates into the next global model."""
+        """Combine accepted updates into the next global model (unchanged when no weights travel)."""
         shares = self.shares(updates, ctx)
-        shared = weighted_average({u.site: u.arrays for u in updates}, shares, row_weights=self.row_weights(updates))
+        arrays = {u.site: {k: v for k, v in u.arrays.items() if k in global_params} for u in updates}
+        dtypes = {k: np.asarray(v).dtype for k, v in global_params.items()}
+        shared = weighted_average(arrays, shares, row_weights=self.row_weights(updates), dtypes=dtypes) if arrays else {}
         params = {**dict(global_params), **shared}
         return AggregateResult(params=params, shares=shares, info=self.round_info(updates, ctx))
+
+    def final_metrics(self, final: Mapping[str, Any]) -> dict[str, Any]:
+        """Method-named figures derived from the final evaluation (e.g. FCA's generalization/specialization)."""
+        return {}
 
 
 ModelBuilder = Callable[..., nn.Module]
@@ -403,6 +534,10 @@ class MethodSpec:
         train_defaults: TrainConfig overrides the method's paper uses.
         reference: paper or source the method follows.
         site_log_plot: optional picture of a site's local log records (simulation copies site logs out).
+        server_model: False when the server holds no model at all (no weights travel, e.g. MDH-FL); the
+            persisted global model is then empty and every site may run its own architecture.
+        smoke: run-config overrides for the smallest meaningful job of this method (the every-method
+            simulator test runs it), e.g. {"model": "vit_tiny", "data": {...}}.
     """
 
     name: str
@@ -415,3 +550,9 @@ class MethodSpec:
     train_defaults: Mapping[str, Any] = field(default_factory=dict)
     reference: str = ""
     site_log_plot: Callable[[list[dict[str, Any]], Any], Any] | None = None
+    server_model: bool = True
+    smoke: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.server_model and self.payload.sends_weights:
+            raise ValueError(f"method '{self.name}': a server without a model cannot receive weights")

@@ -32,6 +32,7 @@ def weighted_average(
     weights: Mapping[str, float],
     *,
     row_weights: Mapping[str, Mapping[str, np.ndarray]] | None = None,
+    dtypes: Mapping[str, np.dtype] | None = None,
 ) -> dict[str, np.ndarray]:
     """Average every array over sites.
 
@@ -41,10 +42,12 @@ def weighted_average(
         row_weights: optional key -> site -> length-R vector of non-negative weights for the first axis of
             that key (row-wise aggregation of a classifier, FedLSM). A row whose weights sum to zero across
             sites falls back to the scalar weights, so no row is ever divided by zero.
+        dtypes: key -> dtype of the result (the global model's), so half-precision transfers are averaged
+            in float64 and stored at full precision; default: the first site's dtype.
 
     Returns:
-        key -> aggregated array with the input dtype. Integer buffers (e.g. BatchNorm's
-        ``num_batches_tracked``) are averaged and rounded back to integers.
+        key -> aggregated array. Integer buffers (e.g. BatchNorm's ``num_batches_tracked``) are averaged and
+        rounded back to integers.
     """
     if not updates:
         raise PayloadError("nothing to aggregate: no site update was accepted")
@@ -58,7 +61,8 @@ def weighted_average(
             averaged = _row_weighted(stacked, site_weights, [row_weights[key][site] for site in sites])
         else:
             averaged = np.tensordot(site_weights, stacked, axes=1)
-        result[key] = _cast_like(averaged, np.asarray(updates[sites[0]][key]).dtype)
+        dtype = dtypes[key] if dtypes and key in dtypes else np.asarray(updates[sites[0]][key]).dtype
+        result[key] = _cast_like(averaged, dtype)
     return result
 
 
@@ -77,3 +81,28 @@ def _cast_like(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
     if np.dtype(dtype).kind in "iub":
         return np.rint(values).astype(dtype)
     return values.astype(dtype)
+
+
+def cap_shares(shares: Mapping[str, float], cap: float) -> dict[str, float]:
+    """Limit every share to ``cap`` and spread the excess over the others in proportion (water-filling).
+
+    A cap that no split of this round's sites can meet (``cap`` < 1/sites, e.g. after a site was rejected)
+    relaxes to equal shares instead of stopping the round.
+    """
+    if cap <= 0 or not shares:
+        return dict(shares)
+    cap = max(cap, 1.0 / len(shares))
+    result = dict(shares)
+    capped: set[str] = set()
+    while True:
+        over = {s for s, v in result.items() if v > cap + 1e-12 and s not in capped}
+        if not over:
+            return result
+        capped |= over
+        free = [s for s in result if s not in capped]
+        excess = 1 - cap * len(capped) - sum(result[s] for s in free)
+        base = sum(result[s] for s in free)
+        for site in capped:
+            result[site] = cap
+        for site in free:
+            result[site] += excess * (result[site] / base if base > 0 else 1 / len(free))

@@ -1,0 +1,107 @@
+"""Server-side federated evaluation: turn the sites' summable statistics into pooled and per-site metrics.
+
+Each site sends :class:`~medflare.metrics.EvalStats` of the model it evaluates (the received global model, and
+any method-declared evaluation of its own local model). Pooled metrics come from the *sum* of the statistics,
+so they equal the metrics of the pooled predictions; per-site metrics and their unweighted mean over sites
+(``site_mean``) are what personalized FL reports (e.g. FCA's specialization).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from medflare import contracts
+from medflare.metrics import EvalStats, compute_metrics
+
+SPLIT_KEYS = (("val", contracts.EVAL_VAL), ("test", contracts.EVAL_TEST))
+
+SiteEvaluation = dict[str, Any]  # {"val": EvalStats, "test": EvalStats, "test_by_attribute": {...}, "extra": {...}}
+
+
+def site_evaluation(meta: Mapping[str, Any], num_classes: int) -> SiteEvaluation | None:
+    """One site's statistics from its result meta, or None when it sent none.
+
+    Raises:
+        PayloadError: when a statistics dictionary is malformed.
+    """
+    if not any(key in meta for key in (contracts.EVAL_TEST, contracts.EVAL_EXTRA)):
+        return None
+
+    def parse(value: Any) -> EvalStats:
+        return EvalStats.from_dict(value, num_classes=num_classes)
+
+    evaluation: SiteEvaluation = {split: parse(meta[key]) for split, key in SPLIT_KEYS if key in meta}
+    evaluation["test_by_attribute"] = {
+        a: parse(d) for a, d in (meta.get(contracts.EVAL_TEST_BY_ATTRIBUTE) or {}).items()
+    }
+    evaluation["extra"] = {
+        name: {split: parse(d) for split, d in splits.items()}
+        for name, splits in (meta.get(contracts.EVAL_EXTRA) or {}).items()
+    }
+    return evaluation
+
+
+def summarize(
+    evaluations: Mapping[str, SiteEvaluation], shot_groups: Mapping[str, Sequence[int]] | None = None
+) -> dict[str, Any]:
+    """Pooled, per-site and site-mean metrics of one model version from every site's statistics.
+
+    Returns a dict with ``sites``; ``val``/``test`` (pooled metrics) and ``val_stats``/``test_stats``;
+    ``test_by_attribute``; ``by_site`` (site -> test metrics) and ``site_mean`` (unweighted mean over sites of
+    each scalar test metric); and ``extra`` (evaluation name -> the same pooled/by_site/site_mean block).
+    """
+    summary: dict[str, Any] = {"sites": sorted(evaluations)}
+    summary.update(_split_block({site: e for site, e in evaluations.items()}, shot_groups, with_stats=True))
+    by_attribute: dict[str, list[EvalStats]] = {}
+    for evaluation in evaluations.values():
+        for attribute, stats in evaluation.get("test_by_attribute", {}).items():
+            by_attribute.setdefault(attribute, []).append(stats)
+    if by_attribute:
+        summary["test_by_attribute"] = {a: compute_metrics(_sum(parts)) for a, parts in sorted(by_attribute.items())}
+    names = sorted({name for e in evaluations.values() for name in e.get("extra", {})})
+    if names:
+        summary["extra"] = {
+            name: _split_block(
+                {site: e["extra"][name] for site, e in evaluations.items() if name in e.get("extra", {})}, shot_groups
+            )
+            for name in names
+        }
+    return summary
+
+
+def _split_block(
+    per_site: Mapping[str, Mapping[str, EvalStats]], shot_groups: Mapping[str, Sequence[int]] | None, with_stats: bool = False
+) -> dict[str, Any]:
+    block: dict[str, Any] = {}
+    for split in ("val", "test"):
+        parts = [stats[split] for stats in per_site.values() if split in stats]
+        if parts:
+            pooled = _sum(parts)
+            block[split] = compute_metrics(pooled, shot_groups)
+            if with_stats:
+                block[f"{split}_stats"] = pooled.to_dict()
+    by_site = {site: compute_metrics(stats["test"], shot_groups) for site, stats in sorted(per_site.items()) if "test" in stats}
+    if by_site:
+        block["by_site"] = by_site
+        block["site_mean"] = site_mean(by_site)
+    return block
+
+
+def site_mean(by_site: Mapping[str, Mapping[str, Any]]) -> dict[str, float | None]:
+    """Unweighted mean over sites of every scalar metric (sites where it is undefined are left out)."""
+    names = sorted({k for metrics in by_site.values() for k, v in metrics.items() if _is_number(v) or v is None})
+    mean: dict[str, float | None] = {}
+    for name in names:
+        values = [float(m[name]) for m in by_site.values() if _is_number(m.get(name))]
+        mean[name] = float(np.mean(values)) if values else None
+    return mean
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def _sum(parts: list[EvalStats]) -> EvalStats:
+    return sum(parts[1:], parts[0])

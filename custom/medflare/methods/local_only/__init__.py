@@ -1,0 +1,42 @@
+"""Local-only training: every site trains its own model on its own data; nothing but evaluation leaves it.
+
+The reference point of personalized and model-heterogeneous FL (FCA's specialization reference, MDH-FL's
+lower bound): no weights travel, the server holds no model, and each site may run its own architecture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from medflare.contracts import Payload
+from medflare.errors import ConfigError
+from medflare.methods.base import MethodSpec
+from medflare.methods.local_only.client import LOSSES, LocalOnlyTrainer
+from medflare.registry import register_method
+
+
+@dataclass
+class LocalOnlyConfig:
+    """Which local loss the site trains with (choose the one of the method you compare against)."""
+
+    loss: str = "ce"  # ce | bsm (balanced softmax, as FCA's baselines) | sce (symmetric CE, as MDH-FL)
+    eps: float = 1e-9  # bsm prior floor (FCA's value)
+    sce_alpha: float = 0.1  # sce: weight of CE (RHFL / MDH-FL)
+    sce_beta: float = 1.0  # sce: weight of reverse CE
+
+    def __post_init__(self) -> None:
+        if self.loss not in LOSSES:
+            raise ConfigError(f"local-only loss must be one of {sorted(LOSSES)}, got '{self.loss}'")
+
+
+SPEC = register_method(
+    MethodSpec(
+        name="local-only",
+        summary="Local-only baseline: each site trains its own model (any architecture); no weights travel",
+        config_cls=LocalOnlyConfig,
+        trainer_cls=LocalOnlyTrainer,
+        payload=Payload(sends_weights=False),
+        server_model=False,
+        reference="The no-collaboration reference of personalized FL (e.g. Wicaksana et al., FCA, 2023, Tables 2-3)",
+    )
+)
