@@ -48,6 +48,8 @@ class RunConfig:
             and keeps the global model in its own precision).
         plugins: Python files that register extra methods (``register_method``); they ship inside the job
             (BYOC), so a researcher can run a method without changing medflare.
+        audit: record the structure (names, dtypes, shapes, bytes; never values) of every task and result at each
+            site into ``medflare_payload_audit.jsonl`` (a privacy review of what really travels).
     """
 
     method: str = "fedavg"
@@ -72,6 +74,7 @@ class RunConfig:
     robust: dict[str, Any] = field(default_factory=dict)
     transfer_dtype: str = "float32"
     plugins: list[str] = field(default_factory=list)
+    audit: bool = False
 
     def __post_init__(self) -> None:
         if self.rounds < 1 or self.clients < 1:

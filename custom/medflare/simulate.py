@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from medflare.errors import MedflareError
+from medflare.flare.audit import AUDIT_FILE
 from medflare.flare.controller import RESULTS_FILE
 from medflare.flare.job import export_job
 from medflare.report import build_summary, write_outputs
@@ -172,8 +173,9 @@ def write_job_outputs(
 
 
 def _keep_site_logs(workspace: Path, out: Path) -> None:
-    """Copy each simulated site's local log (in production those stay at the site)."""
-    for log in sorted(workspace.glob(f"site-*/**/{SITE_LOG_FILE}")):
-        site = log.relative_to(workspace).parts[0]
-        (out / "sites" / site).mkdir(parents=True, exist_ok=True)
-        shutil.copy(log, out / "sites" / site / SITE_LOG_FILE)
+    """Copy each simulated site's local log and payload audit (in production those stay at the site)."""
+    for name in (SITE_LOG_FILE, AUDIT_FILE):
+        for log in sorted(workspace.glob(f"site-*/**/{name}")):
+            site = log.relative_to(workspace).parts[0]
+            (out / "sites" / site).mkdir(parents=True, exist_ok=True)
+            shutil.copy(log, out / "sites" / site / name)

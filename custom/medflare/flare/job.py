@@ -110,10 +110,29 @@ def client_config(run: RunConfig, task: TaskSpec) -> dict[str, Any]:
                 },
             }
         ],
-        "task_result_filters": [],
-        "task_data_filters": [],
+        "task_result_filters": _audit_filters(run, "result") if run.audit else [],
+        "task_data_filters": _audit_filters(run, "task") if run.audit else [],
         "components": [],
     }
+
+
+def task_names(run: RunConfig) -> list[str]:
+    """Every task name the job's server sends: the rule's phases over all rounds, validate and submit_model."""
+    from medflare.flare.aggregator import RoundAggregation
+    from medflare.flare.tasks import TASK_SUBMIT_MODEL, TASK_VALIDATE, round_plan
+
+    core = RoundAggregation(run.method, run.method_args, 2, run.rounds, run.robust, run.transfer_dtype)
+    phases = {phase for ctx in round_plan(core.stages, run.rounds) for phase in core.rule.phases(ctx)}
+    return sorted(phases | {TASK_VALIDATE, TASK_SUBMIT_MODEL})
+
+
+def _audit_filters(run: RunConfig, direction: str) -> list[dict[str, Any]]:
+    """A recorder of every message's structure (tests compare it with the method's declared payload).
+
+    FLARE keys job filters by exact task name ("*" matches nothing), so every task the job sends is listed.
+    """
+    recorder = {"path": "medflare.flare.audit.PayloadRecorder", "args": {"direction": direction}}
+    return [{"tasks": task_names(run), "filters": [recorder]}]
 
 
 def meta_config(run: RunConfig) -> dict[str, Any]:
