@@ -190,3 +190,16 @@ def test_one_round_smoke(moon_site) -> None:
 def test_config_rejects_out_of_range_values(bad: dict) -> None:
     with pytest.raises(ConfigError):
         MoonConfig(**bad)
+
+
+def test_previous_model_survives_a_site_restart(moon_site) -> None:
+    """The previous local model is site state: a fresh trainer loading the saved state has it exactly."""
+    trainer, model = trained_one_round(moon_site)
+    state = trainer.state_dict()
+    fresh = make_trainer("moon", tiny_classifier(), moon_site, MoonConfig(mu=0.7))
+    assert fresh.previous_model is None
+    fresh.load_state(state)
+    assert_same_state(fresh.previous_model, numpy_state(trainer.previous_model))
+    assert not fresh.previous_model.training and not any(p.requires_grad for p in fresh.previous_model.parameters())
+    for group, restored in zip(trainer.optimizer.state_dict()["state"].values(), fresh.optimizer.state_dict()["state"].values()):
+        assert all(torch.equal(group[k], restored[k]) for k in group)

@@ -7,7 +7,7 @@ never enter the state dict, the optimizer or the payload.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -65,8 +65,8 @@ class MoonTrainer(LocalTrainer):
     z is ``forward_features`` of the model being trained (no projection head: the network, and so the payload,
     stay identical to FedAvg's). z_glob comes from a frozen copy of the model received this round, z_prev from a
     frozen copy of this site's model at the end of its previous round. The previous model stays at the site for
-    the whole job and is never sent. Before a site has trained once (round 0, or after a site restart) there is
-    no previous model and the term is skipped: MOON's reference code uses the global model as z_prev then, which
+    the whole job and is never sent; it is part of the site's saved state, so a restarted site keeps it. Before a
+    site has trained once (round 0) there is no previous model and the term is skipped: MOON's reference code uses the global model as z_prev then, which
     makes ℓ_con the constant log 2 with zero gradient, so the updates are the same. ℓ_con needs no labels, so
     unlabelled samples (label −1) still contribute to it.
 
@@ -98,3 +98,13 @@ class MoonTrainer(LocalTrainer):
         # The loop's end-of-round hook: it runs once, after the last step, on exactly the weights about to be sent.
         self.previous_model = frozen_copy(self.model, into=self.previous_model)
         return {}
+
+    def extra_state(self) -> dict[str, Any]:
+        if self.previous_model is None:
+            return {}
+        return {"previous_model": {k: v.cpu() for k, v in self.previous_model.state_dict().items()}}
+
+    def load_extra_state(self, state: Mapping[str, Any]) -> None:
+        if "previous_model" in state:
+            self.previous_model = frozen_copy(self.model, into=self.previous_model)
+            self.previous_model.load_state_dict(state["previous_model"])
