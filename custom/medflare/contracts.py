@@ -27,6 +27,7 @@ EVAL_VAL = "eval_val"  # EvalStats.to_dict() of the *received* model on the site
 EVAL_TEST = "eval_test"  # same on the site's test split (reported, never used for selection)
 EVAL_TEST_BY_ATTRIBUTE = "eval_test_by_attribute"  # {attribute value: EvalStats dict} when images carry one
 EVAL_EXTRA = "eval_extra"  # {evaluation name: {"val"|"test": EvalStats dict}}: method-declared evaluations
+FILTER_HISTORY = "filter_history"  # added by FLARE's DXO filters: the names of the filters a result went through
 
 PRIVACY_SCOPE_PREFIX = "medflare-"  # a job names the scope medflare-<method>; sites bind its result filters
 TRAIN_PHASE = "train"  # the phase whose results are aggregated into the next global model
@@ -47,6 +48,7 @@ STAGE_ROUNDS = "stage_rounds"
 SCORED = "scored"  # False in stages without a classifier (pre-training): sites send no evaluation
 ARRAY_DIMS = "array_dims"  # named dimensions of this task's declared arrays, e.g. {"rows": 512}
 TRANSFER_DTYPE = "transfer_dtype"  # "float32" (default) or "float16": how float weights travel
+TRANSFER_KIND = "transfer_kind"  # "weights" (default) or "diff": updates as differences (for DP filters)
 
 MetaValidator = Callable[[Any, "ContractContext"], Any]
 
@@ -128,6 +130,19 @@ def class_vector(name: str) -> MetaValidator:
     return check
 
 
+def short_names(name: str, max_items: int = 16, max_length: int = 200) -> MetaValidator:
+    """Validator for a short list of short strings (e.g. FLARE's ``filter_history``)."""
+
+    def check(value: Any, ctx: ContractContext) -> list[str]:
+        if not isinstance(value, list) or len(value) > max_items:
+            raise PayloadError(f"'{name}' must be a list of at most {max_items} names")
+        if not all(isinstance(v, str) and len(v) <= max_length for v in value):
+            raise PayloadError(f"'{name}' must hold names of at most {max_length} characters")
+        return list(value)
+
+    return check
+
+
 def eval_stats_dict(name: str) -> MetaValidator:
     """Validator for an EvalStats dictionary; returns its canonical form, so nothing else rides along."""
 
@@ -185,6 +200,7 @@ COMMON_META: dict[str, MetaValidator] = {
     EVAL_TEST: eval_stats_dict(EVAL_TEST),
     EVAL_TEST_BY_ATTRIBUTE: eval_stats_by_group(EVAL_TEST_BY_ATTRIBUTE),
     EVAL_EXTRA: eval_extra(EVAL_EXTRA),
+    FILTER_HISTORY: short_names(FILTER_HISTORY),
 }
 
 
@@ -278,13 +294,15 @@ class Expected:
 
 
 def weight_expectations(
-    global_params: Mapping[str, np.ndarray], keys: list[str], transfer_dtype: str = "float32"
+    global_params: Mapping[str, np.ndarray], keys: list[str], transfer_dtype: str = "float32", kind: str = "weights"
 ) -> dict[str, Expected]:
     """key -> Expected for model weights: the global model's exact shape and dtype (float16 for float keys
-    when weights travel in half precision)."""
+    when weights travel in half precision; float keys only when updates travel as differences)."""
     expected = {}
     for key in keys:
         value = np.asarray(global_params[key])
+        if kind == "diff" and value.dtype.kind != "f":
+            continue  # integer buffers stay at the site when differences travel
         dtypes = (value.dtype.name,)
         if value.dtype.kind == "f" and transfer_dtype != value.dtype.name:
             dtypes = (transfer_dtype,)

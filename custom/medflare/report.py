@@ -94,6 +94,8 @@ def _client_entries(clients: Mapping[str, Any], rounds: list[Mapping[str, Any]])
             entry = entries.setdefault(site, {})
             entry["n_samples_reported"] = facts.get("n_samples")
             entry.setdefault("train_seconds", []).append(facts.get("train_seconds"))
+            if facts.get("filter_history"):
+                entry["filter_history"] = facts["filter_history"]
     return entries
 
 

@@ -48,6 +48,11 @@ class RunConfig:
             and keeps the global model in its own precision).
         plugins: Python files that register extra methods (``register_method``); they ship inside the job
             (BYOC), so a researcher can run a method without changing medflare.
+        transfer_kind: weights (default) or diff: sites send θ_local − θ_global for float keys (integer buffers
+            stay at the site), which FLARE's differential-privacy filters need.
+        dp: a differential-privacy result filter the job asks every site to apply to its updates, e.g.
+            {"filter": "percentile", "args": {"percentile": 10, "gamma": 0.01}} (needs transfer_kind=diff). A
+            hospital can also impose one in its own privacy policy.
         audit: record the structure (names, dtypes, shapes, bytes; never values) of every task and result at each
             site into ``medflare_payload_audit.jsonl`` (a privacy review of what really travels).
     """
@@ -74,6 +79,8 @@ class RunConfig:
     robust: dict[str, Any] = field(default_factory=dict)
     transfer_dtype: str = "float32"
     plugins: list[str] = field(default_factory=list)
+    transfer_kind: str = "weights"
+    dp: dict[str, Any] = field(default_factory=dict)
     audit: bool = False
 
     def __post_init__(self) -> None:
@@ -101,7 +108,18 @@ class RunConfig:
         spec = get_method(self.method)
         from medflare.flare.aggregator import RoundAggregation
 
-        RoundAggregation(self.method, self.method_args, 2, self.rounds, self.robust, self.transfer_dtype)
+        RoundAggregation(
+            self.method, self.method_args, 2, self.rounds, self.robust, self.transfer_dtype, self.transfer_kind
+        )
+        if self.dp:
+            from medflare.flare.privacy import UpdatePrivacy
+
+            if self.transfer_kind != "diff":
+                raise ConfigError("dp filters act on weight differences: add --set transfer_kind=diff")
+            try:
+                UpdatePrivacy(**self.dp)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"dp: {exc}") from exc
         resolve_train_config(spec, self.train)
         for site, overrides in self.site_train.items():
             if site not in self.site_names:

@@ -82,6 +82,11 @@ def run_simulation(run: RunConfig, out_dir: str | Path, echo: Callable[[str], No
         summary = write_job_outputs(run, _results_file(workspace), staging, clients, launched_at)
         if summary.get("error"):
             raise SimulationError(f"the job stopped early: {summary['error']}")
+        if summary["rounds_completed"] != run.rounds:  # e.g. sites that could not even load the job
+            raise SimulationError(
+                f"the job completed {summary['rounds_completed']} of {run.rounds} rounds without an error from the "
+                f"server; the sites' errors are in {out.with_name(out.name + '.failed.log')}"
+            )
         _keep_site_logs(workspace, staging)
         _plot_site_logs(run, staging)
         shutil.rmtree(workspace, ignore_errors=True)  # logs stay in simulator.log; the model is copied out

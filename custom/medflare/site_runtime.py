@@ -21,6 +21,7 @@ from medflare.contracts import ContractContext
 from medflare.errors import ConfigError, DataError
 from medflare.methods.base import LocalTrainer, MethodSpec, RoundContext, TrainConfig, eval_stats
 from medflare.models import get_device
+from medflare.ops.wire import encode_weights
 from medflare.registry import get_method
 
 SITE_CONFIG_FILE = "medflare_site.json"  # in a site's local/ folder (POC and production)
@@ -184,7 +185,7 @@ class SiteRuntime:
         if scoring:
             meta.update(self._evaluation_meta())
         meta.update(self.trainer.train_round(ctx, should_abort))
-        out_arrays = self.trainer.outgoing_arrays(ctx)
+        out_arrays = self._to_wire(self.trainer.outgoing_arrays(ctx), arrays, ctx)
         self._check_outgoing(out_arrays, meta, contracts.TRAIN_PHASE, ctx)
         self.save_state()
         return out_arrays, meta
@@ -208,6 +209,16 @@ class SiteRuntime:
             meta.update(self._evaluation_meta())
         self._check_outgoing({}, meta, "validate", ctx)
         return meta
+
+    def _to_wire(
+        self, arrays: Mapping[str, np.ndarray], received: Mapping[str, np.ndarray], ctx: RoundContext
+    ) -> dict[str, np.ndarray]:
+        """Model weights in the job's wire format (dtype; weights or differences); other arrays as they are."""
+        weights = {k: v for k, v in arrays.items() if k in self.model_keys}
+        dtype = str(ctx.server_meta.get(contracts.TRANSFER_DTYPE, "float32"))
+        kind = str(ctx.server_meta.get(contracts.TRANSFER_KIND, "weights"))
+        others = {k: v for k, v in arrays.items() if k not in self.model_keys}
+        return {**encode_weights(weights, received, dtype, kind), **others}
 
     def _check_outgoing(self, arrays: Mapping[str, Any], meta: Mapping[str, Any], phase: str, ctx: RoundContext) -> None:
         contract = ContractContext(self.settings.task.num_classes, dims=ctx.server_meta.get(contracts.ARRAY_DIMS) or {})

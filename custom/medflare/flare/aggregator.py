@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -17,11 +18,12 @@ from medflare.config import from_dict
 from medflare.contracts import ContractContext, Expected, validate_update
 from medflare.errors import ConfigError, MedflareError, PayloadError
 from medflare.methods.base import AggregateResult, PerSite, RoundContext, ServerRule, SiteUpdate, Stage
+from medflare.ops import wire
+from medflare.ops.wire import decode_weights
 from medflare.registry import get_method, load_plugins
 
 SHARES = "shares"
 INFO = "info"
-TRANSFER_DTYPES = ("float32", "float16")
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class RoundAggregation:
         num_rounds: the job's rounds; the rule's stages must add up to it.
         robust: :class:`RobustConfig` fields.
         transfer_dtype: dtype float weights travel in ("float32" or "float16").
+        transfer_kind: "weights", or "diff" (updates as differences, e.g. for a site's DP filter).
     """
 
     def __init__(
@@ -63,6 +66,7 @@ class RoundAggregation:
         num_rounds: int,
         robust: Mapping[str, Any] | None = None,
         transfer_dtype: str = "float32",
+        transfer_kind: str = "weights",
     ):
         self.spec = get_method(method)
         method_cfg = from_dict(self.spec.config_cls, dict(method_args or {}), f"method '{method}'")
@@ -70,9 +74,12 @@ class RoundAggregation:
         self.stages = checked_stages(self.rule.stages(), num_rounds, method)
         self.robust = from_dict(RobustConfig, dict(robust or {}), "robust")
         self.rule.max_share = self.robust.max_share
-        if transfer_dtype not in TRANSFER_DTYPES:
-            raise ConfigError(f"transfer_dtype must be one of {TRANSFER_DTYPES}, got '{transfer_dtype}'")
-        self.transfer_dtype = transfer_dtype
+        if transfer_dtype not in wire.DTYPES or transfer_kind not in wire.KINDS:
+            raise ConfigError(
+                f"transfer_dtype must be one of {wire.DTYPES} and transfer_kind one of {wire.KINDS}, "
+                f"got '{transfer_dtype}', '{transfer_kind}'"
+            )
+        self.transfer_dtype, self.transfer_kind = transfer_dtype, transfer_kind
         self.num_classes = num_classes
         self.contract = ContractContext(num_classes=num_classes)
         self.global_params: dict[str, np.ndarray] = {}
@@ -87,7 +94,7 @@ class RoundAggregation:
     def start_round(self, global_params: Mapping[str, np.ndarray], ctx: RoundContext) -> None:
         """Forget the previous round."""
         self.global_params = {k: np.asarray(v) for k, v in global_params.items()}
-        self.ctx = ctx
+        self.ctx = dataclasses.replace(ctx, server_meta={**ctx.server_meta, **self._wire_header()})
         self.earlier, self.updates, self.rejected, self.phase = {}, {}, {}, ""
 
     def start_phase(self, phase: str) -> dict[str, np.ndarray] | PerSite:
@@ -101,21 +108,34 @@ class RoundAggregation:
         return self.rule.phase_arrays(phase, self.ctx, self.global_params, self.earlier)
 
     def task_header(self) -> dict[str, Any]:
-        """Meta the server adds to this phase's task besides the round: array dimensions, transfer dtype."""
-        return {contracts.ARRAY_DIMS: dict(self.contract.dims), contracts.TRANSFER_DTYPE: self.transfer_dtype}
+        """Meta the server adds to this phase's task besides the round: array dimensions and the wire format."""
+        return {contracts.ARRAY_DIMS: dict(self.contract.dims), **self._wire_header()}
+
+    def _wire_header(self) -> dict[str, str]:
+        return {contracts.TRANSFER_DTYPE: self.transfer_dtype, contracts.TRANSFER_KIND: self.transfer_kind}
 
     def accepted(self) -> list[SiteUpdate]:
         """Accepted updates of the current phase, in site-name order (for reproducibility)."""
         return [self.updates[site] for site in sorted(self.updates)]
 
-    def accept(self, site: str, arrays: Mapping[str, Any], meta: Mapping[str, Any]) -> str | None:
-        """Validate and keep one site's result. Returns None when accepted, else the rejection reason."""
+    def accept(self, site: str, arrays: Mapping[str, Any], meta: Mapping[str, Any], kind: str = "weights") -> str | None:
+        """Validate and keep one site's result. Returns None when accepted, else the rejection reason.
+
+        Args:
+            site: the sender.
+            arrays: its arrays (weights or weight differences, plus declared arrays).
+            meta: its meta.
+            kind: "weights" or "diff", what the result says it carries; it must be what the job asked for.
+        """
+        expected_kind = self.transfer_kind if self.phase == contracts.TRAIN_PHASE else "weights"
         if site in self.updates:
             reason = "a second update in the same round"
+        elif kind != expected_kind:
+            reason = f"the result carries {kind}, the job sends {expected_kind}"
         else:
             try:
                 clean, clean_meta = validate_update(arrays, meta, self.expected, self.spec.payload, self.contract)
-                update = SiteUpdate(site, clean, clean_meta)
+                update = SiteUpdate(site, decode_weights(clean, self.global_params, kind), clean_meta)
                 if self.phase == contracts.TRAIN_PHASE:
                     self._check_sample_count(update)
                     self.rule.site_weight(update, self.ctx)  # the aggregation weight must be computable
@@ -201,6 +221,7 @@ class MedflareAggregator(Aggregator):
         method_args: the method's hyperparameters (the server rule reads its own).
         robust: :class:`RobustConfig` fields (update-norm bound, share cap); off when empty.
         transfer_dtype: dtype float weights travel in ("float32", or "float16" for half the bytes).
+        transfer_kind: "weights", or "diff" (sites send θ_local − θ_global, float keys only; for DP filters).
         plugins: ``medflare_plugins.*`` modules the job carries that register its own methods.
     """
 
@@ -212,6 +233,7 @@ class MedflareAggregator(Aggregator):
         method_args: dict | None = None,
         robust: dict | None = None,
         transfer_dtype: str = "float32",
+        transfer_kind: str = "weights",
         plugins: list | None = None,
     ) -> None:
         super().__init__()
@@ -223,7 +245,10 @@ class MedflareAggregator(Aggregator):
         self.method_args = method_args or {}
         self.robust = robust or {}
         self.transfer_dtype = transfer_dtype
-        self.core = RoundAggregation(method, self.method_args, num_classes, num_rounds, self.robust, transfer_dtype)
+        self.transfer_kind = transfer_kind
+        self.core = RoundAggregation(
+            method, self.method_args, num_classes, num_rounds, self.robust, transfer_dtype, transfer_kind
+        )
 
     def start_round(self, global_params: Mapping[str, np.ndarray], ctx: RoundContext) -> None:
         """Called by the controller before it sends the round's first task."""
@@ -237,7 +262,8 @@ class MedflareAggregator(Aggregator):
         site = shareable.get_peer_prop(ReservedKey.IDENTITY_NAME, default="?")
         try:
             dxo = from_shareable(shareable)
-            reason = self.core.accept(site, dxo.data or {}, dxo.meta or {})
+            kind = "diff" if dxo.data_kind == DataKind.WEIGHT_DIFF else "weights"
+            reason = self.core.accept(site, dxo.data or {}, dxo.meta or {}, kind)
         except Exception as exc:  # a result that is not even a DXO is a rejected update, not a crash
             reason = f"not a valid DXO: {exc}"
             self.core.rejected[site] = reason

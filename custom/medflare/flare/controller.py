@@ -35,6 +35,8 @@ from medflare.flare.tasks import TASK_VALIDATE, round_meta, round_plan
 from medflare.methods.base import PerSite, RoundContext, Stage
 
 RESULTS_FILE = "medflare_results.json"
+# Per-site facts recorded each round; filter_history shows which privacy filters a site's result went through.
+SITE_FACTS = (contracts.N_SAMPLES, contracts.TRAIN_LOSS, contracts.TRAIN_SECONDS, contracts.FILTER_HISTORY)
 
 
 class MedflareController(Controller):
@@ -239,7 +241,7 @@ class MedflareController(Controller):
         add_payload(record["payload"], site, dxo)
         if task_name != TASK_VALIDATE and not self.aggregator.accept(result, fl_ctx):
             return  # a rejected result contributes nothing, its evaluation included
-        facts = {k: meta[k] for k in (contracts.N_SAMPLES, contracts.TRAIN_LOSS, contracts.TRAIN_SECONDS) if k in meta}
+        facts = {k: meta[k] for k in SITE_FACTS if k in meta}
         if facts:
             record["sites"].setdefault(site, {}).update(facts)
         try:

@@ -12,6 +12,7 @@ from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable, make_reply
 from nvflare.apis.signal import Signal
 
+from medflare import contracts
 from medflare.distributed import DataParallelSite, site_distributed_config
 from medflare.errors import MedflareError
 from medflare.registry import load_plugins
@@ -139,4 +140,5 @@ class MedflareExecutor(Executor):
             arrays, meta = runtime.run_phase(task_name, dxo.data, ctx)
         if abort_signal.triggered:
             return make_reply(ReturnCode.TASK_ABORTED)
-        return DXO(DataKind.WEIGHTS, data=arrays, meta=meta).to_shareable()
+        diff = task_name == TASK_TRAIN and ctx.server_meta.get(contracts.TRANSFER_KIND) == "diff"
+        return DXO(DataKind.WEIGHT_DIFF if diff else DataKind.WEIGHTS, data=arrays, meta=meta).to_shareable()

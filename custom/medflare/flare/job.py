@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from medflare.contracts import privacy_scope
+from medflare.contracts import TRAIN_PHASE as TASK_TRAIN, privacy_scope
 from medflare.run_config import RunConfig
 from medflare.site_runtime import TaskSpec
 
@@ -57,6 +57,7 @@ def server_config(run: RunConfig, task: TaskSpec, shot_groups: dict | None = Non
                     "method_args": run.method_args,
                     "robust": run.robust,
                     "transfer_dtype": run.transfer_dtype,
+                    "transfer_kind": run.transfer_kind,
                     "plugins": run.plugin_modules(),
                 },
             },
@@ -110,7 +111,7 @@ def client_config(run: RunConfig, task: TaskSpec) -> dict[str, Any]:
                 },
             }
         ],
-        "task_result_filters": _audit_filters(run, "result") if run.audit else [],
+        "task_result_filters": _result_filters(run),
         "task_data_filters": _audit_filters(run, "task") if run.audit else [],
         "components": [],
     }
@@ -121,9 +122,25 @@ def task_names(run: RunConfig) -> list[str]:
     from medflare.flare.aggregator import RoundAggregation
     from medflare.flare.tasks import TASK_SUBMIT_MODEL, TASK_VALIDATE, round_plan
 
-    core = RoundAggregation(run.method, run.method_args, 2, run.rounds, run.robust, run.transfer_dtype)
+    core = RoundAggregation(
+        run.method, run.method_args, 2, run.rounds, run.robust, run.transfer_dtype, run.transfer_kind
+    )
     phases = {phase for ctx in round_plan(core.stages, run.rounds) for phase in core.rule.phases(ctx)}
     return sorted(phases | {TASK_VALIDATE, TASK_SUBMIT_MODEL})
+
+
+def _result_filters(run: RunConfig) -> list[dict[str, Any]]:
+    """The job's DP filter on train results (if asked), then the audit recorder, so it records what really leaves.
+
+    FLARE allows one filter chain per task, so each task's filters form one chain, in order.
+    """
+    dp = {"path": "medflare.flare.privacy.UpdatePrivacy", "args": run.dp} if run.dp else None
+    chains = []
+    for task in task_names(run):
+        filters = ([dp] if dp and task == TASK_TRAIN else []) + ([_recorder("result")] if run.audit else [])
+        if filters:
+            chains.append({"tasks": [task], "filters": filters})
+    return chains
 
 
 def _audit_filters(run: RunConfig, direction: str) -> list[dict[str, Any]]:
@@ -131,8 +148,11 @@ def _audit_filters(run: RunConfig, direction: str) -> list[dict[str, Any]]:
 
     FLARE keys job filters by exact task name ("*" matches nothing), so every task the job sends is listed.
     """
-    recorder = {"path": "medflare.flare.audit.PayloadRecorder", "args": {"direction": direction}}
-    return [{"tasks": task_names(run), "filters": [recorder]}]
+    return [{"tasks": task_names(run), "filters": [_recorder(direction)]}]
+
+
+def _recorder(direction: str) -> dict[str, Any]:
+    return {"path": "medflare.flare.audit.PayloadRecorder", "args": {"direction": direction}}
 
 
 def meta_config(run: RunConfig) -> dict[str, Any]:

@@ -188,19 +188,11 @@ class LocalTrainer:
         load_params(self.model, params, keep=lambda key: not self.payload.is_private(key))
 
     def outgoing_arrays(self, ctx: RoundContext | None = None) -> dict[str, np.ndarray]:
-        """The arrays this site sends after training: its shared weights for this stage, in the transfer dtype.
-
-        Methods sending other arrays (e.g. probabilities) override this.
-        """
+        """The arrays this site sends after training: its shared weights for this stage (the site runtime puts
+        them in the job's wire format). Methods sending other arrays (e.g. probabilities) override this."""
         ctx = ctx or RoundContext(0, 1)
         keys = set(self.payload.shared_keys(list(self.model.state_dict()), ctx.stage))
-        if not keys:
-            return {}
-        transfer = np.dtype(ctx.server_meta.get(contracts.TRANSFER_DTYPE, "float32"))
-        return {
-            k: v.astype(transfer) if v.dtype.kind == "f" and v.dtype != transfer else v
-            for k, v in model_params(self.model, keep=keys.__contains__).items()
-        }
+        return model_params(self.model, keep=keys.__contains__) if keys else {}
 
     def state_dict(self) -> dict[str, Any]:
         """Everything this site must keep between rounds and across a restart of its process.
@@ -468,7 +460,8 @@ class ServerRule:
         if phase == contracts.TRAIN_PHASE:
             keys = self.payload.shared_keys(list(global_params), ctx.stage)
             transfer = str(ctx.server_meta.get(contracts.TRANSFER_DTYPE, "float32"))
-            expected.update(contracts.weight_expectations(global_params, keys, transfer))
+            kind = str(ctx.server_meta.get(contracts.TRANSFER_KIND, "weights"))
+            expected.update(contracts.weight_expectations(global_params, keys, transfer, kind))
         return expected
 
     def server_meta(self, ctx: RoundContext) -> dict[str, Any]:

@@ -1,0 +1,52 @@
+"""How model weights travel: their dtype on the wire, and whether as weights or as differences.
+
+A site sends its float weights in the job's transfer dtype (float32, or float16 for half the bytes). When the
+job sends updates as differences (``kind="diff"``, what FLARE's differential-privacy filters expect), a site
+sends θ_local − θ_received for the float keys only: integer buffers (BatchNorm's ``num_batches_tracked``) stay
+home, so a privacy filter never sees them and the server keeps its own value. The server turns what arrived
+back into absolute weights before any aggregation rule sees them.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+from medflare.errors import PayloadError
+
+KINDS = ("weights", "diff")
+DTYPES = ("float32", "float16")
+
+
+def is_float(array: np.ndarray) -> bool:
+    return np.asarray(array).dtype.kind == "f"
+
+
+def encode_weights(
+    weights: Mapping[str, np.ndarray], received: Mapping[str, np.ndarray], dtype: str, kind: str
+) -> dict[str, np.ndarray]:
+    """The site's weights as they go on the wire (non-float arrays are dropped when sending differences)."""
+    wire_dtype = np.dtype(dtype)
+    if kind == "weights":
+        return {k: v.astype(wire_dtype) if is_float(v) else v for k, v in weights.items()}
+    missing = sorted(k for k, v in weights.items() if is_float(v) and k not in received)
+    if missing:
+        raise PayloadError(f"cannot send differences for {missing[:5]}: the server did not send them this round")
+    return {
+        k: (np.asarray(v, np.float64) - np.asarray(received[k], np.float64)).astype(wire_dtype)
+        for k, v in weights.items()
+        if is_float(v)
+    }
+
+
+def decode_weights(
+    arrays: Mapping[str, np.ndarray], global_params: Mapping[str, np.ndarray], kind: str
+) -> dict[str, np.ndarray]:
+    """Absolute weights from a validated result (differences are added to the global model in float64)."""
+    if kind == "weights":
+        return dict(arrays)
+    return {
+        k: (np.asarray(global_params[k], np.float64) + np.asarray(v, np.float64)) if k in global_params else v
+        for k, v in arrays.items()
+    }

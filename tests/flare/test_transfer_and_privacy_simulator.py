@@ -1,0 +1,64 @@
+"""Half-precision transfer, updates as differences, and FLARE's DP filter, through FLARE's simulator."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from medflare.flare.models import build_global_model
+from medflare.run_config import RunConfig
+from medflare.simulate import run_simulation
+
+pytestmark = pytest.mark.slow
+
+GAMMA = 1e-4  # PercentilePrivacy clips every shared difference to ±gamma
+
+
+def run(tmp_path: Path, name: str, **options) -> tuple[dict, dict, Path]:
+    config = RunConfig(
+        method="fedavg", rounds=1, clients=2, data={"source": "synthetic:n=240,classes=3", "partition": "iid"},
+        train={"max_steps": 3, "batch_size": 16}, audit=True, **options,
+    )
+    summary = run_simulation(config, tmp_path / name, echo=lambda line: None)
+    final = torch.load(tmp_path / name / "FL_global_model.pt", weights_only=False)["model"]
+    return summary, final, tmp_path / name
+
+
+def initial_model(summary: dict) -> dict[str, torch.Tensor]:
+    """The job's initial global model, rebuilt from its configuration (same builder, same seed)."""
+    return build_global_model("fedavg", "cnn", **summary["config"]["task"], seed=0).state_dict()
+
+
+def largest_change(final: dict[str, torch.Tensor], initial: dict[str, torch.Tensor]) -> float:
+    return max(float((final[k].double() - initial[k].double()).abs().max()) for k in initial if initial[k].is_floating_point())
+
+
+def train_results(out: Path, site: str) -> list[dict]:
+    lines = (out / "sites" / site / "medflare_payload_audit.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["direction"] == "result" and r["task"] == "train"]
+
+
+def test_half_precision_differences_halve_the_bytes_and_the_model_stays_fp32(tmp_path: Path) -> None:
+    summary, final, out = run(tmp_path, "fp16-diff", transfer_dtype="float16", transfer_kind="diff")
+    initial = initial_model(summary)
+    float_bytes_fp32 = sum(v.numel() * 4 for v in initial.values() if v.is_floating_point())
+    for site in ("site-1", "site-2"):
+        (result,) = train_results(out, site)
+        assert all(dtype == "float16" for dtype, _ in result["arrays"].values())
+        assert not any(k.endswith("num_batches_tracked") for k in result["arrays"])  # integer buffers stay home
+        assert result["bytes"] == float_bytes_fp32 // 2
+    assert all(v.dtype in (torch.float32, torch.int64) for v in final.values())
+    assert largest_change(final, initial) > 10 * GAMMA  # the control for the DP test below
+    assert summary["final"]["accuracy"] is not None
+
+
+def test_the_dp_filter_is_applied_to_every_update(tmp_path: Path) -> None:
+    dp = {"filter": "percentile", "args": {"percentile": 50, "gamma": GAMMA}}
+    summary, final, _ = run(tmp_path, "dp", transfer_kind="diff", dp=dp)
+    assert largest_change(final, initial_model(summary)) <= GAMMA * (1 + 1e-3)
+    for site in ("site-1", "site-2"):  # the server can see which filters each update went through
+        assert any("PercentilePrivacy" in name for name in summary["clients"][site]["filter_history"])
