@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from medflare.data import apply_label_mask, partition
+from medflare.data import apply_label_mask, partition, partition_like
 from medflare.data.partition import SCHEME_FORMS
 from medflare.errors import ConfigError, DataError
 
@@ -34,6 +34,8 @@ SCHEMES = [
     ("labelset:2", 4, True),
     ("longtail-missing:0.5", 4, True),
     ("longtail-missing:1.0:2", 3, True),
+    ("class-dirichlet:50/30/10/5/0.5:0.3", 4, True),
+    ("class-dirichlet:1/1/1/1/1", 3, True),
 ]
 
 
@@ -243,6 +245,8 @@ def test_longtail_missing_drops_classes_but_keeps_each_somewhere(scheme: str, mi
     ("attribute:0.5/1.5", r"in \[0, 1\]"),
     ("labelset:0", "K must be >= 1"),
     ("longtail-missing:0.5:9", "lower M"),
+    ("class-dirichlet:1/0/1", "A_k must be > 0"),
+    ("class-dirichlet:1/1:1.0", "P must be < 1"),
 ])
 def test_bad_schemes_raise_config_error_listing_forms(scheme: str, message: str) -> None:
     """Malformed or unknown schemes fail with ConfigError that says what is wrong (and lists forms)."""
@@ -250,3 +254,106 @@ def test_bad_schemes_raise_config_error_listing_forms(scheme: str, message: str)
         partition(_labels(), 2, scheme, seed=0)
     if "lower M" not in message:
         assert all(form in str(caught.value) for form in SCHEME_FORMS)
+
+
+def _held(labels: np.ndarray, sites: list[np.ndarray]) -> np.ndarray:
+    """bool [site, class]: which classes each site holds at least one sample of."""
+    return np.stack([np.bincount(labels[site], minlength=NUM_CLASSES) > 0 for site in sites])
+
+
+def test_class_dirichlet_skews_each_class_by_its_own_alpha() -> None:
+    """α_k = 1000 spreads class k evenly; α_k = 0.05 piles it onto few sites (FCA's per-class α)."""
+    # Prepare
+    labels = _labels(5000)
+
+    # Execute
+    results = [partition(labels, 4, "class-dirichlet:1000/1000/1000/1000/0.05", seed=seed, min_size=10)
+               for seed in range(5)]
+
+    # Assert: a class's largest site share
+    def largest_share(result, k: int) -> float:
+        counts = np.array([np.sum(labels[site] == k) for site in result.indices])
+        return counts.max() / counts.sum()
+
+    assert all(largest_share(r, k) < 0.3 for r in results for k in range(4))
+    assert np.mean([largest_share(r, 4) for r in results]) > 0.6
+
+
+@pytest.mark.parametrize("drop", [0.0, 0.3, 0.5])
+def test_class_dirichlet_drops_each_class_per_site_with_probability_p(drop: float) -> None:
+    """About a share P of (site, class) pairs hold nothing; every class stays somewhere, every site non-empty."""
+    # Prepare
+    labels = _labels(20000)
+
+    # Execute
+    results = [partition(labels, 20, f"class-dirichlet:100/100/100/100/100:{drop}", seed=seed, min_size=1)
+               for seed in range(5)]
+
+    # Assert
+    helds = [_held(labels, result.indices) for result in results]
+    assert np.mean([np.mean(~held) for held in helds]) == pytest.approx(drop, abs=0.08)
+    assert all(held.any(axis=0).all() and held.any(axis=1).all() for held in helds)
+
+
+def test_class_dirichlet_needs_one_alpha_per_class() -> None:
+    with pytest.raises(ConfigError, match="3 alphas for 5 classes"):
+        partition(_labels(), 2, "class-dirichlet:1/2/3", seed=0)
+
+
+def _train_mix(labels: np.ndarray, sites: list[np.ndarray]) -> np.ndarray:
+    return np.stack([np.bincount(labels[site], minlength=NUM_CLASSES) for site in sites])
+
+
+def test_partition_like_follows_each_sites_training_mix() -> None:
+    """Per-site test class proportions track the site's training proportions (Dirichlet-skewed training)."""
+    # Prepare
+    train_labels, test_labels = _labels(3000, seed=0), _labels(1500, seed=9)
+    train = partition(train_labels, 4, "dirichlet:0.3", seed=0)
+    mix = _train_mix(train_labels, train.indices)
+
+    # Execute
+    test = partition_like(test_labels, mix, seed=0)
+
+    # Assert
+    train_shares = mix / mix.sum(axis=1, keepdims=True)
+    test_counts = _train_mix(test_labels, test.indices)
+    test_shares = test_counts / test_counts.sum(axis=1, keepdims=True)
+    assert np.corrcoef(train_shares.ravel(), test_shares.ravel())[0, 1] > 0.97
+    assert np.abs(train_shares - test_shares).max() < 0.06
+
+
+def test_partition_like_keeps_missing_classes_missing() -> None:
+    """A class a site never trains on is absent from its test slice; a class no site trains on is spread."""
+    # Prepare
+    test_labels = _labels(1000, seed=3)
+    mix = np.array([[30, 0, 10, 5, 0], [0, 20, 10, 0, 0], [10, 10, 0, 5, 0]])  # class 4 trained nowhere
+
+    # Execute
+    test = partition_like(test_labels, mix, seed=0)
+
+    # Assert
+    held = _held(test_labels, test.indices)
+    assert not (held[:, :4] & (mix[:, :4] == 0)).any()
+    assert held[:, 4].all()
+    class_four = [np.sum(test_labels[site] == 4) for site in test.indices]
+    assert max(class_four) - min(class_four) <= 1
+
+
+def test_partition_like_is_disjoint_complete_and_seed_stable() -> None:
+    # Prepare
+    test_labels = _labels(900, seed=5)
+    mix = np.array([[5, 1, 0, 9, 2], [1, 1, 1, 1, 1], [0, 7, 3, 0, 8]])
+
+    # Execute
+    first, again, other = (partition_like(test_labels, mix, seed=seed) for seed in (4, 4, 5))
+
+    # Assert
+    joined = np.concatenate(first.indices)
+    assert np.array_equal(np.sort(joined), np.arange(len(test_labels)))
+    assert all(np.array_equal(a, b) for a, b in zip(first.indices, again.indices))
+    assert not all(np.array_equal(a, b) for a, b in zip(first.indices, other.indices))
+
+
+def test_partition_like_rejects_labels_outside_the_training_classes() -> None:
+    with pytest.raises(DataError, match="partition_like needs labels"):
+        partition_like(np.array([0, 1, 5]), np.ones((2, 5)), seed=0)

@@ -26,11 +26,12 @@ def _image_keys(dataset: ImageDataset) -> set[bytes]:
     return {image_set.images[i].tobytes() for i in range(len(image_set))}
 
 
+@pytest.mark.parametrize("eval_split", ["pooled", "like_train"])
 @pytest.mark.parametrize("scheme", ["iid", "dirichlet:0.5", "quantity:2", "longtail-missing:1.0"])
-def test_sites_are_disjoint_and_eval_splits_tile_the_pooled_sets(scheme: str) -> None:
+def test_sites_are_disjoint_and_eval_splits_tile_the_pooled_sets(scheme: str, eval_split: str) -> None:
     """Training slices never overlap; per-site val/test together are exactly the pooled val/test sets."""
     # Prepare
-    cfg = DataConfig(source=SOURCE, partition=scheme, num_sites=3)
+    cfg = DataConfig(source=SOURCE, partition=scheme, num_sites=3, eval_split=eval_split)
     pooled = load_source(SOURCE, seed=cfg.seed)
 
     # Execute
@@ -96,6 +97,68 @@ def test_label_noise_hits_training_only_at_the_configured_rate() -> None:
     assert np.mean(clean.train.labels != noisy.train.labels) == pytest.approx(0.3, abs=0.03)
     assert np.array_equal(clean.test.labels, noisy.test.labels)
     assert noisy.class_counts.tolist() == np.bincount(noisy.train.labels, minlength=5).tolist()
+
+
+def _class_shares(labels: np.ndarray) -> np.ndarray:
+    return np.bincount(labels, minlength=5) / len(labels)
+
+
+def test_like_train_eval_split_follows_each_sites_class_mix() -> None:
+    """eval_split=like_train: a site's test classes are mixed like its training classes, missing ones absent."""
+    # Prepare
+    source = "synthetic:n=3000,n_val=300,n_test=1500,size=8"
+    cfg = DataConfig(source=source, partition="longtail-missing:0.5:1", num_sites=3, eval_split="like_train")
+    pooled = DataConfig(source=source, partition=cfg.partition, num_sites=3)
+
+    # Execute
+    sites, pooled_sites = _all_sites(cfg), _all_sites(pooled)
+
+    # Assert
+    for site, pooled_site in zip(sites, pooled_sites):
+        train, test = _class_shares(site.train.labels), _class_shares(site.test.labels)
+        assert np.array_equal(test == 0, train == 0), "a class missing in training must be missing in test"
+        assert np.abs(train - test).max() < 0.06
+        assert np.abs(train - _class_shares(pooled_site.test.labels)).max() > 0.1  # pooled is not like train
+        assert (site.test.labels >= 0).all() and (site.val.labels >= 0).all()
+
+
+def test_like_train_under_labelset_keeps_evaluation_labels_clean() -> None:
+    """Under labelset:K the training classes are IID (only annotation differs): test stays clean and complete."""
+    # Prepare
+    cfg = DataConfig(source=SOURCE, partition="labelset:2", num_sites=3, eval_split="like_train")
+
+    # Execute
+    sites = _all_sites(cfg)
+
+    # Assert
+    for site in sites:
+        assert (site.train.labels == -1).any() and (site.test.labels >= 0).all()
+        assert (np.bincount(site.test.labels, minlength=5) > 0).all()
+
+
+def test_label_noise_per_site() -> None:
+    """A list of rates gives each site its own flip rate; a rate of 0 leaves that site's labels clean."""
+    # Prepare
+    source = "synthetic:n=4000,n_val=60,n_test=60,size=12"
+    clean = _all_sites(DataConfig(source=source, num_sites=2))
+
+    # Execute
+    noisy = _all_sites(DataConfig(source=source, num_sites=2, label_noise=[0.0, 0.3]))
+
+    # Assert
+    assert np.array_equal(clean[0].train.labels, noisy[0].train.labels)
+    assert np.mean(clean[1].train.labels != noisy[1].train.labels) == pytest.approx(0.3, abs=0.03)
+    assert np.array_equal(clean[1].test.labels, noisy[1].test.labels)
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"label_noise": [0.1, 0.2, 0.3]}, "3 rates for 2 sites"),
+    ({"label_noise": [0.1, 1.2]}, "must be in"),
+    ({"eval_split": "iid"}, "eval_split"),
+])
+def test_bad_per_site_data_options_are_config_errors(values: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        DataConfig(source=SOURCE, num_sites=2, **values)
 
 
 def test_site_shift_changes_site_images_consistently() -> None:

@@ -17,11 +17,13 @@ from medflare.models import (
     list_models,
     register_model,
 )
-from medflare.models.vit import vit_patch_size
+from medflare.models.vit import VIT_SIZES, vit_patch_size
 
 NUM_CLASSES = 7
 EXPECTED_MODELS = {
     "cnn",
+    "resnet10",
+    "resnet12",
     "resnet18",
     "resnet50",
     "efficientnet_b0",
@@ -30,7 +32,15 @@ EXPECTED_MODELS = {
     "shufflenet",
     "densenet121",
     "vit_tiny",
+    "vit_small",
+    "vit_base",
 }
+#: Same code as vit_tiny, only wider (seconds per test on CPU): they run with the slow tests.
+WIDE_MODELS = {"vit_small", "vit_base"}
+
+
+def _all_models() -> list:
+    return [pytest.param(name, marks=pytest.mark.slow) if name in WIDE_MODELS else name for name in list_models()]
 
 
 @pytest.fixture(autouse=True)
@@ -40,12 +50,12 @@ def _seed() -> None:
 
 def test_expected_models_are_registered() -> None:
     assert EXPECTED_MODELS <= set(list_models())
-    assert list_models("resnet*") == ["resnet18", "resnet50"]
+    assert list_models("resnet*") == ["resnet10", "resnet12", "resnet18", "resnet50"]
     assert is_model("cnn") and not is_model("resnet19")
 
 
 @pytest.mark.parametrize("in_channels", [1, 3])
-@pytest.mark.parametrize("name", list_models())
+@pytest.mark.parametrize("name", _all_models())
 def test_forward_small_input(name: str, in_channels: int) -> None:
     model = create_model(name, NUM_CLASSES, in_channels).eval()
     images = torch.randn(2, in_channels, 28, 28)
@@ -59,7 +69,7 @@ def test_forward_small_input(name: str, in_channels: int) -> None:
     torch.testing.assert_close(model.forward_head(features), logits)
 
 
-@pytest.mark.parametrize("name", list_models())
+@pytest.mark.parametrize("name", _all_models())
 def test_backward_reaches_every_parameter(name: str) -> None:
     model = create_model(name, NUM_CLASSES, in_channels=1).train()
     model(torch.randn(2, 1, 28, 28)).sum().backward()
@@ -68,7 +78,7 @@ def test_backward_reaches_every_parameter(name: str) -> None:
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
-@pytest.mark.parametrize("name", list_models())
+@pytest.mark.parametrize("name", _all_models())
 def test_state_dict_is_backbone_and_head(name: str) -> None:
     model = create_model(name, NUM_CLASSES)
     keys = list(model.state_dict())
@@ -113,7 +123,7 @@ def test_duplicate_registration_is_rejected() -> None:
         register_model("cnn")(get_model_info("cnn").entrypoint)
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED_MODELS - {"efficientnet_lite0"}))
+@pytest.mark.parametrize("name", sorted(EXPECTED_MODELS - {"efficientnet_lite0"} - WIDE_MODELS))
 def test_imagenet_only_for_lite0(name: str) -> None:
     with pytest.raises(ConfigError, match="efficientnet_lite0"):
         create_model(name, NUM_CLASSES, pretrained="imagenet")
@@ -134,6 +144,56 @@ def test_vit_patch_size_follows_image_size(image_size: int, patch: int) -> None:
 def test_vit_rejects_unfit_image_size() -> None:
     with pytest.raises(ConfigError, match="patch"):
         create_model("vit_tiny", NUM_CLASSES, image_size=27)
+
+
+@pytest.mark.parametrize("name", ["resnet10", "resnet12", "shufflenet", "mobilenet_v2"])
+@pytest.mark.parametrize("image_size", [28, 64])
+def test_mdhfl_architectures_run_at_28_and_64_px(name: str, image_size: int) -> None:
+    """MDH-FL's four heterogeneous networks pool adaptively, so any of its input sizes reaches the head."""
+    model = create_model(name, NUM_CLASSES, in_channels=3, image_size=image_size).eval()
+    with torch.no_grad():
+        logits = model(torch.randn(2, 3, image_size, image_size))
+    assert logits.shape == (2, NUM_CLASSES) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize(("name", "blocks"), [("resnet10", [1, 1, 1, 1]), ("resnet12", [2, 1, 1, 1])])
+def test_cifar_resnets_have_the_mdhfl_layout(name: str, blocks: list[int]) -> None:
+    """BasicBlocks per stage as named, a 3x3 stride-1 stem without max-pool, 4x4 pooled 512-channel features."""
+    model = create_model(name, NUM_CLASSES, in_channels=1)
+    net = model.backbone
+    stages = [net.layer1, net.layer2, net.layer3, net.layer4]
+    assert [len(stage) for stage in stages] == blocks
+    assert all(isinstance(b, torchvision.models.resnet.BasicBlock) for stage in stages for b in stage)
+    assert (net.conv1.in_channels, net.conv1.kernel_size, net.conv1.stride) == (1, (3, 3), (1, 1))
+    assert isinstance(net.maxpool, torch.nn.Identity)
+    assert model.num_features == 512 * 4 * 4
+
+
+@pytest.mark.parametrize(("image_size", "tokens"), [(28, 49), (64, 64)])
+def test_vit_pools_the_mean_patch_token_through_fc_norm(image_size: int, tokens: int) -> None:
+    """Features = fc_norm(mean of the patch tokens), the class token left out (MAE/BEiT fine-tuning)."""
+    model = create_model("vit_tiny", NUM_CLASSES, in_channels=3, image_size=image_size).eval()
+    images = torch.randn(2, 3, image_size, image_size)
+    with torch.no_grad():
+        all_tokens = model.backbone.forward_features(images)  # [B, 1 + patches, D], class token first
+        expected = model.backbone.fc_norm(all_tokens[:, 1:].mean(dim=1))
+        features = model.forward_features(images)
+    assert all_tokens.shape[1] == 1 + tokens
+    torch.testing.assert_close(features, expected)
+    assert not isinstance(model.backbone.fc_norm, torch.nn.Identity)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "image_size", "patch"), [("vit_small", 64, 8), ("vit_base", 224, 16)])
+def test_wide_vits_have_their_standard_sizes(name: str, image_size: int, patch: int) -> None:
+    """vit_small and vit_base come from the same builder with the ViT/DeiT widths; ViT-B/16 at 224 px."""
+    model = create_model(name, NUM_CLASSES, image_size=image_size).eval()
+    width, depth, heads = VIT_SIZES[name.removeprefix("vit_")]
+    assert model.num_features == width and len(model.backbone.blocks) == depth
+    assert model.backbone.blocks[0].attn.num_heads == heads
+    assert model.backbone.patch_embed.patch_size == (patch, patch)
+    with torch.no_grad():
+        assert model(torch.randn(1, 3, image_size, image_size)).shape == (1, NUM_CLASSES)
 
 
 def test_densenet_matches_torchvision_on_even_feature_maps() -> None:

@@ -7,7 +7,7 @@ Pure numpy/torch, usable without FLARE. Typical use on a site::
 """
 
 from medflare.data.noise import inject_label_noise, noise_transition_matrix
-from medflare.data.partition import Partition, apply_label_mask, parse_scheme, partition
+from medflare.data.partition import Partition, apply_label_mask, parse_scheme, partition, partition_like
 from medflare.data.site import DataConfig, ImageDataset, SiteData, describe_partition, make_site_data
 from medflare.data.sources import clear_source_cache, load_source
 from medflare.data.synthetic import SyntheticConfig, apply_site_shift
@@ -34,4 +34,5 @@ __all__ = [
     "noise_transition_matrix",
     "parse_scheme",
     "partition",
+    "partition_like",
 ]

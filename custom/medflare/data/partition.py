@@ -10,6 +10,10 @@ Schemes (the string forms accepted by `partition`):
     attribute:F1/F2/.../FN    site i holds a fraction F_i of attribute-1 ("dark") samples, equal site sizes
     labelset:K                IID samples, each site annotates only K classes (label-set mismatch, spec §5)
     longtail-missing:ALPHA[:M]  Dirichlet label skew, and each site lacks M whole classes (spec §6), M = 1
+    class-dirichlet:A1/.../AK[:P]  per-class Dirichlet concentration A_k, and each site drops each class with
+                              probability P (default 0): FCA's RSNA-ICH splits (spec §6(d))
+
+`partition_like` splits an evaluation set so each site's class mix follows its training mix.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ SCHEME_FORMS = (
     "attribute:F1/F2/.../FN",
     "labelset:K",
     "longtail-missing:ALPHA[:M]",
+    "class-dirichlet:A1/.../AK[:P]",
 )
 MAX_REDRAWS = 100
 
@@ -60,6 +65,8 @@ class PartitionScheme:
         fractions: Per-site share of attribute-1 samples (`attribute`).
         classes_per_site: Classes each site annotates (`labelset`).
         missing_per_site: Classes each site lacks entirely (`longtail-missing`).
+        class_alphas: Dirichlet concentration per class (`class-dirichlet`).
+        drop_prob: Probability that a site lacks a class entirely (`class-dirichlet`).
     """
 
     kind: str
@@ -67,6 +74,8 @@ class PartitionScheme:
     fractions: tuple[float, ...] | None = None
     classes_per_site: int | None = None
     missing_per_site: int | None = None
+    class_alphas: tuple[float, ...] | None = None
+    drop_prob: float | None = None
 
 
 def parse_scheme(scheme: str) -> PartitionScheme:
@@ -92,7 +101,7 @@ def parse_scheme(scheme: str) -> PartitionScheme:
         return value
 
     arity = {"iid": (0, 0), "dirichlet": (1, 1), "quantity": (1, 1), "attribute": (1, 1), "labelset": (1, 1),
-             "longtail-missing": (1, 2)}
+             "longtail-missing": (1, 2), "class-dirichlet": (1, 2)}
     if kind not in arity:
         raise fail(f"unknown scheme '{kind}'")
     low, high = arity[kind]
@@ -109,6 +118,12 @@ def parse_scheme(scheme: str) -> PartitionScheme:
         return PartitionScheme(kind, fractions=fractions)
     if kind == "labelset":
         return PartitionScheme(kind, classes_per_site=int(number(args[0], int, "K", 1, strict=False)))
+    if kind == "class-dirichlet":
+        alphas = tuple(number(a, float, "A_k", 0.0, strict=True) for a in args[0].split("/"))
+        drop = number(args[1], float, "P", 0.0, strict=False) if len(args) == 2 else 0.0
+        if drop >= 1:
+            raise fail(f"P must be < 1, got {args[1]}")
+        return PartitionScheme(kind, class_alphas=alphas, drop_prob=drop)
     missing = int(number(args[1], int, "M", 0, strict=False)) if len(args) == 2 else 1
     return PartitionScheme(kind, alpha=number(args[0], float, "ALPHA", 0.0, strict=True), missing_per_site=missing)
 
@@ -150,7 +165,8 @@ def partition(labels: np.ndarray, num_sites: int, scheme: str, *, seed: int, min
         sites = _stratified_round_robin(labels, num_sites, rng)
     elif parsed.kind == "dirichlet":
         allowed = np.ones((num_classes, num_sites), dtype=bool)
-        sites = _redraw(lambda: _dirichlet_label_skew(labels, parsed.alpha, allowed, rng), scheme, min_size)
+        alphas = np.full(num_classes, parsed.alpha)
+        sites = _redraw(lambda: _dirichlet_label_skew(labels, alphas, allowed, rng), scheme, min_size)
     elif parsed.kind == "quantity":
         sites = _redraw(lambda: _quantity_skew(len(labels), num_sites, parsed.alpha, rng), scheme, min_size)
     elif parsed.kind == "attribute":
@@ -158,11 +174,48 @@ def partition(labels: np.ndarray, num_sites: int, scheme: str, *, seed: int, min
     elif parsed.kind == "labelset":
         sites = _stratified_round_robin(labels, num_sites, rng)
         identified = _identified_classes(num_classes, num_sites, parsed.classes_per_site, scheme, rng)
-    else:  # longtail-missing
-        present = _kept_classes(num_classes, num_sites, parsed.missing_per_site, scheme, rng)
-        sites = _redraw(lambda: _dirichlet_label_skew(labels, parsed.alpha, present.T, rng), scheme, min_size)
+    elif parsed.kind == "longtail-missing":
+        present = _kept_classes(num_classes, num_sites, scheme, rng, missing=parsed.missing_per_site)
+        alphas = np.full(num_classes, parsed.alpha)
+        sites = _redraw(lambda: _dirichlet_label_skew(labels, alphas, present.T, rng), scheme, min_size)
+    else:  # class-dirichlet
+        if len(parsed.class_alphas) != num_classes:
+            raise ConfigError(f"Partition '{scheme}' gives {len(parsed.class_alphas)} alphas for {num_classes} "
+                              "classes; give one alpha per class.")
+        present = _kept_classes(num_classes, num_sites, scheme, rng, drop_prob=parsed.drop_prob)
+        alphas = np.asarray(parsed.class_alphas)
+        sites = _redraw(lambda: _dirichlet_label_skew(labels, alphas, present.T, rng), scheme, min_size)
     _check_min_size(sites, min_size, scheme, tries=1)
     return Partition(indices=[np.sort(np.asarray(site, dtype=np.int64)) for site in sites], identified=identified)
+
+
+def partition_like(labels: np.ndarray, site_class_counts: np.ndarray, *, seed: int) -> Partition:
+    """Splits an evaluation set over sites so that each site's class mix follows its own training mix.
+
+    Class k's samples are shuffled and cut among the sites in proportion to `site_class_counts[:, k]`, so a
+    site that trains on no sample of k gets none of k, and a Dirichlet-skewed site gets the same skew. A class no
+    site trains on is spread evenly. The sites are disjoint and together hold every sample.
+
+    Args:
+        labels: Clean integer class per evaluation sample (>= 0), in a deterministic order.
+        site_class_counts: `[num_sites, K]` training samples per site and class (before label masks and noise).
+        seed: Seed of the only RNG used.
+
+    Raises:
+        DataError: A label is negative or not below K.
+    """
+    labels = np.asarray(labels).reshape(-1)
+    counts = np.asarray(site_class_counts, dtype=float)
+    if len(labels) and (labels.min() < 0 or labels.max() >= counts.shape[1]):
+        raise DataError(f"partition_like needs labels in [0, {counts.shape[1]}), got {int(labels.min())} to "
+                        f"{int(labels.max())}; pass the clean evaluation labels and the class count of training.")
+    rng = np.random.default_rng(seed)
+    sites: list[list[int]] = [[] for _ in range(counts.shape[0])]
+    for k in np.unique(labels):
+        members = rng.permutation(np.flatnonzero(labels == k))
+        trained = counts[:, k]
+        _deal(members, trained if trained.sum() > 0 else np.ones_like(trained), sites)
+    return Partition(indices=[np.sort(np.asarray(site, dtype=np.int64)) for site in sites])
 
 
 def apply_label_mask(labels: np.ndarray, identified: np.ndarray) -> np.ndarray:
@@ -183,29 +236,35 @@ def _stratified_round_robin(labels: np.ndarray, num_sites: int, rng: np.random.G
     return [order[owner == site] for site in range(num_sites)]
 
 
-def _dirichlet_label_skew(labels: np.ndarray, alpha: float, allowed: np.ndarray,
+def _dirichlet_label_skew(labels: np.ndarray, alphas: np.ndarray, allowed: np.ndarray,
                           rng: np.random.Generator) -> list[np.ndarray]:
     """One draw of the FedML Dirichlet partitioner (spec §1.2), restricted to `allowed[class, site]`.
 
-    Per class: shuffle its samples, draw p ~ Dir(alpha * 1), zero the share of sites already holding >= N/C
-    samples (and of sites not allowed to hold this class), renormalise and cut at the cumulative proportions.
+    Per class k: shuffle its samples, draw p ~ Dir(alphas[k] * 1), zero the share of sites already holding
+    >= N/C samples (and of sites not allowed to hold this class), renormalise and cut at the cumulative
+    proportions.
     """
     num_sites = allowed.shape[1]
     cap = len(labels) / num_sites
     sites: list[list[int]] = [[] for _ in range(num_sites)]
     for k in np.unique(labels):
         members = rng.permutation(np.flatnonzero(labels == k))
-        shares = rng.dirichlet(np.full(num_sites, alpha))
+        shares = rng.dirichlet(np.full(num_sites, alphas[k]))
         room = np.array([len(site) < cap for site in sites]) & allowed[k]
         shares = shares * room
         if shares.sum() <= 0:
             # Every allowed site is full (or the draw underflowed): fall back to the allowed sites alone.
             shares = allowed[k].astype(float)
-        shares = shares / shares.sum()
-        cuts = (np.cumsum(shares) * len(members)).astype(int)[:-1]
-        for site, chunk in zip(sites, np.split(members, cuts)):
-            site.extend(chunk.tolist())
+        _deal(members, shares, sites)
     return [np.asarray(site, dtype=np.int64) for site in sites]
+
+
+def _deal(members: np.ndarray, shares: np.ndarray, sites: list[list[int]]) -> None:
+    """Cuts `members` at the cumulative proportions of `shares`; piece i goes to site i (zero share: nothing)."""
+    shares = shares / shares.sum()
+    cuts = (np.cumsum(shares) * len(members)).astype(int)[:-1]
+    for site, chunk in zip(sites, np.split(members, cuts)):
+        site.extend(chunk.tolist())
 
 
 def _quantity_skew(num_samples: int, num_sites: int, alpha: float, rng: np.random.Generator) -> list[np.ndarray]:
@@ -263,22 +322,29 @@ def _identified_classes(num_classes: int, num_sites: int, per_site: int, scheme:
     return masks
 
 
-def _kept_classes(num_classes: int, num_sites: int, missing: int, scheme: str,
-                  rng: np.random.Generator) -> np.ndarray:
-    """bool `[site, class]`: each site lacks `missing` random classes, and every class stays somewhere."""
+def _kept_classes(num_classes: int, num_sites: int, scheme: str, rng: np.random.Generator, *, missing: int = 0,
+                  drop_prob: float = 0.0) -> np.ndarray:
+    """bool `[site, class]` of the classes each site may hold; redrawn until every class stays somewhere.
+
+    Each site lacks `missing` random classes, or (with `drop_prob` > 0) each site lacks each class with
+    probability `drop_prob`, keeping at least one.
+    """
     if missing >= num_classes or (missing > 0 and num_sites == 1):
         raise ConfigError(
             f"Partition '{scheme}': dropping {missing} of {num_classes} classes per site over {num_sites} site(s) "
             "leaves some class nowhere; lower M or add sites."
         )
     for _ in range(MAX_REDRAWS):
-        kept = np.ones((num_sites, num_classes), dtype=bool)
-        for site in range(num_sites):
-            kept[site, rng.choice(num_classes, size=missing, replace=False)] = False
-        if kept.any(axis=0).all():
+        if drop_prob > 0:
+            kept = rng.random((num_sites, num_classes)) >= drop_prob
+        else:
+            kept = np.ones((num_sites, num_classes), dtype=bool)
+            for site in range(num_sites):
+                kept[site, rng.choice(num_classes, size=missing, replace=False)] = False
+        if kept.any(axis=0).all() and kept.any(axis=1).all():
             return kept
     raise ConfigError(f"Partition '{scheme}': could not keep every class on some site in {MAX_REDRAWS} draws; "
-                      "lower M or add sites.")
+                      "lower M (or P) or add sites.")
 
 
 def _redraw(draw: Callable[[], list[np.ndarray]], scheme: str, min_size: int) -> list[np.ndarray]:

@@ -2,9 +2,10 @@
 
 Simulation (`local=False`): every site loads the same source with the same seed and keeps only its own slice,
 so no data, paths or labels ever travel between sites or to the server. The training split is partitioned
-with `DataConfig.partition`; val and test are split IID (stratified), so summing per-site confusion counts
-gives exactly the pooled metric. POC/production (`local=True`): the source is the site's own data and is
-used whole.
+with `DataConfig.partition`; val and test are split IID (stratified, `eval_split="pooled"`) or with each
+site's own training class mix (`eval_split="like_train"`). Either way the per-site slices tile the pooled
+val/test sets, so summing per-site confusion counts gives exactly the pooled metric. POC/production
+(`local=True`): the source is the site's own data and is used whole.
 
 Order of the training-label pipeline: partition → label-set mask (-1 for classes the site does not
 annotate) → label noise on the remaining labels. Val and test labels always stay clean.
@@ -15,13 +16,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from medflare.data.noise import NOISE_KINDS, inject_label_noise
-from medflare.data.partition import apply_label_mask, parse_scheme, partition
+from medflare.data.partition import Partition, apply_label_mask, parse_scheme, partition, partition_like
 from medflare.data.sources import load_source
 from medflare.data.synthetic import apply_site_shift
 from medflare.data.transforms import AUGMENTATIONS, build_transform
@@ -30,6 +32,7 @@ from medflare.errors import ConfigError, DataError
 
 # Val/test slices are allowed to be small (or empty for tiny sources); only training needs min_size.
 _EVAL_MIN_SIZE = 0
+EVAL_SPLITS = ("pooled", "like_train")
 
 
 class ImageDataset(Dataset):
@@ -61,11 +64,13 @@ class DataConfig:
 
     Attributes:
         source: `load_source` spec.
-        partition: Scheme for the TRAIN split (see `medflare.data.partition`); val/test are split IID.
+        partition: Scheme for the TRAIN split (see `medflare.data.partition`).
+        eval_split: How val/test are split over simulated sites: "pooled" (stratified IID) or "like_train"
+            (each site's class mix follows its own training split, e.g. its missing classes stay missing).
         num_sites: Number of simulated sites.
         seed: Seed of the source, the partition and the label noise.
         image_size: Model input size; None = the source's native size.
-        label_noise: Flip rate μ of training labels (0 = clean).
+        label_noise: Flip rate μ of training labels (0 = clean), or one rate per site (a list of `num_sites`).
         noise_kind: "symmetric" or "pairflip".
         site_shift: Acquisition-shift strength per site (in-memory sources only), 0 = none.
         local: True in POC/production: the source is this site's own data, used whole, no partitioning.
@@ -76,10 +81,11 @@ class DataConfig:
 
     source: str = "synthetic"
     partition: str = "iid"
+    eval_split: Literal["pooled", "like_train"] = "pooled"
     num_sites: int = 2
     seed: int = 0
     image_size: int | None = None
-    label_noise: float = 0.0
+    label_noise: float | list[float] = 0.0
     noise_kind: str = "symmetric"
     site_shift: float = 0.0
     local: bool = False
@@ -89,11 +95,15 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         parse_scheme(self.partition)  # fail early on a bad scheme string
+        rates = self.label_noise if isinstance(self.label_noise, list) else [self.label_noise]
         checks = [
+            (self.eval_split in EVAL_SPLITS, f"eval_split='{self.eval_split}' must be one of {EVAL_SPLITS}"),
             (self.num_sites >= 1, f"num_sites={self.num_sites} must be >= 1"),
             (self.seed >= 0, f"seed={self.seed} must be >= 0"),
             (self.image_size is None or self.image_size >= 1, f"image_size={self.image_size} must be >= 1"),
-            (0.0 <= self.label_noise <= 1.0, f"label_noise={self.label_noise} must be in [0, 1]"),
+            (all(0.0 <= rate <= 1.0 for rate in rates), f"label_noise={self.label_noise} must be in [0, 1]"),
+            (not isinstance(self.label_noise, list) or len(rates) == self.num_sites,
+             f"label_noise lists {len(rates)} rates for {self.num_sites} sites; give one rate per site"),
             (self.noise_kind in NOISE_KINDS, f"noise_kind='{self.noise_kind}' must be one of {NOISE_KINDS}"),
             (self.site_shift >= 0.0, f"site_shift={self.site_shift} must be >= 0"),
             (self.min_size >= 0, f"min_size={self.min_size} must be >= 0"),
@@ -212,24 +222,37 @@ def _site_sets(cfg: DataConfig, splits: DataSplits, site_index: int,
                                 min_size=cfg.min_size, attributes=splits.train.attributes, num_classes=num_classes)
         train = splits.train.subset(train_split.indices[site_index])
         identified = None if train_split.identified is None else train_split.identified[site_index]
-        val, test = (_iid_slice(image_set, cfg, site_index) for image_set in (splits.val, splits.test))
+        val, test = (_eval_slice(image_set, cfg, site_index, train_split, splits.train.labels)
+                     for image_set in (splits.val, splits.test))
     if len(train) == 0:
         raise DataError(f"Site '{site_name}' has no training samples in source '{cfg.source}'; give the site data, "
                         "or use fewer sites / another partition.")
     labels = train.labels if identified is None else apply_label_mask(train.labels, identified)
-    if cfg.label_noise > 0:
-        labels = inject_label_noise(labels, num_classes, cfg.label_noise, cfg.noise_kind, seed=cfg.seed)
+    rate = site_noise_rate(cfg, site_index)
+    if rate > 0:
+        labels = inject_label_noise(labels, num_classes, rate, cfg.noise_kind, seed=cfg.seed)
     if labels is not train.labels:
         train = dataclasses.replace(train, labels=labels)
     return train, val, test, identified
 
 
-def _iid_slice(image_set: ImageSet, cfg: DataConfig, site_index: int) -> ImageSet:
-    """This site's stratified IID share of an evaluation split; the shares of all sites tile the split."""
+def site_noise_rate(cfg: DataConfig, site_index: int) -> float:
+    """The training-label flip rate of site `site_index`: the one rate, or that site's entry of the list."""
+    return float(cfg.label_noise[site_index] if isinstance(cfg.label_noise, list) else cfg.label_noise)
+
+
+def _eval_slice(image_set: ImageSet, cfg: DataConfig, site_index: int, train_split: Partition,
+                train_labels: np.ndarray) -> ImageSet:
+    """This site's share of an evaluation split (`cfg.eval_split`); the shares of all sites tile the split."""
     if len(image_set) == 0:
         return image_set
-    shares = partition(image_set.labels, cfg.num_sites, "iid", seed=cfg.seed, min_size=_EVAL_MIN_SIZE,
-                       num_classes=image_set.num_classes)
+    if cfg.eval_split == "like_train":
+        mix = np.stack([np.bincount(train_labels[site], minlength=image_set.num_classes)
+                        for site in train_split.indices])
+        shares = partition_like(image_set.labels, mix, seed=cfg.seed)
+    else:
+        shares = partition(image_set.labels, cfg.num_sites, "iid", seed=cfg.seed, min_size=_EVAL_MIN_SIZE,
+                           num_classes=image_set.num_classes)
     return image_set.subset(shares.indices[site_index])
 
 

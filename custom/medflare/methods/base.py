@@ -7,10 +7,9 @@ pure numpy: it turns accepted site updates into the next global model. Neither k
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 import numpy as np
 import torch
@@ -22,34 +21,48 @@ from medflare import contracts
 from medflare.contracts import ContractContext, Payload
 from medflare.errors import ConfigError, PayloadError
 from medflare.ops import cap_shares, load_params, model_params, normalise_weights, weighted_average
+from medflare.optim import OptimizerKey, build_optimizer, check_train_options, rebuild_due, set_step_lr
+from medflare.optim import round_lr  # noqa: F401  (re-exported: its home was this module)
 
 Log = Callable[[str], None]
 
 
 @dataclass
 class TrainConfig:
-    """Local training settings shared by all methods (a method may change the defaults)."""
+    """Local training settings shared by all methods (a method may change the defaults).
 
-    optimizer: str = "adam"  # sgd | adam | adamw
+    Optimizer and schedule semantics are in :mod:`medflare.optim`.
+    """
+
+    optimizer: Literal["sgd", "adam", "adamw"] = "adam"
     lr: float = 1e-3
     momentum: float = 0.9  # sgd only
     nesterov: bool = False  # sgd only
+    betas: tuple[float, float] = (0.9, 0.999)  # adam/adamw only (MAE pre-training uses (0.9, 0.95))
+    eps: float = 1e-8  # adam/adamw only
     weight_decay: float = 0.0
+    no_decay_norm_bias: bool = False  # no weight decay on 1-D params (norms, biases) and e.g. a ViT's pos_embed
+    layer_decay: float = 1.0  # layer-wise lr decay for vit_* models (BEiT/MAE fine-tuning use 0.65); 1 = off
     batch_size: int = 64
     local_epochs: int = 1
     max_steps: int = 0  # cap on optimizer steps per round; 0 = no cap (use for quick CPU runs)
     grad_clip: float = 0.0  # max gradient norm; 0 = off
-    lr_schedule: str = "constant"  # constant | cosine (once per round, as Fed-MAS does)
-    min_lr: float = 1e-4  # cosine floor
+    # constant | cosine (once per round, as Fed-MAS does) | warmup_cosine (per step, MAE/BEiT) | multistep (FCA)
+    lr_schedule: Literal["constant", "cosine", "warmup_cosine", "multistep"] = "constant"
+    min_lr: float = 1e-4  # cosine floor (cosine, warmup_cosine)
+    warmup_rounds: float = 0.0  # warmup_cosine: linear warm-up from 0 over this many rounds of the stage
+    milestones: tuple[int, ...] = ()  # multistep: stage rounds at which lr is multiplied by gamma
+    gamma: float = 0.1  # multistep factor
+    # never: state kept across rounds | stage: new at a stage change | round | step (MDH-FL's fresh Adam per step)
+    fresh_optimizer: Literal["never", "stage", "round", "step"] = "never"
     eval_batch_size: int = 256
     num_workers: int = 0
     torch_threads: int = 1  # CPU threads per site; keeps simulated sites from fighting over cores
 
     def __post_init__(self) -> None:
-        if self.optimizer not in ("sgd", "adam", "adamw"):
-            raise ConfigError(f"train.optimizer must be sgd, adam or adamw, got '{self.optimizer}'")
-        if self.lr_schedule not in ("constant", "cosine"):
-            raise ConfigError(f"train.lr_schedule must be constant or cosine, got '{self.lr_schedule}'")
+        self.betas = tuple(self.betas)  # type: ignore[assignment]  # JSON/TOML give lists
+        self.milestones = tuple(self.milestones)
+        check_train_options(self)
         if self.batch_size < 1 or self.local_epochs < 1:
             raise ConfigError("train.batch_size and train.local_epochs must be >= 1")
 
@@ -118,14 +131,6 @@ class AggregateResult:
     info: dict[str, Any] = field(default_factory=dict)  # e.g. {"rf": {site: value}}
 
 
-def round_lr(cfg: TrainConfig, ctx: RoundContext) -> float:
-    """Learning rate for this round: constant, or cosine over rounds without warm-up (Fed-MAS code)."""
-    if cfg.lr_schedule == "constant" or ctx.total_rounds <= 0:
-        return cfg.lr
-    progress = (ctx.round + 1) / ctx.total_rounds
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
-
-
 class LocalTrainer:
     """Runs one site's local update. Methods subclass it and override hooks, never the loop.
 
@@ -161,7 +166,10 @@ class LocalTrainer:
         self.payload = payload
         self.device = device
         self.log = log
-        self.optimizer: torch.optim.Optimizer | None = None  # built once, kept across rounds
+        self.optimizer: torch.optim.Optimizer | None = None  # kept across rounds unless train.fresh_optimizer
+        self._optimizer_key: OptimizerKey | None = None  # (stage, round, step) the optimizer last served
+        self._round_ctx = RoundContext(0, 1)  # the round being trained and its planned optimizer steps
+        self._round_steps = 1
         self.use_amp = device.type == "cuda"
         self.scaler = torch.amp.GradScaler("cuda") if self.use_amp else None
         self.class_counts = torch.as_tensor(np.asarray(data.class_counts), dtype=torch.float32, device=device)
@@ -212,7 +220,9 @@ class LocalTrainer:
         load_params(self.model, state.get("private") or {}, keep=self.payload.is_private)
         self._stage = state.get("stage")
         if state.get("optimizer") is not None:
-            self._get_optimizer().load_state_dict(state["optimizer"])
+            self.optimizer = build_optimizer(self.model, self.train_cfg, self.parameters_to_train())
+            self.optimizer.load_state_dict(state["optimizer"])
+            self._optimizer_key = (self._stage, -1, -1)  # kept unless fresh_optimizer asks for a new one
         self.load_extra_state(state.get("extra") or {})
 
     def extra_evaluations(self, split: str) -> dict[str, Any]:
@@ -231,13 +241,11 @@ class LocalTrainer:
             self.on_stage_start(ctx)
         self._stage = ctx.stage
         self.on_round_start(ctx)
-        optimizer = self._get_optimizer()
-        for group in optimizer.param_groups:
-            group["lr"] = round_lr(self.train_cfg, ctx)
+        self._round_ctx, self._round_steps = ctx, self._planned_steps()
         loss_sum, steps = 0.0, 0
         for epoch in range(self.train_cfg.local_epochs):
             self.model.train()
-            epoch_loss, epoch_steps = self._train_epoch(optimizer, should_abort, steps)
+            epoch_loss, epoch_steps = self._train_epoch(should_abort, steps)
             loss_sum, steps = loss_sum + epoch_loss, steps + epoch_steps
             self.log(
                 f"round {ctx.round + 1}/{ctx.total_rounds} epoch {epoch + 1}/{self.train_cfg.local_epochs}: "
@@ -319,12 +327,25 @@ class LocalTrainer:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     # ----- internals ------------------------------------------------------------------------------
-    def _get_optimizer(self) -> torch.optim.Optimizer:
-        if self.optimizer is None:
-            self.optimizer = build_optimizer(self.parameters_to_train(), self.train_cfg)
+    def _get_optimizer(self, step_in_round: int) -> torch.optim.Optimizer:
+        """The optimizer for one step of the current round, with each group's lr set for that step.
+
+        It is rebuilt (state dropped) when ``train.fresh_optimizer`` asks: per stage, round or step.
+        """
+        ctx = self._round_ctx
+        key = (ctx.stage, ctx.round, step_in_round)
+        if self.optimizer is None or rebuild_due(self.train_cfg.fresh_optimizer, self._optimizer_key, key):
+            self.optimizer = build_optimizer(self.model, self.train_cfg, self.parameters_to_train())
+        self._optimizer_key = key
+        set_step_lr(self.optimizer, self.train_cfg, ctx.stage_round, ctx.stage_rounds, step_in_round, self._round_steps)
         return self.optimizer
 
-    def _train_epoch(self, optimizer: torch.optim.Optimizer, should_abort: Callable[[], bool], done: int):
+    def _planned_steps(self) -> int:
+        """Optimizer steps this round will take: local epochs x batches, capped by ``max_steps``."""
+        steps = self.train_cfg.local_epochs * len(self.train_loader())
+        return max(1, min(steps, self.train_cfg.max_steps) if self.train_cfg.max_steps > 0 else steps)
+
+    def _train_epoch(self, should_abort: Callable[[], bool], done: int):
         loss_sum, steps = 0.0, 0
         for images, labels in self.train_loader():
             if self._step_cap_reached(done + steps) or should_abort():
@@ -332,11 +353,12 @@ class LocalTrainer:
             if not self.uses_unlabelled_samples and not bool((labels >= 0).any()):
                 continue  # nothing to learn from in this batch for a supervised loss
             images, labels = images.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
-            loss = self._step(optimizer, images, labels)
+            loss = self._step(images, labels, done + steps)
             loss_sum, steps = loss_sum + loss, steps + 1
         return loss_sum, steps
 
-    def _step(self, optimizer: torch.optim.Optimizer, images: torch.Tensor, labels: torch.Tensor) -> float:
+    def _step(self, images: torch.Tensor, labels: torch.Tensor, step_in_round: int) -> float:
+        optimizer = self._get_optimizer(step_in_round)
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast(device_type=self.device.type, enabled=self.use_amp):
             loss = self.compute_loss(images, labels)
@@ -382,17 +404,6 @@ def eval_stats(labels: np.ndarray, probs: np.ndarray, losses: np.ndarray, num_cl
 
     rows = labels >= 0 if keep is None else (labels >= 0) & keep
     return EvalStats.from_predictions(labels[rows], probs[rows], num_classes, loss_sum=float(losses[rows].sum()))
-
-
-def build_optimizer(params: list[nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
-    """The optimizer named in the config."""
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(
-            params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay
-        )
-    if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
 class ServerRule:

@@ -3,7 +3,7 @@
 Importing a family module registers its models; add a family by adding one import line below.
 """
 
-from medflare.models import cnn, efficientnet_lite, torchvision_nets, vit  # noqa: F401  (registers the models)
+from medflare.models import cifar_resnet, cnn, efficientnet_lite, torchvision_nets, vit  # noqa: F401  (registers)
 from medflare.models._factory import IMAGENET, create_model
 from medflare.models._registry import ModelInfo, get_model_info, is_model, list_models, register_model
 from medflare.models.classifier import Classifier, CosineLinear

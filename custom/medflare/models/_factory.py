@@ -33,8 +33,8 @@ def create_model(
             ``efficientnet_lite0`` has them); or the path of a local weights file, see
             :func:`medflare.models.weights.load_weights` for the accepted layouts.
         image_size: side of the square input images. Only models whose architecture depends on it use it
-            (``vit_tiny`` picks its patch size from it); the convolutional networks accept any input size from
-            28x28 up (every registered model is tested at 28x28).
+            (the ``vit_*`` models size their patches and position embeddings for it); the convolutional networks
+            accept any input size from 28x28 up (every registered model is tested at 28x28).
 
     Raises:
         ConfigError: for an unknown name, non-positive sizes, or ``"imagenet"`` on a model without offline weights.

@@ -84,7 +84,7 @@ def mobilenet_v2(*, num_classes: int, in_channels: int, image_size: int) -> Clas
 
 @register_model("shufflenet")
 def shufflenet(*, num_classes: int, in_channels: int, image_size: int) -> Classifier:
-    """ShuffleNetV2 x1.0, 1024 features.
+    """ShuffleNetV2 x1.0, 1024 features (MDH-FL's ShuffleNetG2 stand-in: a V2 network, global pooling).
 
     References:
         Ma et al., ShuffleNet V2: Practical Guidelines for Efficient CNN Architecture Design, ECCV 2018.

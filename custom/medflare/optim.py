@@ -1,0 +1,231 @@
+"""Local optimizers and learning-rate schedules of every method (pure torch; timm builds the parameter groups).
+
+The trainer asks two things of this module: :func:`build_optimizer` (the optimizer named in the TrainConfig,
+with no-decay and layer-wise lr-decay parameter groups when asked) and, before every optimizer step,
+:func:`set_step_lr` (each group's lr for that step). Whether the optimizer is rebuilt before a step is
+:func:`rebuild_due`. Schedules are pure functions of a fractional position ``t`` in the current stage
+(:func:`lr_at`), so tests check them against the formulas directly.
+
+Schedules (``TrainConfig.lr_schedule``), with ``t = stage_round + step_in_round / steps_per_round``:
+    constant        ``lr``
+    cosine          once per round, no warm-up (Fed-MAS): ``min_lr + (lr - min_lr)/2 * (1 + cos(pi*(r+1)/R))``
+                    with ``r = floor(t)`` and ``R`` the rounds of the stage
+    warmup_cosine   per step (MAE/BEiT, spec §4(a)): ``lr * t / W`` while ``t < W`` (``W = warmup_rounds``), then
+                    ``min_lr + (lr - min_lr)/2 * (1 + cos(pi * (t - W) / (R - W)))``
+    multistep       ``lr * gamma ** (number of milestones <= floor(t))`` (FCA: milestones 60 and 70, gamma 0.1)
+
+A parameter group's ``lr_scale`` (layer-wise decay) multiplies the scheduled lr.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+from timm.optim import param_groups_layer_decay, param_groups_weight_decay
+from torch import nn
+
+from medflare.errors import ConfigError
+
+if TYPE_CHECKING:
+    from medflare.methods.base import RoundContext, TrainConfig
+
+__all__ = [
+    "FRESH_OPTIMIZER",
+    "LR_SCHEDULES",
+    "OPTIMIZERS",
+    "OptimizerKey",
+    "build_optimizer",
+    "check_train_options",
+    "lr_at",
+    "param_groups",
+    "rebuild_due",
+    "round_lr",
+    "set_step_lr",
+]
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
+LR_SCHEDULES = ("constant", "cosine", "warmup_cosine", "multistep")
+FRESH_OPTIMIZER = ("never", "stage", "round", "step")
+
+#: Where a step sits: (stage name, round, step in round); compared by :func:`rebuild_due`.
+OptimizerKey = tuple[str, int, int]
+
+
+def check_train_options(cfg: TrainConfig) -> None:
+    """Fail early on an optimizer or schedule setting that cannot work.
+
+    Raises:
+        ConfigError: naming the ``train.*`` option, its value and what is allowed.
+    """
+    choices = (("optimizer", OPTIMIZERS), ("lr_schedule", LR_SCHEDULES), ("fresh_optimizer", FRESH_OPTIMIZER))
+    for name, allowed in choices:
+        if getattr(cfg, name) not in allowed:
+            raise ConfigError(f"train.{name} must be one of {', '.join(allowed)}, got '{getattr(cfg, name)}'")
+    checks = (
+        (len(cfg.betas) == 2 and all(0.0 <= b < 1.0 for b in cfg.betas), "betas", "two numbers in [0, 1)"),
+        (cfg.eps > 0, "eps", "> 0"),
+        (0.0 < cfg.layer_decay <= 1.0, "layer_decay", "in (0, 1] (1 = off)"),
+        (cfg.warmup_rounds >= 0, "warmup_rounds", ">= 0"),
+        (cfg.min_lr >= 0, "min_lr", ">= 0"),
+        (cfg.gamma > 0, "gamma", "> 0"),
+        (all(m >= 0 for m in cfg.milestones) and list(cfg.milestones) == sorted(set(cfg.milestones)),
+         "milestones", "increasing round numbers >= 0"),
+    )
+    for ok, name, allowed in checks:
+        if not ok:
+            raise ConfigError(f"train.{name} must be {allowed}, got {getattr(cfg, name)!r}")
+
+
+def lr_at(cfg: TrainConfig, t: float, stage_rounds: int) -> float:
+    """The scheduled (unscaled) learning rate at fractional position ``t`` of a stage of ``stage_rounds`` rounds.
+
+    Args:
+        cfg: training settings (``lr``, ``lr_schedule``, ``min_lr``, ``warmup_rounds``, ``milestones``, ``gamma``).
+        t: ``stage_round + step_in_round / steps_per_round``, in ``[0, stage_rounds)``.
+        stage_rounds: rounds of the current stage.
+    """
+    if cfg.lr_schedule == "constant" or stage_rounds <= 0:
+        return cfg.lr
+    if cfg.lr_schedule == "multistep":
+        return cfg.lr * cfg.gamma ** bisect.bisect_right(list(cfg.milestones), math.floor(t))
+    if cfg.lr_schedule == "cosine":
+        return _half_cosine(cfg, (math.floor(t) + 1) / stage_rounds)
+    warmup = cfg.warmup_rounds
+    if t < warmup:
+        return cfg.lr * t / warmup
+    return _half_cosine(cfg, (t - warmup) / (stage_rounds - warmup))
+
+
+def _half_cosine(cfg: TrainConfig, progress: float) -> float:
+    """From ``lr`` at progress 0 down to ``min_lr`` at progress 1 (clamped to [0, 1])."""
+    progress = min(max(progress, 0.0), 1.0)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def round_lr(cfg: TrainConfig, ctx: RoundContext) -> float:
+    """The learning rate at the first step of the round ``ctx`` describes (schedules restart with each stage)."""
+    return lr_at(cfg, float(ctx.stage_round), ctx.stage_rounds)
+
+
+def set_step_lr(
+    optimizer: torch.optim.Optimizer,
+    cfg: TrainConfig,
+    stage_round: int,
+    stage_rounds: int,
+    step_in_round: int,
+    steps_per_round: int,
+) -> float:
+    """Set every group's lr for one optimizer step: the scheduled lr times the group's ``lr_scale``.
+
+    Args:
+        optimizer: the trainer's optimizer.
+        cfg: training settings.
+        stage_round: 0-based round within the current stage.
+        stage_rounds: rounds of the current stage.
+        step_in_round: 0-based optimizer step within this round (across its local epochs).
+        steps_per_round: optimizer steps planned for this round (at least 1).
+
+    Returns:
+        The unscaled scheduled lr.
+    """
+    lr = lr_at(cfg, stage_round + step_in_round / max(steps_per_round, 1), stage_rounds)
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
+    return lr
+
+
+def rebuild_due(fresh_optimizer: str, previous: OptimizerKey | None, current: OptimizerKey) -> bool:
+    """Whether to build a new optimizer (dropping its state) before the step at ``current``.
+
+    Args:
+        fresh_optimizer: ``never`` (state kept for the whole job), ``stage`` (new at a stage change), ``round``
+            (new every round) or ``step`` (new every step, as MDH-FL's code does).
+        previous: key of the step the current optimizer last served, or None if there is none yet.
+        current: key of the step about to run.
+    """
+    if previous is None:
+        return True
+    changed_upto = {"never": 0, "stage": 1, "round": 2, "step": 3}[fresh_optimizer]
+    return previous[:changed_upto] != current[:changed_upto]
+
+
+def param_groups(model: nn.Module, cfg: TrainConfig, trainable: Iterable[nn.Parameter] | None = None) -> list[dict]:
+    """Parameter groups, each with ``weight_decay`` and ``lr_scale``.
+
+    One group by default. ``no_decay_norm_bias`` moves 1-D tensors (norm weights, biases) and the model's
+    ``no_weight_decay()`` names (e.g. a ViT's ``pos_embed``, ``cls_token``) to a group without weight decay
+    (timm ``param_groups_weight_decay``). ``layer_decay < 1`` gives layer ``i`` of ``L + 2`` the lr scale
+    ``layer_decay ** (L + 1 - i)`` (timm ``param_groups_layer_decay``, BEiT/MAE fine-tuning); the model must
+    declare its layers through timm's ``group_matcher`` (the ``vit_*`` models do).
+
+    Args:
+        model: the network whose named parameters are grouped.
+        cfg: training settings.
+        trainable: the parameters to optimize (default: the model's parameters that require grad); those not in
+            ``model`` join a group of their own.
+
+    Raises:
+        ConfigError: ``layer_decay < 1`` on a model without ``group_matcher``.
+    """
+    wanted = list(trainable) if trainable is not None else [p for p in model.parameters() if p.requires_grad]
+    if cfg.layer_decay < 1.0:
+        if not hasattr(model, "group_matcher"):
+            raise ConfigError(
+                f"train.layer_decay={cfg.layer_decay} needs a model that declares its layers (a vit_* model); "
+                f"{type(model).__name__} does not; set train.layer_decay=1.0"
+            )
+        groups = param_groups_layer_decay(
+            model,
+            weight_decay=cfg.weight_decay,
+            layer_decay=cfg.layer_decay,
+            no_weight_decay_list=_no_weight_decay_names(model, cfg),
+            weight_decay_exclude_1d=cfg.no_decay_norm_bias,
+        )
+    elif cfg.no_decay_norm_bias:
+        groups = param_groups_weight_decay(
+            model, weight_decay=cfg.weight_decay, no_weight_decay_list=_no_weight_decay_names(model, cfg)
+        )
+    else:
+        groups = [{"params": list(model.parameters()), "weight_decay": cfg.weight_decay}]
+    return _restrict(groups, wanted, cfg.weight_decay)
+
+
+def _no_weight_decay_names(model: nn.Module, cfg: TrainConfig) -> set[str]:
+    declared = getattr(model, "no_weight_decay", None)
+    return set(declared()) if cfg.no_decay_norm_bias and callable(declared) else set()
+
+
+def _restrict(groups: list[dict], wanted: list[nn.Parameter], weight_decay: float) -> list[dict]:
+    """Keep only ``wanted`` parameters in the groups; wanted parameters found in no group get their own."""
+    wanted_ids = {id(p) for p in wanted}
+    kept, grouped = [], set()
+    for group in groups:
+        params = [p for p in group["params"] if id(p) in wanted_ids]
+        grouped.update(id(p) for p in params)
+        if params:
+            kept.append({**group, "params": params, "lr_scale": group.get("lr_scale", 1.0)})
+    outside = [p for p in wanted if id(p) not in grouped]
+    if outside:
+        kept.append({"params": outside, "weight_decay": weight_decay, "lr_scale": 1.0})
+    return kept
+
+
+def build_optimizer(
+    model: nn.Module, cfg: TrainConfig, trainable: Iterable[nn.Parameter] | None = None
+) -> torch.optim.Optimizer:
+    """The optimizer named in ``cfg`` over :func:`param_groups` (group lr is set per step by :func:`set_step_lr`).
+
+    torch builds the optimizer itself (timm's factory would turn ``sgd`` into Nesterov SGD); betas and eps
+    apply to Adam and AdamW, momentum and nesterov to SGD. Adam's weight decay is an L2 term, AdamW's decoupled.
+    """
+    groups = param_groups(model, cfg, trainable)
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(
+            groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay
+        )
+    adam = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
+    return adam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
