@@ -41,7 +41,7 @@ clean:
 	rm -rf runs .pytest_cache
 
 # ----- deployment (issue 4): generated artifacts, provisioning, POC, the site wheel -------------------------
-.PHONY: apps templates policies deploy-artifacts provision poc-demo wheel
+.PHONY: apps templates policies privacy-doc deploy-artifacts provision poc-demo wheel
 PROJECT ?= provisioning/project.yml
 PROVISION_WS ?= runs/provision
 POC_METHOD ?= fedavg
@@ -58,7 +58,11 @@ templates: install
 policies: install
 	$(PY) -c "from medflare.deploy.policies import write_policy_templates as w; w()"
 
-deploy-artifacts: apps templates policies
+# docs/privacy.md's per-method table, generated from each method's Payload.
+privacy-doc: install
+	$(PY) -m medflare.privacy_doc
+
+deploy-artifacts: apps templates policies privacy-doc
 
 # Startup kits for provisioning/project.yml (with site policies) in $(PROVISION_WS).
 provision: install

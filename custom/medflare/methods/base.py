@@ -542,6 +542,8 @@ class MethodSpec:
             persisted global model is then empty and every site may run its own architecture.
         smoke: run-config overrides for the smallest meaningful job of this method (the every-method
             simulator test runs it), e.g. {"model": "vit_tiny", "data": {...}}.
+        reveals: what the method's own messages (beyond the common meta) tell the server about a site's data,
+            for privacy reviewers; ``docs/privacy.md`` is generated from it and the Payload.
     """
 
     name: str
@@ -556,6 +558,7 @@ class MethodSpec:
     site_log_plot: Callable[[list[dict[str, Any]], Any], Any] | None = None
     server_model: bool = True
     smoke: Mapping[str, Any] = field(default_factory=dict)
+    reveals: str = "nothing beyond the model weights and the common meta"
 
     def __post_init__(self) -> None:
         if not self.server_model and self.payload.sends_weights:

@@ -81,6 +81,10 @@ SPEC = register_method(
         train_defaults=TRAIN_DEFAULTS,
         reference=REFERENCE,
         site_log_plot=plot_divergence,
+        reveals=(
+            "RF, one number in (0, 1]: how much the site's class-wise distances to the prior changed during local "
+            "training; not the per-class distances w and ŵ, which stay in the site's own log"
+        ),
     )
 )
 

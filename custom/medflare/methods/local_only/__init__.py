@@ -37,6 +37,7 @@ SPEC = register_method(
         trainer_cls=LocalOnlyTrainer,
         payload=Payload(sends_weights=False),
         server_model=False,
+        reveals="nothing about the model: no weights and no architecture leave the site, only the common meta",
         reference="The no-collaboration reference of personalized FL (e.g. Wicaksana et al., FCA, 2023, Tables 2-3)",
     )
 )
