@@ -43,10 +43,16 @@ def encode_weights(
 def decode_weights(
     arrays: Mapping[str, np.ndarray], global_params: Mapping[str, np.ndarray], kind: str
 ) -> dict[str, np.ndarray]:
-    """Absolute weights from a validated result (differences are added to the global model in float64)."""
+    """Absolute weights from a validated result: differences are added to the global model in float64 and stored
+    in the global model's dtype (no float64 copy of a site's model is kept)."""
     if kind == "weights":
         return dict(arrays)
-    return {
-        k: (np.asarray(global_params[k], np.float64) + np.asarray(v, np.float64)) if k in global_params else v
-        for k, v in arrays.items()
-    }
+    absolute = {}
+    for key, value in arrays.items():
+        reference = np.asarray(global_params[key]) if key in global_params else None
+        if reference is None:
+            absolute[key] = value
+        else:
+            total = reference.astype(np.float64) + np.asarray(value, np.float64)
+            absolute[key] = total.astype(reference.dtype)
+    return absolute
