@@ -8,9 +8,11 @@ import torch
 from nvflare.apis.dxo import from_shareable
 from nvflare.apis.signal import Signal
 
+from medflare.errors import ConfigError
 from medflare.flare.aggregator import RoundAggregation
 from medflare.flare.executor import MedflareExecutor
 from medflare.methods.base import RoundContext
+from medflare.methods.fed_mas import FedMasConfig
 from medflare.methods.fed_mas.prior import MOCO_PREFIX, build_prior
 from medflare.methods.fed_mas.rescue import ClassMeanAccumulator, distillation_distance, rescue_factor
 from medflare.methods.fed_mas.server import cap_shares
@@ -75,20 +77,44 @@ def test_bad_rf_is_excluded(rf) -> None:
     assert core.aggregate().shares == {"good": 1.0}
 
 
-def test_mas_drw_uses_sample_counts_until_the_switch() -> None:
-    core = RoundAggregation("fedmas", {"aggregation": "mas_drw"}, num_classes=2, num_rounds=10)
-    for round_index, expected_a in ((7, 0.75), (8, None)):
-        core.start_round(GLOBAL, RoundContext(round_index, 10))
-        core.start_phase("train")
-        core.accept("a", {"w": np.zeros(2, np.float32)}, {"n_samples": 30, "rf": 0.5})
-        core.accept("b", {"w": np.zeros(2, np.float32)}, {"n_samples": 10, "rf": 0.25})
-        share_a = core.aggregate().shares["a"]
-        if expected_a is not None:
-            assert share_a == pytest.approx(expected_a)
-        else:  # effective number of 1/RF: (1-β)/(1-β^(1/RF)) ≈ RF, so about 2/3
-            beta = 0.9999
-            wa, wb = (1 - beta) / (1 - beta**2), (1 - beta) / (1 - beta**4)
-            assert share_a == pytest.approx(wa / (wa + wb))
+def mas_drw_share_of_a(round_index: int, total_rounds: int, **method_args) -> float:
+    """Site a's share under mas_drw; a: n = 30, RF = 0.5; b: n = 10, RF = 0.25."""
+    core = RoundAggregation("fedmas", {"aggregation": "mas_drw", **method_args}, num_classes=2, num_rounds=total_rounds)
+    core.start_round(GLOBAL, RoundContext(round_index, total_rounds))
+    core.start_phase("train")
+    core.accept("a", {"w": np.zeros(2, np.float32)}, {"n_samples": 30, "rf": 0.5})
+    core.accept("b", {"w": np.zeros(2, np.float32)}, {"n_samples": 10, "rf": 0.25})
+    return core.aggregate().shares["a"]
+
+
+# The authors' rule, by hand. 1/RF = 2 and 4, normalised: ñ_a = 1/3, ñ_b = 2/3.
+# β = 0.5: 0.5^(1/3) = 0.7937005, 0.5^(2/3) = 0.6299605, so (1 − β)/(1 − β^ñ) = 2.4236611 and 1.3512072;
+# times n: 72.709832 and 13.512072, so a's share is 72.709832 / 86.221904 = 0.8432872.
+HAND_SHARE_BETA_HALF = 0.8432872
+# β = 0.9999: (1 − β)/(1 − β^ñ) ≈ 1/ñ (3 and 1.5), so the weights approach n·RF (15 and 2.5) and a's share 6/7.
+HAND_SHARE_DEFAULT_BETA = 6 / 7
+
+
+@pytest.mark.parametrize(
+    ("total_rounds", "last_sample_round"),
+    [(10, 7), (200, 159), (7, 4)],  # switch at ⌊0.8 R⌋ = 8, 160, 5 (the authors' int(0.8 · comm_round))
+)
+def test_mas_drw_uses_sample_counts_until_the_switch_round(total_rounds: int, last_sample_round: int) -> None:
+    assert mas_drw_share_of_a(last_sample_round, total_rounds) == pytest.approx(0.75)  # 30 / (30 + 10)
+    switched = mas_drw_share_of_a(last_sample_round + 1, total_rounds)
+    assert switched == pytest.approx(HAND_SHARE_DEFAULT_BETA, abs=1e-5)
+    assert switched != pytest.approx(0.75)
+
+
+def test_mas_drw_weights_are_sample_counts_times_effective_number_of_normalised_inverse_rf() -> None:
+    assert mas_drw_share_of_a(9, 10, drw_beta=0.5) == pytest.approx(HAND_SHARE_BETA_HALF, abs=1e-7)
+    assert mas_drw_share_of_a(0, 10, drw_beta=0.5, drw_start=0.0) == pytest.approx(HAND_SHARE_BETA_HALF, abs=1e-7)
+
+
+@pytest.mark.parametrize("bad", [{"drw_beta": 1.0}, {"drw_beta": -0.1}, {"drw_start": 1.5}])
+def test_mas_drw_options_are_range_checked(bad: dict) -> None:
+    with pytest.raises(ConfigError):
+        FedMasConfig(**bad)
 
 
 def test_cap_shares_redistributes_the_excess() -> None:
