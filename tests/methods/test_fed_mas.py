@@ -123,6 +123,103 @@ def test_cap_shares_redistributes_the_excess() -> None:
     assert cap_shares({"a": 0.7, "b": 0.3}, 0.0) == {"a": 0.7, "b": 0.3}
 
 
+# ----- site side: the global divergence w, by hand ---------------------------------------------------
+
+# Six 1x2x2 "images", classes 0, 0, 0, 2, 2, 2: class 1 is absent, so its w must stay 0.
+W_LABELS = torch.tensor([0, 0, 0, 2, 2, 2])
+W_IMAGES = torch.linspace(-1, 1, 24).reshape(6, 1, 2, 2) * torch.tensor([1.0, -0.5, 0.8, -1.0]).reshape(1, 1, 2, 2)
+
+
+def tiny_fedmas_trainer(tmp_path: Path):
+    """FedMasTrainer on a Flatten-Linear-Tanh backbone whose projector has BatchNorm, with a linear prior.
+
+    The prior is a TorchScript file (as a site would ship one), so it goes through the real prior loader.
+    """
+    from types import SimpleNamespace
+
+    from torch.utils.data import TensorDataset
+
+    from medflare.methods.fed_mas.model import FedMasNet
+    from medflare.models import Classifier
+
+    from ._trainers import make_trainer
+
+    torch.manual_seed(0)
+    encoder = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 3))  # [B, 3, 2, 2] -> [B, 3]
+    torch.jit.script(encoder).save(str(tmp_path / "prior.pt"))
+    model = FedMasNet(Classifier(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 5), torch.nn.Tanh()),
+                                 torch.nn.Linear(5, 3)), prior_dim=3, hidden_dim=6)
+    dataset = TensorDataset(W_IMAGES, W_LABELS)
+    site = SimpleNamespace(train=dataset, val=dataset, test=dataset, num_classes=3, class_counts=np.array([3, 0, 3]))
+    cfg = FedMasConfig(prior=f"torchscript:{tmp_path / 'prior.pt'}", prior_dim=3, prior_input_size=2)
+    trainer = make_trainer("fedmas", model, site, cfg, local_epochs=3)
+    return trainer, encoder
+
+
+def received_global_model(trainer) -> dict[str, np.ndarray]:
+    """A global model whose BatchNorm running statistics are far from this site's batch statistics."""
+    rng = np.random.default_rng(1)
+    state = {k: v.detach().numpy().copy() for k, v in trainer.model.state_dict().items()}
+    state["projector.1.running_mean"] = rng.normal(0.0, 1.0, 6).astype(np.float32)
+    state["projector.1.running_var"] = rng.uniform(0.2, 3.0, 6).astype(np.float32)
+    state["projector.1.weight"] = rng.uniform(0.5, 2.0, 6).astype(np.float32)
+    state["projector.1.bias"] = rng.normal(0.0, 0.5, 6).astype(np.float32)
+    return state
+
+
+def hand_global_divergence(params: dict[str, np.ndarray], encoder: torch.nn.Module) -> np.ndarray:
+    """w_k = mean over class k of 2 − 2·cos(projector(backbone(x)), prior(x)), BatchNorm on running statistics."""
+    from medflare.methods.fed_mas.prior import IMAGENET_MEAN, IMAGENET_STD
+
+    p = {k: np.asarray(v, dtype=np.float64) for k, v in params.items()}
+    x = W_IMAGES.numpy().astype(np.float64)
+    features = np.tanh(x.reshape(6, 4) @ p["backbone.1.weight"].T + p["backbone.1.bias"])
+    hidden = features @ p["projector.0.weight"].T + p["projector.0.bias"]
+    hidden = (hidden - p["projector.1.running_mean"]) / np.sqrt(p["projector.1.running_var"] + 1e-5)
+    hidden = np.maximum(hidden * p["projector.1.weight"] + p["projector.1.bias"], 0.0)
+    student = hidden @ p["projector.3.weight"].T + p["projector.3.bias"]
+    pixels = np.repeat(x * 0.5 + 0.5, 3, axis=1)  # grey -> RGB, back to [0, 1]
+    pixels = (pixels - np.array(IMAGENET_MEAN).reshape(1, 3, 1, 1)) / np.array(IMAGENET_STD).reshape(1, 3, 1, 1)
+    linear = encoder[1]
+    teacher = pixels.reshape(6, 12) @ linear.weight.detach().double().numpy().T + linear.bias.detach().double().numpy()
+    cosine = (student * teacher).sum(1) / (np.linalg.norm(student, axis=1) * np.linalg.norm(teacher, axis=1))
+    distance = 2 - 2 * cosine
+    labels = W_LABELS.numpy()
+    return np.array([distance[labels == k].mean() if (labels == k).any() else 0.0 for k in range(3)])
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit:FutureWarning")  # TorchScript priors are supported
+def test_w_is_the_received_model_in_eval_mode_and_leaves_batchnorm_statistics_alone(tmp_path: Path) -> None:
+    # Prepare
+    trainer, encoder = tiny_fedmas_trainer(tmp_path)
+    received = received_global_model(trainer)
+    trainer.receive(received)
+    trainer.model.train()  # as after a previous round's training
+    # Execute
+    w = trainer.global_divergence()
+    # Assert
+    np.testing.assert_allclose(w, hand_global_divergence(received, encoder), rtol=1e-5, atol=1e-7)
+    assert w[1] == 0.0 and w[0] > 0 and w[2] > 0
+    for key in ("projector.1.running_mean", "projector.1.running_var", "projector.1.num_batches_tracked"):
+        np.testing.assert_array_equal(trainer.model.state_dict()[key].numpy(), received[key], err_msg=key)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit:FutureWarning")  # TorchScript priors are supported
+def test_w_of_a_round_comes_from_the_received_weights_not_the_trained_ones(tmp_path: Path) -> None:
+    # Prepare
+    trainer, encoder = tiny_fedmas_trainer(tmp_path)
+    received = received_global_model(trainer)
+    trainer.receive(received)
+    # Execute
+    meta = trainer.train_round(RoundContext(0, 2))
+    # Assert
+    trained = {k: v.detach().numpy() for k, v in trainer.model.state_dict().items()}
+    assert not np.allclose(trained["projector.0.weight"], received["projector.0.weight"])  # training moved it
+    assert not np.allclose(hand_global_divergence(trained, encoder), hand_global_divergence(received, encoder))
+    np.testing.assert_allclose(trainer.w, hand_global_divergence(received, encoder), rtol=1e-5, atol=1e-7)
+    assert 0 < meta["rf"] <= 1
+
+
 # ----- site side: frozen prior and payload ------------------------------------------------------------
 
 SETTINGS = SiteSettings(
