@@ -8,6 +8,8 @@ from medflare.registry import list_methods
 from medflare.run_config import RunConfig
 from medflare.simulate import run_simulation
 
+from ._rescoring import rescore_global_model
+
 pytestmark = pytest.mark.slow
 
 
@@ -21,4 +23,8 @@ def test_method_completes_one_round(method: str, tmp_path: Path) -> None:
     summary = run_simulation(run, tmp_path / method, echo=lambda line: None)
     assert summary["rounds_completed"] == 1
     assert set(summary["per_round"][0]["share"]) == {"site-1", "site-2"}
-    assert summary["final"]["balanced_accuracy"] is not None
+    # the reported final model is the saved one, scored independently (argmax of the model's raw outputs) ...
+    assert summary["final"]["balanced_accuracy"] == pytest.approx(
+        rescore_global_model(tmp_path / method, run)["balanced_accuracy"], abs=1e-12
+    )
+    assert summary["final"]["loss"] != pytest.approx(summary["initial"]["loss"], rel=1e-6)  # ... and it trained
