@@ -77,8 +77,7 @@ def main() -> None:
     out = Path(args.out or f"runs/bench-fedmas-{args.setting}")
     out.mkdir(parents=True, exist_ok=True)
     extra_train = {"max_steps": args.max_steps} if args.max_steps else {}
-    label = "".join(f"[{item}]" for item in args.set)
-    rows: dict[str, list[dict[str, float]]] = {m + label: [] for m in args.methods}
+    rows: dict[str, list[dict[str, float]]] = {m: [] for m in args.methods}
     started = time.time()
     for seed in args.seeds:
         for method in args.methods:
@@ -86,7 +85,7 @@ def main() -> None:
             print(f"[{time.time() - started:6.0f}s] {args.setting} seed {seed} {method} ...", flush=True)
             summary = run_simulation(run, out / f"{method}-seed{seed}", echo=lambda line: None)
             final = summary["final"]
-            rows[method + label].append({
+            rows[method].append({
                 "seed": seed,
                 "balanced_accuracy": final["balanced_accuracy"],
                 "tail_accuracy": final.get("tail_accuracy"),
@@ -99,7 +98,20 @@ def main() -> None:
     write_report(args, rows, out, time.time() - started)
 
 
+def cost_ratio(train_seconds: dict[str, float]) -> float | None:
+    """Fed-MAS's mean local-work seconds over BSM-FL's, from one benchmark run; None unless both methods ran.
+
+    Args:
+        train_seconds: method name (as registered, without any ``--set`` label) -> mean seconds per site and round.
+    """
+    if "fedmas" not in train_seconds or "bsm-fl" not in train_seconds:
+        return None
+    return train_seconds["fedmas"] / train_seconds["bsm-fl"]
+
+
 def write_report(args: argparse.Namespace, rows: dict[str, list[dict[str, float]]], out: Path, seconds: float) -> None:
+    """results.md and results.json; ``rows`` is keyed by method name, and ``--set`` options label the table rows."""
+    label = "".join(f"[{item}]" for item in args.set)
     lines = [
         f"# Fed-MAS vs baselines: {args.setting}, seeds {args.seeds}, {args.rounds} rounds",
         "",
@@ -111,15 +123,16 @@ def write_report(args: argparse.Namespace, rows: dict[str, list[dict[str, float]
         stats = {k: mean_std([c[k] for c in cells if c[k] is not None]) for k in
                  ("balanced_accuracy", "tail_accuracy", "head_accuracy", "train_seconds")}
         table[method] = stats
-        lines.append(f"| {method} | " + " | ".join(f"{m:.4f} ± {s:.4f}" for m, s in (
+        lines.append(f"| {method}{label} | " + " | ".join(f"{m:.4f} ± {s:.4f}" for m, s in (
             stats["balanced_accuracy"], stats["tail_accuracy"], stats["head_accuracy"])) +
             f" | {stats['train_seconds'][0]:.2f} |")
-    if "fedmas" in table and "bsm-fl" in table:  # only from one benchmark run, so both share the machine's load
-        ratio = table["fedmas"]["train_seconds"][0] / table["bsm-fl"]["train_seconds"][0]
+    ratio = cost_ratio({method: stats["train_seconds"][0] for method, stats in table.items()})
+    if ratio is not None:  # only from one benchmark run, so both share the machine's load
         lines += ["", f"Fed-MAS local work per round / BSM-FL local work per round: **{ratio:.2f}x** (same run)."]
     lines += ["", f"Wall time of the whole benchmark: {seconds / 60:.1f} min.", ""]
     (out / "results.md").write_text("\n".join(lines))
-    (out / "results.json").write_text(json.dumps({"args": vars(args), "rows": rows, "table": table}, indent=2))
+    report = {"args": vars(args), "label": label, "rows": rows, "table": table}
+    (out / "results.json").write_text(json.dumps(report, indent=2))
     print("\n".join(lines))
 
 

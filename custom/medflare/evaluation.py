@@ -52,8 +52,9 @@ def summarize(
     ``test_by_attribute``; ``by_site`` (site -> test metrics) and ``site_mean`` (unweighted mean over sites of
     each scalar test metric); and ``extra`` (evaluation name -> the same pooled/by_site/site_mean block).
     """
-    summary: dict[str, Any] = {"sites": sorted(evaluations)}
-    summary.update(_split_block({site: e for site, e in evaluations.items()}, shot_groups, with_stats=True))
+    evaluations = dict(sorted(evaluations.items()))  # sum in site order, not arrival order: reproducible bits
+    summary: dict[str, Any] = {"sites": list(evaluations)}
+    summary.update(_split_block(evaluations, shot_groups, with_stats=True))
     by_attribute: dict[str, list[EvalStats]] = {}
     for evaluation in evaluations.values():
         for attribute, stats in evaluation.get("test_by_attribute", {}).items():

@@ -18,6 +18,8 @@ from medflare.registry import get_method, list_methods
 from medflare.run_config import RunConfig, merge_sections
 from medflare.simulate import run_simulation
 
+from ._rescoring import rescore_global_model
+
 pytestmark = pytest.mark.slow
 
 DEFAULTS = {
@@ -74,3 +76,6 @@ def test_method_completes_a_short_job_and_sends_exactly_its_declaration(method: 
     for site in run.site_names:
         results = check_audit(audit_records(out, site), method, global_keys)
         assert results["train"] == run.rounds and results["validate"] == 1, results
+    if get_method(method).server_model:  # the reported final model is the saved one, scored independently ...
+        assert final["balanced_accuracy"] == pytest.approx(rescore_global_model(out, run)["balanced_accuracy"], abs=1e-12)
+    assert final["loss"] != pytest.approx(summary["initial"].get("loss"), rel=1e-6)  # ... and it trained

@@ -10,17 +10,19 @@ import pytest
 from medflare.run_config import RunConfig
 from medflare.simulate import nvflare_command, run_simulation
 
+from ._rescoring import rescore_global_model
+
 pytestmark = pytest.mark.slow
 
 QUICK = {"max_steps": 3, "batch_size": 32}
 DATA = {"source": "synthetic:n=400", "partition": "dirichlet:1.0"}
+FEDAVG = RunConfig(method="fedavg", rounds=2, clients=2, data=DATA, train=QUICK)
 
 
 @pytest.fixture(scope="module")
 def fedavg_run(tmp_path_factory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("runs") / "fedavg"
-    run = RunConfig(method="fedavg", rounds=2, clients=2, data=DATA, train=QUICK)
-    summary = run_simulation(run, out, echo=lambda line: None)
+    summary = run_simulation(FEDAVG, out, echo=lambda line: None)
     return out, summary
 
 
@@ -30,11 +32,24 @@ def test_summary_has_every_documented_field(fedavg_run) -> None:
     for key in ("method", "config", "rounds_completed", "final", "per_round", "clients", "payload", "timing"):
         assert key in on_disk, key
     assert on_disk["method"] == "fedavg" and on_disk["rounds_completed"] == 2
-    assert 0.0 <= on_disk["final"]["balanced_accuracy"] <= 1.0
+    assert on_disk["final"] == summary["final"]
     assert [r["round"] for r in on_disk["per_round"]] == [1, 2]
     assert set(on_disk["per_round"][0]["share"]) == {"site-1", "site-2"}
     assert sum(on_disk["per_round"][0]["share"].values()) == pytest.approx(1.0)
     assert on_disk["timing"]["startup_seconds"] > 0 and len(on_disk["timing"]["per_round_seconds"]) == 2
+
+
+def test_final_metrics_are_those_of_the_saved_global_model_on_the_pooled_test_split(fedavg_run) -> None:
+    # Prepare
+    out, summary = fedavg_run
+    # Execute: reload FL_global_model.pt and score every site's test split in this process, with sklearn
+    rescored = rescore_global_model(out, FEDAVG)
+    # Assert
+    assert rescored["count"] == sum(facts["n_test"] for facts in summary["clients"].values())
+    assert summary["final"]["balanced_accuracy"] == pytest.approx(rescored["balanced_accuracy"], abs=1e-12)
+    assert summary["final"]["accuracy"] == pytest.approx(rescored["accuracy"], abs=1e-12)
+    assert summary["final"]["loss"] == pytest.approx(rescored["loss"], rel=1e-6)  # float32 sums at the sites
+    assert summary["final"]["loss"] != pytest.approx(summary["initial"]["loss"], rel=1e-6)  # a trained model
 
 
 def test_payload_records_exactly_the_declared_keys(fedavg_run) -> None:
@@ -111,4 +126,6 @@ def test_baselines_complete_on_pneumoniamnist(method: str, medmnist_file, tmp_pa
     assert summary["config"]["task"] == {"num_classes": 2, "in_channels": 1, "image_size": 28}
     assert set(summary["per_round"][-1]["share"]) == {"site-1", "site-2", "site-3"}
     assert sum(f["n_val"] for f in summary["clients"].values()) == 524  # the official val split, spread over sites
-    assert 0.0 <= summary["final"]["balanced_accuracy"] <= 1.0
+    rescored = rescore_global_model(tmp_path / method, run)
+    assert summary["final"]["balanced_accuracy"] == pytest.approx(rescored["balanced_accuracy"], abs=1e-12)
+    assert summary["final"]["loss"] == pytest.approx(rescored["loss"], rel=1e-6)

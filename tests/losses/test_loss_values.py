@@ -165,6 +165,23 @@ def test_ldam_by_hand() -> None:
     assert loss_fn(logits, targets).item() == pytest.approx(expected)
 
 
+def test_ldam_absent_class_gets_no_margin_and_present_classes_are_rescaled_among_themselves() -> None:
+    # Present counts 500, 100: n^-1/4 ratio (100/500)^(1/4) = 0.6687, so with max 0.5 the margins are
+    # 0.5 * 0.6687 = 0.334 (class 0) and 0.5 (class 1, the rarest present class); the absent class gets 0.
+    loss_fn = LDAMLoss([500, 100, 0], max_margin=0.5, scale=30.0)
+    torch.testing.assert_close(loss_fn.margins, torch.tensor([0.5 * 0.2**0.25, 0.5, 0.0]))
+    assert loss_fn.margins[0].item() == pytest.approx(0.334, abs=5e-4)
+    # The loss of a class-0 sample uses margin 0.334: s * (z - m onehot) = 30 * (0.9 - 0.334, 0.2, 0.1)
+    logits, targets = _t([[0.9, 0.2, 0.1]]), torch.tensor([0])
+    z = [30 * (0.9 - 0.5 * 0.2**0.25), 30 * 0.2, 30 * 0.1]
+    expected = -z[0] + math.log(sum(math.exp(v) for v in z))
+    assert loss_fn(logits, targets).item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_ldam_site_without_labels_has_zero_margins() -> None:
+    torch.testing.assert_close(LDAMLoss([0, 0, 0]).margins, torch.zeros(3))
+
+
 def test_class_balanced_weights_by_hand() -> None:
     # beta = 0.5, counts (1, 2): (1 - b) / (1 - b^n) = (1, 2/3), normalised to sum 2 -> (1.2, 0.8)
     torch.testing.assert_close(class_balanced_weights([1, 2], beta=0.5), torch.tensor([1.2, 0.8]))

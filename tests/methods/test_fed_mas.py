@@ -8,12 +8,14 @@ import torch
 from nvflare.apis.dxo import from_shareable
 from nvflare.apis.signal import Signal
 
+from medflare.errors import ConfigError
 from medflare.flare.aggregator import RoundAggregation
 from medflare.flare.executor import MedflareExecutor
 from medflare.methods.base import RoundContext
+from medflare.methods.fed_mas import FedMasConfig
 from medflare.methods.fed_mas.prior import MOCO_PREFIX, build_prior
 from medflare.methods.fed_mas.rescue import ClassMeanAccumulator, distillation_distance, rescue_factor
-from medflare.methods.fed_mas.server import cap_shares
+from medflare.ops import cap_shares
 from medflare.site_runtime import SiteRuntime, SiteSettings, TaskSpec
 
 # ----- rescue factor, by hand -------------------------------------------------------------------------
@@ -75,26 +77,152 @@ def test_bad_rf_is_excluded(rf) -> None:
     assert core.aggregate().shares == {"good": 1.0}
 
 
-def test_mas_drw_uses_sample_counts_until_the_switch() -> None:
-    core = RoundAggregation("fedmas", {"aggregation": "mas_drw"}, num_classes=2, num_rounds=10)
-    for round_index, expected_a in ((7, 0.75), (8, None)):
-        core.start_round(GLOBAL, RoundContext(round_index, 10))
-        core.start_phase("train")
-        core.accept("a", {"w": np.zeros(2, np.float32)}, {"n_samples": 30, "rf": 0.5})
-        core.accept("b", {"w": np.zeros(2, np.float32)}, {"n_samples": 10, "rf": 0.25})
-        share_a = core.aggregate().shares["a"]
-        if expected_a is not None:
-            assert share_a == pytest.approx(expected_a)
-        else:  # effective number of 1/RF: (1-β)/(1-β^(1/RF)) ≈ RF, so about 2/3
-            beta = 0.9999
-            wa, wb = (1 - beta) / (1 - beta**2), (1 - beta) / (1 - beta**4)
-            assert share_a == pytest.approx(wa / (wa + wb))
+def mas_drw_share_of_a(round_index: int, total_rounds: int, **method_args) -> float:
+    """Site a's share under mas_drw; a: n = 30, RF = 0.5; b: n = 10, RF = 0.25."""
+    core = RoundAggregation("fedmas", {"aggregation": "mas_drw", **method_args}, num_classes=2, num_rounds=total_rounds)
+    core.start_round(GLOBAL, RoundContext(round_index, total_rounds))
+    core.start_phase("train")
+    core.accept("a", {"w": np.zeros(2, np.float32)}, {"n_samples": 30, "rf": 0.5})
+    core.accept("b", {"w": np.zeros(2, np.float32)}, {"n_samples": 10, "rf": 0.25})
+    return core.aggregate().shares["a"]
+
+
+# The authors' rule, by hand. 1/RF = 2 and 4, normalised: ñ_a = 1/3, ñ_b = 2/3.
+# β = 0.5: 0.5^(1/3) = 0.7937005, 0.5^(2/3) = 0.6299605, so (1 − β)/(1 − β^ñ) = 2.4236611 and 1.3512072;
+# times n: 72.709832 and 13.512072, so a's share is 72.709832 / 86.221904 = 0.8432872.
+HAND_SHARE_BETA_HALF = 0.8432872
+# β = 0.9999: (1 − β)/(1 − β^ñ) ≈ 1/ñ (3 and 1.5), so the weights approach n·RF (15 and 2.5) and a's share 6/7.
+HAND_SHARE_DEFAULT_BETA = 6 / 7
+
+
+@pytest.mark.parametrize(
+    ("total_rounds", "last_sample_round"),
+    [(10, 7), (200, 159), (7, 4)],  # switch at ⌊0.8 R⌋ = 8, 160, 5 (the authors' int(0.8 · comm_round))
+)
+def test_mas_drw_uses_sample_counts_until_the_switch_round(total_rounds: int, last_sample_round: int) -> None:
+    assert mas_drw_share_of_a(last_sample_round, total_rounds) == pytest.approx(0.75)  # 30 / (30 + 10)
+    switched = mas_drw_share_of_a(last_sample_round + 1, total_rounds)
+    assert switched == pytest.approx(HAND_SHARE_DEFAULT_BETA, abs=1e-5)
+    assert switched != pytest.approx(0.75)
+
+
+def test_mas_drw_weights_are_sample_counts_times_effective_number_of_normalised_inverse_rf() -> None:
+    assert mas_drw_share_of_a(9, 10, drw_beta=0.5) == pytest.approx(HAND_SHARE_BETA_HALF, abs=1e-7)
+    assert mas_drw_share_of_a(0, 10, drw_beta=0.5, drw_start=0.0) == pytest.approx(HAND_SHARE_BETA_HALF, abs=1e-7)
+
+
+@pytest.mark.parametrize("bad", [{"drw_beta": 1.0}, {"drw_beta": -0.1}, {"drw_start": 1.5}])
+def test_mas_drw_options_are_range_checked(bad: dict) -> None:
+    with pytest.raises(ConfigError):
+        FedMasConfig(**bad)
+
+
+def test_an_impossible_cap_relaxes_instead_of_stopping_the_round() -> None:
+    """max_share=0.3 with one of four sites rejected: 3 x 0.3 < 1, so every remaining site gets 1/3."""
+    assert cap_shares({"a": 0.8, "b": 0.1, "c": 0.1}, 0.3) == pytest.approx({"a": 1 / 3, "b": 1 / 3, "c": 1 / 3})
 
 
 def test_cap_shares_redistributes_the_excess() -> None:
     capped = cap_shares({"a": 0.7, "b": 0.2, "c": 0.1}, 0.5)
     assert capped == pytest.approx({"a": 0.5, "b": 0.2 + 0.2 * 2 / 3, "c": 0.1 + 0.2 / 3})
     assert cap_shares({"a": 0.7, "b": 0.3}, 0.0) == {"a": 0.7, "b": 0.3}
+
+
+# ----- site side: the global divergence w, by hand ---------------------------------------------------
+
+# Six 1x2x2 "images", classes 0, 0, 0, 2, 2, 2: class 1 is absent, so its w must stay 0.
+W_LABELS = torch.tensor([0, 0, 0, 2, 2, 2])
+W_IMAGES = torch.linspace(-1, 1, 24).reshape(6, 1, 2, 2) * torch.tensor([1.0, -0.5, 0.8, -1.0]).reshape(1, 1, 2, 2)
+
+
+def tiny_fedmas_trainer(tmp_path: Path):
+    """FedMasTrainer on a Flatten-Linear-Tanh backbone whose projector has BatchNorm, with a linear prior.
+
+    The prior is a TorchScript file (as a site would ship one), so it goes through the real prior loader.
+    """
+    from types import SimpleNamespace
+
+    from torch.utils.data import TensorDataset
+
+    from medflare.methods.fed_mas.model import FedMasNet
+    from medflare.models import Classifier
+
+    from ._trainers import make_trainer
+
+    torch.manual_seed(0)
+    encoder = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 3))  # [B, 3, 2, 2] -> [B, 3]
+    torch.jit.script(encoder).save(str(tmp_path / "prior.pt"))
+    model = FedMasNet(Classifier(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 5), torch.nn.Tanh()),
+                                 torch.nn.Linear(5, 3)), prior_dim=3, hidden_dim=6)
+    dataset = TensorDataset(W_IMAGES, W_LABELS)
+    site = SimpleNamespace(train=dataset, val=dataset, test=dataset, num_classes=3, class_counts=np.array([3, 0, 3]))
+    cfg = FedMasConfig(prior=f"torchscript:{tmp_path / 'prior.pt'}", prior_dim=3, prior_input_size=2)
+    trainer = make_trainer("fedmas", model, site, cfg, local_epochs=3)
+    return trainer, encoder
+
+
+def received_global_model(trainer) -> dict[str, np.ndarray]:
+    """A global model whose BatchNorm running statistics are far from this site's batch statistics."""
+    rng = np.random.default_rng(1)
+    state = {k: v.detach().numpy().copy() for k, v in trainer.model.state_dict().items()}
+    state["projector.1.running_mean"] = rng.normal(0.0, 1.0, 6).astype(np.float32)
+    state["projector.1.running_var"] = rng.uniform(0.2, 3.0, 6).astype(np.float32)
+    state["projector.1.weight"] = rng.uniform(0.5, 2.0, 6).astype(np.float32)
+    state["projector.1.bias"] = rng.normal(0.0, 0.5, 6).astype(np.float32)
+    return state
+
+
+def hand_global_divergence(params: dict[str, np.ndarray], encoder: torch.nn.Module) -> np.ndarray:
+    """w_k = mean over class k of 2 − 2·cos(projector(backbone(x)), prior(x)), BatchNorm on running statistics."""
+    from medflare.methods.fed_mas.prior import IMAGENET_MEAN, IMAGENET_STD
+
+    p = {k: np.asarray(v, dtype=np.float64) for k, v in params.items()}
+    x = W_IMAGES.numpy().astype(np.float64)
+    features = np.tanh(x.reshape(6, 4) @ p["backbone.1.weight"].T + p["backbone.1.bias"])
+    hidden = features @ p["projector.0.weight"].T + p["projector.0.bias"]
+    hidden = (hidden - p["projector.1.running_mean"]) / np.sqrt(p["projector.1.running_var"] + 1e-5)
+    hidden = np.maximum(hidden * p["projector.1.weight"] + p["projector.1.bias"], 0.0)
+    student = hidden @ p["projector.3.weight"].T + p["projector.3.bias"]
+    pixels = np.repeat(x * 0.5 + 0.5, 3, axis=1)  # grey -> RGB, back to [0, 1]
+    pixels = (pixels - np.array(IMAGENET_MEAN).reshape(1, 3, 1, 1)) / np.array(IMAGENET_STD).reshape(1, 3, 1, 1)
+    linear = encoder[1]
+    teacher = pixels.reshape(6, 12) @ linear.weight.detach().double().numpy().T + linear.bias.detach().double().numpy()
+    cosine = (student * teacher).sum(1) / (np.linalg.norm(student, axis=1) * np.linalg.norm(teacher, axis=1))
+    distance = 2 - 2 * cosine
+    labels = W_LABELS.numpy()
+    return np.array([distance[labels == k].mean() if (labels == k).any() else 0.0 for k in range(3)])
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit:FutureWarning")  # TorchScript priors are supported
+def test_w_is_the_received_model_in_eval_mode_and_leaves_batchnorm_statistics_alone(tmp_path: Path) -> None:
+    # Prepare
+    trainer, encoder = tiny_fedmas_trainer(tmp_path)
+    received = received_global_model(trainer)
+    trainer.receive(received)
+    trainer.model.train()  # as after a previous round's training
+    # Execute
+    w = trainer.global_divergence()
+    # Assert
+    np.testing.assert_allclose(w, hand_global_divergence(received, encoder), rtol=1e-5, atol=1e-7)
+    assert w[1] == 0.0 and w[0] > 0 and w[2] > 0
+    for key in ("projector.1.running_mean", "projector.1.running_var", "projector.1.num_batches_tracked"):
+        np.testing.assert_array_equal(trainer.model.state_dict()[key].numpy(), received[key], err_msg=key)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit:FutureWarning")  # TorchScript priors are supported
+def test_w_of_a_round_comes_from_the_received_weights_not_the_trained_ones(tmp_path: Path) -> None:
+    # Prepare
+    trainer, encoder = tiny_fedmas_trainer(tmp_path)
+    received = received_global_model(trainer)
+    trainer.receive(received)
+    # Execute
+    meta = trainer.train_round(RoundContext(0, 2))
+    # Assert
+    trained = {k: v.detach().numpy() for k, v in trainer.model.state_dict().items()}
+    assert not np.allclose(trained["projector.0.weight"], received["projector.0.weight"])  # training moved it
+    assert not np.allclose(hand_global_divergence(trained, encoder), hand_global_divergence(received, encoder))
+    np.testing.assert_allclose(trainer.w, hand_global_divergence(received, encoder), rtol=1e-5, atol=1e-7)
+    assert 0 < meta["rf"] <= 1
 
 
 # ----- site side: frozen prior and payload ------------------------------------------------------------

@@ -122,6 +122,20 @@ def test_one_round_smoke_with_drw_on(long_tail_site) -> None:
     assert set(trainer.outgoing_arrays()) == set(model.state_dict())
 
 
+def test_site_lacking_a_class_gets_margin_zero_for_it_and_trains() -> None:
+    # Prepare: counts 16 / 0 / 81; present n^-1/4 = 1/2, 1/3, rescaled to max 0.5 -> 0.5, 1/3; absent -> 0
+    site = make_site(n=97, labels=[0] * 16 + [2] * 81)
+    model = tiny_classifier(CosineLinear)
+    trainer = make_trainer("ldam-drw", model, site)
+    before = model.head.weight.detach().clone()
+    # Execute
+    meta = trainer.train_round(RoundContext(9, 10))  # DRW on
+    # Assert
+    np.testing.assert_allclose(trainer.ldam_loss.margins.numpy(), [0.5, 0.0, 1 / 3], rtol=1e-6)
+    assert meta["n_samples"] == 97 and math.isfinite(meta["train_loss"])
+    assert not torch.equal(model.head.weight.detach(), before)
+
+
 @pytest.mark.parametrize(
     "bad", [{"max_margin": 0.0}, {"scale": -1.0}, {"drw_beta": 1.0}, {"drw_start_fraction": 1.5}]
 )

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from medflare.errors import DataError, PayloadError
-from medflare.metrics import EvalStats, binned_auc
+from medflare.metrics import EvalStats, binned_auc, score_bins
 
 
 def _predictions(n: int = 200, num_classes: int = 4, seed: int = 0):
@@ -36,11 +36,21 @@ def test_halves_sum_to_whole() -> None:
 
 
 def test_histograms_and_confusion_by_hand() -> None:
+    # u(p) = p/2 + (logit p + 110)/300, bin = floor(10 u):
+    # 0.8 -> 0.4 + 111.386/300 = 0.771 (bin 7); 0.2 -> 0.1 + 108.614/300 = 0.462 (4);
+    # 0.45 -> 0.225 + 109.799/300 = 0.591 (5); 0.55 -> 0.275 + 110.201/300 = 0.642 (6)
     stats = EvalStats.from_predictions([0, 1], np.array([[0.8, 0.2], [0.45, 0.55]]), 2, bins=10)
     np.testing.assert_array_equal(stats.confusion, [[1, 0], [0, 1]])
-    assert stats.pos_hist[0].nonzero()[0].tolist() == [8] and stats.pos_hist[1].nonzero()[0].tolist() == [5]
-    assert stats.neg_hist[0].nonzero()[0].tolist() == [4] and stats.neg_hist[1].nonzero()[0].tolist() == [2]
+    assert stats.pos_hist[0].nonzero()[0].tolist() == [7] and stats.pos_hist[1].nonzero()[0].tolist() == [6]
+    assert stats.neg_hist[0].nonzero()[0].tolist() == [5] and stats.neg_hist[1].nonzero()[0].tolist() == [4]
     assert binned_auc(stats.pos_hist[0], stats.neg_hist[0]) == 1.0
+
+
+def test_saturated_scores_keep_separate_bins() -> None:
+    # logit(1e-30) = -69.1 and logit(1e-20) = -46.1: u = 40.9/300 = 0.136 and 63.9/300 = 0.213 (bins 136, 213).
+    # 1 - 1e-6 and 1 - 1e-7: logit 13.8 and 16.1, u = 0.5 + 123.8/300 = 0.913 and 0.920 (bins 912, 920).
+    scores = np.array([1e-30, 1e-20, 1 - 1e-6, 1 - 1e-7, 0.0, 1.0])
+    assert score_bins(scores, 1000).tolist() == [136, 213, 912, 920, 0, 999]
 
 
 def test_score_one_falls_in_last_bin_and_torch_input_is_accepted() -> None:

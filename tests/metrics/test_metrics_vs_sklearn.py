@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from sklearn.metrics import (
     accuracy_score,
     auc,
@@ -16,7 +17,7 @@ from sklearn.metrics import (
 )
 
 from medflare.errors import ConfigError
-from medflare.metrics import EvalStats, compute_metrics, shot_groups_from_counts
+from medflare.metrics import EvalStats, binned_auc_error_bound, compute_metrics, shot_groups_from_counts
 
 AUC_TOLERANCE = 1e-3
 
@@ -61,6 +62,37 @@ def test_matches_sklearn(num_classes: int, seed: int) -> None:
     assert metrics["bauc"] == pytest.approx(_fca_bauc(y_true, probs), abs=AUC_TOLERANCE)
     per_class_auc = [roc_auc_score(y_true == k, probs[:, k]) for k in range(num_classes)]
     np.testing.assert_allclose(metrics["per_class_auc"], per_class_auc, atol=AUC_TOLERANCE)
+
+
+def _confident_predictions(scale: float, n: int = 3000, seed: int = 0):
+    """A long-tailed 5-class set scored by an over-confident model: float32 softmax of scaled logits."""
+    rng = np.random.default_rng(seed)
+    y_true = rng.choice(5, size=n, p=[0.5, 0.25, 0.12, 0.08, 0.05])
+    logits = scale * (0.6 * rng.normal(size=(n, 5)) + np.eye(5)[y_true])
+    probs = torch.softmax(torch.tensor(logits, dtype=torch.float32), dim=1).double().numpy()
+    return y_true, probs
+
+
+@pytest.mark.parametrize("scale", [5.0, 10.0, 25.0, 60.0])
+def test_auc_of_saturated_softmax_outputs_matches_sklearn(scale: float) -> None:
+    # At scale 10 most scores are below 1e-3 or above 0.999; equal-width bins on p were 0.014 too low there.
+    y_true, probs = _confident_predictions(scale)
+    assert np.mean((probs < 1e-3) | (probs > 0.999)) > (0.5 if scale >= 10 else 0.2)
+    stats = EvalStats.from_predictions(y_true, probs, 5)
+    metrics = compute_metrics(stats)
+    exact = [roc_auc_score(y_true == k, probs[:, k]) for k in range(5)]
+    for k in range(5):
+        gap = abs(metrics["per_class_auc"][k] - exact[k])
+        assert gap <= binned_auc_error_bound(stats.pos_hist[k], stats.neg_hist[k]) + 1e-12
+        assert gap < AUC_TOLERANCE, f"class {k}"
+    expected = roc_auc_score(y_true, probs, multi_class="ovr", average="macro")
+    assert metrics["auc_macro_ovr"] == pytest.approx(expected, abs=AUC_TOLERANCE / 4)
+
+
+def test_error_bound_counts_only_pairs_sharing_a_bin() -> None:
+    # 2 positives (bins 1, 2), 2 negatives (bins 0, 2): one of the 4 pairs shares bin 2 -> bound 0.5 * 1 / 4
+    assert binned_auc_error_bound(np.array([0, 1, 1]), np.array([1, 0, 1])) == pytest.approx(0.125)
+    assert np.isnan(binned_auc_error_bound(np.array([0, 0]), np.array([1, 0])))
 
 
 @pytest.mark.filterwarnings("ignore:y_pred contains classes not in y_true")

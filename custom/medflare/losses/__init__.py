@@ -4,7 +4,7 @@ Plain cross-entropy is ``torch.nn.functional.cross_entropy`` and is not wrapped 
 """
 
 from medflare.losses.balanced_softmax import balanced_softmax_loss
-from medflare.losses.class_weights import class_balanced_weights, drw_class_weights
+from medflare.losses.class_weights import class_balanced_weights, drw_class_weights, inverse_effective_number
 from medflare.losses.focal import focal_loss
 from medflare.losses.kl import kl_to_teacher
 from medflare.losses.ldam import LDAMLoss
@@ -18,6 +18,7 @@ __all__ = [
     "class_balanced_weights",
     "drw_class_weights",
     "focal_loss",
+    "inverse_effective_number",
     "kl_to_teacher",
     "logit_calibrated_ce",
     "proximal_term",

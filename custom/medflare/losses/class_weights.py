@@ -2,12 +2,38 @@
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+import numpy as np
 import torch
 
 from medflare.errors import ConfigError
 from medflare.losses._counts import CountsLike, as_class_counts
 
-__all__ = ["class_balanced_weights", "drw_class_weights"]
+__all__ = ["class_balanced_weights", "drw_class_weights", "inverse_effective_number"]
+
+Amounts = TypeVar("Amounts", np.ndarray, torch.Tensor)
+
+
+def inverse_effective_number(amounts: Amounts, beta: float) -> Amounts:
+    """Element-wise ``(1 − β) / (1 − β^n)``, one over Cui et al.'s effective number of n samples.
+
+    1 everywhere for β = 0; about 1/n as β → 1. ``n`` need not be an integer (Fed-MAS's ``mas_drw`` feeds it
+    normalised inverse rescue factors in (0, 1)). Every amount must be > 0.
+
+    Args:
+        amounts: positive amounts n (a NumPy array or a torch tensor; the result has the same type).
+        beta: effective-number hyperparameter in [0, 1).
+
+    Raises:
+        ConfigError: if β is outside [0, 1).
+
+    References:
+        Cui et al., Class-Balanced Loss Based on Effective Number of Samples, CVPR 2019.
+    """
+    if not 0.0 <= beta < 1.0:
+        raise ConfigError(f"effective-number beta must be in [0, 1), got {beta}")
+    return (1.0 - beta) / (1.0 - beta**amounts)
 
 
 def class_balanced_weights(class_counts: CountsLike, beta: float = 0.9999) -> torch.Tensor:
@@ -27,10 +53,8 @@ def class_balanced_weights(class_counts: CountsLike, beta: float = 0.9999) -> to
     References:
         Cui et al., Class-Balanced Loss Based on Effective Number of Samples, CVPR 2019.
     """
-    if not 0.0 <= beta < 1.0:
-        raise ConfigError(f"class-balanced beta must be in [0, 1), got {beta}")
     counts = as_class_counts(class_counts, device=torch.device("cpu")).clamp(min=1.0)
-    weights = (1.0 - beta) / (1.0 - torch.pow(torch.tensor(beta, dtype=torch.float64), counts))
+    weights = inverse_effective_number(counts, beta)
     return (weights * (len(counts) / weights.sum())).float()
 
 

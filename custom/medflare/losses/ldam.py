@@ -8,18 +8,40 @@ from torch import nn
 
 from medflare.losses._counts import CountsLike, as_class_counts
 
-__all__ = ["LDAMLoss"]
+__all__ = ["LDAMLoss", "ldam_margins"]
+
+
+def ldam_margins(class_counts: CountsLike, max_margin: float) -> torch.Tensor:
+    """Per-class margins ``m_k ∝ n_k^(−1/4)`` over present classes, largest = ``max_margin``; 0 where n_k = 0.
+
+    Args:
+        class_counts: training count per class ``[K]``.
+        max_margin: margin of the rarest present class.
+
+    Returns:
+        float32 ``[K]`` margins on the CPU (all zero when the site has no labelled sample).
+    """
+    counts = as_class_counts(class_counts, device=torch.device("cpu"))
+    present = counts > 0
+    margins = torch.zeros_like(counts)
+    margins[present] = counts[present].pow(-0.25)
+    if bool(present.any()):
+        margins = margins * (max_margin / margins.max())
+    return margins.float()
 
 
 class LDAMLoss(nn.Module):
     """Label-distribution-aware margin loss ``CE(s · (z − m_y · onehot(y)), y)``.
 
-    The margins are ``m_k ∝ n_k^(−1/4)``, rescaled so the largest (rarest class) is ``max_margin``.
+    The margins are ``m_k ∝ n_k^(−1/4)`` over the classes the site has, rescaled so the largest (rarest present
+    class) is ``max_margin``. A class with zero local samples gets margin 0 and takes no part in the rescaling, as
+    in Fed-MAS's LDAM baseline: under label skew sites often lack classes, and treating them as the rarest class
+    would shrink every present class's margin (counts [500, 100, 0] give [0.334, 0.5, 0], not
+    [0.106, 0.158, 0.5]). Its margin never matters to the loss, which only shifts the true class's logit.
 
     LDAM expects cosine logits in [−1, 1] (L2-normalised features and classifier rows, e.g.
     :class:`medflare.models.CosineLinear` as the head); the scale s then sets the softmax temperature. Combine
-    with :func:`drw_class_weights` for LDAM-DRW. A class with zero local samples is treated as having one, so
-    its margin stays finite (the reference divides by zero).
+    with :func:`drw_class_weights` for LDAM-DRW.
 
     Attributes:
         margins: per-class margins ``[K]`` (a buffer, so it follows the module's device).
@@ -41,9 +63,7 @@ class LDAMLoss(nn.Module):
             scale: logit scale s.
         """
         super().__init__()
-        counts = as_class_counts(class_counts, device=torch.device("cpu")).clamp(min=1.0)
-        margins = counts.pow(-0.25)
-        self.register_buffer("margins", (margins * (max_margin / margins.max())).float())
+        self.register_buffer("margins", ldam_margins(class_counts, max_margin))
         self.max_margin = max_margin
         self.scale = scale
 

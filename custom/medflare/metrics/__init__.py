@@ -2,15 +2,17 @@
 :func:`compute_metrics`, which gives the same values as scikit-learn on the pooled predictions."""
 
 from medflare.metrics.classification import compute_metrics, shot_groups_from_counts
-from medflare.metrics.eval_stats import DEFAULT_BINS, EvalStats
-from medflare.metrics.roc import binned_auc, binned_roc_curve, interpolated_auc
+from medflare.metrics.eval_stats import DEFAULT_BINS, EvalStats, score_bins
+from medflare.metrics.roc import binned_auc, binned_auc_error_bound, binned_roc_curve, interpolated_auc
 
 __all__ = [
     "DEFAULT_BINS",
     "EvalStats",
     "binned_auc",
+    "binned_auc_error_bound",
     "binned_roc_curve",
     "compute_metrics",
     "interpolated_auc",
+    "score_bins",
     "shot_groups_from_counts",
 ]

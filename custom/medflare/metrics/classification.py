@@ -27,8 +27,9 @@ def compute_metrics(stats: EvalStats, shot_groups: Mapping[str, Sequence[int]] |
       in the predictions, with 0 for an undefined ratio (sklearn ``f1_score`` / ``precision_score`` /
       ``recall_score`` with ``average="macro"``; the "macro avg" row of ``classification_report``).
     * ``auc_macro_ovr``: mean one-vs-rest ROC AUC over the classes with both positives and negatives, from the
-      score histograms (sklearn ``roc_auc_score(multi_class="ovr", average="macro")`` to about 1e-3 with 1000
-      bins).
+      score histograms: sklearn ``roc_auc_score(multi_class="ovr", average="macro")`` up to ties inside a bin,
+      at most :func:`~medflare.metrics.roc.binned_auc_error_bound` per class (below 1e-3 in the tests, also
+      for saturated softmax outputs).
     * ``bauc``: FCA's balanced AUC, the same mean with each class's ROC read on a 1000-point FPR grid.
     * ``per_class_recall``, ``per_class_auc``: lists of length K, None where undefined.
     * ``loss``: ``loss_sum / count``.

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["FCA_FPR_GRID_POINTS", "binned_auc", "binned_roc_curve", "interpolated_auc"]
+__all__ = ["FCA_FPR_GRID_POINTS", "binned_auc", "binned_auc_error_bound", "binned_roc_curve", "interpolated_auc"]
 
 #: FCA evaluates each class's ROC curve on this many equally spaced false-positive rates in [0, 1].
 FCA_FPR_GRID_POINTS = 1000
@@ -28,6 +28,19 @@ def binned_auc(pos_hist: np.ndarray, neg_hist: np.ndarray) -> float:
         return float("nan")
     positives_above = positives - np.cumsum(pos_hist)  # positives in strictly higher bins
     return float(np.sum(neg_hist * (positives_above + 0.5 * pos_hist)) / (positives * negatives))
+
+
+def binned_auc_error_bound(pos_hist: np.ndarray, neg_hist: np.ndarray) -> float:
+    """Largest possible gap between :func:`binned_auc` and the exact AUC of the scores behind the histograms.
+
+    Only a (positive, negative) pair in the same bin can be ordered differently by the exact scores; the binned
+    AUC counts each such pair as ½, the exact AUC as 0, ½ or 1. So the gap is at most
+    ½ · Σ_b pos_b · neg_b / (P · N). NaN if there are no positives or no negatives.
+    """
+    positives, negatives = float(pos_hist.sum()), float(neg_hist.sum())
+    if positives == 0 or negatives == 0:
+        return float("nan")
+    return float(0.5 * np.sum(pos_hist.astype(np.float64) * neg_hist) / (positives * negatives))
 
 
 def binned_roc_curve(pos_hist: np.ndarray, neg_hist: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -37,7 +37,7 @@ class FedMasConfig:
     prior_model: str = "resnet50"  # medflare model name of a state_dict prior
     prior_input_size: int = 64  # images are resized to this for the prior (paper: 224; 64 keeps CPU runs cheap)
     projector_hidden: int = 0  # projector hidden width; 0 = the backbone's feature width (as the code)
-    drw_start: float = 0.8  # mas_drw: fraction of rounds with sample-count weights
+    drw_start: float = 0.8  # mas_drw: re-weighting by 1/RF from round ⌊drw_start · R⌋ (0-based) on
     drw_beta: float = 0.9999  # mas_drw: effective-number β
     eps: float = 1e-12  # BSM prior floor (spec §1.1)
     repo_compat_teacher_bn: bool = False  # reproduce the authors' teacher-BN bug in round 0 (spec §2(e)5)
@@ -47,6 +47,10 @@ class FedMasConfig:
             raise ConfigError(f"fedmas aggregation must be one of {AGGREGATIONS}, got '{self.aggregation}'")
         if self.lambda_f < 0 or self.aux_head_weight < 0:
             raise ConfigError("fedmas lambda_f and aux_head_weight must be >= 0")
+        if not 0 <= self.drw_start <= 1 or not 0 <= self.drw_beta < 1:
+            raise ConfigError(
+                f"fedmas drw_start must be in [0, 1] and drw_beta in [0, 1), got {self.drw_start}, {self.drw_beta}"
+            )
         if not 0 <= self.max_share <= 1:
             raise ConfigError(f"fedmas max_share must be in [0, 1], got {self.max_share}")
         prior_feature_dim(self.prior, self.prior_dim)  # fails early on an unknown prior

@@ -2,59 +2,74 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import numpy as np
 
-from medflare.errors import ConfigError
+from medflare.losses import inverse_effective_number
 from medflare.methods.base import RoundContext, ServerRule, SiteUpdate
 from medflare.methods.fed_mas.client import RF_KEY
+from medflare.ops import cap_shares, normalise_weights
 
 
 class FedMasRule(ServerRule):
     """θ_glob = Σ_c (RF_c / Σ_j RF_j) θ_c over every state-dict entry (paper Eq. 5).
 
-    ``mas_drw`` (code only, not the paper): sample-count weights until ``drw_start`` of the rounds, then
-    effective-number weights of 1/RF, (1 − β)/(1 − β^(1/RF)), which for β → 1 stays close to RF itself.
-    ``max_share`` > 0 caps any one site's share and gives the excess to the others (off by default, as in the
-    paper). A site with a missing, non-finite or non-positive RF is rejected before it gets here.
+    ``mas_drw`` (the authors' code, not the paper) follows their server: sample-count weights n_c before round
+    ⌊``drw_start`` · R⌋, then n_c · (1 − β)/(1 − β^ñ_c) with ñ_c = (1/RF_c) / Σ_j (1/RF_j), the site's share of
+    the inverse rescue factors (see :func:`mas_drw_weights`). ``max_share`` > 0 caps any one site's share and
+    gives the excess to the others (off by default, as in the paper); a cap this round's sites cannot meet
+    (e.g. 0.3 after one of four sites was rejected) relaxes to equal shares instead of stopping the round. A site with a missing, non-finite or
+    non-positive RF is rejected before it gets here.
     """
 
     def site_weight(self, update: SiteUpdate, ctx: RoundContext) -> float:
-        if self.cfg.aggregation == "samples" or (
-            self.cfg.aggregation == "mas_drw" and ctx.round < self.cfg.drw_start * ctx.total_rounds
-        ):
+        if self.cfg.aggregation == "samples":
             return super().site_weight(update, ctx)
-        rf = float(update.meta[RF_KEY])
+        rf = float(update.meta[RF_KEY])  # every RF-based rule needs it: a site without one is rejected
         if self.cfg.aggregation == "mas_drw":
-            beta = self.cfg.drw_beta
-            return (1 - beta) / (1 - beta ** (1 / rf))
+            return super().site_weight(update, ctx)  # n_c; the RF factor needs all sites, see shares()
         return rf
 
     def shares(self, updates: list[SiteUpdate], ctx: RoundContext) -> dict[str, float]:
-        return cap_shares(super().shares(updates, ctx), self.cfg.max_share)
+        if self.cfg.aggregation == "mas_drw" and drw_is_on(ctx, self.cfg.drw_start):
+            sample_counts = {u.site: self.site_weight(u, ctx) for u in updates}
+            rescue_factors = {u.site: float(u.meta[RF_KEY]) for u in updates}
+            shares = normalise_weights(mas_drw_weights(sample_counts, rescue_factors, self.cfg.drw_beta))
+        else:
+            shares = super().shares(updates, ctx)
+        return cap_shares(shares, self.cfg.max_share)
 
     def round_info(self, updates: list[SiteUpdate], ctx: RoundContext) -> dict[str, Any]:
         rf = {u.site: u.meta[RF_KEY] for u in updates if RF_KEY in u.meta}
         return {"rf": rf} if rf else {}
 
 
-def cap_shares(shares: dict[str, float], cap: float) -> dict[str, float]:
-    """Limit every share to ``cap`` and spread the excess over the others in proportion (water-filling)."""
-    if cap <= 0:
-        return dict(shares)
-    if cap * len(shares) < 1 - 1e-12:
-        raise ConfigError(f"max_share={cap} is impossible with {len(shares)} sites: shares must sum to 1")
-    result = dict(shares)
-    capped: set[str] = set()
-    while True:
-        over = {s for s, v in result.items() if v > cap + 1e-12 and s not in capped}
-        if not over:
-            return result
-        capped |= over
-        free = [s for s in result if s not in capped]
-        excess = 1 - cap * len(capped) - sum(result[s] for s in free)
-        base = sum(result[s] for s in free)
-        for site in capped:
-            result[site] = cap
-        for site in free:
-            result[site] += excess * (result[site] / base if base > 0 else 1 / len(free))
+def drw_is_on(ctx: RoundContext, start_fraction: float) -> bool:
+    """True from round ⌊f · R⌋ (0-based) on, the authors' ``round >= int(0.8 · comm_round)``.
+
+    The tiny slack keeps a product such as 0.29 · 100 = 28.999999999999996 from flooring one round early.
+    """
+    return ctx.round >= math.floor(start_fraction * ctx.total_rounds + 1e-9)
+
+
+def mas_drw_weights(sample_counts: dict[str, float], rescue_factors: dict[str, float], beta: float) -> dict[str, float]:
+    """The authors' deferred re-weighting of sites: n_c · (1 − β)/(1 − β^ñ_c), ñ_c = (1/RF_c) / Σ_j (1/RF_j).
+
+    ñ is each site's share of the inverse rescue factors, so it lies in (0, 1]; for β → 1 the factor tends to
+    1/ñ_c ∝ RF_c, so the weight approaches n_c · RF_c. (The authors also rescale the factors to sum to the
+    number of sites; that cancels when the weights are normalised.)
+
+    Args:
+        sample_counts: site -> n_c.
+        rescue_factors: site -> RF_c > 0.
+        beta: effective-number β in [0, 1).
+
+    Returns:
+        site -> unnormalised weight.
+    """
+    sites = list(sample_counts)
+    inverse_rf = np.array([1.0 / rescue_factors[s] for s in sites])
+    factors = inverse_effective_number(inverse_rf / inverse_rf.sum(), beta)
+    return {site: float(sample_counts[site] * factor) for site, factor in zip(sites, factors)}

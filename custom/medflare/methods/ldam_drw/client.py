@@ -16,9 +16,9 @@ class LdamDrwTrainer(LocalTrainer):
     """LDAM on the site's labelled samples, re-weighted per class once DRW switches on.
 
     Loss = Σ_i w_{y_i} · CE(s · (cos_i − m_{y_i} · onehot(y_i)), y_i) / Σ_i w_{y_i}, with margins
-    m_k ∝ n_k^(−1/4) (rescaled so the rarest local class gets ``max_margin``) and w uniform before round
-    ⌈f · R⌉, class-balanced (effective number, β) from then on. Margins and weights use this site's own
-    training counts; no count leaves the site. Evaluation scores s · cos, so probabilities are on the scale
+    m_k ∝ n_k^(−1/4) (rescaled so the rarest local class gets ``max_margin``; 0 for a class the site lacks)
+    and w uniform before round ⌈f · R⌉, class-balanced (effective number, β) from then on. Margins and weights
+    use this site's own training counts; no count leaves the site. Evaluation scores s · cos, so probabilities are on the scale
     the loss trains (the argmax is the same as for the raw cosines).
 
     References:

@@ -1,0 +1,50 @@
+"""Scores a run's saved global model on the pooled test split in-process (not collected: no ``test_`` prefix).
+
+Independent of the federated evaluation path: no EvalStats, no controller, no FLARE. It reloads
+``FL_global_model.pt`` from the run folder, rebuilds every simulated site's test split from the run config,
+and scores the pooled predictions with scikit-learn.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from sklearn.metrics import accuracy_score, balanced_accuracy_score
+from torch.utils.data import DataLoader
+
+from medflare.config import from_dict
+from medflare.data import DataConfig, make_site_data
+from medflare.flare.models import build_global_model
+from medflare.registry import get_method
+from medflare.run_config import RunConfig
+
+
+def rescore_global_model(run_dir: Path, run: RunConfig) -> dict[str, float]:
+    """Balanced accuracy, accuracy and mean cross-entropy of the run's final global model (raw model outputs)."""
+    task = run.task_spec()
+    model = build_global_model(run.method, run.model, task.num_classes, task.in_channels, task.image_size,
+                               method_args=run.method_args).network  # the full network; the server keeps no private keys
+    missing, unexpected = model.load_state_dict(
+        torch.load(run_dir / "FL_global_model.pt", map_location="cpu", weights_only=True)["model"], strict=False
+    )
+    payload = get_method(run.method).payload
+    assert not unexpected and all(payload.is_private(k) for k in missing), (missing, unexpected)
+    model.eval()
+    data_cfg = from_dict(DataConfig, {**run.site_data(), "num_classes": task.num_classes}, "data")
+    labels, logits = [], []
+    with torch.no_grad():
+        for index, site in enumerate(run.site_names):
+            for images, batch_labels in DataLoader(make_site_data(data_cfg, index, site).test, batch_size=256):
+                labels.append(batch_labels)
+                logits.append(model(images).double())
+    y, z = torch.cat(labels), torch.cat(logits)
+    keep = y >= 0
+    y, z = y[keep], z[keep]
+    predicted = z.argmax(dim=1).numpy()
+    return {
+        "balanced_accuracy": float(balanced_accuracy_score(y.numpy(), predicted)),
+        "accuracy": float(accuracy_score(y.numpy(), predicted)),
+        "loss": float(F.cross_entropy(z, y).item()),
+        "count": int(np.count_nonzero(keep.numpy())),
+    }
