@@ -52,6 +52,10 @@ class TrainConfig:
             raise ConfigError(f"train.lr_schedule must be constant or cosine, got '{self.lr_schedule}'")
         if self.batch_size < 1 or self.local_epochs < 1:
             raise ConfigError("train.batch_size and train.local_epochs must be >= 1")
+        if self.lr <= 0:
+            raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+        if self.max_steps < 0:
+            raise ConfigError(f"train.max_steps must be >= 0 (0 = no cap), got {self.max_steps}")
 
 
 @dataclass(frozen=True)
