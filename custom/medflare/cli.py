@@ -49,11 +49,11 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def checked_run(args: argparse.Namespace, method: str | None = None) -> Any:
     """The run configuration of ``args``, validated and with its data read (nothing started or written)."""
-    from medflare.runner import build_run_config
+    from medflare.runner import build_run_config, describe_sites
 
     run = build_run_config(args, method)
     run.validate()
-    run.task_spec()  # reads the data source: a missing file or a class-count mismatch fails here
+    describe_sites(run)  # reads and partitions the data: a missing file or a too-small site fails here
     return run
 
 
@@ -138,7 +138,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     from medflare.outputs import OutputTarget, report_from_results, results_text
 
     results = Path(args.results)
-    out = Path(args.output) if args.output else results.parent
+    out = Path(args.output) if args.output else results if results.is_dir() else results.parent
     target = OutputTarget(out, overwrite=True, merge=True, option="-o")
     target.check()
     staging = target.begin()

@@ -74,21 +74,35 @@ def check_value(value: Any, hint: Any, option: str, example: Any = None) -> Any:
     """
     try:
         return _convert(value, hint, option)
-    except _Mismatch:
-        fix = f"; e.g. {option}={_render(example)}" if example is not None else ""
-        raise ConfigError(f"{option} must be {describe_type(hint)}, got {_render(value)}{fix}") from None
+    except _Mismatch as exc:
+        where, expected, given = exc.where or (option, hint, value)
+        fix = f"; e.g. {option}={_render(example)}" if example is not None and where == option else ""
+        raise ConfigError(f"{where} must be {describe_type(expected)}, got {_render(given)}{fix}") from None
 
 
 class _Mismatch(Exception):
-    """Internal: the value does not fit the hint (turned into one ConfigError by ``check_value``)."""
+    """Internal: a value does not fit its hint; ``where`` = (option, hint, value) of the innermost misfit."""
+
+    def __init__(self, where: tuple[str, Any, Any] | None = None) -> None:
+        super().__init__()
+        self.where = where
 
 
 def _convert(value: Any, hint: Any, option: str) -> Any:
+    """``value`` converted to ``hint``; a misfit is located at the innermost element that does not fit."""
+    try:
+        return _convert_here(value, hint, option)
+    except _Mismatch as exc:
+        exc.where = exc.where or (option, hint, value)
+        raise
+
+
+def _convert_here(value: Any, hint: Any, option: str) -> Any:
     origin, args = get_origin(hint), get_args(hint)
     if hint is Any or hint is object or isinstance(hint, TypeVar):
         return value
     if origin in (Union, types.UnionType):
-        return _convert_union(value, args, option)
+        return _convert_union(value, hint, args, option)
     if origin is Literal:
         if value in args:
             return value
@@ -116,7 +130,7 @@ def _convert(value: Any, hint: Any, option: str) -> Any:
     return value
 
 
-def _convert_union(value: Any, args: tuple, option: str) -> Any:
+def _convert_union(value: Any, hint: Any, args: tuple, option: str) -> Any:
     optional = type(None) in args
     if value is None and optional:
         return None
@@ -129,7 +143,7 @@ def _convert_union(value: Any, args: tuple, option: str) -> Any:
             return _convert(value, member, option)
         except _Mismatch:
             continue
-    raise _Mismatch
+    raise _Mismatch((option, hint, value))  # no member fits: the union, not its last member, is what failed
 
 
 def _to_bool(value: Any) -> bool:
