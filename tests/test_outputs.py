@@ -15,6 +15,7 @@ import pytest
 import medflare.simulate as simulate_module
 from medflare.cli import main
 from medflare.flare.controller import RESULTS_FILE
+from medflare.errors import ConfigError
 from medflare.outputs import MARKER, OutputTarget
 
 QUICK = ["--data", "synthetic:n=200", "--rounds", "2"]
@@ -181,12 +182,19 @@ def test_export_replaces_its_own_job_and_leaves_the_others(tmp_path: Path, capsy
     assert not (jobs / "fedavg" / MARKER).exists()  # the job folder stays exactly what FLARE gets
 
 
-@pytest.mark.parametrize("name", ["/tmp/h-cli-victim", "../outside", "..", "a/b"])
+@pytest.mark.parametrize("name", ["{tmp}/victim", "../outside", "..", "a/b"])
 def test_export_names_never_leave_the_output_folder(name: str, tmp_path: Path, capsys) -> None:
     (tmp_path / "jobs").mkdir()
+    name = name.format(tmp=tmp_path)
     code, out = run_cli(["export", "fedavg", *TASK, "--set", f"name={name}", "-o", str(tmp_path / "jobs")], capsys)
     assert code == 2 and "plain job name" in out
-    assert tree(tmp_path) == {} and not Path("/tmp/h-cli-victim").exists()
+    assert tree(tmp_path) == {}
+
+
+@pytest.mark.parametrize("unit", ["/elsewhere", "../outside", "..", "a/b", "."])
+def test_an_output_unit_is_one_folder_inside_its_root(unit: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="one folder name"):
+        OutputTarget(tmp_path / "jobs", unit=unit)
 
 
 def test_unreadable_marker_vouches_for_nothing(tmp_path: Path) -> None:

@@ -51,6 +51,8 @@ class OutputTarget:
     option: str = "--out"
 
     def __post_init__(self) -> None:
+        if self.unit and (Path(self.unit).name != self.unit or self.unit in (".", "..")):
+            raise ConfigError(f"'{self.unit}' must be one folder name inside {self.option} (no '/', '.' or '..')")
         self.root = Path(self.root).resolve()
         self._keep_staging = False  # set when publishing refused: the finished results must not be lost
 
