@@ -25,9 +25,7 @@ def test_sigterm_stops_the_simulator_and_leaves_a_failed_log(tmp_path: Path) -> 
     code = sigterm_and_wait(live, timeout=90)
 
     assert code == 128 + signal.SIGTERM
-    deadline = time.time() + 15
-    while alive(children) and time.time() < deadline:
-        time.sleep(0.5)
+    time.sleep(1)  # medflare waits for its children before it exits: nothing may outlive it (beyond a reap)
     assert alive(children) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.failed.log"]
     log = (tmp_path / "out.failed.log").read_text()
