@@ -44,6 +44,14 @@ class LiveProcess:
                 return
         raise AssertionError(f"'{text}' did not appear within {timeout:.0f} s:\n" + "".join(self.lines[-30:]))
 
+    def __enter__(self) -> "LiveProcess":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        """A test that failed early still stops medflare the way a user would (SIGTERM), then reaps it."""
+        if self.proc.poll() is None:
+            sigterm_and_wait(self, timeout=240)
+
     def descendants(self) -> list[psutil.Process]:
         return psutil.Process(self.proc.pid).children(recursive=True)
 

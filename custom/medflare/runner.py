@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from medflare.config import load_config_file
 
@@ -161,6 +161,16 @@ def stop_on_signals() -> Iterator[None]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+def quiet_on_closed_output(echo: Callable[[str], None]) -> Callable[[str], None]:
+    """``echo`` that stays silent once its output is gone (a closed terminal or pipe), so clean-up runs on."""
+
+    def write(line: str) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            echo(line)
+
+    return write
 
 
 def start_process(command: list[str], **popen_args: Any) -> subprocess.Popen:

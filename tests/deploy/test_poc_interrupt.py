@@ -48,14 +48,15 @@ def poc_lock():
 @pytest.mark.slow
 def test_sigterm_stops_the_poc_and_its_server_listens_on_loopback(tmp_path: Path, poc_lock) -> None:
     out = tmp_path / "out"
-    live = LiveProcess([sys.executable, "-m", "medflare.cli", "run", "fedavg", "--env", "poc", "--data",
-                        "synthetic:n=400", "--rounds", "40", "--max-steps", "3", "--out", str(out)])
-    live.wait_for("poc: waiting for job", timeout=300)
-    poc_processes = processes_naming(tmp_path / "out.partial" / "poc")
-    assert len(poc_processes) >= 3, "server and two sites should be running"
-    assert listening_addresses(DEFAULT_PORT) == {"127.0.0.1"}
+    command = [sys.executable, "-m", "medflare.cli", "run", "fedavg", "--env", "poc", "--data", "synthetic:n=400",
+               "--rounds", "40", "--max-steps", "3", "--out", str(out)]
+    with LiveProcess(command) as live:
+        live.wait_for("poc: waiting for job", timeout=300)
+        poc_processes = processes_naming(tmp_path / "out.partial" / "poc")
+        assert len(poc_processes) >= 3, "server and two sites should be running"
+        assert listening_addresses(DEFAULT_PORT) == {"127.0.0.1"}
 
-    code = sigterm_and_wait(live, timeout=240)
+        code = sigterm_and_wait(live, timeout=240)
 
     assert code == 128 + signal.SIGTERM, "".join(live.lines[-20:])
     deadline = time.time() + 30

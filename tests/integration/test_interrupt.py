@@ -16,13 +16,14 @@ from .._processes import LiveProcess, alive, sigterm_and_wait
 @pytest.mark.slow
 def test_sigterm_stops_the_simulator_and_leaves_a_failed_log(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    live = LiveProcess([sys.executable, "-m", "medflare.cli", "run", "fedavg", "--data", "synthetic:n=400",
-                        "--rounds", "40", "--max-steps", "3", "--out", str(out)])
-    live.wait_for("round 2/40", timeout=240)  # the sites are training
-    children = live.descendants()
-    assert any("simulator" in " ".join(p.cmdline()) for p in children), [p.cmdline() for p in children]
+    command = [sys.executable, "-m", "medflare.cli", "run", "fedavg", "--data", "synthetic:n=400", "--rounds", "40",
+               "--max-steps", "3", "--out", str(out)]
+    with LiveProcess(command) as live:
+        live.wait_for("round 2/40", timeout=240)  # the sites are training
+        children = live.descendants()
+        assert any("simulator" in " ".join(p.cmdline()) for p in children), [p.cmdline() for p in children]
 
-    code = sigterm_and_wait(live, timeout=90)
+        code = sigterm_and_wait(live, timeout=90)
 
     assert code == 128 + signal.SIGTERM
     time.sleep(1)  # medflare waits for its children before it exits: nothing may outlive it (beyond a reap)

@@ -36,7 +36,13 @@ from medflare.deploy.policies import SITE_MODES, install_site_policies
 from medflare.deploy.provision import admin_with_role, load_project, nvflare_command, participants
 from medflare.errors import MedflareError
 from medflare.outputs import OutputTarget, failure_note, results_text, write_job_outputs
-from medflare.runner import add_run_options, build_run_config, describe_sites, export_run_job
+from medflare.runner import (
+    add_run_options,
+    build_run_config,
+    describe_sites,
+    export_run_job,
+    quiet_on_closed_output,
+)
 
 REPO_DIR = Path(__file__).resolve().parents[3]
 DEFAULT_PROJECT = REPO_DIR / "provisioning" / "project.yml"
@@ -429,6 +435,7 @@ def run_poc(
         return summary
     except BaseException as exc:
         log = (session.server_log() if session.state else "") + failure_note(run.rounds, staging / "poc", exc)
+        session.echo = quiet_on_closed_output(echo)  # a gone terminal must not stop the clean-up
         session.discard()
         target.abandon(log)
         raise
