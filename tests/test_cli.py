@@ -247,6 +247,7 @@ def downloaded_job(tmp_path: Path, run: RunConfig) -> Path:
         (app_server / "config" / name).write_text((job / "app" / "config" / name).read_text())
     (app_server.parent / "meta.json").write_text((job / "meta.json").read_text())
     (app_server / "medflare_results.json").write_text(json.dumps(fake_results(run.method, run.rounds)))
+    (app_server / "FL_global_model.pt").write_bytes(b"FLARE's model")
     return app_server
 
 
@@ -264,6 +265,9 @@ def test_report_on_a_downloaded_job_reads_its_config(tmp_path: Path, capsys) -> 
     report = (app_server / "report.md").read_text()
     assert "`synthetic:n=200` partition `dirichlet:0.5`" in report and "seed 7" in report
     assert "start-up 10.0 s" in report and "start-up 10.0 s" in out  # first round start - server app start
+    assert (app_server / "FL_global_model.pt").read_bytes() == b"FLARE's model"
+    assert run_cli(["report", str(app_server), "-o", str(tmp_path / "elsewhere")], capsys)[0] == 0
+    assert (tmp_path / "elsewhere" / "FL_global_model.pt").read_bytes() == b"FLARE's model"
 
 
 def test_report_never_replaces_files_it_did_not_write(tmp_path: Path, capsys) -> None:

@@ -138,12 +138,13 @@ def cmd_report(args: argparse.Namespace) -> int:
     from medflare.outputs import OutputTarget, report_from_results, results_text
 
     results = Path(args.results)
-    out = Path(args.output) if args.output else results if results.is_dir() else results.parent
+    beside = results if results.is_dir() else results.parent
+    out = Path(args.output) if args.output else beside
     target = OutputTarget(out, overwrite=True, merge=True, option="-o")
     target.check()
     staging = target.begin()
     try:
-        summary = report_from_results(results, staging)
+        summary = report_from_results(results, staging, copy_models=out.resolve() != beside.resolve())
         target.publish()
     except BaseException:
         target.abandon()

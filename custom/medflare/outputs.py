@@ -197,17 +197,21 @@ def write_job_outputs(
     clients: Mapping[str, Any],
     launched_at: float | None,
     deployment: dict[str, Any] | None = None,
+    copy_models: bool = True,
 ) -> dict[str, Any]:
     """summary.json, rounds.csv, report.md, plots and the global models, from the controller's results file.
 
     Shared by the simulator and POC runners, so ``medflare run`` writes the same outputs in every environment.
+
+    Args:
+        copy_models: copy the global models found beside the results (off when the outputs go beside them).
     """
     results = json.loads(results_file.read_text())
     summary = build_summary(results, {**run_summary_config(run), **(deployment or {})}, clients, launched_at)
     if deployment:
         summary["deployment"] = deployment
     write_outputs(summary, out)
-    for name in MODEL_FILES:
+    for name in MODEL_FILES if copy_models else ():
         if (results_file.parent / name).exists():
             shutil.copy(results_file.parent / name, out / name)
     return summary
@@ -250,7 +254,7 @@ def results_text(summaries: list[Mapping[str, Any]], out: Path) -> str:
 
 
 # ----- results of a job that ran elsewhere (downloaded from POC/production, or a simulator workspace) -------
-def report_from_results(results_file: Path, out: Path) -> dict[str, Any]:
+def report_from_results(results_file: Path, out: Path, copy_models: bool = True) -> dict[str, Any]:
     """The usual run outputs from a job's ``medflare_results.json`` and the job config that sits beside it.
 
     FLARE deploys the whole app to the server, so ``app_server/config/`` holds both the server and the client
@@ -260,6 +264,7 @@ def report_from_results(results_file: Path, out: Path) -> dict[str, Any]:
     Args:
         results_file: the results file, or the folder holding it (``.../app_server``).
         out: folder to write summary.json, rounds.csv, report.md and plots into.
+        copy_models: also copy the global models there (pointless when the report goes beside them).
 
     Raises:
         ConfigError: the file is missing, or it or the job config beside it is unreadable.
@@ -276,7 +281,7 @@ def report_from_results(results_file: Path, out: Path) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{results_file} is not a medflare results file: {exc}") from exc
     launched_at = results.get("controller_started_at")  # the server app's start: start-up = FLARE's job set-up
-    return write_job_outputs(run, results_file, out, {}, launched_at)
+    return write_job_outputs(run, results_file, out, {}, launched_at, copy_models=copy_models)
 
 
 def job_run_config(app_dir: Path) -> Any:
