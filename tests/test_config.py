@@ -51,7 +51,8 @@ GOOD = [  # (field, given, typed value)
     ("per_site", '{"site-2": {"batch_size": 16}}', {"site-2": {"batch_size": 16}}),
     ("pair", [3, 4], (3, 4)), ("pair", "[3, 4]", (3, 4)),
     ("mode", "slow", "slow"),
-    ("rate_or_rates", "0.2", 0.2), ("rate_or_rates", [0.1, 0.2], [0.1, 0.2]), ("rate_or_rates", "[0.1, 0.3]", [0.1, 0.3]),
+    ("rate_or_rates", "0.2", 0.2), ("rate_or_rates", [0.1, 0.2], [0.1, 0.2]),
+    ("rate_or_rates", "[0.1, 0.3]", [0.1, 0.3]),
     ("inner", {"depth": 4}, Inner(4)), ("inner", '{"depth": "5"}', Inner(5)),
     ("anything", "text", "text"),
 ]

@@ -61,7 +61,7 @@ def deployment_borrows_the_simulator(source: str, target: str, names: list[str])
 
 
 def home(module: str) -> str:
-    """The top-level part of the package a module belongs to (``medflare.methods.fed_mas.plots`` -> ``medflare.methods``)."""
+    """The top-level package part a module belongs to (``medflare.methods.fed_mas.plots`` -> ``medflare.methods``)."""
     return ".".join(module.split(".")[:2])
 
 

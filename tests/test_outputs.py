@@ -176,7 +176,8 @@ def test_export_replaces_its_own_job_and_leaves_the_others(tmp_path: Path, capsy
     other = tree(jobs / "their-job")
     assert run_cli(["export", "fedavg", *TASK, "-o", str(jobs), "--mode", "byoc"], capsys)[0] == 0
     assert (jobs / "fedavg" / "app" / "custom" / "medflare").is_dir()
-    assert run_cli(["export", "fedavg", *TASK, "-o", str(jobs), "--mode", "preinstalled", "--overwrite"], capsys)[0] == 0
+    again = ["export", "fedavg", *TASK, "-o", str(jobs), "--mode", "preinstalled", "--overwrite"]
+    assert run_cli(again, capsys)[0] == 0
     assert not (jobs / "fedavg" / "app" / "custom").exists()  # the byoc copy was medflare's: gone
     assert tree(jobs / "their-job") == other
     assert not (jobs / "fedavg" / MARKER).exists()  # the job folder stays exactly what FLARE gets

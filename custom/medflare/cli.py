@@ -89,7 +89,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     summaries: list[dict[str, Any]] = []
     try:
         for run in runs:
-            print(f"medflare: [{len(summaries) + 1}/{len(runs)}] {run.method} on {run.clients} sites, {run.rounds} rounds")
+            step = f"[{len(summaries) + 1}/{len(runs)}]"
+            print(f"medflare: {step} {run.method} on {run.clients} sites, {run.rounds} rounds")
             summaries.append(run_simulation(run, staging / run.method))
         comparison_outputs(summaries, staging)
         target.publish()

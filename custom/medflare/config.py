@@ -60,7 +60,9 @@ def fields_typed(cls: type, values: dict[str, Any] | None, where: str, owner: st
         valid = f"valid options: {', '.join(sorted(fields))}" if fields else "it takes no options"
         raise ConfigError(f"{owner or where or 'run options'}: unknown option(s) {', '.join(unknown)}; {valid}")
     hints = get_type_hints(cls)
-    return {key: check_value(value, hints[key], _option(where, key), _example(fields[key])) for key, value in values.items()}
+    return {
+        key: check_value(value, hints[key], _option(where, key), _example(fields[key])) for key, value in values.items()
+    }
 
 
 def check_value(value: Any, hint: Any, option: str, example: Any = None) -> Any:

@@ -86,7 +86,7 @@ class RunConfig:
             (self.task_request_interval > 0, f"task_request_interval must be > 0, got {self.task_request_interval}"),
             (self.shot_thresholds is None or (len(self.shot_thresholds) == 2
                                                and self.shot_thresholds[0] >= self.shot_thresholds[1] >= 0),
-             f"shot_thresholds must be [head_min, tail_max] with head_min >= tail_max >= 0, got {self.shot_thresholds}"),
+             f"shot_thresholds must be [head_min, tail_max], head_min >= tail_max >= 0, got {self.shot_thresholds}"),
             (not self.name or JOB_NAME.fullmatch(self.name) is not None,
              f"name must be a plain job name (letters, digits, '.', '_', '-'; no '/'; at most 64), got '{self.name}'"),
         ]

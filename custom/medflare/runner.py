@@ -64,7 +64,8 @@ def build_run_config(args: argparse.Namespace, method: str | None = None) -> Run
     scenario = load_scenario(args.scenario) if args.scenario else {}
     from_file = load_config_file(args.config) if args.config else {}
     data = {"source": args.data, "partition": args.partition}
-    train = {"local_epochs": args.local_epochs, "max_steps": args.max_steps, "batch_size": args.batch_size, "lr": args.lr}
+    train = {"local_epochs": args.local_epochs, "max_steps": args.max_steps, "batch_size": args.batch_size,
+             "lr": args.lr}
     flags = {
         "method": method or args.method, "clients": args.clients, "rounds": args.rounds, "model": args.model,
         "pretrained": args.pretrained, "seed": args.seed,
