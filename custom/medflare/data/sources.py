@@ -111,7 +111,12 @@ def _load_medmnist(path: str, seed: int, num_classes: int | None) -> DataSplits:
         if raw.ndim == 2 and raw.shape[1] != 1:
             raise DataError(f"MedMNIST file '{path}' has multi-label targets {raw.shape} in {split}_labels; "
                             "medflare supports single-label classification only.")
-        labels[split] = raw.reshape(-1).astype(np.int64)
+        flat = raw.reshape(-1)
+        fractional = np.flatnonzero(flat % 1 != 0) if flat.dtype.kind == "f" else []
+        if len(fractional):  # astype(int64) would truncate 0.7 to class 0 without a word
+            raise DataError(f"MedMNIST file '{path}': {split}_labels[{int(fractional[0])}] is "
+                            f"{float(flat[fractional[0]]):g}, not a class id; labels must be whole numbers.")
+        labels[split] = flat.astype(np.int64)
         pixels = arrays[f"{split}_images"]
         images[split] = pixels[..., None] if pixels.ndim == 3 else pixels
         if images[split].ndim != 4 or images[split].shape[-1] not in (1, 3) or images[split].dtype != np.uint8:
