@@ -123,7 +123,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from medflare.flare.job import export_job
+    from medflare.job_export import export_job
 
     run = build_run_config(args)
     if not data_was_chosen(args):

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from medflare.errors import MedflareError
 from medflare.flare.controller import RESULTS_FILE
-from medflare.flare.job import export_job
+from medflare.job_export import export_job
 from medflare.report import build_summary, write_outputs
 from medflare.run_config import RunConfig
 from medflare.site_runtime import SITE_LOG_FILE

@@ -12,7 +12,7 @@ import pytest
 from pyhocon import ConfigFactory
 
 from medflare.deploy.templates import TEMPLATES_DIR, stale_templates, template_run
-from medflare.flare.job import client_config, server_config
+from medflare.job_export import client_config, server_config
 from medflare.registry import list_methods
 from medflare.simulate import nvflare_command
 from medflare.site_runtime import TaskSpec

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
+import uuid
 from typing import Any
 
 import numpy as np
@@ -31,8 +33,11 @@ from medflare.flare.aggregator import INFO, SHARES, MedflareAggregator
 from medflare.flare.tasks import TASK_VALIDATE, round_meta
 from medflare.methods.base import RoundContext
 from medflare.metrics import EvalStats, compute_metrics
+from medflare.ops.checkpoint import load_checkpoint, save_checkpoint
 
 RESULTS_FILE = "medflare_results.json"
+CHECKPOINT_FILE = "medflare_checkpoint.npz"  # get_persist_state() after every round, for a resumed job
+BEST_MODEL_FILE = "best_FL_global_model.pt"  # written by FLARE's PT persistor
 EVAL_KEYS = (("val", contracts.EVAL_VAL), ("test", contracts.EVAL_TEST))
 
 
@@ -50,6 +55,8 @@ class MedflareController(Controller):
         train_timeout: seconds a site may take for one task (0 = no limit).
         shot_groups: optional {"head": [...], "medium": [...], "tail": [...]} class ids for long-tail metrics.
         key_metric: validation metric that selects the best model (saved as best_FL_global_model.pt).
+        resume_from: id of an earlier job of this server whose last checkpoint this job continues from (its
+            rounds, results, best score and global model); FLARE 2.9 itself cannot resume a job after a crash.
     """
 
     def __init__(
@@ -62,6 +69,7 @@ class MedflareController(Controller):
         train_timeout: int = 0,
         shot_groups: dict | None = None,
         key_metric: str = "balanced_accuracy",
+        resume_from: str = "",
     ) -> None:
         super().__init__(task_check_period=0.05)
         self.num_rounds = num_rounds
@@ -72,8 +80,10 @@ class MedflareController(Controller):
         self.train_timeout = train_timeout
         self.shot_groups = shot_groups
         self.key_metric = key_metric
+        self.resume_from = resume_from
         self._results: dict[str, Any] = {}
         self._best: float = -np.inf
+        self._next_round = 0  # rounds before it are done (a resumed job skips them)
 
     # ----- FLARE lifecycle ------------------------------------------------------------------------
     def start_controller(self, fl_ctx: FLContext) -> None:
@@ -92,6 +102,11 @@ class MedflareController(Controller):
             "rounds": [],
             "evaluations": {},
         }
+        if self.resume_from:
+            try:
+                self._resume(fl_ctx)
+            except (OSError, KeyError, ValueError) as exc:
+                self.system_panic(f"medflare: cannot resume from job '{self.resume_from}': {exc}", fl_ctx)
 
     def stop_controller(self, fl_ctx: FLContext) -> None:
         self.cancel_all_tasks()
@@ -108,7 +123,8 @@ class MedflareController(Controller):
                 for _ in range(stage_rounds):
                     if abort_signal.triggered:
                         return
-                    self._run_round(round_index, stage, abort_signal, fl_ctx)
+                    if round_index >= self._next_round:  # a resumed job has the earlier rounds already
+                        self._run_round(round_index, stage, abort_signal, fl_ctx)
                     round_index += 1
             self._final_validation(abort_signal, fl_ctx)
             self._results["finished_at"] = time.time()
@@ -145,6 +161,7 @@ class MedflareController(Controller):
         record["wall_seconds"] = time.time() - started
         self._results["rounds"].append(record)
         self._write_results()
+        self._save_checkpoint(round_index + 1, fl_ctx)
         self.fire_event(AppEventType.ROUND_DONE, fl_ctx)
         rejected = f", rejected {sorted(record['rejected'])}" if record["rejected"] else ""
         self.log_info(
@@ -275,6 +292,47 @@ class MedflareController(Controller):
         evaluations = self._broadcast(TASK_VALIDATE, self.global_params, ctx, record, abort_signal, fl_ctx)
         self._record_evaluation(self.num_rounds, evaluations, fl_ctx)
         self._results["final_validation"] = {"wall_seconds": time.time() - record["started_at"], "failed": record["failed"]}
+
+    # ----- state for a resumed job (FLARE's StatePersistable hooks) ----------------------------------
+    def get_persist_state(self, fl_ctx: FLContext) -> dict:
+        """What a resumed job needs: the next round to run, the results so far, the best score, the model."""
+        return {"next_round": self._next_round, "results": self._results, "best": self._best,
+                "global_params": self.global_params}
+
+    def restore(self, state_data: dict, fl_ctx: FLContext) -> None:
+        """Continue from :meth:`get_persist_state` of an earlier run of the same job (same model keys/shapes)."""
+        params = {k: np.asarray(v) for k, v in state_data["global_params"].items()}
+        differ = sorted(set(params) ^ set(self.global_params)) or sorted(
+            k for k in params if params[k].shape != np.shape(self.global_params[k])
+        )
+        if differ:
+            raise ValueError(f"the checkpoint's model differs from this job's model in {differ[:5]}")
+        job = {k: state_data["results"].get(k) for k in ("method", "num_rounds")}
+        if job != {"method": self.aggregator.method, "num_rounds": self.num_rounds}:
+            raise ValueError(f"the checkpoint is of another job ({job}); resume with the same method and rounds")
+        self.global_params = params
+        self._next_round = int(state_data["next_round"])
+        self._results = dict(state_data["results"])
+        self._best = float(state_data["best"])
+
+    def _save_checkpoint(self, next_round: int, fl_ctx: FLContext) -> None:
+        self._next_round = next_round
+        state = self.get_persist_state(fl_ctx)
+        params = state.pop("global_params")
+        save_checkpoint(os.path.join(os.path.dirname(self.results_path), CHECKPOINT_FILE), params, state, _json_default)
+
+    def _resume(self, fl_ctx: FLContext) -> None:
+        """Restore the last checkpoint of job ``resume_from`` from this server's own workspace."""
+        job_id = str(uuid.UUID(self.resume_from))  # a job id, never a path
+        app_root = fl_ctx.get_prop(FLContextKey.APP_ROOT)
+        previous_app = os.path.join(os.path.dirname(os.path.dirname(app_root)), job_id, os.path.basename(app_root))
+        params, state = load_checkpoint(os.path.join(previous_app, CHECKPOINT_FILE))
+        self.restore({**state, "global_params": params}, fl_ctx)
+        self._results["resumed"] = {"from_job": job_id, "at_round": self._next_round, "at": time.time()}
+        self.persistor.save(make_model_learnable(self.global_params, {}), fl_ctx)
+        if os.path.isfile(os.path.join(previous_app, BEST_MODEL_FILE)):
+            shutil.copy(os.path.join(previous_app, BEST_MODEL_FILE), os.path.join(app_root, BEST_MODEL_FILE))
+        self.log_info(fl_ctx, f"medflare: resumed job {job_id} at round {self._next_round + 1}/{self.num_rounds}")
 
     def _write_results(self) -> None:
         tmp = self.results_path + ".tmp"
