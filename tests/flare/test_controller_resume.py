@@ -3,6 +3,7 @@ round, what it restores, which rounds it then skips, and which checkpoints it re
 
 from __future__ import annotations
 
+import json
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,6 +17,7 @@ from nvflare.apis.signal import Signal
 from medflare.flare.controller import CHECKPOINT_FILE, RESULTS_FILE, MedflareController
 
 ROUNDS = 4
+LEAD = "lead@hospital-a.example.org"
 
 
 def controller(app_dir: Path, method: str = "fedavg", rounds: int = ROUNDS) -> MedflareController:
@@ -35,6 +37,7 @@ def crashed_job(root: Path) -> tuple[str, MedflareController]:
     job_id = str(uuid.uuid4())
     app = root / job_id / "app_server"
     app.mkdir(parents=True)
+    _write_meta(app.parent, LEAD)
     ctl = controller(app)
     ctl.global_params = {"w": np.full((2, 3), 3.0, np.float32)}
     ctl._results["rounds"] = [{"round": 0, "share": {"site-1": 1.0}}, {"round": 1, "share": {"site-1": 1.0}}]
@@ -43,9 +46,10 @@ def crashed_job(root: Path) -> tuple[str, MedflareController]:
     return job_id, ctl
 
 
-def new_job(root: Path, resume_from: str) -> tuple[MedflareController, FLContext]:
+def new_job(root: Path, resume_from: str, submitter: str = LEAD) -> tuple[MedflareController, FLContext]:
     app = root / str(uuid.uuid4()) / "app_server"
     app.mkdir(parents=True)
+    _write_meta(app.parent, submitter)
     ctl = controller(app)
     ctl.resume_from = resume_from
     ctx = FLContext()
@@ -98,3 +102,16 @@ def test_resume_from_names_a_job_id_never_a_path(tmp_path: Path, resume_from: st
     ctl, ctx = new_job(tmp_path, resume_from)
     with pytest.raises(ValueError):
         ctl._resume(ctx)
+
+
+def test_only_the_submitter_of_the_crashed_job_may_resume_it(tmp_path: Path) -> None:
+    """Resuming hands the crashed job's model to the new job's submitter, who may download it."""
+    job_id, _ = crashed_job(tmp_path)
+    ctl, ctx = new_job(tmp_path, job_id, submitter="other-lead@hospital-b.example.org")
+    with pytest.raises(ValueError, match="only its submitter"):
+        ctl._resume(ctx)
+
+
+def _write_meta(run_dir: Path, submitter: str) -> None:
+    """The meta.json FLARE writes into a job's server run folder."""
+    (run_dir / "meta.json").write_text(json.dumps({"submitter_name": submitter}))

@@ -322,10 +322,14 @@ class MedflareController(Controller):
         save_checkpoint(os.path.join(os.path.dirname(self.results_path), CHECKPOINT_FILE), params, state, _json_default)
 
     def _resume(self, fl_ctx: FLContext) -> None:
-        """Restore the last checkpoint of job ``resume_from`` from this server's own workspace."""
+        """Restore the last checkpoint of job ``resume_from`` (same submitter) from this server's own workspace."""
         job_id = str(uuid.UUID(self.resume_from))  # a job id, never a path
         app_root = fl_ctx.get_prop(FLContextKey.APP_ROOT)
-        previous_app = os.path.join(os.path.dirname(os.path.dirname(app_root)), job_id, os.path.basename(app_root))
+        run_dir = os.path.dirname(app_root)
+        previous_run = os.path.join(os.path.dirname(run_dir), job_id)
+        if _submitter(previous_run) != _submitter(run_dir):
+            raise ValueError(f"job {job_id} was submitted by someone else; only its submitter may resume it")
+        previous_app = os.path.join(previous_run, os.path.basename(app_root))
         params, state = load_checkpoint(os.path.join(previous_app, CHECKPOINT_FILE))
         self.restore({**state, "global_params": params}, fl_ctx)
         self._results["resumed"] = {"from_job": job_id, "at_round": self._next_round, "at": time.time()}
@@ -350,6 +354,12 @@ def add_payload(payload: dict[str, dict], site: str, dxo: DXO) -> None:
     entry["arrays"] += len(arrays)
     entry["meta_keys"] = sorted(set(entry["meta_keys"]) | set(dxo.meta or {}))
     entry["bytes"] += array_bytes + meta_bytes
+
+
+def _submitter(run_dir: str) -> str:
+    """Who submitted the job whose server run folder is ``run_dir`` (FLARE writes its meta.json there)."""
+    with open(os.path.join(run_dir, "meta.json")) as f:
+        return str(json.load(f)["submitter_name"])
 
 
 def _json_default(value: Any) -> Any:
