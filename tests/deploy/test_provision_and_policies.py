@@ -137,6 +137,8 @@ def test_reinstall_rewrites_one_moved_kit(kits: Path, tmp_path: Path, capsys) ->
     job_manager = next(c for c in resources["components"] if c["id"] == "job_manager")
     assert job_manager["args"]["uri_root"] == str(moved.resolve() / SERVER_STORAGE["job_store"])
     assert "wrote" in capsys.readouterr().out
+    assert main(["--reinstall", str(kits / "lead@hospital-a.example.org")]) == 2  # an admin kit has no policies
+    assert "is not a server or site kit" in capsys.readouterr().err
 
 
 def test_committed_policy_templates_are_up_to_date() -> None:

@@ -209,6 +209,8 @@ def install_site_policies(
     from medflare.registry import list_methods
 
     kit = Path(kit_dir).resolve()
+    if not is_site_kit(kit):
+        raise FileNotFoundError(f"{kit} is not a server or site kit: no startup/fed_server.json or fed_client.json")
     local = kit / "local"
     is_client = (kit / "startup" / "fed_client.json").is_file()
     resources_default = _read(local / "resources.json.default")

@@ -150,7 +150,12 @@ def main(argv: list[str] | None = None) -> int:
                              "the server kit, whose job store path is absolute)")
     args = parser.parse_args(argv)
     if args.reinstall:
-        for path in install_site_policies(args.reinstall, args.mode):
+        try:
+            written = install_site_policies(args.reinstall, args.mode)
+        except FileNotFoundError as exc:
+            print(f"provision: error: {exc}", file=sys.stderr)
+            return 2
+        for path in written:
             print(f"wrote {path}")
         return 0
     if not (args.project and args.workspace):
