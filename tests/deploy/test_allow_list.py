@@ -8,6 +8,7 @@ prefix that included ``medflare.deploy.policies.install_site_policies`` (issue 7
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import pkgutil
 import types
@@ -30,6 +31,21 @@ from medflare.registry import list_methods
 from medflare.site_runtime import TaskSpec
 
 TASK = TaskSpec(num_classes=2, in_channels=1, image_size=28)
+# Every argument a job can pass to an allow-listed component, reviewed for what a job could do with it. A new
+# argument fails the test until someone has. Known file names among them: `pretrained` (a weights file on the
+# server, read with weights_only=True), `data` (refused at a real site unless it opted in) and `resume_from` (a
+# job id, never a path). The persistor deliberately takes none of FLARE's PT persistor's file arguments.
+REVIEWED_ARGS = {
+    "medflare.flare.persistor.MedflareModelPersistor": ["model"],
+    "medflare.flare.models.build_global_model": [
+        "method", "model", "num_classes", "in_channels", "image_size", "pretrained", "method_args", "seed"],
+    "medflare.flare.aggregator.MedflareAggregator": ["method", "num_classes", "num_rounds", "method_args"],
+    "medflare.flare.controller.MedflareController": [
+        "num_rounds", "min_clients", "persistor_id", "aggregator_id", "wait_time_after_min_received", "train_timeout",
+        "shot_groups", "key_metric", "resume_from"],
+    "medflare.flare.executor.MedflareExecutor": [
+        "method", "task", "model", "method_args", "train", "data", "sites", "seed", "site_train", "evaluation"],
+}
 KITS = {
     "client": (lambda: client_resources_policy(flare_defaults("client")["resources.json"]), CLIENT_COMPONENTS),
     "server": (lambda: server_resources_policy(flare_defaults("server")["resources.json"], "/kit"), SERVER_COMPONENTS),
@@ -104,6 +120,21 @@ def test_components_live_in_one_namespace_and_building_them_writes_nothing(
     built.append(_build(client_config(run, TASK)["executors"][0]["executor"]))
     assert len(built) == len(SERVER_COMPONENTS) - 1 + len(CLIENT_COMPONENTS)  # the model is built inside
     assert list(cwd.iterdir()) == [] and list(home.iterdir()) == []
+
+
+def test_every_argument_a_job_can_pass_was_reviewed() -> None:
+    arguments = {path: list(inspect.signature(load_class(path)).parameters) for path in REVIEWED_ARGS}
+    assert set(REVIEWED_ARGS) == {*SERVER_COMPONENTS, *CLIENT_COMPONENTS}
+    assert arguments == REVIEWED_ARGS
+
+
+@pytest.mark.parametrize("argument", [
+    {"global_model_file_name": "/srv/kit/local/authorization.json"},  # FLARE's PT persistor writes the model there
+    {"source_ckpt_file_full_name": "/tmp/evil.pt", "load_weights_only": False},  # and would unpickle this
+])
+def test_the_persistor_takes_no_file_argument(argument: dict) -> None:
+    with pytest.raises(TypeError):
+        load_class("medflare.flare.persistor.MedflareModelPersistor")(model=None, **argument)
 
 
 def _build(config: dict[str, Any]) -> Any:
