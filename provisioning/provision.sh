@@ -15,6 +15,9 @@ usage: provisioning/provision.sh -p PROJECT_YML -w WORKSPACE [--mode byoc|preins
   --site-mode      per-site mode, e.g. --site-mode hospital-b=preinstalled
   --gpus           GPUs a site offers to jobs, e.g. --gpus hospital-a=2
 
+The project folder is made private (0700) and WORKSPACE/<project>/state/cert.json (the root CA key and every
+participant's key) 0600: move that file to offline storage afterwards (docs/deploy.md, "Where the secrets are").
+
 Needs the medflare environment (python with medflare and nvflare==2.9.0). Set PYTHON to choose it.
 USAGE
 }

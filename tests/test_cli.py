@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from medflare.cli import main
-from medflare.flare.job import export_job
+from medflare.job_export import export_job
 from medflare.outputs import report_from_results
 from medflare.run_config import RunConfig
 

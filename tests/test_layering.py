@@ -1,7 +1,7 @@
 """The package's layers, read from its import graph: lower floors never import the command-line face.
 
 Floors, bottom to top: the algorithm floors (methods, losses, metrics, ops, models, data) and the FLARE glue
-(flare) know nothing of how runs are launched or reported; the environments (simulate, deploy) share the
+(flare) and the job writer (job_export) know nothing of how runs are launched or reported; the environments (simulate, deploy) share the
 neutral runner/outputs/report/plotting modules; only ``medflare.cli`` is the command line, and nothing imports it.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "custom" / "medflare"
-LOWER_FLOORS = ("methods", "losses", "metrics", "ops", "models", "data", "flare")
+LOWER_FLOORS = ("methods", "losses", "metrics", "ops", "models", "data", "flare", "job_export")
 LAUNCH_AND_REPORT = ("medflare.cli", "medflare.simulate", "medflare.deploy", "medflare.runner", "medflare.outputs",
                      "medflare.report")
 
@@ -92,7 +92,7 @@ FORBIDDEN = [
     (imports_the_command_line, "medflare.deploy.poc", "def f():\n    from medflare.cli import build_run_config\n"),
     (lower_floor_imports_launching_or_reporting, "medflare.methods.fed_mas.plots",
      "from medflare.report import integer_ticks, pyplot\n"),
-    (lower_floor_imports_launching_or_reporting, "medflare.flare.job", "import medflare.outputs\n"),
+    (lower_floor_imports_launching_or_reporting, "medflare.job_export", "import medflare.outputs\n"),
     (deployment_borrows_the_simulator, "medflare.deploy.poc", "from medflare.simulate import describe_sites\n"),
     (takes_private_names_of_another_package, "medflare.deploy.poc", "from medflare.cli import _add_run_options\n"),
     (takes_private_names_of_another_package, "medflare.deploy.poc", "from ..report import _fmt\n"),

@@ -15,7 +15,28 @@ EVAL_KEYS = {"eval_val", "eval_test", "eval_test_by_attribute"}
 
 
 def test_simulation_data_comes_from_the_job() -> None:
-    assert read_site_data_config("/nonexistent", DATA) == DATA
+    assert read_site_data_config("/nonexistent", DATA, simulated=True) == DATA
+
+
+def test_a_real_site_refuses_data_the_job_names(tmp_path: Path) -> None:
+    """POC/production: the job cannot choose what a site reads, with or without a site file."""
+    with pytest.raises(DataError, match="refused: the job names its own data"):
+        read_site_data_config(tmp_path, DATA)  # no site file
+    (tmp_path / "medflare_site.json").write_text(json.dumps({"data": {"source": "folder:/data/xray"}}))
+    for job_data in (DATA, {"source": "folder:/etc"}):
+        for simulated in (False, True):  # a site's own file wins even in the simulator
+            with pytest.raises(DataError, match="allow_job_data"):
+                read_site_data_config(tmp_path, job_data, simulated=simulated)
+
+
+def test_a_site_may_opt_in_to_job_data(tmp_path: Path) -> None:
+    (tmp_path / "medflare_site.json").write_text(json.dumps({"allow_job_data": "yes"}))  # only true opts in
+    with pytest.raises(DataError, match="refused"):
+        read_site_data_config(tmp_path, DATA)
+    (tmp_path / "medflare_site.json").write_text(json.dumps({"allow_job_data": True}))
+    assert read_site_data_config(tmp_path, DATA) == DATA
+    with pytest.raises(DataError, match="no 'data' object"):  # opted in, but the job asks for site data
+        read_site_data_config(tmp_path, {"source": "site"})
 
 
 def test_site_data_comes_from_the_sites_own_file(tmp_path: Path) -> None:

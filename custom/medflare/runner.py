@@ -116,7 +116,7 @@ def export_run_job(run: RunConfig, out_dir: str | Path, mode: str, class_counts:
         mode: ``byoc`` (the job carries medflare) or ``preinstalled``.
         class_counts: global training class counts from :func:`describe_sites` (computed when not given).
     """
-    from medflare.flare.job import export_job
+    from medflare.job_export import export_job
 
     if class_counts is None:
         _, class_counts = describe_sites(run)

@@ -25,6 +25,7 @@ from medflare.ops.wire import encode_weights
 from medflare.registry import get_method
 
 SITE_CONFIG_FILE = "medflare_site.json"  # in a site's local/ folder (POC and production)
+ALLOW_JOB_DATA = "allow_job_data"  # a site's opt-in (in that file): jobs may bring their own, e.g. simulated, data
 EVALUATION_MODES = ("every_round", "final", "off")
 SITE_LOG_FILE = "medflare_site_log.jsonl"  # per-site diagnostics that never leave the site
 SITE_STATE_FILE = "medflare_site_state.pt"  # optimizer, private keys and method state of the running job
@@ -62,25 +63,41 @@ def resolve_train_config(spec: MethodSpec, overrides: Mapping[str, Any] | None) 
     return from_dict(TrainConfig, {**dict(spec.train_defaults), **dict(overrides or {})}, "train")
 
 
-def read_site_data_config(site_config_dir: str | Path, job_data: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The data config a site uses.
+def read_site_data_config(
+    site_config_dir: str | Path, job_data: Mapping[str, Any] | None, simulated: bool = False
+) -> dict[str, Any]:
+    """The data config a site uses: the hospital, not the job, decides.
 
-    In simulation the job carries a partitioned data spec. In POC and production the job says
-    ``{"source": "site"}`` (or nothing) and the site reads its own ``local/medflare_site.json``; the server and
-    the job never see a data path.
+    A site with a ``local/medflare_site.json`` always follows it: the job's ``{"source": "site"}`` (or nothing)
+    reads the file's ``data``; a job that names its own source is refused unless the file opts in with
+    ``"allow_job_data": true`` (a test or POC site). Only FLARE's simulator, whose sites have no such file,
+    takes the job's partitioned data spec without an opt-in.
+
+    Args:
+        site_config_dir: the site's ``local/`` folder.
+        job_data: the data block of the job's executor config.
+        simulated: True in FLARE's simulator (its engine sets ``FLContextKey.SIMULATE_MODE``, which a job's
+            configuration cannot set); False in POC and production.
     """
-    if job_data and job_data.get("source", "site") != "site":
-        return dict(job_data)
     path = Path(site_config_dir) / SITE_CONFIG_FILE
-    if not path.is_file():
+    site_file = _read_site_file(path)
+    job_source = (job_data or {}).get("source", "site")
+    if job_source != "site":
+        if (site_file is None and simulated) or (site_file or {}).get(ALLOW_JOB_DATA) is True:
+            return dict(job_data or {})
+        raise DataError(
+            f"refused: the job names its own data (source '{job_source}'), but this site reads only the data in "
+            f"its {path}. Submit the job with {{\"source\": \"site\"}}, or (test sites only) add "
+            f'"{ALLOW_JOB_DATA}": true to that file'
+        )
+    if site_file is None:
         raise DataError(
             f"this site has no data configured: {path} is missing. Create it with "
             '{"data": {"source": "folder:/path/to/images"}} (or csv:/path/manifest.csv, medmnist:/path/file.npz)'
         )
-    try:
-        site_data = json.loads(path.read_text())["data"]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise DataError(f"{path} must be JSON with a 'data' object: {exc}") from exc
+    site_data = site_file.get("data")
+    if not isinstance(site_data, dict):
+        raise DataError(f"{path} has no 'data' object; add e.g. {{\"data\": {{\"source\": \"folder:/path\"}}}}")
     overrides = {k: v for k, v in (job_data or {}).items() if k != "source"}
     return {**overrides, **site_data, "local": True, "num_sites": 1}
 
@@ -94,7 +111,8 @@ def resolve_site_model(
     Only methods whose server holds no model (no weights travel) may mix architectures; for the others every
     site must train the job's model, because the server averages weights key by key.
     """
-    local = _site_file(site_config_dir).get("model") if site_config_dir is not None else None
+    site_file = _read_site_file(Path(site_config_dir) / SITE_CONFIG_FILE) if site_config_dir is not None else None
+    local = (site_file or {}).get("model")
     chosen = local or (site_models or {}).get(site) or job_model
     if chosen != job_model and get_method(method).server_model:
         where = "its local medflare_site.json" if local else "the job's site_model"
@@ -105,16 +123,16 @@ def resolve_site_model(
     return str(chosen)
 
 
-def _site_file(site_config_dir: str | Path) -> dict[str, Any]:
-    path = Path(site_config_dir) / SITE_CONFIG_FILE
+def _read_site_file(path: Path) -> dict[str, Any] | None:
+    """The site's ``medflare_site.json`` as a dict, or None when the site has none."""
     if not path.is_file():
-        return {}
+        return None
     try:
         content = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path} is not valid JSON: {exc}") from exc
+        raise DataError(f"{path} is not valid JSON: {exc}") from exc
     if not isinstance(content, dict):
-        raise ConfigError(f"{path} must hold a JSON object")
+        raise DataError(f"{path} must hold a JSON object, e.g. {{\"data\": {{\"source\": \"folder:/path\"}}}}")
     return content
 
 

@@ -1,21 +1,23 @@
 """A real FLARE POC on loopback (mTLS kits from provisioning/project.yml): one POC for the whole module.
 
-Two sites run one method's job in pre-installed mode and again in BYOC mode (submitted by the project's
-lead, at the same time). A third site is configured for pre-installed mode only: it runs a pre-installed
-job on its own site-local data and refuses a BYOC job. A ``member`` cannot submit at all.
+Two sites (opted in to job-provided data) run one method's job in pre-installed mode and again in BYOC mode
+(submitted by the project's lead, at the same time). A third site is configured for pre-installed mode only: it
+runs a pre-installed job on its own site-local data and refuses a BYOC job, a job naming its own data, and a
+code-free job naming a medflare function that rewrites site policies (its ``local/`` stays byte-identical, as
+does the server's). A ``member`` cannot submit at all. No site log reaches the server's job store.
 """
 
 from __future__ import annotations
 
 import json
-import socket
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
 
 from medflare.deploy.poc import PocSession, export_poc_job, retarget_job, write_run_outputs
-from medflare.deploy.policies import site_data_config
+from medflare.deploy.policies import SERVER_STORAGE, site_data_config
 from medflare.registry import get_method
 from medflare.run_config import RunConfig
 
@@ -25,12 +27,6 @@ METHOD = "fedavg"
 QUICK = {"max_steps": 3, "batch_size": 32}
 SHARED_DATA = {"source": "synthetic:n=400", "partition": "iid"}
 JOB_TIMEOUT = 240
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def two_site_run(name: str) -> RunConfig:
@@ -45,15 +41,15 @@ def site3_run(name: str) -> RunConfig:
 
 
 @pytest.fixture(scope="module")
-def poc(tmp_path_factory):
+def poc(tmp_path_factory, poc_lock, poc_port):
     root = tmp_path_factory.mktemp("poc")
-    session = PocSession(root / "poc", port=free_port(), echo=lambda line: None)
+    session = PocSession(root / "poc", port=poc_port, echo=lambda line: None)
     timings: dict[str, float] = {}
     jobs: dict[str, dict] = {}
     try:
         t0 = time.time()
-        session.prepare(3, site_modes={"site-3": "preinstalled"})
-        site3_local = session.kit("site-3") / "local" / "medflare_site.json"
+        session.prepare(3, site_modes={"site-3": "preinstalled"}, allow_job_data=True)
+        site3_local = session.kit("site-3") / "local" / "medflare_site.json"  # its own data, no opt-in
         site3_local.write_text(json.dumps(site_data_config("synthetic:n=200")))
         session.start(exclude=["site-3"])
         timings["prepare_and_start"] = time.time() - t0
@@ -113,24 +109,100 @@ def test_member_cannot_submit(poc) -> None:
     assert "not authorized" in json.dumps(reply), reply
 
 
-def test_preinstalled_site_runs_preinstalled_jobs_and_refuses_byoc(poc) -> None:
+SITE3_JOBS = ("preinstalled", "byoc", "tamper", "data")
+
+
+@pytest.fixture(scope="module")
+def site3(poc) -> dict:
+    """site-3 (pre-installed mode, its own data, no opt-in to job data) gets four jobs at once: a pre-installed
+    and a BYOC job on its own data, a code-free job naming a policy-writing medflare function as a component of
+    both the site and the server, and a job naming its own data. Returns their ids, final statuses and the
+    ``local/`` bytes of site-3 and the server before and after."""
     session: PocSession = poc["session"]
-    root: Path = poc["root"]
+    server = session.state["server"]
     session.start_site("site-3")
+    before = {name: _tree_bytes(session.kit(name) / "local") for name in ("site-3", server)}
     jobs = {}
-    for mode in ("preinstalled", "byoc"):
-        job_dir = export_poc_job(site3_run(f"site3-{mode}"), root / "site3-jobs" / mode, mode)
-        retarget_job(job_dir, ["site-3"], f"site3-{mode}")
-        jobs[mode] = session.submit(job_dir)
-    byoc_status = session.wait(jobs["byoc"], timeout=JOB_TIMEOUT)
-    preinstalled_status = session.wait(jobs["preinstalled"], timeout=JOB_TIMEOUT)
-    assert preinstalled_status == "FINISHED:COMPLETED", session.server_log()[-3000:]
-    assert byoc_status != "FINISHED:COMPLETED"
-    refusals = [line for line in session.server_log().splitlines() if jobs["byoc"] in line and "BYOC" in line]
+    t0 = time.time()
+    for name in SITE3_JOBS:
+        run = two_site_run(f"site3-{name}") if name == "data" else site3_run(f"site3-{name}")
+        job_dir = export_poc_job(run, poc["root"] / "site3-jobs" / name, "byoc" if name == "byoc" else "preinstalled")
+        retarget_job(job_dir, ["site-3"], f"site3-{name}")
+        if name == "tamper":  # both sides build their configs at job start, each refuses on its own
+            for side, kit in (("client", "site-3"), ("server", server)):
+                tamper = {"id": "tamper", "path": "medflare.deploy.policies.install_site_policies",
+                          "args": {"kit_dir": str(session.kit(kit)), "mode": "byoc"}}
+                _add_component(job_dir / "app" / "config" / f"config_fed_{side}.json", tamper)
+        jobs[name] = session.submit(job_dir)
+    statuses = {name: session.wait(job_id, timeout=JOB_TIMEOUT) for name, job_id in jobs.items()}
+    poc["timings"]["site3_jobs"] = time.time() - t0
+    after = {name: _tree_bytes(session.kit(name) / "local") for name in before}
+    return {"ids": jobs, "statuses": statuses, "local_before": before, "local_after": after}
+
+
+def test_preinstalled_site_runs_preinstalled_jobs_and_refuses_byoc(poc, site3) -> None:
+    session: PocSession = poc["session"]
+    assert site3["statuses"]["preinstalled"] == "FINISHED:COMPLETED", session.server_log()[-3000:]
+    assert site3["statuses"]["byoc"] != "FINISHED:COMPLETED"
+    byoc = site3["ids"]["byoc"]
+    refusals = [line for line in session.server_log().splitlines() if byoc in line and "BYOC" in line]
     assert any("site-3: NVFLARE_ERROR: BYOC not permitted" in line for line in refusals), refusals
 
 
-def test_poc_stays_within_budget(poc) -> None:
+def test_site_refuses_tamper_jobs_and_job_chosen_data(poc, site3) -> None:
+    """A code-free job naming a policy-writing medflare function, at the site or at the server, is refused
+    before it runs, and both ``local/`` folders stay byte-identical; a job naming its own data is refused."""
+    session: PocSession = poc["session"]
+    refused = {name: site3["statuses"][name] for name in ("tamper", "data")}
+    assert all(status != "FINISHED:COMPLETED" for status in refused.values()), refused
+    assert site3["local_after"] == site3["local_before"]
+    refusal = "Component 'medflare.deploy.policies.install_site_policies' at config path 'components.#1' is not in"
+    site_log = _site3_job_log(session, site3["ids"]["tamper"])
+    assert refusal in site_log, site_log[-2000:]
+    server_log = _server_job_log(session, site3["ids"]["tamper"])
+    assert refusal.replace("#1", "#3") in server_log, server_log[-2000:]
+    data_log = _site3_job_log(session, site3["ids"]["data"])
+    assert "refused: the job names its own data (source 'synthetic:n=400')" in data_log, data_log[-2000:]
+
+
+def test_no_site_log_reaches_the_server_and_the_job_store_is_private(poc, site3) -> None:
+    """Sites do not stream or upload logs (ERRORLOG_<site> carried a data path); the job store is in the kit."""
+    session: PocSession = poc["session"]
+    server_kit = session.kit(session.state["server"])
+    resources = json.loads((server_kit / "local" / "resources.json").read_text())
+    job_store = Path(next(c for c in resources["components"] if c["id"] == "job_manager")["args"]["uri_root"])
+    assert job_store == server_kit.resolve() / SERVER_STORAGE["job_store"]
+    assert job_store.stat().st_mode & 0o777 == 0o700
+    job_folders = [p for p in job_store.iterdir() if p.is_dir()]
+    assert {job["id"] for job in poc["jobs"].values()} <= {p.name for p in job_folders}
+    uploaded = [p.name for folder in job_folders for p in folder.iterdir() if p.name.startswith(("ERRORLOG", "LOG_"))]
+    assert uploaded == [], uploaded
+
+
+def test_poc_stays_within_budget(poc, site3) -> None:
     timings = poc["timings"]
     assert timings["prepare_and_start"] < 90, timings
     assert timings["two_jobs"] < 2 * JOB_TIMEOUT, timings
+    assert timings["site3_jobs"] < 2 * JOB_TIMEOUT, timings
+
+
+def _tree_bytes(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _add_component(config_file: Path, component: dict) -> None:
+    config = json.loads(config_file.read_text())
+    config["components"] = [*config.get("components", []), component]
+    config_file.write_text(json.dumps(config, indent=2))
+
+
+def _site3_job_log(session: PocSession, job_id: str) -> str:
+    """The job's log at site-3 (it stays in the site's kit: sites upload no logs)."""
+    return (session.kit("site-3") / job_id / "log.txt").read_text(errors="replace")
+
+
+def _server_job_log(session: PocSession, job_id: str) -> str:
+    """The server's log of a finished job, from its workspace in the server's job store (what a download gets)."""
+    archive = session.kit(session.state["server"]) / SERVER_STORAGE["job_store"] / job_id / "workspace"
+    with zipfile.ZipFile(archive) as workspace:
+        return workspace.read("log.txt").decode(errors="replace")

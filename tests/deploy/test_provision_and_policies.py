@@ -1,9 +1,12 @@
 """Provisioning the consortium project: startup kits hold the expected certificates and the site policies;
-the policies mean what the docs say (pre-installed sites refuse BYOC; result filters enforce each Payload)."""
+the policies mean what the docs say (pre-installed sites refuse BYOC; only medflare's job components are
+allow-listed; result filters enforce each Payload; site logs stay at the site; the server's job store is
+private and inside its kit; the CA's keys are readable by their owner only)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,14 +19,16 @@ from nvflare.fuel.utils.config_service import ConfigService
 from medflare.contracts import Payload
 from medflare.deploy.filters import PayloadGuard, check_result_keys
 from medflare.deploy.policies import (
-    ALLOW_LIST_PREFIX, authorization_policy, privacy_policy, resources_policy, scope_name,
+    CLIENT_COMPONENTS, SERVER_COMPONENTS, SERVER_STORAGE, allow_components, authorization_policy, privacy_policy,
+    scope_name,
 )
-from medflare.deploy.provision import load_project, participants, provision
+from medflare.deploy.provision import load_project, main, participants, provision
 from medflare.errors import PayloadError
 from medflare.registry import get_method, list_methods
 
 REPO = Path(__file__).resolve().parents[2]
 PROJECT = REPO / "provisioning" / "project.yml"
+SERVER = "fl-server.medflare.example.org"
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +66,12 @@ def test_kits_hold_the_site_policies(kits: Path) -> None:
         local = kits / site / "local"
         assert {"authorization.json", "privacy.json", "resources.json"} <= _names(local)
         resources = json.loads((local / "resources.json").read_text())
-        assert ALLOW_LIST_PREFIX in resources["class_allow_list"]
+        assert _medflare_entries(resources) == list(CLIENT_COMPONENTS)
         assert resources["class_list_enforcement_mode"] == "enforce"
         scopes = {s["name"] for s in json.loads((local / "privacy.json").read_text())["scopes"]}
         assert {scope_name(m) for m in list_methods()} <= scopes
-    server_resources = json.loads((kits / "fl-server.medflare.example.org" / "local" / "resources.json").read_text())
-    assert ALLOW_LIST_PREFIX in server_resources["class_allow_list"]  # server builds medflare components too
+    server_resources = json.loads((kits / SERVER / "local" / "resources.json").read_text())
+    assert _medflare_entries(server_resources) == list(SERVER_COMPONENTS)  # server builds medflare components
     gpus = _gpu_args(json.loads((kits / "hospital-a" / "local" / "resources.json").read_text()))
     assert gpus["num_of_gpus"] == 2
     assert _byoc_allowed(kits / "hospital-a", "lead") and not _byoc_allowed(kits / "hospital-c", "lead")
@@ -84,9 +89,56 @@ def test_preinstalled_authorization_keeps_every_other_right() -> None:
     assert authorization_policy(default, "byoc") == default
 
 
-def test_resources_policy_adds_the_prefix_once() -> None:
-    policy = resources_policy(resources_policy({"class_allow_list": ["nvflare.x"], "components": []}))
-    assert policy["class_allow_list"] == ["nvflare.x", ALLOW_LIST_PREFIX]
+def test_allow_list_names_exact_components_and_drops_broader_entries() -> None:
+    default = {"class_allow_list": ["nvflare.x", "medflare.", "*"], "class_list_enforcement_mode": "warn"}
+    policy = allow_components(allow_components(default, CLIENT_COMPONENTS), CLIENT_COMPONENTS)
+    assert policy["class_allow_list"] == ["nvflare.x", *CLIENT_COMPONENTS]
+    assert policy["class_list_enforcement_mode"] == "enforce"
+
+
+def test_server_job_store_and_snapshots_are_private_and_inside_the_kit(kits: Path) -> None:
+    """FLARE's default /tmp/nvflare job store is world-readable and shared by every server on the machine."""
+    server = kits / SERVER
+    resources = json.loads((server / "local" / "resources.json").read_text())
+    job_manager = next(c for c in resources["components"] if c["id"] == "job_manager")
+    snapshots = resources["snapshot_persistor"]["args"]["storage"]["args"]["root_dir"]
+    assert job_manager["args"]["uri_root"] == str(server.resolve() / SERVER_STORAGE["job_store"])
+    assert snapshots == str(server.resolve() / SERVER_STORAGE["snapshots"])
+    for folder in SERVER_STORAGE.values():
+        assert _mode(server / folder) == 0o700
+
+
+def test_sites_do_not_upload_their_logs(kits: Path, tmp_path: Path) -> None:
+    """FLARE's error-log upload (ERRORLOG_<site>) carried a site's data path to the server: switched off."""
+    from nvflare.apis.fl_constant import ReservedKey
+    from nvflare.app_common.logging.constants import is_log_streaming_allowed
+
+    site = tmp_path / "hospital-a"
+    shutil.copytree(kits / "hospital-a", site)
+    ctx = FLContext()  # what FLARE's SiteLogStreamer and JobLogStreamer ask before sending any log
+    ctx.set_prop(FLContextKey.WORKSPACE_ROOT, str(site), private=True, sticky=False)
+    ctx.put(key=ReservedKey.IDENTITY_NAME, value="hospital-a", private=False, sticky=False)
+    assert json.loads((site / "local" / "resources.json").read_text())["allow_log_streaming"] is False
+    assert not is_log_streaming_allowed(ctx)
+
+
+def test_ca_keys_are_readable_by_their_owner_only(kits: Path) -> None:
+    """state/cert.json holds the root CA's and every participant's private key (FLARE writes it 0644)."""
+    project_dir = kits.parent
+    assert _mode(project_dir / "state" / "cert.json") == 0o600
+    assert _mode(project_dir / "state") == 0o700 and _mode(project_dir) == 0o700
+
+
+def test_reinstall_rewrites_one_moved_kit(kits: Path, tmp_path: Path, capsys) -> None:
+    moved = tmp_path / "moved-server"
+    shutil.copytree(kits / SERVER, moved)
+    assert main(["--reinstall", str(moved), "--mode", "preinstalled"]) == 0
+    resources = json.loads((moved / "local" / "resources.json").read_text())
+    job_manager = next(c for c in resources["components"] if c["id"] == "job_manager")
+    assert job_manager["args"]["uri_root"] == str(moved.resolve() / SERVER_STORAGE["job_store"])
+    assert "wrote" in capsys.readouterr().out
+    assert main(["--reinstall", str(kits / "lead@hospital-a.example.org")]) == 2  # an admin kit has no policies
+    assert "is not a server or site kit" in capsys.readouterr().err
 
 
 def test_committed_policy_templates_are_up_to_date() -> None:
@@ -144,6 +196,14 @@ def test_guard_refuses_private_keys_and_reads_the_method_from_the_job(tmp_path: 
 
 def _names(folder: Path) -> set[str]:
     return {p.name for p in folder.iterdir()}
+
+
+def _mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+def _medflare_entries(resources: dict) -> list[str]:
+    return [entry for entry in resources["class_allow_list"] if entry.startswith("medflare")]
 
 
 def _gpu_args(resources: dict) -> dict:

@@ -14,7 +14,7 @@ from pyhocon import ConfigFactory
 
 from medflare.deploy.apps import DEPLOY_TASK
 from medflare.deploy.templates import EXAMPLE_SOURCE, TEMPLATES_DIR, example_command, stale_templates, template_run
-from medflare.flare.job import client_config, server_config
+from medflare.job_export import client_config, server_config
 from medflare.registry import list_methods
 from medflare.runner import nvflare_command
 from medflare.site_runtime import TaskSpec

@@ -97,7 +97,7 @@ def test_heterogeneous_sites_and_a_server_without_a_model(tmp_path: Path) -> Non
 def test_site_state_survives_a_restart_bit_for_bit(tmp_path: Path) -> None:
     """Run a job, then start a fresh site runtime on the same job workspace: it reloads the state the site
     saved after its last round (optimizer moments and the private head) exactly."""
-    from medflare.flare.job import export_job
+    from medflare.job_export import export_job
     from medflare.site_runtime import SITE_STATE_FILE, SiteRuntime, SiteSettings
 
     run = RunConfig(

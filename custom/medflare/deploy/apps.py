@@ -29,7 +29,11 @@ APPS_DIR = REPO_DIR / "apps"
 # chest X-rays). Another task: `medflare export METHOD --mode preinstalled --set task.num_classes=...`.
 DEPLOY_TASK = {"num_classes": 2, "in_channels": 1, "image_size": 28}
 DEPLOY_ROUNDS = 20
-DEPLOY_SITES = 2
+# The consortium of provisioning/project.yml has 3 hospitals; a round needs valid updates from 2 of them, so
+# one site that is down or too slow costs that round its update (after the straggler wait or the task
+# timeout), not the job. 2, not 1: a global model is never one hospital's update alone.
+DEPLOY_SITES = 3
+DEPLOY_MIN_SITES = 2
 README = "README.md"
 
 
@@ -39,6 +43,7 @@ def deployment_run(method: str, **overrides: Any) -> RunConfig:
         "method": method,
         "rounds": DEPLOY_ROUNDS,
         "clients": DEPLOY_SITES,
+        "min_clients": DEPLOY_MIN_SITES,
         "data": {"source": "site"},
         "task": dict(DEPLOY_TASK),
         "straggler_seconds": 600,
@@ -90,7 +95,7 @@ def stale_apps(apps_dir: str | Path = APPS_DIR) -> list[str]:
 
 def add_code(job_dir: str | Path) -> Path:
     """Turn a pre-installed job into a BYOC job: copy this medflare package into ``app/custom/medflare``."""
-    from medflare.flare.job import APP_NAME, PACKAGE_DIR
+    from medflare.job_export import APP_NAME, PACKAGE_DIR
 
     target = Path(job_dir) / APP_NAME / "custom" / "medflare"
     shutil.rmtree(target, ignore_errors=True)
@@ -100,6 +105,7 @@ def add_code(job_dir: str | Path) -> Path:
 
 def apps_readme(methods: list[str]) -> str:
     """The apps/ folder's README (regenerated with the apps)."""
+    from medflare.job_export import DEFAULT_TASK_TIMEOUT
     from medflare.registry import get_method
 
     rows = "\n".join(f"| `{m}` | {get_method(m).summary} |" for m in methods)
@@ -111,9 +117,13 @@ copies are stale.
 
 Every job here is in **pre-installed** mode (no code inside: each site runs the reviewed medflare wheel it
 installed and allow-listed), reads each hospital's images from that site's `local/medflare_site.json`
-(`"data": {{"source": "site"}}`), runs {DEPLOY_ROUNDS} rounds with at least {DEPLOY_SITES} sites, declares the
-task ({task}), and names the method's privacy scope (`medflare-<method>`) that sites define in
-`local/privacy.json`.
+(`"data": {{"source": "site"}}`), runs {DEPLOY_ROUNDS} rounds, declares the task ({task}), and names the
+method's privacy scope (`medflare-<method>`) that sites define in `local/privacy.json`.
+
+Each round needs valid updates from {DEPLOY_MIN_SITES} sites (`min_clients`, also the sites the job needs to
+start) of the {DEPLOY_SITES} hospitals of `provisioning/project.yml`, and a site may take at most
+{DEFAULT_TASK_TIMEOUT} s per task (`train_timeout`): a site that is down or stuck costs that round its update,
+not the job. Fewer than {DEPLOY_MIN_SITES} valid updates stop the job with an error naming the sites.
 
 ```bash
 nvflare job submit -j apps/fedavg                       # as the project's lead

@@ -32,8 +32,8 @@ from typing import Any, Callable, Mapping
 
 import yaml
 
-from medflare.deploy.policies import SITE_MODES, install_site_policies
-from medflare.deploy.provision import admin_with_role, load_project, nvflare_command, participants
+from medflare.deploy.policies import SITE_MODES, install_site_policies, site_data_config
+from medflare.deploy.provision import admin_with_role, load_project, nvflare_command, participants, protect_secrets
 from medflare.errors import MedflareError
 from medflare.outputs import OutputTarget, failure_note, results_text, write_job_outputs
 from medflare.runner import (
@@ -166,7 +166,13 @@ class PocSession:
         (self.root / STATE_FILE).write_text(json.dumps(self.state, indent=2) + "\n")
 
     # ----- lifecycle --------------------------------------------------------------------------------
-    def prepare(self, n_sites: int = 2, site_modes: Mapping[str, str] | None = None, default_mode: str = "byoc") -> None:
+    def prepare(
+        self,
+        n_sites: int = 2,
+        site_modes: Mapping[str, str] | None = None,
+        default_mode: str = "byoc",
+        allow_job_data: bool = False,
+    ) -> None:
         """Provision a fresh POC with ``n_sites`` sites and install medflare's site policies in every kit.
 
         A POC left over in this root is stopped and removed first (safe to re-run). A port held by anything
@@ -176,6 +182,8 @@ class PocSession:
             n_sites: number of sites, named site-1..N.
             site_modes: per-site mode override, e.g. {"site-3": "preinstalled"}.
             default_mode: mode of the other sites ("byoc" sites accept both BYOC and pre-installed jobs).
+            allow_job_data: write each site's opt-in to jobs that bring their own (e.g. simulated) data into its
+                ``local/medflare_site.json``; without it such jobs are refused, as at a hospital.
         """
         site_modes = dict(site_modes or {})
         sites = [f"{SITE_PREFIX}{i + 1}" for i in range(n_sites)]
@@ -193,6 +201,7 @@ class PocSession:
         project_file = self.root / "project.yml"
         project_file.write_text(yaml.safe_dump(project, sort_keys=False))
         self.nvflare("poc", "prepare", "-i", str(project_file), "--force")
+        protect_secrets(self.workspace / project["name"])
         self.state = {
             "project": project["name"],
             "port": self.port,
@@ -204,8 +213,9 @@ class PocSession:
             "admins": {a["name"]: a.get("role") for a in participants(project, "admin")},
             "jobs": {},
         }
+        opt_in = site_data_config(allow_job_data=True) if allow_job_data else None
         for site in [self.state["server"], *sites]:
-            install_site_policies(self.kit(site), self.state["site_modes"].get(site, default_mode))
+            install_site_policies(self.kit(site), self.state["site_modes"].get(site, default_mode), site_config=opt_in)
         bind_to_loopback(self.kit(self.state["server"]))
         self._save_state()
         self.echo(f"poc: prepared {n_sites} sites ({self.state['site_modes']}) in {self.workspace}")
@@ -413,7 +423,7 @@ def run_poc(
     staging = target.begin()
     session = PocSession(staging / "poc", port=port, echo=echo)
     try:
-        session.prepare(run.clients)
+        session.prepare(run.clients, allow_job_data=run.data.get("source", "site") != "site")
         job_dir = export_run_job(run, staging / "job", mode)
         launched_at = time.time()
         session.start()
@@ -450,7 +460,7 @@ def _run_config_from_args(args: Any) -> Any:
 
 def _cmd_prepare(session: PocSession, args: Any) -> int:
     modes = dict(item.split("=", 1) for item in args.site_mode)
-    session.prepare(args.sites, modes, args.mode_default)
+    session.prepare(args.sites, modes, args.mode_default, allow_job_data=args.allow_job_data)
     return 0
 
 
@@ -535,6 +545,9 @@ def make_parser() -> Any:
     p.add_argument("--sites", type=int, default=2, help="number of sites site-1..N (default 2)")
     p.add_argument("--mode-default", choices=SITE_MODES, default="byoc", help="site mode (default byoc)")
     p.add_argument("--site-mode", action="append", default=[], metavar="SITE=MODE", help="e.g. site-2=preinstalled")
+    p.add_argument("--allow-job-data", action="store_true",
+                   help="sites accept jobs that bring their own (e.g. synthetic) data; otherwise each site reads "
+                        "only its local/medflare_site.json")
     p.set_defaults(func=_cmd_prepare)
     p = sub.add_parser("start", help="start server and sites; returns when they are ready")
     p.add_argument("--exclude", action="append", default=[], help="participant not to start")

@@ -7,9 +7,14 @@ medflare's additions are layered on top.
 
 Two site modes:
 - ``byoc``: the site accepts jobs that carry code (the submitter needs the ``byoc`` right) *and* pre-installed
-  jobs (``medflare.`` is allow-listed).
-- ``preinstalled``: the site runs only the reviewed medflare wheel it installed itself: ``medflare.`` is
-  allow-listed and **no role** has the ``byoc`` right, so a job carrying ``custom/`` code is refused at deploy.
+  jobs (medflare's job components are allow-listed).
+- ``preinstalled``: the site runs only the reviewed medflare wheel it installed itself: medflare's job
+  components are allow-listed and **no role** has the ``byoc`` right, so a job carrying ``custom/`` code is
+  refused at deploy.
+
+The class allow-list names medflare's job components by their exact paths, never a package prefix: FLARE's
+loader calls whatever a component path names with the job's arguments, so a prefix such as ``medflare.`` let a
+code-free job call any medflare function (one rewrote a site's ``authorization.json``).
 """
 
 from __future__ import annotations
@@ -20,10 +25,27 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from medflare.contracts import privacy_scope
-from medflare.site_runtime import SITE_CONFIG_FILE
+from medflare.site_runtime import ALLOW_JOB_DATA, SITE_CONFIG_FILE
 
 SITE_MODES = ("byoc", "preinstalled")
-ALLOW_LIST_PREFIX = "medflare."  # every server/client component and the model builder live under it
+# The only medflare paths a job may name, all in one namespace, by kit kind: the classes (and the model factory)
+# the job builders of medflare.job_export write. A test fails if a builder names anything else, or if anything
+# else under medflare becomes reachable through the allow-list.
+COMPONENT_NAMESPACE = "medflare.flare."
+SERVER_COMPONENTS = (
+    "medflare.flare.persistor.MedflareModelPersistor",
+    "medflare.flare.models.build_global_model",
+    "medflare.flare.aggregator.MedflareAggregator",
+    "medflare.flare.controller.MedflareController",
+)
+CLIENT_COMPONENTS = ("medflare.flare.executor.MedflareExecutor",)
+# Folders FLARE keeps a server's submitted jobs and run snapshots in, inside the server's own kit (FLARE's
+# default is the world-readable /tmp/nvflare, shared by every server on the machine).
+SERVER_STORAGE = {"job_store": "jobs-storage", "snapshots": "snapshot-storage"}
+STORAGE_PLACEHOLDER = "<absolute path of the server kit>"  # committed template only; install writes the real one
+# Seconds without a heartbeat (sites send one every 10 s) before the server counts a site as gone; FLARE's 600
+# kept a job whose site died waiting that long for the site's end-of-job report.
+SITE_HEARTBEAT_TIMEOUT = 60
 # Every right FLARE 2.9's default policy names (master_template.yml::default_authz), besides byoc.
 NON_BYOC_RIGHTS = (
     "submit_job", "clone_job", "manage_job", "download_job", "view", "operate", "shell_commands",
@@ -58,8 +80,9 @@ def authorization_policy(default: dict[str, Any], mode: str) -> dict[str, Any]:
     return policy
 
 
-def resources_policy(default: dict[str, Any], num_gpus: int = 0, mem_per_gpu_gib: int = 0) -> dict[str, Any]:
-    """``local/resources.json``: FLARE's defaults plus ``medflare.`` on the class allow-list and the site's GPUs.
+def client_resources_policy(default: dict[str, Any], num_gpus: int = 0, mem_per_gpu_gib: int = 0) -> dict[str, Any]:
+    """A site's ``local/resources.json``: FLARE's defaults, medflare's executor allow-listed, the site's GPUs,
+    and no upload of the site's logs to the server.
 
     Args:
         default: the kit's ``resources.json.default`` (keeps FLARE's own allow-list entries and components).
@@ -67,15 +90,48 @@ def resources_policy(default: dict[str, Any], num_gpus: int = 0, mem_per_gpu_gib
             ``resource_spec`` in meta.json and FLARE sets CUDA_VISIBLE_DEVICES for the job process.
         mem_per_gpu_gib: memory per GPU in GiB that jobs may request.
     """
-    policy = copy.deepcopy(default)
-    allow_list = list(policy.get("class_allow_list", []))
-    if ALLOW_LIST_PREFIX not in allow_list and "*" not in allow_list:
-        allow_list.append(ALLOW_LIST_PREFIX)
-    policy["class_allow_list"] = allow_list
-    policy.setdefault("class_list_enforcement_mode", "enforce")  # never "warn" on a hospital site
+    policy = allow_components(default, CLIENT_COMPONENTS)
+    # FLARE otherwise streams each job's log and uploads its error log (ERRORLOG_<site>) to the server, and an
+    # exception message there can hold a local path (e.g. the data folder). Site logs stay at the site.
+    policy["allow_log_streaming"] = False
     for component in policy.get("components", []):
         if component.get("path") == GPU_MANAGER:
             component.setdefault("args", {}).update(num_of_gpus=num_gpus, mem_per_gpu_in_GiB=mem_per_gpu_gib)
+    return policy
+
+
+def server_resources_policy(default: dict[str, Any], storage_root: str) -> dict[str, Any]:
+    """The server's ``local/resources.json``: FLARE's defaults, medflare's server components allow-listed, a
+    site that stops sending heartbeats counted as gone after ``SITE_HEARTBEAT_TIMEOUT`` s, and the job store and
+    snapshot storage inside ``storage_root`` (the server kit) instead of ``/tmp/nvflare``.
+
+    Args:
+        default: the kit's ``resources.json.default``.
+        storage_root: absolute path of the server kit (FLARE's storages need absolute paths).
+    """
+    policy = allow_components(default, SERVER_COMPONENTS)
+    for server in policy.get("servers", []):
+        server["heart_beat_timeout"] = SITE_HEARTBEAT_TIMEOUT
+    for component in policy.get("components", []):
+        if component.get("id") == "job_manager":
+            component.setdefault("args", {})["uri_root"] = f"{storage_root}/{SERVER_STORAGE['job_store']}"
+    snapshot_storage = policy.get("snapshot_persistor", {}).get("args", {}).get("storage", {}).get("args")
+    if snapshot_storage is not None:
+        snapshot_storage["root_dir"] = f"{storage_root}/{SERVER_STORAGE['snapshots']}"
+    return policy
+
+
+def allow_components(default: dict[str, Any], components: Iterable[str]) -> dict[str, Any]:
+    """A copy of ``default`` whose class allow-list holds FLARE's entries plus exactly ``components``.
+
+    Any other ``medflare`` entry (such as an old ``medflare.`` prefix) and ``"*"`` (allow everything) are
+    dropped, and the list is enforced, never "warn".
+    """
+    policy = copy.deepcopy(default)
+    kept = [entry for entry in policy.get("class_allow_list", [])
+            if entry != "*" and not entry.startswith("medflare")]
+    policy["class_allow_list"] = kept + list(components)
+    policy["class_list_enforcement_mode"] = "enforce"
     return policy
 
 
@@ -105,17 +161,21 @@ def privacy_policy(methods: Iterable[str]) -> dict[str, Any]:
     return {"format_version": "1.0", "scopes": scopes, "default_scope": DEFAULT_SCOPE}
 
 
-def site_data_config(source: str, **options: Any) -> dict[str, Any]:
+def site_data_config(source: str | None = None, allow_job_data: bool = False, **options: Any) -> dict[str, Any]:
     """``local/medflare_site.json``: where this hospital's images are (read by the site, never sent).
 
     Args:
         source: "folder:/path", "csv:/path/manifest.csv" or "medmnist:/path/file.npz" (or a synthetic spec
-            for a demo site).
+            for a demo site); None writes no ``data`` block (a site that only runs jobs bringing their own data).
+        allow_job_data: the site's opt-in to jobs that bring their own data (e.g. simulated data in a POC).
+            Without it such a job is refused at this site; leave it off on a hospital site.
         options: extra data options (e.g. ``val_fraction``), or ``distributed={"processes": 2}`` for a
             multi-GPU site (see :mod:`medflare.distributed`).
     """
     distributed = options.pop("distributed", None)
-    config: dict[str, Any] = {"data": {"source": source, **options}}
+    config: dict[str, Any] = {"data": {"source": source, **options}} if source is not None else {}
+    if allow_job_data:
+        config[ALLOW_JOB_DATA] = True
     if distributed:
         config["distributed"] = dict(distributed)
     return config
@@ -132,8 +192,11 @@ def install_site_policies(
     """Write the site-local policy files into one participant's startup kit and return their paths.
 
     The server gets authorization and resources (it builds the medflare controller, aggregator and
-    persistor, so pre-installed jobs need ``medflare.`` allow-listed there too); a client also gets privacy
-    and, when given, its ``medflare_site.json``.
+    persistor, so pre-installed jobs need them allow-listed there too; its job store and snapshot folders are
+    created inside the kit, readable by its owner only); a client gets authorization, resources (the executor
+    allow-listed, no log upload), privacy and, when given, its ``medflare_site.json``.
+
+    Run it again after moving a server kit: the server's storage paths are absolute.
 
     Args:
         kit_dir: the participant's kit folder (holding ``startup/`` and ``local/``).
@@ -145,17 +208,26 @@ def install_site_policies(
     """
     from medflare.registry import list_methods
 
-    local = Path(kit_dir) / "local"
-    is_client = (Path(kit_dir) / "startup" / "fed_client.json").is_file()
+    kit = Path(kit_dir).resolve()
+    if not is_site_kit(kit):
+        raise FileNotFoundError(f"{kit} is not a server or site kit: no startup/fed_server.json or fed_client.json")
+    local = kit / "local"
+    is_client = (kit / "startup" / "fed_client.json").is_file()
+    resources_default = _read(local / "resources.json.default")
     written = [
         _write(local / "authorization.json", authorization_policy(_read(local / "authorization.json.default"), mode)),
-        _write(local / "resources.json",
-               resources_policy(_read(local / "resources.json.default"), num_gpus, mem_per_gpu_gib)),
     ]
     if is_client:
+        written.append(_write(local / "resources.json",
+                              client_resources_policy(resources_default, num_gpus, mem_per_gpu_gib)))
         written.append(_write(local / "privacy.json", privacy_policy(methods or list_methods())))
         if site_config is not None:
             written.append(_write(local / SITE_CONFIG_FILE, site_config))
+    else:
+        written.append(_write(local / "resources.json", server_resources_policy(resources_default, str(kit))))
+        for folder in SERVER_STORAGE.values():  # private: only the account that runs the server may read jobs
+            (kit / folder).mkdir(mode=0o700, exist_ok=True)
+            (kit / folder).chmod(0o700)
     return written
 
 
@@ -217,7 +289,7 @@ def write_policy_templates(out_dir: str | Path = POLICY_TEMPLATES_DIR) -> list[P
         folder.mkdir(parents=True, exist_ok=True)
         written += [
             _write(folder / "authorization.json", authorization_policy(client["authorization.json"], mode)),
-            _write(folder / "resources.json", resources_policy(client["resources.json"], num_gpus=0)),
+            _write(folder / "resources.json", client_resources_policy(client["resources.json"], num_gpus=0)),
             _write(folder / "privacy.json", privacy_policy(list_methods())),
             _write(folder / SITE_CONFIG_FILE, site_data_config("folder:/data/medflare/images")),
         ]
@@ -226,7 +298,7 @@ def write_policy_templates(out_dir: str | Path = POLICY_TEMPLATES_DIR) -> list[P
     folder.mkdir(parents=True, exist_ok=True)
     written += [
         _write(folder / "authorization.json", server["authorization.json"]),
-        _write(folder / "resources.json", resources_policy(server["resources.json"])),
+        _write(folder / "resources.json", server_resources_policy(server["resources.json"], STORAGE_PLACEHOLDER)),
     ]
     return written
 

@@ -4,6 +4,7 @@ Command line (what ``provisioning/provision.sh`` runs)::
 
     python -m medflare.deploy.provision -p provisioning/project.yml -w /secure/workspace \\
         [--mode byoc|preinstalled] [--site-mode hospital-b=preinstalled] [--gpus hospital-a=2]
+    python -m medflare.deploy.provision --reinstall /path/to/kit --mode preinstalled   # one existing kit
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from typing import Any, Mapping
 import yaml
 
 from medflare.deploy.policies import SITE_MODES, install_site_policies, is_site_kit
+
+
+STATE_DIR = "state"  # <workspace>/<project>/state/cert.json: the root CA and every participant's private key
 
 
 class ProvisionError(RuntimeError):
@@ -98,9 +102,28 @@ def provision(
     )
     if proc.returncode != 0:
         raise ProvisionError(f"nvflare provision failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    protect_secrets(Path(workspace) / project["name"])
     prod_dir = latest_prod_dir(workspace, project["name"])
     install_policies(prod_dir, default_mode, site_modes, site_gpus)
     return prod_dir
+
+
+def protect_secrets(project_dir: str | Path) -> list[Path]:
+    """Make what ``nvflare provision`` wrote readable by its owner only; return the CA state files.
+
+    FLARE writes ``state/cert.json`` (the root CA's private key and every participant's key) world-readable
+    (0644) and the kits' folders 0755. The project folder becomes 0700, ``state/`` 0700 and its files 0600.
+    """
+    project = Path(project_dir)
+    project.chmod(0o700)
+    state = project / STATE_DIR
+    if not state.is_dir():
+        return []
+    state.chmod(0o700)
+    files = sorted(p for p in state.iterdir() if p.is_file())
+    for path in files:
+        path.chmod(0o600)
+    return files
 
 
 def _pairs(items: list[str], flag: str) -> dict[str, str]:
@@ -115,14 +138,28 @@ def _pairs(items: list[str], flag: str) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Provision a medflare consortium (startup kits + site policies).")
-    parser.add_argument("-p", "--project", required=True, help="project.yml")
-    parser.add_argument("-w", "--workspace", required=True, help="folder for the kits (keep it private)")
+    parser.add_argument("-p", "--project", help="project.yml")
+    parser.add_argument("-w", "--workspace", help="folder for the kits (keep it private)")
     parser.add_argument("--mode", choices=SITE_MODES, default="byoc", help="site mode for every site (default byoc)")
     parser.add_argument("--site-mode", action="append", default=[], metavar="SITE=MODE",
                         help="per-site override, e.g. hospital-b=preinstalled")
     parser.add_argument("--gpus", action="append", default=[], metavar="SITE=N",
                         help="GPUs a site offers to jobs (resources.json), e.g. hospital-a=2")
+    parser.add_argument("--reinstall", metavar="KIT",
+                        help="only rewrite medflare's policies in one existing kit with --mode (e.g. after moving "
+                             "the server kit, whose job store path is absolute)")
     args = parser.parse_args(argv)
+    if args.reinstall:
+        try:
+            written = install_site_policies(args.reinstall, args.mode)
+        except FileNotFoundError as exc:
+            print(f"provision: error: {exc}", file=sys.stderr)
+            return 2
+        for path in written:
+            print(f"wrote {path}")
+        return 0
+    if not (args.project and args.workspace):
+        parser.error("-p/--project and -w/--workspace are required (or --reinstall KIT)")
     site_modes = _pairs(args.site_mode, "--site-mode")
     bad = {m for m in site_modes.values() if m not in SITE_MODES}
     if bad:
@@ -138,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         if kit.is_dir():
             print(f"  {kit.name}")
     print("send each kit to its owner only (it holds that participant's private key).")
+    ca_state = prod_dir.parent / STATE_DIR / "cert.json"
+    print(f"{ca_state} (mode 0600) holds the root CA key and every participant's key: move it to offline storage "
+          "and bring it back only to provision again (new sites or people) with the same CA.")
     return 0
 
 

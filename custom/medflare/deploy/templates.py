@@ -43,7 +43,7 @@ COMMENTS: dict[str, str] = {
     # shared
     "format_version": "FLARE job-config format version (2 for FLARE 2.x)",
     "id": "component id other components refer to",
-    "path": "class (or function) FLARE builds; pre-installed sites must allow-list it (medflare. prefix)",
+    "path": "class (or function) FLARE builds; pre-installed sites allow-list exactly this path",
     "args": "constructor arguments of the class above",
     "method": "registered medflare method; must be the same in the client and server config",
     "model": "model factory name (`medflare models`); same on client and server",
@@ -67,7 +67,7 @@ COMMENTS: dict[str, str] = {
     "aggregator_id": "id of the aggregator component",
     "shot_groups": "null, or {head, medium, tail} class ids for long-tail metrics",
     "wait_time_after_min_received": "seconds stragglers may take once min_clients sites answered",
-    "train_timeout": "seconds a site may take for one task (0 = no limit)",
+    "train_timeout": "seconds a site may take for one task; later, it counts as failed for that round",
     # client
     "executors": "site-side executors; one medflare executor handles every task",
     "tasks": "task names this executor handles (* = all)",
@@ -111,7 +111,7 @@ def template_data(run: Any) -> dict[str, Any]:
 
 def write_template(method: str, out_dir: str | Path) -> Path:
     """Write ``out_dir/<method>/`` (info.conf, info.md, meta.conf, client and server configs)."""
-    from medflare.flare.job import client_config, meta_config, server_config
+    from medflare.job_export import client_config, meta_config, server_config
     from medflare.site_runtime import TaskSpec
 
     run = template_run(method)

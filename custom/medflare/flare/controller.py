@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import time
+import uuid
 from typing import Any
 
 import numpy as np
@@ -33,10 +35,13 @@ from medflare.evaluation import site_evaluation, summarize
 from medflare.flare.aggregator import INFO, SHARES, MedflareAggregator
 from medflare.flare.tasks import TASK_VALIDATE, round_meta, round_plan
 from medflare.methods.base import PerSite, RoundContext, Stage
+from medflare.ops.checkpoint import load_checkpoint, save_checkpoint
 
 RESULTS_FILE = "medflare_results.json"
 # Per-site facts recorded each round; filter_history shows which privacy filters a site's result went through.
 SITE_FACTS = (contracts.N_SAMPLES, contracts.TRAIN_LOSS, contracts.TRAIN_SECONDS, contracts.FILTER_HISTORY)
+CHECKPOINT_FILE = "medflare_checkpoint.npz"  # get_persist_state() after every round, for a resumed job
+BEST_MODEL_FILE = "best_FL_global_model.pt"  # written by FLARE's PT persistor
 
 
 class MedflareController(Controller):
@@ -53,6 +58,8 @@ class MedflareController(Controller):
         train_timeout: seconds a site may take for one task (0 = no limit).
         shot_groups: optional {"head": [...], "medium": [...], "tail": [...]} class ids for long-tail metrics.
         key_metric: validation metric that selects the best model (saved as best_FL_global_model.pt).
+        resume_from: id of an earlier job of this server whose last checkpoint this job continues from (its
+            rounds, results, best score and global model); FLARE 2.9 itself cannot resume a job after a crash.
     """
 
     def __init__(
@@ -65,6 +72,7 @@ class MedflareController(Controller):
         train_timeout: int = 0,
         shot_groups: dict | None = None,
         key_metric: str = "balanced_accuracy",
+        resume_from: str = "",
     ) -> None:
         super().__init__(task_check_period=0.05)
         self.num_rounds = num_rounds
@@ -75,8 +83,10 @@ class MedflareController(Controller):
         self.train_timeout = train_timeout
         self.shot_groups = shot_groups
         self.key_metric = key_metric
+        self.resume_from = resume_from
         self._results: dict[str, Any] = {}
         self._best: float = -np.inf
+        self._next_round = 0  # rounds before it are done (a resumed job skips them)
 
     # ----- FLARE lifecycle ------------------------------------------------------------------------
     def start_controller(self, fl_ctx: FLContext) -> None:
@@ -95,6 +105,11 @@ class MedflareController(Controller):
             "rounds": [],
             "evaluations": {},
         }
+        if self.resume_from:
+            try:
+                self._resume(fl_ctx)
+            except (OSError, KeyError, ValueError) as exc:
+                self.system_panic(f"medflare: cannot resume from job '{self.resume_from}': {exc}", fl_ctx)
 
     def stop_controller(self, fl_ctx: FLContext) -> None:
         self.cancel_all_tasks()
@@ -108,7 +123,7 @@ class MedflareController(Controller):
         try:
             stages = self.aggregator.core.stages
             self._results["stages"] = [dataclasses.asdict(stage) for stage in stages]
-            for ctx in round_plan(stages, self.num_rounds):
+            for ctx in round_plan(stages, self.num_rounds)[self._next_round:]:  # a resumed job skips done rounds
                 if abort_signal.triggered:
                     return
                 self._run_round(ctx, abort_signal, fl_ctx)
@@ -147,6 +162,7 @@ class MedflareController(Controller):
         record["wall_seconds"] = time.time() - started
         self._results["rounds"].append(record)
         self._write_results()
+        self._save_checkpoint(ctx.round + 1, fl_ctx)
         self.fire_event(AppEventType.ROUND_DONE, fl_ctx)
         rejected = f", rejected {sorted(record['rejected'])}" if record["rejected"] else ""
         self.log_info(
@@ -304,6 +320,51 @@ class MedflareController(Controller):
         self._results["final"] = {"model_version": self.num_rounds, **final, "method_metrics": method_metrics}
         self._results["final_validation"] = {"wall_seconds": time.time() - record["started_at"], "failed": record["failed"]}
 
+    # ----- state for a resumed job (FLARE's StatePersistable hooks) ----------------------------------
+    def get_persist_state(self, fl_ctx: FLContext) -> dict:
+        """What a resumed job needs: the next round to run, the results so far, the best score, the model."""
+        return {"next_round": self._next_round, "results": self._results, "best": self._best,
+                "global_params": self.global_params}
+
+    def restore(self, state_data: dict, fl_ctx: FLContext) -> None:
+        """Continue from :meth:`get_persist_state` of an earlier run of the same job (same model keys/shapes)."""
+        params = {k: np.asarray(v) for k, v in state_data["global_params"].items()}
+        differ = sorted(set(params) ^ set(self.global_params)) or sorted(
+            k for k in params if params[k].shape != np.shape(self.global_params[k])
+        )
+        if differ:
+            raise ValueError(f"the checkpoint's model differs from this job's model in {differ[:5]}")
+        job = {k: state_data["results"].get(k) for k in ("method", "num_rounds")}
+        if job != {"method": self.aggregator.method, "num_rounds": self.num_rounds}:
+            raise ValueError(f"the checkpoint is of another job ({job}); resume with the same method and rounds")
+        self.global_params = params
+        self._next_round = int(state_data["next_round"])
+        self._results = dict(state_data["results"])
+        self._best = float(state_data["best"])
+
+    def _save_checkpoint(self, next_round: int, fl_ctx: FLContext) -> None:
+        self._next_round = next_round
+        state = self.get_persist_state(fl_ctx)
+        params = state.pop("global_params")
+        save_checkpoint(os.path.join(os.path.dirname(self.results_path), CHECKPOINT_FILE), params, state, _json_default)
+
+    def _resume(self, fl_ctx: FLContext) -> None:
+        """Restore the last checkpoint of job ``resume_from`` (same submitter) from this server's own workspace."""
+        job_id = str(uuid.UUID(self.resume_from))  # a job id, never a path
+        app_root = fl_ctx.get_prop(FLContextKey.APP_ROOT)
+        run_dir = os.path.dirname(app_root)
+        previous_run = os.path.join(os.path.dirname(run_dir), job_id)
+        if _submitter(previous_run) != _submitter(run_dir):
+            raise ValueError(f"job {job_id} was submitted by someone else; only its submitter may resume it")
+        previous_app = os.path.join(previous_run, os.path.basename(app_root))
+        params, state = load_checkpoint(os.path.join(previous_app, CHECKPOINT_FILE))
+        self.restore({**state, "global_params": params}, fl_ctx)
+        self._results["resumed"] = {"from_job": job_id, "at_round": self._next_round, "at": time.time()}
+        self.persistor.save(make_model_learnable(self.global_params, {}), fl_ctx)
+        if os.path.isfile(os.path.join(previous_app, BEST_MODEL_FILE)):
+            shutil.copy(os.path.join(previous_app, BEST_MODEL_FILE), os.path.join(app_root, BEST_MODEL_FILE))
+        self.log_info(fl_ctx, f"medflare: resumed job {job_id} at round {self._next_round + 1}/{self.num_rounds}")
+
     def _write_results(self) -> None:
         tmp = self.results_path + ".tmp"
         with open(tmp, "w") as f:
@@ -320,6 +381,12 @@ def add_payload(payload: dict[str, dict], site: str, dxo: DXO) -> None:
     entry["arrays"] += len(arrays)
     entry["meta_keys"] = sorted(set(entry["meta_keys"]) | set(dxo.meta or {}))
     entry["bytes"] += array_bytes + meta_bytes
+
+
+def _submitter(run_dir: str) -> str:
+    """Who submitted the job whose server run folder is ``run_dir`` (FLARE writes its meta.json there)."""
+    with open(os.path.join(run_dir, "meta.json")) as f:
+        return str(json.load(f)["submitter_name"])
 
 
 def _json_default(value: Any) -> Any:

@@ -7,7 +7,7 @@ import traceback
 from nvflare.apis.dxo import DXO, DataKind, from_shareable
 from nvflare.apis.event_type import EventType
 from nvflare.apis.executor import Executor
-from nvflare.apis.fl_constant import ReturnCode
+from nvflare.apis.fl_constant import FLContextKey, ReturnCode
 from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable, make_reply
 from nvflare.apis.signal import Signal
@@ -92,7 +92,8 @@ class MedflareExecutor(Executor):
             settings = SiteSettings(
                 method=self.method,
                 task=TaskSpec(**self.task),
-                data=read_site_data_config(config_dir, self.data),
+                # FLARE's simulator sets SIMULATE_MODE (private, sticky); a job's configuration cannot.
+                data=read_site_data_config(config_dir, self.data, fl_ctx.get_prop(FLContextKey.SIMULATE_MODE, False)),
                 model=resolve_site_model(self.method, self.model, self.site_model, site, config_dir),
                 method_args=self.method_args,
                 train={**self.train, **self.site_train.get(site, {})},

@@ -3,7 +3,10 @@
 Two deployment modes:
 - ``byoc``: the job carries the medflare package in ``app/custom/`` (needs the submitter's BYOC right).
 - ``preinstalled``: the job carries configs only; sites run a reviewed, pip-installed medflare and allow-list
-  ``medflare.`` classes in their ``local/resources.json``.
+  exactly the ``medflare.flare.`` components named here in their ``local/resources.json``
+  (:mod:`medflare.deploy.policies`).
+
+This module writes files, so it lives outside ``medflare.flare``: nothing a job can name may have side effects.
 """
 
 from __future__ import annotations
@@ -17,9 +20,12 @@ from medflare.contracts import TRAIN_PHASE as TASK_TRAIN, privacy_scope
 from medflare.run_config import RunConfig
 from medflare.site_runtime import TaskSpec
 
-PACKAGE_DIR = Path(__file__).resolve().parents[1]  # .../custom/medflare
+PACKAGE_DIR = Path(__file__).resolve().parent  # .../custom/medflare
 APP_NAME = "app"
 MODES = ("byoc", "preinstalled")
+# Seconds a site may take for one task when the run sets no task_timeout. FLARE's own default (no limit) let
+# one dead site keep a job RUNNING forever; with a limit the site counts as failed for that round.
+DEFAULT_TASK_TIMEOUT = 3600
 
 
 def server_config(run: RunConfig, task: TaskSpec, shot_groups: dict | None = None) -> dict[str, Any]:
@@ -73,7 +79,7 @@ def server_config(run: RunConfig, task: TaskSpec, shot_groups: dict | None = Non
                     "aggregator_id": "aggregator",
                     "shot_groups": shot_groups,
                     "wait_time_after_min_received": run.straggler_seconds,
-                    "train_timeout": run.task_timeout,
+                    "train_timeout": run.task_timeout or DEFAULT_TASK_TIMEOUT,
                 },
             }
         ],
@@ -203,6 +209,16 @@ def _copy_plugins(run: RunConfig, custom_dir: Path) -> None:
     (package / "__init__.py").write_text('"""Methods this job brings along (medflare plugins)."""\n')
     for path, module in zip(run.plugins, run.plugin_modules()):
         shutil.copy(path, package / (module.rsplit(".", 1)[1] + ".py"))
+
+
+def set_resume(job_dir: str | Path, previous_job_id: str) -> Path:
+    """Make the job at ``job_dir`` continue from the last round an earlier run of it (``previous_job_id``, on the
+    same server) completed, e.g. after the server crashed. Returns ``job_dir``."""
+    path = Path(job_dir) / APP_NAME / "config" / "config_fed_server.json"
+    config = json.loads(path.read_text())
+    config["workflows"][0]["args"]["resume_from"] = previous_job_id
+    _write_json(path, config)
+    return Path(job_dir)
 
 
 def _ignore_caches(directory: str, names: list[str]) -> list[str]:

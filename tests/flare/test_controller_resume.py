@@ -1,0 +1,117 @@
+"""The controller's state for a resumed job (FLARE 2.9 cannot resume a job itself): what it checkpoints after a
+round, what it restores, which rounds it then skips, and which checkpoints it refuses."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from nvflare.apis.fl_constant import FLContextKey
+from nvflare.apis.fl_context import FLContext
+from nvflare.apis.signal import Signal
+
+from medflare.flare.controller import CHECKPOINT_FILE, RESULTS_FILE, MedflareController
+
+ROUNDS = 4
+LEAD = "lead@hospital-a.example.org"
+
+
+def controller(app_dir: Path, method: str = "fedavg", rounds: int = ROUNDS) -> MedflareController:
+    """A controller as start_controller leaves it (persistor and aggregator stubbed: no FLARE engine)."""
+    ctl = MedflareController(num_rounds=rounds, min_clients=1)
+    ctl.aggregator = SimpleNamespace(method=method, core=SimpleNamespace(rule=SimpleNamespace(
+        stages=lambda: [("warmup", 1), ("train", rounds - 1)])))
+    ctl.persistor = SimpleNamespace(saved=[], save=lambda learnable, fl_ctx: ctl.persistor.saved.append(learnable))
+    ctl.global_params = {"w": np.zeros((2, 3), np.float32)}
+    ctl.results_path = str(app_dir / RESULTS_FILE)
+    ctl._results = {"method": method, "num_rounds": rounds, "rounds": [], "evaluations": {}}
+    return ctl
+
+
+def crashed_job(root: Path) -> tuple[str, MedflareController]:
+    """A job that checkpointed 2 of 4 rounds in ``root/<job id>/app_server`` before its server died."""
+    job_id = str(uuid.uuid4())
+    app = root / job_id / "app_server"
+    app.mkdir(parents=True)
+    _write_meta(app.parent, LEAD)
+    ctl = controller(app)
+    ctl.global_params = {"w": np.full((2, 3), 3.0, np.float32)}
+    ctl._results["rounds"] = [{"round": 0, "share": {"site-1": 1.0}}, {"round": 1, "share": {"site-1": 1.0}}]
+    ctl._best = 0.7
+    ctl._save_checkpoint(2, FLContext())
+    return job_id, ctl
+
+
+def new_job(root: Path, resume_from: str, submitter: str = LEAD) -> tuple[MedflareController, FLContext]:
+    app = root / str(uuid.uuid4()) / "app_server"
+    app.mkdir(parents=True)
+    _write_meta(app.parent, submitter)
+    ctl = controller(app)
+    ctl.resume_from = resume_from
+    ctx = FLContext()
+    ctx.set_prop(FLContextKey.APP_ROOT, str(app), private=True, sticky=False)
+    return ctl, ctx
+
+
+def test_a_resumed_job_continues_where_the_crashed_one_stopped(tmp_path: Path) -> None:
+    job_id, crashed = crashed_job(tmp_path)
+    assert (tmp_path / job_id / "app_server" / CHECKPOINT_FILE).is_file()
+    ctl, ctx = new_job(tmp_path, job_id)
+    ctl._resume(ctx)
+    assert ctl._next_round == 2 and ctl._best == 0.7
+    assert ctl._results["rounds"] == crashed._results["rounds"]
+    assert ctl._results["resumed"]["from_job"] == job_id and ctl._results["resumed"]["at_round"] == 2
+    np.testing.assert_array_equal(ctl.global_params["w"], np.full((2, 3), 3.0))
+    assert len(ctl.persistor.saved) == 1  # the restored model is this job's model from the start
+    ran = []
+    ctl._run_round = lambda index, stage, abort, fl_ctx: ran.append((index, stage))
+    ctl._final_validation = lambda abort, fl_ctx: ran.append("final")
+    ctl.control_flow(Signal(), ctx)
+    assert ran == [(2, "train"), (3, "train"), "final"]
+
+
+def test_a_fresh_job_runs_every_round(tmp_path: Path) -> None:
+    ctl = controller(tmp_path)
+    ran = []
+    ctl._run_round = lambda index, stage, abort, fl_ctx: ran.append((index, stage))
+    ctl._final_validation = lambda abort, fl_ctx: None
+    ctl.control_flow(Signal(), FLContext())
+    assert ran == [(0, "warmup"), (1, "train"), (2, "train"), (3, "train")]
+
+
+@pytest.mark.parametrize("change", ["method", "rounds", "shape"])
+def test_a_checkpoint_of_another_job_is_refused(tmp_path: Path, change: str) -> None:
+    job_id, _ = crashed_job(tmp_path)
+    ctl, ctx = new_job(tmp_path, job_id)
+    if change == "method":
+        ctl.aggregator.method = "fedprox"
+    elif change == "rounds":
+        ctl.num_rounds = 5
+    else:
+        ctl.global_params = {"w": np.zeros((3, 3), np.float32)}
+    with pytest.raises(ValueError, match="another job|differs"):
+        ctl._resume(ctx)
+
+
+@pytest.mark.parametrize("resume_from", ["../../etc", "not-a-job-id"])
+def test_resume_from_names_a_job_id_never_a_path(tmp_path: Path, resume_from: str) -> None:
+    ctl, ctx = new_job(tmp_path, resume_from)
+    with pytest.raises(ValueError):
+        ctl._resume(ctx)
+
+
+def test_only_the_submitter_of_the_crashed_job_may_resume_it(tmp_path: Path) -> None:
+    """Resuming hands the crashed job's model to the new job's submitter, who may download it."""
+    job_id, _ = crashed_job(tmp_path)
+    ctl, ctx = new_job(tmp_path, job_id, submitter="other-lead@hospital-b.example.org")
+    with pytest.raises(ValueError, match="only its submitter"):
+        ctl._resume(ctx)
+
+
+def _write_meta(run_dir: Path, submitter: str) -> None:
+    """The meta.json FLARE writes into a job's server run folder."""
+    (run_dir / "meta.json").write_text(json.dumps({"submitter_name": submitter}))
