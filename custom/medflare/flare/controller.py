@@ -5,6 +5,10 @@ with the method's rule, persists the model, and records metrics, shares and payl
 model they receive before training, so round r's results carry the evaluation of model r at no extra round
 trip; a final ``validate`` task scores the last model. Results go to ``medflare_results.json`` in the server's
 app folder after every round, so a crashed job still leaves its history behind.
+
+Optional: early stopping on the validation key metric (``patience``), resuming a previous job's history and
+model (``resume_from``, :mod:`medflare.resume`), per-round metrics as FLARE analytics events (experiment
+tracking, :mod:`medflare.flare.tracking`) and progress entries in FLARE's ``show_stats`` (``medflare watch``).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import time
 from typing import Any
 
@@ -26,13 +31,23 @@ from nvflare.apis.signal import Signal
 from nvflare.app_common.abstract.model import ModelLearnableKey, make_model_learnable
 from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.app_event_type import AppEventType
+from nvflare.widgets.info_collector import GroupInfoCollector, InfoCollector
 
-from medflare import contracts
+from medflare import contracts, resume
 from medflare.errors import PayloadError
 from medflare.evaluation import site_evaluation, summarize
 from medflare.flare.aggregator import INFO, SHARES, MedflareAggregator
+from medflare.flare.progress import (
+    STATS_GROUP,
+    entries_from_results,
+    evaluation_entry,
+    format_progress,
+    round_entry,
+    stop_entry,
+)
 from medflare.flare.tasks import TASK_VALIDATE, round_meta, round_plan
-from medflare.methods.base import PerSite, RoundContext, Stage
+from medflare.flare.tracking import record_scalars, round_scalars, send_scalars
+from medflare.methods.base import PerSite, RoundContext
 
 RESULTS_FILE = "medflare_results.json"
 # Per-site facts recorded each round; filter_history shows which privacy filters a site's result went through.
@@ -53,6 +68,10 @@ class MedflareController(Controller):
         train_timeout: seconds a site may take for one task (0 = no limit).
         shot_groups: optional {"head": [...], "medium": [...], "tail": [...]} class ids for long-tail metrics.
         key_metric: validation metric that selects the best model (saved as best_FL_global_model.pt).
+        patience: stop after this many scored rounds without a better ``key_metric`` than the best model's
+            (0 = never stop early); the final validation still runs, and ``stopped_early`` records why.
+        resume_from: a folder on the server holding a previous job's ``medflare_results.json`` and
+            ``FL_global_model.pt`` (the persistor loads the model): continue its round counter and history.
     """
 
     def __init__(
@@ -65,6 +84,8 @@ class MedflareController(Controller):
         train_timeout: int = 0,
         shot_groups: dict | None = None,
         key_metric: str = "balanced_accuracy",
+        patience: int = 0,
+        resume_from: str = "",
     ) -> None:
         super().__init__(task_check_period=0.05)
         self.num_rounds = num_rounds
@@ -75,8 +96,12 @@ class MedflareController(Controller):
         self.train_timeout = train_timeout
         self.shot_groups = shot_groups
         self.key_metric = key_metric
+        self.patience = patience
+        self.resume_from = resume_from
         self._results: dict[str, Any] = {}
         self._best: float = -np.inf
+        self._start_round = 0
+        self._progress: list[dict[str, Any]] = []  # what show_stats serves to `medflare watch`
 
     # ----- FLARE lifecycle ------------------------------------------------------------------------
     def start_controller(self, fl_ctx: FLContext) -> None:
@@ -95,6 +120,28 @@ class MedflareController(Controller):
             "rounds": [],
             "evaluations": {},
         }
+        if self.resume_from:
+            self._resume(fl_ctx)
+
+    def _resume(self, fl_ctx: FLContext) -> None:
+        """Continue the previous job's history; its best model stays the best until a better one comes."""
+        history = resume.read_history(self.resume_from)
+        self._start_round = len(history["rounds"])
+        start = resume.start_record(self.resume_from, self._start_round, self.global_params)
+        self._results = resume.continued_results(history, self._results, start)
+        self._best = resume.best_score(history, self.key_metric)
+        self._progress = entries_from_results(self._results)  # watchers see the whole history
+        best_file = os.path.join(self.resume_from, resume.BEST_MODEL_FILE)
+        if os.path.isfile(best_file):
+            shutil.copy(best_file, os.path.join(os.path.dirname(self.results_path), resume.BEST_MODEL_FILE))
+        self.log_info(fl_ctx, f"medflare: resuming after round {self._start_round} from {self.resume_from}")
+
+    def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
+        if event_type == InfoCollector.EVENT_TYPE_GET_STATS:  # FLARE's show_stats: progress for medflare watch
+            collector = fl_ctx.get_prop(InfoCollector.CTX_KEY_STATS_COLLECTOR, None)
+            if isinstance(collector, GroupInfoCollector):
+                collector.add_info(STATS_GROUP, {"num_rounds": self.num_rounds, "progress": list(self._progress)})
+        super().handle_event(event_type, fl_ctx)
 
     def stop_controller(self, fl_ctx: FLContext) -> None:
         self.cancel_all_tasks()
@@ -108,14 +155,19 @@ class MedflareController(Controller):
         try:
             stages = self.aggregator.core.stages
             self._results["stages"] = [dataclasses.asdict(stage) for stage in stages]
-            for ctx in round_plan(stages, self.num_rounds):
+            last = None
+            for ctx in round_plan(stages, self.num_rounds)[self._start_round:]:
                 if abort_signal.triggered:
                     return
                 self._run_round(ctx, abort_signal, fl_ctx)
-            self._final_validation(stages[-1], abort_signal, fl_ctx)
+                last = ctx
+                if self._stopping_early(ctx, fl_ctx):
+                    break
+            self._final_validation(last or round_plan(stages, self.num_rounds)[-1], abort_signal, fl_ctx)
             self._results["finished_at"] = time.time()
             self._write_results()
-            self.log_info(fl_ctx, f"medflare: finished {self.num_rounds} rounds; results in {self.results_path}")
+            self.log_info(fl_ctx, f"medflare: finished {len(self._results['rounds'])} rounds; results in "
+                                  f"{self.results_path}")
         except Exception as exc:
             self._results["error"] = str(exc)
             self._write_results()
@@ -148,12 +200,32 @@ class MedflareController(Controller):
         self._results["rounds"].append(record)
         self._write_results()
         self.fire_event(AppEventType.ROUND_DONE, fl_ctx)
-        rejected = f", rejected {sorted(record['rejected'])}" if record["rejected"] else ""
-        self.log_info(
-            fl_ctx,
-            f"medflare: round {ctx.round + 1}/{self.num_rounds} done in {record['wall_seconds']:.1f}s; "
-            f"accepted {sorted(record.get('share', {}))}{rejected}",
-        )
+        send_scalars(self, fl_ctx, record_scalars(record), step=ctx.round + 1)
+        self._report(round_entry(record, self.num_rounds), fl_ctx)
+
+    def _report(self, entry: dict[str, Any] | None, fl_ctx: FLContext) -> None:
+        """Log a progress entry and keep it for show_stats."""
+        if entry is not None:
+            self._progress.append(entry)
+            self.log_info(fl_ctx, f"medflare: {format_progress(entry)}")
+
+    def _stopping_early(self, ctx: RoundContext, fl_ctx: FLContext) -> bool:
+        """True when ``patience`` scored model versions in a row brought no better validation score."""
+        best = self._results.get("best")
+        if not self.patience or not ctx.scored or not best:
+            return False
+        stale = ctx.round - best["model_version"]  # this round scored model version ctx.round
+        if stale < self.patience:
+            return False
+        stopped = {
+            "after_round": ctx.round + 1, "patience": self.patience, "best_model_version": best["model_version"],
+            self.key_metric: best[self.key_metric],
+            "reason": f"val {self.key_metric} did not improve for {stale} rounds (best "
+                      f"{best[self.key_metric]:.4f}, model {best['model_version']}; patience {self.patience})",
+        }
+        self._results["stopped_early"] = stopped
+        self._report(stop_entry(stopped), fl_ctx)
+        return True
 
     def _require_enough_sites(self, round_index: int, phase: str, record: dict) -> None:
         core = self.aggregator.core
@@ -279,29 +351,28 @@ class MedflareController(Controller):
             self._best = score
             self._results["best"] = {"model_version": model_version, self.key_metric: score}
             self.fire_event(AppEventType.GLOBAL_BEST_MODEL_AVAILABLE, fl_ctx)
-        bacc = summary.get("test", {}).get("balanced_accuracy")
-        if bacc is not None:
-            self.log_info(
-                fl_ctx, f"medflare: model {model_version} test balanced accuracy {bacc:.4f} ({len(evaluations)} sites)"
-            )
+        send_scalars(self, fl_ctx, round_scalars(summary), step=model_version)
+        self._report(evaluation_entry(model_version, summary, self.key_metric), fl_ctx)
         return summary
 
-    def _final_validation(self, last_stage: Stage, abort_signal: Signal, fl_ctx: FLContext) -> None:
-        """Score the final global model at every site; its metrics land in ``results["final"]``."""
+    def _final_validation(self, last: RoundContext, abort_signal: Signal, fl_ctx: FLContext) -> None:
+        """Score the final global model (after the last round played) at every site; its metrics land in
+        ``results["final"]``."""
+        version = last.round + 1
         ctx = RoundContext(
-            self.num_rounds, self.num_rounds, stage=last_stage.name, stage_round=last_stage.rounds,
-            stage_rounds=last_stage.rounds, scored=True,
+            version, self.num_rounds, stage=last.stage, stage_round=last.stage_round + 1,
+            stage_rounds=last.stage_rounds, scored=True,
         )
-        record = self._new_record(self.num_rounds, time.time())
+        record = self._new_record(version, time.time())
         core = self.aggregator.core
         core.start_round(self.global_params, ctx)
         keys = core.spec.payload.shared_keys(list(self.global_params), ctx.stage)
         arrays = {k: self.global_params[k] for k in keys}
         evaluations: dict[str, dict] = {}
         self._send_phase(TASK_VALIDATE, arrays, ctx, record, evaluations, abort_signal, fl_ctx)
-        final = self._record_evaluation(self.num_rounds, evaluations, fl_ctx)
+        final = self._record_evaluation(version, evaluations, fl_ctx)
         method_metrics = core.rule.final_metrics(final)
-        self._results["final"] = {"model_version": self.num_rounds, **final, "method_metrics": method_metrics}
+        self._results["final"] = {"model_version": version, **final, "method_metrics": method_metrics}
         self._results["final_validation"] = {"wall_seconds": time.time() - record["started_at"], "failed": record["failed"]}
 
     def _write_results(self) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from medflare.contracts import TRAIN_PHASE as TASK_TRAIN, privacy_scope
+from medflare.flare import tracking
 from medflare.run_config import RunConfig
 from medflare.site_runtime import TaskSpec
 
@@ -23,7 +24,8 @@ MODES = ("byoc", "preinstalled")
 
 
 def server_config(run: RunConfig, task: TaskSpec, shot_groups: dict | None = None) -> dict[str, Any]:
-    """config_fed_server.json: the (FLARE PT) model persistor, the medflare aggregator and controller."""
+    """config_fed_server.json: the (FLARE PT) model persistor, the medflare aggregator and controller, and the
+    experiment-tracking receivers."""
     model_args = {
         "method": run.method,
         "model": run.model,
@@ -35,7 +37,7 @@ def server_config(run: RunConfig, task: TaskSpec, shot_groups: dict | None = Non
         "seed": run.seed,
         "plugins": run.plugin_modules(),
     }
-    return {
+    config: dict[str, Any] = {
         "format_version": 2,
         # FLARE's default 2 s polling interval dominates short rounds; 0.1 s is safe on loopback and LAN.
         "server": {"heart_beat_timeout": 600, "task_request_interval": run.task_request_interval},
@@ -61,6 +63,7 @@ def server_config(run: RunConfig, task: TaskSpec, shot_groups: dict | None = Non
                     "plugins": run.plugin_modules(),
                 },
             },
+            *tracking.server_components(run.tracking),
         ],
         "workflows": [
             {
@@ -74,10 +77,17 @@ def server_config(run: RunConfig, task: TaskSpec, shot_groups: dict | None = Non
                     "shot_groups": shot_groups,
                     "wait_time_after_min_received": run.straggler_seconds,
                     "train_timeout": run.task_timeout,
+                    "patience": run.patience,
                 },
             }
         ],
     }
+    if run.resume_from:  # FLARE's persistor loads the model, the controller the history, from the server's folder
+        from medflare.resume import MODEL_FILE
+
+        config["components"][0]["args"]["source_ckpt_file_full_name"] = str(Path(run.resume_from) / MODEL_FILE)
+        config["workflows"][0]["args"]["resume_from"] = run.resume_from
+    return config
 
 
 def client_config(run: RunConfig, task: TaskSpec) -> dict[str, Any]:
@@ -107,13 +117,14 @@ def client_config(run: RunConfig, task: TaskSpec) -> dict[str, Any]:
                         "evaluation": run.site_evaluation,
                         "site_model": run.site_model,
                         "plugins": run.plugin_modules(),
+                        "stream_metrics": bool(tracking.TRACKERS[run.tracking]),
                     },
                 },
             }
         ],
         "task_result_filters": _result_filters(run),
         "task_data_filters": _audit_filters(run, "task") if run.audit else [],
-        "components": [],
+        "components": tracking.client_components(run.tracking),
     }
 
 
