@@ -27,6 +27,7 @@ MODEL_FILE = "FL_global_model.pt"
 BEST_MODEL_FILE = "best_FL_global_model.pt"
 # what belongs to the end of the previous job and not to the resumed history
 ENDING_KEYS = ("final", "final_validation", "finished_at", "stopped_early", "error")
+HISTORY_KEYS = ("rounds", "evaluations")  # continued from the previous job, never restarted
 
 
 def read_history(folder: str | Path) -> dict[str, Any]:
@@ -61,7 +62,8 @@ def continued_results(history: Mapping[str, Any], fresh: Mapping[str, Any], star
         start: what the resumed job starts from (folder, round, model digest).
     """
     carried = {key: value for key, value in history.items() if key not in ENDING_KEYS}
-    return {**carried, **fresh, "resumed": [*history.get("resumed", []), dict(start)]}
+    header = {key: value for key, value in fresh.items() if key not in HISTORY_KEYS}
+    return {**carried, **header, "resumed": [*history.get("resumed", []), dict(start)]}
 
 
 def best_score(history: Mapping[str, Any], key_metric: str) -> float:
