@@ -19,7 +19,8 @@ class LiveProcess:
     """A child whose output lines can be awaited without blocking forever."""
 
     def __init__(self, command: list[str], **popen_args) -> None:
-        env = {**os.environ, "PYTHONPATH": str(REPO / "custom"), "PYTHONUNBUFFERED": "1"}
+        python_path = os.pathsep.join(filter(None, [str(REPO / "custom"), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONPATH": python_path, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                      **popen_args)
         self.lines: list[str] = []

@@ -1,4 +1,5 @@
-"""The ``medflare`` command: list methods and models, run a method in the FLARE simulator, export a job.
+"""The ``medflare`` command: list methods and models, run a method (FLARE simulator or POC), export a job, follow a
+running job.
 
 Every command checks all of its input (one typed validation, ``RunConfig.validate``) before it starts or writes
 anything; bad input ends with one line naming the option and exit code 2. Result folders are never emptied:
@@ -20,6 +21,9 @@ EXAMPLES = """examples:
   medflare run fedavg --clients 2 --rounds 3
   medflare run bsm-fl --data synthetic:imbalance=20 --partition dirichlet:0.5 --clients 3
   medflare run fedprox --data medmnist:../shared/data/medmnist/pneumoniamnist.npz --set method.mu=0.1
+  medflare run fedavg --rounds 20 --set patience=3 --set tracking=both --out runs/fedavg
+  medflare run fedavg --rounds 30 --resume runs/fedavg --out runs/fedavg-continued
+  medflare watch 3f1c9a2e-... --startup-kit workspace/prod_00/lead@hospital-a.org
   medflare export fedavg -o jobs/ --mode preinstalled --set task.num_classes=2 --set task.in_channels=1 --set task.image_size=28
 """
 OVERWRITE_HELP = "replace medflare's earlier results in a non-empty folder (files medflare did not write are kept)"
@@ -60,7 +64,13 @@ def checked_run(args: argparse.Namespace, method: str | None = None) -> Any:
 def cmd_run(args: argparse.Namespace) -> int:
     from medflare.outputs import OutputTarget, results_text
 
+    if args.resume:  # checked with everything else: same method, model and stages, more rounds
+        if args.env == "poc":
+            raise ConfigError("--resume RUN_DIR works with the simulator only (a POC or production server never "
+                              "reads a folder a job names); resubmit the job with resume_from=<earlier job id>")
+        args.set = [*args.set, f"resume_from={args.resume}"]
     run = checked_run(args)
+    _tracking_note(run)
     out = Path(args.out or f"runs/{run.job_name}-{time.strftime('%Y%m%d-%H%M%S')}")
     OutputTarget(out, overwrite=args.overwrite).check()
     if args.env == "poc":
@@ -73,8 +83,30 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         print(f"medflare: running {run.method} on {run.clients} simulated sites for {run.rounds} rounds -> {out}")
         summary = run_simulation(run, out, overwrite=args.overwrite)
+    if summary.get("stopped_early"):
+        print(f"medflare: stopped early after round {summary['stopped_early']['after_round']}: "
+              f"{summary['stopped_early']['reason']}")
     print(results_text([summary], out) + "  (summary.json, rounds.csv, report.md, learning_curves.png)")
     return 0
+
+
+def _tracking_note(run: Any) -> None:
+    """One line when a chosen tracker's package is missing here (the simulator's and a local POC's server)."""
+    from medflare.flare.tracking import missing_notice
+
+    notice = missing_notice(run.tracking)
+    if notice:
+        print(f"medflare: note: {notice}", file=sys.stderr)
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    from medflare.deploy.watch import FINISHED_OK, admin_kit, watch
+
+    kit, user = admin_kit(args.startup_kit, args.poc)
+    print(f"medflare: following job {args.job_id} as {user}")
+    status = watch(args.job_id, kit, user, timeout=args.timeout, poll_interval=args.interval)
+    print(f"medflare: job {args.job_id}: {status}")
+    return 0 if status == FINISHED_OK else 1
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -83,6 +115,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from medflare.simulate import run_simulation
 
     runs = [checked_run(args, method) for method in dict.fromkeys(args.methods)]  # all checked before any starts
+    _tracking_note(runs[0])
     out = Path(args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
     target = OutputTarget(out, overwrite=args.overwrite)
     staging = target.begin()
@@ -173,6 +206,9 @@ def make_parser() -> argparse.ArgumentParser:
                      help="sim: FLARE simulator (default); poc: a real local FLARE POC (mTLS kits, one process per site)")
     run.add_argument("--mode", choices=["byoc", "preinstalled"], default="byoc",
                      help="with --env poc: job carries the code (byoc) or sites use their installed medflare")
+    run.add_argument("--resume", metavar="RUN_DIR",
+                     help="continue a finished or stopped run from its last global model and round counter "
+                          "(--rounds is the total, old rounds included)")
     run.set_defaults(func=cmd_run)
     compare = sub.add_parser("compare", help="run several methods with identical settings; one table")
     compare.add_argument("methods", nargs="+", help="registered methods to compare")
@@ -197,6 +233,15 @@ def make_parser() -> argparse.ArgumentParser:
     report.add_argument("-o", "--output", help="folder for the report (default: beside the results file); "
                                                "files medflare did not write are never replaced")
     report.set_defaults(func=cmd_report)
+    watch = sub.add_parser("watch", help="print a running POC/production job's rounds as they finish")
+    watch.add_argument("job_id", help="the job id 'nvflare job submit' (or 'medflare run --env poc') printed")
+    watch.add_argument("--startup-kit", help="an admin's startup kit (default: $NVFLARE_STARTUP_KIT_DIR, else the "
+                                             "lead's kit of the POC in --poc)")
+    watch.add_argument("--poc", default="runs/poc", help="a POC prepared by python -m medflare.deploy.poc "
+                                                         "(default runs/poc)")
+    watch.add_argument("--interval", type=float, default=2.0, help="seconds between polls (default 2)")
+    watch.add_argument("--timeout", type=float, default=0, help="stop following after this many seconds (0 = never)")
+    watch.set_defaults(func=cmd_watch)
     return parser
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from medflare.contracts import TRAIN_PHASE as TASK_TRAIN, privacy_scope
+from medflare.flare import tracking
 from medflare.run_config import RunConfig
 from medflare.site_runtime import TaskSpec
 
@@ -29,7 +30,8 @@ DEFAULT_TASK_TIMEOUT = 3600
 
 
 def server_config(run: RunConfig, task: TaskSpec, shot_groups: dict | None = None) -> dict[str, Any]:
-    """config_fed_server.json: the (FLARE PT) model persistor, the medflare aggregator and controller."""
+    """config_fed_server.json: the (FLARE PT) model persistor, the medflare aggregator and controller, and the
+    experiment-tracking receivers."""
     model_args = {
         "method": run.method,
         "model": run.model,
@@ -41,7 +43,7 @@ def server_config(run: RunConfig, task: TaskSpec, shot_groups: dict | None = Non
         "seed": run.seed,
         "plugins": run.plugin_modules(),
     }
-    return {
+    config: dict[str, Any] = {
         "format_version": 2,
         # FLARE's default 2 s polling interval dominates short rounds; 0.1 s is safe on loopback and LAN.
         "server": {"heart_beat_timeout": 600, "task_request_interval": run.task_request_interval},
@@ -67,6 +69,7 @@ def server_config(run: RunConfig, task: TaskSpec, shot_groups: dict | None = Non
                     "plugins": run.plugin_modules(),
                 },
             },
+            *tracking.server_components(run.tracking),
         ],
         "workflows": [
             {
@@ -80,10 +83,14 @@ def server_config(run: RunConfig, task: TaskSpec, shot_groups: dict | None = Non
                     "shot_groups": shot_groups,
                     "wait_time_after_min_received": run.straggler_seconds,
                     "train_timeout": run.task_timeout or DEFAULT_TASK_TIMEOUT,
+                    "patience": run.patience,
                 },
             }
         ],
     }
+    if run.resume_from:  # the controller reads the model and history (a folder in the simulator, else a job id)
+        config["workflows"][0]["args"]["resume_from"] = run.resume_from
+    return config
 
 
 def client_config(run: RunConfig, task: TaskSpec) -> dict[str, Any]:
@@ -113,13 +120,14 @@ def client_config(run: RunConfig, task: TaskSpec) -> dict[str, Any]:
                         "evaluation": run.site_evaluation,
                         "site_model": run.site_model,
                         "plugins": run.plugin_modules(),
+                        "stream_metrics": bool(tracking.TRACKERS[run.tracking]),
                     },
                 },
             }
         ],
         "task_result_filters": _result_filters(run),
         "task_data_filters": _audit_filters(run, "task") if run.audit else [],
-        "components": [],
+        "components": tracking.client_components(run.tracking),
     }
 
 

@@ -211,7 +211,7 @@ def write_job_outputs(
     if deployment:
         summary["deployment"] = deployment
     write_outputs(summary, out)
-    for name in MODEL_FILES if copy_models else ():
+    for name in (*MODEL_FILES, results_file.name) if copy_models else ():  # the history makes --resume possible
         if (results_file.parent / name).exists():
             shutil.copy(results_file.parent / name, out / name)
     return summary

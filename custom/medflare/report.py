@@ -46,6 +46,7 @@ def build_summary(
         "payload": _payload_entries(rounds),
         "timing": _timing(results, rounds, launched_at),
         "error": results.get("error"),
+        "stopped_early": results.get("stopped_early"),
     }
 
 

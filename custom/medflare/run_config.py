@@ -11,7 +11,7 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 from medflare.config import fields_typed, from_dict
 from medflare.errors import ConfigError
@@ -65,6 +65,12 @@ class RunConfig:
             hospital can also impose one in its own privacy policy.
         audit: record the structure (names, dtypes, shapes, bytes; never values) of every task and result at each
             site into ``medflare_payload_audit.jsonl`` (a privacy review of what really travels).
+        tracking: experiment tracking through FLARE's analytics events: tensorboard (default), mlflow, both, or
+            off. Without the package on the server a run records nothing and runs on (``medflare[tracking]``).
+        patience: stop after this many rounds without a better validation ``balanced_accuracy`` than the best
+            model's (0 = never); the final validation still runs. Needs site_evaluation=every_round.
+        resume_from: a previous run's folder (``medflare_results.json`` and ``FL_global_model.pt``), read by the
+            server: the job continues its round counter, history and global model (``--resume``).
     """
 
     method: str = "fedavg"
@@ -92,6 +98,9 @@ class RunConfig:
     transfer_kind: str = "weights"
     dp: dict[str, Any] = field(default_factory=dict)
     audit: bool = False
+    tracking: Literal["tensorboard", "mlflow", "both", "off"] = "tensorboard"
+    patience: int = 0
+    resume_from: str = ""
 
     def __post_init__(self) -> None:
         checks = [
@@ -110,6 +119,10 @@ class RunConfig:
              f"shot_thresholds must be [head_min, tail_max], head_min >= tail_max >= 0, got {self.shot_thresholds}"),
             (not self.name or JOB_NAME.fullmatch(self.name) is not None,
              f"name must be a plain job name (letters, digits, '.', '_', '-'; no '/'; at most 64), got '{self.name}'"),
+            (self.patience >= 0, f"patience must be >= 0 (0 = no early stopping), got {self.patience}"),
+            (not self.patience or self.site_evaluation == "every_round",
+             f"patience needs the sites' validation scores every round: site_evaluation=every_round, got "
+             f"'{self.site_evaluation}'"),
         ]
         problems = [message for ok, message in checks if not ok]
         if problems:
@@ -170,6 +183,10 @@ class RunConfig:
         from_dict(_data_config_cls(), self.site_data() if self.data.get("source", "site") != "site" else self.data,
                   "data")  # the partition scheme, noise rate, ... ranges
         self._validate_model(check_files)
+        if self.resume_from and check_files:  # the server reads it; export leaves it to the server
+            from medflare.resume import check_resumable
+
+            self.resume_from = str(check_resumable(self, self.resume_from))
 
     def _validate_model(self, check_files: bool) -> None:
         from medflare.models import get_model_info, list_models

@@ -14,6 +14,7 @@ from typing import Any, Callable
 from medflare.errors import MedflareError
 from medflare.flare.audit import AUDIT_FILE
 from medflare.flare.controller import RESULTS_FILE
+from medflare.flare.tracking import keep_server_records
 from medflare.outputs import OutputTarget, failure_note, write_job_outputs
 from medflare.registry import get_method
 from medflare.run_config import RunConfig
@@ -57,12 +58,14 @@ def run_simulation(
         summary = write_job_outputs(run, _results_file(workspace), staging, clients, launched_at)
         if summary.get("error"):
             raise SimulationError(f"the job stopped early: {summary['error']}")
-        if summary["rounds_completed"] != run.rounds:  # e.g. sites that could not even load the job
+        finished = run.rounds == summary["rounds_completed"] or summary.get("stopped_early")
+        if not finished:  # e.g. sites that could not even load the job
             raise SimulationError(
                 f"the job completed {summary['rounds_completed']} of {run.rounds} rounds without an error from the "
                 f"server; the sites' errors are in the simulator log kept as {Path(out_dir).name}.failed.log"
             )
         _keep_site_logs(workspace, staging)
+        keep_server_records(_server_app_dir(workspace).parent, staging)  # TensorBoard / MLflow records
         _plot_site_logs(run, staging)
         shutil.rmtree(workspace, ignore_errors=True)  # logs stay in simulator.log; the model is copied out
         target.publish()

@@ -104,7 +104,7 @@ def test_a_restarted_server_resumes_the_job_from_its_last_round(faults) -> None:
     results = json.loads(find_results(download).read_text())
     crashed = load_checkpoint(checkpoint)[1]  # the crashed job's last checkpoint: FLARE never resumed it
     done_before = crashed["next_round"]
-    assert results["resumed"]["from_job"] == first and results["resumed"]["at_round"] == done_before
+    assert results["resumed"][-1]["from_job"] == first and results["resumed"][-1]["start_round"] == done_before
     assert 1 <= done_before < run.rounds  # killed mid-job: the resumed job ran the remaining rounds
     assert [r["round"] for r in results["rounds"]] == [0, 1, 2]
     assert results["rounds"][:done_before] == crashed["results"]["rounds"]  # kept, not re-run

@@ -64,7 +64,7 @@ def test_a_resumed_job_continues_where_the_crashed_one_stopped(tmp_path: Path) -
     ctl._resume(ctx)
     assert ctl._next_round == 2 and ctl._best == 0.7
     assert ctl._results["rounds"] == crashed._results["rounds"]
-    assert ctl._results["resumed"]["from_job"] == job_id and ctl._results["resumed"]["at_round"] == 2
+    assert ctl._results["resumed"][-1]["from_job"] == job_id and ctl._results["resumed"][-1]["start_round"] == 2
     np.testing.assert_array_equal(ctl.global_params["w"], np.full((2, 3), 3.0))
     assert len(ctl.persistor.saved) == 1  # the restored model is this job's model from the start
     ran = []

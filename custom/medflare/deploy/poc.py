@@ -34,7 +34,8 @@ import yaml
 
 from medflare.deploy.policies import SITE_MODES, install_site_policies, site_data_config
 from medflare.deploy.provision import admin_with_role, load_project, nvflare_command, participants, protect_secrets
-from medflare.errors import MedflareError
+from medflare.errors import ConfigError, MedflareError
+from medflare.flare.tracking import keep_server_records
 from medflare.outputs import OutputTarget, failure_note, results_text, write_job_outputs
 from medflare.runner import (
     add_run_options,
@@ -386,10 +387,25 @@ def write_run_outputs(run: Any, download_dir: Path, out: Path, launched_at: floa
     results_path = find_results(download_dir)
     clients, _ = describe_sites(run)
     summary = write_job_outputs(run, results_path, out, clients, launched_at, deployment=extra)
+    keep_server_records(results_path.parent.parent, out)  # TensorBoard / MLflow records of the job
     server_log = results_path.parent.parent / "log.txt"
     if server_log.exists():
         shutil.copy(server_log, out / "poc_server.log")
     return summary
+
+
+def follow_job(session: PocSession, job_id: str, echo: Echo, timeout: float) -> None:
+    """Print the job's per-round progress as the lead sees it (``medflare watch``) until the job ends.
+
+    Progress is a convenience: when it cannot be followed, one line says so and the run waits as before.
+    """
+    from medflare.deploy.watch import WatchError, admin_kit, watch
+
+    try:
+        kit, user = admin_kit(startup_kit=str(session.kit(session.state["lead"])))
+        watch(job_id, kit, user, echo, timeout=timeout)
+    except (WatchError, ConfigError) as exc:
+        echo(f"poc: no round-by-round progress ({exc}); waiting for the job to end")
 
 
 def run_poc(
@@ -429,6 +445,7 @@ def run_poc(
         session.start()
         job_id = session.submit(job_dir)
         echo(f"poc: waiting for job {job_id} ({run.rounds} rounds)")
+        follow_job(session, job_id, echo, timeout)
         status = session.wait(job_id, timeout=timeout)
         if status != "FINISHED:COMPLETED":
             raise PocError(f"job {job_id} ended as {status}; see the server log")

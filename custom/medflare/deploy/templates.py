@@ -68,6 +68,8 @@ COMMENTS: dict[str, str] = {
     "shot_groups": "null, or {head, medium, tail} class ids for long-tail metrics",
     "wait_time_after_min_received": "seconds stragglers may take once min_clients sites answered",
     "train_timeout": "seconds a site may take for one task; later, it counts as failed for that round",
+    "patience": "VARIABLE: stop early after this many rounds without a better validation score (0 = never)",
+    "stream_metrics": "the site streams its training loss per local epoch to the server's tracking receivers",
     # client
     "executors": "site-side executors; one medflare executor handles every task",
     "tasks": "task names this executor handles (* = all)",

@@ -5,6 +5,10 @@ with the method's rule, persists the model, and records metrics, shares and payl
 model they receive before training, so round r's results carry the evaluation of model r at no extra round
 trip; a final ``validate`` task scores the last model. Results go to ``medflare_results.json`` in the server's
 app folder after every round, so a crashed job still leaves its history behind.
+
+Optional: early stopping on the validation key metric (``patience``), resuming a previous job's history and
+model (``resume_from``, :mod:`medflare.resume`), per-round metrics as FLARE analytics events (experiment
+tracking, :mod:`medflare.flare.tracking`) and progress entries in FLARE's ``show_stats`` (``medflare watch``).
 """
 
 from __future__ import annotations
@@ -28,13 +32,23 @@ from nvflare.apis.signal import Signal
 from nvflare.app_common.abstract.model import ModelLearnableKey, make_model_learnable
 from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.app_event_type import AppEventType
+from nvflare.widgets.info_collector import GroupInfoCollector, InfoCollector
 
-from medflare import contracts
-from medflare.errors import PayloadError
+from medflare import contracts, resume
+from medflare.errors import MedflareError, PayloadError
 from medflare.evaluation import site_evaluation, summarize
 from medflare.flare.aggregator import INFO, SHARES, MedflareAggregator
+from medflare.flare.progress import (
+    STATS_GROUP,
+    entries_from_results,
+    evaluation_entry,
+    format_progress,
+    round_entry,
+    stop_entry,
+)
 from medflare.flare.tasks import TASK_VALIDATE, round_meta, round_plan
-from medflare.methods.base import PerSite, RoundContext, Stage
+from medflare.flare.tracking import record_scalars, round_scalars, send_scalars
+from medflare.methods.base import PerSite, RoundContext
 from medflare.ops.checkpoint import load_checkpoint, save_checkpoint
 
 RESULTS_FILE = "medflare_results.json"
@@ -58,8 +72,13 @@ class MedflareController(Controller):
         train_timeout: seconds a site may take for one task (0 = no limit).
         shot_groups: optional {"head": [...], "medium": [...], "tail": [...]} class ids for long-tail metrics.
         key_metric: validation metric that selects the best model (saved as best_FL_global_model.pt).
-        resume_from: id of an earlier job of this server whose last checkpoint this job continues from (its
-            rounds, results, best score and global model); FLARE 2.9 itself cannot resume a job after a crash.
+        patience: stop after this many scored rounds without a better ``key_metric`` than the best model's
+            (0 = never stop early); the final validation still runs, and ``stopped_early`` records why.
+        resume_from: continue an earlier job: in POC and production the *id* of an earlier job of this server
+            (same submitter) whose last checkpoint this job continues from, e.g. after a server crash (FLARE 2.9
+            itself cannot resume a job); in FLARE's simulator only, a folder holding a previous run's
+            ``medflare_results.json`` and ``FL_global_model.pt`` (``medflare run --resume``). A job never makes a
+            deployed server read a path it names.
     """
 
     def __init__(
@@ -72,6 +91,7 @@ class MedflareController(Controller):
         train_timeout: int = 0,
         shot_groups: dict | None = None,
         key_metric: str = "balanced_accuracy",
+        patience: int = 0,
         resume_from: str = "",
     ) -> None:
         super().__init__(task_check_period=0.05)
@@ -83,10 +103,12 @@ class MedflareController(Controller):
         self.train_timeout = train_timeout
         self.shot_groups = shot_groups
         self.key_metric = key_metric
+        self.patience = patience
         self.resume_from = resume_from
         self._results: dict[str, Any] = {}
         self._best: float = -np.inf
         self._next_round = 0  # rounds before it are done (a resumed job skips them)
+        self._progress: list[dict[str, Any]] = []  # what show_stats serves to `medflare watch`
 
     # ----- FLARE lifecycle ------------------------------------------------------------------------
     def start_controller(self, fl_ctx: FLContext) -> None:
@@ -98,18 +120,23 @@ class MedflareController(Controller):
         learnable = self.persistor.load(fl_ctx)
         self.global_params = {k: np.asarray(v) for k, v in learnable[ModelLearnableKey.WEIGHTS].items()}
         self.results_path = os.path.join(fl_ctx.get_prop(FLContextKey.APP_ROOT), RESULTS_FILE)
-        self._results = {
-            "method": self.aggregator.method,
-            "num_rounds": self.num_rounds,
-            "controller_started_at": time.time(),
-            "rounds": [],
-            "evaluations": {},
-        }
+        self._results = self._fresh_header()
         if self.resume_from:
             try:
                 self._resume(fl_ctx)
-            except (OSError, KeyError, ValueError) as exc:
-                self.system_panic(f"medflare: cannot resume from job '{self.resume_from}': {exc}", fl_ctx)
+            except (OSError, KeyError, ValueError, MedflareError) as exc:
+                self.system_panic(f"medflare: cannot resume from '{self.resume_from}': {exc}", fl_ctx)
+
+    def _fresh_header(self) -> dict[str, Any]:
+        return {"method": self.aggregator.method, "num_rounds": self.num_rounds, "controller_started_at": time.time(),
+                "rounds": [], "evaluations": {}}
+
+    def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
+        if event_type == InfoCollector.EVENT_TYPE_GET_STATS:  # FLARE's show_stats: progress for medflare watch
+            collector = fl_ctx.get_prop(InfoCollector.CTX_KEY_STATS_COLLECTOR, None)
+            if isinstance(collector, GroupInfoCollector):
+                collector.add_info(STATS_GROUP, {"num_rounds": self.num_rounds, "progress": list(self._progress)})
+        super().handle_event(event_type, fl_ctx)
 
     def stop_controller(self, fl_ctx: FLContext) -> None:
         self.cancel_all_tasks()
@@ -123,14 +150,19 @@ class MedflareController(Controller):
         try:
             stages = self.aggregator.core.stages
             self._results["stages"] = [dataclasses.asdict(stage) for stage in stages]
+            last = None
             for ctx in round_plan(stages, self.num_rounds)[self._next_round:]:  # a resumed job skips done rounds
                 if abort_signal.triggered:
                     return
                 self._run_round(ctx, abort_signal, fl_ctx)
-            self._final_validation(stages[-1], abort_signal, fl_ctx)
+                last = ctx
+                if self._stopping_early(ctx, fl_ctx):
+                    break
+            self._final_validation(last or round_plan(stages, self.num_rounds)[-1], abort_signal, fl_ctx)
             self._results["finished_at"] = time.time()
             self._write_results()
-            self.log_info(fl_ctx, f"medflare: finished {self.num_rounds} rounds; results in {self.results_path}")
+            self.log_info(fl_ctx, f"medflare: finished {len(self._results['rounds'])} rounds; results in "
+                                  f"{self.results_path}")
         except Exception as exc:
             self._results["error"] = str(exc)
             self._write_results()
@@ -164,12 +196,32 @@ class MedflareController(Controller):
         self._write_results()
         self._save_checkpoint(ctx.round + 1, fl_ctx)
         self.fire_event(AppEventType.ROUND_DONE, fl_ctx)
-        rejected = f", rejected {sorted(record['rejected'])}" if record["rejected"] else ""
-        self.log_info(
-            fl_ctx,
-            f"medflare: round {ctx.round + 1}/{self.num_rounds} done in {record['wall_seconds']:.1f}s; "
-            f"accepted {sorted(record.get('share', {}))}{rejected}",
-        )
+        send_scalars(self, fl_ctx, record_scalars(record), step=ctx.round + 1)
+        self._report(round_entry(record, self.num_rounds), fl_ctx)
+
+    def _report(self, entry: dict[str, Any] | None, fl_ctx: FLContext) -> None:
+        """Log a progress entry and keep it for show_stats."""
+        if entry is not None:
+            self._progress.append(entry)
+            self.log_info(fl_ctx, f"medflare: {format_progress(entry)}")
+
+    def _stopping_early(self, ctx: RoundContext, fl_ctx: FLContext) -> bool:
+        """True when ``patience`` scored model versions in a row brought no better validation score."""
+        best = self._results.get("best")
+        if not self.patience or not ctx.scored or not best:
+            return False
+        stale = ctx.round - best["model_version"]  # this round scored model version ctx.round
+        if stale < self.patience:
+            return False
+        stopped = {
+            "after_round": ctx.round + 1, "patience": self.patience, "best_model_version": best["model_version"],
+            self.key_metric: best[self.key_metric],
+            "reason": f"val {self.key_metric} did not improve for {stale} rounds (best "
+                      f"{best[self.key_metric]:.4f}, model {best['model_version']}; patience {self.patience})",
+        }
+        self._results["stopped_early"] = stopped
+        self._report(stop_entry(stopped), fl_ctx)
+        return True
 
     def _require_enough_sites(self, round_index: int, phase: str, record: dict) -> None:
         core = self.aggregator.core
@@ -295,29 +347,28 @@ class MedflareController(Controller):
             self._best = score
             self._results["best"] = {"model_version": model_version, self.key_metric: score}
             self.fire_event(AppEventType.GLOBAL_BEST_MODEL_AVAILABLE, fl_ctx)
-        bacc = summary.get("test", {}).get("balanced_accuracy")
-        if bacc is not None:
-            self.log_info(
-                fl_ctx, f"medflare: model {model_version} test balanced accuracy {bacc:.4f} ({len(evaluations)} sites)"
-            )
+        send_scalars(self, fl_ctx, round_scalars(summary), step=model_version)
+        self._report(evaluation_entry(model_version, summary, self.key_metric), fl_ctx)
         return summary
 
-    def _final_validation(self, last_stage: Stage, abort_signal: Signal, fl_ctx: FLContext) -> None:
-        """Score the final global model at every site; its metrics land in ``results["final"]``."""
+    def _final_validation(self, last: RoundContext, abort_signal: Signal, fl_ctx: FLContext) -> None:
+        """Score the final global model (after the last round played) at every site; its metrics land in
+        ``results["final"]``."""
+        version = last.round + 1
         ctx = RoundContext(
-            self.num_rounds, self.num_rounds, stage=last_stage.name, stage_round=last_stage.rounds,
-            stage_rounds=last_stage.rounds, scored=True,
+            version, self.num_rounds, stage=last.stage, stage_round=last.stage_round + 1,
+            stage_rounds=last.stage_rounds, scored=True,
         )
-        record = self._new_record(self.num_rounds, time.time())
+        record = self._new_record(version, time.time())
         core = self.aggregator.core
         core.start_round(self.global_params, ctx)
         keys = core.spec.payload.shared_keys(list(self.global_params), ctx.stage)
         arrays = {k: self.global_params[k] for k in keys}
         evaluations: dict[str, dict] = {}
         self._send_phase(TASK_VALIDATE, arrays, ctx, record, evaluations, abort_signal, fl_ctx)
-        final = self._record_evaluation(self.num_rounds, evaluations, fl_ctx)
+        final = self._record_evaluation(version, evaluations, fl_ctx)
         method_metrics = core.rule.final_metrics(final)
-        self._results["final"] = {"model_version": self.num_rounds, **final, "method_metrics": method_metrics}
+        self._results["final"] = {"model_version": version, **final, "method_metrics": method_metrics}
         self._results["final_validation"] = {"wall_seconds": time.time() - record["started_at"], "failed": record["failed"]}
 
     # ----- state for a resumed job (FLARE's StatePersistable hooks) ----------------------------------
@@ -326,16 +377,18 @@ class MedflareController(Controller):
         return {"next_round": self._next_round, "results": self._results, "best": self._best,
                 "global_params": self.global_params}
 
-    def restore(self, state_data: dict, fl_ctx: FLContext) -> None:
-        """Continue from :meth:`get_persist_state` of an earlier run of the same job (same model keys/shapes)."""
+    def restore(self, state_data: dict, fl_ctx: FLContext, same_rounds: bool = True) -> None:
+        """Continue from :meth:`get_persist_state` of an earlier run of the same job (same model keys/shapes;
+        the same number of rounds unless ``same_rounds`` is False)."""
         params = {k: np.asarray(v) for k, v in state_data["global_params"].items()}
         differ = sorted(set(params) ^ set(self.global_params)) or sorted(
             k for k in params if params[k].shape != np.shape(self.global_params[k])
         )
         if differ:
             raise ValueError(f"the checkpoint's model differs from this job's model in {differ[:5]}")
-        job = {k: state_data["results"].get(k) for k in ("method", "num_rounds")}
-        if job != {"method": self.aggregator.method, "num_rounds": self.num_rounds}:
+        keys = ("method", "num_rounds") if same_rounds else ("method",)
+        job = {k: state_data["results"].get(k) for k in keys}
+        if job != {k: {"method": self.aggregator.method, "num_rounds": self.num_rounds}[k] for k in keys}:
             raise ValueError(f"the checkpoint is of another job ({job}); resume with the same method and rounds")
         self.global_params = params
         self._next_round = int(state_data["next_round"])
@@ -349,8 +402,21 @@ class MedflareController(Controller):
         save_checkpoint(os.path.join(os.path.dirname(self.results_path), CHECKPOINT_FILE), params, state, _json_default)
 
     def _resume(self, fl_ctx: FLContext) -> None:
-        """Restore the last checkpoint of job ``resume_from`` (same submitter) from this server's own workspace."""
-        job_id = str(uuid.UUID(self.resume_from))  # a job id, never a path
+        """A job id resumes that job's checkpoint on this server; a folder (simulator only) a previous run."""
+        try:
+            job_id = str(uuid.UUID(self.resume_from))
+        except ValueError:
+            if not fl_ctx.get_prop(FLContextKey.SIMULATE_MODE, False):
+                raise ValueError("in POC and production, resume_from must be the id of an earlier job of this "
+                                 "server (a job may not make the server read a path); folders resume only in "
+                                 "the simulator (medflare run --resume)") from None
+            self._resume_folder(fl_ctx)
+        else:
+            self._resume_job(job_id, fl_ctx)
+        self._progress = entries_from_results(self._results)  # watchers see the whole history
+
+    def _resume_job(self, job_id: str, fl_ctx: FLContext) -> None:
+        """Restore the last checkpoint of job ``job_id`` (same submitter) from this server's own workspace."""
         app_root = fl_ctx.get_prop(FLContextKey.APP_ROOT)
         run_dir = os.path.dirname(app_root)
         previous_run = os.path.join(os.path.dirname(run_dir), job_id)
@@ -359,11 +425,28 @@ class MedflareController(Controller):
         previous_app = os.path.join(previous_run, os.path.basename(app_root))
         params, state = load_checkpoint(os.path.join(previous_app, CHECKPOINT_FILE))
         self.restore({**state, "global_params": params}, fl_ctx)
-        self._results["resumed"] = {"from_job": job_id, "at_round": self._next_round, "at": time.time()}
+        start = {**resume.start_record(f"job {job_id}", self._next_round, self.global_params), "from_job": job_id}
+        self._results["resumed"] = [*self._results.get("resumed", []), start]
+        self._continue_from(previous_app, fl_ctx)
+
+    def _resume_folder(self, fl_ctx: FLContext) -> None:
+        """Continue a previous run's history and model (``medflare run --resume``; the simulator only)."""
+        history = resume.read_history(self.resume_from)
+        params = resume.read_model(self.resume_from)
+        self.restore({"global_params": params, "next_round": len(history["rounds"]), "results": history,
+                      "best": resume.best_score(history, self.key_metric)}, fl_ctx, same_rounds=False)
+        start = resume.start_record(self.resume_from, self._next_round, self.global_params)
+        self._results = resume.continued_results(history, self._fresh_header(), start)
+        self._continue_from(self.resume_from, fl_ctx)
+
+    def _continue_from(self, previous_app: str, fl_ctx: FLContext) -> None:
+        """The resumed model becomes this job's global model; the previous best model stays the best."""
+        app_root = fl_ctx.get_prop(FLContextKey.APP_ROOT)
         self.persistor.save(make_model_learnable(self.global_params, {}), fl_ctx)
         if os.path.isfile(os.path.join(previous_app, BEST_MODEL_FILE)):
             shutil.copy(os.path.join(previous_app, BEST_MODEL_FILE), os.path.join(app_root, BEST_MODEL_FILE))
-        self.log_info(fl_ctx, f"medflare: resumed job {job_id} at round {self._next_round + 1}/{self.num_rounds}")
+        self.log_info(fl_ctx, f"medflare: resuming at round {self._next_round + 1}/{self.num_rounds} "
+                              f"from {self.resume_from}")
 
     def _write_results(self) -> None:
         tmp = self.results_path + ".tmp"

@@ -17,6 +17,7 @@ from medflare.distributed import DataParallelSite, site_distributed_config
 from medflare.errors import MedflareError
 from medflare.registry import load_plugins
 from medflare.flare.tasks import TASK_SUBMIT_MODEL, TASK_TRAIN, TASK_VALIDATE, round_context
+from medflare.flare.tracking import EPOCH_LOSS, send_scalars
 from medflare.site_runtime import (
     SiteRuntime,
     SiteSettings,
@@ -51,6 +52,8 @@ class MedflareExecutor(Executor):
         site_model: per-site architectures, e.g. {"site-1": "resnet10"} (methods that send no weights only); a
             site's own ``local/medflare_site.json`` "model" overrides it.
         plugins: ``medflare_plugins.*`` modules the job carries that register its own methods (BYOC only).
+        stream_metrics: fire FLARE analytics events with the training loss of every local epoch (the job's
+            experiment tracking; :mod:`medflare.flare.tracking` declares what a site streams).
     """
 
     def __init__(
@@ -67,6 +70,7 @@ class MedflareExecutor(Executor):
         evaluation: str = "every_round",
         site_model: dict | None = None,
         plugins: list | None = None,
+        stream_metrics: bool = False,
     ) -> None:
         super().__init__()
         self.plugins = plugins or []
@@ -82,6 +86,7 @@ class MedflareExecutor(Executor):
         self.site_train = site_train or {}
         self.evaluation = evaluation
         self.site_model = site_model or {}
+        self.stream_metrics = stream_metrics
         self._runtime: SiteRuntime | DataParallelSite | None = None
 
     def _get_runtime(self, fl_ctx: FLContext) -> SiteRuntime | DataParallelSite:
@@ -119,12 +124,19 @@ class MedflareExecutor(Executor):
         site = fl_ctx.get_identity_name()
         try:
             runtime = self._get_runtime(fl_ctx)
+            self._stream_epochs(runtime, fl_ctx)
             return self._dispatch(runtime, task_name, shareable, abort_signal)
         except MedflareError as exc:
             self.log_error(fl_ctx, f"{site}: task '{task_name}' failed: {exc}")
         except Exception as exc:  # the site must answer the server, whatever broke
             self.log_error(fl_ctx, f"{site}: task '{task_name}' crashed: {exc}\n{traceback.format_exc()}")
         return make_reply(ReturnCode.EXECUTION_EXCEPTION)
+
+    def _stream_epochs(self, runtime: SiteRuntime | DataParallelSite, fl_ctx: FLContext) -> None:
+        """Point the trainer's per-epoch report at FLARE's analytics events of this task (when tracking)."""
+        if self.stream_metrics:
+            trainer = (runtime.runtime if isinstance(runtime, DataParallelSite) else runtime).trainer
+            trainer.epoch_listener = lambda epoch, loss: send_scalars(self, fl_ctx, {EPOCH_LOSS: loss}, epoch)
 
     def _dispatch(
         self, runtime: SiteRuntime | DataParallelSite, task_name: str, shareable: Shareable, abort_signal: Signal

@@ -178,6 +178,8 @@ class LocalTrainer:
         self.scaler = torch.amp.GradScaler("cuda") if self.use_amp else None
         self.class_counts = torch.as_tensor(np.asarray(data.class_counts), dtype=torch.float32, device=device)
         self.local_log: Callable[[dict[str, Any]], None] | None = None  # set by the site runtime
+        # (job-wide epoch index, mean loss) after each local epoch; the FLARE executor streams it when tracking
+        self.epoch_listener: Callable[[int, float], None] | None = None
         self.received: dict[str, np.ndarray] = {}  # declared non-parameter arrays of the current task
         self._stage: str | None = None  # the stage of the last round trained (kept across restarts)
         self._configured_stage: str | None = None  # the stage on_stage_start last ran for (this process)
@@ -255,6 +257,8 @@ class LocalTrainer:
                 f"round {ctx.round + 1}/{ctx.total_rounds} epoch {epoch + 1}/{self.train_cfg.local_epochs}: "
                 f"loss {epoch_loss / max(epoch_steps, 1):.4f} over {epoch_steps} steps"
             )
+            if self.epoch_listener is not None and epoch_steps:
+                self.epoch_listener(ctx.round * self.train_cfg.local_epochs + epoch, epoch_loss / epoch_steps)
             if self._step_cap_reached(steps) or should_abort():
                 break
         meta = {

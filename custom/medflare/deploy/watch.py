@@ -1,0 +1,142 @@
+"""Follow a POC or production job round by round: ``medflare watch JOB_ID`` (and ``medflare run --env poc``).
+
+An admin session (FLARE's Session API, ``new_secure_session``, with an admin startup kit) polls the job through
+FLARE's own ``monitor_job``; at every poll it reads the controller's progress entries from FLARE's
+``show_stats`` (any role with the ``view`` right may) and prints the new ones, in the same words the simulator
+shows. When the job has ended, rounds that finished between the last two polls are read from the job's results
+file, if the user may download the job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+from medflare.errors import ConfigError, MedflareError
+from medflare.flare.progress import STATS_GROUP, entries_from_results, format_progress
+
+Echo = Callable[[str], None]
+FINISHED_OK = "FINISHED:COMPLETED"
+KIT_ENV = "NVFLARE_STARTUP_KIT_DIR"
+
+
+class WatchError(MedflareError, RuntimeError):
+    """The job could not be followed (no session, unknown job)."""
+
+
+def admin_kit(startup_kit: str | None = None, poc_root: str | None = None) -> tuple[Path, str]:
+    """The admin startup kit to watch with, and its user name.
+
+    Order: ``startup_kit``; the ``NVFLARE_STARTUP_KIT_DIR`` environment variable; the lead's kit of the medflare
+    POC in ``poc_root`` (what ``python -m medflare.deploy.poc`` prepared).
+
+    Raises:
+        ConfigError: no kit found, or the folder is not an admin startup kit.
+    """
+    if startup_kit or os.environ.get(KIT_ENV):
+        kit = Path(startup_kit or os.environ[KIT_ENV]).expanduser()
+    elif poc_root:
+        from medflare.deploy.poc import PocSession
+
+        session = PocSession(Path(poc_root))
+        if not session.state:
+            raise ConfigError(f"--poc {poc_root}: no medflare POC is prepared there; give --startup-kit ADMIN_KIT")
+        kit = session.kit(session.state["lead"])
+    else:
+        raise ConfigError(f"give --startup-kit ADMIN_KIT (an admin's startup kit), set {KIT_ENV}, or --poc DIR")
+    config = kit / "startup" / "fed_admin.json"
+    if not config.is_file():
+        raise ConfigError(f"{kit} is not an admin startup kit: {config} is missing")
+    return kit, json.loads(config.read_text())["admin"]["username"]
+
+
+class ProgressPrinter:
+    """Prints each progress entry once, however often it is read again.
+
+    Args:
+        echo: where lines go.
+    """
+
+    def __init__(self, echo: Echo = print) -> None:
+        self.echo = echo
+        self.shown = 0
+
+    def show(self, entries: list[dict[str, Any]]) -> None:
+        """Print the entries not printed yet (entries only ever grow)."""
+        for entry in entries[self.shown:]:
+            self.echo(f"  {format_progress(entry)}")
+        self.shown = max(self.shown, len(entries))
+
+
+def progress_entries(session: Any, job_id: str) -> list[dict[str, Any]]:
+    """The controller's progress entries from FLARE's show_stats (empty while the job is not running)."""
+    try:
+        stats = session.show_stats(job_id, "server")
+    except Exception:  # noqa: BLE001 - a job that is starting or ending answers nothing useful
+        return []
+    for target in stats.values() if isinstance(stats, dict) else []:
+        group = target.get(STATS_GROUP) if isinstance(target, dict) else None
+        if isinstance(group, dict) and isinstance(group.get("progress"), list):
+            return group["progress"]
+    return []
+
+
+def watch_job(session: Any, job_id: str, echo: Echo = print, timeout: float = 0, poll_interval: float = 2.0) -> str:
+    """Print the job's per-round progress until it ends; return its final status (e.g. FINISHED:COMPLETED).
+
+    Args:
+        session: an open FLARE Session (``new_secure_session``).
+        job_id: the job to follow.
+        echo: where lines go.
+        timeout: seconds to follow at most (0 = until the job ends).
+        poll_interval: seconds between polls.
+    """
+    printer = ProgressPrinter(echo)
+
+    def on_poll(sess: Any, polled_job: str, job_meta: dict, *args: Any, **kwargs: Any) -> bool:
+        if job_meta.get("status") == "RUNNING":
+            printer.show(progress_entries(sess, polled_job))
+        return True
+
+    try:
+        _, meta = session.monitor_job_and_return_job_meta(job_id, timeout=timeout, poll_interval=poll_interval,
+                                                          cb=on_poll)
+    except Exception as exc:  # noqa: BLE001 - FLARE raises its own types for an unknown job or a lost session
+        raise WatchError(f"cannot follow job {job_id}: {exc}") from exc
+    if meta is None:
+        return "RUNNING"  # timed out while the job runs on
+    missed = _results_of_finished_job(session, job_id)
+    if missed is not None and len(entries := entries_from_results(missed)) >= printer.shown:
+        printer.show(entries)
+    return str(meta.get("status"))
+
+
+def _results_of_finished_job(session: Any, job_id: str) -> dict[str, Any] | None:
+    """The results file of an ended job, or None when it cannot be downloaded (no right, no file)."""
+    from medflare.flare.controller import RESULTS_FILE
+
+    with tempfile.TemporaryDirectory(prefix="medflare-watch-") as folder:
+        try:
+            download = Path(session.download_job_result(job_id, folder))
+        except Exception:  # noqa: BLE001 - a member may view but not download: the polls are all there is
+            return None
+        found = sorted(download.glob(f"**/app_server/{RESULTS_FILE}"))
+        return json.loads(found[0].read_text()) if found else None
+
+
+def watch(job_id: str, kit: Path, username: str, echo: Echo = print, timeout: float = 0,
+          poll_interval: float = 2.0) -> str:
+    """Open an admin session with ``kit`` and :func:`watch_job`; the session is always closed."""
+    from nvflare.fuel.flare_api.flare_api import new_secure_session
+
+    try:
+        session = new_secure_session(username, str(kit), timeout=30)
+    except Exception as exc:  # noqa: BLE001 - connection and login failures come as several FLARE types
+        raise WatchError(f"cannot open an admin session with {kit} as {username}: {exc}") from exc
+    try:
+        return watch_job(session, job_id, echo, timeout, poll_interval)
+    finally:
+        session.close()

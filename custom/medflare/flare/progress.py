@@ -1,0 +1,69 @@
+"""Per-round progress: one wording for the server's log (which the simulator shows live) and ``medflare watch``.
+
+The controller keeps a list of progress entries and serves it through FLARE's ``show_stats`` (its
+``InfoCollector`` event), so any admin with the ``view`` right can follow a POC or production job round by round.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+STATS_GROUP = "medflare"  # the group name in FLARE's show_stats reply
+
+
+def round_entry(record: Mapping[str, Any], num_rounds: int) -> dict[str, Any]:
+    """A finished round: its 1-based number, wall time, and the sites accepted and rejected."""
+    return {
+        "kind": "round", "round": record["round"] + 1, "rounds": num_rounds, "stage": record.get("stage"),
+        "seconds": record.get("wall_seconds"), "accepted": sorted(record.get("share", {})),
+        "rejected": sorted(record.get("rejected", {})),
+    }
+
+
+def evaluation_entry(model_version: int, summary: Mapping[str, Any], key_metric: str) -> dict[str, Any] | None:
+    """The pooled scores of one model version, or None when the sites sent no test statistics."""
+    test = summary.get("test", {})
+    if test.get("balanced_accuracy") is None:
+        return None
+    return {
+        "kind": "evaluation", "model": model_version, "sites": len(summary.get("sites", [])),
+        "test_balanced_accuracy": test["balanced_accuracy"], "val": {key_metric: summary.get("val", {}).get(key_metric)},
+    }
+
+
+def stop_entry(stopped: Mapping[str, Any]) -> dict[str, Any]:
+    """The controller's decision to stop early (see ``MedflareController``)."""
+    return {"kind": "stopped", **stopped}
+
+
+def entries_from_results(results: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The progress entries of a results file, in the order the controller reports them: each round's
+    evaluation of the model it received, the round itself, an early stop, the final model's evaluation."""
+    entries: list[dict[str, Any] | None] = []
+    evaluations = results.get("evaluations", {})
+    key = next(iter(set(results.get("best", {})) - {"model_version"}), "balanced_accuracy")
+    rounds = results.get("rounds", [])
+    for record in rounds:
+        entries.append(evaluation_entry(record["round"], evaluations.get(str(record["round"]), {}), key))
+        entries.append(round_entry(record, results.get("num_rounds", len(rounds))))
+    if results.get("stopped_early"):
+        entries.append(stop_entry(results["stopped_early"]))
+    final = results.get("final")
+    if final:
+        entries.append(evaluation_entry(final["model_version"], final, key))
+    return [entry for entry in entries if entry is not None]
+
+
+def format_progress(entry: Mapping[str, Any]) -> str:
+    """The line an entry is shown as, in the server log and by ``medflare watch``."""
+    kind = entry.get("kind")
+    if kind == "round":
+        rejected = f", rejected {entry['rejected']}" if entry.get("rejected") else ""
+        return (f"round {entry['round']}/{entry['rounds']} done in {entry['seconds']:.1f}s; "
+                f"accepted {entry['accepted']}{rejected}")
+    if kind == "evaluation":
+        return (f"model {entry['model']} test balanced accuracy {entry['test_balanced_accuracy']:.4f} "
+                f"({entry['sites']} sites)")
+    if kind == "stopped":
+        return f"stopping early after round {entry['after_round']}: {entry['reason']}"
+    return str(dict(entry))

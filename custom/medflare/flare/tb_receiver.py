@@ -1,0 +1,23 @@
+"""FLARE's TensorBoard receiver, published under a ``medflare.flare.`` class path.
+
+Pre-installed sites allow-list only ``medflare.flare.`` classes, so a job names this class rather than FLARE's.
+Without ``tensorboard`` on the server the job still runs: the receiver logs one line and records nothing.
+"""
+
+from __future__ import annotations
+
+from medflare.flare.tracking import TB_FOLDER, receiver_base
+
+
+class TensorBoardReceiver(
+    receiver_base("nvflare.app_opt.tracking.tb.tb_receiver", "TBAnalyticsReceiver", "tensorboard")  # type: ignore[misc]
+):
+    """FLARE's ``TBAnalyticsReceiver``: one TensorBoard folder per sender under the server's ``tb_events/``.
+
+    Args:
+        tb_folder: folder inside the server's job folder.
+        events: the analytics events to record (FLARE's default: local and federated).
+    """
+
+    def __init__(self, tb_folder: str = TB_FOLDER, events: list[str] | None = None) -> None:
+        super().__init__(tb_folder=tb_folder, events=events)

@@ -1,0 +1,234 @@
+"""Experiment tracking through FLARE's own analytics events.
+
+Sites fire FLARE's ``analytix_log_stats`` event for each local epoch; :class:`SiteMetricsToServer` (FLARE's
+``ConvertToFedEvent``) turns it into a federated event, which reaches the server. The controller fires the same
+event for every round's pooled, per-site and site-mean metrics. On the server, FLARE's TensorBoard receiver
+(:mod:`medflare.flare.tb_receiver`) and, when asked, its MLflow receiver (:mod:`medflare.flare.mlflow_receiver`)
+write them, one TensorBoard folder (or MLflow run) per sender.
+
+These events travel beside the task results, so neither a method's Payload nor a site's privacy filters see
+them. What a site may stream is therefore declared here, once (:data:`SITE_STREAMED_TAGS`: its training loss
+per local epoch, which refines the per-round ``train_loss`` it sends anyway), and the site-side converter
+forwards nothing else.
+
+The receivers are optional: when ``tensorboard`` or ``mlflow`` is not installed on the server, the job still
+loads and runs; the receiver logs one line and records nothing (:class:`MissingTrackerReceiver`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import shutil
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+from nvflare.apis.analytix import ANALYTIC_EVENT_TYPE, AnalyticsDataType, LogWriterName, TrackConst
+from nvflare.apis.dxo import from_shareable
+from nvflare.apis.fl_component import FLComponent
+from nvflare.apis.fl_constant import EventScope, FLContextKey
+from nvflare.apis.fl_context import FLContext
+from nvflare.apis.shareable import Shareable
+from nvflare.apis.utils.analytix_utils import create_analytic_dxo, send_analytic_dxo
+from nvflare.app_common.widgets.convert_to_fed_event import ConvertToFedEvent
+from nvflare.app_common.widgets.streaming import AnalyticsReceiver
+
+# run option value -> the receivers it puts on the server
+TRACKERS = {"tensorboard": ("tensorboard",), "mlflow": ("mlflow",), "both": ("tensorboard", "mlflow"), "off": ()}
+# receiver -> (the package it needs, the medflare class a job names)
+RECEIVERS = {
+    "tensorboard": ("tensorboard", "medflare.flare.tb_receiver.TensorBoardReceiver"),
+    "mlflow": ("mlflow", "medflare.flare.mlflow_receiver.MlflowReceiver"),
+}
+TB_FOLDER = "tb_events"  # in the server's job folder (FLARE's default), one sub-folder per sender
+MLFLOW_DB = "mlflow.db"  # FLARE's MLflow receiver writes this SQLite store into the server's job result folder
+EPOCH_LOSS = "train/epoch_loss"
+# Everything a site streams to the server, beside its task results (see the module docstring).
+SITE_STREAMED_TAGS = frozenset({EPOCH_LOSS})
+INSTALL_HINT = "pip install 'medflare[tracking]'"
+
+
+def missing_packages(tracking: str) -> list[str]:
+    """The packages the chosen trackers need that this Python environment lacks."""
+    return [RECEIVERS[name][0] for name in TRACKERS[tracking] if importlib.util.find_spec(RECEIVERS[name][0]) is None]
+
+
+def missing_notice(tracking: str) -> str | None:
+    """One line saying which trackers record nothing here because their package is missing, or None."""
+    missing = missing_packages(tracking)
+    if not missing:
+        return None
+    return (f"{' and '.join(missing)} not installed here, so this run records no {' or '.join(missing)} metrics "
+            f"(the run itself is unaffected); {INSTALL_HINT} to record them")
+
+
+def server_components(tracking: str) -> list[dict[str, Any]]:
+    """The receivers a job's server config lists for the chosen trackers."""
+    return [{"id": f"{name}_receiver", "path": RECEIVERS[name][1], "args": {}} for name in TRACKERS[tracking]]
+
+
+def client_components(tracking: str) -> list[dict[str, Any]]:
+    """The site-side converter that forwards the declared metrics to the server (none when tracking is off)."""
+    if not TRACKERS[tracking]:
+        return []
+    return [{"id": "metrics_to_server", "path": "medflare.flare.tracking.SiteMetricsToServer", "args": {}}]
+
+
+# ----- sending ------------------------------------------------------------------------------------------
+def send_scalars(component: FLComponent, fl_ctx: FLContext, scalars: Mapping[str, float], step: int) -> None:
+    """Fire one FLARE analytics event per scalar (TensorBoard syntax; MLflow's receiver converts it).
+
+    Each event gets a fresh context from the engine, so the caller's context (a task's, the controller's) is
+    never touched.
+    """
+    engine = fl_ctx.get_engine()
+    for tag, value in scalars.items():
+        dxo = create_analytic_dxo(
+            tag=tag, value=float(value), data_type=AnalyticsDataType.SCALAR, writer=LogWriterName.TORCH_TB,
+            global_step=int(step),
+        )
+        with engine.new_context() as event_ctx:
+            send_analytic_dxo(component, dxo=dxo, fl_ctx=event_ctx, event_type=ANALYTIC_EVENT_TYPE)
+
+
+def round_scalars(evaluation: Mapping[str, Any]) -> dict[str, float]:
+    """The scalar metrics of one model version, as TensorBoard tags.
+
+    ``val/<metric>`` and ``test/<metric>`` are pooled over sites, ``site_mean/<metric>`` is the unweighted mean
+    of the sites' test metrics and ``<site>/test_<metric>`` each site's own; method-declared evaluations add
+    ``<name>/...`` the same way.
+    """
+    scalars: dict[str, float] = {}
+    for split in ("val", "test"):
+        scalars.update(_prefixed(f"{split}/", evaluation.get(split, {})))
+    scalars.update(_prefixed("site_mean/", evaluation.get("site_mean", {})))
+    for site, metrics in evaluation.get("by_site", {}).items():
+        scalars.update(_prefixed(f"{site}/test_", metrics))
+    for name, block in evaluation.get("extra", {}).items():
+        scalars.update({f"{name}/{tag}": value for tag, value in round_scalars(block).items()})
+    return scalars
+
+
+def record_scalars(record: Mapping[str, Any]) -> dict[str, float]:
+    """A finished round's own facts: its wall time, and each site's share and mean training loss."""
+    scalars = {"round/wall_seconds": record["wall_seconds"]} if _is_number(record.get("wall_seconds")) else {}
+    scalars.update(_prefixed("share/", record.get("share", {})))
+    for site, facts in record.get("sites", {}).items():
+        if _is_number(facts.get("train_loss")):
+            scalars[f"train_loss/{site}"] = float(facts["train_loss"])
+    return scalars
+
+
+def _prefixed(prefix: str, metrics: Mapping[str, Any]) -> dict[str, float]:
+    return {prefix + name: float(value) for name, value in metrics.items() if _is_number(value)}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# ----- the site's side ------------------------------------------------------------------------------------
+class SiteMetricsToServer(ConvertToFedEvent):
+    """FLARE's ``ConvertToFedEvent`` that forwards only the metrics a site declares it streams.
+
+    A local analytics event whose tag is not in :data:`SITE_STREAMED_TAGS`, or whose value is not a finite
+    number, stays at the site (and is logged as refused).
+
+    Args:
+        events_to_convert: local events to forward (FLARE's analytics event).
+        fed_event_prefix: FLARE's prefix of the federated event.
+    """
+
+    def __init__(self, events_to_convert: list[str] | None = None, fed_event_prefix: str = "fed.") -> None:
+        super().__init__(events_to_convert or [ANALYTIC_EVENT_TYPE], fed_event_prefix)
+
+    def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
+        if event_type in self.events_to_convert and not _is_federated(fl_ctx):
+            refusal = undeclared_stream(fl_ctx.get_prop(FLContextKey.EVENT_DATA, None))
+            if refusal:
+                self.log_warning(fl_ctx, f"not streamed to the server: {refusal}", fire_event=False)
+                return
+        super().handle_event(event_type, fl_ctx)
+
+
+def _is_federated(fl_ctx: FLContext) -> bool:
+    return fl_ctx.get_prop(FLContextKey.EVENT_SCOPE, EventScope.LOCAL) == EventScope.FEDERATION
+
+
+def undeclared_stream(data: Any) -> str | None:
+    """Why an analytics event may not leave the site, or None when it is a declared scalar."""
+    if not isinstance(data, Shareable):
+        return "the event carries no analytics record"
+    try:
+        record = from_shareable(data).data or {}
+    except Exception:  # noqa: BLE001 - anything unreadable is refused the same way
+        return "the event carries no analytics record"
+    tag, value = record.get(TrackConst.TRACK_KEY), record.get(TrackConst.TRACK_VALUE)
+    if tag not in SITE_STREAMED_TAGS:
+        return f"'{tag}' is not among the declared site metrics {sorted(SITE_STREAMED_TAGS)}"
+    if not _is_number(value):
+        return f"'{tag}' must be a finite number"
+    return None
+
+
+# ----- the server's side ----------------------------------------------------------------------------------
+class MissingTrackerReceiver(AnalyticsReceiver):
+    """Stands in for a receiver whose package the server lacks: one log line, then nothing is recorded.
+
+    Args:
+        options: the real receiver's arguments (kept, so the job config reads the same either way).
+    """
+
+    package = ""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(events=options.pop("events", None))
+        self.options = options
+
+    def initialize(self, fl_ctx: FLContext) -> None:
+        self.log_warning(fl_ctx, f"{self.package} is not installed on the server: no {self.package} records for "
+                                 f"this job ({INSTALL_HINT}); the job runs on", fire_event=False)
+
+    def save(self, fl_ctx: FLContext, shareable: Shareable, record_origin: str) -> None:
+        """Nothing to record without the package."""
+
+    def finalize(self, fl_ctx: FLContext) -> None:
+        """Nothing to close."""
+
+
+def receiver_base(module: str, name: str, package: str) -> type:
+    """FLARE's receiver class ``module.name``, or, on a server without ``package``, a stand-in that logs one line.
+
+    The medflare receivers subclass what this returns, so a job naming them loads either way.
+    """
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ImportError:  # tensorboard and mlflow are optional extras (medflare[tracking])
+        return type(f"Missing{name}", (MissingTrackerReceiver,), {"package": package, "__module__": __name__})
+
+
+def keep_server_records(run_dir: Path, out: Path) -> list[Path]:
+    """Copy the job's tracking records (TensorBoard folders, MLflow store) from the server's job folder.
+
+    Args:
+        run_dir: the server's job folder (a simulator's ``server/simulate_job``, a downloaded ``workspace``).
+        out: the run's result folder.
+
+    Returns:
+        What was copied, as paths inside ``out``.
+    """
+    kept = []
+    for found in _tracking_records(run_dir):
+        target = out / found.name
+        if found.is_dir():
+            shutil.copytree(found, target, dirs_exist_ok=True)
+        else:
+            shutil.copy(found, target)
+        kept.append(target)
+    return kept
+
+
+def _tracking_records(run_dir: Path) -> Iterator[Path]:
+    for name in (TB_FOLDER, MLFLOW_DB):
+        yield from sorted(run_dir.glob(f"**/{name}"))[:1]

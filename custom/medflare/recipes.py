@@ -1,0 +1,122 @@
+"""FLARE 2.9 Job Recipes for every medflare method: build with :func:`recipe`, run with ``SimEnv``, ``PocEnv`` or
+``ProdEnv``.
+
+Example (a ``job.py`` in FLARE 2.9's style)::
+
+    from nvflare.recipe import SimEnv
+    from medflare.recipes import recipe
+
+    job = recipe("fedmas", rounds=5, clients=3, data="synthetic:imbalance=20", partition="dirichlet:0.5")
+    job.execute(SimEnv(num_clients=3))   # `python job.py --export --export-dir jobs/` writes the job instead
+
+A recipe writes its job with exactly the builder ``medflare export`` and ``medflare run`` use
+(:func:`medflare.runner.export_run_job`, i.e. ``flare/job.py``'s ``server_config`` and ``client_config``), so a
+recipe's job and an exported one cannot drift apart. Options are ``medflare run``'s (:class:`RunConfig` fields) and
+are checked the same way before anything is written.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from nvflare.apis.job_def import ALL_SITES
+from nvflare.job_config.api import FedJob
+from nvflare.job_config.fed_job_config import FedJobConfig
+from nvflare.recipe.sim_env import SimEnv
+from nvflare.recipe.spec import ExecEnv, Recipe
+
+from medflare.errors import ConfigError
+from medflare.run_config import RunConfig, merge_run_config
+
+__all__ = ["MedflareRecipe", "recipe"]
+
+MODES = ("byoc", "preinstalled")
+
+
+class _MedflareJobConfig(FedJobConfig):
+    """FLARE's job configuration whose job folder is written by medflare's own builder."""
+
+    def __init__(self, run: RunConfig, mode: str) -> None:
+        super().__init__(job_name=run.job_name, min_clients=run.required_clients)
+        self.run = run
+        self.mode = mode
+
+    def generate_job_config(self, job_root: str) -> None:
+        """Write ``job_root/<job name>/`` (FLARE calls this for export, the simulator, POC and production)."""
+        from medflare.runner import export_run_job
+
+        export_run_job(self.run, Path(job_root), self.mode)
+
+
+class _MedflareJob(FedJob):
+    """A FedJob whose apps come from medflare's builder; FLARE's environments deploy it like any FedJob."""
+
+    def __init__(self, run: RunConfig, mode: str) -> None:
+        super().__init__(name=run.job_name, min_clients=run.required_clients)
+        self.job = _MedflareJobConfig(run, mode)
+        self.clients = [ALL_SITES]  # the app goes to every site; the simulator names them site-1..N
+
+
+class MedflareRecipe(Recipe):
+    """A medflare method's job as a FLARE 2.9 Recipe.
+
+    Args:
+        run: the run configuration (validated here).
+        mode: ``byoc`` (the job carries medflare; needed by the simulator) or ``preinstalled`` (sites run their
+            own installed medflare and allow-list ``medflare.flare.``).
+
+    Raises:
+        ConfigError: an invalid option or mode, in one line.
+    """
+
+    def __init__(self, run: RunConfig, mode: str = "byoc") -> None:
+        if mode not in MODES:
+            raise ConfigError(f"mode must be one of {', '.join(MODES)}, got '{mode}'")
+        run.validate()
+        run.task_spec()  # reads the data: a missing file or an impossible partition fails before any export
+        self.run_config = run
+        self.mode = mode
+        super().__init__(_MedflareJob(run, mode))
+
+    def process_env(self, env: ExecEnv) -> None:
+        """Refuse an environment whose sites differ from the recipe's (simulated data is split by site name)."""
+        if isinstance(env, SimEnv) and self.mode != "byoc":
+            raise ConfigError("the simulator enforces FLARE's class allow-list, which has no medflare classes: "
+                              "build the recipe with mode='byoc'")
+        count = getattr(env, "num_clients", None)
+        names = getattr(env, "clients", None)
+        expected = self.run_config.site_names
+        if (names and list(names) != expected) or (count and count != len(expected)):
+            raise ConfigError(f"the environment has sites {names or count} but the recipe was built for "
+                              f"{len(expected)} sites {expected}; pass clients={len(expected)} to recipe() or "
+                              f"num_clients={len(expected)} to the environment")
+
+    def _validate_before_use(self) -> None:
+        # medflare's builder writes the whole job; FLARE's add_* helpers would be silently left out of it
+        if self._job._deploy_map:
+            raise ConfigError("a medflare recipe's job is written by medflare's own builder, so FLARE's add_* "
+                              "helpers cannot change it; use recipe() options instead (e.g. tracking='mlflow')")
+
+
+def recipe(method: str, *, data: str | dict[str, Any] | None = None, partition: str | None = None,
+           mode: str = "byoc", **options: Any) -> MedflareRecipe:
+    """The FLARE 2.9 Recipe of a registered method.
+
+    Args:
+        method: registered method name (``medflare methods``).
+        data: data source as ``medflare run --data`` takes it (e.g. ``synthetic:n=300``, ``medmnist:FILE.npz``,
+            ``site`` for each site's own ``local/medflare_site.json``), or the whole data section as a dict
+            (``{"source": ..., "label_noise": 0.2}``).
+        partition: how simulated data is split across sites (``iid``, ``dirichlet:0.5``, ...).
+        mode: ``byoc`` or ``preinstalled`` (see :class:`MedflareRecipe`).
+        **options: any ``medflare run`` option by its RunConfig name: ``rounds``, ``clients``, ``model``,
+            ``train`` (dict), ``method_args`` (dict), ``seed``, ``tracking``, ``patience``, ``task`` ...
+
+    Raises:
+        ConfigError: an unknown option or a value out of range, in one line.
+    """
+    section = dict(data) if isinstance(data, dict) else {"source": data}
+    section.setdefault("partition", partition)
+    layer = {"method": method, **options, "data": {k: v for k, v in section.items() if v is not None}}
+    return MedflareRecipe(merge_run_config(layer), mode)

@@ -1,0 +1,165 @@
+"""Resuming a run: continue a stopped or finished job from its last global model and its round counter.
+
+A resumable folder holds the server's ``medflare_results.json`` and ``FL_global_model.pt`` (every ``medflare run``
+folder does, and so does a downloaded job's ``workspace/app_server``). The new job's controller reads the
+history from it and continues the round counter, and FLARE's model persistor loads the model from it, so the
+resumed run's results cover every round. The folder is read by the *server*: a path on this machine serves the
+simulator and a local POC; in production it must be a folder on the server machine.
+
+What stays at the sites (optimizer state, personal heads, method state) lives in each site's job folder and
+starts afresh in the new job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from medflare.errors import ConfigError
+
+RESULTS_FILE = "medflare_results.json"
+MODEL_FILE = "FL_global_model.pt"
+BEST_MODEL_FILE = "best_FL_global_model.pt"
+# what belongs to the end of the previous job and not to the resumed history
+ENDING_KEYS = ("final", "final_validation", "finished_at", "stopped_early", "error")
+HISTORY_KEYS = ("rounds", "evaluations")  # continued from the previous job, never restarted
+
+
+def read_history(folder: str | Path) -> dict[str, Any]:
+    """The previous job's results (the controller's ``medflare_results.json``) in ``folder``.
+
+    Raises:
+        ConfigError: the folder, its results file or its global model is missing, or the file is unreadable.
+    """
+    folder = Path(folder)
+    results, model = folder / RESULTS_FILE, folder / MODEL_FILE
+    for path in (results, model):
+        if not path.is_file():
+            raise ConfigError(f"--resume: {path} not found; give a medflare run folder (or a downloaded job's "
+                              f"workspace/app_server) that holds {RESULTS_FILE} and {MODEL_FILE}")
+    try:
+        history = json.loads(results.read_text())
+        rounds = history["rounds"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ConfigError(f"--resume: {results} is not a medflare results file ({exc})") from exc
+    if not isinstance(rounds, list):
+        raise ConfigError(f"--resume: {results} has no list of rounds")
+    return history
+
+
+def read_model(folder: str | Path) -> dict[str, np.ndarray]:
+    """The global model FLARE's persistor saved in ``folder`` (tensors only: never unpickles code)."""
+    import torch
+
+    path = Path(folder) / MODEL_FILE
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch raises many types for unreadable files
+        raise ConfigError(f"--resume: cannot read {path}: {exc}") from exc
+    saved = saved.get("model", saved) if isinstance(saved, dict) else {}
+    return {k: v.numpy() if hasattr(v, "numpy") else np.asarray(v) for k, v in saved.items()}
+
+
+def continued_results(history: Mapping[str, Any], fresh: Mapping[str, Any], start: Mapping[str, Any]) -> dict[str, Any]:
+    """The results a resumed job starts from: the previous rounds, evaluations and best model, with the new
+    job's header (``fresh``: method, num_rounds, start time), and ``start`` appended to ``resumed``.
+
+    Args:
+        history: the previous job's results.
+        fresh: the new controller's own results header.
+        start: what the resumed job starts from (folder, round, model digest).
+    """
+    carried = {key: value for key, value in history.items() if key not in ENDING_KEYS}
+    header = {key: value for key, value in fresh.items() if key not in HISTORY_KEYS}
+    return {**carried, **header, "resumed": [*history.get("resumed", []), dict(start)]}
+
+
+def best_score(history: Mapping[str, Any], key_metric: str) -> float:
+    """The best validation score of the previous job (-inf when it had none), so best-model selection and
+    early stopping continue where they were."""
+    value = history.get("best", {}).get(key_metric)
+    return float(value) if isinstance(value, (int, float)) else -np.inf
+
+
+def model_digest(params: Mapping[str, Any]) -> str:
+    """SHA-256 of a state dict's names, dtypes, shapes and values (a fingerprint of exactly these weights)."""
+    digest = hashlib.sha256()
+    for key in sorted(params):
+        array = np.ascontiguousarray(np.asarray(params[key]))
+        digest.update(f"{key}|{array.dtype.str}|{array.shape}|".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+def start_record(folder: str | Path, start_round: int, params: Mapping[str, Any]) -> dict[str, Any]:
+    """What the resumed job records about its start: the folder, the round it continues from, and the digest
+    of the global model it loaded."""
+    return {"from": str(folder), "start_round": start_round, "at": time.time(),
+            "initial_model_digest": model_digest(params)}
+
+
+def check_resumable(run: Any, folder: str | Path) -> Path:
+    """Check, before anything starts, that ``run`` can continue the job recorded in ``folder``.
+
+    The previous job must be of the same method, with a global model of the same keys and shapes (same model
+    and task), fewer rounds than ``run.rounds``, and the same stage for every round it completed.
+
+    Args:
+        run: the validated RunConfig of the resumed run (``rounds`` is the total, old rounds included).
+        folder: the previous run folder.
+
+    Returns:
+        The folder as an absolute path (what the server is told to read).
+
+    Raises:
+        ConfigError: one line saying what does not match and what to do.
+    """
+    from medflare.registry import get_method
+
+    folder = Path(folder).resolve()
+    history = read_history(folder)
+    if not get_method(run.method).server_model:
+        raise ConfigError(f"--resume: '{run.method}' keeps no global model on the server, so there is nothing to "
+                          "resume from; start a new run")
+    if history.get("method") != run.method:
+        raise ConfigError(f"--resume: {folder} is a '{history.get('method')}' run, not '{run.method}'")
+    done = len(history["rounds"])
+    if run.rounds <= done:
+        raise ConfigError(f"--resume: {folder} already has {done} round(s); --rounds is the total, so give more "
+                          f"than {done} (e.g. --rounds {done + max(run.rounds, 1)})")
+    _check_stages(run, history, folder)
+    _check_model(run, folder / MODEL_FILE)
+    return folder
+
+
+def _check_stages(run: Any, history: Mapping[str, Any], folder: Path) -> None:
+    from medflare.flare.aggregator import RoundAggregation
+    from medflare.flare.tasks import round_plan
+
+    core = RoundAggregation(run.method, run.method_args, 2, run.rounds, run.robust, run.transfer_dtype, run.transfer_kind)
+    plan = round_plan(core.stages, run.rounds)
+    for record, ctx in zip(history["rounds"], plan):
+        if record.get("stage", ctx.stage) != ctx.stage:
+            raise ConfigError(f"--resume: round {record['round'] + 1} of {folder} was stage '{record['stage']}', but "
+                              f"with {run.rounds} rounds it would be '{ctx.stage}'; keep the stage lengths unchanged")
+
+
+def _check_model(run: Any, checkpoint: Path) -> None:
+    """The checkpoint must hold exactly the keys and shapes of this run's global model."""
+    from medflare.flare.models import build_global_model
+
+    task = run.task_spec()
+    expected = build_global_model(run.method, run.model, task.num_classes, task.in_channels, task.image_size,
+                                  None, run.method_args, run.seed, run.plugin_modules()).state_dict()
+    saved = read_model(checkpoint.parent)
+    shapes = {k: tuple(np.shape(v)) for k, v in saved.items()}
+    wanted = {k: tuple(v.shape) for k, v in expected.items()}
+    if shapes != wanted:
+        differing = sorted(set(shapes.items()) ^ set(wanted.items()))[:3]
+        raise ConfigError(f"--resume: {checkpoint} does not hold this run's '{run.model}' model for this task "
+                          f"(differs in {differing}); resume with the model and data of the previous run")

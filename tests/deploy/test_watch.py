@@ -1,0 +1,94 @@
+"""``medflare watch`` against a stand-in FLARE session: each round printed once, in order, with the rounds the
+polls missed read from the finished job's results; the admin kit resolved or refused in one line.
+(``test_poc_progress_and_tracking.py`` runs the real thing against a POC.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from medflare.deploy.watch import ProgressPrinter, admin_kit, progress_entries, watch_job
+from medflare.errors import ConfigError
+from medflare.flare.progress import STATS_GROUP, entries_from_results, format_progress
+
+EVALUATION = {"sites": ["site-1", "site-2"], "test": {"balanced_accuracy": 0.5}}
+RESULTS = {
+    "num_rounds": 3,
+    "rounds": [{"round": r, "wall_seconds": 1.0, "share": {"site-1": 0.5, "site-2": 0.5}} for r in range(3)],
+    "evaluations": {str(v): EVALUATION for v in range(3)},
+    "final": {"model_version": 3, **EVALUATION},
+}
+ALL_ENTRIES = entries_from_results(RESULTS)
+
+
+class FakeSession:
+    """FLARE's Session as watch uses it: the job runs for a few polls, growing its progress, then finishes."""
+
+    def __init__(self, tmp_path: Path, shown_per_poll: list[int], downloadable: bool = True) -> None:
+        self.tmp_path, self.shown_per_poll, self.downloadable = tmp_path, shown_per_poll, downloadable
+        self.poll = 0
+
+    def show_stats(self, job_id: str, target_type: str) -> dict:
+        count = self.shown_per_poll[self.poll]
+        return {"server": {"ServerRunner": {"status": "started"},
+                           STATS_GROUP: {"num_rounds": 3, "progress": ALL_ENTRIES[:count]}}}
+
+    def monitor_job_and_return_job_meta(self, job_id, timeout=0.0, poll_interval=2.0, cb=None):
+        for self.poll in range(len(self.shown_per_poll)):
+            cb(self, job_id, {"status": "RUNNING"})
+        return "JOB_FINISHED", {"status": "FINISHED:COMPLETED"}
+
+    def download_job_result(self, job_id: str, destination: str) -> str:
+        if not self.downloadable:
+            raise PermissionError("not authorized for download_job")
+        app = Path(destination) / job_id / "workspace" / "app_server"
+        app.mkdir(parents=True)
+        (app / "medflare_results.json").write_text(json.dumps(RESULTS))
+        return str(Path(destination) / job_id)
+
+
+def test_each_round_is_printed_once_and_the_missed_ones_come_from_the_results(tmp_path: Path) -> None:
+    lines: list[str] = []
+    status = watch_job(FakeSession(tmp_path, [0, 2, 2, 4]), "job-1", lines.append)
+    assert status == "FINISHED:COMPLETED"
+    assert lines == [f"  {format_progress(e)}" for e in ALL_ENTRIES]  # the last round and final only in results
+
+
+def test_without_the_download_right_the_polled_rounds_are_what_is_shown(tmp_path: Path) -> None:
+    lines: list[str] = []
+    watch_job(FakeSession(tmp_path, [1, 3], downloadable=False), "job-1", lines.append)
+    assert lines == [f"  {format_progress(e)}" for e in ALL_ENTRIES[:3]]
+
+
+def test_printer_never_repeats_and_survives_a_shorter_read() -> None:
+    lines: list[str] = []
+    printer = ProgressPrinter(lines.append)
+    printer.show(ALL_ENTRIES[:2])
+    printer.show(ALL_ENTRIES[:1])
+    printer.show(ALL_ENTRIES[:3])
+    assert lines == [f"  {format_progress(e)}" for e in ALL_ENTRIES[:3]]
+
+
+def test_stats_without_medflare_progress_give_no_entries() -> None:
+    class NotRunning:
+        def show_stats(self, job_id, target_type):
+            raise RuntimeError("job is not running")
+
+    assert progress_entries(NotRunning(), "job-1") == []
+
+
+def test_admin_kit_is_read_from_the_kit_and_refused_in_one_line(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("NVFLARE_STARTUP_KIT_DIR", raising=False)
+    kit = tmp_path / "lead@hospital-a.org"
+    (kit / "startup").mkdir(parents=True)
+    (kit / "startup" / "fed_admin.json").write_text(json.dumps({"admin": {"username": "lead@hospital-a.org"}}))
+    assert admin_kit(str(kit)) == (kit, "lead@hospital-a.org")
+    monkeypatch.setenv("NVFLARE_STARTUP_KIT_DIR", str(kit))
+    assert admin_kit(None, None)[1] == "lead@hospital-a.org"
+    with pytest.raises(ConfigError, match="is not an admin startup kit"):
+        admin_kit(str(tmp_path))
+    monkeypatch.delenv("NVFLARE_STARTUP_KIT_DIR")
+    with pytest.raises(ConfigError, match="no medflare POC is prepared there"):
+        admin_kit(None, str(tmp_path / "nothing"))
