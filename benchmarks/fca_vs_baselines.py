@@ -62,11 +62,12 @@ def setting_config(setting: str, seed: int, rounds: int, method: str, max_steps:
 
 
 def figures_of(final: dict[str, Any]) -> dict[str, Any]:
-    """FCA's figures from a run's final block; a method without its own (bsm-fl) is a single-model method,
-    whose sites keep the global model."""
+    """FCA's figures from ``summary.json``'s ``final`` (pooled test metrics at its top level). A method without
+    them (bsm-fl) is a single-model method: its sites keep the global model, as for FedRS."""
     if "specialization_bacc" in final:
         return final
-    return {**final, **personalization_figures(final, global_classifier=True, specialization=None)}
+    evaluation = {"test": final, "by_site": final.get("by_site", {}), "site_mean": final.get("site_mean", {})}
+    return {**final, **personalization_figures(evaluation, global_classifier=True, specialization=None)}
 
 
 def mean_std(values: list[float]) -> tuple[float, float] | None:
@@ -83,6 +84,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--max-steps", type=int, default=0, help="cap optimizer steps per site per round (0 = full epochs)")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--report-only", action="store_true", help="rebuild the report from the runs already in --out")
     args = parser.parse_args()
     out = Path(args.out or f"runs/bench-fca-{args.setting}")
     out.mkdir(parents=True, exist_ok=True)
@@ -90,9 +92,13 @@ def main() -> None:
     started = time.time()
     for seed in args.seeds:
         for method in args.methods:
-            run = setting_config(args.setting, seed, args.rounds, method, args.max_steps)
+            run_dir = out / f"{method}-seed{seed}"
             print(f"[{time.time() - started:6.0f}s] {args.setting} seed {seed} {method} ...", flush=True)
-            summary = run_simulation(run, out / f"{method}-seed{seed}", echo=lambda line: None)
+            if args.report_only:
+                summary = json.loads((run_dir / "summary.json").read_text())
+            else:
+                run = setting_config(args.setting, seed, args.rounds, method, args.max_steps)
+                summary = run_simulation(run, run_dir, echo=lambda line: None)
             figures = figures_of(summary["final"])
             cell = {"seed": seed, **{k: figures.get(k) for k in FIGURES},
                     "specialization_by_site": figures["specialization_by_site"],
