@@ -140,8 +140,9 @@ def write_report(args: argparse.Namespace, rows: dict[str, list[dict[str, Any]]]
         sites = cells[0].get("sites") if cells else None
         above = "—" if not beating else f"{stats['sites_beating_local'][0]:.1f} / {sites}"
         lines.append(f"| {method} | " + " | ".join(text) + f" | {above} |")
-    lines += ["", "— : not defined (no global classifier), or the local-only reference itself.",
-              f"Wall time of the whole benchmark: {seconds / 60:.1f} min.", ""]
+    timing = ("Report rebuilt from the runs in this folder (--report-only)." if args.report_only
+              else f"Wall time of the whole benchmark: {seconds / 60:.1f} min.")
+    lines += ["", "— : not defined (no global classifier), or the local-only reference itself.", timing, ""]
     (out / "results.md").write_text("\n".join(lines))
     (out / "results.json").write_text(json.dumps({"args": vars(args), "rows": rows, "table": table}, indent=2))
     print("\n".join(lines))
