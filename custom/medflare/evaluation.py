@@ -106,3 +106,47 @@ def _is_number(value: Any) -> bool:
 
 def _sum(parts: list[EvalStats]) -> EvalStats:
     return sum(parts[1:], parts[0])
+
+
+# ----- generalization and specialization (FCA's evaluation protocol) --------------------------------------------
+SPECIALIZATION = "specialization"  # name of the method-declared evaluation of each site's own (personal) model
+_FIGURES = (("balanced_accuracy", "bacc"), ("bauc", "bauc"))
+
+
+def personalization_figures(
+    final: Mapping[str, Any], *, global_classifier: bool, specialization: str | None = SPECIALIZATION
+) -> dict[str, Any]:
+    """FCA's figures from a run's final evaluation: generalization, specialization and their mean, in bACC and bAUC.
+
+    * Generalization: the global model on the pooled test splits of all sites (``final["test"]``, from summed
+      statistics). None for a method without a global classifier (local-only, FedRep's private heads).
+    * Specialization: each site's own model on its own test split, averaged over sites (1/K Σ_k): the site mean
+      of the method-declared evaluation ``specialization``, or of the main evaluation (``final["site_mean"]``)
+      when ``specialization`` is None (single-model methods, whose sites keep the global model; local-only,
+      whose main evaluation already scores each site's own model).
+    * ``gs_mean_*``: the mean of the two (the paper's "Average of G&S"), None if either is missing.
+    * ``specialization_by_site``: each site's specialization bACC and bAUC.
+
+    Args:
+        final: the final evaluation as :func:`summarize` builds it.
+        global_classifier: whether ``final["test"]`` scores one global classifier.
+        specialization: the evaluation holding each site's own model, or None (see above).
+
+    References:
+        Wicaksana, Yan and Cheng, FCA: Taming Long-tailed Federated Medical Image Classification by Classifier
+        Anchoring, 2023, §4.2 (bAUC: spec §1.5).
+    """
+    general = final.get("test", {}) if global_classifier else {}
+    block = final.get("extra", {}).get(specialization, {}) if specialization else final
+    special = block.get("site_mean", {})
+    figures: dict[str, Any] = {}
+    for metric, short in _FIGURES:
+        g, s = general.get(metric), special.get(metric)
+        figures[f"generalization_{short}"] = g
+        figures[f"specialization_{short}"] = s
+        figures[f"gs_mean_{short}"] = (g + s) / 2 if g is not None and s is not None else None
+    figures["specialization_by_site"] = {
+        site: {short: metrics.get(metric) for metric, short in _FIGURES}
+        for site, metrics in block.get("by_site", {}).items()
+    }
+    return figures

@@ -10,6 +10,7 @@ from medflare.losses.kl import kl_to_teacher
 from medflare.losses.ldam import LDAMLoss
 from medflare.losses.logit_calibration import logit_calibrated_ce
 from medflare.losses.proximal import proximal_term
+from medflare.losses.restricted_softmax import restricted_logits, restricted_softmax_loss, restriction_scales
 from medflare.losses.symmetric_ce import symmetric_cross_entropy
 
 __all__ = [
@@ -22,5 +23,8 @@ __all__ = [
     "kl_to_teacher",
     "logit_calibrated_ce",
     "proximal_term",
+    "restricted_logits",
+    "restricted_softmax_loss",
+    "restriction_scales",
     "symmetric_cross_entropy",
 ]

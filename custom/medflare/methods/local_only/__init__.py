@@ -12,6 +12,7 @@ from medflare.contracts import Payload
 from medflare.errors import ConfigError
 from medflare.methods.base import MethodSpec
 from medflare.methods.local_only.client import LOSSES, LocalOnlyTrainer
+from medflare.methods.local_only.server import LocalOnlyRule
 from medflare.registry import register_method
 
 
@@ -35,7 +36,9 @@ SPEC = register_method(
         summary="Local-only baseline: each site trains its own model (any architecture); no weights travel",
         config_cls=LocalOnlyConfig,
         trainer_cls=LocalOnlyTrainer,
-        payload=Payload(sends_weights=False),
+        # Every key is private: nothing travels, and the whole model is kept in the site state across a restart.
+        payload=Payload(sends_weights=False, private_keys=r".*"),
+        server_rule_cls=LocalOnlyRule,
         server_model=False,
         reveals="nothing about the model: no weights and no architecture leave the site, only the common meta",
         reference="The no-collaboration reference of personalized FL (e.g. Wicaksana et al., FCA, 2023, Tables 2-3)",

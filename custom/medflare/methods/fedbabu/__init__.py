@@ -1,0 +1,52 @@
+"""FedBABU: only the body learns federatedly under a frozen random head; the head is fine-tuned locally at the end."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from medflare.errors import ConfigError
+from medflare.methods.base import MethodSpec
+from medflare.methods.fedbabu.client import FedBabuTrainer
+from medflare.methods.fedbabu.server import FedBabuRule
+from medflare.models import Classifier
+from medflare.registry import register_method
+
+__all__ = ["FedBabuConfig", "SPEC", "build_fedbabu_model"]
+
+
+@dataclass
+class FedBabuConfig:
+    """FedBABU options."""
+
+    finetune_epochs: int = 5  # epochs of local head fine-tuning before the specialization evaluation
+    eps: float = 1e-9  # balanced-softmax prior floor (FCA's baselines use BSM with FCA's 1e-9)
+
+    def __post_init__(self) -> None:
+        if self.finetune_epochs < 0:
+            raise ConfigError(f"fedbabu finetune_epochs must be >= 0, got {self.finetune_epochs}")
+        if not self.eps >= 0:
+            raise ConfigError(f"fedbabu eps must be >= 0, got {self.eps}")
+
+
+def build_fedbabu_model(model: str, num_classes: int, in_channels: int, image_size: int, pretrained, cfg) -> Classifier:
+    """The factory's classifier with its head frozen at the random initialisation the server broadcasts."""
+    from medflare.models import create_model
+
+    network = create_model(model, num_classes, in_channels, pretrained=pretrained, image_size=image_size)
+    network.head.requires_grad_(False)
+    return network
+
+
+SPEC = register_method(
+    MethodSpec(
+        name="fedbabu",
+        summary="FedBABU: body trained and averaged under a frozen random head; head fine-tuned locally to evaluate",
+        config_cls=FedBabuConfig,
+        trainer_cls=FedBabuTrainer,
+        server_rule_cls=FedBabuRule,
+        build_model=build_fedbabu_model,
+        reference="Oh, Kim and Yun, FedBABU: Towards Enhanced Representation for Federated Image Classification, "
+        "ICLR 2022",
+        smoke={"data": {"eval_split": "like_train"}},
+    )
+)

@@ -1,0 +1,42 @@
+"""FedRep: a shared body learnt federatedly, a personal head per site that never leaves it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from medflare.contracts import Payload
+from medflare.errors import ConfigError
+from medflare.methods.base import MethodSpec
+from medflare.methods.fedrep.client import FedRepTrainer
+from medflare.methods.fedrep.server import FedRepRule
+from medflare.registry import register_method
+
+__all__ = ["FedRepConfig", "SPEC"]
+
+
+@dataclass
+class FedRepConfig:
+    """FedRep options."""
+
+    head_epochs: int = 10  # epochs of personal-head training per round before the body trains (paper: 10)
+    eps: float = 1e-9  # balanced-softmax prior floor (FCA's baselines use BSM with FCA's 1e-9)
+
+    def __post_init__(self) -> None:
+        if self.head_epochs < 0:
+            raise ConfigError(f"fedrep head_epochs must be >= 0, got {self.head_epochs}")
+        if not self.eps >= 0:
+            raise ConfigError(f"fedrep eps must be >= 0, got {self.eps}")
+
+
+SPEC = register_method(
+    MethodSpec(
+        name="fedrep",
+        summary="FedRep: shared body averaged; each site's head (BSM) trained first each round and never sent",
+        config_cls=FedRepConfig,
+        trainer_cls=FedRepTrainer,
+        payload=Payload(private_keys=r"^head\."),
+        server_rule_cls=FedRepRule,
+        reference="Collins et al., Exploiting Shared Representations for Personalized Federated Learning, ICML 2021",
+        smoke={"data": {"eval_split": "like_train"}},
+    )
+)

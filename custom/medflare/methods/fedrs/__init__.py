@@ -1,0 +1,50 @@
+"""FedRS: restricted softmax, so a site does not push down the classifier rows of classes it never sees."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from medflare.errors import ConfigError
+from medflare.losses.restricted_softmax import RESTRICTION_MODES
+from medflare.methods.base import MethodSpec
+from medflare.methods.fedrs.client import FedRsTrainer
+from medflare.methods.fedrs.server import FedRsRule
+from medflare.registry import register_method
+
+__all__ = ["FedRsConfig", "SPEC"]
+
+LOSSES = ("bsm", "ce")
+
+
+@dataclass
+class FedRsConfig:
+    """FedRS options."""
+
+    alpha: float = 0.5  # restriction factor for classes the site lacks, in [0, 1]; 1 = no restriction (not tuned)
+    restriction: str = "hard"  # hard: the paper (alpha for missing classes) | soft: the authors' code (count-scaled)
+    loss: str = "bsm"  # bsm: balanced softmax on the restricted logits, as FCA's baselines | ce: FedRS as published
+    eps: float = 1e-9  # bsm prior floor (FCA's value)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ConfigError(f"fedrs alpha must be in [0, 1], got {self.alpha}")
+        if self.restriction not in RESTRICTION_MODES:
+            raise ConfigError(f"fedrs restriction must be one of {RESTRICTION_MODES}, got '{self.restriction}'")
+        if self.loss not in LOSSES:
+            raise ConfigError(f"fedrs loss must be one of {LOSSES}, got '{self.loss}'")
+        if not self.eps >= 0:
+            raise ConfigError(f"fedrs eps must be >= 0, got {self.eps}")
+
+
+SPEC = register_method(
+    MethodSpec(
+        name="fedrs",
+        summary="FedRS: local (balanced) softmax with the logits of the site's missing classes scaled by alpha",
+        config_cls=FedRsConfig,
+        trainer_cls=FedRsTrainer,
+        server_rule_cls=FedRsRule,
+        reference="Li and Zhan, FedRS: Federated Learning with Restricted Softmax for Label Distribution Non-IID "
+        "Data, KDD 2021",
+        smoke={"data": {"eval_split": "like_train"}},
+    )
+)

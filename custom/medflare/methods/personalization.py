@@ -1,0 +1,122 @@
+"""What the personalized methods (FCA, FedRep, FedBABU) share: a trainer that keeps its whole local model in the
+site state and can score it with another head, and training a linear head on a frozen extractor's features.
+
+Head training (FedRep's head phase, FedBABU's final fine-tune): the extractor is frozen while the head trains, so
+its features are computed once (one pass over the site's training batches, eval mode, no gradient) and the head
+then runs its epochs over the cached features. That keeps a 10-epoch head phase at the cost of one forward pass.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from medflare.methods.base import LocalTrainer, RoundContext, TrainConfig
+from medflare.models import Classifier
+from medflare.optim import build_optimizer, set_step_lr
+
+__all__ = ["HeadLoss", "PersonalizedTrainer", "fit_head", "frozen_features", "head_optimizer"]
+
+HeadLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> scalar loss
+
+
+def frozen_features(model: Classifier, loader: DataLoader, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features as the head sees them (after the classifier dropout, here off) and labels of the labelled samples.
+
+    The model is put in eval mode for the pass (BatchNorm uses its running statistics) and restored afterwards.
+    """
+    was_training = model.training
+    model.eval()
+    features, labels = [], []
+    with torch.no_grad():
+        for images, batch_labels in loader:
+            keep = batch_labels >= 0
+            if not bool(keep.any()):
+                continue
+            pooled = model.forward_head(model.forward_features(images.to(device)), pre_logits=True)
+            features.append(pooled[keep.to(device)])
+            labels.append(batch_labels[keep].to(device))
+    model.train(was_training)
+    if not features:
+        return torch.zeros(0, model.num_features, device=device), torch.zeros(0, dtype=torch.long, device=device)
+    return torch.cat(features), torch.cat(labels)
+
+
+def head_optimizer(model: nn.Module, head: nn.Module, cfg: TrainConfig, ctx: RoundContext) -> torch.optim.Optimizer:
+    """A fresh optimizer of the job's kind for ``head`` alone, at the lr the schedule gives round ``ctx``."""
+    optimizer = build_optimizer(model, cfg, trainable=list(head.parameters()))
+    set_step_lr(optimizer, cfg, ctx.stage_round, ctx.stage_rounds, 0, 1)
+    return optimizer
+
+
+def fit_head(
+    head: nn.Module,
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    loss_fn: HeadLoss,
+    optimizer: torch.optim.Optimizer,
+    epochs: int,
+    batch_size: int,
+) -> float:
+    """``epochs`` passes of shuffled mini-batches over cached features, updating only ``head``.
+
+    Args:
+        head: the linear head (its parameters must be the optimizer's).
+        features: ``[N, F]`` cached features.
+        labels: ``[N]`` class indices.
+        loss_fn: the method's loss on (logits, labels), e.g. balanced softmax with the site's prior.
+        optimizer: optimizer over ``head``'s parameters.
+        epochs: passes over the data.
+        batch_size: samples per step.
+
+    Returns:
+        The mean loss over the steps taken (0.0 when there is nothing to fit).
+    """
+    head.train()
+    total, steps = 0.0, 0
+    for _ in range(epochs):
+        order = torch.randperm(len(labels)).to(labels.device)
+        for start in range(0, len(labels), batch_size):
+            rows = order[start : start + batch_size]
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(head(features[rows]), labels[rows])
+            loss.backward()
+            optimizer.step()
+            total, steps = total + float(loss.detach()), steps + 1
+    return total / max(steps, 1)
+
+
+class PersonalizedTrainer(LocalTrainer):
+    """A trainer whose site keeps a model of its own next to the global one.
+
+    * Its whole local model (not only the private keys) is part of the site state, so after a restart the
+      specialization evaluation, which runs before the received model is loaded, scores the model the site last
+      trained, not a freshly initialised extractor.
+    * :meth:`evaluate_with_head` scores the model's extractor with another head (FCA's personal head, FedBABU's
+      fine-tuned copy) through the shared evaluation code.
+    """
+
+    _scoring_head: nn.Module | None = None  # set only while :meth:`evaluate_with_head` runs
+
+    def extra_state(self) -> dict[str, Any]:
+        return {"local_model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}}
+
+    def load_extra_state(self, state: Mapping[str, Any]) -> None:
+        if "local_model" in state:
+            self.model.load_state_dict(state["local_model"])
+
+    def predict_logits(self, images: torch.Tensor) -> torch.Tensor:
+        if self._scoring_head is None:
+            return super().predict_logits(images)
+        return self._scoring_head(self.model.forward_head(self.model.forward_features(images), pre_logits=True))
+
+    def evaluate_with_head(self, head: nn.Module, split: str) -> Any:
+        """Summable evaluation statistics on ``split`` of the model's extractor followed by ``head``."""
+        self._scoring_head = head
+        try:
+            return self.evaluate(split)
+        finally:
+            self._scoring_head = None

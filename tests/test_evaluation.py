@@ -1,0 +1,44 @@
+"""FCA's generalization / specialization figures from a final evaluation block."""
+
+from __future__ import annotations
+
+import pytest
+
+from medflare.evaluation import SPECIALIZATION, personalization_figures
+
+FINAL = {
+    "test": {"balanced_accuracy": 0.6, "bauc": 0.8},
+    "by_site": {"a": {"balanced_accuracy": 0.5, "bauc": 0.7}, "b": {"balanced_accuracy": 0.3, "bauc": 0.9}},
+    "site_mean": {"balanced_accuracy": 0.4, "bauc": 0.8},
+    "extra": {SPECIALIZATION: {
+        "test": {"balanced_accuracy": 0.1},
+        "by_site": {"a": {"balanced_accuracy": 0.9, "bauc": 0.95}, "b": {"balanced_accuracy": 0.7, "bauc": 0.85}},
+        "site_mean": {"balanced_accuracy": 0.8, "bauc": 0.9},
+    }},
+}
+
+
+def test_personal_models_give_the_specialization_and_the_global_model_the_generalization() -> None:
+    figures = personalization_figures(FINAL, global_classifier=True, specialization=SPECIALIZATION)
+    assert figures["generalization_bacc"] == 0.6 and figures["generalization_bauc"] == 0.8
+    assert figures["specialization_bacc"] == 0.8 and figures["specialization_bauc"] == 0.9
+    assert figures["gs_mean_bacc"] == pytest.approx(0.7) and figures["gs_mean_bauc"] == pytest.approx(0.85)
+    assert figures["specialization_by_site"] == {"a": {"bacc": 0.9, "bauc": 0.95}, "b": {"bacc": 0.7, "bauc": 0.85}}
+
+
+def test_a_single_model_method_is_specialized_by_the_global_model_per_site() -> None:
+    figures = personalization_figures(FINAL, global_classifier=True, specialization=None)
+    assert figures["specialization_bacc"] == 0.4 and figures["gs_mean_bacc"] == pytest.approx(0.5)
+    assert figures["specialization_by_site"]["b"] == {"bacc": 0.3, "bauc": 0.9}
+
+
+def test_without_a_global_classifier_there_is_no_generalization() -> None:
+    figures = personalization_figures(FINAL, global_classifier=False, specialization=SPECIALIZATION)
+    assert figures["generalization_bacc"] is None and figures["gs_mean_bauc"] is None
+    assert figures["specialization_bacc"] == 0.8
+
+
+def test_a_run_without_scores_gives_none_not_an_error() -> None:
+    figures = personalization_figures({}, global_classifier=True)
+    assert figures["generalization_bacc"] is None and figures["specialization_bauc"] is None
+    assert figures["specialization_by_site"] == {}
