@@ -57,6 +57,8 @@ class MdhflTrainer(LocalOnlyTrainer):
     ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         if phase == SETUP_PHASE:
             public = self._public()
+            parameters = sum(p.numel() for p in self.model.parameters())
+            self.record_locally(round=ctx.round, public_size=len(public), parameters=parameters)  # stays here
             self._pretrain(ctx)
             return {}, {PUBLIC_DIGEST: public_digest(public.images), PUBLIC_SIZE: len(public)}
         if phase == PROBS_PHASE:
