@@ -329,9 +329,31 @@ def test_local_epochs_follow_the_authors_rule_unless_set() -> None:
     assert site_trainer(n=200, sites=4, public_per_round=40).train_cfg.local_epochs == 1  # 40 rows a round
     assert site_trainer(n=200, local_epochs=3).train_cfg.local_epochs == 3
     spec = get_method("mdhfl")
-    with pytest.raises(ConfigError, match="method.local_epochs"):
-        spec.trainer_cls(trainer.model, trainer.data, TrainConfig(local_epochs=2), MdhflConfig(), spec.payload,
-                         torch.device("cpu"))
+    asked = spec.trainer_cls(trainer.model, trainer.data, TrainConfig(local_epochs=4), MdhflConfig(), spec.payload,
+                             torch.device("cpu"))
+    assert asked.train_cfg.local_epochs == 4  # --local-epochs wins over the authors' rule
+
+
+def test_pretraining_trains_the_local_model_before_the_first_exchange() -> None:
+    trainer = site_trainer(pretrain_epochs=1)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.run_phase(SETUP_PHASE, {}, RoundContext(0, 2))
+    assert any(not torch.equal(p, b) for p, b in zip(trainer.model.parameters(), before))
+    untouched = site_trainer()
+    before = [p.detach().clone() for p in untouched.model.parameters()]
+    untouched.run_phase(SETUP_PHASE, {}, RoundContext(0, 2))
+    assert all(torch.equal(p, b) for p, b in zip(untouched.model.parameters(), before))
+
+
+def test_the_noisy_heterogeneous_scenario_runs_only_methods_that_send_no_weights() -> None:
+    from medflare.run_config import RunConfig, merge_sections
+    from medflare.scenarios import load_scenario
+
+    scenario = load_scenario("noisy-heterogeneous")
+    for method in ("mdhfl", "fedmd", "local-only"):
+        RunConfig(**merge_sections(scenario, {"method": method})).validate()
+    with pytest.raises(ConfigError, match="per-site models"):
+        RunConfig(**merge_sections(scenario, {"method": "fedavg"})).validate()
 
 
 def test_the_setup_reports_the_digest_and_size_of_the_public_copy() -> None:

@@ -40,7 +40,7 @@ class MdhflConfig:
     include_self: bool = False  # whether a site's own predictions are part of its target (FedMD: yes)
     chunks: int = 1  # M public chunks per round, one probability/target exchange each (1 = FedMD-like)
     public_per_round: int = 0  # public rows used per round; 0 = the whole set, else a window rotating by round
-    local_epochs: int = 0  # E_l local epochs per round; 0 = the code's rule max(N_public // N_private, 1)
+    local_epochs: int = 0  # E_l; 0 = train.local_epochs if set (not 1), else the code's max(N_public // N_private, 1)
     kl_optimizer: str = "step"  # step: a new Adam per KL step (the code; ≈ signSGD) | persistent: one for the job
     probs_dtype: str = "float16"  # how probabilities travel: float16 (half the bytes) | float32
     pretrain_epochs: int = 0  # RHFL's local warm-up before the first exchange (MDH-FL has none)

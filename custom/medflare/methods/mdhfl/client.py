@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Subset
 
 from medflare.contracts import ArraySpec, ContractContext
 from medflare.data.public import public_digest
-from medflare.errors import ConfigError, DataError, PayloadError
+from medflare.errors import DataError, PayloadError
 from medflare.losses import symmetric_cross_entropy
 from medflare.methods.base import RoundContext
 from medflare.methods.local_only.client import LocalOnlyTrainer
@@ -40,11 +40,6 @@ class MdhflTrainer(LocalOnlyTrainer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.train_cfg.local_epochs != 1:
-            raise ConfigError(
-                "this method sets its local epochs with method.local_epochs (0 = the authors' rule "
-                "max(N_public // N_private, 1)); leave train.local_epochs at 1"
-            )
         self.train_cfg = dataclasses.replace(self.train_cfg, local_epochs=self._local_epochs())
         self.kl_optimizer: torch.optim.Optimizer | None = None  # kept only with method.kl_optimizer=persistent
         self.rows: tuple[int, int] | None = None  # (first row, count) of the chunk the last probabilities covered
@@ -178,10 +173,12 @@ class MdhflTrainer(LocalOnlyTrainer):
         return self.data.public
 
     def _local_epochs(self) -> int:
-        """E_l: method.local_epochs, or the authors' rule max(N_public // N_private, 1) with N_public the public
-        rows used per round (1 when no public set is used)."""
+        """E_l: method.local_epochs; else train.local_epochs when it is not 1; else the authors' rule
+        max(N_public // N_private, 1) with N_public the public rows used per round (1 without a public set)."""
         if self.cfg.local_epochs > 0:
             return self.cfg.local_epochs
+        if self.train_cfg.local_epochs != 1:
+            return self.train_cfg.local_epochs
         if not self.cfg.distill or self.data.public is None:
             return 1
         public = min(self.cfg.public_per_round or len(self.data.public), len(self.data.public))
