@@ -59,7 +59,7 @@ class MdhflTrainer(LocalOnlyTrainer):
         if phase == PROBS_PHASE:
             return self._share_probabilities(arrays, ctx)
         if phase == DISTILL_PHASE:
-            return {}, {KL_LOSS: self._distill(arrays[TARGET])}
+            return {}, {KL_LOSS: self._distill(arrays.get(TARGET))}
         return super().run_phase(phase, arrays, ctx)
 
     def on_round_start(self, ctx: RoundContext) -> None:
