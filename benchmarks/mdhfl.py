@@ -1,30 +1,29 @@
 """MDH-FL against FedMD and local-only training, under label noise, with a different architecture per site.
 
-Engines: ``simulator`` runs every cell through FLARE's simulator; ``inprocess`` (the default, for CPU budget)
-drives the very same site and server code (SiteRuntime, RoundAggregation with the method's rule and every
-contract check) round by round in this process, each site with its own torch random state, as if it were its
-own process; ``--parity`` runs one cell both ways and checks they give the same accuracies. Cells run in
-``--workers`` parallel processes. Three sites train ResNet-10, ShuffleNetV2 and medflare's small CNN (a
-light net on an edge box; it replaces the paper's ResNet-12 and MobileNetV2, too slow to train on this CPU); 20 % of the training split is held out as
+Three sites train ResNet-10, ShuffleNetV2 and medflare's small CNN (a light net on an edge box; it replaces the
+paper's ResNet-12 and MobileNetV2, too slow to train on this CPU). 20 % of the training split is held out as
 the unlabelled public set (disjoint from every site), the rest is split Dirichlet(0.5) over the sites, and the
-training labels get pair-flip or symmetric noise. Each site's own model is scored on its clean test share.
+training labels get pair-flip or symmetric noise. Each site's own model is scored once, after the last round,
+on its clean test share (site_evaluation=final, so the bytes per round are the method's own traffic).
 
-Settings:
+Settings (every federated split is simulated, no real hospital IDs):
   synthetic  the built-in generator: 5 classes, 1,200 training images at 28 px (RGB)
   retina     RetinaMNIST (../shared/data, MD5-checked): 5 grades, 1,080 training images at 28 px (RGB)
-  Every federated split is simulated (no real hospital IDs).
-
-Sites score their own model once, after the last round (site_evaluation=final), so the bytes per round are the
-method's own traffic.
 
 Variants: mdhfl, fedmd, local-only (SCE, the same private data); --ablations adds MDH-FL without SCE
-(method.loss=ce) and without KL (method.distill=false), under the --ablation-noise settings. Reported: accuracy per site (architecture) and the mean
-over sites, mean ± std over seeds; and the bytes each site sends per round, measured from the payload audit,
-against the expected public rows per round × classes × 2 bytes (float16).
+(method.loss=ce) and without KL (method.distill=false), under the --ablation-noise settings. Reported: accuracy
+per site (architecture) and the mean over sites, mean ± std over seeds; and the array bytes each site sends per
+round against the expected public rows per round × classes × 2 bytes (float16).
+
+Engines: ``simulator`` runs every cell through FLARE's simulator; ``inprocess`` (the default, for CPU budget)
+drives the very same site and server code (SiteRuntime, RoundAggregation with the method's rule and every
+contract check) round by round in this process, each site with its own torch random state as if it ran in its
+own process. ``--parity`` first runs one cell both ways and stops unless both give the same accuracies and
+bytes. Cells run in ``--workers`` parallel processes.
 
 Usage:
     python benchmarks/mdhfl.py --setting retina [--seeds 0 1 2] [--noise clean pairflip:0.2 symmetric:0.2]
-        [--rounds 8] [--ablations] [--out DIR]
+        [--rounds 8] [--ablations] [--parity] [--engine inprocess|simulator] [--out DIR]
 """
 
 from __future__ import annotations
@@ -259,7 +258,8 @@ def write_report(args: argparse.Namespace, variants: list[str], cells: list[dict
             if not rows:
                 continue
             per_site = [mean_std([c["by_site"][s] for c in rows]) for s in sites]
-            lines.append(f"| {noise} | {variant} | " + " | ".join(per_site) + f" | {mean_std([c['site_mean'] for c in rows])} |")
+            mean = mean_std([c["site_mean"] for c in rows])
+            lines.append(f"| {noise} | {variant} | " + " | ".join(per_site) + f" | {mean} |")
     expected = args.public_per_round * CLASSES * 2
     exchanged = [c for c in cells if c["variant"] in ("mdhfl", "fedmd")]
     measured = sorted({b for c in exchanged for v in c["sent_bytes_per_round"].values() for b in v})

@@ -39,8 +39,8 @@ DIGEST = "ab" * 32
 # ----- the T_p shortcut ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("include_self", [False, True])
 def test_the_mixed_target_gives_the_gradient_of_the_weighted_kl_sum(include_self: bool) -> None:
-    """Σ_i w_i·KL(t_i ‖ softmax(z)) and −Σ_c T_c log softmax(z)_c with T = Σ_i w_i t_i have the same gradient in z
-    (autograd, float64), and their values differ by the constant Σ_i w_i Σ_c t_i,c log t_i,c."""
+    """Σ_i w_i·KL(t_i ‖ softmax(z)) and −Σ_c T_c log softmax(z)_c with T = Σ_i w_i t_i have the same gradient in
+    z (autograd, float64), and their values differ by the constant Σ_i w_i Σ_c t_i,c log t_i,c."""
     generator = torch.Generator().manual_seed(0)
     teachers = {f"site-{i}": torch.softmax(torch.randn(6, K, generator=generator, dtype=torch.float64), 1)
                 for i in range(1, 5)}
