@@ -31,7 +31,7 @@ bench-fedmas: install
 
 # MDH-FL vs FedMD vs local-only, label noise, 3 architectures (about 3 h on 2 shared CPU cores).
 bench-mdhfl: install
-	$(PY) benchmarks/mdhfl.py --setting synthetic --ablations --out runs/bench-mdhfl-synthetic
+	$(PY) benchmarks/mdhfl.py --setting synthetic --ablations --parity --out runs/bench-mdhfl-synthetic
 	$(PY) benchmarks/mdhfl.py --setting retina --out runs/bench-mdhfl-retina
 
 # pytest exit code 5 means "no tests collected": that must not pass as green.
