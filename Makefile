@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.medflare-installed
 DEMO_OUT ?= runs/demo
 
-.PHONY: install demo test test-fast bench-overhead bench-fedmas bench-fca clean
+.PHONY: install demo test test-fast bench-overhead bench-fedmas bench-fca bench-mdhfl clean
 
 # pip (not uv/poetry) so torch==2.14.1 / torchvision==0.29.1 come from this machine's local wheel store.
 $(STAMP): pyproject.toml
@@ -39,6 +39,11 @@ bench-fedmas: install
 bench-fca: install
 	$(PY) benchmarks/fca_vs_baselines.py --setting synthetic --out runs/bench-fca-synthetic
 	$(PY) benchmarks/fca_vs_baselines.py --setting retina --out runs/bench-fca-retina
+
+# MDH-FL vs FedMD vs local-only, label noise, 3 architectures (about 3 h on 2 shared CPU cores).
+bench-mdhfl: install
+	$(PY) benchmarks/mdhfl.py --setting synthetic --ablations --parity --out runs/bench-mdhfl-synthetic
+	$(PY) benchmarks/mdhfl.py --setting retina --out runs/bench-mdhfl-retina
 
 # pytest exit code 5 means "no tests collected": that must not pass as green.
 test: install

@@ -106,6 +106,39 @@ def test_two_phase_round_with_declared_arrays_and_per_site_targets() -> None:
     assert result.params == {} and result.shares == {"site-1": 1.0}
 
 
+
+def test_array_dims_may_come_from_an_earlier_phase() -> None:
+    """The rule builds a phase's task before it is asked for the phase's dimensions, so a size the sites reported
+    in an earlier phase (MDH-FL's public-set size) can size the arrays of the next one."""
+    from medflare.contracts import Payload, non_negative_number, probabilities
+    from medflare.methods.base import ServerRule
+
+    class SizedRule(ServerRule):
+        rows = 0
+
+        def phases(self, ctx):
+            return ["report", "share", "train"]
+
+        def phase_arrays(self, phase, ctx, global_params, earlier):
+            if phase == "share":
+                self.rows = int(earlier["report"][0].meta["size"])
+            return {}
+
+        def array_dims(self, phase, ctx):
+            return {"rows": self.rows}
+
+    payload = Payload(sends_weights=False, arrays={"probs": probabilities(phase="share")},
+                      meta={"size": non_negative_number("size")})
+    core = RoundAggregation("fedavg", {}, num_classes=3, num_rounds=1)
+    core.spec = type(core.spec)(**{**core.spec.__dict__, "payload": payload, "server_model": False})
+    core.rule = SizedRule(None, 1, payload)
+    core.start_round({}, RoundContext(0, 1))
+    core.start_phase("report")
+    assert core.accept("site-1", {}, {"size": 5}) is None
+    core.start_phase("share")
+    assert core.task_header()["array_dims"] == {"rows": 5}
+    assert core.accept("site-1", {"probs": np.full((5, 3), 1 / 3, np.float16)}, {}) is None
+
 # ----- one site must not take over or break the aggregate (issue 7, item 3) ---------------------------------
 def test_float64_weights_times_1e300_are_rejected_by_exact_dtype(core: RoundAggregation) -> None:
     arrays, meta = update(1.0)

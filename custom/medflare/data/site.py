@@ -7,8 +7,9 @@ site's own training class mix (`eval_split="like_train"`). Either way the per-si
 val/test sets, so summing per-site confusion counts gives exactly the pooled metric. POC/production
 (`local=True`): the source is the site's own data and is used whole.
 
-Order of the training-label pipeline: partition → label-set mask (-1 for classes the site does not
-annotate) → label noise on the remaining labels. Val and test labels always stay clean.
+Order of the training-label pipeline: public hold-out (`public_fraction`, before anything else) → partition →
+label-set mask (-1 for classes the site does not annotate) → label noise on the remaining labels. Val and test
+labels always stay clean; the public set (`medflare.data.public`) has no labels at all.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch.utils.data import Dataset
 
 from medflare.data.noise import NOISE_KINDS, inject_label_noise
 from medflare.data.partition import Partition, apply_label_mask, parse_scheme, partition, partition_like
+from medflare.data.public import check_public_options, hold_out_public, load_public_source
 from medflare.data.sources import load_source
 from medflare.data.synthetic import apply_site_shift
 from medflare.data.transforms import AUGMENTATIONS, build_transform
@@ -77,6 +79,10 @@ class DataConfig:
         min_size: Smallest allowed training slice per site.
         num_classes: Declared class count, checked against the data.
         augment: Training augmentation of `build_transform` ("none", "basic", "strong").
+        public_fraction: Simulation: share of the source's training split held out (seeded, labels unseen) as
+            the unlabelled public set of public-set distillation methods; 0 = none.
+        public_source: The public set every site holds a copy of: "images:DIR" or a `load_source` spec (a
+            real site names its local copy in its medflare_site.json); "" = none.
     """
 
     source: str = "synthetic"
@@ -92,6 +98,8 @@ class DataConfig:
     min_size: int = 10
     num_classes: int | None = None
     augment: str = "basic"
+    public_fraction: float = 0.0
+    public_source: str = ""
 
     def __post_init__(self) -> None:
         parse_scheme(self.partition)  # fail early on a bad scheme string
@@ -111,6 +119,7 @@ class DataConfig:
             (self.augment in AUGMENTATIONS, f"augment='{self.augment}' must be one of {AUGMENTATIONS}"),
         ]
         problems = [message for ok, message in checks if not ok]
+        problems += check_public_options(self.public_fraction, self.public_source, self.local)
         if problems:
             raise ConfigError("Invalid data config: " + "; ".join(problems) + ".")
 
@@ -130,6 +139,7 @@ class SiteData:
         identified: bool `[K]` classes this site annotates (label-set mismatch), else None.
         attributes_test: Attribute per test sample (for per-attribute metrics), else None.
         site_name: Name of the site, e.g. "site-1".
+        public: The unlabelled public set (deterministic transform, every label -1), or None when not configured.
     """
 
     train: ImageDataset
@@ -142,6 +152,7 @@ class SiteData:
     identified: np.ndarray | None
     attributes_test: np.ndarray | None
     site_name: str
+    public: ImageDataset | None = None
 
 
 def make_site_data(cfg: DataConfig, site_index: int, site_name: str = "") -> SiteData:
@@ -164,6 +175,7 @@ def make_site_data(cfg: DataConfig, site_index: int, site_name: str = "") -> Sit
     num_classes = splits.train.num_classes
     image_size = cfg.image_size or int(splits.info["image_size"])
     channels = splits.train.channels
+    public = _public_set(cfg, splits, channels)
     return SiteData(
         train=ImageDataset(train, build_transform(channels, image_size, train=True, augment=cfg.augment)),
         val=ImageDataset(val, build_transform(channels, image_size, train=False)),
@@ -175,6 +187,7 @@ def make_site_data(cfg: DataConfig, site_index: int, site_name: str = "") -> Sit
         identified=identified,
         attributes_test=test.attributes,
         site_name=site_name,
+        public=None if public is None else ImageDataset(public, build_transform(channels, image_size, train=False)),
     )
 
 
@@ -218,11 +231,12 @@ def _site_sets(cfg: DataConfig, splits: DataSplits, site_index: int,
         if not 0 <= site_index < cfg.num_sites:
             raise ConfigError(f"Site '{site_name}' has index {site_index}, outside [0, {cfg.num_sites}); "
                               "check num_sites in the data config.")
-        train_split = partition(splits.train.labels, cfg.num_sites, cfg.partition, seed=cfg.seed,
-                                min_size=cfg.min_size, attributes=splits.train.attributes, num_classes=num_classes)
-        train = splits.train.subset(train_split.indices[site_index])
+        _, pool = hold_out_public(splits.train, cfg.public_fraction, cfg.seed)  # sites never see the public share
+        train_split = partition(pool.labels, cfg.num_sites, cfg.partition, seed=cfg.seed,
+                                min_size=cfg.min_size, attributes=pool.attributes, num_classes=num_classes)
+        train = pool.subset(train_split.indices[site_index])
         identified = None if train_split.identified is None else train_split.identified[site_index]
-        val, test = (_eval_slice(image_set, cfg, site_index, train_split, splits.train.labels)
+        val, test = (_eval_slice(image_set, cfg, site_index, train_split, pool.labels)
                      for image_set in (splits.val, splits.test))
     if len(train) == 0:
         raise DataError(f"Site '{site_name}' has no training samples in source '{cfg.source}'; give the site data, "
@@ -234,6 +248,14 @@ def _site_sets(cfg: DataConfig, splits: DataSplits, site_index: int,
     if labels is not train.labels:
         train = dataclasses.replace(train, labels=labels)
     return train, val, test, identified
+
+
+def _public_set(cfg: DataConfig, splits: DataSplits, channels: int) -> ImageSet | None:
+    """The unlabelled public set this config asks for (a held-out share, or a separate source), or None."""
+    if cfg.public_source:
+        return load_public_source(cfg.public_source, splits.train.num_classes, channels, cfg.seed)
+    public, _ = hold_out_public(splits.train, cfg.public_fraction, cfg.seed)
+    return public
 
 
 def site_noise_rate(cfg: DataConfig, site_index: int) -> float:

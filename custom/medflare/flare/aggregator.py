@@ -98,14 +98,19 @@ class RoundAggregation:
         self.earlier, self.updates, self.rejected, self.phase = {}, {}, {}, ""
 
     def start_phase(self, phase: str) -> dict[str, np.ndarray] | PerSite:
-        """Begin a phase of the round: returns what to send, and fixes what valid results look like."""
+        """Begin a phase of the round: returns what to send, and fixes what valid results look like.
+
+        The rule builds the phase's task first, so the phase's array dimensions may depend on what it learnt
+        from earlier phases.
+        """
         if self.phase:
             self.earlier[self.phase] = self.accepted()
         self.phase = phase
         self.updates, self.rejected = {}, {}
+        outgoing = self.rule.phase_arrays(phase, self.ctx, self.global_params, self.earlier)
         self.contract = ContractContext(self.num_classes, dims=dict(self.rule.array_dims(phase, self.ctx)))
         self.expected = self.rule.expected_arrays(phase, self.ctx, self.global_params, self.contract)
-        return self.rule.phase_arrays(phase, self.ctx, self.global_params, self.earlier)
+        return outgoing
 
     def task_header(self) -> dict[str, Any]:
         """Meta the server adds to this phase's task besides the round: array dimensions and the wire format."""

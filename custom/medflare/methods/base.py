@@ -366,10 +366,15 @@ class LocalTrainer:
         return loss_sum, steps
 
     def _step(self, images: torch.Tensor, labels: torch.Tensor, step_in_round: int) -> float:
-        optimizer = self._get_optimizer(step_in_round)
+        return self.optimizer_step(self._get_optimizer(step_in_round), lambda: self.compute_loss(images, labels))
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, loss_fn: Callable[[], torch.Tensor]) -> float:
+        """One update of ``optimizer`` on the loss ``loss_fn`` computes: AMP on GPU, a finite-loss check,
+        gradient clipping and :meth:`after_step`. Shared by the main loop and a method's own loops (e.g.
+        MDH-FL's distillation steps on public images). Returns the loss."""
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast(device_type=self.device.type, enabled=self.use_amp):
-            loss = self.compute_loss(images, labels)
+            loss = loss_fn()
         if not torch.isfinite(loss):
             raise FloatingPointError(f"training loss became {loss.item()}; lower the learning rate")
         if self.scaler is not None:
@@ -446,7 +451,10 @@ class ServerRule:
         return [contracts.TRAIN_PHASE]
 
     def array_dims(self, phase: str, ctx: RoundContext) -> dict[str, int]:
-        """Named dimensions of the arrays declared for ``phase`` (e.g. {"rows": public chunk size})."""
+        """Named dimensions of the arrays declared for ``phase`` (e.g. {"rows": public chunk size}).
+
+        Called after :meth:`phase_arrays` of the same phase, so it may use what that call learnt from earlier
+        phases (e.g. the public-set size the sites reported at set-up)."""
         return {}
 
     def phase_arrays(

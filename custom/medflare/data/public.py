@@ -1,0 +1,139 @@
+"""The unlabelled public image set of public-set distillation methods (MDH-FL, FedMD).
+
+Every site reads the same public images, in the same order, and never their labels. Two ways to get one:
+
+* simulation (`DataConfig.public_fraction`): a seeded random share of the source's training split is held out
+  before the split is partitioned, so the public set is disjoint from every site's data. The share is drawn
+  without looking at the labels;
+* a separate set every site holds a copy of (`DataConfig.public_source`; in deployment a local path in each
+  site's `local/medflare_site.json`): ``images:DIR`` (every image file under DIR, sorted by relative path) or any
+  `load_source` spec (its train, val and test images in that order).
+
+Labels are replaced by `UNLABELED` as soon as the set is built, so no code downstream can use them.
+`public_digest` fingerprints a copy (pixels and order), so sites can prove they read the same set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+
+import numpy as np
+
+from medflare.data.readers import is_image_file, read_image
+from medflare.data.sources import load_source
+from medflare.data.types import UNLABELED, ImageSet
+from medflare.errors import DataError
+
+IMAGES_PREFIX = "images:"
+_PUBLIC_STREAM = 11  # keeps the public draw independent of the partition's and the noise's random streams
+
+
+def hold_out_public(train: ImageSet, fraction: float, seed: int) -> tuple[ImageSet | None, ImageSet]:
+    """Splits a training split into (public set without labels, private pool) at a seeded random share.
+
+    Args:
+        train: The source's training split.
+        fraction: Share of it held out as the public set; 0 = no public set (the pool is `train` itself).
+        seed: Seed of the draw (the job's data seed).
+
+    Raises:
+        DataError: The share leaves no public image or no private image.
+    """
+    if fraction <= 0:
+        return None, train
+    count = int(round(fraction * len(train)))
+    if not 0 < count < len(train):
+        raise DataError(
+            f"data.public_fraction={fraction} of {len(train)} training images leaves {count} public and "
+            f"{len(train) - count} private images; choose a fraction that leaves both sides non-empty."
+        )
+    chosen = np.random.default_rng([seed, _PUBLIC_STREAM]).permutation(len(train))[:count]
+    public = np.zeros(len(train), dtype=bool)
+    public[chosen] = True
+    return unlabelled(train.subset(np.flatnonzero(public))), train.subset(np.flatnonzero(~public))
+
+
+def load_public_source(spec: str, num_classes: int, channels: int, seed: int) -> ImageSet:
+    """The public set a site holds a copy of, without labels, in a fixed order.
+
+    Args:
+        spec: ``images:DIR`` or a `load_source` spec.
+        num_classes: The task's class count (the set carries no labels, but the type needs K).
+        channels: The task's channels; ``images:DIR`` files are converted, other sources must match.
+        seed: Seed of `load_source`'s automatic split (it only fixes the order of folder/CSV sources).
+
+    Raises:
+        DataError: The folder holds no image, or the source's channels differ from the task's.
+    """
+    if spec.startswith(IMAGES_PREFIX):
+        return _image_folder(spec[len(IMAGES_PREFIX):], num_classes, channels)
+    splits = load_source(spec, seed=seed)
+    parts = (splits.train, splits.val, splits.test)
+    if splits.train.channels != channels:
+        raise DataError(
+            f"public set '{spec}' has {splits.train.channels} channel(s) but the task has {channels}; "
+            f"give a public set with {channels} channel(s) or use {IMAGES_PREFIX}DIR (converted on reading)"
+        )
+    if splits.train.in_memory:
+        images = np.concatenate([part.images for part in parts])
+        return ImageSet(labels=_no_labels(len(images)), num_classes=num_classes, channels=channels, images=images,
+                        name=f"public:{spec}")
+    paths = [path for part in parts for path in part.paths or []]
+    return ImageSet(labels=_no_labels(len(paths)), num_classes=num_classes, channels=channels, paths=paths,
+                    name=f"public:{spec}")
+
+
+def unlabelled(image_set: ImageSet) -> ImageSet:
+    """A copy of `image_set` whose labels are all `UNLABELED`, without attributes or groups."""
+    return dataclasses.replace(image_set, labels=_no_labels(len(image_set)), attributes=None, groups=None,
+                               name=f"public:{image_set.name}")
+
+
+def public_digest(image_set: ImageSet) -> str:
+    """SHA-256 hex digest of a set's pixels in order (each image's shape, then its bytes).
+
+    Two copies have the same digest only if they hold the same images in the same order, whatever their file
+    names or storage; labels do not enter it.
+    """
+    digest = hashlib.sha256()
+    digest.update(np.int64(len(image_set)).tobytes())
+    for index in range(len(image_set)):
+        pixels = np.ascontiguousarray(image_set.get_image(index), dtype=np.uint8)
+        digest.update(np.asarray(pixels.shape, dtype=np.int64).tobytes())
+        digest.update(pixels.tobytes())
+    return digest.hexdigest()
+
+
+def check_public_options(fraction: float, source: str, local: bool) -> list[str]:
+    """Problems of a data config's public-set options (empty when they are fine), for `DataConfig`."""
+    problems = []
+    if not 0.0 <= fraction < 1.0:
+        problems.append(f"public_fraction={fraction} must be in [0, 1)")
+    if fraction > 0 and source:
+        problems.append("give either public_fraction (a held-out share, simulation) or public_source, not both")
+    if fraction > 0 and local:
+        problems.append("public_fraction holds out part of a simulated source; a real site reads its copy of the "
+                        "public set from public_source in its local/medflare_site.json")
+    return problems
+
+
+def _image_folder(root: str, num_classes: int, channels: int) -> ImageSet:
+    if not os.path.isdir(root):
+        raise DataError(f"public image folder '{root}' does not exist; fix data.public_source")
+    paths = sorted(
+        os.path.join(folder, name)
+        for folder, _, names in os.walk(root)
+        for name in names
+        if is_image_file(name) and not name.startswith(".")
+    )
+    if not paths:
+        raise DataError(f"public image folder '{root}' holds no image files; fix data.public_source")
+    read_image(paths[0], channels)  # fail now, not in round 1, on an unreadable first file
+    return ImageSet(labels=_no_labels(len(paths)), num_classes=num_classes, channels=channels, paths=paths,
+                    name=f"public:{IMAGES_PREFIX}{root}")
+
+
+def _no_labels(count: int) -> np.ndarray:
+    return np.full(count, UNLABELED, dtype=np.int64)

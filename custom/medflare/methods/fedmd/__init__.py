@@ -1,0 +1,43 @@
+"""FedMD baseline: every site distils toward the consensus (mean) of all sites' predictions on public rows, then
+revisits its private data with cross-entropy. No client-confidence weights, no label-noise-robust loss.
+
+It runs the MDH-FL exchange (``medflare.methods.mdhfl``) with FedMD's choices; only probabilities and scalars
+leave a site, and the server holds no model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from medflare.methods.base import MethodSpec
+from medflare.methods.mdhfl import SMOKE, MdhflConfig
+from medflare.methods.mdhfl.client import MdhflTrainer
+from medflare.methods.mdhfl.protocol import PAYLOAD
+from medflare.methods.mdhfl.server import MdhflRule
+from medflare.registry import register_method
+
+
+@dataclass
+class FedMdConfig(MdhflConfig):
+    """MDH-FL's options with FedMD's defaults (Li and Wang 2019): consensus over all sites, CE, plain Adam."""
+
+    loss: str = "ce"  # FedMD revisits private data with plain cross-entropy
+    weighting: str = "mean"  # the consensus is an unweighted mean (no CCR)
+    include_self: bool = True  # ... over every site, the site's own predictions included
+    kl_optimizer: str = "persistent"  # an ordinary Adam kept across steps (FedMD compiles its models once)
+
+
+SPEC = register_method(
+    MethodSpec(
+        name="fedmd",
+        summary="FedMD: per-site architectures; KL to the mean of all sites' public-set predictions + local CE",
+        config_cls=FedMdConfig,
+        trainer_cls=MdhflTrainer,
+        payload=PAYLOAD,
+        server_rule_cls=MdhflRule,
+        train_defaults={"optimizer": "adam", "lr": 1e-3, "batch_size": 16, "fresh_optimizer": "never"},
+        reference="Li and Wang, FedMD: Heterogenous Federated Learning via Model Distillation, NeurIPS 2019 workshop",
+        server_model=False,
+        smoke=SMOKE,
+    )
+)

@@ -1,0 +1,100 @@
+"""The math of the exchange: client-confidence weights, each site's mixed target T_p, and the site's loss on it.
+
+Server side (numpy): site p's distillation loss is Σ_i w_i·KL(t_i ‖ softmax(z_p)) over the other sites i. Since
+KL(t ‖ p) = Σ_c t_c log t_c − Σ_c t_c log p_c, that sum equals const − Σ_c T_p,c log p_c with the pre-mixed
+target T_p = Σ_i w_i t_i (spec §3(b)). Its gradient in the logits, s_p·p − T_p with s_p = Σ_i w_i (the row sum
+of T_p), depends on T_p alone, so the server sends each site T_p instead of every other site's probabilities.
+
+Site side (torch): :func:`mixed_target_loss` is that −Σ_c T_p,c log p_c, averaged over the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def ccr_weights(
+    sites: list[str],
+    previous: Mapping[str, float],
+    current: Mapping[str, float],
+    beta: float,
+    eps: float = 1e-6,
+) -> dict[str, float]:
+    """RHFL's client-confidence re-weighting over the sites of one exchange (spec §3(a), step 2).
+
+    ``q_p = (L_p^{e-1} − L_p^e) / L_p^e`` (a site's relative drop of its private SCE loss), ``a_p = 1/(P−1) +
+    β·q_p / Σ_j q_j`` and ``w = softmax(a)``. When no site has a previous loss yet (the first round) every
+    weight is 1/(P−1), as in the code's round 0. A site without both losses, or with a zero current loss, has
+    q_p = 0. When |Σ_j q_j| < ``eps`` the β term is dropped, so the weights are uniform (1/P): the code divides
+    by Σ_j q_j unguarded.
+
+    Args:
+        sites: the sites taking part (P of them).
+        previous: each site's loss L^{e−1} of the previous round.
+        current: each site's loss L^e of this round.
+        beta: CCR strength β (0.5 in RHFL/MDH-FL; 0 gives uniform weights).
+        eps: guard on |Σ_j q_j|.
+
+    Returns:
+        site -> w_p, summing to 1 (P/(P−1) in the first round); {} for no site, {site: 1.0} for one.
+    """
+    if len(sites) < 2:
+        return {site: 1.0 for site in sites}
+    base = 1.0 / (len(sites) - 1)
+    if not any(site in previous for site in sites):
+        return {site: base for site in sites}
+    q = np.array([_relative_drop(previous.get(site), current.get(site)) for site in sites], dtype=np.float64)
+    total = float(q.sum())
+    a = base + (beta * q / total if abs(total) >= eps else np.zeros_like(q))
+    w = np.exp(a - a.max())
+    return dict(zip(sites, (w / w.sum()).tolist()))
+
+
+def mean_weights(sites: list[str], include_self: bool) -> dict[str, float]:
+    """Equal weights that average what a site learns from: 1/P over all sites (FedMD's consensus, the site's own
+    probabilities included) or 1/(P−1) over the others (the paper's Eq. 3 without CCR)."""
+    if not sites:
+        return {}
+    count = len(sites) if include_self or len(sites) < 2 else len(sites) - 1
+    return {site: 1.0 / count for site in sites}
+
+
+def mixed_targets(
+    probs: Mapping[str, np.ndarray], weights: Mapping[str, float], include_self: bool = False
+) -> dict[str, np.ndarray]:
+    """Each site's T_p = Σ_i w_i·t_i over the other sites i (and itself when ``include_self``), in float64.
+
+    A site with nobody else to learn from (a single participant) gets no target.
+
+    Args:
+        probs: site -> its probabilities t_i on the chunk (rows x K, all the same shape).
+        weights: site -> w_i (every site of ``probs`` must have one).
+        include_self: whether p's own t_p is part of T_p (FedMD's consensus) or not (MDH-FL, Eq. 2).
+    """
+    if len(probs) < 2:
+        return {}
+    stacked = {site: np.asarray(p, dtype=np.float64) for site, p in probs.items()}
+    total = sum(weights[site] * p for site, p in stacked.items())
+    if include_self:
+        return {site: total.copy() for site in stacked}
+    return {site: total - weights[site] * p for site, p in stacked.items()}
+
+
+def mixed_target_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``−Σ_c T_c·log softmax(z)_c`` averaged over the batch: Σ_i w_i·KL(t_i ‖ softmax(z)) up to a constant.
+
+    Args:
+        logits: the site model's logits on the public rows, [B, K].
+        target: the site's mixed target T_p on the same rows, [B, K] (rows sum to s_p).
+    """
+    return -(target.to(logits.dtype) * F.log_softmax(logits, dim=1)).sum(dim=1).mean()
+
+
+def _relative_drop(previous: float | None, current: float | None) -> float:
+    if previous is None or current is None or current <= 0:
+        return 0.0
+    return (previous - current) / current

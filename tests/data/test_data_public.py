@@ -1,0 +1,101 @@
+"""The unlabelled public set: held out disjoint from every site, identical on every site, no labels, a digest
+that tells copies apart, and the separate-source forms a real site uses."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from medflare.data import DataConfig, load_source, make_site_data
+from medflare.data.public import hold_out_public, load_public_source, public_digest
+from medflare.errors import ConfigError, DataError
+
+SOURCE = "synthetic:n=400,n_val=60,n_test=60,size=12"
+
+
+def _keys(image_set) -> set[bytes]:
+    return {image_set.get_image(i).tobytes() for i in range(len(image_set))}
+
+
+def test_the_held_out_public_set_is_disjoint_from_every_site_and_the_same_everywhere() -> None:
+    cfg = DataConfig(source=SOURCE, partition="dirichlet:0.5", num_sites=3, public_fraction=0.25)
+    sites = [make_site_data(cfg, i) for i in range(3)]
+    public = _keys(sites[0].public.images)
+    assert len(sites[0].public) == 100
+    for site in sites:
+        assert public_digest(site.public.images) == public_digest(sites[0].public.images)
+        assert np.all(site.public.labels == -1)  # its labels can never be used
+        for split in ("train", "val", "test"):
+            assert not public & _keys(getattr(site, split).images), split
+    pooled = load_source(SOURCE, seed=cfg.seed)
+    assert sum(len(site.train) for site in sites) + len(public) == len(pooled.train)
+
+
+def test_no_public_set_unless_asked_and_the_partition_is_unchanged() -> None:
+    plain = DataConfig(source=SOURCE, partition="dirichlet:0.5", num_sites=3)
+    site = make_site_data(plain, 1)
+    assert site.public is None
+    _, pool = hold_out_public(load_source(SOURCE).train, 0.0, seed=0)
+    assert pool is load_source(SOURCE).train
+
+
+def test_the_digest_changes_with_one_pixel_or_the_order_but_not_with_labels() -> None:
+    images = load_source(SOURCE).train.subset(np.arange(20))
+    reference = public_digest(images)
+    assert public_digest(images.subset(np.arange(20))) == reference
+    assert public_digest(images.subset(np.r_[1, 0, 2:20])) != reference
+    changed = images.subset(np.arange(20))
+    changed.images[7, 3, 3, 0] ^= 1
+    assert public_digest(changed) != reference
+    relabelled = images.subset(np.arange(20))
+    relabelled.labels[:] = 0
+    assert public_digest(relabelled) == reference
+
+
+def test_an_image_folder_is_read_sorted_and_converted(tmp_path: Path,
+                                                      png_class_folder: Callable[..., Path]) -> None:
+    root = png_class_folder({"a": 3, "b": 2}, channels=3)
+    public = load_public_source(f"images:{root}", num_classes=2, channels=1, seed=0)
+    assert len(public) == 5 and public.get_image(0).shape[-1] == 1 and np.all(public.labels == -1)
+    assert public.paths == sorted(public.paths)
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for path in public.paths:  # the same files at another place: the same digest
+        target = copy / Path(path).relative_to(root)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(Path(path).read_bytes())
+    assert public_digest(load_public_source(f"images:{copy}", 2, 1, seed=0)) == public_digest(public)
+
+
+def test_a_medmnist_file_as_public_set_uses_every_split_in_order(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    sizes = {"train": 6, "val": 2, "test": 3}
+    arrays = {f"{split}_images": rng.integers(0, 256, (n, 8, 8), dtype=np.uint8) for split, n in sizes.items()}
+    arrays |= {f"{split}_labels": rng.integers(0, 2, (n, 1)) for split, n in sizes.items()}
+    np.savez(tmp_path / "public.npz", **arrays)
+    public = load_public_source(f"medmnist:{tmp_path / 'public.npz'}", num_classes=2, channels=1, seed=0)
+    expected = np.concatenate([arrays[f"{split}_images"] for split in sizes])
+    assert np.array_equal(public.images[..., 0], expected) and np.all(public.labels == -1)
+    with pytest.raises(DataError, match="channel"):
+        load_public_source(f"medmnist:{tmp_path / 'public.npz'}", num_classes=2, channels=3, seed=0)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"public_fraction": 1.0}, "public_fraction"),
+        ({"public_fraction": 0.2, "public_source": "images:/x"}, "not both"),
+        ({"public_fraction": 0.2, "local": True}, "local/medflare_site.json"),
+    ],
+)
+def test_bad_public_options_fail_early(options: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        DataConfig(source=SOURCE, **options)
+
+
+def test_a_missing_public_folder_names_the_option(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="data.public_source"):
+        load_public_source(f"images:{tmp_path / 'nowhere'}", 2, 1, seed=0)
