@@ -198,7 +198,7 @@ BEIT_TRAIN_DEFAULTS = {
     },
 }
 PAYLOAD_META = {N_IMAGES: non_negative_number(N_IMAGES, upper=MAX_SAMPLES)}
-SMOKE_DATA = {"source": "synthetic:n=200,imbalance=2", "partition": "iid"}
+SMOKE_DATA = {"source": "synthetic:n=160,n_val=40,n_test=40,imbalance=2", "partition": "iid"}
 
 
 def _register(name: str, summary: str, config_cls: type, trainer_cls: type, network_cls: type, build_model: Any,
@@ -209,7 +209,7 @@ def _register(name: str, summary: str, config_cls: type, trainer_cls: type, netw
             name=name, summary=summary, config_cls=config_cls, trainer_cls=trainer_cls,
             payload=Payload(stage_excluded_keys=network_cls.NOT_SENT, meta=PAYLOAD_META), server_rule_cls=SslFlRule,
             build_model=build_model, train_defaults=train_defaults, reference=REFERENCE,
-            smoke={"model": "vit_tiny", "data": SMOKE_DATA, **smoke},
+            smoke={"model": "vit_micro", "data": SMOKE_DATA, **smoke},
         )
     )
 

@@ -41,6 +41,8 @@ class SslFlTrainer(LocalTrainer):
         self.mixup = _mixup(self.cfg, int(self.data.num_classes))
         self.soft_target_loss = SoftTargetCrossEntropy()
         self.rng = np.random.default_rng(int(torch.randint(2**31 - 1, ()).item()))  # seeded by the site runtime
+        if self.mixup is not None:  # timm's Mixup draws from numpy's global generator: seed it from the site's seed
+            np.random.seed(int(torch.randint(2**31 - 1, ()).item()))
 
     # ----- stages ---------------------------------------------------------------------------------
     def on_stage_start(self, ctx: RoundContext) -> None:

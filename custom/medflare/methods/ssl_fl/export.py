@@ -133,7 +133,6 @@ def export_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
             the self-supervised one).
     """
     from medflare.config import from_dict
-    from medflare.models import read_state_dict_file
     from medflare.registry import get_method
 
     run = Path(run_dir)
@@ -148,10 +147,32 @@ def export_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
             f"{run} ends with stage '{last}', so its encoder is fine-tuned; export from a pre-training-only run "
             "(--set method.finetune_rounds=0)"
         )
-    task = config["task"]
-    network = spec.build_model(config["model"], task["num_classes"], task["in_channels"], task["image_size"], None, method_cfg)
-    network.load_state_dict(read_state_dict_file(run / "FL_global_model.pt"))
-    return save_encoder(network, out or run / DEFAULT_FILE, spec.name, config["model"])
+    return export_global_model(
+        spec.name, config["model"], config["task"], method_cfg, run / "FL_global_model.pt", out or run / DEFAULT_FILE
+    )
+
+
+def export_global_model(
+    method: str, model: str, task: dict[str, int], method_cfg: Any, model_file: str | Path, out: str | Path
+) -> Path:
+    """Write the encoder of a saved global model (FLARE's ``FL_global_model.pt`` layout, ``{"model": state}``).
+
+    Args:
+        method: the SSL-FL method that trained it.
+        model: its ``vit_*`` model name.
+        task: ``{"num_classes", "in_channels", "image_size"}`` of the job.
+        method_cfg: the job's method configuration (decides the network's modules).
+        model_file: the saved global model.
+        out: the encoder file to write.
+    """
+    from medflare.models import read_state_dict_file
+    from medflare.registry import get_method
+
+    network = get_method(method).build_model(
+        model, task["num_classes"], task["in_channels"], task["image_size"], None, method_cfg
+    )
+    network.load_state_dict(read_state_dict_file(model_file))
+    return save_encoder(network, out, method, model)
 
 
 def main(argv: list[str] | None = None) -> Any:
