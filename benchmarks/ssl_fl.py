@@ -61,9 +61,14 @@ DATASETS = {"retina": "retinamnist.npz", "pneumonia": "pneumoniamnist.npz"}
 METHODS = ("scratch", "fed-mae", "fed-beit")
 # CPU budget per job (stated in docs/benchmarks.md): a ViT-Micro at 28 px, 5 sites, max_steps per site and round.
 MODEL, CLIENTS, BATCH = "vit_micro", 5, 32
-PRETRAIN = {"rounds": 20, "max_steps": 8}  # Fed-BEiT: 4 of these rounds train its tokenizer first
-TOKENIZER_ROUNDS = 4
-FINETUNE = {"rounds": 10, "max_steps": 8}
+PRETRAIN = {"rounds": 10, "max_steps": 8}  # Fed-BEiT: 2 of these rounds train its tokenizer first
+TOKENIZER_ROUNDS = 2
+MAE_DECODER = {"decoder_dim": 64, "decoder_depth": 2, "decoder_heads": 4}  # narrower than the 96-d encoder
+FINETUNE = {"rounds": 8, "max_steps": 8}
+# At 64 fine-tuning steps per site, augmentation and Mixup/CutMix keep a ViT at the majority class (measured on
+# PneumoniaMNIST), so every arm fine-tunes without them; pre-training keeps the basic augmentation.
+FINETUNE_DATA = {"augment": "none"}
+FINETUNE_ARGS = {"mixup": 0.0, "cutmix": 0.0}
 FEDMAS = {"rounds": 10, "model": "cnn", "batch_size": 64}  # as benchmarks/fedmas_vs_baselines.py --setting retina
 SHOT_THRESHOLDS = (300, 100)
 
@@ -154,7 +159,7 @@ def data_config(dataset: str, alpha: float, fraction: float = 1.0) -> dict[str, 
 
 def pretrain_run(method: str, dataset: str, alpha: float, seed: int) -> RunConfig:
     rounds = PRETRAIN["rounds"]
-    args: dict[str, Any] = {"pretrain_rounds": rounds, "finetune_rounds": 0}
+    args: dict[str, Any] = {"pretrain_rounds": rounds, "finetune_rounds": 0, **MAE_DECODER}
     if method == "fed-beit":
         args = {"tokenizer_rounds": TOKENIZER_ROUNDS, "pretrain_rounds": rounds - TOKENIZER_ROUNDS, "finetune_rounds": 0}
     return RunConfig(method=method, model=MODEL, rounds=rounds, clients=CLIENTS, seed=seed, method_args=args,
@@ -164,11 +169,11 @@ def pretrain_run(method: str, dataset: str, alpha: float, seed: int) -> RunConfi
 
 def finetune_run(method: str, dataset: str, alpha: float, seed: int, fraction: float, encoder: str | None) -> RunConfig:
     network = "fed-beit" if method == "fed-beit" else "fed-mae"  # scratch = fed-mae's network, no pre-training
-    args: dict[str, Any] = {"pretrain_rounds": 0}
+    args: dict[str, Any] = {"pretrain_rounds": 0, **FINETUNE_ARGS}
     if network == "fed-beit":
         args["tokenizer_rounds"] = 0
     return RunConfig(method=network, model=MODEL, rounds=FINETUNE["rounds"], clients=CLIENTS, seed=seed,
-                     method_args=args, pretrained=encoder, data=data_config(dataset, alpha, fraction),
+                     method_args=args, pretrained=encoder, data={**data_config(dataset, alpha, fraction), **FINETUNE_DATA},
                      train={"max_steps": FINETUNE["max_steps"], "batch_size": BATCH}, site_evaluation="final",
                      name=f"{method}-ft-{dataset}-a{alpha:g}-f{fraction:g}-s{seed}")
 
@@ -278,7 +283,8 @@ def main() -> None:
         print(json.dumps(results["simulator_check"], indent=1))
     else:
         results["budget"] = {"model": MODEL, "clients": CLIENTS, "batch_size": BATCH, "pretrain": PRETRAIN,
-                             "tokenizer_rounds": TOKENIZER_ROUNDS, "finetune": FINETUNE, "fedmas": FEDMAS,
+                             "tokenizer_rounds": TOKENIZER_ROUNDS, "mae_decoder": MAE_DECODER, "finetune": FINETUNE,
+                             "finetune_data": FINETUNE_DATA, "finetune_args": FINETUNE_ARGS, "fedmas": FEDMAS,
                              "runner": args.runner}
         if args.part in ("main", "all"):
             rows = [grid.finetune(m, d, a, s) for d in args.datasets for a in args.alphas for s in args.seeds for m in args.methods]

@@ -262,16 +262,18 @@ def test_each_stage_trains_only_its_modules_with_its_own_optimizer_settings() ->
     assert len({g["lr_scale"] for g in site.trainer.optimizer.param_groups}) == 8  # layer decay: stem, 6 blocks, head
 
 
-def test_a_restarted_site_rebuilds_the_optimizer_of_its_stage(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stage", ["pretrain", "finetune"])
+def test_a_restarted_site_rebuilds_the_optimizer_of_its_stage(stage: str, tmp_path: Path) -> None:
     settings = dict(method="fed-mae", task=TASK, data=DATA, model=MODEL, train=QUICK, evaluation="off")
     site = SiteRuntime(SiteSettings(**settings), "site-1", 0, log=lambda m: None, local_dir=tmp_path)
     params = _global("fed-mae", {})
-    finetune = RoundContext(2, 3, "finetune", stage_round=0, stage_rounds=1)
-    site.train({k: params[k] for k in FED_MAE.payload.shared_keys(list(params), "finetune")}, finetune)
+    ctx = RoundContext(1, 3, stage, stage_round=0, stage_rounds=1, scored=stage == "finetune")
+    site.train({k: params[k] for k in FED_MAE.payload.shared_keys(list(params), stage)}, ctx)
     restarted = SiteRuntime(SiteSettings(**settings), "site-1", 0, log=lambda m: None, local_dir=tmp_path)
-    assert restarted.trainer.train_cfg.layer_decay == 0.65  # the stage's settings, not the job's flat ones
+    assert restarted.trainer.train_cfg == site.trainer.train_cfg  # the stage's settings, not the job's flat ones
+    assert restarted.trainer.optimizer.defaults["betas"] == site.trainer.optimizer.defaults["betas"]
     assert len(restarted.trainer.optimizer.param_groups) == len(site.trainer.optimizer.param_groups)
-    assert not restarted.model.decoder.pred.weight.requires_grad
+    assert restarted.model.decoder.pred.weight.requires_grad == (stage == "pretrain")
 
 
 def test_finetuning_uses_the_labelled_images_and_pretraining_all_of_them() -> None:
