@@ -22,7 +22,8 @@ TEMPLATE_FILES = ("info.conf", "info.md", "meta.conf", "config_fed_client.conf",
 # what the test job overrides through template variables (synthetic data has 5 classes, 3 channels)
 CLIENT_VARS = ['source="synthetic:n=300"', "partition=iid", "max_steps=1", "batch_size=32", "num_classes=5",
                "in_channels=3"]
-SERVER_VARS = ["num_rounds=1", "num_classes=5", "in_channels=3"]
+SERVER_VARS = ["num_classes=5", "in_channels=3"]
+ROUNDS = 3  # every method's default stages fit (fed-mae: 2 pre-training rounds, then fine-tuning)
 
 
 def test_templates_are_up_to_date() -> None:
@@ -45,11 +46,12 @@ def test_every_key_is_commented(method: str) -> None:
                 assert lines[i - 1].strip().startswith("#"), f"{method}/{name}:{i + 1} has no comment: {line}"
 
 
-def create_job(method: str, out: Path) -> Path:
+def create_job(method: str, out: Path, rounds: int = ROUNDS) -> Path:
     job = out / method
     command = nvflare_command() + [
         "job", "create", "-j", str(job), "-w", str(TEMPLATES_DIR / method), "-sd", str(REPO / "custom"),
-        "-f", "config_fed_client.conf", *CLIENT_VARS, "-f", "config_fed_server.conf", *SERVER_VARS, "-force",
+        "-f", "config_fed_client.conf", *CLIENT_VARS,
+        "-f", "config_fed_server.conf", *SERVER_VARS, f"num_rounds={rounds}", "-force",
     ]
     proc = subprocess.run(command, capture_output=True, text=True, env={"HOME": str(out), "PATH": ""}, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -68,7 +70,7 @@ def test_job_create_yields_exactly_the_exported_job(method: str, tmp_path: Path)
     job = create_job(method, tmp_path)
     assert (job / "app" / "custom" / "medflare" / "flare" / "executor.py").is_file()
     run = template_run(method)
-    run.rounds = 1
+    run.rounds = ROUNDS
     run.data = {"source": "synthetic:n=300", "partition": "iid"}
     run.train = {**run.train, "max_steps": 1, "batch_size": 32}
     task = TaskSpec(num_classes=5, in_channels=3, image_size=28)
@@ -79,7 +81,7 @@ def test_job_create_yields_exactly_the_exported_job(method: str, tmp_path: Path)
 
 @pytest.mark.slow
 def test_created_job_runs_in_the_simulator(tmp_path: Path) -> None:
-    job = create_job(list_methods()[0], tmp_path)
+    job = create_job(list_methods()[0], tmp_path, rounds=1)
     sim = subprocess.run(
         nvflare_command() + ["simulator", str(job), "-w", str(tmp_path / "ws"), "-n", "2", "-t", "2"],
         capture_output=True, text=True, timeout=600,
