@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.medflare-installed
 DEMO_OUT ?= runs/demo
 
-.PHONY: install demo test test-fast bench-overhead bench-fedmas bench-fca bench-mdhfl clean
+.PHONY: install demo test test-fast bench-overhead bench-fedmas bench-fca bench-mdhfl bench-ssl-fl clean
 
 # pip (not uv/poetry) so torch==2.14.1 / torchvision==0.29.1 come from this machine's local wheel store.
 $(STAMP): pyproject.toml
@@ -44,6 +44,12 @@ bench-fca: install
 bench-mdhfl: install
 	$(PY) benchmarks/mdhfl.py --setting synthetic --ablations --parity --out runs/bench-mdhfl-synthetic
 	$(PY) benchmarks/mdhfl.py --setting retina --out runs/bench-mdhfl-retina
+
+# SSL-FL (issue 13): scratch vs Fed-MAE vs Fed-BEiT on RetinaMNIST and PneumoniaMNIST, label efficiency, Fed-MAS
+# with a Fed-MAE prior. Several CPU-hours on a shared 2-core machine; finished jobs are cached in runs/bench-ssl-fl.
+bench-ssl-fl: install
+	$(PY) benchmarks/ssl_fl.py --check-simulator
+	nice -n 10 $(PY) benchmarks/ssl_fl.py --part all
 
 # pytest exit code 5 means "no tests collected": that must not pass as green.
 test: install

@@ -224,3 +224,32 @@ def test_rebuild_due_compares_the_named_level() -> None:
 def test_bad_training_options_name_the_option(option: str, value: object) -> None:
     with pytest.raises(ConfigError, match=f"train.{option}"):
         TrainConfig(**{option: value})
+
+
+# ----- per-stage settings and the lr scaling rule -----------------------------------------------------------------
+def test_base_batch_scales_the_peak_lr_with_the_batch_but_not_the_floor() -> None:
+    """MAE's rule: absolute lr = blr x batch / 256; min_lr stays absolute."""
+    cfg = TrainConfig(lr=2e-3, base_batch=256, batch_size=64, lr_schedule="warmup_cosine", warmup_rounds=1, min_lr=1e-6)
+    assert lr_at(cfg, 1.0, 3) == pytest.approx(5e-4, rel=1e-12)
+    assert lr_at(cfg, 3.0, 3) == pytest.approx(1e-6, rel=1e-12)
+    assert lr_at(TrainConfig(lr=2e-3, batch_size=64), 0.0, 3) == 2e-3  # base_batch 0: lr as given
+
+
+def test_stage_overrides_apply_in_their_stage_only() -> None:
+    cfg = TrainConfig(lr=1e-3, betas=(0.9, 0.999), stages={"pretrain": {"lr": 5e-4, "betas": [0.9, 0.95]}})
+    pretrain, finetune = cfg.for_stage("pretrain"), cfg.for_stage("finetune")
+    assert (pretrain.lr, pretrain.betas, pretrain.stages) == (5e-4, (0.9, 0.95), {})
+    assert finetune is cfg and cfg.for_stage(None) is cfg
+    with pytest.raises(ConfigError, match="train.stages.pretrain: unknown option"):
+        TrainConfig(stages={"pretrain": {"learning_rate": 1.0}})
+    with pytest.raises(ConfigError, match="train.stages.pretrain.*must map"):
+        TrainConfig(stages={"pretrain": {"stages": {}}})
+
+
+def test_trainer_trains_each_stage_with_its_settings() -> None:
+    trainer = _trainer(optimizer="adam", fresh_optimizer="stage", stages={"warmup": {"lr": 0.5, "betas": [0.5, 0.9]}})
+    lrs, optimizers = _record_each_step(trainer)
+    trainer.train_round(RoundContext(0, 2, "warmup"))
+    trainer.train_round(RoundContext(1, 2, "main"))
+    assert lrs == [0.5] * 4 + [0.1] * 4
+    assert optimizers[0].defaults["betas"] == (0.5, 0.9) and optimizers[-1].defaults["betas"] == (0.9, 0.999)

@@ -77,3 +77,14 @@ def test_unknown_evaluation_mode_is_refused() -> None:
 def test_channel_mismatch_names_the_site() -> None:
     with pytest.raises(DataError, match="site-1.*in_channels=1"):
         SiteRuntime(SiteSettings("fedavg", TaskSpec(5, 1, 28), DATA), "site-1", 0, log=lambda m: None)
+
+
+def test_job_stage_overrides_merge_into_the_method_stage_defaults() -> None:
+    """A job changing one option of one stage keeps the method's other options of that stage."""
+    from medflare.registry import get_method
+    from medflare.site_runtime import resolve_train_config
+
+    cfg = resolve_train_config(get_method("fed-mae"), {"lr": 1e-3, "stages": {"pretrain": {"warmup_rounds": 3}}})
+    pretrain = cfg.for_stage("pretrain")
+    assert (pretrain.warmup_rounds, pretrain.betas, pretrain.lr) == (3, (0.9, 0.95), 2e-3)
+    assert cfg.lr == 1e-3 and cfg.for_stage("finetune").betas == (0.9, 0.999)

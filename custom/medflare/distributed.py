@@ -101,12 +101,13 @@ def enable_data_parallel(runtime: SiteRuntime, rank: int, world_size: int, shuff
     epoch = {"count": 0}
 
     def sharded_loader(self: Any) -> DataLoader:
-        sampler = DistributedSampler(self.data.train, num_replicas=world_size, rank=rank, shuffle=True,
+        dataset = self.train_dataset()  # the current stage's samples (e.g. only the labelled ones)
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
                                      seed=shuffle_seed, drop_last=False)
         sampler.set_epoch(epoch["count"])
         epoch["count"] += 1  # a new shared order every epoch, as a shuffled single-process loader gives
-        per_rank = batch_size // world_size
-        return DataLoader(self.data.train, batch_size=per_rank, sampler=sampler,
+        per_rank = self.train_cfg.batch_size // world_size  # the current stage's batch size
+        return DataLoader(dataset, batch_size=per_rank, sampler=sampler,
                           drop_last=len(sampler) > per_rank, num_workers=self.train_cfg.num_workers)
 
     trainer.train_loader = types.MethodType(sharded_loader, trainer)

@@ -14,7 +14,9 @@ Schedules (``TrainConfig.lr_schedule``), with ``t = stage_round + step_in_round 
                     ``min_lr + (lr - min_lr)/2 * (1 + cos(pi * (t - W) / (R - W)))``
     multistep       ``lr * gamma ** (number of milestones <= floor(t))`` (FCA: milestones 60 and 70, gamma 0.1)
 
-A parameter group's ``lr_scale`` (layer-wise decay) multiplies the scheduled lr.
+Here ``lr`` is the peak lr: ``train.lr``, or ``train.lr * batch_size / base_batch`` when ``base_batch > 0`` (MAE's
+scaling rule, base 256); ``min_lr`` is absolute. A parameter group's ``lr_scale`` (layer-wise decay) multiplies
+the scheduled lr.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ __all__ = [
     "check_train_options",
     "lr_at",
     "param_groups",
+    "peak_lr",
     "rebuild_due",
     "round_lr",
     "set_step_lr",
@@ -72,6 +75,7 @@ def check_train_options(cfg: TrainConfig) -> None:
         (cfg.warmup_rounds >= 0, "warmup_rounds", ">= 0"),
         (cfg.min_lr >= 0, "min_lr", ">= 0"),
         (cfg.gamma > 0, "gamma", "> 0"),
+        (cfg.base_batch >= 0, "base_batch", ">= 0 (0 = lr as given)"),
         (all(m >= 0 for m in cfg.milestones) and list(cfg.milestones) == sorted(set(cfg.milestones)),
          "milestones", "increasing round numbers >= 0"),
     )
@@ -88,22 +92,28 @@ def lr_at(cfg: TrainConfig, t: float, stage_rounds: int) -> float:
         t: ``stage_round + step_in_round / steps_per_round``, in ``[0, stage_rounds)``.
         stage_rounds: rounds of the current stage.
     """
+    peak = peak_lr(cfg)
     if cfg.lr_schedule == "constant" or stage_rounds <= 0:
-        return cfg.lr
+        return peak
     if cfg.lr_schedule == "multistep":
-        return cfg.lr * cfg.gamma ** bisect.bisect_right(list(cfg.milestones), math.floor(t))
+        return peak * cfg.gamma ** bisect.bisect_right(list(cfg.milestones), math.floor(t))
     if cfg.lr_schedule == "cosine":
-        return _half_cosine(cfg, (math.floor(t) + 1) / stage_rounds)
+        return _half_cosine(peak, cfg.min_lr, (math.floor(t) + 1) / stage_rounds)
     warmup = cfg.warmup_rounds
     if t < warmup:
-        return cfg.lr * t / warmup
-    return _half_cosine(cfg, (t - warmup) / (stage_rounds - warmup))
+        return peak * t / warmup
+    return _half_cosine(peak, cfg.min_lr, (t - warmup) / (stage_rounds - warmup))
 
 
-def _half_cosine(cfg: TrainConfig, progress: float) -> float:
-    """From ``lr`` at progress 0 down to ``min_lr`` at progress 1 (clamped to [0, 1])."""
+def peak_lr(cfg: TrainConfig) -> float:
+    """``lr``, scaled by ``batch_size / base_batch`` when ``base_batch > 0`` (MAE: absolute lr = blr x batch / 256)."""
+    return cfg.lr * cfg.batch_size / cfg.base_batch if cfg.base_batch > 0 else cfg.lr
+
+
+def _half_cosine(peak: float, floor: float, progress: float) -> float:
+    """From ``peak`` at progress 0 down to ``floor`` at progress 1 (clamped to [0, 1])."""
     progress = min(max(progress, 0.0), 1.0)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+    return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
 
 
 def round_lr(cfg: TrainConfig, ctx: RoundContext) -> float:

@@ -59,8 +59,17 @@ class SiteSettings:
 
 
 def resolve_train_config(spec: MethodSpec, overrides: Mapping[str, Any] | None) -> TrainConfig:
-    """TrainConfig = shared defaults <- the method's paper defaults <- the job's overrides."""
-    return from_dict(TrainConfig, {**dict(spec.train_defaults), **dict(overrides or {})}, "train")
+    """TrainConfig = shared defaults <- the method's paper defaults <- the job's overrides.
+
+    Per-stage overrides (``stages``) merge stage by stage and option by option, so a job can change one
+    option of one stage and keep the method's other stage defaults.
+    """
+    defaults, job = dict(spec.train_defaults), dict(overrides or {})
+    merged = {**defaults, **job}
+    if isinstance(defaults.get("stages"), Mapping) and isinstance(job.get("stages"), Mapping):
+        names = {**defaults["stages"], **job["stages"]}
+        merged["stages"] = {n: {**defaults["stages"].get(n, {}), **job["stages"].get(n, {})} for n in names}
+    return from_dict(TrainConfig, merged, "train")
 
 
 def read_site_data_config(

@@ -254,3 +254,39 @@ def test_site_index_out_of_range_is_a_config_error() -> None:
     """Index 3 of 3 sites does not exist."""
     with pytest.raises(ConfigError, match="site-4.*outside \\[0, 3\\)"):
         make_site_data(DataConfig(source=SOURCE, num_sites=3), 3)
+
+
+def test_label_fraction_keeps_that_share_of_each_class_and_the_images() -> None:
+    """SSL-FL's label-efficiency split: per site and class round(f x n_k) labels (at least one) stay; the other
+    training images stay too, unlabelled (-1); a smaller fraction keeps a subset of a larger one's labels."""
+    # Prepare
+    full = _all_sites(DataConfig(source=SOURCE, num_sites=2, partition="dirichlet:1.0"))
+
+    # Execute
+    thirty = _all_sites(DataConfig(source=SOURCE, num_sites=2, partition="dirichlet:1.0", label_fraction=0.3))
+    ten = _all_sites(DataConfig(source=SOURCE, num_sites=2, partition="dirichlet:1.0", label_fraction=0.1))
+
+    # Assert
+    for whole, some, fewer in zip(full, thirty, ten):
+        assert len(some.train) == len(whole.train) and np.array_equal(some.test.labels, whole.test.labels)
+        expected = [max(1, round(0.3 * n)) if n else 0 for n in whole.class_counts]
+        assert some.class_counts.tolist() == expected
+        kept = some.train.labels >= 0
+        assert np.array_equal(some.train.labels[kept], whole.train.labels[kept])  # kept labels are the true ones
+        assert np.all(kept[fewer.train.labels >= 0])  # nested: the 10 % labels are among the 30 % labels
+
+
+def test_label_fraction_per_site() -> None:
+    sites = _all_sites(DataConfig(source=SOURCE, num_sites=2, label_fraction=[1.0, 0.5]))
+    assert np.all(sites[0].train.labels >= 0)
+    assert (sites[1].train.labels < 0).mean() == pytest.approx(0.5, abs=0.02)
+    assert describe_partition(DataConfig(source=SOURCE, num_sites=2, label_fraction=[1.0, 0.5]))[1]["n_unlabeled"] > 0
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"label_fraction": 0.0}, "label_fraction=0.0 must be in"),
+    ({"label_fraction": [0.1]}, "1 shares for 2 sites"),
+])
+def test_bad_label_fraction_is_a_config_error(values: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        DataConfig(source=SOURCE, num_sites=2, **values)

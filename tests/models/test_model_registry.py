@@ -209,3 +209,15 @@ def test_densenet_matches_torchvision_on_even_feature_maps() -> None:
 def test_get_device() -> None:
     device = get_device()
     assert isinstance(device, torch.device) and device.type in {"cpu", "cuda"}
+
+
+def test_vit_size_names_and_layer_scale() -> None:
+    """vit_micro is the CPU benchmark size; layer scale (BEiT) adds per-block scales initialised to its value."""
+    from medflare.models.vit import build_vit, vit_size
+
+    assert vit_size("vit_micro") == "micro" and VIT_SIZES["micro"] == (96, 6, 3)
+    with pytest.raises(ConfigError, match="'cnn' is not a ViT"):
+        vit_size("cnn")
+    scaled = build_vit("micro", num_classes=2, in_channels=1, image_size=28, layer_scale=0.1)
+    assert torch.all(scaled.backbone.blocks[0].ls1.gamma == 0.1)
+    assert not any(".ls1." in name for name, _ in create_model("vit_micro", 2, image_size=28).named_parameters())

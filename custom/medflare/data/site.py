@@ -8,8 +8,10 @@ val/test sets, so summing per-site confusion counts gives exactly the pooled met
 (`local=True`): the source is the site's own data and is used whole.
 
 Order of the training-label pipeline: public hold-out (`public_fraction`, before anything else) → partition →
-label-set mask (-1 for classes the site does not annotate) → label noise on the remaining labels. Val and test
-labels always stay clean; the public set (`medflare.data.public`) has no labels at all.
+label-set mask (-1 for classes the site does not annotate) → label noise on the remaining labels → label
+fraction (only that share of each class keeps its label; the rest become -1, unlabelled images that
+self-supervised stages still use). Val and test labels always stay clean; the public set
+(`medflare.data.public`) has no labels at all.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from medflare.data.public import check_public_options, hold_out_public, load_pub
 from medflare.data.sources import load_source
 from medflare.data.synthetic import apply_site_shift
 from medflare.data.transforms import AUGMENTATIONS, build_transform
-from medflare.data.types import DataSplits, ImageSet
+from medflare.data.types import UNLABELED, DataSplits, ImageSet
 from medflare.errors import ConfigError, DataError
 
 # Val/test slices are allowed to be small (or empty for tiny sources); only training needs min_size.
@@ -83,6 +85,8 @@ class DataConfig:
             the unlabelled public set of public-set distillation methods; 0 = none.
         public_source: The public set every site holds a copy of: "images:DIR" or a `load_source` spec (a
             real site names its local copy in its medflare_site.json); "" = none.
+        label_fraction: Share of each class's training labels a site keeps (SSL-FL's 10/30/70/100 %), or one
+            share per site (a list of `num_sites`); the other training images stay, unlabelled (-1).
     """
 
     source: str = "synthetic"
@@ -100,10 +104,12 @@ class DataConfig:
     augment: str = "basic"
     public_fraction: float = 0.0
     public_source: str = ""
+    label_fraction: float | list[float] = 1.0
 
     def __post_init__(self) -> None:
         parse_scheme(self.partition)  # fail early on a bad scheme string
         rates = self.label_noise if isinstance(self.label_noise, list) else [self.label_noise]
+        fractions = self.label_fraction if isinstance(self.label_fraction, list) else [self.label_fraction]
         checks = [
             (self.eval_split in EVAL_SPLITS, f"eval_split='{self.eval_split}' must be one of {EVAL_SPLITS}"),
             (self.num_sites >= 1, f"num_sites={self.num_sites} must be >= 1"),
@@ -117,6 +123,10 @@ class DataConfig:
             (self.min_size >= 0, f"min_size={self.min_size} must be >= 0"),
             (self.num_classes is None or self.num_classes >= 2, f"num_classes={self.num_classes} must be >= 2"),
             (self.augment in AUGMENTATIONS, f"augment='{self.augment}' must be one of {AUGMENTATIONS}"),
+            (all(isinstance(f, (int, float)) and 0.0 < f <= 1.0 for f in fractions),
+             f"label_fraction={self.label_fraction} must be in (0, 1]"),
+            (not isinstance(self.label_fraction, list) or len(fractions) == self.num_sites,
+             f"label_fraction lists {len(fractions)} shares for {self.num_sites} sites; give one share per site"),
         ]
         problems = [message for ok, message in checks if not ok]
         problems += check_public_options(self.public_fraction, self.public_source, self.local)
@@ -245,6 +255,9 @@ def _site_sets(cfg: DataConfig, splits: DataSplits, site_index: int,
     rate = site_noise_rate(cfg, site_index)
     if rate > 0:
         labels = inject_label_noise(labels, num_classes, rate, cfg.noise_kind, seed=cfg.seed)
+    fraction = site_label_fraction(cfg, site_index)
+    if fraction < 1.0:
+        labels = keep_label_fraction(labels, fraction, seed=cfg.seed + site_index)
     if labels is not train.labels:
         train = dataclasses.replace(train, labels=labels)
     return train, val, test, identified
@@ -261,6 +274,34 @@ def _public_set(cfg: DataConfig, splits: DataSplits, channels: int) -> ImageSet 
 def site_noise_rate(cfg: DataConfig, site_index: int) -> float:
     """The training-label flip rate of site `site_index`: the one rate, or that site's entry of the list."""
     return float(cfg.label_noise[site_index] if isinstance(cfg.label_noise, list) else cfg.label_noise)
+
+
+def site_label_fraction(cfg: DataConfig, site_index: int) -> float:
+    """The share of training labels site `site_index` keeps: the one share, or that site's entry of the list."""
+    return float(cfg.label_fraction[site_index] if isinstance(cfg.label_fraction, list) else cfg.label_fraction)
+
+
+def keep_label_fraction(labels: np.ndarray, fraction: float, seed: int) -> np.ndarray:
+    """A copy of `labels` where each class keeps round(fraction x its count) labels (at least one) and the
+    others become `UNLABELED`.
+
+    Stratified per class, as SSL-FL's label-efficiency runs take about 10/30/70 % "from each class". One seeded
+    permutation per class decides the order, so a smaller fraction keeps a subset of a larger one's labels
+    (the 10 % labels are among the 30 % labels).
+
+    Args:
+        labels: int64 `[N]` training labels; `UNLABELED` entries stay unlabelled.
+        fraction: share in (0, 1] of each class's labels to keep.
+        seed: seed of the per-class permutations (the data seed plus the site index).
+    """
+    kept = np.full_like(labels, UNLABELED)
+    rng = np.random.default_rng(seed)
+    for label in np.unique(labels[labels != UNLABELED]):
+        members = np.flatnonzero(labels == label)
+        keep = max(1, int(round(fraction * len(members))))
+        chosen = members[rng.permutation(len(members))[:keep]]
+        kept[chosen] = label
+    return kept
 
 
 def _eval_slice(image_set: ImageSet, cfg: DataConfig, site_index: int, train_split: Partition,

@@ -188,7 +188,8 @@ def to_hocon(value: Any, method_keys: set[str], indent: int = 0, parent: str = "
         for key, item in value.items():
             for comment_line in _comment(str(key), parent, method_keys, item, owner).splitlines():
                 lines.append(f"{pad}  # {comment_line}")
-            rendered = to_hocon(item, method_keys, indent + 1, str(key), child_owner if key == "args" else owner)
+            child_parent = "train" if parent == "stages" else str(key)  # a stage's options are train options
+            rendered = to_hocon(item, method_keys, indent + 1, child_parent, child_owner if key == "args" else owner)
             lines.append(f"{pad}  {_key(str(key))} = {rendered}")
         lines.append(f"{pad}}}")
         return "\n".join(lines)
@@ -245,6 +246,8 @@ def _comment(key: str, parent: str, method_keys: set[str], value: Any = None, ow
         return "the initial global network: FLARE calls the function below with these arguments"
     if parent == "train":
         return f"{TRAIN_COMMENT}: {key}"
+    if parent == "stages":
+        return f"VARIABLE: local training settings of the '{key}' stage, overriding the ones above (TrainConfig.stages)"
     if parent == "method_args" or (key in method_keys and parent != "args"):
         return f"VARIABLE: method hyperparameter '{key}' (see the method's README card)"
     if key.startswith("site-"):

@@ -8,7 +8,7 @@ pure numpy: it turns accepted site updates into the next global model. Neither k
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Literal, Mapping
 
 import numpy as np
@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from medflare import contracts
+from medflare.config import from_dict
 from medflare.contracts import ContractContext, Payload
 from medflare.errors import ConfigError, PayloadError
 from medflare.ops import cap_shares, load_params, model_params, normalise_weights, weighted_average
@@ -58,6 +59,9 @@ class TrainConfig:
     eval_batch_size: int = 256
     num_workers: int = 0
     torch_threads: int = 1  # CPU threads per site; keeps simulated sites from fighting over cores
+    base_batch: int = 0  # > 0: lr is given per base_batch images and scales with batch_size (MAE: 256); 0 = as given
+    # stage name -> overrides of the options above in that stage (SSL-FL pre-trains and fine-tunes differently)
+    stages: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)  # type: ignore[assignment]  # JSON/TOML give lists
@@ -69,6 +73,22 @@ class TrainConfig:
             raise ConfigError(f"train.lr must be > 0, got {self.lr}")
         if self.max_steps < 0:
             raise ConfigError(f"train.max_steps must be >= 0 (0 = no cap), got {self.max_steps}")
+        for stage in self.stages:
+            self.for_stage(stage)  # fail early on a bad stage override
+
+    def for_stage(self, stage: str | None) -> TrainConfig:
+        """The settings in ``stage``: these options with the stage's overrides (``stages[stage]``) on top.
+
+        Raises:
+            ConfigError: a stage override that is not a TrainConfig option (or is a nested ``stages``).
+        """
+        overrides = self.stages.get(stage or "")
+        if not overrides:
+            return self
+        if not isinstance(overrides, Mapping) or "stages" in overrides:
+            raise ConfigError(f"train.stages.{stage} must map TrainConfig options to values, got {overrides!r}")
+        base = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "stages"}
+        return from_dict(TrainConfig, {**base, **overrides}, f"train.stages.{stage}")
 
 
 @dataclass(frozen=True)
@@ -144,7 +164,7 @@ class LocalTrainer:
     Args:
         model: the site's network (already on ``device``).
         data: the site's SiteData (train/val/test datasets, class counts).
-        train_cfg: shared local-training settings.
+        train_cfg: shared local-training settings (``train_cfg.for_stage(stage)`` in each stage).
         method_cfg: the method's own hyperparameters dataclass.
         payload: the method's wire declaration (decides which keys are loaded and sent).
         device: where to train.
@@ -165,7 +185,8 @@ class LocalTrainer:
     ) -> None:
         self.model = model
         self.data = data
-        self.train_cfg = train_cfg
+        self.job_train_cfg = train_cfg  # the job's settings, with their per-stage overrides
+        self.train_cfg = train_cfg  # the settings of the current stage
         self.cfg = method_cfg
         self.payload = payload
         self.device = device
@@ -183,6 +204,11 @@ class LocalTrainer:
         self.received: dict[str, np.ndarray] = {}  # declared non-parameter arrays of the current task
         self._stage: str | None = None  # the stage of the last round trained (kept across restarts)
         self._configured_stage: str | None = None  # the stage on_stage_start last ran for (this process)
+
+    @property
+    def stage(self) -> str | None:
+        """The stage of the round being trained, else of the last one trained (kept across restarts)."""
+        return self._stage
 
     def record_locally(self, **values: Any) -> None:
         """Keep per-site diagnostics (e.g. Fed-MAS's w and ŵ) in the site's own log; they are never sent."""
@@ -225,6 +251,7 @@ class LocalTrainer:
         """Restore :meth:`state_dict` (called when a site restarts inside a running job)."""
         load_params(self.model, state.get("private") or {}, keep=self.payload.is_private)
         self._stage = state.get("stage")
+        self.train_cfg = self.job_train_cfg.for_stage(self._stage)
         if state.get("optimizer") is not None:
             self.optimizer = build_optimizer(self.model, self.train_cfg, self.parameters_to_train())
             self.optimizer.load_state_dict(state["optimizer"])
@@ -242,6 +269,7 @@ class LocalTrainer:
     def train_round(self, ctx: RoundContext, should_abort: Callable[[], bool] = lambda: False) -> dict[str, Any]:
         """Run E local epochs (or ``max_steps``) and return this round's meta."""
         start = time.perf_counter()
+        self.train_cfg = self.job_train_cfg.for_stage(ctx.stage)
         if ctx.stage != self._configured_stage:  # also after a restart: hooks may set up in-memory state
             self._configured_stage = ctx.stage
             self.on_stage_start(ctx)
@@ -397,9 +425,13 @@ class LocalTrainer:
     def _step_cap_reached(self, steps: int) -> bool:
         return self.train_cfg.max_steps > 0 and steps >= self.train_cfg.max_steps
 
+    def train_dataset(self) -> Any:
+        """The samples this round trains on (a method may train on a subset in some stage, e.g. labelled only)."""
+        return self.data.train
+
     def train_loader(self) -> DataLoader:
-        """Shuffled training batches (drop_last only when it leaves at least one batch)."""
-        dataset = self.data.train
+        """Shuffled training batches of :meth:`train_dataset` (drop_last only when it leaves at least one batch)."""
+        dataset = self.train_dataset()
         drop_last = len(dataset) > self.train_cfg.batch_size
         return DataLoader(
             dataset,

@@ -71,13 +71,14 @@ def prior_feature_dim(prior: str, declared_dim: int) -> int:
         return 1280
     if prior.startswith("moco:"):
         return 2048
-    if prior.startswith(("torchscript:", "state_dict:")):
+    if prior.startswith(("torchscript:", "state_dict:", "fed-mae:")):
         if declared_dim <= 0:
             raise ConfigError(f"prior '{prior}' needs method.prior_dim (its feature dimension)")
         return declared_dim
     raise ConfigError(
         f"unknown prior '{prior}'; use '{IMAGENET_LITE0}', 'moco:PATH', 'torchscript:PATH' or "
-        "'state_dict:PATH' (a medflare model checkpoint; set method.prior_model and method.prior_dim)"
+        "'state_dict:PATH' (a medflare model checkpoint; set method.prior_model and method.prior_dim) or "
+        "'fed-mae:PATH' (an SSL-FL encoder file; set method.prior_dim)"
     )
 
 
@@ -93,6 +94,13 @@ def build_prior(prior: str, declared_dim: int, input_size: int, prior_model: str
     file = _existing(path)
     if kind == "moco":
         return FrozenPrior(load_moco_resnet50(file), dim, input_size, IMAGENET_MEAN, IMAGENET_STD)
+    if kind == "fed-mae":  # a federated MAE/BEiT encoder (methods/ssl_fl/export.py), used at its own input size
+        from medflare.methods.ssl_fl.export import load_encoder
+
+        encoder, info = load_encoder(file)
+        if info.num_features != dim:
+            raise ConfigError(f"prior '{prior}' has {info.num_features} features; set method.prior_dim={info.num_features}")
+        return FrozenPrior(encoder, dim, info.image_size, (DATA_MEAN,) * 3, (DATA_STD,) * 3)
     if kind == "torchscript":
         return FrozenPrior(torch.jit.load(str(file), map_location="cpu"), dim, input_size, IMAGENET_MEAN, IMAGENET_STD)
     from medflare.models import create_model, load_weights

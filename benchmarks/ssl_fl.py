@@ -1,0 +1,323 @@
+"""SSL-FL on RetinaMNIST and PneumoniaMNIST: ViT from scratch vs Fed-MAE vs Fed-BEiT, fine-tuned federatedly.
+
+Parts (``--part``):
+  main    Dirichlet(alpha) label skew over 5 simulated sites, alpha in {100, 1.0, 0.5}, both data sets, every
+          label kept: scratch (fed-mae with pretrain_rounds=0: same network, initialisation and fine-tuning
+          recipe) vs Fed-MAE vs Fed-BEiT.
+  labels  the label-efficiency curve: the same, with data.label_fraction 0.1 and 0.3 (1.0 is the main grid),
+          on one data set and alpha (default RetinaMNIST, alpha 100 = the paper's IID Split-1).
+  fedmas  Fed-MAS with a Fed-MAE prior (the encoder pre-trained on the same sites) vs the ImageNet
+          EfficientNet-Lite0 prior, on RetinaMNIST alpha 0.5 (long tail; head > 300, tail < 100 images).
+
+Every (data set, alpha, seed) pre-trains once per method in a pre-training-only job; its exported encoder is
+then fine-tuned in chained jobs (``pretrained=encoder.pt``, ``pretrain_rounds=0``), so the label fractions
+share one pre-training, as the paper's label-efficiency runs do. The split is simulated (MedMNIST has no
+hospital IDs); metrics are of the final global model on the sites' pooled test splits.
+
+Runner: by default every job runs in this process through the same code FLARE runs (SiteRuntime at each site,
+RoundAggregation with the method's rule at the server, sites one after another, each with its own random
+generators as in its own process), which saves FLARE's per-job start-up on a shared 2-core machine.
+``--check-simulator`` runs one small job both in FLARE's simulator and in process and records whether their
+final metrics are identical. ``--runner simulator`` runs everything in FLARE's simulator.
+
+Usage:
+    python benchmarks/ssl_fl.py --part main [--datasets retina pneumonia] [--alphas 100 1.0 0.5] [--seeds 0 1 2]
+    python benchmarks/ssl_fl.py --part labels | --part fedmas | --check-simulator
+Finished jobs are cached in --out (rerunning skips them); the table rows go to --results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from medflare import contracts
+from medflare.config import from_dict
+from medflare.data.checksums import verify_medmnist_file
+from medflare.evaluation import site_evaluation, summarize
+from medflare.flare.aggregator import RoundAggregation
+from medflare.flare.models import build_global_model
+from medflare.flare.tasks import round_context, round_meta, round_plan
+from medflare.methods.base import RoundContext
+from medflare.methods.ssl_fl.export import export_global_model
+from medflare.metrics import shot_groups_from_counts
+from medflare.registry import get_method
+from medflare.run_config import RunConfig
+from medflare.simulate import describe_sites, run_simulation
+from medflare.site_runtime import SiteRuntime, SiteSettings
+
+DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "medmnist"
+DATASETS = {"retina": "retinamnist.npz", "pneumonia": "pneumoniamnist.npz"}
+METHODS = ("scratch", "fed-mae", "fed-beit")
+# CPU budget per job (stated in docs/benchmarks.md): a ViT-Micro at 28 px, 5 sites, max_steps per site and round.
+MODEL, CLIENTS, BATCH = "vit_micro", 5, 32
+PRETRAIN = {"rounds": 8, "max_steps": 6}  # Fed-BEiT: 2 of these rounds train its tokenizer first
+TOKENIZER_ROUNDS = 2
+MAE_DECODER = {"decoder_dim": 64, "decoder_depth": 2, "decoder_heads": 4}  # narrower than the 96-d encoder
+# Both pre-trainings at BEiT's absolute lr 1.5e-3: MAE's rule (blr 2e-3 x 32 / 256 = 2.5e-4) is meant for
+# hundreds of epochs at large batches.
+PRETRAIN_TRAIN = {"stages": {"pretrain": {"lr": 1.5e-3, "base_batch": 0}}}
+FINETUNE = {"rounds": 8, "max_steps": 6}
+# CPU-budget recipe, the same for every arm: in a centralised 64-step probe on PneumoniaMNIST's validation split a
+# ViT-Micro from scratch stayed at the majority class with MAE's rule (3e-3 x 32 / 256) and learned with an absolute
+# 2e-3 (layer decay 0.65); augmentation and Mixup/CutMix also slow such short runs, so fine-tuning runs without them.
+FINETUNE_TRAIN = {"lr": 2e-3, "base_batch": 0}
+FINETUNE_DATA = {"augment": "none"}
+FINETUNE_ARGS = {"mixup": 0.0, "cutmix": 0.0}
+FEDMAS = {"rounds": 10, "model": "cnn", "batch_size": 64}  # as benchmarks/fedmas_vs_baselines.py --setting retina
+SHOT_THRESHOLDS = (300, 100)
+
+
+# ----- one job --------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def own_generators(state: dict[str, Any]) -> Iterator[None]:
+    """Run a block with a site's own torch/numpy/python random state (as if in its own process)."""
+    saved = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+    if state:
+        torch.set_rng_state(state["torch"])
+        np.random.set_state(state["numpy"])
+        random.setstate(state["python"])
+    try:
+        yield
+    finally:
+        state.update(torch=torch.get_rng_state(), numpy=np.random.get_state(), python=random.getstate())
+        torch.set_rng_state(saved[0])
+        np.random.set_state(saved[1])
+        random.setstate(saved[2])
+
+
+def run_in_process(run: RunConfig, log: Any = print) -> dict[str, Any]:
+    """The job's rounds with FLARE's site and server code, sites in turn; returns the final evaluation summary."""
+    run.validate()
+    task = run.task_spec()
+    core = RoundAggregation(run.method, run.method_args, task.num_classes, run.rounds)
+    network = build_global_model(run.method, run.model, task.num_classes, task.in_channels, task.image_size,
+                                 run.pretrained, run.method_args, run.seed)
+    global_params = {k: v.detach().cpu().numpy() for k, v in network.state_dict().items()}
+    sites, states = [], []
+    for index, name in enumerate(run.site_names):
+        settings = SiteSettings(method=run.method, task=task, data=run.site_data(), model=run.model,
+                                method_args=run.method_args, train=run.train, seed=run.seed, evaluation="final")
+        state: dict[str, Any] = {}
+        with own_generators(state):
+            sites.append(SiteRuntime(settings, name, index, log=lambda message: None))
+        states.append(state)
+    losses = []
+    for plan in round_plan(core.stages, run.rounds):
+        started = time.perf_counter()
+        core.start_round(global_params, dataclasses.replace(plan, server_meta=core.rule.server_meta(plan)))
+        for phase in core.rule.phases(core.ctx):
+            outgoing = core.start_phase(phase)
+            ctx = round_context({**round_meta(core.ctx), **core.task_header()})
+            for site, state in zip(sites, states):
+                with own_generators(state):
+                    arrays, meta = site.train(outgoing, ctx) if phase == contracts.TRAIN_PHASE else site.run_phase(phase, outgoing, ctx)
+                reason = core.accept(site.site_name, arrays, meta)
+                if reason:
+                    raise RuntimeError(f"{site.site_name} rejected in round {plan.round + 1}: {reason}")
+        global_params = core.aggregate().params
+        losses.append(statistics.mean(u.meta[contracts.TRAIN_LOSS] for u in core.accepted()))
+        log(f"    round {plan.round + 1}/{run.rounds} ({plan.stage}) loss {losses[-1]:.4f} {time.perf_counter() - started:.1f}s")
+    last = core.stages[-1]
+    final = RoundContext(run.rounds, run.rounds, stage=last.name, stage_round=last.rounds, stage_rounds=last.rounds)
+    keys = core.spec.payload.shared_keys(list(global_params), last.name)
+    evaluations = {}
+    for site, state in zip(sites, states):
+        with own_generators(state):
+            evaluations[site.site_name] = site_evaluation(site.validate({k: global_params[k] for k in keys}, final), task.num_classes)
+    _, counts = describe_sites(run)
+    groups = shot_groups_from_counts(counts, *run.shot_thresholds) if run.shot_thresholds and counts else None
+    return {"final": summarize(evaluations, groups), "global_params": global_params, "train_loss": losses}
+
+
+def run_job(run: RunConfig, runner: str, out: Path, log: Any = print) -> dict[str, Any]:
+    """Final test metrics of one job (``runner`` 'inprocess' or 'simulator'); the global model lands in ``out``."""
+    started = time.perf_counter()
+    if runner == "simulator":
+        summary = run_simulation(run, out, echo=lambda line: None)
+        metrics = {k: v for k, v in summary["final"].items() if k not in ("by_site", "site_mean", "extra")}
+        model_file = out / "FL_global_model.pt"
+    else:
+        result = run_in_process(run, log)
+        metrics = {**result["final"]["test"], "train_loss_per_round": result["train_loss"]}
+        out.mkdir(parents=True, exist_ok=True)
+        model_file = out / "FL_global_model.pt"
+        torch.save({"model": {k: torch.from_numpy(np.array(v)) for k, v in result["global_params"].items()}}, model_file)
+    return {"metrics": metrics, "seconds": time.perf_counter() - started, "model_file": str(model_file)}
+
+
+# ----- the grid ---------------------------------------------------------------------------------------------
+def data_config(dataset: str, alpha: float, fraction: float = 1.0) -> dict[str, Any]:
+    path = DATA_DIR / DATASETS[dataset]
+    verify_medmnist_file(path)
+    data = {"source": f"medmnist:{path}", "partition": f"dirichlet:{alpha:g}"}
+    return {**data, "label_fraction": fraction} if fraction < 1.0 else data
+
+
+def pretrain_run(method: str, dataset: str, alpha: float, seed: int) -> RunConfig:
+    rounds = PRETRAIN["rounds"]
+    args: dict[str, Any] = {"pretrain_rounds": rounds, "finetune_rounds": 0, **MAE_DECODER}
+    if method == "fed-beit":
+        args = {"tokenizer_rounds": TOKENIZER_ROUNDS, "pretrain_rounds": rounds - TOKENIZER_ROUNDS, "finetune_rounds": 0}
+    return RunConfig(method=method, model=MODEL, rounds=rounds, clients=CLIENTS, seed=seed, method_args=args,
+                     data=data_config(dataset, alpha),
+                     train={"max_steps": PRETRAIN["max_steps"], "batch_size": BATCH, **PRETRAIN_TRAIN},
+                     site_evaluation="final", name=f"{method}-pt-{dataset}-a{alpha:g}-s{seed}")
+
+
+def finetune_run(method: str, dataset: str, alpha: float, seed: int, fraction: float, encoder: str | None) -> RunConfig:
+    network = "fed-beit" if method == "fed-beit" else "fed-mae"  # scratch = fed-mae's network, no pre-training
+    args: dict[str, Any] = {"pretrain_rounds": 0, **FINETUNE_ARGS}
+    if network == "fed-beit":
+        args["tokenizer_rounds"] = 0
+    return RunConfig(method=network, model=MODEL, rounds=FINETUNE["rounds"], clients=CLIENTS, seed=seed,
+                     method_args=args, pretrained=encoder, data={**data_config(dataset, alpha, fraction), **FINETUNE_DATA},
+                     train={"max_steps": FINETUNE["max_steps"], "batch_size": BATCH, **FINETUNE_TRAIN},
+                     site_evaluation="final", name=f"{method}-ft-{dataset}-a{alpha:g}-f{fraction:g}-s{seed}")
+
+
+class Grid:
+    """Runs and caches jobs under ``out``: one folder per job with result.json (rerunning skips finished jobs)."""
+
+    def __init__(self, out: Path, runner: str) -> None:
+        self.out, self.runner = out, runner
+
+    def job(self, run: RunConfig) -> dict[str, Any]:
+        folder = self.out / run.name
+        done = folder / "result.json"
+        if done.is_file():
+            return json.loads(done.read_text())
+        print(f"  {run.name} ...", flush=True)
+        result = run_job(run, self.runner, folder)
+        result["config"] = {k: v for k, v in vars(run).items() if k in ("method", "model", "rounds", "clients", "seed",
+                                                                       "method_args", "data", "train", "pretrained")}
+        done.write_text(json.dumps(result, indent=1, default=str) + "\n")
+        m = result["metrics"]
+        print(f"  {run.name}: accuracy {m['accuracy']:.4f}, balanced {m['balanced_accuracy']:.4f} "
+              f"({result['seconds']:.0f}s)", flush=True)
+        return result
+
+    def encoder(self, method: str, dataset: str, alpha: float, seed: int) -> str:
+        """The exported encoder of the method's pre-training job for this split (run once, then cached)."""
+        run = pretrain_run(method, dataset, alpha, seed)
+        file = self.out / run.name / "encoder.pt"
+        if not file.is_file():
+            result = self.job(run)
+            spec = get_method(method)
+            method_cfg = from_dict(spec.config_cls, run.method_args, method)
+            export_global_model(method, MODEL, vars(run.task_spec()), method_cfg, result["model_file"], file)
+        return str(file)
+
+    def finetune(self, method: str, dataset: str, alpha: float, seed: int, fraction: float = 1.0) -> dict[str, Any]:
+        encoder = None if method == "scratch" else self.encoder(method, dataset, alpha, seed)
+        result = self.job(finetune_run(method, dataset, alpha, seed, fraction, encoder))
+        return {"method": method, "dataset": dataset, "alpha": alpha, "seed": seed, "label_fraction": fraction,
+                "accuracy": result["metrics"]["accuracy"], "balanced_accuracy": result["metrics"]["balanced_accuracy"],
+                "macro_f1": result["metrics"].get("macro_f1"), "seconds": result["seconds"]}
+
+    def fedmas(self, prior: str, seed: int, dataset: str = "retina", alpha: float = 0.5) -> dict[str, Any]:
+        args: dict[str, Any] = {}
+        if prior == "fed-mae":
+            args = {"prior": f"fed-mae:{self.encoder('fed-mae', dataset, alpha, seed)}", "prior_dim": 96}
+        run = RunConfig(method="fedmas", model=FEDMAS["model"], rounds=FEDMAS["rounds"], clients=CLIENTS, seed=seed,
+                        method_args=args, data=data_config(dataset, alpha), shot_thresholds=list(SHOT_THRESHOLDS),
+                        train={"batch_size": FEDMAS["batch_size"]}, site_evaluation="final",
+                        name=f"fedmas-{prior}-{dataset}-a{alpha:g}-s{seed}")
+        m = self.job(run)["metrics"]
+        return {"prior": prior, "dataset": dataset, "alpha": alpha, "seed": seed, "accuracy": m["accuracy"],
+                "balanced_accuracy": m["balanced_accuracy"], "tail_accuracy": m.get("tail_accuracy"),
+                "head_accuracy": m.get("head_accuracy")}
+
+
+def check_simulator(grid: Grid) -> dict[str, Any]:
+    """One small two-stage job in FLARE's simulator and in process: are the final metrics identical?"""
+    run = RunConfig(method="fed-mae", model=MODEL, rounds=3, clients=2, seed=0, method_args={"pretrain_rounds": 1},
+                    data={**data_config("retina", 1.0), "label_fraction": 0.5}, site_evaluation="final",
+                    train={"max_steps": 2, "batch_size": 16}, name="check")
+    simulator = run_job(run, "simulator", grid.out / "check-simulator")["metrics"]
+    in_process = run_job(run, "inprocess", grid.out / "check-inprocess", log=lambda m: None)["metrics"]
+    keys = ("accuracy", "balanced_accuracy", "macro_f1", "loss")
+    return {"simulator": {k: simulator.get(k) for k in keys}, "in_process": {k: in_process.get(k) for k in keys},
+            "identical": all(simulator.get(k) == in_process.get(k) for k in keys)}
+
+
+# ----- tables ----------------------------------------------------------------------------------------------
+def mean_std(values: list[float]) -> str:
+    return f"{statistics.mean(values):.4f} ± {statistics.stdev(values) if len(values) > 1 else 0.0:.4f}"
+
+
+def table(rows: list[dict[str, Any]], keys: tuple[str, ...], group: str, metrics: tuple[str, ...]) -> list[str]:
+    """Markdown rows: one per (keys) cell, mean ± std over seeds of each metric."""
+    cells: dict[tuple, list[dict[str, Any]]] = {}
+    for row in rows:
+        cells.setdefault(tuple(row[k] for k in keys) + (row[group],), []).append(row)
+    lines = [f"| {' | '.join(keys + (group,))} | {' | '.join(metrics)} | seeds |", "|" + "---|" * (len(keys) + len(metrics) + 2)]
+    for cell, members in sorted(cells.items(), key=lambda item: tuple(str(v) for v in item[0])):
+        values = [mean_std([m[metric] for m in members]) for metric in metrics]
+        lines.append(f"| {' | '.join(str(v) for v in cell)} | {' | '.join(values)} | {len(members)} |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=["main", "labels", "fedmas", "all"], default="all")
+    parser.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS))
+    parser.add_argument("--alphas", type=float, nargs="+", default=[100.0, 1.0, 0.5])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.3])
+    parser.add_argument("--labels-setting", nargs=2, default=["retina", "100"], metavar=("DATASET", "ALPHA"))
+    parser.add_argument("--runner", choices=["inprocess", "simulator"], default="inprocess")
+    parser.add_argument("--check-simulator", action="store_true", help="only compare the two runners on one job")
+    parser.add_argument("--out", default="runs/bench-ssl-fl")
+    parser.add_argument("--results", default="benchmarks/results/ssl_fl.json")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    grid = Grid(Path(args.out), args.runner)
+    results_file = Path(args.results)
+    results = json.loads(results_file.read_text()) if results_file.is_file() else {}
+    if args.check_simulator:
+        results["simulator_check"] = check_simulator(grid)
+        print(json.dumps(results["simulator_check"], indent=1))
+    else:
+        results["budget"] = {"model": MODEL, "clients": CLIENTS, "batch_size": BATCH, "pretrain": PRETRAIN,
+                             "tokenizer_rounds": TOKENIZER_ROUNDS, "mae_decoder": MAE_DECODER, "finetune": FINETUNE,
+                             "pretrain_train": PRETRAIN_TRAIN, "finetune_train": FINETUNE_TRAIN,
+                             "finetune_data": FINETUNE_DATA, "finetune_args": FINETUNE_ARGS, "fedmas": FEDMAS,
+                             "runner": args.runner}
+        if args.part in ("main", "all"):
+            rows = [grid.finetune(m, d, a, s) for d in args.datasets for a in args.alphas for s in args.seeds for m in args.methods]
+            results["main"] = _merge(results.get("main", []), rows, ("method", "dataset", "alpha", "seed"))
+            print("\n".join(table(results["main"], ("dataset", "alpha"), "method", ("accuracy", "balanced_accuracy"))))
+        if args.part in ("labels", "all"):
+            dataset, alpha = args.labels_setting[0], float(args.labels_setting[1])
+            rows = [grid.finetune(m, dataset, alpha, s, f) for f in args.fractions for s in args.seeds for m in args.methods]
+            results["labels"] = _merge(results.get("labels", []), rows, ("method", "dataset", "alpha", "seed", "label_fraction"))
+            print("\n".join(table(results["labels"], ("dataset", "alpha", "label_fraction"), "method", ("accuracy", "balanced_accuracy"))))
+        if args.part in ("fedmas", "all"):
+            rows = [grid.fedmas(prior, s) for prior in ("imagenet-lite0", "fed-mae") for s in args.seeds]
+            results["fedmas"] = _merge(results.get("fedmas", []), rows, ("prior", "dataset", "alpha", "seed"))
+            print("\n".join(table(results["fedmas"], ("dataset", "alpha"), "prior", ("balanced_accuracy", "tail_accuracy", "accuracy"))))
+    results_file.parent.mkdir(parents=True, exist_ok=True)
+    results_file.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"results: {results_file}")
+
+
+def _merge(old: list[dict[str, Any]], new: list[dict[str, Any]], keys: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Rows of ``old`` not redone, plus ``new`` (a rerun of a cell replaces it)."""
+    redone = {tuple(row[k] for k in keys) for row in new}
+    return [row for row in old if tuple(row[k] for k in keys) not in redone] + new
+
+
+if __name__ == "__main__":
+    main()

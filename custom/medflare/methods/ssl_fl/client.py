@@ -1,0 +1,135 @@
+"""SSL-FL site update: masked-image pre-training on every local image, then supervised fine-tuning on the labels.
+
+The stage of each round (sent by the server) decides what a step does; the shared training loop, the
+optimizer kept across rounds within a stage, and the per-step warm-up + cosine schedule come from
+:class:`~medflare.methods.base.LocalTrainer` and the stage's train settings (``train.stages``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from timm.data import Mixup
+from timm.loss import SoftTargetCrossEntropy
+from torch.utils.data import Subset
+
+from medflare.errors import ConfigError
+from medflare.methods.base import LocalTrainer, RoundContext
+from medflare.methods.ssl_fl.masking import BlockMaskGenerator, beit_mask_count
+from medflare.methods.ssl_fl.model import FINETUNE, TOKENIZER, set_drop_path
+from medflare.methods.ssl_fl.tokenizer import DalleTokenizer
+
+N_IMAGES = "n_images"  # every local training image, labelled or not: the FedAvg weight of pre-training
+
+
+class SslFlTrainer(LocalTrainer):
+    """What Fed-MAE and Fed-BEiT sites share: stage switching, the data each stage learns from, fine-tuning.
+
+    Pre-training stages train on all local images (labels are ignored, unlabelled ones included); fine-tuning
+    trains on the labelled images only, with label smoothing and, when configured, Mixup/CutMix.
+    """
+
+    uses_unlabelled_samples = True  # pre-training batches need no label
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        labels = np.asarray(self.data.train.labels)
+        self.labelled = Subset(self.data.train, np.flatnonzero(labels >= 0).tolist())
+        self.mixup = _mixup(self.cfg, int(self.data.num_classes))
+        self.soft_target_loss = SoftTargetCrossEntropy()
+        self.rng = np.random.default_rng(int(torch.randint(2**31 - 1, ()).item()))  # seeded by the site runtime
+        if self.mixup is not None:  # timm's Mixup draws from numpy's global generator: seed it from the site's seed
+            np.random.seed(int(torch.randint(2**31 - 1, ()).item()))
+
+    # ----- stages ---------------------------------------------------------------------------------
+    def on_stage_start(self, ctx: RoundContext) -> None:
+        self.enter_stage(ctx.stage)
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        if state.get("stage"):
+            self.enter_stage(state["stage"])  # the restored optimizer covers the parameters that stage trains
+        super().load_state(state)
+
+    def enter_stage(self, stage: str) -> None:
+        """Freeze what ``stage`` does not train and set its stochastic depth."""
+        self.model.train_only(stage)
+        rate = self.cfg.drop_path if stage == FINETUNE else self.cfg.pretrain_drop_path
+        set_drop_path(self.model.backbone, rate)
+
+    def train_dataset(self) -> Any:
+        return self.labelled if self.stage == FINETUNE else self.data.train
+
+    # ----- losses ---------------------------------------------------------------------------------
+    def compute_loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.stage == FINETUNE:
+            return self.finetune_loss(images, labels)
+        return self.pretext_loss(images)
+
+    def pretext_loss(self, images: torch.Tensor) -> torch.Tensor:
+        """The masked-image-modelling loss of one batch (method-specific)."""
+        raise NotImplementedError
+
+    def finetune_loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy with label smoothing; with Mixup/CutMix, soft-target cross-entropy on mixed pairs.
+
+        Mixing pairs the batch with its reverse, so an odd last sample is left out of a mixed batch.
+        """
+        even = len(images) - len(images) % 2
+        if self.mixup is None or even < 2:
+            return F.cross_entropy(self.model(images), labels, label_smoothing=self.cfg.label_smoothing)
+        mixed, targets = self.mixup(images[:even], labels[:even])
+        return self.soft_target_loss(self.model(mixed), targets)
+
+    def round_meta(self, ctx: RoundContext) -> dict[str, Any]:
+        return {N_IMAGES: len(self.data.train)}
+
+
+def _mixup(cfg: Any, num_classes: int) -> Mixup | None:
+    """timm's batch-wise Mixup/CutMix with label smoothing, or None when both are off."""
+    if cfg.mixup <= 0 and cfg.cutmix <= 0:
+        return None
+    return Mixup(
+        mixup_alpha=cfg.mixup, cutmix_alpha=cfg.cutmix, switch_prob=cfg.mixup_switch_prob, mode="batch",
+        label_smoothing=cfg.label_smoothing, num_classes=num_classes,
+    )
+
+
+class FedMaeTrainer(SslFlTrainer):
+    """Fed-MAE: reconstruct the pixels of randomly masked patches."""
+
+    def pretext_loss(self, images: torch.Tensor) -> torch.Tensor:
+        return self.model.pretext_loss(images)
+
+
+class FedBeitTrainer(SslFlTrainer):
+    """Fed-BEiT: train the federated tokenizer (its own stage), then predict the visual tokens of block-masked
+    patches. With ``tokenizer=dall-e:PATH`` the frozen DALL-E encoder lives here, never in the model, so it
+    never travels."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        grid = self.model.grid
+        self.masks = BlockMaskGenerator(grid, beit_mask_count(grid * grid, self.cfg.mask_ratio), self.cfg.block_min_patches)
+        path = self.cfg.dalle_path
+        self.dalle = DalleTokenizer(path, grid).to(self.device) if path else None
+        if self.dalle is not None and self.dalle.vocab != self.cfg.vocab_size:
+            raise ConfigError(
+                f"the DALL-E encoder {path} has {self.dalle.vocab} codes; set method.vocab_size={self.dalle.vocab}"
+            )
+
+    def on_round_start(self, ctx: RoundContext) -> None:
+        if ctx.stage == TOKENIZER:
+            self.model.tokenizer.temperature = self.cfg.temperature(ctx.stage_round, ctx.stage_rounds)
+
+    def compute_loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.stage == TOKENIZER:
+            return self.model.tokenizer.loss(images, self.cfg.dvae_kl_weight)
+        return super().compute_loss(images, labels)
+
+    def pretext_loss(self, images: torch.Tensor) -> torch.Tensor:
+        tokenizer = self.dalle if self.dalle is not None else self.model.tokenizer
+        masked = self.masks.batch(len(images), self.rng).to(self.device)
+        return self.model.pretext_loss(images, tokenizer.tokens(images), masked)

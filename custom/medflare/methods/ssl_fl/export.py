@@ -1,0 +1,187 @@
+"""The pre-trained SSL-FL encoder as a file: a documented format that Fed-MAS loads as its frozen prior
+(``method.prior=fed-mae:PATH``) and any ``vit_*`` job loads as ``--pretrained PATH``.
+
+Format (``torch.save`` of a dict, readable with ``torch.load(..., weights_only=True)``):
+
+    {"format": "medflare.ssl_fl.encoder/1",
+     "method": "fed-mae",                # the method that pre-trained it
+     "model": "vit_tiny",                # medflare model name (ViT size)
+     "in_channels": 1, "image_size": 28, "patch_size": 4,
+     "num_features": 192,                # width of the pooled features
+     "layer_scale": False,               # whether blocks carry layer-scale parameters (Fed-BEiT)
+     "state_dict": {"backbone.<name>": tensor, ...}}   # the encoder only: no decoder, lm_head or head
+
+The features of the encoder are the mean of its patch tokens through ``backbone.fc_norm`` (the fine-tuning
+pooling). Usage on a finished pre-training-only run (``method.finetune_rounds=0``)::
+
+    python -m medflare.methods.ssl_fl.export RUN_DIR [-o RUN_DIR/encoder.pt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from medflare.errors import ConfigError, DataError
+from medflare.models.vit import VitClassifier, build_vit, vit_size
+
+ENCODER_FORMAT = "medflare.ssl_fl.encoder/1"
+ENCODER_PREFIX = "backbone."
+DEFAULT_FILE = "encoder.pt"
+
+
+@dataclass(frozen=True)
+class EncoderInfo:
+    """What an encoder file says about its network (everything needed to rebuild it)."""
+
+    method: str
+    model: str
+    in_channels: int
+    image_size: int
+    patch_size: int
+    num_features: int
+    layer_scale: bool
+
+
+def encoder_info(network: VitClassifier, method: str, model: str) -> EncoderInfo:
+    """The description of ``network``'s encoder for the file header."""
+    vit = network.backbone
+    return EncoderInfo(
+        method=method,
+        model=model,
+        in_channels=int(vit.patch_embed.proj.in_channels),
+        image_size=int(vit.patch_embed.img_size[0]),
+        patch_size=int(vit.patch_embed.patch_size[0]),
+        num_features=int(vit.embed_dim),
+        layer_scale=any(".ls1." in name for name, _ in vit.named_parameters()),
+    )
+
+
+def save_encoder(network: VitClassifier, path: str | Path, method: str, model: str) -> Path:
+    """Write ``network``'s encoder (``backbone.*``) in the documented format; returns the path."""
+    info = encoder_info(network, method, model)
+    state = {k: v.detach().cpu().clone() for k, v in network.state_dict().items() if k.startswith(ENCODER_PREFIX)}
+    file = Path(path)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"format": ENCODER_FORMAT, **info.__dict__, "state_dict": state}, file)
+    return file
+
+
+class EncoderFeatures(nn.Module):
+    """A loaded encoder as a feature extractor: ``[B, C, S, S]`` medflare-normalised images -> ``[B, D]``.
+
+    It takes 3-channel input for a 1-channel encoder too (its first channel: Fed-MAS's prior copies grey
+    images to RGB, so that channel is the original image).
+    """
+
+    def __init__(self, network: VitClassifier, info: EncoderInfo) -> None:
+        super().__init__()
+        self.network = network
+        self.in_channels = info.in_channels
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        if images.shape[1] != self.in_channels and self.in_channels == 1:
+            images = images[:, :1]
+        return self.network.forward_features(images)
+
+
+def load_encoder(path: str | Path) -> tuple[EncoderFeatures, EncoderInfo]:
+    """Rebuild the encoder of a file in :data:`ENCODER_FORMAT`.
+
+    Raises:
+        DataError: a missing file, another format, or weights that do not fit the described ViT.
+    """
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise DataError(f"encoder file not found: {file}. Every site must hold the same file at this path")
+    try:
+        content = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises several unrelated types for unreadable files
+        raise DataError(f"cannot read encoder file {file}: {exc}") from exc
+    if not isinstance(content, dict) or content.get("format") != ENCODER_FORMAT:
+        raise DataError(
+            f"{file} is not an SSL-FL encoder file (format '{ENCODER_FORMAT}'); write one with "
+            "`python -m medflare.methods.ssl_fl.export RUN_DIR` from a pre-training run"
+        )
+    info = EncoderInfo(**{k: content[k] for k in EncoderInfo.__dataclass_fields__})
+    network = build_vit(
+        vit_size(info.model), num_classes=1, in_channels=info.in_channels, image_size=info.image_size,
+        patch_size=info.patch_size, layer_scale=1.0 if info.layer_scale else None,
+    )
+    encoder_keys = {k for k in network.state_dict() if k.startswith(ENCODER_PREFIX)}
+    state = content["state_dict"]
+    if set(state) != encoder_keys:
+        raise DataError(f"{file}: encoder keys do not fit {info.model} (differing: {sorted(set(state) ^ encoder_keys)[:3]})")
+    try:
+        network.load_state_dict(state, strict=False)
+    except RuntimeError as exc:
+        raise DataError(f"{file}: encoder weights do not fit {info.model}: {exc}") from exc
+    return EncoderFeatures(network, info).eval(), info
+
+
+def export_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Write the encoder of a finished pre-training-only run (its ``FL_global_model.pt``) to ``out``.
+
+    Raises:
+        ConfigError: the run is not an SSL-FL run, or it ended with fine-tuning (its encoder is then no longer
+            the self-supervised one).
+    """
+    from medflare.config import from_dict
+    from medflare.registry import get_method
+
+    run = Path(run_dir)
+    config = json.loads((run / "summary.json").read_text())["config"]
+    spec = get_method(config["method"])
+    method_cfg = from_dict(spec.config_cls, config.get("method_args") or {}, f"method '{spec.name}'")
+    if not hasattr(method_cfg, "stage_plan"):
+        raise ConfigError(f"{run} is a '{spec.name}' run; only fed-mae and fed-beit runs have an SSL encoder")
+    last = method_cfg.stage_plan(int(config["rounds"]))[-1].name
+    if last != "pretrain":
+        raise ConfigError(
+            f"{run} ends with stage '{last}', so its encoder is fine-tuned; export from a pre-training-only run "
+            "(--set method.finetune_rounds=0)"
+        )
+    return export_global_model(
+        spec.name, config["model"], config["task"], method_cfg, run / "FL_global_model.pt", out or run / DEFAULT_FILE
+    )
+
+
+def export_global_model(
+    method: str, model: str, task: dict[str, int], method_cfg: Any, model_file: str | Path, out: str | Path
+) -> Path:
+    """Write the encoder of a saved global model (FLARE's ``FL_global_model.pt`` layout, ``{"model": state}``).
+
+    Args:
+        method: the SSL-FL method that trained it.
+        model: its ``vit_*`` model name.
+        task: ``{"num_classes", "in_channels", "image_size"}`` of the job.
+        method_cfg: the job's method configuration (decides the network's modules).
+        model_file: the saved global model.
+        out: the encoder file to write.
+    """
+    from medflare.models import read_state_dict_file
+    from medflare.registry import get_method
+
+    network = get_method(method).build_model(
+        model, task["num_classes"], task["in_channels"], task["image_size"], None, method_cfg
+    )
+    network.load_state_dict(read_state_dict_file(model_file))
+    return save_encoder(network, out, method, model)
+
+
+def main(argv: list[str] | None = None) -> Any:
+    parser = argparse.ArgumentParser(description="Export the pre-trained encoder of an SSL-FL pre-training run.")
+    parser.add_argument("run_dir", help="the run folder of a fed-mae/fed-beit job with method.finetune_rounds=0")
+    parser.add_argument("-o", "--out", help=f"output file (default RUN_DIR/{DEFAULT_FILE})")
+    args = parser.parse_args(argv)
+    print(export_run(args.run_dir, args.out))
+
+
+if __name__ == "__main__":
+    main()

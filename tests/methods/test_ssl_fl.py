@@ -1,0 +1,430 @@
+"""SSL-FL (Fed-MAE, Fed-BEiT): masking, losses, schedules, stages, the encoder hand-off and export."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from timm.layers import PatchEmbed
+
+from medflare import contracts
+from medflare.errors import ConfigError, DataError, PayloadError
+from medflare.flare.aggregator import RoundAggregation
+from medflare.flare.models import build_global_model
+from medflare.methods.base import RoundContext, SiteUpdate, Stage, TrainConfig
+from medflare.methods.fed_mas.prior import build_prior
+from medflare.methods.ssl_fl import (
+    FED_BEIT,
+    FED_MAE,
+    FedBeitConfig,
+    FedMaeConfig,
+    build_fed_beit,
+    build_fed_mae,
+)
+from medflare.methods.ssl_fl.client import N_IMAGES
+from medflare.methods.ssl_fl.export import export_run, load_encoder, save_encoder
+from medflare.methods.ssl_fl.masking import BlockMaskGenerator, beit_mask_count, random_mask
+from medflare.methods.ssl_fl.model import masked_patch_loss, patchify
+from medflare.methods.ssl_fl.server import SslFlRule
+from medflare.methods.ssl_fl.tokenizer import DalleEncoder, DalleTokenizer, DiscreteVae, load_dalle_encoder
+from medflare.optim import lr_at, set_step_lr
+from medflare.site_runtime import SiteRuntime, SiteSettings, TaskSpec
+
+MODEL = "vit_micro"  # the CPU-sized ViT: 7 x 7 patches of 4 px at 28 px
+TASK = TaskSpec(num_classes=3, in_channels=3, image_size=28)
+DATA = {"source": "synthetic:n=120,classes=3", "num_sites": 2, "partition": "iid"}
+QUICK = {"max_steps": 1, "batch_size": 8, "eval_batch_size": 64}
+
+
+def _site(
+    method: str, index: int = 0, method_args: dict | None = None, data: dict | None = None, **train: object
+) -> SiteRuntime:
+    settings = SiteSettings(
+        method=method, task=TASK, data={**DATA, **(data or {})}, model=MODEL, method_args=method_args or {},
+        train={**QUICK, **train}, evaluation="off",
+    )
+    return SiteRuntime(settings, f"site-{index + 1}", index, log=lambda message: None)
+
+
+def _global(method: str, method_args: dict | None = None) -> dict[str, np.ndarray]:
+    network = build_global_model(method, MODEL, TASK.num_classes, TASK.in_channels, TASK.image_size, method_args=method_args)
+    return {k: v.numpy() for k, v in network.state_dict().items()}
+
+
+# ----- masking ----------------------------------------------------------------------------------------
+def test_random_mask_hides_the_ratio_of_every_sample_and_restores_the_order() -> None:
+    torch.manual_seed(0)
+    mask = random_mask(batch=6, num_patches=49, ratio=0.6)
+    visible = int(49 * 0.4)
+    assert mask.keep.shape == (6, visible)
+    assert torch.equal(mask.masked.sum(dim=1), torch.full((6,), 49.0 - visible))
+    assert torch.all(torch.gather(mask.masked, 1, mask.keep) == 0)  # the kept patches are the unmasked ones
+    assert all(len(set(row.tolist())) == visible for row in mask.keep)
+    order = torch.cat([mask.keep, torch.gather(torch.argsort(mask.restore, 1), 1, torch.arange(visible, 49).expand(6, -1))], 1)
+    assert torch.equal(torch.gather(order, 1, mask.restore), torch.arange(49).expand(6, -1))  # restore unshuffles
+    assert not torch.equal(mask.keep[0], mask.keep[1])  # each sample draws its own mask
+
+
+@pytest.mark.parametrize(("patches", "ratio", "count"), [(196, 0.4, 80), (196, 0.5, 100), (49, 0.4, 20), (49, 0.99, 48)])
+def test_beit_mask_count_is_the_ratio_rounded_to_fives(patches: int, ratio: float, count: int) -> None:
+    assert beit_mask_count(patches, ratio) == count
+
+
+def _masked_neighbours(mask: np.ndarray, grid: int) -> float:
+    """Mean number of masked 4-neighbours of a masked patch (about 1.5 for random masks at these ratios)."""
+    padded = np.pad(mask.reshape(grid, grid), 1)
+    counts = padded[:-2, 1:-1].astype(int) + padded[2:, 1:-1] + padded[1:-1, :-2] + padded[1:-1, 2:]
+    return float(counts[mask.reshape(grid, grid)].mean())
+
+
+@pytest.mark.parametrize(("grid", "count", "min_block"), [(14, 80, 16), (7, 20, 4)])
+def test_block_masks_never_exceed_the_count_and_come_in_blocks(grid: int, count: int, min_block: int) -> None:
+    generator = BlockMaskGenerator(grid, count)
+    assert generator.min_block == min_block  # BEiT's 16 patches per 196, scaled to the grid
+    rng = np.random.default_rng(0)
+    masks = [generator(rng) for _ in range(300)]
+    counts = np.array([m.sum() for m in masks])
+    assert counts.max() == count and counts.mean() >= 0.95 * count  # BEiT stops short when no block fits
+    blockiness = np.mean([_masked_neighbours(m, grid) for m in masks])
+    random_masks = [np.random.default_rng(i).permutation(grid * grid) < count for i in range(300)]
+    assert blockiness > 2.5 > 2.0 > np.mean([_masked_neighbours(m, grid) for m in random_masks])
+
+
+# ----- MAE loss ---------------------------------------------------------------------------------------
+def test_norm_pix_loss_by_hand() -> None:
+    """One image, two patches of 4 values; only patch 0 is masked. Target [1, 2, 3, 4]: mean 2.5, unbiased
+    variance 5/3, so with pred 0 the loss is mean(((t - 2.5) / sqrt(5/3 + 1e-6))^2) = (5 / (5/3 + 1e-6)) / 4."""
+    target = torch.tensor([[[1.0, 2.0, 3.0, 4.0], [9.0, 9.0, 7.0, 7.0]]], dtype=torch.float64)
+    pred = torch.zeros_like(target)
+    masked = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
+    expected = 5.0 / (5.0 / 3.0 + 1e-6) / 4.0
+    assert masked_patch_loss(pred, target, masked, norm_pix=True).item() == pytest.approx(expected, rel=1e-12)
+    assert masked_patch_loss(pred, target, masked, norm_pix=False).item() == pytest.approx(30.0 / 4.0, rel=1e-12)
+
+
+def test_mae_loss_covers_masked_patches_only() -> None:
+    torch.manual_seed(0)
+    pred, target = torch.randn(2, 5, 12, dtype=torch.float64), torch.randn(2, 5, 12, dtype=torch.float64)
+    masked = torch.tensor([[1, 0, 1, 0, 0], [0, 0, 1, 1, 1]], dtype=torch.float64)
+    loss = masked_patch_loss(pred, target, masked, norm_pix=True)
+    changed_visible = pred.clone()
+    changed_visible[masked == 0] += 100.0
+    assert masked_patch_loss(changed_visible, target, masked, norm_pix=True).item() == pytest.approx(loss.item(), rel=1e-12)
+    changed_masked = pred.clone()
+    changed_masked[0, 0] += 1.0
+    assert masked_patch_loss(changed_masked, target, masked, norm_pix=True).item() != pytest.approx(loss.item())
+
+
+def test_patchify_follows_the_patch_token_order() -> None:
+    """Token j of the ViT's patch embedding is a linear map of patchify's row j, so targets line up with tokens."""
+    torch.manual_seed(0)
+    embed = PatchEmbed(img_size=28, patch_size=4, in_chans=3, embed_dim=5).double()
+    images = torch.randn(2, 3, 28, 28, dtype=torch.float64)
+    weight = embed.proj.weight.permute(0, 2, 3, 1).reshape(5, -1)  # (D, p, p, C) like patchify's rows
+    expected = patchify(images, 4) @ weight.T + embed.proj.bias
+    torch.testing.assert_close(embed(images), expected)
+
+
+def test_mae_pretraining_trains_encoder_and_decoder_but_not_head_or_positions() -> None:
+    torch.manual_seed(0)
+    network = build_fed_mae(MODEL, 3, 3, 28, None, FedMaeConfig())
+    network.train_only("pretrain")
+    network.pretext_loss(torch.randn(4, 3, 28, 28)).backward()
+    grads = {name: p.grad for name, p in network.named_parameters()}
+    assert grads["backbone.blocks.0.attn.qkv.weight"] is not None and grads["decoder.pred.weight"] is not None
+    assert all(grads[k] is None for k in ("head.weight", "backbone.fc_norm.weight", "backbone.pos_embed"))
+
+
+# ----- schedules ------------------------------------------------------------------------------------
+def _mae_pretrain_config() -> TrainConfig:
+    from medflare.site_runtime import resolve_train_config
+
+    return resolve_train_config(FED_MAE, {"batch_size": 64}).for_stage("pretrain")
+
+
+@pytest.mark.parametrize(("stage_round", "step"), [(0, 0), (0, 2), (1, 0), (2, 3), (3, 3)])
+def test_pretraining_lr_at_each_step_is_the_warmup_cosine_formula(stage_round: int, step: int) -> None:
+    """MAE: blr 2e-3 x 64 / 256 = 5e-4 peak, one warm-up round then cosine to 0 over 4 rounds of 4 steps.
+    Every parameter group gets the value of the step (never of its group index: spec §4(e)1)."""
+    cfg = _mae_pretrain_config()
+    assert (cfg.betas, cfg.base_batch, cfg.lr, cfg.min_lr) == ((0.9, 0.95), 256, 2e-3, 0.0)
+    t = stage_round + step / 4
+    peak = 2e-3 * 64 / 256
+    expected = peak * t if t < 1 else 0.5 * peak * (1 + math.cos(math.pi * (t - 1) / 3))
+    groups = [torch.nn.Parameter(torch.zeros(1)) for _ in range(3)]
+    optimizer = torch.optim.AdamW([{"params": [p], "lr_scale": 1.0} for p in groups])
+    set_step_lr(optimizer, cfg, stage_round, 4, step, 4)
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([expected] * 3, rel=1e-12, abs=1e-18)
+    assert lr_at(cfg, t, 4) == pytest.approx(expected, rel=1e-12, abs=1e-18)
+
+
+def test_trainer_lr_moves_with_the_step_in_pretraining_and_restarts_at_finetuning() -> None:
+    site = _site("fed-mae", method_args={"pretrain_rounds": 2})
+    seen = []
+    site.trainer.after_step = lambda: seen.append(site.trainer.optimizer.param_groups[-1]["lr"])
+    params = _global("fed-mae", {"pretrain_rounds": 2})
+    for r, (stage, sr, n) in enumerate([("pretrain", 0, 2), ("pretrain", 1, 2), ("finetune", 0, 1)]):
+        ctx = RoundContext(r, 3, stage=stage, stage_round=sr, stage_rounds=n, scored=stage == "finetune")
+        site.train({k: params[k] for k in site.spec.payload.shared_keys(list(params), stage)}, ctx)
+    assert seen[0] == 0.0 and seen[1] == pytest.approx(2e-3 * 8 / 256)  # warm-up from 0, then the peak at t = 1
+    assert seen[2] == 0.0  # fine-tuning's own warm-up restarts from 0
+
+
+# ----- stages -----------------------------------------------------------------------------------------
+def test_stage_plans_add_up_and_name_the_options_when_they_do_not() -> None:
+    assert FedMaeConfig(pretrain_rounds=3).stage_plan(5) == [Stage("pretrain", 3, False), Stage("finetune", 2)]
+    assert FedMaeConfig(pretrain_rounds=0).stage_plan(4) == [Stage("finetune", 4)]  # the scratch baseline
+    assert FedMaeConfig(pretrain_rounds=4, finetune_rounds=0).stage_plan(4) == [Stage("pretrain", 4, False)]
+    beit = FedBeitConfig(tokenizer_rounds=1, pretrain_rounds=2).stage_plan(5)
+    assert [(s.name, s.rounds, s.scored) for s in beit] == [("tokenizer", 1, False), ("pretrain", 2, False), ("finetune", 2, True)]
+    with pytest.raises(ConfigError, match="leave none for fine-tuning"):
+        FedMaeConfig(pretrain_rounds=3).stage_plan(3)
+    with pytest.raises(ConfigError, match="rounds=5"):  # explicit budgets that do not add up: refused before launch
+        RoundAggregation("fed-mae", {"pretrain_rounds": 2, "finetune_rounds": 2}, 3, 5)
+
+
+def test_beit_tokenizer_options_are_checked() -> None:
+    with pytest.raises(ConfigError, match="tokenizer_rounds=0"):
+        FedBeitConfig(tokenizer="dall-e:/x.pt", tokenizer_rounds=1)
+    with pytest.raises(ConfigError, match="tokenizer must be"):
+        FedBeitConfig(tokenizer="vqgan")
+    assert FedBeitConfig(tokenizer="dall-e:/x.pt", tokenizer_rounds=0).dalle_path == "/x.pt"
+    temperatures = [FedBeitConfig().temperature(r, 5) for r in range(5)]
+    assert temperatures[0] == 1.0 and temperatures[-1] == pytest.approx(1 / 16) and temperatures == sorted(temperatures, reverse=True)
+
+
+def _update(site: str, images: int, labelled: int) -> SiteUpdate:
+    return SiteUpdate(site, {}, {N_IMAGES: images, contracts.N_SAMPLES: labelled})
+
+
+def test_pretraining_weighs_sites_by_all_images_and_finetuning_by_labels() -> None:
+    rule = SslFlRule(FedMaeConfig(pretrain_rounds=1), 2, FED_MAE.payload)
+    updates = [_update("site-1", 100, 10), _update("site-2", 300, 90)]
+    pretrain, finetune = RoundContext(0, 2, stage="pretrain"), RoundContext(1, 2, stage="finetune")
+    assert rule.shares(updates, pretrain) == pytest.approx({"site-1": 0.25, "site-2": 0.75})
+    assert rule.shares(updates, finetune) == pytest.approx({"site-1": 0.1, "site-2": 0.9})
+    with pytest.raises(PayloadError, match="fewer than"):
+        rule.site_weight(_update("site-3", 5, 10), pretrain)
+    with pytest.raises(PayloadError, match=N_IMAGES):
+        rule.site_weight(SiteUpdate("site-4", {}, {contracts.N_SAMPLES: 3}), pretrain)
+
+
+def test_stage_handoff_carries_the_encoder_bit_identically_and_drops_the_decoder() -> None:
+    """Through the server's own round code: the last pre-training aggregate's encoder is exactly what the first
+    fine-tuning task carries and what a site's model then holds; decoder keys travel in neither direction."""
+    args = {"pretrain_rounds": 1}
+    core = RoundAggregation("fed-mae", args, TASK.num_classes, 2)
+    sites = [_site("fed-mae", i, args) for i in range(2)]
+    global_params = _global("fed-mae", args)
+    for ctx in (RoundContext(0, 2, "pretrain", stage_round=0, stage_rounds=1, scored=False),):
+        core.start_round(global_params, ctx)
+        task = core.start_phase(contracts.TRAIN_PHASE)
+        assert any(k.startswith("decoder.") for k in task) and not any(k.startswith("head.") for k in task)
+        for site in sites:
+            arrays, meta = site.train(task, ctx)
+            assert core.accept(site.site_name, arrays, meta) is None
+        aggregate = core.aggregate().params
+    finetune = RoundContext(1, 2, "finetune", stage_round=0, stage_rounds=1)
+    core.start_round(aggregate, finetune)
+    task = core.start_phase(contracts.TRAIN_PHASE)
+    assert not any(k.startswith("decoder.") for k in task) and not any(k.startswith("decoder.") for k in core.expected)
+    encoder = [k for k in aggregate if k.startswith("backbone.")]
+    assert encoder and all(np.array_equal(task[k], aggregate[k]) and task[k].dtype == aggregate[k].dtype for k in encoder)
+    site = sites[0]
+    site.trainer.receive(task)
+    held = site.model.state_dict()
+    assert all(torch.equal(held[k], torch.from_numpy(aggregate[k])) for k in encoder)
+    arrays, _ = site.train(task, finetune)
+    assert set(arrays) == set(core.expected) and not any(k.startswith("decoder.") for k in arrays)
+
+
+def test_each_stage_trains_only_its_modules_with_its_own_optimizer_settings() -> None:
+    args = {"pretrain_rounds": 1}
+    site = _site("fed-mae", 0, args, max_steps=2)  # the first step of a warm-up has lr 0
+    params = _global("fed-mae", args)
+    before = {k: v.clone() for k, v in site.model.state_dict().items()}
+    pretrain = RoundContext(0, 2, "pretrain", stage_round=0, stage_rounds=1, scored=False)
+    site.train({k: params[k] for k in FED_MAE.payload.shared_keys(list(params), "pretrain")}, pretrain)
+    after = site.model.state_dict()
+    assert torch.equal(after["head.weight"], before["head.weight"]) and torch.equal(after["backbone.pos_embed"], torch.from_numpy(params["backbone.pos_embed"]))
+    assert not torch.equal(after["decoder.pred.weight"], torch.from_numpy(params["decoder.pred.weight"]))
+    assert site.trainer.optimizer.defaults["betas"] == (0.9, 0.95) and len(site.trainer.optimizer.param_groups) == 2
+    decoder = after["decoder.pred.weight"].clone()
+    finetune = RoundContext(1, 2, "finetune", stage_round=0, stage_rounds=1)
+    site.train({k: params[k] for k in FED_MAE.payload.shared_keys(list(params), "finetune")}, finetune)
+    assert torch.equal(site.model.state_dict()["decoder.pred.weight"], decoder)  # frozen after pre-training
+    assert site.trainer.optimizer.defaults["betas"] == (0.9, 0.999)
+    assert len({g["lr_scale"] for g in site.trainer.optimizer.param_groups}) == 8  # layer decay: stem, 6 blocks, head
+
+
+@pytest.mark.parametrize("stage", ["pretrain", "finetune"])
+def test_a_restarted_site_rebuilds_the_optimizer_of_its_stage(stage: str, tmp_path: Path) -> None:
+    settings = dict(method="fed-mae", task=TASK, data=DATA, model=MODEL, train=QUICK, evaluation="off")
+    site = SiteRuntime(SiteSettings(**settings), "site-1", 0, log=lambda m: None, local_dir=tmp_path)
+    params = _global("fed-mae", {})
+    ctx = RoundContext(1, 3, stage, stage_round=0, stage_rounds=1, scored=stage == "finetune")
+    site.train({k: params[k] for k in FED_MAE.payload.shared_keys(list(params), stage)}, ctx)
+    restarted = SiteRuntime(SiteSettings(**settings), "site-1", 0, log=lambda m: None, local_dir=tmp_path)
+    assert restarted.trainer.train_cfg == site.trainer.train_cfg  # the stage's settings, not the job's flat ones
+    assert restarted.trainer.optimizer.defaults["betas"] == site.trainer.optimizer.defaults["betas"]
+    assert len(restarted.trainer.optimizer.param_groups) == len(site.trainer.optimizer.param_groups)
+    assert restarted.model.decoder.pred.weight.requires_grad == (stage == "pretrain")
+
+
+def test_finetuning_uses_the_labelled_images_and_pretraining_all_of_them() -> None:
+    site = _site("fed-mae", 0, {"pretrain_rounds": 1}, data={"label_fraction": 0.3})
+    labelled = int((site.data.train.labels >= 0).sum())
+    assert 0 < labelled < len(site.data.train)
+    site.trainer._stage = "pretrain"
+    assert len(site.trainer.train_dataset()) == len(site.data.train)
+    site.trainer._stage = "finetune"
+    assert len(site.trainer.train_dataset()) == labelled
+    meta = site.trainer.round_meta(RoundContext(0, 2, "pretrain"))
+    assert meta == {N_IMAGES: len(site.data.train)} and int(site.trainer.class_counts.sum()) == labelled
+
+
+def test_finetune_loss_is_label_smoothed_and_mixup_pairs_the_batch_with_its_reverse() -> None:
+    site = _site("fed-mae", 0, {"mixup": 0.0, "cutmix": 0.0})
+    site.model.eval()  # no stochastic depth, so the loss can be recomputed
+    torch.manual_seed(0)
+    images, labels = torch.randn(5, 3, 28, 28), torch.tensor([0, 1, 2, 0, 1])
+    plain = site.trainer.finetune_loss(images, labels)
+    assert plain.item() == pytest.approx(F.cross_entropy(site.model(images), labels, label_smoothing=0.1).item(), rel=1e-6)
+    mixing = _site("fed-mae", 0, {"mixup": 0.8, "cutmix": 0.0})
+    mixing.model.eval()
+    np.random.seed(0)
+    loss = mixing.trainer.finetune_loss(images.clone(), labels)  # odd batch: the last sample is left out
+    np.random.seed(0)
+    np.random.rand()  # timm draws whether to mix (always, prob 1) before lambda
+    lam = float(np.random.beta(0.8, 0.8))
+    mixed = lam * images[:4] + (1 - lam) * images[:4].flip(0)
+    smooth = F.one_hot(labels[:4], 3).double() * 0.9 + 0.1 / 3
+    targets = lam * smooth + (1 - lam) * smooth.flip(0)
+    expected = -(targets * F.log_softmax(mixing.model(mixed).double(), dim=1)).sum(1).mean()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+# ----- Fed-BEiT ---------------------------------------------------------------------------------------
+def test_dvae_gives_one_token_per_patch_and_learns() -> None:
+    torch.manual_seed(0)
+    vae = DiscreteVae(channels=3, patch=4, vocab=16, hidden=32, code_dim=16)
+    images = F.interpolate(torch.rand(32, 3, 7, 7) * 2 - 1, size=28)  # one colour per patch: codes can describe it
+    tokens = vae.tokens(images)
+    assert tokens.shape == (32, 49) and tokens.dtype == torch.int64 and 0 <= tokens.min() and tokens.max() < 16
+    optimizer = torch.optim.Adam(vae.parameters(), 3e-3)
+    losses = []
+    for _ in range(60):
+        loss = vae.loss(images, kl_weight=0.01)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0]
+
+
+def test_beit_pretraining_predicts_tokens_of_masked_patches_only() -> None:
+    torch.manual_seed(0)
+    network = build_fed_beit(MODEL, 3, 3, 28, None, FedBeitConfig()).eval()
+    images = torch.randn(2, 3, 28, 28)
+    tokens = network.tokenizer.tokens(images)
+    masked = BlockMaskGenerator(7, 20).batch(2, np.random.default_rng(0))
+    loss = network.pretext_loss(images, tokens, masked)
+    changed = tokens.clone()
+    changed[~masked] = (changed[~masked] + 1) % 512  # visible patches' tokens are not targets
+    assert network.pretext_loss(images, changed, masked).item() == pytest.approx(loss.item(), rel=1e-6)
+    changed[masked] = (changed[masked] + 1) % 512
+    assert network.pretext_loss(images, changed, masked).item() != pytest.approx(loss.item())
+
+
+def test_beit_payload_moves_the_tokenizer_then_the_encoder() -> None:
+    keys = list(_global("fed-beit"))
+    payload = FED_BEIT.payload
+    assert all(k.startswith("tokenizer.") for k in payload.shared_keys(keys, "tokenizer"))
+    pretrain = payload.shared_keys(keys, "pretrain")
+    assert {"lm_head.proj.weight", "tokenizer.encoder.0.weight"} <= set(pretrain)
+    assert not any(k.startswith(("head.", "tokenizer.decoder.", "tokenizer.codebook.")) for k in pretrain)
+    assert not any(k.startswith(("lm_head.", "tokenizer.")) for k in payload.shared_keys(keys, "finetune"))
+
+
+def test_dalle_encoder_has_the_published_layout_and_loads_from_a_local_file(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    small = DalleEncoder(hidden=64, vocab=512)
+    keys = set(small.state_dict())
+    assert {"blocks.input.w", "blocks.group_1.block_1.res_path.conv_1.w", "blocks.group_2.block_1.id_path.w",
+            "blocks.group_4.block_2.res_path.conv_4.b", "blocks.output.conv.w"} <= keys
+    assert "blocks.group_1.block_1.id_path.w" not in keys  # same width: identity path
+    file = tmp_path / "dalle_encoder.pt"
+    torch.save(small.state_dict(), file)
+    loaded = load_dalle_encoder(file)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in small.state_dict().items())
+    tokens = DalleTokenizer(file, grid=7).tokens(torch.rand(2, 1, 28, 28) * 2 - 1)
+    assert tokens.shape == (2, 49) and tokens.max() < 512  # 56 px in, one code per ViT patch out
+    torch.save({"blocks.input.w": torch.zeros(1)}, tmp_path / "other.pt")
+    with pytest.raises(DataError, match="not a DALL-E encoder"):
+        load_dalle_encoder(tmp_path / "other.pt")
+
+
+def test_beit_refuses_a_dalle_file_whose_vocabulary_differs(tmp_path: Path) -> None:
+    file = tmp_path / "dalle_encoder.pt"
+    torch.save(DalleEncoder(hidden=64, vocab=512).state_dict(), file)
+    args = {"tokenizer": f"dall-e:{file}", "tokenizer_rounds": 0, "vocab_size": 8192}
+    with pytest.raises(ConfigError, match="vocab_size=512"):
+        _site("fed-beit", 0, args)
+    site = _site("fed-beit", 0, {**args, "vocab_size": 512})
+    assert site.trainer.dalle is not None and not any(k.startswith("tokenizer.") for k in site.model.state_dict())
+
+
+# ----- encoder export, chaining and Fed-MAS ---------------------------------------------------------------
+def test_exported_encoder_rebuilds_bit_identically_and_chains_into_a_new_job(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    network = build_fed_mae(MODEL, 3, 1, 28, None, FedMaeConfig()).eval()
+    path = save_encoder(network, tmp_path / "encoder.pt", "fed-mae", MODEL)
+    content = torch.load(path, weights_only=True)
+    assert content["format"] == "medflare.ssl_fl.encoder/1" and all(k.startswith("backbone.") for k in content["state_dict"])
+    encoder, info = load_encoder(path)
+    images = torch.randn(3, 1, 28, 28)
+    assert (info.in_channels, info.image_size, info.num_features) == (1, 28, 96)
+    assert torch.equal(encoder(images), network.forward_features(images))
+    assert torch.equal(encoder(images.expand(-1, 3, -1, -1)), network.forward_features(images))  # RGB copy of grey
+    chained = build_fed_mae(MODEL, 3, 1, 28, str(path), FedMaeConfig(pretrain_rounds=0))
+    assert all(torch.equal(chained.state_dict()[k], v) for k, v in content["state_dict"].items())
+    with pytest.raises(DataError, match="not an SSL-FL encoder"):
+        torch.save({"state_dict": {}}, tmp_path / "plain.pt")
+        load_encoder(tmp_path / "plain.pt")
+
+
+def test_export_from_a_run_needs_a_pretraining_only_run(tmp_path: Path) -> None:
+    args = {"pretrain_rounds": 2, "finetune_rounds": 0}
+    network = build_global_model("fed-mae", MODEL, 3, 3, 28, method_args=args)
+    torch.save({"model": network.state_dict()}, tmp_path / "FL_global_model.pt")
+    config = {"method": "fed-mae", "model": MODEL, "rounds": 2, "method_args": args, "task": vars(TASK)}
+    (tmp_path / "summary.json").write_text(json.dumps({"config": config}))
+    encoder, _ = load_encoder(export_run(tmp_path))
+    assert torch.equal(encoder.network.backbone.pos_embed, network.state_dict()["backbone.pos_embed"])
+    config["method_args"] = {"pretrain_rounds": 1}
+    (tmp_path / "summary.json").write_text(json.dumps({"config": config}))
+    with pytest.raises(ConfigError, match="fine-tuned"):
+        export_run(tmp_path)
+
+
+def test_fed_mas_runs_on_a_fed_mae_encoder_as_its_frozen_prior(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    network = build_fed_mae(MODEL, 2, 1, 28, None, FedMaeConfig()).eval()
+    path = save_encoder(network, tmp_path / "encoder.pt", "fed-mae", MODEL)
+    prior_spec = f"fed-mae:{path}"
+    prior = build_prior(prior_spec, 96, input_size=64)  # the encoder's own size wins over prior_input_size
+    images = torch.rand(2, 1, 28, 28) * 2 - 1
+    torch.testing.assert_close(prior(images), network.forward_features(images))
+    settings = SiteSettings(
+        method="fedmas", task=TaskSpec(2, 1, 28), data={"source": "synthetic:n=80,classes=2,channels=1", "num_sites": 1},
+        model="cnn", method_args={"prior": prior_spec, "prior_dim": 96}, train=QUICK, evaluation="off",
+    )
+    site = SiteRuntime(settings, "site-1", 0, log=lambda m: None)
+    params = {k: v.numpy() for k, v in build_global_model("fedmas", "cnn", 2, 1, 28, method_args=settings.method_args).state_dict().items()}
+    _, meta = site.train(params, RoundContext(0, 1))
+    assert 0 < meta["rf"] <= 1
