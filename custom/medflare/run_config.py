@@ -11,7 +11,7 @@ from medflare.config import from_dict, parse_value
 from medflare.errors import ConfigError
 from medflare.methods.base import TrainConfig
 from medflare.registry import get_method
-from medflare.site_runtime import TaskSpec, resolve_train_config
+from medflare.site_runtime import TaskSpec, check_multi_label_support, resolve_train_config
 
 # --set prefixes and the RunConfig field each one writes into
 SECTIONS = {"method": "method_args", "train": "train", "data": "data", "task": "task"}
@@ -32,7 +32,8 @@ class RunConfig:
         data: DataConfig fields for simulated sites; {"source": "site"} makes each site read its own config.
         train: TrainConfig overrides.
         method_args: the method's hyperparameters.
-        task: {"num_classes", "in_channels", "image_size"}; inferred from the data when empty.
+        task: {"num_classes", "in_channels", "image_size"[, "multi_label"]}; inferred from the data when not all
+            three are given (multi_label too: the data decides whether labels are multi-hot).
         shot_thresholds: (head_min, tail_max) class-count thresholds for head/medium/tail metrics, or None.
         site_train: per-site TrainConfig overrides, e.g. {"site-2": {"batch_size": 16}}.
         site_evaluation: when sites send evaluation counts of the received model: every_round (default),
@@ -121,6 +122,8 @@ class RunConfig:
             except (TypeError, ValueError) as exc:
                 raise ConfigError(f"dp: {exc}") from exc
         resolve_train_config(spec, self.train)
+        if self.task.get("multi_label") or self.data.get("source", "site") != "site":  # else sites' data decide
+            check_multi_label_support(spec, self.task_spec())
         for site, overrides in self.site_train.items():
             if site not in self.site_names:
                 raise ConfigError(f"site_train names '{site}', which is not one of {self.site_names}")
@@ -150,7 +153,8 @@ class RunConfig:
 
     def task_spec(self) -> TaskSpec:
         """The declared task; missing fields are read off the data (simulation) or must be given (site data)."""
-        return TaskSpec(**self.task) if len(self.task) == 3 else infer_task(self)
+        declared = {"num_classes", "in_channels", "image_size"} <= set(self.task)
+        return TaskSpec(**self.task) if declared else infer_task(self)
 
     def train_config(self) -> TrainConfig:
         return resolve_train_config(get_method(self.method), self.train)
@@ -168,7 +172,8 @@ def infer_task(run: RunConfig) -> TaskSpec:
     splits = load_source(run.data["source"], seed=run.seed, num_classes=run.task.get("num_classes"))
     sample = splits.train.get_image(0)
     size = run.data.get("image_size") or int(sample.shape[0])
-    inferred = {"num_classes": splits.train.num_classes, "in_channels": splits.train.channels, "image_size": size}
+    inferred = {"num_classes": splits.train.num_classes, "in_channels": splits.train.channels, "image_size": size,
+                "multi_label": splits.train.multi_label}
     return TaskSpec(**{**inferred, **run.task})
 
 
