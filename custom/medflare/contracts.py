@@ -132,6 +132,19 @@ def class_vector(name: str) -> MetaValidator:
     return check
 
 
+def class_mask(name: str) -> MetaValidator:
+    """Validator for a length-K 0/1 vector (e.g. the classes a site annotates)."""
+    check_vector = class_vector(name)
+
+    def check(value: Any, ctx: ContractContext) -> list[float]:
+        values = check_vector(value, ctx)
+        if any(v not in (0.0, 1.0) for v in values):
+            raise PayloadError(f"'{name}' must hold only 0 and 1, got {values}")
+        return values
+
+    return check
+
+
 def short_names(name: str, max_items: int = 16, max_length: int = 200) -> MetaValidator:
     """Validator for a short list of short strings (e.g. FLARE's ``filter_history``)."""
 

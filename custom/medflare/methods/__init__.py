@@ -1,3 +1,4 @@
 """Built-in methods. Adding a method = one folder plus one import line here."""
 
 from medflare.methods import bsm_fl, fed_mas, fedavg, fedlc, fedprox, ldam_drw, local_only, moon  # noqa: F401
+from medflare.methods import fedavg_masked, fedlsm  # noqa: F401
