@@ -153,20 +153,19 @@ def test_mixup_mixes_confident_and_uncertain_rows_with_one_lambda_and_masks_inva
 
 def test_lambda_is_drawn_from_beta_alpha_alpha_once_per_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     trainer = fedlsm_trainer("synthetic:n=60,classes=3,size=8", mixup_alpha=0.2)
-    lambdas = []
+    draws = np.array([trainer.mixup_lambda() for _ in range(4000)])
+    assert abs(draws.mean() - 0.5) < 0.02 and abs(draws.var() - 1 / (4 * (2 * 0.2 + 1))) < 0.01
+    assert ((draws < 0.1) | (draws > 0.9)).mean() > 0.5  # Beta(0.2, 0.2) is U-shaped
+    seen = []
 
     def spy(x_l, x_h, y_l, y_h, valid, lam):
-        lambdas.append(lam)
+        seen.append(lam)
         return mixup(x_l, x_h, y_l, y_h, valid, lam)
 
     monkeypatch.setattr(fedlsm_client, "mixup", spy)
-    images, labels = trainer.draw_batch()
-    for _ in range(400):
-        trainer.compute_loss(images, labels)
-    draws = np.array(lambdas)
-    assert len(draws) == 400 and isinstance(draws[0], float)  # one scalar λ per batch
-    assert abs(draws.mean() - 0.5) < 0.05 and abs(draws.var() - 1 / (4 * (2 * 0.2 + 1))) < 0.025
-    assert ((draws < 0.1) | (draws > 0.9)).mean() > 0.5  # Beta(0.2, 0.2) is U-shaped
+    monkeypatch.setattr(trainer, "mixup_lambda", lambda: 0.3)
+    trainer.compute_loss(*trainer.draw_batch())
+    assert seen == [0.3]  # one scalar λ for the whole batch
 
 
 def test_uncertain_unknown_entries_get_no_gradient_unless_repo_compat() -> None:

@@ -176,9 +176,13 @@ class FedLsmTrainer(LocalTrainer):
         batch = _Split(
             strong=images[:rows, 1], x_h=images[parts[1], 0], x_l=images[parts[2], 0],
             labels=[labels[part] for part in parts], teacher=[teacher_logits[part] for part in parts],
-            lam=float(self.rng.beta(self.cfg.mixup_alpha, self.cfg.mixup_alpha)) if mix else 0.0,
+            lam=self.mixup_lambda() if mix else 0.0,
         )
         return self._multi_label_loss(batch) if self.multi_label else self._single_label_loss(batch)
+
+    def mixup_lambda(self) -> float:
+        """UDE's λ ~ Beta(α, α), drawn once per batch."""
+        return float(self.rng.beta(self.cfg.mixup_alpha, self.cfg.mixup_alpha))
 
     def _single_label_loss(self, batch: _Split) -> torch.Tensor:
         cfg = self.cfg
