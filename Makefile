@@ -26,7 +26,7 @@ DEMO_CPU_PINS := NPY_DISABLE_CPU_FEATURES="X86_V4 AVX512F AVX512CD AVX512_SKX AV
 
 # The main job: Fed-MAS against its long-tail baseline on the built-in synthetic data (a few minutes, 2 CPU cores).
 demo: install
-	$(DEMO_CPU_PINS) $(VENV)/bin/medflare compare fedmas bsm-fl --scenario hyperkvasir-like --clients 4 --rounds 8 --out $(DEMO_OUT)
+	$(DEMO_CPU_PINS) $(VENV)/bin/medflare compare fedmas bsm-fl --scenario hyperkvasir-like --clients 4 --rounds 8 --out $(DEMO_OUT) --overwrite
 
 # Heavy benchmarks (not part of make test); results land in runs/bench-*.
 bench-overhead: install
@@ -77,7 +77,7 @@ provision: install
 
 # One command: a 2-site POC on loopback, one method's job (BYOC), results in runs/poc-demo, then stop and clean.
 poc-demo: install
-	PATH="$(abspath $(VENV))/bin:$$PATH" poc/run.sh $(POC_METHOD) --mode byoc -o runs/poc-demo --rounds 3 --max-steps 5
+	PATH="$(abspath $(VENV))/bin:$$PATH" poc/run.sh $(POC_METHOD) --mode byoc -o runs/poc-demo --overwrite --rounds 3 --max-steps 5
 
 # The wheel a pre-installed site reviews and installs (pip install dist/medflare-*.whl).
 wheel: install

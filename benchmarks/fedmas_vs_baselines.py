@@ -83,7 +83,7 @@ def main() -> None:
         for method in args.methods:
             run = setting_config(args.setting, seed, args.rounds, method, extra_train, method_args)
             print(f"[{time.time() - started:6.0f}s] {args.setting} seed {seed} {method} ...", flush=True)
-            summary = run_simulation(run, out / f"{method}-seed{seed}", echo=lambda line: None)
+            summary = run_simulation(run, out / f"{method}-seed{seed}", echo=lambda line: None, overwrite=True)
             final = summary["final"]
             rows[method].append({
                 "seed": seed,

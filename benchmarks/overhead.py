@@ -97,7 +97,7 @@ def main() -> None:
         task_request_interval=args.task_request_interval,
     )
     bare = bare_loop(run, args.steps)
-    summary = run_simulation(run, Path(args.out) / "flare", echo=lambda line: None)
+    summary = run_simulation(run, Path(args.out) / "flare", echo=lambda line: None, overwrite=True)
     flare = summary["timing"]["per_round_seconds"]
     bare_mean, flare_mean = float(np.mean(bare[1:])), float(np.mean(flare[1:]))
     result = {

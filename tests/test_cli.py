@@ -1,5 +1,11 @@
-"""The command line: listings, and bad input that fails early with a clear message and leaves nothing behind."""
+"""The command line: listings; bad input fails early, in one line naming the option, and leaves nothing behind;
+what the user sets reaches the job typed; flags merge with the defaults; ``report`` reads the job's config."""
 
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -7,16 +13,35 @@ import pytest
 from PIL import Image
 
 from medflare.cli import main
+from medflare.flare.job import export_job
+from medflare.outputs import report_from_results
+from medflare.run_config import RunConfig
+
+TASK = ["--set", "task.num_classes=2", "--set", "task.in_channels=1", "--set", "task.image_size=28"]
 
 
-def run_cli(args: list[str], capsys) -> tuple[int, str]:
-    code = main(args)
+def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
+    """Exit code, stdout and stderr of ``medflare ARGS`` (argparse errors exit through SystemExit)."""
+    try:
+        code = main(args)
+    except SystemExit as exc:
+        code = exc.code
     captured = capsys.readouterr()
-    return code, captured.out + captured.err
+    return code, captured.out, captured.err
+
+
+@pytest.fixture(autouse=True)
+def nothing_may_start(monkeypatch) -> None:
+    """Any child process started during these tests fails them: validation comes before launching."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"a process was started: {args}")
+
+    monkeypatch.setattr(subprocess, "Popen", refuse)
 
 
 def test_methods_lists_the_baselines(capsys) -> None:
-    code, out = run_cli(["methods"], capsys)
+    code, out, _ = run_cli(["methods"], capsys)
     assert code == 0
     for name in ("fedavg", "bsm-fl", "fedprox"):
         assert name in out
@@ -36,49 +61,244 @@ def write_png_dataset(root: Path, labels: list[int], corrupt: int | None = None)
     return manifest
 
 
-@pytest.mark.parametrize(
-    "args, expected",
-    [
-        (["run", "no-such-method"], "unknown method 'no-such-method'"),
-        (["run", "fedavg", "--model", "no-such-net"], "unknown model 'no-such-net'"),
-        (["run", "fedavg", "--data", "medmnist:/does/not/exist.npz"], "/does/not/exist.npz"),
-        (["run", "fedavg", "--data", "nonsense:x"], "synthetic"),
-        (["run", "fedavg", "--set", "method.nope=1"], "nope"),
-        (["run", "fedprox", "--set", "method.mu=-1"], "mu"),
-        (["run", "fedavg", "--data", "synthetic:n=100", "--clients", "40", "--partition", "dirichlet:0.01"], "site"),
-        (["run", "fedavg", "--set", "task.num_classes=3"], "class"),
-    ],
-)
-def test_bad_input_fails_before_launch_with_a_clear_message(args, expected, tmp_path: Path, capsys) -> None:
-    out_dir = tmp_path / "out"
-    code, out = run_cli(args + ["--out", str(out_dir)], capsys)
+# ----- one typed validation, shared by run, compare and export -----------------------------------------
+# (options, text the one-line error must contain: the option it names)
+BAD_INPUTS = [
+    (["--set", "rounds=three"], "rounds must be an integer, got 'three'"),
+    (["--set", "clients=1.5"], "clients must be an integer"),
+    (["--set", "rounds=true"], "rounds must be an integer"),
+    (["--rounds", "0"], "rounds must be >= 1"),
+    (["--clients", "1.5"], "argument --clients"),
+    (["--lr", "nan"], "train.lr must be a finite number"),
+    (["--lr", "inf"], "train.lr must be a finite number"),
+    (["--lr", "-0.1"], "train.lr must be > 0"),
+    (["--max-steps", "-1"], "train.max_steps must be >= 0"),
+    (["--batch-size", "0"], "batch_size"),
+    (["--set", "train.lr=abc"], "train.lr must be a finite number, got 'abc'"),
+    (["--set", "train.optimizer=lbfgs"], "train.optimizer"),
+    (["--set", "train.nesterov=maybe"], "train.nesterov must be true or false"),
+    (["--set", "train.nope=1"], "train: unknown option(s) nope"),
+    (["--set", "method.mu=0.1"], "method 'fedavg': unknown option(s) mu"),
+    (["--set", "nosuchkey=1"], "unknown key 'nosuchkey'"),
+    (["--set", "rounds"], "--set expects key=value"),
+    (["--set", "min_clients=5"], "min_clients must be between 0 and clients=2"),
+    (["--set", "seed=-1"], "seed must be >= 0"),
+    (["--set", "site_evaluation=sometimes"], "site_evaluation must be one of"),
+    (["--set", "task_request_interval=0"], "task_request_interval must be > 0"),
+    (["--set", "shot_thresholds=[1]"], "shot_thresholds must be"),
+    (["--set", "shot_thresholds=lots"], "shot_thresholds must be a JSON list"),
+    (["--set", 'site_train={"site-9": {"lr": 0.1}}'], "site_train names 'site-9'"),
+    (["--set", 'site_train={"site-2": {"lr": "fast"}}'], "site_train.site-2.lr must be a finite number"),
+    (["--set", "name=a/b"], "name must be a plain job name"),
+    (["--set", "name=../../x"], "name must be a plain job name"),
+    (["--set", "name=."], "name must be a plain job name"),
+    (["--set", "task.num_classes=1"], "task.num_classes must be >= 2"),
+    (["--set", "task.num_classes=two"], "task.num_classes must be an integer"),
+    (["--set", "task.depth=3"], "task: unknown option(s) depth"),
+    (["--partition", "dirichlet:abc"], "dirichlet"),
+    (["--set", "data.label_noise=2"], "label_noise"),
+    (["--set", "data.label_noise=lots"], "data.label_noise must be a finite number"),
+    (["--set", "data.noise_kind=weird"], "noise_kind"),
+    (["--set", "data.nope=1"], "data: unknown option(s) nope"),
+    (["--model", "no-such-net"], "unknown model 'no-such-net'"),
+    (["--pretrained", "imagenet"], "pretrained=imagenet: model 'cnn' has no offline ImageNet weights"),
+    (["--config", "/does/not/exist.toml"], "config file not found"),
+    (["--scenario", "no-such-scenario"], "unknown scenario 'no-such-scenario'"),
+]
+COMMANDS = {
+    "run": lambda options, out: ["run", "fedavg", *options, "--out", str(out)],
+    "compare": lambda options, out: ["compare", "fedavg", "fedprox", *options, "--out", str(out)],
+    "export": lambda options, out: ["export", "fedavg", *TASK, *options, "-o", str(out)],
+}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("options, expected", BAD_INPUTS, ids=[" ".join(o) for o, _ in BAD_INPUTS])
+def test_bad_input_is_one_line_naming_the_option_and_nothing_is_written(
+    command: str, options: list[str], expected: str, tmp_path: Path, capsys
+) -> None:
+    code, out, err = run_cli(COMMANDS[command](options, tmp_path / "out"), capsys)
     assert code == 2
-    assert expected in out
-    assert not out_dir.exists() and not out_dir.with_name("out.partial").exists()
+    assert expected in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert out == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["run", "no-such-method"], "unknown method 'no-such-method'"),
+    (["compare", "fedavg", "no-such-method"], "unknown method 'no-such-method'"),
+    (["export", "no-such-method", *TASK], "unknown method 'no-such-method'"),
+    (["run", "fedavg", "--pretrained", "/does/not/exist.pt"], "--pretrained: weights file '/does/not/exist.pt'"),
+    (["compare", "fedavg", "fedprox", "--pretrained", "/does/not/exist.pt"], "not found"),
+    (["compare", "fedprox", "fedavg", "--set", "method.mu=0.1"], "method 'fedavg': unknown option(s) mu"),
+    (["run", "fedavg", "--data", "medmnist:/does/not/exist.npz"], "/does/not/exist.npz"),
+    (["export", "fedavg", "--data", "medmnist:/does/not/exist.npz"], "/does/not/exist.npz"),
+    (["run", "fedavg", "--data", "nonsense:x"], "synthetic"),
+    (["run", "fedavg", "--data", "synthetic:classes=3", "--set", "task.num_classes=2"], "classes=3"),
+    (["run", "fedavg", "--data", "synthetic:channels=3", "--set", "task.in_channels=1"], "task.in_channels=1"),
+    (["run", "fedavg", "--data", "synthetic:n=100", "--clients", "40", "--partition", "dirichlet:0.01"], "site"),
+    (["export", "fedavg"], "task.num_classes"),
+])
+def test_command_specific_bad_input(args: list[str], expected: str, tmp_path: Path, capsys) -> None:
+    out_option = ["-o"] if args[0] == "export" else ["--out"]
+    code, out, err = run_cli(args + out_option + [str(tmp_path / "out")], capsys)
+    assert (code, out) == (2, "")
+    assert expected in err and len(err.strip().splitlines()) == 1, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_compare_checks_every_method_before_running_any(tmp_path: Path, monkeypatch, capsys) -> None:
+    import medflare.simulate as simulate_module
+
+    started = []
+    monkeypatch.setattr(simulate_module, "run_simulation", lambda run, *a, **k: started.append(run.method))
+    code, _, err = run_cli(["compare", "fedprox", "moon", "--set", "method.temperature=hot",
+                            "--out", str(tmp_path / "out")], capsys)
+    assert code == 2 and "method 'fedprox': unknown option(s) temperature" in err
+    assert started == []
+
+
+def test_npz_with_fractional_labels_is_refused(tmp_path: Path, capsys) -> None:
+    images = np.zeros((10, 8, 8), np.uint8)
+    labels = np.array([0, 1, 0.7, 1, 0, 1, 0, 1, 0, 1], np.float32).reshape(-1, 1)
+    arrays = {f"{s}_{k}": v for s in ("train", "val", "test") for k, v in (("images", images), ("labels", labels))}
+    np.savez(tmp_path / "float_labels.npz", **arrays)
+    code, _, err = run_cli(["run", "fedavg", "--data", f"medmnist:{tmp_path / 'float_labels.npz'}",
+                            "--out", str(tmp_path / "out")], capsys)
+    assert code == 2 and "train_labels[2] is 0.7" in err
+    assert not (tmp_path / "out").exists()
 
 
 def test_label_out_of_range_names_the_file(tmp_path: Path, capsys) -> None:
     manifest = write_png_dataset(tmp_path, [0, 1, 0, 1, 7, 0, 1, 0, 1, 0])
-    code, out = run_cli(["run", "fedavg", "--data", f"csv:{manifest}", "--set", "task.num_classes=2", "--out", str(tmp_path / "o")], capsys)
-    assert code == 2 and "7" in out and "manifest.csv" in out
+    code, _, err = run_cli(["run", "fedavg", "--data", f"csv:{manifest}", "--set", "task.num_classes=2",
+                            "--out", str(tmp_path / "o")], capsys)
+    assert code == 2 and "7" in err and "manifest.csv" in err
 
 
 def test_corrupt_image_names_the_file(tmp_path: Path, capsys) -> None:
     manifest = write_png_dataset(tmp_path, [0, 1] * 10, corrupt=3)
-    code, out = run_cli(["run", "fedavg", "--data", f"csv:{manifest}", "--out", str(tmp_path / "o")], capsys)
-    assert code == 2 and "img3.png" in out
+    code, _, err = run_cli(["run", "fedavg", "--data", f"csv:{manifest}", "--out", str(tmp_path / "o")], capsys)
+    assert code == 2 and "img3.png" in err
+
+
+# ----- what the user sets reaches the job, typed --------------------------------------------------------
+def exported_client_args(job: Path) -> dict:
+    client = json.loads((job / "app" / "config" / "config_fed_client.json").read_text())
+    return client["executors"][0]["executor"]["args"]
+
+
+def test_set_values_reach_the_job_typed(tmp_path: Path, capsys) -> None:
+    code, _, err = run_cli(["export", "fedprox", *TASK, "--set", "train.lr=0.01", "--set", "train.nesterov=true",
+                            "--set", "method.mu=0.1", "--set", "data.label_noise=0.2", "--set", "rounds=4",
+                            "--data", "synthetic:classes=2,channels=1", "-o", str(tmp_path)], capsys)
+    assert code == 0, err
+    args = exported_client_args(tmp_path / "fedprox")
+    assert args["train"] == {"lr": 0.01, "nesterov": True}
+    assert args["method_args"] == {"mu": 0.1}
+    assert args["data"]["label_noise"] == 0.2 and isinstance(args["data"]["label_noise"], float)
+    server = json.loads((tmp_path / "fedprox" / "app" / "config" / "config_fed_server.json").read_text())
+    assert server["workflows"][0]["args"]["num_rounds"] == 4
 
 
 def test_export_defaults_to_site_local_data(tmp_path: Path, capsys) -> None:
-    import json
-
-    code, out = run_cli(["export", "fedavg", "-o", str(tmp_path), "--set", "task.num_classes=2",
-                         "--set", "task.in_channels=1", "--set", "task.image_size=28"], capsys)
+    code, out, _ = run_cli(["export", "fedavg", "-o", str(tmp_path), *TASK], capsys)
     assert code == 0 and "medflare_site.json" in out
-    client = json.loads((tmp_path / "fedavg" / "app" / "config" / "config_fed_client.json").read_text())
-    assert client["executors"][0]["executor"]["args"]["data"] == {"source": "site"}
+    assert exported_client_args(tmp_path / "fedavg")["data"] == {"source": "site"}
 
 
-def test_export_without_a_task_for_site_data_says_what_to_declare(tmp_path: Path, capsys) -> None:
-    code, out = run_cli(["export", "fedavg", "-o", str(tmp_path)], capsys)
-    assert code == 2 and "task.num_classes" in out
+def test_partition_alone_keeps_the_default_data_source(tmp_path: Path, capsys) -> None:
+    code, _, err = run_cli(["export", "fedavg", "--partition", "dirichlet:0.5", "--set", "data.seed=3",
+                            "--set", "data.source=synthetic", "-o", str(tmp_path)], capsys)
+    assert code == 0, err
+    data = exported_client_args(tmp_path / "fedavg")["data"]
+    assert (data["source"], data["partition"], data["seed"]) == ("synthetic", "dirichlet:0.5", 3)
+
+
+def test_flags_merge_with_the_defaults_not_replace_them() -> None:
+    from medflare.cli import make_parser
+    from medflare.runner import build_run_config
+
+    run = build_run_config(make_parser().parse_args(["run", "fedavg", "--partition", "dirichlet:0.5", "--lr", "0.1"]))
+    assert run.data == {"source": RunConfig().data["source"], "partition": "dirichlet:0.5"}
+    assert run.train == {"lr": 0.1}
+
+
+# ----- report reads the job's config beside the results ------------------------------------------------
+def fake_results(method: str, rounds: int) -> dict:
+    """A results file shaped like the controller's (two sites, ``rounds`` rounds)."""
+    metrics = {"accuracy": 0.5, "balanced_accuracy": 0.5, "macro_f1": 0.4, "auc_macro_ovr": 0.6}
+    records = [{"round": r, "started_at": 1000.0 + 10 * r, "wall_seconds": 9.0, "share": {"site-1": 0.5, "site-2": 0.5},
+                "sites": {s: {"n_samples": 50, "train_loss": 0.7} for s in ("site-1", "site-2")},
+                "payload": {}} for r in range(rounds)]
+    evaluations = {str(r): {"test": metrics, "val": metrics} for r in range(rounds + 1)}
+    return {"method": method, "controller_started_at": 990.0, "rounds": records, "evaluations": evaluations,
+            "finished_at": 1000.0 + 10 * rounds}
+
+
+def downloaded_job(tmp_path: Path, run: RunConfig) -> Path:
+    """A job laid out as `nvflare job download` leaves it: <id>/workspace/app_server/{config,results}."""
+    run.validate()
+    job = export_job(run, tmp_path / "export", run.task_spec(), mode="preinstalled")
+    app_server = tmp_path / "download" / "job-id" / "workspace" / "app_server"
+    (app_server / "config").mkdir(parents=True)
+    for name in ("config_fed_server.json", "config_fed_client.json"):
+        (app_server / "config" / name).write_text((job / "app" / "config" / name).read_text())
+    (app_server.parent / "meta.json").write_text((job / "meta.json").read_text())
+    (app_server / "medflare_results.json").write_text(json.dumps(fake_results(run.method, run.rounds)))
+    (app_server / "FL_global_model.pt").write_bytes(b"FLARE's model")
+    return app_server
+
+
+def test_report_on_a_downloaded_job_reads_its_config(tmp_path: Path, capsys) -> None:
+    run = RunConfig(method="fedprox", rounds=2, clients=2, seed=7, model="cnn", name="trial-7",
+                    data={"source": "synthetic:n=200", "partition": "dirichlet:0.5"}, train={"lr": 0.01},
+                    method_args={"mu": 0.1})
+    app_server = downloaded_job(tmp_path, run)
+    code, out, err = run_cli(["report", str(app_server / "medflare_results.json")], capsys)
+    assert code == 0, err
+    config = json.loads((app_server / "summary.json").read_text())["config"]
+    assert (config["data"]["source"], config["data"]["partition"]) == ("synthetic:n=200", "dirichlet:0.5")
+    assert (config["seed"], config["clients"], config["rounds"], config["name"]) == (7, 2, 2, "trial-7")
+    assert config["method_args"] == {"mu": 0.1} and config["train_resolved"]["lr"] == 0.01
+    report = (app_server / "report.md").read_text()
+    assert "`synthetic:n=200` partition `dirichlet:0.5`" in report and "seed 7" in report
+    assert "start-up 10.0 s" in report and "start-up 10.0 s" in out  # first round start - server app start
+    assert (app_server / "FL_global_model.pt").read_bytes() == b"FLARE's model"
+    assert run_cli(["report", str(app_server), "-o", str(tmp_path / "elsewhere")], capsys)[0] == 0
+    assert (tmp_path / "elsewhere" / "FL_global_model.pt").read_bytes() == b"FLARE's model"
+
+
+def test_report_never_replaces_files_it_did_not_write(tmp_path: Path, capsys) -> None:
+    app_server = downloaded_job(tmp_path, RunConfig(method="fedavg", rounds=1, data={"source": "synthetic:n=200"}))
+    (app_server / "report.md").write_text("my notes")
+    code, _, err = run_cli(["report", str(app_server)], capsys)
+    assert code == 2 and "report.md was not written by medflare" in err
+    assert (app_server / "report.md").read_text() == "my notes"
+    (app_server / "report.md").unlink()
+    assert run_cli(["report", str(app_server)], capsys)[0] == 0
+    assert run_cli(["report", str(app_server)], capsys)[0] == 0  # its own earlier report is replaced
+
+
+def test_report_on_a_missing_file_is_one_line(tmp_path: Path, capsys) -> None:
+    code, out, err = run_cli(["report", str(tmp_path / "nope" / "medflare_results.json")], capsys)
+    assert (code, out) == (2, "") and "results file not found" in err and len(err.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_job_config_reads_back_the_run_it_was_built_from(tmp_path: Path) -> None:
+    from medflare.outputs import job_run_config
+
+    run = RunConfig(method="fedprox", rounds=4, clients=3, min_clients=2, seed=5, name="x1",
+                    data={"source": "synthetic:n=200", "partition": "iid", "label_noise": 0.1},
+                    train={"lr": 0.02}, method_args={"mu": 0.3}, site_train={"site-2": {"batch_size": 16}},
+                    site_evaluation="final", straggler_seconds=30, task_timeout=60, task_request_interval=0.5)
+    app_server = downloaded_job(tmp_path, run)
+    assert job_run_config(app_server) == dataclasses.replace(run, task=vars(run.task_spec()))
+
+
+def test_report_from_results_is_the_function_behind_the_command(tmp_path: Path) -> None:
+    app_server = downloaded_job(tmp_path, RunConfig(method="fedavg", rounds=2, data={"source": "synthetic:n=200"}))
+    summary = report_from_results(app_server, tmp_path / "report")
+    assert summary["rounds_completed"] == 2 and summary["config"]["data"]["source"] == "synthetic:n=200"

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
+from medflare.plotting import integer_ticks, pyplot
+
 TABLE_METRICS = ("accuracy", "balanced_accuracy", "macro_f1", "auc_macro_ovr")
 LONG_TAIL_METRICS = ("head_accuracy", "medium_accuracy", "tail_accuracy", "hmt_mean")
 ATTRIBUTE_METRICS = ("bacc_attr_0", "bacc_attr_1", "bacc_attr_mean")
@@ -171,6 +173,11 @@ def results_table(summaries: list[Mapping[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def format_seconds(value: float | None, digits: int) -> str:
+    """Seconds with `digits` decimals, or n/a when unknown (e.g. the start-up of a job launched elsewhere)."""
+    return "n/a" if value is None else f"{value:.{digits}f} s"
+
+
 def _cell(value: Any) -> str:
     return f"{value:.4f}" if isinstance(value, (int, float)) else "n/a"
 
@@ -184,8 +191,8 @@ def markdown_report(summary: Mapping[str, Any]) -> str:
         "",
         f"- data: `{cfg.get('data', {}).get('source')}` partition `{cfg.get('data', {}).get('partition', '-')}`, "
         f"{cfg.get('clients')} sites, model `{cfg.get('model')}`, {summary['rounds_completed']} rounds, seed {cfg.get('seed')}",
-        f"- mean round wall time {(timing.get('mean_round_seconds') or 0):.2f} s; start-up "
-        f"{(timing.get('startup_seconds') or 0):.1f} s",
+        f"- mean round wall time {format_seconds(timing.get('mean_round_seconds'), 2)}; "
+        f"start-up {format_seconds(timing.get('startup_seconds'), 1)}",
         "- metrics are of the global model on the sites' held-out test splits, summed as confusion counts "
         "(exact pooled values); the best model is chosen on validation only",
         "",
@@ -237,23 +244,6 @@ def write_plots(summary: Mapping[str, Any], out: Path) -> list[Path]:
 
 
 PER_SITE_TITLES = {"share": "contribution of each site to the global model", "rf": "rescue factor RF per site"}
-
-
-def pyplot() -> Any:
-    """matplotlib.pyplot on the file-only Agg backend (sites and CI have no display)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def integer_ticks() -> Any:
-    """Round axes show whole rounds only."""
-    from matplotlib.ticker import MaxNLocator
-
-    return MaxNLocator(integer=True)
 
 
 def site_valued_keys(per_round: list[Mapping[str, Any]]) -> list[str]:

@@ -1,13 +1,19 @@
-"""The user-facing run configuration: defaults <- --config file <- command-line flags <- --set overrides."""
+"""The user-facing run configuration: defaults <- scenario <- --config file <- command-line flags <- --set.
+
+``RunConfig.validate`` is the one typed validation every command runs (``run``, ``compare``, ``export`` and the
+POC runner) before anything is started or written: every section is checked against its dataclass's
+annotations and ranges, and normalised to typed values, so a job never carries ``"0.1"`` where 0.1 is meant.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from medflare.config import from_dict, parse_value
+from medflare.config import fields_typed, from_dict
 from medflare.errors import ConfigError
 from medflare.methods.base import TrainConfig
 from medflare.registry import get_method
@@ -15,6 +21,10 @@ from medflare.site_runtime import TaskSpec, check_multi_label_support, resolve_t
 
 # --set prefixes and the RunConfig field each one writes into
 SECTIONS = {"method": "method_args", "train": "train", "data": "data", "task": "task"}
+# A job name becomes a folder name: one plain path component, never a path
+JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+SITE_EVALUATION = ("every_round", "final", "off")
+IMAGENET = "imagenet"  # the `pretrained` value naming a model's offline ImageNet weights
 
 
 @dataclass
@@ -85,10 +95,26 @@ class RunConfig:
     audit: bool = False
 
     def __post_init__(self) -> None:
-        if self.rounds < 1 or self.clients < 1:
-            raise ConfigError("rounds and clients must be >= 1")
-        if not 0 <= self.min_clients <= self.clients:
-            raise ConfigError(f"min_clients must be between 0 and clients={self.clients}, got {self.min_clients}")
+        checks = [
+            (self.rounds >= 1, f"rounds must be >= 1, got {self.rounds}"),
+            (self.clients >= 1, f"clients must be >= 1, got {self.clients}"),
+            (0 <= self.min_clients <= self.clients,
+             f"min_clients must be between 0 and clients={self.clients}, got {self.min_clients}"),
+            (self.seed >= 0, f"seed must be >= 0, got {self.seed}"),
+            (self.site_evaluation in SITE_EVALUATION,
+             f"site_evaluation must be one of {', '.join(SITE_EVALUATION)}, got '{self.site_evaluation}'"),
+            (self.straggler_seconds >= 0, f"straggler_seconds must be >= 0, got {self.straggler_seconds}"),
+            (self.task_timeout >= 0, f"task_timeout must be >= 0 (0 = no limit), got {self.task_timeout}"),
+            (self.task_request_interval > 0, f"task_request_interval must be > 0, got {self.task_request_interval}"),
+            (self.shot_thresholds is None or (len(self.shot_thresholds) == 2
+                                               and self.shot_thresholds[0] >= self.shot_thresholds[1] >= 0),
+             f"shot_thresholds must be [head_min, tail_max], head_min >= tail_max >= 0, got {self.shot_thresholds}"),
+            (not self.name or JOB_NAME.fullmatch(self.name) is not None,
+             f"name must be a plain job name (letters, digits, '.', '_', '-'; no '/'; at most 64), got '{self.name}'"),
+        ]
+        problems = [message for ok, message in checks if not ok]
+        if problems:
+            raise ConfigError("; ".join(problems))
 
     @property
     def job_name(self) -> str:
@@ -102,14 +128,27 @@ class RunConfig:
     def site_names(self) -> list[str]:
         return [f"site-{i + 1}" for i in range(self.clients)]
 
-    def validate(self) -> None:
-        """Fail before launching anything: unknown method, bad method or train options, stages that do not add
-        up to the rounds, per-site models a weight-averaging method cannot use."""
+    def validate(self, check_files: bool = True) -> None:
+        """Check every option against its type and range, and normalise the sections to typed values.
+
+        The one validation ``run``, ``compare``, ``export`` and the POC runner share; it starts nothing and
+        writes nothing. Data sources are read later, by :meth:`task_spec`.
+
+        Args:
+            check_files: also require a ``pretrained`` weights file to exist here (off for ``export``: the
+                server that loads it may be another machine).
+
+        Raises:
+            ConfigError: the first problem, in one line naming the option.
+        """
         load_plugin_files(self.plugins)
         spec = get_method(self.method)
+        self.method_args = fields_typed(spec.config_cls, self.method_args, "method", f"method '{self.method}'")
+        spec.config_cls(**self.method_args)  # the method's own range checks
+        self.train = fields_typed(TrainConfig, self.train, "train")
         from medflare.flare.aggregator import RoundAggregation
 
-        RoundAggregation(
+        RoundAggregation(  # stages must add up to the rounds; robust and wire options must be valid
             self.method, self.method_args, 2, self.rounds, self.robust, self.transfer_dtype, self.transfer_kind
         )
         if self.dp:
@@ -122,24 +161,37 @@ class RunConfig:
             except (TypeError, ValueError) as exc:
                 raise ConfigError(f"dp: {exc}") from exc
         resolve_train_config(spec, self.train)
-        if self.task.get("multi_label") or self.data.get("source", "site") != "site":  # else sites' data decide
-            check_multi_label_support(spec, self.task_spec())
         for site, overrides in self.site_train.items():
             if site not in self.site_names:
-                raise ConfigError(f"site_train names '{site}', which is not one of {self.site_names}")
-            resolve_train_config(spec, {**self.train, **overrides})
-        from medflare.models import list_models
+                raise ConfigError(f"site_train names '{site}', which is not one of {', '.join(self.site_names)}")
+            self.site_train[site] = fields_typed(TrainConfig, overrides, f"site_train.{site}")
+            resolve_train_config(spec, {**self.train, **self.site_train[site]})
+        self.task = _typed_task(self.task)
+        self.data = fields_typed(_data_config_cls(), self.data, "data")
+        from_dict(_data_config_cls(), self.site_data() if self.data.get("source", "site") != "site" else self.data,
+                  "data")  # the partition scheme, noise rate, ... ranges
+        self._validate_model(check_files)
+
+    def _validate_model(self, check_files: bool) -> None:
+        from medflare.models import get_model_info, list_models
 
         for site, model in {"": self.model, **self.site_model}.items():
             if model not in list_models():
                 raise ConfigError(f"unknown model '{model}'; available: {', '.join(list_models())}")
             if site and site not in self.site_names:
-                raise ConfigError(f"site_model names '{site}', which is not one of {self.site_names}")
-        if spec.server_model and any(model != self.model for model in self.site_model.values()):
+                raise ConfigError(f"site_model names '{site}', which is not one of {', '.join(self.site_names)}")
+        if get_method(self.method).server_model and any(model != self.model for model in self.site_model.values()):
             raise ConfigError(
                 f"'{self.method}' averages weights, so every site trains model '{self.model}'; per-site models "
                 "(site_model) need a method that sends no weights"
             )
+        if self.pretrained == IMAGENET and get_model_info(self.model).imagenet_weights is None:
+            offline = [m for m in list_models() if get_model_info(m).imagenet_weights is not None]
+            raise ConfigError(f"pretrained=imagenet: model '{self.model}' has no offline ImageNet weights "
+                              f"(only {', '.join(offline)}); use --model {offline[0]} or a weights file")
+        if check_files and self.pretrained not in (None, IMAGENET) and not Path(self.pretrained).is_file():
+            raise ConfigError(f"--pretrained: weights file '{self.pretrained}' not found; give an existing file "
+                              "or 'imagenet'")
 
     def plugin_modules(self) -> list[str]:
         """The module names the job's plugin files have inside the job (``medflare_plugins.<file stem>``)."""
@@ -152,16 +204,39 @@ class RunConfig:
         return {"seed": self.seed, **self.data, "num_sites": self.clients}
 
     def task_spec(self) -> TaskSpec:
-        """The declared task; missing fields are read off the data (simulation) or must be given (site data)."""
+        """The declared task; missing fields are read off the data (simulation) or must be given (site data).
+
+        Raises:
+            ConfigError: also when the method cannot train the task (a multi-label task needs a method whose
+                MethodSpec says ``multi_label``), so nothing is exported or launched for it.
+        """
         declared = {"num_classes", "in_channels", "image_size"} <= set(self.task)
-        return TaskSpec(**self.task) if declared else infer_task(self)
+        task = TaskSpec(**self.task) if declared else infer_task(self)
+        check_multi_label_support(get_method(self.method), task)  # before anything is exported or launched
+        return task
 
     def train_config(self) -> TrainConfig:
         return resolve_train_config(get_method(self.method), self.train)
 
 
+def _data_config_cls() -> type:
+    from medflare.data import DataConfig
+
+    return DataConfig
+
+
+def _typed_task(task: Mapping[str, Any]) -> dict[str, Any]:
+    """The declared task fields, typed, with their ranges checked."""
+    typed = fields_typed(TaskSpec, dict(task), "task")
+    lowest = {"num_classes": 2, "in_channels": 1, "image_size": 8}
+    for key, value in typed.items():
+        if key in lowest and value < lowest[key]:
+            raise ConfigError(f"task.{key} must be >= {lowest[key]}, got {value}")
+    return typed
+
+
 def infer_task(run: RunConfig) -> TaskSpec:
-    """Class count, channels and image size of the (simulation) data source."""
+    """Class count, channels and image size of the (simulation) data source; declared fields must agree."""
     if run.data.get("source", "site") == "site":
         raise ConfigError(
             "with site-local data the job must declare task.num_classes, task.in_channels and task.image_size "
@@ -174,40 +249,55 @@ def infer_task(run: RunConfig) -> TaskSpec:
     size = run.data.get("image_size") or int(sample.shape[0])
     inferred = {"num_classes": splits.train.num_classes, "in_channels": splits.train.channels, "image_size": size,
                 "multi_label": splits.train.multi_label}
-    return TaskSpec(**{**inferred, **run.task})
+    for key, declared in run.task.items():
+        if declared != inferred[key]:
+            fix = "data.image_size" if key == "image_size" else "the data source"
+            raise ConfigError(f"task.{key}={declared} but the data '{run.data['source']}' gives {key}={inferred[key]}; "
+                              f"fix task.{key} or {fix}")
+    return TaskSpec(**inferred)
 
 
 def apply_overrides(run: RunConfig, overrides: list[str]) -> RunConfig:
-    """Apply ``section.key=value`` overrides, e.g. ``method.mu=0.1``, ``train.lr=0.01``, ``rounds=5``."""
+    """Apply ``section.key=value`` overrides, e.g. ``method.mu=0.1``, ``train.lr=0.01``, ``rounds=5``.
+
+    Values stay text here; each is parsed by its field's annotation (``from_dict`` for top-level options,
+    :meth:`RunConfig.validate` for the sections), so a value that does not fit fails with the option's name.
+    """
     changes: dict[str, Any] = {}
     nested = {name: dict(getattr(run, name)) for name in SECTIONS.values()}
     for item in overrides:
         key, sep, raw = item.partition("=")
-        if not sep:
-            raise ConfigError(f"--set expects key=value, got '{item}'")
+        if not sep or not key:
+            raise ConfigError(f"--set expects key=value (e.g. --set rounds=5), got '{item}'")
         section, dot, sub = key.partition(".")
-        if dot and section in SECTIONS:
-            nested[SECTIONS[section]][sub] = parse_value(raw)
+        if dot and section in SECTIONS and sub:
+            nested[SECTIONS[section]][sub] = raw
         elif not dot and key in {f.name for f in dataclasses.fields(RunConfig)}:
-            changes[key] = parse_value(raw)
+            changes[key] = raw
         else:
-            raise ConfigError(f"--set: unknown key '{key}'; use method.X, train.X, data.X, task.X or a top-level option")
-    return from_dict(RunConfig, {**dataclasses.asdict(run), **nested, **changes}, "run config")
+            raise ConfigError(f"--set: unknown key '{key}'; use method.X, train.X, data.X, task.X or a top-level "
+                              f"option ({', '.join(f.name for f in dataclasses.fields(RunConfig))})")
+    return from_dict(RunConfig, {**dataclasses.asdict(run), **nested, **changes}, "")
 
 
 def merge_sections(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
     """``override`` on top of ``base``; the nested sections (data, train, method_args, task) merge key by key."""
     merged = {**dict(base), **dict(override)}
     for key in SECTIONS.values():
-        if key in base and key in override:
+        if isinstance(base.get(key), Mapping) and isinstance(override.get(key), Mapping):
             merged[key] = {**base[key], **override[key]}
     return merged
 
 
-def merge_run_config(base: Mapping[str, Any], flags: Mapping[str, Any]) -> RunConfig:
-    """Defaults <- file values <- flags that were given (None means 'not given')."""
-    given = {key: value for key, value in flags.items() if value is not None}
-    return from_dict(RunConfig, merge_sections(base, given), "run config")
+def merge_run_config(*layers: Mapping[str, Any]) -> RunConfig:
+    """RunConfig defaults <- each layer in turn (scenario, file, flags); ``None`` values mean 'not given'.
+
+    Sections merge key by key on top of the defaults, so ``--partition`` alone keeps the default data source.
+    """
+    merged: dict[str, Any] = dataclasses.asdict(RunConfig())
+    for layer in layers:
+        merged = merge_sections(merged, {key: value for key, value in layer.items() if value is not None})
+    return from_dict(RunConfig, merged, "")
 
 
 def plugin_module_name(path: str | Path) -> str:

@@ -24,7 +24,7 @@ def test_env_option_dispatches(env: str, mode: str, monkeypatch, tmp_path: Path)
         calls.append(("poc", run.method, run.rounds, mode))
         return fake_summary(run)
 
-    def fake_sim(run, out, echo=print):
+    def fake_sim(run, out, echo=print, **kwargs):
         calls.append(("sim", run.method, run.rounds, None))
         return fake_summary(run)
 

@@ -5,24 +5,22 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 from pathlib import Path
 
 import pytest
 from pyhocon import ConfigFactory
 
-from medflare.deploy.templates import TEMPLATES_DIR, stale_templates, template_run
+from medflare.deploy.apps import DEPLOY_TASK
+from medflare.deploy.templates import EXAMPLE_SOURCE, TEMPLATES_DIR, example_command, stale_templates, template_run
 from medflare.flare.job import client_config, server_config
 from medflare.registry import list_methods
-from medflare.simulate import nvflare_command
+from medflare.runner import nvflare_command
 from medflare.site_runtime import TaskSpec
 
 REPO = Path(__file__).resolve().parents[2]
 TEMPLATE_FILES = ("info.conf", "info.md", "meta.conf", "config_fed_client.conf", "config_fed_server.conf")
-# what the test job overrides through template variables (synthetic data has 5 classes, 3 channels)
-CLIENT_VARS = ['source="synthetic:n=300"', "partition=iid", "max_steps=1", "batch_size=32", "num_classes=5",
-               "in_channels=3"]
-SERVER_VARS = ["num_rounds=1", "num_classes=5", "in_channels=3"]
 
 
 def test_templates_are_up_to_date() -> None:
@@ -45,15 +43,34 @@ def test_every_key_is_commented(method: str) -> None:
                 assert lines[i - 1].strip().startswith("#"), f"{method}/{name}:{i + 1} has no comment: {line}"
 
 
-def create_job(method: str, out: Path) -> Path:
-    job = out / method
-    command = nvflare_command() + [
-        "job", "create", "-j", str(job), "-w", str(TEMPLATES_DIR / method), "-sd", str(REPO / "custom"),
-        "-f", "config_fed_client.conf", *CLIENT_VARS, "-f", "config_fed_server.conf", *SERVER_VARS, "-force",
-    ]
-    proc = subprocess.run(command, capture_output=True, text=True, env={"HOME": str(out), "PATH": ""}, timeout=300)
+def documented_command(method: str) -> str:
+    """The `nvflare job create` example as info.md shows it (the first bash block)."""
+    text = (TEMPLATES_DIR / method / "info.md").read_text()
+    return re.search(r"```bash\n(.*?)```", text, re.S).group(1)
+
+
+def create_job(method: str, workdir: Path) -> Path:
+    """Run the documented command verbatim (a shell, from a folder laid out like the repository)."""
+    for name in ("job_templates", "custom"):
+        (workdir / name).symlink_to(REPO / name)
+    command = documented_command(method)
+    assert command.startswith("nvflare job create ")
+    nvflare = " ".join(shlex.quote(part) for part in nvflare_command())
+    proc = subprocess.run(["bash", "-c", nvflare + command.removeprefix("nvflare")], cwd=workdir,
+                          capture_output=True, text=True, env={"HOME": str(workdir), "PATH": "/usr/bin:/bin"},
+                          timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    return job
+    return workdir / "jobs" / method
+
+
+def test_every_config_header_shows_the_documented_command() -> None:
+    for method in list_methods():
+        example = example_command(method)
+        assert example == documented_command(method).strip()
+        for name in ("config_fed_client.conf", "config_fed_server.conf"):
+            header = [line.removeprefix("#   ") for line in (TEMPLATES_DIR / method / name).read_text().splitlines()
+                      if line.startswith("#   ")]
+            assert "\n".join(header) == example, f"{method}/{name}"
 
 
 def parsed(path: Path) -> dict:
@@ -68,17 +85,18 @@ def test_job_create_yields_exactly_the_exported_job(method: str, tmp_path: Path)
     job = create_job(method, tmp_path)
     assert (job / "app" / "custom" / "medflare" / "flare" / "executor.py").is_file()
     run = template_run(method)
-    run.rounds = 1
-    run.data = {"source": "synthetic:n=300", "partition": "iid"}
-    run.train = {**run.train, "max_steps": 1, "batch_size": 32}
-    task = TaskSpec(num_classes=5, in_channels=3, image_size=28)
+    run.rounds = 3
+    run.data = {"source": EXAMPLE_SOURCE, "partition": "iid"}
+    run.train = {**run.train, "max_steps": 5}
+    task = TaskSpec(**DEPLOY_TASK)
     assert parsed(job / "app" / "config" / "config_fed_server.conf") == json.loads(json.dumps(server_config(run, task)))
     assert parsed(job / "app" / "config" / "config_fed_client.conf") == json.loads(json.dumps(client_config(run, task)))
     assert parsed(job / "meta.conf")["scope"] == f"medflare-{method}"
 
 
 @pytest.mark.slow
-def test_created_job_runs_in_the_simulator(tmp_path: Path) -> None:
+def test_documented_job_runs_in_the_simulator(tmp_path: Path) -> None:
+    """The default task and the documented data agree: the job made verbatim from the docs trains."""
     job = create_job(list_methods()[0], tmp_path)
     sim = subprocess.run(
         nvflare_command() + ["simulator", str(job), "-w", str(tmp_path / "ws"), "-n", "2", "-t", "2"],
@@ -87,4 +105,5 @@ def test_created_job_runs_in_the_simulator(tmp_path: Path) -> None:
     results = list((tmp_path / "ws").glob("**/app_server/medflare_results.json"))
     assert results, sim.stdout[-3000:] + sim.stderr[-3000:]
     outcome = json.loads(results[0].read_text())
-    assert outcome.get("error") is None and len(outcome["rounds"]) == 1, outcome.get("error")
+    assert outcome.get("error") is None and len(outcome["rounds"]) == 3, outcome.get("error")
+    assert len(outcome["evaluations"]["3"]["test"]["per_class_recall"]) == DEPLOY_TASK["num_classes"]

@@ -79,8 +79,8 @@ def test_single_label_methods_refuse_multi_label_tasks_before_launch() -> None:
     with pytest.raises(ConfigError, match=r"'bsm-fl' trains single-label classifiers .* use one of .*fedavg"):
         check_multi_label_support(get_method("bsm-fl"), task)
     check_multi_label_support(get_method("fedprox"), task)
-    with pytest.raises(ConfigError, match="'ldam-drw' trains single-label"):
-        RunConfig(method="ldam-drw", data=ML_DATA).validate()
+    with pytest.raises(ConfigError, match="'ldam-drw' trains single-label"):  # every launcher reads the task first
+        RunConfig(method="ldam-drw", data=ML_DATA).task_spec()
     assert RunConfig(method="fedavg", data=ML_DATA).task_spec().multi_label
 
 

@@ -117,7 +117,13 @@ def _load_medmnist(path: str, seed: int, num_classes: int | None) -> DataSplits:
         if multi_label != (raw.ndim == 2 and raw.shape[1] > 1):
             raise DataError(f"MedMNIST file '{path}': {split}_labels has shape {raw.shape} but train_labels "
                             f"{arrays['train_labels'].shape}; every split must be single- or multi-label alike.")
-        labels[split] = raw.astype(np.int64) if multi_label else raw.reshape(-1).astype(np.int64)
+        flat = raw if multi_label else raw.reshape(-1)
+        fractional = np.argwhere(flat % 1 != 0) if flat.dtype.kind == "f" else []
+        if len(fractional):  # astype(int64) would truncate 0.7 to class 0 without a word
+            at = tuple(int(i) for i in fractional[0])
+            raise DataError(f"MedMNIST file '{path}': {split}_labels[{', '.join(map(str, at))}] is "
+                            f"{float(flat[at]):g}, not a class id; labels must be whole numbers.")
+        labels[split] = flat.astype(np.int64)
         pixels = arrays[f"{split}_images"]
         images[split] = pixels[..., None] if pixels.ndim == 3 else pixels
         if images[split].ndim != 4 or images[split].shape[-1] not in (1, 3) or images[split].dtype != np.uint8:

@@ -35,6 +35,14 @@ import yaml
 from medflare.deploy.policies import SITE_MODES, install_site_policies
 from medflare.deploy.provision import admin_with_role, load_project, nvflare_command, participants
 from medflare.errors import MedflareError
+from medflare.outputs import OutputTarget, failure_note, results_text, write_job_outputs
+from medflare.runner import (
+    add_run_options,
+    build_run_config,
+    describe_sites,
+    export_run_job,
+    quiet_on_closed_output,
+)
 
 REPO_DIR = Path(__file__).resolve().parents[3]
 DEFAULT_PROJECT = REPO_DIR / "provisioning" / "project.yml"
@@ -63,6 +71,26 @@ def poc_project(project: Mapping[str, Any], sites: list[str], port: int) -> dict
     clients = [{"name": name, "type": "client", "org": orgs[i % len(orgs)]} for i, name in enumerate(sites)]
     others = [p for p in project["participants"] if p.get("type") not in ("server", "client")]
     return {**project, "participants": [server, *clients, *others]}
+
+
+def bind_to_loopback(server_kit: Path) -> None:
+    """Make a POC server listen on 127.0.0.1 only.
+
+    FLARE's server binds to loopback exactly when the host in its service target (``startup/fed_server.json``,
+    ``servers[].service.target``) is a loopback address; otherwise it listens on every interface (0.0.0.0).
+    A POC kit names the consortium's server FQDN there (its sites connect to ``localhost`` anyway), so a POC
+    would be reachable from the network. POC kits are unsigned (mTLS is their trust anchor), so the file may
+    be edited; a signed kit is refused rather than broken.
+    """
+    startup = server_kit / "startup"
+    if (startup / "signature.json").exists():
+        raise PocError(f"{startup} is signed; cannot bind this POC server to loopback without breaking the kit")
+    config_path = startup / "fed_server.json"
+    config = json.loads(config_path.read_text())
+    for server in config.get("servers", []):
+        port = str(server["service"]["target"]).rsplit(":", 1)[-1]
+        server["service"]["target"] = f"127.0.0.1:{port}"
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
@@ -178,6 +206,7 @@ class PocSession:
         }
         for site in [self.state["server"], *sites]:
             install_site_policies(self.kit(site), self.state["site_modes"].get(site, default_mode))
+        bind_to_loopback(self.kit(self.state["server"]))
         self._save_state()
         self.echo(f"poc: prepared {n_sites} sites ({self.state['site_modes']}) in {self.workspace}")
 
@@ -328,13 +357,8 @@ def retarget_job(job_dir: str | Path, sites: list[str], name: str) -> None:
     meta_path.write_text(json.dumps(meta, indent=2) + "\n")
 
 
-def export_poc_job(run: Any, out_dir: str | Path, mode: str) -> Path:
-    """The run's FLARE job (``byoc`` or ``preinstalled``) with its privacy scope, as POC and production get it."""
-    from medflare.flare.job import export_job
-    from medflare.simulate import describe_sites, shot_groups_for
-
-    _, class_counts = describe_sites(run)
-    return export_job(run, out_dir, run.task_spec(), mode=mode, shot_groups=shot_groups_for(run, class_counts))
+# The run's job as POC and production get it (apps.py and the POC tests use this name).
+export_poc_job = export_run_job
 
 
 def find_results(download_dir: str | Path) -> Path:
@@ -349,8 +373,6 @@ def find_results(download_dir: str | Path) -> Path:
 
 def write_run_outputs(run: Any, download_dir: Path, out: Path, launched_at: float | None, extra: dict) -> dict:
     """summary.json / rounds.csv / report.md / plots (as ``medflare run`` writes them) from a downloaded job."""
-    from medflare.simulate import describe_sites, write_job_outputs
-
     results_path = find_results(download_dir)
     clients, _ = describe_sites(run)
     summary = write_job_outputs(run, results_path, out, clients, launched_at, deployment=extra)
@@ -367,12 +389,15 @@ def run_poc(
     mode: str = "byoc",
     port: int = DEFAULT_PORT,
     timeout: float = 1800,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """The POC twin of ``run_simulation``: prepare and start a POC, submit the job as the lead, wait,
     download, write the run's outputs, stop and clean.
 
     Everything is staged in ``<out>.partial`` (including the POC itself) and moved to ``out`` only after
-    success; on failure the POC is stopped and removed and its server log kept as ``<out>.failed.log``.
+    success (:class:`medflare.outputs.OutputTarget` rules: a non-empty ``out`` needs ``overwrite``). On failure or
+    interruption (SIGTERM/SIGINT) the POC's processes are stopped and removed and its server log, with the
+    rounds that finished, is kept as ``<out>.failed.log``.
 
     Args:
         run: the RunConfig (``clients`` decides the number of POC sites).
@@ -381,16 +406,15 @@ def run_poc(
         mode: "byoc" (the job carries medflare) or "preinstalled" (sites use their installed medflare).
         port: the POC server port on loopback.
         timeout: seconds the job may take.
+        overwrite: replace medflare's earlier results in a non-empty ``out_dir``.
     """
     run.validate()
-    out = Path(out_dir).resolve()
-    staging = out.with_name(out.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    target = OutputTarget(Path(out_dir), overwrite=overwrite)
+    staging = target.begin()
     session = PocSession(staging / "poc", port=port, echo=echo)
     try:
         session.prepare(run.clients)
-        job_dir = export_poc_job(run, staging / "job", mode)
+        job_dir = export_run_job(run, staging / "job", mode)
         launched_at = time.time()
         session.start()
         job_id = session.submit(job_dir)
@@ -407,22 +431,18 @@ def run_poc(
         session.clean()
         for leftover in ("poc", "download"):
             shutil.rmtree(staging / leftover, ignore_errors=True)
-        shutil.rmtree(out, ignore_errors=True)
-        staging.rename(out)
+        target.publish()
         return summary
-    except BaseException:
-        log = session.server_log() if session.state else ""
-        if log:
-            out.with_name(out.name + ".failed.log").write_text(log)
+    except BaseException as exc:
+        log = (session.server_log() if session.state else "") + failure_note(run.rounds, staging / "poc", exc)
+        session.echo = quiet_on_closed_output(echo)  # a gone terminal must not stop the clean-up
         session.discard()
-        shutil.rmtree(staging, ignore_errors=True)
+        target.abandon(log)
         raise
 
 
 # ----- command line ---------------------------------------------------------------------------------
 def _run_config_from_args(args: Any) -> Any:
-    from medflare.cli import build_run_config
-
     run = build_run_config(args)
     run.validate()
     return run
@@ -459,7 +479,6 @@ def _cmd_wait(session: PocSession, args: Any) -> int:
 
 def _cmd_download(session: PocSession, args: Any) -> int:
     from medflare.config import from_dict
-    from medflare.report import results_table
     from medflare.run_config import RunConfig
 
     job_id = args.job_id or session.state.get("last_job")
@@ -467,14 +486,20 @@ def _cmd_download(session: PocSession, args: Any) -> int:
         raise PocError("no job submitted in this POC")
     job = session.state["jobs"][job_id]
     run = from_dict(RunConfig, job["run"], "run config")
-    out = Path(args.output or f"runs/poc-{run.job_name}-{job_id[:8]}").resolve()
+    out = Path(args.output or f"runs/poc-{run.job_name}-{job_id[:8]}")
+    target = OutputTarget(out, overwrite=args.overwrite, option="-o")
+    target.check()
     download = session.download(job_id, session.root / "downloads")
     extra = {"env": "poc", "mode": job.get("mode"), "job_id": job_id, "status": job.get("status"),
              "sites": session.state["sites"]}
-    out.mkdir(parents=True, exist_ok=True)
-    summary = write_run_outputs(run, download, out, None, extra)
-    print(results_table([summary]))
-    print(f"results: {out}  (summary.json, rounds.csv, report.md, learning_curves.png)")
+    staging = target.begin()
+    try:
+        summary = write_run_outputs(run, download, staging, None, extra)
+        target.publish()
+    except BaseException:
+        target.abandon()
+        raise
+    print(results_text([summary], out))
     return 0
 
 
@@ -490,20 +515,15 @@ def _cmd_clean(session: PocSession, args: Any) -> int:
 
 
 def _cmd_run(session: PocSession, args: Any) -> int:
-    from medflare.report import results_table
-
     run = _run_config_from_args(args)
     out = Path(args.output or f"runs/poc-{run.job_name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    summary = run_poc(run, out, mode=args.mode, port=args.port)
-    print(results_table([summary]))
-    print(f"results: {out.resolve()}")
+    summary = run_poc(run, out, mode=args.mode, port=args.port, overwrite=args.overwrite)
+    print(results_text([summary], out))
     return 0
 
 
 def make_parser() -> Any:
     import argparse
-
-    from medflare.cli import _add_run_options
 
     parser = argparse.ArgumentParser(prog="python -m medflare.deploy.poc", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -524,12 +544,13 @@ def make_parser() -> Any:
                              ("run", _cmd_run, "prepare, start, submit, wait, download, stop and clean")):
         p = sub.add_parser(name, help=text)
         p.add_argument("method")
-        _add_run_options(p)
+        add_run_options(p)
         p.add_argument("--mode", choices=["byoc", "preinstalled"], default="byoc")
         if name == "submit":
             p.add_argument("--user", help="admin who submits (default: the project's lead)")
         else:
-            p.add_argument("-o", "--output", help="result folder (default runs/poc-<method>-<time>)")
+            p.add_argument("-o", "--output", help="result folder (default runs/poc-<method>-<time>); must be new")
+            p.add_argument("--overwrite", action="store_true", help="replace medflare's earlier results there")
         p.set_defaults(func=func)
     p = sub.add_parser("wait", help="wait for a job (default: the last submitted); exit 0 if it completed")
     p.add_argument("job_id", nargs="?")
@@ -537,7 +558,8 @@ def make_parser() -> Any:
     p.set_defaults(func=_cmd_wait)
     p = sub.add_parser("download", help="download a job and write summary.json, rounds.csv, report.md, plots")
     p.add_argument("job_id", nargs="?")
-    p.add_argument("-o", "--output", help="result folder (default runs/poc-<method>-<job>)")
+    p.add_argument("-o", "--output", help="result folder (default runs/poc-<method>-<job>); must be new")
+    p.add_argument("--overwrite", action="store_true", help="replace medflare's earlier results there")
     p.set_defaults(func=_cmd_download)
     sub.add_parser("stop", help="stop every process of this POC").set_defaults(func=_cmd_stop)
     sub.add_parser("clean", help="stop (if needed) and delete this POC").set_defaults(func=_cmd_clean)
@@ -547,13 +569,19 @@ def make_parser() -> Any:
 def main(argv: list[str] | None = None) -> int:
     import sys
 
+    from medflare.runner import Interrupted, stop_on_signals
+
     args = make_parser().parse_args(argv)
     session = PocSession(Path(args.root), port=args.port)
     try:
-        return args.func(session, args)
+        with stop_on_signals():
+            return args.func(session, args)
     except MedflareError as exc:
         print(f"poc: error: {exc}", file=sys.stderr)
         return 2
+    except Interrupted as exc:
+        print(f"poc: interrupted by {exc}", file=sys.stderr)
+        return exc.exit_code
 
 
 if __name__ == "__main__":

@@ -66,6 +66,10 @@ class TrainConfig:
         check_train_options(self)
         if self.batch_size < 1 or self.local_epochs < 1:
             raise ConfigError("train.batch_size and train.local_epochs must be >= 1")
+        if self.lr <= 0:
+            raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+        if self.max_steps < 0:
+            raise ConfigError(f"train.max_steps must be >= 0 (0 = no cap), got {self.max_steps}")
 
 
 @dataclass(frozen=True)

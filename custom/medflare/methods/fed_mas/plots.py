@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from medflare.report import integer_ticks, pyplot
+from medflare.plotting import integer_ticks, pyplot
 
 
 def plot_divergence(records: list[dict[str, Any]], path: Path) -> Path | None:

@@ -15,9 +15,7 @@ from medflare.registry import register_method
 
 @dataclass
 class FedAvgMaskedConfig:
-    """Which state-dict keys are the classifier whose rows are masked per class."""
-
-    classifier_keys: str = r"^head\."  # regex of the classifier's keys (weight rows and bias entries)
+    """FedAvg* has no hyperparameters: the classifier is the model's ``head.*`` (every registered network's)."""
 
 
 SPEC = register_method(

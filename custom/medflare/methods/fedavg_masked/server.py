@@ -6,7 +6,7 @@ import numpy as np
 
 from medflare.errors import PayloadError
 from medflare.methods.base import RoundContext, ServerRule, SiteUpdate
-from medflare.methods.fedlsm.server import IDENTIFIED_KEY, classifier_row_weights, masked_vectors
+from medflare.methods.fedlsm.server import CLASSIFIER_KEYS, IDENTIFIED_KEY, classifier_row_weights, masked_vectors
 
 
 class MaskedClassifierRule(ServerRule):
@@ -19,4 +19,4 @@ class MaskedClassifierRule(ServerRule):
         return super().site_weight(update, ctx)
 
     def row_weights(self, updates: list[SiteUpdate]) -> dict[str, dict[str, np.ndarray]] | None:
-        return classifier_row_weights(updates, self.cfg.classifier_keys, masked_vectors(updates))
+        return classifier_row_weights(updates, CLASSIFIER_KEYS, masked_vectors(updates))

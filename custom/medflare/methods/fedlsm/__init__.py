@@ -14,6 +14,7 @@ from medflare.errors import ConfigError
 from medflare.methods.base import MethodSpec
 from medflare.methods.fedlsm.client import FedLsmTrainer
 from medflare.methods.fedlsm.server import (
+    CLASSIFIER_KEYS,
     IDENTIFIED_KEY,
     LABEL_COUNTS,
     NEGATIVES,
@@ -56,7 +57,7 @@ class FedLsmConfig:
     repo_compat: bool = False  # the authors' behaviour for spec §5(e)1-2 and their UE formula (see README)
     weak_augment: str = "weak"  # the teacher's view (horizontal flip)
     strong_augment: str = "strong"  # the student's view (flips, affine, brightness/contrast, blur)
-    classifier_keys: str = r"^head\."  # state-dict keys of the classifier rows AWPA weights per class
+    classifier_keys: str = CLASSIFIER_KEYS  # state-dict keys of the classifier rows AWPA weights per class
 
     def __post_init__(self) -> None:
         problems = [

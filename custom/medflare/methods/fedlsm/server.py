@@ -18,6 +18,7 @@ POSITIVES, NEGATIVES = "positives", "negatives"  # its arrays: per-class counts 
 POS_WEIGHT = "pos_weight"  # server -> site with every multi-label train task
 Q_KEY = "q"  # per-class labels + pseudo-labels drawn this round (AWPA's q^k)
 IDENTIFIED_KEY = "identified"  # 0/1 per class: the classes the site annotates (masked aggregation)
+CLASSIFIER_KEYS = r"^head\."  # every registered network's classifier (models.Classifier)
 
 
 def classifier_row_weights(

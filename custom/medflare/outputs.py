@@ -1,0 +1,340 @@
+"""Where a run's results go, and what they are: safe output folders and the files every run writes.
+
+Nothing is deleted that medflare did not write. Every folder medflare writes results into holds a marker file
+(:data:`MARKER`) listing each file medflare put there. A non-empty folder is refused unless the user passes
+``--overwrite``; even then only the files the marker lists are removed, and a new result never replaces a file
+medflare did not write. Results are staged in ``<target>.partial`` (marked as medflare's) and appear under their
+real name only when complete; a failed or interrupted run leaves ``<target>.failed.log`` instead.
+
+Shared by the simulator and POC runners and by ``medflare export``/``report``, so every environment writes
+the same outputs the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from medflare.errors import ConfigError, MedflareError
+from medflare.report import build_summary, format_seconds, results_table, write_outputs
+
+MARKER = ".medflare-outputs.json"
+MODEL_FILES = ("FL_global_model.pt", "best_FL_global_model.pt")
+
+
+class OutputError(MedflareError, RuntimeError):
+    """Results could not be published without touching a file medflare did not write."""
+
+
+@dataclass
+class OutputTarget:
+    """A result folder (``unit`` inside ``root``) that medflare may create, fill and replace.
+
+    Attributes:
+        root: the folder whose marker records every file medflare wrote into it.
+        unit: the subfolder one command replaces as a whole ("" = ``root`` itself; ``export`` writes one job
+            folder per call into a shared ``-o`` folder).
+        overwrite: replace medflare's earlier files in a non-empty target (never anyone else's).
+        merge: add the results beside what the target holds, replacing only medflare's files of the same name
+            (``report`` writes into a downloaded job's folder); otherwise all of medflare's earlier files go.
+        option: how the user named the folder, for messages (``--out``, ``-o``).
+    """
+
+    root: Path
+    unit: str = ""
+    overwrite: bool = False
+    merge: bool = False
+    option: str = "--out"
+
+    def __post_init__(self) -> None:
+        if self.unit and (Path(self.unit).name != self.unit or self.unit in (".", "..")):
+            raise ConfigError(f"'{self.unit}' must be one folder name inside {self.option} (no '/', '.' or '..')")
+        self.root = Path(self.root).resolve()
+        self._keep_staging = False  # set when publishing refused: the finished results must not be lost
+
+    @property
+    def target(self) -> Path:
+        return self.root / self.unit if self.unit else self.root
+
+    @property
+    def staging(self) -> Path:
+        return self.target.with_name(self.target.name + ".partial")
+
+    @property
+    def failed_log(self) -> Path:
+        return self.target.with_name(self.target.name + ".failed.log")
+
+    def check(self) -> None:
+        """Refuse, before anything starts, a target that is a file or already holds something (without
+        ``--overwrite``), and a staging folder medflare did not make. Writes nothing."""
+        for folder in (self.root, self.target):
+            if folder.exists() and not folder.is_dir():
+                raise ConfigError(f"{self.option} {folder} is a file, not a folder; choose a folder path")
+        if _has_content(self.target) and not (self.overwrite or self.merge):
+            what = "already exists" if self.unit else "is not empty"
+            raise ConfigError(
+                f"{self.option} {self.target} {what}; choose a new folder, or add --overwrite to replace "
+                f"medflare's earlier results there (files medflare did not write are kept)"
+            )
+        if self.staging.exists() and not (self.staging / MARKER).is_file():
+            raise ConfigError(f"{self.staging} exists and was not made by medflare; move it away or choose "
+                              f"another {self.option}")
+
+    def begin(self) -> Path:
+        """A fresh staging folder, marked as medflare's (a leftover of a killed medflare run is replaced)."""
+        self.check()
+        shutil.rmtree(self.staging, ignore_errors=True)  # check() proved it is medflare's
+        self.staging.mkdir(parents=True)
+        _write_marker(self.staging, [])
+        return self.staging
+
+    def publish(self, source: Path | None = None) -> Path:
+        """Move the staged results into the target and record them in the root's marker; return the target.
+
+        Args:
+            source: the folder inside the staging folder that holds the results (default: the staging folder).
+
+        Raises:
+            OutputError: a result would replace a file medflare did not write; the results stay staged.
+        """
+        source = source or self.staging
+        new_files = _files_under(source)
+        if not self.target.exists():
+            if self.unit:
+                (self.staging / MARKER).unlink(missing_ok=True)  # the root's marker records a unit's files
+            else:
+                _write_marker(source, new_files)
+            source.rename(self.target)
+            shutil.rmtree(self.staging, ignore_errors=True)
+            if self.unit:
+                self._record(new_files)
+            return self.target
+        prefix = f"{self.unit}/" if self.unit else ""
+        ours = {f[len(prefix):] for f in _read_marker(self.root) if f.startswith(prefix)}
+        clashes = sorted(set(new_files) & (set(_files_under(self.target)) - ours))
+        if clashes:
+            self._keep_staging = True
+            raise OutputError(
+                f"{self.target / clashes[0]} was not written by medflare and would be replaced; the results are "
+                f"kept in {self.staging}. Move that file away, or choose another {self.option}"
+            )
+        replaced = ours & set(new_files) if self.merge else ours
+        _remove_files(self.target, sorted(replaced))
+        for relative in new_files:
+            destination = self.target / relative
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(source / relative, destination)
+        shutil.rmtree(self.staging)
+        self._record(new_files, replaced={prefix + f for f in replaced})
+        return self.target
+
+    def abandon(self, log: str | None = None) -> Path | None:
+        """Remove the staging folder (medflare's); keep ``log`` as ``<target>.failed.log`` and return its path."""
+        kept = None
+        if log:
+            self.failed_log.parent.mkdir(parents=True, exist_ok=True)
+            self.failed_log.write_text(log)
+            kept = self.failed_log
+        if (self.staging / MARKER).is_file() and not self._keep_staging:
+            shutil.rmtree(self.staging, ignore_errors=True)
+        return kept
+
+    def _record(self, new_files: list[str], replaced: set[str] | None = None) -> None:
+        prefix = f"{self.unit}/" if self.unit else ""
+        kept = [f for f in _read_marker(self.root) if f not in (replaced or set())]
+        _write_marker(self.root, sorted(set(kept) | {prefix + f for f in new_files}))
+
+
+def _has_content(folder: Path) -> bool:
+    return folder.is_dir() and any(folder.iterdir())
+
+
+def _files_under(folder: Path) -> list[str]:
+    """Every file below ``folder`` (relative, '/'-separated), except the folder's own marker."""
+    if not folder.is_dir():
+        return []
+    files = (p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() or p.is_symlink())
+    return sorted(f for f in files if f != MARKER)
+
+
+def _read_marker(folder: Path) -> list[str]:
+    path = folder / MARKER
+    if not path.is_file():
+        return []
+    try:
+        return [str(f) for f in json.loads(path.read_text()).get("files", [])]
+    except (json.JSONDecodeError, AttributeError):
+        return []  # an unreadable marker vouches for nothing: nothing is removed
+
+
+def _write_marker(folder: Path, files: list[str]) -> None:
+    content = {"written_by": "medflare", "note": "files medflare wrote here; --overwrite removes only these",
+               "files": files}
+    (folder / MARKER).write_text(json.dumps(content, indent=1) + "\n")
+
+
+def _remove_files(folder: Path, files: list[str]) -> None:
+    """Delete the listed files (only files, never a folder with other content), then folders left empty."""
+    parents: set[Path] = set()
+    for relative in files:
+        path = folder / relative
+        if path.is_file() or path.is_symlink():
+            path.unlink()
+            parents.update(p for p in path.parents if folder in p.parents)
+    for directory in sorted(parents, key=lambda p: len(p.parts), reverse=True):
+        if directory.is_dir() and not any(directory.iterdir()):
+            directory.rmdir()
+
+
+def write_job_outputs(
+    run: Any,
+    results_file: Path,
+    out: Path,
+    clients: Mapping[str, Any],
+    launched_at: float | None,
+    deployment: dict[str, Any] | None = None,
+    copy_models: bool = True,
+) -> dict[str, Any]:
+    """summary.json, rounds.csv, report.md, plots and the global models, from the controller's results file.
+
+    Shared by the simulator and POC runners, so ``medflare run`` writes the same outputs in every environment.
+
+    Args:
+        copy_models: copy the global models found beside the results (off when the outputs go beside them).
+    """
+    results = json.loads(results_file.read_text())
+    summary = build_summary(results, {**run_summary_config(run), **(deployment or {})}, clients, launched_at)
+    if deployment:
+        summary["deployment"] = deployment
+    write_outputs(summary, out)
+    for name in MODEL_FILES if copy_models else ():
+        if (results_file.parent / name).exists():
+            shutil.copy(results_file.parent / name, out / name)
+    return summary
+
+
+def failure_note(rounds: int, search_root: Path, exc: BaseException) -> str:
+    """The closing line of a failure log: why the run ended and how many rounds the server finished.
+
+    Args:
+        rounds: the rounds the run was to have.
+        search_root: folder holding the server's workspace (the controller writes its results every round).
+        exc: what ended the run.
+    """
+    from medflare.flare.controller import RESULTS_FILE
+
+    finished = 0
+    for results in search_root.glob(f"**/app_server/{RESULTS_FILE}"):
+        try:
+            finished = max(finished, len(json.loads(results.read_text()).get("rounds", [])))
+        except (OSError, json.JSONDecodeError):
+            continue
+    reason = f"interrupted by {exc}" if isinstance(exc, KeyboardInterrupt) else f"failed: {type(exc).__name__}: {exc}"
+    return f"\nmedflare: run {reason}; rounds finished: {finished}/{rounds}\n"
+
+
+def run_summary_config(run: Any) -> dict[str, Any]:
+    """The resolved run configuration as summaries record it (with the task and the full training settings)."""
+    return {**vars(run), "task": vars(run.task_spec()), "train_resolved": vars(run.train_config())}
+
+
+def results_text(summaries: list[Mapping[str, Any]], out: Path) -> str:
+    """What a finished command prints: the results table, timing of a single run, and where the files are."""
+    lines = ["", results_table(summaries)]
+    if len(summaries) == 1:
+        timing = summaries[0]["timing"]
+        lines.append(f"\nstart-up {format_seconds(timing.get('startup_seconds'), 1)}, "
+                     f"mean round {format_seconds(timing.get('mean_round_seconds'), 2)}")
+    lines.append(f"results: {out.resolve()}")
+    return "\n".join(lines)
+
+
+# ----- results of a job that ran elsewhere (downloaded from POC/production, or a simulator workspace) -------
+def report_from_results(results_file: Path, out: Path, copy_models: bool = True) -> dict[str, Any]:
+    """The usual run outputs from a job's ``medflare_results.json`` and the job config that sits beside it.
+
+    FLARE deploys the whole app to the server, so ``app_server/config/`` holds both the server and the client
+    config in a downloaded job and in a simulator workspace alike; the run is rebuilt from them, and the report
+    says the same (data, sites, seed, model, training settings) as the simulator run's.
+
+    Args:
+        results_file: the results file, or the folder holding it (``.../app_server``).
+        out: folder to write summary.json, rounds.csv, report.md and plots into.
+        copy_models: also copy the global models there (pointless when the report goes beside them).
+
+    Raises:
+        ConfigError: the file is missing, or it or the job config beside it is unreadable.
+    """
+    from medflare.flare.controller import RESULTS_FILE
+
+    results_file = results_file / RESULTS_FILE if results_file.is_dir() else results_file
+    if not results_file.is_file():
+        raise ConfigError(f"results file not found: {results_file}; give a run's {RESULTS_FILE} (a downloaded job "
+                          f"has it in <job id>/workspace/app_server/)")
+    run = job_run_config(results_file.parent)
+    try:
+        results = json.loads(results_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{results_file} is not a medflare results file: {exc}") from exc
+    launched_at = results.get("controller_started_at")  # the server app's start: start-up = FLARE's job set-up
+    return write_job_outputs(run, results_file, out, {}, launched_at, copy_models=copy_models)
+
+
+def job_run_config(app_dir: Path) -> Any:
+    """The RunConfig a job was built from, read back from its app config (``config_fed_server/client``)."""
+    from medflare.config import from_dict
+    from medflare.run_config import RunConfig
+    from medflare.site_runtime import TaskSpec
+
+    server, client = (_read_app_config(app_dir, side) for side in ("server", "client"))
+    meta_files = (app_dir.parent / "meta.json", app_dir.parent.parent / "meta.json")
+    meta = next((json.loads(p.read_text()) for p in meta_files if p.is_file()), {})
+    try:
+        model = _component(server["components"], "MedflareModelPersistor")["args"]["model"]["args"]
+        controller = _component(server["workflows"], "MedflareController")["args"]
+        executor = _component([e["executor"] for e in client["executors"]], "MedflareExecutor")["args"]
+        fields = {
+            "method": model["method"], "model": model["model"], "pretrained": model.get("pretrained"),
+            "seed": model["seed"], "method_args": model["method_args"], "rounds": controller["num_rounds"],
+            "min_clients": controller["min_clients"], "clients": len(executor["sites"]),
+            "task": vars(TaskSpec(**executor["task"])),  # with the defaults a job leaves out (multi_label)
+            "data": {k: v for k, v in executor["data"].items() if k not in ("num_sites", "seed")},
+            "train": executor["train"], "site_train": executor.get("site_train", {}),
+            "site_evaluation": executor.get("evaluation", "every_round"),
+            "straggler_seconds": controller.get("wait_time_after_min_received", 600),
+            "task_timeout": controller.get("train_timeout", 0),
+            "task_request_interval": server.get("server", {}).get("task_request_interval", 0.1),
+            "name": meta.get("name", ""),
+        }
+    except (KeyError, TypeError) as exc:
+        raise ConfigError(f"the job config in {app_dir / 'config'} lacks {exc}: not a medflare job") from exc
+    return from_dict(RunConfig, fields, "job config")
+
+
+def _read_app_config(app_dir: Path, side: str) -> dict[str, Any]:
+    """``config_fed_<side>.json`` (exported jobs) or ``.conf`` (jobs made from job_templates/)."""
+    config_dir = app_dir / "config"
+    for suffix in (".json", ".conf"):
+        path = config_dir / f"config_fed_{side}{suffix}"
+        if path.is_file():
+            try:
+                if suffix == ".json":
+                    return json.loads(path.read_text())
+                from pyhocon import ConfigFactory
+
+                return json.loads(json.dumps(ConfigFactory.parse_file(str(path)).as_plain_ordered_dict()))
+            except Exception as exc:  # noqa: BLE001 - any parse failure means the same to the user
+                raise ConfigError(f"cannot read the job config {path}: {' '.join(str(exc).split())}") from exc
+    raise ConfigError(f"no config_fed_{side}.json beside the results in {app_dir}; a report needs the job config "
+                      f"that FLARE keeps in app_server/config/")
+
+
+def _component(components: list[dict[str, Any]], class_name: str) -> dict[str, Any]:
+    for component in components:
+        if str(component.get("path", "")).endswith("." + class_name):
+            return component
+    raise ConfigError(f"the job config has no {class_name}: it is not a medflare job")

@@ -1,0 +1,202 @@
+"""Setting up and controlling a run in any environment (simulator, POC): options, the job, child processes.
+
+A neutral module below the command line: ``medflare.cli`` and ``medflare.deploy.poc`` both build their run
+configuration and their job here, so neither borrows the other's internals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+from medflare.config import load_config_file
+
+if TYPE_CHECKING:  # importing the run configuration pulls in torch: only the commands that build a run pay it
+    from medflare.run_config import RunConfig
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def nvflare_command() -> list[str]:
+    """The nvflare CLI of *this* interpreter's environment (never whatever is first on PATH)."""
+    candidate = Path(sys.executable).with_name("nvflare")
+    return [str(candidate)] if candidate.exists() else [sys.executable, "-m", "nvflare.cli"]
+
+
+# ----- run options ------------------------------------------------------------------------------------
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """The options every command that builds a job takes (``run``, ``compare``, ``export``, POC ``submit``)."""
+    parser.add_argument("--data", help="synthetic[:k=v,...] | medmnist:PATH | folder:DIR | csv:FILE | site")
+    parser.add_argument("--partition", help="iid | dirichlet:A | quantity:A | attribute:F1/F2/.. | labelset:K | longtail-missing:A[:M]")
+    parser.add_argument("--clients", type=int, help="number of sites (default 2)")
+    parser.add_argument("--rounds", type=int, help="federated rounds (default 3)")
+    parser.add_argument("--local-epochs", type=int, help="local epochs per round (default 1)")
+    parser.add_argument("--max-steps", type=int, help="cap on optimizer steps per site per round (0 = none)")
+    parser.add_argument("--batch-size", type=int, help="local batch size (default 64)")
+    parser.add_argument("--lr", type=float, help="local learning rate")
+    parser.add_argument("--model", help="model name (see 'medflare models'; default cnn)")
+    parser.add_argument("--pretrained", help="'imagenet' (efficientnet_lite0) or a local weights file")
+    parser.add_argument("--seed", type=int, help="seed for data, partition and initial model (default 0)")
+    parser.add_argument("--scenario", help="named set-up: hyperkvasir-like | isic-attribute-like (see docs/scenarios)")
+    parser.add_argument("--config", help="JSON or TOML file with run options (overrides the scenario; flags override it)")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="override any option: method.mu=0.1, train.weight_decay=1e-4, data.label_noise=0.2, min_clients=2",
+    )
+
+
+def build_run_config(args: argparse.Namespace, method: str | None = None) -> RunConfig:
+    """RunConfig defaults <- --scenario <- --config <- flags <- --set (validate it with ``RunConfig.validate``).
+
+    Args:
+        args: parsed options of :func:`add_run_options` (and ``args.method``).
+        method: the method to build for (default ``args.method``; ``compare`` builds one per method).
+    """
+    from medflare.run_config import apply_overrides, merge_run_config
+    from medflare.scenarios import load_scenario
+
+    scenario = load_scenario(args.scenario) if args.scenario else {}
+    from_file = load_config_file(args.config) if args.config else {}
+    data = {"source": args.data, "partition": args.partition}
+    train = {"local_epochs": args.local_epochs, "max_steps": args.max_steps, "batch_size": args.batch_size,
+             "lr": args.lr}
+    flags = {
+        "method": method or args.method, "clients": args.clients, "rounds": args.rounds, "model": args.model,
+        "pretrained": args.pretrained, "seed": args.seed,
+        "data": {k: v for k, v in data.items() if v is not None},
+        "train": {k: v for k, v in train.items() if v is not None},
+    }
+    return apply_overrides(merge_run_config(scenario, from_file, flags), args.set)
+
+
+def data_was_chosen(args: argparse.Namespace) -> bool:
+    """True when --data, a scenario, a config file or --set data.source picked the data source."""
+    from_file = bool(args.config) and "source" in load_config_file(args.config).get("data", {})
+    from_set = any(item.partition("=")[0] == "data.source" for item in args.set)
+    return args.data is not None or bool(args.scenario) or from_file or from_set
+
+
+# ----- the job of a run --------------------------------------------------------------------------------
+def shot_groups_for(run: RunConfig, class_counts: list[int] | None) -> dict | None:
+    """Head/medium/tail class ids from global training counts, when thresholds are configured."""
+    if not run.shot_thresholds or class_counts is None:
+        return None
+    from medflare.metrics import shot_groups_from_counts
+
+    head_min, tail_max = run.shot_thresholds
+    return shot_groups_from_counts(class_counts, head_min=head_min, tail_max=tail_max)
+
+
+def describe_sites(run: RunConfig) -> tuple[dict[str, Any], list[int] | None]:
+    """Per-site partition facts (simulated data only) and global training class counts."""
+    if run.data.get("source", "site") == "site":
+        return {}, None
+    from medflare.config import from_dict
+    from medflare.data import DataConfig, describe_partition
+
+    data_cfg = from_dict(DataConfig, {**run.site_data(), "num_classes": run.task_spec().num_classes}, "data")
+    facts = describe_partition(data_cfg)
+    sites = {name: facts[i] for i, name in enumerate(run.site_names)}
+    totals = [sum(int(f["class_counts"][k]) for f in facts) for k in range(len(facts[0]["class_counts"]))]
+    return sites, totals
+
+
+def export_run_job(run: RunConfig, out_dir: str | Path, mode: str, class_counts: list[int] | None = None) -> Path:
+    """The run's FLARE job (``byoc`` or ``preinstalled``), as the simulator, POC and production get it.
+
+    Args:
+        run: the validated run.
+        out_dir: folder the job folder ``<job name>/`` is written into.
+        mode: ``byoc`` (the job carries medflare) or ``preinstalled``.
+        class_counts: global training class counts from :func:`describe_sites` (computed when not given).
+    """
+    from medflare.flare.job import export_job
+
+    if class_counts is None:
+        _, class_counts = describe_sites(run)
+    return export_job(run, out_dir, run.task_spec(), mode=mode, shot_groups=shot_groups_for(run, class_counts))
+
+
+# ----- interruption ------------------------------------------------------------------------------------
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGINT arrived: every ``except BaseException`` clean-up path runs, as for Ctrl-C.
+
+    Attributes:
+        signum: the signal received.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """Within this block SIGTERM/SIGINT raise :class:`Interrupted` once; repeats are ignored so clean-up finishes.
+
+    Only the main thread can own signal handlers; elsewhere the block changes nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        if not received:
+            received.append(signum)
+            raise Interrupted(signum)
+
+    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def quiet_on_closed_output(echo: Callable[[str], None]) -> Callable[[str], None]:
+    """``echo`` that stays silent once its output is gone (a closed terminal or pipe), so clean-up runs on."""
+
+    def write(line: str) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            echo(line)
+
+    return write
+
+
+def start_process(command: list[str], **popen_args: Any) -> subprocess.Popen:
+    """Start a child in its own process group, so a terminal's Ctrl-C reaches medflare only and medflare
+    stops the child's whole tree itself (:func:`stop_process_tree`)."""
+    return subprocess.Popen(command, start_new_session=True, **popen_args)
+
+
+def stop_process_tree(proc: subprocess.Popen, grace_seconds: float = 10.0) -> None:
+    """Terminate ``proc`` and every process below it (FLARE's simulator starts each site in a new session, so
+    its process group alone is not enough); kill whatever outlives ``grace_seconds``."""
+    import psutil
+
+    try:
+        root = psutil.Process(proc.pid)
+        tree = root.children(recursive=True) + [root]
+    except psutil.NoSuchProcess:
+        tree = []
+    for process in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.terminate()
+    _, alive = psutil.wait_procs(tree, timeout=grace_seconds)
+    for process in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(alive, timeout=grace_seconds)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace_seconds)

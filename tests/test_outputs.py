@@ -1,0 +1,212 @@
+"""Result folders: medflare never deletes or replaces a file it did not write.
+
+The simulator itself is replaced by a fake that leaves a results file where FLARE's server would, so these
+tests run the real ``medflare run``/``compare``/``export`` paths (export, outputs, publishing) in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+import medflare.simulate as simulate_module
+from medflare.cli import main
+from medflare.flare.controller import RESULTS_FILE
+from medflare.errors import ConfigError
+from medflare.outputs import MARKER, OutputTarget
+
+QUICK = ["--data", "synthetic:n=200", "--rounds", "2"]
+TASK = ["--set", "task.num_classes=2", "--set", "task.in_channels=1", "--set", "task.image_size=28"]
+
+
+def run_cli(args: list[str], capsys) -> tuple[int, str]:
+    code = main(args)
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def results(rounds: int, extra_key: str | None) -> dict:
+    metrics = {"accuracy": 0.5, "balanced_accuracy": 0.5, "macro_f1": 0.4, "auc_macro_ovr": 0.6}
+    records = [{"round": r, "started_at": 100.0 + r, "wall_seconds": 1.0, "share": {"site-1": 0.5, "site-2": 0.5},
+                "sites": {}, "payload": {}} for r in range(rounds)]
+    if extra_key:  # a method extra such as Fed-MAS's RF: the report draws <key>.png for it
+        for record in records:
+            record[extra_key] = {"site-1": 1.0, "site-2": 2.0}
+    return {"method": "fedavg", "rounds": records, "finished_at": 200.0,
+            "evaluations": {str(r): {"test": metrics, "val": metrics} for r in range(rounds + 1)}}
+
+
+@pytest.fixture
+def fake_simulator(monkeypatch):
+    """Replace ``nvflare simulator``: write the server's results file (and a log) as FLARE would."""
+    calls = {"extra_key": None, "fail": False}
+
+    def launch(run, job_dir, workspace, log_path, echo):
+        log_path.write_text("simulator log: round 1 done\n")
+        app = workspace / "server" / "simulate_job" / "app_server"
+        app.mkdir(parents=True)
+        (app / RESULTS_FILE).write_text(json.dumps(results(run.rounds, calls["extra_key"])))
+        (app / "FL_global_model.pt").write_bytes(b"model")
+        if calls["fail"]:
+            raise simulate_module.SimulationError("nvflare simulator exited with code 1")
+
+    monkeypatch.setattr(simulate_module, "_launch", launch)
+    return calls
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def user_folder(path: Path) -> dict[str, bytes]:
+    """A folder of the user's own files, including names medflare also writes into subfolders."""
+    (path / "data").mkdir(parents=True)
+    (path / "notes.txt").write_text("mine")
+    (path / "data" / "images.npz").write_bytes(b"\x00\x01")
+    (path / "job").mkdir()
+    (path / "job" / "my_job_notes.md").write_text("mine too")
+    return tree(path)
+
+
+def test_run_refuses_a_non_empty_out_and_touches_nothing(tmp_path: Path, fake_simulator, capsys) -> None:
+    before = user_folder(tmp_path / "mine")
+    code, out = run_cli(["run", "fedavg", *QUICK, "--out", str(tmp_path / "mine")], capsys)
+    assert code == 2 and "is not empty" in out and "--overwrite" in out
+    assert tree(tmp_path / "mine") == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
+
+
+def test_run_refuses_the_current_folder(tmp_path: Path, fake_simulator, capsys, monkeypatch) -> None:
+    before = user_folder(tmp_path / "project")
+    monkeypatch.chdir(tmp_path / "project")
+    code, out = run_cli(["run", "fedavg", *QUICK, "--out", "."], capsys)
+    assert code == 2 and "is not empty" in out
+    assert tree(tmp_path / "project") == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["project"]
+
+
+@pytest.mark.parametrize("command", [["run", "fedavg"], ["compare", "fedavg", "fedprox"]])
+def test_out_pointing_at_a_file_is_refused_before_training(command, tmp_path: Path, fake_simulator, capsys) -> None:
+    (tmp_path / "results.txt").write_text("mine")
+    code, out = run_cli([*command, *QUICK, "--out", str(tmp_path / "results.txt")], capsys)
+    assert code == 2 and "is a file, not a folder" in out
+    assert tree(tmp_path) == {"results.txt": b"mine"}
+
+
+def test_overwrite_keeps_every_user_file(tmp_path: Path, fake_simulator, capsys) -> None:
+    out_dir = tmp_path / "mine"
+    before = user_folder(out_dir)
+    code, out = run_cli(["run", "fedavg", *QUICK, "--out", str(out_dir), "--overwrite"], capsys)
+    assert code == 0, out
+    after = tree(out_dir)
+    assert {name: after[name] for name in before} == before
+    written = json.loads((out_dir / MARKER).read_text())["files"]
+    assert {"summary.json", "report.md", "FL_global_model.pt", "job/fedavg/meta.json"} <= set(written)
+    assert not set(written) & set(before)
+    assert set(after) == set(before) | set(written) | {MARKER}
+
+
+def test_overwrite_replaces_only_medflare_files_of_the_earlier_run(tmp_path: Path, fake_simulator, capsys) -> None:
+    out_dir = tmp_path / "run"
+    fake_simulator["extra_key"] = "rf"
+    assert run_cli(["run", "fedavg", *QUICK, "--out", str(out_dir)], capsys)[0] == 0
+    assert (out_dir / "rf.png").is_file()
+    (out_dir / "my_analysis.ipynb").write_text("mine")
+    assert run_cli(["run", "fedavg", *QUICK, "--out", str(out_dir)], capsys)[0] == 2  # not empty any more
+    fake_simulator["extra_key"] = None
+    assert run_cli(["run", "fedavg", *QUICK, "--out", str(out_dir), "--overwrite"], capsys)[0] == 0
+    assert not (out_dir / "rf.png").exists()  # the earlier run's file, not written again: removed
+    assert (out_dir / "my_analysis.ipynb").read_text() == "mine"
+    assert (out_dir / "summary.json").is_file()
+
+
+def test_a_result_never_replaces_a_user_file_of_the_same_name(tmp_path: Path, fake_simulator, capsys) -> None:
+    out_dir = tmp_path / "mine"
+    out_dir.mkdir()
+    (out_dir / "report.md").write_text("my report")
+    code, out = run_cli(["run", "fedavg", *QUICK, "--out", str(out_dir), "--overwrite"], capsys)
+    assert code == 2 and "report.md was not written by medflare" in out
+    assert (out_dir / "report.md").read_text() == "my report"
+    assert (tmp_path / "mine.partial" / "summary.json").is_file()  # the finished results are kept, not lost
+
+
+def test_a_failed_run_leaves_only_its_log(tmp_path: Path, fake_simulator, capsys) -> None:
+    fake_simulator["fail"] = True
+    code, out = run_cli(["run", "fedavg", *QUICK, "--out", str(tmp_path / "out")], capsys)
+    assert code == 2 and "exited with code 1" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.failed.log"]
+    log = (tmp_path / "out.failed.log").read_text()
+    assert "simulator log: round 1 done" in log and "rounds finished: 2/2" in log
+
+
+def test_a_staging_folder_medflare_did_not_make_is_refused(tmp_path: Path, fake_simulator, capsys) -> None:
+    before = user_folder(tmp_path / "out.partial")
+    code, out = run_cli(["run", "fedavg", *QUICK, "--out", str(tmp_path / "out")], capsys)
+    assert code == 2 and "was not made by medflare" in out
+    assert tree(tmp_path / "out.partial") == before
+
+
+def test_compare_overwrite_keeps_user_files(tmp_path: Path, fake_simulator, capsys) -> None:
+    out_dir = tmp_path / "cmp"
+    before = user_folder(out_dir)
+    code, out = run_cli(["compare", "fedavg", "fedprox", *QUICK, "--out", str(out_dir), "--overwrite"], capsys)
+    assert code == 0, out
+    after = tree(out_dir)
+    assert {name: after[name] for name in before} == before
+    assert {"comparison.md", "fedavg/summary.json", "fedprox/summary.json"} <= set(after)
+
+
+def test_export_never_deletes_an_existing_folder_it_did_not_write(tmp_path: Path, capsys) -> None:
+    jobs = tmp_path / "jobs"
+    before = user_folder(jobs / "fedavg")
+    code, out = run_cli(["export", "fedavg", *TASK, "-o", str(jobs)], capsys)
+    assert code == 2 and "already exists" in out and tree(jobs / "fedavg") == before
+    code, out = run_cli(["export", "fedavg", *TASK, "-o", str(jobs), "--overwrite"], capsys)
+    assert code == 0, out
+    after = tree(jobs / "fedavg")
+    assert {name: after[name] for name in before} == before and "meta.json" in after
+
+
+def test_export_replaces_its_own_job_and_leaves_the_others(tmp_path: Path, capsys) -> None:
+    jobs = tmp_path / "jobs"
+    user_folder(jobs / "their-job")
+    other = tree(jobs / "their-job")
+    assert run_cli(["export", "fedavg", *TASK, "-o", str(jobs), "--mode", "byoc"], capsys)[0] == 0
+    assert (jobs / "fedavg" / "app" / "custom" / "medflare").is_dir()
+    again = ["export", "fedavg", *TASK, "-o", str(jobs), "--mode", "preinstalled", "--overwrite"]
+    assert run_cli(again, capsys)[0] == 0
+    assert not (jobs / "fedavg" / "app" / "custom").exists()  # the byoc copy was medflare's: gone
+    assert tree(jobs / "their-job") == other
+    assert not (jobs / "fedavg" / MARKER).exists()  # the job folder stays exactly what FLARE gets
+
+
+@pytest.mark.parametrize("name", ["{tmp}/victim", "../outside", "..", "a/b"])
+def test_export_names_never_leave_the_output_folder(name: str, tmp_path: Path, capsys) -> None:
+    (tmp_path / "jobs").mkdir()
+    name = name.format(tmp=tmp_path)
+    code, out = run_cli(["export", "fedavg", *TASK, "--set", f"name={name}", "-o", str(tmp_path / "jobs")], capsys)
+    assert code == 2 and "plain job name" in out
+    assert tree(tmp_path) == {}
+
+
+@pytest.mark.parametrize("unit", ["/elsewhere", "../outside", "..", "a/b", "."])
+def test_an_output_unit_is_one_folder_inside_its_root(unit: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="one folder name"):
+        OutputTarget(tmp_path / "jobs", unit=unit)
+
+
+def test_unreadable_marker_vouches_for_nothing(tmp_path: Path) -> None:
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    (out_dir / "summary.json").write_text("mine")
+    (out_dir / MARKER).write_text("not json")
+    target = OutputTarget(out_dir, overwrite=True)
+    staging = target.begin()
+    (staging / "summary.json").write_text("new")
+    with pytest.raises(Exception, match="not written by medflare"):
+        target.publish()
+    assert (out_dir / "summary.json").read_text() == "mine"
+    assert os.listdir(staging)  # kept for the user
