@@ -13,7 +13,7 @@ same samples per site, nothing masked). Every cell uses the same model, optimize
 per site and round. Reports mean ± std over seeds of the final global model's pooled test metrics.
 
 Usage:
-    python benchmarks/fedlsm.py --setting retina [--seeds 0 1 2] [--rounds 20] [--steps 10] [--out DIR]
+    python benchmarks/fedlsm.py --setting retina [--seeds 0 1 2] [--rounds 15] [--steps 10] [--out DIR]
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--setting", choices=sorted(METRICS), required=True)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps per site and round (every cell)")
     parser.add_argument("--cells", nargs="+", default=None, help="cell names to run (default: all that apply)")
     parser.add_argument("--out", default=None)
@@ -112,7 +112,7 @@ def main() -> None:
             run = setting_config(args.setting, seed, args.rounds, args.steps, cell)
             print(f"[{time.time() - started:6.0f}s] {args.setting} seed {seed} {cell.name} ...", flush=True)
             folder = out / f"{re.sub(r'[^a-z0-9]+', '-', cell.name.lower()).strip('-')}-seed{seed}"
-            summary = run_simulation(run, folder, echo=lambda line: None)
+            summary = run_simulation(run, folder, echo=lambda line: None, overwrite=True)  # a rerun replaces it
             final = summary["final"]
             rows[cell.name].append({"seed": seed, **{m: final.get(m) for m in METRICS[args.setting]},
                                     "per_class_auc": final.get("per_class_auc"),
