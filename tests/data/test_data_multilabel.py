@@ -87,8 +87,9 @@ def test_csv_multi_label_cell_errors_name_line_and_column(png_manifest: Callable
 def test_medmnist_layout_with_label_rows_loads_as_multi_label(tmp_path: Path) -> None:
     """(N, K) 0/1 labels (ChestMNIST's layout) load as multi-label; mixing layouts across splits is refused."""
     rng = np.random.default_rng(0)
-    arrays = {f"{split}_images": rng.integers(0, 256, (8, 28, 28), dtype=np.uint8) for split in ("train", "val", "test")}
-    arrays |= {f"{split}_labels": rng.integers(0, 2, (8, 14), dtype=np.uint8) for split in ("train", "val", "test")}
+    splits = ("train", "val", "test")
+    arrays = {f"{split}_images": rng.integers(0, 256, (8, 28, 28), dtype=np.uint8) for split in splits}
+    arrays |= {f"{split}_labels": rng.integers(0, 2, (8, 14), dtype=np.uint8) for split in splits}
     np.savez(tmp_path / "chest.npz", **arrays)
     splits = load_source(f"medmnist:{tmp_path / 'chest.npz'}")
     assert splits.train.multi_label and splits.train.num_classes == 14
@@ -177,5 +178,6 @@ def test_multi_view_dataset_gives_every_view_of_the_same_image() -> None:
     views = MultiViewDataset(site.train, [plain, build_transform(3, 12, train=True, augment="strong"), plain])
     stacked, label = views[5]
     assert stacked.shape == (3, 3, 12, 12)
-    assert torch.equal(stacked[0], stacked[2]) and torch.equal(stacked[0], site.val.transform(site.train.images.get_image(5)))
+    assert torch.equal(stacked[0], stacked[2])
+    assert torch.equal(stacked[0], site.val.transform(site.train.images.get_image(5)))
     assert torch.equal(label, torch.as_tensor(site.train.labels[5]))

@@ -51,7 +51,8 @@ def test_threshold_metrics_equal_sklearn_on_the_indicator_matrix() -> None:
     predicted = (p >= 0.5).astype(int)
     metrics = compute_metrics(MultiLabelEvalStats.from_predictions(y[:200], p[:200], K)
                               + MultiLabelEvalStats.from_predictions(y[200:], p[200:], K))
-    for name, function in (("macro_f1", f1_score), ("macro_precision", precision_score), ("macro_recall", recall_score)):
+    scorers = (("macro_f1", f1_score), ("macro_precision", precision_score), ("macro_recall", recall_score))
+    for name, function in scorers:
         assert metrics[name] == pytest.approx(function(y, predicted, average="macro", zero_division=0), abs=1e-12)
     assert metrics["accuracy"] == pytest.approx(accuracy_score(y, predicted), abs=1e-12)
     assert metrics["per_class_recall"] == pytest.approx(recall_score(y, predicted, average=None).tolist(), abs=1e-12)

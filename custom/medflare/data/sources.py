@@ -130,7 +130,8 @@ def _load_medmnist(path: str, seed: int, num_classes: int | None) -> DataSplits:
             raise DataError(f"MedMNIST file '{path}': {split}_images is {pixels.dtype} {pixels.shape}; "
                             "expected uint8 (N, H, W) or (N, H, W, 3).")
     where = lambda split, row: f"'{path}' {split}_labels[{row}]"  # noqa: E731
-    num_found = _check_multi_hot(labels, num_classes, where) if multi_label else _check_labels(labels, num_classes, where)
+    check = _check_multi_hot if multi_label else _check_labels
+    num_found = check(labels, num_classes, where)
     attributes = {split: _npz_attributes(arrays, split, len(labels[split]), path) for split in SPLITS}
     sets = {split: ImageSet(labels=labels[split], num_classes=num_found, channels=images[split].shape[-1],
                             images=images[split], attributes=attributes[split], name=f"medmnist:{path}[{split}]")

@@ -17,7 +17,9 @@ __all__ = ["compute_metrics", "multi_label_metrics", "shot_groups_from_counts", 
 MetricValue = float | list[float | None] | None
 
 
-def stats_from_dict(data: object, num_classes: int | None = None, multi_label: bool = False) -> EvalStats | MultiLabelEvalStats:
+def stats_from_dict(
+    data: object, num_classes: int | None = None, multi_label: bool = False
+) -> EvalStats | MultiLabelEvalStats:
     """Validated statistics of the job's kind: a multi-label job accepts only multi-label statistics and back."""
     return (MultiLabelEvalStats if multi_label else EvalStats).from_dict(data, num_classes=num_classes)
 

@@ -63,8 +63,7 @@ class FedLsmConfig:
         problems = [
             (self.aggregation in AGGREGATIONS, f"aggregation must be one of {AGGREGATIONS}"),
             (self.pos_weight_mode in POS_WEIGHT_MODES, f"pos_weight_mode must be one of {POS_WEIGHT_MODES}"),
-            (all(0 <= t <= 1 for t in (self.tau, self.tau_uncertain, self.tau_pos, self.tau_neg,
-                                       self.tau_uncertain_pos, self.tau_uncertain_neg)), "thresholds must be in [0, 1]"),
+            (all(0 <= t <= 1 for t in self.thresholds()), "thresholds must be in [0, 1]"),
             (self.tau_neg < self.tau_pos and self.tau_uncertain_neg < self.tau_uncertain_pos,
              "negative thresholds must lie below the positive ones"),
             (self.uncertain_pool > 0 and self.confident_pool > 0, "uncertain_pool and confident_pool must be > 0"),
@@ -78,6 +77,11 @@ class FedLsmConfig:
         if failed:
             raise ConfigError("fedlsm: " + "; ".join(failed))
 
+    def thresholds(self) -> tuple[float, ...]:
+        """Every pseudo-label threshold (single- and multi-label)."""
+        return (self.tau, self.tau_uncertain, self.tau_pos, self.tau_neg, self.tau_uncertain_pos,
+                self.tau_uncertain_neg)
+
 
 PAYLOAD = Payload(
     arrays={POSITIVES: counts(phase=LABEL_COUNTS), NEGATIVES: counts(phase=LABEL_COUNTS)},
@@ -88,7 +92,7 @@ PAYLOAD = Payload(
 SPEC = register_method(
     MethodSpec(
         name="fedlsm",
-        summary="FedLSM: UE pools, EMA-teacher pseudo-labels, UDE MixUp, classifier rows weighted per class by q (AWPA)",
+        summary="FedLSM: UE pools, EMA-teacher pseudo-labels, UDE MixUp, classifier rows weighted by q (AWPA)",
         config_cls=FedLsmConfig,
         trainer_cls=FedLsmTrainer,
         payload=PAYLOAD,

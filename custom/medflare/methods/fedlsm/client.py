@@ -107,8 +107,9 @@ class FedLsmTrainer(LocalTrainer):
         if self.pool_rows < 1:
             raise ConfigError(f"fedlsm: train.batch_size={self.train_cfg.batch_size} leaves no pseudo-pool rows after "
                               f"mix_batch={self.mix_rows}; raise the batch size")
-        view = lambda augment: build_transform(data.channels, data.image_size, train=True, augment=augment)  # noqa: E731
-        self.two_views = MultiViewDataset(data.train, [view(cfg.weak_augment), view(cfg.strong_augment)])
+        weak, strong = (build_transform(data.channels, data.image_size, train=True, augment=augment)
+                        for augment in (cfg.weak_augment, cfg.strong_augment))
+        self.two_views = MultiViewDataset(data.train, [weak, strong])
         self.plain = MultiViewDataset(data.train, [build_transform(data.channels, data.image_size, train=False)])
         self.identified = torch.as_tensor(identified_classes(data), device=self.device)
         unknown = ~self.identified

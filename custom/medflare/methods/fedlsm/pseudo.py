@@ -62,7 +62,9 @@ def pool_size(size: float, n: int) -> int:
     return max(1, min(n, int(size) if size >= 1 else int(round(size * n))))
 
 
-def split_pools(uncertainty: torch.Tensor, n_uncertain: int, n_confident: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def split_pools(
+    uncertainty: torch.Tensor, n_uncertain: int, n_confident: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(D^h, D^l, pseudo pool) sample indices: the n^h most and n^l least uncertain samples, and every sample
     except D^h (which includes D^l, i.e. D^l ∪ D^m). Ties keep dataset order (stable sort)."""
     order = np.argsort(uncertainty.detach().cpu().numpy(), kind="stable")

@@ -46,9 +46,11 @@ def masked_vectors(updates: list[SiteUpdate]) -> dict[str, np.ndarray]:
 
 
 class FedLsmRule(ServerRule):
-    """θ ← Σ_k (n_k/n) θ_k for every key; classifier row c ← Σ_k (q_c^k / Σ_j q_c^j) ψ_{k,c} (``aggregation="awpa"``),
-    or over the sites that annotate c, weighted by n_k (``"masked"``, FPSL's task-dependent aggregation as spec
-    §5(e)8 infers it), or plain FedAvg (``"samples"``). A row nobody has a count for falls back to n_k.
+    """θ ← Σ_k (n_k/n) θ_k for every key; classifier row c ← Σ_k (q_c^k / Σ_j q_c^j) ψ_{k,c} (``"awpa"``).
+
+    ``aggregation="masked"`` averages row c over the sites that annotate c, by n_k (FPSL's task-dependent
+    aggregation as spec §5(e)8 infers it); ``"samples"`` is plain FedAvg. A row nobody has a count for falls back
+    to n_k.
 
     n_k is the site's whole training set (``n_samples`` as FedLSM's sites send it): every image trains through
     labels, pseudo-labels or MixUp, and it is the paper's n_k.
@@ -68,14 +70,19 @@ class FedLsmRule(ServerRule):
         return [contracts.TRAIN_PHASE]
 
     def phase_arrays(
-        self, phase: str, ctx: RoundContext, global_params: Mapping[str, np.ndarray], earlier: Mapping[str, list[SiteUpdate]]
+        self,
+        phase: str,
+        ctx: RoundContext,
+        global_params: Mapping[str, np.ndarray],
+        earlier: Mapping[str, list[SiteUpdate]],
     ) -> dict[str, np.ndarray] | PerSite:
         arrays = super().phase_arrays(phase, ctx, global_params, earlier)
         if phase != contracts.TRAIN_PHASE or not self.multi_label:
             return arrays
         if earlier.get(LABEL_COUNTS):
             counts = earlier[LABEL_COUNTS]
-            self.pos_weight = global_pos_weight([u.arrays[POSITIVES] for u in counts], [u.arrays[NEGATIVES] for u in counts])
+            positives, negatives = ([u.arrays[key] for u in counts] for key in (POSITIVES, NEGATIVES))
+            self.pos_weight = global_pos_weight(positives, negatives)
         if self.pos_weight is None:
             raise PayloadError("no site answered the label_counts phase, so there is no pos_weight to send")
         return {**arrays, POS_WEIGHT: self.pos_weight.astype(np.float32)}

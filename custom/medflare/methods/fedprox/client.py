@@ -7,7 +7,7 @@ from medflare.methods.base import LocalTrainer, RoundContext
 
 
 class FedProxTrainer(LocalTrainer):
-    """CE (BCE for multi-label tasks) + (μ/2)·||w − w_global||², where w_global is the model received this round."""
+    """CE (BCE for multi-label tasks) + (μ/2)·||w − w_global||², w_global being the model received this round."""
 
     def on_round_start(self, ctx: RoundContext) -> None:
         self.global_params = {n: p.detach().clone() for n, p in self.model.named_parameters()}
