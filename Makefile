@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.medflare-installed
 DEMO_OUT ?= runs/demo
 
-.PHONY: install demo test test-fast bench-overhead bench-fedmas bench-fca bench-mdhfl bench-ssl-fl clean
+.PHONY: install demo test test-fast bench-overhead bench-fedmas bench-fca bench-mdhfl bench-ssl-fl bench-fedlsm clean
 
 # pip (not uv/poetry) so torch==2.14.1 / torchvision==0.29.1 come from this machine's local wheel store.
 $(STAMP): pyproject.toml
@@ -50,6 +50,11 @@ bench-mdhfl: install
 bench-ssl-fl: install
 	$(PY) benchmarks/ssl_fl.py --check-simulator
 	nice -n 10 $(PY) benchmarks/ssl_fl.py --part all
+
+# FedLSM vs its baselines and ablations under label-set mismatch (RetinaMNIST, synthetic multi-label), 3 seeds.
+bench-fedlsm: install
+	nice -n 10 $(PY) benchmarks/fedlsm.py --setting retina --rounds 15 --steps 10 --out runs/bench-fedlsm-retina
+	nice -n 10 $(PY) benchmarks/fedlsm.py --setting synthetic-ml --rounds 15 --steps 10 --out runs/bench-fedlsm-synthetic-ml
 
 # pytest exit code 5 means "no tests collected": that must not pass as green.
 test: install

@@ -60,10 +60,12 @@ class ContractContext:
     Attributes:
         num_classes: K of the task.
         dims: named array dimensions of the current task (see :class:`ArraySpec`).
+        multi_label: whether the task is multi-label (evaluation statistics must then be multi-label ones).
     """
 
     num_classes: int
     dims: Mapping[str, int] = field(default_factory=dict)
+    multi_label: bool = False
 
     def resolve(self, dim: int | str) -> int | None:
         """A declared dimension as a number: ints as they are, "num_classes" = K, other names from ``dims``."""
@@ -130,6 +132,19 @@ def class_vector(name: str) -> MetaValidator:
     return check
 
 
+def class_mask(name: str) -> MetaValidator:
+    """Validator for a length-K 0/1 vector (e.g. the classes a site annotates)."""
+    check_vector = class_vector(name)
+
+    def check(value: Any, ctx: ContractContext) -> list[float]:
+        values = check_vector(value, ctx)
+        if any(v not in (0.0, 1.0) for v in values):
+            raise PayloadError(f"'{name}' must hold only 0 and 1, got {values}")
+        return values
+
+    return check
+
+
 def short_names(name: str, max_items: int = 16, max_length: int = 200) -> MetaValidator:
     """Validator for a short list of short strings (e.g. FLARE's ``filter_history``)."""
 
@@ -147,10 +162,10 @@ def eval_stats_dict(name: str) -> MetaValidator:
     """Validator for an EvalStats dictionary; returns its canonical form, so nothing else rides along."""
 
     def check(value: Any, ctx: ContractContext) -> Any:
-        from medflare.metrics import EvalStats  # local: metrics imports nothing from here
+        from medflare.metrics import stats_from_dict  # local: metrics imports nothing from here
 
         try:
-            canonical = EvalStats.from_dict(value, num_classes=ctx.num_classes).to_dict()
+            canonical = stats_from_dict(value, ctx.num_classes, ctx.multi_label).to_dict()
         except PayloadError as exc:
             raise PayloadError(f"'{name}': {exc}") from exc
         extra = sorted(set(value) - set(canonical)) if isinstance(value, dict) else []

@@ -13,24 +13,24 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from medflare import contracts
-from medflare.metrics import EvalStats, compute_metrics
+from medflare.metrics import EvalStats, compute_metrics, stats_from_dict
 
 SPLIT_KEYS = (("val", contracts.EVAL_VAL), ("test", contracts.EVAL_TEST))
 
 SiteEvaluation = dict[str, Any]  # {"val": EvalStats, "test": EvalStats, "test_by_attribute": {...}, "extra": {...}}
 
 
-def site_evaluation(meta: Mapping[str, Any], num_classes: int) -> SiteEvaluation | None:
+def site_evaluation(meta: Mapping[str, Any], num_classes: int, multi_label: bool = False) -> SiteEvaluation | None:
     """One site's statistics from its result meta, or None when it sent none.
 
     Raises:
-        PayloadError: when a statistics dictionary is malformed.
+        PayloadError: when a statistics dictionary is malformed or not of the task's kind (multi-label or not).
     """
     if not any(key in meta for key in (contracts.EVAL_TEST, contracts.EVAL_EXTRA)):
         return None
 
     def parse(value: Any) -> EvalStats:
-        return EvalStats.from_dict(value, num_classes=num_classes)
+        return stats_from_dict(value, num_classes, multi_label)
 
     evaluation: SiteEvaluation = {split: parse(meta[key]) for split, key in SPLIT_KEYS if key in meta}
     evaluation["test_by_attribute"] = {

@@ -29,6 +29,14 @@ MODES = ("byoc", "preinstalled")
 DEFAULT_TASK_TIMEOUT = 3600
 
 
+MULTI_LABEL_KEY_METRIC = "auc_macro_ovr"  # multi-label jobs select the best model by mean per-class val AUROC
+
+
+def multi_label_args(task: TaskSpec) -> dict[str, Any]:
+    """{"multi_label": True} for a multi-label task, else nothing (single-label job configs stay as they were)."""
+    return {"multi_label": True} if task.multi_label else {}
+
+
 def server_config(run: RunConfig, task: TaskSpec, shot_groups: dict | None = None) -> dict[str, Any]:
     """config_fed_server.json: the (FLARE PT) model persistor, the medflare aggregator and controller, and the
     experiment-tracking receivers."""
@@ -67,6 +75,7 @@ def server_config(run: RunConfig, task: TaskSpec, shot_groups: dict | None = Non
                     "transfer_dtype": run.transfer_dtype,
                     "transfer_kind": run.transfer_kind,
                     "plugins": run.plugin_modules(),
+                    **multi_label_args(task),
                 },
             },
             *tracking.server_components(run.tracking),
@@ -84,6 +93,7 @@ def server_config(run: RunConfig, task: TaskSpec, shot_groups: dict | None = Non
                     "wait_time_after_min_received": run.straggler_seconds,
                     "train_timeout": run.task_timeout or DEFAULT_TASK_TIMEOUT,
                     "patience": run.patience,
+                    **({"key_metric": MULTI_LABEL_KEY_METRIC} if task.multi_label else {}),
                 },
             }
         ],
@@ -109,6 +119,7 @@ def client_config(run: RunConfig, task: TaskSpec) -> dict[str, Any]:
                             "num_classes": task.num_classes,
                             "in_channels": task.in_channels,
                             "image_size": task.image_size,
+                            **multi_label_args(task),
                         },
                         "model": run.model,
                         "method_args": run.method_args,
@@ -125,44 +136,45 @@ def client_config(run: RunConfig, task: TaskSpec) -> dict[str, Any]:
                 },
             }
         ],
-        "task_result_filters": _result_filters(run),
-        "task_data_filters": _audit_filters(run, "task") if run.audit else [],
+        "task_result_filters": _result_filters(run, task),
+        "task_data_filters": _audit_filters(run, task, "task") if run.audit else [],
         "components": tracking.client_components(run.tracking),
     }
 
 
-def task_names(run: RunConfig) -> list[str]:
+def task_names(run: RunConfig, task: TaskSpec | None = None) -> list[str]:
     """Every task name the job's server sends: the rule's phases over all rounds, validate and submit_model."""
     from medflare.flare.aggregator import RoundAggregation
     from medflare.flare.tasks import TASK_SUBMIT_MODEL, TASK_VALIDATE, round_plan
 
+    multi_label = bool(task and task.multi_label)
     core = RoundAggregation(
-        run.method, run.method_args, 2, run.rounds, run.robust, run.transfer_dtype, run.transfer_kind
+        run.method, run.method_args, 2, run.rounds, run.robust, run.transfer_dtype, run.transfer_kind, multi_label
     )
     phases = {phase for ctx in round_plan(core.stages, run.rounds) for phase in core.rule.phases(ctx)}
     return sorted(phases | {TASK_VALIDATE, TASK_SUBMIT_MODEL})
 
 
-def _result_filters(run: RunConfig) -> list[dict[str, Any]]:
+def _result_filters(run: RunConfig, task: TaskSpec) -> list[dict[str, Any]]:
     """The job's DP filter on train results (if asked), then the audit recorder, so it records what really leaves.
 
     FLARE allows one filter chain per task, so each task's filters form one chain, in order.
     """
     dp = {"path": "medflare.flare.privacy.UpdatePrivacy", "args": run.dp} if run.dp else None
     chains = []
-    for task in task_names(run):
-        filters = ([dp] if dp and task == TASK_TRAIN else []) + ([_recorder("result")] if run.audit else [])
+    for name in task_names(run, task):
+        filters = ([dp] if dp and name == TASK_TRAIN else []) + ([_recorder("result")] if run.audit else [])
         if filters:
-            chains.append({"tasks": [task], "filters": filters})
+            chains.append({"tasks": [name], "filters": filters})
     return chains
 
 
-def _audit_filters(run: RunConfig, direction: str) -> list[dict[str, Any]]:
+def _audit_filters(run: RunConfig, task: TaskSpec, direction: str) -> list[dict[str, Any]]:
     """A recorder of every message's structure (tests compare it with the method's declared payload).
 
     FLARE keys job filters by exact task name ("*" matches nothing), so every task the job sends is listed.
     """
-    return [{"tasks": task_names(run), "filters": [_recorder(direction)]}]
+    return [{"tasks": task_names(run, task), "filters": [_recorder(direction)]}]
 
 
 def _recorder(direction: str) -> dict[str, Any]:

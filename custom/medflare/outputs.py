@@ -288,6 +288,7 @@ def job_run_config(app_dir: Path) -> Any:
     """The RunConfig a job was built from, read back from its app config (``config_fed_server/client``)."""
     from medflare.config import from_dict
     from medflare.run_config import RunConfig
+    from medflare.site_runtime import TaskSpec
 
     server, client = (_read_app_config(app_dir, side) for side in ("server", "client"))
     meta_files = (app_dir.parent / "meta.json", app_dir.parent.parent / "meta.json")
@@ -299,7 +300,8 @@ def job_run_config(app_dir: Path) -> Any:
         fields = {
             "method": model["method"], "model": model["model"], "pretrained": model.get("pretrained"),
             "seed": model["seed"], "method_args": model["method_args"], "rounds": controller["num_rounds"],
-            "min_clients": controller["min_clients"], "clients": len(executor["sites"]), "task": executor["task"],
+            "min_clients": controller["min_clients"], "clients": len(executor["sites"]),
+            "task": vars(TaskSpec(**executor["task"])),  # with the defaults a job leaves out (multi_label)
             "data": {k: v for k, v in executor["data"].items() if k not in ("num_sites", "seed")},
             "train": executor["train"], "site_train": executor.get("site_train", {}),
             "site_evaluation": executor.get("evaluation", "every_round"),

@@ -17,7 +17,7 @@ from medflare.config import fields_typed, from_dict
 from medflare.errors import ConfigError
 from medflare.methods.base import TrainConfig
 from medflare.registry import get_method
-from medflare.site_runtime import TaskSpec, resolve_train_config
+from medflare.site_runtime import TaskSpec, check_multi_label_support, resolve_train_config
 
 # --set prefixes and the RunConfig field each one writes into
 SECTIONS = {"method": "method_args", "train": "train", "data": "data", "task": "task"}
@@ -42,7 +42,8 @@ class RunConfig:
         data: DataConfig fields for simulated sites; {"source": "site"} makes each site read its own config.
         train: TrainConfig overrides.
         method_args: the method's hyperparameters.
-        task: {"num_classes", "in_channels", "image_size"}; inferred from the data when empty.
+        task: {"num_classes", "in_channels", "image_size"[, "multi_label"]}; inferred from the data when not all
+            three are given (multi_label too: the data decides whether labels are multi-hot).
         shot_thresholds: (head_min, tail_max) class-count thresholds for head/medium/tail metrics, or None.
         site_train: per-site TrainConfig overrides, e.g. {"site-2": {"batch_size": 16}}.
         site_evaluation: when sites send evaluation counts of the received model: every_round (default),
@@ -220,8 +221,16 @@ class RunConfig:
         return {"seed": self.seed, **self.data, "num_sites": self.clients}
 
     def task_spec(self) -> TaskSpec:
-        """The declared task; missing fields are read off the data (simulation) or must be given (site data)."""
-        return TaskSpec(**self.task) if len(self.task) == 3 else infer_task(self)
+        """The declared task; missing fields are read off the data (simulation) or must be given (site data).
+
+        Raises:
+            ConfigError: also when the method cannot train the task (a multi-label task needs a method whose
+                MethodSpec says ``multi_label``), so nothing is exported or launched for it.
+        """
+        declared = {"num_classes", "in_channels", "image_size"} <= set(self.task)
+        task = TaskSpec(**self.task) if declared else infer_task(self)
+        check_multi_label_support(get_method(self.method), task)  # before anything is exported or launched
+        return task
 
     def train_config(self) -> TrainConfig:
         return resolve_train_config(get_method(self.method), self.train)
@@ -238,7 +247,7 @@ def _typed_task(task: Mapping[str, Any]) -> dict[str, Any]:
     typed = fields_typed(TaskSpec, dict(task), "task")
     lowest = {"num_classes": 2, "in_channels": 1, "image_size": 8}
     for key, value in typed.items():
-        if value < lowest[key]:
+        if key in lowest and value < lowest[key]:
             raise ConfigError(f"task.{key} must be >= {lowest[key]}, got {value}")
     return typed
 
@@ -255,7 +264,8 @@ def infer_task(run: RunConfig) -> TaskSpec:
     splits = load_source(run.data["source"], seed=run.seed, num_classes=run.task.get("num_classes"))
     sample = splits.train.get_image(0)
     size = run.data.get("image_size") or int(sample.shape[0])
-    inferred = {"num_classes": splits.train.num_classes, "in_channels": splits.train.channels, "image_size": size}
+    inferred = {"num_classes": splits.train.num_classes, "in_channels": splits.train.channels, "image_size": size,
+                "multi_label": splits.train.multi_label}
     for key, declared in run.task.items():
         if declared != inferred[key]:
             fix = "data.image_size" if key == "image_size" else "the data source"

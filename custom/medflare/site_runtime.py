@@ -33,11 +33,16 @@ SITE_STATE_FILE = "medflare_site_state.pt"  # optimizer, private keys and method
 
 @dataclass
 class TaskSpec:
-    """Facts about the task that site and server must agree on (no data, no paths)."""
+    """Facts about the task that site and server must agree on (no data, no paths).
+
+    ``multi_label``: several findings per image (multi-hot labels, sigmoid scores, BCE); the data decides it in
+    simulation, a job on site-local data declares it.
+    """
 
     num_classes: int
     in_channels: int
     image_size: int
+    multi_label: bool = False
 
 
 @dataclass
@@ -56,6 +61,18 @@ class SiteSettings:
     def __post_init__(self) -> None:
         if self.evaluation not in EVALUATION_MODES:
             raise ConfigError(f"evaluation must be one of {EVALUATION_MODES}, got '{self.evaluation}'")
+
+
+def check_multi_label_support(spec: MethodSpec, task: TaskSpec) -> None:
+    """A multi-label task needs a method that declares it can train one (``MethodSpec.multi_label``)."""
+    if task.multi_label and not spec.multi_label:
+        from medflare.registry import get_method, list_methods
+
+        able = [name for name in list_methods() if get_method(name).multi_label]
+        raise ConfigError(
+            f"method '{spec.name}' trains single-label classifiers (softmax over classes) and cannot run this "
+            f"multi-label task; use one of {', '.join(able)}"
+        )
 
 
 def resolve_train_config(spec: MethodSpec, overrides: Mapping[str, Any] | None) -> TrainConfig:
@@ -159,6 +176,7 @@ class SiteRuntime:
         self.settings = settings
         self.site_name = site_name
         self.spec = get_method(settings.method)
+        check_multi_label_support(self.spec, settings.task)
         self.method_cfg = from_dict(self.spec.config_cls, settings.method_args, f"method '{settings.method}'")
         self.train_cfg = resolve_train_config(self.spec, settings.train)
         self.log = log
@@ -187,6 +205,12 @@ class SiteRuntime:
             raise DataError(
                 f"{self.site_name}: images have {data.channels} channel(s) but the job declares "
                 f"in_channels={task.in_channels}; fix the job's task.in_channels or the site's data"
+            )
+        if data.multi_label != task.multi_label:
+            kinds = ("single-label", "multi-label")
+            raise DataError(
+                f"{self.site_name}: the site's data is {kinds[data.multi_label]} but the job declares a "
+                f"{kinds[task.multi_label]} task; fix the job's task.multi_label or the site's labels"
             )
         self.log(f"{len(data.train)} train / {len(data.val)} val / {len(data.test)} test images")
         return data
@@ -248,7 +272,9 @@ class SiteRuntime:
         return {**encode_weights(weights, received, dtype, kind), **others}
 
     def _check_outgoing(self, arrays: Mapping[str, Any], meta: Mapping[str, Any], phase: str, ctx: RoundContext) -> None:
-        contract = ContractContext(self.settings.task.num_classes, dims=ctx.server_meta.get(contracts.ARRAY_DIMS) or {})
+        task = self.settings.task
+        dims = ctx.server_meta.get(contracts.ARRAY_DIMS) or {}
+        contract = ContractContext(task.num_classes, dims=dims, multi_label=task.multi_label)
         self.spec.payload.check_outgoing(arrays, meta, self.model_keys, contract, phase=phase, stage=ctx.stage)
 
     # ----- state kept at the site ------------------------------------------------------------------

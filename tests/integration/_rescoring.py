@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from sklearn.metrics import accuracy_score, balanced_accuracy_score
+from sklearn.metrics import accuracy_score, balanced_accuracy_score, f1_score, roc_auc_score
 from torch.utils.data import DataLoader
 
 from medflare.config import from_dict
@@ -20,8 +20,8 @@ from medflare.registry import get_method
 from medflare.run_config import RunConfig
 
 
-def rescore_global_model(run_dir: Path, run: RunConfig) -> dict[str, float]:
-    """Balanced accuracy, accuracy and mean cross-entropy of the run's final global model (raw model outputs)."""
+def pooled_test_outputs(run_dir: Path, run: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(labels, float64 logits) of the run's saved final global model on every simulated site's test split."""
     task = run.task_spec()
     model = build_global_model(run.method, run.model, task.num_classes, task.in_channels, task.image_size,
                                method_args=run.method_args).network  # the full network; the server keeps no private keys
@@ -38,7 +38,12 @@ def rescore_global_model(run_dir: Path, run: RunConfig) -> dict[str, float]:
             for images, batch_labels in DataLoader(make_site_data(data_cfg, index, site).test, batch_size=256):
                 labels.append(batch_labels)
                 logits.append(model(images).double())
-    y, z = torch.cat(labels), torch.cat(logits)
+    return torch.cat(labels), torch.cat(logits)
+
+
+def rescore_global_model(run_dir: Path, run: RunConfig) -> dict[str, float]:
+    """Balanced accuracy, accuracy and mean cross-entropy of the run's final global model (raw model outputs)."""
+    y, z = pooled_test_outputs(run_dir, run)
     keep = y >= 0
     y, z = y[keep], z[keep]
     predicted = z.argmax(dim=1).numpy()
@@ -47,4 +52,22 @@ def rescore_global_model(run_dir: Path, run: RunConfig) -> dict[str, float]:
         "accuracy": float(accuracy_score(y.numpy(), predicted)),
         "loss": float(F.cross_entropy(z, y).item()),
         "count": int(np.count_nonzero(keep.numpy())),
+    }
+
+
+def rescore_multi_label_model(run_dir: Path, run: RunConfig) -> dict[str, float]:
+    """Mean per-class AUROC (exact, and binned with its error bound), macro F1 and subset accuracy (threshold 0.5)
+    of a multi-label run's final model."""
+    from medflare.metrics import MultiLabelEvalStats, binned_auc_error_bound, compute_metrics
+
+    y, z = pooled_test_outputs(run_dir, run)
+    y, scores = y.numpy(), torch.sigmoid(z).numpy()
+    predicted = (scores >= 0.5).astype(int)
+    stats = MultiLabelEvalStats.from_predictions(y, scores, y.shape[1])
+    return {
+        "auc_macro_ovr": float(roc_auc_score(y, scores, average="macro")),
+        "binned_auc_macro_ovr": compute_metrics(stats)["auc_macro_ovr"],
+        "auc_bound": max(binned_auc_error_bound(p, n) for p, n in zip(stats.pos_hist, stats.neg_hist)),
+        "macro_f1": float(f1_score(y, predicted, average="macro", zero_division=0)),
+        "accuracy": float(accuracy_score(y, predicted)),
     }

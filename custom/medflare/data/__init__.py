@@ -8,11 +8,18 @@ Pure numpy/torch, usable without FLARE. Typical use on a site::
 
 from medflare.data.noise import inject_label_noise, noise_transition_matrix
 from medflare.data.partition import Partition, apply_label_mask, parse_scheme, partition, partition_like
-from medflare.data.site import DataConfig, ImageDataset, SiteData, describe_partition, make_site_data
+from medflare.data.site import (
+    DataConfig,
+    ImageDataset,
+    MultiViewDataset,
+    SiteData,
+    describe_partition,
+    make_site_data,
+)
 from medflare.data.sources import clear_source_cache, load_source
 from medflare.data.synthetic import SyntheticConfig, apply_site_shift
 from medflare.data.transforms import build_transform
-from medflare.data.types import UNLABELED, DataSplits, ImageSet
+from medflare.data.types import UNLABELED, DataSplits, ImageSet, labelled_counts, labelled_rows
 
 __all__ = [
     "UNLABELED",
@@ -20,6 +27,7 @@ __all__ = [
     "DataSplits",
     "ImageDataset",
     "ImageSet",
+    "MultiViewDataset",
     "Partition",
     "SiteData",
     "SyntheticConfig",
@@ -29,6 +37,8 @@ __all__ = [
     "clear_source_cache",
     "describe_partition",
     "inject_label_noise",
+    "labelled_counts",
+    "labelled_rows",
     "load_source",
     "make_site_data",
     "noise_transition_matrix",

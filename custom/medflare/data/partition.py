@@ -13,6 +13,9 @@ Schemes (the string forms accepted by `partition`):
     class-dirichlet:A1/.../AK[:P]  per-class Dirichlet concentration A_k, and each site drops each class with
                               probability P (default 0): FCA's RSNA-ICH splits (spec §6(d))
 
+Multi-label labels (`[N, K]` multi-hot rows) support the schemes that do not deal classes to sites (iid,
+quantity, attribute, labelset); iid stratifies on each sample's first positive finding (`multi_label_strata`).
+
 `partition_like` splits an evaluation set so each site's class mix follows its training mix.
 """
 
@@ -36,6 +39,7 @@ SCHEME_FORMS = (
     "class-dirichlet:A1/.../AK[:P]",
 )
 MAX_REDRAWS = 100
+MULTI_LABEL_SCHEMES = ("iid", "quantity", "attribute", "labelset")
 
 
 @dataclass
@@ -149,16 +153,18 @@ def partition(labels: np.ndarray, num_sites: int, scheme: str, *, seed: int, min
         DataError: A site ends up with fewer than `min_size` samples, or `attributes` is missing.
     """
     parsed = parse_scheme(scheme)
-    labels = np.asarray(labels).reshape(-1)
+    labels = np.asarray(labels)
     if num_sites < 1:
         raise ConfigError(f"num_sites must be >= 1, got {num_sites}.")
-    if len(labels) and labels.min() < 0:
-        raise DataError(f"Partition '{scheme}' needs clean labels >= 0; apply label masks after partitioning.")
-    if num_classes is None:
-        num_classes = int(labels.max()) + 1 if len(labels) else 0
-    elif len(labels) and labels.max() >= num_classes:
-        raise DataError(f"Partition '{scheme}': label {int(labels.max())} is >= num_classes={num_classes}; "
-                        "declare the right number of classes.")
+    if labels.ndim == 2:
+        if parsed.kind not in MULTI_LABEL_SCHEMES:
+            raise ConfigError(f"Partition '{scheme}' deals classes to sites, which needs single-label data; for "
+                              f"multi-label data use one of {', '.join(MULTI_LABEL_SCHEMES)}.")
+        num_classes = labels.shape[1] if num_classes is None else num_classes
+        labels = multi_label_strata(labels)
+    else:
+        labels = labels.reshape(-1)
+        num_classes = _checked_class_count(labels, num_classes, scheme)
     rng = np.random.default_rng(seed)
     identified = None
     if parsed.kind == "iid":
@@ -187,6 +193,29 @@ def partition(labels: np.ndarray, num_sites: int, scheme: str, *, seed: int, min
         sites = _redraw(lambda: _dirichlet_label_skew(labels, alphas, present.T, rng), scheme, min_size)
     _check_min_size(sites, min_size, scheme, tries=1)
     return Partition(indices=[np.sort(np.asarray(site, dtype=np.int64)) for site in sites], identified=identified)
+
+
+def _checked_class_count(labels: np.ndarray, num_classes: int | None, scheme: str) -> int:
+    """K of single-label `labels` (declared, or max + 1), which must be clean ids in [0, K)."""
+    if len(labels) and labels.min() < 0:
+        raise DataError(f"Partition '{scheme}' needs clean labels >= 0; apply label masks after partitioning.")
+    if num_classes is None:
+        return int(labels.max()) + 1 if len(labels) else 0
+    if len(labels) and labels.max() >= num_classes:
+        raise DataError(f"Partition '{scheme}': label {int(labels.max())} is >= num_classes={num_classes}; "
+                        "declare the right number of classes.")
+    return num_classes
+
+
+def multi_label_strata(labels: np.ndarray) -> np.ndarray:
+    """One stratum per multi-hot row: its first positive finding, or K when it has none ("no finding").
+
+    Stratifying on it keeps every finding's prevalence about equal across sites in an iid split. Unknown
+    entries (-1) count as not positive.
+    """
+    labels = np.asarray(labels)
+    positive = labels == 1
+    return np.where(positive.any(axis=1), positive.argmax(axis=1), labels.shape[1]).astype(np.int64)
 
 
 def partition_like(labels: np.ndarray, site_class_counts: np.ndarray, *, seed: int) -> Partition:
@@ -219,9 +248,16 @@ def partition_like(labels: np.ndarray, site_class_counts: np.ndarray, *, seed: i
 
 
 def apply_label_mask(labels: np.ndarray, identified: np.ndarray) -> np.ndarray:
-    """Returns a copy of `labels` with every class outside the bool mask `identified` set to `UNLABELED` (-1)."""
+    """Returns a copy of `labels` with every class outside the bool mask `identified` set to `UNLABELED` (-1).
+
+    Single-label: a sample of an unidentified class becomes unlabelled. Multi-label: the entries of the
+    unidentified classes become unknown, the others keep their value.
+    """
     labels = np.asarray(labels, dtype=np.int64)
     masked = labels.copy()
+    if labels.ndim == 2:
+        masked[:, ~np.asarray(identified, dtype=bool)] = UNLABELED
+        return masked
     labelled = labels >= 0
     masked[labelled & ~np.asarray(identified, dtype=bool)[np.where(labelled, labels, 0)]] = UNLABELED
     return masked

@@ -12,6 +12,12 @@ label-set mask (-1 for classes the site does not annotate) → label noise on th
 fraction (only that share of each class keeps its label; the rest become -1, unlabelled images that
 self-supervised stages still use). Val and test labels always stay clean; the public set
 (`medflare.data.public`) has no labels at all.
+
+The classes a site annotates ("identified") come from the `labelset:K` partition, from the job's explicit
+`identified` lists (one per simulated site), or, in POC/production, from the site's own
+`local/medflare_site.json` (`{"data": {..., "identified": [0, 3]}}`). Multi-label data (`[N, K]` multi-hot
+labels) flows through the same pipeline; only label noise, label fractions and `eval_split="like_train"` need
+single labels.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from medflare.data.public import check_public_options, hold_out_public, load_pub
 from medflare.data.sources import load_source
 from medflare.data.synthetic import apply_site_shift
 from medflare.data.transforms import AUGMENTATIONS, build_transform
-from medflare.data.types import UNLABELED, DataSplits, ImageSet
+from medflare.data.types import UNLABELED, DataSplits, ImageSet, labelled_counts, labelled_rows
 from medflare.errors import ConfigError, DataError
 
 # Val/test slices are allowed to be small (or empty for tiny sources); only training needs min_size.
@@ -42,8 +48,9 @@ EVAL_SPLITS = ("pooled", "like_train")
 class ImageDataset(Dataset):
     """Torch dataset over an `ImageSet`: item i is (transformed float32 `[C, H, W]` tensor, int64 label).
 
-    Labels are returned as Python ints (the default collate makes them an int64 tensor); -1 marks an
-    unlabeled sample under label-set mismatch.
+    Single-label labels are returned as Python ints (the default collate makes them an int64 tensor); -1 marks
+    an unlabeled sample under label-set mismatch. Multi-label labels are int64 `[K]` tensors (collated to
+    `[B, K]`) with -1 for unknown entries.
     """
 
     def __init__(self, images: ImageSet, transform: Callable[[np.ndarray], torch.Tensor]) -> None:
@@ -53,13 +60,39 @@ class ImageDataset(Dataset):
     def __len__(self) -> int:
         return len(self.images)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        return self.transform(self.images.get_image(index)), int(self.images.labels[index])
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int | torch.Tensor]:
+        return self.transform(self.images.get_image(index)), self.label(index)
+
+    def label(self, index: int) -> int | torch.Tensor:
+        """Sample `index`'s label: an int, or an int64 `[K]` tensor for multi-label sets."""
+        value = self.images.labels[index]
+        return torch.tensor(value) if self.images.multi_label else int(value)
 
     @property
     def labels(self) -> np.ndarray:
-        """int64 `[N]` labels of this split (after masking and noise for training)."""
+        """int64 `[N]` (or `[N, K]` multi-label) labels of this split (after masking and noise for training)."""
         return self.images.labels
+
+
+class MultiViewDataset(Dataset):
+    """Several transforms of the same image: item i is (float32 `[V, C, H, W]` views, label).
+
+    FixMatch-style methods draw a weak and a strong view of one sample (FedLSM's teacher sees the weak view,
+    the student the strong one); every view of an item comes from the same decoded image.
+    """
+
+    def __init__(self, base: ImageDataset, transforms: list[Callable[[np.ndarray], torch.Tensor]]) -> None:
+        if not transforms:
+            raise ConfigError("MultiViewDataset needs at least one transform.")
+        self.base = base
+        self.transforms = transforms
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int | torch.Tensor]:
+        image = self.base.images.get_image(index)
+        return torch.stack([transform(image) for transform in self.transforms]), self.base.label(index)
 
 
 @dataclass
@@ -80,13 +113,16 @@ class DataConfig:
         local: True in POC/production: the source is this site's own data, used whole, no partitioning.
         min_size: Smallest allowed training slice per site.
         num_classes: Declared class count, checked against the data.
-        augment: Training augmentation of `build_transform` ("none", "basic", "strong").
+        augment: Training augmentation of `build_transform` ("none", "weak", "basic", "strong").
         public_fraction: Simulation: share of the source's training split held out (seeded, labels unseen) as
             the unlabelled public set of public-set distillation methods; 0 = none.
         public_source: The public set every site holds a copy of: "images:DIR" or a `load_source` spec (a
             real site names its local copy in its medflare_site.json); "" = none.
         label_fraction: Share of each class's training labels a site keeps (SSL-FL's 10/30/70/100 %), or one
             share per site (a list of `num_sites`); the other training images stay, unlabelled (-1).
+        identified: Classes each site annotates; the others are masked to unknown in its training labels.
+            Simulation: one list of class ids per site (not with a `labelset` partition, which draws them).
+            Local: this site's list, e.g. from its `local/medflare_site.json`. None = every class.
     """
 
     source: str = "synthetic"
@@ -105,6 +141,7 @@ class DataConfig:
     public_fraction: float = 0.0
     public_source: str = ""
     label_fraction: float | list[float] = 1.0
+    identified: list | None = None
 
     def __post_init__(self) -> None:
         parse_scheme(self.partition)  # fail early on a bad scheme string
@@ -128,7 +165,7 @@ class DataConfig:
             (not isinstance(self.label_fraction, list) or len(fractions) == self.num_sites,
              f"label_fraction lists {len(fractions)} shares for {self.num_sites} sites; give one share per site"),
         ]
-        problems = [message for ok, message in checks if not ok]
+        problems = [message for ok, message in checks if not ok] + _identified_problems(self)
         problems += check_public_options(self.public_fraction, self.public_source, self.local)
         if problems:
             raise ConfigError("Invalid data config: " + "; ".join(problems) + ".")
@@ -145,11 +182,13 @@ class SiteData:
         num_classes: Number of classes K.
         channels: Input channels (1 or 3).
         image_size: Model input height and width.
-        class_counts: int64 `[K]` counts of labelled training samples (after noise, -1 excluded).
+        class_counts: int64 `[K]` counts of labelled training samples (after noise, -1 excluded); multi-label:
+            known positives per class.
         identified: bool `[K]` classes this site annotates (label-set mismatch), else None.
         attributes_test: Attribute per test sample (for per-attribute metrics), else None.
         site_name: Name of the site, e.g. "site-1".
         public: The unlabelled public set (deterministic transform, every label -1), or None when not configured.
+        multi_label: Whether labels are multi-hot rows (several findings per image).
     """
 
     train: ImageDataset
@@ -163,6 +202,7 @@ class SiteData:
     attributes_test: np.ndarray | None
     site_name: str
     public: ImageDataset | None = None
+    multi_label: bool = False
 
 
 def make_site_data(cfg: DataConfig, site_index: int, site_name: str = "") -> SiteData:
@@ -193,11 +233,12 @@ def make_site_data(cfg: DataConfig, site_index: int, site_name: str = "") -> Sit
         num_classes=num_classes,
         channels=channels,
         image_size=image_size,
-        class_counts=_labelled_counts(train.labels, num_classes),
+        class_counts=labelled_counts(train.labels, num_classes),
         identified=identified,
         attributes_test=test.attributes,
         site_name=site_name,
         public=None if public is None else ImageDataset(public, build_transform(channels, image_size, train=False)),
+        multi_label=train.multi_label,
     )
 
 
@@ -222,10 +263,10 @@ def describe_partition(cfg: DataConfig) -> list[dict]:
             "site": f"site-{site_index + 1}",
             "site_index": site_index,
             "n_train": len(train),
-            "n_unlabeled": int((train.labels < 0).sum()),
+            "n_unlabeled": int((~labelled_rows(train.labels)).sum()),
             "n_val": len(val),
             "n_test": len(test),
-            "class_counts": _labelled_counts(train.labels, num_classes).tolist(),
+            "class_counts": labelled_counts(train.labels, num_classes).tolist(),
             "identified": None if identified is None else identified.tolist(),
         })
     return summary
@@ -235,6 +276,9 @@ def _site_sets(cfg: DataConfig, splits: DataSplits, site_index: int,
                site_name: str) -> tuple[ImageSet, ImageSet, ImageSet, np.ndarray | None]:
     """This site's train/val/test sets (train labels masked and noised) and its identified-class mask."""
     num_classes = splits.train.num_classes
+    if splits.train.multi_label and cfg.eval_split == "like_train":
+        raise ConfigError("eval_split='like_train' follows each site's class mix, which needs single-label data; "
+                          "use eval_split='pooled' for multi-label data.")
     if cfg.local:
         train, val, test, identified = splits.train, splits.val, splits.test, None
     else:
@@ -251,11 +295,19 @@ def _site_sets(cfg: DataConfig, splits: DataSplits, site_index: int,
     if len(train) == 0:
         raise DataError(f"Site '{site_name}' has no training samples in source '{cfg.source}'; give the site data, "
                         "or use fewer sites / another partition.")
+    if cfg.identified is not None:
+        identified = explicit_identified(cfg, site_index, num_classes)
     labels = train.labels if identified is None else apply_label_mask(train.labels, identified)
     rate = site_noise_rate(cfg, site_index)
+    if rate > 0 and train.multi_label:
+        raise ConfigError("label_noise flips class ids and needs single-label data; set label_noise to 0 for "
+                          "multi-label data.")
     if rate > 0:
         labels = inject_label_noise(labels, num_classes, rate, cfg.noise_kind, seed=cfg.seed)
     fraction = site_label_fraction(cfg, site_index)
+    if fraction < 1.0 and train.multi_label:
+        raise ConfigError("label_fraction keeps a share of each class's labels and needs single-label data; set "
+                          "label_fraction to 1 for multi-label data (data.identified hides whole classes instead).")
     if fraction < 1.0:
         labels = keep_label_fraction(labels, fraction, seed=cfg.seed + site_index)
     if labels is not train.labels:
@@ -269,6 +321,40 @@ def _public_set(cfg: DataConfig, splits: DataSplits, channels: int) -> ImageSet 
         return load_public_source(cfg.public_source, splits.train.num_classes, channels, cfg.seed)
     public, _ = hold_out_public(splits.train, cfg.public_fraction, cfg.seed)
     return public
+
+
+def explicit_identified(cfg: DataConfig, site_index: int, num_classes: int) -> np.ndarray:
+    """bool `[K]` of the classes this site annotates, from `cfg.identified` (its own list when local)."""
+    classes = cfg.identified if cfg.local else cfg.identified[site_index]
+    outside = [k for k in classes if not 0 <= k < num_classes]
+    if outside:
+        raise ConfigError(f"data.identified names class(es) {outside} outside [0, {num_classes}); use class ids of "
+                          "the task.")
+    mask = np.zeros(num_classes, dtype=bool)
+    mask[list(classes)] = True
+    return mask
+
+
+def _identified_problems(cfg: DataConfig) -> list[str]:
+    """What is wrong with `cfg.identified` (empty when it is valid or None)."""
+    if cfg.identified is None:
+        return []
+
+    def is_class_list(value: object) -> bool:
+        return isinstance(value, list) and bool(value) and all(
+            isinstance(k, int) and not isinstance(k, bool) for k in value)
+
+    if cfg.local:
+        ok = is_class_list(cfg.identified)
+        return [] if ok else [f"identified={cfg.identified} must be a non-empty list of class ids for this site"]
+    problems = []
+    if not (isinstance(cfg.identified, list) and len(cfg.identified) == cfg.num_sites
+            and all(is_class_list(site) for site in cfg.identified)):
+        problems.append(f"identified must hold one non-empty list of class ids per site ({cfg.num_sites}), got "
+                        f"{cfg.identified}")
+    if parse_scheme(cfg.partition).kind == "labelset":
+        problems.append("identified and a labelset partition both choose each site's classes; give only one")
+    return problems
 
 
 def site_noise_rate(cfg: DataConfig, site_index: int) -> float:
@@ -326,6 +412,3 @@ def _shifted(image_set: ImageSet, cfg: DataConfig, site_index: int) -> ImageSet:
     return dataclasses.replace(image_set, images=apply_site_shift(image_set.images, site_index, cfg.site_shift,
                                                                   cfg.seed))
 
-
-def _labelled_counts(labels: np.ndarray, num_classes: int) -> np.ndarray:
-    return np.bincount(labels[labels >= 0], minlength=num_classes).astype(np.int64)

@@ -3,9 +3,12 @@
 Spec forms:
     synthetic[:key=val,...]   embedded generator (see `medflare.data.synthetic.SyntheticConfig` for the keys)
     medmnist:PATH             a MedMNIST .npz (train/val/test images and labels; any size, 1 or 3 channels;
-                              optional <split>_attributes, one integer per image)
+                              optional <split>_attributes, one integer per image); `(N, K)` 0/1 labels with
+                              K > 1 (e.g. ChestMNIST) load as multi-label
     folder:DIR                DIR/<class>/<images> or DIR/{train,val,test}/<class>/<images>
-    csv:FILE                  manifest with header path,label[,site][,attribute][,split]
+    csv:FILE                  manifest with header path,label[,site][,attribute][,split]; a multi-label
+                              manifest has one column per class, label_<name>, holding 1, 0, or -1 / empty
+                              for "not annotated", instead of `label`
 
 Without explicit splits (folder without split folders, CSV without a `split` column) a seeded stratified
 70/15/15 train/val/test split is made. Results are cached in-process per (spec, seed, num_classes), with
@@ -24,13 +27,15 @@ import numpy as np
 
 from medflare.data.readers import IMAGE_SUFFIXES, is_image_file, read_image
 from medflare.data.synthetic import SyntheticConfig, make_synthetic
-from medflare.data.types import DataSplits, ImageSet
+from medflare.data.partition import multi_label_strata
+from medflare.data.types import UNLABELED, DataSplits, ImageSet, labelled_counts
 from medflare.errors import ConfigError, DataError
 
 SOURCE_FORMS = ("synthetic", "synthetic:key=val,...", "medmnist:PATH", "folder:DIR", "csv:FILE")
 SPLITS = ("train", "val", "test")
 SPLIT_FRACTIONS = (0.70, 0.15, 0.15)
 CSV_REQUIRED = ("path", "label")
+CSV_CLASS_PREFIX = "label_"  # multi-label manifests: one column label_<class name> per class
 CSV_OPTIONAL = ("site", "attribute", "split")
 # Simulated sites may run as threads of one process: load each source once instead of racing to build it.
 _LOAD_LOCK = threading.Lock()
@@ -106,23 +111,27 @@ def _load_medmnist(path: str, seed: int, num_classes: int | None) -> DataSplits:
     if missing:
         raise DataError(f"MedMNIST file '{path}' lacks key(s) {', '.join(missing)}; expected {', '.join(needed)}.")
     labels, images = {}, {}
+    multi_label = arrays["train_labels"].ndim == 2 and arrays["train_labels"].shape[1] > 1
     for split in SPLITS:
         raw = arrays[f"{split}_labels"]
-        if raw.ndim == 2 and raw.shape[1] != 1:
-            raise DataError(f"MedMNIST file '{path}' has multi-label targets {raw.shape} in {split}_labels; "
-                            "medflare supports single-label classification only.")
-        flat = raw.reshape(-1)
-        fractional = np.flatnonzero(flat % 1 != 0) if flat.dtype.kind == "f" else []
+        if multi_label != (raw.ndim == 2 and raw.shape[1] > 1):
+            raise DataError(f"MedMNIST file '{path}': {split}_labels has shape {raw.shape} but train_labels "
+                            f"{arrays['train_labels'].shape}; every split must be single- or multi-label alike.")
+        flat = raw if multi_label else raw.reshape(-1)
+        fractional = np.argwhere(flat % 1 != 0) if flat.dtype.kind == "f" else []
         if len(fractional):  # astype(int64) would truncate 0.7 to class 0 without a word
-            raise DataError(f"MedMNIST file '{path}': {split}_labels[{int(fractional[0])}] is "
-                            f"{float(flat[fractional[0]]):g}, not a class id; labels must be whole numbers.")
+            at = tuple(int(i) for i in fractional[0])
+            raise DataError(f"MedMNIST file '{path}': {split}_labels[{', '.join(map(str, at))}] is "
+                            f"{float(flat[at]):g}, not a class id; labels must be whole numbers.")
         labels[split] = flat.astype(np.int64)
         pixels = arrays[f"{split}_images"]
         images[split] = pixels[..., None] if pixels.ndim == 3 else pixels
         if images[split].ndim != 4 or images[split].shape[-1] not in (1, 3) or images[split].dtype != np.uint8:
             raise DataError(f"MedMNIST file '{path}': {split}_images is {pixels.dtype} {pixels.shape}; "
                             "expected uint8 (N, H, W) or (N, H, W, 3).")
-    num_found = _check_labels(labels, num_classes, where=lambda split, row: f"'{path}' {split}_labels[{row}]")
+    where = lambda split, row: f"'{path}' {split}_labels[{row}]"  # noqa: E731
+    check = _check_multi_hot if multi_label else _check_labels
+    num_found = check(labels, num_classes, where)
     attributes = {split: _npz_attributes(arrays, split, len(labels[split]), path) for split in SPLITS}
     sets = {split: ImageSet(labels=labels[split], num_classes=num_found, channels=images[split].shape[-1],
                             images=images[split], attributes=attributes[split], name=f"medmnist:{path}[{split}]")
@@ -180,9 +189,12 @@ def _read_manifest(manifest: str) -> tuple[list[str], list[tuple[dict[str, str],
         reader = csv.DictReader(handle)
         header = [name.strip() for name in reader.fieldnames or []]
         missing = [name for name in CSV_REQUIRED if name not in header]
+        if "label" in missing and len(class_columns(header)) > 1:
+            missing.remove("label")  # a multi-label manifest
         if missing:
             raise DataError(f"CSV manifest '{manifest}' lacks column(s) {', '.join(missing)}; the header must be "
-                            f"path,label with optional {','.join(CSV_OPTIONAL)} (found: {','.join(header)}).")
+                            f"path,label (or path,{CSV_CLASS_PREFIX}<class>,... for multi-label) with optional "
+                            f"{','.join(CSV_OPTIONAL)} (found: {','.join(header)}).")
         rows = [({key.strip(): (value or "").strip() for key, value in row.items() if key}, line)
                 for line, row in enumerate(reader, start=2)]
     if not rows:
@@ -212,9 +224,18 @@ def _load_csv(manifest: str, seed: int, num_classes: int | None) -> DataSplits:
         if not is_image_file(path):
             raise DataError(f"{at(line)}: '{path}' is not a supported image ({', '.join(IMAGE_SUFFIXES)}).")
         paths.append(path)
-    labels = np.array([integer(row, "label", line) for row, line in rows], dtype=np.int64)
     lines = [line for _, line in rows]
-    num_found = _check_labels({"all": labels}, num_classes, where=lambda _, row: at(lines[row]))
+    where = lambda _, row: at(lines[row])  # noqa: E731
+    columns_of_classes = class_columns(header)
+    if "label" in header:
+        labels = np.array([integer(row, "label", line) for row, line in rows], dtype=np.int64)
+        num_found = _check_labels({"all": labels}, num_classes, where=where)
+        class_names = [f"class_{k}" for k in range(num_found)]
+    else:
+        labels = np.array([[_multi_hot_entry(row[c], at(line), c) for c in columns_of_classes] for row, line in rows],
+                          dtype=np.int64)
+        num_found = _check_multi_hot({"all": labels}, num_classes, where)
+        class_names = [column[len(CSV_CLASS_PREFIX):] for column in columns_of_classes]
     columns: dict[str, np.ndarray] = {}
     if "attribute" in header:
         columns["attributes"] = np.array([integer(row, "attribute", line) for row, line in rows], dtype=np.int64)
@@ -227,14 +248,43 @@ def _load_csv(manifest: str, seed: int, num_classes: int | None) -> DataSplits:
             raise DataError(f"{at(lines[bad])}: split '{rows[bad][0]['split']}' is not one of {', '.join(SPLITS)}.")
         parts = [np.flatnonzero(np.array(names) == split) for split in SPLITS]
     else:
-        parts = stratified_split(labels, SPLIT_FRACTIONS, seed)
+        parts = stratified_split(multi_label_strata(labels) if labels.ndim == 2 else labels, SPLIT_FRACTIONS, seed)
     channels, image_size = _probe_first_image(paths)
     sets = {split: ImageSet(labels=labels[part], num_classes=num_found, channels=channels,
                             paths=[paths[i] for i in part], name=f"csv:{manifest}[{split}]",
                             **{key: value[part] for key, value in columns.items()})
             for split, part in zip(SPLITS, parts)}
-    return DataSplits(**sets, info={"class_names": [f"class_{k}" for k in range(num_found)],
-                                    "image_size": image_size})
+    return DataSplits(**sets, info={"class_names": class_names, "image_size": image_size})
+
+
+def class_columns(header: list[str]) -> list[str]:
+    """The `label_<class>` columns of a multi-label manifest header, in header order."""
+    return [name for name in header if name.startswith(CSV_CLASS_PREFIX) and len(name) > len(CSV_CLASS_PREFIX)]
+
+
+def _multi_hot_entry(text: str, where: str, column: str) -> int:
+    """One multi-label CSV cell: 1 positive, 0 negative, -1 or empty = not annotated."""
+    if text in ("", "-1"):
+        return UNLABELED
+    if text in ("0", "1"):
+        return int(text)
+    raise DataError(f"{where}: {column} '{text}' must be 1, 0, or -1 / empty for not annotated.")
+
+
+def _check_multi_hot(labels: dict[str, np.ndarray], num_classes: int | None,
+                     where: Callable[[str, int], str]) -> int:
+    """Checks multi-hot label rows (entries 1, 0 or -1) against the declared K and returns K."""
+    found = next(iter(labels.values())).shape[1]
+    if num_classes is not None and num_classes != found:
+        raise DataError(f"{where(next(iter(labels)), 0)}: the data has {found} label columns but num_classes="
+                        f"{num_classes} is declared; fix num_classes.")
+    for split, values in labels.items():
+        bad = np.argwhere(~np.isin(values, (UNLABELED, 0, 1)))
+        if len(bad):
+            row, column = (int(i) for i in bad[0])
+            raise DataError(f"{where(split, row)}: entry {int(values[row, column])} of class {column} must be 1, 0 "
+                            "or -1 (not annotated).")
+    return found
 
 
 def stratified_split(labels: np.ndarray, fractions: tuple[float, ...], seed: int) -> list[np.ndarray]:
@@ -306,8 +356,9 @@ def _describe(splits: DataSplits, spec: str, kind: str) -> dict:
         "num_classes": train.num_classes,
         "channels": train.channels,
         "image_size": image_size,
-        "counts": {split: np.bincount(getattr(splits, split).labels[getattr(splits, split).labels >= 0],
-                                      minlength=train.num_classes).tolist() for split in SPLITS},
+        "counts": {split: labelled_counts(getattr(splits, split).labels, train.num_classes).tolist()
+                   for split in SPLITS},
+        "multi_label": train.multi_label,
     }
 
 

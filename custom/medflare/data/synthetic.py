@@ -13,11 +13,19 @@ have lower contrast, so per-attribute metrics differ as they do on real dermosco
 Class definitions do not depend on the seed: the seed only draws samples. Train, val and test use independent
 streams derived from the seed; val and test are class-balanced (documented choice: balanced accuracy on a
 balanced set is the usual long-tail protocol), train follows `imbalance`.
+
+Multi-label mode (`multilabel=1`, e.g. `synthetic:multilabel=1,classes=6`): a chest-X-ray-like screening task.
+Each image shows a grey, mottled field with zero or more "findings"; finding k is a blob with its own place,
+size, elongation and tint, so it can be recognised whatever else is present. Labels are multi-hot rows. Finding
+k's prevalence falls from 30 % (k = 0) to 30 % / `imbalance` (k = K-1), and findings co-occur in pairs
+(0 with 1, 2 with 3, ...): the labels are thresholded correlated Gaussians (a Gaussian copula) whose pairs
+correlate with `cooccurrence`. The attribute darkens the background. All splits follow the same prevalence.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from statistics import NormalDist
 
 import numpy as np
 
@@ -58,6 +66,8 @@ class SyntheticConfig:
         pixel_noise: Std of additive pixel noise, in [0, 1] intensity units.
         n_val: Validation images (class-balanced); None = max(300, n // 4).
         n_test: Test images (class-balanced); None = max(300, n // 4).
+        multilabel: 1 = multi-label mode (findings on a grey field, multi-hot labels), 0 = one lesion per image.
+        cooccurrence: Multi-label mode: latent correlation of the paired findings (0, 1), (2, 3), ... in [0, 1).
     """
 
     n: int = 2400
@@ -70,6 +80,8 @@ class SyntheticConfig:
     pixel_noise: float = 0.04
     n_val: int | None = None
     n_test: int | None = None
+    multilabel: int = 0
+    cooccurrence: float = 0.6
 
     def __post_init__(self) -> None:
         checks = [
@@ -83,6 +95,8 @@ class SyntheticConfig:
             (self.pixel_noise >= 0.0, f"pixel_noise={self.pixel_noise} must be >= 0"),
             (self.n_val is None or self.n_val >= 0, f"n_val={self.n_val} must be >= 0"),
             (self.n_test is None or self.n_test >= 0, f"n_test={self.n_test} must be >= 0"),
+            (self.multilabel in (0, 1), f"multilabel={self.multilabel} must be 0 or 1"),
+            (0.0 <= self.cooccurrence < 1.0, f"cooccurrence={self.cooccurrence} must be in [0, 1)"),
         ]
         problems = [message for ok, message in checks if not ok]
         if problems:
@@ -100,8 +114,8 @@ class SyntheticConfig:
         Raises:
             ConfigError: Unknown key, malformed pair or a value of the wrong type.
         """
-        types = {f.name: (float if f.name in ("imbalance", "dark_fraction", "overlap", "pixel_noise") else int)
-                 for f in fields(cls)}
+        floats = ("imbalance", "dark_fraction", "overlap", "pixel_noise", "cooccurrence")
+        types = {f.name: (float if f.name in floats else int) for f in fields(cls)}
         values: dict[str, float | int] = {}
         for pair in filter(None, (part.strip() for part in options.split(","))):
             key, sep, raw = pair.partition("=")
@@ -152,6 +166,8 @@ def class_prototypes(num_classes: int) -> np.ndarray:
 
 def make_synthetic(config: SyntheticConfig, seed: int) -> DataSplits:
     """Generates the train/val/test splits of the synthetic source (byte-identical for the same seed)."""
+    if config.multilabel:
+        return _make_findings(config, seed)
     eval_size = config.eval_size
     split_counts = {
         "train": long_tail_counts(config.n, config.classes, config.imbalance),
@@ -219,6 +235,99 @@ def _make_split(config: SyntheticConfig, counts: np.ndarray, seed: int, split: s
     images = generate_images(labels, attributes, config, rng)
     return ImageSet(labels=labels, num_classes=config.classes, channels=config.channels, images=images,
                     attributes=attributes, name=f"synthetic[{split}]")
+
+
+FINDING_PREVALENCE = 0.3  # prevalence of finding 0; finding K-1 has FINDING_PREVALENCE / imbalance
+
+
+def finding_prevalence(config: SyntheticConfig) -> np.ndarray:
+    """Prevalence of each finding in multi-label mode: 0.3 · imbalance^(−k/(K−1))."""
+    k = np.arange(config.classes)
+    return FINDING_PREVALENCE * float(config.imbalance) ** (-k / max(config.classes - 1, 1))
+
+
+def draw_findings(n: int, config: SyntheticConfig, rng: np.random.Generator) -> np.ndarray:
+    """int64 `[n, K]` multi-hot labels: Gaussian-copula Bernoullis, pairs (0, 1), (2, 3), ... correlated."""
+    k = config.classes
+    covariance = np.eye(k)
+    for first in range(0, k - 1, 2):
+        covariance[first, first + 1] = covariance[first + 1, first] = config.cooccurrence
+    latent = rng.multivariate_normal(np.zeros(k), covariance, size=n, method="cholesky")
+    thresholds = np.array([NormalDist().inv_cdf(1.0 - p) for p in finding_prevalence(config)])
+    return (latent > thresholds).astype(np.int64)
+
+
+def _make_findings(config: SyntheticConfig, seed: int) -> DataSplits:
+    """The multi-label splits: every split draws its own findings from the same prevalence and co-occurrence."""
+    if seed < 0:
+        raise ConfigError(f"Seed must be >= 0 for the synthetic source, got {seed}.")
+    sizes = {"train": config.n, "val": config.eval_size if config.n_val is None else config.n_val,
+             "test": config.eval_size if config.n_test is None else config.n_test}
+    sets = {}
+    for split, n in sizes.items():
+        rng = np.random.default_rng([seed, _SPLIT_STREAMS[split], 1])
+        labels = draw_findings(n, config, rng)
+        attributes = (rng.random(n) < config.dark_fraction).astype(np.int64)
+        pixels = _render_findings(labels, attributes, config, rng)
+        if config.channels == 1:
+            pixels = pixels @ np.array([0.299, 0.587, 0.114], dtype=np.float32)[:, None]
+        images = np.clip(np.rint(pixels * 255.0), 0, 255).astype(np.uint8)
+        sets[split] = ImageSet(labels=labels, num_classes=config.classes, channels=config.channels, images=images,
+                               attributes=attributes, name=f"synthetic-multilabel[{split}]")
+    info = {
+        "kind": "synthetic",
+        "class_names": [f"finding_{k}" for k in range(config.classes)],
+        "attribute_names": ["bright", "dark"],
+        "prevalence": finding_prevalence(config).tolist(),
+        "config": {f.name: getattr(config, f.name) for f in fields(config)},
+    }
+    return DataSplits(train=sets["train"], val=sets["val"], test=sets["test"], info=info)
+
+
+def _finding_looks(num_classes: int) -> dict[str, np.ndarray]:
+    """Fixed appearance of each finding: place on a ring, radius, elongation and RGB tint (seed-independent)."""
+    angle = 2 * np.pi * np.arange(num_classes) / num_classes
+    step = np.arange(num_classes) * 0.618034 % 1.0  # golden-ratio steps spread sizes and tints
+    return {
+        "centre": 0.5 + 0.27 * np.stack([np.cos(angle), np.sin(angle)], axis=1),
+        "radius": 0.07 + 0.06 * step,
+        "elongation": 1.0 + 1.2 * ((np.arange(num_classes) * 0.381966) % 1.0),
+        "tint": 0.55 + 0.4 * np.stack([np.cos(2 * np.pi * (step + shift)) for shift in (0.0, 1 / 3, 2 / 3)], axis=1),
+        "angle": angle,
+    }
+
+
+def _render_findings(labels: np.ndarray, attributes: np.ndarray, config: SyntheticConfig,
+                     rng: np.random.Generator) -> np.ndarray:
+    """float32 RGB `[n, size, size, 3]` in about [0, 1]: a mottled grey field plus one blob per positive finding.
+
+    Each blob's place jitters by `overlap` × 0.15 of the image and its strength varies, so a finding is a visual
+    pattern, not a fixed pixel.
+    """
+    n, size = labels.shape[0], config.size
+    looks = _finding_looks(config.classes)
+    coords = (np.arange(size, dtype=np.float32) + 0.5) / size
+    grid = rng.normal(0.0, 1.0, (n, 6, 6)).astype(np.float32)
+    lift = _bilinear_lift(6, size)
+    mottling = np.einsum("sg,ngh,th->nst", lift, grid, lift, optimize=True)
+    base = np.where(attributes.astype(bool), 0.32, 0.45)[:, None, None] + 0.04 * mottling
+    image = np.repeat(base[..., None], 3, axis=-1).astype(np.float32)
+    for k in range(config.classes):
+        rows = np.flatnonzero(labels[:, k] == 1)
+        if len(rows) == 0:
+            continue
+        centre = looks["centre"][k] + 0.15 * config.overlap * rng.standard_normal((len(rows), 2))
+        strength = rng.uniform(0.6, 1.0, len(rows)).astype(np.float32)
+        cos, sin = np.cos(looks["angle"][k]), np.sin(looks["angle"][k])
+        dx = coords[None, None, :] - centre[:, 0, None, None]
+        dy = coords[None, :, None] - centre[:, 1, None, None]
+        along, across = dx * cos + dy * sin, -dx * sin + dy * cos
+        radius = looks["radius"][k]
+        distance2 = (along / (radius * looks["elongation"][k])) ** 2 + (across / radius) ** 2
+        blob = (strength[:, None, None] * np.exp(-distance2)).astype(np.float32)[..., None]
+        image[rows] = image[rows] * (1 - blob) + looks["tint"][k].astype(np.float32) * blob
+    image += config.pixel_noise * rng.standard_normal(image.shape, dtype=np.float32)
+    return image
 
 
 def _draw_image_params(labels: np.ndarray, attributes: np.ndarray, config: SyntheticConfig,

@@ -15,7 +15,7 @@ from torchvision.transforms import v2
 
 from medflare.errors import ConfigError, DataError
 
-AUGMENTATIONS = ("none", "basic", "strong")
+AUGMENTATIONS = ("none", "weak", "basic", "strong")
 NORMALISE_MEAN = 0.5
 NORMALISE_STD = 0.5
 
@@ -28,8 +28,9 @@ def build_transform(channels: int, image_size: int, train: bool,
         channels: Expected channels of the input (1 or 3); the output has the same number.
         image_size: Output height and width; inputs of another size are resized (bilinear, antialiased).
         train: Whether to add random augmentation; evaluation transforms are deterministic.
-        augment: Training augmentation: "none"; "basic" = horizontal flip + small affine (±10°, 5% shift,
-            0.95-1.05 scale); "strong" = basic + vertical flip, brightness/contrast jitter and Gaussian blur.
+        augment: Training augmentation: "none"; "weak" = horizontal flip only (FixMatch/FedLSM's weak view);
+            "basic" = horizontal flip + small affine (±10°, 5% shift, 0.95-1.05 scale); "strong" = basic +
+            vertical flip, brightness/contrast jitter and Gaussian blur.
 
     Returns:
         A callable mapping uint8 `[H, W, C]` (or `[H, W]` grayscale) to float32 `[C, image_size, image_size]`.
@@ -43,10 +44,9 @@ def build_transform(channels: int, image_size: int, train: bool,
         raise ConfigError(f"Transform needs channels in (1, 3) and image_size >= 1, got {channels}, {image_size}.")
     steps: list[Callable] = [v2.Resize((image_size, image_size), antialias=True)]
     if train and augment != "none":
-        steps += [
-            v2.RandomHorizontalFlip(),
-            v2.RandomAffine(degrees=10, translate=(0.05, 0.05), scale=(0.95, 1.05)),
-        ]
+        steps.append(v2.RandomHorizontalFlip())
+    if train and augment in ("basic", "strong"):
+        steps.append(v2.RandomAffine(degrees=10, translate=(0.05, 0.05), scale=(0.95, 1.05)))
     if train and augment == "strong":
         steps += [
             v2.RandomVerticalFlip(),

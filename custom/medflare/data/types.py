@@ -9,7 +9,8 @@ import numpy as np
 from medflare.data.readers import read_image
 from medflare.errors import DataError
 
-#: Label value of a sample whose class this site does not annotate (label-set mismatch, FedLSM).
+#: Label value of a sample whose class this site does not annotate (label-set mismatch, FedLSM); in multi-label
+#: sets, the value of one unknown (not annotated) entry.
 UNLABELED = -1
 
 
@@ -19,9 +20,13 @@ class ImageSet:
 
     Exactly one of `images` (uint8 `[N, H, W, C]`) and `paths` (N file names) is set.
 
+    Labels are single-label (int64 `[N]` class ids) or multi-label (int64 `[N, K]` multi-hot rows). Unknown is
+    the same integer in both: `UNLABELED` (-1) for a whole sample (single-label) or for one entry (multi-label),
+    so masks are `labels >= 0` either way and no float/NaN handling is needed anywhere.
+
     Attributes:
-        labels: int64 `[N]` class ids in `[0, num_classes)`; `UNLABELED` (-1) marks a sample whose class this site
-            does not annotate (label-set mismatch).
+        labels: int64 `[N]` class ids in `[0, num_classes)`, or int64 `[N, num_classes]` entries in {1 positive,
+            0 negative, -1 unknown}; `UNLABELED` (-1) marks what this site does not annotate (label-set mismatch).
         num_classes: Number of classes of the task (not only those present in this split).
         channels: 1 (grayscale) or 3 (RGB); `get_image` always returns this many channels.
         images: uint8 `[N, H, W, C]` pixels when the set is in memory.
@@ -41,7 +46,8 @@ class ImageSet:
     name: str = ""
 
     def __post_init__(self) -> None:
-        self.labels = np.asarray(self.labels, dtype=np.int64).reshape(-1)
+        labels = np.asarray(self.labels, dtype=np.int64)
+        self.labels = labels if labels.ndim == 2 and labels.shape[1] > 1 else labels.reshape(-1)
         where = f"image set '{self.name}'"
         if (self.images is None) == (self.paths is None):
             raise DataError(f"{where}: give exactly one of `images` (in memory) or `paths` (files).")
@@ -60,6 +66,9 @@ class ImageSet:
         for column, values in (("attributes", self.attributes), ("groups", self.groups)):
             if values is not None and len(values) != n:
                 raise DataError(f"{where}: {column} has {len(values)} entries but there are {n} labels.")
+        if self.multi_label:
+            _check_multi_hot(self.labels, self.num_classes, where)
+            return
         bad = (self.labels < UNLABELED) | (self.labels >= self.num_classes)
         if bad.any():
             row = int(np.flatnonzero(bad)[0])
@@ -70,6 +79,11 @@ class ImageSet:
 
     def __len__(self) -> int:
         return len(self.labels)
+
+    @property
+    def multi_label(self) -> bool:
+        """Whether the labels are multi-hot rows `[N, K]` (several findings per image) rather than class ids."""
+        return self.labels.ndim == 2
 
     @property
     def in_memory(self) -> bool:
@@ -104,6 +118,32 @@ class ImageSet:
             return read_image(path, self.channels)
         except DataError as err:
             raise DataError(f"{err} (sample {i} of image set '{self.name}')") from err
+
+
+def _check_multi_hot(labels: np.ndarray, num_classes: int, where: str) -> None:
+    """Multi-label rows must have K entries, each 1, 0 or `UNLABELED`."""
+    if labels.shape[1] != num_classes:
+        raise DataError(f"{where}: multi-label rows have {labels.shape[1]} entries but num_classes={num_classes}; "
+                        "give one column per class.")
+    bad = ~np.isin(labels, (UNLABELED, 0, 1))
+    if bad.any():
+        row, column = (int(i[0]) for i in np.nonzero(bad))
+        raise DataError(f"{where}: multi-label entry {int(labels[row, column])} at row {row}, class {column} is not "
+                        f"1, 0 or {UNLABELED} (unknown); fix the label.")
+
+
+def labelled_counts(labels: np.ndarray, num_classes: int) -> np.ndarray:
+    """int64 `[K]` per class: labelled samples (single-label) or known positives (multi-label)."""
+    labels = np.asarray(labels)
+    if labels.ndim == 2:
+        return (labels == 1).sum(axis=0).astype(np.int64)
+    return np.bincount(labels[labels >= 0], minlength=num_classes).astype(np.int64)
+
+
+def labelled_rows(labels: np.ndarray) -> np.ndarray:
+    """bool `[N]`: samples with a label (single-label) or with at least one known entry (multi-label)."""
+    labels = np.asarray(labels)
+    return (labels >= 0).any(axis=1) if labels.ndim == 2 else labels >= 0
 
 
 @dataclass

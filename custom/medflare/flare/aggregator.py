@@ -56,6 +56,7 @@ class RoundAggregation:
         robust: :class:`RobustConfig` fields.
         transfer_dtype: dtype float weights travel in ("float32" or "float16").
         transfer_kind: "weights", or "diff" (updates as differences, e.g. for a site's DP filter).
+        multi_label: whether the task is multi-label (the rule and the evaluation checks need to know).
     """
 
     def __init__(
@@ -67,10 +68,12 @@ class RoundAggregation:
         robust: Mapping[str, Any] | None = None,
         transfer_dtype: str = "float32",
         transfer_kind: str = "weights",
+        multi_label: bool = False,
     ):
         self.spec = get_method(method)
         method_cfg = from_dict(self.spec.config_cls, dict(method_args or {}), f"method '{method}'")
         self.rule: ServerRule = self.spec.server_rule_cls(method_cfg, num_rounds, self.spec.payload)
+        self.rule.multi_label = self.multi_label = multi_label
         self.stages = checked_stages(self.rule.stages(), num_rounds, method)
         self.robust = from_dict(RobustConfig, dict(robust or {}), "robust")
         self.rule.max_share = self.robust.max_share
@@ -81,7 +84,7 @@ class RoundAggregation:
             )
         self.transfer_dtype, self.transfer_kind = transfer_dtype, transfer_kind
         self.num_classes = num_classes
-        self.contract = ContractContext(num_classes=num_classes)
+        self.contract = ContractContext(num_classes=num_classes, multi_label=multi_label)
         self.global_params: dict[str, np.ndarray] = {}
         self.ctx = RoundContext(round=0, total_rounds=num_rounds)
         self.phase = ""
@@ -108,7 +111,8 @@ class RoundAggregation:
         self.phase = phase
         self.updates, self.rejected = {}, {}
         outgoing = self.rule.phase_arrays(phase, self.ctx, self.global_params, self.earlier)
-        self.contract = ContractContext(self.num_classes, dims=dict(self.rule.array_dims(phase, self.ctx)))
+        dims = dict(self.rule.array_dims(phase, self.ctx))
+        self.contract = ContractContext(self.num_classes, dims=dims, multi_label=self.multi_label)
         self.expected = self.rule.expected_arrays(phase, self.ctx, self.global_params, self.contract)
         return outgoing
 
@@ -228,6 +232,7 @@ class MedflareAggregator(Aggregator):
         transfer_dtype: dtype float weights travel in ("float32", or "float16" for half the bytes).
         transfer_kind: "weights", or "diff" (sites send θ_local − θ_global, float keys only; for DP filters).
         plugins: ``medflare_plugins.*`` modules the job carries that register its own methods.
+        multi_label: whether the task is multi-label.
     """
 
     def __init__(
@@ -240,6 +245,7 @@ class MedflareAggregator(Aggregator):
         transfer_dtype: str = "float32",
         transfer_kind: str = "weights",
         plugins: list | None = None,
+        multi_label: bool = False,
     ) -> None:
         super().__init__()
         self.plugins = plugins or []
@@ -251,8 +257,9 @@ class MedflareAggregator(Aggregator):
         self.robust = robust or {}
         self.transfer_dtype = transfer_dtype
         self.transfer_kind = transfer_kind
+        self.multi_label = multi_label
         self.core = RoundAggregation(
-            method, self.method_args, num_classes, num_rounds, self.robust, transfer_dtype, transfer_kind
+            method, self.method_args, num_classes, num_rounds, self.robust, transfer_dtype, transfer_kind, multi_label
         )
 
     def start_round(self, global_params: Mapping[str, np.ndarray], ctx: RoundContext) -> None:

@@ -71,7 +71,8 @@ class MedflareController(Controller):
             fast failure from cutting a round short.
         train_timeout: seconds a site may take for one task (0 = no limit).
         shot_groups: optional {"head": [...], "medium": [...], "tail": [...]} class ids for long-tail metrics.
-        key_metric: validation metric that selects the best model (saved as best_FL_global_model.pt).
+        key_metric: validation metric that selects the best model (saved as best_FL_global_model.pt); multi-label
+            jobs use the mean per-class AUROC ("auc_macro_ovr").
         patience: stop after this many scored rounds without a better ``key_metric`` than the best model's
             (0 = never stop early); the final validation still runs, and ``stopped_early`` records why.
         resume_from: continue an earlier job: in POC and production the *id* of an earlier job of this server
@@ -313,7 +314,7 @@ class MedflareController(Controller):
         if facts:
             record["sites"].setdefault(site, {}).update(facts)
         try:
-            evaluation = site_evaluation(meta, self.aggregator.num_classes)
+            evaluation = site_evaluation(meta, self.aggregator.num_classes, self.aggregator.multi_label)
         except Exception as exc:
             self.log_warning(fl_ctx, f"ignoring malformed evaluation statistics from {site}: {exc}")
             return

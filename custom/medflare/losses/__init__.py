@@ -9,6 +9,7 @@ from medflare.losses.focal import focal_loss
 from medflare.losses.kl import kl_to_teacher
 from medflare.losses.ldam import LDAMLoss
 from medflare.losses.logit_calibration import logit_calibrated_ce
+from medflare.losses.multi_label import masked_bce, weighted_bce
 from medflare.losses.proximal import proximal_term
 from medflare.losses.restricted_softmax import restricted_logits, restricted_softmax_loss, restriction_scales
 from medflare.losses.symmetric_ce import symmetric_cross_entropy
@@ -22,9 +23,11 @@ __all__ = [
     "inverse_effective_number",
     "kl_to_teacher",
     "logit_calibrated_ce",
+    "masked_bce",
     "proximal_term",
     "restricted_logits",
     "restricted_softmax_loss",
     "restriction_scales",
     "symmetric_cross_entropy",
+    "weighted_bce",
 ]

@@ -4,3 +4,4 @@ from medflare.methods import bsm_fl, fed_mas, fedavg, fedlc, fedprox, ldam_drw, 
 from medflare.methods import fca, fedbabu, fedrep, fedrs  # noqa: F401  (FCA and its personalized baselines)
 from medflare.methods import fedmd, mdhfl  # noqa: F401
 from medflare.methods import ssl_fl  # noqa: F401
+from medflare.methods import fedavg_masked, fedlsm  # noqa: F401

@@ -21,6 +21,7 @@ from medflare import contracts
 from medflare.config import from_dict
 from medflare.contracts import ContractContext, Payload
 from medflare.errors import ConfigError, PayloadError
+from medflare.losses.multi_label import masked_bce
 from medflare.ops import cap_shares, load_params, model_params, normalise_weights, weighted_average
 from medflare.optim import OptimizerKey, build_optimizer, check_train_options, rebuild_due, set_step_lr
 from medflare.optim import round_lr  # noqa: F401  (re-exported: its home was this module)
@@ -161,6 +162,10 @@ class LocalTrainer:
     Batches without a single labelled sample are skipped unless ``uses_unlabelled_samples`` is true
     (semi-supervised and contrastive methods), so a supervised loss never averages over nothing.
 
+    Single- and multi-label tasks share the loop; the data decides (``multi_label``). Multi-label labels are
+    ``[B, K]`` rows of 1/0/-1 (unknown); prediction is a sigmoid per class and the default loss a BCE over the
+    known entries. A method that runs multi-label says so in its MethodSpec (``multi_label=True``).
+
     Args:
         model: the site's network (already on ``device``).
         data: the site's SiteData (train/val/test datasets, class counts).
@@ -290,17 +295,50 @@ class LocalTrainer:
             if self._step_cap_reached(steps) or should_abort():
                 break
         meta = {
-            contracts.N_SAMPLES: int(self.class_counts.sum().item()),
+            contracts.N_SAMPLES: self.labelled_samples(),
             contracts.TRAIN_LOSS: loss_sum / max(steps, 1),
             contracts.TRAIN_SECONDS: time.perf_counter() - start,
         }
         meta.update(self.round_meta(ctx))
         return meta
 
+    @property
+    def multi_label(self) -> bool:
+        """Whether the site's labels are multi-hot rows (sigmoid per class) rather than class ids (softmax)."""
+        return bool(getattr(self.data, "multi_label", False))
+
+    def labelled_samples(self) -> int:
+        """Training samples with a label (multi-label: with at least one known entry), the FedAvg weight."""
+        if not self.multi_label:
+            return int(self.class_counts.sum().item())
+        return int((np.asarray(self.data.train.labels) >= 0).any(axis=1).sum())
+
+    def supervised_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean loss over the labelled samples (multi-label: known entries), 0 for a batch without any.
+
+        Cross-entropy for class ids (label -1 ignored); BCE per class for multi-hot rows (entry -1 ignored).
+        """
+        if self.multi_label:
+            return masked_bce(logits, labels)
+        return F.cross_entropy(logits, labels, ignore_index=-1, reduction="sum") / (labels >= 0).sum().clamp(min=1)
+
+    def scores_and_losses(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-sample scores (softmax, or sigmoid per class) and losses (CE, or mean BCE over known entries).
+
+        Unlabelled samples (rows without a known entry) get loss 0.
+        """
+        if self.multi_label:
+            known = labels >= 0
+            losses = F.binary_cross_entropy_with_logits(logits, labels.clamp(min=0).float(), reduction="none")
+            return torch.sigmoid(logits), (losses * known).sum(dim=1) / known.sum(dim=1).clamp(min=1)
+        losses = F.cross_entropy(logits, labels.clamp(min=0), reduction="none") * (labels >= 0)
+        return torch.softmax(logits, dim=1), losses
+
     def predictions(self, split: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(labels, class probabilities, per-sample cross-entropy) of the current model on ``split``.
+        """(labels, class probabilities, per-sample loss) of the current model on ``split``.
 
         Rows keep the dataset's order (so they line up with per-sample attributes); label -1 rows have loss 0.
+        Multi-label: labels ``[N, K]``, sigmoid scores and the mean BCE over each row's known entries.
         """
         dataset = getattr(self.data, split)
         loader = DataLoader(dataset, batch_size=self.train_cfg.eval_batch_size, shuffle=False, num_workers=0)
@@ -309,14 +347,14 @@ class LocalTrainer:
         with torch.no_grad():
             for images, batch_labels in loader:
                 logits = self.predict_logits(images.to(self.device)).float()
-                target = batch_labels.to(self.device)
-                loss = F.cross_entropy(logits, target.clamp(min=0), reduction="none") * (target >= 0)
+                scores, loss = self.scores_and_losses(logits, batch_labels.to(self.device))
                 labels.append(batch_labels.numpy())
-                probs.append(torch.softmax(logits, dim=1).cpu().numpy())
+                probs.append(scores.cpu().numpy())
                 losses.append(loss.cpu().numpy())
         num_classes = int(self.data.num_classes)
         if not labels:
-            return np.zeros(0, np.int64), np.zeros((0, num_classes)), np.zeros(0)
+            label_shape = (0, num_classes) if self.multi_label else (0,)
+            return np.zeros(label_shape, np.int64), np.zeros((0, num_classes)), np.zeros(0)
         return np.concatenate(labels), np.concatenate(probs), np.concatenate(losses)
 
     def evaluate(self, split: str) -> Any:
@@ -328,8 +366,8 @@ class LocalTrainer:
         """Called after the global model is loaded and before training (e.g. snapshot global weights)."""
 
     def compute_loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The method's training loss for one batch. Unlabelled samples carry label -1 and are ignored."""
-        return F.cross_entropy(self.model(images), labels, ignore_index=-1)
+        """The method's training loss for one batch. Unlabelled samples (entries) carry -1 and are ignored."""
+        return self.supervised_loss(self.model(images), labels)
 
     def extra_state(self) -> dict[str, Any]:
         """Method-specific state to keep across rounds and restarts (e.g. MOON's previous local model)."""
@@ -444,11 +482,14 @@ class LocalTrainer:
 
 
 def eval_stats(labels: np.ndarray, probs: np.ndarray, losses: np.ndarray, num_classes: int, keep=None) -> Any:
-    """EvalStats of the labelled rows (optionally only rows where ``keep`` is true)."""
-    from medflare.metrics import EvalStats
+    """EvalStats of the labelled rows (optionally only rows where ``keep`` is true); multi-hot ``labels`` give
+    MultiLabelEvalStats over the rows with a known entry."""
+    from medflare.data.types import labelled_rows
+    from medflare.metrics import EvalStats, MultiLabelEvalStats
 
-    rows = labels >= 0 if keep is None else (labels >= 0) & keep
-    return EvalStats.from_predictions(labels[rows], probs[rows], num_classes, loss_sum=float(losses[rows].sum()))
+    rows = labelled_rows(labels) if keep is None else labelled_rows(labels) & keep
+    kind = MultiLabelEvalStats if labels.ndim == 2 else EvalStats
+    return kind.from_predictions(labels[rows], probs[rows], num_classes, loss_sum=float(losses[rows].sum()))
 
 
 class ServerRule:
@@ -470,6 +511,7 @@ class ServerRule:
         self.total_rounds = total_rounds
         self.payload = payload
         self.max_share = 0.0  # job-level cap on one site's share (RobustConfig), applied in shares()
+        self.multi_label = False  # set by the server from the job's task (multi-label rules may add a phase)
 
     def stages(self) -> list[Stage]:
         """Stages run in order; their rounds add up to the job's rounds. Multi-stage methods override."""
@@ -592,6 +634,8 @@ class MethodSpec:
             simulator test runs it), e.g. {"model": "vit_tiny", "data": {...}}.
         reveals: what the method's own messages (beyond the common meta) tell the server about a site's data,
             for privacy reviewers; ``docs/privacy.md`` is generated from it and the Payload.
+        multi_label: whether the method trains multi-label tasks (sigmoid per class); a method that is not
+            marked is refused for multi-label data before anything is launched.
     """
 
     name: str
@@ -607,6 +651,7 @@ class MethodSpec:
     server_model: bool = True
     smoke: Mapping[str, Any] = field(default_factory=dict)
     reveals: str = "nothing beyond the model weights and the common meta"
+    multi_label: bool = False
 
     def __post_init__(self) -> None:
         if not self.server_model and self.payload.sends_weights:

@@ -9,15 +9,27 @@ import numpy.typing as npt
 
 from medflare.errors import ConfigError
 from medflare.metrics.eval_stats import EvalStats
+from medflare.metrics.multi_label import MultiLabelEvalStats
 from medflare.metrics.roc import binned_auc, interpolated_auc
 
-__all__ = ["compute_metrics", "shot_groups_from_counts"]
+__all__ = ["compute_metrics", "multi_label_metrics", "shot_groups_from_counts", "stats_from_dict"]
 
 MetricValue = float | list[float | None] | None
 
 
-def compute_metrics(stats: EvalStats, shot_groups: Mapping[str, Sequence[int]] | None = None) -> dict[str, MetricValue]:
+def stats_from_dict(
+    data: object, num_classes: int | None = None, multi_label: bool = False
+) -> EvalStats | MultiLabelEvalStats:
+    """Validated statistics of the job's kind: a multi-label job accepts only multi-label statistics and back."""
+    return (MultiLabelEvalStats if multi_label else EvalStats).from_dict(data, num_classes=num_classes)
+
+
+def compute_metrics(
+    stats: EvalStats | MultiLabelEvalStats, shot_groups: Mapping[str, Sequence[int]] | None = None
+) -> dict[str, MetricValue]:
     """Metrics of the pooled predictions summarised by ``stats``; binary (K = 2) is handled like any K.
+
+    Multi-label statistics give :func:`multi_label_metrics` (``shot_groups`` do not apply to them).
 
     Returned keys (an undefined value, e.g. on an empty set, is None rather than NaN so it serialises to JSON):
 
@@ -46,6 +58,8 @@ def compute_metrics(stats: EvalStats, shot_groups: Mapping[str, Sequence[int]] |
     Raises:
         ConfigError: if a shot group names a class outside [0, K).
     """
+    if isinstance(stats, MultiLabelEvalStats):
+        return multi_label_metrics(stats)
     confusion = stats.confusion.astype(np.float64)
     true_counts, predicted_counts, hits = confusion.sum(axis=1), confusion.sum(axis=0), np.diag(confusion)
     present = true_counts > 0
@@ -54,8 +68,7 @@ def compute_metrics(stats: EvalStats, shot_groups: Mapping[str, Sequence[int]] |
     recall = _ratio(hits, true_counts)
     precision = _ratio(hits, predicted_counts)
     f1 = _ratio(2 * hits, true_counts + predicted_counts)
-    auc = np.array([binned_auc(p, n) for p, n in zip(stats.pos_hist, stats.neg_hist)])
-    fca_auc = np.array([interpolated_auc(p, n) for p, n in zip(stats.pos_hist, stats.neg_hist)])
+    auc, fca_auc = _per_class_aucs(stats)
 
     metrics: dict[str, MetricValue] = {
         "accuracy": _scalar(hits.sum() / stats.count) if stats.count else None,
@@ -72,6 +85,48 @@ def compute_metrics(stats: EvalStats, shot_groups: Mapping[str, Sequence[int]] |
     if shot_groups is not None:
         metrics.update(_group_accuracies(recall, shot_groups))
     return metrics
+
+
+def multi_label_metrics(stats: MultiLabelEvalStats) -> dict[str, MetricValue]:
+    """Metrics of pooled multi-label predictions (threshold 0.5); each class is scored as its own binary task.
+
+    * ``auc_macro_ovr``: the mean of the per-class AUROCs over classes with known positives and negatives
+      (FedLSM's "Average AUC", sklearn ``roc_auc_score(average="macro")`` on the indicator matrix), up to
+      :func:`~medflare.metrics.roc.binned_auc_error_bound` per class; ``per_class_auc`` lists them.
+    * ``macro_f1``, ``macro_precision``, ``macro_recall``: unweighted means over all K classes, 0 where a
+      class's ratio is undefined (sklearn ``average="macro"``, ``zero_division=0``).
+    * ``accuracy``: subset accuracy, the share of samples whose every known entry is right (sklearn
+      ``accuracy_score`` on fully labelled rows).
+    * ``balanced_accuracy``: the mean over classes with known positives and negatives of ½(sensitivity +
+      specificity); ``per_class_recall``: each class's sensitivity.
+    * ``bauc`` (FCA's grid-interpolated AUC) and ``loss`` (mean BCE) as for single-label statistics.
+    """
+    hits = stats.confusion[:, 1, 1].astype(np.float64)
+    positives = stats.confusion[:, 1].sum(axis=1).astype(np.float64)
+    negatives = stats.confusion[:, 0].sum(axis=1).astype(np.float64)
+    predicted = stats.confusion[:, :, 1].sum(axis=1).astype(np.float64)
+    recall = _ratio(hits, positives)
+    specificity = _ratio(stats.confusion[:, 0, 0].astype(np.float64), negatives)
+    both = (positives > 0) & (negatives > 0)
+    auc, fca_auc = _per_class_aucs(stats)
+    return {
+        "accuracy": _scalar(stats.exact / stats.count) if stats.count else None,
+        "balanced_accuracy": _mean(0.5 * (recall[both] + specificity[both])),
+        "macro_f1": _mean(np.nan_to_num(_ratio(2 * hits, positives + predicted))),
+        "macro_precision": _mean(np.nan_to_num(_ratio(hits, predicted))),
+        "macro_recall": _mean(np.nan_to_num(recall)),
+        "auc_macro_ovr": _mean(auc[~np.isnan(auc)]),
+        "bauc": _mean(fca_auc[~np.isnan(fca_auc)]),
+        "per_class_recall": _list(recall),
+        "per_class_auc": _list(auc),
+        "loss": _scalar(stats.loss_sum / stats.count) if stats.count else None,
+    }
+
+
+def _per_class_aucs(stats: EvalStats | MultiLabelEvalStats) -> tuple[np.ndarray, np.ndarray]:
+    """Each class's binned AUC and FCA's grid-interpolated AUC (NaN where a class lacks positives or negatives)."""
+    pairs = list(zip(stats.pos_hist, stats.neg_hist))
+    return np.array([binned_auc(p, n) for p, n in pairs]), np.array([interpolated_auc(p, n) for p, n in pairs])
 
 
 def shot_groups_from_counts(class_counts: npt.ArrayLike, head_min: int, tail_max: int) -> dict[str, list[int]]:

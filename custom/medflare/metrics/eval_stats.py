@@ -213,14 +213,14 @@ def _check_predictions(labels: np.ndarray, scores: np.ndarray, num_classes: int)
         raise DataError("probs must be finite probabilities in [0, 1] (pass softmax outputs, not logits)")
 
 
-def _count_array(value: Any, name: str) -> np.ndarray:
-    """A received 2-D array of non-negative integer counts."""
+def _count_array(value: Any, name: str, ndim: int = 2) -> np.ndarray:
+    """A received ``ndim``-D array of non-negative integer counts."""
     try:
         array = np.asarray(value)
     except Exception as exc:  # ragged nested lists
         raise PayloadError(f"EvalStats '{name}' is not a rectangular array: {exc}") from exc
-    if array.ndim != 2 or array.dtype.kind not in "iu":
-        raise PayloadError(f"EvalStats '{name}' must be a 2-D array of integers, got {array.ndim}-D {array.dtype}")
+    if array.ndim != ndim or array.dtype.kind not in "iu":
+        raise PayloadError(f"EvalStats '{name}' must be a {ndim}-D array of integers, got {array.ndim}-D {array.dtype}")
     if (array < 0).any():
         raise PayloadError(f"EvalStats '{name}' has negative counts")
     return array.astype(np.int64)

@@ -8,6 +8,7 @@ from medflare.models._factory import IMAGENET, create_model
 from medflare.models._registry import ModelInfo, get_model_info, is_model, list_models, register_model
 from medflare.models.classifier import Classifier, CosineLinear
 from medflare.models.device import get_device
+from medflare.models.ema import EmaTeacher
 from medflare.models.efficientnet_lite import (
     IMAGENET_LITE0_MEAN,
     IMAGENET_LITE0_STD,
@@ -22,6 +23,7 @@ __all__ = [
     "IMAGENET_LITE0_STD",
     "Classifier",
     "CosineLinear",
+    "EmaTeacher",
     "ModelInfo",
     "WeightsReport",
     "create_model",

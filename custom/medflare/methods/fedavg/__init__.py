@@ -19,5 +19,6 @@ SPEC = register_method(
         config_cls=FedAvgConfig,
         trainer_cls=FedAvgTrainer,
         reference="McMahan et al., Communication-Efficient Learning of Deep Networks from Decentralized Data, 2017",
+        multi_label=True,  # BCE over known entries instead of CE on multi-label tasks
     )
 )

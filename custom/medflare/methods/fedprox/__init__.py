@@ -26,5 +26,6 @@ SPEC = register_method(
         config_cls=FedProxConfig,
         trainer_cls=FedProxTrainer,
         reference="Li et al., Federated Optimization in Heterogeneous Networks, MLSys 2020",
+        multi_label=True,  # BCE over known entries instead of CE on multi-label tasks
     )
 )

@@ -31,5 +31,6 @@ SPEC = register_method(
         config_cls=MoonConfig,
         trainer_cls=MoonTrainer,
         reference="Li, He and Song, Model-Contrastive Federated Learning, CVPR 2021",
+        multi_label=True,  # BCE instead of CE on multi-label tasks; the contrastive term needs no labels
     )
 )

@@ -60,7 +60,8 @@ def frozen_copy(model: nn.Module, into: nn.Module | None = None) -> nn.Module:
 
 
 class MoonTrainer(LocalTrainer):
-    """CE over labelled samples + μ · ℓ_con over every sample, on the model's pooled features.
+    """CE over labelled samples (BCE over known entries for multi-label tasks) + μ · ℓ_con over every sample, on
+    the model's pooled features.
 
     z is ``forward_features`` of the model being trained (no projection head: the network, and so the payload,
     stay identical to FedAvg's). z_glob comes from a frozen copy of the model received this round, z_prev from a
@@ -85,8 +86,7 @@ class MoonTrainer(LocalTrainer):
     def compute_loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         features = self.model.forward_features(images)
         logits = self.model.forward_head(features)
-        # Sum over labelled rows / their count = the mean CE, and 0 (not NaN) for a batch with no label.
-        ce = F.cross_entropy(logits, labels, ignore_index=-1, reduction="sum") / (labels >= 0).sum().clamp(min=1)
+        ce = self.supervised_loss(logits, labels)  # 0 (not NaN) for a batch with no label; BCE if multi-label
         if self.previous_model is None or self.cfg.mu == 0:
             return ce
         with torch.no_grad():
