@@ -154,6 +154,16 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_predict(args: argparse.Namespace) -> int:
+    from medflare.predict import predict_file
+
+    done = predict_file(args.checkpoint, args.input, args.output, split=args.split, window=args.window,
+                        batch_size=args.batch_size)
+    print(f"medflare: wrote {done['images']} predictions of {done['method']} ({done['model']}, classes "
+          f"{', '.join(done['class_names'])}) to {done['output']}")
+    return 0
+
+
 def make_parser() -> argparse.ArgumentParser:
     from medflare.runner import add_run_options
 
@@ -197,6 +207,18 @@ def make_parser() -> argparse.ArgumentParser:
     report.add_argument("-o", "--output", help="folder for the report (default: beside the results file); "
                                                "files medflare did not write are never replaced")
     report.set_defaults(func=cmd_report)
+    predict = sub.add_parser(
+        "predict", help="apply a run's FL_global_model.pt or best_FL_global_model.pt to new images; writes a CSV "
+                        "of class probabilities (image, predicted, p_<class>...)")
+    predict.add_argument("checkpoint", help="FL_global_model.pt or best_FL_global_model.pt of a medflare run")
+    predict.add_argument("input", help="a folder of images (first-level folders named like classes give labels), "
+                                       "a CSV with a 'path' column, or an npz ('images' or '<split>_images')")
+    predict.add_argument("-o", "--output", required=True, help="CSV file to write; must not exist")
+    predict.add_argument("--split", default="test", help="which '<split>_images' of a MedMNIST-layout npz (default test)")
+    predict.add_argument("--window", help="DICOM/NIfTI intensity window (CENTER,WIDTH or a preset); default: the "
+                                          "window the model was trained with")
+    predict.add_argument("--batch-size", type=int, default=64, help="images per forward pass (default 64)")
+    predict.set_defaults(func=cmd_predict)
     return parser
 
 

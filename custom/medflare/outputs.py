@@ -293,13 +293,16 @@ def job_run_config(app_dir: Path) -> Any:
     meta_files = (app_dir.parent / "meta.json", app_dir.parent.parent / "meta.json")
     meta = next((json.loads(p.read_text()) for p in meta_files if p.is_file()), {})
     try:
-        model = _component(server["components"], "MedflareModelPersistor")["args"]["model"]["args"]
+        persistor = _component(server["components"], "MedflareModelPersistor")["args"]
+        model = persistor["model"]["args"]
+        class_names = (persistor.get("facts") or {}).get("task", {}).get("class_names")
         controller = _component(server["workflows"], "MedflareController")["args"]
         executor = _component([e["executor"] for e in client["executors"]], "MedflareExecutor")["args"]
         fields = {
             "method": model["method"], "model": model["model"], "pretrained": model.get("pretrained"),
             "seed": model["seed"], "method_args": model["method_args"], "rounds": controller["num_rounds"],
-            "min_clients": controller["min_clients"], "clients": len(executor["sites"]), "task": executor["task"],
+            "min_clients": controller["min_clients"], "clients": len(executor["sites"]),
+            "task": {**executor["task"], **({"class_names": class_names} if class_names else {})},
             "data": {k: v for k, v in executor["data"].items() if k not in ("num_sites", "seed")},
             "train": executor["train"], "site_train": executor.get("site_train", {}),
             "site_evaluation": executor.get("evaluation", "every_round"),

@@ -24,6 +24,7 @@ SECTIONS = {"method": "method_args", "train": "train", "data": "data", "task": "
 # A job name becomes a folder name: one plain path component, never a path
 JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 SITE_EVALUATION = ("every_round", "final", "off")
+TASK_SHAPE = ("num_classes", "in_channels", "image_size")  # the task fields a job must know (class_names optional)
 IMAGENET = "imagenet"  # the `pretrained` value naming a model's offline ImageNet weights
 
 
@@ -42,7 +43,8 @@ class RunConfig:
         data: DataConfig fields for simulated sites; {"source": "site"} makes each site read its own config.
         train: TrainConfig overrides.
         method_args: the method's hyperparameters.
-        task: {"num_classes", "in_channels", "image_size"}; inferred from the data when empty.
+        task: {"num_classes", "in_channels", "image_size"}, inferred from the data when not all given, and
+            optionally "class_names" (from the data's folder names or CSV class_name column when not given).
         shot_thresholds: (head_min, tail_max) class-count thresholds for head/medium/tail metrics, or None.
         site_train: per-site TrainConfig overrides, e.g. {"site-2": {"batch_size": 16}}.
         site_evaluation: when sites send evaluation counts of the received model: every_round (default),
@@ -204,7 +206,7 @@ class RunConfig:
 
     def task_spec(self) -> TaskSpec:
         """The declared task; missing fields are read off the data (simulation) or must be given (site data)."""
-        return TaskSpec(**self.task) if len(self.task) == 3 else infer_task(self)
+        return TaskSpec(**self.task) if set(TASK_SHAPE) <= set(self.task) else infer_task(self)
 
     def train_config(self) -> TrainConfig:
         return resolve_train_config(get_method(self.method), self.train)
@@ -221,8 +223,14 @@ def _typed_task(task: Mapping[str, Any]) -> dict[str, Any]:
     typed = fields_typed(TaskSpec, dict(task), "task")
     lowest = {"num_classes": 2, "in_channels": 1, "image_size": 8}
     for key, value in typed.items():
-        if value < lowest[key]:
+        if key in lowest and value < lowest[key]:
             raise ConfigError(f"task.{key} must be >= {lowest[key]}, got {value}")
+    names = typed.get("class_names")
+    if names is not None and "num_classes" in typed and len(names) != typed["num_classes"]:
+        raise ConfigError(f"task.class_names lists {len(names)} names for task.num_classes={typed['num_classes']}; "
+                          "give one name per class")
+    if names is not None and len(set(names)) != len(names):
+        raise ConfigError(f"task.class_names has a repeated name: {names}; give each class its own name")
     return typed
 
 
@@ -240,11 +248,19 @@ def infer_task(run: RunConfig) -> TaskSpec:
     size = run.data.get("image_size") or int(sample.shape[0])
     inferred = {"num_classes": splits.train.num_classes, "in_channels": splits.train.channels, "image_size": size}
     for key, declared in run.task.items():
-        if declared != inferred[key]:
+        if key in inferred and declared != inferred[key]:
             fix = "data.image_size" if key == "image_size" else "the data source"
             raise ConfigError(f"task.{key}={declared} but the data '{run.data['source']}' gives {key}={inferred[key]}; "
                               f"fix task.{key} or {fix}")
-    return TaskSpec(**inferred)
+    named = splits.info["class_names"] if splits.info.get("named_classes") else None
+    declared_names = run.task.get("class_names")
+    if declared_names is not None and named is not None and list(declared_names) != list(named):
+        raise ConfigError(f"task.class_names={list(declared_names)} but the data '{run.data['source']}' names its "
+                          f"classes {named} (in label order); drop task.class_names or fix it")
+    if declared_names is not None and len(declared_names) != inferred["num_classes"]:
+        raise ConfigError(f"task.class_names lists {len(declared_names)} names but the data has "
+                          f"{inferred['num_classes']} classes; give one name per class")
+    return TaskSpec(**inferred, class_names=list(declared_names or splits.info["class_names"]))
 
 
 def apply_overrides(run: RunConfig, overrides: list[str]) -> RunConfig:

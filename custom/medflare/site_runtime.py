@@ -32,11 +32,15 @@ SITE_STATE_FILE = "medflare_site_state.pt"  # optimizer, private keys and method
 
 @dataclass
 class TaskSpec:
-    """Facts about the task that site and server must agree on (no data, no paths)."""
+    """Facts about the task that site and server must agree on (no data, no paths).
+
+    ``class_names`` (optional, for reports and ``medflare predict``) come from the data or ``task.class_names``.
+    """
 
     num_classes: int
     in_channels: int
     image_size: int
+    class_names: list[str] | None = None
 
 
 @dataclass

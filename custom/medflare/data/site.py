@@ -7,7 +7,7 @@ site's own training class mix (`eval_split="like_train"`). Either way the per-si
 val/test sets, so summing per-site confusion counts gives exactly the pooled metric. POC/production
 (`local=True`): the source is the site's own data and is used whole.
 
-Order of the training-label pipeline: partition → label-set mask (-1 for classes the site does not
+Order of the training pipeline: long-tail cut (`imbalance`, any source) → partition → label-set mask (-1 for classes the site does not
 annotate) → label noise on the remaining labels. Val and test labels always stay clean.
 """
 
@@ -22,8 +22,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from medflare.data.longtail import long_tail_indices
 from medflare.data.noise import NOISE_KINDS, inject_label_noise
 from medflare.data.partition import Partition, apply_label_mask, parse_scheme, partition, partition_like
+from medflare.data.readers import parse_window
 from medflare.data.sources import load_source
 from medflare.data.synthetic import apply_site_shift
 from medflare.data.transforms import AUGMENTATIONS, build_transform
@@ -77,6 +79,10 @@ class DataConfig:
         min_size: Smallest allowed training slice per site.
         num_classes: Declared class count, checked against the data.
         augment: Training augmentation of `build_transform` ("none", "basic", "strong").
+        imbalance: Ratio of the largest to the smallest training class after a seeded long-tail cut of the
+            training split (1 = keep everything); any source (`medflare.data.longtail`).
+        window: Intensity window of DICOM/NIfTI files: "CENTER,WIDTH" (e.g. "40,80"), a CT preset ("brain",
+            "subdural", "lung", "bone", ...), "file" (each DICOM's own window) or "" (min-max per image).
     """
 
     source: str = "synthetic"
@@ -92,9 +98,12 @@ class DataConfig:
     min_size: int = 10
     num_classes: int | None = None
     augment: str = "basic"
+    imbalance: float = 1.0
+    window: str = ""
 
     def __post_init__(self) -> None:
         parse_scheme(self.partition)  # fail early on a bad scheme string
+        parse_window(self.window)
         rates = self.label_noise if isinstance(self.label_noise, list) else [self.label_noise]
         checks = [
             (self.eval_split in EVAL_SPLITS, f"eval_split='{self.eval_split}' must be one of {EVAL_SPLITS}"),
@@ -109,6 +118,7 @@ class DataConfig:
             (self.min_size >= 0, f"min_size={self.min_size} must be >= 0"),
             (self.num_classes is None or self.num_classes >= 2, f"num_classes={self.num_classes} must be >= 2"),
             (self.augment in AUGMENTATIONS, f"augment='{self.augment}' must be one of {AUGMENTATIONS}"),
+            (self.imbalance >= 1.0, f"imbalance={self.imbalance} must be >= 1 (largest/smallest class ratio)"),
         ]
         problems = [message for ok, message in checks if not ok]
         if problems:
@@ -159,6 +169,8 @@ def make_site_data(cfg: DataConfig, site_index: int, site_name: str = "") -> Sit
     site_name = site_name or f"site-{site_index + 1}"
     splits = load_source(cfg.source, seed=cfg.seed, num_classes=cfg.num_classes)
     train, val, test, identified = _site_sets(cfg, splits, site_index, site_name)
+    if cfg.window:
+        train, val, test = (_windowed(image_set, cfg) for image_set in (train, val, test))
     if cfg.site_shift > 0:
         train, val, test = (_shifted(image_set, cfg, site_index) for image_set in (train, val, test))
     num_classes = splits.train.num_classes
@@ -212,17 +224,20 @@ def _site_sets(cfg: DataConfig, splits: DataSplits, site_index: int,
                site_name: str) -> tuple[ImageSet, ImageSet, ImageSet, np.ndarray | None]:
     """This site's train/val/test sets (train labels masked and noised) and its identified-class mask."""
     num_classes = splits.train.num_classes
+    train_all = splits.train
+    if cfg.imbalance > 1.0:
+        train_all = train_all.subset(long_tail_indices(train_all.labels, num_classes, cfg.imbalance, cfg.seed))
     if cfg.local:
-        train, val, test, identified = splits.train, splits.val, splits.test, None
+        train, val, test, identified = train_all, splits.val, splits.test, None
     else:
         if not 0 <= site_index < cfg.num_sites:
             raise ConfigError(f"Site '{site_name}' has index {site_index}, outside [0, {cfg.num_sites}); "
                               "check num_sites in the data config.")
-        train_split = partition(splits.train.labels, cfg.num_sites, cfg.partition, seed=cfg.seed,
-                                min_size=cfg.min_size, attributes=splits.train.attributes, num_classes=num_classes)
-        train = splits.train.subset(train_split.indices[site_index])
+        train_split = partition(train_all.labels, cfg.num_sites, cfg.partition, seed=cfg.seed,
+                                min_size=cfg.min_size, attributes=train_all.attributes, num_classes=num_classes)
+        train = train_all.subset(train_split.indices[site_index])
         identified = None if train_split.identified is None else train_split.identified[site_index]
-        val, test = (_eval_slice(image_set, cfg, site_index, train_split, splits.train.labels)
+        val, test = (_eval_slice(image_set, cfg, site_index, train_split, train_all.labels)
                      for image_set in (splits.val, splits.test))
     if len(train) == 0:
         raise DataError(f"Site '{site_name}' has no training samples in source '{cfg.source}'; give the site data, "
@@ -254,6 +269,13 @@ def _eval_slice(image_set: ImageSet, cfg: DataConfig, site_index: int, train_spl
         shares = partition(image_set.labels, cfg.num_sites, "iid", seed=cfg.seed, min_size=_EVAL_MIN_SIZE,
                            num_classes=image_set.num_classes)
     return image_set.subset(shares.indices[site_index])
+
+
+def _windowed(image_set: ImageSet, cfg: DataConfig) -> ImageSet:
+    if image_set.in_memory:
+        raise ConfigError(f"data.window applies to DICOM/NIfTI files, not to the in-memory source '{cfg.source}'; "
+                          "remove data.window.")
+    return dataclasses.replace(image_set, window=parse_window(cfg.window))
 
 
 def _shifted(image_set: ImageSet, cfg: DataConfig, site_index: int) -> ImageSet:

@@ -5,11 +5,13 @@ Spec forms:
     medmnist:PATH             a MedMNIST .npz (train/val/test images and labels; any size, 1 or 3 channels;
                               optional <split>_attributes, one integer per image)
     folder:DIR                DIR/<class>/<images> or DIR/{train,val,test}/<class>/<images>
-    csv:FILE                  manifest with header path,label[,site][,attribute][,split]
+    csv:FILE                  manifest with header path,label[,site][,attribute][,split][,class_name]
 
 Without explicit splits (folder without split folders, CSV without a `split` column) a seeded stratified
-70/15/15 train/val/test split is made. Results are cached in-process per (spec, seed, num_classes), with
-read-only arrays: treat a returned `DataSplits` as immutable (`ImageSet.subset` returns copies).
+70/15/15 train/val/test split is made. Class names come from the data where it has them (folder names, a CSV's
+`class_name` column; `info["named_classes"]` is then True), else they are `class_<k>`. Results are cached
+in-process per (spec, seed, num_classes), with read-only arrays: treat a returned `DataSplits` as immutable
+(`ImageSet.subset` returns copies).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ SOURCE_FORMS = ("synthetic", "synthetic:key=val,...", "medmnist:PATH", "folder:D
 SPLITS = ("train", "val", "test")
 SPLIT_FRACTIONS = (0.70, 0.15, 0.15)
 CSV_REQUIRED = ("path", "label")
-CSV_OPTIONAL = ("site", "attribute", "split")
+CSV_OPTIONAL = ("site", "attribute", "split", "class_name")
 # Simulated sites may run as threads of one process: load each source once instead of racing to build it.
 _LOAD_LOCK = threading.Lock()
 
@@ -170,7 +172,9 @@ def _load_folder(root: str, seed: int, num_classes: int | None) -> DataSplits:
         paths, labels = files["all"]
         parts = stratified_split(labels, SPLIT_FRACTIONS, seed)
         files = {split: ([paths[i] for i in part], labels[part]) for split, part in zip(SPLITS, parts)}
-    return _file_splits(files, len(class_names), f"folder:{root}", class_names)
+    splits = _file_splits(files, len(class_names), f"folder:{root}", class_names)
+    splits.info["named_classes"] = True
+    return splits
 
 
 def _read_manifest(manifest: str) -> tuple[list[str], list[tuple[dict[str, str], int]]]:
@@ -233,8 +237,29 @@ def _load_csv(manifest: str, seed: int, num_classes: int | None) -> DataSplits:
                             paths=[paths[i] for i in part], name=f"csv:{manifest}[{split}]",
                             **{key: value[part] for key, value in columns.items()})
             for split, part in zip(SPLITS, parts)}
-    return DataSplits(**sets, info={"class_names": [f"class_{k}" for k in range(num_found)],
-                                    "image_size": image_size})
+    info = {"class_names": [f"class_{k}" for k in range(num_found)], "image_size": image_size}
+    if "class_name" in header:
+        info |= {"class_names": _csv_class_names(rows, labels, num_found, at), "named_classes": True}
+    return DataSplits(**sets, info=info)
+
+
+def _csv_class_names(rows: list[tuple[dict[str, str], int]], labels: np.ndarray, num_classes: int,
+                     at: Callable[[int], str]) -> list[str]:
+    """One name per label id from the `class_name` column; a label with two names, or a name on two labels, fails."""
+    names: dict[int, str] = {}
+    for (row, line), label in zip(rows, labels):
+        name = row["class_name"]
+        if not name:
+            raise DataError(f"{at(line)}: class_name is empty; give every row its class's name.")
+        if names.setdefault(int(label), name) != name:
+            raise DataError(f"{at(line)}: label {label} is named '{name}' here but '{names[int(label)]}' earlier; "
+                            "each label needs one class_name.")
+    owners = {}
+    for label, name in sorted(names.items()):
+        if owners.setdefault(name, label) != label:
+            raise DataError(f"'{name}' names both label {owners[name]} and label {label} in the class_name column; "
+                            "each class needs its own name.")
+    return [names.get(k, f"class_{k}") for k in range(num_classes)]
 
 
 def stratified_split(labels: np.ndarray, fractions: tuple[float, ...], seed: int) -> list[np.ndarray]:
