@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from medflare import __version__
+import medflare
 from medflare.errors import ConfigError
 
 FACTS_KEY = "medflare"
@@ -41,7 +41,7 @@ def checkpoint_facts(run: Any, task: Any) -> dict[str, Any]:
     spec = get_method(run.method)
     return {
         "format": FACTS_FORMAT,
-        "medflare_version": __version__,
+        "medflare_version": medflare.__version__,
         "job": run.job_name,
         "method": run.method,
         "method_args": dict(run.method_args),

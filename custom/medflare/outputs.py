@@ -20,7 +20,14 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from medflare.errors import ConfigError, MedflareError
-from medflare.report import build_summary, format_seconds, results_table, write_outputs
+from medflare.report import (
+    build_summary,
+    comparison_table,
+    format_seconds,
+    results_table,
+    untrained_best_warning,
+    write_outputs,
+)
 
 MARKER = ".medflare-outputs.json"
 MODEL_FILES = ("FL_global_model.pt", "best_FL_global_model.pt")
@@ -242,13 +249,18 @@ def run_summary_config(run: Any) -> dict[str, Any]:
     return {**vars(run), "task": vars(run.task_spec()), "train_resolved": vars(run.train_config())}
 
 
-def results_text(summaries: list[Mapping[str, Any]], out: Path) -> str:
-    """What a finished command prints: the results table, timing of a single run, and where the files are."""
-    lines = ["", results_table(summaries)]
+def results_text(summaries: list[Mapping[str, Any]], out: Path, seeds: int = 1) -> str:
+    """What a finished command prints: the results table (mean ± std over seeds when there are several), timing
+    of a single run, a warning for each run whose best model is the untrained one, and where the files are."""
+    lines = ["", comparison_table(summaries) if seeds > 1 else results_table(summaries)]
     if len(summaries) == 1:
         timing = summaries[0]["timing"]
         lines.append(f"\nstart-up {format_seconds(timing.get('startup_seconds'), 1)}, "
                      f"mean round {format_seconds(timing.get('mean_round_seconds'), 2)}")
+    for summary in summaries:
+        warning = untrained_best_warning(summary)
+        if warning:
+            lines.append(f"medflare: warning: {summary['method']} (seed {summary['config'].get('seed')}): {warning}")
     lines.append(f"results: {out.resolve()}")
     return "\n".join(lines)
 

@@ -45,7 +45,8 @@ class RunConfig:
         method_args: the method's hyperparameters.
         task: {"num_classes", "in_channels", "image_size"}, inferred from the data when not all given, and
             optionally "class_names" (from the data's folder names or CSV class_name column when not given).
-        shot_thresholds: (head_min, tail_max) class-count thresholds for head/medium/tail metrics, or None.
+        shot_thresholds: [head_min, tail_max] for head/medium/tail metrics, by each class's total training count
+            n: head if n > head_min, tail if n < tail_max (both exclusive), medium otherwise (inclusive), or None.
         site_train: per-site TrainConfig overrides, e.g. {"site-2": {"batch_size": 16}}.
         site_evaluation: when sites send evaluation counts of the received model: every_round (default),
             final (only the last model), or off. They reveal each site's val/test class counts.

@@ -115,7 +115,8 @@ class MedflareController(Controller):
             self._final_validation(stages[-1], abort_signal, fl_ctx)
             self._results["finished_at"] = time.time()
             self._write_results()
-            self.log_info(fl_ctx, f"medflare: finished {self.num_rounds} rounds; results in {self.results_path}")
+            self.log_info(fl_ctx, f"medflare: finished {self.num_rounds} rounds; results in the server app's "
+                          f"{os.path.basename(self.results_path)}")
         except Exception as exc:
             self._results["error"] = str(exc)
             self._write_results()
@@ -281,9 +282,9 @@ class MedflareController(Controller):
             self.fire_event(AppEventType.GLOBAL_BEST_MODEL_AVAILABLE, fl_ctx)
         bacc = summary.get("test", {}).get("balanced_accuracy")
         if bacc is not None:
-            self.log_info(
-                fl_ctx, f"medflare: model {model_version} test balanced accuracy {bacc:.4f} ({len(evaluations)} sites)"
-            )
+            # the counter of rounds.csv and report.md: round r = the global model after r rounds of training
+            which = f"global model after round {model_version}" if model_version else "initial global model (round 0)"
+            self.log_info(fl_ctx, f"medflare: {which}: test balanced accuracy {bacc:.4f} ({len(evaluations)} sites)")
         return summary
 
     def _final_validation(self, last_stage: Stage, abort_signal: Signal, fl_ctx: FLContext) -> None:
