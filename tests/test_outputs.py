@@ -28,14 +28,14 @@ def run_cli(args: list[str], capsys) -> tuple[int, str]:
     return code, captured.out + captured.err
 
 
-def results(rounds: int, extra_key: str | None) -> dict:
+def results(rounds: int, extra_key: str | None, method: str = "fedavg") -> dict:
     metrics = {"accuracy": 0.5, "balanced_accuracy": 0.5, "macro_f1": 0.4, "auc_macro_ovr": 0.6}
     records = [{"round": r, "started_at": 100.0 + r, "wall_seconds": 1.0, "share": {"site-1": 0.5, "site-2": 0.5},
                 "sites": {}, "payload": {}} for r in range(rounds)]
     if extra_key:  # a method extra such as Fed-MAS's RF: the report draws <key>.png for it
         for record in records:
             record[extra_key] = {"site-1": 1.0, "site-2": 2.0}
-    return {"method": "fedavg", "rounds": records, "finished_at": 200.0,
+    return {"method": method, "rounds": records, "finished_at": 200.0,
             "evaluations": {str(r): {"test": metrics, "val": metrics} for r in range(rounds + 1)}}
 
 
@@ -48,7 +48,7 @@ def fake_simulator(monkeypatch):
         log_path.write_text("simulator log: round 1 done\n")
         app = workspace / "server" / "simulate_job" / "app_server"
         app.mkdir(parents=True)
-        (app / RESULTS_FILE).write_text(json.dumps(results(run.rounds, calls["extra_key"])))
+        (app / RESULTS_FILE).write_text(json.dumps(results(run.rounds, calls["extra_key"], run.method)))
         (app / "FL_global_model.pt").write_bytes(b"model")
         if calls["fail"]:
             raise simulate_module.SimulationError("nvflare simulator exited with code 1")
@@ -157,6 +157,20 @@ def test_compare_overwrite_keeps_user_files(tmp_path: Path, fake_simulator, caps
     after = tree(out_dir)
     assert {name: after[name] for name in before} == before
     assert {"comparison.md", "fedavg/summary.json", "fedprox/summary.json"} <= set(after)
+
+
+def test_compare_with_seeds_prints_mean_and_std_and_keeps_every_run(tmp_path: Path, fake_simulator, capsys) -> None:
+    out_dir = tmp_path / "cmp"
+    code, out = run_cli(["compare", "fedavg", "fedprox", *QUICK, "--seeds", "0", "1", "2", "--out", str(out_dir)],
+                        capsys)
+    assert code == 0, out
+    assert "| fedavg | 3 | 2 | 0.5000 ± 0.0000 | 0.5000 ± 0.0000 |" in out
+    assert "no difference (gap 0.0000 ≤ 1 std 0.0000)" in out
+    runs = {p.parent.relative_to(out_dir).as_posix() for p in out_dir.rglob("summary.json")}
+    assert runs == {f"{m}/seed{s}" for m in ("fedavg", "fedprox") for s in (0, 1, 2)}
+    assert [json.loads((out_dir / r / "summary.json").read_text())["config"]["seed"] for r in sorted(runs)] == [0, 1, 2] * 2
+    comparison = (out_dir / "comparison.md").read_text()
+    assert "over 3 seed(s)" in comparison and "| fedprox | 2 | 2 |" in comparison  # every run: method, seed, rounds
 
 
 def test_export_never_deletes_an_existing_folder_it_did_not_write(tmp_path: Path, capsys) -> None:

@@ -51,14 +51,31 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def checked_run(args: argparse.Namespace, method: str | None = None) -> Any:
-    """The run configuration of ``args``, validated and with its data read (nothing started or written)."""
+def checked_run(args: argparse.Namespace, method: str | None = None, seed: int | None = None) -> Any:
+    """The run configuration of ``args``, validated and with its data read (nothing started or written).
+
+    Args:
+        seed: replaces the run's seed (``compare --seeds``).
+    """
     from medflare.runner import build_run_config, describe_sites
 
     run = build_run_config(args, method)
+    if seed is not None:
+        run.seed = seed
     run.validate()
     describe_sites(run)  # reads and partitions the data: a missing file or a too-small site fails here
     return run
+
+
+def run_in_env(args: argparse.Namespace, run: Any, out: Path, overwrite: bool = False) -> dict[str, Any]:
+    """Run one job where ``--env`` says (simulator or POC) and write its outputs to ``out``; its summary."""
+    if args.env == "poc":
+        from medflare.deploy.poc import run_poc
+
+        return run_poc(run, out, mode=args.mode, overwrite=overwrite)
+    from medflare.simulate import run_simulation
+
+    return run_simulation(run, out, overwrite=overwrite)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -73,16 +90,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     _tracking_note(run)
     out = Path(args.out or f"runs/{run.job_name}-{time.strftime('%Y%m%d-%H%M%S')}")
     OutputTarget(out, overwrite=args.overwrite).check()
-    if args.env == "poc":
-        from medflare.deploy.poc import run_poc
-
-        print(f"medflare: running {run.method} on a {run.clients}-site FLARE POC for {run.rounds} rounds -> {out}")
-        summary = run_poc(run, out, mode=args.mode, overwrite=args.overwrite)
-    else:
-        from medflare.simulate import run_simulation
-
-        print(f"medflare: running {run.method} on {run.clients} simulated sites for {run.rounds} rounds -> {out}")
-        summary = run_simulation(run, out, overwrite=args.overwrite)
+    where = f"a {run.clients}-site FLARE POC" if args.env == "poc" else f"{run.clients} simulated sites"
+    print(f"medflare: running {run.method} on {where} for {run.rounds} rounds -> {out}")
+    summary = run_in_env(args, run, out, overwrite=args.overwrite)
     if summary.get("stopped_early"):
         print(f"medflare: stopped early after round {summary['stopped_early']['after_round']}: "
               f"{summary['stopped_early']['reason']}")
@@ -112,9 +122,10 @@ def cmd_watch(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from medflare.outputs import OutputTarget, results_text
     from medflare.report import comparison_outputs
-    from medflare.simulate import run_simulation
 
-    runs = [checked_run(args, method) for method in dict.fromkeys(args.methods)]  # all checked before any starts
+    seeds = list(dict.fromkeys(args.seeds or [None]))
+    # every run is checked before any starts
+    runs = [checked_run(args, method, seed) for method in dict.fromkeys(args.methods) for seed in seeds]
     _tracking_note(runs[0])
     out = Path(args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
     target = OutputTarget(out, overwrite=args.overwrite)
@@ -123,21 +134,28 @@ def cmd_compare(args: argparse.Namespace) -> int:
     try:
         for run in runs:
             step = f"[{len(summaries) + 1}/{len(runs)}]"
-            print(f"medflare: {step} {run.method} on {run.clients} sites, {run.rounds} rounds")
-            summaries.append(run_simulation(run, staging / run.method))
+            seed = f" seed {run.seed}" if len(seeds) > 1 else ""
+            print(f"medflare: {step} {run.method}{seed} on {run.clients} sites, {run.rounds} rounds ({args.env})")
+            folder = staging / run.method / f"seed{run.seed}" if len(seeds) > 1 else staging / run.method
+            summaries.append(run_in_env(args, run, folder))
         comparison_outputs(summaries, staging)
         target.publish()
     except BaseException as exc:
-        target.abandon(_compare_failure_log(staging, [s["method"] for s in summaries], exc))
+        target.abandon(_compare_failure_log(staging, [_run_label(s, len(seeds)) for s in summaries], exc))
         raise
-    print(results_text(summaries, out) + "  (comparison.md, comparison.png and one folder per method)")
+    print(results_text(summaries, out, seeds=len(seeds)) + "  (comparison.md, comparison.png and one folder per "
+          f"method{' and seed' if len(seeds) > 1 else ''})")
     return 0
+
+
+def _run_label(summary: dict[str, Any], seeds: int) -> str:
+    return f"{summary['method']} seed {summary['config'].get('seed')}" if seeds > 1 else summary["method"]
 
 
 def _compare_failure_log(staging: Path, finished: list[str], exc: BaseException) -> str:
     """Which methods finished, then the failed method's own failure log."""
-    logs = "".join(log.read_text(errors="replace") for log in sorted(staging.glob("*.failed.log")))
-    return logs + f"\nmedflare: compare stopped ({exc or type(exc).__name__}); methods finished: {finished or 'none'}\n"
+    logs = "".join(log.read_text(errors="replace") for log in sorted(staging.rglob("*.failed.log")))
+    return logs + f"\nmedflare: compare stopped ({exc or type(exc).__name__}); runs finished: {finished or 'none'}\n"
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -187,6 +205,25 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_predict(args: argparse.Namespace) -> int:
+    from medflare.predict import predict_file
+
+    done = predict_file(args.checkpoint, args.input, args.output, split=args.split, window=args.window,
+                        batch_size=args.batch_size)
+    print(f"medflare: wrote {done['images']} predictions of {done['method']} ({done['model']}, classes "
+          f"{', '.join(done['class_names'])}) to {done['output']}")
+    return 0
+
+
+def add_env_options(parser: argparse.ArgumentParser) -> None:
+    """Where a command's jobs run: ``--env`` and, for POC, ``--mode``."""
+    parser.add_argument("--env", choices=["sim", "poc"], default="sim",
+                        help="sim: FLARE simulator (default); poc: a real local FLARE POC (mTLS kits, one process "
+                             "per site)")
+    parser.add_argument("--mode", choices=["byoc", "preinstalled"], default="byoc",
+                        help="with --env poc: job carries the code (byoc) or sites use their installed medflare")
+
+
 def make_parser() -> argparse.ArgumentParser:
     from medflare.runner import add_run_options
 
@@ -202,19 +239,20 @@ def make_parser() -> argparse.ArgumentParser:
     add_run_options(run)
     run.add_argument("--out", help="result folder (default runs/<method>-<time>); must be new or empty")
     run.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
-    run.add_argument("--env", choices=["sim", "poc"], default="sim",
-                     help="sim: FLARE simulator (default); poc: a real local FLARE POC (mTLS kits, one process per site)")
-    run.add_argument("--mode", choices=["byoc", "preinstalled"], default="byoc",
-                     help="with --env poc: job carries the code (byoc) or sites use their installed medflare")
+    add_env_options(run)
     run.add_argument("--resume", metavar="RUN_DIR",
                      help="continue a finished or stopped run from its last global model and round counter "
                           "(--rounds is the total, old rounds included)")
     run.set_defaults(func=cmd_run)
-    compare = sub.add_parser("compare", help="run several methods with identical settings; one table")
+    compare = sub.add_parser("compare", help="run several methods with identical settings (and seeds); one table")
     compare.add_argument("methods", nargs="+", help="registered methods to compare")
     add_run_options(compare)
+    compare.add_argument("--seeds", type=int, nargs="+", metavar="SEED",
+                         help="run every method once per seed (e.g. --seeds 0 1 2) and report mean ± std; a gap "
+                              "within one std is reported as no difference")
     compare.add_argument("--out", help="result folder (default runs/compare-<time>); must be new or empty")
     compare.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    add_env_options(compare)
     compare.set_defaults(func=cmd_compare)
     export = sub.add_parser(
         "export", help="write a FLARE job folder (site-local data unless --data is given) for nvflare job submit"
@@ -242,6 +280,18 @@ def make_parser() -> argparse.ArgumentParser:
     watch.add_argument("--interval", type=float, default=2.0, help="seconds between polls (default 2)")
     watch.add_argument("--timeout", type=float, default=0, help="stop following after this many seconds (0 = never)")
     watch.set_defaults(func=cmd_watch)
+    predict = sub.add_parser(
+        "predict", help="apply a run's FL_global_model.pt or best_FL_global_model.pt to new images; writes a CSV "
+                        "of class probabilities (image, predicted, p_<class>...)")
+    predict.add_argument("checkpoint", help="FL_global_model.pt or best_FL_global_model.pt of a medflare run")
+    predict.add_argument("input", help="a folder of images (first-level folders named like classes give labels), "
+                                       "a CSV with a 'path' column, or an npz ('images' or '<split>_images')")
+    predict.add_argument("-o", "--output", required=True, help="CSV file to write; must not exist")
+    predict.add_argument("--split", default="test", help="which '<split>_images' of a MedMNIST-layout npz (default test)")
+    predict.add_argument("--window", help="DICOM/NIfTI intensity window (CENTER,WIDTH or a preset); default: the "
+                                          "window the model was trained with")
+    predict.add_argument("--batch-size", type=int, default=64, help="images per forward pass (default 64)")
+    predict.set_defaults(func=cmd_predict)
     return parser
 
 

@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from medflare.checkpoint import checkpoint_facts
 from medflare.contracts import TRAIN_PHASE as TASK_TRAIN, privacy_scope
 from medflare.flare import tracking
 from medflare.run_config import RunConfig
@@ -61,7 +62,10 @@ def server_config(run: RunConfig, task: TaskSpec, shot_groups: dict | None = Non
             {
                 "id": "persistor",
                 "path": "medflare.flare.persistor.MedflareModelPersistor",
-                "args": {"model": {"path": "medflare.flare.models.build_global_model", "args": model_args}},
+                "args": {
+                    "model": {"path": "medflare.flare.models.build_global_model", "args": model_args},
+                    "facts": checkpoint_facts(run, task),  # saved inside every global model file
+                },
             },
             {
                 "id": "aggregator",

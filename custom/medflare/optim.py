@@ -27,7 +27,6 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
-from timm.optim import param_groups_layer_decay, param_groups_weight_decay
 from torch import nn
 
 from medflare.errors import ConfigError
@@ -181,6 +180,8 @@ def param_groups(model: nn.Module, cfg: TrainConfig, trainable: Iterable[nn.Para
     Raises:
         ConfigError: ``layer_decay < 1`` on a model without ``group_matcher``.
     """
+    from timm.optim import param_groups_layer_decay, param_groups_weight_decay  # here: timm is slow to import
+
     wanted = list(trainable) if trainable is not None else [p for p in model.parameters() if p.requires_grad]
     if cfg.layer_decay < 1.0:
         if not hasattr(model, "group_matcher"):

@@ -20,7 +20,14 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from medflare.errors import ConfigError, MedflareError
-from medflare.report import build_summary, format_seconds, results_table, write_outputs
+from medflare.report import (
+    build_summary,
+    comparison_table,
+    format_seconds,
+    results_table,
+    untrained_best_warning,
+    write_outputs,
+)
 
 MARKER = ".medflare-outputs.json"
 MODEL_FILES = ("FL_global_model.pt", "best_FL_global_model.pt")
@@ -242,13 +249,18 @@ def run_summary_config(run: Any) -> dict[str, Any]:
     return {**vars(run), "task": vars(run.task_spec()), "train_resolved": vars(run.train_config())}
 
 
-def results_text(summaries: list[Mapping[str, Any]], out: Path) -> str:
-    """What a finished command prints: the results table, timing of a single run, and where the files are."""
-    lines = ["", results_table(summaries)]
+def results_text(summaries: list[Mapping[str, Any]], out: Path, seeds: int = 1) -> str:
+    """What a finished command prints: the results table (mean ± std over seeds when there are several), timing
+    of a single run, a warning for each run whose best model is the untrained one, and where the files are."""
+    lines = ["", comparison_table(summaries) if seeds > 1 else results_table(summaries)]
     if len(summaries) == 1:
         timing = summaries[0]["timing"]
         lines.append(f"\nstart-up {format_seconds(timing.get('startup_seconds'), 1)}, "
                      f"mean round {format_seconds(timing.get('mean_round_seconds'), 2)}")
+    for summary in summaries:
+        warning = untrained_best_warning(summary)
+        if warning:
+            lines.append(f"medflare: warning: {summary['method']} (seed {summary['config'].get('seed')}): {warning}")
     lines.append(f"results: {out.resolve()}")
     return "\n".join(lines)
 
@@ -294,14 +306,16 @@ def job_run_config(app_dir: Path) -> Any:
     meta_files = (app_dir.parent / "meta.json", app_dir.parent.parent / "meta.json")
     meta = next((json.loads(p.read_text()) for p in meta_files if p.is_file()), {})
     try:
-        model = _component(server["components"], "MedflareModelPersistor")["args"]["model"]["args"]
+        persistor = _component(server["components"], "MedflareModelPersistor")["args"]
+        model = persistor["model"]["args"]
+        class_names = (persistor.get("facts") or {}).get("task", {}).get("class_names")
         controller = _component(server["workflows"], "MedflareController")["args"]
         executor = _component([e["executor"] for e in client["executors"]], "MedflareExecutor")["args"]
         fields = {
             "method": model["method"], "model": model["model"], "pretrained": model.get("pretrained"),
             "seed": model["seed"], "method_args": model["method_args"], "rounds": controller["num_rounds"],
             "min_clients": controller["min_clients"], "clients": len(executor["sites"]),
-            "task": vars(TaskSpec(**executor["task"])),  # with the defaults a job leaves out (multi_label)
+            "task": vars(TaskSpec(**{**executor["task"], **({"class_names": class_names} if class_names else {})})),
             "data": {k: v for k, v in executor["data"].items() if k not in ("num_sites", "seed")},
             "train": executor["train"], "site_train": executor.get("site_train", {}),
             "site_evaluation": executor.get("evaluation", "every_round"),

@@ -1,11 +1,21 @@
-"""matplotlib set-up shared by every plot medflare draws (run reports, method diagnostics).
+"""Every plot medflare draws: the matplotlib set-up (shared with method diagnostics) and a run's figures.
 
-A neutral module: methods draw their site-local diagnostics with it without importing the report layer.
+A neutral module: methods draw their site-local diagnostics with :func:`pyplot` without importing the report
+layer; ``report`` draws a run's figures with the functions below. Legends sit outside the axes, so they never
+cover a curve, and curves that coincide (sites with equal shares or equal values) stay visible.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+DPI = 110
+# Marker shapes and line styles that keep coinciding per-site curves apart: each later site draws a smaller
+# marker with another dash pattern on top of the earlier ones.
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+LINE_STYLES = ("-", "--", "-.", ":")
+PER_SITE_TITLES = {"rf": "rescue factor RF per site"}
 
 
 def pyplot() -> Any:
@@ -23,3 +33,131 @@ def integer_ticks() -> Any:
     from matplotlib.ticker import MaxNLocator
 
     return MaxNLocator(integer=True)
+
+
+def legend_outside(ax: Any) -> None:
+    """The axes' legend to the right of the plot area, where it cannot cover a curve."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+
+
+def save(fig: Any, path: Path) -> Path:
+    """Write ``fig`` (legends outside the axes included) and free it."""
+    fig.savefig(path, dpi=DPI, bbox_inches="tight")
+    pyplot().close(fig)
+    return path
+
+
+# ----- a run's figures -----------------------------------------------------------------------------------
+def learning_curves_figure(summary: Mapping[str, Any]) -> Any:
+    """Test metrics and validation balanced accuracy per round; each site's mean local training loss."""
+    plt = pyplot()
+    rounds = [e["round"] for e in summary["per_round"]]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    curves = [(f"test {m}", [e["metrics"].get(m) for e in summary["per_round"]])
+              for m in ("balanced_accuracy", "accuracy", "macro_f1")]
+    curves.append(("val balanced_accuracy", [e["val_metrics"].get("balanced_accuracy") for e in summary["per_round"]]))
+    for i, (label, values) in enumerate(curves):
+        axes[0].plot(rounds, values, **_site_style(i), label=label)
+    axes[0].set(xlabel="round", ylabel="score", title=f"{summary['method']}: global model after each round")
+    for i, site in enumerate(sorted(summary["clients"])):
+        axes[1].plot(rounds, [e["train_loss"].get(site) for e in summary["per_round"]], **_site_style(i), label=site)
+    axes[1].set(xlabel="round", ylabel="mean local training loss", title="local training loss per site")
+    for ax in axes:
+        ax.xaxis.set_major_locator(integer_ticks())
+        legend_outside(ax)
+    fig.tight_layout()
+    return fig
+
+
+def shares_figure(summary: Mapping[str, Any]) -> Any:
+    """Each site's share of the aggregate per round, stacked: every site keeps its own band, equal shares too."""
+    plt = pyplot()
+    rounds = [e["round"] for e in summary["per_round"]]
+    sites = sorted(summary["clients"]) or sorted({s for e in summary["per_round"] for s in e.get("share", {})})
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bands = [[e.get("share", {}).get(site) or 0.0 for e in summary["per_round"]] for site in sites]
+    ax.stackplot(rounds, bands, labels=sites, alpha=0.85, edgecolor="white", linewidth=0.8)
+    ax.set(xlabel="round", ylabel="share of the aggregate (stacked)", ylim=(0, 1),
+           title="contribution of each site to the global model")
+    ax.xaxis.set_major_locator(integer_ticks())
+    legend_outside(ax)
+    fig.tight_layout()
+    return fig
+
+
+def per_site_value_figure(summary: Mapping[str, Any], key: str) -> Any:
+    """A per-site value over rounds (e.g. Fed-MAS's RF); coinciding sites stay visible (marker, dash, size)."""
+    plt = pyplot()
+    rounds = [e["round"] for e in summary["per_round"]]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, site in enumerate(sorted(summary["clients"])):
+        ax.plot(rounds, [e.get(key, {}).get(site) for e in summary["per_round"]], **_site_style(i), label=site)
+    ax.set(xlabel="round", ylabel=key, title=PER_SITE_TITLES.get(key, f"{key} per site"))
+    ax.xaxis.set_major_locator(integer_ticks())
+    legend_outside(ax)
+    fig.tight_layout()
+    return fig
+
+
+def per_site_metrics_figure(rows: Mapping[str, Mapping[str, float | None]], metric: str, pooled: float | None) -> Any:
+    """Bars of ``metric`` per site for each evaluated model (global, and any method-declared one)."""
+    plt = pyplot()
+    models = list(rows)
+    sites = sorted({site for per_site in rows.values() for site in per_site})
+    width = 0.8 / max(len(models), 1)
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(sites) + 3), 4))
+    for i, model in enumerate(models):
+        values = [rows[model].get(site) or 0.0 for site in sites]
+        ax.bar([s + (i - (len(models) - 1) / 2) * width for s in range(len(sites))], values, width=width, label=model)
+    if pooled is not None:
+        ax.axhline(pooled, color="black", linestyle="--", linewidth=1, label="global model, pooled")
+    ax.set_xticks(range(len(sites)), sites)
+    ax.set(ylabel=f"test {metric}", ylim=(0, 1), title=f"each site's own test split: {metric}")
+    legend_outside(ax)
+    fig.tight_layout()
+    return fig
+
+
+def confusion_figure(confusion: Sequence[Sequence[int]], class_names: Sequence[str]) -> Any:
+    """The pooled test confusion matrix of the final global model (counts; rows true, columns predicted)."""
+    import numpy as np
+    from sklearn.metrics import ConfusionMatrixDisplay
+
+    plt = pyplot()
+    size = max(4.5, 0.55 * len(class_names) + 2.5)
+    fig, ax = plt.subplots(figsize=(size + 1, size))
+    display = ConfusionMatrixDisplay(np.asarray(confusion, dtype=np.int64), display_labels=list(class_names))
+    display.plot(ax=ax, values_format="d", xticks_rotation=45, colorbar=True)
+    ax.set(title="final global model, pooled test split")
+    fig.tight_layout()
+    return fig
+
+
+def comparison_figure(curves: Mapping[str, Mapping[str, Any]], metric: str) -> Any:
+    """Per method: ``metric`` per round (mean, with ± std error bars over seeds) and its final value as a bar.
+
+    Args:
+        curves: method -> {"rounds", "mean", "std" (per round), "final_mean", "final_std", "seeds"}.
+        metric: the metric shown.
+    """
+    plt = pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [3, 2]})
+    for i, (method, c) in enumerate(curves.items()):
+        left.errorbar(c["rounds"], c["mean"], yerr=c["std"] if c["seeds"] > 1 else None, capsize=3,
+                      **_site_style(i), label=method)
+        right.bar(i, c["final_mean"], yerr=c["final_std"] if c["seeds"] > 1 else None, capsize=4)
+    seeds = sorted({c["seeds"] for c in curves.values()})
+    spread = f"mean ± std over {seeds[0]} seeds" if seeds and seeds[-1] > 1 else "one seed"
+    left.set(xlabel="round", ylabel=f"test {metric}", title=f"global model per round ({spread})")
+    left.xaxis.set_major_locator(integer_ticks())
+    right.set_xticks(range(len(curves)), list(curves), rotation=30, ha="right")
+    right.set(ylabel=f"final test {metric}", title="final global model")
+    legend_outside(left)
+    fig.tight_layout()
+    return fig
+
+
+def _site_style(i: int) -> dict[str, Any]:
+    return {"marker": MARKERS[i % len(MARKERS)], "linestyle": LINE_STYLES[i % len(LINE_STYLES)],
+            "markersize": max(9 - 1.5 * i, 3), "markerfacecolor": "none" if i % 2 == 0 else None}

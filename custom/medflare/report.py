@@ -1,4 +1,8 @@
-"""Turn the controller's results file into summary.json, a per-round CSV, a markdown report and plots."""
+"""Turn the controller's results file into summary.json, a per-round CSV, a markdown report and plots.
+
+Rounds are counted one way everywhere (console, rounds.csv, report.md, plots): round r is the global model after
+r rounds of training, round 0 the initial, untrained model.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
-from medflare.plotting import integer_ticks, pyplot
+from medflare import plotting
 
 TABLE_METRICS = ("accuracy", "balanced_accuracy", "macro_f1", "auc_macro_ovr")
 LONG_TAIL_METRICS = ("head_accuracy", "medium_accuracy", "tail_accuracy", "hmt_mean")
@@ -37,6 +41,7 @@ def build_summary(
         "config": dict(config),
         "rounds_completed": len(rounds),
         "final": final_metrics(final_eval),
+        "final_confusion": (final_eval.get("test_stats") or {}).get("confusion"),
         "final_by_attribute": final_eval.get("test_by_attribute", {}),
         "final_val": final_eval.get("val", {}),
         "initial": evaluations.get("0", {}).get("test", {}),
@@ -127,27 +132,31 @@ def _timing(results: Mapping[str, Any], rounds: list[Mapping[str, Any]], launche
 
 
 def write_outputs(summary: Mapping[str, Any], out_dir: str | Path) -> list[Path]:
-    """summary.json, rounds.csv, report.md and PNG plots in ``out_dir``; returns the files written."""
+    """summary.json, rounds.csv, PNG plots and report.md (showing every plot in ``out_dir``); returns the files."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    files = [out / "summary.json", out / "rounds.csv", out / "report.md"]
+    files = [out / "summary.json", out / "rounds.csv"]
     files[0].write_text(json.dumps(summary, indent=2, default=str) + "\n")
     _write_rounds_csv(summary, files[1])
-    files[2].write_text(markdown_report(summary))
     files.extend(write_plots(summary, out))
+    files.append(out / "report.md")
+    files[-1].write_text(markdown_report(summary, plots=run_plots(out)))
     return files
 
 
 def _write_rounds_csv(summary: Mapping[str, Any], path: Path) -> None:
+    """One row per round: test metrics (head/medium/tail and per-attribute ones when present), validation
+    metrics, each site's share and training loss."""
     sites = sorted(summary.get("clients", {}))
-    header = ["round", "wall_seconds"] + [f"test_{m}" for m in TABLE_METRICS] + [f"val_{m}" for m in TABLE_METRICS]
+    tested = metric_columns(*(entry["metrics"] for entry in summary["per_round"]))
+    header = ["round", "wall_seconds"] + [f"test_{m}" for m in tested] + [f"val_{m}" for m in TABLE_METRICS]
     header += [f"share_{s}" for s in sites] + [f"train_loss_{s}" for s in sites]
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(header)
         for entry in summary["per_round"]:
             row = [entry["round"], _fmt(entry.get("wall_seconds"))]
-            row += [_fmt(entry["metrics"].get(m)) for m in TABLE_METRICS]
+            row += [_fmt(entry["metrics"].get(m)) for m in tested]
             row += [_fmt(entry["val_metrics"].get(m)) for m in TABLE_METRICS]
             row += [_fmt(entry["share"].get(s)) for s in sites] + [_fmt(entry["train_loss"].get(s)) for s in sites]
             writer.writerow(row)
@@ -157,20 +166,26 @@ def _fmt(value: Any) -> str:
     return "" if value is None else f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
-def metric_columns(final: Mapping[str, Any]) -> list[str]:
-    """The metrics shown in tables: the standard four, plus head/medium/tail and per-attribute ones when present."""
-    return [m for m in TABLE_METRICS + LONG_TAIL_METRICS + ATTRIBUTE_METRICS if m in final]
+def metric_columns(*metrics: Mapping[str, Any]) -> list[str]:
+    """The metrics shown in tables: the standard four, plus head/medium/tail and per-attribute ones when present
+    (in any of ``metrics``)."""
+    present = {key for m in metrics for key, value in m.items() if value is not None}
+    attributes = sorted(k for k in present if k.startswith("bacc_attr_") and k not in ATTRIBUTE_METRICS)
+    ordered = TABLE_METRICS + LONG_TAIL_METRICS + tuple(attributes) + ATTRIBUTE_METRICS
+    return [m for m in dict.fromkeys(ordered) if m in present]
 
 
-def results_table(summaries: list[Mapping[str, Any]]) -> str:
-    """A markdown table of final test metrics, one row per run."""
+def results_table(summaries: list[Mapping[str, Any]], with_seed: bool = False) -> str:
+    """A markdown table of final test metrics, one row per run (and its seed, when asked)."""
     if not summaries:
         return ""
-    columns = metric_columns(summaries[0]["final"])
-    lines = ["| method | rounds | " + " | ".join(columns) + " |", "|---" * (len(columns) + 2) + "|"]
+    columns = metric_columns(*(s["final"] for s in summaries))
+    first = ["method", "seed", "rounds"] if with_seed else ["method", "rounds"]
+    lines = ["| " + " | ".join(first + columns) + " |", "|---" * (len(columns) + len(first)) + "|"]
     for s in summaries:
         values = " | ".join(_cell(s["final"].get(c)) for c in columns)
-        lines.append(f"| {s['method']} | {s['rounds_completed']} | {values} |")
+        seed = f" {s['config'].get('seed')} |" if with_seed else ""
+        lines.append(f"| {s['method']} |{seed} {s['rounds_completed']} | {values} |")
     return "\n".join(lines)
 
 
@@ -183,68 +198,193 @@ def _cell(value: Any) -> str:
     return f"{value:.4f}" if isinstance(value, (int, float)) else "n/a"
 
 
-def markdown_report(summary: Mapping[str, Any]) -> str:
-    """A short human-readable report of one run."""
-    cfg = summary["config"]
-    timing = summary["timing"]
-    lines = [
+def class_names(summary: Mapping[str, Any]) -> list[str]:
+    """The run's class names (from the data or ``task.class_names``), else ``class_<k>``."""
+    task = summary["config"].get("task") or {}
+    count = task.get("num_classes") or len(summary["final"].get("per_class_recall") or [])
+    return list(task.get("class_names") or [f"class_{k}" for k in range(int(count or 0))])
+
+
+# ----- report.md -----------------------------------------------------------------------------------------
+def markdown_report(summary: Mapping[str, Any], plots: list[str] | None = None) -> str:
+    """A human-readable report of one run: set-up, final metrics, best model, per site, per class, plots.
+
+    Args:
+        summary: :func:`build_summary`'s result.
+        plots: the run's image files, relative to the report (each is shown).
+    """
+    sections = [_header(summary), ["## Final test metrics", "", results_table([summary]), "", *best_model_lines(summary)],
+                _per_site_section(summary), *_extra_sections(summary), _per_class_section(summary),
+                _sites_section(summary), _plots_section(plots or [])]
+    if summary.get("error"):
+        sections.append([f"**The job failed:** {summary['error']}"])
+    return "\n".join(line for section in sections if section for line in [*section, ""])
+
+
+def _header(summary: Mapping[str, Any]) -> list[str]:
+    cfg, timing = summary["config"], summary["timing"]
+    data = cfg.get("data", {})
+    return [
         f"# medflare run: {summary['method']}",
         "",
-        f"- data: `{cfg.get('data', {}).get('source')}` partition `{cfg.get('data', {}).get('partition', '-')}`, "
-        f"{cfg.get('clients')} sites, model `{cfg.get('model')}`, {summary['rounds_completed']} rounds, seed {cfg.get('seed')}",
+        f"- data: `{data.get('source')}` partition `{data.get('partition', '-')}`, {cfg.get('clients')} sites, "
+        f"model `{cfg.get('model')}`, {summary['rounds_completed']} rounds, seed {cfg.get('seed')}",
+        f"- classes: {', '.join(class_names(summary)) or 'n/a'}",
         f"- mean round wall time {format_seconds(timing.get('mean_round_seconds'), 2)}; "
         f"start-up {format_seconds(timing.get('startup_seconds'), 1)}",
         "- metrics are of the global model on the sites' held-out test splits, summed as confusion counts "
-        "(exact pooled values); the best model is chosen on validation only",
-        "",
-        "## Final test metrics",
-        "",
-        results_table([summary]),
-        "",
-        "## Sites",
-        "",
-        "| site | train samples | bytes sent per round |",
-        "|---|---|---|",
+        "(exact pooled values); the best model is chosen on validation only; round r is the global model after "
+        "r rounds (round 0: the initial model)",
     ]
+
+
+def best_model_lines(summary: Mapping[str, Any]) -> list[str]:
+    """Which round's model ``best_FL_global_model.pt`` holds, and a warning when it is the untrained model 0."""
+    best = summary.get("best") or {}
+    if "model_version" not in best:
+        return ["- no model was scored on validation, so no best model was chosen"]
+    version = int(best["model_version"])
+    metric, score = next(((k, v) for k, v in best.items() if k != "model_version"), ("validation score", None))
+    lines = [f"- best model by validation {metric}: round {version} ({metric} {_cell(score)}), saved as "
+             f"`best_FL_global_model.pt`; `FL_global_model.pt` is round {summary['rounds_completed']}"]
+    warning = untrained_best_warning(summary)
+    return lines + ([f"- **warning:** {warning}"] if warning else [])
+
+
+def untrained_best_warning(summary: Mapping[str, Any]) -> str | None:
+    """A warning when the best model by validation is the untrained initial model (round 0), else None."""
+    best = summary.get("best") or {}
+    if best.get("model_version") != 0:
+        return None
+    return ("the best model by validation is the untrained initial model (round 0): no round of training improved "
+            "on it, so best_FL_global_model.pt holds the initial weights; train for more rounds or local epochs, "
+            "or check the learning rate and the labels")
+
+
+def _site_rows(block: Mapping[str, Any], columns: list[str], test_images: Mapping[str, Any]) -> list[str]:
+    """Rows of a per-site table: each site, the pooled value and the unweighted mean over sites."""
+    rows = [f"| {site} | {test_images.get(site, '-')} | " + " | ".join(_cell(m.get(c)) for c in columns) + " |"
+            for site, m in block.get("by_site", {}).items()]
+    pooled = block.get("test", block)
+    rows.append("| **pooled** | - | " + " | ".join(_cell(pooled.get(c)) for c in columns) + " |")
+    rows.append("| **mean over sites** | - | " + " | ".join(_cell(block["site_mean"].get(c)) for c in columns) + " |")
+    return rows
+
+
+def _per_site_table(title: str, note: str, block: Mapping[str, Any], summary: Mapping[str, Any]) -> list[str]:
+    if not block.get("by_site"):
+        return []
+    columns = metric_columns(*block["by_site"].values())
+    test_images = {site: facts.get("n_test", "-") for site, facts in summary.get("clients", {}).items()}
+    return [title, "", note, "", "| site | test images | " + " | ".join(columns) + " |",
+            "|---" * (len(columns) + 2) + "|", *_site_rows(block, columns, test_images)]
+
+
+def _per_site_section(summary: Mapping[str, Any]) -> list[str]:
+    return _per_site_table(
+        "## Per site", "The final global model on each site's own test split; the pooled row sums every site's "
+        "counts, the mean is unweighted (the personalized-FL convention).", summary["final"], summary)
+
+
+def _extra_sections(summary: Mapping[str, Any]) -> list[list[str]]:
+    """One per-site table per method-declared evaluation (e.g. each site's own model)."""
+    return [_per_site_table(f"## Evaluation '{name}' (declared by {summary['method']})",
+                            "Scored at each site on its own test split, summed like the global model's.", block, summary)
+            for name, block in sorted((summary["final"].get("extra") or {}).items())]
+
+
+def _per_class_section(summary: Mapping[str, Any]) -> list[str]:
+    final = summary["final"]
+    recall, auc = final.get("per_class_recall"), final.get("per_class_auc") or []
+    if not recall:
+        return []
+    train = _training_counts(summary)
+    groups = _shot_group_names(summary, train)
+    lines = ["## Per class", "", "The final global model on the pooled test split; the confusion matrix is "
+             "`confusion.png`.", "", "| class | name | training images | group | recall | AUC |", "|---|---|---|---|---|---|"]
+    for k, name in enumerate(class_names(summary)):
+        lines.append(f"| {k} | {name} | {train[k] if train else '-'} | {groups.get(k, '-')} | {_cell(recall[k])} | "
+                     f"{_cell(auc[k] if k < len(auc) else None)} |")
+    return lines
+
+
+def _training_counts(summary: Mapping[str, Any]) -> list[int] | None:
+    counts = [facts["class_counts"] for facts in summary.get("clients", {}).values() if facts.get("class_counts")]
+    return [int(sum(column)) for column in zip(*counts)] if counts else None
+
+
+def _shot_group_names(summary: Mapping[str, Any], train: list[int] | None) -> dict[int, str]:
+    """Head/medium/tail of each class from ``shot_thresholds`` and the training counts (see ``--help``)."""
+    thresholds = summary["config"].get("shot_thresholds")
+    if not thresholds or not train:
+        return {}
+    from medflare.metrics import shot_groups_from_counts
+
+    groups = shot_groups_from_counts(train, head_min=thresholds[0], tail_max=thresholds[1])
+    return {k: group for group, members in groups.items() for k in members}
+
+
+def _sites_section(summary: Mapping[str, Any]) -> list[str]:
+    lines = ["## Sites", "", "| site | train samples | bytes sent per round |", "|---|---|---|"]
     for site, facts in sorted(summary["clients"].items()):
         sent = summary["payload"].get(site, {}).get("bytes_per_round", [])
         lines.append(f"| {site} | {facts.get('n_train', facts.get('n_samples_reported'))} | {sent[-1] if sent else '-'} |")
-    if summary.get("error"):
-        lines += ["", f"**The job failed:** {summary['error']}"]
-    lines += ["", "Plots: `learning_curves.png`, `shares.png`.", ""]
-    return "\n".join(lines)
+    return lines
 
 
-def write_plots(summary: Mapping[str, Any], out: Path) -> list[Path]:
-    """Learning curves, each site's share of the aggregate, and any other per-site value (e.g. RF) over rounds."""
-    plt = pyplot()
+PLOT_CAPTIONS = {
+    "learning_curves.png": "Learning curves: the global model after each round, and each site's training loss",
+    "shares.png": "Each site's share of the aggregate per round (stacked)",
+    "per_site.png": "Each site's own test split",
+    "confusion.png": "Confusion matrix of the final global model (pooled test split)",
+    "rf.png": "Fed-MAS rescue factor RF per site",
+    "diagnostics.png": "site-local diagnostics (never sent; copied out of the simulated site)",
+}
 
-    rounds = [e["round"] for e in summary["per_round"]]
-    if not rounds:
+
+def run_plots(out: Path) -> list[str]:
+    """Every image of a run folder, relative to it: the run's own plots first, then each site's."""
+    own = sorted(p.name for p in out.glob("*.png"))
+    first = [name for name in PLOT_CAPTIONS if name in own]
+    sites = sorted(p.relative_to(out).as_posix() for p in out.glob("sites/*/*.png"))
+    return first + [name for name in own if name not in first] + sites
+
+
+def _plots_section(plots: list[str]) -> list[str]:
+    if not plots:
         return []
-    files = [out / "learning_curves.png"]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for metric in ("balanced_accuracy", "accuracy", "macro_f1"):
-        axes[0].plot(rounds, [e["metrics"].get(metric) for e in summary["per_round"]], marker="o", label=f"test {metric}")
-    axes[0].plot(rounds, [e["val_metrics"].get("balanced_accuracy") for e in summary["per_round"]], "--", label="val balanced_accuracy")
-    axes[0].set(xlabel="round", ylabel="score", title=f"{summary['method']}: global model")
-    axes[0].legend(fontsize=8)
-    for site in sorted(summary["clients"]):
-        axes[1].plot(rounds, [e["train_loss"].get(site) for e in summary["per_round"]], marker=".", label=site)
-    axes[1].set(xlabel="round", ylabel="mean local training loss", title="local training loss per site")
-    axes[1].legend(fontsize=8)
-    for ax in axes:
-        ax.xaxis.set_major_locator(integer_ticks())
-    fig.tight_layout()
-    fig.savefig(files[0], dpi=110)
-    plt.close(fig)
-    for key in ["share"] + [k for k in site_valued_keys(summary["per_round"]) if k not in ("share", "train_loss")]:
-        files.append(out / ("shares.png" if key == "share" else f"{key}.png"))
-        _plot_per_site(plt, summary, key, files[-1])
+    lines = ["## Plots", ""]
+    for plot in plots:
+        name = Path(plot).name
+        caption = PLOT_CAPTIONS.get(name, name.removesuffix(".png").replace("_", " "))
+        if plot.startswith("sites/"):
+            caption = f"{plot.split('/')[1]}: {caption}"
+        lines += [f"### {caption}", "", f"![{caption}]({plot})", ""]
+    return lines[:-1]
+
+
+# ----- plots ---------------------------------------------------------------------------------------------
+def write_plots(summary: Mapping[str, Any], out: Path) -> list[Path]:
+    """Learning curves, shares, any other per-site value (e.g. RF), per-site metrics and the confusion matrix."""
+    if not summary["per_round"]:
+        return []
+    files = [plotting.save(plotting.learning_curves_figure(summary), out / "learning_curves.png")]
+    for key in site_valued_keys(summary["per_round"]):
+        if key == "share":
+            files.append(plotting.save(plotting.shares_figure(summary), out / "shares.png"))
+        elif key != "train_loss":
+            files.append(plotting.save(plotting.per_site_value_figure(summary, key), out / f"{key}.png"))
+    final = summary["final"]
+    if final.get("by_site"):
+        rows = {"global model": {s: m.get("balanced_accuracy") for s, m in final["by_site"].items()}}
+        rows |= {name: {s: m.get("balanced_accuracy") for s, m in block.get("by_site", {}).items()}
+                 for name, block in sorted((final.get("extra") or {}).items())}
+        figure = plotting.per_site_metrics_figure(rows, "balanced_accuracy", final.get("balanced_accuracy"))
+        files.append(plotting.save(figure, out / "per_site.png"))
+    if summary.get("final_confusion"):
+        figure = plotting.confusion_figure(summary["final_confusion"], class_names(summary))
+        files.append(plotting.save(figure, out / "confusion.png"))
     return files
-
-
-PER_SITE_TITLES = {"share": "contribution of each site to the global model", "rf": "rescue factor RF per site"}
 
 
 def site_valued_keys(per_round: list[Mapping[str, Any]]) -> list[str]:
@@ -258,35 +398,95 @@ def site_valued_keys(per_round: list[Mapping[str, Any]]) -> list[str]:
     return keys
 
 
-def _plot_per_site(plt: Any, summary: Mapping[str, Any], key: str, path: Path) -> None:
-    rounds = [e["round"] for e in summary["per_round"]]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for site in sorted(summary["clients"]):
-        ax.plot(rounds, [e.get(key, {}).get(site) for e in summary["per_round"]], marker="o", label=site)
-    ax.set(xlabel="round", ylabel=key, title=PER_SITE_TITLES.get(key, f"{key} per site"))
-    ax.xaxis.set_major_locator(integer_ticks())
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+# ----- comparison of methods (and seeds) -----------------------------------------------------------------
+KEY_METRIC = "balanced_accuracy"
+
+
+def by_method(summaries: list[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
+    """Runs grouped by method, in the order the methods first appear (one run per seed)."""
+    groups: dict[str, list[Mapping[str, Any]]] = {}
+    for summary in summaries:
+        groups.setdefault(summary["method"], []).append(summary)
+    return groups
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for a single value)."""
+    import statistics
+
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def seed_statistics(runs: list[Mapping[str, Any]], columns: list[str]) -> dict[str, tuple[float, float] | None]:
+    """Mean and std over seeds of each final metric (None where a run lacks it)."""
+    stats: dict[str, tuple[float, float] | None] = {}
+    for column in columns:
+        values = [run["final"].get(column) for run in runs]
+        stats[column] = mean_std([float(v) for v in values]) if all(isinstance(v, (int, float)) for v in values) else None
+    return stats
+
+
+def verdicts(stats: Mapping[str, Mapping[str, tuple[float, float] | None]], metric: str = KEY_METRIC) -> dict[str, str]:
+    """Each method against the best mean of ``metric``: a gap within one standard deviation (the larger of the
+    two methods') is **no difference** (the project's rule for seeded comparisons)."""
+    known = {m: s[metric] for m, s in stats.items() if s.get(metric) is not None}
+    if not known:
+        return {}
+    best = max(known, key=lambda m: known[m][0])
+    out = {}
+    for method, (mean, std) in known.items():
+        gap, spread = known[best][0] - mean, max(std, known[best][1])
+        if method == best:
+            out[method] = "best"
+        elif gap <= spread:
+            out[method] = f"no difference (gap {gap:.4f} ≤ 1 std {spread:.4f})"
+        else:
+            out[method] = f"worse by {gap:.4f} (> 1 std {spread:.4f})"
+    return out
+
+
+def comparison_table(summaries: list[Mapping[str, Any]]) -> str:
+    """Mean ± std over seeds of each method's final test metrics, with the verdict against the best method."""
+    groups = by_method(summaries)
+    columns = metric_columns(*(s["final"] for s in summaries))
+    stats = {method: seed_statistics(runs, columns) for method, runs in groups.items()}
+    verdict = verdicts(stats)
+    header = f"| method | seeds | rounds | {' | '.join(columns)} | vs best ({KEY_METRIC}) |"
+    lines = [header, "|---" * (len(columns) + 4) + "|"]
+    for method, runs in groups.items():
+        cells = " | ".join("n/a" if stats[method][c] is None else f"{stats[method][c][0]:.4f} ± {stats[method][c][1]:.4f}"
+                           for c in columns)
+        lines.append(f"| {method} | {len(runs)} | {runs[0]['rounds_completed']} | {cells} | {verdict.get(method, '-')} |")
+    return "\n".join(lines)
+
+
+def per_round_curves(groups: Mapping[str, list[Mapping[str, Any]]], metric: str) -> dict[str, dict[str, Any]]:
+    """Per method: ``metric`` per round, mean and std over seeds, and the final value's mean and std."""
+    curves = {}
+    for method, runs in groups.items():
+        rounds = [e["round"] for e in runs[0]["per_round"]]
+        per_round = [[r["per_round"][i]["metrics"].get(metric) for r in runs if i < len(r["per_round"])]
+                     for i in range(len(rounds))]
+        spread = [mean_std([float(v) for v in values if v is not None]) if any(v is not None for v in values)
+                  else (float("nan"), 0.0) for values in per_round]
+        final = mean_std([float(r["final"].get(metric) or 0.0) for r in runs])
+        curves[method] = {"rounds": rounds, "mean": [m for m, _ in spread], "std": [s for _, s in spread],
+                          "final_mean": final[0], "final_std": final[1], "seeds": len(runs)}
+    return curves
 
 
 def comparison_outputs(summaries: list[Mapping[str, Any]], out_dir: str | Path) -> list[Path]:
-    """comparison.md (final metrics table) and comparison.png (test balanced accuracy per round per method)."""
-    plt = pyplot()
-
+    """comparison.md (mean ± std over seeds with the verdict, and every run) and comparison.png (error bars)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    table_file, plot_file = out / "comparison.md", out / "comparison.png"
-    table_file.write_text("# Method comparison (test split of every site, pooled)\n\n" + results_table(summaries) + "\n")
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for s in summaries:
-        rounds = [e["round"] for e in s["per_round"]]
-        ax.plot(rounds, [e["metrics"].get("balanced_accuracy") for e in s["per_round"]], marker="o", label=s["method"])
-    ax.set(xlabel="round", ylabel="test balanced accuracy", title="global model per round")
-    ax.xaxis.set_major_locator(integer_ticks())
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(plot_file, dpi=110)
-    plt.close(fig)
-    return [table_file, plot_file]
+    table_file = out / "comparison.md"
+    seeds = max(len(runs) for runs in by_method(summaries).values())
+    rule = ("A gap within one standard deviation over the seeds is **no difference**." if seeds > 1 else
+            "One seed per method: the spread between seeds is unknown, so no gap here is shown to be a difference; "
+            "compare with `--seeds 0 1 2`.")
+    table_file.write_text("\n".join([
+        "# Method comparison (test split of every site, pooled)", "",
+        f"Mean ± standard deviation over {seeds} seed(s) of the final global model's metrics. {rule}", "",
+        comparison_table(summaries), "", "## Every run", "", results_table(summaries, with_seed=True), ""]))
+    figure = plotting.comparison_figure(per_round_curves(by_method(summaries), KEY_METRIC), KEY_METRIC)
+    return [table_file, plotting.save(figure, out / "comparison.png")]

@@ -24,6 +24,7 @@ SECTIONS = {"method": "method_args", "train": "train", "data": "data", "task": "
 # A job name becomes a folder name: one plain path component, never a path
 JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 SITE_EVALUATION = ("every_round", "final", "off")
+TASK_SHAPE = ("num_classes", "in_channels", "image_size")  # the task fields a job must know (class_names optional)
 IMAGENET = "imagenet"  # the `pretrained` value naming a model's offline ImageNet weights
 
 
@@ -42,9 +43,11 @@ class RunConfig:
         data: DataConfig fields for simulated sites; {"source": "site"} makes each site read its own config.
         train: TrainConfig overrides.
         method_args: the method's hyperparameters.
-        task: {"num_classes", "in_channels", "image_size"[, "multi_label"]}; inferred from the data when not all
-            three are given (multi_label too: the data decides whether labels are multi-hot).
-        shot_thresholds: (head_min, tail_max) class-count thresholds for head/medium/tail metrics, or None.
+        task: {"num_classes", "in_channels", "image_size"[, "multi_label"]}, inferred from the data when not all
+            three are given (multi_label too: the data decides whether labels are multi-hot), and optionally
+            "class_names" (from the data's folder names or CSV class_name column when not given).
+        shot_thresholds: [head_min, tail_max] for head/medium/tail metrics, by each class's total training count
+            n: head if n > head_min, tail if n < tail_max (both exclusive), medium otherwise (inclusive), or None.
         site_train: per-site TrainConfig overrides, e.g. {"site-2": {"batch_size": 16}}.
         site_evaluation: when sites send evaluation counts of the received model: every_round (default),
             final (only the last model), or off. They reveal each site's val/test class counts.
@@ -227,7 +230,7 @@ class RunConfig:
             ConfigError: also when the method cannot train the task (a multi-label task needs a method whose
                 MethodSpec says ``multi_label``), so nothing is exported or launched for it.
         """
-        declared = {"num_classes", "in_channels", "image_size"} <= set(self.task)
+        declared = set(TASK_SHAPE) <= set(self.task)
         task = TaskSpec(**self.task) if declared else infer_task(self)
         check_multi_label_support(get_method(self.method), task)  # before anything is exported or launched
         return task
@@ -249,6 +252,12 @@ def _typed_task(task: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in typed.items():
         if key in lowest and value < lowest[key]:
             raise ConfigError(f"task.{key} must be >= {lowest[key]}, got {value}")
+    names = typed.get("class_names")
+    if names is not None and "num_classes" in typed and len(names) != typed["num_classes"]:
+        raise ConfigError(f"task.class_names lists {len(names)} names for task.num_classes={typed['num_classes']}; "
+                          "give one name per class")
+    if names is not None and len(set(names)) != len(names):
+        raise ConfigError(f"task.class_names has a repeated name: {names}; give each class its own name")
     return typed
 
 
@@ -267,11 +276,19 @@ def infer_task(run: RunConfig) -> TaskSpec:
     inferred = {"num_classes": splits.train.num_classes, "in_channels": splits.train.channels, "image_size": size,
                 "multi_label": splits.train.multi_label}
     for key, declared in run.task.items():
-        if declared != inferred[key]:
+        if key in inferred and declared != inferred[key]:
             fix = "data.image_size" if key == "image_size" else "the data source"
             raise ConfigError(f"task.{key}={declared} but the data '{run.data['source']}' gives {key}={inferred[key]}; "
                               f"fix task.{key} or {fix}")
-    return TaskSpec(**inferred)
+    named = splits.info["class_names"] if splits.info.get("named_classes") else None
+    declared_names = run.task.get("class_names")
+    if declared_names is not None and named is not None and list(declared_names) != list(named):
+        raise ConfigError(f"task.class_names={list(declared_names)} but the data '{run.data['source']}' names its "
+                          f"classes {named} (in label order); drop task.class_names or fix it")
+    if declared_names is not None and len(declared_names) != inferred["num_classes"]:
+        raise ConfigError(f"task.class_names lists {len(declared_names)} names but the data has "
+                          f"{inferred['num_classes']} classes; give one name per class")
+    return TaskSpec(**inferred, class_names=list(declared_names or splits.info["class_names"]))
 
 
 def apply_overrides(run: RunConfig, overrides: list[str]) -> RunConfig:

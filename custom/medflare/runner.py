@@ -32,7 +32,9 @@ def nvflare_command() -> list[str]:
 # ----- run options ------------------------------------------------------------------------------------
 def add_run_options(parser: argparse.ArgumentParser) -> None:
     """The options every command that builds a job takes (``run``, ``compare``, ``export``, POC ``submit``)."""
-    parser.add_argument("--data", help="synthetic[:k=v,...] | medmnist:PATH | folder:DIR | csv:FILE | site")
+    parser.add_argument("--data", help="synthetic[:k=v,...] | medmnist:PATH | folder:DIR | csv:FILE | site; "
+                                       "--set data.imbalance=IR cuts a long-tailed training split from any source, "
+                                       "--set data.window=40,80 (or brain, lung, bone, file) windows DICOM/NIfTI")
     parser.add_argument("--partition", help="iid | dirichlet:A | quantity:A | attribute:F1/F2/.. | labelset:K | longtail-missing:A[:M]")
     parser.add_argument("--clients", type=int, help="number of sites (default 2)")
     parser.add_argument("--rounds", type=int, help="federated rounds (default 3)")
@@ -43,6 +45,12 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model name (see 'medflare models'; default cnn)")
     parser.add_argument("--pretrained", help="'imagenet' (efficientnet_lite0) or a local weights file")
     parser.add_argument("--seed", type=int, help="seed for data, partition and initial model (default 0)")
+    parser.add_argument(
+        "--shot-thresholds", type=int, nargs=2, metavar=("HEAD_MIN", "TAIL_MAX"),
+        help="head/medium/tail accuracy by each class's total training images n: head if n > HEAD_MIN, tail if "
+             "n < TAIL_MAX (both exclusive), medium if TAIL_MAX <= n <= HEAD_MIN (inclusive); e.g. 700 70 "
+             "(HyperKvasir). Same as --set shot_thresholds=[700,70]",
+    )
     parser.add_argument("--scenario", help="named set-up: hyperkvasir-like | isic-attribute-like (see docs/scenarios)")
     parser.add_argument("--config", help="JSON or TOML file with run options (overrides the scenario; flags override it)")
     parser.add_argument(
@@ -68,7 +76,7 @@ def build_run_config(args: argparse.Namespace, method: str | None = None) -> Run
              "lr": args.lr}
     flags = {
         "method": method or args.method, "clients": args.clients, "rounds": args.rounds, "model": args.model,
-        "pretrained": args.pretrained, "seed": args.seed,
+        "pretrained": args.pretrained, "seed": args.seed, "shot_thresholds": getattr(args, "shot_thresholds", None),
         "data": {k: v for k, v in data.items() if v is not None},
         "train": {k: v for k, v in train.items() if v is not None},
     }

@@ -55,6 +55,9 @@ def run_simulation(
         job_dir = export_run_job(run, staging / "job", "byoc", class_counts)
         launched_at = time.time()
         _launch(run, job_dir, workspace, staging / SIMULATOR_LOG, echo)
+        _keep_site_logs(workspace, staging)
+        keep_server_records(_server_app_dir(workspace).parent, staging)  # TensorBoard / MLflow records
+        _plot_site_logs(run, staging)  # before the report, which shows every plot of the run
         summary = write_job_outputs(run, _results_file(workspace), staging, clients, launched_at)
         if summary.get("error"):
             raise SimulationError(f"the job stopped early: {summary['error']}")
@@ -64,9 +67,6 @@ def run_simulation(
                 f"the job completed {summary['rounds_completed']} of {run.rounds} rounds without an error from the "
                 f"server; the sites' errors are in the simulator log kept as {Path(out_dir).name}.failed.log"
             )
-        _keep_site_logs(workspace, staging)
-        keep_server_records(_server_app_dir(workspace).parent, staging)  # TensorBoard / MLflow records
-        _plot_site_logs(run, staging)
         shutil.rmtree(workspace, ignore_errors=True)  # logs stay in simulator.log; the model is copied out
         target.publish()
         return summary

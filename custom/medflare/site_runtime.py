@@ -37,12 +37,14 @@ class TaskSpec:
 
     ``multi_label``: several findings per image (multi-hot labels, sigmoid scores, BCE); the data decides it in
     simulation, a job on site-local data declares it.
+    ``class_names`` (optional, for reports and ``medflare predict``) come from the data or ``task.class_names``.
     """
 
     num_classes: int
     in_channels: int
     image_size: int
     multi_label: bool = False
+    class_names: list[str] | None = None
 
 
 @dataclass

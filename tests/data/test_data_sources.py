@@ -218,3 +218,23 @@ def test_stratified_split_is_a_seeded_partition_keeping_every_class_in_train(cou
     assert set(labels[parts[0]]) == set(range(len(counts)))
     again = stratified_split(labels, (0.7, 0.15, 0.15), seed=4)
     assert all(np.array_equal(a, b) for a, b in zip(parts, again))
+
+
+def test_csv_class_name_column_names_the_classes(png_manifest) -> None:
+    rows = [{"path": f"img/{i}.png", "label": i % 2, "class_name": ("normal", "pneumonia")[i % 2]} for i in range(8)]
+    manifest = png_manifest(rows, header=("path", "label", "class_name"))
+
+    info = load_source(f"csv:{manifest}").info
+
+    assert info["class_names"] == ["normal", "pneumonia"] and info["named_classes"]
+
+
+@pytest.mark.parametrize("names, expected", [
+    (["a", "b", "c", "b"], "line 4: label 0 is named 'c' here but 'a' earlier"),
+    (["a", "a", "a", "a"], "'a' names both label 0 and label 1"),
+])
+def test_inconsistent_class_names_are_refused(png_manifest, names: list[str], expected: str) -> None:
+    rows = [{"path": f"img/{i}.png", "label": i % 2, "class_name": name} for i, name in enumerate(names)]
+    manifest = png_manifest(rows, header=("path", "label", "class_name"))
+    with pytest.raises(DataError, match=expected):
+        load_source(f"csv:{manifest}")

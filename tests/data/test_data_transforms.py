@@ -67,7 +67,7 @@ def test_grayscale_2d_input_is_accepted() -> None:
 
 def test_wrong_input_and_bad_options_raise() -> None:
     """Channel mismatch → DataError; unknown augmentation → ConfigError."""
-    with pytest.raises(DataError, match=r"expects uint8 \[H, W, 3\]"):
+    with pytest.raises(DataError, match=r"expects uint8 or float32 \[H, W, 3\]"):
         build_transform(3, 28, train=False)(np.zeros((28, 28, 1), dtype=np.uint8))
     with pytest.raises(ConfigError, match="none, weak, basic, strong"):
         build_transform(3, 28, train=True, augment="extreme")

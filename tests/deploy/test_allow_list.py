@@ -38,7 +38,7 @@ TASK = TaskSpec(num_classes=2, in_channels=1, image_size=28)
 # The persistor deliberately takes none of FLARE's PT persistor's file arguments, and the tracking receivers
 # neither a folder nor a tracking URI.
 REVIEWED_ARGS = {
-    "medflare.flare.persistor.MedflareModelPersistor": ["model"],
+    "medflare.flare.persistor.MedflareModelPersistor": ["model", "facts"],  # facts: plain values saved beside
     "medflare.flare.models.build_global_model": [
         "method", "model", "num_classes", "in_channels", "image_size", "pretrained", "method_args", "seed", "plugins"],
     "medflare.flare.aggregator.MedflareAggregator": [

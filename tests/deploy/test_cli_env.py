@@ -33,3 +33,20 @@ def test_env_option_dispatches(env: str, mode: str, monkeypatch, tmp_path: Path)
     argv = ["run", "fedprox", "--rounds", "2", "--out", str(tmp_path / "out"), "--env", env, "--mode", mode]
     assert main(argv) == 0
     assert calls == [(env, "fedprox", 2, mode if env == "poc" else None)]
+
+
+def test_compare_runs_every_method_and_seed_in_the_chosen_env(monkeypatch, tmp_path: Path) -> None:
+    calls = []
+
+    def fake_poc(run, out, mode="byoc", **kwargs):
+        calls.append((run.method, run.seed, mode, Path(out).relative_to(tmp_path / "out.partial").as_posix()))
+        return fake_summary(run)
+
+    monkeypatch.setattr(poc_module, "run_poc", fake_poc)
+    monkeypatch.setattr(simulate_module, "run_simulation", lambda *a, **k: pytest.fail("the simulator was used"))
+    argv = ["compare", "fedavg", "fedprox", "--seeds", "0", "1", "--out", str(tmp_path / "out"), "--env", "poc",
+            "--mode", "preinstalled"]
+    assert main(argv) == 0
+    assert calls == [("fedavg", 0, "preinstalled", "fedavg/seed0"), ("fedavg", 1, "preinstalled", "fedavg/seed1"),
+                     ("fedprox", 0, "preinstalled", "fedprox/seed0"), ("fedprox", 1, "preinstalled", "fedprox/seed1")]
+    assert (tmp_path / "out" / "comparison.md").is_file()

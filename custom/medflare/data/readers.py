@@ -1,31 +1,96 @@
-"""Decoding of single image files into uint8 `[H, W, C]` arrays.
+"""Decoding of single image files into `[H, W, C]` arrays, without losing bit depth.
 
-PNG/JPEG go through PIL. DICOM and NIfTI 2-D slices go through MONAI `LoadImage`, imported lazily so the optional
-backends (pydicom, nibabel) are only needed by sites that actually hold such files.
+An 8-bit image (PNG/JPEG) comes back as uint8. Anything deeper, a 16-bit PNG, a DICOM or a NIfTI slice, comes
+back as float32 in [0, 1], so a 12-bit CT keeps its 4096 levels instead of being cut to 256; the transform
+(`medflare.data.transforms`) takes either.
+
+DICOM (pydicom) and NIfTI (nibabel) are optional: `pip install medflare[dicom]` on a site that holds such files.
+Their values are in the file's own units after the modality rescale (Hounsfield units for CT). Without a window
+each image is min-max scaled to [0, 1]; with one (:func:`parse_window`: `data.window=40,80`, a preset such as
+`brain`, or `file` for the DICOM's own WindowCenter/WindowWidth) values are clipped to
+[center - width/2, center + width/2] and scaled to [0, 1], the same for every image, as radiologists read CT.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from dataclasses import dataclass
 
 import numpy as np
 
-from medflare.errors import DataError
+from medflare.errors import ConfigError, DataError
 
 PIL_SUFFIXES = (".png", ".jpg", ".jpeg")
 DICOM_SUFFIXES = (".dcm",)
 NIFTI_SUFFIXES = (".nii", ".nii.gz")
 IMAGE_SUFFIXES = PIL_SUFFIXES + DICOM_SUFFIXES + NIFTI_SUFFIXES
-
-# MONAI reader name and the pip package that backs it, per medical format.
-_MONAI_BACKENDS = {
-    DICOM_SUFFIXES: ("PydicomReader", "pydicom"),
-    NIFTI_SUFFIXES: ("NibabelReader", "nibabel"),
-}
+# The optional package each medical format needs (installed by `pip install medflare[dicom]`).
+_BACKENDS = {DICOM_SUFFIXES: "pydicom", NIFTI_SUFFIXES: "nibabel"}
 
 # ITU-R 601-2 luma weights, the same as PIL's RGB -> L conversion.
 _LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float64)
+
+#: Common CT windows (center, width) in Hounsfield units.
+WINDOW_PRESETS: dict[str, tuple[float, float]] = {
+    "brain": (40.0, 80.0),
+    "subdural": (80.0, 200.0),
+    "stroke": (40.0, 40.0),
+    "soft_tissue": (50.0, 400.0),
+    "mediastinum": (50.0, 350.0),
+    "liver": (60.0, 160.0),
+    "lung": (-600.0, 1500.0),
+    "bone": (400.0, 1800.0),
+}
+#: `data.window=file`: each DICOM's own WindowCenter/WindowWidth.
+FILE_WINDOW = "file"
+
+
+@dataclass(frozen=True)
+class Window:
+    """An intensity window: values in [center - width/2, center + width/2] map linearly to [0, 1].
+
+    Attributes:
+        center: window level, in the image's units (Hounsfield units for CT).
+        width: window width (> 0).
+    """
+
+    center: float
+    width: float
+
+    def apply(self, values: np.ndarray) -> np.ndarray:
+        """float32 in [0, 1]: below the window is 0, above it 1."""
+        low = self.center - self.width / 2.0
+        return np.clip((values.astype(np.float64) - low) / self.width, 0.0, 1.0).astype(np.float32)
+
+
+WindowSpec = Window | str | None  # a Window, FILE_WINDOW, or None (min-max per image)
+
+
+def parse_window(text: str | None) -> WindowSpec:
+    """`data.window` as a :class:`Window`, :data:`FILE_WINDOW` or None.
+
+    Accepted: "" (no window), "CENTER,WIDTH" (e.g. "40,80"), a preset name (:data:`WINDOW_PRESETS`) or "file".
+
+    Raises:
+        ConfigError: anything else, naming the forms.
+    """
+    text = (text or "").strip().lower()
+    if not text:
+        return None
+    if text == FILE_WINDOW:
+        return FILE_WINDOW
+    if text in WINDOW_PRESETS:
+        return Window(*WINDOW_PRESETS[text])
+    parts = text.split(",")
+    try:
+        center, width = (float(part) for part in parts) if len(parts) == 2 else (None, None)
+    except ValueError:
+        center = width = None
+    if center is None or width is None or not np.isfinite([center, width]).all() or width <= 0:
+        raise ConfigError(f"data.window='{text}' must be CENTER,WIDTH with WIDTH > 0 (e.g. 40,80), '{FILE_WINDOW}' "
+                          f"(the DICOM's own window) or a preset: {', '.join(WINDOW_PRESETS)}")
+    return Window(center, width)
 
 
 def is_image_file(path: str) -> bool:
@@ -33,28 +98,39 @@ def is_image_file(path: str) -> bool:
     return path.lower().endswith(IMAGE_SUFFIXES)
 
 
-def read_image(path: str, channels: int | None = None) -> np.ndarray:
-    """Decodes one image file into uint8 `[H, W, channels]`.
+def read_image(path: str, channels: int | None = None, window: WindowSpec = None) -> np.ndarray:
+    """Decodes one image file into `[H, W, channels]`: uint8 for 8-bit files, float32 in [0, 1] for deeper ones.
 
     Grayscale is repeated to 3 channels and RGB is reduced to luma when `channels` asks for it; an alpha channel
     is dropped. `channels=None` keeps the file's own channel count (1 or 3).
 
+    Args:
+        path: the image file.
+        channels: 1, 3 or None.
+        window: intensity window of a DICOM or NIfTI file (see :func:`parse_window`); None = min-max per image.
+
     Raises:
-        DataError: The file is missing, unreadable or not a 2-D image, or its reader backend is not installed.
+        DataError: The file is missing, unreadable or not a 2-D image, its reader package is not installed, or a
+            window is asked of a PNG/JPEG (their values are display levels already).
     """
     if not os.path.isfile(path):
         raise DataError(f"Image file '{path}' does not exist; fix the path or remove the entry.")
     lower = path.lower()
+    if window is not None and lower.endswith(PIL_SUFFIXES):
+        raise DataError(f"data.window is set but '{path}' is a PNG/JPEG, whose values are display levels already; "
+                        "windowing applies to DICOM and NIfTI files. Remove data.window for this source.")
     try:
         if lower.endswith(PIL_SUFFIXES):
             pixels = _read_with_pil(path)
-        elif lower.endswith(DICOM_SUFFIXES + NIFTI_SUFFIXES):
-            pixels = _read_with_monai(path)
+        elif lower.endswith(DICOM_SUFFIXES):
+            pixels = _read_dicom(path, window)
+        elif lower.endswith(NIFTI_SUFFIXES):
+            pixels = _read_nifti(path, window)
         else:
             raise DataError(f"Image file '{path}' has an unsupported suffix; use one of {', '.join(IMAGE_SUFFIXES)}.")
     except DataError:
         raise
-    except Exception as err:  # PIL/MONAI raise many unrelated types for a broken file
+    except Exception as err:  # PIL/pydicom/nibabel raise many unrelated types for a broken file
         raise DataError(
             f"Cannot decode image file '{path}' ({type(err).__name__}: {err}); replace or remove the file."
         ) from err
@@ -62,7 +138,7 @@ def read_image(path: str, channels: int | None = None) -> np.ndarray:
 
 
 def to_channels(pixels: np.ndarray, channels: int | None) -> np.ndarray:
-    """Converts uint8 `[H, W]` or `[H, W, C]` (C in 1, 3, 4) to uint8 `[H, W, channels]` (None = keep C)."""
+    """Converts `[H, W]` or `[H, W, C]` (C in 1, 3, 4; uint8 or float32) to `[H, W, channels]` (None = keep C)."""
     if pixels.ndim == 2:
         pixels = pixels[:, :, None]
     if pixels.shape[-1] == 4:
@@ -74,19 +150,19 @@ def to_channels(pixels: np.ndarray, channels: int | None) -> np.ndarray:
         return np.repeat(pixels, 3, axis=2)
     if have == 3 and channels == 1:
         luma = pixels.astype(np.float64) @ _LUMA
-        return np.clip(np.rint(luma), 0, 255).astype(np.uint8)[:, :, None]
+        if pixels.dtype == np.uint8:
+            return np.clip(np.rint(luma), 0, 255).astype(np.uint8)[:, :, None]
+        return luma.astype(np.float32)[:, :, None]
     raise DataError(f"Cannot convert an image with {have} channels to {channels}.")
 
 
-def rescale_to_uint8(pixels: np.ndarray) -> np.ndarray:
-    """Maps any numeric array to uint8 by per-image min-max scaling (constant images become 0)."""
-    if pixels.dtype == np.uint8:
-        return pixels
+def rescale_to_unit(pixels: np.ndarray) -> np.ndarray:
+    """Maps any numeric array to float32 in [0, 1] by per-image min-max scaling (constant images become 0)."""
     values = pixels.astype(np.float64)
     low, high = float(values.min()), float(values.max())
     if high <= low:
-        return np.zeros(values.shape, dtype=np.uint8)
-    return np.rint((values - low) * (255.0 / (high - low))).astype(np.uint8)
+        return np.zeros(values.shape, dtype=np.float32)
+    return ((values - low) / (high - low)).astype(np.float32)
 
 
 def _read_with_pil(path: str) -> np.ndarray:
@@ -95,38 +171,69 @@ def _read_with_pil(path: str) -> np.ndarray:
     with Image.open(path) as image:
         image.load()  # force full decoding here, so a truncated file fails now and not inside a DataLoader
         if image.mode in ("I;16", "I;16B", "I;16L"):
-            # 16-bit grayscale: PIL's convert("L") clips at 255, so scale the full range instead.
-            return (np.asarray(image, dtype=np.uint16) // 257).astype(np.uint8)
+            # 16-bit grayscale: all 65536 levels kept (PIL's convert("L") would clip at 255).
+            return (np.asarray(image, dtype=np.float64) / 65535.0).astype(np.float32)
         if image.mode in ("I", "F"):
-            return rescale_to_uint8(np.asarray(image))
+            return rescale_to_unit(np.asarray(image))
         if image.mode not in ("L", "RGB", "RGBA"):
             image = image.convert("RGBA" if "A" in image.mode or "transparency" in image.info else "RGB")
         return np.asarray(image, dtype=np.uint8)
 
 
-def _read_with_monai(path: str) -> np.ndarray:
-    lower = path.lower()
-    reader, package = next(backend for suffixes, backend in _MONAI_BACKENDS.items() if lower.endswith(suffixes))
+def _require_backend(path: str) -> None:
+    package = next(name for suffixes, name in _BACKENDS.items() if path.lower().endswith(suffixes))
     if importlib.util.find_spec(package) is None:
         raise DataError(
             f"Reading '{path}' needs the optional package '{package}', which is not installed; "
-            f"run `pip install {package}` on this site."
+            "run `pip install medflare[dicom]` (or `pip install pydicom nibabel`) on this site."
         )
-    from monai.transforms import LoadImage
 
-    volume = np.asarray(LoadImage(image_only=True, reader=reader)(path))
-    volume = np.squeeze(volume)
-    if volume.ndim == 3 and volume.shape[-1] in (3, 4):
-        rgb = True
-    elif volume.ndim == 2:
-        rgb = False
-    else:
-        raise DataError(
-            f"Image file '{path}' has shape {volume.shape}; medflare reads 2-D slices only. "
-            "Extract the slices you want to classify into separate files first."
-        )
-    # MONAI puts the x (column) axis first; swap to the row-major [H, W] layout that PIL uses.
-    volume = np.swapaxes(volume, 0, 1)
-    if rgb:
-        return rescale_to_uint8(volume[:, :, :3])
-    return rescale_to_uint8(volume)
+
+def _read_dicom(path: str, window: WindowSpec) -> np.ndarray:
+    """A 2-D DICOM: modality rescale (e.g. to Hounsfield units), window or min-max, MONOCHROME1 inverted."""
+    _require_backend(path)
+    import pydicom
+    from pydicom.pixels import apply_modality_lut
+
+    dataset = pydicom.dcmread(path)
+    pixels = dataset.pixel_array
+    if int(getattr(dataset, "NumberOfFrames", 1) or 1) > 1:
+        raise DataError(f"DICOM '{path}' holds {dataset.NumberOfFrames} frames; medflare reads 2-D images only. "
+                        "Save the frames you want to classify as separate files first.")
+    if int(getattr(dataset, "SamplesPerPixel", 1)) == 3:  # colour (e.g. dermoscopy, endoscopy): display values
+        if window is not None:
+            raise DataError(f"data.window is set but DICOM '{path}' is a colour image; windowing applies to "
+                            "grayscale values. Remove data.window for this source.")
+        return pixels.astype(np.uint8) if pixels.dtype != np.uint8 else pixels
+    values = np.asarray(apply_modality_lut(pixels, dataset), dtype=np.float64)
+    if window == FILE_WINDOW:
+        window = _dicom_own_window(dataset, path)
+    scaled = window.apply(values) if isinstance(window, Window) else rescale_to_unit(values)
+    if str(getattr(dataset, "PhotometricInterpretation", "")).upper() == "MONOCHROME1":
+        scaled = 1.0 - scaled  # MONOCHROME1 shows low values bright; medflare's images are MONOCHROME2
+    return scaled.astype(np.float32)
+
+
+def _dicom_own_window(dataset: object, path: str) -> Window:
+    center, width = getattr(dataset, "WindowCenter", None), getattr(dataset, "WindowWidth", None)
+    if center is None or width is None:
+        raise DataError(f"data.window=file but DICOM '{path}' has no WindowCenter/WindowWidth; give the window "
+                        f"(e.g. data.window=40,80) or a preset ({', '.join(WINDOW_PRESETS)}).")
+    first = [float(v[0]) if hasattr(v, "__len__") and not isinstance(v, str) else float(v) for v in (center, width)]
+    return Window(*first)
+
+
+def _read_nifti(path: str, window: WindowSpec) -> np.ndarray:
+    """A 2-D NIfTI slice: scaled values (scl_slope/inter), window or min-max, rows = the second voxel axis."""
+    _require_backend(path)
+    import nibabel
+
+    if window == FILE_WINDOW:
+        raise DataError(f"data.window=file reads a DICOM's own window, but '{path}' is NIfTI; give the window "
+                        f"(e.g. data.window=40,80) or a preset ({', '.join(WINDOW_PRESETS)}).")
+    values = np.squeeze(np.asarray(nibabel.load(path).dataobj, dtype=np.float64))
+    if values.ndim != 2:
+        raise DataError(f"NIfTI '{path}' has shape {values.shape}; medflare reads 2-D slices only. "
+                        "Extract the slices you want to classify into separate files first.")
+    values = values.T  # NIfTI stores x (columns) first; images here are [rows, columns]
+    return window.apply(values) if isinstance(window, Window) else rescale_to_unit(values)

@@ -7,7 +7,8 @@ site's own training class mix (`eval_split="like_train"`). Either way the per-si
 val/test sets, so summing per-site confusion counts gives exactly the pooled metric. POC/production
 (`local=True`): the source is the site's own data and is used whole.
 
-Order of the training-label pipeline: public hold-out (`public_fraction`, before anything else) → partition →
+Order of the training-label pipeline: long-tail cut (`imbalance`, any source) → public hold-out
+(`public_fraction`) → partition →
 label-set mask (-1 for classes the site does not annotate) → label noise on the remaining labels → label
 fraction (only that share of each class keeps its label; the rest become -1, unlabelled images that
 self-supervised stages still use). Val and test labels always stay clean; the public set
@@ -31,9 +32,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from medflare.data.longtail import long_tail_indices
 from medflare.data.noise import NOISE_KINDS, inject_label_noise
 from medflare.data.partition import Partition, apply_label_mask, parse_scheme, partition, partition_like
 from medflare.data.public import check_public_options, hold_out_public, load_public_source
+from medflare.data.readers import parse_window
 from medflare.data.sources import load_source
 from medflare.data.synthetic import apply_site_shift
 from medflare.data.transforms import AUGMENTATIONS, build_transform
@@ -123,6 +126,10 @@ class DataConfig:
         identified: Classes each site annotates; the others are masked to unknown in its training labels.
             Simulation: one list of class ids per site (not with a `labelset` partition, which draws them).
             Local: this site's list, e.g. from its `local/medflare_site.json`. None = every class.
+        imbalance: Ratio of the largest to the smallest training class after a seeded long-tail cut of the
+            training split (1 = keep everything); any source (`medflare.data.longtail`).
+        window: Intensity window of DICOM/NIfTI files: "CENTER,WIDTH" (e.g. "40,80"), a CT preset ("brain",
+            "subdural", "lung", "bone", ...), "file" (each DICOM's own window) or "" (min-max per image).
     """
 
     source: str = "synthetic"
@@ -142,9 +149,12 @@ class DataConfig:
     public_source: str = ""
     label_fraction: float | list[float] = 1.0
     identified: list | None = None
+    imbalance: float = 1.0
+    window: str = ""
 
     def __post_init__(self) -> None:
         parse_scheme(self.partition)  # fail early on a bad scheme string
+        parse_window(self.window)
         rates = self.label_noise if isinstance(self.label_noise, list) else [self.label_noise]
         fractions = self.label_fraction if isinstance(self.label_fraction, list) else [self.label_fraction]
         checks = [
@@ -164,6 +174,7 @@ class DataConfig:
              f"label_fraction={self.label_fraction} must be in (0, 1]"),
             (not isinstance(self.label_fraction, list) or len(fractions) == self.num_sites,
              f"label_fraction lists {len(fractions)} shares for {self.num_sites} sites; give one share per site"),
+            (self.imbalance >= 1.0, f"imbalance={self.imbalance} must be >= 1 (largest/smallest class ratio)"),
         ]
         problems = [message for ok, message in checks if not ok] + _identified_problems(self)
         problems += check_public_options(self.public_fraction, self.public_source, self.local)
@@ -220,6 +231,8 @@ def make_site_data(cfg: DataConfig, site_index: int, site_name: str = "") -> Sit
     site_name = site_name or f"site-{site_index + 1}"
     splits = load_source(cfg.source, seed=cfg.seed, num_classes=cfg.num_classes)
     train, val, test, identified = _site_sets(cfg, splits, site_index, site_name)
+    if cfg.window:
+        train, val, test = (_windowed(image_set, cfg) for image_set in (train, val, test))
     if cfg.site_shift > 0:
         train, val, test = (_shifted(image_set, cfg, site_index) for image_set in (train, val, test))
     num_classes = splits.train.num_classes
@@ -279,13 +292,14 @@ def _site_sets(cfg: DataConfig, splits: DataSplits, site_index: int,
     if splits.train.multi_label and cfg.eval_split == "like_train":
         raise ConfigError("eval_split='like_train' follows each site's class mix, which needs single-label data; "
                           "use eval_split='pooled' for multi-label data.")
+    train_all = _training_pool(cfg, splits)
     if cfg.local:
-        train, val, test, identified = splits.train, splits.val, splits.test, None
+        train, val, test, identified = train_all, splits.val, splits.test, None
     else:
         if not 0 <= site_index < cfg.num_sites:
             raise ConfigError(f"Site '{site_name}' has index {site_index}, outside [0, {cfg.num_sites}); "
                               "check num_sites in the data config.")
-        _, pool = hold_out_public(splits.train, cfg.public_fraction, cfg.seed)  # sites never see the public share
+        _, pool = hold_out_public(train_all, cfg.public_fraction, cfg.seed)  # sites never see the public share
         train_split = partition(pool.labels, cfg.num_sites, cfg.partition, seed=cfg.seed,
                                 min_size=cfg.min_size, attributes=pool.attributes, num_classes=num_classes)
         train = pool.subset(train_split.indices[site_index])
@@ -315,11 +329,23 @@ def _site_sets(cfg: DataConfig, splits: DataSplits, site_index: int,
     return train, val, test, identified
 
 
+def _training_pool(cfg: DataConfig, splits: DataSplits) -> ImageSet:
+    """The source's training split after the long-tail cut (``imbalance``): what the public hold-out and the
+    partition both start from, so the public share stays disjoint from every site."""
+    train = splits.train
+    if cfg.imbalance <= 1.0:
+        return train
+    if train.multi_label:
+        raise ConfigError("data.imbalance cuts classes to a long tail and needs single-label data; set imbalance "
+                          "to 1 for multi-label data.")
+    return train.subset(long_tail_indices(train.labels, train.num_classes, cfg.imbalance, cfg.seed))
+
+
 def _public_set(cfg: DataConfig, splits: DataSplits, channels: int) -> ImageSet | None:
     """The unlabelled public set this config asks for (a held-out share, or a separate source), or None."""
     if cfg.public_source:
         return load_public_source(cfg.public_source, splits.train.num_classes, channels, cfg.seed)
-    public, _ = hold_out_public(splits.train, cfg.public_fraction, cfg.seed)
+    public, _ = hold_out_public(_training_pool(cfg, splits), cfg.public_fraction, cfg.seed)
     return public
 
 
@@ -403,6 +429,13 @@ def _eval_slice(image_set: ImageSet, cfg: DataConfig, site_index: int, train_spl
         shares = partition(image_set.labels, cfg.num_sites, "iid", seed=cfg.seed, min_size=_EVAL_MIN_SIZE,
                            num_classes=image_set.num_classes)
     return image_set.subset(shares.indices[site_index])
+
+
+def _windowed(image_set: ImageSet, cfg: DataConfig) -> ImageSet:
+    if image_set.in_memory:
+        raise ConfigError(f"data.window applies to DICOM/NIfTI files, not to the in-memory source '{cfg.source}'; "
+                          "remove data.window.")
+    return dataclasses.replace(image_set, window=parse_window(cfg.window))
 
 
 def _shifted(image_set: ImageSet, cfg: DataConfig, site_index: int) -> ImageSet:

@@ -6,13 +6,15 @@ Spec forms:
                               optional <split>_attributes, one integer per image); `(N, K)` 0/1 labels with
                               K > 1 (e.g. ChestMNIST) load as multi-label
     folder:DIR                DIR/<class>/<images> or DIR/{train,val,test}/<class>/<images>
-    csv:FILE                  manifest with header path,label[,site][,attribute][,split]; a multi-label
+    csv:FILE                  manifest with header path,label[,site][,attribute][,split][,class_name]; a multi-label
                               manifest has one column per class, label_<name>, holding 1, 0, or -1 / empty
                               for "not annotated", instead of `label`
 
 Without explicit splits (folder without split folders, CSV without a `split` column) a seeded stratified
-70/15/15 train/val/test split is made. Results are cached in-process per (spec, seed, num_classes), with
-read-only arrays: treat a returned `DataSplits` as immutable (`ImageSet.subset` returns copies).
+70/15/15 train/val/test split is made. Class names come from the data where it has them (folder names, a CSV's
+`class_name` column; `info["named_classes"]` is then True), else they are `class_<k>`. Results are cached
+in-process per (spec, seed, num_classes), with read-only arrays: treat a returned `DataSplits` as immutable
+(`ImageSet.subset` returns copies).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ SPLITS = ("train", "val", "test")
 SPLIT_FRACTIONS = (0.70, 0.15, 0.15)
 CSV_REQUIRED = ("path", "label")
 CSV_CLASS_PREFIX = "label_"  # multi-label manifests: one column label_<class name> per class
-CSV_OPTIONAL = ("site", "attribute", "split")
+CSV_OPTIONAL = ("site", "attribute", "split", "class_name")
 # Simulated sites may run as threads of one process: load each source once instead of racing to build it.
 _LOAD_LOCK = threading.Lock()
 
@@ -179,7 +181,9 @@ def _load_folder(root: str, seed: int, num_classes: int | None) -> DataSplits:
         paths, labels = files["all"]
         parts = stratified_split(labels, SPLIT_FRACTIONS, seed)
         files = {split: ([paths[i] for i in part], labels[part]) for split, part in zip(SPLITS, parts)}
-    return _file_splits(files, len(class_names), f"folder:{root}", class_names)
+    splits = _file_splits(files, len(class_names), f"folder:{root}", class_names)
+    splits.info["named_classes"] = True
+    return splits
 
 
 def _read_manifest(manifest: str) -> tuple[list[str], list[tuple[dict[str, str], int]]]:
@@ -254,7 +258,13 @@ def _load_csv(manifest: str, seed: int, num_classes: int | None) -> DataSplits:
                             paths=[paths[i] for i in part], name=f"csv:{manifest}[{split}]",
                             **{key: value[part] for key, value in columns.items()})
             for split, part in zip(SPLITS, parts)}
-    return DataSplits(**sets, info={"class_names": class_names, "image_size": image_size})
+    info = {"class_names": class_names, "image_size": image_size}
+    if columns_of_classes and "label" not in header:
+        info["named_classes"] = True  # the label_<name> columns name the classes
+    if "class_name" in header and "label" in header:
+        info |= {"class_names": _csv_class_names(rows, labels, num_found, at), "named_classes": True}
+    return DataSplits(**sets, info=info)
+
 
 
 def class_columns(header: list[str]) -> list[str]:
@@ -285,6 +295,26 @@ def _check_multi_hot(labels: dict[str, np.ndarray], num_classes: int | None,
             raise DataError(f"{where(split, row)}: entry {int(values[row, column])} of class {column} must be 1, 0 "
                             "or -1 (not annotated).")
     return found
+
+
+
+def _csv_class_names(rows: list[tuple[dict[str, str], int]], labels: np.ndarray, num_classes: int,
+                     at: Callable[[int], str]) -> list[str]:
+    """One name per label id from the `class_name` column; a label with two names, or a name on two labels, fails."""
+    names: dict[int, str] = {}
+    for (row, line), label in zip(rows, labels):
+        name = row["class_name"]
+        if not name:
+            raise DataError(f"{at(line)}: class_name is empty; give every row its class's name.")
+        if names.setdefault(int(label), name) != name:
+            raise DataError(f"{at(line)}: label {label} is named '{name}' here but '{names[int(label)]}' earlier; "
+                            "each label needs one class_name.")
+    owners = {}
+    for label, name in sorted(names.items()):
+        if owners.setdefault(name, label) != label:
+            raise DataError(f"'{name}' names both label {owners[name]} and label {label} in the class_name column; "
+                            "each class needs its own name.")
+    return [names.get(k, f"class_{k}") for k in range(num_classes)]
 
 
 def stratified_split(labels: np.ndarray, fractions: tuple[float, ...], seed: int) -> list[np.ndarray]:

@@ -132,9 +132,14 @@ class SyntheticConfig:
         return cls(**values)
 
 
+def long_tail_profile(num_classes: int, imbalance: float) -> np.ndarray:
+    """The exponential long-tail profile IR^(-k/(K-1)), k = 0..K-1: 1 for the head, 1/IR for the last class."""
+    return float(imbalance) ** (-np.arange(num_classes) / max(num_classes - 1, 1))
+
+
 def long_tail_counts(total: int, num_classes: int, imbalance: float) -> np.ndarray:
     """Per-class counts n_k ∝ IR^(-k/(K-1)) summing to `total`, each at least 1 (class 0 is the head)."""
-    profile = float(imbalance) ** (-np.arange(num_classes) / max(num_classes - 1, 1))
+    profile = long_tail_profile(num_classes, imbalance)
     counts = np.maximum(np.floor(total * profile / profile.sum()).astype(np.int64), 1)
     # Hand the rounding remainder to the head classes so the total is exact and the profile stays monotone.
     remainder = total - int(counts.sum())

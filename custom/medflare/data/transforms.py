@@ -1,4 +1,5 @@
-"""Image transforms: uint8 `[H, W, C]` numpy arrays to normalised float32 `[C, S, S]` tensors.
+"""Image transforms: `[H, W, C]` numpy arrays (uint8, or float32 in [0, 1] for deeper images) to normalised
+float32 `[C, S, S]` tensors.
 
 Normalisation is mean 0.5 / std 0.5 per channel, i.e. pixels end up in [-1, 1]. It is data-set agnostic, so
 every site normalises identically without sharing statistics; ImageNet-pretrained backbones cope with it when
@@ -33,7 +34,8 @@ def build_transform(channels: int, image_size: int, train: bool,
             vertical flip, brightness/contrast jitter and Gaussian blur.
 
     Returns:
-        A callable mapping uint8 `[H, W, C]` (or `[H, W]` grayscale) to float32 `[C, image_size, image_size]`.
+        A callable mapping uint8 or float32 `[H, W, C]` (or `[H, W]` grayscale) to float32
+        `[C, image_size, image_size]`; uint8 is scaled by 1/255, float32 is taken as already in [0, 1].
 
     Raises:
         ConfigError: Unknown `augment`, or bad `channels`/`image_size`.
@@ -66,12 +68,12 @@ def build_transform(channels: int, image_size: int, train: bool,
 
 
 def _to_chw_tensor(image: np.ndarray, channels: int) -> torch.Tensor:
-    """uint8 `[H, W]` / `[H, W, C]` numpy array to a uint8 `[C, H, W]` tensor, checking the channel count."""
+    """`[H, W]` / `[H, W, C]` numpy array to a `[C, H, W]` tensor of the same dtype, checking the channel count."""
     if image.ndim == 2:
         image = image[:, :, None]
-    if image.ndim != 3 or image.shape[-1] != channels or image.dtype != np.uint8:
+    if image.ndim != 3 or image.shape[-1] != channels or image.dtype not in (np.uint8, np.float32):
         raise DataError(
-            f"Transform expects uint8 [H, W, {channels}] images, got {image.dtype} {image.shape}; "
+            f"Transform expects uint8 or float32 [H, W, {channels}] images, got {image.dtype} {image.shape}; "
             "check the source's channel count."
         )
     # The copy makes the tensor own writable memory (cached sources are read-only).

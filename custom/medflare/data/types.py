@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from medflare.data.readers import read_image
+from medflare.data.readers import WindowSpec, read_image
 from medflare.errors import DataError
 
 #: Label value of a sample whose class this site does not annotate (label-set mismatch, FedLSM); in multi-label
@@ -34,6 +34,7 @@ class ImageSet:
         attributes: Optional int64 `[N]` binary attribute, e.g. 0 light / 1 dark skin tone.
         groups: Optional object `[N]` site/group column of a CSV manifest.
         name: Where the set comes from, used in error messages (e.g. "csv:/data/manifest.csv[train]").
+        window: Intensity window for DICOM/NIfTI files (`medflare.data.readers.parse_window`), None = min-max.
     """
 
     labels: np.ndarray
@@ -44,6 +45,7 @@ class ImageSet:
     attributes: np.ndarray | None = None
     groups: np.ndarray | None = None
     name: str = ""
+    window: WindowSpec = None
 
     def __post_init__(self) -> None:
         labels = np.asarray(self.labels, dtype=np.int64)
@@ -102,10 +104,12 @@ class ImageSet:
             attributes=None if self.attributes is None else self.attributes[indices],
             groups=None if self.groups is None else self.groups[indices],
             name=self.name,
+            window=self.window,
         )
 
     def get_image(self, i: int) -> np.ndarray:
-        """Returns sample `i` as a fresh uint8 `[H, W, channels]` array.
+        """Returns sample `i` as a fresh `[H, W, channels]` array: uint8, or float32 in [0, 1] for a file deeper
+        than 8 bits (16-bit PNG, DICOM, NIfTI).
 
         Raises:
             DataError: The file of sample `i` is missing, corrupt or in an unsupported format.
@@ -115,7 +119,7 @@ class ImageSet:
             return np.array(self.images[i])
         path = self.paths[i]
         try:
-            return read_image(path, self.channels)
+            return read_image(path, self.channels, self.window)
         except DataError as err:
             raise DataError(f"{err} (sample {i} of image set '{self.name}')") from err
 

@@ -7,7 +7,6 @@ and RHFL code, giving 512 x 16 = 8192 features for the head.
 
 from __future__ import annotations
 
-import torchvision
 from torch import nn
 
 from medflare.models._registry import register_model
@@ -27,6 +26,8 @@ def cifar_resnet(blocks: list[int], *, num_classes: int, in_channels: int) -> Cl
         num_classes: width of the head.
         in_channels: image channels.
     """
+    import torchvision  # imported here: torchvision is slow to import, and listing models must stay fast
+
     network = torchvision.models.resnet.ResNet(torchvision.models.resnet.BasicBlock, blocks)
     network.conv1 = nn.Conv2d(in_channels, _STEM_WIDTH, kernel_size=3, stride=1, padding=1, bias=False)
     nn.init.kaiming_normal_(network.conv1.weight, mode="fan_out", nonlinearity="relu")  # as torchvision's stem

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import timm
 import torch
 from torch import nn
 
@@ -63,6 +62,8 @@ _DEPTHWISE_SEPARABLE_NAMES = {"_depthwise_conv": "conv_dw", "_bn1": "bn1", "_pro
 
 
 def _timm_lite0(num_classes: int, in_channels: int) -> nn.Module:
+    import timm  # imported here: timm is slow to import, and listing models must stay fast
+
     return timm.create_model(_TIMM_ARCHITECTURE, pretrained=False, num_classes=num_classes, in_chans=in_channels)
 
 

@@ -11,9 +11,6 @@ All networks accept 28x28 inputs; DenseNet-121 needs one change for that, see :f
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import torchvision
 from torch import nn
 
 from medflare.models._registry import register_model
@@ -48,8 +45,12 @@ def _replace_input_conv(network: nn.Module, in_channels: int) -> None:
     network.set_submodule(name, replacement)
 
 
-def _build(factory: Callable[..., nn.Module], classifier_slot: str, num_classes: int, in_channels: int) -> Classifier:
-    return _to_classifier(factory(weights=None, num_classes=num_classes), classifier_slot, in_channels)
+def _build(factory: str, classifier_slot: str, num_classes: int, in_channels: int) -> Classifier:
+    """torchvision's ``models.<factory>`` without weights, behind the Classifier interface."""
+    import torchvision  # imported here: torchvision is slow to import, and listing models must stay fast
+
+    network: nn.Module = getattr(torchvision.models, factory)(weights=None, num_classes=num_classes)
+    return _to_classifier(network, classifier_slot, in_channels)
 
 
 @register_model("resnet18")
@@ -59,7 +60,7 @@ def resnet18(*, num_classes: int, in_channels: int, image_size: int) -> Classifi
     References:
         He et al., Deep Residual Learning for Image Recognition, CVPR 2016.
     """
-    return _build(torchvision.models.resnet18, "fc", num_classes, in_channels)
+    return _build("resnet18", "fc", num_classes, in_channels)
 
 
 @register_model("resnet50")
@@ -69,7 +70,7 @@ def resnet50(*, num_classes: int, in_channels: int, image_size: int) -> Classifi
     References:
         He et al., Deep Residual Learning for Image Recognition, CVPR 2016.
     """
-    return _build(torchvision.models.resnet50, "fc", num_classes, in_channels)
+    return _build("resnet50", "fc", num_classes, in_channels)
 
 
 @register_model("mobilenet_v2")
@@ -79,7 +80,7 @@ def mobilenet_v2(*, num_classes: int, in_channels: int, image_size: int) -> Clas
     References:
         Sandler et al., MobileNetV2: Inverted Residuals and Linear Bottlenecks, CVPR 2018.
     """
-    return _build(torchvision.models.mobilenet_v2, "classifier", num_classes, in_channels)
+    return _build("mobilenet_v2", "classifier", num_classes, in_channels)
 
 
 @register_model("shufflenet")
@@ -89,7 +90,7 @@ def shufflenet(*, num_classes: int, in_channels: int, image_size: int) -> Classi
     References:
         Ma et al., ShuffleNet V2: Practical Guidelines for Efficient CNN Architecture Design, ECCV 2018.
     """
-    return _build(torchvision.models.shufflenet_v2_x1_0, "fc", num_classes, in_channels)
+    return _build("shufflenet_v2_x1_0", "fc", num_classes, in_channels)
 
 
 @register_model("efficientnet_b0")
@@ -99,7 +100,7 @@ def efficientnet_b0(*, num_classes: int, in_channels: int, image_size: int) -> C
     References:
         Tan and Le, EfficientNet: Rethinking Model Scaling for Convolutional Neural Networks, ICML 2019.
     """
-    return _build(torchvision.models.efficientnet_b0, "classifier", num_classes, in_channels)
+    return _build("efficientnet_b0", "classifier", num_classes, in_channels)
 
 
 @register_model("densenet121")
@@ -113,7 +114,7 @@ def densenet121(*, num_classes: int, in_channels: int, image_size: int) -> Class
     References:
         Huang et al., Densely Connected Convolutional Networks, CVPR 2017.
     """
-    model = _build(torchvision.models.densenet121, "classifier", num_classes, in_channels)
+    model = _build("densenet121", "classifier", num_classes, in_channels)
     for module in model.backbone.modules():
         if isinstance(module, nn.AvgPool2d):
             module.ceil_mode = True

@@ -7,7 +7,6 @@ chosen from the image size so small images still give a 7x7 grid or finer. Nothi
 
 from __future__ import annotations
 
-from timm.models.vision_transformer import VisionTransformer
 
 from medflare.errors import ConfigError
 from medflare.models._registry import register_model
@@ -103,6 +102,8 @@ def build_vit(
     if image_size % patch:
         raise ConfigError(f"ViT patch size {patch} does not divide image_size {image_size}; pick a divisor")
     width, depth, heads = VIT_SIZES[size]
+    from timm.models.vision_transformer import VisionTransformer  # here: timm is slow to import
+
     network = VisionTransformer(
         img_size=image_size,
         patch_size=patch,

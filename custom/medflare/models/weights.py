@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from timm.models import adapt_input_conv
 from torch import nn
 
 from medflare.errors import DataError
@@ -157,6 +156,8 @@ def load_weights(
         elif tensor.shape == target[key].shape:
             to_load[key] = tensor
         elif key == input_conv_key and _is_adaptable_input_conv(tensor, target[key]):
+            from timm.models import adapt_input_conv  # here: timm is slow to import
+
             to_load[key] = adapt_input_conv(target[key].shape[1], tensor)
             report.adapted.append(key)
         else:

@@ -1,0 +1,99 @@
+"""What a saved global model carries besides its weights: the facts inference needs.
+
+FLARE's persistor saves ``{"model": state_dict, "train_conf": ..., "meta_props": ...}`` and keeps any other
+top-level entry of a checkpoint; medflare adds one, ``"medflare"`` (:data:`FACTS_KEY`), written by
+``flare.persistor.MedflareModelPersistor`` from the job's config. So ``FL_global_model.pt`` and
+``best_FL_global_model.pt`` name their method, model, task (class count and names, channels, image size),
+the input normalisation, the intensity window of DICOM/NIfTI data and the medflare version, wherever they are
+copied. ``medflare predict`` reads them back (:func:`read_checkpoint`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import medflare
+from medflare.errors import ConfigError
+
+FACTS_KEY = "medflare"
+FACTS_FORMAT = 1
+MODEL_KEY = "model"  # FLARE's PTModelPersistenceFormatManager.PERSISTENCE_KEY_MODEL
+
+
+def normalization() -> dict[str, Any]:
+    """How pixels become model input in this medflare (``data.transforms``)."""
+    from medflare.data.transforms import NORMALISE_MEAN, NORMALISE_STD
+
+    return {"mean": NORMALISE_MEAN, "std": NORMALISE_STD, "scale": "uint8 / 255; deeper images as float in [0, 1]"}
+
+
+def checkpoint_facts(run: Any, task: Any) -> dict[str, Any]:
+    """The facts a run's global model carries (plain JSON types, safe for ``torch.load(weights_only=True)``).
+
+    Args:
+        run: the validated RunConfig.
+        task: its TaskSpec (with class names when the data or ``task.class_names`` gave them).
+    """
+    from medflare.registry import get_method
+
+    spec = get_method(run.method)
+    return {
+        "format": FACTS_FORMAT,
+        "medflare_version": medflare.__version__,
+        "job": run.job_name,
+        "method": run.method,
+        "method_args": dict(run.method_args),
+        "model": run.model,
+        "task": {"num_classes": task.num_classes, "in_channels": task.in_channels, "image_size": task.image_size,
+                 "class_names": list(task.class_names) if task.class_names else None},
+        "normalization": normalization(),
+        "window": str(run.data.get("window") or ""),
+        "server_model": spec.server_model,
+        "private_keys": spec.payload.private_keys,
+    }
+
+
+@dataclass
+class Checkpoint:
+    """A global model file read back: its weights and its facts.
+
+    Attributes:
+        path: the file.
+        weights: the state dict (tensors) FLARE saved.
+        facts: :func:`checkpoint_facts` as saved.
+    """
+
+    path: Path
+    weights: Mapping[str, Any]
+    facts: dict[str, Any]
+
+    @property
+    def class_names(self) -> list[str]:
+        """The task's class names, or ``class_<k>`` where the run had none."""
+        task = self.facts["task"]
+        return list(task.get("class_names") or [f"class_{k}" for k in range(int(task["num_classes"]))])
+
+
+def read_checkpoint(path: str | Path) -> Checkpoint:
+    """Load a ``FL_global_model.pt`` / ``best_FL_global_model.pt`` with its facts (tensors only, no pickled code).
+
+    Raises:
+        ConfigError: the file is missing, not a torch file, or carries no medflare facts.
+    """
+    import torch
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"checkpoint not found: {path}; give a run's FL_global_model.pt or best_FL_global_model.pt")
+    try:
+        content = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any load failure means the same to the user
+        raise ConfigError(f"{path} is not a readable PyTorch checkpoint: {' '.join(str(exc).split())[:200]}") from exc
+    facts = content.get(FACTS_KEY) if isinstance(content, dict) else None
+    if not isinstance(facts, dict) or not isinstance(content.get(MODEL_KEY), Mapping):
+        raise ConfigError(f"{path} carries no medflare facts (method, task, normalisation): it is not a medflare "
+                          "global model, or it was saved before checkpoints carried them; rerun the job with this "
+                          "medflare")
+    return Checkpoint(path, content[MODEL_KEY], facts)

@@ -1,0 +1,121 @@
+"""``medflare predict``: a global model file carries its facts, and predict scores images as a site does.
+
+The model files here are written by medflare's own persistor (FLARE's format plus the ``"medflare"`` facts);
+``tests/integration/test_predict_simulator.py`` runs the same against a model from a real simulator run.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from medflare.checkpoint import FACTS_KEY, read_checkpoint
+from medflare.cli import main
+from medflare.errors import ConfigError
+from medflare.predict import predict_file
+from medflare.run_config import RunConfig, load_plugin_files
+
+from ._predicting import read_probabilities, save_global_model, site_probabilities, ten_synthetic_images, write_images_npz
+
+PLUGINS = Path(__file__).parent / "flare" / "plugins"
+
+
+@pytest.mark.parametrize("method", ["fedavg", "ldam-drw"])  # ldam-drw scores with its own predict_logits
+def test_predict_matches_the_sites_scoring_of_the_same_model(tmp_path: Path, method: str) -> None:
+    run = RunConfig(method=method, data={"source": "synthetic:n=200"})
+    model_file = save_global_model(tmp_path / "FL_global_model.pt", run)
+    npz, labels = ten_synthetic_images(tmp_path)
+
+    done = predict_file(model_file, npz, tmp_path / "predictions.csv")
+
+    header, probabilities = read_probabilities(tmp_path / "predictions.csv")
+    assert done["images"] == 10 and header[:3] == ["image", "label", "predicted"]
+    assert header[3:] == [f"p_lesion_type_{k}" for k in range(5)]  # class names from the data, via the file
+    np.testing.assert_allclose(probabilities, site_probabilities(run, npz, model_file), atol=1e-6)
+    np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, atol=1e-6)
+
+
+def test_the_file_carries_what_inference_needs(tmp_path: Path) -> None:
+    run = RunConfig(method="fedprox", model="cnn", method_args={"mu": 0.1}, data={"source": "synthetic:n=200"},
+                    task={"class_names": ["a", "b", "c", "d", "e"]})
+    facts = read_checkpoint(save_global_model(tmp_path / "m.pt", run)).facts
+    assert facts["method"] == "fedprox" and facts["model"] == "cnn" and facts["method_args"] == {"mu": 0.1}
+    assert facts["task"] == {"num_classes": 5, "in_channels": 3, "image_size": 28, "class_names": list("abcde")}
+    assert facts["normalization"]["mean"] == 0.5 and facts["medflare_version"]
+    raw = torch.load(tmp_path / "m.pt", weights_only=True)  # tensors and plain types only: safe to load
+    assert set(raw) >= {"model", FACTS_KEY}
+
+
+def test_folder_and_csv_inputs_carry_labels_by_class_name(tmp_path: Path) -> None:
+    run = RunConfig(method="fedavg", data={"source": "synthetic:n=200,channels=1"})
+    model_file = save_global_model(tmp_path / "m.pt", run)
+    rng = np.random.default_rng(0)
+    for name in ("lesion_type_1", "lesion_type_3"):
+        (tmp_path / "new" / name).mkdir(parents=True)
+        Image.fromarray(rng.integers(0, 256, (28, 28), dtype=np.uint8)).save(tmp_path / "new" / name / "x.png")
+    (tmp_path / "new" / "list.csv").write_text("path,class_name\nlesion_type_1/x.png,lesion_type_1\n")
+
+    predict_file(model_file, tmp_path / "new", tmp_path / "folder.csv")
+    predict_file(model_file, tmp_path / "new" / "list.csv", tmp_path / "manifest.csv")
+
+    rows = list(csv.DictReader((tmp_path / "folder.csv").open()))
+    assert [(r["image"], r["label"]) for r in rows] == [("lesion_type_1/x.png", "lesion_type_1"),
+                                                        ("lesion_type_3/x.png", "lesion_type_3")]
+    by_manifest = next(csv.DictReader((tmp_path / "manifest.csv").open()))
+    assert by_manifest["p_lesion_type_2"] == rows[0]["p_lesion_type_2"]
+
+
+def test_another_tasks_input_is_refused(tmp_path: Path) -> None:
+    run = RunConfig(method="fedavg", data={"source": "synthetic:n=200,classes=3"})
+    model_file = save_global_model(tmp_path / "m.pt", run)
+    gray = write_images_npz(tmp_path / "gray.npz", np.zeros((4, 28, 28), np.uint8), np.zeros(4, np.int64))
+    many = write_images_npz(tmp_path / "many.npz", np.zeros((4, 28, 28, 3), np.uint8), np.array([0, 1, 2, 7]))
+    (tmp_path / "xray" / "lesion_type_0").mkdir(parents=True)
+    (tmp_path / "xray" / "pneumonia").mkdir(parents=True)
+    for folder in ("lesion_type_0", "pneumonia"):
+        Image.fromarray(np.zeros((28, 28, 3), np.uint8)).save(tmp_path / "xray" / folder / "a.png")
+
+    cases = [(gray, "has 1-channel images but the model was trained on 3-channel images: this input belongs to "
+                    "another task"),
+             (many, "has label 7, but the model knows 3 classes"),
+             (tmp_path / "xray", r"class folders \['pneumonia'\] that the model does not know")]
+    for source, expected in cases:
+        with pytest.raises(ConfigError, match=expected):
+            predict_file(model_file, source, tmp_path / "out.csv")
+    assert not (tmp_path / "out.csv").exists()
+
+
+def test_files_without_a_global_model_or_facts_are_refused(tmp_path: Path) -> None:
+    load_plugin_files([str(PLUGINS / "staged.py")])
+    npz, _ = ten_synthetic_images(tmp_path)
+    local_only = save_global_model(tmp_path / "local.pt", RunConfig(method="local-only", data={"source": "synthetic:n=200"}))
+    personal = save_global_model(tmp_path / "personal.pt", RunConfig(
+        method="test-staged", rounds=3, data={"source": "synthetic:n=200"}, plugins=[str(PLUGINS / "staged.py")]))
+    torch.save({"conv.weight": torch.zeros(1)}, tmp_path / "plain.pt")
+
+    cases = [(local_only, "method 'local-only' keeps no global model"),
+             (personal, "keeps head.weight and 1 more entries at the sites"),
+             (tmp_path / "plain.pt", "carries no medflare facts"),
+             (tmp_path / "absent.pt", "checkpoint not found")]
+    for model_file, expected in cases:
+        with pytest.raises(ConfigError, match=expected):
+            predict_file(model_file, npz, tmp_path / "out.csv")
+
+
+def test_cli_predict_never_replaces_a_file(tmp_path: Path, capsys) -> None:
+    model_file = save_global_model(tmp_path / "best_FL_global_model.pt", RunConfig(data={"source": "synthetic:n=200"}))
+    npz, _ = ten_synthetic_images(tmp_path)
+    (tmp_path / "mine.csv").write_text("my notes")
+
+    assert main(["predict", str(model_file), str(npz), "-o", str(tmp_path / "p.csv")]) == 0
+    assert main(["predict", str(model_file), str(npz), "-o", str(tmp_path / "mine.csv")]) == 2
+
+    out, err = capsys.readouterr()
+    assert "wrote 10 predictions of fedavg (cnn, classes lesion_type_0, " in out
+    assert "mine.csv exists; medflare does not replace files" in err and len(err.strip().splitlines()) == 1
+    assert (tmp_path / "mine.csv").read_text() == "my notes"

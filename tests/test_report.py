@@ -1,0 +1,160 @@
+"""What a user reads after a run: report.md (per site, per class, best round, every plot), rounds.csv, the
+figures (legends clear of the curves, coinciding sites visible, the confusion matrix) and the seeded comparison."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from medflare import plotting
+from medflare.outputs import results_text
+from medflare.report import build_summary, comparison_table, verdicts, write_outputs
+
+SITES = ("site-1", "site-2")
+
+
+def metrics(bacc: float, **extra: float) -> dict:
+    return {"accuracy": bacc, "balanced_accuracy": bacc, "macro_f1": bacc - 0.1, "auc_macro_ovr": bacc + 0.1,
+            "per_class_recall": [bacc, 1 - bacc, 0.5], "per_class_auc": [0.7, 0.6, 0.8], **extra}
+
+
+def evaluation(bacc: float) -> dict:
+    """One model version as the controller records it: pooled, per site, per attribute, an extra evaluation."""
+    by_site = {"site-1": metrics(bacc + 0.05, head_accuracy=0.9), "site-2": metrics(bacc - 0.05, head_accuracy=0.7)}
+    block = {"by_site": by_site, "site_mean": {"accuracy": bacc, "balanced_accuracy": bacc, "head_accuracy": 0.8}}
+    return {"test": metrics(bacc, head_accuracy=0.8, medium_accuracy=0.4, tail_accuracy=0.1, hmt_mean=0.43),
+            "val": metrics(bacc), "test_by_attribute": {"0": {"balanced_accuracy": 0.6}, "1": {"balanced_accuracy": 0.4}},
+            "test_stats": {"confusion": [[5, 1, 0], [2, 3, 1], [0, 0, 6]]}, **block,
+            "extra": {"own": {"test": metrics(bacc + 0.2), **block}}}
+
+
+def results(best_version: int = 2, shares: tuple[float, float] = (0.5, 0.5)) -> dict:
+    records = [{"round": r, "started_at": 10.0 * r, "wall_seconds": 1.0, "share": dict(zip(SITES, shares)),
+                "rf": {"site-1": 1.0, "site-2": 1.0}, "sites": {s: {"train_loss": 1.0 - 0.1 * r} for s in SITES},
+                "payload": {}} for r in range(2)]
+    evaluations = {str(v): evaluation(0.5 + 0.1 * v) for v in range(3)}
+    return {"method": "fedmas", "rounds": records, "evaluations": evaluations, "final": evaluations["2"],
+            "best": {"model_version": best_version, "balanced_accuracy": 0.7}, "finished_at": 30.0}
+
+
+def config(**changes) -> dict:
+    task = {"num_classes": 3, "in_channels": 3, "image_size": 28, "class_names": ["nevus", "melanoma", "bcc"]}
+    return {"method": "fedmas", "clients": 2, "seed": 0, "data": {"source": "synthetic"}, "task": task,
+            "shot_thresholds": [50, 10], **changes}
+
+
+CLIENTS = {"site-1": {"n_train": 80, "n_test": 30, "class_counts": [60, 15, 5]},
+           "site-2": {"n_train": 40, "n_test": 30, "class_counts": [30, 5, 5]}}
+
+
+@pytest.fixture
+def written(tmp_path: Path) -> tuple[Path, dict]:
+    (tmp_path / "sites" / "site-1").mkdir(parents=True)
+    (tmp_path / "sites" / "site-1" / "diagnostics.png").write_bytes(b"png")  # the method's site-local picture
+    summary = build_summary(results(), config(), CLIENTS)
+    write_outputs(summary, tmp_path)
+    return tmp_path, summary
+
+
+def test_report_has_per_site_extra_and_per_class_tables(written) -> None:
+    out, _ = written
+    report = (out / "report.md").read_text()
+    assert "## Per site" in report and "| site | test images | accuracy | balanced_accuracy |" in report
+    assert "| site-1 | 30 | 0.7500 | 0.7500 |" in report and "| site-2 | 30 | 0.6500 | 0.6500 |" in report
+    assert "| **mean over sites** | - | 0.7000 | 0.7000 |" in report
+    assert "## Evaluation 'own' (declared by fedmas)" in report and "| **pooled** | - | 0.9000 | 0.9000 |" in report
+    assert "- classes: nevus, melanoma, bcc" in report
+    assert "| 1 | melanoma | 20 | medium | 0.3000 | 0.6000 |" in report  # 20 training images: 10 <= 20 <= 50
+    assert "| 2 | bcc | 10 | medium |" in report and "| 0 | nevus | 90 | head |" in report
+
+
+def test_report_names_the_best_round_and_shows_every_plot(written) -> None:
+    out, _ = written
+    report = (out / "report.md").read_text()
+    assert "best model by validation balanced_accuracy: round 2 (balanced_accuracy 0.7000)" in report
+    assert "warning" not in report
+    images = [line.split("](")[1].rstrip(")") for line in report.splitlines() if line.startswith("![")]
+    on_disk = sorted(p.relative_to(out).as_posix() for p in out.rglob("*.png"))
+    assert sorted(images) == on_disk
+    assert {"learning_curves.png", "shares.png", "rf.png", "per_site.png", "confusion.png",
+            "sites/site-1/diagnostics.png"} <= set(images)
+
+
+def test_untrained_best_model_is_warned_about(tmp_path: Path) -> None:
+    summary = build_summary(results(best_version=0), config(), CLIENTS)
+    write_outputs(summary, tmp_path)
+    assert "**warning:** the best model by validation is the untrained initial model (round 0)" in (
+        tmp_path / "report.md").read_text()
+    assert "medflare: warning: fedmas (seed 0): the best model by validation is the untrained" in results_text(
+        [summary], tmp_path)
+
+
+def test_rounds_csv_has_long_tail_and_attribute_columns(written) -> None:
+    out, _ = written
+    rows = list(csv.DictReader((out / "rounds.csv").open()))
+    assert [r["round"] for r in rows] == ["1", "2"]
+    for column in ("test_head_accuracy", "test_medium_accuracy", "test_tail_accuracy", "test_hmt_mean",
+                   "test_bacc_attr_0", "test_bacc_attr_1", "test_bacc_attr_mean"):
+        assert column in rows[0], column
+    assert rows[1]["test_tail_accuracy"] == "0.1" and rows[1]["test_bacc_attr_mean"] == "0.5"
+
+
+def test_confusion_figure_shows_the_pooled_counts_with_class_names(written) -> None:
+    _, summary = written
+    fig = plotting.confusion_figure(summary["final_confusion"], ["nevus", "melanoma", "bcc"])
+    ax = fig.axes[0]
+    np.testing.assert_array_equal(ax.images[0].get_array(), [[5, 1, 0], [2, 3, 1], [0, 0, 6]])
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["nevus", "melanoma", "bcc"]
+    plotting.pyplot().close(fig)
+
+
+def overlaps_its_axes(fig) -> list[str]:
+    fig.canvas.draw()
+    return [ax.get_title() for ax in fig.axes
+            if ax.get_legend() and ax.get_legend().get_window_extent().overlaps(ax.get_window_extent())]
+
+
+def test_legends_never_cover_the_curves(written) -> None:
+    _, summary = written
+    figures = [plotting.learning_curves_figure(summary), plotting.shares_figure(summary),
+               plotting.per_site_value_figure(summary, "rf"),
+               plotting.per_site_metrics_figure({"global": {"site-1": 0.7}}, "balanced_accuracy", 0.7)]
+    for fig in figures:
+        assert overlaps_its_axes(fig) == []
+        plotting.pyplot().close(fig)
+
+
+def test_sites_with_equal_shares_each_keep_a_visible_band(written) -> None:
+    _, summary = written
+    fig = plotting.shares_figure(summary)
+    bands = fig.axes[0].collections
+    assert len(bands) == 2
+    for band in bands:  # each band spans its share of the height, so no site hides behind another
+        heights = np.ptp(band.get_paths()[0].vertices[:, 1])
+        assert heights == pytest.approx(0.5, abs=1e-9) or heights == pytest.approx(1.0, abs=1e-9)
+    tops = sorted(band.get_paths()[0].vertices[:, 1].max() for band in bands)
+    assert tops == pytest.approx([0.5, 1.0])
+    plotting.pyplot().close(fig)
+
+
+def seeded(method: str, baccs: list[float]) -> list[dict]:
+    return [{"method": method, "rounds_completed": 3, "config": {"seed": seed}, "per_round": [],
+             "final": {"accuracy": b, "balanced_accuracy": b}} for seed, b in enumerate(baccs)]
+
+
+def test_comparison_reports_mean_std_and_no_difference_within_one_std() -> None:
+    runs = seeded("fedavg", [0.60, 0.64, 0.62]) + seeded("fedprox", [0.59, 0.63, 0.61]) + seeded("moon", [0.40, 0.41, 0.42])
+    table = comparison_table(runs)
+    assert "| fedavg | 3 | 3 | 0.6200 ± 0.0200 | 0.6200 ± 0.0200 | best |" in table
+    assert "| fedprox | 3 | 3 | 0.6100 ± 0.0200 | 0.6100 ± 0.0200 | no difference (gap 0.0100 ≤ 1 std 0.0200) |" in table
+    assert "| moon | 3 | 3 | 0.4100 ± 0.0100 | 0.4100 ± 0.0100 | worse by 0.2100 (> 1 std 0.0200) |" in table
+
+
+def test_verdict_uses_the_larger_of_the_two_spreads() -> None:
+    stats = {"a": {"balanced_accuracy": (0.70, 0.01)}, "b": {"balanced_accuracy": (0.66, 0.05)}}
+    assert verdicts(stats)["b"].startswith("no difference")  # 0.04 is within b's own 0.05
+    stats["b"]["balanced_accuracy"] = (0.66, 0.03)
+    assert verdicts(stats)["b"].startswith("worse by 0.0400")
