@@ -107,6 +107,9 @@ def scorer(checkpoint: Checkpoint) -> Callable[[Any], Any]:
                           f"{normalization()}; use the medflare version {facts.get('medflare_version')} that trained it")
     spec = get_method(facts["method"])
     task = facts["task"]
+    if task.get("multi_label"):
+        raise ConfigError(f"{where}: a multi-label model (sigmoid per finding); medflare predict writes one softmax "
+                          "class per image and would misreport it, so it refuses multi-label models for now")
     network = build_global_model(facts["method"], facts["model"], int(task["num_classes"]), int(task["in_channels"]),
                                  int(task["image_size"]), method_args=facts.get("method_args") or {}).network
     missing, unexpected = network.load_state_dict(dict(checkpoint.weights), strict=False)

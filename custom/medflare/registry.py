@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
 from medflare.errors import ConfigError
@@ -10,6 +11,7 @@ if TYPE_CHECKING:  # importing methods.base here would make method folders impor
     from medflare.methods.base import MethodSpec
 
 _METHODS: dict[str, MethodSpec] = {}
+_PLUGINS: set[str] = set()  # methods registered from outside medflare.methods (a job's plugins, tests)
 
 
 def register_method(spec: MethodSpec) -> MethodSpec:
@@ -17,6 +19,8 @@ def register_method(spec: MethodSpec) -> MethodSpec:
     if spec.name in _METHODS:
         raise ValueError(f"method '{spec.name}' is registered twice")
     _METHODS[spec.name] = spec
+    if not str(sys._getframe(1).f_globals.get("__name__", "")).startswith("medflare.methods."):
+        _PLUGINS.add(spec.name)
     return spec
 
 
@@ -24,14 +28,15 @@ def get_method(name: str) -> MethodSpec:
     """The spec of a registered method, or a ConfigError listing what exists."""
     _load_builtin_methods()
     if name not in _METHODS:
-        raise ConfigError(f"unknown method '{name}'; registered methods: {', '.join(list_methods())}")
+        raise ConfigError(f"unknown method '{name}'; registered methods: {', '.join(list_methods(plugins=True))}")
     return _METHODS[name]
 
 
-def list_methods() -> list[str]:
-    """Registered method names, sorted."""
+def list_methods(plugins: bool = False) -> list[str]:
+    """Registered method names, sorted: the built-in ones, and with ``plugins`` also those a job's plugins
+    registered in this process (apps, templates and docs list the built-in ones only)."""
     _load_builtin_methods()
-    return sorted(_METHODS)
+    return sorted(name for name in _METHODS if plugins or name not in _PLUGINS)
 
 
 def _load_builtin_methods() -> None:

@@ -67,6 +67,8 @@ COMMENTS: dict[str, str] = {
     "aggregator_id": "id of the aggregator component",
     "shot_groups": "null, or {head, medium, tail} class ids for long-tail metrics",
     "wait_time_after_min_received": "seconds stragglers may take once min_clients sites answered",
+    "facts": "what every saved global model file records about this job (medflare predict reads it); derived "
+             "from the settings here: change those, not these",
     "train_timeout": "seconds a site may take for one task; later, it counts as failed for that round",
     "patience": "VARIABLE: stop early after this many rounds without a better validation score (0 = never)",
     "stream_metrics": "the site streams its training loss per local epoch to the server's tracking receivers",
@@ -252,6 +254,8 @@ def _comment(key: str, parent: str, method_keys: set[str], value: Any = None, ow
         return f"VARIABLE: method hyperparameter '{key}' (see the method's README card)"
     if key.startswith("site-"):
         return f"overrides for {key}"
+    if owner.endswith(".MedflareModelPersistor") and parent != "args":
+        return ""  # inside "facts": recorded values, explained once on the key itself
     if key in COMMENTS:
         return COMMENTS[key]
     if parent == "args" and owner:  # a constructor argument added after this table: its class documents it
