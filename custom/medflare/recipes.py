@@ -10,7 +10,7 @@ Example (a ``job.py`` in FLARE 2.9's style)::
     job.execute(SimEnv(num_clients=3))   # `python job.py --export --export-dir jobs/` writes the job instead
 
 A recipe writes its job with exactly the builder ``medflare export`` and ``medflare run`` use
-(:func:`medflare.runner.export_run_job`, i.e. ``flare/job.py``'s ``server_config`` and ``client_config``), so a
+(:func:`medflare.runner.export_run_job`, i.e. ``job_export.py``'s ``server_config`` and ``client_config``), so a
 recipe's job and an exported one cannot drift apart. Options are ``medflare run``'s (:class:`RunConfig` fields) and
 are checked the same way before anything is written.
 """

@@ -15,7 +15,7 @@ from nvflare.apis.fl_context import FLContext
 from nvflare.apis.utils.analytix_utils import create_analytic_dxo
 
 from medflare.flare import tracking
-from medflare.flare.job import client_config, server_config
+from medflare.job_export import client_config, server_config
 from medflare.run_config import RunConfig
 from medflare.site_runtime import TaskSpec
 

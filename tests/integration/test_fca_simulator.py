@@ -60,7 +60,7 @@ def test_no_personal_head_key_travels_and_the_summary_reports_generalization_and
 
 
 def test_a_restarted_site_reloads_its_personal_head_bit_for_bit(tmp_path: Path) -> None:
-    from medflare.flare.job import export_job
+    from medflare.job_export import export_job
     from medflare.site_runtime import SITE_STATE_FILE, SiteRuntime, SiteSettings
 
     run = fca_run()
