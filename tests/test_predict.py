@@ -45,7 +45,8 @@ def test_the_file_carries_what_inference_needs(tmp_path: Path) -> None:
                     task={"class_names": ["a", "b", "c", "d", "e"]})
     facts = read_checkpoint(save_global_model(tmp_path / "m.pt", run)).facts
     assert facts["method"] == "fedprox" and facts["model"] == "cnn" and facts["method_args"] == {"mu": 0.1}
-    assert facts["task"] == {"num_classes": 5, "in_channels": 3, "image_size": 28, "class_names": list("abcde")}
+    assert facts["task"] == {"num_classes": 5, "in_channels": 3, "image_size": 28, "class_names": list("abcde"),
+                             "multi_label": False}
     assert facts["normalization"]["mean"] == 0.5 and facts["medflare_version"]
     raw = torch.load(tmp_path / "m.pt", weights_only=True)  # tensors and plain types only: safe to load
     assert set(raw) >= {"model", FACTS_KEY}

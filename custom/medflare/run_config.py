@@ -78,7 +78,7 @@ class RunConfig:
     """
 
     method: str = "fedavg"
-    model: str = "cnn"
+    model: str = ""  # "" = the method's default (MethodSpec.default_model: cnn, a ViT for SSL-FL, ...)
     pretrained: str | None = None
     rounds: int = 3
     clients: int = 2
@@ -107,6 +107,8 @@ class RunConfig:
     resume_from: str = ""
 
     def __post_init__(self) -> None:
+        if not self.model:
+            self.model = get_method(self.method).default_model
         checks = [
             (self.rounds >= 1, f"rounds must be >= 1, got {self.rounds}"),
             (self.clients >= 1, f"clients must be >= 1, got {self.clients}"),

@@ -42,7 +42,8 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-steps", type=int, help="cap on optimizer steps per site per round (0 = none)")
     parser.add_argument("--batch-size", type=int, help="local batch size (default 64)")
     parser.add_argument("--lr", type=float, help="local learning rate")
-    parser.add_argument("--model", help="model name (see 'medflare models'; default cnn)")
+    parser.add_argument("--model", help="model name (see 'medflare models'; default: the method's, e.g. cnn, vit_tiny for "
+                                          "fed-mae/fed-beit, efficientnet_lite0 for fca)")
     parser.add_argument("--pretrained", help="'imagenet' (efficientnet_lite0) or a local weights file")
     parser.add_argument("--seed", type=int, help="seed for data, partition and initial model (default 0)")
     parser.add_argument(

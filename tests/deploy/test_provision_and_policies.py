@@ -9,6 +9,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from nvflare.apis.dxo import DXO, DataKind
 from nvflare.apis.fl_constant import FLContextKey, ReturnCode
@@ -16,7 +17,8 @@ from nvflare.apis.fl_context import FLContext
 from nvflare.fuel.sec.authz import AuthzContext, Person, parse_policy_config
 from nvflare.fuel.utils.config_service import ConfigService
 
-from medflare.contracts import Payload
+from medflare import contracts
+from medflare.contracts import ArraySpec, ContractContext, Payload
 from medflare.deploy.filters import PayloadGuard, check_result_keys
 from medflare.deploy.policies import (
     CLIENT_COMPONENTS, SERVER_COMPONENTS, SERVER_STORAGE, allow_components, authorization_policy, privacy_policy,
@@ -163,17 +165,74 @@ def test_privacy_scope_filters_build_under_flare(method: str, tmp_path: Path) ->
     assert manager.get_scope(None).name == "medflare"
 
 
+K = 3  # the task of the guard tests' job
+
+
+def valid_array(spec: ArraySpec, ctx: ContractContext) -> np.ndarray:
+    """The plainest array a declared spec accepts (uniform probability rows, zero counts)."""
+    shape = tuple(ctx.resolve(d) or 2 for d in spec.shape)
+    value = spec.row_sum / shape[-1] if spec.row_sum is not None else max(spec.low or 0.0, 0.0)
+    return np.full(shape, value, dtype=spec.dtypes[0])
+
+
+def guard_context(app: Path, method: str, task_arrays: dict | None = None, task_name: str = "train") -> FLContext:
+    """What FLARE gives a site's result filter: the job's folder, the task's name and the task's data."""
+    (app / "config").mkdir(parents=True, exist_ok=True)
+    args = {"method": method, "task": {"num_classes": K, "in_channels": 1, "image_size": 28}}
+    (app / "config" / "config_fed_client.json").write_text(json.dumps({"executors": [{"executor": {"args": args}}]}))
+    ctx = FLContext()
+    ctx.set_prop(FLContextKey.APP_ROOT, str(app), private=True, sticky=False)
+    ctx.set_prop(FLContextKey.TASK_NAME, task_name, private=True, sticky=False)
+    task = DXO(DataKind.WEIGHTS, data=task_arrays or {}, meta={contracts.ARRAY_DIMS: {"rows": 4}})
+    ctx.set_prop(FLContextKey.TASK_DATA, task.to_shareable(), private=True, sticky=False)
+    return ctx
+
+
 @pytest.mark.parametrize("method", list_methods())
-def test_guard_passes_what_the_method_declares_and_refuses_anything_else(method: str) -> None:
+def test_guard_passes_what_the_method_declares_and_refuses_anything_else(method: str, tmp_path: Path) -> None:
     payload = get_method(method).payload
-    guard = PayloadGuard(method)
-    declared_meta = sorted(payload.allowed_meta())
-    arrays = {"conv.weight": [1.0]} if payload.sends_weights else {name: [1.0] for name in payload.arrays}
-    ok = DXO(DataKind.WEIGHTS, data=arrays, meta={k: 1 for k in declared_meta}).to_shareable()
-    assert guard.process(ok, FLContext()) is ok
+    received = {"conv.weight": np.ones(2, np.float32)} if payload.sends_weights else {}
+    ctx = guard_context(tmp_path, method, received)
+    contract = ContractContext(K, dims={"rows": 4})
+    arrays = dict(received) or {name: valid_array(spec, contract) for name, spec in payload.arrays_for("train").items()}
+    ok = DXO(DataKind.WEIGHTS, data=arrays, meta={"n_samples": 12}).to_shareable()
+    assert PayloadGuard(method).process(ok, ctx) is ok
     smuggled = DXO(DataKind.WEIGHTS, data=arrays, meta={"n_samples": 1, "patient_ids": [7]}).to_shareable()
     with pytest.raises(PayloadError, match="patient_ids"):
-        guard.process(smuggled, FLContext())
+        PayloadGuard(method).process(smuggled, ctx)
+
+
+@pytest.mark.parametrize("bad", ["stolen_images", "n_samples_string", "nested_eval_extra", "nan_weight"])
+def test_guard_checks_values_not_only_names(bad: str, tmp_path: Path) -> None:
+    """Issue 7.4: each of these passed a names-only guard and reached the server."""
+    received = {"conv.weight": np.ones(2, np.float32)}
+    ctx = guard_context(tmp_path, "fedavg", received)
+    arrays, meta = dict(received), {"n_samples": 12}
+    if bad == "stolen_images":
+        arrays["stolen_images"] = np.zeros((4, 28, 28), np.uint8)
+    elif bad == "n_samples_string":
+        meta["n_samples"] = "x" * 20_000
+    elif bad == "nested_eval_extra":
+        meta["eval_test"] = {"confusion": np.eye(K, dtype=np.int64).tolist(), "extra": {"ids": [1, 2]}}
+    else:
+        arrays["conv.weight"] = np.array([1.0, np.nan], np.float32)
+    with pytest.raises(PayloadError):
+        PayloadGuard("fedavg").process(DXO(DataKind.WEIGHTS, data=arrays, meta=meta).to_shareable(), ctx)
+    PayloadGuard("fedavg").process(DXO(DataKind.WEIGHTS, data=received, meta={"n_samples": 12}).to_shareable(), ctx)
+
+
+def test_guard_checks_declared_probabilities(tmp_path: Path) -> None:
+    """An fp16 'probability' matrix of 5.0 (issue 8) is refused at the site, not only at the server."""
+    from medflare.methods.mdhfl.protocol import PROBS, PROBS_PHASE
+
+    spec = get_method("mdhfl").payload.arrays_for(PROBS_PHASE)[PROBS]
+    ctx = guard_context(tmp_path, "mdhfl", task_name=PROBS_PHASE)
+    good = valid_array(spec, ContractContext(K, dims={"rows": 4}))
+    ok = DXO(DataKind.WEIGHTS, data={PROBS: good}, meta={}).to_shareable()
+    assert PayloadGuard("mdhfl").process(ok, ctx) is ok
+    for bad in (np.full_like(good, 5.0), good[:, :2], good.astype(np.float64)):
+        with pytest.raises(PayloadError):
+            PayloadGuard("mdhfl").process(DXO(DataKind.WEIGHTS, data={PROBS: bad}, meta={}).to_shareable(), ctx)
 
 
 def test_guard_refuses_private_keys_and_reads_the_method_from_the_job(tmp_path: Path) -> None:
@@ -181,17 +240,15 @@ def test_guard_refuses_private_keys_and_reads_the_method_from_the_job(tmp_path: 
         check_result_keys(Payload(private_keys=r"^head\."), ["body.w", "head.w"], [])
     with pytest.raises(PayloadError, match="no weights"):
         check_result_keys(Payload(sends_weights=False, arrays=("probs",)), ["body.w"], [])
-    (tmp_path / "config").mkdir()
-    config = {"executors": [{"executor": {"args": {"method": list_methods()[0]}}}]}
-    (tmp_path / "config" / "config_fed_client.json").write_text(json.dumps(config))
-    ctx = FLContext()
-    ctx.set_prop(FLContextKey.APP_ROOT, str(tmp_path), private=True, sticky=False)
-    smuggled = DXO(DataKind.WEIGHTS, data={"w": [1.0]}, meta={"secret": 1}).to_shareable()
+    ctx = guard_context(tmp_path, list_methods()[0], {"w": np.ones(1, np.float32)})
+    smuggled = DXO(DataKind.WEIGHTS, data={"w": np.ones(1, np.float32)}, meta={"secret": 1}).to_shareable()
     with pytest.raises(PayloadError, match="secret"):
         PayloadGuard("").process(smuggled, ctx)
     failed = DXO(DataKind.WEIGHTS, data={"w": [1.0]}, meta={"secret": 1}).to_shareable()
     failed.set_return_code(ReturnCode.EXECUTION_EXCEPTION)
     assert PayloadGuard("").process(failed, ctx) is failed
+    with pytest.raises(PayloadError, match="cannot tell"):
+        PayloadGuard("fedavg").process(DXO(DataKind.WEIGHTS, data={}, meta={}).to_shareable(), FLContext())
 
 
 def _names(folder: Path) -> set[str]:

@@ -191,7 +191,10 @@ def to_hocon(value: Any, method_keys: set[str], indent: int = 0, parent: str = "
             for comment_line in _comment(str(key), parent, method_keys, item, owner).splitlines():
                 lines.append(f"{pad}  # {comment_line}")
             child_parent = "train" if parent == "stages" else str(key)  # a stage's options are train options
-            rendered = to_hocon(item, method_keys, indent + 1, child_parent, child_owner if key == "args" else owner)
+            if key == "facts":  # recorded values, not settings: one JSON line under one comment
+                rendered = json.dumps(item)
+            else:
+                rendered = to_hocon(item, method_keys, indent + 1, child_parent, child_owner if key == "args" else owner)
             lines.append(f"{pad}  {_key(str(key))} = {rendered}")
         lines.append(f"{pad}}}")
         return "\n".join(lines)
@@ -254,8 +257,6 @@ def _comment(key: str, parent: str, method_keys: set[str], value: Any = None, ow
         return f"VARIABLE: method hyperparameter '{key}' (see the method's README card)"
     if key.startswith("site-"):
         return f"overrides for {key}"
-    if owner.endswith(".MedflareModelPersistor") and parent != "args":
-        return ""  # inside "facts": recorded values, explained once on the key itself
     if key in COMMENTS:
         return COMMENTS[key]
     if parent == "args" and owner:  # a constructor argument added after this table: its class documents it

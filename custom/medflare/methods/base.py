@@ -630,6 +630,7 @@ class MethodSpec:
         site_log_plot: optional picture of a site's local log records (simulation copies site logs out).
         server_model: False when the server holds no model at all (no weights travel, e.g. MDH-FL); the
             persisted global model is then empty and every site may run its own architecture.
+        default_model: the network a job trains when it names none (``--model``).
         smoke: run-config overrides for the smallest meaningful job of this method (the every-method
             simulator test runs it), e.g. {"model": "vit_tiny", "data": {...}}.
         reveals: what the method's own messages (beyond the common meta) tell the server about a site's data,
@@ -650,6 +651,7 @@ class MethodSpec:
     site_log_plot: Callable[[list[dict[str, Any]], Any], Any] | None = None
     server_model: bool = True
     smoke: Mapping[str, Any] = field(default_factory=dict)
+    default_model: str = "cnn"
     reveals: str = "nothing beyond the model weights and the common meta"
     multi_label: bool = False
 

@@ -77,6 +77,7 @@ SPEC = register_method(
         build_model=build_fca_model,
         train_defaults=TRAIN_DEFAULTS,
         reference=REFERENCE,
-        smoke={"data": {"eval_split": "like_train"}},
+        smoke={"model": "cnn", "data": {"eval_split": "like_train"}},
+        default_model="efficientnet_lite0",  # the paper's backbone; --pretrained imagenet loads the offline weights
     )
 )

@@ -209,7 +209,7 @@ def _register(name: str, summary: str, config_cls: type, trainer_cls: type, netw
             name=name, summary=summary, config_cls=config_cls, trainer_cls=trainer_cls,
             payload=Payload(stage_excluded_keys=network_cls.NOT_SENT, meta=PAYLOAD_META), server_rule_cls=SslFlRule,
             build_model=build_model, train_defaults=train_defaults, reference=REFERENCE,
-            smoke={"model": "vit_micro", "data": SMOKE_DATA, **smoke},
+            smoke={"model": "vit_micro", "data": SMOKE_DATA, **smoke}, default_model="vit_tiny",
         )
     )
 
