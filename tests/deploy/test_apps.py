@@ -32,3 +32,14 @@ def test_add_code_turns_an_app_into_a_byoc_job(tmp_path: Path) -> None:
     job = add_code(write_app(list_methods()[0], tmp_path))
     assert (job / "app" / "custom" / "medflare" / "flare" / "executor.py").is_file()
     assert not list((job / "app" / "custom").rglob("__pycache__"))
+
+
+def test_production_jobs_turn_the_robust_aggregation_on() -> None:
+    """Issue 7.3: the norm bound and the share cap are on in every ready-made production job, and a cap that
+    the sites a round needs could not meet would only relax (max_share * min_clients >= 1)."""
+    for method in list_methods():
+        server = json.loads((APPS_DIR / method / "app" / "config" / "config_fed_server.json").read_text())
+        aggregator = next(c for c in server["components"] if c["id"] == "aggregator")
+        robust = aggregator["args"]["robust"]
+        assert robust["max_norm_ratio"] > 1 and 0 < robust["max_share"] < 1, method
+        assert robust["max_share"] * server["workflows"][0]["args"]["min_clients"] >= 1, method

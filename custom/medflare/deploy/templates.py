@@ -67,6 +67,9 @@ COMMENTS: dict[str, str] = {
     "aggregator_id": "id of the aggregator component",
     "shot_groups": "null, or {head, medium, tail} class ids for long-tail metrics",
     "wait_time_after_min_received": "seconds stragglers may take once min_clients sites answered",
+    "robust": "defences against one site taking over or breaking the aggregate (docs/architecture.md)",
+    "max_norm_ratio": "reject an update whose norm exceeds this multiple of the other sites' median (0 = off)",
+    "max_share": "cap on one site's share of the aggregate; relaxes to equal shares when infeasible (0 = off)",
     "facts": "what every saved global model file records about this job (medflare predict reads it); derived "
              "from the settings here: change those, not these",
     "train_timeout": "seconds a site may take for one task; later, it counts as failed for that round",
