@@ -330,7 +330,8 @@ def merge_run_config(*layers: Mapping[str, Any]) -> RunConfig:
 
     Sections merge key by key on top of the defaults, so ``--partition`` alone keeps the default data source.
     """
-    merged: dict[str, Any] = dataclasses.asdict(RunConfig())
+    # model "" until the last layer has named the method, so the default is that method's (MethodSpec.default_model)
+    merged: dict[str, Any] = {**dataclasses.asdict(RunConfig()), "model": ""}
     for layer in layers:
         merged = merge_sections(merged, {key: value for key, value in layer.items() if value is not None})
     return from_dict(RunConfig, merged, "")

@@ -1,21 +1,17 @@
 """The Fed-MAS benchmark's report: the cost-ratio line survives ``--set`` labels."""
 
 import argparse
-import importlib.util
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "fedmas_vs_baselines.py"
+from .conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fedmas_vs_baselines", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("fedmas_vs_baselines")
 
 
 def cell(seed: int, train_seconds: float) -> dict:

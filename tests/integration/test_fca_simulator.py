@@ -24,7 +24,9 @@ PERSONAL = "personal_head."
 
 
 def fca_run(**overrides) -> RunConfig:
-    settings = {"method": "fca", "rounds": 3, "clients": 3, "data": DATA, "train": {"max_steps": 2, "batch_size": 32}}
+    # cnn, not FCA's default EfficientNet-Lite0: these tests are about what travels and is stored, and stay < 60 s
+    settings = {"method": "fca", "model": "cnn", "rounds": 3, "clients": 3, "data": DATA,
+                "train": {"max_steps": 2, "batch_size": 32}}
     return RunConfig(**{**settings, **overrides})
 
 

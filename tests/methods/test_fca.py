@@ -106,6 +106,19 @@ def test_fca_loss_is_the_weighted_sum_of_its_terms() -> None:
     assert loss.item() == pytest.approx(expected, abs=1e-12)
 
 
+@pytest.mark.parametrize("model", ["cnn", "vit_micro", "efficientnet_lite0"])  # a CNN, a ViT, FCA's default
+def test_any_factory_model_gets_a_parallel_personal_head(model: str) -> None:
+    torch.manual_seed(0)
+    net = build_fca_model(model, 4, 3, 32, None, FcaConfig()).eval()
+    images = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        fed, personal = net.forward_both(images)
+        assert fed.shape == personal.shape == (2, 4)
+        assert torch.allclose(net(images), fed)  # the global model predicts with the federated head
+    assert net.personal_head.in_features == net.head.in_features
+    assert get_method("fca").payload.is_private("personal_head.weight")
+
+
 # ----- one local step -------------------------------------------------------------------------------------------
 def test_one_sgd_step_matches_the_hand_written_update() -> None:
     site = make_site(n=12, labels=[0, 0, 0, 1, 0, 2, 0, 1, 0, 0, -1, 0])
@@ -192,6 +205,15 @@ def test_personal_head_and_local_model_survive_a_state_round_trip() -> None:
 def test_bad_config_is_refused_with_the_field_name(field: str, value) -> None:
     with pytest.raises(ConfigError, match=field):
         FcaConfig(**{field: value})
+
+
+@pytest.mark.parametrize("extra, model", [([], "efficientnet_lite0"), (["--scenario", "ich-split2-like"], "efficientnet_lite0"),
+                                          (["--model", "cnn"], "cnn")])
+def test_the_command_line_trains_the_papers_backbone_unless_told_otherwise(extra: list[str], model: str) -> None:
+    from medflare.cli import make_parser
+    from medflare.runner import build_run_config
+
+    assert build_run_config(make_parser().parse_args(["run", "fca", *extra])).model == model
 
 
 def test_train_defaults_follow_the_paper() -> None:

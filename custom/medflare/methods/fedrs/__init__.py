@@ -21,7 +21,9 @@ class FedRsConfig:
     """FedRS options."""
 
     alpha: float = 0.5  # restriction factor for classes the site lacks, in [0, 1]; 1 = no restriction (not tuned)
-    restriction: str = "hard"  # hard: the paper (alpha for missing classes) | soft: the authors' code (count-scaled)
+    # soft: the authors' code (alpha + (1 - alpha) * n_c / max n) | hard: the paper (alpha for missing classes only).
+    # Soft by default: under loss=bsm the prior's log(eps) already silences missing classes, so hard trains as BSM-FL.
+    restriction: str = "soft"
     loss: str = "bsm"  # bsm: balanced softmax on the restricted logits, as FCA's baselines | ce: FedRS as published
     eps: float = 1e-9  # bsm prior floor (FCA's value)
 
