@@ -36,7 +36,7 @@ import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -44,7 +44,7 @@ from medflare import contracts
 from medflare.data.checksums import verify_medmnist_file
 from medflare.evaluation import site_evaluation, summarize
 from medflare.flare.aggregator import RoundAggregation
-from medflare.flare.tasks import round_context, round_meta, round_plan
+from medflare.flare.tasks import TASK_VALIDATE, round_context, round_meta, round_plan
 from medflare.methods.base import PerSite, RoundContext
 from medflare.run_config import RunConfig
 from medflare.simulate import run_simulation
@@ -57,6 +57,13 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "mdhfl": ("mdhfl", {}),
     "fedmd": ("fedmd", {}),
     "local-only": ("local-only", {"loss": "sce"}),
+}
+# Sized configurations. cpu60: the issue's table (clean, pair-flip and symmetric noise at 0.2; 3 seeds; mdhfl,
+# fedmd, local-only; no ablations, no parity cell) in about 30 minutes per setting on 2 CPU cores, so synthetic
+# and retina together take about an hour: half the rounds, half the local steps and half the public rows per
+# round of the full run, one torch thread per cell and one cell per core. Same data, split, noise and site models.
+PRESETS: dict[str, dict[str, Any]] = {
+    "cpu60": {"rounds": 4, "max_steps": 6, "public_per_round": 48, "workers": 2, "torch_threads": 1},
 }
 ABLATIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "mdhfl w/o SCE": ("mdhfl", {"loss": "ce"}),
@@ -113,8 +120,26 @@ class InProcessSites:
             self.rng[site] = torch.random.get_rng_state()
 
 
-def run_in_process(run: RunConfig) -> dict[str, Any]:
+Deliver = Callable[[SiteRuntime, str, dict, dict], tuple[dict, dict]]
+
+
+def run_at_site(runtime: SiteRuntime, task_name: str, arrays: dict, header: dict) -> tuple[dict, dict]:
+    """What the site executor does with a task: its arrays and meta (validate: meta only)."""
+    ctx = round_context(header)
+    if task_name == TASK_VALIDATE:
+        return {}, runtime.validate(arrays, ctx)
+    if task_name == contracts.TRAIN_PHASE:
+        return runtime.train(arrays, ctx)
+    return runtime.run_phase(task_name, arrays, ctx)
+
+
+def run_in_process(run: RunConfig, deliver: Deliver = run_at_site) -> dict[str, Any]:
     """The controller's round loop without FLARE: phases, per-site tasks, validation, final evaluation.
+
+    Args:
+        run: the cell's configuration.
+        deliver: hands one task (name, arrays, header meta) to a site and returns its result; tests pass one
+            that goes through the FLARE executor and the site's privacy filter.
 
     Returns the final evaluation summary (``by_site``, ``site_mean``, ...) and the bytes each site sent per round.
     """
@@ -130,14 +155,11 @@ def run_in_process(run: RunConfig) -> dict[str, Any]:
             sent[site].append(0)
         for phase in core.rule.phases(ctx):
             outgoing = core.start_phase(phase)
-            site_ctx = round_context({**round_meta(ctx), **core.task_header()})
+            header = {**round_meta(ctx), **core.task_header()}
             tasks = outgoing.arrays if isinstance(outgoing, PerSite) else {site: outgoing for site in sent}
             for site, arrays in tasks.items():
                 with sites.at(site) as runtime:
-                    if phase == contracts.TRAIN_PHASE:
-                        result = runtime.train(arrays, site_ctx)
-                    else:
-                        result = runtime.run_phase(phase, arrays, site_ctx)
+                    result = deliver(runtime, phase, arrays, header)
                 reason = core.accept(site, *result)
                 if reason:
                     raise RuntimeError(f"{site} {phase}: {reason}")
@@ -148,13 +170,16 @@ def run_in_process(run: RunConfig) -> dict[str, Any]:
     evaluations = {}
     for site in sent:
         with sites.at(site) as runtime:
-            evaluations[site] = site_evaluation(runtime.validate({}, final), task.num_classes)
+            _, meta = deliver(runtime, TASK_VALIDATE, {}, round_meta(final))
+            evaluations[site] = site_evaluation(meta, task.num_classes)
     return {**summarize(evaluations), "sent_bytes_per_round": sent}
 
 
 def run_cell(args: argparse.Namespace, variant: str, noise: str, seed: int, out: Path) -> dict[str, Any]:
     """One cell with the chosen engine: per-site and mean accuracy, bytes sent per round."""
     run = run_config(args, variant, noise, seed)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)  # cells already run in parallel processes
     started = time.time()
     if args.engine == "inprocess":
         final = run_in_process(run)
@@ -209,7 +234,13 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=3, help="cells run in parallel processes")
     parser.add_argument("--parity", action="store_true",
                         help="run the first cell with both engines and stop if their accuracies differ")
+    parser.add_argument("--torch-threads", type=int, default=0, help="torch threads per cell (0 = torch's default)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                        help="a sized configuration (see PRESETS); options given explicitly still win")
     parser.add_argument("--out", default=None)
+    preset = parser.parse_known_args()[0].preset
+    if preset:
+        parser.set_defaults(**PRESETS[preset])
     args = parser.parse_args()
     out = Path(args.out or f"runs/bench-mdhfl-{args.setting}")
     out.mkdir(parents=True, exist_ok=True)
