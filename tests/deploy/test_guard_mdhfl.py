@@ -42,8 +42,8 @@ def bench() -> SimpleNamespace:
 def small_run(method: str, probs_dtype: str) -> RunConfig:
     return RunConfig(
         method=method, rounds=2, clients=3, model="cnn", site_model=SITE_MODELS, site_evaluation="final",
-        data={"source": "synthetic:n=150,classes=3,n_val=12,n_test=12,size=16", "public_fraction": 0.2, "augment": "none",
-              "label_noise": 0.2, "noise_kind": "pairflip"},
+        data={"source": "synthetic:n=150,classes=3,n_val=12,n_test=12,size=16", "public_fraction": 0.2,
+              "augment": "none", "label_noise": 0.2, "noise_kind": "pairflip"},
         train={"max_steps": 1, "batch_size": 4},
         method_args={"chunks": 2, "public_per_round": 8, "probs_dtype": probs_dtype},
     )
