@@ -61,10 +61,10 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 # Sized configurations. cpu60: the table (clean, pair-flip and symmetric noise at 0.2; 3 seeds; mdhfl,
 # fedmd, local-only; per site and mean; bytes per round) for one setting, without ablations or the parity cell,
-# one torch thread per cell and one cell per core. Measured CPU time per (noise, seed) group of 3 cells: 55 CPU-s
-# at 4 rounds x 6 steps x 48 public rows (synthetic); these sizes cost about 4x that, so the 2 x 9 groups of
-# synthetic and retina take about 60 CPU-min: about 30 min on 2 idle cores, about 60 min when the cores are
-# shared. The previous partial runs were slow because 3 cells with 2 threads each shared 2 busy cores.
+# one torch thread per cell and one cell per core. Measured: one (noise, seed) group of 3 cells at these sizes
+# took 191 CPU-s (retina), so the 2 x 9 groups of synthetic and retina take about 57 CPU-min: about 30 min on
+# 2 idle cores, about 60 min when the cores are shared. (Earlier partial runs were slow because 3 cells with
+# 2 torch threads each shared 2 busy cores.)
 PRESETS: dict[str, dict[str, Any]] = {
     "cpu60": {"rounds": 8, "max_steps": 12, "public_per_round": 96, "workers": 2, "torch_threads": 1},
 }
