@@ -24,6 +24,7 @@ bytes. Cells run in ``--workers`` parallel processes.
 Usage:
     python benchmarks/mdhfl.py --setting retina [--seeds 0 1 2] [--noise clean pairflip:0.2 symmetric:0.2]
         [--rounds 8] [--ablations] [--parity] [--engine inprocess|simulator] [--out DIR]
+    python benchmarks/mdhfl.py --setting synthetic --preset cpu60   # the issue's table, CPU-sized (PRESETS)
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -44,7 +45,7 @@ from medflare import contracts
 from medflare.data.checksums import verify_medmnist_file
 from medflare.evaluation import site_evaluation, summarize
 from medflare.flare.aggregator import RoundAggregation
-from medflare.flare.tasks import round_context, round_meta, round_plan
+from medflare.flare.tasks import TASK_VALIDATE, round_context, round_meta, round_plan
 from medflare.methods.base import PerSite, RoundContext
 from medflare.run_config import RunConfig
 from medflare.simulate import run_simulation
@@ -57,6 +58,15 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "mdhfl": ("mdhfl", {}),
     "fedmd": ("fedmd", {}),
     "local-only": ("local-only", {"loss": "sce"}),
+}
+# Sized configurations. cpu60: the issue's table (clean, pair-flip and symmetric noise at 0.2; 3 seeds; mdhfl,
+# fedmd, local-only; per site and mean; bytes per round) for one setting, without ablations or the parity cell,
+# one torch thread per cell and one cell per core. Measured: one (noise, seed) group of 3 cells at these sizes
+# took 191 CPU-s (retina), so the 2 x 9 groups of synthetic and retina take about 57 CPU-min: about 30 min on
+# 2 idle cores, about 60 min when the cores are shared. (Earlier partial runs were slow because 3 cells with
+# 2 torch threads each shared 2 busy cores.)
+PRESETS: dict[str, dict[str, Any]] = {
+    "cpu60": {"rounds": 8, "max_steps": 12, "public_per_round": 96, "workers": 2, "torch_threads": 1},
 }
 ABLATIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "mdhfl w/o SCE": ("mdhfl", {"loss": "ce"}),
@@ -113,8 +123,26 @@ class InProcessSites:
             self.rng[site] = torch.random.get_rng_state()
 
 
-def run_in_process(run: RunConfig) -> dict[str, Any]:
+Deliver = Callable[[SiteRuntime, str, dict, dict], tuple[dict, dict]]
+
+
+def run_at_site(runtime: SiteRuntime, task_name: str, arrays: dict, header: dict) -> tuple[dict, dict]:
+    """What the site executor does with a task: its arrays and meta (validate: meta only)."""
+    ctx = round_context(header)
+    if task_name == TASK_VALIDATE:
+        return {}, runtime.validate(arrays, ctx)
+    if task_name == contracts.TRAIN_PHASE:
+        return runtime.train(arrays, ctx)
+    return runtime.run_phase(task_name, arrays, ctx)
+
+
+def run_in_process(run: RunConfig, deliver: Deliver = run_at_site) -> dict[str, Any]:
     """The controller's round loop without FLARE: phases, per-site tasks, validation, final evaluation.
+
+    Args:
+        run: the cell's configuration.
+        deliver: hands one task (name, arrays, header meta) to a site and returns its result; tests pass one
+            that goes through the FLARE executor and the site's privacy filter.
 
     Returns the final evaluation summary (``by_site``, ``site_mean``, ...) and the bytes each site sent per round.
     """
@@ -130,14 +158,11 @@ def run_in_process(run: RunConfig) -> dict[str, Any]:
             sent[site].append(0)
         for phase in core.rule.phases(ctx):
             outgoing = core.start_phase(phase)
-            site_ctx = round_context({**round_meta(ctx), **core.task_header()})
+            header = {**round_meta(ctx), **core.task_header()}
             tasks = outgoing.arrays if isinstance(outgoing, PerSite) else {site: outgoing for site in sent}
             for site, arrays in tasks.items():
                 with sites.at(site) as runtime:
-                    if phase == contracts.TRAIN_PHASE:
-                        result = runtime.train(arrays, site_ctx)
-                    else:
-                        result = runtime.run_phase(phase, arrays, site_ctx)
+                    result = deliver(runtime, phase, arrays, header)
                 reason = core.accept(site, *result)
                 if reason:
                     raise RuntimeError(f"{site} {phase}: {reason}")
@@ -148,14 +173,17 @@ def run_in_process(run: RunConfig) -> dict[str, Any]:
     evaluations = {}
     for site in sent:
         with sites.at(site) as runtime:
-            evaluations[site] = site_evaluation(runtime.validate({}, final), task.num_classes)
+            _, meta = deliver(runtime, TASK_VALIDATE, {}, round_meta(final))
+            evaluations[site] = site_evaluation(meta, task.num_classes)
     return {**summarize(evaluations), "sent_bytes_per_round": sent}
 
 
 def run_cell(args: argparse.Namespace, variant: str, noise: str, seed: int, out: Path) -> dict[str, Any]:
     """One cell with the chosen engine: per-site and mean accuracy, bytes sent per round."""
     run = run_config(args, variant, noise, seed)
-    started = time.time()
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)  # cells already run in parallel processes
+    started, cpu_started = time.time(), time.process_time()
     if args.engine == "inprocess":
         final = run_in_process(run)
         sent, payload = final["sent_bytes_per_round"], {}
@@ -168,6 +196,7 @@ def run_cell(args: argparse.Namespace, variant: str, noise: str, seed: int, out:
         "by_site": {s: m["accuracy"] for s, m in final["by_site"].items()},
         "site_mean": final["site_mean"]["accuracy"],
         "sent_bytes_per_round": sent, "payload_bytes_per_round": payload, "seconds": time.time() - started,
+        "cpu_seconds": time.process_time() - cpu_started,  # this process's CPU time (the in-process engine's all)
     }
 
 
@@ -209,7 +238,13 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=3, help="cells run in parallel processes")
     parser.add_argument("--parity", action="store_true",
                         help="run the first cell with both engines and stop if their accuracies differ")
+    parser.add_argument("--torch-threads", type=int, default=0, help="torch threads per cell (0 = torch's default)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                        help="a sized configuration (see PRESETS); options given explicitly still win")
     parser.add_argument("--out", default=None)
+    preset = parser.parse_known_args()[0].preset
+    if preset:
+        parser.set_defaults(**PRESETS[preset])
     args = parser.parse_args()
     out = Path(args.out or f"runs/bench-mdhfl-{args.setting}")
     out.mkdir(parents=True, exist_ok=True)
@@ -225,7 +260,8 @@ def main() -> None:
         for (variant, noise, seed), future in zip(grid, futures):
             cells.append(future.result())
             print(f"[{time.time() - started:6.0f}s] {args.setting} {noise} seed {seed} {variant}: mean accuracy "
-                  f"{cells[-1]['site_mean']:.4f} ({cells[-1]['seconds']:.0f}s)", flush=True)
+                  f"{cells[-1]['site_mean']:.4f} ({cells[-1]['seconds']:.0f}s, {cells[-1]['cpu_seconds']:.0f} CPU-s)",
+                  flush=True)
     write_report(args, variants, cells, out, time.time() - started, parity)
 
 
@@ -271,7 +307,9 @@ def write_report(args: argparse.Namespace, variants: list[str], cells: list[dict
         lines += ["", f"Engine parity ({' '.join(map(str, parity['cell']))}): FLARE's simulator and the in-process "
                   f"engine gave the same per-site accuracies {simulated['by_site']} and array bytes; in the simulator "
                   f"each site sent {min(total)}-{max(total)} bytes per round with meta (controller's count)."]
-    lines += ["", f"Engine: {args.engine}; wall time of the whole benchmark: {seconds / 60:.1f} min.", ""]
+    cpu = sum(c["cpu_seconds"] for c in cells) / 60
+    lines += ["", f"Engine: {args.engine}; wall time of the whole benchmark: {seconds / 60:.1f} min; CPU time of its "
+              f"cells: {cpu:.1f} min.", ""]
     (out / "results.md").write_text("\n".join(lines))
     (out / "results.json").write_text(json.dumps(
         {"args": vars(args), "site_models": SITE_MODELS, "parity": parity, "cells": cells}, indent=1))

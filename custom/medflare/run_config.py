@@ -108,6 +108,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         if not self.model:
+            load_plugin_files(self.plugins)  # a plugin's method names its default model too
             self.model = get_method(self.method).default_model
         checks = [
             (self.rounds >= 1, f"rounds must be >= 1, got {self.rounds}"),

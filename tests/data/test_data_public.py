@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from medflare.data import DataConfig, load_source, make_site_data
+from medflare.data.longtail import long_tail_indices
 from medflare.data.public import hold_out_public, load_public_source, public_digest
 from medflare.errors import ConfigError, DataError
 
@@ -20,18 +21,25 @@ def _keys(image_set) -> set[bytes]:
     return {image_set.get_image(i).tobytes() for i in range(len(image_set))}
 
 
-def test_the_held_out_public_set_is_disjoint_from_every_site_and_the_same_everywhere() -> None:
-    cfg = DataConfig(source=SOURCE, partition="dirichlet:0.5", num_sites=3, public_fraction=0.25)
+@pytest.mark.parametrize("imbalance", [1.0, 10.0])
+def test_the_held_out_public_set_is_disjoint_from_every_site_and_the_same_everywhere(imbalance: float) -> None:
+    """Also after the long-tail cut (data.imbalance), which runs before the hold-out: both draw from the cut pool."""
+    cfg = DataConfig(source=SOURCE, partition="dirichlet:0.5", num_sites=3, public_fraction=0.25, imbalance=imbalance)
     sites = [make_site_data(cfg, i) for i in range(3)]
     public = _keys(sites[0].public.images)
-    assert len(sites[0].public) == 100
+    pooled = load_source(SOURCE, seed=cfg.seed).train
+    kept = long_tail_indices(pooled.labels, pooled.num_classes, imbalance, cfg.seed) if imbalance > 1 else None
+    pool_size = len(pooled) if kept is None else len(kept)
+    assert pool_size < len(pooled) or imbalance == 1
+    assert len(sites[0].public) == round(0.25 * pool_size)
     for site in sites:
         assert public_digest(site.public.images) == public_digest(sites[0].public.images)
         assert np.all(site.public.labels == -1)  # its labels can never be used
         for split in ("train", "val", "test"):
             assert not public & _keys(getattr(site, split).images), split
-    pooled = load_source(SOURCE, seed=cfg.seed)
-    assert sum(len(site.train) for site in sites) + len(public) == len(pooled.train)
+    assert sum(len(site.train) for site in sites) + len(public) == pool_size
+    if kept is not None:  # the public images come from the kept part of the training split
+        assert public <= _keys(pooled.subset(kept))
 
 
 def test_no_public_set_unless_asked_and_the_partition_is_unchanged() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from medflare.methods.base import MethodSpec
-from medflare.methods.mdhfl import SMOKE, MdhflConfig
+from medflare.methods.mdhfl import REVEALS, SMOKE, MdhflConfig
 from medflare.methods.mdhfl.client import MdhflTrainer
 from medflare.methods.mdhfl.protocol import PAYLOAD
 from medflare.methods.mdhfl.server import MdhflRule
@@ -39,5 +39,6 @@ SPEC = register_method(
         reference="Li and Wang, FedMD: Heterogenous Federated Learning via Model Distillation, NeurIPS 2019 workshop",
         server_model=False,
         smoke=SMOKE,
+        reveals=REVEALS,
     )
 )
