@@ -38,7 +38,7 @@ def test_cells_are_fedlsm_its_three_ablations_and_every_baseline(bench: ModuleTy
 def test_every_cell_takes_the_same_steps_and_only_the_upper_bound_sees_every_label(bench: ModuleType) -> None:
     for cell in bench.CELLS:
         run = bench.setting_config("synthetic-ml", seed=1, rounds=2, steps=3, cell=cell)
-        assert run.train["max_steps"] == 3 and run.rounds == 2 and run.seed == 1
+        assert run.train["max_steps"] == 3 and run.rounds == 2 and run.seed == 1 and run.model == bench.MODEL
         assert run.data["partition"] == ("iid" if cell.full_labels else "labelset:2")
         if cell.method == "fedlsm":
             assert run.method_args["local_iterations"] == 3
