@@ -158,3 +158,14 @@ def test_verdict_uses_the_larger_of_the_two_spreads() -> None:
     assert verdicts(stats)["b"].startswith("no difference")  # 0.04 is within b's own 0.05
     stats["b"]["balanced_accuracy"] = (0.66, 0.03)
     assert verdicts(stats)["b"].startswith("worse by 0.0400")
+
+
+def test_multi_label_confusion_gets_one_two_by_two_panel_per_class() -> None:
+    counts = [[[5, 1], [2, 3]], [[7, 0], [1, 2]], [[4, 4], [0, 2]]]  # [K, truth, prediction] of known entries
+    fig = plotting.confusion_figure(counts, ["effusion", "nodule", "mass"])
+    panels = [ax for ax in fig.axes if ax.images]
+    assert [ax.get_title() for ax in panels] == ["effusion", "nodule", "mass"]
+    for ax, expected in zip(panels, counts):
+        np.testing.assert_array_equal(ax.images[0].get_array(), expected)
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["absent", "present"]
+    plotting.pyplot().close(fig)

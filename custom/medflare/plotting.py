@@ -119,15 +119,32 @@ def per_site_metrics_figure(rows: Mapping[str, Mapping[str, float | None]], metr
     return fig
 
 
-def confusion_figure(confusion: Sequence[Sequence[int]], class_names: Sequence[str]) -> Any:
-    """The pooled test confusion matrix of the final global model (counts; rows true, columns predicted)."""
+def confusion_figure(confusion: Sequence[Any], class_names: Sequence[str]) -> Any:
+    """The pooled test confusion matrix of the final global model (counts; rows true, columns predicted).
+
+    A multi-label task's ``[K, 2, 2]`` counts (truth x prediction of each class's known entries) give one 2x2
+    panel per class."""
     import numpy as np
     from sklearn.metrics import ConfusionMatrixDisplay
 
     plt = pyplot()
+    counts = np.asarray(confusion, dtype=np.int64)
+    if counts.ndim == 3:
+        columns = min(len(class_names), 4)
+        rows = -(-len(class_names) // columns)
+        fig, axes = plt.subplots(rows, columns, figsize=(3.2 * columns, 3.0 * rows), squeeze=False)
+        for ax, name, cell in zip(axes.flat, class_names, counts):
+            ConfusionMatrixDisplay(cell, display_labels=["absent", "present"]).plot(ax=ax, values_format="d",
+                                                                                   colorbar=False)
+            ax.set(title=name)
+        for ax in axes.flat[len(class_names):]:
+            ax.set_axis_off()
+        fig.suptitle("final global model, pooled test split (known entries per class)")
+        fig.tight_layout()
+        return fig
     size = max(4.5, 0.55 * len(class_names) + 2.5)
     fig, ax = plt.subplots(figsize=(size + 1, size))
-    display = ConfusionMatrixDisplay(np.asarray(confusion, dtype=np.int64), display_labels=list(class_names))
+    display = ConfusionMatrixDisplay(counts, display_labels=list(class_names))
     display.plot(ax=ax, values_format="d", xticks_rotation=45, colorbar=True)
     ax.set(title="final global model, pooled test split")
     fig.tight_layout()

@@ -165,11 +165,31 @@ def test_a_real_site_reads_its_identified_classes_from_its_own_file(tmp_path: Pa
         DataConfig(source="synthetic", local=True, identified=[[2]])
 
 
-def test_multi_label_refuses_label_noise_and_like_train_eval_splits() -> None:
+def test_multi_label_refuses_options_that_need_class_ids() -> None:
+    """Label noise, like-train eval splits, label fractions and the long-tail cut all work on class ids."""
     with pytest.raises(ConfigError, match="label_noise flips class ids"):
         make_site_data(DataConfig(source=ML_SOURCE, num_sites=2, label_noise=0.1), 0)
     with pytest.raises(ConfigError, match="like_train"):
         make_site_data(DataConfig(source=ML_SOURCE, num_sites=2, eval_split="like_train"), 0)
+    with pytest.raises(ConfigError, match="label_fraction .* needs single-label data; set label_fraction to 1"):
+        make_site_data(DataConfig(source=ML_SOURCE, num_sites=2, label_fraction=0.5), 0)
+    with pytest.raises(ConfigError, match="label_fraction .* needs single-label data"):  # this site's share
+        make_site_data(DataConfig(source=ML_SOURCE, num_sites=2, label_fraction=[1.0, 0.3]), 1)
+    with pytest.raises(ConfigError, match="data.imbalance .* needs single-label data; set imbalance to 1"):
+        make_site_data(DataConfig(source=ML_SOURCE, num_sites=2, imbalance=5), 0)
+
+
+def test_multi_label_public_hold_out_keeps_the_sites_multi_label_and_disjoint() -> None:
+    """A public share needs no labels, so it works on multi-label data; the sites keep multi-hot rows."""
+    cfg = DataConfig(source=ML_SOURCE, num_sites=2, partition="labelset:3", public_fraction=0.25)
+    sites = [make_site_data(cfg, i) for i in range(2)]
+    public = sites[0].public.images
+    assert (public.labels == -1).all() and len(public) == 150  # a quarter of the 600 training images
+    for site in sites:
+        assert site.multi_label and site.train.labels.shape[1] == 6 and site.identified.sum() == 3
+    seen = [set(map(bytes, np.asarray(s.train.images.images).reshape(len(s.train), -1))) for s in sites]
+    public_rows = set(map(bytes, np.asarray(public.images).reshape(len(public), -1)))
+    assert not public_rows & (seen[0] | seen[1])
 
 
 def test_multi_view_dataset_gives_every_view_of_the_same_image() -> None:

@@ -26,6 +26,7 @@ from medflare.methods.fedlsm.pseudo import (
     pool_size,
     sample_uncertainty,
     single_label_targets,
+    soft_cross_entropy,
     split_pools,
 )
 from medflare.methods.fedlsm.server import LABEL_COUNTS, POS_WEIGHT, FedLsmRule
@@ -335,3 +336,57 @@ def test_partners_get_pseudo_labels_unless_repo_compat(monkeypatch: pytest.Monke
 def test_bad_options_fail_early(args: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         FedLsmConfig(**args)
+
+
+# ----- a fresh teacher every round, and the ablations of paper Table 3 ---------------------------------------
+
+
+def test_every_round_starts_a_fresh_teacher_from_the_received_model() -> None:
+    """The teacher of round r+1 is the model the site received (parameters and buffers), not last round's EMA."""
+    trainer = fedlsm_trainer("synthetic:n=60,classes=3,size=8")
+    trainer.train_round(RoundContext(0, 2))
+    old_teacher = trainer.teacher
+    with torch.no_grad():  # a new global model arrives: other weights and other BatchNorm statistics
+        for tensor in trainer.model.state_dict().values():
+            if tensor.is_floating_point():
+                tensor.add_(0.5)
+    trainer.on_round_start(RoundContext(1, 2))
+    assert trainer.teacher is not old_teacher and trainer.teacher.decay == trainer.cfg.ema_decay
+    received, teacher = trainer.model.state_dict(), trainer.teacher.model.state_dict()
+    for key, value in received.items():
+        torch.testing.assert_close(teacher[key], value)
+    assert trainer.q.sum() == 0  # q^k restarts with the round
+
+
+def test_without_ude_batches_hold_only_pool_rows_and_the_loss_has_no_mixup_term(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    trainer = fedlsm_trainer("synthetic:n=60,classes=3,size=8", ude=False)
+    images, labels = trainer.draw_batch()
+    assert trainer.pool_rows == trainer.train_cfg.batch_size == len(images) == len(labels)
+
+    def no_lambda() -> float:
+        raise AssertionError("w/o UDE draws no MixUp lambda")
+
+    monkeypatch.setattr(trainer, "mixup_lambda", no_lambda)
+    loss = trainer.compute_loss(images, labels)
+    with torch.no_grad():
+        probs = torch.softmax(trainer.teacher(images[:, 0]).float(), dim=1)
+        targets = single_label_targets(labels, probs, trainer.cfg.tau, trainer.pseudo_classes)
+        expected = soft_cross_entropy(trainer.model(images[:, 1]).float(), targets)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_without_ue_pools_are_random_and_every_sample_is_pseudo_labelled(monkeypatch: pytest.MonkeyPatch) -> None:
+    trainer = fedlsm_trainer("synthetic:n=60,classes=3,size=8", ue=False)
+
+    def no_uncertainty() -> torch.Tensor:
+        raise AssertionError("w/o UE scores no sample")
+
+    monkeypatch.setattr(trainer, "uncertainty", no_uncertainty)
+    draws = [trainer.pools() for _ in range(3)]
+    n = len(trainer.data.train)
+    for uncertain, confident, pseudo in draws:
+        assert len(uncertain) == 4 and len(confident) == 6 and not set(uncertain) & set(confident)
+        assert pseudo.tolist() == list(range(n))  # D^h is not taken out of the pseudo pool
+    assert len({tuple(u) for u, _, _ in draws}) > 1  # drawn anew, not a fixed slice

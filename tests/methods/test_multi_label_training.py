@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -13,7 +15,7 @@ from torch.utils.data import TensorDataset
 from medflare.errors import ConfigError, DataError
 from medflare.losses import masked_bce, weighted_bce
 from medflare.metrics import MultiLabelEvalStats
-from medflare.registry import get_method
+from medflare.registry import get_method, list_methods
 from medflare.run_config import RunConfig
 from medflare.site_runtime import SiteRuntime, SiteSettings, TaskSpec, check_multi_label_support
 
@@ -88,3 +90,10 @@ def test_a_site_whose_data_disagrees_with_the_task_kind_fails_clearly() -> None:
     settings = SiteSettings(method="fedavg", task=TaskSpec(4, 3, 8), data={**ML_DATA, "seed": 0})
     with pytest.raises(DataError, match="site's data is multi-label but the job declares a single-label task"):
         SiteRuntime(settings, "site-1", 0, log=lambda m: None)
+
+
+def test_readme_names_exactly_the_methods_that_run_multi_label() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    sentence = readme.split("Multi-label tasks (several findings per image")[1].split("(sigmoid per class")[0]
+    named = set(re.findall(r"`([a-z0-9-]+)`", sentence))
+    assert named == {name for name in list_methods() if get_method(name).multi_label}
