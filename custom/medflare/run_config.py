@@ -331,6 +331,7 @@ def merge_run_config(*layers: Mapping[str, Any]) -> RunConfig:
     Sections merge key by key on top of the defaults, so ``--partition`` alone keeps the default data source.
     """
     merged: dict[str, Any] = dataclasses.asdict(RunConfig())
+    merged["model"] = ""  # not fedavg's default: RunConfig resolves it from the method the layers choose
     for layer in layers:
         merged = merge_sections(merged, {key: value for key, value in layer.items() if value is not None})
     return from_dict(RunConfig, merged, "")
