@@ -168,11 +168,15 @@ def test_trainer_lr_moves_with_the_step_in_pretraining_and_restarts_at_finetunin
     seen = []
     site.trainer.after_step = lambda: seen.append(site.trainer.optimizer.param_groups[-1]["lr"])
     params = _global("fed-mae", {"pretrain_rounds": 2})
+    optimizers = []
     for r, (stage, sr, n) in enumerate([("pretrain", 0, 2), ("pretrain", 1, 2), ("finetune", 0, 1)]):
         ctx = RoundContext(r, 3, stage=stage, stage_round=sr, stage_rounds=n, scored=stage == "finetune")
         site.train({k: params[k] for k in site.spec.payload.shared_keys(list(params), stage)}, ctx)
+        optimizers.append(site.trainer.optimizer)
     assert seen[0] == 0.0 and seen[1] == pytest.approx(2e-3 * 8 / 256)  # warm-up from 0, then the peak at t = 1
     assert seen[2] == 0.0  # fine-tuning's own warm-up restarts from 0
+    assert optimizers[0] is optimizers[1] and optimizers[1].state  # AdamW moments kept across pre-training rounds
+    assert optimizers[2] is not optimizers[1]  # a new optimizer for the fine-tuning stage
 
 
 # ----- stages -----------------------------------------------------------------------------------------
