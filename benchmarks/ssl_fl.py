@@ -23,6 +23,8 @@ final metrics are identical. ``--runner simulator`` runs everything in FLARE's s
 Usage:
     python benchmarks/ssl_fl.py --part main [--datasets retina pneumonia] [--alphas 100 1.0 0.5] [--seeds 0 1 2]
     python benchmarks/ssl_fl.py --part labels | --part fedmas | --check-simulator
+    budgets: --pretrain-rounds R --finetune-rounds R --max-steps S --fedmas-rounds R (job names omit them:
+    give a run with other budgets its own --out)
 Finished jobs are cached in --out (rerunning skips them); the table rows go to --results.
 """
 
@@ -279,9 +281,16 @@ def main() -> None:
     parser.add_argument("--labels-setting", nargs=2, default=["retina", "100"], metavar=("DATASET", "ALPHA"))
     parser.add_argument("--runner", choices=["inprocess", "simulator"], default="inprocess")
     parser.add_argument("--check-simulator", action="store_true", help="only compare the two runners on one job")
+    parser.add_argument("--pretrain-rounds", type=int, default=PRETRAIN["rounds"],
+                        help=f"pre-training rounds, Fed-BEiT's {TOKENIZER_ROUNDS} tokenizer rounds included")
+    parser.add_argument("--finetune-rounds", type=int, default=FINETUNE["rounds"])
+    parser.add_argument("--max-steps", type=int, default=FINETUNE["max_steps"],
+                        help="steps per site and round in pre-training and fine-tuning (smoke runs: 1)")
+    parser.add_argument("--fedmas-rounds", type=int, default=FEDMAS["rounds"])
     parser.add_argument("--out", default="runs/bench-ssl-fl")
     parser.add_argument("--results", default="benchmarks/results/ssl_fl.json")
     args = parser.parse_args()
+    set_budget(args)
     torch.set_num_threads(1)
     grid = Grid(Path(args.out), args.runner)
     results_file = Path(args.results)
@@ -311,6 +320,15 @@ def main() -> None:
     results_file.parent.mkdir(parents=True, exist_ok=True)
     results_file.write_text(json.dumps(results, indent=1) + "\n")
     print(f"results: {results_file}")
+
+
+def set_budget(args: argparse.Namespace) -> None:
+    """The CPU budget of this invocation (a smoke run shrinks it; use another --out, as job names omit it)."""
+    if args.pretrain_rounds <= TOKENIZER_ROUNDS:
+        raise SystemExit(f"--pretrain-rounds must exceed Fed-BEiT's {TOKENIZER_ROUNDS} tokenizer rounds")
+    PRETRAIN.update(rounds=args.pretrain_rounds, max_steps=args.max_steps)
+    FINETUNE.update(rounds=args.finetune_rounds, max_steps=args.max_steps)
+    FEDMAS["rounds"] = args.fedmas_rounds
 
 
 def _merge(old: list[dict[str, Any]], new: list[dict[str, Any]], keys: tuple[str, ...]) -> list[dict[str, Any]]:

@@ -168,11 +168,15 @@ def test_trainer_lr_moves_with_the_step_in_pretraining_and_restarts_at_finetunin
     seen = []
     site.trainer.after_step = lambda: seen.append(site.trainer.optimizer.param_groups[-1]["lr"])
     params = _global("fed-mae", {"pretrain_rounds": 2})
+    optimizers = []
     for r, (stage, sr, n) in enumerate([("pretrain", 0, 2), ("pretrain", 1, 2), ("finetune", 0, 1)]):
         ctx = RoundContext(r, 3, stage=stage, stage_round=sr, stage_rounds=n, scored=stage == "finetune")
         site.train({k: params[k] for k in site.spec.payload.shared_keys(list(params), stage)}, ctx)
+        optimizers.append(site.trainer.optimizer)
     assert seen[0] == 0.0 and seen[1] == pytest.approx(2e-3 * 8 / 256)  # warm-up from 0, then the peak at t = 1
     assert seen[2] == 0.0  # fine-tuning's own warm-up restarts from 0
+    assert optimizers[0] is optimizers[1] and optimizers[1].state  # AdamW moments kept across pre-training rounds
+    assert optimizers[2] is not optimizers[1]  # a new optimizer for the fine-tuning stage
 
 
 # ----- stages -----------------------------------------------------------------------------------------
@@ -186,6 +190,25 @@ def test_stage_plans_add_up_and_name_the_options_when_they_do_not() -> None:
         FedMaeConfig(pretrain_rounds=3).stage_plan(3)
     with pytest.raises(ConfigError, match="rounds=5"):  # explicit budgets that do not add up: refused before launch
         RoundAggregation("fed-mae", {"pretrain_rounds": 2, "finetune_rounds": 2}, 3, 5)
+
+
+def test_a_job_that_names_no_model_gets_a_vit_and_a_stage_plan_that_fits_two_rounds() -> None:
+    """``medflare run fed-mae --rounds 2 --set train.max_steps=1``: the method's default_model (not fedavg's cnn,
+    the RunConfig defaults' own method), and default budgets of 1 pre-training + 1 fine-tuning round."""
+    from medflare.cli import make_parser
+    from medflare.runner import build_run_config
+
+    parser = make_parser()
+    for method, rounds in (("fed-mae", 2), ("fed-beit", 3)):
+        args = parser.parse_args(["run", method, "--rounds", str(rounds), "--set", "train.max_steps=1"])
+        run = build_run_config(args)
+        assert run.model == "vit_tiny", method
+        spec = FED_MAE if method == "fed-mae" else FED_BEIT
+        stages = spec.config_cls(**run.method_args).stage_plan(run.rounds)
+        assert [(s.name, s.rounds) for s in stages][-2:] == [("pretrain", 1), ("finetune", 1)]
+    chosen = parser.parse_args(["run", "fed-mae", "--model", "vit_micro"])
+    assert build_run_config(chosen).model == "vit_micro"
+    assert build_run_config(parser.parse_args(["run", "fedavg"])).model == "cnn"
 
 
 def test_beit_tokenizer_options_are_checked() -> None:
@@ -241,6 +264,47 @@ def test_stage_handoff_carries_the_encoder_bit_identically_and_drops_the_decoder
     assert all(torch.equal(held[k], torch.from_numpy(aggregate[k])) for k in encoder)
     arrays, _ = site.train(task, finetune)
     assert set(arrays) == set(core.expected) and not any(k.startswith("decoder.") for k in arrays)
+
+
+@pytest.mark.parametrize(
+    ("method", "method_args", "other_stage_key"),
+    [
+        ("fed-mae", {"pretrain_rounds": 1}, {"pretrain": "head.weight", "finetune": "decoder.pred.weight"}),
+        ("fed-beit", {"tokenizer_rounds": 1, "pretrain_rounds": 1},
+         {"tokenizer": "backbone.pos_embed", "pretrain": "tokenizer.decoder.0.weight", "finetune": "lm_head.proj.weight"}),
+    ],
+)
+def test_the_site_privacy_filter_passes_every_stage_because_sites_send_back_only_what_they_received(
+    method: str, method_args: dict, other_stage_key: dict[str, str], tmp_path: Path
+) -> None:
+    """Each round of the job, through the server's own round code and a real trainer: the result's weights are
+    exactly the task's (so PayloadGuard, which refuses arrays the server never sent, lets them out), and a
+    weight of another stage slipped into the result is refused by it."""
+    from nvflare.apis.dxo import DXO, DataKind
+
+    from medflare.deploy.filters import PayloadGuard
+    from medflare.flare.tasks import round_plan
+
+    from ..deploy.test_provision_and_policies import guard_context
+
+    core = RoundAggregation(method, method_args, TASK.num_classes, len(other_stage_key))
+    site = _site(method, 0, method_args)
+    global_params = _global(method, method_args)
+    for ctx in round_plan(core.stages, len(other_stage_key)):
+        core.start_round(global_params, ctx)
+        task = core.start_phase(contracts.TRAIN_PHASE)
+        arrays, meta = site.train(task, ctx)
+        assert set(arrays) == set(task), f"{ctx.stage}: sent {sorted(set(arrays) ^ set(task))[:3]} it did not receive"
+        guard_ctx = guard_context(tmp_path / ctx.stage, method, task)
+        result = DXO(DataKind.WEIGHTS, data=arrays, meta=meta).to_shareable()
+        assert PayloadGuard(method).process(result, guard_ctx) is result
+        extra = other_stage_key[ctx.stage]
+        assert extra not in task and extra in site.model.state_dict()
+        smuggled = {**arrays, extra: site.model.state_dict()[extra].numpy()}
+        with pytest.raises(PayloadError, match="never sent"):
+            PayloadGuard(method).process(DXO(DataKind.WEIGHTS, data=smuggled, meta=meta).to_shareable(), guard_ctx)
+        assert core.accept(site.site_name, arrays, meta) is None
+        global_params = {**global_params, **core.aggregate().params}
 
 
 def test_each_stage_trains_only_its_modules_with_its_own_optimizer_settings() -> None:

@@ -31,7 +31,7 @@ DALLE_PREFIX = "dall-e:"
 class SslFlConfig:
     """Stage budgets and fine-tuning recipe shared by Fed-MAE and Fed-BEiT (spec §4(a), (c))."""
 
-    pretrain_rounds: int = 2  # rounds of masked-image pre-training (paper: 1600 MAE, 1000 BEiT); 0 = from scratch
+    pretrain_rounds: int = 1  # rounds of masked-image pre-training (paper: 1600 MAE, 1000 BEiT); 0 = from scratch
     finetune_rounds: int = -1  # rounds of supervised fine-tuning (paper: 100); -1 = the job's remaining rounds
     mask_ratio: float = 0.6  # share of patches masked per image (paper: MAE 0.6, BEiT 0.4)
     pretrain_drop_path: float = 0.0  # stochastic depth in pre-training (MAE none, BEiT 0.1)
@@ -103,7 +103,6 @@ class FedBeitConfig(SslFlConfig):
     drop_path: float = 0.2
     mixup: float = 0.0
     cutmix: float = 0.0
-    pretrain_rounds: int = 1
     tokenizer: str = DVAE  # dvae (trained federatedly in its own stage) | dall-e:PATH (a local DALL-E encoder file)
     tokenizer_rounds: int = 1  # rounds of the federated dVAE stage; 0 with dall-e:PATH
     vocab_size: int = 512  # visual tokens (BEiT/DALL-E: 8192; this default is CPU-sized); set 8192 with DALL-E
