@@ -331,6 +331,7 @@ def merge_run_config(*layers: Mapping[str, Any]) -> RunConfig:
     Sections merge key by key on top of the defaults, so ``--partition`` alone keeps the default data source.
     """
     merged: dict[str, Any] = dataclasses.asdict(RunConfig())
+    merged["model"] = ""  # RunConfig() filled in its default method's model; the merged method picks its own
     for layer in layers:
         merged = merge_sections(merged, {key: value for key, value in layer.items() if value is not None})
     return from_dict(RunConfig, merged, "")
