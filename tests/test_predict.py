@@ -88,10 +88,13 @@ def test_multi_label_input_of_another_task_is_refused(tmp_path: Path) -> None:
     twos = write_images_npz(tmp_path / "twos.npz", images, np.full((10, 4), 2))
     Image.fromarray(images[0]).save(tmp_path / "a.png")
     (tmp_path / "other.csv").write_text(f"path,label_{names[0]},label_effusion\na.png,1,0\n")
+    columns = ",".join(f"label_{n}" for n in names)
+    (tmp_path / "three.csv").write_text(f"path,{columns}\na.png,1,,0,3\n")
 
     cases = [(five, r"is \(10, 5\), but the model scores 4 findings per image"),
              (twos, "entries other than 1, 0 and -1"),
-             (tmp_path / "other.csv", r"the model's findings are .* \(mismatch: \['label_effusion'\]\)")]
+             (tmp_path / "other.csv", r"the model's findings are .* \(mismatch: \['label_effusion'\]\)"),
+             (tmp_path / "three.csv", "entries other than 1, 0 and -1")]
     for source, expected in cases:
         with pytest.raises(ConfigError, match=expected):
             predict_file(model_file, source, tmp_path / "out.csv")

@@ -32,7 +32,7 @@ import numpy as np
 from medflare.checkpoint import Checkpoint, normalization, read_checkpoint
 from medflare.data.readers import IMAGE_SUFFIXES, is_image_file, parse_window, read_image
 from medflare.data.types import UNLABELED, ImageSet
-from medflare.data.sources import CSV_CLASS_PREFIX, _multi_hot_entry, class_columns
+from medflare.data.sources import CSV_CLASS_PREFIX, class_columns
 from medflare.errors import ConfigError, DataError
 from medflare.metrics.multi_label import THRESHOLD
 
@@ -270,11 +270,11 @@ def _multi_hot_rows(rows: list[dict[str, str]], class_names: list[str], manifest
         unknown = sorted(set(columns) - set(expected)) or sorted(set(expected) - set(columns))
         raise ConfigError(f"{manifest} has label columns {columns}, but the model's findings are {', '.join(class_names)} "
                           f"(mismatch: {unknown}): give one {CSV_CLASS_PREFIX}<class> column per finding, or none")
-    try:
-        return np.array([[_multi_hot_entry(row[c] or "", f"{manifest} row {i + 1}", c) for c in expected]
-                         for i, row in enumerate(rows)], dtype=np.int64)
-    except DataError as exc:
-        raise ConfigError(str(exc)) from exc
+    try:  # empty = not annotated, as in a training manifest
+        values = np.array([[int(row[c] or UNLABELED) for c in expected] for row in rows], dtype=np.int64)
+    except ValueError as exc:
+        raise ConfigError(f"{manifest}: label columns must hold 1, 0, or -1 / empty for not annotated: {exc}") from exc
+    return _checked_multi_hot(values, len(class_names), str(manifest))
 
 
 def _npz_images(path: Path, channels: int, num_classes: int, split: str, multi_label: bool = False) -> PredictInput:
