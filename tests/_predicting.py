@@ -31,9 +31,13 @@ def save_global_model(path: Path, run: RunConfig, seed: int = 3) -> Path:
 
 
 def write_images_npz(path: Path, images: np.ndarray, labels: np.ndarray) -> Path:
-    """MedMNIST layout: the images are the test split (train/val: a few images so a site can load it)."""
-    np.savez(path, test_images=images, test_labels=labels[:, None], train_images=images[:4],
-             train_labels=labels[:4, None], val_images=images[:2], val_labels=labels[:2, None])
+    """MedMNIST layout: the images are the test split (train/val: a few images so a site can load it).
+
+    Class ids are stored as MedMNIST does, ``[N, 1]``; multi-label rows ``[N, K]`` as they are.
+    """
+    rows = labels if labels.ndim == 2 else labels[:, None]
+    np.savez(path, test_images=images, test_labels=rows, train_images=images[:4], train_labels=rows[:4],
+             val_images=images[:2], val_labels=rows[:2])
     return path
 
 
@@ -54,7 +58,8 @@ def read_probabilities(path: Path) -> tuple[list[str], np.ndarray]:
 def site_probabilities(run: RunConfig, npz: Path, model_file: Path) -> np.ndarray:
     """What a site computes: its runtime loads the global weights and scores its test split."""
     task = run.task_spec()
-    settings = SiteSettings(method=run.method, task=TaskSpec(task.num_classes, task.in_channels, task.image_size),
+    settings = SiteSettings(method=run.method, task=TaskSpec(task.num_classes, task.in_channels, task.image_size,
+                                                             multi_label=task.multi_label),
                             data={"source": f"medmnist:{npz}", "local": True, "min_size": 1}, model=run.model,
                             method_args=run.method_args)
     runtime = SiteRuntime(settings, "site-1", 0, log=lambda line: None)

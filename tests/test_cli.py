@@ -225,6 +225,16 @@ def test_flags_merge_with_the_defaults_not_replace_them() -> None:
     assert run.train == {"lr": 0.1}
 
 
+@pytest.mark.parametrize("method,model", [("fed-mae", "vit_tiny"), ("fca", "efficientnet_lite0"), ("fedavg", "cnn")])
+def test_without_model_a_command_trains_the_methods_default_model(method: str, model: str) -> None:
+    from medflare.cli import make_parser
+    from medflare.runner import build_run_config
+
+    assert build_run_config(make_parser().parse_args(["run", method])).model == model
+    chosen = build_run_config(make_parser().parse_args(["run", method, "--model", "vit_micro"]))
+    assert chosen.model == "vit_micro"
+
+
 # ----- report reads the job's config beside the results ------------------------------------------------
 def fake_results(method: str, rounds: int) -> dict:
     """A results file shaped like the controller's (two sites, ``rounds`` rounds)."""
@@ -296,6 +306,28 @@ def test_job_config_reads_back_the_run_it_was_built_from(tmp_path: Path) -> None
                     site_evaluation="final", straggler_seconds=30, task_timeout=60, task_request_interval=0.5)
     app_server = downloaded_job(tmp_path, run)
     assert job_run_config(app_server) == dataclasses.replace(run, task=vars(run.task_spec()))
+
+
+def test_job_config_reads_back_each_sites_architecture(tmp_path: Path) -> None:
+    from medflare.outputs import job_run_config
+
+    run = RunConfig(method="local-only", clients=2, data={"source": "synthetic:n=200"},
+                    site_model={"site-1": "resnet10"})
+    assert job_run_config(downloaded_job(tmp_path, run)).site_model == {"site-1": "resnet10"}
+
+
+def test_report_reads_a_run_folders_own_job(tmp_path: Path, capsys) -> None:
+    """``medflare report runs/x/medflare_results.json``: the config is the run's ``job/<name>/app/``."""
+    app_server = downloaded_job(tmp_path, RunConfig(method="fedavg", rounds=2, seed=4, data={"source": "synthetic:n=200"}))
+    run_folder = tmp_path / "runs" / "x"
+    (run_folder / "job" / "fedavg" / "app").mkdir(parents=True)
+    (app_server / "config").rename(run_folder / "job" / "fedavg" / "app" / "config")
+    (run_folder / "medflare_results.json").write_text((app_server / "medflare_results.json").read_text())
+
+    code, _, err = run_cli(["report", str(run_folder / "medflare_results.json"), "-o", str(tmp_path / "r")], capsys)
+
+    assert (code, err) == (0, "")
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["config"]["seed"] == 4
 
 
 def test_report_from_results_is_the_function_behind_the_command(tmp_path: Path) -> None:

@@ -40,6 +40,67 @@ def test_predict_matches_the_sites_scoring_of_the_same_model(tmp_path: Path, met
     np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, atol=1e-6)
 
 
+MULTI_LABEL = "synthetic:n=200,multilabel=1,classes=4"
+
+
+@pytest.mark.parametrize("method", ["fedlsm", "fedavg"])
+def test_multi_label_predict_scores_a_sigmoid_per_finding_as_the_sites_do(tmp_path: Path, method: str) -> None:
+    run = RunConfig(method=method, data={"source": MULTI_LABEL})
+    model_file = save_global_model(tmp_path / "FL_global_model.pt", run)
+    npz, labels = ten_synthetic_images(tmp_path, MULTI_LABEL)
+    labels = labels.copy()
+    labels[0, 1] = -1  # a finding not annotated: an empty cell
+
+    done = predict_file(model_file, write_images_npz(npz, np.load(npz)["test_images"], labels), tmp_path / "p.csv")
+
+    names = read_checkpoint(model_file).class_names
+    header, probabilities = read_probabilities(tmp_path / "p.csv")
+    assert done["multi_label"] and header == ["image", *(f"label_{n}" for n in names), "predicted",
+                                              *(f"p_{n}" for n in names)]
+    np.testing.assert_allclose(probabilities, site_probabilities(run, npz, model_file), atol=1e-6)
+    assert not np.allclose(probabilities.sum(axis=1), 1.0)  # independent findings, not a softmax
+    rows = list(csv.DictReader((tmp_path / "p.csv").open()))
+    for row, scores, truth in zip(rows, probabilities, labels):
+        found = row["predicted"].split(";") if row["predicted"] else []
+        assert found == [n for n, p in zip(names, scores) if p >= 0.5]
+        assert [row[f"label_{n}"] for n in names] == ["" if t == -1 else str(t) for t in truth]
+
+
+def test_multi_label_predicted_lists_the_findings_at_or_above_one_half(tmp_path: Path) -> None:
+    from medflare.predict import PredictInput, write_predictions
+    from medflare.data.types import ImageSet
+
+    inputs = PredictInput(ImageSet(labels=np.full((2, 3), -1), num_classes=3, channels=1,
+                                   images=np.zeros((2, 4, 4, 1), np.uint8)), ["a", "b"], labelled=False)
+    write_predictions(tmp_path / "p.csv", inputs, np.array([[0.5, 0.49, 0.9], [0.1, 0.2, 0.3]]), ["x", "y", "z"],
+                      multi_label=True)
+
+    assert [r["predicted"] for r in csv.DictReader((tmp_path / "p.csv").open())] == ["x;z", ""]
+
+
+def test_multi_label_input_of_another_task_is_refused(tmp_path: Path) -> None:
+    run = RunConfig(method="fedlsm", data={"source": MULTI_LABEL})
+    model_file = save_global_model(tmp_path / "m.pt", run)
+    names = read_checkpoint(model_file).class_names
+    npz, labels = ten_synthetic_images(tmp_path, MULTI_LABEL)
+    images = np.load(npz)["test_images"]
+    five = write_images_npz(tmp_path / "five.npz", images, np.zeros((10, 5), np.int64))
+    twos = write_images_npz(tmp_path / "twos.npz", images, np.full((10, 4), 2))
+    Image.fromarray(images[0]).save(tmp_path / "a.png")
+    (tmp_path / "other.csv").write_text(f"path,label_{names[0]},label_effusion\na.png,1,0\n")
+    columns = ",".join(f"label_{n}" for n in names)
+    (tmp_path / "three.csv").write_text(f"path,{columns}\na.png,1,,0,3\n")
+
+    cases = [(five, r"is \(10, 5\), but the model scores 4 findings per image"),
+             (twos, "entries other than 1, 0 and -1"),
+             (tmp_path / "other.csv", r"the model's findings are .* \(mismatch: \['label_effusion'\]\)"),
+             (tmp_path / "three.csv", "entries other than 1, 0 and -1")]
+    for source, expected in cases:
+        with pytest.raises(ConfigError, match=expected):
+            predict_file(model_file, source, tmp_path / "out.csv")
+    assert not (tmp_path / "out.csv").exists()
+
+
 def test_the_file_carries_what_inference_needs(tmp_path: Path) -> None:
     run = RunConfig(method="fedprox", model="cnn", method_args={"mu": 0.1}, data={"source": "synthetic:n=200"},
                     task={"class_names": ["a", "b", "c", "d", "e"]})

@@ -92,6 +92,33 @@ def test_untrained_best_model_is_warned_about(tmp_path: Path) -> None:
         [summary], tmp_path)
 
 
+def test_a_method_without_a_server_model_is_reported_as_the_sites_own_models(tmp_path: Path) -> None:
+    run = config(method="local-only", model="cnn", site_model={"site-2": "resnet10"})
+    summary = build_summary({**results(best_version=0), "method": "local-only"}, run, CLIENTS)
+    write_outputs(summary, tmp_path)
+
+    report = (tmp_path / "report.md").read_text()
+    assert "2 sites, models site-2 `resnet10` (other sites `cnn`), 2 rounds" in report
+    assert "metrics are of each site's own model (the server holds none)" in report
+    assert "round 0 (balanced_accuracy 0.7000), the sites' models of that round" in report
+    assert "carry no weights" in report and "saved as `best_FL_global_model.pt`" not in report
+    assert "**warning:** the best validation score is that of the sites' untrained initial models" in report
+    assert "best_FL_global_model.pt holds the initial weights" not in report
+    assert "Each site's own final model on its own test split" in report
+    assert "the global model" not in report.lower()
+
+
+def test_a_staged_runs_rounds_name_their_stage(tmp_path: Path) -> None:
+    staged = results(best_version=1)
+    for record, stage in zip(staged["rounds"], ("pretrain", "finetune")):
+        record["stage"] = stage
+    write_outputs(build_summary(staged, config(), CLIENTS), tmp_path)
+
+    assert [(r["round"], r["stage"]) for r in csv.DictReader((tmp_path / "rounds.csv").open())] == [
+        ("1", "pretrain"), ("2", "finetune")]
+    assert "best model by validation balanced_accuracy: round 1, stage pretrain (" in (tmp_path / "report.md").read_text()
+
+
 def test_rounds_csv_has_long_tail_and_attribute_columns(written) -> None:
     out, _ = written
     rows = list(csv.DictReader((out / "rounds.csv").open()))
@@ -108,6 +135,18 @@ def test_confusion_figure_shows_the_pooled_counts_with_class_names(written) -> N
     ax = fig.axes[0]
     np.testing.assert_array_equal(ax.images[0].get_array(), [[5, 1, 0], [2, 3, 1], [0, 0, 6]])
     assert [t.get_text() for t in ax.get_xticklabels()] == ["nevus", "melanoma", "bcc"]
+    plotting.pyplot().close(fig)
+
+
+def test_multi_label_confusion_is_one_absent_present_panel_per_finding() -> None:
+    per_finding = [[[8, 2], [1, 4]], [[5, 0], [3, 7]], [[9, 1], [0, 2]]]
+    fig = plotting.confusion_figure(per_finding, ["effusion", "nodule", "mass"])
+
+    panels = [ax for ax in fig.axes if ax.images]
+    assert [ax.get_title() for ax in panels] == ["effusion", "nodule", "mass"]
+    for ax, matrix in zip(panels, per_finding):
+        np.testing.assert_array_equal(ax.images[0].get_array(), matrix)
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["absent", "present"]
     plotting.pyplot().close(fig)
 
 
@@ -158,14 +197,3 @@ def test_verdict_uses_the_larger_of_the_two_spreads() -> None:
     assert verdicts(stats)["b"].startswith("no difference")  # 0.04 is within b's own 0.05
     stats["b"]["balanced_accuracy"] = (0.66, 0.03)
     assert verdicts(stats)["b"].startswith("worse by 0.0400")
-
-
-def test_multi_label_confusion_gets_one_two_by_two_panel_per_class() -> None:
-    counts = [[[5, 1], [2, 3]], [[7, 0], [1, 2]], [[4, 4], [0, 2]]]  # [K, truth, prediction] of known entries
-    fig = plotting.confusion_figure(counts, ["effusion", "nodule", "mass"])
-    panels = [ax for ax in fig.axes if ax.images]
-    assert [ax.get_title() for ax in panels] == ["effusion", "nodule", "mass"]
-    for ax, expected in zip(panels, counts):
-        np.testing.assert_array_equal(ax.images[0].get_array(), expected)
-        assert [t.get_text() for t in ax.get_xticklabels()] == ["absent", "present"]
-    plotting.pyplot().close(fig)

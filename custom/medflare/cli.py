@@ -210,7 +210,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
     done = predict_file(args.checkpoint, args.input, args.output, split=args.split, window=args.window,
                         batch_size=args.batch_size)
-    print(f"medflare: wrote {done['images']} predictions of {done['method']} ({done['model']}, classes "
+    kind = "findings" if done["multi_label"] else "classes"
+    print(f"medflare: wrote {done['images']} predictions of {done['method']} ({done['model']}, {kind} "
           f"{', '.join(done['class_names'])}) to {done['output']}")
     return 0
 
@@ -282,7 +283,8 @@ def make_parser() -> argparse.ArgumentParser:
     watch.set_defaults(func=cmd_watch)
     predict = sub.add_parser(
         "predict", help="apply a run's FL_global_model.pt or best_FL_global_model.pt to new images; writes a CSV "
-                        "of class probabilities (image, predicted, p_<class>...)")
+                        "of class probabilities (image, predicted, p_<class>...; multi-label: a sigmoid per "
+                        "finding, predicted = the findings scored >= 0.5)")
     predict.add_argument("checkpoint", help="FL_global_model.pt or best_FL_global_model.pt of a medflare run")
     predict.add_argument("input", help="a folder of images (first-level folders named like classes give labels), "
                                        "a CSV with a 'path' column, or an npz ('images' or '<split>_images')")

@@ -287,13 +287,22 @@ def report_from_results(results_file: Path, out: Path, copy_models: bool = True)
     if not results_file.is_file():
         raise ConfigError(f"results file not found: {results_file}; give a run's {RESULTS_FILE} (a downloaded job "
                           f"has it in <job id>/workspace/app_server/)")
-    run = job_run_config(results_file.parent)
+    run = job_run_config(_app_dir_of(results_file.parent))
     try:
         results = json.loads(results_file.read_text())
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{results_file} is not a medflare results file: {exc}") from exc
     launched_at = results.get("controller_started_at")  # the server app's start: start-up = FLARE's job set-up
     return write_job_outputs(run, results_file, out, {}, launched_at, copy_models=copy_models)
+
+
+def _app_dir_of(results_dir: Path) -> Path:
+    """Where the job config of these results is: beside them (``app_server/``), or in a medflare run folder the
+    app of the one job it ran (``job/<name>/app/``)."""
+    if (results_dir / "config").is_dir():
+        return results_dir
+    apps = sorted(results_dir.glob("job/*/app"))
+    return apps[0] if len(apps) == 1 and (apps[0] / "config").is_dir() else results_dir
 
 
 def job_run_config(app_dir: Path) -> Any:
@@ -318,7 +327,7 @@ def job_run_config(app_dir: Path) -> Any:
             "task": vars(TaskSpec(**{**executor["task"], **({"class_names": class_names} if class_names else {})})),
             "data": {k: v for k, v in executor["data"].items() if k not in ("num_sites", "seed")},
             "train": executor["train"], "site_train": executor.get("site_train", {}),
-            "site_evaluation": executor.get("evaluation", "every_round"),
+            "site_model": executor.get("site_model") or {}, "site_evaluation": executor.get("evaluation", "every_round"),
             "straggler_seconds": controller.get("wait_time_after_min_received", 600),
             "task_timeout": controller.get("train_timeout", 0),
             "task_request_interval": server.get("server", {}).get("task_request_interval", 0.1),

@@ -49,6 +49,11 @@ def save(fig: Any, path: Path) -> Path:
 
 
 # ----- a run's figures -----------------------------------------------------------------------------------
+def scored_model(summary: Mapping[str, Any]) -> str:
+    """What a run's metrics score: the global model, or the sites' own models where the server holds none."""
+    return "global model" if summary.get("server_model", True) else "sites' own models"
+
+
 def learning_curves_figure(summary: Mapping[str, Any]) -> Any:
     """Test metrics and validation balanced accuracy per round; each site's mean local training loss."""
     plt = pyplot()
@@ -59,7 +64,7 @@ def learning_curves_figure(summary: Mapping[str, Any]) -> Any:
     curves.append(("val balanced_accuracy", [e["val_metrics"].get("balanced_accuracy") for e in summary["per_round"]]))
     for i, (label, values) in enumerate(curves):
         axes[0].plot(rounds, values, **_site_style(i), label=label)
-    axes[0].set(xlabel="round", ylabel="score", title=f"{summary['method']}: global model after each round")
+    axes[0].set(xlabel="round", ylabel="score", title=f"{summary['method']}: {scored_model(summary)} after each round")
     for i, site in enumerate(sorted(summary["clients"])):
         axes[1].plot(rounds, [e["train_loss"].get(site) for e in summary["per_round"]], **_site_style(i), label=site)
     axes[1].set(xlabel="round", ylabel="mean local training loss", title="local training loss per site")
@@ -100,7 +105,8 @@ def per_site_value_figure(summary: Mapping[str, Any], key: str) -> Any:
     return fig
 
 
-def per_site_metrics_figure(rows: Mapping[str, Mapping[str, float | None]], metric: str, pooled: float | None) -> Any:
+def per_site_metrics_figure(rows: Mapping[str, Mapping[str, float | None]], metric: str, pooled: float | None,
+                            pooled_label: str = "global model, pooled") -> Any:
     """Bars of ``metric`` per site for each evaluated model (global, and any method-declared one)."""
     plt = pyplot()
     models = list(rows)
@@ -111,7 +117,7 @@ def per_site_metrics_figure(rows: Mapping[str, Mapping[str, float | None]], metr
         values = [rows[model].get(site) or 0.0 for site in sites]
         ax.bar([s + (i - (len(models) - 1) / 2) * width for s in range(len(sites))], values, width=width, label=model)
     if pooled is not None:
-        ax.axhline(pooled, color="black", linestyle="--", linewidth=1, label="global model, pooled")
+        ax.axhline(pooled, color="black", linestyle="--", linewidth=1, label=pooled_label)
     ax.set_xticks(range(len(sites)), sites)
     ax.set(ylabel=f"test {metric}", ylim=(0, 1), title=f"each site's own test split: {metric}")
     legend_outside(ax)
@@ -119,34 +125,35 @@ def per_site_metrics_figure(rows: Mapping[str, Mapping[str, float | None]], metr
     return fig
 
 
-def confusion_figure(confusion: Sequence[Any], class_names: Sequence[str]) -> Any:
-    """The pooled test confusion matrix of the final global model (counts; rows true, columns predicted).
+def confusion_figure(confusion: Sequence[Any], class_names: Sequence[str], model: str = "global model") -> Any:
+    """The pooled test confusion matrix of the final model (counts; rows true, columns predicted).
 
-    A multi-label task's ``[K, 2, 2]`` counts (truth x prediction of each class's known entries) give one 2x2
-    panel per class."""
+    A multi-label run's confusion is ``[K, 2, 2]``, one binary matrix per finding (known entries only): one panel
+    per finding, absent/present.
+    """
     import numpy as np
     from sklearn.metrics import ConfusionMatrixDisplay
 
     plt = pyplot()
     counts = np.asarray(confusion, dtype=np.int64)
     if counts.ndim == 3:
-        columns = min(len(class_names), 4)
-        rows = -(-len(class_names) // columns)
+        columns = min(4, len(counts))
+        rows = -(-len(counts) // columns)
         fig, axes = plt.subplots(rows, columns, figsize=(3.2 * columns, 3.0 * rows), squeeze=False)
-        for ax, name, cell in zip(axes.flat, class_names, counts):
-            ConfusionMatrixDisplay(cell, display_labels=["absent", "present"]).plot(ax=ax, values_format="d",
-                                                                                   colorbar=False)
+        for ax, matrix, name in zip(axes.flat, counts, class_names):
+            ConfusionMatrixDisplay(matrix, display_labels=["absent", "present"]).plot(
+                ax=ax, values_format="d", colorbar=False)
             ax.set(title=name)
-        for ax in axes.flat[len(class_names):]:
+        for ax in list(axes.flat)[len(counts):]:
             ax.set_axis_off()
-        fig.suptitle("final global model, pooled test split (known entries per class)")
+        fig.suptitle(f"final {model}, pooled test split, per finding (threshold 0.5)")
         fig.tight_layout()
         return fig
     size = max(4.5, 0.55 * len(class_names) + 2.5)
     fig, ax = plt.subplots(figsize=(size + 1, size))
     display = ConfusionMatrixDisplay(counts, display_labels=list(class_names))
     display.plot(ax=ax, values_format="d", xticks_rotation=45, colorbar=True)
-    ax.set(title="final global model, pooled test split")
+    ax.set(title=f"final {model}, pooled test split")
     fig.tight_layout()
     return fig
 

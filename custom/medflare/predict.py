@@ -4,7 +4,9 @@ The model file (``FL_global_model.pt`` or ``best_FL_global_model.pt``) carries w
 (``medflare.checkpoint``): the method and model to rebuild, the task (classes, their names, channels, image
 size), the normalisation and the intensity window of DICOM/NIfTI data. Images go through the same reader and
 evaluation transform as at the sites, and the model scores them with the method's own ``predict_logits`` hook,
-so the probabilities are those a site's evaluation computes.
+so the probabilities are those a site's evaluation computes: a softmax over the classes, or for a multi-label
+model (several findings per image) a sigmoid per finding, with the findings scored at least
+:data:`~medflare.metrics.multi_label.THRESHOLD` (0.5, the threshold of the sites' metrics) as ``predicted``.
 
 What is refused, with one line saying why: a file without medflare facts; a method whose server holds no model
 (``local-only``, MDH-FL: each site keeps its own); a method that keeps part of the model at the sites (a personal
@@ -12,8 +14,9 @@ head, FCA): the global file lacks it, and the model the sites score includes it;
 (another channel count, or labels and class names the model does not know).
 
 Inputs: a folder (every image below it; images in first-level folders named like the model's classes are
-labelled by them), a CSV (``path`` column, relative to the CSV; optional ``label`` or ``class_name``), or an npz
-(``images``, or MedMNIST's ``<split>_images``; optional labels).
+labelled by them, single-label models only), a CSV (``path`` column, relative to the CSV; optional ``label`` or
+``class_name``, or for a multi-label model one ``label_<class>`` column per class holding 1, 0 or -1 / empty), or
+an npz (``images``, or MedMNIST's ``<split>_images``; optional labels, ``[N, K]`` 1/0/-1 rows for multi-label).
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ import numpy as np
 from medflare.checkpoint import Checkpoint, normalization, read_checkpoint
 from medflare.data.readers import IMAGE_SUFFIXES, is_image_file, parse_window, read_image
 from medflare.data.types import UNLABELED, ImageSet
+from medflare.data.sources import CSV_CLASS_PREFIX, class_columns
 from medflare.errors import ConfigError, DataError
+from medflare.metrics.multi_label import THRESHOLD
 
 NPZ_IMAGE_KEYS = ("images",)  # else <split>_images (MedMNIST layout)
 
@@ -39,7 +44,7 @@ class PredictInput:
     """Images to score, with an identifier per image and, when the input says so, their labels.
 
     Attributes:
-        images: the images (files or in memory), labels -1 where unknown.
+        images: the images (files or in memory), labels -1 where unknown (multi-label: ``[N, K]`` rows).
         ids: one identifier per image (relative path, or ``<file>[<row>]`` for an npz).
         labelled: whether the input gave labels.
     """
@@ -72,12 +77,15 @@ def predict_file(checkpoint_path: str | Path, input_path: str | Path, output: st
     checkpoint = read_checkpoint(checkpoint_path)
     logits_of = scorer(checkpoint)
     task = checkpoint.facts["task"]
+    multi_label = bool(task.get("multi_label"))
     chosen_window = checkpoint.facts.get("window", "") if window is None else window
-    inputs = read_input(Path(input_path), int(task["in_channels"]), checkpoint.class_names, split, chosen_window)
-    probabilities = class_probabilities(logits_of, inputs.images, int(task["image_size"]), batch_size)
-    write_predictions(output, inputs, probabilities, checkpoint.class_names)
+    inputs = read_input(Path(input_path), int(task["in_channels"]), checkpoint.class_names, split, chosen_window,
+                        multi_label=multi_label)
+    probabilities = class_probabilities(logits_of, inputs.images, int(task["image_size"]), batch_size,
+                                        multi_label=multi_label)
+    write_predictions(output, inputs, probabilities, checkpoint.class_names, multi_label=multi_label)
     return {"images": len(inputs.ids), "output": str(output), "method": checkpoint.facts["method"],
-            "model": checkpoint.facts["model"], "class_names": checkpoint.class_names,
+            "model": checkpoint.facts["model"], "class_names": checkpoint.class_names, "multi_label": multi_label,
             "trained_with": checkpoint.facts.get("medflare_version")}
 
 
@@ -107,9 +115,6 @@ def scorer(checkpoint: Checkpoint) -> Callable[[Any], Any]:
                           f"{normalization()}; use the medflare version {facts.get('medflare_version')} that trained it")
     spec = get_method(facts["method"])
     task = facts["task"]
-    if task.get("multi_label"):
-        raise ConfigError(f"{where}: a multi-label model (sigmoid per finding); medflare predict writes one softmax "
-                          "class per image and would misreport it, so it refuses multi-label models for now")
     network = build_global_model(facts["method"], facts["model"], int(task["num_classes"]), int(task["in_channels"]),
                                  int(task["image_size"]), method_args=facts.get("method_args") or {}).network
     missing, unexpected = network.load_state_dict(dict(checkpoint.weights), strict=False)
@@ -143,9 +148,12 @@ def scorer(checkpoint: Checkpoint) -> Callable[[Any], Any]:
     return method_logits
 
 
-def class_probabilities(logits_of: Callable[[Any], Any], images: ImageSet, image_size: int,
-                        batch_size: int) -> np.ndarray:
-    """Softmax of the logits of every image, ``[N, K]`` float64, in input order (the sites' evaluation transform)."""
+def class_probabilities(logits_of: Callable[[Any], Any], images: ImageSet, image_size: int, batch_size: int, *,
+                        multi_label: bool = False) -> np.ndarray:
+    """Scores of every image, ``[N, K]`` float64, in input order (the sites' evaluation transform).
+
+    A softmax over the classes, or for a multi-label model a sigmoid per class, as a site's evaluation scores.
+    """
     import torch
     from torch.utils.data import DataLoader
 
@@ -153,26 +161,28 @@ def class_probabilities(logits_of: Callable[[Any], Any], images: ImageSet, image
     from medflare.data.transforms import build_transform
 
     dataset = ImageDataset(images, build_transform(images.channels, image_size, train=False))
+    activation = torch.sigmoid if multi_label else (lambda logits: torch.softmax(logits, dim=1))
     rows = []
     with torch.no_grad():
         for batch, _ in DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=0):
-            rows.append(torch.softmax(logits_of(batch).float(), dim=1).cpu().double().numpy())
+            rows.append(activation(logits_of(batch).float()).cpu().double().numpy())
     return np.concatenate(rows)
 
 
 # ----- the input ---------------------------------------------------------------------------------------
-def read_input(path: Path, channels: int, class_names: list[str], split: str, window: str) -> PredictInput:
+def read_input(path: Path, channels: int, class_names: list[str], split: str, window: str, *,
+               multi_label: bool = False) -> PredictInput:
     """The images of a folder, CSV or npz, checked against the model's task (channels, class labels).
 
     Raises:
         ConfigError: the input is missing or empty, or belongs to another task.
     """
     if path.is_dir():
-        ids, paths, labels = _folder_images(path, class_names)
+        ids, paths, labels = _folder_images(path, class_names, multi_label)
     elif path.suffix.lower() == ".csv" and path.is_file():
-        ids, paths, labels = _manifest_images(path, class_names)
+        ids, paths, labels = _manifest_images(path, class_names, multi_label)
     elif path.suffix.lower() == ".npz" and path.is_file():
-        return _npz_images(path, channels, len(class_names), split)
+        return _npz_images(path, channels, len(class_names), split, multi_label)
     else:
         raise ConfigError(f"predict input {path} is not a folder, a .csv manifest or an .npz file")
     if not paths:
@@ -184,9 +194,14 @@ def read_input(path: Path, channels: int, class_names: list[str], split: str, wi
         raise ConfigError(str(exc)) from exc
     _check_channels(found, channels, paths[0])
     labelled = labels is not None
-    images = ImageSet(labels=labels if labelled else np.full(len(paths), UNLABELED), num_classes=len(class_names),
-                      channels=channels, paths=paths, name=str(path), window=parsed)
+    images = ImageSet(labels=labels if labelled else _unknown_labels(len(paths), len(class_names), multi_label),
+                      num_classes=len(class_names), channels=channels, paths=paths, name=str(path), window=parsed)
     return PredictInput(images, ids, labelled)
+
+
+def _unknown_labels(count: int, num_classes: int, multi_label: bool) -> np.ndarray:
+    """Labels of an input that gave none: -1 per image, or per entry of a multi-label row."""
+    return np.full((count, num_classes) if multi_label else count, UNLABELED, dtype=np.int64)
 
 
 def _check_channels(found: int, channels: int, where: object) -> None:
@@ -195,14 +210,18 @@ def _check_channels(found: int, channels: int, where: object) -> None:
                           "images: this input belongs to another task; use a model trained on such images")
 
 
-def _folder_images(root: Path, class_names: list[str]) -> tuple[list[str], list[str], np.ndarray | None]:
+def _folder_images(root: Path, class_names: list[str],
+                   multi_label: bool = False) -> tuple[list[str], list[str], np.ndarray | None]:
     """Every image below ``root`` (sorted); labels when every image sits in a first-level folder named like a class.
 
     First-level folders of which some are named like the model's classes and some are not are refused (another
-    task's classes); folders named like none of them (e.g. one per patient) carry no labels.
+    task's classes); folders named like none of them (e.g. one per patient) carry no labels. A folder cannot say
+    which findings an image lacks, so a multi-label model's folder input carries no labels.
     """
     files = sorted(p for p in root.rglob("*") if p.is_file() and is_image_file(p.name))
     ids = [p.relative_to(root).as_posix() for p in files]
+    if multi_label:
+        return ids, [str(p) for p in files], None
     folders = [Path(i).parts[0] if len(Path(i).parts) == 2 else None for i in ids]
     if files and all(folder in class_names for folder in folders):
         return ids, [str(p) for p in files], np.array([class_names.index(f) for f in folders], dtype=np.int64)
@@ -213,8 +232,12 @@ def _folder_images(root: Path, class_names: list[str]) -> tuple[list[str], list[
     return ids, [str(p) for p in files], None
 
 
-def _manifest_images(manifest: Path, class_names: list[str]) -> tuple[list[str], list[str], np.ndarray | None]:
-    """A CSV with a ``path`` column (relative to the CSV); ``label`` or ``class_name`` columns are checked."""
+def _manifest_images(manifest: Path, class_names: list[str],
+                     multi_label: bool = False) -> tuple[list[str], list[str], np.ndarray | None]:
+    """A CSV with a ``path`` column (relative to the CSV); ``label`` or ``class_name`` columns are checked.
+
+    A multi-label model reads ``label_<class>`` columns instead (1, 0, or -1 / empty), all of its classes or none.
+    """
     with manifest.open(newline="", encoding="utf-8-sig") as handle:
         rows = list(csv.DictReader(handle))
     if not rows or "path" not in rows[0]:
@@ -224,7 +247,9 @@ def _manifest_images(manifest: Path, class_names: list[str]) -> tuple[list[str],
     if missing:
         raise ConfigError(f"{manifest}: image file {missing} does not exist; fix the path (relative to the CSV)")
     labels = None
-    if "class_name" in rows[0]:
+    if multi_label:
+        labels = _multi_hot_rows(rows, class_names, manifest)
+    elif "class_name" in rows[0]:
         unknown = sorted({row["class_name"] for row in rows} - set(class_names))
         if unknown:
             raise ConfigError(f"{manifest} names classes {unknown} that the model does not know (its classes: "
@@ -235,23 +260,56 @@ def _manifest_images(manifest: Path, class_names: list[str]) -> tuple[list[str],
     return [row["path"] for row in rows], paths, labels
 
 
-def _npz_images(path: Path, channels: int, num_classes: int, split: str) -> PredictInput:
+def _multi_hot_rows(rows: list[dict[str, str]], class_names: list[str], manifest: Path) -> np.ndarray | None:
+    """The ``label_<class>`` columns of a manifest as ``[N, K]`` rows of 1/0/-1, or None when it has none."""
+    columns = class_columns(list(rows[0]))
+    if not columns:
+        return None
+    expected = [CSV_CLASS_PREFIX + name for name in class_names]
+    if sorted(columns) != sorted(expected):
+        unknown = sorted(set(columns) - set(expected)) or sorted(set(expected) - set(columns))
+        raise ConfigError(f"{manifest} has label columns {columns}, but the model's findings are {', '.join(class_names)} "
+                          f"(mismatch: {unknown}): give one {CSV_CLASS_PREFIX}<class> column per finding, or none")
+    try:  # empty = not annotated, as in a training manifest
+        values = np.array([[int(row[c] or UNLABELED) for c in expected] for row in rows], dtype=np.int64)
+    except ValueError as exc:
+        raise ConfigError(f"{manifest}: label columns must hold 1, 0, or -1 / empty for not annotated: {exc}") from exc
+    return _checked_multi_hot(values, len(class_names), str(manifest))
+
+
+def _npz_images(path: Path, channels: int, num_classes: int, split: str, multi_label: bool = False) -> PredictInput:
     with np.load(path) as archive:
         key = next((k for k in NPZ_IMAGE_KEYS if k in archive.files), f"{split}_images")
         if key not in archive.files:
             raise ConfigError(f"{path} has no 'images' or '{split}_images' array (it has {', '.join(archive.files)})")
         pixels = archive[key]
         label_key = key.replace("images", "labels")
-        raw_labels = archive[label_key].reshape(-1) if label_key in archive.files else None
+        raw_labels = archive[label_key] if label_key in archive.files else None
     if pixels.ndim == 3:
         pixels = pixels[..., None]
     if pixels.ndim != 4 or pixels.dtype != np.uint8 or len(pixels) == 0:
         raise ConfigError(f"{path}: {key} is {pixels.dtype} {pixels.shape}; expected uint8 (N, H, W) or (N, H, W, C)")
     _check_channels(pixels.shape[-1], channels, f"{path} ({key})")
-    labels = None if raw_labels is None else _checked_labels(list(raw_labels), num_classes, path)
-    images = ImageSet(labels=labels if labels is not None else np.full(len(pixels), UNLABELED),
+    if raw_labels is None:
+        labels = None
+    elif multi_label:
+        labels = _checked_multi_hot(raw_labels, num_classes, f"{path} ({label_key})")
+    else:
+        labels = _checked_labels(list(raw_labels.reshape(-1)), num_classes, path)
+    images = ImageSet(labels=labels if labels is not None else _unknown_labels(len(pixels), num_classes, multi_label),
                       num_classes=num_classes, channels=channels, images=pixels, name=str(path))
     return PredictInput(images, [f"{path.name}[{i}]" for i in range(len(pixels))], labels is not None)
+
+
+def _checked_multi_hot(values: np.ndarray, num_classes: int, where: str) -> np.ndarray:
+    """``[N, K]`` label rows of 1, 0 or -1 (not annotated), K the model's number of findings."""
+    if values.ndim != 2 or values.shape[1] != num_classes:
+        raise ConfigError(f"{where} is {values.shape}, but the model scores {num_classes} findings per image: give "
+                          f"[N, {num_classes}] rows of 1, 0 or -1, or no labels; otherwise this input belongs to "
+                          "another task")
+    if not np.isin(values, (UNLABELED, 0, 1)).all():
+        raise ConfigError(f"{where} holds entries other than 1, 0 and -1 (not annotated); fix the labels")
+    return values.astype(np.int64)
 
 
 def _checked_labels(values: list[Any], num_classes: int, where: Path) -> np.ndarray:
@@ -267,14 +325,38 @@ def _checked_labels(values: list[Any], num_classes: int, where: Path) -> np.ndar
 
 
 # ----- the output --------------------------------------------------------------------------------------
-def write_predictions(output: Path, inputs: PredictInput, probabilities: np.ndarray, class_names: list[str]) -> None:
-    """``image[,label],predicted,p_<class>...``; written to a temporary name first, so no half file remains."""
-    header = ["image"] + (["label"] if inputs.labelled else []) + ["predicted"] + [f"p_{n}" for n in class_names]
+def write_predictions(output: Path, inputs: PredictInput, probabilities: np.ndarray, class_names: list[str], *,
+                      multi_label: bool = False) -> None:
+    """``image[,label],predicted,p_<class>...``; written to a temporary name first, so no half file remains.
+
+    Multi-label: ``image[,label_<class>...],predicted,p_<class>...``, the label columns as a multi-label manifest
+    holds them (1, 0, empty for not annotated) and ``predicted`` the findings scored at least THRESHOLD, joined
+    by ``;`` (empty when none is).
+    """
+    if multi_label:
+        label_header = [CSV_CLASS_PREFIX + n for n in class_names]
+    else:
+        label_header = ["label"]
+    header = ["image"] + (label_header if inputs.labelled else []) + ["predicted"] + [f"p_{n}" for n in class_names]
     staging = output.with_name(output.name + ".partial")
     with staging.open("w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(header)
         for i, (image_id, row) in enumerate(zip(inputs.ids, probabilities)):
-            label = [class_names[inputs.images.labels[i]]] if inputs.labelled else []
-            writer.writerow([image_id, *label, class_names[int(np.argmax(row))], *(f"{p:.9g}" for p in row)])
+            label = _label_cells(inputs.images.labels[i], class_names, multi_label) if inputs.labelled else []
+            writer.writerow([image_id, *label, _predicted(row, class_names, multi_label), *(f"{p:.9g}" for p in row)])
     os.replace(staging, output)
+
+
+def _label_cells(label: np.ndarray, class_names: list[str], multi_label: bool) -> list[str]:
+    """One image's label as written: its class name, or per finding 1 / 0 / empty (not annotated)."""
+    if multi_label:
+        return ["" if entry == UNLABELED else str(int(entry)) for entry in label]
+    return [class_names[int(label)]]
+
+
+def _predicted(scores: np.ndarray, class_names: list[str], multi_label: bool) -> str:
+    """The most probable class, or the findings scored at least THRESHOLD (``;``-joined)."""
+    if multi_label:
+        return ";".join(name for name, score in zip(class_names, scores) if score >= THRESHOLD)
+    return class_names[int(np.argmax(scores))]

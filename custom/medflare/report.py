@@ -36,8 +36,10 @@ def build_summary(
     evaluations = results.get("evaluations", {})
     per_round = [_round_entry(record, evaluations.get(str(record["round"] + 1), {})) for record in rounds]
     final_eval = results.get("final") or (evaluations.get(str(len(rounds)), {}) if rounds else {})
+    method = results.get("method", config.get("method"))
     return {
-        "method": results.get("method", config.get("method")),
+        "method": method,
+        "server_model": _method_keeps_server_model(method),
         "config": dict(config),
         "rounds_completed": len(rounds),
         "final": final_metrics(final_eval),
@@ -145,17 +147,19 @@ def write_outputs(summary: Mapping[str, Any], out_dir: str | Path) -> list[Path]
 
 
 def _write_rounds_csv(summary: Mapping[str, Any], path: Path) -> None:
-    """One row per round: test metrics (head/medium/tail and per-attribute ones when present), validation
-    metrics, each site's share and training loss."""
+    """One row per round: its stage (staged methods), test metrics (head/medium/tail and per-attribute ones when
+    present), validation metrics, each site's share and training loss."""
     sites = sorted(summary.get("clients", {}))
+    staged = any("stage" in entry for entry in summary["per_round"])
     tested = metric_columns(*(entry["metrics"] for entry in summary["per_round"]))
-    header = ["round", "wall_seconds"] + [f"test_{m}" for m in tested] + [f"val_{m}" for m in TABLE_METRICS]
+    header = ["round"] + (["stage"] if staged else []) + ["wall_seconds"]
+    header += [f"test_{m}" for m in tested] + [f"val_{m}" for m in TABLE_METRICS]
     header += [f"share_{s}" for s in sites] + [f"train_loss_{s}" for s in sites]
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(header)
         for entry in summary["per_round"]:
-            row = [entry["round"], _fmt(entry.get("wall_seconds"))]
+            row = [entry["round"]] + ([entry.get("stage", "")] if staged else []) + [_fmt(entry.get("wall_seconds"))]
             row += [_fmt(entry["metrics"].get(m)) for m in tested]
             row += [_fmt(entry["val_metrics"].get(m)) for m in TABLE_METRICS]
             row += [_fmt(entry["share"].get(s)) for s in sites] + [_fmt(entry["train_loss"].get(s)) for s in sites]
@@ -228,14 +232,46 @@ def _header(summary: Mapping[str, Any]) -> list[str]:
         f"# medflare run: {summary['method']}",
         "",
         f"- data: `{data.get('source')}` partition `{data.get('partition', '-')}`, {cfg.get('clients')} sites, "
-        f"model `{cfg.get('model')}`, {summary['rounds_completed']} rounds, seed {cfg.get('seed')}",
+        f"{_models_text(cfg)}, {summary['rounds_completed']} rounds, seed {cfg.get('seed')}",
         f"- classes: {', '.join(class_names(summary)) or 'n/a'}",
         f"- mean round wall time {format_seconds(timing.get('mean_round_seconds'), 2)}; "
         f"start-up {format_seconds(timing.get('startup_seconds'), 1)}",
-        "- metrics are of the global model on the sites' held-out test splits, summed as confusion counts "
-        "(exact pooled values); the best model is chosen on validation only; round r is the global model after "
+        f"- metrics are of {_scored_models(summary)} on the sites' held-out test splits, summed as confusion counts "
+        "(exact pooled values); the best model is chosen on validation only; round r is the model after "
         "r rounds (round 0: the initial model)",
     ]
+
+
+def _method_keeps_server_model(method: str | None) -> bool:
+    """Whether ``method`` keeps a global model at the server (not ``local-only``, MDH-FL, FedMD); a method this
+    process does not know (a plugin that is not loaded) is taken to keep one."""
+    from medflare.errors import ConfigError
+    from medflare.registry import get_method
+
+    try:
+        return get_method(str(method)).server_model
+    except ConfigError:
+        return True
+
+
+def server_holds_model(summary: Mapping[str, Any]) -> bool:
+    """Whether the run's server held a global model (``summary["server_model"]``, :func:`build_summary`)."""
+    return bool(summary.get("server_model", True))
+
+
+def _scored_models(summary: Mapping[str, Any]) -> str:
+    """What the sites scored: the global model, or each site's own model when the server holds none."""
+    return "the global model" if server_holds_model(summary) else "each site's own model (the server holds none)"
+
+
+def _models_text(cfg: Mapping[str, Any]) -> str:
+    """``model `cnn` ``, or with per-site architectures each site's (the job's model for the sites not named)."""
+    per_site = cfg.get("site_model") or {}
+    if not per_site:
+        return f"model `{cfg.get('model')}`"
+    named = ", ".join(f"{site} `{model}`" for site, model in sorted(per_site.items()))
+    every_site_named = len(per_site) >= int(cfg.get("clients") or 0)
+    return f"models {named}" if every_site_named else f"models {named} (other sites `{cfg.get('model')}`)"
 
 
 def best_model_lines(summary: Mapping[str, Any]) -> list[str]:
@@ -245,8 +281,14 @@ def best_model_lines(summary: Mapping[str, Any]) -> list[str]:
         return ["- no model was scored on validation, so no best model was chosen"]
     version = int(best["model_version"])
     metric, score = next(((k, v) for k, v in best.items() if k != "model_version"), ("validation score", None))
-    lines = [f"- best model by validation {metric}: round {version} ({metric} {_cell(score)}), saved as "
-             f"`best_FL_global_model.pt`; `FL_global_model.pt` is round {summary['rounds_completed']}"]
+    if server_holds_model(summary):
+        saved = (f"saved as `best_FL_global_model.pt`; `FL_global_model.pt` is round {summary['rounds_completed']}")
+    else:
+        saved = ("the sites' models of that round; the server holds no model of this method, so "
+                 "`FL_global_model.pt` and `best_FL_global_model.pt` carry no weights (each site keeps its own)")
+    stage = next((e["stage"] for e in summary.get("per_round", []) if e["round"] == version and "stage" in e), None)
+    where = f"round {version}" + (f", stage {stage}" if stage else "")
+    lines = [f"- best model by validation {metric}: {where} ({metric} {_cell(score)}), {saved}"]
     warning = untrained_best_warning(summary)
     return lines + ([f"- **warning:** {warning}"] if warning else [])
 
@@ -256,6 +298,9 @@ def untrained_best_warning(summary: Mapping[str, Any]) -> str | None:
     best = summary.get("best") or {}
     if best.get("model_version") != 0:
         return None
+    if not server_holds_model(summary):
+        return ("the best validation score is that of the sites' untrained initial models (round 0): no round of "
+                "training improved on it; train for more rounds or local epochs, or check the learning rate and the labels")
     return ("the best model by validation is the untrained initial model (round 0): no round of training improved "
             "on it, so best_FL_global_model.pt holds the initial weights; train for more rounds or local epochs, "
             "or check the learning rate and the labels")
@@ -281,15 +326,18 @@ def _per_site_table(title: str, note: str, block: Mapping[str, Any], summary: Ma
 
 
 def _per_site_section(summary: Mapping[str, Any]) -> list[str]:
+    scored = ("The final global model on each site's own test split" if server_holds_model(summary)
+              else "Each site's own final model on its own test split")
     return _per_site_table(
-        "## Per site", "The final global model on each site's own test split; the pooled row sums every site's "
-        "counts, the mean is unweighted (the personalized-FL convention).", summary["final"], summary)
+        "## Per site", f"{scored}; the pooled row sums every site's counts, the mean is unweighted (the personalized-FL convention).", summary["final"], summary)
+
+
 
 
 def _extra_sections(summary: Mapping[str, Any]) -> list[list[str]]:
     """One per-site table per method-declared evaluation (e.g. each site's own model)."""
     return [_per_site_table(f"## Evaluation '{name}' (declared by {summary['method']})",
-                            "Scored at each site on its own test split, summed like the global model's.", block, summary)
+                            "Scored at each site on its own test split, summed like the tables above.", block, summary)
             for name, block in sorted((summary["final"].get("extra") or {}).items())]
 
 
@@ -300,8 +348,8 @@ def _per_class_section(summary: Mapping[str, Any]) -> list[str]:
         return []
     train = _training_counts(summary)
     groups = _shot_group_names(summary, train)
-    lines = ["## Per class", "", "The final global model on the pooled test split; the confusion matrix is "
-             "`confusion.png`.", "", "| class | name | training images | group | recall | AUC |", "|---|---|---|---|---|---|"]
+    scored = "The final global model" if server_holds_model(summary) else "The sites' own final models"
+    lines = ["## Per class", "", f"{scored} on the pooled test split; the confusion matrix is `confusion.png`.", "", "| class | name | training images | group | recall | AUC |", "|---|---|---|---|---|---|"]
     for k, name in enumerate(class_names(summary)):
         lines.append(f"| {k} | {name} | {train[k] if train else '-'} | {groups.get(k, '-')} | {_cell(recall[k])} | "
                      f"{_cell(auc[k] if k < len(auc) else None)} |")
@@ -333,10 +381,10 @@ def _sites_section(summary: Mapping[str, Any]) -> list[str]:
 
 
 PLOT_CAPTIONS = {
-    "learning_curves.png": "Learning curves: the global model after each round, and each site's training loss",
+    "learning_curves.png": "Learning curves: the model after each round, and each site's training loss",
     "shares.png": "Each site's share of the aggregate per round (stacked)",
     "per_site.png": "Each site's own test split",
-    "confusion.png": "Confusion matrix of the final global model (pooled test split)",
+    "confusion.png": "Confusion matrix of the final model (pooled test split)",
     "rf.png": "Fed-MAS rescue factor RF per site",
     "diagnostics.png": "site-local diagnostics (never sent; copied out of the simulated site)",
 }
@@ -376,13 +424,16 @@ def write_plots(summary: Mapping[str, Any], out: Path) -> list[Path]:
             files.append(plotting.save(plotting.per_site_value_figure(summary, key), out / f"{key}.png"))
     final = summary["final"]
     if final.get("by_site"):
-        rows = {"global model": {s: m.get("balanced_accuracy") for s, m in final["by_site"].items()}}
+        model = plotting.scored_model(summary)
+        rows = {model: {s: m.get("balanced_accuracy") for s, m in final["by_site"].items()}}
         rows |= {name: {s: m.get("balanced_accuracy") for s, m in block.get("by_site", {}).items()}
                  for name, block in sorted((final.get("extra") or {}).items())}
-        figure = plotting.per_site_metrics_figure(rows, "balanced_accuracy", final.get("balanced_accuracy"))
+        figure = plotting.per_site_metrics_figure(rows, "balanced_accuracy", final.get("balanced_accuracy"),
+                                                  f"{model}, pooled")
         files.append(plotting.save(figure, out / "per_site.png"))
     if summary.get("final_confusion"):
-        figure = plotting.confusion_figure(summary["final_confusion"], class_names(summary))
+        figure = plotting.confusion_figure(summary["final_confusion"], class_names(summary),
+                                           plotting.scored_model(summary))
         files.append(plotting.save(figure, out / "confusion.png"))
     return files
 

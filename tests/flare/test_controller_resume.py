@@ -106,6 +106,21 @@ def test_resume_from_names_a_job_id_never_a_path(tmp_path: Path, resume_from: st
         ctl._resume(ctx)
 
 
+def test_the_simulators_server_resumes_a_folder(tmp_path: Path) -> None:
+    """FLARE's simulator marks its sites (SIMULATE_MODE), not its server: the server is known by its engine."""
+    from nvflare.apis.fl_constant import ReservedKey
+    from nvflare.private.fed.simulator.simulator_server import SimulatorServerEngine
+
+    ctl, ctx = new_job(tmp_path, str(tmp_path / "previous-run"))
+    ctx.set_prop(ReservedKey.ENGINE, object.__new__(SimulatorServerEngine), private=True, sticky=False)
+    resumed = []
+    ctl._resume_folder = lambda fl_ctx: resumed.append(ctl.resume_from)
+
+    ctl._resume(ctx)
+
+    assert resumed == [str(tmp_path / "previous-run")]
+
+
 def test_only_the_submitter_of_the_crashed_job_may_resume_it(tmp_path: Path) -> None:
     """Resuming hands the crashed job's model to the new job's submitter, who may download it."""
     job_id, _ = crashed_job(tmp_path)

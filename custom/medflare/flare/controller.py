@@ -162,8 +162,10 @@ class MedflareController(Controller):
             self._final_validation(last or round_plan(stages, self.num_rounds)[-1], abort_signal, fl_ctx)
             self._results["finished_at"] = time.time()
             self._write_results()
-            self.log_info(fl_ctx, f"medflare: finished {len(self._results['rounds'])} rounds; results in "
-                                  f"{self.results_path}")
+            # no path: in the simulator this workspace is a staging folder that is gone once the run's outputs
+            # are in place (the launcher prints where they are)
+            self.log_info(fl_ctx, f"medflare: finished {len(self._results['rounds'])} rounds; {RESULTS_FILE} "
+                                  "written in the job's app_server folder")
         except Exception as exc:
             self._results["error"] = str(exc)
             self._write_results()
@@ -407,7 +409,7 @@ class MedflareController(Controller):
         try:
             job_id = str(uuid.UUID(self.resume_from))
         except ValueError:
-            if not fl_ctx.get_prop(FLContextKey.SIMULATE_MODE, False):
+            if not _in_simulator(fl_ctx):
                 raise ValueError("in POC and production, resume_from must be the id of an earlier job of this "
                                  "server (a job may not make the server read a path); folders resume only in "
                                  "the simulator (medflare run --resume)") from None
@@ -479,3 +481,12 @@ def _json_default(value: Any) -> Any:
     if isinstance(value, np.ndarray):
         return value.tolist()
     return str(value)
+
+
+def _in_simulator(fl_ctx: FLContext) -> bool:
+    """Whether this server is FLARE's simulator: its engine class (FLARE sets SIMULATE_MODE at simulated sites
+    only). Neither can be chosen by a job's configuration."""
+    from nvflare.private.fed.simulator.simulator_server import SimulatorServerEngine
+
+    return bool(fl_ctx.get_prop(FLContextKey.SIMULATE_MODE, False)) or isinstance(fl_ctx.get_engine(),
+                                                                                  SimulatorServerEngine)
