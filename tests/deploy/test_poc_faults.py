@@ -93,6 +93,7 @@ def test_a_restarted_server_resumes_the_job_from_its_last_round(faults) -> None:
     first = session.submit(first_dir)
     checkpoint = _wait_for_checkpoint(session, first, next_round=1)
     assert _kill(session, server)
+    _clear_stale_pid_files(session.kit(server))
     session.nvflare("poc", "start", "-p", server, "--timeout", "60", timeout=120)
     _wait_until_connected(session, ["site-1", "site-3"])
 
@@ -148,7 +149,28 @@ def _kill(session: PocSession, participant: str) -> list[int]:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    deadline = time.time() + 30  # gone from the process table, else FLARE's start.sh sees "one instance running"
+    while time.time() < deadline and any(_alive(pid) for pid in pids):
+        time.sleep(0.2)
     return pids
+
+
+def _clear_stale_pid_files(kit: Path) -> None:
+    """What an admin does after a crash when FLARE's start.sh reports "one instance running": remove the pid files
+    of processes that no longer live (a SIGKILLed daemon can linger as a zombie until its parent reaps it)."""
+    for name in ("daemon_pid.fl", "pid.fl"):
+        path = Path(kit) / name
+        if path.is_file() and not _alive(int(path.read_text().split()[0])):
+            path.unlink()
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is still a live (not zombie) process."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
 
 
 def _wait_until_connected(session: PocSession, sites: list[str], timeout: float = 120) -> None:

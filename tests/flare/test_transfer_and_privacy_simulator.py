@@ -29,7 +29,9 @@ def run(tmp_path: Path, name: str, **options) -> tuple[dict, dict, Path]:
 
 def initial_model(summary: dict) -> dict[str, torch.Tensor]:
     """The job's initial global model, rebuilt from its configuration (same builder, same seed)."""
-    return build_global_model("fedavg", "cnn", **summary["config"]["task"], seed=0).state_dict()
+    task = summary["config"]["task"]
+    shape = {key: task[key] for key in ("num_classes", "in_channels", "image_size")}
+    return build_global_model("fedavg", "cnn", **shape, seed=0).state_dict()
 
 
 def largest_change(final: dict[str, torch.Tensor], initial: dict[str, torch.Tensor]) -> float:

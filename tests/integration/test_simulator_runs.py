@@ -123,7 +123,8 @@ def test_baselines_complete_on_pneumoniamnist(method: str, medmnist_file, tmp_pa
                     train=QUICK)
     summary = run_simulation(run, tmp_path / method, echo=lambda line: None)
     assert summary["rounds_completed"] == 2
-    assert summary["config"]["task"] == {"num_classes": 2, "in_channels": 1, "image_size": 28}
+    assert summary["config"]["task"] == {"num_classes": 2, "in_channels": 1, "image_size": 28,
+                                         "class_names": ["class_0", "class_1"], "multi_label": False}
     assert set(summary["per_round"][-1]["share"]) == {"site-1", "site-2", "site-3"}
     assert sum(f["n_val"] for f in summary["clients"].values()) == 524  # the official val split, spread over sites
     rescored = rescore_global_model(tmp_path / method, run)

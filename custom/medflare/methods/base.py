@@ -631,6 +631,8 @@ class MethodSpec:
         server_model: False when the server holds no model at all (no weights travel, e.g. MDH-FL); the
             persisted global model is then empty and every site may run its own architecture.
         default_model: the network a job trains when it names none (``--model``).
+        global_classifier: False when the global model has no classifier of its own (FedRep: every head is
+            private), so the final pooled test scores each site's own model, not the saved global model.
         smoke: run-config overrides for the smallest meaningful job of this method (the every-method
             simulator test runs it), e.g. {"model": "vit_tiny", "data": {...}}.
         reveals: what the method's own messages (beyond the common meta) tell the server about a site's data,
@@ -652,6 +654,7 @@ class MethodSpec:
     server_model: bool = True
     smoke: Mapping[str, Any] = field(default_factory=dict)
     default_model: str = "cnn"
+    global_classifier: bool = True
     reveals: str = "nothing beyond the model weights and the common meta"
     multi_label: bool = False
 

@@ -38,5 +38,6 @@ SPEC = register_method(
         server_rule_cls=FedRepRule,
         reference="Collins et al., Exploiting Shared Representations for Personalized Federated Learning, ICML 2021",
         smoke={"data": {"eval_split": "like_train"}},
+        global_classifier=False,  # every head is private: the saved global model is a body without a head
     )
 )
