@@ -10,6 +10,7 @@ does the server's). A ``member`` cannot submit at all. No site log reaches the s
 from __future__ import annotations
 
 import json
+import re
 import time
 import zipfile
 from pathlib import Path
@@ -156,11 +157,13 @@ def test_site_refuses_tamper_jobs_and_job_chosen_data(poc, site3) -> None:
     refused = {name: site3["statuses"][name] for name in ("tamper", "data")}
     assert all(status != "FINISHED:COMPLETED" for status in refused.values()), refused
     assert site3["local_after"] == site3["local_before"]
-    refusal = "Component 'medflare.deploy.policies.install_site_policies' at config path 'components.#1' is not in"
+    # the tamper component's index depends on how many components the job has (tracking adds some)
+    refusal = re.compile(r"Component 'medflare\.deploy\.policies\.install_site_policies' at config path "
+                         r"'components\.#\d+' is not in")
     site_log = _site3_job_log(session, site3["ids"]["tamper"])
-    assert refusal in site_log, site_log[-2000:]
+    assert refusal.search(site_log), site_log[-2000:]
     server_log = _server_job_log(session, site3["ids"]["tamper"])
-    assert refusal.replace("#1", "#3") in server_log, server_log[-2000:]
+    assert refusal.search(server_log), server_log[-2000:]
     data_log = _site3_job_log(session, site3["ids"]["data"])
     assert "refused: the job names its own data (source 'synthetic:n=400')" in data_log, data_log[-2000:]
 
