@@ -13,7 +13,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from medflare.deploy.poc import DEFAULT_PORT
 from .._processes import LiveProcess, alive, sigterm_and_wait
 
 POC_LOCK = Path("/tmp/medflare-poc.lock")  # POCs use fixed ports: one at a time on this machine
@@ -46,7 +45,8 @@ def poc_lock():
 
 
 @pytest.mark.slow
-def test_sigterm_stops_the_poc_and_its_server_listens_on_loopback(tmp_path: Path, poc_lock) -> None:
+def test_sigterm_stops_the_poc_and_its_server_listens_on_loopback(tmp_path: Path, poc_lock, poc_port, monkeypatch) -> None:
+    monkeypatch.setenv("MEDFLARE_POC_PORT", str(poc_port))  # a free port: an earlier POC may still hold 8002
     out = tmp_path / "out"
     command = [sys.executable, "-m", "medflare.cli", "run", "fedavg", "--env", "poc", "--data", "synthetic:n=400",
                "--rounds", "40", "--max-steps", "3", "--out", str(out)]
@@ -54,7 +54,7 @@ def test_sigterm_stops_the_poc_and_its_server_listens_on_loopback(tmp_path: Path
         live.wait_for("poc: waiting for job", timeout=300)
         poc_processes = processes_naming(tmp_path / "out.partial" / "poc")
         assert len(poc_processes) >= 3, "server and two sites should be running"
-        assert listening_addresses(DEFAULT_PORT) == {"127.0.0.1"}
+        assert listening_addresses(poc_port) == {"127.0.0.1"}
 
         code = sigterm_and_wait(live, timeout=240)
 
@@ -63,7 +63,7 @@ def test_sigterm_stops_the_poc_and_its_server_listens_on_loopback(tmp_path: Path
     while alive(poc_processes) and time.time() < deadline:
         time.sleep(1)
     assert alive(poc_processes) == []
-    assert listening_addresses(DEFAULT_PORT) == set()
+    assert listening_addresses(poc_port) == set()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.failed.log"]
     log = (tmp_path / "out.failed.log").read_text()
     assert "interrupted by SIGTERM" in log and "rounds finished:" in log

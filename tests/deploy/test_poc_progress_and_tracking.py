@@ -34,8 +34,12 @@ def round_numbers(lines: list[str]) -> list[int]:
     return [int(m.group(1)) for line in lines if (m := ROUND_LINE.search(line))]
 
 
-def test_poc_run_and_watch_show_every_round_and_tensorboard_records_them(tmp_path: Path, poc_lock) -> None:
+def test_poc_run_and_watch_show_every_round_and_tensorboard_records_them(
+    tmp_path: Path, poc_lock, poc_port, monkeypatch
+) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("MEDFLARE_POC_PORT", str(poc_port))  # a free port: an earlier POC may still hold 8002
 
     out = tmp_path / "out"
     command = [sys.executable, "-m", "medflare.cli", "run", "fedavg", "--env", "poc", "--data", "synthetic:n=300",
