@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -11,6 +13,32 @@ from medflare.data.checksums import MEDMNIST_MD5, file_md5
 
 # ../shared/data beside the repository (tests/conftest.py -> parents[1] is the repository root).
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+POC_MODULE = re.compile(r"(^|/)test_poc_[^/]*\.py$")
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown (and unused) when xdist is not installed
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``make test``'s scheduling over its pytest-xdist workers (see :func:`work_unit`)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByWorkUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return ByWorkUnit(config, log)
+
+
+def work_unit(nodeid: str) -> str:
+    """The tests one worker runs together: every POC module (``test_poc_*.py``) as one unit, because POCs on one
+    machine take turns on a lock and a second worker would sit idle waiting for it; a module's unparametrized tests
+    as one unit, so its module-scoped fixtures (a whole simulator run, say) are built once; and each case of a
+    parametrized test on its own, so the every-method runs spread over the workers."""
+    module, _, test = nodeid.partition("::")
+    if POC_MODULE.search(module):
+        return "poc"
+    return nodeid if "[" in test else module
 
 
 @pytest.fixture(scope="session")

@@ -1,11 +1,11 @@
 """FLARE 2.9 recipes: every method's recipe writes the very job ``medflare export`` writes, refuses what it cannot
-honour in one line, and runs in FLARE's ``SimEnv`` (one round, each method's smoke settings)."""
+honour in one line. Every method's recipe runs in FLARE's ``SimEnv`` in
+tests/integration/test_every_method_simulator.py (one round per stage, each method's smoke settings)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -62,19 +62,3 @@ def test_flare_add_helpers_are_refused_rather_than_silently_dropped(tmp_path: Pa
     job.add_server_config({"task_request_interval": 1.0})
     with pytest.raises(ConfigError, match="use recipe\\(\\) options instead"):
         job.export(str(tmp_path))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("method", list_methods())
-def test_every_methods_recipe_runs_one_round_in_simenv(method: str, tmp_path: Path) -> None:
-    """One round per stage (SSL-FL's smallest job is one pre-training and one fine-tuning round)."""
-    run = dataclasses.replace(smoke_run(method), audit=False, tracking="off")
-    started = time.time()
-    result = MedflareRecipe(run).execute(SimEnv(num_clients=run.clients, workspace_root=str(tmp_path)))
-    app_server = Path(result.get_result()) / "server" / "simulate_job" / "app_server"
-    results = json.loads((app_server / "medflare_results.json").read_text())
-    assert "error" not in results, results.get("error")
-    assert len(results["rounds"]) == run.rounds == len(results["stages"])
-    assert all(set(r["payload"]) == set(run.site_names) for r in results["rounds"])  # every site answered
-    assert results["final"]["model_version"] == run.rounds and set(results["final"]["by_site"]) == set(run.site_names)
-    print(f"{method}: {time.time() - started:.1f} s in SimEnv")

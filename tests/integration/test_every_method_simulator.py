@@ -1,5 +1,8 @@
-"""Every registered method completes a short job in FLARE's simulator, reports per-site metrics, and sends
-exactly what its Payload declares: new methods are covered with no new test.
+"""Every registered method's FLARE 2.9 recipe completes a short job in ``SimEnv`` (FLARE's simulator), reports
+per-site metrics, and sends exactly what its Payload declares: new methods are covered with no new test.
+
+One simulator run per method serves both checks (the recipe and the job ``medflare run`` simulates are the same
+job: tests/test_recipes.py compares them file by file), which keeps the suite inside its time budget.
 
 Each method may give the smallest meaningful settings for its job in ``MethodSpec.smoke`` (a ViT for SSL-FL,
 per-site models for a heterogeneous method, multi-label data, ...); they are merged over the defaults here.
@@ -13,10 +16,16 @@ import numpy as np
 import pytest
 import torch
 
+from nvflare.recipe import SimEnv
+
 from medflare.config import from_dict
+from medflare.flare.audit import AUDIT_FILE
+from medflare.flare.controller import RESULTS_FILE
+from medflare.outputs import write_job_outputs
+from medflare.recipes import MedflareRecipe
 from medflare.registry import get_method, list_methods
 from medflare.run_config import RunConfig, merge_sections
-from medflare.simulate import run_simulation
+from medflare.runner import describe_sites
 
 from ._rescoring import rescore_global_model
 
@@ -34,6 +43,22 @@ DEFAULTS = {
 def smoke_run(method: str) -> RunConfig:
     settings = merge_sections(DEFAULTS, dict(get_method(method).smoke))
     return from_dict(RunConfig, {**settings, "method": method}, "smoke settings")
+
+
+def run_recipe_in_simenv(run: RunConfig, tmp_path: Path) -> tuple[Path, dict, dict]:
+    """(run folder, summary, controller results) of ``run``'s recipe executed in SimEnv, with the outputs
+    ``medflare run`` writes (summary, global model) and each site's payload audit copied to ``sites/<site>/``."""
+    result = MedflareRecipe(run).execute(SimEnv(num_clients=run.clients, workspace_root=str(tmp_path / "ws")))
+    workspace = Path(result.get_result())
+    results_file = workspace / "server" / "simulate_job" / "app_server" / RESULTS_FILE
+    out = tmp_path / "run"
+    out.mkdir()
+    summary = write_job_outputs(run, results_file, out, describe_sites(run)[0], launched_at=None)
+    for audit in workspace.glob(f"site-*/**/{AUDIT_FILE}"):
+        site = audit.relative_to(workspace).parts[0]
+        (out / "sites" / site).mkdir(parents=True)
+        (out / "sites" / site / AUDIT_FILE).write_bytes(audit.read_bytes())
+    return out, summary, json.loads(results_file.read_text())
 
 
 def audit_records(out: Path, site: str) -> list[dict]:
@@ -63,11 +88,15 @@ def check_audit(records: list[dict], method: str, global_keys: list[str]) -> Cou
 
 
 @pytest.mark.parametrize("method", list_methods())
-def test_method_completes_a_short_job_and_sends_exactly_its_declaration(method: str, tmp_path: Path) -> None:
-    run = smoke_run(method)
-    out = tmp_path / method
-    summary = run_simulation(run, out, echo=lambda line: None)
-    assert summary["rounds_completed"] == run.rounds
+def test_methods_recipe_completes_a_short_job_in_simenv_and_sends_exactly_its_declaration(
+    method: str, tmp_path: Path
+) -> None:
+    run = smoke_run(method)  # one round per stage (SSL-FL's smallest job: one pre-training, one fine-tuning round)
+    out, summary, results = run_recipe_in_simenv(run, tmp_path)
+    assert "error" not in results, results.get("error")
+    assert len(results["rounds"]) == run.rounds == len(results["stages"]) == summary["rounds_completed"]
+    assert all(set(r["payload"]) == set(run.site_names) for r in results["rounds"])  # every site answered
+    assert results["final"]["model_version"] == run.rounds
     assert set(summary["per_round"][-1]["share"]) == set(run.site_names)
     final = summary["final"]
     assert set(final["by_site"]) == set(run.site_names)
