@@ -173,6 +173,22 @@ def stop_on_signals() -> Iterator[None]:
             signal.signal(sig, old)
 
 
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Within this block SIGTERM/SIGINT are ignored (main thread only): the clean-up of a run that already failed
+    (say its output pipe closed) must finish even when a stop request arrives meanwhile, or the processes it was
+    about to stop stay running. The previous handlers come back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
 def quiet_on_closed_output(echo: Callable[[str], None]) -> Callable[[str], None]:
     """``echo`` that stays silent once its output is gone (a closed terminal or pipe), so clean-up runs on."""
 

@@ -18,7 +18,9 @@ from medflare.flare.tracking import keep_server_records
 from medflare.outputs import OutputTarget, failure_note, write_job_outputs
 from medflare.registry import get_method
 from medflare.run_config import RunConfig
-from medflare.runner import describe_sites, export_run_job, nvflare_command, start_process, stop_process_tree
+from medflare.runner import (
+    describe_sites, export_run_job, nvflare_command, signals_held, start_process, stop_process_tree,
+)
 from medflare.site_runtime import SITE_LOG_FILE
 
 __all__ = ["SimulationError", "nvflare_command", "run_simulation"]
@@ -71,7 +73,8 @@ def run_simulation(
         target.publish()
         return summary
     except BaseException as exc:
-        target.abandon(_failure_log(run, staging, workspace, exc))
+        with signals_held():
+            target.abandon(_failure_log(run, staging, workspace, exc))
         raise
 
 
@@ -92,7 +95,8 @@ def _launch(run: RunConfig, job_dir: Path, workspace: Path, log_path: Path, echo
                     echo(_shorten(line.rstrip()))
             code = proc.wait()
         except BaseException:
-            stop_process_tree(proc)  # an interrupted run must not leave sites training in the background
+            with signals_held():  # nor may a second stop request cut this short
+                stop_process_tree(proc)  # an interrupted run must not leave sites training in the background
             raise
         finally:
             if proc.stdout is not None:

@@ -43,6 +43,7 @@ from medflare.runner import (
     describe_sites,
     export_run_job,
     quiet_on_closed_output,
+    signals_held,
 )
 
 REPO_DIR = Path(__file__).resolve().parents[3]
@@ -461,10 +462,11 @@ def run_poc(
         target.publish()
         return summary
     except BaseException as exc:
-        log = (session.server_log() if session.state else "") + failure_note(run.rounds, staging / "poc", exc)
-        session.echo = quiet_on_closed_output(echo)  # a gone terminal must not stop the clean-up
-        session.discard()
-        target.abandon(log)
+        with signals_held():  # a stop request during the clean-up must not leave the POC running
+            log = (session.server_log() if session.state else "") + failure_note(run.rounds, staging / "poc", exc)
+            session.echo = quiet_on_closed_output(echo)  # a gone terminal must not stop the clean-up
+            session.discard()
+            target.abandon(log)
         raise
 
 
