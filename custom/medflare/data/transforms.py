@@ -12,7 +12,6 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from torchvision.transforms import v2
 
 from medflare.errors import ConfigError, DataError
 
@@ -40,6 +39,8 @@ def build_transform(channels: int, image_size: int, train: bool,
     Raises:
         ConfigError: Unknown `augment`, or bad `channels`/`image_size`.
     """
+    from torchvision.transforms import v2  # here: torchvision pulls in torch._dynamo, seconds of CPU per process
+
     if augment not in AUGMENTATIONS:
         raise ConfigError(f"Unknown augmentation '{augment}'; use one of {', '.join(AUGMENTATIONS)}.")
     if channels not in (1, 3) or image_size < 1:

@@ -7,13 +7,11 @@ optimizer kept across rounds within a stage, and the per-step warm-up + cosine s
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from timm.data import Mixup
-from timm.loss import SoftTargetCrossEntropy
 from torch.utils.data import Subset
 
 from medflare.errors import ConfigError
@@ -21,6 +19,9 @@ from medflare.methods.base import LocalTrainer, RoundContext
 from medflare.methods.ssl_fl.masking import BlockMaskGenerator, beit_mask_count
 from medflare.methods.ssl_fl.model import FINETUNE, TOKENIZER, set_drop_path
 from medflare.methods.ssl_fl.tokenizer import DalleTokenizer
+
+if TYPE_CHECKING:
+    from timm.data import Mixup
 
 N_IMAGES = "n_images"  # every local training image, labelled or not: the FedAvg weight of pre-training
 
@@ -35,6 +36,8 @@ class SslFlTrainer(LocalTrainer):
     uses_unlabelled_samples = True  # pre-training batches need no label
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        from timm.loss import SoftTargetCrossEntropy  # timm (with torchvision) is slow to import: only when used
+
         super().__init__(*args, **kwargs)
         labels = np.asarray(self.data.train.labels)
         self.labelled = Subset(self.data.train, np.flatnonzero(labels >= 0).tolist())
@@ -89,6 +92,8 @@ class SslFlTrainer(LocalTrainer):
 
 def _mixup(cfg: Any, num_classes: int) -> Mixup | None:
     """timm's batch-wise Mixup/CutMix with label smoothing, or None when both are off."""
+    from timm.data import Mixup
+
     if cfg.mixup <= 0 and cfg.cutmix <= 0:
         return None
     return Mixup(

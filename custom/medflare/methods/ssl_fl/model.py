@@ -13,8 +13,6 @@ import re
 
 import torch
 import torch.nn.functional as F
-from timm.layers import DropPath, build_sincos2d_pos_embed, trunc_normal_
-from timm.models.vision_transformer import Block
 from torch import nn
 
 from medflare.errors import ConfigError
@@ -30,6 +28,8 @@ LN_EPS = 1e-6  # timm's ViT LayerNorm epsilon
 
 def sincos_position_table(grid: int, dim: int) -> torch.Tensor:
     """Fixed 2-D sine-cosine position embeddings ``[1, 1 + grid^2, dim]``, zeros for the class token (MAE)."""
+    from timm.layers import build_sincos2d_pos_embed  # timm (with torchvision) is slow to import: only when used
+
     table = build_sincos2d_pos_embed([grid, grid], dim)
     return torch.cat([torch.zeros(1, dim), table], dim=0).unsqueeze(0)
 
@@ -40,6 +40,8 @@ def set_drop_path(vit: nn.Module, rate: float) -> None:
     Raises:
         ConfigError: a positive rate on a ViT built without stochastic depth (no DropPath modules to set).
     """
+    from timm.layers import DropPath
+
     blocks = list(vit.blocks)
     paths = [(i, m) for i, block in enumerate(blocks) for m in (block.drop_path1, block.drop_path2)]
     settable = [(i, m) for i, m in paths if isinstance(m, DropPath)]
@@ -61,6 +63,8 @@ class MaskedImageNet(VitClassifier):
     TRAINED: dict[str, str] = {FINETUNE: r"^(backbone|head)\."}
 
     def __init__(self, classifier: VitClassifier) -> None:
+        from timm.layers import trunc_normal_
+
         super().__init__(classifier.backbone, classifier.head)
         trunc_normal_(self.head.weight, std=HEAD_INIT_STD)
         nn.init.zeros_(self.head.bias)
@@ -102,6 +106,9 @@ class MaeDecoder(nn.Module):
     """
 
     def __init__(self, width: int, grid: int, patch_pixels: int, dim: int, depth: int, heads: int) -> None:
+        from timm.layers import trunc_normal_
+        from timm.models.vision_transformer import Block
+
         super().__init__()
         self.encoder_norm = nn.LayerNorm(width, eps=LN_EPS)
         self.embed = nn.Linear(width, dim)
@@ -190,6 +197,8 @@ class BeitLmHead(nn.Module):
     linear classifier over visual tokens (``lm_head``)."""
 
     def __init__(self, width: int, vocab: int) -> None:
+        from timm.layers import trunc_normal_
+
         super().__init__()
         self.mask_token = nn.Parameter(torch.zeros(1, 1, width))
         trunc_normal_(self.mask_token, std=0.02)
