@@ -72,7 +72,7 @@ def test_aggregation_is_rf_weighted() -> None:
 def test_bad_rf_is_excluded(rf) -> None:
     core = fedmas_round()
     meta = {"n_samples": 5} if rf is None else {"n_samples": 5, "rf": rf}
-    assert core.accept("bad", {"w": np.ones(2, np.float32)}, meta) is not None
+    assert "rf" in core.accept("bad", {"w": np.ones(2, np.float32)}, meta)  # refused, and the reason names the RF
     assert core.accept("good", {"w": np.zeros(2, np.float32)}, {"n_samples": 5, "rf": 0.5}) is None
     assert core.aggregate().shares == {"good": 1.0}
 
