@@ -28,16 +28,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 from typing import Any
 
+from medflare.benchmarking import mean_std, run_cell
 from medflare.data.checksums import verify_medmnist_file
 from medflare.evaluation import personalization_figures
 from medflare.run_config import RunConfig, merge_sections
+from medflare.runner import stop_on_signals
 from medflare.scenarios import load_scenario
-from medflare.simulate import run_simulation
 
 RETINA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "medmnist" / "retinamnist.npz"
 METHODS = ("fca", "bsm-fl", "fedrep", "fedbabu", "fedrs", "local-only")
@@ -82,12 +82,6 @@ def figures_of(final: dict[str, Any]) -> dict[str, Any]:
     return {**final, **personalization_figures(evaluation, global_classifier=True, specialization=None)}
 
 
-def mean_std(values: list[float]) -> tuple[float, float] | None:
-    if not values:
-        return None
-    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--setting", choices=["synthetic", "retina"], required=True)
@@ -113,7 +107,7 @@ def main() -> None:
             else:
                 run = setting_config(args.setting, seed, args.rounds, method, args.max_steps, args.model,
                                      args.pretrained)
-                summary = run_simulation(run, run_dir, echo=lambda line: None)
+                summary, _ = run_cell(run, run_dir)  # an identical finished run is reused
             figures = figures_of(summary["final"])
             cell = {"seed": seed, **{k: figures.get(k) for k in FIGURES},
                     "specialization_by_site": figures["specialization_by_site"],
@@ -164,4 +158,5 @@ def write_report(args: argparse.Namespace, rows: dict[str, list[dict[str, Any]]]
 
 
 if __name__ == "__main__":
-    main()
+    with stop_on_signals():  # a stop request stops the running simulator too
+        main()

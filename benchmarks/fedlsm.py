@@ -13,7 +13,10 @@ flag decides); FedAvg with every label (upper bound, simulation only: the same s
 per site and round. Reports mean ± std over seeds of the final global model's pooled test metrics.
 
 Usage:
-    python benchmarks/fedlsm.py --setting retina [--seeds 0 1 2] [--rounds 15] [--steps 10] [--out DIR]
+    python benchmarks/fedlsm.py --setting retina [--seeds 0 1 2] [--rounds 15] [--steps 10] [--out DIR] [--fresh]
+
+A cell whose run already finished in --out with the same configuration is reused (``--fresh`` redoes it), so the
+seeds can run one process at a time and a last call with every seed writes the report.
 """
 
 from __future__ import annotations
@@ -21,16 +24,16 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from medflare.benchmarking import mean_std, run_cell
 from medflare.data.checksums import verify_medmnist_file
 from medflare.registry import get_method
 from medflare.run_config import RunConfig, merge_sections
-from medflare.simulate import run_simulation
+from medflare.runner import stop_on_signals
 
 RETINA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "medmnist" / "retinamnist.npz"
 IDENTIFIED_RETINA = [[0, 1], [1, 2, 3], [3, 4], [0, 2, 4], [2, 3]]  # 2-3 grades per site, every grade somewhere
@@ -90,10 +93,6 @@ def skipped_cells(setting: str, cells: list[Cell]) -> list[str]:
     return [c.name for c in cells if multi_label and not get_method(c.method).multi_label]
 
 
-def mean_std(values: list[float]) -> tuple[float, float]:
-    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--setting", choices=sorted(METRICS), required=True)
@@ -102,6 +101,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps per site and round (every cell)")
     parser.add_argument("--cells", nargs="+", default=None, help="cell names to run (default: all that apply)")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--fresh", action="store_true", help="redo cells that already finished in --out")
     args = parser.parse_args()
     out = Path(args.out or f"runs/bench-fedlsm-{args.setting}")
     out.mkdir(parents=True, exist_ok=True)
@@ -111,23 +111,24 @@ def main() -> None:
     for name in skipped:
         print(f"skipping '{name}': its method trains single-label classifiers only", flush=True)
     rows: dict[str, list[dict[str, Any]]] = {c.name: [] for c in cells}
-    started = time.time()
+    started, reused = time.time(), 0
     for seed in args.seeds:
         for cell in cells:
             run = setting_config(args.setting, seed, args.rounds, args.steps, cell)
             print(f"[{time.time() - started:6.0f}s] {args.setting} seed {seed} {cell.name} ...", flush=True)
             folder = out / f"{re.sub(r'[^a-z0-9]+', '-', cell.name.lower()).strip('-')}-seed{seed}"
-            summary = run_simulation(run, folder, echo=lambda line: None, overwrite=True)  # a rerun replaces it
+            summary, was_reused = run_cell(run, folder, reuse=not args.fresh)
+            reused += was_reused
             final = summary["final"]
             rows[cell.name].append({"seed": seed, **{m: final.get(m) for m in METRICS[args.setting]},
                                     "per_class_auc": final.get("per_class_auc"),
                                     "mean_round_seconds": summary["timing"]["mean_round_seconds"]})
             print(f"         AUC {final['auc_macro_ovr']:.4f}, macro F1 {final['macro_f1']:.4f}", flush=True)
-    write_report(args, rows, skipped, out, time.time() - started)
+    write_report(args, rows, skipped, out, time.time() - started, reused)
 
 
 def write_report(args: argparse.Namespace, rows: dict[str, list[dict[str, Any]]], skipped: list[str], out: Path,
-                 seconds: float) -> None:
+                 seconds: float, reused: int = 0) -> None:
     """results.md (mean ± std per cell) and results.json (every seed's figures)."""
     metrics = METRICS[args.setting]
     lines = [f"# FedLSM: {args.setting}, seeds {args.seeds}, {args.rounds} rounds x {args.steps} steps", "",
@@ -136,10 +137,13 @@ def write_report(args: argparse.Namespace, rows: dict[str, list[dict[str, Any]]]
     for name, cells in rows.items():
         stats = {m: mean_std([c[m] for c in cells if c[m] is not None]) for m in metrics}
         table[name] = stats
-        lines.append(f"| {name} | " + " | ".join(f"{m:.4f} ± {s:.4f}" for m, s in stats.values()) + " |")
+        lines.append(f"| {name} | " + " | ".join("—" if v is None else f"{v[0]:.4f} ± {v[1]:.4f}"
+                                                 for v in stats.values()) + " |")
     if skipped:
         lines += ["", "Not run here (single-label methods on a multi-label task): " + ", ".join(skipped) + "."]
-    lines += ["", f"Wall time of the whole benchmark: {seconds / 60:.1f} min.", ""]
+    runs = sum(len(cells) for cells in rows.values())
+    timing = f"Wall time of this call: {seconds / 60:.1f} min for {runs - reused} runs ({reused} finished runs reused)."
+    lines += ["", timing, "Per-run mean round time (s) is in results.json.", ""]
     (out / "results.md").write_text("\n".join(lines))
     report = {"args": vars(args), "skipped": skipped, "rows": rows, "table": table}
     (out / "results.json").write_text(json.dumps(report, indent=1))
@@ -147,4 +151,5 @@ def write_report(args: argparse.Namespace, rows: dict[str, list[dict[str, Any]]]
 
 
 if __name__ == "__main__":
-    main()
+    with stop_on_signals():  # a stop request stops the running simulator too
+        main()

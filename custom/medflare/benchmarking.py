@@ -1,0 +1,68 @@
+"""What the scripts in ``benchmarks/`` share: one simulator run per table cell, reused when it already finished with
+the same configuration, and the mean ± std of a cell's seeds.
+
+A benchmark is hours of CPU on a small machine and is often run one seed per process, or stopped and restarted;
+reuse lets a later call (say ``--seeds 0 1 2`` for the report) pick up the runs that finished instead of
+redoing them. A run is reused only when its recorded configuration equals the requested one, byte for byte.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from medflare.run_config import RunConfig
+
+
+def run_fingerprint(run: RunConfig) -> str:
+    """The run's whole configuration as canonical JSON: two runs with equal fingerprints train the same job."""
+    return json.dumps(dataclasses.asdict(run), sort_keys=True, default=str)
+
+
+def fingerprint_file(run_dir: Path) -> Path:
+    """Beside the run's folder, not in it: the folder holds only what the run itself wrote."""
+    return run_dir.with_name(run_dir.name + ".run.json")
+
+
+def finished_summary(run: RunConfig, run_dir: Path) -> dict[str, Any] | None:
+    """The ``summary.json`` of an earlier run of exactly this configuration in ``run_dir``, else None."""
+    record, summary = fingerprint_file(run_dir), run_dir / "summary.json"
+    if not (record.is_file() and summary.is_file()) or record.read_text() != run_fingerprint(run):
+        return None
+    return json.loads(summary.read_text())
+
+
+def run_cell(
+    run: RunConfig, run_dir: Path, reuse: bool = True, echo: Callable[[str], None] = print
+) -> tuple[dict[str, Any], bool]:
+    """Run ``run`` in FLARE's simulator into ``run_dir``, or reuse an identical finished run.
+
+    Args:
+        run: the cell's configuration.
+        run_dir: the cell's result folder (replaced when the run is redone).
+        reuse: False redoes the run even when an identical one finished.
+        echo: where the one-line "reused" notice goes.
+
+    Returns:
+        The run's summary, and whether it was reused.
+    """
+    if reuse and (summary := finished_summary(run, run_dir)) is not None:
+        echo(f"         reused the finished run in {run_dir}")
+        return summary, True
+    from medflare.simulate import run_simulation  # FLARE is imported only when something runs
+
+    fingerprint_file(run_dir).unlink(missing_ok=True)  # a stopped rerun must not leave the old record valid
+    summary = run_simulation(run, run_dir, echo=lambda line: None, overwrite=True)
+    fingerprint_file(run_dir).write_text(run_fingerprint(run))
+    return summary, False
+
+
+def mean_std(values: list[float]) -> tuple[float, float] | None:
+    """Mean and sample standard deviation (0 for one value); None for no values."""
+    if not values:
+        return None
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0

@@ -1,0 +1,55 @@
+"""A benchmark cell is reused only when an identical run finished; anything else runs again."""
+
+import json
+from pathlib import Path
+from typing import Any
+
+import medflare.simulate
+import pytest
+from medflare.benchmarking import fingerprint_file, mean_std, run_cell
+from medflare.run_config import RunConfig
+
+
+def fake_simulation(calls: list[RunConfig]) -> Any:
+    """Stands in for ``run_simulation``: writes a summary carrying the run's seed, as a finished run would."""
+
+    def run(run: RunConfig, out_dir: Path, echo: Any, overwrite: bool) -> dict[str, Any]:
+        assert overwrite  # a cell's folder is medflare's own and is replaced when redone
+        calls.append(run)
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        summary = {"seed": run.seed}
+        (Path(out_dir) / "summary.json").write_text(json.dumps(summary))
+        return summary
+
+    return run
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[RunConfig]:
+    made: list[RunConfig] = []
+    monkeypatch.setattr(medflare.simulate, "run_simulation", fake_simulation(made))
+    return made
+
+
+def test_an_identical_finished_run_is_reused_and_a_changed_one_runs_again(tmp_path: Path, calls: list) -> None:
+    cell = tmp_path / "fedavg-seed0"
+    first, again = RunConfig(method="fedavg", seed=0, rounds=2), RunConfig(method="fedavg", seed=0, rounds=2)
+    assert run_cell(first, cell, echo=lambda line: None) == ({"seed": 0}, False)
+    assert run_cell(again, cell, echo=lambda line: None) == ({"seed": 0}, True) and len(calls) == 1
+    assert run_cell(RunConfig(method="fedavg", seed=0, rounds=3), cell, echo=lambda line: None)[1] is False
+    assert run_cell(again, cell, reuse=False, echo=lambda line: None)[1] is False and len(calls) == 3
+    assert fingerprint_file(cell).parent == tmp_path  # the record sits beside the run, not among its files
+
+
+def test_a_run_without_its_record_or_summary_is_not_reused(tmp_path: Path, calls: list) -> None:
+    run, cell = RunConfig(method="fedavg", seed=1, rounds=2), tmp_path / "cell"
+    run_cell(run, cell, echo=lambda line: None)
+    (cell / "summary.json").unlink()  # say a run stopped before its outputs
+    assert run_cell(run, cell, echo=lambda line: None)[1] is False
+    fingerprint_file(cell).unlink()
+    assert run_cell(run, cell, echo=lambda line: None)[1] is False and len(calls) == 3
+
+
+def test_mean_std_is_the_sample_deviation() -> None:
+    assert mean_std([0.7, 0.8]) == pytest.approx((0.75, 0.0707107), abs=1e-6)
+    assert mean_std([0.5]) == (0.5, 0.0) and mean_std([]) is None
