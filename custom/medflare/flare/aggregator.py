@@ -18,8 +18,7 @@ from medflare.config import from_dict
 from medflare.contracts import ContractContext, Expected, validate_update
 from medflare.errors import ConfigError, MedflareError, PayloadError
 from medflare.methods.base import AggregateResult, PerSite, RoundContext, ServerRule, SiteUpdate, Stage
-from medflare.ops import normalise_weights, wire
-from medflare.ops.aggregate import RunningWeightedSum
+from medflare.ops import wire
 from medflare.ops.wire import decode_weights
 from medflare.registry import get_method, load_plugins
 
@@ -93,14 +92,13 @@ class RoundAggregation:
         self.updates: dict[str, SiteUpdate] = {}
         self.rejected: dict[str, str] = {}
         self.earlier: dict[str, list[SiteUpdate]] = {}  # this round's completed phases
-        self.running: RunningWeightedSum | None = None  # the train phase's sum, when the rule allows it
         self.first_samples: dict[str, float] = {}  # site -> n_samples of its first accepted update
 
     def start_round(self, global_params: Mapping[str, np.ndarray], ctx: RoundContext) -> None:
         """Forget the previous round."""
         self.global_params = {k: np.asarray(v) for k, v in global_params.items()}
         self.ctx = dataclasses.replace(ctx, server_meta={**ctx.server_meta, **self._wire_header()})
-        self.earlier, self.updates, self.rejected, self.phase, self.running = {}, {}, {}, "", None
+        self.earlier, self.updates, self.rejected, self.phase = {}, {}, {}, ""
 
     def start_phase(self, phase: str) -> dict[str, np.ndarray] | PerSite:
         """Begin a phase of the round: returns what to send, and fixes what valid results look like.
@@ -112,18 +110,11 @@ class RoundAggregation:
             self.earlier[self.phase] = self.accepted()
         self.phase = phase
         self.updates, self.rejected = {}, {}
-        self.running = RunningWeightedSum() if self._streams(phase) else None
         outgoing = self.rule.phase_arrays(phase, self.ctx, self.global_params, self.earlier)
         dims = dict(self.rule.array_dims(phase, self.ctx))
         self.contract = ContractContext(self.num_classes, dims=dims, multi_label=self.multi_label)
         self.expected = self.rule.expected_arrays(phase, self.ctx, self.global_params, self.contract)
         return outgoing
-
-    def _streams(self, phase: str) -> bool:
-        """Add results as they arrive (holding one float64 sum, no site's copy): the aggregated train phase of a
-        linear rule, without the update-norm bound (which compares every site with the others)."""
-        last = self.rule.phases(self.ctx)[-1] == phase == contracts.TRAIN_PHASE
-        return last and self.robust.max_norm_ratio <= 0 and self.rule.streams(self.ctx)
 
     def task_header(self) -> dict[str, Any]:
         """Meta the server adds to this phase's task besides the round: array dimensions and the wire format."""
@@ -156,11 +147,7 @@ class RoundAggregation:
                 update = SiteUpdate(site, decode_weights(clean, self.global_params, kind), clean_meta)
                 if self.phase == contracts.TRAIN_PHASE:
                     self._check_sample_count(update)
-                    weight = self.rule.site_weight(update, self.ctx)  # the aggregation weight must be computable
-                    if self.running is not None:
-                        shared = {k: v for k, v in update.arrays.items() if k in self.global_params}
-                        self.running.add(site, shared, weight)
-                        update = SiteUpdate(site, {}, update.meta)  # the sum holds it now
+                    self.rule.site_weight(update, self.ctx)  # the aggregation weight must be computable
                 self.updates[site] = update
                 return None
             except (MedflareError, KeyError, TypeError, ValueError) as exc:
@@ -184,24 +171,12 @@ class RoundAggregation:
             PayloadError: when nothing is left to aggregate, or the aggregate is not finite (the previous global
                 model is then kept; nothing is persisted).
         """
-        if self.running is not None:
-            result = self._running_aggregate()
-        else:
-            updates = self._drop_outlier_updates(self.accepted())
-            result = self.rule.aggregate(self.global_params, updates, self.ctx)
+        updates = self._drop_outlier_updates(self.accepted())
+        result = self.rule.aggregate(self.global_params, updates, self.ctx)
         broken = sorted(k for k, v in result.params.items() if np.asarray(v).dtype.kind == "f" and not np.all(np.isfinite(v)))
         if broken:
             raise PayloadError(f"the aggregate has NaN/Inf in {broken[:5]}; the previous global model is kept")
         return result
-
-    def _running_aggregate(self) -> AggregateResult:
-        """The rule's aggregate from the running sum: what ``ServerRule.aggregate`` gives for a linear rule."""
-        assert self.running is not None
-        dtypes = {k: np.asarray(v).dtype for k, v in self.global_params.items()}
-        averaged = self.running.average(dtypes)
-        shares = normalise_weights(self.running.weights)
-        info = self.rule.round_info(self.accepted(), self.ctx)
-        return AggregateResult(params={**self.global_params, **averaged}, shares=shares, info=info)
 
     def _drop_outlier_updates(self, updates: list[SiteUpdate]) -> list[SiteUpdate]:
         """Reject sites whose update norm exceeds ``max_norm_ratio`` × the median norm of the other sites."""

@@ -581,15 +581,6 @@ class ServerRule:
         """What to record about this round besides the shares."""
         return {}
 
-    def streams(self, ctx: RoundContext) -> bool:
-        """Whether this round's aggregate is Σ site_weight·arrays / Σ site_weight, so the server may add each
-        result as it arrives and keep no site's copy. True for a rule that changes only :meth:`site_weight`,
-        :meth:`round_info` or the stages and has no share cap; one overriding :meth:`shares`, :meth:`row_weights`,
-        :meth:`aggregate` or :meth:`phases` is aggregated in one batch unless it says otherwise."""
-        hooks = ("shares", "row_weights", "aggregate", "phases")  # overridden in a subclass or on the instance
-        plain = all(getattr(getattr(self, name), "__func__", None) is getattr(ServerRule, name) for name in hooks)
-        return plain and self.max_share <= 0
-
     def shares(self, updates: list[SiteUpdate], ctx: RoundContext) -> dict[str, float]:
         """Each site's share of the aggregate: its weight over the sum of weights (capped by ``max_share``)."""
         return cap_shares(normalise_weights({u.site: self.site_weight(u, ctx) for u in updates}), self.max_share)

@@ -82,37 +82,6 @@ def weighted_sum(arrays: Sequence[np.ndarray], weights: Sequence[float]) -> np.n
     return total
 
 
-class RunningWeightedSum:
-    """Σ_i w_i·a_i per key in float64, added one site at a time as results arrive; the average is the sum over
-    Σ_i w_i. The server then holds this one float64 copy instead of every site's arrays."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, np.ndarray] = {}
-        self.weights: dict[str, float] = {}
-
-    def add(self, site: str, arrays: Params, weight: float) -> None:
-        """Add one site's arrays with its (unnormalised, non-negative) weight; the caller may drop them after."""
-        for key, array in arrays.items():
-            term = weighted_sum([array], [weight])
-            if key in self.sums:
-                self.sums[key] += term
-            else:
-                self.sums[key] = term
-        self.weights[site] = float(weight)
-
-    def average(self, dtypes: Mapping[str, np.dtype]) -> dict[str, np.ndarray]:
-        """key -> Σ w_i·a_i / Σ w_i in ``dtypes[key]`` (integers rounded).
-
-        Raises:
-            PayloadError: nothing added, or weights that do not sum to a positive number.
-        """
-        if not self.weights:
-            raise PayloadError("nothing to aggregate: no site update was accepted")
-        normalise_weights(self.weights)  # the same checks as the batch average
-        total = sum(self.weights.values())
-        return {key: _cast_like(values / total, dtypes[key]) for key, values in self.sums.items()}
-
-
 def _row_weighted(stacked: np.ndarray, site_weights: np.ndarray, rows: list[np.ndarray]) -> np.ndarray:
     row_matrix = np.stack([np.asarray(r, dtype=np.float64) for r in rows])  # [S, R]
     if row_matrix.shape[1] != stacked.shape[1]:
