@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.medflare-installed
 DEMO_OUT ?= runs/demo
 
-.PHONY: install demo test test-fast bench-overhead bench-fedmas bench-fca bench-mdhfl bench-mdhfl-cpu60 bench-ssl-fl bench-fedlsm clean
+.PHONY: install demo test test-fast bench-overhead bench-fedmas bench-fedmas-cost bench-fca bench-mdhfl bench-mdhfl-cpu60 bench-ssl-fl bench-fedlsm clean
 
 # pip (not uv/poetry) so torch==2.14.1 / torchvision==0.29.1 come from this machine's local wheel store.
 $(STAMP): pyproject.toml
@@ -29,12 +29,19 @@ demo: install
 	$(DEMO_CPU_PINS) $(VENV)/bin/medflare compare fedmas bsm-fl --scenario hyperkvasir-like --clients 4 --rounds 8 --out $(DEMO_OUT) --overwrite
 
 # Heavy benchmarks (not part of make test); results land in runs/bench-*.
+# Framework cost at realistic work (issue 15): ResNet-18, PneumoniaMNIST, 2 and 4 sites, one process per site on
+# both sides; --quick for a 1-2 min sanity run.
 bench-overhead: install
 	$(PY) benchmarks/overhead.py --out runs/bench-overhead
 
 bench-fedmas: install
 	$(PY) benchmarks/fedmas_vs_baselines.py --setting synthetic --out runs/bench-fedmas-synthetic
 	$(PY) benchmarks/fedmas_vs_baselines.py --setting retina --out runs/bench-fedmas-retina
+
+# Fed-MAS's cost per part and its three shortcuts (issue 15): demo settings, then ResNet-18; 3 seeds each.
+bench-fedmas-cost: install
+	$(PY) benchmarks/fedmas_cost.py --model cnn --out runs/bench-fedmas-cost-cnn
+	$(PY) benchmarks/fedmas_cost.py --model resnet18 --out runs/bench-fedmas-cost-resnet18
 
 bench-fca: install
 	$(PY) benchmarks/fca_vs_baselines.py --setting synthetic --out runs/bench-fca-synthetic

@@ -1,126 +1,371 @@
-"""Framework cost: one medflare job in FLARE's simulator against a bare PyTorch loop doing the same work.
+"""Framework cost, fairly: medflare in FLARE's simulator against a bare PyTorch FedAvg with the same parallelism.
 
-Both sides train the same model on the same site partitions with the same number of optimizer steps,
-evaluate the global model on every site's val and test split each round, and average the weights. The bare
-loop runs the sites one after another in this process (no FLARE, no serialization, no medflare trainer); the
-simulator runs one process per site. Reported: wall seconds per round on each side (first round excluded on
-both sides, since it holds process and data start-up), their ratio, and FLARE's start-up.
+Both sides train the same model on the same site partitions (one local epoch, or ``--steps`` optimizer steps),
+score the received model on every site's val and test split each round, and average the weights. The simulator
+runs one process per site; so does the bare side (``multiprocessing``, one torch thread per site as medflare
+sets), whose coordinator averages in float64 and sends the weights through pipes. Reported per site count:
+
+- wall: whole job with start-up (launch to last round done) and mean round without it (rounds 2..R), their ratios;
+- first round over a later one (start-up that leaks into round 1);
+- per-round coordination overhead = round wall - the slowest site's local work (its evaluation, weight loading,
+  training, encoding, state save), on both sides; and, for medflare, where it goes (from the controller's
+  ``server_seconds`` and each site's ``task_seconds`` records): result transport and polling, the server's
+  evaluation bookkeeping, aggregation and checkpoint;
+- trainer throughput: images per second of training, medflare's LocalTrainer against the bare step;
+- CPU-seconds of each side (its processes, including the children they waited for);
+- bytes a site sends per round against the model's float32 size.
+
+Goals (issue 15): ratio <= 1.05, overhead <= 0.3 s per round, throughput >= 0.95x bare, first round <= 2x a later
+one, bytes <= 1.05x the fp32 parameters. Results: ``results.json`` and ``results.md`` under ``--out``.
 
 Usage:
-    python benchmarks/overhead.py [--rounds 6] [--clients 2] [--steps 10] [--model cnn] [--out runs/bench-overhead]
+    python benchmarks/overhead.py                          # ResNet-18, PneumoniaMNIST, 2 and 4 sites, 10 rounds
+    python benchmarks/overhead.py --quick                  # 1-2 min sanity run (2 sites, 3 rounds, 5 steps)
+    python benchmarks/overhead.py --clients 1 --rounds 6 --steps 20 --model resnet18   # simplest fair check
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import multiprocessing as mp
+import resource
+import statistics
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
-import torch
-import torch.nn.functional as F
-from torch.utils.data import DataLoader
 
-from medflare.data import DataConfig, make_site_data
-from medflare.models import create_model
-from medflare.run_config import RunConfig
-from medflare.simulate import run_simulation
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "medmnist" / "pneumoniamnist.npz"
+GOALS = {"ratio": 1.05, "overhead_seconds": 0.3, "throughput": 0.95, "first_round": 2.0, "bytes": 1.05}
+SITE_OVERHEAD_SPANS = ("receive", "encode", "save_state")  # a site's spans besides evaluation and training
 
 
-def bare_loop(run: RunConfig, steps: int) -> list[float]:
-    """FedAvg by hand: per round, every site evaluates, trains ``steps`` Adam steps, then weights are averaged."""
-    torch.set_num_threads(1)  # what each simulated site gets
+# ----- the bare side: one process per site, a coordinator that averages -------------------------------------
+def bare_site(run_fields: dict[str, Any], index: int, steps: int, conn: Any) -> None:
+    """One bare site: receive weights, score val and test, train, send weights and timings; until told to stop."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader
+
+    from medflare.data import DataConfig, make_site_data
+    from medflare.models import create_model
+    from medflare.run_config import RunConfig
+
+    torch.set_num_threads(1)  # what medflare gives each site (train.torch_threads)
+    run = RunConfig(**run_fields)
     task = run.task_spec()
-    sites = [
-        make_site_data(DataConfig(**{**run.site_data(), "num_classes": task.num_classes}), i, name)
-        for i, name in enumerate(run.site_names)
-    ]
-    torch.manual_seed(run.seed)
-    global_model = create_model(run.model, task.num_classes, task.in_channels, image_size=task.image_size)
-    models = [create_model(run.model, task.num_classes, task.in_channels, image_size=task.image_size) for _ in sites]
-    optimizers = [torch.optim.Adam(m.parameters(), lr=1e-3) for m in models]
-    round_seconds = []
-    for _ in range(run.rounds):
-        start = time.perf_counter()
-        states, sizes = [], []
-        for data, model, optimizer in zip(sites, models, optimizers):
-            model.load_state_dict(global_model.state_dict())
+    data = make_site_data(DataConfig(**{**run.site_data(), "num_classes": task.num_classes}), index,
+                          run.site_names[index])
+    torch.manual_seed(run.seed + index)
+    model = create_model(run.model, task.num_classes, task.in_channels, image_size=task.image_size)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    batch = int(run.train.get("batch_size", 64))
+    conn.send(("ready", len(data.train)))
+    while (params := conn.recv()) is not None:
+        started = time.perf_counter()
+        model.load_state_dict({k: torch.as_tensor(v) for k, v in params.items()})
+        model.eval()
+        with torch.no_grad():
             for split in (data.val, data.test):
-                _evaluate(model, split)
-            _train(model, optimizer, data.train, steps, run.train.get("batch_size", 64))
-            states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
-            sizes.append(len(data.train))
-        weights = np.array(sizes, dtype=np.float64) / sum(sizes)
-        averaged = {
-            k: sum(w * s[k].double() for w, s in zip(weights, states)).to(states[0][k].dtype) for k in states[0]
-        }
-        global_model.load_state_dict(averaged)
-        round_seconds.append(time.perf_counter() - start)
-    return round_seconds
-
-
-def _train(model, optimizer, dataset, steps: int, batch_size: int) -> None:
-    model.train()
-    done = 0
-    while done < steps:
-        for images, labels in DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True):
+                for images, _ in DataLoader(split, batch_size=256):
+                    torch.softmax(model(images), dim=1)
+        train_started = time.perf_counter()
+        model.train()
+        images_seen = 0
+        loader = DataLoader(data.train, batch_size=batch, shuffle=True, drop_last=len(data.train) > batch)
+        for step, (images, labels) in enumerate(loader):
+            if steps and step >= steps:
+                break
             optimizer.zero_grad()
             F.cross_entropy(model(images), labels).backward()
             optimizer.step()
-            done += 1
-            if done >= steps:
-                return
+            images_seen += len(labels)
+        train_seconds = time.perf_counter() - train_started
+        state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+        conn.send((state, {"work": time.perf_counter() - started, "train": train_seconds, "images": images_seen}))
 
 
-def _evaluate(model, dataset) -> None:
-    model.eval()
-    with torch.no_grad():
-        for images, _ in DataLoader(dataset, batch_size=256):
-            torch.softmax(model(images), dim=1)
+def bare_run(run: Any, steps: int) -> dict[str, Any]:
+    """FedAvg by hand over one process per site; wall, per-round and per-site timings, CPU-seconds."""
+    import torch
+
+    from medflare.models import create_model
+
+    launched, cpu = time.perf_counter(), cpu_seconds()
+    context = mp.get_context("spawn")
+    pipes, processes = [], []
+    try:
+        for index in range(run.clients):
+            ours, theirs = context.Pipe()
+            process = context.Process(target=bare_site, args=(dataclasses.asdict(run), index, steps, theirs),
+                                      daemon=True)
+            process.start()
+            pipes.append(ours)
+            processes.append(process)
+        sizes = [pipe.recv()[1] for pipe in pipes]
+        task = run.task_spec()
+        torch.manual_seed(run.seed)
+        global_model = create_model(run.model, task.num_classes, task.in_channels, image_size=task.image_size)
+        params = {k: v.detach().numpy().copy() for k, v in global_model.state_dict().items()}
+        rounds = []
+        for _ in range(run.rounds):
+            started = time.perf_counter()
+            for pipe in pipes:
+                pipe.send(params)
+            replies = [pipe.recv() for pipe in pipes]
+            params = average([state for state, _ in replies], sizes)
+            rounds.append({"wall": time.perf_counter() - started, "sites": [timing for _, timing in replies]})
+        for pipe in pipes:
+            pipe.send(None)
+        for process in processes:
+            process.join(timeout=60)
+    finally:
+        for process in processes:  # an interrupted benchmark leaves no site behind
+            if process.is_alive():
+                process.terminate()
+                process.join(timeout=10)
+    return {"total_seconds": time.perf_counter() - launched, "cpu_seconds": cpu_seconds() - cpu, "rounds": rounds}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--clients", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=10, help="optimizer steps per site per round")
-    parser.add_argument("--model", default="cnn")
-    parser.add_argument("--data", default="synthetic:n=1200")
-    parser.add_argument("--task-request-interval", type=float, default=0.1)
-    parser.add_argument("--out", default="runs/bench-overhead")
-    args = parser.parse_args()
+def average(states: list[dict[str, np.ndarray]], sizes: list[int]) -> dict[str, np.ndarray]:
+    """Sample-weighted average in float64, stored in each array's own dtype (integers rounded)."""
+    weights = np.asarray(sizes, np.float64) / sum(sizes)
+    averaged = {}
+    for key, first in states[0].items():
+        total = np.asarray(sum(weight * state[key].astype(np.float64) for weight, state in zip(weights, states)))
+        averaged[key] = np.rint(total).astype(first.dtype) if first.dtype.kind in "iub" else total.astype(first.dtype)
+    return averaged
 
-    run = RunConfig(
-        method="fedavg", model=args.model, rounds=args.rounds, clients=args.clients,
-        data={"source": args.data, "partition": "iid"}, train={"max_steps": args.steps, "batch_size": 64},
-        task_request_interval=args.task_request_interval,
-    )
-    bare = bare_loop(run, args.steps)
-    summary = run_simulation(run, Path(args.out) / "flare", echo=lambda line: None, overwrite=True)
-    flare = summary["timing"]["per_round_seconds"]
-    bare_mean, flare_mean = float(np.mean(bare[1:])), float(np.mean(flare[1:]))
-    result = {
-        "config": vars(args),
-        "bare_round_seconds": bare,
-        "flare_round_seconds": flare,
-        "bare_mean_round_seconds": bare_mean,
-        "flare_mean_round_seconds": flare_mean,
-        "ratio_flare_over_bare": flare_mean / bare_mean,
-        "flare_overhead_per_round_seconds": flare_mean - bare_mean,
-        "flare_startup_seconds": summary["timing"].get("startup_seconds"),
-        "flare_first_round_seconds": flare[0],
-        "flare_total_seconds": summary["timing"].get("total_seconds"),
+
+def cpu_seconds() -> float:
+    """User + system CPU-seconds of this process and of the children it has waited for."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+# ----- the medflare side --------------------------------------------------------------------------------------
+def flare_run(run: Any, out: Path) -> dict[str, Any]:
+    """The same job in FLARE's simulator; per-round walls and the sites' and server's own spans."""
+    from medflare.simulate import run_simulation
+
+    cpu, launched = cpu_seconds(), time.perf_counter()
+    summary = run_simulation(run, out, echo=lambda line: None, overwrite=True)
+    total, cpu = time.perf_counter() - launched, cpu_seconds() - cpu
+    results = json.loads((out / "medflare_results.json").read_text())
+    return {"total_seconds": total, "cpu_seconds": cpu, "summary": summary,
+            "rounds": flare_rounds(results, site_spans(out))}
+
+
+def site_spans(out: Path) -> dict[str, dict[int, dict[str, float]]]:
+    """site -> round -> the spans of its train task, from each site's own log (copied out by the simulator)."""
+    spans: dict[str, dict[int, dict[str, float]]] = {}
+    for log in sorted(out.glob("sites/*/medflare_site_log.jsonl")):
+        for line in log.read_text().splitlines():
+            record = json.loads(line) if line.strip() else {}
+            if record.get("event") == "task_seconds":
+                spans.setdefault(log.parent.name, {})[int(record["round"])] = record["seconds"]
+    return spans
+
+
+def flare_rounds(results: dict[str, Any], spans: dict[str, dict[int, dict[str, float]]]) -> list[dict[str, Any]]:
+    """Per round: wall (start to the next round's start; the last: start to aggregated), each site's work and
+    the moment its result reached the server, and the server's spans."""
+    records = results["rounds"]
+    rounds = []
+    for i, record in enumerate(records):
+        later = records[i + 1]["started_at"] if i + 1 < len(records) else None
+        wall = later - record["started_at"] if later is not None else record["wall_seconds"]
+        sites = {site: sum(spans[site][record["round"]].values()) for site in spans if record["round"] in spans[site]}
+        arrived = {site: facts.get("result_at") for site, facts in record.get("sites", {}).items()}
+        train = {site: facts.get("train_seconds") for site, facts in record.get("sites", {}).items()}
+        rounds.append({"wall": wall, "work": sites, "result_at": arrived, "train": train,
+                       "server": record.get("server_seconds", {}),
+                       "spans": {site: spans[site].get(record["round"], {}) for site in spans}})
+    return rounds
+
+
+# ----- figures --------------------------------------------------------------------------------------------------
+def later_rounds(rows: list[Any]) -> list[Any]:
+    """Rounds 2..R (round 1 holds the sites' start-up); the only round if there is one."""
+    return rows[1:] if len(rows) > 1 else rows
+
+
+def later(values: list[float]) -> float:
+    """Mean over rounds 2..R."""
+    return statistics.mean(later_rounds(values))
+
+
+def coordination(rounds: list[dict[str, Any]], work_of: Callable[[dict[str, Any]], list[float]]) -> list[float]:
+    """Round wall minus the slowest site's local work, per round."""
+    return [r["wall"] - max(work_of(r)) for r in rounds]
+
+
+def where_it_goes(rounds: list[dict[str, Any]]) -> dict[str, float]:
+    """Mean seconds per round (rounds 2..R) of medflare's coordination, by part.
+
+    ``transport``: from the round's start to the slowest site's result at the controller, minus that site's
+    work (sending the task, the site's poll, sending the result back). ``server.*``: the controller's spans.
+    ``site.*``: that site's non-training spans (inside its work). ``other``: the rest of the round's wall (the
+    controller's polling, FLARE's bookkeeping, the results file).
+    """
+    parts: dict[str, list[float]] = {}
+    for r in later_rounds(rounds):
+        slowest = max(r["work"], key=r["work"].get)
+        transport = (r["result_at"].get(slowest) or 0.0) - r["work"][slowest]
+        entry = {"transport": transport, **{f"server.{k}": v for k, v in r["server"].items()}}
+        entry.update({f"site.{name}": r["spans"][slowest].get(name, 0.0) for name in SITE_OVERHEAD_SPANS})
+        entry["other"] = r["wall"] - r["work"][slowest] - transport - sum(r["server"].values())
+        for name, value in entry.items():
+            parts.setdefault(name, []).append(value)
+    return {name: statistics.mean(values) for name, values in parts.items()}
+
+
+def throughput(rounds: list[dict[str, Any]], images_per_site: dict[str, int] | None = None) -> float:
+    """Images per second of training, summed over sites and rounds 2..R (each side's own clock of training)."""
+    rows = later_rounds(rounds)
+    if images_per_site is None:  # bare: every site counts its images
+        return sum(s["images"] for r in rows for s in r["sites"]) / sum(s["train"] for r in rows for s in r["sites"])
+    return (sum(images_per_site[site] for r in rows for site in r["train"])
+            / sum(seconds for r in rows for seconds in r["train"].values()))
+
+
+def trained_images(n_samples: int, batch: int, steps: int) -> int:
+    """Images one medflare epoch trains on: full batches (drop_last when that leaves one), capped at ``steps``."""
+    batches = n_samples // batch if n_samples > batch else 1
+    size = batch if n_samples > batch else n_samples
+    return (min(batches, steps) if steps else batches) * size
+
+
+def compare(bare: dict[str, Any], flare: dict[str, Any], run: Any, steps: int, model_bytes: int) -> dict[str, Any]:
+    """Every figure of one site count, with its goal."""
+    bare_walls, flare_walls = [r["wall"] for r in bare["rounds"]], [r["wall"] for r in flare["rounds"]]
+    bare_overhead = coordination(bare["rounds"], lambda r: [s["work"] for s in r["sites"]])
+    flare_overhead = coordination(flare["rounds"], lambda r: list(r["work"].values()))
+    clients = flare["summary"].get("clients", {})
+    batch = int(run.train.get("batch_size", 64))
+    images = {site: trained_images(int(facts["n_samples_reported"]), batch, steps) for site, facts in clients.items()}
+    sent = [b for entry in flare["summary"].get("payload", {}).values() for b in entry["bytes_per_round"]]
+    figures = {
+        "wall_ratio_with_startup": flare["total_seconds"] / bare["total_seconds"],
+        "round_ratio_without_startup": later(flare_walls) / later(bare_walls),
+        "bare_round_seconds": later(bare_walls), "flare_round_seconds": later(flare_walls),
+        "bare_total_seconds": bare["total_seconds"], "flare_total_seconds": flare["total_seconds"],
+        "flare_startup_seconds": flare["summary"]["timing"].get("startup_seconds"),
+        "first_round_over_later": {"bare": bare_walls[0] / later(bare_walls), "flare": flare_walls[0] / later(flare_walls)},
+        "coordination_seconds_per_round": {"bare": later(bare_overhead), "flare": later(flare_overhead)},
+        "flare_coordination_parts": where_it_goes(flare["rounds"]),
+        "train_images_per_second": {"bare": throughput(bare["rounds"]), "flare": throughput(flare["rounds"], images)},
+        "cpu_seconds": {"bare": bare["cpu_seconds"], "flare": flare["cpu_seconds"]},
+        "bytes_per_site_round_over_fp32_model": max(sent) / model_bytes if sent else None,
+        "per_round_seconds": {"bare": bare_walls, "flare": flare_walls},
     }
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "overhead.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(
-        f"per round (rounds 2..{args.rounds}): bare PyTorch {bare_mean:.3f} s, medflare on FLARE simulator "
-        f"{flare_mean:.3f} s -> ratio {result['ratio_flare_over_bare']:.2f}x "
-        f"(+{result['flare_overhead_per_round_seconds']:.3f} s/round); FLARE start-up "
-        f"{result['flare_startup_seconds']:.1f} s, first round {flare[0]:.1f} s"
-    )
+    tp = figures["train_images_per_second"]
+    figures["throughput_ratio"] = tp["flare"] / tp["bare"]
+    bytes_ratio = figures["bytes_per_site_round_over_fp32_model"]
+    figures["goals_met"] = {
+        "ratio": figures["round_ratio_without_startup"] <= GOALS["ratio"],
+        "overhead_seconds": figures["coordination_seconds_per_round"]["flare"] <= GOALS["overhead_seconds"],
+        "throughput": figures["throughput_ratio"] >= GOALS["throughput"],
+        "first_round": figures["first_round_over_later"]["flare"] <= GOALS["first_round"],
+        "bytes": bytes_ratio is not None and bytes_ratio <= GOALS["bytes"],
+    }
+    return figures
+
+
+def markdown(config: dict[str, Any], by_clients: dict[str, dict[str, Any]]) -> str:
+    """results.md: one table row per site count, then where medflare's coordination time goes."""
+    lines = [
+        "# Framework cost: medflare on FLARE's simulator vs a bare PyTorch FedAvg (one process per site on both)",
+        "", f"Config: `{json.dumps(config)}`", "",
+        "| sites | bare s/round | medflare s/round | ratio (goal <= 1.05) | whole-job ratio (with start-up) "
+        "| coordination s/round bare / medflare (goal <= 0.3) | train img/s bare / medflare (ratio, goal >= 0.95) "
+        "| first / later round, medflare (goal <= 2) | CPU-s bare / medflare | bytes / fp32 model (goal <= 1.05) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for clients, f in by_clients.items():
+        c, t, cpu = f["coordination_seconds_per_round"], f["train_images_per_second"], f["cpu_seconds"]
+        lines.append(
+            f"| {clients} | {f['bare_round_seconds']:.2f} | {f['flare_round_seconds']:.2f} | "
+            f"{f['round_ratio_without_startup']:.3f} | {f['wall_ratio_with_startup']:.3f} | "
+            f"{c['bare']:.2f} / {c['flare']:.2f} | {t['bare']:.0f} / {t['flare']:.0f} ({f['throughput_ratio']:.3f}) | "
+            f"{f['first_round_over_later']['flare']:.2f} | {cpu['bare']:.0f} / {cpu['flare']:.0f} | "
+            f"{_fmt(f['bytes_per_site_round_over_fp32_model'])} |"
+        )
+    lines += ["", "Where medflare's coordination time goes (mean s per round, rounds 2..R; slowest site):", ""]
+    names = sorted({name for f in by_clients.values() for name in f["flare_coordination_parts"]})
+    lines += ["| sites | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for clients, f in by_clients.items():
+        lines.append(f"| {clients} | " + " | ".join(_fmt(f["flare_coordination_parts"].get(n)) for n in names) + " |")
+    lines += ["", "Goals met: " + "; ".join(f"{c} sites {f['goals_met']}" for c, f in by_clients.items()), ""]
+    return "\n".join(lines)
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def model_fp32_bytes(run: Any) -> int:
+    """Bytes of the model's state with every float at float32 (integer buffers at their own size)."""
+    from medflare.models import create_model
+
+    task = run.task_spec()
+    state = create_model(run.model, task.num_classes, task.in_channels, image_size=task.image_size).state_dict()
+    return int(sum(v.numel() * (4 if v.is_floating_point() else v.element_size()) for v in state.values()))
+
+
+def build_run(args: argparse.Namespace, clients: int) -> Any:
+    from medflare.run_config import RunConfig
+
+    train = {"batch_size": args.batch_size, "local_epochs": 1, "max_steps": args.steps}
+    return RunConfig(method="fedavg", model=args.model, rounds=args.rounds, clients=clients, seed=args.seed,
+                     data={"source": args.data, "partition": "iid"}, train=train,
+                     task_request_interval=args.task_request_interval, name=f"overhead-{clients}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clients", type=int, nargs="+", default=[2, 4], help="site counts, one comparison each")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=0, help="optimizer steps per site and round (0 = one epoch)")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--model", default="resnet18")
+    parser.add_argument("--data", default=f"medmnist:{DATA}")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--task-request-interval", type=float, default=0.1)
+    parser.add_argument("--quick", action="store_true", help="sanity run: 2 sites, 3 rounds, 5 steps")
+    parser.add_argument("--out", default="runs/bench-overhead")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.clients, args.rounds, args.steps = [2], 3, 5
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    out = Path(args.out)
+    by_clients = {}
+    for clients in args.clients:
+        run = build_run(args, clients)
+        bare = bare_run(run, args.steps)
+        flare = flare_run(run, out / f"flare-{clients}")
+        figures = by_clients[str(clients)] = compare(bare, flare, run, args.steps, model_fp32_bytes(run))
+        print(f"{clients} site(s): bare {figures['bare_round_seconds']:.2f} s/round, medflare "
+              f"{figures['flare_round_seconds']:.2f} -> {figures['round_ratio_without_startup']:.3f}x; "
+              f"coordination s/round {figures['coordination_seconds_per_round']}")
+    config = {k: v for k, v in vars(args).items() if k != "out"}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"config": config, "goals": GOALS, "by_clients": by_clients},
+                                                 indent=2) + "\n")
+    (out / "results.md").write_text(markdown(config, by_clients))
+    print(f"written: {out / 'results.md'}, {out / 'results.json'}")
+    return by_clients
 
 
 if __name__ == "__main__":
-    main()
+    from medflare.runner import stop_on_signals
+
+    with stop_on_signals():
+        main()

@@ -88,3 +88,45 @@ def test_job_stage_overrides_merge_into_the_method_stage_defaults() -> None:
     pretrain = cfg.for_stage("pretrain")
     assert (pretrain.warmup_rounds, pretrain.betas, pretrain.lr) == (3, (0.9, 0.95), 2e-3)
     assert cfg.lr == 1e-3 and cfg.for_stage("finetune").betas == (0.9, 0.999)
+
+
+def test_a_train_task_records_where_its_time_went_in_the_site_log(tmp_path: Path) -> None:
+    """The spans of a train task (never sent) land in the site's own log; together they are the task's time."""
+    import time
+
+    from medflare.site_runtime import SITE_LOG_FILE, TASK_SECONDS_EVENT
+
+    runtime = SiteRuntime(SiteSettings("fedavg", TASK, DATA, train={"max_steps": 2}), "site-1", 0, log=lambda m: None,
+                          local_dir=tmp_path)
+    started = time.perf_counter()
+    _, meta = runtime.train({}, RoundContext(3, 5))
+    wall = time.perf_counter() - started
+    records = [json.loads(line) for line in (tmp_path / SITE_LOG_FILE).read_text().splitlines()]
+    spans = next(r for r in records if r.get("event") == TASK_SECONDS_EVENT)
+    assert spans["round"] == 3
+    assert set(spans["seconds"]) == {"evaluate", "receive", "train", "encode", "save_state"}
+    assert all(seconds >= 0 for seconds in spans["seconds"].values())
+    assert spans["seconds"]["train"] >= meta["train_seconds"]  # the trainer's own clock sits inside the span
+    assert 0.9 * wall <= sum(spans["seconds"].values()) <= wall
+
+
+def test_the_site_state_is_written_while_the_result_travels(tmp_path: Path, monkeypatch) -> None:
+    """save_state returns before the file is written; the next task (or close) waits for it, so the file is whole."""
+    import threading
+
+    import torch
+
+    import medflare.site_runtime as site_runtime
+    from medflare.site_runtime import SITE_STATE_FILE
+
+    release, real_save = threading.Event(), torch.save
+    monkeypatch.setattr(site_runtime.torch, "save", lambda obj, path: (release.wait(timeout=10), real_save(obj, path)))
+    runtime = SiteRuntime(SiteSettings("fedavg", TASK, DATA, train={"max_steps": 1}), "site-1", 0, log=lambda m: None,
+                          local_dir=tmp_path)
+    runtime.train({}, RoundContext(0, 2))  # returns although the write is blocked
+    assert not (tmp_path / SITE_STATE_FILE).exists()
+    release.set()
+    runtime.validate({})  # the next task waits for the write first
+    assert (tmp_path / SITE_STATE_FILE).is_file()
+    state = torch.load(tmp_path / SITE_STATE_FILE, weights_only=False)
+    assert state["optimizer"]["state"]  # Adam's moments after one step

@@ -210,7 +210,8 @@ class DataParallelSite:
         return self.runtime.shared_weights()
 
     def close(self) -> None:
-        """Stop the helper ranks and leave the process group."""
+        """Finish rank 0's state write, stop the helper ranks and leave the process group."""
+        self.runtime.close()
         for inbox in self._inboxes:
             inbox.put(None)
         for helper in self._helpers:

@@ -21,6 +21,8 @@ from medflare.contracts import ContractContext
 from medflare.errors import ConfigError, DataError
 from medflare.methods.base import LocalTrainer, MethodSpec, RoundContext, TrainConfig, eval_stats
 from medflare.models import get_device
+from medflare.ops.background import BackgroundWrite
+from medflare.ops.timing import timed
 from medflare.ops.wire import encode_weights
 from medflare.registry import get_method
 
@@ -29,6 +31,7 @@ ALLOW_JOB_DATA = "allow_job_data"  # a site's opt-in (in that file): jobs may br
 EVALUATION_MODES = ("every_round", "final", "off")
 SITE_LOG_FILE = "medflare_site_log.jsonl"  # per-site diagnostics that never leave the site
 SITE_STATE_FILE = "medflare_site_state.pt"  # optimizer, private keys and method state of the running job
+TASK_SECONDS_EVENT = "task_seconds"  # site-log record: where a train task's time went (evaluate, train, encode, ...)
 
 
 @dataclass
@@ -195,6 +198,7 @@ class SiteRuntime:
             self.trainer.local_log = JsonLinesLog(Path(local_dir) / SITE_LOG_FILE)
         self.model_keys = list(self.model.state_dict().keys())
         self.state_path = Path(local_dir) / SITE_STATE_FILE if local_dir is not None else None
+        self._state_write = BackgroundWrite(f"{site_name}-state")
         self._restore_state()  # a site process restarted inside a running job continues where it stopped
 
     def _load_data(self, site_index: int) -> Any:
@@ -232,21 +236,31 @@ class SiteRuntime:
     ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """Score the site's own model (method-declared evaluations), load the received arrays, score the global
         model, train locally; return what the method declares it sends for this stage."""
+        self._state_write.wait()  # the previous task's state is on disk before this task changes it
         scoring = ctx.scored and self.settings.evaluation == "every_round"
-        meta = self._extra_evaluation_meta() if scoring else {}
-        self.trainer.receive(arrays)
-        if scoring:
-            meta.update(self._evaluation_meta())
-        meta.update(self.trainer.train_round(ctx, should_abort))
-        out_arrays = self._to_wire(self.trainer.outgoing_arrays(ctx), arrays, ctx)
-        self._check_outgoing(out_arrays, meta, contracts.TRAIN_PHASE, ctx)
-        self.save_state()
+        spans: dict[str, float] = {}  # where this task's time goes; kept in the site's own log, never sent
+        with timed(spans, "evaluate"):
+            meta = self._extra_evaluation_meta() if scoring else {}
+        with timed(spans, "receive"):
+            self.trainer.receive(arrays)
+        with timed(spans, "evaluate"):
+            if scoring:
+                meta.update(self._evaluation_meta())
+        with timed(spans, "train"):
+            meta.update(self.trainer.train_round(ctx, should_abort))
+        with timed(spans, "encode"):
+            out_arrays = self._to_wire(self.trainer.outgoing_arrays(ctx), arrays, ctx)
+            self._check_outgoing(out_arrays, meta, contracts.TRAIN_PHASE, ctx)
+        with timed(spans, "save_state"):
+            self.save_state()
+        self.trainer.record_locally(event=TASK_SECONDS_EVENT, round=ctx.round, seconds=spans)
         return out_arrays, meta
 
     def run_phase(
         self, phase: str, arrays: Mapping[str, np.ndarray], ctx: RoundContext
     ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """A method-specific task; its result is checked against the payload like any other."""
+        self._state_write.wait()
         out_arrays, meta = self.trainer.run_phase(phase, arrays, ctx)
         self._check_outgoing(out_arrays, meta, phase, ctx)
         self.save_state()
@@ -254,6 +268,7 @@ class SiteRuntime:
 
     def validate(self, arrays: Mapping[str, np.ndarray], ctx: RoundContext | None = None) -> dict[str, Any]:
         """Score the site's own model and the received (final) model without training."""
+        self._state_write.wait()
         ctx = ctx or RoundContext(0, 1)
         scoring = self.settings.evaluation != "off"
         meta = self._extra_evaluation_meta() if scoring else {}
@@ -281,12 +296,22 @@ class SiteRuntime:
 
     # ----- state kept at the site ------------------------------------------------------------------
     def save_state(self) -> None:
-        """Write the trainer's state (optimizer, private keys, method state) into the site's job workspace."""
+        """Write the trainer's state (optimizer, private keys, method state) into the site's job workspace.
+
+        The write runs in the background while the result travels (two model sizes of Adam state took up to a
+        second per round on a busy disk); every task waits for it before it touches the trainer, so the file
+        never mixes two rounds. A site killed within that moment restarts from the previous task's state.
+        """
         if self.state_path is None:
             return
-        tmp = self.state_path.with_suffix(".tmp")
-        torch.save(self.trainer.state_dict(), tmp)
-        os.replace(tmp, self.state_path)  # never a half-written state file
+        path, state = self.state_path, self.trainer.state_dict()
+
+        def write() -> None:
+            tmp = path.with_suffix(".tmp")
+            torch.save(state, tmp)
+            os.replace(tmp, path)  # never a half-written state file
+
+        self._state_write.start(write)
 
     def _restore_state(self) -> None:
         if self.state_path is None or not self.state_path.is_file():
@@ -295,7 +320,8 @@ class SiteRuntime:
         self.log(f"restored this site's state for the running job from {self.state_path.name}")
 
     def close(self) -> None:
-        """Nothing to release for a single-process site (the data-parallel site stops its helper ranks)."""
+        """Finish the state write in flight (the data-parallel site also stops its helper ranks)."""
+        self._state_write.wait()
 
     def shared_weights(self) -> dict[str, np.ndarray]:
         """The site's current shareable weights (for submit_model / cross-site evaluation)."""

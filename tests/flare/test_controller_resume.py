@@ -44,6 +44,7 @@ def crashed_job(root: Path) -> tuple[str, MedflareController]:
     ctl._results["rounds"] = [{"round": 0, "share": {"site-1": 1.0}}, {"round": 1, "share": {"site-1": 1.0}}]
     ctl._best = 0.7
     ctl._save_checkpoint(2, FLContext())
+    ctl._checkpoint_write.wait()  # written in the background while the next round's sites train
     return job_id, ctl
 
 
@@ -132,3 +133,36 @@ def test_only_the_submitter_of_the_crashed_job_may_resume_it(tmp_path: Path) -> 
 def _write_meta(run_dir: Path, submitter: str) -> None:
     """The meta.json FLARE writes into a job's server run folder."""
     (run_dir / "meta.json").write_text(json.dumps({"submitter_name": submitter}))
+
+
+def test_the_model_file_is_written_once_with_the_last_rounds_model(tmp_path: Path) -> None:
+    """Every round's model is in the round checkpoint; FL_global_model.pt is written once, before the final
+    validation scores that model (a per-round copy only lengthened each round)."""
+    ctl = controller(tmp_path)
+    events = []
+
+    def play(ctx, abort, fl_ctx) -> None:
+        ctl.global_params = {"w": np.full((2, 3), float(ctx.round), np.float32)}
+        events.append(("round", len(ctl.persistor.saved)))
+
+    ctl._run_round = play
+    ctl._final_validation = lambda last, abort, fl_ctx: events.append(("final", len(ctl.persistor.saved)))
+    ctl.control_flow(Signal(), FLContext())
+    assert events == [("round", 0)] * ROUNDS + [("final", 1)]
+    np.testing.assert_array_equal(ctl.persistor.saved[0]["weights"]["w"], np.full((2, 3), ROUNDS - 1.0))
+
+
+def test_a_failed_job_keeps_its_last_good_model(tmp_path: Path) -> None:
+    ctl = controller(tmp_path)
+    ctl.system_panic = lambda reason, fl_ctx: None
+
+    def play(ctx, abort, fl_ctx) -> None:
+        if ctx.round == 2:
+            raise RuntimeError("only 0 site(s) sent a valid result")
+        ctl.global_params = {"w": np.full((2, 3), float(ctx.round), np.float32)}
+
+    ctl._run_round = play
+    ctl.control_flow(Signal(), FLContext())
+    assert "only 0 site(s)" in ctl._results["error"]
+    assert len(ctl.persistor.saved) == 1
+    np.testing.assert_array_equal(ctl.persistor.saved[0]["weights"]["w"], np.full((2, 3), 1.0))

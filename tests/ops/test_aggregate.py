@@ -5,6 +5,7 @@ import pytest
 
 from medflare.errors import PayloadError
 from medflare.ops import normalise_weights, weighted_average
+from medflare.ops.aggregate import weighted_sum
 
 
 def test_weighted_average_uses_normalised_scalar_weights() -> None:
@@ -43,3 +44,26 @@ def test_bad_weights_are_refused(weights: dict) -> None:
 def test_nothing_to_aggregate_is_an_error() -> None:
     with pytest.raises(PayloadError, match="no site update"):
         weighted_average({}, {})
+
+
+def test_weighted_sum_multiplies_half_precision_inputs_in_float64() -> None:
+    # Prepare: float16 values whose products by 1/3 and 2/3 are not float16 numbers
+    arrays = [np.array([1 + 2**-10, 3.0], dtype=np.float16), np.array([2049 / 1024, 0.5], dtype=np.float16)]
+    weights = [1 / 3, 2 / 3]
+    # Execute
+    total = weighted_sum(arrays, weights)
+    # Assert: exactly the float64 sum of float64 products, term by term
+    expected = [weights[0] * float(a) + weights[1] * float(b) for a, b in zip(*arrays)]
+    assert total.dtype == np.float64
+    np.testing.assert_array_equal(total, expected)
+
+
+def test_weighted_average_of_many_sites_matches_the_float64_formula() -> None:
+    rng = np.random.default_rng(0)
+    updates = {f"s{i}": {"w": rng.normal(size=(3, 4)).astype(np.float32)} for i in range(5)}
+    weights = {f"s{i}": float(i + 1) for i in range(5)}
+    result = weighted_average(updates, weights)
+    total = sum(weights.values())
+    expected = sum((weights[s] / total) * updates[s]["w"].astype(np.float64) for s in updates)
+    np.testing.assert_allclose(result["w"], expected.astype(np.float32), rtol=0, atol=1e-7)
+    assert result["w"].dtype == np.float32

@@ -50,3 +50,10 @@ def test_a_result_of_the_wrong_kind_or_dtype_is_rejected() -> None:
     assert "dtype" in half.accept("site-1", dict(LOCAL), {"n_samples": 4})  # float32 where float16 was asked
     assert half.accept("site-1", encode_weights(LOCAL, GLOBAL, "float16", "weights"), {"n_samples": 4}) is None
     assert half.aggregate().params["w"].dtype == np.float32  # the aggregate stays in the model's precision
+
+
+def test_float32_weights_go_on_the_wire_without_another_copy() -> None:
+    weights = {"w": np.ones((4, 4), np.float32), "n": np.array(3, np.int64)}
+    sent = encode_weights(weights, {}, "float32", "weights")
+    assert all(np.shares_memory(sent[k], weights[k]) for k in weights)  # the trainer's copy is sent as it is
+    assert not np.shares_memory(encode_weights(weights, {}, "float16", "weights")["w"], weights["w"])

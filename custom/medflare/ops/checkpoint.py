@@ -12,6 +12,8 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from medflare.ops.background import BackgroundWrite
+
 STATE_KEY = "__state__"
 PARAM_PREFIX = "param:"
 
@@ -21,20 +23,30 @@ def save_checkpoint(
     params: Mapping[str, np.ndarray],
     state: Mapping[str, Any],
     json_default: Callable[[Any], Any] | None = None,
+    writer: BackgroundWrite | None = None,
 ) -> None:
     """Write ``params`` and ``state`` to ``path``; a crash mid-write leaves the previous checkpoint intact.
 
     Args:
         path: the checkpoint file (``.npz``).
-        params: name -> array (e.g. the global model).
-        state: JSON-serialisable state (round counter, results, ...).
+        params: name -> array (e.g. the global model); the arrays must not change until the write is done.
+        state: JSON-serialisable state (round counter, results, ...); encoded before this returns.
         json_default: ``json.dumps`` fallback for values JSON does not know (e.g. numpy scalars).
+        writer: write the arrays in this background writer (after the one in flight) instead of now.
     """
     encoded = np.frombuffer(json.dumps(dict(state), default=json_default).encode(), dtype=np.uint8)
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        np.savez(f, **{STATE_KEY: encoded}, **{PARAM_PREFIX + k: np.asarray(v) for k, v in params.items()})
-    os.replace(tmp, path)
+    arrays = {STATE_KEY: encoded, **{PARAM_PREFIX + k: np.asarray(v) for k, v in params.items()}}
+
+    def write() -> None:
+        tmp = f"{path}.tmp"
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(tmp, path)
+
+    if writer is None:
+        write()
+    else:
+        writer.start(write)
 
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:

@@ -29,7 +29,7 @@ def encode_weights(
     """The site's weights as they go on the wire (non-float arrays are dropped when sending differences)."""
     wire_dtype = np.dtype(dtype)
     if kind == "weights":
-        return {k: v.astype(wire_dtype) if is_float(v) else v for k, v in weights.items()}
+        return {k: v.astype(wire_dtype, copy=False) if is_float(v) else v for k, v in weights.items()}  # no 2nd copy
     missing = sorted(k for k, v in weights.items() if is_float(v) and k not in received)
     if missing:
         raise PayloadError(f"cannot send differences for {missing[:5]}: the server did not send them this round")

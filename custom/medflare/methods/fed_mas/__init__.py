@@ -18,6 +18,7 @@ from medflare.methods.fed_mas.server import FedMasRule
 from medflare.registry import register_method
 
 AGGREGATIONS = ("mas", "mas_inv", "mas_drw", "samples")
+PRIOR_PRECISIONS = ("fp32", "reduced")
 REFERENCE = (
     "Elbatel, Wang, Martí, Fu and Li, Federated Model Aggregation via Self-Supervised Priors for Highly "
     "Imbalanced Medical Image Classification, MICCAI 2023 workshops"
@@ -41,6 +42,10 @@ class FedMasConfig:
     drw_beta: float = 0.9999  # mas_drw: effective-number β
     eps: float = 1e-12  # BSM prior floor (spec §1.1)
     repo_compat_teacher_bn: bool = False  # reproduce the authors' teacher-BN bug in round 0 (spec §2(e)5)
+    # Cost shortcuts (issue 15), each off by default (the paper's behaviour) and a documented deviation:
+    cache_prior_features: bool = False  # reuse the prior's feature of an identical input (augment none/weak only)
+    prior_precision: str = "fp32"  # fp32 | reduced: the prior under autocast, bf16 on CPU, fp16 on CUDA
+    w_pass_per_class: int = 0  # 0 = w over every training image; N = over a stratified draw of <= N per class
 
     def __post_init__(self) -> None:
         if self.aggregation not in AGGREGATIONS:
@@ -50,6 +55,11 @@ class FedMasConfig:
         if not 0 <= self.drw_start <= 1 or not 0 <= self.drw_beta < 1:
             raise ConfigError(
                 f"fedmas drw_start must be in [0, 1] and drw_beta in [0, 1), got {self.drw_start}, {self.drw_beta}"
+            )
+        if self.prior_precision not in PRIOR_PRECISIONS or self.w_pass_per_class < 0:
+            raise ConfigError(
+                f"fedmas prior_precision must be one of {PRIOR_PRECISIONS} and w_pass_per_class >= 0 (0 = every "
+                f"image), got '{self.prior_precision}', {self.w_pass_per_class}"
             )
         if not 0 <= self.max_share <= 1:
             raise ConfigError(f"fedmas max_share must be in [0, 1], got {self.max_share}")

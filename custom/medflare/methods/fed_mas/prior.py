@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +64,56 @@ class FrozenPrior(nn.Module):
         if pixels.shape[-1] != self.input_size or pixels.shape[-2] != self.input_size:
             pixels = F.interpolate(pixels, size=(self.input_size, self.input_size), mode="bilinear", align_corners=False)
         return self.encoder((pixels - self.mean) / self.std).float()
+
+
+class PriorFeatureCache:
+    """The prior's features per distinct input image, computed once (the ``cache_prior_features`` option).
+
+    Keyed by the image's bytes as the model sees it, so a cached feature is only ever reused for the identical
+    input: exact by construction, whatever the batch. It pays off when every image has few views (no training
+    augmentation, or a flip only: at most two entries per image); :func:`check_finite_views` refuses the rest.
+    A feature may differ from a fresh forward of another batch in the last float bits (the kernels depend on the
+    batch size); the tests bound that at 1e-5.
+
+    Args:
+        compute: the uncached prior forward, [B, C, H, W] -> [B, D].
+    """
+
+    def __init__(self, compute: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.compute = compute
+        self.features: dict[bytes, torch.Tensor] = {}
+        self.hits = self.misses = 0
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        keys = [row.tobytes() for row in images.detach().cpu().numpy()]
+        missing = sorted({keys.index(key) for key in keys if key not in self.features})
+        if missing:
+            for index, feature in zip(missing, self.compute(images[missing]).detach().cpu()):
+                self.features[keys[index]] = feature.clone()
+        self.misses += len(missing)
+        self.hits += len(keys) - len(missing)
+        return torch.stack([self.features[key] for key in keys]).to(images.device)
+
+
+def check_finite_views(dataset: Any, samples: int = 8, draws: int = 6) -> None:
+    """Refuse a training set whose augmentation draws a new image every time (a feature cache would never hit).
+
+    Draws a few images several times each (with the random state restored afterwards, so training is unchanged):
+    more than two distinct views of one image means continuous augmentation (affine, jitter, blur), while none
+    or a horizontal flip give one or two.
+
+    Raises:
+        ConfigError: naming the option and what to change.
+    """
+    with torch.random.fork_rng(devices=[]):
+        for index in range(min(samples, len(dataset))):
+            views = {dataset[index][0].numpy().tobytes() for _ in range(draws)}
+            if len(views) > 2:
+                raise ConfigError(
+                    "fedmas method.cache_prior_features=true needs training images with a fixed set of views, but "
+                    f"this site's augmentation drew {len(views)} different images from one in {draws} draws; set "
+                    "data.augment=none (or weak, a flip only), or turn the cache off"
+                )
 
 
 def prior_feature_dim(prior: str, declared_dim: int) -> int:

@@ -60,3 +60,18 @@ def rescue_factor(w: np.ndarray, w_hat: np.ndarray, invert: bool = False) -> flo
         raise ValueError("rescue factor undefined: every per-class distance is zero")
     present = w != 0
     return float(np.sum((w / w.sum())[present] * (w_hat / w_hat.sum())[present]))
+
+
+def stratified_subsample(labels: np.ndarray, per_class: int, seed: int | tuple[int, ...]) -> np.ndarray:
+    """Sorted row indices of at most ``per_class`` labelled rows of each class, drawn without replacement.
+
+    A class with fewer rows keeps them all; unlabelled rows (-1) are never drawn. The same ``seed`` gives the
+    same rows (the ``w_pass_per_class`` option draws with (site seed, round)).
+    """
+    labels = np.asarray(labels)
+    rng = np.random.default_rng(seed)
+    chosen = []
+    for k in np.unique(labels[labels >= 0]):
+        rows = np.flatnonzero(labels == k)
+        chosen.append(rows if len(rows) <= per_class else rng.choice(rows, size=per_class, replace=False))
+    return np.sort(np.concatenate(chosen)) if chosen else np.zeros(0, np.int64)
