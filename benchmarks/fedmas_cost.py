@@ -28,8 +28,11 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+
+from medflare.benchmarking import mean_std
 
 W_PASS_PER_CLASS = 32  # images per class in the shortcut's w pass
 SHORTCUTS = {"cache_prior_features": True, "prior_precision": "reduced", "w_pass_per_class": W_PASS_PER_CLASS}
@@ -111,16 +114,13 @@ def site_round_parts(run: Any, rounds: int) -> dict[str, float]:
 
 # ----- part 2: accuracy and local work in FLARE's simulator -------------------------------------------------------
 def simulated(run: Any, out: Path) -> dict[str, float]:
-    from medflare.simulate import run_simulation
+    """One cell's accuracy and local work (an identical finished run in ``out`` is reused)."""
+    from medflare.benchmarking import run_cell
 
-    summary = run_simulation(run, out, echo=lambda line: None, overwrite=True)
+    summary, _ = run_cell(run, out)
     seconds = [t for facts in summary["clients"].values() for t in facts.get("train_seconds", [])[1:] if t]
     return {"balanced_accuracy": summary["final"]["balanced_accuracy"],
             "train_seconds": statistics.mean(seconds) if seconds else float("nan")}
-
-
-def mean_std(values: list[float]) -> tuple[float, float]:
-    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
 def ratio_rows(seconds: dict[str, float]) -> list[str]:
@@ -146,7 +146,7 @@ def markdown(args: argparse.Namespace, timing: dict[str, dict[str, float]], accu
                   "", "| variant | balanced accuracy | local work s/site/round |", "|---|---|---|"]
         means = {}
         for name, cells in accuracy.items():
-            bacc = mean_std([c["balanced_accuracy"] for c in cells])
+            bacc = mean_std([c["balanced_accuracy"] for c in cells]) or (float("nan"), float("nan"))
             means[name] = statistics.mean(c["train_seconds"] for c in cells)
             lines.append(f"| {name} | {bacc[0]:.4f} ± {bacc[1]:.4f} | {means[name]:.2f} |")
         lines += ["", *ratio_rows(means), ""]
