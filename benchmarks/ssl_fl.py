@@ -4,8 +4,8 @@ Parts (``--part``):
   main    Dirichlet(alpha) label skew over 5 simulated sites, alpha in {100, 1.0, 0.5}, both data sets, every
           label kept: scratch (fed-mae with pretrain_rounds=0: same network, initialisation and fine-tuning
           recipe) vs Fed-MAE vs Fed-BEiT.
-  labels  the label-efficiency curve: the same, with data.label_fraction 0.1 and 0.3 (1.0 is the main grid),
-          on one data set and alpha (default RetinaMNIST, alpha 100 = the paper's IID Split-1).
+  labels  the label-efficiency curve: the same, with data.label_fraction 0.1, 0.3 and 1.0 (1.0 = the main
+          grid's job), on one data set and alpha (default RetinaMNIST, alpha 100 = the paper's IID Split-1).
   fedmas  Fed-MAS with a Fed-MAE prior (the encoder pre-trained on the same sites) vs the ImageNet
           EfficientNet-Lite0 prior, on RetinaMNIST alpha 0.5 (long tail; head > 300, tail < 100 images).
 
@@ -25,7 +25,10 @@ Usage:
     python benchmarks/ssl_fl.py --part labels | --part fedmas | --check-simulator
     budgets: --pretrain-rounds R --finetune-rounds R --max-steps S --fedmas-rounds R (job names omit them:
     give a run with other budgets its own --out)
-Finished jobs are cached in --out (rerunning skips them); the table rows go to --results.
+    python benchmarks/ssl_fl.py --part all --report-only    (tables and plot from the finished jobs only)
+Finished jobs are cached in --out (rerunning skips them; a cached job run with another configuration stops the
+script). The rows go to --results, the mean ± std tables to the same name with .md, the label-efficiency plot
+beside it (-label-efficiency.png).
 """
 
 from __future__ import annotations
@@ -38,12 +41,13 @@ import random
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
 
 from medflare import contracts
+from medflare.benchmarking import mean_std, versus
 from medflare.config import from_dict
 from medflare.data.checksums import verify_medmnist_file
 from medflare.evaluation import site_evaluation, summarize
@@ -53,6 +57,7 @@ from medflare.flare.tasks import round_context, round_meta, round_plan
 from medflare.methods.base import RoundContext
 from medflare.methods.ssl_fl.export import export_global_model
 from medflare.metrics import shot_groups_from_counts
+from medflare.plotting import legend_outside, pyplot, save
 from medflare.registry import get_method
 from medflare.run_config import RunConfig
 from medflare.simulate import describe_sites, run_simulation
@@ -63,13 +68,13 @@ DATASETS = {"retina": "retinamnist.npz", "pneumonia": "pneumoniamnist.npz"}
 METHODS = ("scratch", "fed-mae", "fed-beit")
 # CPU budget per job (stated in docs/benchmarks.md): a ViT-Micro at 28 px, 5 sites, max_steps per site and round.
 MODEL, CLIENTS, BATCH = "vit_micro", 5, 32
-PRETRAIN = {"rounds": 8, "max_steps": 6}  # Fed-BEiT: 2 of these rounds train its tokenizer first
+PRETRAIN = {"rounds": 20, "max_steps": 10}  # Fed-BEiT: 2 of these rounds train its tokenizer first
 TOKENIZER_ROUNDS = 2
 MAE_DECODER = {"decoder_dim": 64, "decoder_depth": 2, "decoder_heads": 4}  # narrower than the 96-d encoder
 # Both pre-trainings at BEiT's absolute lr 1.5e-3: MAE's rule (blr 2e-3 x 32 / 256 = 2.5e-4) is meant for
 # hundreds of epochs at large batches.
 PRETRAIN_TRAIN = {"stages": {"pretrain": {"lr": 1.5e-3, "base_batch": 0}}}
-FINETUNE = {"rounds": 8, "max_steps": 6}
+FINETUNE = {"rounds": 20, "max_steps": 10}
 # CPU-budget recipe, the same for every arm: in a centralised 64-step probe on PneumoniaMNIST's validation split a
 # ViT-Micro from scratch stayed at the majority class with MAE's rule (3e-3 x 32 / 256) and learned with an absolute
 # 2e-3 (layer decay 0.65); augmentation and Mixup/CutMix also slow such short runs, so fine-tuning runs without them.
@@ -188,21 +193,43 @@ def finetune_run(method: str, dataset: str, alpha: float, seed: int, fraction: f
                      site_evaluation="final", name=f"{method}-ft-{dataset}-a{alpha:g}-f{fraction:g}-s{seed}")
 
 
-class Grid:
-    """Runs and caches jobs under ``out``: one folder per job with result.json (rerunning skips finished jobs)."""
+class MissingJob(LookupError):
+    """A job the report needs has not finished (``--report-only`` runs nothing)."""
 
-    def __init__(self, out: Path, runner: str) -> None:
-        self.out, self.runner = out, runner
+
+def job_config(run: RunConfig) -> dict[str, Any]:
+    """What a cached job's result records about its run, as JSON reads it back (budget, data, recipe)."""
+    config = {k: v for k, v in vars(run).items() if k in ("method", "model", "rounds", "clients", "seed",
+                                                          "method_args", "data", "train", "pretrained")}
+    return json.loads(json.dumps(config, default=str))
+
+
+class Grid:
+    """Runs and caches jobs under ``out``: one folder per job with result.json (rerunning skips finished jobs).
+
+    Job names omit the budget, so a cached job is reused only when its recorded configuration equals the
+    requested one; anything else stops the script rather than mixing budgets in one table.
+    """
+
+    def __init__(self, out: Path, runner: str, run_missing: bool = True) -> None:
+        self.out, self.runner, self.run_missing = out, runner, run_missing
 
     def job(self, run: RunConfig) -> dict[str, Any]:
         folder = self.out / run.name
         done = folder / "result.json"
+        config = job_config(run)
         if done.is_file():
-            return json.loads(done.read_text())
+            result = json.loads(done.read_text())
+            if result.get("config") != config:
+                changed = sorted(k for k in config if result.get("config", {}).get(k) != config[k])
+                raise SystemExit(f"{done} was run with another configuration ({', '.join(changed)} differ): give "
+                                 f"this budget its own --out, or delete {folder} to redo it")
+            return result
+        if not self.run_missing:
+            raise MissingJob(run.name)
         print(f"  {run.name} ...", flush=True)
         result = run_job(run, self.runner, folder)
-        result["config"] = {k: v for k, v in vars(run).items() if k in ("method", "model", "rounds", "clients", "seed",
-                                                                       "method_args", "data", "train", "pretrained")}
+        result["config"] = config
         done.write_text(json.dumps(result, indent=1, default=str) + "\n")
         m = result["metrics"]
         print(f"  {run.name}: accuracy {m['accuracy']:.4f}, balanced {m['balanced_accuracy']:.4f} "
@@ -254,20 +281,65 @@ def check_simulator(grid: Grid) -> dict[str, Any]:
 
 
 # ----- tables ----------------------------------------------------------------------------------------------
-def mean_std(values: list[float]) -> str:
-    return f"{statistics.mean(values):.4f} ± {statistics.stdev(values) if len(values) > 1 else 0.0:.4f}"
+def gather(make_row: Callable[..., dict[str, Any]], cells: Iterable[tuple]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The rows of the cells whose jobs finished, and the names of the jobs still missing (``--report-only``)."""
+    rows, missing = [], []
+    for cell in cells:
+        try:
+            rows.append(make_row(*cell))
+        except MissingJob as job:
+            missing.append(str(job))
+    return rows, missing
 
 
-def table(rows: list[dict[str, Any]], keys: tuple[str, ...], group: str, metrics: tuple[str, ...]) -> list[str]:
-    """Markdown rows: one per (keys) cell, mean ± std over seeds of each metric."""
+def table(rows: list[dict[str, Any]], keys: tuple[str, ...], group: str, metrics: tuple[str, ...],
+          baseline: str | None = None) -> list[str]:
+    """Markdown rows: one per (keys, group) cell, mean ± std over seeds of each metric.
+
+    With ``baseline`` (a value of ``group``), a last column reads the first metric's gap to the baseline in the
+    same (keys) cell: within one standard deviation is "no difference".
+    """
     cells: dict[tuple, list[dict[str, Any]]] = {}
     for row in rows:
         cells.setdefault(tuple(row[k] for k in keys) + (row[group],), []).append(row)
-    lines = [f"| {' | '.join(keys + (group,))} | {' | '.join(metrics)} | seeds |", "|" + "---|" * (len(keys) + len(metrics) + 2)]
+    extra = [f"{metrics[0]} vs {baseline}"] if baseline else []
+    header = list(keys) + [group] + list(metrics) + ["seeds"] + extra
+    lines = [f"| {' | '.join(header)} |", "|" + "---|" * len(header)]
     for cell, members in sorted(cells.items(), key=lambda item: tuple(str(v) for v in item[0])):
-        values = [mean_std([m[metric] for m in members]) for metric in metrics]
-        lines.append(f"| {' | '.join(str(v) for v in cell)} | {' | '.join(values)} | {len(members)} |")
+        values = ["{:.4f} ± {:.4f}".format(*mean_std([m[metric] for m in members])) for metric in metrics]
+        if baseline:
+            base = cells.get(cell[:-1] + (baseline,))
+            ours = [m[metrics[0]] for m in members]
+            values.append("" if cell[-1] == baseline or not base else versus(ours, [b[metrics[0]] for b in base]))
+        columns = [str(v) for v in cell] + values[: len(metrics)] + [str(len(members))] + values[len(metrics):]
+        lines.append(f"| {' | '.join(columns)} |")
     return lines
+
+
+def label_efficiency_figure(rows: list[dict[str, Any]], metric: str = "balanced_accuracy") -> Any:
+    """Per method: ``metric`` against the labelled share of each site's images (mean ± std over seeds)."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    points: dict[str, dict[float, list[float]]] = {}
+    for row in rows:
+        points.setdefault(row["method"], {}).setdefault(row["label_fraction"], []).append(row[metric])
+    seeds = {len(v) for by_fraction in points.values() for v in by_fraction.values()}
+    for method, by_fraction in points.items():
+        fractions = sorted(by_fraction)
+        stats = [mean_std(by_fraction[f]) for f in fractions]
+        ax.errorbar([100 * f for f in fractions], [m for m, _ in stats], yerr=[s for _, s in stats], capsize=3,
+                    marker="o", label=method)
+    ticks = sorted({100 * f for by_fraction in points.values() for f in by_fraction})
+    ax.set_xscale("log")
+    ax.set_xticks(ticks, [f"{t:g}%" for t in ticks])
+    ax.minorticks_off()
+    spread = f"mean ± std over {max(seeds)} seeds" if seeds and max(seeds) > 1 else "one seed"
+    setting = ", ".join(sorted({f"{r['dataset']} alpha {r['alpha']:g}" for r in rows}))
+    ax.set(xlabel="labelled share of each site's training images", ylabel=f"test {metric.replace('_', ' ')}",
+           title=f"label efficiency, {setting} ({spread})")
+    legend_outside(ax)
+    fig.tight_layout()
+    return fig
 
 
 def main() -> None:
@@ -277,10 +349,11 @@ def main() -> None:
     parser.add_argument("--alphas", type=float, nargs="+", default=[100.0, 1.0, 0.5])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.3])
+    parser.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.3, 1.0])
     parser.add_argument("--labels-setting", nargs=2, default=["retina", "100"], metavar=("DATASET", "ALPHA"))
     parser.add_argument("--runner", choices=["inprocess", "simulator"], default="inprocess")
     parser.add_argument("--check-simulator", action="store_true", help="only compare the two runners on one job")
+    parser.add_argument("--report-only", action="store_true", help="run nothing: tables from the finished jobs")
     parser.add_argument("--pretrain-rounds", type=int, default=PRETRAIN["rounds"],
                         help=f"pre-training rounds, Fed-BEiT's {TOKENIZER_ROUNDS} tokenizer rounds included")
     parser.add_argument("--finetune-rounds", type=int, default=FINETUNE["rounds"])
@@ -292,7 +365,7 @@ def main() -> None:
     args = parser.parse_args()
     set_budget(args)
     torch.set_num_threads(1)
-    grid = Grid(Path(args.out), args.runner)
+    grid = Grid(Path(args.out), args.runner, run_missing=not args.report_only)
     results_file = Path(args.results)
     results = json.loads(results_file.read_text()) if results_file.is_file() else {}
     if args.check_simulator:
@@ -304,22 +377,56 @@ def main() -> None:
                              "pretrain_train": PRETRAIN_TRAIN, "finetune_train": FINETUNE_TRAIN,
                              "finetune_data": FINETUNE_DATA, "finetune_args": FINETUNE_ARGS, "fedmas": FEDMAS,
                              "runner": args.runner}
-        if args.part in ("main", "all"):
-            rows = [grid.finetune(m, d, a, s) for d in args.datasets for a in args.alphas for s in args.seeds for m in args.methods]
-            results["main"] = _merge(results.get("main", []), rows, ("method", "dataset", "alpha", "seed"))
-            print("\n".join(table(results["main"], ("dataset", "alpha"), "method", ("accuracy", "balanced_accuracy"))))
-        if args.part in ("labels", "all"):
-            dataset, alpha = args.labels_setting[0], float(args.labels_setting[1])
-            rows = [grid.finetune(m, dataset, alpha, s, f) for f in args.fractions for s in args.seeds for m in args.methods]
-            results["labels"] = _merge(results.get("labels", []), rows, ("method", "dataset", "alpha", "seed", "label_fraction"))
-            print("\n".join(table(results["labels"], ("dataset", "alpha", "label_fraction"), "method", ("accuracy", "balanced_accuracy"))))
-        if args.part in ("fedmas", "all"):
-            rows = [grid.fedmas(prior, s) for prior in ("imagenet-lite0", "fed-mae") for s in args.seeds]
-            results["fedmas"] = _merge(results.get("fedmas", []), rows, ("prior", "dataset", "alpha", "seed"))
-            print("\n".join(table(results["fedmas"], ("dataset", "alpha"), "prior", ("balanced_accuracy", "tail_accuracy", "accuracy"))))
+        report = run_parts(grid, args, results)
+        report_file = results_file.with_suffix(".md")
+        report_file.write_text("\n".join(report) + "\n")
+        print(f"tables: {report_file}")
     results_file.parent.mkdir(parents=True, exist_ok=True)
     results_file.write_text(json.dumps(results, indent=1) + "\n")
     print(f"results: {results_file}")
+
+
+def run_parts(grid: Grid, args: argparse.Namespace, results: dict[str, Any]) -> list[str]:
+    """Runs (or, with --report-only, reads) the parts asked for; their rows go into ``results``, tables returned."""
+    metrics = ("balanced_accuracy", "accuracy", "macro_f1")
+    report: list[str] = []
+    missing: list[str] = []
+    if args.part in ("main", "all"):
+        cells = [(m, d, a, s) for d in args.datasets for a in args.alphas for s in args.seeds for m in args.methods]
+        rows, lost = gather(grid.finetune, cells)
+        results["main"] = _merge(results.get("main", []), rows, ("method", "dataset", "alpha", "seed"))
+        report += ["## main", *table(results["main"], ("dataset", "alpha"), "method", metrics, baseline="scratch"), ""]
+        missing += lost
+    if args.part in ("labels", "all"):
+        dataset, alpha = args.labels_setting[0], float(args.labels_setting[1])
+        cells = [(m, dataset, alpha, s, f) for f in args.fractions for s in args.seeds for m in args.methods]
+        rows, lost = gather(grid.finetune, cells)
+        results["labels"] = _merge(results.get("labels", []), rows, ("method", "dataset", "alpha", "seed", "label_fraction"))
+        report += ["## labels", *table(results["labels"], ("dataset", "alpha", "label_fraction"), "method", metrics,
+                                       baseline="scratch"), ""]
+        if results["labels"]:
+            plot = results_file_for_plot(args)
+            save(label_efficiency_figure(results["labels"]), plot)
+            report += [f"plot: {plot}", ""]
+        missing += lost
+    if args.part in ("fedmas", "all"):
+        cells = [(prior, s) for prior in ("imagenet-lite0", "fed-mae") for s in args.seeds]
+        rows, lost = gather(grid.fedmas, cells)
+        results["fedmas"] = _merge(results.get("fedmas", []), rows, ("prior", "dataset", "alpha", "seed"))
+        report += ["## fedmas", *table(results["fedmas"], ("dataset", "alpha"), "prior",
+                                       ("balanced_accuracy", "tail_accuracy", "accuracy"), baseline="imagenet-lite0"), ""]
+        missing += lost
+    if missing:
+        missing = list(dict.fromkeys(missing))  # a pre-training several cells share is named once
+        report += [f"not finished ({len(missing)} jobs, left out of the tables): {', '.join(missing)}"]
+    print("\n".join(report))
+    return report
+
+
+def results_file_for_plot(args: argparse.Namespace) -> Path:
+    results_file = Path(args.results)
+    results_file.parent.mkdir(parents=True, exist_ok=True)
+    return results_file.with_name(f"{results_file.stem}-label-efficiency.png")
 
 
 def set_budget(args: argparse.Namespace) -> None:

@@ -6,7 +6,7 @@ from typing import Any
 
 import medflare.simulate
 import pytest
-from medflare.benchmarking import fingerprint_file, mean_std, run_cell
+from medflare.benchmarking import fingerprint_file, mean_std, run_cell, versus
 from medflare.run_config import RunConfig
 
 
@@ -53,3 +53,14 @@ def test_a_run_without_its_record_or_summary_is_not_reused(tmp_path: Path, calls
 def test_mean_std_is_the_sample_deviation() -> None:
     assert mean_std([0.7, 0.8]) == pytest.approx((0.75, 0.0707107), abs=1e-6)
     assert mean_std([0.5]) == (0.5, 0.0) and mean_std([]) is None
+
+
+def test_versus_reads_a_gap_within_one_std_as_no_difference() -> None:
+    # means 0.75 and 0.70, stds 0.0707 and 0.01: the 0.05 gap is inside the larger spread
+    assert versus([0.7, 0.8], [0.69, 0.71]) == "+0.050 (no difference)"
+    # tight spreads (0.01 each): the same 0.05 gap counts, both ways
+    assert versus([0.74, 0.76], [0.69, 0.71]) == "+0.050 (above)"
+    assert versus([0.69, 0.71], [0.74, 0.76]) == "-0.050 (below)"
+    assert versus([0.9], [0.5]).endswith("(one seed: not a result)")
+    with pytest.raises(ValueError):
+        versus([], [0.5])

@@ -66,3 +66,20 @@ def mean_std(values: list[float]) -> tuple[float, float] | None:
     if not values:
         return None
     return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def versus(values: list[float], baseline: list[float]) -> str:
+    """The docs' reading of a gap between two cells' seeds: within one standard deviation is "no difference".
+
+    The gap of the means counts only when it exceeds the larger of the two sample standard deviations; one seed
+    per side gives no spread, so nothing can be read from it.
+    """
+    ours, theirs = mean_std(values), mean_std(baseline)
+    if ours is None or theirs is None:
+        raise ValueError("versus needs at least one value on each side")
+    gap = ours[0] - theirs[0]
+    if min(len(values), len(baseline)) < 2:
+        return f"{gap:+.3f} (one seed: not a result)"
+    if abs(gap) <= max(ours[1], theirs[1]):
+        return f"{gap:+.3f} (no difference)"
+    return f"{gap:+.3f} ({'above' if gap > 0 else 'below'})"

@@ -1,0 +1,101 @@
+"""The SSL-FL benchmark compares the arms on equal terms, never mixes budgets, and reads gaps as the docs do."""
+
+import importlib.util
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from tests.benchmarks.conftest import BENCHMARKS
+
+
+@pytest.fixture()
+def bench(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    spec = importlib.util.spec_from_file_location("ssl_fl_benchmark", BENCHMARKS / "ssl_fl.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    # the grid's data config checks the real MedMNIST file; these tests only need the config to be built
+    monkeypatch.setattr(module, "data_config", lambda dataset, alpha, fraction=1.0: {
+        "source": "synthetic", "partition": f"dirichlet:{alpha:g}",
+        **({"label_fraction": fraction} if fraction < 1.0 else {})})
+    yield module
+    del sys.modules[spec.name]
+
+
+@pytest.fixture()
+def runs(bench: ModuleType, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Names of the jobs the grid actually ran (run_job replaced by a recorder writing a fake model file)."""
+    calls: list[str] = []
+
+    def fake_run_job(run: Any, runner: str, out: Path, log: Any = print) -> dict[str, Any]:
+        calls.append(run.name)
+        out.mkdir(parents=True, exist_ok=True)
+        return {"metrics": {"accuracy": 0.5, "balanced_accuracy": 0.5}, "seconds": 0.0, "model_file": str(out / "m.pt")}
+
+    monkeypatch.setattr(bench, "run_job", fake_run_job)
+    return calls
+
+
+def test_scratch_and_fed_mae_fine_tune_the_same_network_with_the_same_recipe(bench: ModuleType) -> None:
+    scratch = vars(bench.finetune_run("scratch", "retina", 0.5, 1, 0.3, None))
+    fed_mae = vars(bench.finetune_run("fed-mae", "retina", 0.5, 1, 0.3, "encoder.pt"))
+    differ = {k for k in scratch if scratch[k] != fed_mae[k]}
+    assert differ == {"name", "pretrained"}
+    assert scratch["method"] == "fed-mae" and scratch["method_args"]["pretrain_rounds"] == 0
+    assert scratch["data"]["label_fraction"] == 0.3
+
+
+def test_a_cached_job_is_reused_only_with_the_same_configuration(bench: ModuleType, runs: list[str],
+                                                                  tmp_path: Path) -> None:
+    grid = bench.Grid(tmp_path, "inprocess")
+    run = bench.finetune_run("scratch", "retina", 100.0, 0, 1.0, None)
+    grid.job(run)
+    grid.job(run)
+    assert runs == [run.name]
+    recorded = json.loads((tmp_path / run.name / "result.json").read_text())["config"]
+    assert recorded["train"]["max_steps"] == bench.FINETUNE["max_steps"]
+    bench.FINETUNE["max_steps"] += 1  # another budget, same job name
+    with pytest.raises(SystemExit, match="train differ"):
+        grid.job(bench.finetune_run("scratch", "retina", 100.0, 0, 1.0, None))
+    assert runs == [run.name]
+
+
+def test_report_only_runs_nothing_and_names_what_is_missing(bench: ModuleType, runs: list[str], tmp_path: Path) -> None:
+    grid = bench.Grid(tmp_path, "inprocess")
+    grid.job(bench.finetune_run("scratch", "retina", 100.0, 0, 1.0, None))
+    reader = bench.Grid(tmp_path, "inprocess", run_missing=False)
+    rows, missing = bench.gather(reader.finetune, [("scratch", "retina", 100.0, 0), ("scratch", "retina", 100.0, 1),
+                                                   ("fed-mae", "retina", 100.0, 0)])
+    assert [r["seed"] for r in rows] == [0]
+    assert missing == ["scratch-ft-retina-a100-f1-s1", "fed-mae-pt-retina-a100-s0"]
+    assert len(runs) == 1
+
+
+def rows(method: str, values: list[float], fraction: float = 1.0) -> list[dict[str, Any]]:
+    return [{"method": method, "dataset": "retina", "alpha": 100.0, "label_fraction": fraction, "seed": seed,
+             "balanced_accuracy": v} for seed, v in enumerate(values)]
+
+
+def test_the_table_reads_gaps_to_scratch_within_one_std_as_no_difference(bench: ModuleType) -> None:
+    lines = bench.table(rows("scratch", [0.70, 0.72, 0.71]) + rows("fed-mae", [0.80, 0.81, 0.79])
+                        + rows("fed-beit", [0.66, 0.76, 0.71]), ("dataset", "alpha"), "method",
+                        ("balanced_accuracy",), baseline="scratch")
+    by_method = {line.split(" | ")[2]: line for line in lines[2:]}
+    assert "0.8000 ± 0.0100 | 3 | +0.090 (above) |" in by_method["fed-mae"]
+    assert "0.7100 ± 0.0500 | 3 | +0.000 (no difference) |" in by_method["fed-beit"]
+    assert by_method["scratch"].endswith("| 3 |  |")
+
+
+def test_the_label_efficiency_plot_has_one_curve_per_method_over_the_fractions(bench: ModuleType) -> None:
+    data = [r for f in (0.1, 0.3, 1.0) for r in rows("scratch", [0.3, 0.4], f) + rows("fed-mae", [0.5, 0.5], f)]
+    fig = bench.label_efficiency_figure(data)
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["scratch", "fed-mae"]
+    assert list(ax.get_xticks()) == [10.0, 30.0, 100.0]
+    assert "mean ± std over 2 seeds" in ax.get_title()
+    bench.pyplot().close(fig)
