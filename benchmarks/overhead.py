@@ -38,6 +38,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from medflare.benchmarking import later_rounds, mean_later_rounds, model_fp32_bytes, trained_images
+
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "medmnist" / "pneumoniamnist.npz"
 GOALS = {"ratio": 1.05, "overhead_seconds": 0.3, "throughput": 0.95, "first_round": 2.0, "bytes": 1.05}
 SITE_OVERHEAD_SPANS = ("receive", "encode", "save_state")  # a site's spans besides evaluation and training
@@ -188,16 +190,6 @@ def flare_rounds(results: dict[str, Any], spans: dict[str, dict[int, dict[str, f
 
 
 # ----- figures --------------------------------------------------------------------------------------------------
-def later_rounds(rows: list[Any]) -> list[Any]:
-    """Rounds 2..R (round 1 holds the sites' start-up); the only round if there is one."""
-    return rows[1:] if len(rows) > 1 else rows
-
-
-def later(values: list[float]) -> float:
-    """Mean over rounds 2..R."""
-    return statistics.mean(later_rounds(values))
-
-
 def coordination(rounds: list[dict[str, Any]], work_of: Callable[[dict[str, Any]], list[float]]) -> list[float]:
     """Round wall minus the slowest site's local work, per round."""
     return [r["wall"] - max(work_of(r)) for r in rounds]
@@ -232,13 +224,6 @@ def throughput(rounds: list[dict[str, Any]], images_per_site: dict[str, int] | N
             / sum(seconds for r in rows for seconds in r["train"].values()))
 
 
-def trained_images(n_samples: int, batch: int, steps: int) -> int:
-    """Images one medflare epoch trains on: full batches (drop_last when that leaves one), capped at ``steps``."""
-    batches = n_samples // batch if n_samples > batch else 1
-    size = batch if n_samples > batch else n_samples
-    return (min(batches, steps) if steps else batches) * size
-
-
 def compare(bare: dict[str, Any], flare: dict[str, Any], run: Any, steps: int, model_bytes: int) -> dict[str, Any]:
     """Every figure of one site count, with its goal."""
     bare_walls, flare_walls = [r["wall"] for r in bare["rounds"]], [r["wall"] for r in flare["rounds"]]
@@ -248,14 +233,16 @@ def compare(bare: dict[str, Any], flare: dict[str, Any], run: Any, steps: int, m
     batch = int(run.train.get("batch_size", 64))
     images = {site: trained_images(int(facts["n_samples_reported"]), batch, steps) for site, facts in clients.items()}
     sent = [b for entry in flare["summary"].get("payload", {}).values() for b in entry["bytes_per_round"]]
+    bare_round, flare_round = mean_later_rounds(bare_walls), mean_later_rounds(flare_walls)
     figures = {
         "wall_ratio_with_startup": flare["total_seconds"] / bare["total_seconds"],
-        "round_ratio_without_startup": later(flare_walls) / later(bare_walls),
-        "bare_round_seconds": later(bare_walls), "flare_round_seconds": later(flare_walls),
+        "round_ratio_without_startup": flare_round / bare_round,
+        "bare_round_seconds": bare_round, "flare_round_seconds": flare_round,
         "bare_total_seconds": bare["total_seconds"], "flare_total_seconds": flare["total_seconds"],
         "flare_startup_seconds": flare["summary"]["timing"].get("startup_seconds"),
-        "first_round_over_later": {"bare": bare_walls[0] / later(bare_walls), "flare": flare_walls[0] / later(flare_walls)},
-        "coordination_seconds_per_round": {"bare": later(bare_overhead), "flare": later(flare_overhead)},
+        "first_round_over_later": {"bare": bare_walls[0] / bare_round, "flare": flare_walls[0] / flare_round},
+        "coordination_seconds_per_round": {"bare": mean_later_rounds(bare_overhead),
+                                           "flare": mean_later_rounds(flare_overhead)},
         "flare_coordination_parts": where_it_goes(flare["rounds"]),
         "train_images_per_second": {"bare": throughput(bare["rounds"]), "flare": throughput(flare["rounds"], images)},
         "cpu_seconds": {"bare": bare["cpu_seconds"], "flare": flare["cpu_seconds"]},
@@ -305,15 +292,6 @@ def markdown(config: dict[str, Any], by_clients: dict[str, dict[str, Any]]) -> s
 
 def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
-
-
-def model_fp32_bytes(run: Any) -> int:
-    """Bytes of the model's state with every float at float32 (integer buffers at their own size)."""
-    from medflare.models import create_model
-
-    task = run.task_spec()
-    state = create_model(run.model, task.num_classes, task.in_channels, image_size=task.image_size).state_dict()
-    return int(sum(v.numel() * (4 if v.is_floating_point() else v.element_size()) for v in state.values()))
 
 
 def build_run(args: argparse.Namespace, clients: int) -> Any:

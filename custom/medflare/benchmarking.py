@@ -1,5 +1,6 @@
 """What the scripts in ``benchmarks/`` share: one simulator run per table cell, reused when it already finished with
-the same configuration, and the mean ± std of a cell's seeds.
+the same configuration, the mean ± std of a cell's seeds, and the sizes the cost benchmarks divide by (images one
+local epoch trains on, the model's float32 bytes).
 
 A benchmark is hours of CPU on a small machine and is often run one seed per process, or stopped and restarted;
 reuse lets a later call (say ``--seeds 0 1 2`` for the report) pick up the runs that finished instead of
@@ -83,3 +84,31 @@ def versus(values: list[float], baseline: list[float]) -> str:
     if abs(gap) <= max(ours[1], theirs[1]):
         return f"{gap:+.3f} (no difference)"
     return f"{gap:+.3f} ({'above' if gap > 0 else 'below'})"
+
+
+def later_rounds(rows: list[Any]) -> list[Any]:
+    """Rounds 2..R (round 1 holds the sites' start-up: process launch, imports, data); the only round if there is
+    one."""
+    return rows[1:] if len(rows) > 1 else rows
+
+
+def mean_later_rounds(values: list[float]) -> float:
+    """Mean of a per-round figure over rounds 2..R."""
+    return statistics.mean(later_rounds(values))
+
+
+def trained_images(n_samples: int, batch: int, steps: int) -> int:
+    """Images one medflare epoch trains on: full batches (drop_last when that leaves one), capped at ``steps``."""
+    batches = n_samples // batch if n_samples > batch else 1
+    size = batch if n_samples > batch else n_samples
+    return (min(batches, steps) if steps else batches) * size
+
+
+def model_fp32_bytes(run: RunConfig) -> int:
+    """Bytes of the model's state with every float at float32 (integer buffers at their own size): what the
+    wire carries per model when weights travel in float32."""
+    from medflare.models import create_model  # torch is imported only when a size is asked for
+
+    task = run.task_spec()
+    state = create_model(run.model, task.num_classes, task.in_channels, image_size=task.image_size).state_dict()
+    return int(sum(v.numel() * (4 if v.is_floating_point() else v.element_size()) for v in state.values()))
