@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.medflare-installed
 DEMO_OUT ?= runs/demo
 
-.PHONY: install demo test test-fast bench-overhead bench-fedmas bench-fedmas-cost bench-fca bench-mdhfl bench-mdhfl-cpu60 bench-ssl-fl bench-fedlsm clean
+.PHONY: install demo test test-fast bench-overhead bench-scaling bench-fedmas bench-fedmas-cost bench-fca bench-mdhfl bench-mdhfl-cpu60 bench-ssl-fl bench-fedlsm clean
 
 # pip (not uv/poetry) so torch==2.14.1 / torchvision==0.29.1 come from this machine's local wheel store.
 $(STAMP): pyproject.toml
@@ -33,6 +33,11 @@ demo: install
 # both sides; --quick for a 1-2 min sanity run.
 bench-overhead: install
 	$(PY) benchmarks/overhead.py --out runs/bench-overhead
+
+# Memory, scaling and fp16 parity (issue 15): peak RSS and its growth after round 3 with 2, 4 and 8 sites over 30
+# rounds (fixed total data), the 20-hospital estimate, then float32 vs float16 transfer on the demo job, 3 seeds.
+bench-scaling: install
+	$(PY) benchmarks/scaling.py --out runs/bench-scaling
 
 bench-fedmas: install
 	$(PY) benchmarks/fedmas_vs_baselines.py --setting synthetic --out runs/bench-fedmas-synthetic
