@@ -65,6 +65,7 @@ from medflare.site_runtime import SiteRuntime, SiteSettings
 
 DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "medmnist"
 DATASETS = {"retina": "retinamnist.npz", "pneumonia": "pneumoniamnist.npz"}
+CLASSES = {"retina": 5, "pneumonia": 2}  # balanced accuracy of a constant prediction = 1 / classes
 METHODS = ("scratch", "fed-mae", "fed-beit")
 # CPU budget per job (stated in docs/benchmarks.md): a ViT-Micro at 28 px, 5 sites, max_steps per site and round.
 MODEL, CLIENTS, BATCH = "vit_micro", 5, 32
@@ -330,6 +331,9 @@ def label_efficiency_figure(rows: list[dict[str, Any]], metric: str = "balanced_
         ax.errorbar([100 * f for f in fractions], [m for m, _ in stats], yerr=[s for _, s in stats], capsize=3,
                     marker="o", label=method)
     ticks = sorted({100 * f for by_fraction in points.values() for f in by_fraction})
+    chance = {1 / CLASSES[r["dataset"]] for r in rows if r["dataset"] in CLASSES}
+    if metric == "balanced_accuracy" and len(chance) == 1:
+        ax.axhline(chance.pop(), color="grey", linestyle=":", label="chance (one class for every image)")
     ax.set_xscale("log")
     ax.set_xticks(ticks, [f"{t:g}%" for t in ticks])
     ax.minorticks_off()
