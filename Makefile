@@ -63,7 +63,7 @@ bench-mdhfl-cpu60: install
 	$(PY) benchmarks/mdhfl.py --setting retina --preset cpu60 --out runs/bench-mdhfl-retina
 
 # SSL-FL (issue 13): scratch vs Fed-MAE vs Fed-BEiT on RetinaMNIST and PneumoniaMNIST, label efficiency, Fed-MAS
-# with a Fed-MAE prior. ~8 CPU-hours (one core per process: run data sets in separate processes, see
+# with a Fed-MAE prior. ~4 CPU-hours (one core per process: run data sets in separate processes, see
 # docs/benchmarks.md); finished jobs are cached in runs/bench-ssl-fl, the tables land in benchmarks/results/.
 bench-ssl-fl: install
 	$(PY) benchmarks/ssl_fl.py --check-simulator

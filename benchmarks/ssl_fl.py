@@ -333,7 +333,7 @@ def label_efficiency_figure(rows: list[dict[str, Any]], metric: str = "balanced_
     ticks = sorted({100 * f for by_fraction in points.values() for f in by_fraction})
     chance = {1 / CLASSES[r["dataset"]] for r in rows if r["dataset"] in CLASSES}
     if metric == "balanced_accuracy" and len(chance) == 1:
-        ax.axhline(chance.pop(), color="grey", linestyle=":", label="chance (one class for every image)")
+        ax.axhline(chance.pop(), color="grey", linestyle=":", label="chance")
     ax.set_xscale("log")
     ax.set_xticks(ticks, [f"{t:g}%" for t in ticks])
     ax.minorticks_off()

@@ -95,7 +95,7 @@ def test_the_label_efficiency_plot_has_one_curve_per_method_over_the_fractions(b
     data = [r for f in (0.1, 0.3, 1.0) for r in rows("scratch", [0.3, 0.4], f) + rows("fed-mae", [0.5, 0.5], f)]
     fig = bench.label_efficiency_figure(data)
     ax = fig.axes[0]
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["chance (one class for every image)", "scratch", "fed-mae"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["chance", "scratch", "fed-mae"]
     (chance,) = [line for line in ax.lines if line.get_label().startswith("chance")]
     assert chance.get_ydata()[0] == pytest.approx(1 / 5)  # RetinaMNIST: 5 grades
     assert list(ax.get_xticks()) == [10.0, 30.0, 100.0]
