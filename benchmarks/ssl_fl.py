@@ -71,7 +71,8 @@ METHODS = ("scratch", "fed-mae", "fed-beit")
 MODEL, CLIENTS, BATCH = "vit_micro", 5, 32
 PRETRAIN = {"rounds": 20, "max_steps": 10}  # Fed-BEiT: 2 of these rounds train its tokenizer first
 TOKENIZER_ROUNDS = 2
-MAE_DECODER = {"decoder_dim": 64, "decoder_depth": 2, "decoder_heads": 4}  # narrower than the 96-d encoder
+# Fed-MAE pre-training options: a decoder narrower than the 96-d encoder (--mae-arg adds others)
+MAE_ARGS = {"decoder_dim": 64, "decoder_depth": 2, "decoder_heads": 4}
 # Both pre-trainings at BEiT's absolute lr 1.5e-3: MAE's rule (blr 2e-3 x 32 / 256 = 2.5e-4) is meant for
 # hundreds of epochs at large batches.
 PRETRAIN_TRAIN = {"stages": {"pretrain": {"lr": 1.5e-3, "base_batch": 0}}}
@@ -174,7 +175,7 @@ def data_config(dataset: str, alpha: float, fraction: float = 1.0) -> dict[str, 
 
 def pretrain_run(method: str, dataset: str, alpha: float, seed: int) -> RunConfig:
     rounds = PRETRAIN["rounds"]
-    args: dict[str, Any] = {"pretrain_rounds": rounds, "finetune_rounds": 0, **MAE_DECODER}
+    args: dict[str, Any] = {"pretrain_rounds": rounds, "finetune_rounds": 0, **MAE_ARGS}
     if method == "fed-beit":
         args = {"tokenizer_rounds": TOKENIZER_ROUNDS, "pretrain_rounds": rounds - TOKENIZER_ROUNDS, "finetune_rounds": 0}
     return RunConfig(method=method, model=MODEL, rounds=rounds, clients=CLIENTS, seed=seed, method_args=args,
@@ -364,6 +365,8 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=FINETUNE["max_steps"],
                         help="steps per site and round in pre-training and fine-tuning (smoke runs: 1)")
     parser.add_argument("--fedmas-rounds", type=int, default=FEDMAS["rounds"])
+    parser.add_argument("--mae-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="a Fed-MAE pre-training option, e.g. norm_pix_loss=false (use its own --out)")
     parser.add_argument("--out", default="runs/bench-ssl-fl")
     parser.add_argument("--results", default="benchmarks/results/ssl_fl.json")
     args = parser.parse_args()
@@ -377,7 +380,7 @@ def main() -> None:
         print(json.dumps(results["simulator_check"], indent=1))
     else:
         results["budget"] = {"model": MODEL, "clients": CLIENTS, "batch_size": BATCH, "pretrain": PRETRAIN,
-                             "tokenizer_rounds": TOKENIZER_ROUNDS, "mae_decoder": MAE_DECODER, "finetune": FINETUNE,
+                             "tokenizer_rounds": TOKENIZER_ROUNDS, "mae_args": MAE_ARGS, "finetune": FINETUNE,
                              "pretrain_train": PRETRAIN_TRAIN, "finetune_train": FINETUNE_TRAIN,
                              "finetune_data": FINETUNE_DATA, "finetune_args": FINETUNE_ARGS, "fedmas": FEDMAS,
                              "runner": args.runner}
@@ -440,6 +443,21 @@ def set_budget(args: argparse.Namespace) -> None:
     PRETRAIN.update(rounds=args.pretrain_rounds, max_steps=args.max_steps)
     FINETUNE.update(rounds=args.finetune_rounds, max_steps=args.max_steps)
     FEDMAS["rounds"] = args.fedmas_rounds
+    MAE_ARGS.update(parse_options(args.mae_arg))
+
+
+def parse_options(pairs: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` strings -> options, each value read as JSON (false, 0.3) or else kept as text."""
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--mae-arg takes KEY=VALUE, got '{pair}'")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
 
 
 def _merge(old: list[dict[str, Any]], new: list[dict[str, Any]], keys: tuple[str, ...]) -> list[dict[str, Any]]:

@@ -101,3 +101,12 @@ def test_the_label_efficiency_plot_has_one_curve_per_method_over_the_fractions(b
     assert list(ax.get_xticks()) == [10.0, 30.0, 100.0]
     assert "mean ± std over 2 seeds" in ax.get_title()
     bench.pyplot().close(fig)
+
+
+def test_mae_options_reach_the_pretraining_job(bench: ModuleType) -> None:
+    assert bench.parse_options(["norm_pix_loss=false", "mask_ratio=0.3"]) == {"norm_pix_loss": False, "mask_ratio": 0.3}
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        bench.parse_options(["norm_pix_loss"])
+    bench.MAE_ARGS.update(bench.parse_options(["norm_pix_loss=false"]))
+    assert bench.pretrain_run("fed-mae", "pneumonia", 100.0, 0).method_args["norm_pix_loss"] is False
+    assert "norm_pix_loss" not in bench.pretrain_run("fed-beit", "pneumonia", 100.0, 0).method_args
