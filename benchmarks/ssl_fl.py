@@ -48,7 +48,7 @@ import torch
 
 from medflare import contracts
 from medflare.benchmarking import mean_std, versus
-from medflare.config import from_dict
+from medflare.config import from_dict, parse_value
 from medflare.data.checksums import verify_medmnist_file
 from medflare.evaluation import site_evaluation, summarize
 from medflare.flare.aggregator import RoundAggregation
@@ -453,10 +453,7 @@ def parse_options(pairs: list[str]) -> dict[str, Any]:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise SystemExit(f"--mae-arg takes KEY=VALUE, got '{pair}'")
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
+        options[key] = parse_value(value)
     return options
 
 
