@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from medflare.benchmarking import mean_std
+from medflare.benchmarking import mean_std, versus
 
 W_PASS_PER_CLASS = 32  # images per class in the shortcut's w pass
 SHORTCUTS = {"cache_prior_features": True, "prior_precision": "reduced", "w_pass_per_class": W_PASS_PER_CLASS}
@@ -48,6 +48,10 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "fedmas-weak +cache": ("fedmas", {"cache_prior_features": True}, WEAK),
     "fedmas-weak +all three": ("fedmas", SHORTCUTS, WEAK),
 }
+# a variant -> the run it is read against (same augmentation; Fed-MAS itself against BSM-FL)
+REFERENCES = {name: ("fedmas-weak (paper)" if "weak" in name else "fedmas (paper)")
+              for name, (method, options, _) in VARIANTS.items() if method == "fedmas" and options}
+REFERENCES.update({"fedmas (paper)": "bsm-fl", "fedmas-weak (paper)": "bsm-fl-weak"})
 PARTS = ("prior_forward", "w_pass", "student", "evaluate")
 
 
@@ -131,6 +135,15 @@ def ratio_rows(seconds: dict[str, float]) -> list[str]:
             if a in seconds and b in seconds and seconds[b] > 0]
 
 
+def against_reference(variant: str, accuracy: dict[str, list[dict]]) -> str:
+    """A shortcut's effect on balanced accuracy: its gap to the paper's Fed-MAS on the same augmentation."""
+    reference = REFERENCES.get(variant)
+    if reference not in accuracy:
+        return "-"
+    values = [[c["balanced_accuracy"] for c in accuracy[name]] for name in (variant, reference)]
+    return f"{versus(*values)} vs {reference}"
+
+
 def markdown(args: argparse.Namespace, timing: dict[str, dict[str, float]], accuracy: dict[str, list[dict]]) -> str:
     lines = [f"# Fed-MAS cost: hyperkvasir-like, {args.clients} sites, model {args.model}", ""]
     if timing:
@@ -143,12 +156,13 @@ def markdown(args: argparse.Namespace, timing: dict[str, dict[str, float]], accu
         lines += ["", *ratio_rows({name: t["site_round"] for name, t in timing.items()}), ""]
     if accuracy:
         lines += [f"## Balanced accuracy and local work in FLARE's simulator (seeds {args.seeds}, {args.rounds} rounds)",
-                  "", "| variant | balanced accuracy | local work s/site/round |", "|---|---|---|"]
+                  "", "| variant | balanced accuracy | vs its reference | local work s/site/round |", "|---|---|---|---|"]
         means = {}
         for name, cells in accuracy.items():
             bacc = mean_std([c["balanced_accuracy"] for c in cells]) or (float("nan"), float("nan"))
             means[name] = statistics.mean(c["train_seconds"] for c in cells)
-            lines.append(f"| {name} | {bacc[0]:.4f} ± {bacc[1]:.4f} | {means[name]:.2f} |")
+            lines.append(f"| {name} | {bacc[0]:.4f} ± {bacc[1]:.4f} | {against_reference(name, accuracy)} | "
+                         f"{means[name]:.2f} |")
         lines += ["", *ratio_rows(means), ""]
     return "\n".join(lines)
 
@@ -171,11 +185,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def earlier_parts(args: argparse.Namespace) -> dict[str, Any]:
+    """The parts an earlier run wrote to ``--out`` with the same job settings: a part run alone keeps the other's."""
+    record = args.out / "results.json"
+    if not record.is_file():
+        return {}
+    earlier = json.loads(record.read_text())
+    settings = ("model", "clients", "rounds", "steps")
+    if any(earlier.get("config", {}).get(key) != getattr(args, key) for key in settings):
+        print(f"{record}: written with other settings ({', '.join(settings)}); its parts are not kept", flush=True)
+        return {}
+    return {part: earlier.get(part, {}) for part in ("timing", "accuracy")}
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    timing: dict[str, dict[str, float]] = {}
-    accuracy: dict[str, list[dict]] = {}
+    earlier = earlier_parts(args)
+    timing: dict[str, dict[str, float]] = {} if args.part != "accuracy" else earlier.get("timing", {})
+    accuracy: dict[str, list[dict]] = {} if args.part != "timing" else earlier.get("accuracy", {})
     for variant in args.variants:
         if args.part in ("timing", "all"):
             timing[variant] = site_round_parts(run_config(args, variant, args.seeds[0]), args.rounds)

@@ -120,6 +120,8 @@ def bare_run(run: Any, steps: int) -> dict[str, Any]:
             replies = [pipe.recv() for pipe in pipes]
             params = average([state for state, _ in replies], sizes)
             rounds.append({"wall": time.perf_counter() - started, "sites": [timing for _, timing in replies]})
+            print(f"  bare, {run.clients} site(s): round {len(rounds)}/{run.rounds} {rounds[-1]['wall']:.2f} s",
+                  flush=True)
         for pipe in pipes:
             pipe.send(None)
         for process in processes:
@@ -154,7 +156,7 @@ def flare_run(run: Any, out: Path) -> dict[str, Any]:
     from medflare.simulate import run_simulation
 
     cpu, launched = cpu_seconds(), time.perf_counter()
-    summary = run_simulation(run, out, echo=lambda line: None, overwrite=True)
+    summary = run_simulation(run, out, echo=print, overwrite=True)  # its progress lines only
     total, cpu = time.perf_counter() - launched, cpu_seconds() - cpu
     results = json.loads((out / "medflare_results.json").read_text())
     return {"total_seconds": total, "cpu_seconds": cpu, "summary": summary,
@@ -300,7 +302,8 @@ def build_run(args: argparse.Namespace, clients: int) -> Any:
     train = {"batch_size": args.batch_size, "local_epochs": 1, "max_steps": args.steps}
     return RunConfig(method="fedavg", model=args.model, rounds=args.rounds, clients=clients, seed=args.seed,
                      data={"source": args.data, "partition": "iid"}, train=train,
-                     task_request_interval=args.task_request_interval, name=f"overhead-{clients}")
+                     task_request_interval=args.task_request_interval, transfer_dtype=args.transfer_dtype,
+                     name=f"overhead-{clients}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -313,6 +316,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--data", default=f"medmnist:{DATA}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--task-request-interval", type=float, default=0.1)
+    parser.add_argument("--transfer-dtype", default="float32", choices=["float32", "float16"],
+                        help="how medflare's weights travel (the bare side always pipes float32)")
     parser.add_argument("--quick", action="store_true", help="sanity run: 2 sites, 3 rounds, 5 steps")
     parser.add_argument("--out", default="runs/bench-overhead")
     args = parser.parse_args(argv)

@@ -323,7 +323,7 @@ def measure_site_count(args: argparse.Namespace, clients: int) -> dict[str, Any]
 
     run, out = scaling_run(args, clients), args.out / f"sites-{clients}"
     with TreeSampler(args.sample_seconds, gpu_utilisation_reader()) as sampler:
-        summary = run_simulation(run, out, echo=lambda line: None, overwrite=True)
+        summary = run_simulation(run, out, echo=print, overwrite=True)  # its progress lines only
     results = json.loads((out / "medflare_results.json").read_text())
     speed = images_per_second(summary, args.batch_size, args.steps)
     return {

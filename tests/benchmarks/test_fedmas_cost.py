@@ -1,6 +1,7 @@
 """The Fed-MAS cost benchmark compares like with like: the paper's Fed-MAS, each shortcut alone and all three,
 against BSM-FL on the same data; the cache only where the augmentation allows it."""
 
+import json
 from types import ModuleType
 
 import pytest
@@ -46,3 +47,30 @@ def test_cost_ratios_compare_fedmas_with_bsm_fl_on_the_same_data(bench: ModuleTy
 def test_quick_mode_times_only(bench: ModuleType) -> None:
     args = bench.parse_args(["--quick"])
     assert (args.part, args.rounds, args.steps) == ("timing", 2, 10)
+
+
+def test_each_shortcut_is_read_against_the_paper_on_its_own_augmentation(bench: ModuleType) -> None:
+    assert bench.REFERENCES == {
+        "fedmas +reduced precision": "fedmas (paper)", f"fedmas +w pass {bench.W_PASS_PER_CLASS}/class": "fedmas (paper)",
+        "fedmas-weak +cache": "fedmas-weak (paper)", "fedmas-weak +all three": "fedmas-weak (paper)",
+        "fedmas (paper)": "bsm-fl", "fedmas-weak (paper)": "bsm-fl-weak",
+    }
+    cells = lambda *values: [{"balanced_accuracy": v} for v in values]  # noqa: E731
+    accuracy = {"fedmas (paper)": cells(0.50, 0.52, 0.54), "fedmas +reduced precision": cells(0.49, 0.52, 0.55),
+                "fedmas-weak +cache": cells(0.40, 0.41, 0.42)}
+    assert bench.against_reference("fedmas +reduced precision", accuracy) == "+0.000 (no difference) vs fedmas (paper)"
+    assert bench.against_reference("fedmas-weak +cache", accuracy) == "-"  # its reference did not run
+    assert bench.against_reference("bsm-fl", accuracy) == "-"
+
+
+def test_a_part_run_alone_keeps_the_other_part_of_the_same_settings(bench: ModuleType, tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(bench, "site_round_parts", lambda run, rounds: dict.fromkeys(("site_round", *bench.PARTS), 1.0))
+    monkeypatch.setattr(bench, "simulated", lambda run, out: {"balanced_accuracy": 0.5, "train_seconds": 2.0})
+    common = ["--out", str(tmp_path), "--variants", "bsm-fl", "--seeds", "0", "1"]
+    bench.main(["--part", "accuracy", *common])
+    bench.main(["--part", "timing", *common])
+    kept = json.loads((tmp_path / "results.json").read_text())
+    assert kept["timing"]["bsm-fl"]["site_round"] == 1.0
+    assert [cell["seed"] for cell in kept["accuracy"]["bsm-fl"]] == [0, 1]
+    bench.main(["--part", "timing", "--rounds", "3", *common])  # other settings: the accuracy part is not theirs
+    assert json.loads((tmp_path / "results.json").read_text())["accuracy"] == {}
