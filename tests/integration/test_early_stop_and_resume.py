@@ -49,6 +49,8 @@ def test_a_run_without_improvement_stops_after_patience_rounds_and_says_why(runs
     results = read(runs["stopped"], "medflare_results.json")
     assert results["final"]["model_version"] == 1 + PATIENCE  # the final validation still ran
     assert 0.0 <= summary["final"]["balanced_accuracy"] <= 1.0
+    # the summary reports the final validation the server ran, not another model's score
+    assert summary["final"]["balanced_accuracy"] == pytest.approx(results["final"]["test"]["balanced_accuracy"])
 
 
 def test_the_resumed_job_starts_from_the_previous_last_global_model(runs) -> None:
