@@ -40,6 +40,7 @@ from medflare import contracts, resume
 from medflare.errors import MedflareError, PayloadError
 from medflare.evaluation import site_evaluation, summarize
 from medflare.flare.aggregator import INFO, SHARES, MedflareAggregator
+from medflare.flare.memory import collect_round_garbage, freeze_startup_objects
 from medflare.flare.progress import (
     STATS_GROUP,
     entries_from_results,
@@ -128,6 +129,7 @@ class MedflareController(Controller):
         self.global_params = {k: np.asarray(v) for k, v in learnable[ModelLearnableKey.WEIGHTS].items()}
         self.results_path = os.path.join(fl_ctx.get_prop(FLContextKey.APP_ROOT), RESULTS_FILE)
         self._results = self._fresh_header()
+        freeze_startup_objects()
         if self.resume_from:
             try:
                 self._resume(fl_ctx)
@@ -218,6 +220,8 @@ class MedflareController(Controller):
             self._write_results()
             self._save_checkpoint(ctx.round + 1, fl_ctx)
         self.fire_event(AppEventType.ROUND_DONE, fl_ctx)
+        with timed(spans, "gc"):  # FLARE's transfers of this round sit in reference cycles (flare/memory.py)
+            record["gc_objects_freed"] = collect_round_garbage()
         send_scalars(self, fl_ctx, record_scalars(record), step=ctx.round + 1)
         self._report(round_entry(record, self.num_rounds), fl_ctx)
 

@@ -16,6 +16,7 @@ from medflare import contracts
 from medflare.distributed import DataParallelSite, site_distributed_config
 from medflare.errors import MedflareError
 from medflare.registry import load_plugins
+from medflare.flare.memory import collect_round_garbage, freeze_startup_objects
 from medflare.flare.tasks import TASK_SUBMIT_MODEL, TASK_TRAIN, TASK_VALIDATE, round_context
 from medflare.flare.tracking import EPOCH_LOSS, send_scalars
 from medflare.site_runtime import (
@@ -113,6 +114,7 @@ class MedflareExecutor(Executor):
                 self._runtime = DataParallelSite(settings, site, index, parallel, log, local_dir=local_dir)
             else:
                 self._runtime = SiteRuntime(settings, site, index, log=log, local_dir=local_dir)
+            freeze_startup_objects()
         return self._runtime
 
     def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
@@ -124,6 +126,7 @@ class MedflareExecutor(Executor):
         site = fl_ctx.get_identity_name()
         try:
             runtime = self._get_runtime(fl_ctx)
+            collect_round_garbage()  # the last result's upload left FLARE's stream objects in reference cycles
             self._stream_epochs(runtime, fl_ctx)
             return self._dispatch(runtime, task_name, shareable, abort_signal)
         except MedflareError as exc:
