@@ -15,8 +15,8 @@ from nvflare.apis.signal import Signal
 from medflare import contracts
 from medflare.distributed import DataParallelSite, site_distributed_config
 from medflare.errors import MedflareError
-from medflare.registry import load_plugins
 from medflare.flare.memory import collect_round_garbage, freeze_startup_objects
+from medflare.registry import load_plugins
 from medflare.flare.tasks import TASK_SUBMIT_MODEL, TASK_TRAIN, TASK_VALIDATE, round_context
 from medflare.flare.tracking import EPOCH_LOSS, send_scalars
 from medflare.site_runtime import (

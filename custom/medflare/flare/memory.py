@@ -15,6 +15,7 @@ after start-up to the permanent generation (``gc.freeze``) leaves only what the 
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 
 
@@ -36,7 +37,15 @@ def collect_round_garbage() -> int:
 
 def _trim_heap() -> None:
     """glibc's ``malloc_trim(0)``; a no-op where there is no glibc (macOS, musl, Windows)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> ctypes._CFuncPtr | None:
+    """glibc's ``malloc_trim``, looked up once per process (None without glibc)."""
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):
-        pass
+        return None
