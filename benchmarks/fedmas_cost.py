@@ -103,15 +103,19 @@ def site_round_parts(run: Any, rounds: int) -> dict[str, float]:
     if hasattr(trainer, "prior_features"):
         timed_calls(trainer, "prior_features", prior)
         timed_calls(trainer, "global_divergence", w_pass, inner=prior)
+    cache = getattr(trainer, "prior_cache", None)
     params: dict[str, Any] = {}
     rows = []
     for round_index in range(rounds):
         prior[:], w_pass[0] = [0.0, 0.0], 0.0
+        misses_before = cache.misses if cache else 0
         params, _ = runtime.train(params, RoundContext(round_index, rounds))
         spans = next(r["seconds"] for r in reversed(records) if r.get("event") == "task_seconds")
         in_training = prior[0] - prior[1]  # the w pass's own prior forwards are part of w_pass
         rows.append({"prior_forward": in_training, "w_pass": w_pass[0], "evaluate": spans["evaluate"],
-                     "student": spans["train"] - w_pass[0] - in_training, "site_round": sum(spans.values())})
+                     "student": spans["train"] - w_pass[0] - in_training, "site_round": sum(spans.values()),
+                     # images the prior still had to see this round (the cache fills over the first rounds)
+                     "prior_cache_misses": float(cache.misses - misses_before) if cache else float("nan")})
     later = rows[1:] if len(rows) > 1 else rows
     return {key: statistics.mean(row[key] for row in later) for key in rows[0]}
 
@@ -148,11 +152,13 @@ def markdown(args: argparse.Namespace, timing: dict[str, dict[str, float]], accu
     lines = [f"# Fed-MAS cost: hyperkvasir-like, {args.clients} sites, model {args.model}", ""]
     if timing:
         lines += ["## Where a site's round goes (s per round, largest site, rounds 2..R, in-process)", "",
-                  "| variant | site round | prior forward (training) | w pass | student | evaluation |",
-                  "|---|---|---|---|---|---|"]
+                  "| variant | site round | prior forward (training) | w pass | student | evaluation | "
+                  "prior cache misses (images/round) |",
+                  "|---|---|---|---|---|---|---|"]
         for name, t in timing.items():
+            misses = t.get("prior_cache_misses", float("nan"))  # absent from runs before this column existed
             lines.append(f"| {name} | {t['site_round']:.2f} | {t['prior_forward']:.2f} | {t['w_pass']:.2f} | "
-                         f"{t['student']:.2f} | {t['evaluate']:.2f} |")
+                         f"{t['student']:.2f} | {t['evaluate']:.2f} | {'-' if misses != misses else f'{misses:.0f}'} |")
         lines += ["", *ratio_rows({name: t["site_round"] for name, t in timing.items()}), ""]
     if accuracy:
         lines += [f"## Balanced accuracy and local work in FLARE's simulator (seeds {args.seeds}, {args.rounds} rounds)",

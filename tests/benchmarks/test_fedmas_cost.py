@@ -74,3 +74,14 @@ def test_a_part_run_alone_keeps_the_other_part_of_the_same_settings(bench: Modul
     assert [cell["seed"] for cell in kept["accuracy"]["bsm-fl"]] == [0, 1]
     bench.main(["--part", "timing", "--rounds", "3", *common])  # other settings: the accuracy part is not theirs
     assert json.loads((tmp_path / "results.json").read_text())["accuracy"] == {}
+
+
+def test_the_timing_table_shows_prior_cache_misses_only_where_a_cache_ran(bench: ModuleType) -> None:
+    parts = dict.fromkeys(("site_round", *bench.PARTS), 1.0)
+    timing = {"fedmas-weak +cache": {**parts, "prior_cache_misses": 37.4},
+              "fedmas-weak (paper)": {**parts, "prior_cache_misses": float("nan")},
+              "bsm-fl-weak": parts}  # a run recorded before the column existed
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in bench.markdown(bench.parse_args([]), timing, {}).splitlines()
+            if line.startswith("| ") and "|---" not in line}
+    assert rows["fedmas-weak +cache"].endswith("| 37 |")
+    assert rows["fedmas-weak (paper)"].endswith("| - |") and rows["bsm-fl-weak"].endswith("| - |")
