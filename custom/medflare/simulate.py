@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -29,6 +30,11 @@ __all__ = ["SimulationError", "nvflare_command", "run_simulation"]
 PROGRESS = re.compile(r"medflare:|round \d+/\d+ epoch|REJECTED|ERROR|Error:")
 MESSAGE_START = re.compile(r"medflare:|[\w.-]+: round \d+/|round \d+: REJECTED")
 SIMULATOR_LOG = "simulator.log"
+# What FLARE's simulator logs (server/error_log.txt) when a site's worker process is gone: it died, or it never
+# connected because another simulator starting at the same moment took the free port it was given. The simulator
+# never restarts that site, so the job would wait for it until the task timeout (an hour by default).
+LOST_SITE = re.compile(r"(?:Communication error with|Subprocess died for) client ([\w.-]+)")
+SERVER_ERROR_LOG = Path("server") / "error_log.txt"
 
 
 class SimulationError(MedflareError, RuntimeError):
@@ -78,6 +84,32 @@ def run_simulation(
         raise
 
 
+class LostSiteWatch(threading.Thread):
+    """Stops the simulator once its error log reports a lost site (:data:`LOST_SITE`), keeping that line as
+    ``reason``: a run that can no longer finish ends with a clear error instead of waiting out the task timeout."""
+
+    def __init__(self, error_log: Path, proc: subprocess.Popen, period_seconds: float = 2.0) -> None:
+        super().__init__(name="medflare-lost-site-watch", daemon=True)
+        self.error_log, self.proc, self.period_seconds = error_log, proc, period_seconds
+        self.reason: str | None = None
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(self.period_seconds) and self.proc.poll() is None:
+            self.reason = lost_site(self.error_log)
+            if self.reason:
+                stop_process_tree(self.proc)
+                return
+
+
+def lost_site(error_log: Path) -> str | None:
+    """The first line of FLARE's simulator error log that reports a lost site, or None."""
+    if not error_log.is_file():
+        return None
+    with error_log.open(errors="replace") as lines:
+        return next((line.strip() for line in lines if LOST_SITE.search(line)), None)
+
+
 def _launch(run: RunConfig, job_dir: Path, workspace: Path, log_path: Path, echo: Callable[[str], None]) -> None:
     command = nvflare_command() + [
         "simulator", str(job_dir), "-w", str(workspace), "-n", str(run.clients), "-t", str(run.clients),
@@ -86,6 +118,8 @@ def _launch(run: RunConfig, job_dir: Path, workspace: Path, log_path: Path, echo
     tail: list[str] = []
     with log_path.open("w") as log:
         proc = start_process(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        watch = LostSiteWatch(workspace / SERVER_ERROR_LOG, proc)
+        watch.start()
         try:
             assert proc.stdout is not None
             for line in proc.stdout:
@@ -99,8 +133,18 @@ def _launch(run: RunConfig, job_dir: Path, workspace: Path, log_path: Path, echo
                 stop_process_tree(proc)  # an interrupted run must not leave sites training in the background
             raise
         finally:
+            watch.done.set()
+            watch.join()  # it may still be stopping the simulator's processes
             if proc.stdout is not None:
                 proc.stdout.close()
+    if watch.reason:
+        site = LOST_SITE.search(watch.reason).group(1)
+        raise SimulationError(
+            f"FLARE's simulator lost {site} and cannot finish the job, so medflare stopped it. The simulator said: "
+            f"{_shorten(watch.reason).strip()}. It does not restart a lost site. Usual causes: another simulator "
+            "started at the same moment on this machine (both can be given the same free port), or the site's "
+            "process was killed (out of memory). Rerun the job; if it repeats, run one simulator at a time."
+        )
     if code != 0:
         raise SimulationError(
             f"nvflare simulator exited with code {code}. Last lines of its log:\n" + "\n".join(tail[-20:])

@@ -1,0 +1,52 @@
+"""medflare's wrapper around FLARE's simulator: a site the simulator lost ends the run with a clear error."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from medflare.runner import start_process
+from medflare.simulate import LOST_SITE, LostSiteWatch, lost_site
+
+# The line FLARE 2.9's simulator wrote when site-1's worker never connected (seen in a benchmark run).
+LOST_LINE = ("2026-11-25 02:49:21,720 - SimulatorClientRunner - ERROR - Communication error with client site-1: "
+             "[Errno 104] Connection reset by peer")
+OTHER_ERROR = "2026-11-25 02:50:00,000 - ServerRunner - ERROR - site-2 returned EXECUTION_EXCEPTION for 'train'"
+
+
+def test_lost_site_finds_flare_s_lost_site_lines_only(tmp_path: Path) -> None:
+    log = tmp_path / "error_log.txt"
+    assert lost_site(log) is None  # the simulator has not written it yet
+    log.write_text(OTHER_ERROR + "\n")
+    assert lost_site(log) is None  # a site's failed task is the controller's business, not a lost site
+    log.write_text(f"{OTHER_ERROR}\n{LOST_LINE}\n")
+    assert lost_site(log) == LOST_LINE
+    assert LOST_SITE.search("SimulatorClientRunner - ERROR - Subprocess died for client site-12, exit code: -9").group(1) == "site-12"
+
+
+def idle_process() -> subprocess.Popen:
+    return start_process([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+def test_the_watch_stops_the_simulator_when_a_site_is_lost(tmp_path: Path) -> None:
+    log, proc = tmp_path / "error_log.txt", idle_process()
+    watch = LostSiteWatch(log, proc, period_seconds=0.1)
+    watch.start()
+    log.write_text(OTHER_ERROR + "\n")
+    time.sleep(0.5)
+    assert proc.poll() is None and watch.reason is None  # other errors leave the run alone
+    log.write_text(f"{OTHER_ERROR}\n{LOST_LINE}\n")
+    watch.join(timeout=15)
+    assert not watch.is_alive() and watch.reason == LOST_LINE
+    assert proc.poll() is not None
+
+
+def test_the_watch_ends_with_the_simulator(tmp_path: Path) -> None:
+    proc = start_process([sys.executable, "-c", "pass"])
+    watch = LostSiteWatch(tmp_path / "error_log.txt", proc, period_seconds=0.1)
+    watch.start()
+    proc.wait()
+    watch.join(timeout=5)
+    assert not watch.is_alive() and watch.reason is None
