@@ -33,6 +33,8 @@ def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
 @pytest.fixture(autouse=True)
 def nothing_may_start(monkeypatch) -> None:
     """Any child process started during these tests fails them: validation comes before launching."""
+    # matplotlib runs `fc-list` once per machine to build its font cache; that is not medflare starting a process
+    import matplotlib.font_manager  # noqa: F401
 
     def refuse(*args, **kwargs):
         raise AssertionError(f"a process was started: {args}")

@@ -19,7 +19,9 @@ from medflare.methods.fed_mas.rescue import (
 from medflare.site_runtime import SiteRuntime, SiteSettings, TaskSpec
 
 TASK = TaskSpec(num_classes=3, in_channels=3, image_size=28)
-CACHE_TOLERANCE = 1e-5  # a cached feature against a fresh forward of another batch (kernels depend on batch size)
+# A cached feature against a fresh forward of another batch: the kernels depend on batch size and thread count
+# (measured up to 2.3e-5 on features up to 6.0 in size); another image's feature differs by about 6.
+CACHE_TOLERANCE = 1e-4
 RF_TOLERANCE = 1e-3  # RF with the prior in bf16 against fp32 (RF lies in (0, 1]; measured 3.5e-4)
 W_RELATIVE_TOLERANCE = 0.05  # each class's w with the prior in bf16 against fp32 (measured 0.022)
 
