@@ -179,11 +179,14 @@ def round_ends(results: dict[str, Any]) -> list[float]:
 def high_water_by_round(samples: list[tuple[float, int, int]], ends: list[float]) -> list[int | None]:
     """The process's VmHWM at the end of each round: its largest HWM sampled before that round ended (None when
     no sample came before it)."""
-    marks = []
-    for end in ends:
-        seen = [hwm for at, _, hwm in samples if at <= end]
-        marks.append(max(seen) if seen else None)
-    return marks
+    return [max((hwm for at, _, hwm in samples if at <= end), default=None) for end in ends]
+
+
+def resident_by_round(samples: list[tuple[float, int, int]], ends: list[float]) -> list[int | None]:
+    """The process's VmRSS at the end of each round: its last sample before that round ended (None when none
+    came before it). Unlike the high-water mark it can fall, so a rising line is memory held, while a flat one
+    under a climbing mark means rare momentary peaks."""
+    return [next((rss for at, rss, _ in reversed(samples) if at <= end), None) for end in ends]
 
 
 def growth_after(marks: list[int | None], settled: int = SETTLED_ROUNDS) -> float | None:
@@ -207,7 +210,8 @@ def memory_figures(traces: dict[int, ProcessTrace], results: dict[str, Any]) -> 
         peak = max(hwm for _, _, hwm in samples)
         if role not in figures or peak > figures[role]["peak_bytes"]:
             figures[role] = {"peak_bytes": peak, "growth_after_round_3": growth_after(marks),
-                             "high_water_by_round": marks, "command": " ".join(traces[pid].cmdline[:4])}
+                             "high_water_by_round": marks, "resident_by_round": resident_by_round(samples, ends),
+                             "command": " ".join(traces[pid].cmdline[:4])}
     return figures
 
 

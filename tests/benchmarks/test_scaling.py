@@ -48,6 +48,14 @@ def test_a_round_without_a_sample_keeps_the_mark_reached_before_it() -> None:
     assert scaling.high_water_by_round(samples, scaling.round_ends(results(4))) == [10, 10, 10, 30]
 
 
+def test_resident_memory_at_each_round_end_can_fall() -> None:
+    samples = [(105.0, 10, 10), (114.0, 30, 30), (116.0, 12, 30), (135.0, 11, 30)]  # a peak in round 2, then freed
+    ends = scaling.round_ends(results(4))
+    assert scaling.resident_by_round(samples, ends) == [10, 12, 12, 11]
+    assert scaling.high_water_by_round(samples, ends) == [10, 30, 30, 30]
+    assert scaling.resident_by_round([(150.0, 5, 5)], ends) == [None, None, None, None]  # sampled after the job
+
+
 def test_workers_are_their_sites_their_parent_is_the_server_and_the_rest_other() -> None:
     traces = {10: trace(1, "python -m nvflare simulator job", [1]), 11: trace(10, "python -c manager", [1]),
               12: trace(10, "python -c run_process", [1]), 21: trace(12, worker("site-1"), [1]),
