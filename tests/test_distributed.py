@@ -23,7 +23,7 @@ def settings() -> SiteSettings:
         task=TaskSpec(num_classes=5, in_channels=3, image_size=28),
         data={"source": "synthetic:n=200", "partition": "iid", "num_sites": 1, "seed": 0,
               "augment": "none"},  # random augmentation would differ between ranks
-        model="vit_micro",  # LayerNorm only: per-rank batches give exactly the full-batch gradient (8x cheaper than tiny)
+        model="vit_micro",  # LayerNorm only: per-rank batches give the full-batch gradient; 8x cheaper than tiny
         train=dict(TRAIN),
         seed=0,
     )

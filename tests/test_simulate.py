@@ -23,7 +23,8 @@ def test_lost_site_finds_flare_s_lost_site_lines_only(tmp_path: Path) -> None:
     assert lost_site(log) is None  # a site's failed task is the controller's business, not a lost site
     log.write_text(f"{OTHER_ERROR}\n{LOST_LINE}\n")
     assert lost_site(log) == LOST_LINE
-    assert LOST_SITE.search("SimulatorClientRunner - ERROR - Subprocess died for client site-12, exit code: -9").group(1) == "site-12"
+    died = "SimulatorClientRunner - ERROR - Subprocess died for client site-12, exit code: -9"
+    assert LOST_SITE.search(died).group(1) == "site-12"
 
 
 def idle_process() -> subprocess.Popen:
