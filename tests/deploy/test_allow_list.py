@@ -43,7 +43,7 @@ REVIEWED_ARGS = {
         "method", "model", "num_classes", "in_channels", "image_size", "pretrained", "method_args", "seed", "plugins"],
     "medflare.flare.aggregator.MedflareAggregator": [
         "method", "num_classes", "num_rounds", "method_args", "robust", "transfer_dtype", "transfer_kind", "plugins",
-        "multi_label"],
+        "multi_label", "stream_aggregation"],
     "medflare.flare.controller.MedflareController": [
         "num_rounds", "min_clients", "persistor_id", "aggregator_id", "wait_time_after_min_received", "train_timeout",
         "shot_groups", "key_metric", "patience", "resume_from"],

@@ -1,5 +1,7 @@
 """Server-side round aggregation: validation of every update and the weighting rule, without FLARE."""
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -211,3 +213,142 @@ def test_stages_must_add_up_to_the_rounds() -> None:
     assert checked_stages(stages, 5, "m") == stages
     with pytest.raises(ConfigError, match="pretrain=2 \\+ finetune=3 = 5 rounds, but the job has rounds=4"):
         checked_stages(stages, 4, "m")
+
+
+# ----- stream_aggregation: results summed in site order as they arrive (issue 15, item 4) -------------------------
+STREAM_GLOBAL = {"w": np.zeros(3, np.float64), "bn.num_batches_tracked": np.array(0, np.int64)}  # float64: 1e-12
+
+
+def streaming_core(method: str = "fedavg", sites=None, **options) -> RoundAggregation:
+    aggregation = RoundAggregation(method, options.pop("method_args", {}), num_classes=3, num_rounds=2,
+                                   stream_aggregation=True, **options)
+    aggregation.start_round(STREAM_GLOBAL, RoundContext(0, 2))
+    aggregation.start_phase("train")
+    if sites is not None:
+        aggregation.expect_sites(sites)
+    return aggregation
+
+
+def stream_update(values: list[float], n: int) -> tuple[dict, dict]:
+    arrays = {"w": np.array(values, np.float32), "bn.num_batches_tracked": np.array(n // 2, np.int64)}
+    return arrays, {"n_samples": n}
+
+
+HAND = {"site-1": ([1.0, 2.0, -4.0], 10), "site-2": ([3.0, 0.5, 8.0], 30), "site-3": ([-1.0, 6.0, 2.0], 60)}
+
+
+def test_a_streamed_round_is_the_weighted_sum_over_the_weights_and_matches_the_batch_path() -> None:
+    core = streaming_core(sites=list(HAND))
+    for site in ("site-3", "site-1", "site-2"):
+        assert core.accept(site, *stream_update(*HAND[site])) is None
+    result = core.aggregate()
+    # (10 a1 + 30 a2 + 60 a3) / 100, and the batches tracked (10 5 + 30 15 + 60 30) / 100 = 23
+    by_hand = [(10 * 1 + 30 * 3 + 60 * -1) / 100, (10 * 2 + 30 * 0.5 + 60 * 6) / 100, (10 * -4 + 30 * 8 + 60 * 2) / 100]
+    np.testing.assert_allclose(result.params["w"], by_hand, rtol=1e-15)
+    assert int(result.params["bn.num_batches_tracked"]) == 23
+    assert result.shares == pytest.approx({"site-1": 0.1, "site-2": 0.3, "site-3": 0.6})
+    assert result.info["stream_aggregation"] == {"mode": "streamed", "most_results_held": 1, "in_site_order": True}
+    batch = RoundAggregation("fedavg", {}, num_classes=3, num_rounds=2)
+    batch.start_round(STREAM_GLOBAL, RoundContext(0, 2))
+    batch.start_phase("train")
+    for site, (values, n) in HAND.items():
+        batch.accept(site, *stream_update(values, n))
+    theirs = batch.aggregate()
+    np.testing.assert_allclose(result.params["w"], theirs.params["w"], rtol=1e-12, atol=1e-12)
+    assert result.shares == theirs.shares and "stream_aggregation" not in theirs.info  # off: records unchanged
+
+
+def test_streamed_results_leave_no_model_copy_behind() -> None:
+    core = streaming_core(sites=list(HAND))
+    for site in sorted(HAND):  # in site order nothing waits: each result goes straight into the sum
+        core.accept(site, *stream_update(*HAND[site]))
+        assert not core.stream.waiting
+    assert all(update.arrays == {} for update in core.updates.values())  # meta only
+    sums = core.stream.total.sums
+    assert {k: v.dtype for k, v in sums.items()} == {"w": np.float64, "bn.num_batches_tracked": np.float64}
+    reverse = streaming_core(sites=list(HAND))
+    reverse.accept("site-3", *stream_update(*HAND["site-3"]))
+    reverse.accept("site-2", *stream_update(*HAND["site-2"]))
+    assert sorted(reverse.stream.waiting) == ["site-2", "site-3"]  # they wait for site-1
+    reverse.accept("site-1", *stream_update(*HAND["site-1"]))
+    assert not reverse.stream.waiting and list(reverse.stream.total.weights) == sorted(HAND)
+
+
+def test_a_rejected_update_never_enters_the_sum_and_a_missing_site_does_not_change_the_bits() -> None:
+    """site-2 sends NaN (rejected), site-5 was sent the task but never answers; every arrival order of the rest
+    gives the same bytes, and they equal a round in which only sites 1, 3 and 4 took part."""
+    good = {"site-1": ([1e16, 1.0, 2.0], 10), "site-3": ([-1e16, 2.0, 0.5], 10), "site-4": ([3.0, 4.0, 1.0], 7)}
+    nan = stream_update([np.nan, 0.0, 0.0], 10)
+    outcomes = set()
+    for arrival in itertools.permutations([*good, "site-2"]):
+        core = streaming_core(sites=["site-1", "site-2", "site-3", "site-4", "site-5"])
+        for site in arrival:
+            reason = core.accept(site, *(nan if site == "site-2" else stream_update(*good[site])))
+            assert (reason is not None) == (site == "site-2")
+        assert "site-2" not in core.stream.total.weights and "site-2" not in core.stream.waiting
+        result = core.aggregate()
+        assert set(result.shares) == set(good) and "NaN" in core.rejected["site-2"]
+        outcomes.add(result.params["w"].tobytes())
+    alone = streaming_core(sites=list(good))
+    for site in good:
+        alone.accept(site, *stream_update(*good[site]))
+    assert outcomes == {alone.aggregate().params["w"].tobytes()}
+
+
+def test_without_the_site_list_every_result_waits_for_the_aggregation() -> None:
+    core = streaming_core()  # nobody called expect_sites: no result may be added before an earlier site's
+    assert core.awaits_site_list()
+    for site in ("site-2", "site-1"):
+        core.accept(site, *stream_update(*HAND[site]))
+    assert sorted(core.stream.waiting) == ["site-1", "site-2"]
+    assert list(core.aggregate().shares) == ["site-1", "site-2"]
+
+
+@pytest.mark.parametrize("method, options, reason", [
+    ("fedavg", {"robust": {"max_norm_ratio": 10}}, "update-norm bound"),
+    ("fedavg", {"robust": {"max_share": 0.5}}, "share cap"),
+    ("fedmas", {"method_args": {"aggregation": "mas_drw"}}, "method 'fedmas'"),
+    ("fedmas", {"method_args": {"max_share": 0.4}}, "method 'fedmas'"),
+])
+def test_a_rule_that_needs_every_update_falls_back_to_one_batch_and_says_why(method, options, reason) -> None:
+    core = streaming_core(method, sites=["site-1", "site-2"], **options)
+    assert core.stream is None and not core.awaits_site_list()
+    meta = {"n_samples": 10, "rf": 1.0} if method == "fedmas" else {"n_samples": 10}
+    core.accept("site-1", stream_update([1.0, 2.0, 3.0], 10)[0], meta)
+    core.accept("site-2", stream_update([2.0, 2.0, 3.0], 10)[0], meta)
+    facts = core.aggregate().info["stream_aggregation"]
+    assert facts["mode"] == "batch" and reason in facts["reason"]
+
+
+@pytest.mark.parametrize("method, method_args", [("fedmas", {}), ("fedmas", {"aggregation": "samples"}),
+                                                 ("bsm-fl", {}), ("fedprox", {})])
+def test_linear_rules_stream(method: str, method_args: dict) -> None:
+    assert streaming_core(method, method_args=method_args).stream is not None
+
+
+def test_the_flare_aggregator_learns_the_sites_from_flares_client_list() -> None:
+    """In a FLARE job the sites are FLARE's registered clients, the train task's targets (the controller
+    broadcasts to all of them)."""
+    from types import SimpleNamespace
+
+    from nvflare.apis.dxo import DXO, DataKind
+    from nvflare.apis.fl_constant import ReservedKey
+
+    from medflare.flare.aggregator import MedflareAggregator
+
+    aggregator = MedflareAggregator("fedavg", num_classes=3, num_rounds=2, stream_aggregation=True)
+    assert aggregator.stream_aggregation is True
+    aggregator.start_round(STREAM_GLOBAL, RoundContext(0, 2))
+    aggregator.start_phase("train")
+    clients = [SimpleNamespace(name=name) for name in ("site-1", "site-2", "site-3")]
+    fl_ctx = SimpleNamespace(get_engine=lambda: SimpleNamespace(get_clients=lambda: clients))
+
+    def result(site: str):
+        arrays, meta = stream_update(*HAND[site])
+        shareable = DXO(DataKind.WEIGHTS, data=arrays, meta=meta).to_shareable()
+        shareable.set_peer_props({ReservedKey.IDENTITY_NAME: site})
+        return shareable
+
+    assert aggregator.accept(result("site-2"), fl_ctx) and aggregator.accept(result("site-1"), fl_ctx)
+    assert aggregator.core.stream.expected == {"site-1", "site-2", "site-3"}
+    assert not aggregator.core.stream.waiting  # site-2 waited only for site-1, not for the aggregation

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 from nvflare.apis.dxo import DXO, DataKind, from_shareable
@@ -18,12 +18,14 @@ from medflare.config import from_dict
 from medflare.contracts import ContractContext, Expected, validate_update
 from medflare.errors import ConfigError, MedflareError, PayloadError
 from medflare.methods.base import AggregateResult, PerSite, RoundContext, ServerRule, SiteUpdate, Stage
-from medflare.ops import wire
+from medflare.ops import normalise_weights, wire
+from medflare.ops.aggregate import SiteOrderedSum
 from medflare.ops.wire import decode_weights
 from medflare.registry import get_method, load_plugins
 
 SHARES = "shares"
 INFO = "info"
+STREAM_INFO = "stream_aggregation"  # a round's record: whether its results were summed as they arrived
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,9 @@ class RoundAggregation:
         transfer_dtype: dtype float weights travel in ("float32" or "float16").
         transfer_kind: "weights", or "diff" (updates as differences, e.g. for a site's DP filter).
         multi_label: whether the task is multi-label (the rule and the evaluation checks need to know).
+        stream_aggregation: add each accepted train result to one float64 running sum, in site-name order, instead
+            of holding every site's update until the end (when the rule is linear; else the round is aggregated
+            in one batch and its record says why). Needs :meth:`expect_sites` to free results early.
     """
 
     def __init__(
@@ -69,6 +74,7 @@ class RoundAggregation:
         transfer_dtype: str = "float32",
         transfer_kind: str = "weights",
         multi_label: bool = False,
+        stream_aggregation: bool = False,
     ):
         self.spec = get_method(method)
         method_cfg = from_dict(self.spec.config_cls, dict(method_args or {}), f"method '{method}'")
@@ -93,12 +99,14 @@ class RoundAggregation:
         self.rejected: dict[str, str] = {}
         self.earlier: dict[str, list[SiteUpdate]] = {}  # this round's completed phases
         self.first_samples: dict[str, float] = {}  # site -> n_samples of its first accepted update
+        self.stream_aggregation = stream_aggregation
+        self.stream: SiteOrderedSum | None = None  # the train phase's running sum while it streams
 
     def start_round(self, global_params: Mapping[str, np.ndarray], ctx: RoundContext) -> None:
         """Forget the previous round."""
         self.global_params = {k: np.asarray(v) for k, v in global_params.items()}
         self.ctx = dataclasses.replace(ctx, server_meta={**ctx.server_meta, **self._wire_header()})
-        self.earlier, self.updates, self.rejected, self.phase = {}, {}, {}, ""
+        self.earlier, self.updates, self.rejected, self.phase, self.stream = {}, {}, {}, "", None
 
     def start_phase(self, phase: str) -> dict[str, np.ndarray] | PerSite:
         """Begin a phase of the round: returns what to send, and fixes what valid results look like.
@@ -110,11 +118,37 @@ class RoundAggregation:
             self.earlier[self.phase] = self.accepted()
         self.phase = phase
         self.updates, self.rejected = {}, {}
+        streams = self.stream_aggregation and phase == contracts.TRAIN_PHASE and not self.batch_reason()
+        self.stream = SiteOrderedSum() if streams else None
         outgoing = self.rule.phase_arrays(phase, self.ctx, self.global_params, self.earlier)
         dims = dict(self.rule.array_dims(phase, self.ctx))
         self.contract = ContractContext(self.num_classes, dims=dims, multi_label=self.multi_label)
         self.expected = self.rule.expected_arrays(phase, self.ctx, self.global_params, self.contract)
         return outgoing
+
+    def batch_reason(self) -> str:
+        """Why this round's results are aggregated in one batch despite ``stream_aggregation`` ("" = they stream).
+
+        Only a linear rule (Σ weight·arrays / Σ weight) can add results one at a time; the update-norm bound and a
+        share cap compare every site with the others, so they need all updates at once."""
+        if self.robust.max_norm_ratio > 0:
+            return "the update-norm bound (robust.max_norm_ratio) compares every site's update with the others'"
+        if self.robust.max_share > 0:
+            return "the share cap (robust.max_share) needs every site's weight"
+        if not self.rule.streams(self.ctx):
+            return (f"method '{self.spec.name}' with these options needs every site's update at once (a share cap, "
+                    "row-wise weights, several phases or its own aggregate)")
+        return ""
+
+    def expect_sites(self, sites: Iterable[str]) -> None:
+        """Name the sites the current phase was sent to, so a streamed result need only wait for the sites that
+        sort before it (without this, every streamed result waits until :meth:`aggregate`)."""
+        if self.stream is not None:
+            self.stream.expect(sites)
+
+    def awaits_site_list(self) -> bool:
+        """Whether the phase streams but has not been told which sites it was sent to."""
+        return self.stream is not None and self.stream.expected is None
 
     def task_header(self) -> dict[str, Any]:
         """Meta the server adds to this phase's task besides the round: array dimensions and the wire format."""
@@ -147,13 +181,26 @@ class RoundAggregation:
                 update = SiteUpdate(site, decode_weights(clean, self.global_params, kind), clean_meta)
                 if self.phase == contracts.TRAIN_PHASE:
                     self._check_sample_count(update)
-                    self.rule.site_weight(update, self.ctx)  # the aggregation weight must be computable
+                    weight = self.rule.site_weight(update, self.ctx)  # the aggregation weight must be computable
+                    if self.stream is not None:
+                        update = self._stream(update, weight)
                 self.updates[site] = update
                 return None
             except (MedflareError, KeyError, TypeError, ValueError) as exc:
                 reason = str(exc) or type(exc).__name__
         self.rejected[site] = reason
+        if self.stream is not None:
+            self.stream.mark_absent(site)
         return reason
+
+    def _stream(self, update: SiteUpdate, weight: float) -> SiteUpdate:
+        """Hand a validated update's model arrays to the running sum; the update keeps its meta and the declared
+        arrays (small) that the rule's ``round_info`` may read."""
+        assert self.stream is not None
+        model = {k: v for k, v in update.arrays.items() if k in self.global_params}
+        self.stream.arrive(update.site, model, weight)
+        rest = {k: v for k, v in update.arrays.items() if k not in self.global_params}
+        return SiteUpdate(update.site, rest, update.meta)
 
     def _check_sample_count(self, update: SiteUpdate) -> None:
         """A site's training-set size does not change within a job: a jump is a forged aggregation weight."""
@@ -171,12 +218,34 @@ class RoundAggregation:
             PayloadError: when nothing is left to aggregate, or the aggregate is not finite (the previous global
                 model is then kept; nothing is persisted).
         """
-        updates = self._drop_outlier_updates(self.accepted())
-        result = self.rule.aggregate(self.global_params, updates, self.ctx)
+        if self.stream is not None:
+            result = self._streamed_aggregate(self.stream)
+        else:
+            updates = self._drop_outlier_updates(self.accepted())
+            result = self.rule.aggregate(self.global_params, updates, self.ctx)
+        if self.stream_aggregation:
+            result = dataclasses.replace(result, info={**result.info, STREAM_INFO: self._stream_facts()})
         broken = sorted(k for k, v in result.params.items() if np.asarray(v).dtype.kind == "f" and not np.all(np.isfinite(v)))
         if broken:
             raise PayloadError(f"the aggregate has NaN/Inf in {broken[:5]}; the previous global model is kept")
         return result
+
+    def _streamed_aggregate(self, stream: SiteOrderedSum) -> AggregateResult:
+        """What ``ServerRule.aggregate`` gives for a linear rule, from the running sum."""
+        total = stream.finish()
+        dtypes = {k: np.asarray(v).dtype for k, v in self.global_params.items()}
+        params = {**self.global_params, **total.average(dtypes)}
+        info = self.rule.round_info(self.accepted(), self.ctx)
+        return AggregateResult(params=params, shares=normalise_weights(total.weights), info=info)
+
+    def _stream_facts(self) -> dict[str, Any]:
+        """What a round's record says about streaming: "batch" and why, or "streamed" with the most results held
+        at once and whether every addition came in site order (a "mode" text also keeps reports from taking it
+        for a per-site value)."""
+        if self.stream is None:
+            return {"mode": "batch", "reason": self.batch_reason() or f"phase '{self.phase}' is not aggregated"}
+        return {"mode": "streamed", "most_results_held": self.stream.most_waiting,
+                "in_site_order": not self.stream.out_of_order}
 
     def _drop_outlier_updates(self, updates: list[SiteUpdate]) -> list[SiteUpdate]:
         """Reject sites whose update norm exceeds ``max_norm_ratio`` × the median norm of the other sites."""
@@ -233,6 +302,9 @@ class MedflareAggregator(Aggregator):
         transfer_kind: "weights", or "diff" (sites send θ_local − θ_global, float keys only; for DP filters).
         plugins: ``medflare_plugins.*`` modules the job carries that register its own methods.
         multi_label: whether the task is multi-label.
+        stream_aggregation: sum train results in site order as they arrive instead of holding every site's update
+            (linear rules only; the others fall back to one batch and their round records say why). The result
+            differs from the batch path in the last bits (Σw·a/Σw vs Σ(w/Σw)·a) and repeats bit for bit.
     """
 
     def __init__(
@@ -246,6 +318,7 @@ class MedflareAggregator(Aggregator):
         transfer_kind: str = "weights",
         plugins: list | None = None,
         multi_label: bool = False,
+        stream_aggregation: bool = False,
     ) -> None:
         super().__init__()
         self.plugins = plugins or []
@@ -258,9 +331,12 @@ class MedflareAggregator(Aggregator):
         self.transfer_dtype = transfer_dtype
         self.transfer_kind = transfer_kind
         self.multi_label = multi_label
+        self.stream_aggregation = stream_aggregation
         self.core = RoundAggregation(
-            method, self.method_args, num_classes, num_rounds, self.robust, transfer_dtype, transfer_kind, multi_label
+            method, self.method_args, num_classes, num_rounds, self.robust, transfer_dtype, transfer_kind, multi_label,
+            stream_aggregation,
         )
+        self._fallback_logged = False
 
     def start_round(self, global_params: Mapping[str, np.ndarray], ctx: RoundContext) -> None:
         """Called by the controller before it sends the round's first task."""
@@ -272,6 +348,8 @@ class MedflareAggregator(Aggregator):
 
     def accept(self, shareable: Shareable, fl_ctx: FLContext) -> bool:
         site = shareable.get_peer_prop(ReservedKey.IDENTITY_NAME, default="?")
+        if self.core.awaits_site_list():
+            self._expect_registered_sites(fl_ctx)
         try:
             dxo = from_shareable(shareable)
             kind = "diff" if dxo.data_kind == DataKind.WEIGHT_DIFF else "weights"
@@ -287,8 +365,26 @@ class MedflareAggregator(Aggregator):
             return False
         return True
 
+    def _expect_registered_sites(self, fl_ctx: FLContext) -> None:
+        """The controller broadcasts the train task to every site registered when it sends it (FLARE's
+        ``targets=None``), so the sites registered at the first result are those its results can come from (a
+        site that registered in between only makes later results wait until the aggregation)."""
+        try:
+            self.core.expect_sites(client.name for client in fl_ctx.get_engine().get_clients())
+        except Exception as exc:  # noqa: BLE001 - the results then wait for the aggregation: more memory, same sum
+            self.log_warning(fl_ctx, f"stream_aggregation: cannot read FLARE's client list ({exc}); this round's "
+                                     "results are held until its aggregation")
+
     def aggregate(self, fl_ctx: FLContext) -> Shareable:
         result = self.core.aggregate()
+        streaming = result.info.get(STREAM_INFO, {})
+        if streaming.get("mode") == "batch" and not self._fallback_logged:
+            self._fallback_logged = True
+            self.log_warning(fl_ctx, f"stream_aggregation is on, but this job aggregates in one batch: "
+                                     f"{streaming['reason']} (each round's record says so too)")
+        elif streaming.get("in_site_order") is False:
+            self.log_warning(fl_ctx, f"round {self.core.ctx.round + 1}: a site outside the task's targets was "
+                                     "added out of site order; this round's aggregate may not repeat bit for bit")
         return DXO(DataKind.WEIGHTS, data=result.params, meta={SHARES: result.shares, INFO: result.info}).to_shareable()
 
     def reset(self, fl_ctx: FLContext) -> None:

@@ -581,6 +581,19 @@ class ServerRule:
         """What to record about this round besides the shares."""
         return {}
 
+    def streams(self, ctx: RoundContext) -> bool:
+        """Whether this round's aggregate is Σ site_weight·arrays / Σ site_weight, so the server may add each result
+        to a running sum as it arrives (``stream_aggregation``) and keep no site's model arrays.
+
+        True for a rule that changes only :meth:`site_weight`, :meth:`round_info`, the stages or what a phase
+        sends, without a share cap; one overriding :meth:`shares`, :meth:`row_weights`, :meth:`aggregate` or
+        :meth:`phases` is aggregated in one batch unless it overrides this too. A streamed round's
+        :meth:`round_info` sees each update's meta and declared arrays, not its model arrays.
+        """
+        hooks = ("shares", "row_weights", "aggregate", "phases")  # overridden in a subclass or on the instance
+        plain = all(getattr(getattr(self, name), "__func__", None) is getattr(ServerRule, name) for name in hooks)
+        return plain and self.max_share <= 0
+
     def shares(self, updates: list[SiteUpdate], ctx: RoundContext) -> dict[str, float]:
         """Each site's share of the aggregate: its weight over the sum of weights (capped by ``max_share``)."""
         return cap_shares(normalise_weights({u.site: self.site_weight(u, ctx) for u in updates}), self.max_share)

@@ -32,6 +32,10 @@ class FedMasRule(ServerRule):
             return super().site_weight(update, ctx)  # n_c; the RF factor needs all sites, see shares()
         return rf
 
+    def streams(self, ctx: RoundContext) -> bool:
+        """RF and sample-count weights are each site's own; the DRW factors and a cap need every site at once."""
+        return self.cfg.aggregation in ("mas", "mas_inv", "samples") and self.cfg.max_share <= 0 and self.max_share <= 0
+
     def shares(self, updates: list[SiteUpdate], ctx: RoundContext) -> dict[str, float]:
         if self.cfg.aggregation == "mas_drw" and drw_is_on(ctx, self.cfg.drw_start):
             sample_counts = {u.site: self.site_weight(u, ctx) for u in updates}
