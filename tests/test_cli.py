@@ -194,6 +194,7 @@ def exported_client_args(job: Path) -> dict:
 def test_set_values_reach_the_job_typed(tmp_path: Path, capsys) -> None:
     code, _, err = run_cli(["export", "fedprox", *TASK, "--set", "train.lr=0.01", "--set", "train.nesterov=true",
                             "--set", "method.mu=0.1", "--set", "data.label_noise=0.2", "--set", "rounds=4",
+                            "--set", "stream_aggregation=true",
                             "--data", "synthetic:classes=2,channels=1", "-o", str(tmp_path)], capsys)
     assert code == 0, err
     args = exported_client_args(tmp_path / "fedprox")
@@ -202,6 +203,8 @@ def test_set_values_reach_the_job_typed(tmp_path: Path, capsys) -> None:
     assert args["data"]["label_noise"] == 0.2 and isinstance(args["data"]["label_noise"], float)
     server = json.loads((tmp_path / "fedprox" / "app" / "config" / "config_fed_server.json").read_text())
     assert server["workflows"][0]["args"]["num_rounds"] == 4
+    (aggregator,) = [c for c in server["components"] if c["id"] == "aggregator"]
+    assert aggregator["args"]["stream_aggregation"] is True
 
 
 def test_export_defaults_to_site_local_data(tmp_path: Path, capsys) -> None:

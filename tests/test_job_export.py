@@ -15,6 +15,16 @@ def controller_args(run: RunConfig) -> dict:
     return server_config(run, TASK)["workflows"][0]["args"]
 
 
+def aggregator_args(run: RunConfig) -> dict:
+    (aggregator,) = [c for c in server_config(run, TASK)["components"] if c["id"] == "aggregator"]
+    return aggregator["args"]
+
+
+def test_stream_aggregation_is_off_unless_the_run_turns_it_on() -> None:
+    assert aggregator_args(RunConfig())["stream_aggregation"] is False
+    assert aggregator_args(RunConfig(stream_aggregation=True))["stream_aggregation"] is True
+
+
 def test_every_task_has_a_timeout_unless_the_run_sets_one() -> None:
     assert DEFAULT_TASK_TIMEOUT > 0
     assert controller_args(RunConfig())["train_timeout"] == DEFAULT_TASK_TIMEOUT

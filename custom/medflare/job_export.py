@@ -78,6 +78,7 @@ def server_config(run: RunConfig, task: TaskSpec, shot_groups: dict | None = Non
                     "robust": run.robust,
                     "transfer_dtype": run.transfer_dtype,
                     "transfer_kind": run.transfer_kind,
+                    "stream_aggregation": run.stream_aggregation,
                     "plugins": run.plugin_modules(),
                     **multi_label_args(task),
                 },

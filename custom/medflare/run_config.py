@@ -60,6 +60,9 @@ class RunConfig:
         robust: server-side defences, {"max_norm_ratio": 10, "max_share": 0.5} (see flare.aggregator.RobustConfig).
         transfer_dtype: float32 (default) or float16: how float weights travel (the server aggregates in float64
             and keeps the global model in its own precision).
+        stream_aggregation: the server adds each site's result to one float64 sum as it arrives (in site-name order,
+            so reruns repeat bit for bit) instead of holding every site's copy until the round ends; linear rules
+            only, the others aggregate in one batch and each round's record says why (docs/architecture.md).
         plugins: Python files that register extra methods (``register_method``); they ship inside the job
             (BYOC), so a researcher can run a method without changing medflare.
         transfer_kind: weights (default) or diff: sites send θ_local − θ_global for float keys (integer buffers
@@ -98,6 +101,7 @@ class RunConfig:
     site_model: dict[str, str] = field(default_factory=dict)
     robust: dict[str, Any] = field(default_factory=dict)
     transfer_dtype: str = "float32"
+    stream_aggregation: bool = False
     plugins: list[str] = field(default_factory=list)
     transfer_kind: str = "weights"
     dp: dict[str, Any] = field(default_factory=dict)

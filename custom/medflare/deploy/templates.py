@@ -70,6 +70,8 @@ COMMENTS: dict[str, str] = {
     "robust": "defences against one site taking over or breaking the aggregate (docs/architecture.md)",
     "max_norm_ratio": "reject an update whose norm exceeds this multiple of the other sites' median (0 = off)",
     "max_share": "cap on one site's share of the aggregate; relaxes to equal shares when infeasible (0 = off)",
+    "stream_aggregation": "sum results in site order as they arrive instead of holding every site's copy; linear "
+                          "rules without robust's checks only, else one batch (docs/architecture.md)",
     "facts": "what every saved global model file records about this job (medflare predict reads it); derived "
              "from the settings here: change those, not these",
     "train_timeout": "seconds a site may take for one task; later, it counts as failed for that round",
