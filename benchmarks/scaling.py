@@ -40,6 +40,8 @@ Usage:
     python benchmarks/scaling.py --part scaling       # 2, 4 and 8 sites, 30 rounds each
     python benchmarks/scaling.py --part parity        # fp32 vs fp16, 3 seeds of the demo job
     python benchmarks/scaling.py --quick              # 1-2 min sanity run: 2 sites, 4 rounds, 3 steps
+    python benchmarks/scaling.py --part scaling --clients 8 --stream-aggregation --out runs/bench-scaling-stream
+                                                      # the 8-site server peak with streaming aggregation
 """
 
 from __future__ import annotations
@@ -235,6 +237,18 @@ def images_per_second(summary: dict[str, Any], batch: int, steps: int) -> float 
     return images / seconds if seconds else None
 
 
+def streaming(results: dict[str, Any]) -> dict[str, Any] | None:
+    """What the rounds' records say about ``stream_aggregation`` (None when it was off): how many rounds summed
+    their results as they arrived, and the most results the server held at once in any of them."""
+    facts = [r["stream_aggregation"] for r in results["rounds"] if "stream_aggregation" in r]
+    if not facts:
+        return None
+    streamed = [f for f in facts if f["mode"] == "streamed"]
+    return {"streamed_rounds": len(streamed), "rounds": len(facts),
+            "most_results_held": max((f["most_results_held"] for f in streamed), default=None),
+            "batch_reasons": sorted({f["reason"] for f in facts if f["mode"] == "batch"})}
+
+
 def upload_bytes_per_site_round(summary: dict[str, Any]) -> float:
     """Mean bytes one site sends per round (arrays and meta, as the controller counted them)."""
     return statistics.mean(b for entry in summary["payload"].values() for b in entry["bytes_per_round"])
@@ -316,7 +330,8 @@ def scaling_run(args: argparse.Namespace, clients: int) -> Any:
 
     train = {"batch_size": args.batch_size, "local_epochs": 1, "max_steps": args.steps}
     return RunConfig(method="fedavg", model=args.model, rounds=args.rounds, clients=clients, seed=args.seed,
-                     data={"source": args.data, "partition": "iid"}, train=train, name=f"scaling-{clients}")
+                     data={"source": args.data, "partition": "iid"}, train=train, name=f"scaling-{clients}",
+                     stream_aggregation=args.stream_aggregation)
 
 
 def measure_site_count(args: argparse.Namespace, clients: int) -> dict[str, Any]:
@@ -337,6 +352,7 @@ def measure_site_count(args: argparse.Namespace, clients: int) -> dict[str, Any]
         "upload_bytes_per_site_round": upload_bytes_per_site_round(summary),
         "images_per_second": speed,
         "memory": memory_figures(sampler.traces, results),
+        "streaming": streaming(results),
         "gpu_utilisation_samples": sampler.gpu,
         "device": device_line(torch.cuda.is_available(), speed, sampler.gpu),
     }
@@ -354,7 +370,8 @@ def scaling_part(args: argparse.Namespace) -> dict[str, Any]:
     peaks = {n: f["memory"]["server"]["peak_bytes"] for n, f in by_clients.items() if "server" in f["memory"]}
     estimate = hospital_estimate(largest["upload_bytes_per_site_round"],
                                  model_fp32_bytes(scaling_run(args, max(by_clients))), peaks)
-    return {"config": _config(args, "clients", "rounds", "steps", "batch_size", "model", "data", "seed"),
+    names = ("clients", "rounds", "steps", "batch_size", "model", "data", "seed", "stream_aggregation")
+    return {"config": _config(args, *names),
             "total_train_images": total, "by_clients": {str(n): f for n, f in by_clients.items()},
             "estimate": estimate}
 
@@ -418,7 +435,20 @@ def _scaling_lines(scaling: dict[str, Any]) -> list[str]:
                 f"({_number(e['upload_bytes_per_round'])} up, {_number(e['download_bytes_per_round'])} down); "
                 f"server memory {memory}.")
     lines += ["", estimate, ""]
-    return lines
+    return lines + _streaming_lines(scaling["by_clients"])
+
+
+def _streaming_lines(by_clients: dict[str, Any]) -> list[str]:
+    """One line per site count run with ``--stream-aggregation``: how its rounds were aggregated."""
+    lines = []
+    for clients, figures in by_clients.items():
+        facts = figures.get("streaming")
+        if facts:
+            batch = f"; one batch because {'; '.join(facts['batch_reasons'])}" if facts["batch_reasons"] else ""
+            lines.append(f"stream_aggregation, {clients} sites: {facts['streamed_rounds']} of {facts['rounds']} rounds "
+                         f"summed as results arrived, at most {facts['most_results_held']} result(s) held at once"
+                         f"{batch}.")
+    return lines + [""] if lines else []
 
 
 def _parity_lines(parity: dict[str, Any]) -> list[str]:
@@ -458,6 +488,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default="resnet18")
     parser.add_argument("--data", default=f"medmnist:{DATA}")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stream-aggregation", action="store_true",
+                        help="scaling part: the server sums results as they arrive (stream_aggregation=true)")
     parser.add_argument("--sample-seconds", type=float, default=0.5, help="how often the process tree is sampled")
     parser.add_argument("--parity-method", default="fedmas", help="method of the parity part's demo job")
     parser.add_argument("--parity-rounds", type=int, default=8)

@@ -159,6 +159,20 @@ def test_quick_mode_and_the_parity_jobs() -> None:
     assert scaling.parity_run(scaling.parse_args([]), "float32", 2).data == fp16.data  # only the dtype differs
 
 
+def test_stream_aggregation_reaches_the_scaling_jobs_and_the_report_says_how_rounds_were_aggregated() -> None:
+    assert scaling.scaling_run(scaling.parse_args(["--stream-aggregation"]), 8).stream_aggregation is True
+    assert scaling.scaling_run(scaling.parse_args([]), 8).stream_aggregation is False
+    streamed = {"mode": "streamed", "most_results_held": 2, "in_site_order": True}
+    rounds = [{"stream_aggregation": streamed}, {"stream_aggregation": {**streamed, "most_results_held": 5}},
+              {"stream_aggregation": {"mode": "batch", "reason": "the share cap"}}]
+    facts = scaling.streaming({"rounds": rounds})
+    assert facts == {"streamed_rounds": 2, "rounds": 3, "most_results_held": 5, "batch_reasons": ["the share cap"]}
+    assert scaling.streaming({"rounds": [{"round": 0}]}) is None  # the option was off
+    assert scaling._streaming_lines({"8": {"streaming": facts}, "2": {"streaming": None}}) == [
+        "stream_aggregation, 8 sites: 2 of 3 rounds summed as results arrived, at most 5 result(s) held at once; "
+        "one batch because the share cap.", ""]
+
+
 def test_the_report_reads_the_parity_gap_and_shows_the_estimate() -> None:
     memory = {"server": {"peak_bytes": 800 * MIB, "growth_after_round_3": 0.01},
               "site-1": {"peak_bytes": 500 * MIB, "growth_after_round_3": 0.02}}
