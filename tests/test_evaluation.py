@@ -42,3 +42,22 @@ def test_a_run_without_scores_gives_none_not_an_error() -> None:
     figures = personalization_figures({}, global_classifier=True)
     assert figures["generalization_bacc"] is None and figures["specialization_bauc"] is None
     assert figures["specialization_by_site"] == {}
+
+
+def test_the_per_round_history_keeps_confusion_loss_and_count_but_not_the_score_histograms() -> None:
+    import numpy as np
+
+    from medflare.evaluation import HISTOGRAM_KEYS, summarize, without_histograms
+    from medflare.methods.base import eval_stats
+
+    labels = np.array([0, 1, 2, 1])
+    probs = np.array([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.3, 0.3, 0.4], [0.6, 0.3, 0.1]])
+    stats = eval_stats(labels, probs, np.ones(4), num_classes=3)
+    summary = summarize({"site-1": {"val": stats, "test": stats}})
+    compact = without_histograms(summary)
+    for split in ("val", "test"):
+        assert set(compact[f"{split}_stats"]) == {"confusion", "loss_sum", "count"}
+        assert compact[f"{split}_stats"]["confusion"] == summary[f"{split}_stats"]["confusion"]
+        assert compact[split] == summary[split]  # the metrics computed from the histograms stay
+        assert set(HISTOGRAM_KEYS) <= set(summary[f"{split}_stats"])  # the full summary ("final") is untouched
+    assert np.asarray(summary["test_stats"]["pos_hist"]).size == 3 * 1000

@@ -72,6 +72,24 @@ def summarize(
     return summary
 
 
+HISTOGRAM_KEYS = ("pos_hist", "neg_hist")  # the score histograms behind AUROC: K x 1000 counts per split
+
+
+def without_histograms(summary: Mapping[str, Any]) -> dict[str, Any]:
+    """``summary`` with its pooled ``*_stats`` cut to the confusion matrix, loss and count.
+
+    The per-round history keeps this: the full histograms (2 x K x 1000 counts per split, about 160 KiB of
+    Python lists a round for K = 5) grew the server's memory and its per-round results file and checkpoint
+    with every round, and their metrics are already computed. The final evaluation keeps them whole.
+    """
+    compact = dict(summary)
+    for split in ("val", "test"):
+        stats = summary.get(f"{split}_stats")
+        if isinstance(stats, Mapping):
+            compact[f"{split}_stats"] = {k: v for k, v in stats.items() if k not in HISTOGRAM_KEYS}
+    return compact
+
+
 def _split_block(
     per_site: Mapping[str, Mapping[str, EvalStats]], shot_groups: Mapping[str, Sequence[int]] | None, with_stats: bool = False
 ) -> dict[str, Any]:

@@ -43,7 +43,8 @@ def crashed_job(root: Path) -> tuple[str, MedflareController]:
     ctl.global_params = {"w": np.full((2, 3), 3.0, np.float32)}
     ctl._results["rounds"] = [{"round": 0, "share": {"site-1": 1.0}}, {"round": 1, "share": {"site-1": 1.0}}]
     ctl._best = 0.7
-    ctl._save_checkpoint(2, FLContext())
+    ctl._next_round = 2  # set by _run_round once round 2 of 4 is aggregated
+    ctl._save_checkpoint(FLContext())
     ctl._checkpoint_write.wait()  # written in the background while the next round's sites train
     return job_id, ctl
 

@@ -1,0 +1,109 @@
+"""The controller's round timing: it goes on the moment the last result is processed (not at FLARE's next poll),
+keeps broadcast_and_wait's straggler rules, and does the previous round's bookkeeping after the next task is out.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+from nvflare.apis.controller_spec import TaskCompletionStatus
+from nvflare.apis.fl_context import FLContext
+from nvflare.apis.signal import Signal
+
+from medflare.flare.controller import MedflareController, PhaseAnswers
+from medflare.methods.base import PerSite, RoundContext, Stage
+
+SLOW_POLL = 5.0  # a poll period far longer than any wait below: only the result callback's event can be in time
+
+
+def controller(min_clients: int = 2, wait_after_min: int = 600) -> MedflareController:
+    ctl = MedflareController(num_rounds=2, min_clients=min_clients, wait_time_after_min_received=wait_after_min)
+    ctl._task_check_period = SLOW_POLL
+    # what FLARE's WFCommServer.cancel_task does (no engine here): mark the task; its monitor drops it later
+    ctl.cancel_task = lambda task, completion_status, fl_ctx: setattr(task, "completion_status", completion_status)
+    return ctl
+
+
+def tasks_for(*sites: str) -> list[SimpleNamespace]:
+    return [SimpleNamespace(targets=[site], completion_status=None) for site in sites]
+
+
+def answer_later(answers: PhaseAnswers, site: str, after: float) -> threading.Thread:
+    thread = threading.Thread(target=lambda: (time.sleep(after), answers.add(site)))
+    thread.start()
+    return thread
+
+
+def test_the_wait_ends_when_the_last_result_is_processed_not_at_the_next_poll() -> None:
+    ctl, answers, tasks = controller(), PhaseAnswers(), tasks_for("site-1", "site-2")
+    answers.add("site-1")
+    answer_later(answers, "site-2", after=0.3)
+    started = time.monotonic()
+    ctl._wait_for_answers(tasks, answers, Signal(), FLContext())
+    waited = time.monotonic() - started
+    assert 0.3 <= waited < 1.0, f"waited {waited:.2f} s for a result that came after 0.3 s (poll period {SLOW_POLL} s)"
+    assert [t.completion_status for t in tasks] == [TaskCompletionStatus.OK] * 2
+
+
+def test_stragglers_get_wait_time_after_min_received_then_their_task_is_cancelled() -> None:
+    ctl = controller(min_clients=1, wait_after_min=1)
+    answers, tasks = PhaseAnswers(), tasks_for("site-1", "site-2")
+    answers.add("site-1")
+    started = time.monotonic()
+    ctl._task_check_period = 0.05
+    ctl._wait_for_answers(tasks, answers, Signal(), FLContext())
+    waited = time.monotonic() - started
+    assert 1.0 <= waited < 2.0
+    assert [t.completion_status for t in tasks] == [TaskCompletionStatus.CANCELLED] * 2  # site-2 never answered
+
+
+def test_a_task_flare_ended_itself_counts_as_answered() -> None:
+    ctl, answers, tasks = controller(), PhaseAnswers(), tasks_for("site-1")
+    tasks[0].completion_status = TaskCompletionStatus.TIMEOUT
+    started = time.monotonic()
+    ctl._wait_for_answers(tasks, answers, Signal(), FLContext())
+    assert time.monotonic() - started < 1.0 and tasks[0].completion_status == TaskCompletionStatus.TIMEOUT
+
+
+def test_an_abort_ends_the_wait_and_cancels_the_tasks() -> None:
+    ctl, answers, tasks = controller(), PhaseAnswers(), tasks_for("site-1", "site-2")
+    abort = Signal()
+    threading.Thread(target=lambda: (time.sleep(0.2), abort.trigger(True), answers.wake.set())).start()
+    ctl._wait_for_answers(tasks, answers, abort, FLContext())
+    assert [t.completion_status for t in tasks] == [TaskCompletionStatus.CANCELLED] * 2
+
+
+def test_the_previous_rounds_bookkeeping_runs_after_the_next_task_is_sent_and_only_once() -> None:
+    ctl, order = controller(), []
+    ctl.aggregator = SimpleNamespace(core=SimpleNamespace(task_header=lambda: {}))
+    ctl.broadcast = lambda task, fl_ctx, **kw: order.append(("broadcast", tuple(kw.get("targets") or ())))
+    ctl._wait_for_answers = lambda tasks, answers, abort, fl_ctx: order.append(("wait", len(tasks)))
+    ctl._housekeeping = lambda: order.append(("bookkeeping", ()))
+    ctx = RoundContext(round=1, total_rounds=2)
+    per_site = PerSite({"site-2": {"w": np.zeros(2)}, "site-1": {"w": np.ones(2)}})
+    for outgoing in (per_site, {"w": np.zeros(2)}):
+        ctl._send_phase("train", outgoing, ctx, {}, {}, Signal(), FLContext())
+    assert order == [("broadcast", ("site-1",)), ("broadcast", ("site-2",)), ("bookkeeping", ()), ("wait", 2),
+                     ("broadcast", ()), ("wait", 1)]
+
+
+def test_the_last_rounds_bookkeeping_runs_before_the_job_ends() -> None:
+    ctl, done = controller(), []
+    ctl.aggregator = SimpleNamespace(method="fedavg", core=SimpleNamespace(stages=[]))
+    ctl._results = {"rounds": []}
+    ctl.persistor = SimpleNamespace(save=lambda learnable, fl_ctx: done.append("model"))
+    ctl.global_params = {}
+
+    def run_round(ctx: RoundContext, abort: Signal, fl_ctx: FLContext) -> None:
+        ctl._run_housekeeping()  # what the round's _send_phase does once its task is out
+        ctl._housekeeping = lambda: done.append(ctx.round)
+
+    ctl._run_round = run_round
+    ctl._final_validation = lambda last, abort, fl_ctx: done.append("final")
+    ctl._write_results = lambda: None
+    ctl.aggregator.core.stages = [Stage("train", 2)]
+    ctl.control_flow(Signal(), FLContext())
+    assert done == [0, 1, "model", "final"]
