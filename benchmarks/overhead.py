@@ -43,7 +43,8 @@ from medflare.benchmarking import later_rounds, mean_later_rounds, model_fp32_by
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "medmnist" / "pneumoniamnist.npz"
 GOALS = {"ratio": 1.05, "overhead_seconds": 0.3, "throughput": 0.95, "first_round": 2.0, "bytes": 1.05}
 SITE_OVERHEAD_SPANS = ("receive", "encode", "save_state")  # a site's spans besides evaluation and training
-SERVER_SPANS_OFF_PATH = ("checkpoint", "gc")  # run while the sites train the next round: not in the round's wall
+# not inside the round's wall: the results file is written just after it, checkpoint and gc while the sites train
+SERVER_SPANS_OUTSIDE_WALL = ("results_file", "checkpoint", "gc")
 
 
 # ----- the bare side: one process per site, a coordinator that averages -------------------------------------
@@ -203,7 +204,7 @@ def where_it_goes(rounds: list[dict[str, Any]]) -> dict[str, float]:
 
     ``transport``: from the round's start to the slowest site's result at the controller, minus that site's
     work (sending the task, the site's poll, sending the result back). ``server.*``: the controller's spans
-    (``checkpoint`` and ``gc`` run while the sites train the next round, so ``other`` leaves them out).
+    (``results_file``, ``checkpoint`` and ``gc`` lie outside the round's wall, so ``other`` leaves them out).
     ``site.*``: that site's non-training spans (inside its work). ``other``: the rest of the round's wall (the
     controller's polling, FLARE's bookkeeping, the results file).
     """
@@ -213,7 +214,7 @@ def where_it_goes(rounds: list[dict[str, Any]]) -> dict[str, float]:
         transport = (r["result_at"].get(slowest) or 0.0) - r["work"][slowest]
         entry = {"transport": transport, **{f"server.{k}": v for k, v in r["server"].items()}}
         entry.update({f"site.{name}": r["spans"][slowest].get(name, 0.0) for name in SITE_OVERHEAD_SPANS})
-        on_path = sum(v for k, v in r["server"].items() if k not in SERVER_SPANS_OFF_PATH)
+        on_path = sum(v for k, v in r["server"].items() if k not in SERVER_SPANS_OUTSIDE_WALL)
         entry["other"] = r["wall"] - r["work"][slowest] - transport - on_path
         for name, value in entry.items():
             parts.setdefault(name, []).append(value)

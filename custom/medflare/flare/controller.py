@@ -239,18 +239,19 @@ class MedflareController(Controller):
         record["wall_seconds"] = time.time() - started
         self._results["rounds"].append(record)
         self._next_round = ctx.round + 1
+        with timed(spans, "results_file"):  # before the next round: a crash or SIGTERM still finds this round
+            self._write_results()
         self.fire_event(AppEventType.ROUND_DONE, fl_ctx)
         self._housekeeping = lambda: self._close_round(record, fl_ctx)  # runs once the next task is out
         send_scalars(self, fl_ctx, record_scalars(record), step=ctx.round + 1)
         self._report(round_entry(record, self.num_rounds), fl_ctx)
 
     def _close_round(self, record: dict, fl_ctx: FLContext) -> None:
-        """The round's results file, checkpoint and garbage collection: off the critical path, because the
-        sites already train on the next round's task while it runs (they poll for that task, and a server still
-        busy with bookkeeping when a site asks costs it a whole poll interval)."""
+        """The round's checkpoint and garbage collection: off the critical path, because the sites already train
+        on the next round's task while it runs (they poll for that task, and a server still busy with
+        bookkeeping when a site asks costs it a whole poll interval)."""
         spans = record["server_seconds"]
         with timed(spans, "checkpoint"):  # recorded in the next write (the last round's: in the final one)
-            self._write_results()
             self._save_checkpoint(fl_ctx)
         with timed(spans, "gc"):  # FLARE's transfers of this round sit in reference cycles (flare/memory.py)
             record["gc_objects_freed"] = collect_round_garbage()
