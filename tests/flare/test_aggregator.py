@@ -323,7 +323,15 @@ def test_a_rule_that_needs_every_update_falls_back_to_one_batch_and_says_why(met
 @pytest.mark.parametrize("method, method_args", [("fedmas", {}), ("fedmas", {"aggregation": "samples"}),
                                                  ("bsm-fl", {}), ("fedprox", {})])
 def test_linear_rules_stream(method: str, method_args: dict) -> None:
-    assert streaming_core(method, method_args=method_args).stream is not None
+    core = streaming_core(method, sites=["site-1", "site-2"], method_args=method_args)
+    assert core.stream is not None
+    meta = {"n_samples": 10, "rf": 1.0} if method == "fedmas" else {"n_samples": 10}
+    core.accept("site-1", stream_update([1.0, 2.0, 3.0], 10)[0], meta)
+    assert core.updates["site-1"].arrays == {}  # its model arrays went into the running sum, not the update
+    core.accept("site-2", stream_update([3.0, 2.0, 3.0], 10)[0], meta)
+    result = core.aggregate()
+    assert result.info["stream_aggregation"]["mode"] == "streamed"
+    np.testing.assert_allclose(result.params["w"], [2.0, 2.0, 3.0])
 
 
 def test_the_flare_aggregator_learns_the_sites_from_flares_client_list() -> None:
