@@ -22,6 +22,7 @@ Usage:
     python benchmarks/overhead.py                          # ResNet-18, PneumoniaMNIST, 2 and 4 sites, 10 rounds
     python benchmarks/overhead.py --quick                  # 1-2 min sanity run (2 sites, 3 rounds, 5 steps)
     python benchmarks/overhead.py --clients 1 --rounds 6 --steps 20 --model resnet18   # simplest fair check
+    python benchmarks/overhead.py --env poc --clients 2 --out runs/bench-overhead-poc  # medflare in a POC
 """
 
 from __future__ import annotations
@@ -153,13 +154,23 @@ def cpu_seconds() -> float:
 
 
 # ----- the medflare side --------------------------------------------------------------------------------------
-def flare_run(run: Any, out: Path) -> dict[str, Any]:
-    """The same job in FLARE's simulator; per-round walls and the sites' and server's own spans."""
-    from medflare.simulate import run_simulation
+def flare_run(run: Any, out: Path, env: str = "sim") -> dict[str, Any]:
+    """The same job in FLARE's simulator (or a POC); per-round walls and the sites' and server's own spans.
 
+    In a POC the server and site processes are started by FLARE's start scripts, not as this process's
+    children, so their CPU-seconds are not counted (None); the whole-job time runs from starting the POC (its
+    processes, which in production run all the time) to the end of the last round."""
     cpu, launched = cpu_seconds(), time.perf_counter()
-    summary = run_simulation(run, out, echo=print, overwrite=True)  # its progress lines only
-    total, cpu = time.perf_counter() - launched, cpu_seconds() - cpu
+    if env == "poc":
+        from medflare.deploy.poc import run_poc
+
+        summary = run_poc(run, out, echo=print, overwrite=True)
+        total, cpu = summary["timing"]["total_seconds"], None
+    else:
+        from medflare.simulate import run_simulation
+
+        summary = run_simulation(run, out, echo=print, overwrite=True)  # its progress lines only
+        total, cpu = time.perf_counter() - launched, cpu_seconds() - cpu
     results = json.loads((out / "medflare_results.json").read_text())
     return {"total_seconds": total, "cpu_seconds": cpu, "summary": summary,
             "rounds": flare_rounds(results, site_spans(out))}
@@ -270,8 +281,9 @@ def compare(bare: dict[str, Any], flare: dict[str, Any], run: Any, steps: int, m
 
 def markdown(config: dict[str, Any], by_clients: dict[str, dict[str, Any]]) -> str:
     """results.md: one table row per site count, then where medflare's coordination time goes."""
+    where = "a FLARE POC" if config.get("env") == "poc" else "FLARE's simulator"
     lines = [
-        "# Framework cost: medflare on FLARE's simulator vs a bare PyTorch FedAvg (one process per site on both)",
+        f"# Framework cost: medflare in {where} vs a bare PyTorch FedAvg (one process per site on both)",
         "", f"Config: `{json.dumps(config)}`", "",
         "| sites | bare s/round | medflare s/round | ratio (goal <= 1.05) | whole-job ratio (with start-up) "
         "| coordination s/round bare / medflare (goal <= 0.3) | train img/s bare / medflare (ratio, goal >= 0.95) "
@@ -284,7 +296,7 @@ def markdown(config: dict[str, Any], by_clients: dict[str, dict[str, Any]]) -> s
             f"| {clients} | {f['bare_round_seconds']:.2f} | {f['flare_round_seconds']:.2f} | "
             f"{f['round_ratio_without_startup']:.3f} | {f['wall_ratio_with_startup']:.3f} | "
             f"{c['bare']:.2f} / {c['flare']:.2f} | {t['bare']:.0f} / {t['flare']:.0f} ({f['throughput_ratio']:.3f}) | "
-            f"{f['first_round_over_later']['flare']:.2f} | {cpu['bare']:.0f} / {cpu['flare']:.0f} | "
+            f"{f['first_round_over_later']['flare']:.2f} | {cpu['bare']:.0f} / {_fmt(cpu['flare'], 0)} | "
             f"{_fmt(f['bytes_per_site_round_over_fp32_model'])} |"
         )
     lines += ["", "Where medflare's coordination time goes (mean s per round, rounds 2..R; slowest site):", ""]
@@ -296,8 +308,8 @@ def markdown(config: dict[str, Any], by_clients: dict[str, dict[str, Any]]) -> s
     return "\n".join(lines)
 
 
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
+def _fmt(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def build_run(args: argparse.Namespace, clients: int) -> Any:
@@ -322,6 +334,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--task-request-interval", type=float, default=0.1)
     parser.add_argument("--transfer-dtype", default="float32", choices=["float32", "float16"],
                         help="how medflare's weights travel (the bare side always pipes float32)")
+    parser.add_argument("--env", default="sim", choices=["sim", "poc"],
+                        help="where medflare's side runs: FLARE's simulator, or a real POC on this machine "
+                             "(server and sites as separate FLARE processes, mTLS on loopback)")
     parser.add_argument("--quick", action="store_true", help="sanity run: 2 sites, 3 rounds, 5 steps")
     parser.add_argument("--out", default="runs/bench-overhead")
     args = parser.parse_args(argv)
@@ -337,7 +352,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for clients in args.clients:
         run = build_run(args, clients)
         bare = bare_run(run, args.steps)
-        flare = flare_run(run, out / f"flare-{clients}")
+        flare = flare_run(run, out / f"flare-{clients}", args.env)
         figures = by_clients[str(clients)] = compare(bare, flare, run, args.steps, model_fp32_bytes(run))
         print(f"{clients} site(s): bare {figures['bare_round_seconds']:.2f} s/round, medflare "
               f"{figures['flare_round_seconds']:.2f} -> {figures['round_ratio_without_startup']:.3f}x; "

@@ -1,4 +1,4 @@
-"""Where a round's seconds go in FLARE's simulator, from the server's and the sites' own log lines.
+"""Where a round's seconds go in FLARE's simulator or a POC, from the server's and the sites' own log lines.
 
 FLARE logs, per site and round: the task assigned (server), the model downloaded (site), the task processed
 (site), the result sent and received (server). This script merges those lines of a kept simulator workspace and
@@ -10,6 +10,9 @@ Usage (a 12-round ResNet-18 job with 3 local steps, about 1 min):
     medflare run fedavg --model resnet18 --clients 2 --rounds 12 --max-steps 3 --out /tmp/rt
     nvflare simulator /tmp/rt/job/fedavg -w /tmp/rt-ws -n 2 -t 2
     python benchmarks/round_timeline.py /tmp/rt-ws
+The same job in a POC (its output folder keeps the server's and the sites' FLARE logs of the job):
+    medflare run fedavg --model resnet18 --clients 2 --rounds 12 --max-steps 3 --env poc --out /tmp/rt-poc
+    python benchmarks/round_timeline.py /tmp/rt-poc
 """
 
 from __future__ import annotations
@@ -66,10 +69,20 @@ def first_after(
     return None
 
 
+def log_files(folder: Path) -> tuple[Path, dict[str, Path]]:
+    """The server's and each site's FLARE log of the job: a kept simulator workspace (``server/log.txt``,
+    ``site-*/log.txt``) or the output folder of ``medflare run --env poc`` (``poc_server.log``,
+    ``sites/*/flare_job_log.txt``)."""
+    if (folder / "poc_server.log").is_file():
+        return folder / "poc_server.log", {p.parent.name: p for p in sorted(folder.glob("sites/*/flare_job_log.txt"))}
+    return folder / "server" / "log.txt", {p.parent.name: p for p in sorted(folder.glob("site-*/log.txt"))}
+
+
 def round_steps(workspace: Path) -> dict[int, dict[str, float]]:
     """Per round: the slowest site's pickup, download, work, upload, and the server's time after its result."""
-    server = stamped(workspace / "server" / "log.txt")
-    sites = {p.parent.name: stamped(p) for p in sorted(workspace.glob("site-*/log.txt"))}
+    server_log, site_logs = log_files(workspace)
+    server = stamped(server_log)
+    sites = {site: stamped(path) for site, path in site_logs.items()}
     steps = {}
     for number, (start, done) in sorted(round_windows(server).items()):
         per_site = {}
@@ -89,12 +102,15 @@ def round_steps(workspace: Path) -> dict[int, dict[str, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("workspace", type=Path, help="a kept `nvflare simulator -w` workspace")
+    parser.add_argument("workspace", type=Path,
+                        help="a kept `nvflare simulator -w` workspace, or a `medflare run --env poc` output folder")
     args = parser.parse_args()
     steps = round_steps(args.workspace)
     later = [s for number, s in steps.items() if number > 1]
     if not later:
-        raise SystemExit(f"no complete round (2..R) found in {args.workspace}/server/log.txt and site-*/log.txt")
+        server_log, site_logs = log_files(args.workspace)
+        raise SystemExit(f"no complete round (2..R) found in {server_log} and {len(site_logs)} site log(s) under "
+                         f"{args.workspace}: give a kept simulator workspace or a POC run's output folder")
     print(f"{len(later)} rounds (2..R), mean seconds of the site whose result came last:")
     print("| " + " | ".join(STEPS) + " |\n|" + "---|" * len(STEPS))
     print("| " + " | ".join(f"{statistics.mean(s[k] for s in later):.3f}" for k in STEPS) + " |")

@@ -224,6 +224,26 @@ def write_job_outputs(
     return summary
 
 
+SITE_FLARE_LOG = "flare_job_log.txt"  # a POC site's FLARE log of the job, kept beside its medflare log
+
+
+def keep_site_logs(root: Path, out: Path, job_id: str | None = None) -> None:
+    """Copy each site's local medflare log and payload audit from a run's workspace on this machine into
+    ``out/sites/<site>/`` (in production those stay at the site). ``root`` holds one ``site-*`` folder per site
+    (a simulator workspace, or a POC's startup kits); with ``job_id`` (POC) FLARE's own log of that job at each
+    site comes too, as ``flare_job_log.txt`` (``benchmarks/round_timeline.py`` reads it)."""
+    from medflare.flare.audit import AUDIT_FILE
+    from medflare.site_runtime import SITE_LOG_FILE  # imports torch: only when a run has finished
+
+    found = [(name, log) for name in (SITE_LOG_FILE, AUDIT_FILE) for log in sorted(root.glob(f"site-*/**/{name}"))]
+    if job_id:
+        found += [(SITE_FLARE_LOG, log) for log in sorted(root.glob(f"site-*/{job_id}/log.txt"))]
+    for name, log in found:
+        site = log.relative_to(root).parts[0]
+        (out / "sites" / site).mkdir(parents=True, exist_ok=True)
+        shutil.copy(log, out / "sites" / site / name)
+
+
 def failure_note(rounds: int, search_root: Path, exc: BaseException) -> str:
     """The closing line of a failure log: why the run ended and how many rounds the server finished.
 

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from medflare.errors import MedflareError
-from medflare.flare.audit import AUDIT_FILE
 from medflare.flare.controller import RESULTS_FILE
+from medflare.flare.memory import with_allocator_settings
 from medflare.flare.tracking import keep_server_records
-from medflare.outputs import OutputTarget, failure_note, write_job_outputs
+from medflare.outputs import OutputTarget, failure_note, keep_site_logs, write_job_outputs
 from medflare.registry import get_method
 from medflare.run_config import RunConfig
 from medflare.runner import (
@@ -63,7 +63,7 @@ def run_simulation(
         job_dir = export_run_job(run, staging / "job", "byoc", class_counts)
         launched_at = time.time()
         _launch(run, job_dir, workspace, staging / SIMULATOR_LOG, echo)
-        _keep_site_logs(workspace, staging)
+        keep_site_logs(workspace, staging)
         keep_server_records(_server_app_dir(workspace).parent, staging)  # TensorBoard / MLflow records
         _plot_site_logs(run, staging)  # before the report, which shows every plot of the run
         summary = write_job_outputs(run, _results_file(workspace), staging, clients, launched_at)
@@ -114,7 +114,7 @@ def _launch(run: RunConfig, job_dir: Path, workspace: Path, log_path: Path, echo
     command = nvflare_command() + [
         "simulator", str(job_dir), "-w", str(workspace), "-n", str(run.clients), "-t", str(run.clients),
     ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = with_allocator_settings({**os.environ, "PYTHONUNBUFFERED": "1"})  # the workers inherit it
     tail: list[str] = []
     with log_path.open("w") as log:
         proc = start_process(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -185,11 +185,3 @@ def _results_file(workspace: Path) -> Path:
         raise SimulationError(f"the job wrote no {RESULTS_FILE}; see simulator.log for the cause")
     return path
 
-
-def _keep_site_logs(workspace: Path, out: Path) -> None:
-    """Copy each simulated site's local log and payload audit (in production those stay at the site)."""
-    for name in (SITE_LOG_FILE, AUDIT_FILE):
-        for log in sorted(workspace.glob(f"site-*/**/{name}")):
-            site = log.relative_to(workspace).parts[0]
-            (out / "sites" / site).mkdir(parents=True, exist_ok=True)
-            shutil.copy(log, out / "sites" / site / name)

@@ -70,3 +70,16 @@ def test_quick_mode_is_small_and_the_issue_s_one_site_command_parses() -> None:
     one = overhead.parse_args("--clients 1 --rounds 6 --steps 20 --model resnet18".split())
     run = overhead.build_run(one, one.clients[0])
     assert (run.clients, run.rounds, run.train["max_steps"], run.model) == (1, 6, 20, "resnet18")
+
+
+def test_a_poc_table_says_poc_and_leaves_the_uncounted_cpu_seconds_blank() -> None:
+    figures = {"bare_round_seconds": 10.0, "flare_round_seconds": 10.5, "round_ratio_without_startup": 1.05,
+               "wall_ratio_with_startup": 1.2, "coordination_seconds_per_round": {"bare": 0.3, "flare": 0.6},
+               "train_images_per_second": {"bare": 250.0, "flare": 245.0}, "throughput_ratio": 0.98,
+               "first_round_over_later": {"bare": 1.0, "flare": 1.5}, "cpu_seconds": {"bare": 200.0, "flare": None},
+               "bytes_per_site_round_over_fp32_model": 1.001, "flare_coordination_parts": {"transport": 0.4},
+               "goals_met": {}}
+    table = overhead.markdown({"env": "poc"}, {"2": figures})
+    assert table.startswith("# Framework cost: medflare in a FLARE POC")
+    assert "| 200 / - |" in table
+    assert "FLARE's simulator" in overhead.markdown({"env": "sim"}, {"2": {**figures, "cpu_seconds": {"bare": 200.0, "flare": 210.0}}})

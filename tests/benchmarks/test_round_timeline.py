@@ -46,3 +46,16 @@ def test_a_workspace_without_rounds_says_what_is_missing(tmp_path: Path, monkeyp
     monkeypatch.setattr("sys.argv", ["round_timeline.py", str(tmp_path)])
     with pytest.raises(SystemExit, match="no complete round"):
         timeline.main()
+
+
+def test_a_poc_run_folder_reads_the_kept_flare_logs(tmp_path: Path) -> None:
+    """`medflare run --env poc` keeps poc_server.log and sites/<site>/flare_job_log.txt: the same steps."""
+    simulated = workspace(tmp_path / "sim")
+    poc = tmp_path / "poc"
+    (poc / "sites").mkdir(parents=True)
+    (poc / "poc_server.log").write_text((simulated / "server" / "log.txt").read_text())
+    for site in ("site-1", "site-2"):
+        (poc / "sites" / site).mkdir()
+        (poc / "sites" / site / "flare_job_log.txt").write_text((simulated / site / "log.txt").read_text())
+    assert timeline.round_steps(poc) == timeline.round_steps(simulated)
+    assert timeline.round_steps(poc)[2]["pickup"] == pytest.approx(0.4, abs=1e-6)

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import gc
 import json
+import os
+import subprocess
+import sys
+import textwrap
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from medflare.flare.memory import collect_round_garbage, freeze_startup_objects
+from medflare.flare.memory import ALLOCATOR_ENV, collect_round_garbage, freeze_startup_objects, with_allocator_settings
 from medflare.run_config import RunConfig
 from medflare.simulate import run_simulation
 
@@ -62,8 +66,45 @@ def test_the_server_collects_after_every_round_in_the_simulator(tmp_path: Path) 
     config = RunConfig(method="fedavg", rounds=2, clients=2, data={"source": "synthetic:n=240,classes=3"},
                        train={"max_steps": 2, "batch_size": 16})
     run_simulation(config, tmp_path / "run", echo=lambda line: None)
-    rounds = json.loads((tmp_path / "run" / "medflare_results.json").read_text())["rounds"]
+    results = json.loads((tmp_path / "run" / "medflare_results.json").read_text())
+    assert results["allocator"] == ALLOCATOR_ENV  # the launcher started FLARE's processes with it
+    rounds = results["rounds"]
     assert len(rounds) == 2
     for record in rounds:
         assert record["gc_objects_freed"] > 0  # every round's transfers leave cycles behind
         assert 0.0 <= record["server_seconds"]["gc"] < 1.0
+
+
+THREADS_THAT_ALLOCATE = textwrap.dedent("""
+    import ctypes, threading
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
+    barrier = threading.Barrier(4)
+    def allocate():
+        barrier.wait()  # all four at once: glibc gives a thread that finds the arenas busy a new one
+        for _ in range(2000):
+            libc.free(ctypes.c_void_p(libc.malloc(1024)))
+    threads = [threading.Thread(target=allocate) for _ in range(4)]
+    for t in threads: t.start()
+    for t in threads: t.join()
+    libc.malloc_stats()  # one "Arena k:" block per arena, on stderr
+""")
+
+
+def arenas_used(env: dict[str, str]) -> int:
+    proc = subprocess.run([sys.executable, "-c", THREADS_THAT_ALLOCATE], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stderr.count("Arena ")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_the_launchers_allocator_setting_keeps_threads_on_one_arena() -> None:
+    plain = {k: v for k, v in os.environ.items() if k not in ALLOCATOR_ENV}
+    assert arenas_used(plain) > 1  # the control: glibc's default gives busy threads arenas of their own
+    assert arenas_used(with_allocator_settings(plain)) == 1
+
+
+def test_a_value_the_user_set_is_kept() -> None:
+    assert with_allocator_settings({"PATH": "/bin"}) == {"PATH": "/bin", **ALLOCATOR_ENV}
+    assert with_allocator_settings({"MALLOC_ARENA_MAX": "4"})["MALLOC_ARENA_MAX"] == "4"

@@ -35,8 +35,9 @@ import yaml
 from medflare.deploy.policies import SITE_MODES, install_site_policies, site_data_config
 from medflare.deploy.provision import admin_with_role, load_project, nvflare_command, participants, protect_secrets
 from medflare.errors import ConfigError, MedflareError
+from medflare.flare.memory import with_allocator_settings
 from medflare.flare.tracking import keep_server_records
-from medflare.outputs import OutputTarget, failure_note, results_text, write_job_outputs
+from medflare.outputs import OutputTarget, failure_note, keep_site_logs, results_text, write_job_outputs
 from medflare.runner import (
     add_run_options,
     build_run_config,
@@ -146,7 +147,9 @@ class PocSession:
         return self.prod_dir() / participant
 
     def env(self) -> dict[str, str]:
-        env = {**os.environ, "HOME": str(self.home), "NVFLARE_POC_WORKSPACE": str(self.workspace)}
+        # the POC's server and sites start from these commands' environment (allocator: flare/memory.py)
+        env = with_allocator_settings(
+            {**os.environ, "HOME": str(self.home), "NVFLARE_POC_WORKSPACE": str(self.workspace)})
         env.pop("NVFLARE_STARTUP_KIT_DIR", None)  # the kit is always chosen explicitly
         return env
 
@@ -453,6 +456,7 @@ def run_poc(
         download = session.download(job_id, staging / "download")
         extra = {"env": "poc", "mode": mode, "job_id": job_id, "status": status, "sites": session.state["sites"]}
         summary = write_run_outputs(run, download, staging, launched_at, extra)
+        keep_site_logs(session.prod_dir(), staging, job_id)  # a POC's sites are on this machine too
         if summary.get("error"):
             raise PocError(f"the job stopped early: {summary['error']}")
         session.stop()

@@ -41,7 +41,7 @@ from medflare import contracts, resume
 from medflare.errors import MedflareError, PayloadError
 from medflare.evaluation import site_evaluation, summarize, without_histograms
 from medflare.flare.aggregator import INFO, SHARES, MedflareAggregator
-from medflare.flare.memory import collect_round_garbage, freeze_startup_objects
+from medflare.flare.memory import ALLOCATOR_ENV, collect_round_garbage, freeze_startup_objects
 from medflare.flare.progress import (
     STATS_GROUP,
     entries_from_results,
@@ -158,7 +158,7 @@ class MedflareController(Controller):
 
     def _fresh_header(self) -> dict[str, Any]:
         return {"method": self.aggregator.method, "num_rounds": self.num_rounds, "controller_started_at": time.time(),
-                "rounds": [], "evaluations": {}}
+                "allocator": {name: os.environ.get(name) for name in ALLOCATOR_ENV}, "rounds": [], "evaluations": {}}
 
     def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
         if event_type == InfoCollector.EVENT_TYPE_GET_STATS:  # FLARE's show_stats: progress for medflare watch
