@@ -224,3 +224,21 @@ def test_unreadable_marker_vouches_for_nothing(tmp_path: Path) -> None:
         target.publish()
     assert (out_dir / "summary.json").read_text() == "mine"
     assert os.listdir(staging)  # kept for the user
+
+
+def test_a_poc_run_keeps_its_own_jobs_site_logs_only(tmp_path: Path) -> None:
+    from medflare.outputs import SITE_FLARE_LOG, keep_site_logs
+
+    kits = tmp_path / "prod_00"
+    for job, text in (("job-a", "this job"), ("job-b", "an earlier job")):
+        app = kits / "site-1" / job / "app_site-1"
+        app.mkdir(parents=True)
+        (app / "medflare_site_log.jsonl").write_text(text)
+        (kits / "site-1" / job / "log.txt").write_text(f"FLARE log of {text}")
+    (kits / "site-1" / "log.txt").write_text("the site's parent process")
+    out = tmp_path / "out"
+    keep_site_logs(kits, out, "job-a")
+    kept = out / "sites" / "site-1"
+    assert sorted(p.name for p in kept.iterdir()) == sorted(["medflare_site_log.jsonl", SITE_FLARE_LOG])
+    assert (kept / "medflare_site_log.jsonl").read_text() == "this job"
+    assert (kept / SITE_FLARE_LOG).read_text() == "FLARE log of this job"

@@ -235,7 +235,8 @@ def keep_site_logs(root: Path, out: Path, job_id: str | None = None) -> None:
     from medflare.flare.audit import AUDIT_FILE
     from medflare.site_runtime import SITE_LOG_FILE  # imports torch: only when a run has finished
 
-    found = [(name, log) for name in (SITE_LOG_FILE, AUDIT_FILE) for log in sorted(root.glob(f"site-*/**/{name}"))]
+    under = f"{job_id}/**" if job_id else "**"  # a POC keeps every job's folder; the simulator runs one job
+    found = [(name, log) for name in (SITE_LOG_FILE, AUDIT_FILE) for log in sorted(root.glob(f"site-*/{under}/{name}"))]
     if job_id:
         found += [(SITE_FLARE_LOG, log) for log in sorted(root.glob(f"site-*/{job_id}/log.txt"))]
     for name, log in found:
