@@ -1,4 +1,4 @@
-"""Framework cost, fairly: medflare in FLARE's simulator against a bare PyTorch FedAvg with the same parallelism.
+"""Framework cost, fairly: medflare in FLARE's simulator (or a POC) against a bare PyTorch FedAvg, same parallelism.
 
 Both sides train the same model on the same site partitions (one local epoch, or ``--steps`` optimizer steps),
 score the received model on every site's val and test split each round, and average the weights. The simulator
@@ -12,7 +12,7 @@ sets), whose coordinator averages in float64 and sends the weights through pipes
   ``server_seconds`` and each site's ``task_seconds`` records): result transport and polling, the server's
   evaluation bookkeeping, aggregation and checkpoint;
 - trainer throughput: images per second of training, medflare's LocalTrainer against the bare step;
-- CPU-seconds of each side (its processes, including the children they waited for);
+- CPU-seconds of each side (its processes, including the children they waited for; not counted in a POC);
 - bytes a site sends per round against the model's float32 size.
 
 Goals (issue 15): ratio <= 1.05, overhead <= 0.3 s per round, throughput >= 0.95x bare, first round <= 2x a later
@@ -160,7 +160,6 @@ def flare_run(run: Any, out: Path, env: str = "sim") -> dict[str, Any]:
     In a POC the server and site processes are started by FLARE's start scripts, not as this process's
     children, so their CPU-seconds are not counted (None); the whole-job time runs from starting the POC (its
     processes, which in production run all the time) to the end of the last round."""
-    cpu, launched = cpu_seconds(), time.perf_counter()
     if env == "poc":
         from medflare.deploy.poc import run_poc
 
@@ -169,6 +168,7 @@ def flare_run(run: Any, out: Path, env: str = "sim") -> dict[str, Any]:
     else:
         from medflare.simulate import run_simulation
 
+        cpu, launched = cpu_seconds(), time.perf_counter()
         summary = run_simulation(run, out, echo=print, overwrite=True)  # its progress lines only
         total, cpu = time.perf_counter() - launched, cpu_seconds() - cpu
     results = json.loads((out / "medflare_results.json").read_text())
