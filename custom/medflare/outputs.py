@@ -236,13 +236,14 @@ def keep_site_logs(root: Path, out: Path, job_id: str | None = None) -> None:
     from medflare.site_runtime import SITE_LOG_FILE  # imports torch: only when a run has finished
 
     under = f"{job_id}/**" if job_id else "**"  # a POC keeps every job's folder; the simulator runs one job
-    found = [(name, log) for name in (SITE_LOG_FILE, AUDIT_FILE) for log in sorted(root.glob(f"site-*/{under}/{name}"))]
+    patterns = {name: f"site-*/{under}/{name}" for name in (SITE_LOG_FILE, AUDIT_FILE)}
     if job_id:
-        found += [(SITE_FLARE_LOG, log) for log in sorted(root.glob(f"site-*/{job_id}/log.txt"))]
-    for name, log in found:
-        site = log.relative_to(root).parts[0]
-        (out / "sites" / site).mkdir(parents=True, exist_ok=True)
-        shutil.copy(log, out / "sites" / site / name)
+        patterns[SITE_FLARE_LOG] = f"site-*/{job_id}/log.txt"
+    for name, pattern in patterns.items():
+        for log in sorted(root.glob(pattern)):
+            site = log.relative_to(root).parts[0]
+            (out / "sites" / site).mkdir(parents=True, exist_ok=True)
+            shutil.copy(log, out / "sites" / site / name)
 
 
 def failure_note(rounds: int, search_root: Path, exc: BaseException) -> str:

@@ -82,4 +82,5 @@ def test_a_poc_table_says_poc_and_leaves_the_uncounted_cpu_seconds_blank() -> No
     table = overhead.markdown({"env": "poc"}, {"2": figures})
     assert table.startswith("# Framework cost: medflare in a FLARE POC")
     assert "| 200 / - |" in table
-    assert "FLARE's simulator" in overhead.markdown({"env": "sim"}, {"2": {**figures, "cpu_seconds": {"bare": 200.0, "flare": 210.0}}})
+    simulated = {**figures, "cpu_seconds": {"bare": 200.0, "flare": 210.0}}
+    assert "FLARE's simulator" in overhead.markdown({"env": "sim"}, {"2": simulated})

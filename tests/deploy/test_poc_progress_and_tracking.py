@@ -80,7 +80,8 @@ def test_poc_run_and_watch_show_every_round_and_tensorboard_records_them(
         assert len(accumulator.Scalars("train/epoch_loss")) == ROUNDS * 2
         # a POC's sites are on this machine: their local medflare log and FLARE's log of the job are kept
         # (benchmarks/overhead.py --env poc and benchmarks/round_timeline.py read them)
-        spans = [json.loads(line) for line in (out / "sites" / site / "medflare_site_log.jsonl").read_text().splitlines()]
+        site_log = (out / "sites" / site / "medflare_site_log.jsonl").read_text()
+        spans = [json.loads(line) for line in site_log.splitlines()]
         assert sorted(r["round"] for r in spans if r.get("event") == "task_seconds") == list(range(ROUNDS))
         flare_log = (out / "sites" / site / "flare_job_log.txt").read_text()
         assert flare_log.count("finished processing task") >= ROUNDS

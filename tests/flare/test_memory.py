@@ -81,7 +81,7 @@ THREADS_THAT_ALLOCATE = textwrap.dedent("""
     libc.malloc.restype = ctypes.c_void_p
     barrier = threading.Barrier(4)
     def allocate():
-        barrier.wait()  # all four at once: glibc gives a thread that finds the arenas busy a new one
+        barrier.wait()  # all four alive at once, so none inherits an arena another thread has given up
         for _ in range(2000):
             libc.free(ctypes.c_void_p(libc.malloc(1024)))
     threads = [threading.Thread(target=allocate) for _ in range(4)]
@@ -101,7 +101,7 @@ def arenas_used(env: dict[str, str]) -> int:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_the_launchers_allocator_setting_keeps_threads_on_one_arena() -> None:
     plain = {k: v for k, v in os.environ.items() if k not in ALLOCATOR_ENV}
-    assert arenas_used(plain) > 1  # the control: glibc's default gives busy threads arenas of their own
+    assert arenas_used(plain) > 1  # the control: by default glibc gives each new thread an arena of its own
     assert arenas_used(with_allocator_settings(plain)) == 1
 
 
