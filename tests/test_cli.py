@@ -15,7 +15,9 @@ from PIL import Image
 from medflare.cli import main
 from medflare.job_export import export_job
 from medflare.outputs import report_from_results
-from medflare.run_config import RunConfig
+from medflare.run_config import DEPLOY_ROBUST, ROBUST_OFF, RunConfig
+
+from .test_job_export import written_robust
 
 TASK = ["--set", "task.num_classes=2", "--set", "task.in_channels=1", "--set", "task.image_size=28"]
 
@@ -106,6 +108,10 @@ BAD_INPUTS = [
     (["--pretrained", "imagenet"], "pretrained=imagenet: model 'cnn' has no offline ImageNet weights"),
     (["--config", "/does/not/exist.toml"], "config file not found"),
     (["--scenario", "no-such-scenario"], "unknown scenario 'no-such-scenario'"),
+    (["--set", "robust.off=true", "--set", "robust.max_share=0.4"], "robust.off=true turns every defence off"),
+    (["--set", "robust.off=maybe"], "robust.off must be true or false"),
+    (["--set", "robust.max_share=2"], "max_share in [0, 1]"),
+    (["--set", "robust.nope=1"], "robust: unknown option(s) nope; valid options: max_norm_ratio, max_share, off"),
 ]
 COMMANDS = {
     "run": lambda options, out: ["run", "fedavg", *options, "--out", str(out)],
@@ -219,6 +225,82 @@ def test_partition_alone_keeps_the_default_data_source(tmp_path: Path, capsys) -
     assert code == 0, err
     data = exported_client_args(tmp_path / "fedavg")["data"]
     assert (data["source"], data["partition"], data["seed"]) == ("synthetic", "dirichlet:0.5", 3)
+
+
+# ----- robust aggregation: on wherever a real deployment is made (issue 26) ------------------------------
+@pytest.mark.parametrize("options, expected", [
+    ([], DEPLOY_ROBUST),
+    (["--set", "robust.max_share=0.4"], {"max_norm_ratio": 10.0, "max_share": 0.4}),  # the user's value wins
+    (["--set", "robust.off=true"], ROBUST_OFF),
+    (["--set", 'robust={"max_norm_ratio": 0, "max_share": 0}'], ROBUST_OFF),
+])
+def test_a_preinstalled_export_carries_the_deployment_defences(
+    options: list[str], expected: dict, tmp_path: Path, capsys
+) -> None:
+    code, out, err = run_cli(["export", "fedavg", "--mode", "preinstalled", *TASK, *options, "-o", str(tmp_path)],
+                             capsys)
+    assert code == 0, err
+    on = expected != ROBUST_OFF
+    assert written_robust(tmp_path / "fedavg") == (expected, {"on": on, **expected})
+    assert f"robust aggregation: {'on' if on else 'off'}" in out
+
+
+def test_a_byoc_export_with_simulated_data_is_a_simulator_job_without_defences(tmp_path: Path, capsys) -> None:
+    code, out, err = run_cli(["export", "fedavg", "--data", "synthetic:n=200", "-o", str(tmp_path)], capsys)
+    assert code == 0, err
+    assert written_robust(tmp_path / "fedavg") == ({}, {"on": False, **ROBUST_OFF})
+    assert "robust aggregation: off" in out
+
+
+class JobWritten(Exception):
+    """Raised right after an environment wrote its job: the test reads the job and nothing is launched."""
+
+
+def job_written_by(monkeypatch, export_function: str) -> dict:
+    """Replace ``export_function`` (a module's name for runner.export_run_job) by one that writes the job, records
+    what its robust settings are, and stops the command."""
+    from medflare import runner
+
+    written: dict = {}
+
+    def export_then_stop(run, out_dir, mode, *args):
+        written["robust"], written["record"] = written_robust(runner.export_run_job(run, out_dir, mode, *args))
+        raise JobWritten
+
+    monkeypatch.setattr(export_function, export_then_stop)
+    return written
+
+
+@pytest.mark.parametrize("env, options, expected", [
+    ("sim", [], {}),  # research runs aggregate as the papers do
+    ("sim", ["--set", "robust.max_share=0.5"], {"max_share": 0.5}),
+    ("sim", ["--set", "robust.off=true"], ROBUST_OFF),
+    ("poc", [], DEPLOY_ROBUST),  # simulated data and a BYOC job, yet a real (local) deployment
+    ("poc", ["--set", "robust.max_share=0.4"], {"max_norm_ratio": 10.0, "max_share": 0.4}),
+    ("poc", ["--set", "robust.off=true"], ROBUST_OFF),
+])
+def test_run_turns_the_defences_on_in_a_poc_and_leaves_the_simulator_as_told(
+    env: str, options: list[str], expected: dict, tmp_path: Path, monkeypatch
+) -> None:
+    from medflare.deploy.poc import PocSession
+
+    monkeypatch.setattr(PocSession, "prepare", lambda self, *args, **kwargs: None)  # no POC is provisioned
+    written = job_written_by(monkeypatch, "medflare.simulate.export_run_job" if env == "sim"
+                             else "medflare.deploy.poc.export_run_job")
+    with pytest.raises(JobWritten):
+        main(["run", "fedavg", "--env", env, "--data", "synthetic:n=200", "--rounds", "1", *options,
+              "--out", str(tmp_path / "out")])
+    assert written["robust"] == expected
+    assert written["record"] == {"on": bool(any(expected.values())), **ROBUST_OFF, **expected}
+
+
+def test_a_job_submitted_to_a_poc_gets_the_deployment_defences(tmp_path: Path, monkeypatch) -> None:
+    from medflare.deploy.poc import main as poc_main
+
+    written = job_written_by(monkeypatch, "medflare.deploy.poc.export_poc_job")
+    with pytest.raises(JobWritten):
+        poc_main(["--root", str(tmp_path), "submit", "fedavg", "--data", "synthetic:n=200", "--rounds", "1"])
+    assert written["robust"] == DEPLOY_ROBUST
 
 
 def test_flags_merge_with_the_defaults_not_replace_them() -> None:

@@ -1,14 +1,19 @@
-"""The FLARE job folder every environment gets: defaults that keep a dead site from hanging a job, and resuming."""
+"""The FLARE job folder every environment gets: defaults that keep a dead site from hanging a job or one site from
+taking over the aggregate, and resuming."""
 
 import json
 from pathlib import Path
 
+import pytest
+
 from medflare.deploy.apps import deployment_run
 from medflare.job_export import DEFAULT_TASK_TIMEOUT, export_job, server_config, set_resume
-from medflare.run_config import RunConfig
+from medflare.run_config import DEPLOY_ROBUST, ROBUST_OFF, RunConfig
 from medflare.site_runtime import TaskSpec
 
 TASK = TaskSpec(num_classes=2, in_channels=1, image_size=28)
+SITE_DATA = {"source": "site"}
+SIMULATED = {"source": "synthetic:n=200"}
 
 
 def controller_args(run: RunConfig) -> dict:
@@ -41,3 +46,46 @@ def test_set_resume_names_the_crashed_job_in_the_controller(tmp_path: Path) -> N
     set_resume(job, "0b6e1c4e-4a0e-4d43-9a53-7f0f3c7c1e11")
     config = json.loads((job / "app" / "config" / "config_fed_server.json").read_text())
     assert config["workflows"][0]["args"]["resume_from"] == "0b6e1c4e-4a0e-4d43-9a53-7f0f3c7c1e11"
+
+
+def written_robust(job: Path) -> tuple[dict, dict]:
+    """(the aggregator's robust args in config_fed_server.json, meta.json's robust record or None) of a written job."""
+    server = json.loads((job / "app" / "config" / "config_fed_server.json").read_text())
+    (aggregator,) = [c for c in server["components"] if c["id"] == "aggregator"]
+    return aggregator["args"]["robust"], json.loads((job / "meta.json").read_text()).get("robust_aggregation")
+
+
+@pytest.mark.parametrize("mode, data, deployed", [
+    ("preinstalled", SITE_DATA, True),
+    ("preinstalled", SIMULATED, True),  # cannot run in the simulator: only a POC or production runs it
+    ("byoc", SITE_DATA, True),  # a BYOC consortium's job
+    ("byoc", SIMULATED, False),  # the simulator's job: research runs aggregate as the papers do
+])
+def test_every_job_but_a_simulator_job_gets_the_deployment_defences(
+    mode: str, data: dict, deployed: bool, tmp_path: Path
+) -> None:
+    run = RunConfig(data=data)
+    robust, record = written_robust(export_job(run, tmp_path, TASK, mode=mode))
+    assert robust == (DEPLOY_ROBUST if deployed else {})
+    assert record == {"on": deployed, **(DEPLOY_ROBUST if deployed else ROBUST_OFF)}
+    assert run.robust == {}  # the caller's run is left as it was
+
+
+@pytest.mark.parametrize("own, expected", [
+    ({"max_share": 0.4}, {"max_norm_ratio": 10.0, "max_share": 0.4}),  # the other defence stays on
+    ({"max_norm_ratio": "3", "max_share": 0.5}, {"max_norm_ratio": 3.0, "max_share": 0.5}),
+    ({"max_norm_ratio": 0}, {"max_norm_ratio": 0.0, "max_share": 0.6}),  # one defence off, said explicitly
+    ({"off": False}, DEPLOY_ROBUST),
+])
+def test_the_runs_own_robust_settings_win_key_by_key(own: dict, expected: dict, tmp_path: Path) -> None:
+    assert DEPLOY_ROBUST == {"max_norm_ratio": 10.0, "max_share": 0.6}
+    job = export_job(RunConfig(data=SITE_DATA, robust=own), tmp_path, TASK, mode="preinstalled")
+    assert written_robust(job) == (expected, {"on": True, **expected})
+
+
+@pytest.mark.parametrize("mode, data", [("preinstalled", SITE_DATA), ("byoc", SIMULATED)])
+@pytest.mark.parametrize("off", [{"off": True}, {"off": "true"}, {"max_norm_ratio": 0, "max_share": 0}])
+def test_a_job_without_defences_says_so_in_its_meta_json(off: dict, mode: str, data: dict, tmp_path: Path) -> None:
+    robust, record = written_robust(export_job(RunConfig(data=data, robust=off), tmp_path, TASK, mode=mode))
+    assert robust == ROBUST_OFF  # explicit zeros: the aggregator knows no "off"
+    assert record == {"on": False, **ROBUST_OFF}

@@ -14,3 +14,13 @@ def test_every_method_has_a_row_naming_its_declared_meta() -> None:
     for name in list_methods():
         assert f"| `{name}` |" in table
     assert "`rf`" in table.split("| `fedmas` |")[1].split("\n")[0]
+
+
+def test_the_site_filter_section_is_hand_written_and_names_every_check() -> None:
+    """It lies outside the generated block (regeneration keeps it) and names each check PayloadGuard makes."""
+    text = privacy_doc.DOC.read_text()
+    outside = text.split(privacy_doc.BEGIN)[0] + text.split(privacy_doc.END)[1]
+    section = outside.split("## What a site's own filter guarantees\n")[1].split("\n## ")[0]
+    for check in ("Names", "Private keys", "Shapes", "Dtypes", "Values", "Meta schema", "Fail closed"):
+        assert f"- **{check}.**" in section, check
+    assert "What it cannot know:" in section

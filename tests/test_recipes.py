@@ -1,6 +1,6 @@
 """FLARE 2.9 recipes: every method's recipe writes the very job ``medflare export`` writes, refuses what it cannot
-honour in one line. Every method's recipe runs in FLARE's ``SimEnv`` in
-tests/integration/test_every_method_simulator.py (one round per stage, each method's smoke settings)."""
+honour in one line, and turns the robust defences on for POC and production. Every method's recipe runs in FLARE's
+``SimEnv`` in tests/integration/test_every_method_simulator.py (one round per stage, each method's smoke settings)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,16 @@ import json
 from pathlib import Path
 
 import pytest
-from nvflare.recipe import SimEnv
+from nvflare.recipe import PocEnv, ProdEnv, SimEnv
 
 from medflare.cli import main
 from medflare.errors import ConfigError
 from medflare.recipes import MedflareRecipe, recipe
 from medflare.registry import list_methods
+from medflare.run_config import DEPLOY_ROBUST, ROBUST_OFF
 
 from .integration.test_every_method_simulator import smoke_run
+from .test_job_export import written_robust
 
 
 def files_of(folder: Path) -> dict[str, bytes]:
@@ -62,3 +64,49 @@ def test_flare_add_helpers_are_refused_rather_than_silently_dropped(tmp_path: Pa
     job.add_server_config({"task_request_interval": 1.0})
     with pytest.raises(ConfigError, match="use recipe\\(\\) options instead"):
         job.export(str(tmp_path))
+
+
+ENVIRONMENTS = {
+    "sim": lambda root: SimEnv(num_clients=2, workspace_root=str(root)),
+    "poc": lambda root: PocEnv(num_clients=2),
+    "prod": lambda root: ProdEnv(startup_kit_location=str(root), username="lead@hospital-a.example.org"),
+}
+
+
+@pytest.mark.parametrize("env, own, expected", [
+    ("sim", {}, {}),  # research runs aggregate as the papers do
+    ("poc", {}, DEPLOY_ROBUST),  # BYOC with simulated data, yet a deployment
+    ("prod", {}, DEPLOY_ROBUST),
+    ("prod", {"max_share": 0.4}, {"max_norm_ratio": 10.0, "max_share": 0.4}),  # the recipe's own value wins
+    ("prod", {"off": True}, ROBUST_OFF),
+])
+def test_a_recipe_for_poc_or_production_gets_the_robust_defences(
+    env: str, own: dict, expected: dict, tmp_path: Path, monkeypatch
+) -> None:
+    """FLARE hands the recipe its environment (process_env) before writing the job, in run() as in export()."""
+    monkeypatch.setenv("NVFLARE_POC_WORKSPACE", str(tmp_path / "poc"))  # else PocEnv() reads ~/.nvflare
+    job = recipe("fedavg", rounds=1, clients=2, data="synthetic:n=300", robust=own)
+    job.export(str(tmp_path / "job"), env=ENVIRONMENTS[env](tmp_path))
+    robust, record = written_robust(tmp_path / "job" / "fedavg")
+    assert robust == expected and record == {"on": bool(any(expected.values())), **ROBUST_OFF, **expected}
+
+
+def test_an_export_without_an_environment_does_not_keep_the_last_ones(tmp_path: Path) -> None:
+    job = recipe("fedavg", rounds=1, clients=2, data="synthetic:n=300")
+    job.export(str(tmp_path / "prod"), env=ENVIRONMENTS["prod"](tmp_path))
+    job.export(str(tmp_path / "plain"))
+    assert written_robust(tmp_path / "prod" / "fedavg")[0] == DEPLOY_ROBUST
+    assert written_robust(tmp_path / "plain" / "fedavg")[0] == {}
+
+
+@pytest.mark.parametrize("mode, data, expected", [
+    ("preinstalled", "synthetic:n=300", DEPLOY_ROBUST),
+    ("byoc", "site", DEPLOY_ROBUST),
+    ("byoc", "synthetic:n=300", {}),  # what SimEnv runs
+])
+def test_a_recipe_exported_without_an_environment_decides_as_medflare_export(
+    mode: str, data: str, expected: dict, tmp_path: Path
+) -> None:
+    declared = {"task": {"num_classes": 2, "in_channels": 1, "image_size": 28}} if data == "site" else {}
+    recipe("fedavg", rounds=1, clients=2, data=data, mode=mode, **declared).export(str(tmp_path))
+    assert written_robust(tmp_path / "fedavg")[0] == expected

@@ -1,13 +1,25 @@
 """The site side without FLARE: where data comes from, and when evaluation counts are sent."""
 
+import dataclasses
 import json
+import typing
 from pathlib import Path
 
 import pytest
 
+from medflare.data import DataConfig
 from medflare.errors import ConfigError, DataError
 from medflare.methods.base import RoundContext
-from medflare.site_runtime import SiteRuntime, SiteSettings, TaskSpec, read_site_data_config, site_index_from_name
+from medflare.site_runtime import (
+    JOB_SETTABLE_DATA_KEYS,
+    SITE_FIXED_DATA,
+    SITE_ONLY_DATA_KEYS,
+    SiteRuntime,
+    SiteSettings,
+    TaskSpec,
+    read_site_data_config,
+    site_index_from_name,
+)
 
 TASK = TaskSpec(num_classes=5, in_channels=3, image_size=28)
 DATA = {"source": "synthetic:n=200", "partition": "iid", "num_sites": 2}
@@ -43,6 +55,79 @@ def test_site_data_comes_from_the_sites_own_file(tmp_path: Path) -> None:
     (tmp_path / "medflare_site.json").write_text(json.dumps({"data": {"source": "folder:/data/xray"}}))
     config = read_site_data_config(tmp_path, {"source": "site", "image_size": 32})
     assert config == {"image_size": 32, "source": "folder:/data/xray", "local": True, "num_sites": 1}
+
+
+HOSTILE = "folder:/data/hospital-a/other-private-study"
+
+
+@pytest.mark.parametrize("job_data", [
+    {"source": "site", "public_source": HOSTILE},  # MDH-FL would send predictions on it to the server
+    {"source": "site", "augment": "weak", "public_source": HOSTILE},  # an allowed key does not carry it in
+    {"source": "site", "public_fraction": 0.5},
+    {"source": "site", "identified": [0]},
+    {"source": "site", "manifest": "/data/hospital-a/other.csv"},  # a key DataConfig does not even know
+])
+def test_a_job_cannot_set_data_keys_only_the_site_sets(tmp_path: Path, job_data: dict) -> None:
+    """Refused, not dropped: the job's author learns the key had no effect."""
+    (tmp_path / "medflare_site.json").write_text(json.dumps({"data": {"source": "folder:/data/xray"}}))
+    refused = next(key for key in job_data if key not in ("source", "augment"))
+    with pytest.raises(DataError, match=rf"refused: the job sets data key\(s\) {refused}, .*medflare_site\.json"):
+        read_site_data_config(tmp_path, job_data)
+
+
+def test_the_sites_own_public_source_is_used_and_wins_over_the_jobs(tmp_path: Path) -> None:
+    site = {"source": "folder:/data/xray", "public_source": "images:/data/public"}
+    (tmp_path / "medflare_site.json").write_text(json.dumps({"data": site}))
+    for job_data in ({"source": "site"}, {"source": "site", "public_source": HOSTILE}):
+        assert read_site_data_config(tmp_path, job_data) == {**site, "local": True, "num_sites": 1}
+
+
+def test_job_settable_keys_and_what_job_templates_send_pass_through(tmp_path: Path) -> None:
+    from medflare.deploy.templates import template_data, template_run
+
+    site_file = tmp_path / "medflare_site.json"
+    site_file.write_text(json.dumps({"data": {"source": "folder:/data/xray"}}))
+    template = template_data(template_run("fedavg"))  # source site, partition, num_sites, seed
+    assert read_site_data_config(tmp_path, template) == {**template, "source": "folder:/data/xray", "local": True,
+                                                          "num_sites": 1}
+    site_file.write_text(json.dumps({"data": {"source": "folder:/data/xray", "seed": 4}}))
+    job_data = {"source": "site", "augment": "weak", "window": "brain", "seed": 9, "num_sites": 3, "local": False}
+    assert read_site_data_config(tmp_path, job_data) == {  # the site's seed wins; medflare fixes local, num_sites
+        "augment": "weak", "window": "brain", "source": "folder:/data/xray", "seed": 4, "local": True, "num_sites": 1}
+
+
+def test_an_opted_in_site_takes_every_data_key_of_the_job(tmp_path: Path) -> None:
+    (tmp_path / "medflare_site.json").write_text(json.dumps({"allow_job_data": True, "data": {"source": "folder:/x"}}))
+    config = read_site_data_config(tmp_path, {"source": "site", "public_source": "images:/shared/public"})
+    assert config == {"public_source": "images:/shared/public", "source": "folder:/x", "local": True, "num_sites": 1}
+    assert read_site_data_config(tmp_path, DATA) == DATA
+
+
+PATH_HINTS = ("source", "path", "dir", "file", "root", "manifest", "folder", "npz", "csv")
+# str fields reviewed as never naming a file: each is parsed against a fixed vocabulary (see DataConfig).
+NON_PATH_STRINGS = {"partition", "eval_split", "noise_kind", "augment", "window"}
+
+
+def test_every_data_field_is_classified_and_no_path_is_job_settable() -> None:
+    """A new DataConfig field fails here until it is put in JOB_SETTABLE_DATA_KEYS or SITE_ONLY_DATA_KEYS."""
+    fields = {field.name: field for field in dataclasses.fields(DataConfig)}
+    hints = typing.get_type_hints(DataConfig)
+    groups = [JOB_SETTABLE_DATA_KEYS, SITE_ONLY_DATA_KEYS, set(SITE_FIXED_DATA)]
+    assert sorted(name for group in groups for name in group) == sorted(fields), (
+        "put each DataConfig field in exactly one of JOB_SETTABLE_DATA_KEYS, SITE_ONLY_DATA_KEYS, SITE_FIXED_DATA")
+    for name in JOB_SETTABLE_DATA_KEYS:
+        takes_text = str in _leaf_types(hints[name]) or isinstance(fields[name].default, str)
+        assert not any(hint in name for hint in PATH_HINTS), name
+        assert not takes_text or name in NON_PATH_STRINGS, f"review whether data.{name} can name a file"
+    assert {"source", "public_source"} <= SITE_ONLY_DATA_KEYS
+
+
+def _leaf_types(hint: object) -> set[object]:
+    """The plain types a type hint admits (``str | None`` -> {str, NoneType}; ``Literal["a"]`` -> {str})."""
+    if typing.get_origin(hint) is typing.Literal:
+        return {type(value) for value in typing.get_args(hint)}
+    args = typing.get_args(hint)
+    return set().union(*(_leaf_types(arg) for arg in args)) if args else {typing.get_origin(hint) or hint}
 
 
 def test_missing_site_file_says_what_to_create(tmp_path: Path) -> None:

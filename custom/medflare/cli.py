@@ -183,7 +183,21 @@ def cmd_export(args: argparse.Namespace) -> int:
     else:
         print(f"wrote {job_dir} ({args.mode}) with simulated data '{run.data['source']}'; "
               f"run it with: nvflare simulator {job_dir} -n {run.clients} -t {run.clients}")
+    print(robust_note(run, args.mode))
     return 0
+
+
+def robust_note(run: Any, mode: str) -> str:
+    """One line saying which of the server's robust defences the exported job has on (meta.json records them)."""
+    from medflare.job_export import job_robust, robust_record
+    from medflare.run_config import DEPLOY_ROBUST
+
+    record = robust_record(job_robust(run, mode))
+    if not record["on"]:
+        turn_on = " ".join(f"--set robust.{key}={value:g}" for key, value in DEPLOY_ROBUST.items())
+        return f"robust aggregation: off (one site can take over the aggregate); on: {turn_on}"
+    settings = ", ".join(f"{key}={value:g}" for key, value in record.items() if key != "on")
+    return f"robust aggregation: on ({settings}); off: --set robust.off=true (docs/deploy-lead.md)"
 
 
 def cmd_report(args: argparse.Namespace) -> int:

@@ -32,6 +32,9 @@ FILTER_HISTORY = "filter_history"  # added by FLARE's DXO filters: the names of 
 PRIVACY_SCOPE_PREFIX = "medflare-"  # a job names the scope medflare-<method>; sites bind its result filters
 TRAIN_PHASE = "train"  # the phase whose results are aggregated into the next global model
 MAX_SAMPLES = 100_000_000  # no site trains on more images than this; larger n_samples is a forged weight
+# Integer buffers (BatchNorm's num_batches_tracked) are counters: whole, >= 0, and below 2**53, where float64 still
+# holds every integer exactly, so averaging them can neither lose a count nor wrap around int64.
+MAX_INTEGER_BUFFER = 2**53
 
 
 def privacy_scope(method: str) -> str:
@@ -128,6 +131,20 @@ def class_vector(name: str) -> MetaValidator:
         if not np.all(np.isfinite(array)) or np.any(array < 0):
             raise PayloadError(f"'{name}' must be finite and >= 0, got {array.tolist()}")
         return array.tolist()
+
+    return check
+
+
+def class_counts(name: str, upper: float = MAX_SAMPLES) -> MetaValidator:
+    """Validator for a length-K vector of whole, non-negative counts no larger than ``upper`` (the consortium's
+    limit), e.g. FedLSM's q: a count that is fractional, negative or huge is a forged aggregation weight."""
+    check_vector = class_vector(name)
+
+    def check(value: Any, ctx: ContractContext) -> list[float]:
+        values = check_vector(value, ctx)
+        if any(v != round(v) or v > upper for v in values):
+            raise PayloadError(f"'{name}' must hold whole counts <= {upper:g}, got {values[:8]}")
+        return values
 
     return check
 
@@ -280,8 +297,9 @@ def probabilities(rows: str = "rows", dtypes: tuple[str, ...] = ("float16", "flo
 
 
 def counts(shape: tuple[int | str, ...] = ("num_classes",), phase: str = TRAIN_PHASE) -> ArraySpec:
-    """Non-negative whole-number counts (e.g. per-class positives and negatives)."""
-    return ArraySpec(shape=shape, dtypes=("int64", "float64", "float32"), low=0.0, integral=True, phase=phase)
+    """Whole-number counts in [0, MAX_SAMPLES] (e.g. per-class positives and negatives of a site's images)."""
+    return ArraySpec(shape=shape, dtypes=("int64", "float64", "float32"), low=0.0, high=MAX_SAMPLES, integral=True,
+                     phase=phase)
 
 
 @dataclass(frozen=True)
@@ -312,7 +330,8 @@ def weight_expectations(
     global_params: Mapping[str, np.ndarray], keys: list[str], transfer_dtype: str = "float32", kind: str = "weights"
 ) -> dict[str, Expected]:
     """key -> Expected for model weights: the global model's exact shape and dtype (float16 for float keys
-    when weights travel in half precision; float keys only when updates travel as differences)."""
+    when weights travel in half precision; float keys only when updates travel as differences). Integer buffers
+    must be whole counters in [0, MAX_INTEGER_BUFFER]."""
     expected = {}
     for key in keys:
         value = np.asarray(global_params[key])
@@ -321,8 +340,37 @@ def weight_expectations(
         dtypes = (value.dtype.name,)
         if value.dtype.kind == "f" and transfer_dtype != value.dtype.name:
             dtypes = (transfer_dtype,)
-        expected[key] = Expected(tuple(value.shape), dtypes)
+        rules = None
+        if value.dtype.kind in "iu":
+            rules = ArraySpec(tuple(value.shape), dtypes, low=0.0, high=MAX_INTEGER_BUFFER, integral=True)
+        expected[key] = Expected(tuple(value.shape), dtypes, rules)
     return expected
+
+
+def check_frozen_unchanged(
+    arrays: Mapping[str, np.ndarray], global_params: Mapping[str, np.ndarray], payload: Payload,
+    transfer_dtype: str = "float32", kind: str = "weights",
+) -> None:
+    """A part the method keeps frozen (``Payload.frozen_keys``) must come back exactly as the server sent it.
+
+    The site trains under the server's values, so an honest result carries them unchanged: the server's values in
+    the transfer dtype when weights travel, zero differences when differences do.
+
+    Raises:
+        PayloadError: naming the first frozen array that changed, and by how much.
+    """
+    for key, value in arrays.items():
+        if not payload.is_frozen(key) or key not in global_params:
+            continue
+        sent = np.asarray(global_params[key])
+        if kind == "diff":
+            expected = np.zeros(sent.shape)
+        else:
+            expected = sent.astype(transfer_dtype) if sent.dtype.kind == "f" else sent
+        change = np.abs(np.asarray(value, np.float64) - np.asarray(expected, np.float64))
+        if change.size and not np.all(change == 0):
+            raise PayloadError(f"'{key}' is frozen by the method but came back changed (max |change| "
+                               f"{float(change.max()):.4g}); the server never averages a frozen part")
 
 
 def array_expectations(specs: Mapping[str, ArraySpec], ctx: ContractContext) -> dict[str, Expected]:
@@ -349,6 +397,8 @@ class Payload:
         arrays: extra named arrays a site sends, with their rules and the phase that carries them.
         receives: names of non-parameter arrays the server may send (e.g. a per-site distillation target).
         meta: method-specific meta keys and their validators, on top of :data:`COMMON_META`.
+        frozen_keys: regex of shared state-dict keys the site trains under but never changes (FedBABU's random
+            head): the server refuses a result in which one of them changed.
     """
 
     sends_weights: bool = True
@@ -357,10 +407,15 @@ class Payload:
     arrays: Mapping[str, ArraySpec] = field(default_factory=dict)
     receives: tuple[str, ...] = ()
     meta: Mapping[str, MetaValidator] = field(default_factory=dict)
+    frozen_keys: str | None = None
 
     def is_private(self, key: str) -> bool:
         """True when ``key`` must stay at the site."""
         return bool(self.private_keys) and re.search(self.private_keys, key) is not None
+
+    def is_frozen(self, key: str) -> bool:
+        """True when ``key`` travels but must come back as the server sent it."""
+        return bool(self.frozen_keys) and re.search(self.frozen_keys, key) is not None
 
     def allowed_meta(self) -> dict[str, MetaValidator]:
         """All meta keys this method may send, with their validators."""

@@ -6,11 +6,16 @@ Two deployment modes:
   exactly the ``medflare.flare.`` components named here in their ``local/resources.json``
   (:mod:`medflare.deploy.policies`).
 
+Every job for a real deployment gets the server's robust defences (``run_config.DEPLOY_ROBUST`` under the run's own
+``robust`` settings); only a BYOC job with simulated data, the kind FLARE's simulator runs, keeps the run's settings
+as they are. meta.json records which defences are on.
+
 This module writes files, so it lives outside ``medflare.flare``: nothing a job can name may have side effects.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -19,7 +24,7 @@ from typing import Any
 from medflare.checkpoint import checkpoint_facts
 from medflare.contracts import TRAIN_PHASE as TASK_TRAIN, privacy_scope
 from medflare.flare import tracking
-from medflare.run_config import RunConfig
+from medflare.run_config import ROBUST_OFF, RunConfig, deployment_robust, typed_robust
 from medflare.site_runtime import TaskSpec
 
 PACKAGE_DIR = Path(__file__).resolve().parent  # .../custom/medflare
@@ -75,7 +80,7 @@ def server_config(run: RunConfig, task: TaskSpec, shot_groups: dict | None = Non
                     "num_classes": task.num_classes,
                     "num_rounds": run.rounds,
                     "method_args": run.method_args,
-                    "robust": run.robust,
+                    "robust": typed_robust(run.robust),
                     "transfer_dtype": run.transfer_dtype,
                     "transfer_kind": run.transfer_kind,
                     "stream_aggregation": run.stream_aggregation,
@@ -196,15 +201,39 @@ def meta_config(run: RunConfig) -> dict[str, Any]:
         "resource_spec": {},
         "min_clients": run.required_clients,
         "deploy_map": {APP_NAME: ["@ALL"]},
+        # For whoever reviews the job: FLARE keeps unknown meta keys and ignores them
+        "robust_aggregation": robust_record(run.robust),
     }
+
+
+def robust_record(robust: dict[str, Any]) -> dict[str, Any]:
+    """Whether the server's robust defences are on, and with which values (0 = that defence is off)."""
+    settings = {**ROBUST_OFF, **typed_robust(robust)}
+    return {"on": any(settings.values()), **settings}
+
+
+def simulator_job(run: RunConfig, mode: str) -> bool:
+    """A BYOC job with simulated data is what FLARE's simulator runs; any other job can only be deployed (a
+    pre-installed job needs sites that allow-listed medflare, site data needs a hospital's own config)."""
+    return mode == "byoc" and run.data.get("source", "site") != "site"
+
+
+def job_robust(run: RunConfig, mode: str) -> dict[str, float]:
+    """The robust settings a job written in ``mode`` carries: the run's own in a simulator job, else the deployment
+    defaults under them (a POC run with simulated data is a deployment too: ``deploy.poc`` says so first)."""
+    return typed_robust(run.robust) if simulator_job(run, mode) else deployment_robust(run.robust)
 
 
 def export_job(
     run: RunConfig, out_dir: str | Path, task: TaskSpec, mode: str = "byoc", shot_groups: dict | None = None
 ) -> Path:
-    """Write ``out_dir/<job name>/`` and return its path. An existing folder of that name is replaced."""
+    """Write ``out_dir/<job name>/`` and return its path. An existing folder of that name is replaced.
+
+    The job's robust settings are :func:`job_robust`'s (``run`` itself is not changed).
+    """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got '{mode}'")
+    run = dataclasses.replace(run, robust=job_robust(run, mode))
     job_dir = Path(out_dir) / run.job_name
     staging = job_dir.with_name(job_dir.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)

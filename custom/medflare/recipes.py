@@ -13,10 +13,17 @@ A recipe writes its job with exactly the builder ``medflare export`` and ``medfl
 (:func:`medflare.runner.export_run_job`, i.e. ``job_export.py``'s ``server_config`` and ``client_config``), so a
 recipe's job and an exported one cannot drift apart. Options are ``medflare run``'s (:class:`RunConfig` fields) and
 are checked the same way before anything is written.
+
+Run with ``PocEnv`` or ``ProdEnv`` (or exported with ``env=`` one of them), the job gets the server's robust
+defences (``run_config.DEPLOY_ROBUST`` under the recipe's own ``robust`` option); with ``SimEnv`` it keeps the
+recipe's settings as they are (none by default). Exported without an environment, the job decides as ``medflare
+export`` does: a BYOC job with simulated data is a simulator job, any other (``mode="preinstalled"``,
+``data="site"``) gets the defences.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +34,7 @@ from nvflare.recipe.sim_env import SimEnv
 from nvflare.recipe.spec import ExecEnv, Recipe
 
 from medflare.errors import ConfigError
-from medflare.run_config import RunConfig, merge_run_config
+from medflare.run_config import RunConfig, deployment_robust, merge_run_config
 
 __all__ = ["MedflareRecipe", "recipe"]
 
@@ -41,12 +48,16 @@ class _MedflareJobConfig(FedJobConfig):
         super().__init__(job_name=run.job_name, min_clients=run.required_clients)
         self.run = run
         self.mode = mode
+        self.deployed = False  # set by the recipe when it knows the job goes to a POC or production
 
     def generate_job_config(self, job_root: str) -> None:
         """Write ``job_root/<job name>/`` (FLARE calls this for export, the simulator, POC and production)."""
         from medflare.runner import export_run_job
 
-        export_run_job(self.run, Path(job_root), self.mode)
+        run = self.run
+        if self.deployed:  # whatever its mode and data (a POC may run simulated data): defences on
+            run = dataclasses.replace(run, robust=deployment_robust(run.robust))
+        export_run_job(run, Path(job_root), self.mode)
 
 
 class _MedflareJob(FedJob):
@@ -80,7 +91,9 @@ class MedflareRecipe(Recipe):
         super().__init__(_MedflareJob(run, mode))
 
     def process_env(self, env: ExecEnv) -> None:
-        """Refuse an environment whose sites differ from the recipe's (simulated data is split by site name)."""
+        """Refuse an environment whose sites differ from the recipe's (simulated data is split by site name); any
+        environment but the simulator is a deployment, whose job gets the robust defences."""
+        self._job.job.deployed = not isinstance(env, SimEnv)
         if isinstance(env, SimEnv) and self.mode != "byoc":
             raise ConfigError("the simulator enforces FLARE's class allow-list, which has no medflare classes: "
                               "build the recipe with mode='byoc'")
@@ -93,6 +106,9 @@ class MedflareRecipe(Recipe):
                               f"num_clients={len(expected)} to the environment")
 
     def _validate_before_use(self) -> None:
+        # FLARE calls this first in every export and run, and process_env only when it has an environment: an
+        # export without one must not inherit the environment of an earlier call
+        self._job.job.deployed = False
         # medflare's builder writes the whole job; FLARE's add_* helpers would be silently left out of it
         if self._job._deploy_map:
             raise ConfigError("a medflare recipe's job is written by medflare's own builder, so FLARE's add_* "
@@ -111,7 +127,8 @@ def recipe(method: str, *, data: str | dict[str, Any] | None = None, partition: 
         partition: how simulated data is split across sites (``iid``, ``dirichlet:0.5``, ...).
         mode: ``byoc`` or ``preinstalled`` (see :class:`MedflareRecipe`).
         **options: any ``medflare run`` option by its RunConfig name: ``rounds``, ``clients``, ``model``,
-            ``train`` (dict), ``method_args`` (dict), ``seed``, ``tracking``, ``patience``, ``task`` ...
+            ``train`` (dict), ``method_args`` (dict), ``seed``, ``tracking``, ``patience``, ``task``, ``robust``
+            (dict; ``{"off": True}`` turns the deployment defences off, module docstring) ...
 
     Raises:
         ConfigError: an unknown option or a value out of range, in one line.

@@ -13,19 +13,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from medflare.config import fields_typed, from_dict
+from medflare.config import check_value, fields_typed, from_dict
 from medflare.errors import ConfigError
 from medflare.methods.base import TrainConfig
 from medflare.registry import get_method
 from medflare.site_runtime import TaskSpec, check_multi_label_support, resolve_train_config
 
 # --set prefixes and the RunConfig field each one writes into
-SECTIONS = {"method": "method_args", "train": "train", "data": "data", "task": "task"}
+SECTIONS = {"method": "method_args", "train": "train", "data": "data", "task": "task", "robust": "robust"}
 # A job name becomes a folder name: one plain path component, never a path
 JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 SITE_EVALUATION = ("every_round", "final", "off")
 TASK_SHAPE = ("num_classes", "in_channels", "image_size")  # the task fields a job must know (class_names optional)
 IMAGENET = "imagenet"  # the `pretrained` value naming a model's offline ImageNet weights
+# The server's defences in every job for a real deployment (POC, production; issue 26), under the run's own robust
+# settings. One hospital can neither take over nor break the aggregate: an update more than 10x the other sites'
+# median norm is rejected, and no site weighs more than 60 % (feasible with the 2 sites a round needs). Honest sites
+# of very different sizes stay well inside both; a forged x1e30 update or n_samples=1e8 does not.
+DEPLOY_ROBUST = {"max_norm_ratio": 10.0, "max_share": 0.6}
+# Both defences off, as `robust.off=true` writes it: explicit zeros, so a job says "off" instead of omitting it
+ROBUST_OFF = {"max_norm_ratio": 0.0, "max_share": 0.0}
+ROBUST_OFF_KEY = "off"
 
 
 @dataclass
@@ -57,7 +65,10 @@ class RunConfig:
         name: job name (default: the method name).
         site_model: per-site architectures, e.g. {"site-1": "resnet10"}; only for methods whose server holds
             no model (no weights travel).
-        robust: server-side defences, {"max_norm_ratio": 10, "max_share": 0.5} (see flare.aggregator.RobustConfig).
+        robust: the server's defences, e.g. {"max_norm_ratio": 10, "max_share": 0.5} (flare.aggregator.RobustConfig),
+            or {"off": true} for none. A job for a real deployment (POC, production, a pre-installed or site-data
+            export) gets DEPLOY_ROBUST under these settings, which win key by key; the simulator takes them as they
+            are, none by default, so research runs aggregate as the papers do (:func:`deployment_robust`).
         transfer_dtype: float32 (default) or float16: how float weights travel (the server aggregates in float64
             and keeps the global model in its own precision).
         stream_aggregation: the server adds each site's result to one float64 sum as it arrives (in site-name order,
@@ -169,6 +180,7 @@ class RunConfig:
         self.method_args = fields_typed(spec.config_cls, self.method_args, "method", f"method '{self.method}'")
         spec.config_cls(**self.method_args)  # the method's own range checks
         self.train = fields_typed(TrainConfig, self.train, "train")
+        self.robust = typed_robust(self.robust)  # before the aggregator sees it: it knows no "off"
         from medflare.flare.aggregator import RoundAggregation
 
         RoundAggregation(  # stages must add up to the rounds; robust and wire options must be valid
@@ -246,6 +258,38 @@ class RunConfig:
         return resolve_train_config(get_method(self.method), self.train)
 
 
+def typed_robust(robust: Mapping[str, Any]) -> dict[str, float]:
+    """The run's own robust settings, typed and range-checked; ``off: true`` becomes both defences at 0.
+
+    Raises:
+        ConfigError: an unknown key, a value out of range, or ``off`` beside a defence it would silently drop.
+    """
+    from medflare.flare.aggregator import RobustConfig
+
+    settings = dict(robust)
+    unknown = sorted(set(settings) - {*ROBUST_OFF, ROBUST_OFF_KEY})
+    if unknown:
+        raise ConfigError(f"robust: unknown option(s) {', '.join(unknown)}; valid options: "
+                          f"{', '.join([*ROBUST_OFF, ROBUST_OFF_KEY])}")
+    off = check_value(settings.pop(ROBUST_OFF_KEY, False), bool, f"robust.{ROBUST_OFF_KEY}", True)
+    typed = fields_typed(RobustConfig, settings, "robust")
+    RobustConfig(**typed)  # the ranges
+    kept_on = [f"robust.{key}={value:g}" for key, value in typed.items() if value]
+    if off and kept_on:
+        raise ConfigError(f"robust.off=true turns every defence off, but {' and '.join(kept_on)} keeps one on; "
+                          "drop one of the two")
+    return dict(ROBUST_OFF) if off else typed
+
+
+def deployment_robust(robust: Mapping[str, Any]) -> dict[str, float]:
+    """The robust settings of a job for a real deployment: :data:`DEPLOY_ROBUST` under the run's own settings.
+
+    The run's keys win one by one (``robust.max_share=0.4`` keeps the norm bound), so a defence is off only where
+    the run says so (``robust.off=true``, or a key set to 0), never because a setting was left out.
+    """
+    return {**DEPLOY_ROBUST, **typed_robust(robust)}
+
+
 def _data_config_cls() -> type:
     from medflare.data import DataConfig
 
@@ -316,13 +360,14 @@ def apply_overrides(run: RunConfig, overrides: list[str]) -> RunConfig:
         elif not dot and key in {f.name for f in dataclasses.fields(RunConfig)}:
             changes[key] = raw
         else:
-            raise ConfigError(f"--set: unknown key '{key}'; use method.X, train.X, data.X, task.X or a top-level "
-                              f"option ({', '.join(f.name for f in dataclasses.fields(RunConfig))})")
+            raise ConfigError(f"--set: unknown key '{key}'; use method.X, train.X, data.X, task.X, robust.X or a "
+                              f"top-level option ({', '.join(f.name for f in dataclasses.fields(RunConfig))})")
     return from_dict(RunConfig, {**dataclasses.asdict(run), **nested, **changes}, "")
 
 
 def merge_sections(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
-    """``override`` on top of ``base``; the nested sections (data, train, method_args, task) merge key by key."""
+    """``override`` on top of ``base``; the nested sections (data, train, method_args, task, robust) merge key by
+    key."""
     merged = {**dict(base), **dict(override)}
     for key in SECTIONS.values():
         if isinstance(base.get(key), Mapping) and isinstance(override.get(key), Mapping):

@@ -94,33 +94,77 @@ def resolve_train_config(spec: MethodSpec, overrides: Mapping[str, Any] | None) 
     return from_dict(TrainConfig, merged, "train")
 
 
+# Data options a job may set at a site that reads its own data (``{"source": "site"}``). None of them names a file
+# or folder: each only reshuffles, resizes, relabels or subsets, in memory, the images the site's own
+# ``medflare_site.json`` names, so a job cannot make the site read (or send results about) anything else.
+JOB_SETTABLE_DATA_KEYS = frozenset({
+    "augment",  # training augmentation of the same images
+    "image_size",  # the size the same images are resized to
+    "seed",  # reseeds the site's own splits and label draws; job templates send it
+    "partition",  # simulation only (ignored when local); job templates send it
+    "eval_split",  # simulation only (ignored when local)
+    "min_size",  # a size check of simulated training slices
+    "num_classes",  # a check; the runtime replaces it with the job's task.num_classes anyway
+    "label_noise",  # flips some of the site's own training labels (robustness studies)
+    "noise_kind",  # how label_noise flips them
+    "label_fraction",  # hides some of the site's own training labels
+    "imbalance",  # long-tail cut: trains on a subset of the same training images
+    "window",  # intensity window of the same DICOM/NIfTI files: numbers, a preset or the files' own header
+    "site_shift",  # pixel shift of in-memory demo sources (a file source refuses it)
+})
+# Only the site's own file sets these: they name what is read (source, public_source), carve the site's images
+# into a set whose predictions go to the server (public_fraction), or state what its labels mean (identified).
+# The refusal covers every key outside JOB_SETTABLE_DATA_KEYS; this set records the review of DataConfig's fields.
+SITE_ONLY_DATA_KEYS = frozenset({"source", "public_source", "public_fraction", "identified"})
+# Fixed by medflare at a site that reads its own data: a job's (or the file's) value is replaced.
+SITE_FIXED_DATA = {"local": True, "num_sites": 1}
+
+
 def read_site_data_config(
     site_config_dir: str | Path, job_data: Mapping[str, Any] | None, simulated: bool = False
 ) -> dict[str, Any]:
     """The data config a site uses: the hospital, not the job, decides.
 
     A site with a ``local/medflare_site.json`` always follows it: the job's ``{"source": "site"}`` (or nothing)
-    reads the file's ``data``; a job that names its own source is refused unless the file opts in with
-    ``"allow_job_data": true`` (a test or POC site). Only FLARE's simulator, whose sites have no such file,
-    takes the job's partitioned data spec without an opt-in.
+    reads the file's ``data``, plus the job's options in :data:`JOB_SETTABLE_DATA_KEYS` the file does not set; a
+    job that names its own source, or sets any other data key the file does not set (e.g. ``public_source``), is
+    refused unless the file opts in with ``"allow_job_data": true`` (a test or POC site). Only FLARE's
+    simulator, whose sites have no such file, takes the job's partitioned data spec without an opt-in.
 
     Args:
         site_config_dir: the site's ``local/`` folder.
         job_data: the data block of the job's executor config.
         simulated: True in FLARE's simulator (its engine sets ``FLContextKey.SIMULATE_MODE``, which a job's
             configuration cannot set); False in POC and production.
+
+    Raises:
+        DataError: the job's data is refused, or the site's file is missing, not JSON or has no ``data`` object.
     """
     path = Path(site_config_dir) / SITE_CONFIG_FILE
     site_file = _read_site_file(path)
+    opted_in = (site_file or {}).get(ALLOW_JOB_DATA) is True
     job_source = (job_data or {}).get("source", "site")
     if job_source != "site":
-        if (site_file is None and simulated) or (site_file or {}).get(ALLOW_JOB_DATA) is True:
+        if (site_file is None and simulated) or opted_in:
             return dict(job_data or {})
         raise DataError(
             f"refused: the job names its own data (source '{job_source}'), but this site reads only the data in "
             f"its {path}. Submit the job with {{\"source\": \"site\"}}, or (test sites only) add "
             f'"{ALLOW_JOB_DATA}": true to that file'
         )
+    site_data = _site_data_block(path, site_file)
+    job_options = {k: v for k, v in (job_data or {}).items() if k != "source"}
+    if not opted_in:
+        _refuse_site_only_keys(job_options, site_data, path)
+    return {**job_options, **site_data, **SITE_FIXED_DATA}
+
+
+def _site_data_block(path: Path, site_file: dict[str, Any] | None) -> dict[str, Any]:
+    """The ``data`` object of the site's file.
+
+    Raises:
+        DataError: the file is missing or has no ``data`` object.
+    """
     if site_file is None:
         raise DataError(
             f"this site has no data configured: {path} is missing. Create it with "
@@ -129,8 +173,22 @@ def read_site_data_config(
     site_data = site_file.get("data")
     if not isinstance(site_data, dict):
         raise DataError(f"{path} has no 'data' object; add e.g. {{\"data\": {{\"source\": \"folder:/path\"}}}}")
-    overrides = {k: v for k, v in (job_data or {}).items() if k != "source"}
-    return {**overrides, **site_data, "local": True, "num_sites": 1}
+    return site_data
+
+
+def _refuse_site_only_keys(job_options: Mapping[str, Any], site_data: Mapping[str, Any], path: Path) -> None:
+    """Refuse the job's data keys that only the site may set (and its file does not): refused, not dropped, so
+    the job's author learns the option had no effect.
+
+    Raises:
+        DataError: naming the refused keys and the keys a job may set.
+    """
+    refused = sorted(set(job_options) - JOB_SETTABLE_DATA_KEYS - set(SITE_FIXED_DATA) - set(site_data))
+    if refused:
+        raise DataError(
+            f"refused: the job sets data key(s) {', '.join(refused)}, which this site sets only in its own {path}; "
+            f"remove them from the job (a job may set only {', '.join(sorted(JOB_SETTABLE_DATA_KEYS))})"
+        )
 
 
 def resolve_site_model(

@@ -8,10 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from medflare.data import DataConfig, load_source, make_site_data
 from medflare.data.longtail import long_tail_indices
 from medflare.data.public import hold_out_public, load_public_source, public_digest
+from medflare.data.types import ImageSet
 from medflare.errors import ConfigError, DataError
 
 SOURCE = "synthetic:n=400,n_val=60,n_test=60,size=12"
@@ -61,6 +63,40 @@ def test_the_digest_changes_with_one_pixel_or_the_order_but_not_with_labels() ->
     relabelled = images.subset(np.arange(20))
     relabelled.labels[:] = 0
     assert public_digest(relabelled) == reference
+
+
+def _in_memory(images: np.ndarray) -> ImageSet:
+    """An unlabelled in-memory set of `[N, H, W, 1]` images, kept in their own dtype."""
+    return ImageSet(labels=np.full(len(images), -1), num_classes=2, channels=1, images=images)
+
+
+@pytest.mark.parametrize("first, second", [
+    (np.full((2, 4, 4, 1), 1, np.uint16), np.full((2, 4, 4, 1), 257, np.uint16)),  # one uint8 after a cast
+    (np.full((2, 4, 4, 1), 0.5, np.float32), np.full((2, 4, 4, 1), 0.5000001, np.float32)),
+    (np.full((2, 4, 4, 1), 7, np.uint8), np.full((2, 4, 4, 1), 7, np.uint16)),  # same values, other dtype
+    (np.zeros((2, 4, 4, 1), np.uint8), np.zeros((2, 8, 2, 1), np.uint8)),  # same bytes, other shape
+], ids=["uint16-same-uint8-byte", "float32-below-8-bits", "uint8-vs-uint16", "same-bytes-other-shape"])
+def test_the_digest_tells_apart_images_that_differ_beyond_8_bits_or_in_dtype_or_shape(
+        first: np.ndarray, second: np.ndarray) -> None:
+    assert public_digest(_in_memory(first)) != public_digest(_in_memory(second))
+    assert public_digest(_in_memory(first)) == public_digest(_in_memory(first.copy()))
+
+
+def test_the_digest_of_deep_images_follows_their_order() -> None:
+    images = np.arange(3 * 16, dtype=np.float32).reshape(3, 4, 4, 1) / 1000  # all below one uint8 level
+    assert public_digest(_in_memory(images[[1, 0, 2]])) != public_digest(_in_memory(images))
+
+
+def test_two_16_bit_png_sets_that_differ_below_8_bits_have_different_digests(tmp_path: Path) -> None:
+    """The real case: 16-bit PNGs read as float32, where a cast to uint8 made every such set look the same."""
+    digests = []
+    for level in (256, 257):
+        folder = tmp_path / f"level-{level}"
+        folder.mkdir()
+        for index in range(2):
+            Image.fromarray(np.full((6, 6), level + index, np.uint16)).save(folder / f"img_{index}.png")
+        digests.append(public_digest(load_public_source(f"images:{folder}", num_classes=2, channels=1, seed=0)))
+    assert digests[0] != digests[1]
 
 
 def test_an_image_folder_is_read_sorted_and_converted(tmp_path: Path,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from medflare.deploy.apps import APPS_DIR, add_code, stale_apps, write_app
 from medflare.registry import list_methods
+from medflare.run_config import DEPLOY_ROBUST
 
 
 def test_apps_are_up_to_date() -> None:
@@ -36,10 +37,14 @@ def test_add_code_turns_an_app_into_a_byoc_job(tmp_path: Path) -> None:
 
 def test_production_jobs_turn_the_robust_aggregation_on() -> None:
     """Issue 7.3: the norm bound and the share cap are on in every ready-made production job, and a cap that
-    the sites a round needs could not meet would only relax (max_share * min_clients >= 1)."""
+    the sites a round needs could not meet would only relax (max_share * min_clients >= 1). Issue 26: they are the
+    defaults every deployment gets, and meta.json tells a reviewer so."""
     for method in list_methods():
         server = json.loads((APPS_DIR / method / "app" / "config" / "config_fed_server.json").read_text())
         aggregator = next(c for c in server["components"] if c["id"] == "aggregator")
         robust = aggregator["args"]["robust"]
+        assert robust == DEPLOY_ROBUST, method
         assert robust["max_norm_ratio"] > 1 and 0 < robust["max_share"] < 1, method
         assert robust["max_share"] * server["workflows"][0]["args"]["min_clients"] >= 1, method
+        meta = json.loads((APPS_DIR / method / "meta.json").read_text())
+        assert meta["robust_aggregation"] == {"on": True, **DEPLOY_ROBUST}, method

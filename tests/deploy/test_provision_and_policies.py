@@ -12,10 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from nvflare.apis.dxo import DXO, DataKind
-from nvflare.apis.fl_constant import FLContextKey, ReturnCode
+from nvflare.apis.fl_constant import FilterKey, FLContextKey, ReturnCode
 from nvflare.apis.fl_context import FLContext
 from nvflare.fuel.sec.authz import AuthzContext, Person, parse_policy_config
 from nvflare.fuel.utils.config_service import ConfigService
+from nvflare.private.privacy_manager import PrivacyManager
 
 from medflare import contracts
 from medflare.contracts import ArraySpec, ContractContext, Payload
@@ -149,19 +150,26 @@ def test_committed_policy_templates_are_up_to_date() -> None:
     assert stale_policy_templates() == [], "provisioning/site_local is stale: run 'make policies'"
 
 
-@pytest.mark.parametrize("method", list_methods())
-def test_privacy_scope_filters_build_under_flare(method: str, tmp_path: Path) -> None:
-    """FLARE's own privacy-config parser builds every scope's filters (so a site can start with it)."""
+def flare_privacy_manager(kit: Path) -> PrivacyManager:
+    """The privacy manager FLARE's own config parser builds from this repo's ``local/privacy.json`` in ``kit``."""
     from nvflare.apis.workspace import Workspace
     from nvflare.private.fed.app.fl_conf import create_privacy_manager
 
-    (tmp_path / "local").mkdir()
-    (tmp_path / "startup").mkdir()
-    (tmp_path / "local" / "privacy.json").write_text(json.dumps(privacy_policy(list_methods())))
-    ConfigService.initialize({}, [str(tmp_path / "local")])
-    manager = create_privacy_manager(Workspace(str(tmp_path), "site-1"), names_only=False)
-    scope = manager.get_scope(scope_name(method))
-    assert scope is not None and any(isinstance(f, PayloadGuard) for f in _result_filters(scope))
+    (kit / "local").mkdir(parents=True)
+    (kit / "startup").mkdir()
+    (kit / "local" / "privacy.json").write_text(json.dumps(privacy_policy(list_methods())))
+    ConfigService.initialize({}, [str(kit / "local")])
+    return create_privacy_manager(Workspace(str(kit), "site-1"), names_only=False)
+
+
+@pytest.mark.parametrize("method", list_methods())
+def test_privacy_scope_filters_build_under_flare(method: str, tmp_path: Path) -> None:
+    """FLARE's own privacy-config parser builds every scope's filters (so a site can start with it), with the
+    guard on both sides: it records each incoming task and checks each outgoing result."""
+    manager = flare_privacy_manager(tmp_path)
+    for scope in (manager.get_scope(scope_name(method)), manager.get_scope(None)):
+        assert scope is not None and any(isinstance(f, PayloadGuard) for f in _result_filters(scope))
+        assert any(isinstance(f, PayloadGuard) for f in scope.task_data_filters[FilterKey.IN])
     assert manager.get_scope(None).name == "medflare"
 
 
@@ -175,15 +183,19 @@ def valid_array(spec: ArraySpec, ctx: ContractContext) -> np.ndarray:
     return np.full(shape, value, dtype=spec.dtypes[0])
 
 
-def guard_context(app: Path, method: str, task_arrays: dict | None = None, task_name: str = "train") -> FLContext:
-    """What FLARE gives a site's result filter: the job's folder, the task's name and the task's data."""
+def guard_context(
+    app: Path, method: str, task_arrays: dict | None = None, task_name: str = "train", task_meta: dict | None = None
+) -> FLContext:
+    """What FLARE gives a site's result filter: the job's folder, the task's name and the task's data (whose meta
+    is ``task_meta``, by default array dimensions only)."""
     (app / "config").mkdir(parents=True, exist_ok=True)
     args = {"method": method, "task": {"num_classes": K, "in_channels": 1, "image_size": 28}}
     (app / "config" / "config_fed_client.json").write_text(json.dumps({"executors": [{"executor": {"args": args}}]}))
     ctx = FLContext()
     ctx.set_prop(FLContextKey.APP_ROOT, str(app), private=True, sticky=False)
     ctx.set_prop(FLContextKey.TASK_NAME, task_name, private=True, sticky=False)
-    task = DXO(DataKind.WEIGHTS, data=task_arrays or {}, meta={contracts.ARRAY_DIMS: {"rows": 4}})
+    meta = {contracts.ARRAY_DIMS: {"rows": 4}} if task_meta is None else task_meta
+    task = DXO(DataKind.WEIGHTS, data=task_arrays or {}, meta=meta)
     ctx.set_prop(FLContextKey.TASK_DATA, task.to_shareable(), private=True, sticky=False)
     return ctx
 

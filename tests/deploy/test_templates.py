@@ -16,6 +16,7 @@ from medflare.deploy.apps import DEPLOY_TASK
 from medflare.deploy.templates import EXAMPLE_SOURCE, TEMPLATES_DIR, example_command, stale_templates, template_run
 from medflare.job_export import client_config, server_config
 from medflare.registry import list_methods
+from medflare.run_config import DEPLOY_ROBUST
 from medflare.runner import nvflare_command
 from medflare.site_runtime import TaskSpec
 
@@ -75,6 +76,14 @@ def test_every_config_header_shows_the_documented_command() -> None:
 
 def parsed(path: Path) -> dict:
     return json.loads(json.dumps(ConfigFactory.parse_file(str(path)).as_plain_ordered_dict()))
+
+
+def test_every_template_has_the_deployment_defences_and_says_so_in_its_meta() -> None:
+    for method in list_methods():
+        server = parsed(TEMPLATES_DIR / method / "config_fed_server.conf")
+        (aggregator,) = [c for c in server["components"] if c["id"] == "aggregator"]
+        assert aggregator["args"]["robust"] == DEPLOY_ROBUST, method
+        assert parsed(TEMPLATES_DIR / method / "meta.conf")["robust_aggregation"] == {"on": True, **DEPLOY_ROBUST}
 
 
 @pytest.mark.slow

@@ -193,13 +193,15 @@ def test_share_cap_applies_and_relaxes_when_impossible() -> None:
     assert core.aggregate().shares == pytest.approx({"site-1": 1 / 3, "site-2": 1 / 3, "site-3": 1 / 3})
 
 
-def test_a_non_finite_aggregate_is_refused(core: RoundAggregation) -> None:
+def test_a_non_finite_aggregate_is_refused(core: RoundAggregation, monkeypatch: pytest.MonkeyPatch) -> None:
     from medflare.errors import PayloadError
+    from medflare.flare import aggregator
     from medflare.methods.base import AggregateResult
 
     core.accept("site-1", *update(1.0))
-    broken = {"w": np.full((2, 3), np.inf, np.float32)}  # e.g. a rule whose math overflows
-    core.rule.aggregate = lambda global_params, updates, ctx: AggregateResult(params=broken, shares={"site-1": 1.0})
+    broken = {"w": np.full((2, 3), np.inf, np.float32)}  # e.g. combining math that overflows
+    monkeypatch.setattr(aggregator, "aggregate_updates",
+                        lambda *args: AggregateResult(params=broken, shares={"site-1": 1.0}))
     with pytest.raises(PayloadError, match="NaN/Inf"):
         core.aggregate()
 

@@ -85,15 +85,32 @@ def test_ccr_weights_first_round_guard_and_missing_losses() -> None:
     sites = ["a", "b", "c"]
     assert ccr_weights(sites, {}, {"a": 1.0, "b": 1.0, "c": 1.0}, beta=0.5) == pytest.approx(
         {"a": 0.5, "b": 0.5, "c": 0.5})  # the code's round 0: 1/(P−1)
-    balanced = ccr_weights(sites, {"a": 1.1, "b": 0.9, "c": 1.0}, {"a": 1.0, "b": 1.0, "c": 1.0}, beta=0.5)
-    assert balanced == pytest.approx({s: 1 / 3 for s in sites}, abs=1e-12)  # Σq = 0.1 − 0.1 + 0 ≈ 0: uniform
     near_zero = ccr_weights(sites, {"a": 1.0 + 1e-9, "b": 1.0, "c": 1.0}, {"a": 1.0, "b": 1.0, "c": 1.0}, beta=0.5)
-    assert near_zero == pytest.approx({s: 1 / 3 for s in sites}, abs=1e-12)  # |Σq| = 1e-9 < eps
+    assert near_zero == pytest.approx({s: 1 / 3 for s in sites}, abs=1e-12)  # Σq⁺ = 1e-9 < eps
     partial = ccr_weights(sites, {"a": 2.0}, {"a": 1.0, "b": 1.0}, beta=0.5)
     # q = (1, 0, 0): a = (1, 0.5, 0.5)
     denominator = math.exp(1.0) + 2 * math.exp(0.5)
     assert partial["a"] == pytest.approx(math.exp(1.0) / denominator, abs=1e-12)
     assert ccr_weights(sites, {"a": 2.0}, {"a": 1.0}, beta=0.0) == pytest.approx({s: 1 / 3 for s in sites})
+
+
+def test_ccr_guard_counts_only_loss_drops() -> None:
+    """RHFL's q_p/Σq is unbounded near Σq = 0 and inverts when every loss rises; the guard keeps the β term in
+    [0, β] (spec §3(a) step 2: clip the denominator or fall back to uniform)."""
+    sites = ["a", "b", "c"]
+    # a's loss falls by 10 %, b's rises by 10 %: RHFL's Σq = 0 would drop the β term; the guard rewards a alone
+    mixed = ccr_weights(sites, {"a": 1.1, "b": 0.9, "c": 1.0}, {"a": 1.0, "b": 1.0, "c": 1.0}, beta=0.5)
+    denominator = math.exp(1.0) + 2 * math.exp(0.5)  # q⁺ = (0.1, 0, 0): a = (1, 0.5, 0.5)
+    assert mixed["a"] == pytest.approx(math.exp(1.0) / denominator, abs=1e-12)
+    assert mixed["b"] == pytest.approx(mixed["c"], abs=1e-12)
+    # every loss rises: RHFL's ratio would reward the worst site (q = −0.5 / Σq = −0.6); the guard is uniform
+    rising = ccr_weights(sites, {"a": 1.0, "b": 1.0, "c": 1.0}, {"a": 2.0, "b": 1.05, "c": 1.05}, beta=0.5)
+    assert rising == pytest.approx({s: 1 / 3 for s in sites}, abs=1e-12)
+    # the probe: one site's loss chosen so that Σq sits just above eps took all the weight; now at most e^β more
+    # (honest q = −0.1, −0.1; the attacker's q = 0.2 + 1e-5, so Σq = 1e-5 and RHFL gives it a weight of 1.0)
+    steered = ccr_weights(sites, {"a": 0.9, "b": 0.9, "c": 1.2 + 1e-5}, {"a": 1.0, "b": 1.0, "c": 1.0}, beta=0.5)
+    assert steered["c"] == pytest.approx(math.exp(1.0) / denominator, abs=1e-9)
+    assert max(steered.values()) / min(steered.values()) <= math.exp(0.5) + 1e-12
 
 
 def test_chunks_cover_the_rows_of_a_round_once_and_rounds_rotate() -> None:

@@ -10,7 +10,7 @@ Every site reads the same public images, in the same order, and never their labe
   `load_source` spec (its train, val and test images in that order).
 
 Labels are replaced by `UNLABELED` as soon as the set is built, so no code downstream can use them.
-`public_digest` fingerprints a copy (pixels and order), so sites can prove they read the same set.
+`public_digest` fingerprints a copy (exact pixel arrays and order), so sites can prove they read the same set.
 """
 
 from __future__ import annotations
@@ -92,16 +92,21 @@ def unlabelled(image_set: ImageSet) -> ImageSet:
 
 
 def public_digest(image_set: ImageSet) -> str:
-    """SHA-256 hex digest of a set's pixels in order (each image's shape, then its bytes).
+    """SHA-256 hex digest of a set's images in order: the count, then per image its dtype, shape and exact bytes.
 
-    Two copies have the same digest only if they hold the same images in the same order, whatever their file
-    names or storage; labels do not enter it.
+    Two copies have the same digest only if they hold the same arrays (values, dtype and shape) in the same order,
+    whatever their file names or storage; labels do not enter it. Pixels are hashed in their own dtype, never
+    cast, so 16-bit PNG, DICOM or NIfTI sets that differ beyond 8-bit precision give different digests.
     """
     digest = hashlib.sha256()
     digest.update(np.int64(len(image_set)).tobytes())
     for index in range(len(image_set)):
-        pixels = np.ascontiguousarray(image_set.get_image(index), dtype=np.uint8)
-        digest.update(np.asarray(pixels.shape, dtype=np.int64).tobytes())
+        image = np.asarray(image_set.get_image(index))
+        # Little-endian bytes, so a copy read on any machine hashes the same; the header's length prefix keeps
+        # "dtype and shape" from running into the pixel bytes.
+        pixels = np.ascontiguousarray(image, dtype=image.dtype.newbyteorder("<"))
+        header = f"{pixels.dtype.str}{pixels.shape}".encode()
+        digest.update(np.int64(len(header)).tobytes() + header)
         digest.update(pixels.tobytes())
     return digest.hexdigest()
 

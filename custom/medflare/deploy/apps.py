@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from medflare.run_config import RunConfig
+from medflare.run_config import DEPLOY_ROBUST, RunConfig, deployment_robust
 
 REPO_DIR = Path(__file__).resolve().parents[3]
 APPS_DIR = REPO_DIR / "apps"
@@ -34,26 +34,23 @@ DEPLOY_ROUNDS = 20
 # timeout), not the job. 2, not 1: a global model is never one hospital's update alone.
 DEPLOY_SITES = 3
 DEPLOY_MIN_SITES = 2
-# One hospital can neither take over nor break the aggregate: an update more than 10x the other sites' median
-# norm is rejected, and no site weighs more than 60 % (feasible with the 2 sites a round needs). Honest sites of
-# very different sizes stay well inside both; a forged x1e30 update does not.
-DEPLOY_ROBUST = {"max_norm_ratio": 10.0, "max_share": 0.6}
 README = "README.md"
 
 
 def deployment_run(method: str, **overrides: Any) -> RunConfig:
-    """The run configuration behind a method's app and job template: site-local data, declared task."""
+    """The run configuration behind a method's app and job template: site-local data, declared task, and the
+    deployment's robust defences under any ``robust`` of ``overrides``."""
     fields: dict[str, Any] = {
         "method": method,
         "rounds": DEPLOY_ROUNDS,
         "clients": DEPLOY_SITES,
         "min_clients": DEPLOY_MIN_SITES,
-        "robust": dict(DEPLOY_ROBUST),
         "data": {"source": "site"},
         "task": dict(DEPLOY_TASK),
         "straggler_seconds": 600,
     }
     fields.update(overrides)
+    fields["robust"] = deployment_robust(fields.get("robust", {}))
     return RunConfig(**fields)
 
 
@@ -129,9 +126,10 @@ Each round needs valid updates from {DEPLOY_MIN_SITES} sites (`min_clients`, als
 start) of the {DEPLOY_SITES} hospitals of `provisioning/project.yml`, and a site may take at most
 {DEFAULT_TASK_TIMEOUT} s per task (`train_timeout`): a site that is down or stuck costs that round its update,
 not the job. Fewer than {DEPLOY_MIN_SITES} valid updates stop the job with an error naming the sites.
-The robust aggregation options are on (`robust`): an update whose norm exceeds
-{DEPLOY_ROBUST["max_norm_ratio"]:g}x the other sites' median is rejected, and no site's share exceeds
-{DEPLOY_ROBUST["max_share"]:g} (`docs/architecture.md`, "What the server checks").
+The robust aggregation options are on (`robust`, as in every job medflare writes for a deployment; `meta.json`
+records them): an update whose norm exceeds {DEPLOY_ROBUST["max_norm_ratio"]:g}x the other sites' median is
+rejected, and no site's share exceeds {DEPLOY_ROBUST["max_share"]:g} (`docs/architecture.md`, "What the server
+checks"; turning them off: `docs/deploy-lead.md`).
 
 ```bash
 nvflare job submit -j apps/fedavg                       # as the project's lead

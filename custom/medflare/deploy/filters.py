@@ -1,62 +1,153 @@
 """Site-enforced privacy filters: what a site lets leave it, decided by the site's own ``local/privacy.json``.
 
 The method's code already refuses to send undeclared keys (``Payload.check_outgoing``). These filters repeat
-the check *outside* the job, as FLARE task-result filters configured by the hospital, so a pre-installed site
-enforces the reviewed declaration even if a job's configuration asks for something else: names, and the same
-value checks the server applies (``contracts.check_result_values``: array types, shapes and ranges, typed meta,
-the schema of evaluation statistics), so a site's policy never depends on the server's honesty.
+the check *outside* the job, as FLARE filters configured by the hospital, so a pre-installed site enforces the
+reviewed declaration even if a job's configuration asks for something else: names, the shape and dtype of every
+array against what the server sent or the method declares, and the same value checks the server applies
+(``contracts.check_result_values``: array rules and ranges, typed meta, the schema of evaluation statistics), so
+a site's policy never depends on the server's honesty.
+
+FLARE 2.9's client runner clears ``FLContextKey.TASK_DATA`` before it runs the task result filters, so a result
+filter alone never sees what the server sent. The guard is therefore bound on both sides: as a task data filter it
+records the names, shapes and dtypes (never the values) of each task it lets in, per job, site and task name; as
+a task result filter it compares the result with that record. Without a record it fails closed.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Mapping
 
+import numpy as np
 from nvflare.apis.dxo import from_shareable
-from nvflare.apis.filter import Filter
+from nvflare.apis.filter import Filter, FilterChainType, FilterContextKey, FilterSource
 from nvflare.apis.fl_constant import FLContextKey, ReturnCode
 from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable
 
 from medflare import contracts
-from medflare.contracts import ContractContext, Payload
+from medflare.contracts import ContractContext, Expected, Payload
 from medflare.errors import PayloadError
+from medflare.ops import wire
 
 CLIENT_CONFIG = "config_fed_client.json"
 SUBMIT_MODEL = "submit_model"
+DEFAULT_TRANSFER_DTYPE, DEFAULT_TRANSFER_KIND = wire.DTYPES[0], wire.KINDS[0]  # what a task without wire meta asks
+
+
+@dataclass(frozen=True)
+class ReceivedTask:
+    """What the server sent with one task, as far as checking its result needs: no values are kept.
+
+    Attributes:
+        arrays: name -> a zero-stride stand-in with the shape and dtype of the array the server sent.
+        dims: the task's named array dimensions (task meta ``array_dims``), e.g. {"rows": 512}.
+        transfer_dtype: how float weights travel back (task meta ``transfer_dtype``).
+        transfer_kind: "weights" or "diff" (task meta ``transfer_kind``).
+    """
+
+    arrays: Mapping[str, np.ndarray] = field(default_factory=dict)
+    dims: Mapping[str, int] = field(default_factory=dict)
+    transfer_dtype: str = DEFAULT_TRANSFER_DTYPE
+    transfer_kind: str = DEFAULT_TRANSFER_KIND
+
+    def as_submitted(self) -> ReceivedTask:
+        """This task's weights as a ``submit_model`` answer carries them: plain weights, not encoded for the wire
+        (the executor returns the site's model as it is)."""
+        return ReceivedTask(self.arrays, self.dims, DEFAULT_TRANSFER_DTYPE, DEFAULT_TRANSFER_KIND)
 
 
 class PayloadGuard(Filter):
-    """Refuses any task result that carries a key the method's Payload does not declare, or a declared key
-    whose value breaks the method's contract (a 20 KB string as ``n_samples``, nested extras in an evaluation,
-    a probability matrix of 5.0, NaN weights).
+    """Refuses any task result that carries an array or meta entry the site cannot vouch for: an undeclared or
+    private key, a weight in a shape or dtype the server did not send (an image batch under a weight's name), a
+    declared array whose dimensions the task did not fix, or a value that breaks the method's contract (a 20 KB
+    string as ``n_samples``, nested extras in an evaluation, a probability matrix of 5.0, NaN weights).
 
-    Every result is checked, including results with no arrays (a DXOFilter would skip those). Raising makes
-    FLARE replace the result with an error reply, so nothing undeclared reaches the server.
+    Bound by the site (``local/privacy.json``) as a task data filter, it records each incoming task (see
+    :class:`ReceivedTask`); as a task result filter it checks every result, including results with no arrays (a
+    DXOFilter would skip those). Raising makes FLARE replace the result with an error reply, so nothing the site
+    cannot vouch for reaches the server.
 
     Args:
         method: the registered method whose declaration applies; "" reads it from the job's client config
             (used by the default scope, so a job that names no scope is still checked).
     """
 
+    # FLARE builds one filter object per privacy.json entry, so the guard that records a task and the guard that
+    # checks its result are different objects: they share this record, keyed by (job, site, task name).
+    _received: ClassVar[dict[tuple[str, str, str], ReceivedTask | None]] = {}
+
     def __init__(self, method: str = "") -> None:
         super().__init__()
         self.method = method
 
     def process(self, shareable: Shareable, fl_ctx: FLContext) -> Shareable:
-        if shareable.get_return_code() != ReturnCode.OK:
-            return shareable  # an error reply carries nothing
+        """Record an incoming task (task data chain) or check an outgoing result (any other chain); the shareable
+        is returned unchanged, this filter only records, allows or refuses."""
+        task_name = str(fl_ctx.get_prop(FLContextKey.TASK_NAME) or contracts.TRAIN_PHASE)
+        if self.get_prop(FilterContextKey.CHAIN_TYPE) == FilterChainType.TASK_DATA_CHAIN:
+            if self.get_prop(FilterContextKey.SOURCE) == FilterSource.SITE:  # a job's own filter cannot vouch
+                PayloadGuard._received[_task_key(fl_ctx, task_name)] = received_task(shareable)
+        elif shareable.get_return_code() == ReturnCode.OK:  # an error reply carries nothing
+            self.check_result(shareable, fl_ctx, task_name)
+        return shareable
+
+    def check_result(self, shareable: Shareable, fl_ctx: FLContext, task_name: str) -> None:
+        """Raise PayloadError unless the result's names, arrays (shapes, dtypes, values) and meta are allowed."""
         dxo = from_shareable(shareable)
+        arrays, meta = dict(dxo.data or {}), dict(dxo.meta or {})
         args = job_executor_args(fl_ctx)
         payload = _payload(self.method or str(args.get("method", "")))
-        check_result_keys(payload, list((dxo.data or {}).keys()), list((dxo.meta or {}).keys()))
-        task_name = str(fl_ctx.get_prop(FLContextKey.TASK_NAME) or contracts.TRAIN_PHASE)
+        check_result_keys(payload, list(arrays), list(meta))
         phase = contracts.TRAIN_PHASE if task_name == SUBMIT_MODEL else task_name  # both carry the weights
-        task = _task_dxo(fl_ctx)
-        check_arrays_were_received(payload, list((dxo.data or {}).keys()), task, phase)
-        contracts.check_result_values(payload, dxo.data or {}, dxo.meta or {}, _contract(args, task), phase)
-        return shareable  # unchanged: this filter only allows or refuses
+        sent = self.sent_with(fl_ctx, task_name)
+        contract = _contract(args, sent.dims if sent is not None else {})
+        check_result_arrays(payload, arrays, sent, phase, contract)
+        contracts.check_result_values(payload, arrays, meta, contract, phase)
+
+    @classmethod
+    def sent_with(cls, fl_ctx: FLContext, task_name: str) -> ReceivedTask | None:
+        """What the server sent with the task a result answers: the site guard's record of it, else FLARE's task
+        data when the context still holds it, else None (unknown).
+
+        A ``submit_model`` answer is compared with the last ``train`` task: the server sends no weights with it."""
+        if task_name == SUBMIT_MODEL:
+            train = cls._received.get(_task_key(fl_ctx, contracts.TRAIN_PHASE))
+            return train.as_submitted() if train is not None else None
+        recorded = cls._received.get(_task_key(fl_ctx, task_name))
+        return recorded if recorded is not None else received_task(fl_ctx.get_prop(FLContextKey.TASK_DATA))
+
+
+def received_task(task: Any) -> ReceivedTask | None:
+    """The record of a task's data (None when it is not a DXO: nothing can be known about it).
+
+    Only numeric arrays are recorded, as zero-stride stand-ins, so the record costs no memory per parameter."""
+    if not isinstance(task, Shareable):
+        return None
+    try:
+        dxo = from_shareable(task)
+    except (ValueError, TypeError, KeyError):  # not a DXO
+        return None
+    meta = dxo.meta or {}
+    arrays = {str(name): _stand_in(value) for name, value in (dxo.data or {}).items()
+              if isinstance(value, np.ndarray) and value.dtype.kind in "fiub"}
+    return ReceivedTask(arrays, _array_dims(meta.get(contracts.ARRAY_DIMS)),
+                        str(meta.get(contracts.TRANSFER_DTYPE, DEFAULT_TRANSFER_DTYPE)),
+                        str(meta.get(contracts.TRANSFER_KIND, DEFAULT_TRANSFER_KIND)))
+
+
+def _stand_in(array: np.ndarray) -> np.ndarray:
+    """A read-only array with ``array``'s shape and dtype whose every element is one shared zero."""
+    return np.broadcast_to(np.zeros((), array.dtype), array.shape)
+
+
+def _array_dims(value: Any) -> dict[str, int]:
+    """The task's named dimensions that are whole numbers >= 0; anything else stays unknown (and is refused)."""
+    entries = value.items() if isinstance(value, dict) else ()
+    return {str(name): int(size) for name, size in entries
+            if isinstance(size, (int, np.integer)) and not isinstance(size, bool) and size >= 0}
 
 
 def check_result_keys(payload: Payload, array_keys: list[str], meta_keys: list[str]) -> None:
@@ -79,16 +170,63 @@ def check_result_keys(payload: Payload, array_keys: list[str], meta_keys: list[s
         raise PayloadError(f"site privacy policy: undeclared meta keys {extra_meta}")
 
 
-def check_arrays_were_received(payload: Payload, array_keys: list[str], task: Any, phase: str) -> None:
-    """Weights go back only under the names the server sent: an array that is neither a received weight nor
-    declared by the method (``stolen_images``) is refused. Without the task's data (not a DXO) nothing is known
-    to compare with, and the value checks still apply."""
-    if task is None or phase != contracts.TRAIN_PHASE:
-        return
-    unknown = sorted(set(array_keys) - set(task.data or {}) - set(payload.arrays_for(phase)))
-    if unknown:
-        raise PayloadError(f"site privacy policy: the result carries arrays the server never sent and the method "
-                           f"does not declare: {unknown[:5]}")
+def check_result_arrays(
+    payload: Payload, arrays: Mapping[str, Any], sent: ReceivedTask | None, phase: str, ctx: ContractContext
+) -> None:
+    """Raise PayloadError unless every array of a result is one the site can vouch for, in its exact shape and
+    dtype, with valid values: a weight the server sent in this task (see :func:`returned_weights`) or an array
+    the method declares for ``phase`` with every dimension known.
+
+    Args:
+        payload: the method's declaration.
+        arrays: the result's arrays.
+        sent: what the server sent with the task; None = unknown, and then only declared arrays may leave.
+        phase: the task the result answers (``submit_model`` counts as ``train``).
+        ctx: the task's class count and array dimensions.
+    """
+    expected = expected_arrays(payload, list(arrays), sent, phase, ctx)
+    unexpected = sorted(set(arrays) - set(expected))
+    if unexpected and sent is None:
+        raise PayloadError(
+            f"site privacy policy: this site does not know what the server sent with task '{phase}' (no PayloadGuard "
+            f"of the site's privacy.json recorded it as a task data filter, and FLARE's context holds no task data), "
+            f"so only arrays the method declares for the task may leave; refusing {unexpected[:5]}")
+    if unexpected:
+        raise PayloadError(f"site privacy policy: the result carries arrays the server never sent to come back and "
+                           f"the method does not declare for task '{phase}': {unexpected[:5]}")
+    for key, value in arrays.items():
+        expected[key].check(key, value, ctx)
+
+
+def expected_arrays(
+    payload: Payload, array_keys: list[str], sent: ReceivedTask | None, phase: str, ctx: ContractContext
+) -> dict[str, Expected]:
+    """key -> what may leave under it: the returnable weights, and the declared arrays among ``array_keys``.
+
+    Raises:
+        PayloadError: when a declared array in the result has a dimension the task did not fix (its shape, and
+            so its size, could not be checked).
+    """
+    declared = {name: spec for name, spec in payload.arrays_for(phase).items() if name in array_keys}
+    unresolved = sorted(name for name, spec in declared.items() if None in spec.resolved_shape(ctx))
+    if unresolved:
+        shapes = {name: declared[name].shape for name in unresolved}
+        raise PayloadError(f"site privacy policy: the task did not fix the dimensions {shapes} (task meta "
+                           f"'{contracts.ARRAY_DIMS}'), so their shape cannot be checked; refusing {unresolved}")
+    return {**returned_weights(payload, sent, phase), **contracts.array_expectations(declared, ctx)}
+
+
+def returned_weights(payload: Payload, sent: ReceivedTask | None, phase: str) -> dict[str, Expected]:
+    """key -> Expected for the weights a ``train`` result may carry: those the server sent with the task, in the
+    shape it sent, and in the dtype it sent or the job's transfer dtype (float keys only when differences travel);
+    never the non-parameter arrays the method receives (``Payload.receives``)."""
+    if sent is None or phase != contracts.TRAIN_PHASE or not payload.sends_weights:
+        return {}
+    if sent.transfer_dtype not in wire.DTYPES or sent.transfer_kind not in wire.KINDS:
+        raise PayloadError(f"site privacy policy: the task asks for weights as '{sent.transfer_kind}' in "
+                           f"'{sent.transfer_dtype}'; a site sends {list(wire.KINDS)} in {list(wire.DTYPES)}")
+    keys = [key for key in sent.arrays if key not in payload.receives]
+    return contracts.weight_expectations(sent.arrays, keys, sent.transfer_dtype, sent.transfer_kind)
 
 
 def job_method(fl_ctx: FLContext) -> str:
@@ -112,22 +250,15 @@ def job_executor_args(fl_ctx: FLContext) -> dict[str, Any]:
                            f"{exc!r})") from exc
 
 
-def _task_dxo(fl_ctx: FLContext) -> Any:
-    """The DXO of the task this result answers (FLARE keeps the task's data in the context), or None."""
-    task_data = fl_ctx.get_prop(FLContextKey.TASK_DATA)
-    if not isinstance(task_data, Shareable):
-        return None
-    try:
-        return from_shareable(task_data)
-    except (ValueError, TypeError, KeyError):  # not a DXO
-        return None
+def _task_key(fl_ctx: FLContext, task_name: str) -> tuple[str, str, str]:
+    """Where a task's record is kept: per job and site (a simulator runs several in one process), per task name."""
+    return str(fl_ctx.get_job_id() or ""), str(fl_ctx.get_identity_name() or ""), task_name
 
 
-def _contract(args: dict[str, Any], task: Any) -> ContractContext:
+def _contract(args: dict[str, Any], dims: Mapping[str, int]) -> ContractContext:
     """The task's K and multi-label flag from the job, and the array dimensions the server's task declared."""
-    dims = dict((task.meta or {}).get(contracts.ARRAY_DIMS) or {}) if task is not None else {}
-    declared = args["task"]
-    return ContractContext(int(declared["num_classes"]), dims=dims, multi_label=bool(declared.get("multi_label", False)))
+    task = args["task"]
+    return ContractContext(int(task["num_classes"]), dims=dict(dims), multi_label=bool(task.get("multi_label", False)))
 
 
 def _payload(method: str) -> Payload:

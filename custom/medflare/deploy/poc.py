@@ -38,6 +38,7 @@ from medflare.errors import ConfigError, MedflareError
 from medflare.flare.memory import with_allocator_settings
 from medflare.flare.tracking import keep_server_records
 from medflare.outputs import OutputTarget, failure_note, keep_site_logs, results_text, write_job_outputs
+from medflare.run_config import deployment_robust
 from medflare.runner import (
     add_run_options,
     build_run_config,
@@ -429,6 +430,9 @@ def run_poc(
     interruption (SIGTERM/SIGINT) the POC's processes are stopped and removed and its server log, with the
     rounds that finished, is kept as ``<out>.failed.log``.
 
+    A POC is a real deployment, so its job gets the robust defences (``run.robust`` becomes
+    :func:`medflare.run_config.deployment_robust`'s, which summary.json then records), simulated data or not.
+
     Args:
         run: the RunConfig (``clients`` decides the number of POC sites).
         out_dir: result folder.
@@ -438,6 +442,7 @@ def run_poc(
         timeout: seconds the job may take.
         overwrite: replace medflare's earlier results in a non-empty ``out_dir``.
     """
+    run.robust = deployment_robust(run.robust)
     run.validate()
     target = OutputTarget(Path(out_dir), overwrite=overwrite)
     staging = target.begin()
@@ -477,6 +482,7 @@ def run_poc(
 # ----- command line ---------------------------------------------------------------------------------
 def _run_config_from_args(args: Any) -> Any:
     run = build_run_config(args)
+    run.robust = deployment_robust(run.robust)  # every job submitted to a POC is a deployment's
     run.validate()
     return run
 

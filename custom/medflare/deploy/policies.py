@@ -59,6 +59,7 @@ NON_BYOC_RIGHTS = (
     "server-predeployed-flwr",
 )
 DEFAULT_SCOPE = "medflare"  # applies to jobs that name no scope; checks against the job's own method
+PAYLOAD_GUARD = "medflare.deploy.filters.PayloadGuard"  # bound by the site itself, so not on the job allow-list
 GPU_MANAGER = "nvflare.app_common.resource_managers.gpu_resource_manager.GPUResourceManager"
 
 
@@ -143,29 +144,33 @@ def allow_components(default: dict[str, Any], components: Iterable[str]) -> dict
 
 
 def privacy_policy(methods: Iterable[str]) -> dict[str, Any]:
-    """``local/privacy.json``: one scope per method whose result filters enforce that method's Payload.
+    """``local/privacy.json``: one scope per method whose filters enforce that method's Payload.
 
-    Each ``medflare-<method>`` scope first strips the method's private keys (FLARE's ExcludeVars, when the
-    method declares any) and then refuses any result with undeclared arrays or meta (PayloadGuard). The
-    default scope applies the guard for whatever method the job's config names.
+    Each ``medflare-<method>`` scope binds PayloadGuard on both sides: as a task data filter it records what the
+    server sent with each task (names, shapes, dtypes, array dimensions); as a task result filter, after FLARE's
+    ExcludeVars has stripped the method's private keys (when it declares any), it refuses any result with
+    undeclared, reshaped or retyped arrays, bad values or undeclared meta. The default scope applies the guard
+    for whatever method the job's config names.
     """
     from medflare.registry import get_method
 
     scopes = []
     for method in methods:
-        filters: list[dict[str, Any]] = []
+        result_filters: list[dict[str, Any]] = []
         private_keys = get_method(method).payload.private_keys
         if private_keys:
-            filters.append({"path": "nvflare.app_common.filters.exclude_vars.ExcludeVars",
-                            "args": {"exclude_vars": private_keys}})
-        filters.append({"path": "medflare.deploy.filters.PayloadGuard", "args": {"method": method}})
-        scopes.append({"name": scope_name(method), "properties": {"method": method}, "task_result_filters": filters})
-    scopes.append({
-        "name": DEFAULT_SCOPE,
-        "properties": {"method": "read from the job's client config"},
-        "task_result_filters": [{"path": "medflare.deploy.filters.PayloadGuard", "args": {"method": ""}}],
-    })
+            result_filters.append({"path": "nvflare.app_common.filters.exclude_vars.ExcludeVars",
+                                   "args": {"exclude_vars": private_keys}})
+        scopes.append(_guarded_scope(scope_name(method), method, method, result_filters))
+    scopes.append(_guarded_scope(DEFAULT_SCOPE, "read from the job's client config", "", []))
     return {"format_version": "1.0", "scopes": scopes, "default_scope": DEFAULT_SCOPE}
+
+
+def _guarded_scope(name: str, described_method: str, method: str, result_filters: list[dict[str, Any]]) -> dict:
+    """A privacy scope with PayloadGuard(``method``) as its task data filter and last task result filter."""
+    guard = {"path": PAYLOAD_GUARD, "args": {"method": method}}
+    return {"name": name, "properties": {"method": described_method}, "task_data_filters": [guard],
+            "task_result_filters": [*result_filters, guard]}
 
 
 def site_data_config(source: str | None = None, allow_job_data: bool = False, **options: Any) -> dict[str, Any]:

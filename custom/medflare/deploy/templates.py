@@ -97,6 +97,9 @@ COMMENTS: dict[str, str] = {
     "deploy_map": "which app goes to which participant",
     "app": "the one app, deployed to the server and every site",
     "scope": "privacy scope sites apply (medflare-<method>: the method's result filters in local/privacy.json)",
+    "robust_aggregation": "for reviewers: the robust defences this job was written with; config_fed_server.conf's "
+                          "robust decides, so change both together (docs/deploy-lead.md)",
+    "on": "whether any robust defence is on (off: one site can take over the aggregate)",
     # info
     "description": "what this template is for",
     "execution_api_type": "how client code runs: a classic FLARE Executor",
@@ -220,6 +223,9 @@ def info_markdown(method: str, run: Any) -> str:
 
 Server: `MedflareModelPersistor` (FLARE's PT persistor), `MedflareAggregator`, `MedflareController`.
 Site: `MedflareExecutor` (all tasks). Everything is a `medflare.` class, so a pre-installed site allow-lists one prefix.
+The server's robust defences are on (`robust` in `config_fed_server.conf`: {_robust_text(run.robust)}),
+as in every job medflare writes for a deployment, and `meta.conf` records them; turning them off:
+`docs/deploy-lead.md`.
 
 ## Make a job
 
@@ -267,6 +273,10 @@ def _comment(key: str, parent: str, method_keys: set[str], value: Any = None, ow
     if parent == "args" and owner:  # a constructor argument added after this table: its class documents it
         return f"argument '{key}' of {owner} (see its docstring)"
     raise KeyError(f"no comment for template key '{key}' (under '{parent}'): add one to COMMENTS")
+
+
+def _robust_text(robust: Mapping[str, float]) -> str:
+    return ", ".join(f"`{key}={value:g}`" for key, value in robust.items())
 
 
 def _key(key: str) -> str:

@@ -17,9 +17,18 @@ from medflare import contracts
 from medflare.config import from_dict
 from medflare.contracts import ContractContext, Expected, validate_update
 from medflare.errors import ConfigError, MedflareError, PayloadError
-from medflare.methods.base import AggregateResult, PerSite, RoundContext, ServerRule, SiteUpdate, Stage
+from medflare.methods.base import (
+    AggregateResult,
+    PerSite,
+    RoundContext,
+    ServerRule,
+    SiteUpdate,
+    Stage,
+    aggregate_updates,
+)
 from medflare.ops import normalise_weights, wire
 from medflare.ops.aggregate import SiteOrderedSum
+from medflare.ops.influence import Mixture, mix
 from medflare.ops.wire import decode_weights
 from medflare.registry import get_method, load_plugins
 
@@ -35,8 +44,9 @@ class RobustConfig:
     Attributes:
         max_norm_ratio: reject a site whose update norm ‖θ_site − θ_global‖ exceeds this multiple of the
             median norm of the other sites (0 = off; needs at least two sites).
-        max_share: cap on any one site's share of the aggregate (0 = off); relaxes to equal shares when no
-            split of this round's sites can meet it.
+        max_share: cap on any one site's share of every part of every aggregate (0 = off): the scalar share,
+            every row of a row-weighted array, every mix the server builds from the sites' arrays
+            (:mod:`medflare.ops.influence`); relaxes to equal shares when no split of this round's sites can meet it.
     """
 
     max_norm_ratio: float = 0.0
@@ -82,7 +92,12 @@ class RoundAggregation:
         self.rule.multi_label = self.multi_label = multi_label
         self.stages = checked_stages(self.rule.stages(), num_rounds, method)
         self.robust = from_dict(RobustConfig, dict(robust or {}), "robust")
-        self.rule.max_share = self.robust.max_share
+        self.rule.share_cap = self.robust.max_share
+        if type(self.rule).aggregate is not ServerRule.aggregate:
+            raise ConfigError(
+                f"method '{method}': its server rule overrides aggregate(); a rule returns per-site weights "
+                "(site_weight, site_weights, row_weights, weighting) and the server bounds and combines them"
+            )
         if transfer_dtype not in wire.DTYPES or transfer_kind not in wire.KINDS:
             raise ConfigError(
                 f"transfer_dtype must be one of {wire.DTYPES} and transfer_kind one of {wire.KINDS}, "
@@ -121,6 +136,8 @@ class RoundAggregation:
         streams = self.stream_aggregation and phase == contracts.TRAIN_PHASE and not self.batch_reason()
         self.stream = SiteOrderedSum() if streams else None
         outgoing = self.rule.phase_arrays(phase, self.ctx, self.global_params, self.earlier)
+        if isinstance(outgoing, Mixture):  # arrays built from what the sites sent: bounded like any aggregate
+            outgoing = PerSite(mix(outgoing, self.robust.max_share))
         dims = dict(self.rule.array_dims(phase, self.ctx))
         self.contract = ContractContext(self.num_classes, dims=dims, multi_label=self.multi_label)
         self.expected = self.rule.expected_arrays(phase, self.ctx, self.global_params, self.contract)
@@ -178,7 +195,12 @@ class RoundAggregation:
         else:
             try:
                 clean, clean_meta = validate_update(arrays, meta, self.expected, self.spec.payload, self.contract)
+                if self.phase == contracts.TRAIN_PHASE:
+                    contracts.check_frozen_unchanged(
+                        clean, self.global_params, self.spec.payload, self.transfer_dtype, kind
+                    )
                 update = SiteUpdate(site, decode_weights(clean, self.global_params, kind), clean_meta)
+                self.rule.check_update(self.phase, update, self.ctx)
                 if self.phase == contracts.TRAIN_PHASE:
                     self._check_sample_count(update)
                     weight = self.rule.site_weight(update, self.ctx)  # the aggregation weight must be computable
@@ -222,7 +244,7 @@ class RoundAggregation:
             result = self._streamed_aggregate(self.stream)
         else:
             updates = self._drop_outlier_updates(self.accepted())
-            result = self.rule.aggregate(self.global_params, updates, self.ctx)
+            result = aggregate_updates(self.rule, self.global_params, updates, self.ctx, self.robust.max_share)
         if self.stream_aggregation:
             result = dataclasses.replace(result, info={**result.info, STREAM_INFO: self._stream_facts()})
         broken = sorted(k for k, v in result.params.items() if np.asarray(v).dtype.kind == "f" and not np.all(np.isfinite(v)))

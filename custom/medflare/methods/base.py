@@ -22,11 +22,13 @@ from medflare.config import from_dict
 from medflare.contracts import ContractContext, Payload
 from medflare.errors import ConfigError, PayloadError
 from medflare.losses.multi_label import masked_bce
-from medflare.ops import cap_shares, load_params, model_params, normalise_weights, weighted_average
+from medflare.ops import load_params, model_params
+from medflare.ops.influence import Mixture, Weighting, bound, combine
 from medflare.optim import OptimizerKey, build_optimizer, check_train_options, rebuild_due, set_step_lr
 from medflare.optim import round_lr  # noqa: F401  (re-exported: its home was this module)
 
 Log = Callable[[str], None]
+LARGEST_SHARE = "largest_share"  # a round's record: site -> its largest share of any row of a row-weighted array
 
 
 @dataclass
@@ -495,8 +497,8 @@ def eval_stats(labels: np.ndarray, probs: np.ndarray, losses: np.ndarray, num_cl
 class ServerRule:
     """Server-side aggregation: sample-count-weighted average of every shared array (FedAvg).
 
-    Subclasses change :meth:`site_weight` (e.g. RF), :meth:`row_weights` (per-class rows),
-    :meth:`aggregate` as a whole, or the shape of a round: :meth:`stages`, :meth:`phases`, what each phase
+    Subclasses change :meth:`site_weight` (e.g. RF), :meth:`site_weights` (weights that need every site),
+    :meth:`row_weights` (per-class rows), or the shape of a round: :meth:`stages`, :meth:`phases`, what each phase
     sends (:meth:`phase_arrays`, per site if needed) and expects back (:meth:`expected_arrays`). Keys a site
     never sends (private keys) keep the server's value. Pure numpy: the FLARE layer calls these hooks.
 
@@ -510,8 +512,10 @@ class ServerRule:
         self.cfg = method_cfg
         self.total_rounds = total_rounds
         self.payload = payload
-        self.max_share = 0.0  # job-level cap on one site's share (RobustConfig), applied in shares()
         self.multi_label = False  # set by the server from the job's task (multi-label rules may add a phase)
+        # The job's robust.max_share, set by the server: a rule that derives a server-side array from site counts
+        # bounds each site's say with it (ops.influence.bound); weights and mixtures the server bounds itself
+        self.share_cap = 0.0
 
     def stages(self) -> list[Stage]:
         """Stages run in order; their rounds add up to the job's rounds. Multi-stage methods override."""
@@ -537,8 +541,10 @@ class ServerRule:
         ctx: RoundContext,
         global_params: Mapping[str, np.ndarray],
         earlier: Mapping[str, list[SiteUpdate]],
-    ) -> dict[str, np.ndarray] | PerSite:
-        """What the server sends with a phase's task: one dict for every site, or :class:`PerSite`.
+    ) -> dict[str, np.ndarray] | PerSite | Mixture:
+        """What the server sends with a phase's task: one dict for every site, :class:`PerSite`, or a
+        :class:`~medflare.ops.influence.Mixture` of arrays the sites sent (the server bounds each source's share
+        and builds every receiver's array).
 
         By default the "train" task carries the global weights that travel in this stage, other phases nothing.
 
@@ -570,12 +576,25 @@ class ServerRule:
         return {}
 
     def site_weight(self, update: SiteUpdate, ctx: RoundContext) -> float:
-        """A site's scalar aggregation weight: its labelled sample count."""
+        """A site's raw scalar aggregation weight: its labelled sample count."""
         return float(update.meta[contracts.N_SAMPLES])
 
+    def site_weights(self, updates: list[SiteUpdate], ctx: RoundContext) -> dict[str, float]:
+        """Every site's raw scalar weight this round (a rule whose weights depend on all sites overrides this)."""
+        return {u.site: self.site_weight(u, ctx) for u in updates}
+
     def row_weights(self, updates: list[SiteUpdate]) -> dict[str, dict[str, np.ndarray]] | None:
-        """Optional key -> site -> per-row weights (row-wise classifier aggregation)."""
+        """Optional key -> site -> raw per-row weights (row-wise classifier aggregation)."""
         return None
+
+    def weighting(self, updates: list[SiteUpdate], ctx: RoundContext) -> Weighting:
+        """What this round's aggregate combines, as raw per-site weights: the server bounds them
+        (:func:`medflare.ops.influence.bound`) and does the combining; a rule never weights sites around that."""
+        return Weighting(self.site_weights(updates, ctx), self.row_weights(updates) or {})
+
+    def check_update(self, phase: str, update: SiteUpdate, ctx: RoundContext) -> None:
+        """Method-specific consistency checks of one validated result, beyond its declared shapes and ranges
+        (e.g. counts that must agree with each other). Raise PayloadError to refuse it."""
 
     def round_info(self, updates: list[SiteUpdate], ctx: RoundContext) -> dict[str, Any]:
         """What to record about this round besides the shares."""
@@ -586,32 +605,50 @@ class ServerRule:
         to a running sum as it arrives (``stream_aggregation``) and keep no site's model arrays.
 
         True for a rule that changes only :meth:`site_weight`, :meth:`round_info`, the stages or what a phase
-        sends, without a share cap; one overriding :meth:`shares`, :meth:`row_weights`, :meth:`aggregate` or
-        :meth:`phases` is aggregated in one batch unless it overrides this too. A streamed round's
-        :meth:`round_info` sees each update's meta and declared arrays, not its model arrays.
+        sends; one overriding :meth:`site_weights`, :meth:`row_weights`, :meth:`weighting` or :meth:`phases` is
+        aggregated in one batch unless it overrides this too. (A share cap, the server's, needs every site at once:
+        the server checks that itself.) A streamed round's :meth:`round_info` sees each update's meta and declared
+        arrays, not its model arrays.
         """
-        hooks = ("shares", "row_weights", "aggregate", "phases")  # overridden in a subclass or on the instance
-        plain = all(getattr(getattr(self, name), "__func__", None) is getattr(ServerRule, name) for name in hooks)
-        return plain and self.max_share <= 0
+        hooks = ("site_weights", "row_weights", "weighting", "phases")  # overridden in a subclass or on the instance
+        return all(getattr(getattr(self, name), "__func__", None) is getattr(ServerRule, name) for name in hooks)
 
-    def shares(self, updates: list[SiteUpdate], ctx: RoundContext) -> dict[str, float]:
-        """Each site's share of the aggregate: its weight over the sum of weights (capped by ``max_share``)."""
-        return cap_shares(normalise_weights({u.site: self.site_weight(u, ctx) for u in updates}), self.max_share)
+    def shares(self, updates: list[SiteUpdate], ctx: RoundContext, cap: float = 0.0) -> dict[str, float]:
+        """Each site's bounded scalar share of the aggregate (its weight over the sum, capped at ``cap``)."""
+        return bound(self.weighting(updates, ctx), cap).sites
 
     def aggregate(
-        self, global_params: Mapping[str, np.ndarray], updates: list[SiteUpdate], ctx: RoundContext
+        self, global_params: Mapping[str, np.ndarray], updates: list[SiteUpdate], ctx: RoundContext, cap: float = 0.0
     ) -> AggregateResult:
-        """Combine accepted updates into the next global model (unchanged when no weights travel)."""
-        shares = self.shares(updates, ctx)
-        arrays = {u.site: {k: v for k, v in u.arrays.items() if k in global_params} for u in updates}
-        dtypes = {k: np.asarray(v).dtype for k, v in global_params.items()}
-        shared = weighted_average(arrays, shares, row_weights=self.row_weights(updates), dtypes=dtypes) if arrays else {}
-        params = {**dict(global_params), **shared}
-        return AggregateResult(params=params, shares=shares, info=self.round_info(updates, ctx))
+        """The next global model from this rule's :meth:`weighting`, bounded by ``cap`` (the server calls
+        :func:`aggregate_updates` with the job's cap; a rule must not override this)."""
+        return aggregate_updates(self, global_params, updates, ctx, cap)
 
     def final_metrics(self, final: Mapping[str, Any]) -> dict[str, Any]:
         """Method-named figures derived from the final evaluation (e.g. FCA's generalization/specialization)."""
         return {}
+
+
+def aggregate_updates(
+    rule: ServerRule, global_params: Mapping[str, np.ndarray], updates: list[SiteUpdate], ctx: RoundContext,
+    cap: float = 0.0,
+) -> AggregateResult:
+    """The next global model: the rule's raw :meth:`ServerRule.weighting`, bounded (no site above ``cap`` in any
+    part), then combined. Keys a site never sends (private keys) keep the server's value.
+
+    Returns:
+        the params, each site's scalar share, and the rule's round info; with row weights also ``largest_share``
+        (site -> its largest share of any row) so a round's record shows the bound held.
+    """
+    weighting = rule.weighting(updates, ctx)
+    shares = bound(weighting, cap)
+    arrays = {u.site: {k: v for k, v in u.arrays.items() if k in global_params} for u in updates}
+    dtypes = {k: np.asarray(v).dtype for k, v in global_params.items()}
+    combined = combine(arrays, shares, dtypes) if any(arrays.values()) else {}
+    info = rule.round_info(updates, ctx)
+    if shares.rows:
+        info = {**info, LARGEST_SHARE: shares.largest()}
+    return AggregateResult(params={**dict(global_params), **combined}, shares=shares.sites, info=info)
 
 
 ModelBuilder = Callable[..., nn.Module]

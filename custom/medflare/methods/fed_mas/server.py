@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -10,7 +11,7 @@ import numpy as np
 from medflare.losses import inverse_effective_number
 from medflare.methods.base import RoundContext, ServerRule, SiteUpdate
 from medflare.methods.fed_mas.client import RF_KEY
-from medflare.ops import cap_shares, normalise_weights
+from medflare.ops.influence import Weighting
 
 
 class FedMasRule(ServerRule):
@@ -34,16 +35,19 @@ class FedMasRule(ServerRule):
 
     def streams(self, ctx: RoundContext) -> bool:
         """RF and sample-count weights are each site's own; the DRW factors and a cap need every site at once."""
-        return self.cfg.aggregation in ("mas", "mas_inv", "samples") and self.cfg.max_share <= 0 and self.max_share <= 0
+        return self.cfg.aggregation in ("mas", "mas_inv", "samples") and self.cfg.max_share <= 0
 
-    def shares(self, updates: list[SiteUpdate], ctx: RoundContext) -> dict[str, float]:
+    def site_weights(self, updates: list[SiteUpdate], ctx: RoundContext) -> dict[str, float]:
         if self.cfg.aggregation == "mas_drw" and drw_is_on(ctx, self.cfg.drw_start):
             sample_counts = {u.site: self.site_weight(u, ctx) for u in updates}
             rescue_factors = {u.site: float(u.meta[RF_KEY]) for u in updates}
-            shares = normalise_weights(mas_drw_weights(sample_counts, rescue_factors, self.cfg.drw_beta))
-        else:
-            shares = super().shares(updates, ctx)
-        return cap_shares(shares, self.cfg.max_share)
+            return mas_drw_weights(sample_counts, rescue_factors, self.cfg.drw_beta)
+        return super().site_weights(updates, ctx)
+
+    def weighting(self, updates: list[SiteUpdate], ctx: RoundContext) -> Weighting:
+        """The raw weights with the method's own ``max_share`` option as the rule's cap (the server applies the
+        tighter of it and the job's)."""
+        return replace(super().weighting(updates, ctx), cap=self.cfg.max_share)
 
     def round_info(self, updates: list[SiteUpdate], ctx: RoundContext) -> dict[str, Any]:
         rf = {u.site: u.meta[RF_KEY] for u in updates if RF_KEY in u.meta}

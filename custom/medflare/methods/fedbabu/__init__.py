@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from medflare.contracts import Payload
 from medflare.errors import ConfigError
 from medflare.methods.base import MethodSpec
 from medflare.methods.fedbabu.client import FedBabuTrainer
@@ -44,6 +45,7 @@ SPEC = register_method(
         config_cls=FedBabuConfig,
         trainer_cls=FedBabuTrainer,
         server_rule_cls=FedBabuRule,
+        payload=Payload(frozen_keys=r"^head\."),  # the random head travels but must come back unchanged
         build_model=build_fedbabu_model,
         reference="Oh, Kim and Yun, FedBABU: Towards Enhanced Representation for Federated Image Classification, "
         "ICLR 2022",

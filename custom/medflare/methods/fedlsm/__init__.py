@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from medflare.contracts import Payload, class_mask, class_vector, counts
+from medflare.contracts import Payload, class_counts, class_mask, counts
 from medflare.data.transforms import AUGMENTATIONS
 from medflare.errors import ConfigError
 from medflare.methods.base import MethodSpec
@@ -86,7 +86,7 @@ class FedLsmConfig:
 PAYLOAD = Payload(
     arrays={POSITIVES: counts(phase=LABEL_COUNTS), NEGATIVES: counts(phase=LABEL_COUNTS)},
     receives=(POS_WEIGHT,),
-    meta={Q_KEY: class_vector(Q_KEY), IDENTIFIED_KEY: class_mask(IDENTIFIED_KEY)},
+    meta={Q_KEY: class_counts(Q_KEY), IDENTIFIED_KEY: class_mask(IDENTIFIED_KEY)},
 )
 
 SPEC = register_method(

@@ -13,6 +13,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from medflare.errors import PayloadError
+
 __all__ = [
     "binary_entropy",
     "element_weights",
@@ -126,8 +128,29 @@ def soft_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     return -(targets * F.log_softmax(logits, dim=1)).sum(dim=1).mean()
 
 
-def global_pos_weight(positives: np.ndarray, negatives: np.ndarray) -> np.ndarray:
+def global_pos_weight(
+    positives: np.ndarray, negatives: np.ndarray, shares: np.ndarray | None = None
+) -> np.ndarray:
     """pos_weight_c = Σ_k negatives_c / Σ_k positives_c over the sites' counts ``[S, K]``; 1 for a class no site
-    has a positive of (the authors divide by zero there)."""
-    pos, neg = np.asarray(positives, np.float64).sum(axis=0), np.asarray(negatives, np.float64).sum(axis=0)
-    return np.divide(neg, pos, out=np.ones_like(pos), where=pos > 0)
+    has a positive of (the authors divide by zero there).
+
+    With ``shares`` (one per site, e.g. bounded by the job's share cap) the sums weigh each site's own fractions:
+    Σ_k s_k·neg_c^k/n_k / Σ_k s_k·pos_c^k/n_k with n_k = pos_c^k + neg_c^k its image count. With s_k = n_k/Σ_j n_j
+    that is the plain ratio; a capped s_k keeps one site's counts from setting every site's pos_weight.
+
+    Counts are validated whole numbers in [0, MAX_SAMPLES], so the ratio is finite; a non-finite result (counts
+    that bypassed validation) is refused rather than sent to every site as a NaN loss.
+    """
+    pos, neg = np.asarray(positives, np.float64), np.asarray(negatives, np.float64)
+    if shares is None:
+        numerator, denominator = neg.sum(axis=0), pos.sum(axis=0)
+    else:
+        images = pos + neg
+        fraction = lambda counts: np.divide(counts, images, out=np.zeros_like(counts), where=images > 0)  # noqa: E731
+        weights = np.asarray(shares, np.float64)[:, None]
+        numerator, denominator = (weights * fraction(neg)).sum(axis=0), (weights * fraction(pos)).sum(axis=0)
+    weight = np.divide(numerator, denominator, out=np.ones_like(denominator), where=denominator > 0)
+    if not np.all(np.isfinite(weight)) or not np.all(np.isfinite(weight.astype(np.float32))):
+        raise PayloadError(f"pos_weight would not be finite ({weight.tolist()[:8]}); the sites' label counts are "
+                           "broken")
+    return weight

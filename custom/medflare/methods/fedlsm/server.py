@@ -12,6 +12,7 @@ from medflare import contracts
 from medflare.errors import PayloadError
 from medflare.methods.base import PerSite, RoundContext, ServerRule, SiteUpdate
 from medflare.methods.fedlsm.pseudo import global_pos_weight
+from medflare.ops.influence import Weighting, bound
 
 LABEL_COUNTS = "label_counts"  # the set-up phase's task name
 POSITIVES, NEGATIVES = "positives", "negatives"  # its arrays: per-class counts of one site
@@ -40,6 +41,12 @@ def classifier_row_weights(
     return {key: {u.site: np.asarray(vectors[u.site], dtype=np.float64) for u in updates} for key in keys}
 
 
+def label_count_images(update: SiteUpdate) -> float:
+    """The image count a site's label counts describe (positives + negatives of any class)."""
+    positives, negatives = update.arrays[POSITIVES], update.arrays[NEGATIVES]
+    return float(positives[0] + negatives[0]) if len(positives) else 0.0
+
+
 def masked_vectors(updates: list[SiteUpdate]) -> dict[str, np.ndarray]:
     """site -> n_k · 1[c ∈ I_k]: each class's row is averaged over the sites that annotate it, by n_k."""
     return {u.site: float(u.meta[contracts.N_SAMPLES]) * np.asarray(u.meta[IDENTIFIED_KEY]) for u in updates}
@@ -63,6 +70,7 @@ class FedLsmRule(ServerRule):
     def __init__(self, method_cfg: Any, total_rounds: int, payload: contracts.Payload = contracts.Payload()) -> None:
         super().__init__(method_cfg, total_rounds, payload)
         self.pos_weight: np.ndarray | None = None
+        self.images: dict[str, float] = {}  # site -> the image count its label counts describe (multi-label)
 
     def phases(self, ctx: RoundContext) -> list[str]:
         if self.multi_label and (ctx.round == 0 or self.pos_weight is None):
@@ -82,7 +90,9 @@ class FedLsmRule(ServerRule):
         if earlier.get(LABEL_COUNTS):
             counts = earlier[LABEL_COUNTS]
             positives, negatives = ([u.arrays[key] for u in counts] for key in (POSITIVES, NEGATIVES))
-            self.pos_weight = global_pos_weight(positives, negatives)
+            sizes = {u.site: float(label_count_images(u)) for u in counts}
+            shares = bound(Weighting(sizes), self.share_cap).sites  # each site's say in pos_weight, capped
+            self.pos_weight = global_pos_weight(positives, negatives, np.array([shares[u.site] for u in counts]))
         if self.pos_weight is None:
             raise PayloadError("no site answered the label_counts phase, so there is no pos_weight to send")
         return {**arrays, POS_WEIGHT: self.pos_weight.astype(np.float32)}
@@ -95,6 +105,22 @@ class FedLsmRule(ServerRule):
         else:
             vectors = {u.site: np.asarray(u.meta[Q_KEY]) for u in updates}
         return classifier_row_weights(updates, self.cfg.classifier_keys, vectors)
+
+    def check_update(self, phase: str, update: SiteUpdate, ctx: RoundContext) -> None:
+        """A site's label counts describe one set of images: positives_c + negatives_c is its image count for every
+        class c (the site counts unknown entries as negatives), and its later ``n_samples`` (the whole training set)
+        is that count."""
+        if phase == LABEL_COUNTS:
+            images = np.asarray(update.arrays[POSITIVES], np.float64) + np.asarray(update.arrays[NEGATIVES], np.float64)
+            if images.size and not np.all(images == images[0]):
+                raise PayloadError(f"label counts are inconsistent: positives + negatives differ between classes "
+                                   f"({images.min():g} to {images.max():g}); each class counts the same images")
+            self.images[update.site] = float(images[0]) if images.size else 0.0
+        elif phase == contracts.TRAIN_PHASE and update.site in self.images:
+            reported = float(update.meta.get(contracts.N_SAMPLES, -1))
+            if reported != self.images[update.site]:
+                raise PayloadError(f"n_samples={reported:g} differs from the {self.images[update.site]:g} images this "
+                                   "site's label counts describe")
 
     def site_weight(self, update: SiteUpdate, ctx: RoundContext) -> float:
         key = {"awpa": Q_KEY, "masked": IDENTIFIED_KEY}.get(self.cfg.aggregation)

@@ -6,6 +6,7 @@ Pure numpy, driven by the generic controller through the ServerRule hooks (phase
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from typing import Any, Mapping
 
 import numpy as np
@@ -22,9 +23,9 @@ from medflare.methods.mdhfl.protocol import (
     PUBLIC_ROWS,
     PUBLIC_SIZE,
     SETUP_PHASE,
-    TARGET,
 )
-from medflare.methods.mdhfl.targets import ccr_weights, mean_weights, mixed_targets
+from medflare.methods.mdhfl.targets import ccr_weights, mean_weights, target_mixture
+from medflare.ops.influence import Mixture
 
 
 class PublicSetMismatch(DataError):
@@ -90,7 +91,7 @@ class MdhflRule(ServerRule):
         ctx: RoundContext,
         global_params: Mapping[str, np.ndarray],
         earlier: Mapping[str, list[SiteUpdate]],
-    ) -> dict[str, np.ndarray] | PerSite:
+    ) -> dict[str, np.ndarray] | PerSite | Mixture:
         if phase == SETUP_PHASE or not self.cfg.distill:
             return {}
         if phase == PROBS_PHASE:
@@ -99,11 +100,11 @@ class MdhflRule(ServerRule):
         probs = [u for u in earlier.get(PROBS_PHASE, []) if u.site in self.checked]
         if self._chunk == 0:
             self.current_loss = {u.site: float(u.meta[PRIVATE_LOSS]) for u in probs if PRIVATE_LOSS in u.meta}
-        targets = self._targets(probs)
+        mixture = self._targets(probs)
         if phase == DISTILL_PHASE:
-            return PerSite({site: {TARGET: t} for site, t in targets.items()})
+            return replace(mixture, weights={site: w for site, w in mixture.weights.items() if w})
         everyone = self.checked | {u.site for u in earlier.get(PROBS_PHASE, [])}
-        return PerSite({site: ({TARGET: targets[site]} if site in targets else {}) for site in sorted(everyone)})
+        return replace(mixture, weights={site: mixture.weights.get(site, {}) for site in sorted(everyone)})
 
     def round_info(self, updates: list[SiteUpdate], ctx: RoundContext) -> dict[str, Any]:
         return dict(self._info)
@@ -136,15 +137,15 @@ class MdhflRule(ServerRule):
                 "2 images; lower chunks or use more public images (data.public_fraction, method.public_per_round)"
             )
 
-    def _targets(self, probs: list[SiteUpdate]) -> dict[str, np.ndarray]:
-        """T_p for every site whose probabilities arrived, in the dtype the sites sent them."""
+    def _targets(self, probs: list[SiteUpdate]) -> Mixture:
+        """Every site's T_p as a :class:`Mixture` of the probabilities that arrived: the server bounds each teacher's
+        share (the job's share cap) and builds T_p in the dtype the site sent."""
         sites = [u.site for u in probs]
         if self.cfg.weighting == "ccr":
             weights = ccr_weights(sites, self.previous_loss, self.current_loss, self.cfg.ccr_beta, self.cfg.ccr_eps)
         else:
             weights = mean_weights(sites, self.cfg.include_self)
-        mixed = mixed_targets({u.site: u.arrays[PROBS] for u in probs}, weights, self.cfg.include_self)
-        dtype = {u.site: u.arrays[PROBS].dtype for u in probs}
+        mixture = target_mixture({u.site: u.arrays[PROBS] for u in probs}, weights, self.cfg.include_self)
         self._info["weights"].append(weights)
-        self._info["targets_for"].append(sorted(mixed))
-        return {site: np.clip(t, 0.0, 1.0).astype(dtype[site]) for site, t in mixed.items()}
+        self._info["targets_for"].append(sorted(site for site, w in mixture.weights.items() if w))
+        return mixture

@@ -16,6 +16,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from medflare.methods.mdhfl.protocol import TARGET
+from medflare.ops.influence import Mixture, mix
+
 
 def ccr_weights(
     sites: list[str],
@@ -24,20 +27,23 @@ def ccr_weights(
     beta: float,
     eps: float = 1e-6,
 ) -> dict[str, float]:
-    """RHFL's client-confidence re-weighting over the sites of one exchange (spec §3(a), step 2).
+    """RHFL's client-confidence re-weighting over the sites of one exchange (spec §3(a), step 2), guarded.
 
-    ``q_p = (L_p^{e-1} − L_p^e) / L_p^e`` (a site's relative drop of its private SCE loss), ``a_p = 1/(P−1) +
-    β·q_p / Σ_j q_j`` and ``w = softmax(a)``. When no site has a previous loss yet (the first round) every
-    weight is 1/(P−1), as in the code's round 0. A site without both losses, or with a zero current loss, has
-    q_p = 0. When |Σ_j q_j| < ``eps`` the β term is dropped, so the weights are uniform (1/P): the code divides
-    by Σ_j q_j unguarded.
+    ``q_p = (L_p^{e-1} − L_p^e) / L_p^e`` (a site's relative drop of its private SCE loss) and ``w = softmax(a)``.
+    RHFL takes ``a_p = 1/(P−1) + β·q_p / Σ_j q_j``, which a site can steer: with Σ_j q_j just above zero the ratio
+    is unbounded (one site's loss chosen so gives it all the weight), and when every loss rises Σ_j q_j < 0 and
+    the ratio rewards the site whose loss rose most. The guard the spec asks for (a deviation from RHFL, stated in
+    the method card): only drops count, ``a_p = 1/(P−1) + β·q_p⁺ / Σ_j q_j⁺`` with ``q⁺ = max(q, 0)``, so the β term
+    lies in [0, β] and no site weighs more than e^β times another; when no site's loss fell (Σ_j q_j⁺ < ``eps``) the
+    weights are uniform (1/P). When no site has a previous loss yet (the first round) every weight is 1/(P−1), as
+    in the code's round 0. A site without both losses, or with a zero current loss, has q_p = 0.
 
     Args:
         sites: the sites taking part (P of them).
         previous: each site's loss L^{e−1} of the previous round.
         current: each site's loss L^e of this round.
         beta: CCR strength β (0.5 in RHFL/MDH-FL; 0 gives uniform weights).
-        eps: guard on |Σ_j q_j|.
+        eps: the smallest total drop Σ_j q_j⁺ that counts.
 
     Returns:
         site -> w_p, summing to 1 (P/(P−1) in the first round); {} for no site, {site: 1.0} for one.
@@ -47,9 +53,10 @@ def ccr_weights(
     base = 1.0 / (len(sites) - 1)
     if not any(site in previous for site in sites):
         return {site: base for site in sites}
-    q = np.array([_relative_drop(previous.get(site), current.get(site)) for site in sites], dtype=np.float64)
-    total = float(q.sum())
-    a = base + (beta * q / total if abs(total) >= eps else np.zeros_like(q))
+    drops = np.array([_relative_drop(previous.get(site), current.get(site)) for site in sites], dtype=np.float64)
+    drops = np.where(np.isfinite(drops), np.maximum(drops, 0.0), 0.0)
+    total = float(drops.sum())
+    a = base + (beta * drops / total if total >= eps else np.zeros_like(drops))
     w = np.exp(a - a.max())
     return dict(zip(sites, (w / w.sum()).tolist()))
 
@@ -63,25 +70,36 @@ def mean_weights(sites: list[str], include_self: bool) -> dict[str, float]:
     return {site: 1.0 / count for site in sites}
 
 
+def teacher_weights(weights: Mapping[str, float], include_self: bool = False) -> dict[str, dict[str, float]]:
+    """receiver p -> the weights of the sites it learns from: every other site i with w_i (and itself when
+    ``include_self``). A site with nobody else to learn from (a single participant) learns from no one."""
+    if len(weights) < 2:
+        return {site: {} for site in weights}
+    return {p: {i: w for i, w in weights.items() if include_self or i != p} for p in weights}
+
+
+def target_mixture(
+    probs: Mapping[str, np.ndarray], weights: Mapping[str, float], include_self: bool = False
+) -> Mixture:
+    """Each site's T_p = Σ_i w_i·t_i as a :class:`Mixture` the server bounds (no teacher above the job's share cap)
+    and builds, clipped to [0, 1] and in the dtype each site sent its probabilities in."""
+    return Mixture(TARGET, dict(probs), teacher_weights(weights, include_self), low=0.0, high=1.0)
+
+
 def mixed_targets(
     probs: Mapping[str, np.ndarray], weights: Mapping[str, float], include_self: bool = False
 ) -> dict[str, np.ndarray]:
-    """Each site's T_p = Σ_i w_i·t_i over the other sites i (and itself when ``include_self``), in float64.
-
-    A site with nobody else to learn from (a single participant) gets no target.
+    """Each site's T_p = Σ_i w_i·t_i over the other sites i (and itself when ``include_self``), in float64,
+    unbounded (what the server sends with no share cap). A site with nobody else to learn from gets no target.
 
     Args:
         probs: site -> its probabilities t_i on the chunk (rows x K, all the same shape).
         weights: site -> w_i (every site of ``probs`` must have one).
         include_self: whether p's own t_p is part of T_p (FedMD's consensus) or not (MDH-FL, Eq. 2).
     """
-    if len(probs) < 2:
-        return {}
-    stacked = {site: np.asarray(p, dtype=np.float64) for site, p in probs.items()}
-    total = sum(weights[site] * p for site, p in stacked.items())
-    if include_self:
-        return {site: total.copy() for site in stacked}
-    return {site: total - weights[site] * p for site, p in stacked.items()}
+    exact = {site: np.asarray(p, dtype=np.float64) for site, p in probs.items()}
+    mixture = Mixture(TARGET, exact, teacher_weights({s: weights[s] for s in probs}, include_self))
+    return {site: arrays[TARGET] for site, arrays in mix(mixture).items() if arrays}
 
 
 def mixed_target_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
