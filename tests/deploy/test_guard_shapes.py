@@ -187,3 +187,22 @@ def test_a_guard_a_job_binds_records_nothing(tmp_path: Path) -> None:
     assert guard.process(task, ctx) is task
     with pytest.raises(PayloadError, match="does not know what the server sent"):
         PayloadGuard("fedavg").process(result(trained()), without_task_data(ctx))
+
+
+def test_a_frozen_part_leaves_only_as_the_server_sent_it(tmp_path: Path) -> None:
+    """FedBABU's random head travels but is frozen: the server refuses a changed one, so the site's filter does too
+    (it records the frozen arrays' values, and only those)."""
+    head = {"head.weight": np.linspace(-1, 1, 6, dtype=np.float32).reshape(K, 2), "head.bias": np.zeros(K, np.float32)}
+    sent = {**SENT, **head}
+    scope = flare_privacy_manager(tmp_path / "kit").get_scope(scope_name("fedbabu"))
+    ctx = site_context(tmp_path / "app", "fedbabu", scope)
+    task = DXO(DataKind.WEIGHTS, data=sent, meta=wire_meta("float16")).to_shareable()
+    honest = result(wire.encode_weights({**trained(), **head}, sent, "float16", "weights"))
+    assert run_task(ctx, "train", task, honest) is honest
+    moved = {**head, "head.weight": head["head.weight"] * -3.0}
+    with pytest.raises(PayloadError, match="'head.weight' is frozen"):
+        run_task(ctx, "train", task, result(wire.encode_weights({**trained(), **moved}, sent, "float16", "weights")))
+    recorded = PayloadGuard.sent_with(ctx, "train")
+    assert set(recorded.frozen) == set(head)  # the body is recorded by shape only
+    with pytest.raises(PayloadError, match="does not know what the server sent"):  # nothing recorded: fail closed
+        PayloadGuard("fedbabu").process(honest, without_task_data(guard_context(tmp_path / "other", "fedbabu")))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Mapping
 
 import numpy as np
 from nvflare.apis.dxo import from_shareable
@@ -29,7 +29,7 @@ from nvflare.apis.shareable import Shareable
 
 from medflare import contracts
 from medflare.contracts import ContractContext, Expected, Payload
-from medflare.errors import PayloadError
+from medflare.errors import MedflareError, PayloadError
 from medflare.ops import wire
 
 CLIENT_CONFIG = "config_fed_client.json"
@@ -46,17 +46,20 @@ class ReceivedTask:
         dims: the task's named array dimensions (task meta ``array_dims``), e.g. {"rows": 512}.
         transfer_dtype: how float weights travel back (task meta ``transfer_dtype``).
         transfer_kind: "weights" or "diff" (task meta ``transfer_kind``).
+        frozen: name -> a copy of each array the method keeps frozen (``Payload.frozen_keys``, e.g. FedBABU's random
+            head): the only values recorded, so the result can be checked to carry them unchanged.
     """
 
     arrays: Mapping[str, np.ndarray] = field(default_factory=dict)
     dims: Mapping[str, int] = field(default_factory=dict)
     transfer_dtype: str = DEFAULT_TRANSFER_DTYPE
     transfer_kind: str = DEFAULT_TRANSFER_KIND
+    frozen: Mapping[str, np.ndarray] = field(default_factory=dict)
 
     def as_submitted(self) -> ReceivedTask:
         """This task's weights as a ``submit_model`` answer carries them: plain weights, not encoded for the wire
         (the executor returns the site's model as it is)."""
-        return ReceivedTask(self.arrays, self.dims, DEFAULT_TRANSFER_DTYPE, DEFAULT_TRANSFER_KIND)
+        return ReceivedTask(self.arrays, self.dims, DEFAULT_TRANSFER_DTYPE, DEFAULT_TRANSFER_KIND, self.frozen)
 
 
 class PayloadGuard(Filter):
@@ -89,7 +92,7 @@ class PayloadGuard(Filter):
         task_name = str(fl_ctx.get_prop(FLContextKey.TASK_NAME) or contracts.TRAIN_PHASE)
         if self.get_prop(FilterContextKey.CHAIN_TYPE) == FilterChainType.TASK_DATA_CHAIN:
             if self.get_prop(FilterContextKey.SOURCE) == FilterSource.SITE:  # a job's own filter cannot vouch
-                PayloadGuard._received[_task_key(fl_ctx, task_name)] = received_task(shareable)
+                PayloadGuard._received[_task_key(fl_ctx, task_name)] = received_task(shareable, self._frozen(fl_ctx))
         elif shareable.get_return_code() == ReturnCode.OK:  # an error reply carries nothing
             self.check_result(shareable, fl_ctx, task_name)
         return shareable
@@ -102,13 +105,24 @@ class PayloadGuard(Filter):
         payload = _payload(self.method or str(args.get("method", "")))
         check_result_keys(payload, list(arrays), list(meta))
         phase = contracts.TRAIN_PHASE if task_name == SUBMIT_MODEL else task_name  # both carry the weights
-        sent = self.sent_with(fl_ctx, task_name)
+        sent = self.sent_with(fl_ctx, task_name, payload.is_frozen)
         contract = _contract(args, sent.dims if sent is not None else {})
         check_result_arrays(payload, arrays, sent, phase, contract)
+        check_frozen_parts(payload, arrays, sent)
         contracts.check_result_values(payload, arrays, meta, contract, phase)
 
+    def _frozen(self, fl_ctx: FLContext) -> Callable[[str], bool]:
+        """Which task arrays to record by value: the method's frozen parts (none when the job's method is unknown;
+        its results are then refused at :func:`check_frozen_parts` if they carry a frozen part)."""
+        try:
+            return _payload(self.method or str(job_executor_args(fl_ctx).get("method", ""))).is_frozen
+        except (PayloadError, MedflareError):
+            return lambda name: False
+
     @classmethod
-    def sent_with(cls, fl_ctx: FLContext, task_name: str) -> ReceivedTask | None:
+    def sent_with(
+        cls, fl_ctx: FLContext, task_name: str, frozen: Callable[[str], bool] = lambda name: False
+    ) -> ReceivedTask | None:
         """What the server sent with the task a result answers: the site guard's record of it, else FLARE's task
         data when the context still holds it, else None (unknown).
 
@@ -117,13 +131,14 @@ class PayloadGuard(Filter):
             train = cls._received.get(_task_key(fl_ctx, contracts.TRAIN_PHASE))
             return train.as_submitted() if train is not None else None
         recorded = cls._received.get(_task_key(fl_ctx, task_name))
-        return recorded if recorded is not None else received_task(fl_ctx.get_prop(FLContextKey.TASK_DATA))
+        return recorded if recorded is not None else received_task(fl_ctx.get_prop(FLContextKey.TASK_DATA), frozen)
 
 
-def received_task(task: Any) -> ReceivedTask | None:
+def received_task(task: Any, frozen: Callable[[str], bool] = lambda name: False) -> ReceivedTask | None:
     """The record of a task's data (None when it is not a DXO: nothing can be known about it).
 
-    Only numeric arrays are recorded, as zero-stride stand-ins, so the record costs no memory per parameter."""
+    Only numeric arrays are recorded, as zero-stride stand-ins, so the record costs no memory per parameter; the
+    arrays ``frozen`` names are also copied by value (small: e.g. a classifier head)."""
     if not isinstance(task, Shareable):
         return None
     try:
@@ -133,9 +148,25 @@ def received_task(task: Any) -> ReceivedTask | None:
     meta = dxo.meta or {}
     arrays = {str(name): _stand_in(value) for name, value in (dxo.data or {}).items()
               if isinstance(value, np.ndarray) and value.dtype.kind in "fiub"}
+    kept = {str(name): np.array(value, copy=True) for name, value in (dxo.data or {}).items()
+            if isinstance(value, np.ndarray) and frozen(str(name))}
     return ReceivedTask(arrays, _array_dims(meta.get(contracts.ARRAY_DIMS)),
                         str(meta.get(contracts.TRANSFER_DTYPE, DEFAULT_TRANSFER_DTYPE)),
-                        str(meta.get(contracts.TRANSFER_KIND, DEFAULT_TRANSFER_KIND)))
+                        str(meta.get(contracts.TRANSFER_KIND, DEFAULT_TRANSFER_KIND)), kept)
+
+
+def check_frozen_parts(payload: Payload, arrays: Mapping[str, Any], sent: ReceivedTask | None) -> None:
+    """A part the method keeps frozen leaves only as the server sent it (the server refuses it otherwise), and only
+    when the site recorded what was sent."""
+    frozen = sorted(key for key in arrays if payload.is_frozen(key))
+    unknown = [key for key in frozen if sent is None or key not in sent.frozen]
+    if unknown:
+        raise PayloadError(f"site privacy policy: {unknown[:5]} must come back as the server sent them, but this site "
+                           "did not record what was sent; refusing")
+    if frozen and sent is not None:
+        contracts.check_frozen_unchanged(
+            {k: arrays[k] for k in frozen}, sent.frozen, payload, sent.transfer_dtype, sent.transfer_kind
+        )
 
 
 def _stand_in(array: np.ndarray) -> np.ndarray:
