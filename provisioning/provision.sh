@@ -9,7 +9,9 @@ usage: provisioning/provision.sh -p PROJECT_YML -w WORKSPACE [--mode byoc|preins
                                  [--site-mode SITE=MODE ...] [--gpus SITE=N ...]
 
   -p PROJECT_YML   consortium description (default: provisioning/project.yml)
-  -w WORKSPACE     where kits are written: WORKSPACE/<project>/prod_NN/<participant>/ (keep it private)
+  -w WORKSPACE     where kits are written: WORKSPACE/<project>/prod_NN/<participant>/ (keep it private);
+                   nothing is written outside it: the project's and every participant's name must be one plain
+                   folder name (no '/', not starting with '.' or '-'), and a link out of WORKSPACE is refused
   --mode           site mode for every site: byoc (accepts code-carrying and pre-installed jobs, default)
                    or preinstalled (runs only the medflare wheel the site installed; BYOC refused)
   --site-mode      per-site mode, e.g. --site-mode hospital-b=preinstalled

@@ -421,3 +421,33 @@ def test_report_from_results_is_the_function_behind_the_command(tmp_path: Path) 
     app_server = downloaded_job(tmp_path, RunConfig(method="fedavg", rounds=2, data={"source": "synthetic:n=200"}))
     summary = report_from_results(app_server, tmp_path / "report")
     assert summary["rounds_completed"] == 2 and summary["config"]["data"]["source"] == "synthetic:n=200"
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["run", "mdhfl", "--data", "synthetic"], "method 'mdhfl': its sites distil on an unlabelled public set"),
+    (["compare", "fedavg", "fedmd", "--data", "synthetic"], "method 'fedmd': its sites distil"),
+    (["run", "fedlsm", "--batch-size", "4"], "method 'fedlsm': train.batch_size at site-1, site-2 leaves no"),
+    (["run", "fedmas", "--set", "method.cache_prior_features=true"], "data.augment=basic draws new ones"),
+])
+def test_a_methods_own_checks_run_before_anything_starts(args: list[str], expected: str, tmp_path: Path,
+                                                          capsys) -> None:
+    """Issue 27: each of these launched FLARE and failed inside the job, at the sites' first task."""
+    code, out, err = run_cli(args + ["--out", str(tmp_path / "out")], capsys)
+    assert (code, out) == (2, "")
+    assert expected in err and len(err.strip().splitlines()) == 1, err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["report", "/"], "-o / is the top of the file system"),
+    (["export", "fedavg", *TASK, "-o", "{tmp}/afile/sub"], "lies below {tmp}/afile, which is a file, not a folder"),
+    (["run", "fedavg", "--out", "{tmp}/afile/sub"], "lies below {tmp}/afile, which is a file, not a folder"),
+])
+def test_an_output_folder_that_cannot_be_one_is_one_line(args: list[str], expected: str, tmp_path: Path,
+                                                          capsys) -> None:
+    """Issue 27: a ValueError ('has an empty name') and a 15-line NotADirectoryError before."""
+    (tmp_path / "afile").write_text("mine")
+    code, out, err = run_cli([a.format(tmp=tmp_path) for a in args], capsys)
+    assert (code, out) == (2, "")
+    assert expected.format(tmp=tmp_path) in err and len(err.strip().splitlines()) == 1, err
+    assert [p.name for p in tmp_path.iterdir()] == ["afile"] and (tmp_path / "afile").read_text() == "mine"

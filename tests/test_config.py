@@ -120,3 +120,22 @@ def test_every_numeric_field_of_every_config_refuses_text(cls: type) -> None:
     for name in numeric:
         with pytest.raises(ConfigError, match=rf"{name} must be"):
             from_dict(cls, {name: "not-a-number"}, "")
+
+
+# ----- a method's own pre-launch checks (MethodSpec.check_run) run in RunConfig.validate (issue 27) -------------
+def test_fedlsm_pool_rows_are_checked_per_site_before_anything_starts() -> None:
+    """Each site's trainer refused batch_size <= mix_batch only at its first task."""
+    short = {"site-2": {"batch_size": 4}}
+    with pytest.raises(ConfigError, match="method 'fedlsm': train.batch_size at site-2 leaves no pseudo-pool rows"):
+        RunConfig(method="fedlsm", site_train=short).validate()
+    RunConfig(method="fedlsm", site_train=short, method_args={"ude": False}).validate()  # no MixUp rows taken
+
+
+def test_fedmas_prior_cache_with_a_drawing_augmentation_is_refused_before_anything_starts() -> None:
+    """Each site refused it only at its first task, after drawing views of its training images."""
+    cached = {"cache_prior_features": True}
+    for method in ("fedmas", "bsm-kd"):
+        with pytest.raises(ConfigError, match=f"method '{method}': .*data.augment=basic"):
+            RunConfig(method=method, method_args=cached).validate()
+    RunConfig(method="fedmas", method_args=cached, data={"source": "synthetic", "augment": "weak"}).validate()
+    RunConfig(method="fedmas", method_args=cached, data={"source": "site"}).validate()  # the site checks its own

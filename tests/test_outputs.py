@@ -6,8 +6,10 @@ tests run the real ``medflare run``/``compare``/``export`` paths (export, output
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,8 @@ from medflare.cli import main
 from medflare.flare.controller import RESULTS_FILE
 from medflare.errors import ConfigError
 from medflare.outputs import MARKER, OutputTarget
+
+from .test_files import tiny_disk  # noqa: F401 - a fixture
 
 QUICK = ["--data", "synthetic:n=200", "--rounds", "2"]
 TASK = ["--set", "task.num_classes=2", "--set", "task.in_channels=1", "--set", "task.image_size=28"]
@@ -242,3 +246,109 @@ def test_a_poc_run_keeps_its_own_jobs_site_logs_only(tmp_path: Path) -> None:
     assert sorted(p.name for p in kept.iterdir()) == sorted(["medflare_site_log.jsonl", SITE_FLARE_LOG])
     assert (kept / "medflare_site_log.jsonl").read_text() == "this job"
     assert (kept / SITE_FLARE_LOG).read_text() == "FLARE log of this job"
+
+
+# ----- issue 27: paths confined to the folder, one writer at a time, a full disk -------------------------------
+def victims(tmp_path: Path) -> dict[Path, str]:
+    """A user's files outside any result folder, as a tampered marker would name them."""
+    files = {tmp_path / "home" / "thesis.tex": "my thesis", tmp_path / "abs.txt": "mine"}
+    for path, text in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return files
+
+
+def add_to_marker(folder: Path, *entries: str) -> None:
+    marker = json.loads((folder / MARKER).read_text())
+    marker["files"] += list(entries)
+    (folder / MARKER).write_text(json.dumps(marker))
+
+
+def test_export_overwrite_never_deletes_what_a_marker_names_outside(tmp_path: Path, capsys) -> None:
+    files = victims(tmp_path)
+    jobs = tmp_path / "jobs"
+    assert run_cli(["export", "fedavg", *TASK, "-o", str(jobs)], capsys)[0] == 0
+    add_to_marker(jobs, "fedavg/../../home/thesis.tex", str(tmp_path / "abs.txt"))
+    before = tree(jobs)
+    code, out = run_cli(["export", "fedavg", *TASK, "-o", str(jobs), "--overwrite"], capsys)
+    assert code == 2 and "which is outside" in out and len(out.strip().splitlines()) == 1, out
+    assert all(path.read_text() == text for path, text in files.items())
+    assert tree(jobs) == before and not (tmp_path / "jobs.lock").exists()
+
+
+@pytest.mark.parametrize("entry", ["../home/thesis.tex", "{tmp}/abs.txt"])
+def test_run_overwrite_never_deletes_what_a_marker_names_outside(entry: str, tmp_path: Path, fake_simulator,
+                                                                 capsys) -> None:
+    files = victims(tmp_path)
+    out_dir = tmp_path / "run"
+    assert run_cli(["run", "fedavg", *QUICK, "--out", str(out_dir)], capsys)[0] == 0
+    add_to_marker(out_dir, entry.format(tmp=tmp_path))
+    code, out = run_cli(["run", "fedavg", *QUICK, "--out", str(out_dir), "--overwrite"], capsys)
+    assert code == 2 and "which is outside" in out, out
+    assert all(path.read_text() == text for path, text in files.items())
+    assert (out_dir / "summary.json").is_file() and not (tmp_path / "run.partial").exists()
+
+
+def test_overwrite_never_follows_a_symlinked_folder_out(tmp_path: Path, fake_simulator, capsys) -> None:
+    """The marker's ``job/fedavg/meta.json`` is fine as a name, but ``job`` now leads elsewhere."""
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "fedavg").mkdir(parents=True)
+    (elsewhere / "fedavg" / "meta.json").write_text("mine")
+    out_dir = tmp_path / "run"
+    assert run_cli(["run", "fedavg", *QUICK, "--out", str(out_dir)], capsys)[0] == 0
+    shutil.rmtree(out_dir / "job")
+    (out_dir / "job").symlink_to(elsewhere)
+    code, out = run_cli(["run", "fedavg", *QUICK, "--out", str(out_dir), "--overwrite"], capsys)
+    assert code == 2 and "symlink" in out, out
+    assert (elsewhere / "fedavg" / "meta.json").read_text() == "mine"
+
+
+def test_a_second_run_into_the_same_out_is_one_line_naming_the_first(tmp_path: Path, fake_simulator, capsys,
+                                                                    monkeypatch) -> None:
+    out_dir = tmp_path / "out"
+    launch = simulate_module._launch
+    second: list[int] = []
+
+    def launch_with_a_second_run(*args, **kwargs) -> None:
+        second.append(main(["run", "fedavg", *QUICK, "--out", str(out_dir), "--overwrite"]))
+        launch(*args, **kwargs)
+
+    monkeypatch.setattr(simulate_module, "_launch", launch_with_a_second_run)
+    code, out = run_cli(["run", "fedavg", *QUICK, "--out", str(out_dir)], capsys)
+    assert code == 0 and second == [2], out
+    error = [line for line in out.splitlines() if "error" in line]
+    assert error == [f"medflare: error: --out {out_dir} is in use by medflare process {os.getpid()} "
+                     f"(lock {tmp_path / 'out.lock'}); wait for it to finish, or choose another --out"]
+    assert (out_dir / "summary.json").is_file() and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_killed_runs_lock_does_not_block(tmp_path: Path, fake_simulator, capsys) -> None:
+    (tmp_path / "out.lock").write_text("medflare process 999999999\n")
+    code, out = run_cli(["run", "fedavg", *QUICK, "--out", str(tmp_path / "out")], capsys)
+    assert code == 0, out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_full_disk_during_a_run_is_one_line_and_leaves_only_the_log(tmp_path: Path, fake_simulator, capsys,
+                                                                       monkeypatch) -> None:
+    launch = simulate_module._launch
+
+    def fill_the_disk(run, job_dir, workspace, log_path, echo) -> None:
+        launch(run, job_dir, workspace, log_path, echo)
+        (workspace / "big.bin").write_bytes(b"x" * 3_000_000)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(workspace / "log.txt"))
+
+    monkeypatch.setattr(simulate_module, "_launch", fill_the_disk)
+    code, out = run_cli(["run", "fedavg", *QUICK, "--out", str(tmp_path / "out")], capsys)
+    assert code == 2 and "no space left to write" in out, out
+    assert len([line for line in out.splitlines() if "Traceback" in line or "error" in line]) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.failed.log"]
+    log = (tmp_path / "out.failed.log").read_text()
+    assert "simulator log: round 1 done" in log and "No space left on device" in log
+
+
+def test_a_really_full_disk_during_a_run_leaves_only_the_log(tiny_disk: Path, fake_simulator, capsys) -> None:
+    code, out = run_cli(["run", "fedavg", *QUICK, "--out", str(tiny_disk / "out")], capsys)
+    assert code == 2 and "no space left to write" in out and "Traceback" not in out, out
+    assert [p.name for p in tiny_disk.iterdir()] == ["out.failed.log"]
+    assert "No space left on device" in (tiny_disk / "out.failed.log").read_text()

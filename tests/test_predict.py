@@ -21,6 +21,7 @@ from medflare.predict import predict_file
 from medflare.run_config import RunConfig, load_plugin_files
 
 from ._predicting import read_probabilities, save_global_model, site_probabilities, ten_synthetic_images, write_images_npz
+from .test_files import disk_full_below, tiny_disk  # noqa: F401 - tiny_disk is a fixture
 
 PLUGINS = Path(__file__).parent / "flare" / "plugins"
 
@@ -181,3 +182,69 @@ def test_cli_predict_never_replaces_a_file(tmp_path: Path, capsys) -> None:
     assert "wrote 10 predictions of fedavg (cnn, classes lesion_type_0, " in out
     assert "mine.csv exists; medflare does not replace files" in err and len(err.strip().splitlines()) == 1
     assert (tmp_path / "mine.csv").read_text() == "my notes"
+
+
+# ----- issue 27: the CSV is medflare's own file, complete, and safe to open in a spreadsheet -----------------
+def test_predict_never_writes_through_a_symlink_or_over_a_users_partial_file(tmp_path: Path, capsys) -> None:
+    model_file = save_global_model(tmp_path / "m.pt", RunConfig(data={"source": "synthetic:n=200"}))
+    npz, _ = ten_synthetic_images(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "victim.txt").write_text("mine")
+    (out / "o.csv.partial").symlink_to(out / "victim.txt")
+    (out / "o5.csv.partial").write_text("my half-done table")
+
+    for name in ("o.csv", "o5.csv"):
+        assert main(["predict", str(model_file), str(npz), "-o", str(out / name)]) == 0, capsys.readouterr().err
+
+    assert (out / "victim.txt").read_text() == "mine" and (out / "o5.csv.partial").read_text() == "my half-done table"
+    assert sorted(p.name for p in out.iterdir()) == ["o.csv", "o.csv.partial", "o5.csv", "o5.csv.partial",
+                                                     "victim.txt"]
+    assert read_probabilities(out / "o.csv")[1].shape == (10, 5)
+
+
+@pytest.mark.parametrize("multi_label", [False, True])
+def test_names_that_a_spreadsheet_would_run_as_formulas_are_escaped(multi_label: bool, tmp_path: Path) -> None:
+    from medflare.data.types import ImageSet
+    from medflare.predict import PredictInput, write_predictions
+
+    names = ['=HYPERLINK("http://x")', "-1", "ok"]
+    ids = ["=cmd()|x.png", "+1.png", "@SUM(A1).png", "\tx.png", "\rx.png", "plain-name.png"]
+    labels = np.zeros((6, 3), np.int64) if multi_label else np.zeros(6, np.int64)
+    inputs = PredictInput(ImageSet(labels=labels, num_classes=3, channels=1, images=np.zeros((6, 4, 4, 1), np.uint8)),
+                          ids, labelled=True)
+    scores = np.tile([0.6, 0.7, 1e-12], (6, 1))
+    write_predictions(tmp_path / "p.csv", inputs, scores, names, multi_label=multi_label)
+
+    header, *rows = list(csv.reader((tmp_path / "p.csv").open(newline="")))
+    assert header[-3:] == ["p_'=HYPERLINK(\"http://x\")", "p_'-1", "p_ok"]
+    assert [row[0] for row in rows] == ["'=cmd()|x.png", "'+1.png", "'@SUM(A1).png", "'\tx.png", "'\rx.png",
+                                        "plain-name.png"]
+    assert rows[0][-4] == ("'=HYPERLINK(\"http://x\");'-1" if multi_label else "'-1")  # predicted
+    assert rows[0][-3:] == ["0.6", "0.7", "1e-12"]  # numbers stay numbers
+
+
+def test_a_full_disk_while_predicting_is_one_line_and_leaves_nothing(tmp_path: Path, capsys, monkeypatch) -> None:
+    model_file = save_global_model(tmp_path / "m.pt", RunConfig(data={"source": "synthetic:n=200"}))
+    npz, _ = ten_synthetic_images(tmp_path)
+    (tmp_path / "out").mkdir()
+    disk_full_below(tmp_path / "out", monkeypatch)
+
+    code = main(["predict", str(model_file), str(npz), "-o", str(tmp_path / "out" / "pred.csv")])
+
+    err = capsys.readouterr().err
+    assert code == 2 and "no space left to write" in err and len(err.strip().splitlines()) == 1, err
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_a_really_full_disk_while_predicting_leaves_nothing(tmp_path: Path, tiny_disk: Path, capsys) -> None:
+    model_file = save_global_model(tmp_path / "m.pt", RunConfig(data={"source": "synthetic:n=200"}))
+    npz, _ = ten_synthetic_images(tmp_path)
+    with (tiny_disk / "filler").open("wb") as filler, pytest.raises(OSError):
+        while True:
+            filler.write(b"x" * 65536)
+            filler.flush()
+
+    assert main(["predict", str(model_file), str(npz), "-o", str(tiny_disk / "pred.csv")]) == 2
+    assert "no space left to write" in capsys.readouterr().err
+    assert [p.name for p in tiny_disk.iterdir()] == ["filler"]

@@ -4,6 +4,7 @@ figures (legends clear of the curves, coinciding sites visible, the confusion ma
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
 import numpy as np
@@ -197,3 +198,33 @@ def test_verdict_uses_the_larger_of_the_two_spreads() -> None:
     assert verdicts(stats)["b"].startswith("no difference")  # 0.04 is within b's own 0.05
     stats["b"]["balanced_accuracy"] = (0.66, 0.03)
     assert verdicts(stats)["b"].startswith("worse by 0.0400")
+
+
+# ----- medflare report on a tampered results file: one line naming the file and the field ----------------------
+@pytest.mark.parametrize("change,field", [
+    (lambda r: "[" * 100_000 + "]" * 100_000, "nests deeper than 32 levels"),  # before: RecursionError
+    (lambda r: r["rounds"][0].pop("started_at"), "rounds[0].started_at is missing"),  # before: KeyError
+    (lambda r: r["rounds"][1].update(sites=[]), "rounds[1].sites is list, not an object"),  # before: AttributeError
+    (lambda r: r["rounds"][0].update(wall_seconds="9"), "rounds[0].wall_seconds is str, not a number"),  # TypeError
+    (lambda r: r["evaluations"]["2"]["test"].update(per_class_recall=5), "per_class_recall is int"),
+    (lambda r: r.update(final=[]), "final is list, not an object"),
+])
+def test_report_on_a_tampered_results_file_is_one_line(tmp_path: Path, capsys, change, field: str) -> None:
+    from medflare.cli import main
+    from medflare.run_config import RunConfig
+
+    from .test_cli import downloaded_job
+
+    app_server = downloaded_job(tmp_path, RunConfig(method="fedavg", rounds=2, data={"source": "synthetic:n=200"}))
+    path = app_server / "medflare_results.json"
+    results = json.loads(path.read_text())
+    results["final"] = results["evaluations"]["2"]
+    replaced = change(results)
+    path.write_text(replaced if isinstance(replaced, str) else json.dumps(results))
+
+    code = main(["report", str(path)])
+
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"{path}: " in err or f"{path} " in err
+    assert field in err and not (app_server / "report.md").exists()

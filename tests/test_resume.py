@@ -21,7 +21,7 @@ TASK = {"num_classes": 3, "in_channels": 1, "image_size": 28}
 def previous_run(folder: Path, rounds: int = 2, stage: str = "train", method: str = "fedavg",
                  num_classes: int = 3) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    records = [{"round": r, "stage": stage, "wall_seconds": 1.0} for r in range(rounds)]
+    records = [{"round": r, "stage": stage, "started_at": 10.0 * r, "wall_seconds": 1.0} for r in range(rounds)]
     results = {"method": method, "num_rounds": rounds, "rounds": records, "evaluations": {"0": {}},
                "best": {"model_version": 1, "balanced_accuracy": 0.5}, "final": {"model_version": rounds},
                "finished_at": 1.0}
@@ -90,3 +90,51 @@ def test_model_digest_changes_with_any_value_name_or_dtype() -> None:
     assert resume.model_digest(changed) != digest
     assert resume.model_digest({**params, "a": params["a"].astype(np.float64)}) != digest
     assert resume.model_digest({"c": params["a"], "b": params["b"]}) != digest
+
+
+# ----- a tampered run folder: one line naming the file and the field, before anything starts ------------------
+def tampered_results(folder: Path, change) -> Path:
+    """Let ``change`` edit the folder's results (a dict) in place, or return the text to write instead."""
+    path = folder / resume.RESULTS_FILE
+    results = json.loads(path.read_text())
+    replaced = change(results)
+    path.write_text(replaced if isinstance(replaced, str) else json.dumps(results))
+    return path
+
+
+@pytest.mark.parametrize("change,field", [
+    (lambda r: "[" * 100_000 + "]" * 100_000, "nests deeper than"),  # before: RecursionError
+    (lambda r: r["rounds"][0].pop("started_at"), "rounds[0].started_at is missing"),  # before: KeyError in the report
+    (lambda r: r.update(rounds=["a", "b"]), "rounds[0] is str, not an object"),  # before: AttributeError
+    (lambda r: r.update(best=[1]), "best is list, not an object"),  # before: AttributeError in the controller
+    (lambda r: r.update(resumed=5), "resumed is int, not a list"),  # before: TypeError in the controller
+    (lambda r: r.update(method=None), "method is NoneType, not a string"),
+    (lambda r: json.dumps(r)[:40], "is not valid JSON"),  # cut short
+])
+def test_a_tampered_results_file_is_refused_in_one_line(tmp_path: Path, change, field: str) -> None:
+    results = tampered_results(previous_run(tmp_path / "prev"), change)
+    with pytest.raises(ConfigError) as error:
+        resume.check_resumable(run_with(5), tmp_path / "prev")
+    assert f"--resume: {results}" in str(error.value) and field in str(error.value)
+    assert "\n" not in str(error.value) and "start a new run" in str(error.value)
+
+
+def test_a_nan_global_model_is_refused_before_the_run_starts(tmp_path: Path) -> None:
+    """Before: every check passed, and the run failed 113 s later with 'only 0 site(s) sent a valid result'."""
+    folder = previous_run(tmp_path / "prev")
+    saved = torch.load(folder / resume.MODEL_FILE, weights_only=True)
+    key = next(k for k, v in saved["model"].items() if v.is_floating_point())
+    saved["model"][key].view(-1)[3] = float("inf")
+    torch.save(saved, folder / resume.MODEL_FILE)
+    for read in (lambda: resume.check_resumable(run_with(5), folder), lambda: resume.read_model(folder)):
+        with pytest.raises(ConfigError) as error:  # the CLI's check and the server's own read
+            read()
+        assert f"'{key}'" in str(error.value) and "NaN or infinite" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_pickled_global_model_is_named_as_such(tmp_path: Path) -> None:
+    folder = previous_run(tmp_path / "prev")
+    torch.save(build_global_model("fedavg", "cnn", 3, 1, 28), folder / resume.MODEL_FILE)  # the whole module
+    with pytest.raises(ConfigError) as error:
+        resume.check_resumable(run_with(5), folder)
+    assert "pickled" in str(error.value) and "weights_only" not in str(error.value)

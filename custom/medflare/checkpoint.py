@@ -15,11 +15,20 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import medflare
+from medflare import readback
 from medflare.errors import ConfigError
+from medflare.readback import ANY, BOOL, INT, OBJECT, STR, Spec, obj
 
 FACTS_KEY = "medflare"
 FACTS_FORMAT = 1
 MODEL_KEY = "model"  # FLARE's PTModelPersistenceFormatManager.PERSISTENCE_KEY_MODEL
+# What predict reads of checkpoint_facts (the rest is informative); bounds of the task: readback.TASK_BOUNDS.
+FACTS = obj(required={"method": STR, "model": STR,
+                      "task": obj(required={"num_classes": INT, "in_channels": INT, "image_size": INT},
+                                  optional={"class_names": Spec((list, type(None)), each=STR), "multi_label": BOOL})},
+            optional={"format": INT, "medflare_version": STR, "job": STR, "method_args": obj(nullable=True),
+                      "normalization": OBJECT, "window": STR, "server_model": BOOL, "private_keys": ANY})
+SAVED_AS_IS = f"{readback.CHANGED}; use the model file as the run saved it, or rerun the job"
 
 
 def normalization() -> dict[str, Any]:
@@ -80,21 +89,33 @@ class Checkpoint:
 def read_checkpoint(path: str | Path) -> Checkpoint:
     """Load a ``FL_global_model.pt`` / ``best_FL_global_model.pt`` with its facts (tensors only, no pickled code).
 
+    The facts are held to :data:`FACTS` and :data:`readback.TASK_BOUNDS` and every float weight must be finite,
+    before any model is built or any image is resized to the facts' size.
+
     Raises:
-        ConfigError: the file is missing, not a torch file, or carries no medflare facts.
+        ConfigError: the file is missing, pickled or not a torch file, carries no medflare facts, or its facts or
+            weights are implausible (one line naming the field or weight).
     """
     import torch
 
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"checkpoint not found: {path}; give a run's FL_global_model.pt or best_FL_global_model.pt")
-    try:
-        content = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any load failure means the same to the user
-        raise ConfigError(f"{path} is not a readable PyTorch checkpoint: {' '.join(str(exc).split())[:200]}") from exc
+    content = readback.load_torch_weights(path, ConfigError)
     facts = content.get(FACTS_KEY) if isinstance(content, dict) else None
     if not isinstance(facts, dict) or not isinstance(content.get(MODEL_KEY), Mapping):
         raise ConfigError(f"{path} carries no medflare facts (method, task, normalisation): it is not a medflare "
                           "global model, or it was saved before checkpoints carried them; rerun the job with this "
                           "medflare")
-    return Checkpoint(path, content[MODEL_KEY], facts)
+    readback.check(facts, FACTS, f"{path} (facts under '{FACTS_KEY}')", ConfigError, SAVED_AS_IS)
+    task = facts["task"]
+    readback.check_task_facts(task, str(path), ConfigError)
+    if task.get("class_names") is not None and len(task["class_names"]) != task["num_classes"]:
+        raise ConfigError(f"{path}: task.class_names names {len(task['class_names'])} classes for task.num_classes="
+                          f"{task['num_classes']}; {SAVED_AS_IS}")
+    weights = content[MODEL_KEY]
+    not_tensor = next((key for key, value in weights.items() if not isinstance(value, torch.Tensor)), None)
+    if not_tensor is not None:
+        raise ConfigError(f"{path}: model entry '{not_tensor}' is not a tensor; {SAVED_AS_IS}")
+    readback.check_finite(weights, str(path), ConfigError)
+    return Checkpoint(path, weights, facts)

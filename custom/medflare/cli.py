@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from medflare.errors import ConfigError, MedflareError
+from medflare.files import disk_full_message, is_disk_full
 
 EXAMPLES = """examples:
   medflare methods
@@ -320,6 +321,13 @@ def main(argv: list[str] | None = None) -> int:
             return args.func(args)
     except MedflareError as exc:
         print(f"medflare: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        if not is_disk_full(exc):
+            raise
+        # wherever the disk filled up (a report, a copied model, a log), the folders were already cleaned up
+        # on the way out (OutputTarget.abandon); what is left is one line saying why
+        print(f"medflare: error: {disk_full_message(exc)}", file=sys.stderr)
         return 2
     except Interrupted as exc:
         print(f"medflare: interrupted by {exc}; stopped every process medflare started", file=sys.stderr)

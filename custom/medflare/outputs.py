@@ -4,7 +4,9 @@ Nothing is deleted that medflare did not write. Every folder medflare writes res
 (:data:`MARKER`) listing each file medflare put there. A non-empty folder is refused unless the user passes
 ``--overwrite``; even then only the files the marker lists are removed, and a new result never replaces a file
 medflare did not write. Results are staged in ``<target>.partial`` (marked as medflare's) and appear under their
-real name only when complete; a failed or interrupted run leaves ``<target>.failed.log`` instead.
+real name only when complete; a failed or interrupted run leaves ``<target>.failed.log`` instead. Every path
+medflare deletes, replaces or writes stays inside the folder it owns (a marker naming anything else is refused),
+and one command at a time writes a folder (``<folder>.lock``, :class:`medflare.files.FolderLock`).
 
 Shared by the simulator and POC runners and by ``medflare export``/``report``, so every environment writes
 the same outputs the same way.
@@ -19,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from medflare.errors import ConfigError, MedflareError
+from medflare.errors import ConfigError
+from medflare.files import FolderLock, OutputError, atomic_write_json, atomic_write_text, confined
 from medflare.report import (
     build_summary,
     comparison_table,
@@ -31,10 +34,6 @@ from medflare.report import (
 
 MARKER = ".medflare-outputs.json"
 MODEL_FILES = ("FL_global_model.pt", "best_FL_global_model.pt")
-
-
-class OutputError(MedflareError, RuntimeError):
-    """Results could not be published without touching a file medflare did not write."""
 
 
 @dataclass
@@ -61,7 +60,11 @@ class OutputTarget:
         if self.unit and (Path(self.unit).name != self.unit or self.unit in (".", "..")):
             raise ConfigError(f"'{self.unit}' must be one folder name inside {self.option} (no '/', '.' or '..')")
         self.root = Path(self.root).resolve()
+        if not self.root.name:
+            raise ConfigError(f"{self.option} {self.root} is the top of the file system; medflare stages results "
+                              f"beside the folder it writes, so choose a named folder (e.g. {self.option} results)")
         self._keep_staging = False  # set when publishing refused: the finished results must not be lost
+        self._lock = FolderLock(self.root, self.option)  # the root: units share its marker
 
     @property
     def target(self) -> Path:
@@ -81,22 +84,38 @@ class OutputTarget:
         for folder in (self.root, self.target):
             if folder.exists() and not folder.is_dir():
                 raise ConfigError(f"{self.option} {folder} is a file, not a folder; choose a folder path")
+        blocker = next((p for p in self.root.parents if p.exists() or p.is_symlink()), None)
+        if blocker is not None and not blocker.is_dir():
+            raise ConfigError(f"{self.option} {self.root} lies below {blocker}, which is a file, not a folder; "
+                              f"choose a folder path")
         if _has_content(self.target) and not (self.overwrite or self.merge):
             what = "already exists" if self.unit else "is not empty"
             raise ConfigError(
                 f"{self.option} {self.target} {what}; choose a new folder, or add --overwrite to replace "
                 f"medflare's earlier results there (files medflare did not write are kept)"
             )
-        if self.staging.exists() and not (self.staging / MARKER).is_file():
+        if self.staging.is_symlink() or (self.staging.exists() and not (self.staging / MARKER).is_file()):
             raise ConfigError(f"{self.staging} exists and was not made by medflare; move it away or choose "
                               f"another {self.option}")
+        _read_marker(self.root)  # a marker naming a path outside the folder is refused before anything runs
 
     def begin(self) -> Path:
-        """A fresh staging folder, marked as medflare's (a leftover of a killed medflare run is replaced)."""
-        self.check()
-        shutil.rmtree(self.staging, ignore_errors=True)  # check() proved it is medflare's
-        self.staging.mkdir(parents=True)
-        _write_marker(self.staging, [])
+        """Lock the folder for this command, then a fresh staging folder, marked as medflare's (a leftover of a
+        killed medflare run is replaced). The lock is held until :meth:`publish` or :meth:`abandon`.
+
+        Raises:
+            OutputError: another command writes the folder (the message names its process).
+        """
+        self.check()  # a refusal creates nothing, not even the lock's folder
+        self._lock.acquire()
+        try:
+            self.check()  # again, now that no other medflare command can change the folder
+            shutil.rmtree(self.staging, ignore_errors=True)  # check() proved it is medflare's, and no one uses it
+            self.staging.mkdir(parents=True)
+            _write_marker(self.staging, [])
+        except BaseException:
+            self._lock.release()
+            raise
         return self.staging
 
     def publish(self, source: Path | None = None) -> Path:
@@ -119,6 +138,7 @@ class OutputTarget:
             shutil.rmtree(self.staging, ignore_errors=True)
             if self.unit:
                 self._record(new_files)
+            self._lock.release()
             return self.target
         prefix = f"{self.unit}/" if self.unit else ""
         ours = {f[len(prefix):] for f in _read_marker(self.root) if f.startswith(prefix)}
@@ -130,25 +150,33 @@ class OutputTarget:
                 f"kept in {self.staging}. Move that file away, or choose another {self.option}"
             )
         replaced = ours & set(new_files) if self.merge else ours
+        destinations = [confined(self.target, relative, f"the result {relative}") for relative in new_files]
+        self._record(new_files)  # first: a result moved in below is medflare's even if the move stops half-way
         _remove_files(self.target, sorted(replaced))
-        for relative in new_files:
-            destination = self.target / relative
+        for relative, destination in zip(new_files, destinations):
             destination.parent.mkdir(parents=True, exist_ok=True)
             os.replace(source / relative, destination)
         shutil.rmtree(self.staging)
         self._record(new_files, replaced={prefix + f for f in replaced})
+        self._lock.release()
         return self.target
 
     def abandon(self, log: str | None = None) -> Path | None:
-        """Remove the staging folder (medflare's); keep ``log`` as ``<target>.failed.log`` and return its path."""
-        kept = None
-        if log:
+        """Remove the staging folder (medflare's); keep ``log`` as ``<target>.failed.log`` and return its path
+        (None when even the log cannot be written: the error that ended the run is the one to report)."""
+        try:
+            if (self.staging / MARKER).is_file() and not self._keep_staging:
+                shutil.rmtree(self.staging, ignore_errors=True)  # first: on a full disk it frees room for the log
+            return self._keep_log(log) if log else None
+        finally:
+            self._lock.release()
+
+    def _keep_log(self, log: str) -> Path | None:
+        try:
             self.failed_log.parent.mkdir(parents=True, exist_ok=True)
-            self.failed_log.write_text(log)
-            kept = self.failed_log
-        if (self.staging / MARKER).is_file() and not self._keep_staging:
-            shutil.rmtree(self.staging, ignore_errors=True)
-        return kept
+            return atomic_write_text(self.failed_log, log)
+        except (OSError, OutputError):
+            return None
 
     def _record(self, new_files: list[str], replaced: set[str] | None = None) -> None:
         prefix = f"{self.unit}/" if self.unit else ""
@@ -173,22 +201,29 @@ def _read_marker(folder: Path) -> list[str]:
     if not path.is_file():
         return []
     try:
-        return [str(f) for f in json.loads(path.read_text()).get("files", [])]
-    except (json.JSONDecodeError, AttributeError):
+        files = [str(f) for f in json.loads(path.read_text()).get("files", [])]
+    except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
         return []  # an unreadable marker vouches for nothing: nothing is removed
+    for relative in files:  # all checked before any is used: a bad entry deletes nothing
+        confined(folder, relative, str(path))
+    return files
 
 
 def _write_marker(folder: Path, files: list[str]) -> None:
     content = {"written_by": "medflare", "note": "files medflare wrote here; --overwrite removes only these",
                "files": files}
-    (folder / MARKER).write_text(json.dumps(content, indent=1) + "\n")
+    atomic_write_json(folder / MARKER, content)
 
 
 def _remove_files(folder: Path, files: list[str]) -> None:
-    """Delete the listed files (only files, never a folder with other content), then folders left empty."""
+    """Delete the listed files (only files, never a folder with other content), then folders left empty.
+
+    Every path is confined to ``folder`` first (see :func:`medflare.files.confined`): one outside deletes nothing.
+    """
+    folder = folder.resolve()
+    paths = [confined(folder, relative, str(folder / MARKER)) for relative in files]
     parents: set[Path] = set()
-    for relative in files:
-        path = folder / relative
+    for path in paths:
         if path.is_file() or path.is_symlink():
             path.unlink()
             parents.update(p for p in path.parents if folder in p.parents)
@@ -304,16 +339,14 @@ def report_from_results(results_file: Path, out: Path, copy_models: bool = True)
         ConfigError: the file is missing, or it or the job config beside it is unreadable.
     """
     from medflare.flare.controller import RESULTS_FILE
+    from medflare.report import read_results
 
     results_file = results_file / RESULTS_FILE if results_file.is_dir() else results_file
     if not results_file.is_file():
         raise ConfigError(f"results file not found: {results_file}; give a run's {RESULTS_FILE} (a downloaded job "
                           f"has it in <job id>/workspace/app_server/)")
     run = job_run_config(_app_dir_of(results_file.parent))
-    try:
-        results = json.loads(results_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{results_file} is not a medflare results file: {exc}") from exc
+    results = read_results(results_file)  # depth-limited, held to the results schema: a bad file is one line
     launched_at = results.get("controller_started_at")  # the server app's start: start-up = FLARE's job set-up
     return write_job_outputs(run, results_file, out, {}, launched_at, copy_models=copy_models)
 

@@ -22,6 +22,7 @@ an npz (``images``, or MedMNIST's ``<split>_images``; optional labels, ``[N, K]`
 from __future__ import annotations
 
 import csv
+import io
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,9 +35,11 @@ from medflare.data.readers import IMAGE_SUFFIXES, is_image_file, parse_window, r
 from medflare.data.types import UNLABELED, ImageSet
 from medflare.data.sources import CSV_CLASS_PREFIX, class_columns
 from medflare.errors import ConfigError, DataError
+from medflare.files import atomic_write_text
 from medflare.metrics.multi_label import THRESHOLD
 
 NPZ_IMAGE_KEYS = ("images",)  # else <split>_images (MedMNIST layout)
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")  # a spreadsheet evaluates a cell starting so (CSV injection)
 
 
 @dataclass
@@ -70,7 +73,7 @@ def predict_file(checkpoint_path: str | Path, input_path: str | Path, output: st
         ConfigError: the checkpoint, the input or the output is unusable (one line saying why and what to do).
     """
     output = Path(output)
-    if output.exists():
+    if output.exists() or output.is_symlink():
         raise ConfigError(f"{output} exists; medflare does not replace files: choose a new output file")
     if not output.parent.is_dir():
         raise ConfigError(f"the folder of {output} does not exist; create it or choose another output file")
@@ -327,25 +330,33 @@ def _checked_labels(values: list[Any], num_classes: int, where: Path) -> np.ndar
 # ----- the output --------------------------------------------------------------------------------------
 def write_predictions(output: Path, inputs: PredictInput, probabilities: np.ndarray, class_names: list[str], *,
                       multi_label: bool = False) -> None:
-    """``image[,label],predicted,p_<class>...``; written to a temporary name first, so no half file remains.
+    """``image[,label],predicted,p_<class>...``, written atomically (:func:`medflare.files.atomic_write_text`):
+    complete or not at all, never through a symlink, never over a file that appeared meanwhile.
 
     Multi-label: ``image[,label_<class>...],predicted,p_<class>...``, the label columns as a multi-label manifest
     holds them (1, 0, empty for not annotated) and ``predicted`` the findings scored at least THRESHOLD, joined
-    by ``;`` (empty when none is).
+    by ``;`` (empty when none is). Image and class names are :func:`spreadsheet_text`; the numbers are as computed.
+
+    Raises:
+        OutputError: the disk is full, or ``output`` appeared meanwhile; nothing is left behind.
     """
-    if multi_label:
-        label_header = [CSV_CLASS_PREFIX + n for n in class_names]
-    else:
-        label_header = ["label"]
-    header = ["image"] + (label_header if inputs.labelled else []) + ["predicted"] + [f"p_{n}" for n in class_names]
-    staging = output.with_name(output.name + ".partial")
-    with staging.open("w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(header)
-        for i, (image_id, row) in enumerate(zip(inputs.ids, probabilities)):
-            label = _label_cells(inputs.images.labels[i], class_names, multi_label) if inputs.labelled else []
-            writer.writerow([image_id, *label, _predicted(row, class_names, multi_label), *(f"{p:.9g}" for p in row)])
-    os.replace(staging, output)
+    names = [spreadsheet_text(n) for n in class_names]  # file and class names come from the input: untrusted
+    label_header = [CSV_CLASS_PREFIX + n for n in names] if multi_label else ["label"]
+    header = ["image"] + (label_header if inputs.labelled else []) + ["predicted"] + [f"p_{n}" for n in names]
+    text = io.StringIO(newline="")
+    writer = csv.writer(text)
+    writer.writerow(header)
+    for i, (image_id, row) in enumerate(zip(inputs.ids, probabilities)):
+        label = _label_cells(inputs.images.labels[i], names, multi_label) if inputs.labelled else []
+        writer.writerow([spreadsheet_text(image_id), *label, _predicted(row, names, multi_label),
+                         *(f"{p:.9g}" for p in row)])
+    atomic_write_text(output, text.getvalue(), replace=False)
+
+
+def spreadsheet_text(cell: str) -> str:
+    """A text cell a spreadsheet shows as text: one starting like a formula gets a leading ``'`` (OWASP's advice
+    against CSV injection). Only text cells pass here, so negative numbers stay numbers."""
+    return "'" + cell if cell.startswith(FORMULA_STARTS) else cell
 
 
 def _label_cells(label: np.ndarray, class_names: list[str], multi_label: bool) -> list[str]:

@@ -11,11 +11,22 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
-from medflare import plotting
+from medflare import plotting, readback
+from medflare.errors import ConfigError
 
 TABLE_METRICS = ("accuracy", "balanced_accuracy", "macro_f1", "auc_macro_ovr")
 LONG_TAIL_METRICS = ("head_accuracy", "medium_accuracy", "tail_accuracy", "hmt_mean")
 ATTRIBUTE_METRICS = ("bacc_attr_0", "bacc_attr_1", "bacc_attr_mean")
+
+
+def read_results(path: Path) -> dict[str, Any]:
+    """A controller's ``medflare_results.json`` read back (depth-limited, held to :data:`readback.RESULTS`).
+
+    Raises:
+        ConfigError: one line naming the file and the first field that is missing or of the wrong type.
+    """
+    fix = f"{readback.CHANGED}; report on the file as medflare wrote it (e.g. a fresh download of the job)"
+    return readback.check(readback.load_json(path, ConfigError, fix=fix), readback.RESULTS, str(path), ConfigError, fix)
 
 
 def build_summary(
@@ -245,7 +256,6 @@ def _header(summary: Mapping[str, Any]) -> list[str]:
 def _method_keeps_server_model(method: str | None) -> bool:
     """Whether ``method`` keeps a global model at the server (not ``local-only``, MDH-FL, FedMD); a method this
     process does not know (a plugin that is not loaded) is taken to keep one."""
-    from medflare.errors import ConfigError
     from medflare.registry import get_method
 
     try:
@@ -351,7 +361,8 @@ def _per_class_section(summary: Mapping[str, Any]) -> list[str]:
     scored = "The final global model" if server_holds_model(summary) else "The sites' own final models"
     lines = ["## Per class", "", f"{scored} on the pooled test split; the confusion matrix is `confusion.png`.", "", "| class | name | training images | group | recall | AUC |", "|---|---|---|---|---|---|"]
     for k, name in enumerate(class_names(summary)):
-        lines.append(f"| {k} | {name} | {train[k] if train else '-'} | {groups.get(k, '-')} | {_cell(recall[k])} | "
+        lines.append(f"| {k} | {name} | {train[k] if train else '-'} | {groups.get(k, '-')} | "
+                     f"{_cell(recall[k] if k < len(recall) else None)} | "
                      f"{_cell(auc[k] if k < len(auc) else None)} |")
     return lines
 

@@ -13,13 +13,13 @@ starts afresh in the new job.
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 
+from medflare import readback
 from medflare.errors import ConfigError
 
 RESULTS_FILE = "medflare_results.json"
@@ -28,13 +28,16 @@ BEST_MODEL_FILE = "best_FL_global_model.pt"
 # what belongs to the end of the previous job and not to the resumed history
 ENDING_KEYS = ("final", "final_validation", "finished_at", "stopped_early", "error")
 HISTORY_KEYS = ("rounds", "evaluations")  # continued from the previous job, never restarted
+UNUSABLE = f"{readback.CHANGED}; resume from the folder as medflare wrote it (or a copy of it), or start a new run"
 
 
 def read_history(folder: str | Path) -> dict[str, Any]:
-    """The previous job's results (the controller's ``medflare_results.json``) in ``folder``.
+    """The previous job's results (the controller's ``medflare_results.json``) in ``folder``, held to
+    :data:`readback.RESULTS`.
 
     Raises:
-        ConfigError: the folder, its results file or its global model is missing, or the file is unreadable.
+        ConfigError: the folder, its results file or its global model is missing, or the file is unreadable,
+            nested too deep, or lacks a field or has one of the wrong type.
     """
     folder = Path(folder)
     results, model = folder / RESULTS_FILE, folder / MODEL_FILE
@@ -42,26 +45,23 @@ def read_history(folder: str | Path) -> dict[str, Any]:
         if not path.is_file():
             raise ConfigError(f"--resume: {path} not found; give a medflare run folder (or a downloaded job's "
                               f"workspace/app_server) that holds {RESULTS_FILE} and {MODEL_FILE}")
-    try:
-        history = json.loads(results.read_text())
-        rounds = history["rounds"]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise ConfigError(f"--resume: {results} is not a medflare results file ({exc})") from exc
-    if not isinstance(rounds, list):
-        raise ConfigError(f"--resume: {results} has no list of rounds")
-    return history
+    history = readback.load_json(results, ConfigError, "--resume: ", UNUSABLE)
+    return readback.check(history, readback.RESULTS, f"--resume: {results}", ConfigError, UNUSABLE)
 
 
 def read_model(folder: str | Path) -> dict[str, np.ndarray]:
-    """The global model FLARE's persistor saved in ``folder`` (tensors only: never unpickles code)."""
-    import torch
+    """The global model FLARE's persistor saved in ``folder`` (tensors only: never unpickles code), every
+    float weight finite.
 
+    Raises:
+        ConfigError: the file is missing, pickled or unreadable, holds no tensors, or holds NaN/infinite weights.
+    """
     path = Path(folder) / MODEL_FILE
-    try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - torch raises many types for unreadable files
-        raise ConfigError(f"--resume: cannot read {path}: {exc}") from exc
-    saved = saved.get("model", saved) if isinstance(saved, dict) else {}
+    saved = readback.load_torch_weights(path, ConfigError, "--resume: ")
+    saved = saved.get("model", saved) if isinstance(saved, dict) else None
+    if not isinstance(saved, Mapping):
+        raise ConfigError(f"--resume: {path} holds no model weights (a dict of tensors under 'model'); {UNUSABLE}")
+    readback.check_finite(saved, f"--resume: {path}", ConfigError)
     return {k: v.numpy() if hasattr(v, "numpy") else np.asarray(v) for k, v in saved.items()}
 
 

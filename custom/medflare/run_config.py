@@ -11,13 +11,16 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Mapping
 
 from medflare.config import check_value, fields_typed, from_dict
 from medflare.errors import ConfigError
-from medflare.methods.base import TrainConfig
+from medflare.methods.base import MethodSpec, TrainConfig
 from medflare.registry import get_method
 from medflare.site_runtime import TaskSpec, check_multi_label_support, resolve_train_config
+
+if TYPE_CHECKING:
+    from medflare.data import DataConfig
 
 # --set prefixes and the RunConfig field each one writes into
 SECTIONS = {"method": "method_args", "train": "train", "data": "data", "task": "task", "robust": "robust"}
@@ -166,7 +169,8 @@ class RunConfig:
         """Check every option against its type and range, and normalise the sections to typed values.
 
         The one validation ``run``, ``compare``, ``export`` and the POC runner share; it starts nothing and
-        writes nothing. Data sources are read later, by :meth:`task_spec`.
+        writes nothing. Data sources are read later, by :meth:`task_spec`. The method's own checks of what the
+        options alone decide (``MethodSpec.check_run``, e.g. MDH-FL's public set in a simulation) run here too.
 
         Args:
             check_files: also require a ``pretrained`` weights file to exist here (off for ``export``: the
@@ -203,13 +207,26 @@ class RunConfig:
             resolve_train_config(spec, {**self.train, **self.site_train[site]})
         self.task = _typed_task(self.task)
         self.data = fields_typed(_data_config_cls(), self.data, "data")
-        from_dict(_data_config_cls(), self.site_data() if self.data.get("source", "site") != "site" else self.data,
-                  "data")  # the partition scheme, noise rate, ... ranges
+        simulated = self.data.get("source", "site") != "site"
+        data = from_dict(_data_config_cls(), self.site_data() if simulated else self.data,
+                         "data")  # the partition scheme, noise rate, ... ranges
+        self._check_method_run(spec, data if simulated else None)
         self._validate_model(check_files)
         if self.resume_from and check_files:  # the server reads it; export leaves it to the server
             from medflare.resume import check_resumable
 
             self.resume_from = str(check_resumable(self, self.resume_from))
+
+    def _check_method_run(self, spec: MethodSpec, data: DataConfig | None) -> None:
+        """The method's own pre-launch checks (``MethodSpec.check_run``), so a job never fails at its first task
+        over options known here; ``data`` is the simulated DataConfig, None when each site reads its own data."""
+        if spec.check_run is None:
+            return
+        trains = {site: resolve_train_config(spec, {**self.train, **self.site_train.get(site, {})})
+                  for site in self.site_names}
+        problems = spec.check_run(spec.config_cls(**self.method_args), trains, data)
+        if problems:
+            raise ConfigError(f"method '{self.method}': " + "; ".join(problems))
 
     def _validate_model(self, check_files: bool) -> None:
         from medflare.models import get_model_info, list_models

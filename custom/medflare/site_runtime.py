@@ -213,16 +213,20 @@ def resolve_site_model(
 
 
 def _read_site_file(path: Path) -> dict[str, Any] | None:
-    """The site's ``medflare_site.json`` as a dict, or None when the site has none."""
+    """The site's ``medflare_site.json`` as a dict (depth-limited, its "model" a name), or None when the site
+    has none.
+
+    Raises:
+        DataError: one line naming the file and the field that is not JSON, nested too deep, or of the wrong type.
+    """
     if not path.is_file():
         return None
-    try:
-        content = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise DataError(f"{path} is not valid JSON: {exc}") from exc
-    if not isinstance(content, dict):
-        raise DataError(f"{path} must hold a JSON object, e.g. {{\"data\": {{\"source\": \"folder:/path\"}}}}")
-    return content
+    from medflare import readback  # local: beside its one use in this module
+
+    fix = 'fix it, e.g. {"data": {"source": "folder:/path"}}'
+    # "data" and ALLOW_JOB_DATA are checked where they are used (a missing data object, only true opts in)
+    site_file = readback.obj(optional={"model": readback.STR})
+    return readback.check(readback.load_json(path, DataError, fix=fix), site_file, str(path), DataError, fix)
 
 
 class SiteRuntime:

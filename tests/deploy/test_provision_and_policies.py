@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from nvflare.apis.dxo import DXO, DataKind
 from nvflare.apis.fl_constant import FilterKey, FLContextKey, ReturnCode
 from nvflare.apis.fl_context import FLContext
@@ -25,7 +27,7 @@ from medflare.deploy.policies import (
     CLIENT_COMPONENTS, SERVER_COMPONENTS, SERVER_STORAGE, allow_components, authorization_policy, privacy_policy,
     scope_name,
 )
-from medflare.deploy.provision import load_project, main, participants, provision
+from medflare.deploy.provision import ProvisionError, load_project, main, participants, provision
 from medflare.errors import PayloadError
 from medflare.registry import get_method, list_methods
 
@@ -130,6 +132,79 @@ def test_ca_keys_are_readable_by_their_owner_only(kits: Path) -> None:
     project_dir = kits.parent
     assert _mode(project_dir / "state" / "cert.json") == 0o600
     assert _mode(project_dir / "state") == 0o700 and _mode(project_dir) == 0o700
+
+
+# ----- every output stays inside -w (issue 27) -------------------------------------------------------------------
+def project_with(tmp_path: Path, field: str, value: object) -> Path:
+    """provisioning/project.yml with ``name`` or ``participants[i].name`` replaced by ``value``."""
+    project = load_project(PROJECT)
+    if field == "name":
+        project["name"] = value
+    else:
+        project["participants"][int(field.split("[")[1].split("]")[0])]["name"] = value
+    path = tmp_path / "project.yml"
+    path.write_text(yaml.safe_dump(project))
+    return path
+
+
+@pytest.fixture
+def nothing_may_start(monkeypatch) -> None:
+    """FLARE's provisioner must not run: these projects are refused before it."""
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"a process was started: {args}")
+
+    monkeypatch.setattr(subprocess, "run", refuse)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("name", "../../../escaped-by-name"), ("name", "/tmp/escaped-absolute"), ("name", ".."), ("name", "a/b"),
+    ("name", 2024), ("name", "medflare\n"), ("participants[1].name", "../escaped-site"),
+    ("participants[1].name", "."), ("participants[4].name", "../admin@medflare.example.org"),
+    ("participants[2].name", "-rf"), ("participants[3].name", None),
+])
+def test_a_name_that_is_not_one_plain_folder_is_refused_in_one_line(
+    field: str, value: object, tmp_path: Path, capsys, nothing_may_start
+) -> None:
+    """A project.yml with name: ../../../tmp/x wrote the kits and state/cert.json outside -w."""
+    workspace = tmp_path / "deep" / "er" / "workspace"
+    code = main(["-p", str(project_with(tmp_path, field, value)), "-w", str(workspace)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"{field} must be one plain folder name" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not workspace.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["project.yml"]
+
+
+def test_a_link_in_the_workspace_is_refused_before_flare_writes_through_it(
+    tmp_path: Path, nothing_may_start
+) -> None:
+    workspace, outside = tmp_path / "workspace", tmp_path / "outside"
+    workspace.mkdir(), outside.mkdir()
+    (workspace / load_project(PROJECT)["name"]).symlink_to(outside)
+    with pytest.raises(ProvisionError, match="outside the workspace"):
+        provision(PROJECT, workspace)
+    assert list(outside.iterdir()) == []
+
+
+def test_a_link_in_what_flare_wrote_is_refused_before_anything_is_written_through_it(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """After FLARE ran, nothing outside -w is chmod-ed or gets a policy file (a kit folder linked out)."""
+    workspace, outside = tmp_path / "workspace", tmp_path / "outside"
+    outside.mkdir()
+    outside.chmod(0o755)
+
+    def fake_flare(*args, **kwargs) -> subprocess.CompletedProcess:
+        prod = workspace / "medflare" / "prod_00"
+        (workspace / "medflare" / "state").mkdir(parents=True)
+        (workspace / "medflare" / "state" / "cert.json").write_text("{}")
+        (prod / SERVER / "startup").mkdir(parents=True)
+        (prod / "hospital-a").symlink_to(outside)
+        return subprocess.CompletedProcess(args, 0, "", "")
+
+    monkeypatch.setattr(subprocess, "run", fake_flare)
+    with pytest.raises(ProvisionError, match="hospital-a resolves to .*outside the workspace"):
+        provision(PROJECT, workspace)
+    assert list(outside.iterdir()) == [] and _mode(outside) == 0o755
 
 
 def test_reinstall_rewrites_one_moved_kit(kits: Path, tmp_path: Path, capsys) -> None:

@@ -31,6 +31,7 @@ from medflare.methods.mdhfl.server import PublicSetMismatch, chunk_bounds
 from medflare.methods.mdhfl.targets import ccr_weights, mean_weights, mixed_target_loss, mixed_targets
 from medflare.models import create_model
 from medflare.registry import get_method
+from medflare.run_config import RunConfig
 
 K = 3
 DIGEST = "ab" * 32
@@ -250,9 +251,31 @@ def test_phases_follow_the_chunks_and_the_set_up_is_round_zero_only() -> None:
 
 
 def test_too_many_chunks_for_the_public_rows_fail_with_the_option_names() -> None:
-    core = server(chunks=5)
+    """At set-up when only the public set's size decides (8 rows, whole set per round); before anything starts
+    when public_per_round alone does."""
+    core = server(chunks=5, public_per_round=0)
     with pytest.raises(ConfigError, match="method.chunks=5"):
-        set_up(core, {"site-1": DIGEST, "site-2": DIGEST})
+        set_up(core, {"site-1": DIGEST, "site-2": DIGEST}, size=8)
+    with pytest.raises(ConfigError, match="method.chunks=5 splits method.public_per_round=8"):
+        MdhflConfig(chunks=5, public_per_round=8)
+    assert MdhflConfig(chunks=5, public_per_round=8, distill=False).chunks == 5  # no exchange, nothing to split
+
+
+# ----- what the run's options alone decide fails before anything starts ----------------------------------------
+def simulated_run(method: str, **changes) -> RunConfig:
+    data = {"source": "synthetic:n=60", **changes.pop("data", {})}
+    return RunConfig(method=method, data=data, **changes)
+
+
+@pytest.mark.parametrize("method", ["mdhfl", "fedmd"])
+def test_a_simulation_without_a_public_set_is_refused_before_anything_starts(method: str) -> None:
+    """Issue 27: `medflare run mdhfl --data synthetic` launched FLARE and failed at the sites' first task."""
+    with pytest.raises(ConfigError, match=f"method '{method}': .*set data.public_fraction"):
+        simulated_run(method).validate()
+    simulated_run(method, data={"public_fraction": 0.2}).validate()
+    simulated_run(method, data={"public_source": "synthetic:n=40"}).validate()
+    simulated_run(method, method_args={"distill": False}).validate()  # the "w/o KL" ablation exchanges nothing
+    RunConfig(method=method, data={"source": "site"}).validate()  # each site names its own public_source
 
 
 @pytest.mark.parametrize(

@@ -93,6 +93,27 @@ def test_weights_of_another_architecture_are_rejected(tmp_path: Path) -> None:
         create_model("cnn", 4, pretrained=str(path))
 
 
+def test_nan_weights_are_refused_as_a_warm_start(tmp_path: Path) -> None:
+    """Before: --pretrained loaded them, and training went on from NaN without a word."""
+    state = create_model("cnn", 4).state_dict()
+    key = next(k for k, v in state.items() if v.is_floating_point())
+    state[key].view(-1)[0] = float("nan")
+    path = tmp_path / "nan.pt"
+    torch.save(state, path)
+    with pytest.raises(DataError) as error:
+        create_model("cnn", 4, pretrained=str(path))
+    assert str(path) in str(error.value) and f"'{key}'" in str(error.value) and "NaN" in str(error.value)
+
+
+def test_a_pickled_weights_file_is_named_as_such_never_how_to_unpickle_it(tmp_path: Path) -> None:
+    path = tmp_path / "whole.pt"
+    torch.save(create_model("cnn", 4), path)  # the whole module, pickled
+    with pytest.raises(DataError) as error:
+        create_model("cnn", 4, pretrained=str(path))
+    text = str(error.value)
+    assert "pickled" in text and "can run code" in text and "weights_only" not in text and "\n" not in text
+
+
 def test_file_without_tensors_is_rejected(tmp_path: Path) -> None:
     path = tmp_path / "meta.pt"
     torch.save({"epoch": 3}, path)

@@ -10,6 +10,7 @@ Command line (what ``provisioning/provision.sh`` runs)::
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,11 @@ from medflare.deploy.policies import SITE_MODES, install_site_policies, is_site_
 
 
 STATE_DIR = "state"  # <workspace>/<project>/state/cert.json: the root CA and every participant's private key
+# FLARE writes <workspace>/<project name>/prod_NN/<participant name>/: each name must stay one plain folder name.
+# '@' and '+' are for admins, whose names are e-mail addresses; no leading '.' rules out '.', '..' and hidden folders.
+PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._@+-]{0,127}")
+PLAIN_NAME_RULE = ("one plain folder name (a string of letters, digits, '.', '_', '-', and '@', '+' in e-mail "
+                   "addresses; no '/', not starting with '.' or '-')")
 
 
 class ProvisionError(RuntimeError):
@@ -36,9 +42,31 @@ def nvflare_command() -> list[str]:
 def load_project(path: str | Path) -> dict[str, Any]:
     """A project.yml as a dict (raises a clear error when it is not one)."""
     project = yaml.safe_load(Path(path).read_text())
-    if not isinstance(project, dict) or "participants" not in project:
-        raise ProvisionError(f"{path} is not a FLARE project.yml (no 'participants')")
+    if not isinstance(project, dict) or not isinstance(project.get("participants"), list):
+        raise ProvisionError(f"{path} is not a FLARE project.yml (no 'participants' list)")
+    check_folder_names(project, path)
     return project
+
+
+def check_folder_names(project: Mapping[str, Any], path: str | Path) -> None:
+    """Refuse a project or participant name that is not one plain folder name (FLARE makes folders of them, so
+    ``name: ../../x`` would write kits and the CA's keys outside the workspace)."""
+    named = [("name", project.get("name"))]
+    for index, participant in enumerate(project["participants"]):
+        name = participant.get("name") if isinstance(participant, dict) else None
+        named.append((f"participants[{index}].name", name))
+    for field, value in named:
+        if not isinstance(value, str) or PLAIN_NAME.fullmatch(value) is None:
+            raise ProvisionError(f"{path}: {field} must be {PLAIN_NAME_RULE}, got {value!r}")
+
+
+def check_inside(workspace: str | Path, paths: list[Path]) -> None:
+    """Refuse before writing when any path, symbolic links followed, lies outside the workspace."""
+    root = Path(workspace).resolve()
+    for path in paths:
+        if not path.resolve().is_relative_to(root):
+            raise ProvisionError(f"{path} resolves to {path.resolve()}, outside the workspace {root}; refused "
+                                 "before writing there: remove that link or choose another -w")
 
 
 def participants(project: Mapping[str, Any], kind: str) -> list[dict[str, Any]]:
@@ -96,13 +124,16 @@ def provision(
     if unknown:
         raise ProvisionError(f"--site-mode/--gpus name participants not in {project_yml}: {sorted(unknown)}")
     Path(workspace).mkdir(parents=True, exist_ok=True)
+    project_dir = Path(workspace) / project["name"]
+    check_inside(workspace, [project_dir])  # e.g. a link left in the workspace: FLARE would write through it
     proc = subprocess.run(
         nvflare_command() + ["provision", "-p", str(project_yml), "-w", str(workspace)],
         capture_output=True, text=True,
     )
     if proc.returncode != 0:
         raise ProvisionError(f"nvflare provision failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
-    protect_secrets(Path(workspace) / project["name"])
+    check_inside(workspace, [project_dir, *project_dir.rglob("*")])  # before chmod and the policies write
+    protect_secrets(project_dir)
     prod_dir = latest_prod_dir(workspace, project["name"])
     install_policies(prod_dir, default_mode, site_modes, site_gpus)
     return prod_dir

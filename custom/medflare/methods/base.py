@@ -689,6 +689,10 @@ class MethodSpec:
             for privacy reviewers; ``docs/privacy.md`` is generated from it and the Payload.
         multi_label: whether the method trains multi-label tasks (sigmoid per class); a method that is not
             marked is refused for multi-label data before anything is launched.
+        check_run: the method's pre-launch checks of what the run's options alone decide, called by
+            ``RunConfig.validate`` before anything starts: ``(method config, {site: resolved TrainConfig},
+            simulated DataConfig or None when each site reads its own data) -> problems``, one sentence each
+            naming the option to change. What only loaded data decides stays in the trainer.
     """
 
     name: str
@@ -707,6 +711,7 @@ class MethodSpec:
     global_classifier: bool = True
     reveals: str = "nothing beyond the model weights and the common meta"
     multi_label: bool = False
+    check_run: Callable[[Any, Mapping[str, TrainConfig], Any], list[str]] | None = None
 
     def __post_init__(self) -> None:
         if not self.server_model and self.payload.sends_weights:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from medflare.errors import DataError
+from medflare.readback import check_finite, load_torch_weights
 
 __all__ = ["WeightsReport", "load_weights", "read_state_dict_file"]
 
@@ -79,15 +80,13 @@ def read_state_dict_file(path: str | os.PathLike[str]) -> dict[str, torch.Tensor
             ``"model"`` or ``"state_dict"``.
 
     Raises:
-        DataError: if the file does not exist, cannot be read, or holds no state dict.
+        DataError: if the file does not exist, is pickled or unreadable, holds no state dict, or holds NaN or
+            infinite weights.
     """
     file = Path(path).expanduser()
     if not file.is_file():
         raise DataError(f"weights file not found: '{file}' (pass an existing local .pt/.pth file)")
-    try:
-        content = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises several unrelated types for unreadable or unsafe files
-        raise DataError(f"cannot read weights file '{file}' with torch.load(weights_only=True): {exc}") from exc
+    content = load_torch_weights(file, DataError, "weights file ")
     if isinstance(content, Mapping):
         for key in _CHECKPOINT_STATE_KEYS:
             if isinstance(content.get(key), Mapping):
@@ -99,6 +98,7 @@ def read_state_dict_file(path: str | os.PathLike[str]) -> dict[str, torch.Tensor
     if not_tensors:
         raise DataError(f"'{file}': state dict entries that are not tensors: {not_tensors[:_MAX_KEYS_SHOWN]}")
     state = {str(k): v for k, v in content.items()}
+    check_finite(state, f"weights file {file}", DataError)  # a NaN warm start would train to NaN, silently
     if all(k.startswith("module.") for k in state):
         state = {k[len("module.") :]: v for k, v in state.items()}
     return state

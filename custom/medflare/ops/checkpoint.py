@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from medflare import readback
+from medflare.errors import DataError
 from medflare.ops.background import BackgroundWrite
 
 STATE_KEY = "__state__"
@@ -50,8 +53,22 @@ def save_checkpoint(
 
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """The (params, state) :func:`save_checkpoint` wrote to ``path``."""
-    with np.load(path, allow_pickle=False) as npz:
-        state = json.loads(npz[STATE_KEY].tobytes().decode())
-        params = {name[len(PARAM_PREFIX):]: npz[name] for name in npz.files if name.startswith(PARAM_PREFIX)}
+    """The (params, state) :func:`save_checkpoint` wrote to ``path``, checked before anything uses them.
+
+    Raises:
+        DataError: one line naming the file: not an npz of this layout, state that is not a JSON object (or nests
+            deeper than ``readback.MAX_DEPTH``), or a parameter holding NaN or infinity.
+    """
+    name = f"checkpoint {path}"
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            raw = npz[STATE_KEY].tobytes().decode()
+            params = {name[len(PARAM_PREFIX):]: npz[name] for name in npz.files if name.startswith(PARAM_PREFIX)}
+        state = json.loads(raw)
+    except RecursionError:
+        raise DataError(f"{name}: its state nests deeper than {readback.MAX_DEPTH} levels; {readback.CHANGED}") from None
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile) as exc:  # JSONDecodeError, UnicodeError: ValueError
+        raise DataError(f"{name} is not a medflare checkpoint ({exc}); {readback.CHANGED}") from exc
+    readback.check(state, readback.OBJECT, name, fix=readback.CHANGED)
+    readback.check_finite(params, name)
     return params, state

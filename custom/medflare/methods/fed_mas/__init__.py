@@ -6,10 +6,12 @@ Also registers ``bsm-kd``, the paper's ablation (BSM + KD to the prior, sample-c
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 from medflare.contracts import Payload, positive_number
+from medflare.data import DataConfig
 from medflare.errors import ConfigError
-from medflare.methods.base import MethodSpec
+from medflare.methods.base import MethodSpec, TrainConfig
 from medflare.methods.fed_mas.client import RF_KEY, FedMasTrainer
 from medflare.methods.fed_mas.model import FedMasNet
 from medflare.methods.fed_mas.plots import plot_divergence
@@ -19,6 +21,8 @@ from medflare.registry import register_method
 
 AGGREGATIONS = ("mas", "mas_inv", "mas_drw", "samples")
 PRIOR_PRECISIONS = ("fp32", "reduced")
+# Training augmentations with at most two views of an image (none; weak = a flip), the only ones the prior cache fits
+FIXED_VIEW_AUGMENTATIONS = ("none", "weak")
 REFERENCE = (
     "Elbatel, Wang, Martí, Fu and Li, Federated Model Aggregation via Self-Supervised Priors for Highly "
     "Imbalanced Medical Image Classification, MICCAI 2023 workshops"
@@ -81,6 +85,16 @@ def build_fedmas_model(model: str, num_classes: int, in_channels: int, image_siz
     return FedMasNet(classifier, prior_feature_dim(cfg.prior, cfg.prior_dim), cfg.projector_hidden)
 
 
+def check_prior_cache(cfg: FedMasConfig, trains: Mapping[str, TrainConfig], data: DataConfig | None) -> list[str]:
+    """MethodSpec.check_run: a simulation's augmentation must suit the prior cache (each site would refuse it at
+    its first task, after ``check_finite_views`` drew the views); a real site's own data is checked there."""
+    if data is None or not cfg.cache_prior_features or data.augment in FIXED_VIEW_AUGMENTATIONS:
+        return []
+    return [f"method.cache_prior_features=true needs training images with a fixed set of views, but "
+            f"data.augment={data.augment} draws new ones; set data.augment to one of "
+            f"{', '.join(FIXED_VIEW_AUGMENTATIONS)}, or turn the cache off"]
+
+
 TRAIN_DEFAULTS = {"grad_clip": 5.0}  # clipping at 5.0 is in the code, not the paper (spec §2(e)6)
 
 SPEC = register_method(
@@ -95,6 +109,7 @@ SPEC = register_method(
         train_defaults=TRAIN_DEFAULTS,
         reference=REFERENCE,
         site_log_plot=plot_divergence,
+        check_run=check_prior_cache,
         reveals=(
             "RF, one number in (0, 1]: how much the site's class-wise distances to the prior changed during local "
             "training; not the per-class distances w and ŵ, which stay in the site's own log"
@@ -112,5 +127,6 @@ BSM_KD_SPEC = register_method(
         build_model=build_fedmas_model,
         train_defaults=TRAIN_DEFAULTS,
         reference=REFERENCE + " (Table 2 ablation)",
+        check_run=check_prior_cache,
     )
 )

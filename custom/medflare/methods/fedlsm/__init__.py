@@ -7,11 +7,12 @@ sigmoid, τ_p/τ_n pseudo-labels and a per-element weighted BCE using the server
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 from medflare.contracts import Payload, class_counts, class_mask, counts
 from medflare.data.transforms import AUGMENTATIONS
 from medflare.errors import ConfigError
-from medflare.methods.base import MethodSpec
+from medflare.methods.base import MethodSpec, TrainConfig
 from medflare.methods.fedlsm.client import FedLsmTrainer
 from medflare.methods.fedlsm.server import (
     CLASSIFIER_KEYS,
@@ -83,6 +84,16 @@ class FedLsmConfig:
                 self.tau_uncertain_neg)
 
 
+def check_pool_rows(cfg: FedLsmConfig, trains: Mapping[str, TrainConfig], data: Any) -> list[str]:
+    """MethodSpec.check_run: with UDE every batch gives ``mix_batch`` rows to MixUp and needs pseudo-pool rows left
+    (each site's trainer would refuse it at its first task)."""
+    short = [site for site, train in trains.items() if train.batch_size <= cfg.mix_batch] if cfg.ude else []
+    if not short:
+        return []
+    return [f"train.batch_size at {', '.join(short)} leaves no pseudo-pool rows after method.mix_batch="
+            f"{cfg.mix_batch}; raise train.batch_size above {cfg.mix_batch} or lower method.mix_batch"]
+
+
 PAYLOAD = Payload(
     arrays={POSITIVES: counts(phase=LABEL_COUNTS), NEGATIVES: counts(phase=LABEL_COUNTS)},
     receives=(POS_WEIGHT,),
@@ -100,6 +111,7 @@ SPEC = register_method(
         train_defaults={"optimizer": "adam", "lr": 1e-4, "betas": (0.9, 0.99), "weight_decay": 5e-4, "batch_size": 64},
         reference=REFERENCE,
         multi_label=True,
+        check_run=check_pool_rows,
         smoke={"data": {"partition": "labelset:3"}, "method_args": {"local_iterations": 2}},
         reveals=(
             "q: per class, how many labels and confident pseudo-labels the site drew this round (its estimated class "

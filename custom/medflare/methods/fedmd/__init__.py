@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from medflare.methods.base import MethodSpec
-from medflare.methods.mdhfl import REVEALS, SMOKE, MdhflConfig
+from medflare.methods.mdhfl import REVEALS, SMOKE, MdhflConfig, check_public_set
 from medflare.methods.mdhfl.client import MdhflTrainer
 from medflare.methods.mdhfl.protocol import PAYLOAD
 from medflare.methods.mdhfl.server import MdhflRule
@@ -40,5 +40,6 @@ SPEC = register_method(
         server_model=False,
         smoke=SMOKE,
         reveals=REVEALS,
+        check_run=check_public_set,
     )
 )

@@ -8,9 +8,11 @@ No weight and nothing about an architecture ever leaves a site, and the server h
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
+from medflare.data import DataConfig
 from medflare.errors import ConfigError
-from medflare.methods.base import MethodSpec
+from medflare.methods.base import MethodSpec, TrainConfig
 from medflare.methods.mdhfl.client import MdhflTrainer
 from medflare.methods.mdhfl.protocol import PAYLOAD
 from medflare.methods.mdhfl.server import MdhflRule
@@ -64,6 +66,22 @@ class MdhflConfig:
                 raise ConfigError(f"method.{name} must be a whole number >= {low}, got {value!r}")
         if min(self.sce_alpha, self.sce_beta, self.ccr_beta) < 0 or self.ccr_eps <= 0:
             raise ConfigError("method.sce_alpha, sce_beta and ccr_beta must be >= 0 and ccr_eps > 0")
+        # The server needs >= 2 rows per chunk; a set public_per_round caps the rows whatever the public set's size
+        if self.distill and self.public_per_round and self.public_per_round < 2 * self.chunks:
+            raise ConfigError(f"method.chunks={self.chunks} splits method.public_per_round={self.public_per_round} "
+                              "public rows into chunks of fewer than 2 images; lower chunks or raise public_per_round")
+
+
+def check_public_set(cfg: MdhflConfig, trains: Mapping[str, TrainConfig], data: DataConfig | None) -> list[str]:
+    """MethodSpec.check_run: a simulation must hold out (or name) the public set every exchange starts from.
+
+    At a real site (``data`` None) the site's own ``medflare_site.json`` names it; that site checks it. The
+    "w/o KL" ablation (``distill=false``) exchanges nothing and needs none.
+    """
+    if data is None or not cfg.distill or data.public_fraction or data.public_source:
+        return []
+    return ["its sites distil on an unlabelled public set and this simulation has none; set data.public_fraction "
+            "(e.g. --set data.public_fraction=0.2, a held-out share of the training split) or data.public_source"]
 
 
 # The local epochs' Adam is created once per round, its state kept across that round's epochs (spec §3(a) step 4);
@@ -90,5 +108,6 @@ SPEC = register_method(
         server_model=False,
         smoke=SMOKE,
         reveals=REVEALS,
+        check_run=check_public_set,
     )
 )

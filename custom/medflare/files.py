@@ -1,0 +1,228 @@
+"""Writing result files safely: atomic writes, paths confined to the folder medflare owns, and a folder lock.
+
+* A result appears complete or not at all: :func:`atomic_write_bytes` writes a new temporary file beside it
+  (created exclusively, so neither a planted symlink nor a user's file of that name is ever written through),
+  syncs it to disk, then renames it into place. On any failure the temporary file is removed.
+* A full disk is one line (:func:`disk_full_message`), never a traceback and never a half-written file.
+* :func:`confined` refuses a path that leaves the folder medflare owns (absolute, ``..``, or through a symlink).
+* :class:`FolderLock` keeps two commands from writing the same result folder at once.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any, Iterator
+
+from medflare.errors import MedflareError
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+LOCK_OWNER = "medflare process"  # the start of every lock file's text
+
+
+class OutputError(MedflareError, RuntimeError):
+    """A result could not be written safely: the disk is full, a path leaves medflare's folder, the folder is in
+    use by another run, or a file medflare did not write is in the way."""
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` says the disk (or the user's quota) is full, also when ``shutil.copytree`` gathered it."""
+    if isinstance(exc, shutil.Error):  # copytree collects (source, destination, reason) and has no errno
+        reasons = [str(entry[-1]) for entry in exc.args[0]] if exc.args and isinstance(exc.args[0], list) else []
+        return any(os.strerror(code) in reason for reason in reasons for code in DISK_FULL)
+    return isinstance(exc, OSError) and exc.errno in DISK_FULL
+
+
+def disk_full_message(exc: OSError, path: Path | str | None = None) -> str:
+    """One line for a full disk (or quota): what could not be written and how to go on."""
+    where = path or exc.filename or "a result file"
+    return (f"no space left to write {where} ({exc.strerror or os.strerror(errno.ENOSPC)}); nothing half-written "
+            "was kept: free some space (df -h shows where) and run the command again")
+
+
+@contextmanager
+def disk_full_is_one_line(path: Path) -> Iterator[None]:
+    """Turn a full disk while writing ``path`` into an :class:`OutputError` with one line."""
+    try:
+        yield
+    except OSError as exc:
+        if is_disk_full(exc):
+            raise OutputError(disk_full_message(exc, path)) from exc
+        raise
+
+
+def atomic_write_bytes(path: Path, data: bytes, *, replace: bool = True) -> Path:
+    """Write ``data`` as ``path`` all at once (temporary file beside it, fsync, rename); return ``path``.
+
+    Args:
+        replace: replace an existing ``path`` (a file medflare wrote); otherwise an existing ``path`` is refused,
+            atomically: the file is linked into place, which fails if anything took the name meanwhile.
+
+    Raises:
+        OutputError: the disk is full, or ``path`` exists and ``replace`` is off; ``path`` is left as it was.
+    """
+    path = Path(path)
+    with disk_full_is_one_line(path):
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+        temporary = Path(name)
+        try:
+            try:
+                _write_all(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            _move_into_place(temporary, path, replace)
+        finally:
+            temporary.unlink(missing_ok=True)  # already gone after a rename; a leftover after a failure
+        _sync_folder(path.parent)
+    return path
+
+
+def atomic_write_text(path: Path, text: str, *, replace: bool = True) -> Path:
+    """:func:`atomic_write_bytes` of ``text`` in UTF-8."""
+    return atomic_write_bytes(path, text.encode("utf-8"), replace=replace)
+
+
+def atomic_write_json(path: Path, content: Any, *, replace: bool = True, indent: int = 1) -> Path:
+    """:func:`atomic_write_bytes` of ``content`` as JSON (one trailing newline)."""
+    return atomic_write_text(path, json.dumps(content, indent=indent) + "\n", replace=replace)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _move_into_place(temporary: Path, path: Path, replace: bool) -> None:
+    if replace:
+        os.replace(temporary, path)  # replaces a symlink itself, never what it points at
+        return
+    try:
+        os.link(temporary, path)  # fails if the name exists, even as a dangling symlink
+    except FileExistsError:
+        raise OutputError(f"{path} exists; medflare does not replace files: choose a new output file") from None
+    except OSError as exc:  # a file system without hard links: check, then rename
+        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+            raise
+        if os.path.lexists(path):
+            raise OutputError(f"{path} exists; medflare does not replace files: choose a new output file") from None
+        os.replace(temporary, path)
+
+
+def _sync_folder(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (best effort: not every file system can sync a folder)."""
+    with suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def confined(root: Path, relative: str, named_by: str) -> Path:
+    """``root / relative``, refused unless it stays inside ``root``.
+
+    ``relative`` must be relative, without ``..``, and its folders no symlinks that lead out of ``root``. Its last
+    part is not resolved: a symlink there is the file itself, so deleting or replacing it never touches its target.
+
+    Args:
+        named_by: what gave the name (e.g. the marker file), for the message.
+
+    Raises:
+        OutputError: the path leaves ``root``; nothing has been touched.
+    """
+    root = Path(root).resolve()
+    parts = Path(relative).parts
+    if not relative or Path(relative).is_absolute():
+        reason = "an absolute path" if relative else "an empty name"
+    elif ".." in parts:
+        reason = "it climbs out with '..'"
+    elif not (root / relative).parent.resolve().is_relative_to(root):
+        reason = f"a folder on the way is a symlink to {(root / relative).parent.resolve()}"
+    else:
+        return root / relative
+    raise OutputError(f"{named_by} names '{relative}', which is outside {root} ({reason}); medflare deletes and "
+                      f"writes only inside the folder it owns: remove that entry, or move the folder away")
+
+
+class FolderLock:
+    """An exclusive lock on a result folder for as long as one command writes it.
+
+    ``fcntl.flock`` on ``<folder>.lock`` beside the folder (inside it would make a new folder non-empty); the file
+    names the owner's PID. The kernel drops the lock when its process ends, so a killed run's leftover lock file
+    never blocks the next run; a released lock's file is removed.
+    """
+
+    def __init__(self, folder: Path, option: str = "--out") -> None:
+        self.folder = Path(folder)
+        self.path = self.folder.with_name(self.folder.name + ".lock")
+        self.option = option
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock, or refuse with one line naming the process that holds it.
+
+        Raises:
+            OutputError: another process holds it, or the lock file is not medflare's.
+        """
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with disk_full_is_one_line(self.path):
+            while self._fd is None:
+                fd = self._open()
+                try:
+                    self._fd = self._lock(fd)
+                except BaseException:
+                    os.close(fd)
+                    raise
+
+    def release(self) -> None:
+        """Give the lock back and remove its file (nothing happens when it is not held)."""
+        if self._fd is None:
+            return
+        with suppress(OSError):
+            self.path.unlink()  # while still held: nobody can take this file between the unlink and the close
+        os.close(self._fd)
+        self._fd = None
+
+    def _open(self) -> int:
+        try:
+            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            if is_disk_full(exc):
+                raise
+            raise OutputError(f"cannot use the lock file {self.path} of {self.option} {self.folder} "
+                              f"({exc.strerror}); it was not made by medflare: move it away") from exc
+
+    def _lock(self, fd: int) -> int | None:
+        """``fd`` once locked and still the lock file; None when its owner removed it meanwhile (try again)."""
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = _read(fd) or f"{LOCK_OWNER} (starting)"
+            raise OutputError(f"{self.option} {self.folder} is in use by {owner} (lock {self.path}); wait for it "
+                              f"to finish, or choose another {self.option}") from None
+        try:
+            if os.fstat(fd).st_ino != os.stat(self.path, follow_symlinks=False).st_ino:
+                os.close(fd)
+                return None
+        except FileNotFoundError:
+            os.close(fd)
+            return None
+        text = _read(fd)
+        if text and not text.startswith(LOCK_OWNER):
+            raise OutputError(f"{self.path} exists and was not made by medflare; move it away, or choose another "
+                              f"{self.option}")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{LOCK_OWNER} {os.getpid()}\n".encode(), 0)
+        return fd
+
+
+def _read(fd: int) -> str:
+    return os.pread(fd, 200, 0).decode("utf-8", errors="replace").strip()
