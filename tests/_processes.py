@@ -1,4 +1,5 @@
-"""Child processes for tests that interrupt medflare: await output lines, list descendants, send SIGTERM."""
+"""Child processes for tests that interrupt medflare: await output lines, list descendants, send SIGTERM, find
+what a killed medflare left behind."""
 
 from __future__ import annotations
 
@@ -75,3 +76,30 @@ def sigterm_and_wait(live: LiveProcess, timeout: float) -> int:
     finally:
         if live.proc.poll() is None:
             live.proc.kill()
+
+
+def processes_naming(path: Path) -> list[psutil.Process]:
+    """Live processes whose command line names ``path`` (every process of a run names its folder)."""
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        if str(path) in " ".join(process.info["cmdline"] or []) and process.pid != os.getpid():
+            found.append(process)
+    return found
+
+
+def left_after(path: Path, seconds: float) -> list[str]:
+    """The command lines of processes naming ``path`` that are still alive ``seconds`` from now (or fewer)."""
+    deadline = time.time() + seconds
+    while (left := alive(processes_naming(path))) and time.time() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+def kill_all(processes: list[psutil.Process]) -> None:
+    """SIGKILL what a test left behind (clean-up after a failed assertion, so later tests are not slowed)."""
+    for process in processes:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            continue
+    psutil.wait_procs(processes, timeout=10)

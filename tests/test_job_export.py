@@ -89,3 +89,21 @@ def test_a_job_without_defences_says_so_in_its_meta_json(off: dict, mode: str, d
     robust, record = written_robust(export_job(RunConfig(data=data, robust=off), tmp_path, TASK, mode=mode))
     assert robust == ROBUST_OFF  # explicit zeros: the aggregator knows no "off"
     assert record == {"on": False, **ROBUST_OFF}
+
+
+def test_export_never_writes_through_a_planted_partial_or_job_symlink(tmp_path: Path) -> None:
+    """A `<job>.partial` or `<job>` symlink planted in the output folder points at someone's files: the export writes
+    into a folder it made itself and replaces the link, never what it points to."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "thesis.tex").write_text("keep me")
+    out = tmp_path / "jobs"
+    out.mkdir()
+    run = RunConfig(method="fedavg", data={"source": "site"})
+    (out / "fedavg.partial").symlink_to(victim)
+    (out / "fedavg").symlink_to(victim)
+    job = export_job(run, out, TaskSpec(2, 1, 28), "preinstalled")
+    assert sorted(p.name for p in victim.iterdir()) == ["thesis.tex"]
+    assert (victim / "thesis.tex").read_text() == "keep me"
+    assert not job.is_symlink() and (job / "meta.json").is_file()
+    assert [p.name for p in out.iterdir() if p.name.endswith(".partial") and not p.is_symlink()] == []

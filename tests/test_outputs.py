@@ -352,3 +352,12 @@ def test_a_really_full_disk_during_a_run_leaves_only_the_log(tiny_disk: Path, fa
     assert code == 2 and "no space left to write" in out and "Traceback" not in out, out
     assert [p.name for p in tiny_disk.iterdir()] == ["out.failed.log"]
     assert "No space left on device" in (tiny_disk / "out.failed.log").read_text()
+
+
+def test_a_marker_nested_too_deep_vouches_for_nothing(tmp_path: Path) -> None:
+    """A crafted `.medflare-outputs.json` nested 100,000 deep was an uncaught RecursionError under --overwrite; it
+    now vouches for nothing, so nothing is removed."""
+    from medflare.outputs import MARKER, _read_marker
+
+    (tmp_path / MARKER).write_text("[" * 100_000 + "]" * 100_000)
+    assert _read_marker(tmp_path) == []

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -235,8 +236,24 @@ def export_job(
         raise ValueError(f"mode must be one of {MODES}, got '{mode}'")
     run = dataclasses.replace(run, robust=job_robust(run, mode))
     job_dir = Path(out_dir) / run.job_name
-    staging = job_dir.with_name(job_dir.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    # A new folder made exclusively: a planted `<job>.partial` (or a symlink of that name) is never written through
+    staging = Path(tempfile.mkdtemp(dir=out_dir, prefix=f".{run.job_name}.", suffix=".partial"))
+    staging.chmod(0o755)  # mkdtemp's 0700 would hide the job from whoever submits or reviews it
+    try:
+        _write_job(run, staging, task, mode, shot_groups)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if job_dir.is_symlink():  # replace the link itself, never the folder it points to
+        job_dir.unlink()
+    shutil.rmtree(job_dir, ignore_errors=True)
+    staging.rename(job_dir)  # only a complete job folder ever appears under its real name
+    return job_dir
+
+
+def _write_job(run: RunConfig, staging: Path, task: TaskSpec, mode: str, shot_groups: dict | None) -> None:
+    """The job's files (meta, server and client configs, and for BYOC the code) into the empty ``staging``."""
     config_dir = staging / APP_NAME / "config"
     config_dir.mkdir(parents=True)
     _write_json(staging / "meta.json", meta_config(run))
@@ -247,9 +264,6 @@ def export_job(
         _copy_plugins(run, staging / APP_NAME / "custom")
     elif run.plugins:
         raise ValueError("plugins ship inside the job, so they need --mode byoc")
-    shutil.rmtree(job_dir, ignore_errors=True)
-    staging.rename(job_dir)  # only a complete job folder ever appears under its real name
-    return job_dir
 
 
 def _copy_plugins(run: RunConfig, custom_dir: Path) -> None:

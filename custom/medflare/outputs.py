@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from medflare.errors import ConfigError
+from medflare import readback
+from medflare.errors import ConfigError, MedflareError
 from medflare.files import FolderLock, OutputError, atomic_write_json, atomic_write_text, confined
 from medflare.report import (
     build_summary,
@@ -201,9 +202,9 @@ def _read_marker(folder: Path) -> list[str]:
     if not path.is_file():
         return []
     try:
-        files = [str(f) for f in json.loads(path.read_text()).get("files", [])]
-    except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
-        return []  # an unreadable marker vouches for nothing: nothing is removed
+        files = [str(f) for f in readback.load_json(path).get("files", [])]
+    except (MedflareError, AttributeError, TypeError):
+        return []  # an unreadable (or absurdly nested) marker vouches for nothing: nothing is removed
     for relative in files:  # all checked before any is used: a bad entry deletes nothing
         confined(folder, relative, str(path))
     return files
@@ -294,8 +295,8 @@ def failure_note(rounds: int, search_root: Path, exc: BaseException) -> str:
     finished = 0
     for results in search_root.glob(f"**/app_server/{RESULTS_FILE}"):
         try:
-            finished = max(finished, len(json.loads(results.read_text()).get("rounds", [])))
-        except (OSError, json.JSONDecodeError):
+            finished = max(finished, len(readback.load_json(results).get("rounds", [])))
+        except (MedflareError, AttributeError, TypeError):
             continue
     reason = f"interrupted by {exc}" if isinstance(exc, KeyboardInterrupt) else f"failed: {type(exc).__name__}: {exc}"
     return f"\nmedflare: run {reason}; rounds finished: {finished}/{rounds}\n"
@@ -368,7 +369,8 @@ def job_run_config(app_dir: Path) -> Any:
 
     server, client = (_read_app_config(app_dir, side) for side in ("server", "client"))
     meta_files = (app_dir.parent / "meta.json", app_dir.parent.parent / "meta.json")
-    meta = next((json.loads(p.read_text()) for p in meta_files if p.is_file()), {})
+    meta = next((readback.load_json(p, ConfigError) for p in meta_files if p.is_file()), {})
+    meta = meta if isinstance(meta, dict) else {}
     try:
         persistor = _component(server["components"], "MedflareModelPersistor")["args"]
         model = persistor["model"]["args"]

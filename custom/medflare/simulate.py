@@ -17,10 +17,11 @@ from medflare.flare.controller import RESULTS_FILE
 from medflare.flare.memory import with_allocator_settings
 from medflare.flare.tracking import keep_server_records
 from medflare.outputs import OutputTarget, failure_note, keep_site_logs, write_job_outputs
+from medflare.processes import start_kept
 from medflare.registry import get_method
 from medflare.run_config import RunConfig
 from medflare.runner import (
-    describe_sites, export_run_job, nvflare_command, signals_held, start_process, stop_process_tree,
+    describe_sites, export_run_job, nvflare_command, signals_held, stop_process_tree,
 )
 from medflare.site_runtime import SITE_LOG_FILE
 
@@ -117,7 +118,8 @@ def _launch(run: RunConfig, job_dir: Path, workspace: Path, log_path: Path, echo
     env = with_allocator_settings({**os.environ, "PYTHONUNBUFFERED": "1"})  # the workers inherit it
     tail: list[str] = []
     with log_path.open("w") as log:
-        proc = start_process(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        # through a keeper: the simulator and its workers (each in its own session) die with medflare, SIGKILL too
+        proc = start_kept(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         watch = LostSiteWatch(workspace / SERVER_ERROR_LOG, proc)
         watch.start()
         try:

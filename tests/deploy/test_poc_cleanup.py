@@ -1,19 +1,31 @@
 """A POC run that failed (say its output pipe closed when the terminal went away) still stops its POC when a stop
 request arrives during that clean-up: the request must not cut the clean-up short and leave FLARE running.
+A POC that fails while the network is down (``nvflare poc stop`` hangs) prints its real cause first, ends its own
+processes and keeps ``<out>.failed.log``. A POC that ``run_poc`` started dies with medflare, even on SIGKILL. One
+medflare process at a time works on a POC root.
 
-Fast: the POC session is a stand-in, so this runs without FLARE; test_poc_interrupt.py runs the real one."""
+Fast: the POC session (or FLARE's ``nvflare`` command) is a stand-in, so this runs without FLARE;
+test_poc_interrupt.py runs the real one."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
+import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
 import medflare.deploy.poc as poc_module
+from medflare.deploy.poc import PocError, PocSession
 from medflare.run_config import merge_run_config
 from medflare.runner import Interrupted, signals_held, stop_on_signals
+
+from .._processes import kill_all, left_after, processes_naming
 
 
 class PocThatFailsThenIsAskedToStop:
@@ -21,8 +33,12 @@ class PocThatFailsThenIsAskedToStop:
 
     stopped: list[str] = []
 
-    def __init__(self, root: Path, port: int, echo) -> None:
+    def __init__(self, root: Path, port: int, echo, tied: bool = False) -> None:
         self.root, self.echo, self.state = root, echo, {}
+
+    @contextlib.contextmanager
+    def hold(self):
+        yield
 
     def prepare(self, clients: int, allow_job_data: bool) -> None:
         self.state = {"sites": [f"site-{i + 1}" for i in range(clients)]}
@@ -63,3 +79,124 @@ def test_signals_work_again_after_the_clean_up(tmp_path: Path) -> None:
             with signals_held():
                 os.kill(os.getpid(), signal.SIGTERM)  # ignored here
             os.kill(os.getpid(), signal.SIGTERM)  # and honoured again once the clean-up is over
+
+
+# A stand-in for FLARE's ``nvflare`` command while the network is down: ``poc start`` leaves a server and a site
+# loop running (in sessions of their own, naming the POC workspace, as start.sh leaves sub_start.sh), a submission
+# times out, and ``poc stop`` (which talks to the server) hangs.
+FAKE_NVFLARE = textwrap.dedent("""
+    import json, os, subprocess, sys, time
+    args, workspace = sys.argv[1:], os.environ["NVFLARE_POC_WORKSPACE"]
+    if args[:2] == ["poc", "start"]:
+        for name in ("server", "site-1"):
+            subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", f"{workspace}/{name}/sub_start.sh"],
+                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        print(json.dumps({"status": "ok"}))
+    elif args[:2] == ["job", "submit"]:
+        print(json.dumps({"status": "error", "message": "connection to the server timed out"}))
+        sys.exit(1)
+    elif args[:2] == ["poc", "stop"]:
+        time.sleep(600)
+""")
+STOP_TIMEOUT = 2.0
+
+
+class QuickStopSession(PocSession):
+    """A real session whose ``nvflare poc stop`` is given seconds, not minutes, before the POC is ended directly."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.stop_timeout = STOP_TIMEOUT
+
+    def prepare(self, n_sites: int = 2, *args, **kwargs) -> None:  # what a provisioned POC leaves behind
+        self.workspace.mkdir(parents=True)
+        self.state = {"project": "p", "server": "server", "lead": "lead@x", "sites": ["site-1", "site-2"],
+                      "jobs": {}}
+        self.kit("server").mkdir(parents=True)
+        (self.kit("server") / "log.txt").write_text("server log\n")
+
+
+@pytest.fixture
+def offline_flare(tmp_path: Path, monkeypatch) -> None:
+    script = tmp_path / "nvflare.py"
+    script.write_text(FAKE_NVFLARE)
+    monkeypatch.setattr(poc_module, "nvflare_command", lambda: [sys.executable, str(script)])
+    monkeypatch.setattr(poc_module, "PocSession", QuickStopSession)
+
+
+def test_a_poc_that_fails_offline_says_why_ends_its_processes_and_keeps_a_failed_log(
+    tmp_path: Path, offline_flare
+) -> None:
+    run = merge_run_config({"method": "fedavg", "rounds": 3, "clients": 2, "data": {"source": "synthetic:n=60"}})
+    out, lines, started = tmp_path / "out", [], time.monotonic()
+    workspace = tmp_path / "out.partial" / "poc" / "poc"
+    try:
+        with pytest.raises(PocError, match="connection to the server timed out"):  # the cause, not the stop
+            poc_module.run_poc(run, out, echo=lines.append)
+        assert time.monotonic() - started < 40  # the hung stop is cut after STOP_TIMEOUT s, not 120
+        assert left_after(workspace, seconds=5) == []  # the server and the site loop are ended
+        failed = [i for i, line in enumerate(lines) if "failed:" in line]
+        assert failed and "connection to the server timed out" in lines[failed[0]], lines
+        hung = [i for i, line in enumerate(lines) if "'nvflare poc stop' did not finish" in line]
+        assert hung and failed[0] < hung[0], lines  # the cause comes first: the clean-up may take minutes
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["nvflare.py", "out.failed.log"]
+        log = (tmp_path / "out.failed.log").read_text()
+        assert log.startswith("server log") and "connection to the server timed out" in log
+    finally:
+        kill_all(processes_naming(workspace))
+
+
+def test_a_hung_poc_stop_still_ends_the_poc_of_a_step_by_step_session(tmp_path: Path, offline_flare) -> None:
+    session = QuickStopSession(tmp_path / "root", echo=lambda line: None)  # not tied: its POC outlives commands
+    try:
+        session.prepare()
+        session.start()
+        assert len(processes_naming(session.workspace)) == 2
+        session.stop()  # returns: a POC that will not stop is no error of its own
+        assert left_after(session.workspace, seconds=5) == []
+    finally:
+        kill_all(processes_naming(session.workspace))
+
+
+# A medflare that starts a tied POC (its ``poc start`` leaves a server running in a session of its own) and waits.
+TIED_POC = textwrap.dedent("""
+    import sys, time
+    from medflare.deploy import poc
+    marker = sys.argv[1]
+    start = [sys.executable, "-c", f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', "
+             f"'import time; time.sleep(600)', '{marker}'], start_new_session=True)"]
+    poc.nvflare_command = lambda: start
+    session = poc.PocSession(marker, tied=True)
+    session.state = {"project": "p"}
+    session.nvflare("poc", "start", starts=True, check=False)
+    print("started", flush=True)
+    time.sleep(600)
+""")
+
+
+def test_a_tied_poc_dies_with_a_sigkilled_medflare(tmp_path: Path) -> None:
+    from .._processes import LiveProcess
+
+    marker = tmp_path / "poc-root"
+    try:
+        with LiveProcess([sys.executable, "-c", TIED_POC, str(marker)]) as medflare:
+            medflare.wait_for("started", timeout=60)
+            assert len(processes_naming(marker)) >= 1  # the "server", adopted by medflare's keeper
+            medflare.proc.kill()
+            medflare.proc.wait(timeout=10)
+        assert left_after(marker, seconds=5) == []
+    finally:
+        kill_all(processes_naming(marker))
+
+
+def test_one_medflare_at_a_time_on_a_poc_root(tmp_path: Path, capsys) -> None:
+    root = tmp_path / "poc"
+    with PocSession(root).hold():
+        with pytest.raises(PocError, match=f"in use by medflare process {os.getpid()}"):
+            with PocSession(root).hold():
+                pass
+        assert poc_module.main(["--root", str(root), "stop"]) == 2  # the step-by-step command line too
+        error = capsys.readouterr().err
+        assert error.count("\n") == 1 and f"in use by medflare process {os.getpid()}" in error
+    with PocSession(root).hold():  # free again once its holder is done
+        pass

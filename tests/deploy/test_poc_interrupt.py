@@ -10,10 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
-from .._processes import LiveProcess, alive, sigterm_and_wait
+from .._processes import LiveProcess, alive, processes_naming, sigterm_and_wait
 
 POC_LOCK = Path("/tmp/medflare-poc.lock")  # POCs use fixed ports: one at a time on this machine
 
@@ -29,14 +28,6 @@ def listening_addresses(port: int) -> set[str]:
     return addresses
 
 
-def processes_naming(path: Path) -> list[psutil.Process]:
-    found = []
-    for process in psutil.process_iter(["cmdline"]):
-        if str(path) in " ".join(process.info["cmdline"] or []):
-            found.append(process)
-    return found
-
-
 @pytest.fixture
 def poc_lock():
     with POC_LOCK.open("w") as lock:
@@ -45,7 +36,9 @@ def poc_lock():
 
 
 @pytest.mark.slow
-def test_sigterm_stops_the_poc_and_its_server_listens_on_loopback(tmp_path: Path, poc_lock, poc_port, monkeypatch) -> None:
+def test_sigterm_stops_the_poc_and_its_server_listens_on_loopback(
+    tmp_path: Path, poc_lock, poc_port, monkeypatch
+) -> None:
     monkeypatch.setenv("MEDFLARE_POC_PORT", str(poc_port))  # a free port: an earlier POC may still hold 8002
     out = tmp_path / "out"
     command = [sys.executable, "-m", "medflare.cli", "run", "fedavg", "--env", "poc", "--data", "synthetic:n=400",

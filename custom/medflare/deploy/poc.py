@@ -1,7 +1,9 @@
 """Run medflare jobs in a real FLARE POC (provisioned mTLS kits, separate server/site processes) on one machine.
 
 Everything a POC touches lives under one root folder: its own ``HOME`` (FLARE's startup-kit registry) and its
-own ``NVFLARE_POC_WORKSPACE``, so nothing leaks into the user's ``~/.nvflare`` and re-running is safe. The POC is
+own ``NVFLARE_POC_WORKSPACE``, so nothing leaks into the user's ``~/.nvflare`` and re-running is safe. One medflare
+process at a time works on a root (a lock file in it names the owner's PID). A POC that ``run`` (or ``medflare run
+--env poc``) starts dies with it, even when it is SIGKILLed; one started step by step lives until ``stop``. The POC is
 prepared from ``provisioning/project.yml`` (same server, orgs and admin roles; clients renamed ``site-1..N``),
 and jobs are submitted as that project's ``lead``, exactly as in production.
 
@@ -19,17 +21,19 @@ Command line (what the ``poc/*.sh`` scripts run)::
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
+import psutil
 import yaml
 
 from medflare.deploy.policies import SITE_MODES, install_site_policies, site_data_config
@@ -38,6 +42,7 @@ from medflare.errors import ConfigError, MedflareError
 from medflare.flare.memory import with_allocator_settings
 from medflare.flare.tracking import keep_server_records
 from medflare.outputs import OutputTarget, failure_note, keep_site_logs, results_text, write_job_outputs
+from medflare.processes import end_processes, run_kept
 from medflare.run_config import deployment_robust
 from medflare.runner import (
     add_run_options,
@@ -54,6 +59,8 @@ DEFAULT_ROOT = Path(os.environ.get("MEDFLARE_POC_ROOT", "runs/poc"))
 DEFAULT_PORT = int(os.environ.get("MEDFLARE_POC_PORT", "8002"))
 SITE_PREFIX = "site-"  # simulated partitions are keyed by site-1..N (RunConfig.site_names)
 STATE_FILE = "medflare_poc.json"
+LOCK_FILE = "medflare_poc.lock"  # flock-ed by the medflare process working on the root; holds its PID
+STOP_TIMEOUT = 120  # seconds 'nvflare poc stop' may take before medflare ends the POC's processes itself
 Echo = Callable[[str], None]
 
 
@@ -116,6 +123,10 @@ class PocSession:
         port: the server's single FL/admin port on loopback.
         project_file: the consortium project.yml the POC is derived from.
         echo: progress sink.
+        tied: the server and sites die with this process (through keepers, :mod:`medflare.processes`), as in
+            :func:`run_poc`; otherwise they outlive it (the step-by-step command line's next step uses them).
+        stop_timeout: seconds ``nvflare poc stop`` may take (it hangs while the network is down) before the POC's
+            processes are ended directly.
     """
 
     root: Path
@@ -123,6 +134,9 @@ class PocSession:
     project_file: Path = DEFAULT_PROJECT
     echo: Echo = print
     state: dict[str, Any] = field(default_factory=dict)
+    tied: bool = False
+    stop_timeout: float = STOP_TIMEOUT
+    keepers: list[subprocess.Popen] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.root = Path(self.root).resolve()
@@ -154,11 +168,18 @@ class PocSession:
         env.pop("NVFLARE_STARTUP_KIT_DIR", None)  # the kit is always chosen explicitly
         return env
 
-    def nvflare(self, *args: str, timeout: float = 300, check: bool = True) -> dict[str, Any]:
-        """Run one ``nvflare ... --format json`` command in this POC's environment; return its JSON reply."""
+    def nvflare(self, *args: str, timeout: float = 300, check: bool = True, starts: bool = False) -> dict[str, Any]:
+        """Run one ``nvflare ... --format json`` command in this POC's environment; return its JSON reply.
+
+        ``starts``: the command starts POC processes; in a ``tied`` session they run under a keeper.
+        """
         command = nvflare_command() + list(args) + ["--format", "json"]
         try:
-            proc = subprocess.run(command, capture_output=True, text=True, env=self.env(), timeout=timeout)
+            if starts and self.tied:
+                proc, keeper = run_kept(command, timeout, env=self.env())
+                self.keepers.append(keeper)
+            else:
+                proc = subprocess.run(command, capture_output=True, text=True, env=self.env(), timeout=timeout)
         except subprocess.TimeoutExpired as exc:
             raise PocError(f"'nvflare {' '.join(args)}' did not finish within {timeout:.0f} s") from exc
         reply = _last_json(proc.stdout) or {"status": "error", "message": (proc.stderr or proc.stdout)[-2000:]}
@@ -166,6 +187,24 @@ class PocSession:
         if check and proc.returncode != 0:
             raise PocError(f"'nvflare {' '.join(args)}' failed (exit {proc.returncode}): {reply.get('message', reply)}")
         return reply
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Hold this POC root for this process: another medflare process on the same root is refused, in one line
+        that names the PID holding it. The lock ends with this process, however it ends (flock)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with (self.root / LOCK_FILE).open("a+") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock.seek(0)
+                owner = lock.read().strip() or "unknown"
+                raise PocError(f"the POC in {self.root} is in use by medflare process {owner}; wait for it to end, "
+                               "or use another --root") from None
+            lock.truncate(0)
+            lock.write(f"{os.getpid()}\n")
+            lock.flush()
+            yield
 
     def _save_state(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -232,12 +271,12 @@ class PocSession:
         args = ["poc", "start", "--timeout", str(int(timeout))]
         for name in exclude or []:
             args += ["-ex", name]
-        self.nvflare(*args, timeout=timeout + 60)
+        self.nvflare(*args, timeout=timeout + 60, starts=True)
         self.echo(f"poc: started on localhost:{self.port}")
 
     def start_site(self, site: str, timeout: float = 60) -> None:
         """Start one more site and wait until the server lists it as connected."""
-        self.nvflare("poc", "start", "-p", site, "--timeout", str(int(timeout)), timeout=timeout + 60)
+        self.nvflare("poc", "start", "-p", site, "--timeout", str(int(timeout)), timeout=timeout + 60, starts=True)
         deadline = time.time() + timeout
         while time.time() < deadline:
             if site in self.connected_sites():
@@ -253,30 +292,38 @@ class PocSession:
         return [site for site in self.state["sites"] if f'"{site}"' in text]
 
     def stop(self) -> None:
-        """Stop every POC process (waits for FLARE's shutdown, then ends any straggler of this POC by pid)."""
-        if not self.workspace.exists():
-            return
-        self.nvflare("poc", "stop", check=False, timeout=120)
-        for pid in self._own_pids():  # only processes whose command line names this POC's workspace
-            _terminate(pid)
+        """Stop every POC process: FLARE's shutdown first, then what is left of this POC is ended directly (SIGTERM,
+        then SIGKILL), also when ``nvflare poc stop`` hangs (it talks to the server, which a network fault cuts
+        off). Never raises for a POC that will not stop: the caller's own failure is the one to report."""
+        if self.workspace.exists():
+            try:
+                self.nvflare("poc", "stop", check=False, timeout=self.stop_timeout)
+            except PocError as exc:
+                self.echo(f"poc: {exc}; ending the POC's processes directly")
+        # the keepers end all the POC processes they adopted; the rest name this POC's workspace in their commands
+        end_processes([*self.keepers, *self._own_processes()])
+        self.keepers = []
 
     def clean(self) -> None:
         """Delete the POC workspace (FLARE refuses right after stop while processes exit: retry, then force)."""
-        for attempt in range(5):
-            if not self.workspace.exists():
-                break
-            if self.nvflare("poc", "clean", check=False, timeout=60)["exit_code"] == 0:
-                break
-            time.sleep(2 + attempt)
-        else:
-            self.nvflare("poc", "clean", "--force", check=False, timeout=120)
+        try:
+            for attempt in range(5):
+                if not self.workspace.exists():
+                    break
+                if self.nvflare("poc", "clean", check=False, timeout=60)["exit_code"] == 0:
+                    break
+                time.sleep(2 + attempt)
+            else:
+                self.nvflare("poc", "clean", "--force", check=False, timeout=120)
+        except PocError as exc:  # a hung 'nvflare poc clean': the folder goes all the same
+            self.echo(f"poc: {exc}; removing {self.workspace} directly")
         shutil.rmtree(self.workspace, ignore_errors=True)
         (self.root / STATE_FILE).unlink(missing_ok=True)
         self.state = {}
 
     def discard(self) -> None:
         """Stop and remove whatever POC this root holds (used before prepare and after failures)."""
-        if self.workspace.exists() or self._own_pids():
+        if self.workspace.exists() or self._own_processes() or self.keepers:
             self.echo(f"poc: stopping and removing the previous POC in {self.root}")
             self.stop()
             self.clean()
@@ -327,26 +374,15 @@ class PocSession:
         if not self.state:
             raise PocError(f"no POC is prepared in {self.root}; run 'prepare' first")
 
-    def _own_pids(self) -> list[int]:
+    def _own_processes(self) -> list[psutil.Process]:
+        """Processes whose command line names this POC's workspace (its server, sites, their jobs and loops)."""
         marker = str(self.workspace)
-        pids = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit() or int(entry.name) == os.getpid():
-                continue
-            try:
-                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if marker in cmdline:
-                pids.append(int(entry.name))
-        return pids
-
-
-def _terminate(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
+        found = []
+        for process in psutil.process_iter(["cmdline"]):
+            with contextlib.suppress(psutil.Error):
+                if process.pid != os.getpid() and marker in " ".join(process.info["cmdline"] or []):
+                    found.append(process)
+        return found
 
 
 def _last_json(text: str) -> dict[str, Any] | None:
@@ -446,7 +482,15 @@ def run_poc(
     run.validate()
     target = OutputTarget(Path(out_dir), overwrite=overwrite)
     staging = target.begin()
-    session = PocSession(staging / "poc", port=port, echo=echo)
+    session = PocSession(staging / "poc", port=port, echo=echo, tied=True)  # the POC dies with this process
+    with session.hold():
+        return _run_in_poc(run, session, target, mode, timeout)
+
+
+def _run_in_poc(run: Any, session: PocSession, target: OutputTarget, mode: str, timeout: float) -> dict[str, Any]:
+    """:func:`run_poc`'s steps in the session's POC; on failure the cause is printed first, then the POC is ended
+    and its server log kept as ``<out>.failed.log``."""
+    staging, echo = session.root.parent, session.echo  # the POC lives in the run's staging folder
     try:
         session.prepare(run.clients, allow_job_data=run.data.get("source", "site") != "site")
         job_dir = export_run_job(run, staging / "job", mode)
@@ -472,8 +516,10 @@ def run_poc(
         return summary
     except BaseException as exc:
         with signals_held():  # a stop request during the clean-up must not leave the POC running
-            log = (session.server_log() if session.state else "") + failure_note(run.rounds, staging / "poc", exc)
+            note = failure_note(run.rounds, session.root, exc)
             session.echo = quiet_on_closed_output(echo)  # a gone terminal must not stop the clean-up
+            session.echo(f"{note.strip()}; stopping the POC")  # the cause first: stopping may take minutes
+            log = (session.server_log() if session.state else "") + note
             session.discard()
             target.abandon(log)
         raise
@@ -568,7 +614,8 @@ def make_parser() -> Any:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--root", default=str(DEFAULT_ROOT),
                         help="folder for this POC (HOME, workspace, jobs); default $MEDFLARE_POC_ROOT or runs/poc")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="server port (default $MEDFLARE_POC_PORT or 8002)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT,
+                        help="server port (default $MEDFLARE_POC_PORT or 8002)")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="provision a fresh POC (removes any previous one in --root)")
     p.add_argument("--sites", type=int, default=2, help="number of sites site-1..N (default 2)")
@@ -616,7 +663,7 @@ def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     session = PocSession(Path(args.root), port=args.port)
     try:
-        with stop_on_signals():
+        with stop_on_signals(), session.hold():
             return args.func(session, args)
     except MedflareError as exc:
         print(f"poc: error: {exc}", file=sys.stderr)

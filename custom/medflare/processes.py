@@ -1,0 +1,199 @@
+"""Child processes that die with medflare, even when medflare itself is SIGKILLed.
+
+medflare starts FLARE's simulator and a POC's server and sites through a keeper: this file, run as a script. The
+keeper makes itself a child subreaper (``PR_SET_CHILD_SUBREAPER``), so every process below it stays below it even
+when its own parent exits or it starts a new session (FLARE's simulator workers call ``setsid``; a POC's
+``start.sh`` leaves its ``sub_start.sh`` loops behind). It asks the kernel for a signal when medflare dies
+(``PR_SET_PDEATHSIG``, checked against its parent pid, which it also polls) and then ends everything below it.
+Only the keeper's own descendants are ever signalled, never a process medflare did not start.
+
+This module imports nothing from medflare: the keeper runs it with ``python -I`` (no PYTHONPATH, no script folder
+on ``sys.path``), so the environment it hands to FLARE is exactly medflare's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import psutil
+
+KEEPER_SCRIPT = os.path.abspath(__file__)
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+PARENT_GONE = signal.SIGUSR1  # what the kernel sends the keeper when its parent dies
+POLL_SECONDS = 0.2
+GRACE_SECONDS = 10.0
+
+
+def keeper_command(command: list[str], stay: bool = False, report_fd: int | None = None) -> list[str]:
+    """``command`` run by a keeper that ends it, and all it started, when this process dies.
+
+    Args:
+        command: what to run.
+        stay: keep what the command leaves running after it exits (a POC's server and sites); by default the
+            keeper ends the command's leftovers and exits with the command's code.
+        report_fd: a file descriptor (pass it in ``pass_fds``) the keeper writes the command's exit code to.
+    """
+    options = ["--parent", str(os.getpid())] + (["--stay"] if stay else [])
+    options += ["--report-fd", str(report_fd)] if report_fd is not None else []
+    return [sys.executable, "-I", KEEPER_SCRIPT, *options, "--", *command]
+
+
+def start_kept(command: list[str], **popen_args: Any) -> subprocess.Popen:
+    """Start ``command`` through a keeper in a new session (a terminal's Ctrl-C reaches medflare only).
+
+    The returned process is the keeper: it exits with the command's code once nothing it started is left, and
+    ending it (SIGTERM) ends everything below it."""
+    return subprocess.Popen(keeper_command(command), start_new_session=True, **popen_args)
+
+
+def run_kept(
+    command: list[str], timeout: float, **popen_args: Any
+) -> tuple[subprocess.CompletedProcess, subprocess.Popen]:
+    """Run ``command`` to its end through a keeper that stays with whatever the command leaves running.
+
+    Returns the command's result (text output) and the keeper, which lives on while those processes do: end it
+    (:func:`end_processes`) to end them. Output goes through files, not pipes: a daemon the command leaves behind
+    could hold a pipe open forever.
+
+    Raises:
+        subprocess.TimeoutExpired: the command did not end within ``timeout``; the keeper and all below it are ended.
+    """
+    read_fd, write_fd = os.pipe()
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err, os.fdopen(read_fd) as report:
+        try:
+            keeper = subprocess.Popen(keeper_command(command, stay=True, report_fd=write_fd), stdout=out,
+                                      stderr=err, pass_fds=(write_fd,), start_new_session=True, text=True,
+                                      **popen_args)
+        finally:
+            os.close(write_fd)  # the keeper holds the only write end: end of file means it is gone
+        ready, _, _ = select.select([report], [], [], timeout)
+        if not ready:
+            end_processes([keeper])
+            raise subprocess.TimeoutExpired(command, timeout)
+        code = report.readline().strip() or str(128 + signal.SIGTERM)  # the keeper was ended before the command
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(command, int(code), out.read(), err.read()), keeper
+
+
+def end_processes(processes: list[subprocess.Popen | psutil.Process], grace_seconds: float = GRACE_SECONDS) -> None:
+    """SIGTERM every process, SIGKILL those still alive after ``grace_seconds``, and reap our own children."""
+    targets = []
+    for process in processes:
+        try:
+            targets.append(process if isinstance(process, psutil.Process) else psutil.Process(process.pid))
+        except psutil.NoSuchProcess:
+            continue
+    for process in targets:
+        _signal(process, signal.SIGTERM)
+    _, alive = psutil.wait_procs(targets, timeout=grace_seconds)
+    for process in alive:
+        _signal(process, signal.SIGKILL)
+    psutil.wait_procs(alive, timeout=grace_seconds)
+    for process in processes:
+        if isinstance(process, subprocess.Popen):
+            process.poll()  # reaped above by psutil; let Popen know
+
+
+def _signal(process: psutil.Process, signum: int) -> None:
+    try:
+        process.send_signal(signum)
+    except psutil.NoSuchProcess:
+        pass
+
+
+# ----- the keeper (this file run as a script) ---------------------------------------------------------------
+def _prctl(option: int, value: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(option, value, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), f"prctl({option}) failed")
+
+
+class Keeper:
+    """Runs one command as a child subreaper and ends all below it when asked to or when its parent dies."""
+
+    def __init__(self, parent: int, stay: bool, report_fd: int | None) -> None:
+        self.parent, self.stay, self.report_fd = parent, stay, report_fd
+        self.stop_signal: int | None = None
+        self.code: int | None = None
+
+    def run(self, command: list[str]) -> int:
+        _prctl(PR_SET_CHILD_SUBREAPER, 1)
+        _prctl(PR_SET_PDEATHSIG, PARENT_GONE)
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, PARENT_GONE):
+            signal.signal(signum, self._on_signal)
+        child = subprocess.Popen(command)
+        while self.stop_signal is None and not self._parent_gone():
+            self._reap(child.pid)
+            if self.code is not None and not (self.stay and self._below()):
+                break
+            time.sleep(POLL_SECONDS)
+        self._end_all_below()
+        self._reap(child.pid)
+        if self.code is None:  # stopped before the command ended
+            return 128 + (self.stop_signal or signal.SIGTERM)
+        return self.code
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        # A thread of the parent that exits also triggers PDEATHSIG: only a real reparenting counts.
+        if signum != PARENT_GONE or self._parent_gone():
+            self.stop_signal = signum
+
+    def _parent_gone(self) -> bool:
+        return os.getppid() != self.parent
+
+    def _below(self) -> list[psutil.Process]:
+        return psutil.Process().children(recursive=True)
+
+    def _reap(self, child_pid: int) -> None:
+        """Collect every exited child (adopted orphans included); note the command's exit code."""
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if pid == child_pid:
+                code = os.waitstatus_to_exitcode(status)
+                self.code = code if code >= 0 else 128 - code
+                self._report()
+
+    def _report(self) -> None:
+        if self.report_fd is not None:
+            os.write(self.report_fd, f"{self.code}\n".encode())
+            os.close(self.report_fd)
+            self.report_fd = None
+
+    def _end_all_below(self) -> None:
+        """End every descendant; repeat, since a dying supervisor loop may start one more."""
+        for _ in range(3):
+            below = self._below()
+            if not below:
+                return
+            end_processes(below, grace_seconds=GRACE_SECONDS / 2)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description="run a command; end all it started when the parent dies")
+    parser.add_argument("--parent", type=int, required=True)
+    parser.add_argument("--stay", action="store_true")
+    parser.add_argument("--report-fd", type=int)
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    return Keeper(args.parent, args.stay, args.report_fd).run(command)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
