@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.medflare-installed
 DEMO_OUT ?= runs/demo
 
-.PHONY: install demo test test-fast bench-overhead bench-scaling bench-fedmas bench-fedmas-cost bench-fca bench-mdhfl bench-mdhfl-cpu60 bench-ssl-fl bench-fedlsm clean
+.PHONY: install demo test test-fast mutants bench-overhead bench-scaling bench-fedmas bench-fedmas-cost bench-fca bench-mdhfl bench-mdhfl-cpu60 bench-ssl-fl bench-fedlsm clean
 
 # pip (not uv/poetry) so torch==2.14.1 / torchvision==0.29.1 come from this machine's local wheel store.
 $(STAMP): pyproject.toml
@@ -81,6 +81,11 @@ TEST_WORKERS ?= 2
 test: install
 	$(PY) -m pytest -q --timeout=900 -n $(TEST_WORKERS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# Every method's invariant ledger (methods/<name>/ledger.toml): each mutant applied in a scratch copy, its tests run,
+# a killed/survived table printed and written to runs/mutants/mutants.md; fails when one survives.
+mutants: install
+	$(PY) tools/mutants.py
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"

@@ -43,6 +43,39 @@ def test_fedprox_two_sgd_steps_match_reference(mu: float, site, linear) -> None:
     torch.testing.assert_close(linear.bias.detach(), b)
 
 
+def test_fedprox_pulls_towards_the_model_received_this_round(site, linear) -> None:
+    # Prepare: after round 0 a new global model arrives; the local weights then move off it (as mid-round 1).
+    spec = get_method("fedprox")
+    cfg = TrainConfig(optimizer="sgd", momentum=0.0, lr=0.1, batch_size=len(site.train))
+    trainer = spec.trainer_cls(linear, site, cfg, spec.config_cls(mu=0.5), spec.payload, torch.device("cpu"),
+                               lambda m: None)
+    trainer.train_round(RoundContext(0, 2))
+    rng = np.random.default_rng(7)
+    received = {"weight": rng.normal(size=(3, 4)), "bias": rng.normal(size=3)}
+    trainer.receive(received)
+    trainer.on_round_start(RoundContext(1, 2))
+    with torch.no_grad():
+        linear.weight.add_(0.3)
+    x, y = full_batch(site)
+    wg, bg = (torch.as_tensor(received[k]) for k in ("weight", "bias"))
+    squared = (linear.weight.detach() - wg).pow(2).sum() + (linear.bias.detach() - bg).pow(2).sum()
+    expected = F.cross_entropy(linear(x), y) + 0.5 / 2 * squared
+    # Execute
+    loss = trainer.compute_loss(x, y)
+    # Assert
+    torch.testing.assert_close(loss, expected)
+
+
+def test_bsm_fl_leaves_unlabelled_samples_out_of_the_loss_and_the_prior(linear) -> None:
+    site = make_site(labels=[0, 0, -1, 1, 0, -1, 1, 0, 0, -1, 0, 1])  # 6 of class 0, 3 of class 1, 3 unlabelled
+    trainer = trainer_for("bsm-fl", linear, site)
+    x, y = full_batch(site)
+    keep = y >= 0
+    prior = torch.tensor([6 / 9, 3 / 9, 0.0], dtype=torch.float64)
+    expected = F.cross_entropy(linear(x[keep]) + torch.log(prior + 1e-12), y[keep])
+    torch.testing.assert_close(trainer.compute_loss(x, y).double(), expected, rtol=1e-5, atol=1e-6)
+
+
 def test_bsm_fl_loss_is_ce_on_prior_shifted_logits(linear) -> None:
     site = make_site(labels=[0, 0, 0, 0, 0, 0, 1, 1, 1, 0, 0, 1])  # class 2 absent at this site
     trainer = trainer_for("bsm-fl", linear, site)

@@ -124,7 +124,7 @@ def test_one_sgd_step_matches_the_hand_written_update() -> None:
     site = make_site(n=12, labels=[0, 0, 0, 1, 0, 2, 0, 1, 0, 0, -1, 0])
     net = fca_net()
     reference = fca_net()
-    trainer = make_trainer("fca", net, site, FcaConfig(lambda_fed=1.0, lambda_personal=3.0), max_steps=1)
+    trainer = make_trainer("fca", net, site, FcaConfig(), max_steps=1)  # the defaults: λ₁ = 1, λ₂ = 3
     trainer.train_round(RoundContext(0, 1))
 
     x, y = site.train.tensors
@@ -207,7 +207,8 @@ def test_bad_config_is_refused_with_the_field_name(field: str, value) -> None:
         FcaConfig(**{field: value})
 
 
-@pytest.mark.parametrize("extra, model", [([], "efficientnet_lite0"), (["--scenario", "ich-split2-like"], "efficientnet_lite0"),
+@pytest.mark.parametrize("extra, model", [([], "efficientnet_lite0"),
+                                          (["--scenario", "ich-split2-like"], "efficientnet_lite0"),
                                           (["--model", "cnn"], "cnn")])
 def test_the_command_line_trains_the_papers_backbone_unless_told_otherwise(extra: list[str], model: str) -> None:
     from medflare.cli import make_parser

@@ -13,9 +13,10 @@ from medflare.flare.aggregator import RoundAggregation
 from medflare.flare.executor import MedflareExecutor
 from medflare.methods.base import RoundContext
 from medflare.methods.fed_mas import FedMasConfig
-from medflare.methods.fed_mas.prior import MOCO_PREFIX, build_prior
+from medflare.methods.fed_mas.prior import IMAGENET_MEAN, IMAGENET_STD, MOCO_PREFIX, build_prior
 from medflare.methods.fed_mas.rescue import ClassMeanAccumulator, distillation_distance, rescue_factor
 from medflare.ops import cap_shares
+from medflare.registry import get_method
 from medflare.site_runtime import SiteRuntime, SiteSettings, TaskSpec
 
 # ----- rescue factor, by hand -------------------------------------------------------------------------
@@ -32,6 +33,13 @@ def test_rescue_factor_skips_absent_classes_and_inverts_for_mas_inv() -> None:
     # mas_inv: ŵ -> [1, 0, 1/3] -> ŵ̄ = [0.75, 0, 0.25] -> RF = 0.25*0.75 + 0.75*0.25
     assert rescue_factor(w, w_hat, invert=True) == pytest.approx(0.375)
     assert rescue_factor(np.array([0.0, 0.7]), np.array([0.0, 5.0])) == pytest.approx(1.0)  # one-class site
+
+
+def test_mas_inv_inverts_the_training_distances_not_the_global_ones() -> None:
+    # w̄ = [0.6, 0.3, 0.1]; 1/ŵ = [1, 1, 1/8] -> [8/17, 8/17, 1/17]; RF = (4.8 + 2.4 + 0.1) / 17
+    # (inverting w instead would give 1/w̄ -> [1/9, 2/9, 6/9] with ŵ̄ = [0.1, 0.1, 0.8]: RF = 5.1 / 9)
+    rf = rescue_factor(np.array([0.6, 0.3, 0.1]), np.array([1.0, 1.0, 8.0]), invert=True)
+    assert rf == pytest.approx(7.3 / 17)
 
 
 def test_class_mean_accumulator_divides_by_full_class_counts() -> None:
@@ -77,9 +85,21 @@ def test_bad_rf_is_excluded(rf) -> None:
     assert core.aggregate().shares == {"good": 1.0}
 
 
-def mas_drw_share_of_a(round_index: int, total_rounds: int, **method_args) -> float:
+def test_bsm_kd_weighs_sites_by_sample_count_without_any_rf() -> None:
+    core = RoundAggregation("bsm-kd", {}, num_classes=2, num_rounds=10)
+    core.start_round(GLOBAL, RoundContext(0, 10))
+    core.start_phase("train")
+    assert core.accept("a", {"w": np.array([1.0, 0.0], np.float32)}, {"n_samples": 30}) is None
+    assert core.accept("b", {"w": np.array([0.0, 1.0], np.float32)}, {"n_samples": 10}) is None
+    result = core.aggregate()
+    assert result.shares == pytest.approx({"a": 0.75, "b": 0.25})
+    np.testing.assert_allclose(result.params["w"], [0.75, 0.25])
+
+
+def mas_drw_share_of_a(round_index: int, total_rounds: int, stream: bool = False, **method_args) -> float:
     """Site a's share under mas_drw; a: n = 30, RF = 0.5; b: n = 10, RF = 0.25."""
-    core = RoundAggregation("fedmas", {"aggregation": "mas_drw", **method_args}, num_classes=2, num_rounds=total_rounds)
+    core = RoundAggregation("fedmas", {"aggregation": "mas_drw", **method_args}, num_classes=2, num_rounds=total_rounds,
+                            stream_aggregation=stream)
     core.start_round(GLOBAL, RoundContext(round_index, total_rounds))
     core.start_phase("train")
     core.accept("a", {"w": np.zeros(2, np.float32)}, {"n_samples": 30, "rf": 0.5})
@@ -111,6 +131,17 @@ def test_mas_drw_weights_are_sample_counts_times_effective_number_of_normalised_
     assert mas_drw_share_of_a(0, 10, drw_beta=0.5, drw_start=0.0) == pytest.approx(HAND_SHARE_BETA_HALF, abs=1e-7)
 
 
+def test_mas_drw_switch_round_is_not_lost_to_float_rounding() -> None:
+    # 0.29 · 100 = 28.999999999999996 in floats; ⌊0.29 · 100⌋ = 29 is the first re-weighted round.
+    assert mas_drw_share_of_a(28, 100, drw_start=0.29) == pytest.approx(0.75)
+    assert mas_drw_share_of_a(29, 100, drw_start=0.29) == pytest.approx(HAND_SHARE_DEFAULT_BETA, abs=1e-5)
+
+
+def test_mas_drw_shares_hold_when_the_job_streams_its_aggregation() -> None:
+    """DRW factors need every site's RF at once: a streaming job must still apply them (it aggregates in one batch)."""
+    assert mas_drw_share_of_a(9, 10, stream=True, drw_beta=0.5) == pytest.approx(HAND_SHARE_BETA_HALF, abs=1e-7)
+
+
 @pytest.mark.parametrize("bad", [{"drw_beta": 1.0}, {"drw_beta": -0.1}, {"drw_start": 1.5}])
 def test_mas_drw_options_are_range_checked(bad: dict) -> None:
     with pytest.raises(ConfigError):
@@ -135,10 +166,11 @@ W_LABELS = torch.tensor([0, 0, 0, 2, 2, 2])
 W_IMAGES = torch.linspace(-1, 1, 24).reshape(6, 1, 2, 2) * torch.tensor([1.0, -0.5, 0.8, -1.0]).reshape(1, 1, 2, 2)
 
 
-def tiny_fedmas_trainer(tmp_path: Path):
+def tiny_fedmas_trainer(tmp_path: Path, method: str = "fedmas", **method_args):
     """FedMasTrainer on a Flatten-Linear-Tanh backbone whose projector has BatchNorm, with a linear prior.
 
     The prior is a TorchScript file (as a site would ship one), so it goes through the real prior loader.
+    ``method`` is fedmas or bsm-kd (same site training); ``method_args`` go to its config.
     """
     from types import SimpleNamespace
 
@@ -156,8 +188,9 @@ def tiny_fedmas_trainer(tmp_path: Path):
                                  torch.nn.Linear(5, 3)), prior_dim=3, hidden_dim=6)
     dataset = TensorDataset(W_IMAGES, W_LABELS)
     site = SimpleNamespace(train=dataset, val=dataset, test=dataset, num_classes=3, class_counts=np.array([3, 0, 3]))
-    cfg = FedMasConfig(prior=f"torchscript:{tmp_path / 'prior.pt'}", prior_dim=3, prior_input_size=2)
-    trainer = make_trainer("fedmas", model, site, cfg, local_epochs=3)
+    cfg = get_method(method).config_cls(prior=f"torchscript:{tmp_path / 'prior.pt'}", prior_dim=3, prior_input_size=2,
+                                        **method_args)
+    trainer = make_trainer(method, model, site, cfg, local_epochs=3)
     return trainer, encoder
 
 
@@ -174,8 +207,6 @@ def received_global_model(trainer) -> dict[str, np.ndarray]:
 
 def hand_global_divergence(params: dict[str, np.ndarray], encoder: torch.nn.Module) -> np.ndarray:
     """w_k = mean over class k of 2 − 2·cos(projector(backbone(x)), prior(x)), BatchNorm on running statistics."""
-    from medflare.methods.fed_mas.prior import IMAGENET_MEAN, IMAGENET_STD
-
     p = {k: np.asarray(v, dtype=np.float64) for k, v in params.items()}
     x = W_IMAGES.numpy().astype(np.float64)
     features = np.tanh(x.reshape(6, 4) @ p["backbone.1.weight"].T + p["backbone.1.bias"])
@@ -223,6 +254,43 @@ def test_w_of_a_round_comes_from_the_received_weights_not_the_trained_ones(tmp_p
     assert not np.allclose(hand_global_divergence(trained, encoder), hand_global_divergence(received, encoder))
     np.testing.assert_allclose(trainer.w, hand_global_divergence(received, encoder), rtol=1e-5, atol=1e-7)
     assert 0 < meta["rf"] <= 1
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit:FutureWarning")  # TorchScript priors are supported
+@pytest.mark.parametrize(("method", "lambda_f", "aux_head_weight"),
+                         [("fedmas", 3.0, 1.0), ("fedmas", 1.0, 0.5), ("bsm-kd", 3.0, 1.0)])
+def test_site_loss_is_bsm_on_both_heads_plus_lambda_f_times_the_mean_distance(
+    tmp_path: Path, method: str, lambda_f: float, aux_head_weight: float
+) -> None:
+    # Prepare: classes 0 and 2 only (3 each), so BSM shifts by log(1/2, 1e-12, 1/2)
+    trainer, encoder = tiny_fedmas_trainer(tmp_path, method, lambda_f=lambda_f, aux_head_weight=aux_head_weight)
+    trainer.model.train()
+    logits, aux_logits, projected = (t.detach().double() for t in trainer.model.forward_train(W_IMAGES))
+    pixels = (W_IMAGES.double().repeat(1, 3, 1, 1) * 0.5 + 0.5 - torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1))
+    teacher = encoder.double()(pixels / torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)).detach()
+    distance = 2 - 2 * torch.nn.functional.cosine_similarity(projected, teacher, dim=1)
+    shift = torch.log(torch.tensor([0.5, 0.0, 0.5], dtype=torch.float64) + 1e-12)
+    bsm = torch.nn.functional.cross_entropy(logits + shift, W_LABELS)
+    aux_bsm = torch.nn.functional.cross_entropy(aux_logits + shift, W_LABELS)
+    # Execute
+    loss = trainer.compute_loss(W_IMAGES, W_LABELS)
+    # Assert
+    expected = bsm + aux_head_weight * aux_bsm + lambda_f * distance.mean()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit:FutureWarning")  # TorchScript priors are supported
+def test_a_mas_inv_site_sends_the_rf_of_its_inverted_training_distances(tmp_path: Path) -> None:
+    # Prepare
+    trainer, _ = tiny_fedmas_trainer(tmp_path, aggregation="mas_inv")
+    trainer.receive(received_global_model(trainer))
+    # Execute
+    rf = trainer.train_round(RoundContext(0, 2))["rf"]
+    # Assert: RF = Σ w̄_k · (1/ŵ_k) / Σ_j (1/ŵ_j) over the site's classes 0 and 2
+    w, w_hat = trainer.w[[0, 2]], trainer.w_hat.per_class(np.array([3, 0, 3]))[[0, 2]]
+    inverse = 1 / w_hat
+    assert rf == pytest.approx(float(np.sum(w / w.sum() * inverse / inverse.sum())), rel=1e-9)
+    assert rf != pytest.approx(float(np.sum(w / w.sum() * w_hat / w_hat.sum())), rel=1e-3)  # the case tells them apart
 
 
 # ----- site side: frozen prior and payload ------------------------------------------------------------

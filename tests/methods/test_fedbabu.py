@@ -67,3 +67,31 @@ def test_specialization_uses_a_head_fine_tuned_by_hand(monkeypatch) -> None:
 
 
 real_fit = fedbabu.client.fit_head
+
+
+def test_one_step_trains_the_body_by_balanced_softmax_through_the_frozen_head() -> None:
+    site = make_site(n=12, labels=LABELS)
+    model, reference = frozen_head_classifier(), frozen_head_classifier()
+    trainer = make_trainer("fedbabu", model, site, max_steps=1)
+    trainer.train_round(RoundContext(0, 1))
+
+    x, y = site.train.tensors
+    keep = y >= 0
+    body = list(reference.backbone[0].parameters())
+    features = torch.tanh(x[keep] @ body[0].T + body[1])
+    prior = torch.log(torch.tensor(site.class_counts, dtype=torch.float64) / site.class_counts.sum() + 1e-9)
+    loss = F.cross_entropy(features @ reference.head.weight.T + reference.head.bias + prior, y[keep])
+    for after, before, grad in zip(model.backbone[0].parameters(), body, torch.autograd.grad(loss, body)):
+        assert torch.allclose(after, before - 0.1 * grad, atol=1e-12)
+
+
+def test_the_fine_tuned_head_is_a_copy_that_never_reaches_the_model_or_the_wire() -> None:
+    site = make_site(n=12, labels=LABELS)
+    trainer = make_trainer("fedbabu", frozen_head_classifier(), site, FedBabuConfig(finetune_epochs=3))
+    sent_before = trainer.outgoing_arrays()
+    tuned = trainer.extra_evaluations("test")[SPECIALIZATION]
+    assert tuned.to_dict() != trainer.evaluate("test").to_dict()  # the fine-tuned head scores differently
+    sent_after = trainer.outgoing_arrays()
+    assert all(np.array_equal(sent_after[k], sent_before[k]) for k in ("head.weight", "head.bias"))
+    trainer.train_round(RoundContext(0, 1))
+    assert all(np.array_equal(trainer.outgoing_arrays()[k], sent_before[k]) for k in ("head.weight", "head.bias"))

@@ -4,6 +4,8 @@ q^k, the multi-label set-up phase and the per-element weighted BCE."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -16,8 +18,12 @@ from medflare.errors import ConfigError, PayloadError
 from medflare.flare.aggregator import RoundAggregation
 from medflare.losses import weighted_bce
 from medflare.methods.base import RoundContext, SiteUpdate, TrainConfig
+from medflare.methods.fedavg_masked import SPEC as MASKED_SPEC
+from medflare.methods.fedavg_masked import FedAvgMaskedConfig
+from medflare.methods.fedavg_masked.client import FedAvgMaskedTrainer
 from medflare.methods.fedlsm import SPEC, FedLsmConfig
 from medflare.methods.fedlsm import client as fedlsm_client
+from medflare.methods.fedlsm.client import identified_classes
 from medflare.methods.fedlsm.pseudo import (
     element_weights,
     global_pos_weight,
@@ -390,3 +396,176 @@ def test_without_ue_pools_are_random_and_every_sample_is_pseudo_labelled(monkeyp
         assert len(uncertain) == 4 and len(confident) == 6 and not set(uncertain) & set(confident)
         assert pseudo.tolist() == list(range(n))  # D^h is not taken out of the pseudo pool
     assert len({tuple(u) for u, _, _ in draws}) > 1  # drawn anew, not a fixed slice
+
+
+# ----- invariants of the site update (ledger.toml): teacher, views, q, pos_weight, UDE partners and mask ---------
+
+
+def test_after_each_student_step_the_teacher_moves_a_thousandth_of_the_way() -> None:
+    """Spec §5(a)4-5: the teacher starts at the received model and, after the student's step, is
+    0.999·teacher + 0.001·student (the default decay): ratio of the two displacements, fitted over every weight."""
+    trainer = fedlsm_trainer("synthetic:n=60,classes=3,size=8")
+    trainer.cfg.local_iterations = 1
+    received = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train_round(RoundContext(0, 2))
+    student = torch.cat([(p.detach() - r).flatten() for p, r in zip(trainer.model.parameters(), received)]).double()
+    teacher = torch.cat([(p - r).flatten() for p, r in zip(trainer.teacher.model.parameters(), received)]).double()
+    assert student.abs().max() > 1e-4  # the student did move
+    assert (teacher @ student / (student @ student)).item() == pytest.approx(0.001, rel=0.05)
+    for mine, theirs in zip(trainer.teacher.model.buffers(), trainer.model.buffers()):
+        torch.testing.assert_close(mine, theirs)  # BatchNorm statistics are copied
+
+
+Forward = Callable[[torch.Tensor], torch.Tensor]
+
+
+def plain_views(trainer: fedlsm_client.FedLsmTrainer) -> torch.Tensor:
+    """Every training image, non-augmented and horizontally flipped: ``[2N, C, H, W]``."""
+    plain = torch.stack([trainer.plain[i][0][0] for i in range(len(trainer.plain))])
+    return torch.cat([plain, plain.flip(-1)])
+
+
+def is_weak_view(rows: torch.Tensor, views: torch.Tensor) -> torch.Tensor:
+    """bool per row: the row is one of ``views`` (an image, maybe flipped: all the weak augmentation does)."""
+    distance = (rows[:, None] - views[None]).flatten(2).abs().amax(dim=2)
+    return (distance < 1e-5).any(dim=1)
+
+
+def test_the_teacher_labels_the_weak_view_and_the_student_learns_the_strong_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    trainer = fedlsm_trainer("synthetic:n=60,classes=3,size=8")
+    seen: dict[str, torch.Tensor] = {}
+    teacher, student = trainer.teacher.model, trainer.model.forward
+
+    def spy(name: str, model: Forward) -> Forward:
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            seen[name] = x.detach().clone()
+            return model(x)
+        return forward
+
+    monkeypatch.setattr(trainer.teacher, "model", spy("teacher", teacher))
+    monkeypatch.setattr(trainer.model, "forward", spy("student", student))
+    trainer.compute_loss(*trainer.draw_batch())
+    rows, views = trainer.pool_rows, plain_views(trainer)
+    assert is_weak_view(seen["teacher"][:rows], views).all()  # weak: the image, at most flipped
+    assert not is_weak_view(seen["student"][:rows], views).any()  # strong: affine and colour jitter too
+
+
+def test_multi_label_q_counts_known_and_pseudo_positives_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spec §5(a)5: q^k += GT positives + positive pseudo-labels; negatives (known or pseudo) are not counted."""
+    trainer = fedlsm_trainer("synthetic:multilabel=1,classes=4,n=60,size=8")
+    unknown = torch.nonzero(~trainer.identified).flatten()  # the site annotates 2 of the 4 classes
+    logits = torch.zeros(4)
+    logits[unknown[0]], logits[unknown[1]] = 20.0, -20.0  # one unknown class pseudo-positive, one pseudo-negative
+    monkeypatch.setattr(trainer.teacher, "model", lambda x: logits.repeat(len(x), 1))
+    images, labels = trainer.draw_batch()
+    trainer.compute_loss(images, labels)
+    pool = labels[: trainer.pool_rows]
+    expected = (pool == 1).sum(dim=0) + ((pool < 0) & (logits > 0)).sum(dim=0)
+    assert ((pool == 0).sum() > 0) and ((pool < 0) & (logits < 0)).sum() > 0  # there are negatives to leave out
+    np.testing.assert_array_equal(trainer.q.numpy(), expected.numpy())
+
+
+def bce(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """mean over every element of weight · BCE, by hand."""
+    p = torch.sigmoid(logits)
+    return -(weights * (targets * torch.log(p) + (1 - targets) * torch.log(1 - p))).mean()
+
+
+# D^h / D^l partner pairs of the multi-label case, 6 classes: class 0 known (1 at D^h, 0 at D^l), the others unknown
+# with these teacher sigmoids. Default thresholds: D^h τ_lp 0.7 / τ_ln 0.01, D^l τ_p 0.85 / τ_n 0.005.
+PARTNER_H = [0.5, 0.8, 0.008, 0.9, 0.9, 0.001]  # 1: positive only at τ_lp; 2: negative only at τ_ln
+PARTNER_L = [0.5, 0.9, 0.001, 0.5, 0.8, 0.008]  # 3: uncertain; 4: positive only at τ_lp; 5: negative only at τ_ln
+MIXED_VALID = [True, True, True, False, False, False]  # 3-5: one partner has no target (AND, not OR)
+
+
+def test_multi_label_loss_by_hand_pos_weighted_plus_masked_mixup(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Spec §5(a)5 and §5(e)2 by hand: pool entries weighted by pos_weight (uncertain ones 0); MixUp partners
+    labelled at τ_lp/τ_ln (D^h) and τ_p/τ_n (D^l); a mixed entry counts where both have one; + 0.1 × its BCE."""
+    trainer = fedlsm_trainer("synthetic:multilabel=1,classes=6,n=60,size=8", partition="labelset:3")
+    trainer.pos_weight = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    rows, mix = trainer.pool_rows, trainer.mix_rows
+    images, labels = trainer.draw_batch()
+    labels[rows:] = -1
+    labels[rows:rows + mix, 0], labels[rows + mix:, 0] = 1, 0
+    pool_probs = torch.tensor([0.99, 0.002, 0.5, 0.8, 0.008, 0.9])  # pool (τ_p/τ_n): 1, 0, -, -, -, 1
+    probs = torch.cat([pool_probs.repeat(rows, 1), torch.tensor(PARTNER_H).repeat(mix, 1),
+                       torch.tensor(PARTNER_L).repeat(mix, 1)])
+    monkeypatch.setattr(trainer.teacher, "model", lambda x: torch.logit(probs))
+    monkeypatch.setattr(trainer, "mixup_lambda", lambda: 0.3)
+    trainer.model.eval()  # each row's logits independent of the rest of the batch
+    loss = trainer.compute_loss(images, labels)
+
+    pool = labels[:rows]
+    targets = torch.where(pool >= 0, pool.float(), torch.tensor([1.0, 0, 0, 0, 0, 1]))
+    valid = (pool >= 0) | torch.tensor([True, True, False, False, False, True])
+    y_h, y_l = torch.tensor([1.0, 1, 0, 1, 1, 0]), torch.tensor([0.0, 1, 0, 0, 0, 0])
+    mixed_y = (0.3 * y_l + 0.7 * y_h) * torch.tensor(MIXED_VALID)
+    mixed_x = 0.3 * images[rows + mix:, 0] + 0.7 * images[rows:rows + mix, 0]
+    with torch.no_grad():
+        logits = trainer.model(torch.cat([images[:rows, 1], mixed_x]))
+        expected = (bce(logits[:rows], targets, trainer.pos_weight * valid)
+                    + 0.1 * bce(logits[rows:], mixed_y.repeat(mix, 1), torch.tensor(MIXED_VALID).float()))
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def soft_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """mean over rows of −Σ_k t_k · log softmax(z)_k, by hand."""
+    return -(targets * torch.log_softmax(logits, dim=1)).sum(dim=1).mean()
+
+
+def one_hot_probs(klass: int, p: float, num_classes: int = 3) -> list[float]:
+    """A teacher's softmax with ``p`` on ``klass`` and the rest spread evenly."""
+    return [p if c == klass else (1 - p) / (num_classes - 1) for c in range(num_classes)]
+
+
+def test_single_label_loss_by_hand_with_partners_at_tau_l_and_tau(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Spec §5(a)5 and §5(e)1 by hand: soft CE over the pool + 0.1 × soft CE over the mixed rows, whose D^h
+    partners are pseudo-labelled at τ_l (0.85) and D^l partners at τ (0.95); a pair counts only if both have one."""
+    trainer = fedlsm_trainer("synthetic:n=60,classes=3,size=8")
+    rows, mix = trainer.pool_rows, trainer.mix_rows
+    u = int(torch.nonzero(trainer.pseudo_classes)[0])  # the class this site does not annotate
+    a, b = [c for c in range(3) if c != u]
+    images, labels = trainer.draw_batch()
+    labels[rows:] = torch.tensor([a, -1, a, -1, b, a, -1, -1])  # D^h then D^l, pair i = rows i and i + 4
+    partner_p = [0.0, 0.9, 0.0, 0.5, 0.0, 0.0, 0.9, 0.99]  # p(u) of the unlabelled partners
+    pool_p = [0.99 if i % 2 else 0.9 for i in range(rows)]
+    probs = torch.tensor([one_hot_probs(u, p) if p else [1 / 3] * 3 for p in pool_p + partner_p])
+    monkeypatch.setattr(trainer.teacher, "model", lambda x: probs.log())
+    monkeypatch.setattr(trainer, "mixup_lambda", lambda: 0.3)
+    trainer.model.eval()
+    loss = trainer.compute_loss(images, labels)
+
+    eye, pool = torch.eye(3), labels[:rows]
+    targets = torch.stack([eye[y] if y >= 0 else eye[u] * (p >= 0.95) for y, p in zip(pool.tolist(), pool_p)])
+    y_h, y_l = eye[[a, u, a, u]], eye[[b, a, u, u]]  # pairs 1: D^h at τ_l; 2: D^l below τ; 3: D^h has none
+    y_h[3] = y_l[2] = 0
+    mixed_y = (0.3 * y_l + 0.7 * y_h) * torch.tensor([1.0, 1, 0, 0])[:, None]
+    mixed_x = 0.3 * images[rows + mix:, 0] + 0.7 * images[rows:rows + mix, 0]
+    with torch.no_grad():
+        logits = trainer.model(torch.cat([images[:rows, 1], mixed_x]))
+        expected = soft_ce(logits[:rows], targets) + 0.1 * soft_ce(logits[rows:], mixed_y)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+# ----- FedAvg*: the identified-class mask a site sends ------------------------------------------------------------
+
+
+def test_fedavg_masked_sites_send_their_declared_classes_else_the_classes_they_label() -> None:
+    """FedAvg* (spec §5(b)): the mask is the site's declared set; without one, the classes with a label (single-label)
+    or with any known entry, a known 0 included (multi-label)."""
+    declared = make_site_data(DataConfig(source="synthetic:n=60,classes=3,size=8", partition="labelset:2",
+                                         num_sites=2), 0)
+    trainer = FedAvgMaskedTrainer(tiny_net(3), declared, TrainConfig(batch_size=12), FedAvgMaskedConfig(),
+                                  MASKED_SPEC.payload, torch.device("cpu"), log=lambda m: None)
+    sent = trainer.round_meta(RoundContext(0, 2))["identified"]
+    assert sent == declared.identified.astype(float).tolist() and sum(sent) == 2
+    single = SimpleNamespace(identified=None, class_counts=np.array([5, 0, 2]), train=SimpleNamespace(labels=[0, 2]))
+    np.testing.assert_array_equal(identified_classes(single), [True, False, True])
+    multi = SimpleNamespace(train=SimpleNamespace(labels=np.array([[1, -1, 0], [0, -1, 0]])))
+    np.testing.assert_array_equal(identified_classes(multi), [True, False, True])

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from medflare.evaluation import SPECIALIZATION
+from medflare.flare.models import build_global_model
 from medflare.methods.base import RoundContext
 from medflare.methods.fedrep import FedRepConfig
 from medflare.ops import model_params
@@ -65,3 +66,41 @@ def test_specialization_is_the_sites_own_model() -> None:
     trainer.train_round(RoundContext(0, 1))
     own = trainer.extra_evaluations("test")[SPECIALIZATION]
     assert np.array_equal(own.confusion, trainer.evaluate("test").confusion)
+
+
+def test_the_head_phase_runs_head_epochs_passes_on_the_received_body_first() -> None:
+    site = make_site(n=12, labels=LABELS)
+    model, reference = tiny_classifier(), tiny_classifier()
+    trainer = make_trainer("fedrep", model, site, FedRepConfig(head_epochs=3), max_steps=1)
+    trainer.train_round(RoundContext(0, 1))
+
+    x, y = site.train.tensors
+    keep = y >= 0
+    features = torch.tanh(x[keep] @ reference.backbone[0].weight.T + reference.backbone[0].bias).detach()
+    w, b = reference.head.weight.detach(), reference.head.bias.detach()
+    for _ in range(3):  # three full-batch epochs on the frozen body's features, then the body step leaves the head
+        w, b = w.clone().requires_grad_(), b.clone().requires_grad_()
+        gw, gb = torch.autograd.grad(_bsm(features @ w.T + b, y[keep], site.class_counts), [w, b])
+        w, b = (w - 0.1 * gw).detach(), (b - 0.1 * gb).detach()
+    assert torch.allclose(model.head.weight, w, atol=1e-12) and torch.allclose(model.head.bias, b, atol=1e-12)
+
+
+def test_the_default_head_phase_is_the_papers_ten_epochs() -> None:
+    assert FedRepConfig().head_epochs == 10
+
+
+def test_the_server_neither_holds_nor_broadcasts_a_head() -> None:
+    spec = get_method("fedrep")
+    start = {k: v.numpy() for k, v in build_global_model("fedrep", "cnn", 3, 1, 28).state_dict().items()}
+    assert start and not any(k.startswith("head.") for k in start)
+    rule = spec.server_rule_cls(FedRepConfig(), 2, spec.payload)
+    assert set(rule.phase_arrays("train", RoundContext(0, 2), start, {})) == set(start)
+
+
+def test_the_head_phase_runs_every_round_not_only_the_first() -> None:
+    site = make_site(n=12, labels=LABELS)
+    trainer = make_trainer("fedrep", tiny_classifier(), site, FedRepConfig(head_epochs=1), max_steps=1)
+    trainer.train_round(RoundContext(0, 2))
+    after_first = trainer.model.head.weight.detach().clone()
+    trainer.train_round(RoundContext(1, 2))
+    assert not torch.allclose(trainer.model.head.weight, after_first)  # the body step alone never moves the head

@@ -62,3 +62,13 @@ def test_default_fedrs_trains_differently_from_bsm_fl() -> None:
 def test_bad_config_is_refused(field: str, value) -> None:
     with pytest.raises(ConfigError, match=field):
         FedRsConfig(**{field: value})
+
+
+def test_default_is_balanced_softmax_on_soft_restricted_logits_with_alpha_one_half(linear) -> None:
+    site = make_site(n=6, labels=[0, 0, 2, 0, 2, 0])  # counts (4, 0, 2): class 1 missing, class 2 rarer
+    trainer = make_trainer("fedrs", linear, site)  # FedRsConfig(): alpha 0.5, soft (the authors' code), bsm
+    x, y = site.train.tensors
+    scales = torch.tensor([1.0, 0.5, 0.5 + 0.5 * 2 / 4], dtype=torch.float64)  # alpha + (1 - alpha) * n_c / max n
+    prior = torch.log(torch.tensor([4 / 6, 0.0, 2 / 6], dtype=torch.float64) + 1e-9)
+    expected = F.cross_entropy(linear(x) * scales + prior, y)
+    assert trainer.compute_loss(x, y).item() == pytest.approx(expected.item(), abs=1e-12)
