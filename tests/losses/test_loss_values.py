@@ -198,6 +198,14 @@ def test_drw_switches_on_at_eighty_percent() -> None:
     assert after[0] > after[1]
 
 
+def test_drw_switches_at_the_exact_round_when_the_product_rounds_up() -> None:
+    # 0.55 · 100 is 55.00000000000001 in floats: re-weighting is on from round ⌈55⌉ = 55, not 56.
+    counts = [10, 1000]
+    torch.testing.assert_close(drw_class_weights(counts, current_round=54, total_rounds=100, start_fraction=0.55),
+                               torch.ones(2))
+    assert drw_class_weights(counts, current_round=55, total_rounds=100, start_fraction=0.55)[0] > 1.0
+
+
 # ----- focal -------------------------------------------------------------------------------------------------------
 def test_focal_loss_by_hand() -> None:
     logits, targets = _t([[math.log(3.0), 0.0]]), torch.tensor([0])  # p = (0.75, 0.25)

@@ -65,23 +65,32 @@ def hand_sce(logits: torch.Tensor, labels: torch.Tensor, alpha: float, beta: flo
 
 
 # ----- the local loss and CCR's statistic ------------------------------------------------------------------------
-def test_local_loss_is_sce_with_alpha_on_ce_and_beta_on_reverse_ce() -> None:
-    trainer = site_trainer()
+# The defaults (0.1, 1.0) and a pair with beta != 1, so that the options themselves reach the loss.
+SCE_WEIGHTS = [pytest.param({}, 0.1, 1.0, id="defaults"), pytest.param({"sce_alpha": 0.7, "sce_beta": 0.25}, 0.7, 0.25,
+                                                                      id="alpha0.7-beta0.25")]
+
+
+@pytest.mark.parametrize("method_args, alpha, beta", SCE_WEIGHTS)
+def test_local_loss_is_sce_with_alpha_on_ce_and_beta_on_reverse_ce(method_args: dict, alpha: float,
+                                                                    beta: float) -> None:
+    trainer = site_trainer(**method_args)
     trainer.model.eval()  # the same forward for the loss and the reference (no batch statistics)
     images, labels = private_rows(trainer)
     with torch.no_grad():
         logits = trainer.model(images)
         loss = float(trainer.compute_loss(images, labels))
-    assert loss == pytest.approx(hand_sce(logits, labels, alpha=0.1, beta=1.0), rel=1e-5)
+    assert loss == pytest.approx(hand_sce(logits, labels, alpha=alpha, beta=beta), rel=1e-5)
     assert abs(loss - hand_ce(logits, labels)) > 0.1  # not plain CE (the "w/o SCE" ablation)
 
 
-def test_the_private_loss_is_the_eval_mode_sce_over_the_private_rows() -> None:
-    trainer = site_trainer()
+@pytest.mark.parametrize("method_args, alpha, beta", SCE_WEIGHTS)
+def test_the_private_loss_is_the_eval_mode_sce_over_the_private_rows(method_args: dict, alpha: float,
+                                                                      beta: float) -> None:
+    trainer = site_trainer(**method_args)
     images, labels = private_rows(trainer)
     trainer.model.eval()
     with torch.no_grad():
-        expected = hand_sce(trainer.model(images), labels, alpha=0.1, beta=1.0)
+        expected = hand_sce(trainer.model(images), labels, alpha=alpha, beta=beta)
     _, meta = trainer.run_phase(PROBS_PHASE, {PUBLIC_ROWS: np.array([0, 8])}, RoundContext(0, 2))
     assert meta[PRIVATE_LOSS] == pytest.approx(expected, rel=1e-5)
 

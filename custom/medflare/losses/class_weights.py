@@ -77,5 +77,6 @@ def drw_class_weights(
     References:
         Cao et al., Learning Imbalanced Datasets with Label-Distribution-Aware Margin Loss, NeurIPS 2019.
     """
-    deferred = current_round < start_fraction * total_rounds
+    # The slack keeps a product such as 0.55 · 100 = 55.00000000000001 from switching one round late (⌈f · R⌉ = 55).
+    deferred = current_round < start_fraction * total_rounds - 1e-9
     return class_balanced_weights(class_counts, beta=0.0 if deferred else beta)
