@@ -84,6 +84,17 @@ def test_report_names_the_best_round_and_shows_every_plot(written) -> None:
             "sites/site-1/diagnostics.png"} <= set(images)
 
 
+def test_timings_keyed_by_span_are_not_drawn_as_an_empty_per_site_plot(tmp_path: Path) -> None:
+    run = results()
+    for record in run["rounds"]:
+        record["server_seconds"] = {"aggregate": 0.01, "persist": 0.002}  # keyed by span, not by site
+    summary = build_summary(run, config(), CLIENTS)
+    write_outputs(summary, tmp_path)
+    assert not (tmp_path / "server_seconds.png").exists()
+    assert "server_seconds" not in (tmp_path / "report.md").read_text()
+    assert (tmp_path / "rf.png").exists()  # a value keyed by site is still drawn
+
+
 def test_untrained_best_model_is_warned_about(tmp_path: Path) -> None:
     summary = build_summary(results(best_version=0), config(), CLIENTS)
     write_outputs(summary, tmp_path)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from medflare import plotting, readback
 from medflare.errors import ConfigError
@@ -428,7 +428,7 @@ def write_plots(summary: Mapping[str, Any], out: Path) -> list[Path]:
     if not summary["per_round"]:
         return []
     files = [plotting.save(plotting.learning_curves_figure(summary), out / "learning_curves.png")]
-    for key in site_valued_keys(summary["per_round"]):
+    for key in site_valued_keys(summary["per_round"], summary.get("clients") or ()):
         if key == "share":
             files.append(plotting.save(plotting.shares_figure(summary), out / "shares.png"))
         elif key != "train_loss":
@@ -449,13 +449,17 @@ def write_plots(summary: Mapping[str, Any], out: Path) -> list[Path]:
     return files
 
 
-def site_valued_keys(per_round: list[Mapping[str, Any]]) -> list[str]:
-    """Per-round entries that map each site to a number (shares, RF, ...), in first-seen order."""
-    keys: list[str] = []
+def site_valued_keys(per_round: list[Mapping[str, Any]], sites: Iterable[str]) -> list[str]:
+    """Per-round entries that map sites to numbers (shares, RF, ...), in first-seen order.
+
+    Only entries keyed by the run's sites count: ``server_seconds`` maps span names to numbers, and plotting it per
+    site drew an empty figure.
+    """
+    known, keys = set(sites), []
     for entry in per_round:
         for key, value in entry.items():
             numeric = isinstance(value, dict) and value and all(isinstance(v, (int, float)) for v in value.values())
-            if numeric and key not in keys:
+            if numeric and set(value) <= known and key not in keys:
                 keys.append(key)
     return keys
 
