@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.medflare-installed
 DEMO_OUT ?= runs/demo
 
-.PHONY: install demo test test-fast mutants bench-overhead bench-scaling bench-fedmas bench-fedmas-cost bench-fca bench-mdhfl bench-mdhfl-cpu60 bench-ssl-fl bench-fedlsm clean
+.PHONY: install demo test test-fast mutants bench-overhead bench-scaling bench-fedmas bench-fedmas-cost bench-fca bench-mdhfl bench-mdhfl-cpu60 bench-ssl-fl bench-fedlsm bench-paper clean
 
 # pip (not uv/poetry) so torch==2.14.1 / torchvision==0.29.1 come from this machine's local wheel store.
 $(STAMP): pyproject.toml
@@ -74,6 +74,13 @@ bench-fedlsm: install
 	nice -n 10 $(PY) benchmarks/fedlsm.py --setting retina --rounds 15 --steps 10 --out runs/bench-fedlsm-retina
 	nice -n 10 $(PY) benchmarks/fedlsm.py --setting synthetic-ml --rounds 15 --steps 10 --out runs/bench-fedlsm-synthetic-ml
 
+# Each seed method with its --preset paper against its main baseline on the MedMNIST sets, 3 seeds (issue 28), sized
+# for <= 40 GPU-minutes per method; without CUDA it refuses with an estimate measured here (BENCH_PAPER_ARGS=--dry-run
+# prints the plan and the estimate, --allow-cpu runs anyway). Tables land in runs/bench-paper/.
+BENCH_PAPER_ARGS ?=
+bench-paper: install
+	$(PY) benchmarks/paper.py --out runs/bench-paper $(BENCH_PAPER_ARGS)
+
 # pytest exit code 5 means "no tests collected": that must not pass as green. TEST_WORKERS pytest-xdist workers
 # (2 on the 2-core CI machine: a simulator test keeps about one core busy); tests/conftest.py decides which tests
 # share a worker (all POC tests do).
@@ -94,7 +101,7 @@ clean:
 	rm -rf runs .pytest_cache
 
 # ----- deployment (issue 4): generated artifacts, provisioning, POC, the site wheel -------------------------
-.PHONY: apps templates policies privacy-doc deploy-artifacts provision poc-demo wheel
+.PHONY: apps templates policies privacy-doc deploy-artifacts provision poc-demo wheel rehearse rehearse-faults
 PROJECT ?= provisioning/project.yml
 PROVISION_WS ?= runs/provision
 POC_METHOD ?= fedavg
@@ -124,6 +131,17 @@ provision: install
 # One command: a 2-site POC on loopback, one method's job (BYOC), results in runs/poc-demo, then stop and clean.
 poc-demo: install
 	PATH="$(abspath $(VENV))/bin:$$PATH" poc/run.sh $(POC_METHOD) --mode byoc -o runs/poc-demo --overwrite --rounds 3 --max-steps 5
+
+# A deployment rehearsed on this machine (issue 29; needs root): provisioned kits, one network namespace per
+# participant, the lead's job over a bridge; everything it made is removed afterwards. REHEARSE_ARGS adds options
+# (e.g. --hospitals 3 --rate hospital-c=10 --outage hospital-b@round2:30).
+REHEARSE_ARGS ?=
+rehearse: install
+	$(PY) -m medflare.cli rehearse -o runs/rehearse --overwrite $(REHEARSE_ARGS)
+
+# The fault matrix (docs/reliability.md): link down mid-round, a hospital killed and restarted, a 10 Mbit/s hospital.
+rehearse-faults: install
+	$(PY) -m medflare.deploy.rehearse faults -o runs/rehearse-faults --overwrite
 
 # The wheel a pre-installed site reviews and installs (pip install dist/medflare-*.whl).
 wheel: install

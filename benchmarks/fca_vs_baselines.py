@@ -11,7 +11,7 @@ Both: each site's val/test split follows its own training class mix (data.eval_s
 weight decay 5e-4, batch 64, one local epoch, lr x 0.1 at 3/4 and 7/8 of the rounds (FCA's schedule scaled),
 every method with balanced softmax (eps 1e-9) as FCA trains its baselines, and every method the same network
 (--model, default cnn; FCA's own default is EfficientNet-Lite0, so it is pinned here for all alike; the paper's
-backbone is --model efficientnet_lite0 --pretrained imagenet). FedRS uses the authors' soft restriction: the
+backbone is EfficientNet-B0, whose offline stand-in is --model efficientnet_lite0 --pretrained imagenet). FedRS uses the authors' soft restriction: the
 paper's hard one only rescales missing classes, which balanced softmax already silences, so it trains as BSM-FL.
 
 Figures per run (medflare.evaluation.personalization_figures):

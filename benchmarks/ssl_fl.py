@@ -2,8 +2,9 @@
 
 Parts (``--part``):
   main    Dirichlet(alpha) label skew over 5 simulated sites, alpha in {100, 1.0, 0.5}, both data sets, every
-          label kept: scratch (fed-mae with pretrain_rounds=0: same network, initialisation and fine-tuning
-          recipe) vs Fed-MAE vs Fed-BEiT.
+          label kept: Fed-MAE vs its scratch arm (scratch-mae: fed-mae with pretrain_rounds=0, the same network,
+          initialisation and fine-tuning recipe) and Fed-BEiT vs its own (scratch-beit: fed-beit's layer scale
+          0.1, drop-path 0.2 and gradient clipping 3.0, no tokenizer or pre-training).
   labels  the label-efficiency curve: the same, with data.label_fraction 0.1, 0.3 and 1.0 (1.0 = the main
           grid's job), on one data set and alpha (default RetinaMNIST, alpha 100 = the paper's IID Split-1).
   fedmas  Fed-MAS with a Fed-MAE prior (the encoder pre-trained on the same sites) vs the ImageNet
@@ -55,7 +56,7 @@ from medflare.flare.aggregator import RoundAggregation
 from medflare.flare.models import build_global_model
 from medflare.flare.tasks import round_context, round_meta, round_plan
 from medflare.methods.base import RoundContext
-from medflare.methods.ssl_fl.export import export_global_model
+from medflare.methods.ssl_fl.export import ENCODER_FORMAT, export_global_model
 from medflare.metrics import shot_groups_from_counts
 from medflare.plotting import legend_outside, pyplot, save
 from medflare.registry import get_method
@@ -66,13 +67,24 @@ from medflare.site_runtime import SiteRuntime, SiteSettings
 DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "medmnist"
 DATASETS = {"retina": "retinamnist.npz", "pneumonia": "pneumoniamnist.npz"}
 CLASSES = {"retina": 5, "pneumonia": 2}  # balanced accuracy of a constant prediction = 1 / classes
-METHODS = ("scratch", "fed-mae", "fed-beit")
+METHODS = ("scratch-mae", "fed-mae", "scratch-beit", "fed-beit")
+# arm -> the registered method whose network and fine-tuning recipe it runs; each pre-training arm is read against
+# the scratch arm with its own recipe (the "vs scratch" column)
+NETWORK = {"scratch-mae": "fed-mae", "fed-mae": "fed-mae", "scratch-beit": "fed-beit", "fed-beit": "fed-beit"}
+SCRATCH = {"fed-mae": "scratch-mae", "fed-beit": "scratch-beit"}
+LEGACY_NAMES = {"scratch-mae-": "scratch-"}  # scratch-mae jobs were named "scratch-ft-..." (same configuration)
 # CPU budget per job (stated in docs/benchmarks.md): a ViT-Micro at 28 px, 5 sites, max_steps per site and round.
 MODEL, CLIENTS, BATCH = "vit_micro", 5, 32
 PRETRAIN = {"rounds": 20, "max_steps": 10}  # Fed-BEiT: 2 of these rounds train its tokenizer first
 TOKENIZER_ROUNDS = 2
+# Fed-BEiT's tokenizer options, written into its pre-training jobs (a job cached with the old, collapsed tokenizer
+# then differs in method_args and is refused rather than reused)
+# Pre-training keeps the generic flip + affine the earlier tables used (the methods' paper recipes are now their
+# defaults), so a re-measurement changes only the tokenizer, norm_pix_loss's default and the scratch arms.
+PRETRAIN_AUGMENT = {"pretrain_augment": "basic"}
+BEIT_ARGS = {"dvae_usage_weight": 1.0, "min_code_perplexity": 16.0, **PRETRAIN_AUGMENT}
 # Fed-MAE pre-training options: a decoder narrower than the 96-d encoder (--mae-arg adds others)
-MAE_ARGS = {"decoder_dim": 64, "decoder_depth": 2, "decoder_heads": 4}
+MAE_ARGS = {"decoder_dim": 64, "decoder_depth": 2, "decoder_heads": 4, **PRETRAIN_AUGMENT}
 # Both pre-trainings at BEiT's absolute lr 1.5e-3: MAE's rule (blr 2e-3 x 32 / 256 = 2.5e-4) is meant for
 # hundreds of epochs at large batches.
 PRETRAIN_TRAIN = {"stages": {"pretrain": {"lr": 1.5e-3, "base_batch": 0}}}
@@ -82,7 +94,7 @@ FINETUNE = {"rounds": 20, "max_steps": 10}
 # 2e-3 (layer decay 0.65); augmentation and Mixup/CutMix also slow such short runs, so fine-tuning runs without them.
 FINETUNE_TRAIN = {"lr": 2e-3, "base_batch": 0}
 FINETUNE_DATA = {"augment": "none"}
-FINETUNE_ARGS = {"mixup": 0.0, "cutmix": 0.0}
+FINETUNE_ARGS = {"mixup": 0.0, "cutmix": 0.0, "finetune_augment": "none"}
 FEDMAS = {"rounds": 10, "model": "cnn", "batch_size": 64}  # as benchmarks/fedmas_vs_baselines.py --setting retina
 SHOT_THRESHOLDS = (300, 100)
 
@@ -121,7 +133,7 @@ def run_in_process(run: RunConfig, log: Any = print) -> dict[str, Any]:
         with own_generators(state):
             sites.append(SiteRuntime(settings, name, index, log=lambda message: None))
         states.append(state)
-    losses = []
+    losses, infos = [], []
     for plan in round_plan(core.stages, run.rounds):
         started = time.perf_counter()
         core.start_round(global_params, dataclasses.replace(plan, server_meta=core.rule.server_meta(plan)))
@@ -134,7 +146,9 @@ def run_in_process(run: RunConfig, log: Any = print) -> dict[str, Any]:
                 reason = core.accept(site.site_name, arrays, meta)
                 if reason:
                     raise RuntimeError(f"{site.site_name} rejected in round {plan.round + 1}: {reason}")
-        global_params = core.aggregate().params
+        aggregate = core.aggregate()
+        global_params = aggregate.params
+        infos.append({"round": plan.round + 1, "stage": plan.stage, **aggregate.info})
         losses.append(statistics.mean(u.meta[contracts.TRAIN_LOSS] for u in core.accepted()))
         log(f"    round {plan.round + 1}/{run.rounds} ({plan.stage}) loss {losses[-1]:.4f} {time.perf_counter() - started:.1f}s")
     last = core.stages[-1]
@@ -146,7 +160,8 @@ def run_in_process(run: RunConfig, log: Any = print) -> dict[str, Any]:
             evaluations[site.site_name] = site_evaluation(site.validate({k: global_params[k] for k in keys}, final), task.num_classes)
     _, counts = describe_sites(run)
     groups = shot_groups_from_counts(counts, *run.shot_thresholds) if run.shot_thresholds and counts else None
-    return {"final": summarize(evaluations, groups), "global_params": global_params, "train_loss": losses}
+    return {"final": summarize(evaluations, groups), "global_params": global_params, "train_loss": losses,
+            "per_round": infos}
 
 
 def run_job(run: RunConfig, runner: str, out: Path, log: Any = print) -> dict[str, Any]:
@@ -155,14 +170,25 @@ def run_job(run: RunConfig, runner: str, out: Path, log: Any = print) -> dict[st
     if runner == "simulator":
         summary = run_simulation(run, out, echo=lambda line: None)
         metrics = {k: v for k, v in summary["final"].items() if k not in ("by_site", "site_mean", "extra")}
+        metrics.update(tokenizer_codes(summary["per_round"]))
         model_file = out / "FL_global_model.pt"
     else:
         result = run_in_process(run, log)
-        metrics = {**result["final"]["test"], "train_loss_per_round": result["train_loss"]}
+        metrics = {**result["final"]["test"], "train_loss_per_round": result["train_loss"],
+                   **tokenizer_codes(result["per_round"])}
         out.mkdir(parents=True, exist_ok=True)
         model_file = out / "FL_global_model.pt"
         torch.save({"model": {k: torch.from_numpy(np.array(v)) for k, v in result["global_params"].items()}}, model_file)
     return {"metrics": metrics, "seconds": time.perf_counter() - started, "model_file": str(model_file)}
+
+
+def tokenizer_codes(per_round: list[dict[str, Any]]) -> dict[str, Any]:
+    """Fed-BEiT: the visual tokens' codes used (per site) and perplexity (per site, image-weighted mean) in the
+    first pre-training round, whose targets are the final tokenizer's; {} for other jobs."""
+    first = next((r for r in per_round if r.get("stage") == "pretrain" and "code_perplexity_mean" in r), None)
+    if first is None:
+        return {}
+    return {"tokenizer": {k: first[k] for k in ("codes_used", "code_perplexity", "code_perplexity_mean")}}
 
 
 # ----- the grid ---------------------------------------------------------------------------------------------
@@ -177,7 +203,8 @@ def pretrain_run(method: str, dataset: str, alpha: float, seed: int) -> RunConfi
     rounds = PRETRAIN["rounds"]
     args: dict[str, Any] = {"pretrain_rounds": rounds, "finetune_rounds": 0, **MAE_ARGS}
     if method == "fed-beit":
-        args = {"tokenizer_rounds": TOKENIZER_ROUNDS, "pretrain_rounds": rounds - TOKENIZER_ROUNDS, "finetune_rounds": 0}
+        args = {"tokenizer_rounds": TOKENIZER_ROUNDS, "pretrain_rounds": rounds - TOKENIZER_ROUNDS, "finetune_rounds": 0,
+                **BEIT_ARGS}
     return RunConfig(method=method, model=MODEL, rounds=rounds, clients=CLIENTS, seed=seed, method_args=args,
                      data=data_config(dataset, alpha),
                      train={"max_steps": PRETRAIN["max_steps"], "batch_size": BATCH, **PRETRAIN_TRAIN},
@@ -185,7 +212,7 @@ def pretrain_run(method: str, dataset: str, alpha: float, seed: int) -> RunConfi
 
 
 def finetune_run(method: str, dataset: str, alpha: float, seed: int, fraction: float, encoder: str | None) -> RunConfig:
-    network = "fed-beit" if method == "fed-beit" else "fed-mae"  # scratch = fed-mae's network, no pre-training
+    network = NETWORK[method]  # a scratch arm: its pre-training method's network and recipe, no pre-training
     args: dict[str, Any] = {"pretrain_rounds": 0, **FINETUNE_ARGS}
     if network == "fed-beit":
         args["tokenizer_rounds"] = 0
@@ -203,7 +230,22 @@ def job_config(run: RunConfig) -> dict[str, Any]:
     """What a cached job's result records about its run, as JSON reads it back (budget, data, recipe)."""
     config = {k: v for k, v in vars(run).items() if k in ("method", "model", "rounds", "clients", "seed",
                                                           "method_args", "data", "train", "pretrained")}
+    if run.pretrained:  # the encoder's weights, not only its path: a re-exported encoder is another job
+        config["pretrained_digest"] = encoder_digest(run.pretrained)
     return json.loads(json.dumps(config, default=str))
+
+
+def encoder_digest(path: str) -> str:
+    """sha256 over an encoder file's tensors (state dict and trained norm), in key order."""
+    import hashlib
+
+    content = torch.load(path, map_location="cpu", weights_only=True)
+    digest = hashlib.sha256(str(content.get("format")).encode())
+    for part in ("state_dict", "encoder_norm"):
+        for key, tensor in sorted((content.get(part) or {}).items()):
+            digest.update(key.encode())
+            digest.update(tensor.contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 class Grid:
@@ -218,6 +260,10 @@ class Grid:
 
     def job(self, run: RunConfig) -> dict[str, Any]:
         folder = self.out / run.name
+        for new, old in LEGACY_NAMES.items():  # a job finished under its former name is reused from there
+            legacy = self.out / run.name.replace(new, old, 1)
+            if run.name.startswith(new) and not folder.exists() and (legacy / "result.json").is_file():
+                folder = legacy
         done = folder / "result.json"
         config = job_config(run)
         if done.is_file():
@@ -242,19 +288,24 @@ class Grid:
         """The exported encoder of the method's pre-training job for this split (run once, then cached)."""
         run = pretrain_run(method, dataset, alpha, seed)
         file = self.out / run.name / "encoder.pt"
-        if not file.is_file():
-            result = self.job(run)
+        result = self.job(run)  # cached when finished with this configuration; refused when run with another
+        if not file.is_file() or torch.load(file, weights_only=True).get("format") != ENCODER_FORMAT:
             spec = get_method(method)
             method_cfg = from_dict(spec.config_cls, run.method_args, method)
             export_global_model(method, MODEL, vars(run.task_spec()), method_cfg, result["model_file"], file)
         return str(file)
 
     def finetune(self, method: str, dataset: str, alpha: float, seed: int, fraction: float = 1.0) -> dict[str, Any]:
-        encoder = None if method == "scratch" else self.encoder(method, dataset, alpha, seed)
+        encoder = None if method in SCRATCH.values() else self.encoder(method, dataset, alpha, seed)
         result = self.job(finetune_run(method, dataset, alpha, seed, fraction, encoder))
-        return {"method": method, "dataset": dataset, "alpha": alpha, "seed": seed, "label_fraction": fraction,
-                "accuracy": result["metrics"]["accuracy"], "balanced_accuracy": result["metrics"]["balanced_accuracy"],
-                "macro_f1": result["metrics"].get("macro_f1"), "seconds": result["seconds"]}
+        row = {"method": method, "dataset": dataset, "alpha": alpha, "seed": seed, "label_fraction": fraction,
+               "accuracy": result["metrics"]["accuracy"], "balanced_accuracy": result["metrics"]["balanced_accuracy"],
+               "macro_f1": result["metrics"].get("macro_f1"), "seconds": result["seconds"]}
+        if method == "fed-beit":  # the tokenizer its encoder learnt from (recorded by the pre-training job)
+            tokenizer = self.job(pretrain_run(method, dataset, alpha, seed))["metrics"].get("tokenizer", {})
+            row.update({"code_perplexity": tokenizer.get("code_perplexity_mean"),
+                        "codes_used": tokenizer.get("codes_used")})
+        return row
 
     def fedmas(self, prior: str, seed: int, dataset: str = "retina", alpha: float = 0.5) -> dict[str, Any]:
         args: dict[str, Any] = {}
@@ -295,7 +346,7 @@ def gather(make_row: Callable[..., dict[str, Any]], cells: Iterable[tuple]) -> t
 
 
 def table(rows: list[dict[str, Any]], keys: tuple[str, ...], group: str, metrics: tuple[str, ...],
-          baseline: str | None = None) -> list[str]:
+          baseline: str | dict[str, str] | None = None) -> list[str]:
     """Markdown rows: one per (keys, group) cell, mean ± std over seeds of each metric.
 
     With ``baseline`` (a value of ``group``), a last column reads the first metric's gap to the baseline in the
@@ -304,15 +355,17 @@ def table(rows: list[dict[str, Any]], keys: tuple[str, ...], group: str, metrics
     cells: dict[tuple, list[dict[str, Any]]] = {}
     for row in rows:
         cells.setdefault(tuple(row[k] for k in keys) + (row[group],), []).append(row)
-    extra = [f"{metrics[0]} vs {baseline}"] if baseline else []
+    against = (lambda arm: baseline.get(arm)) if isinstance(baseline, dict) else (lambda arm: baseline)
+    extra = [f"{metrics[0]} vs {'its scratch arm' if isinstance(baseline, dict) else baseline}"] if baseline else []
     header = list(keys) + [group] + list(metrics) + ["seeds"] + extra
     lines = [f"| {' | '.join(header)} |", "|" + "---|" * len(header)]
     for cell, members in sorted(cells.items(), key=lambda item: tuple(str(v) for v in item[0])):
         values = ["{:.4f} ± {:.4f}".format(*mean_std([m[metric] for m in members])) for metric in metrics]
         if baseline:
-            base = cells.get(cell[:-1] + (baseline,))
+            reference = against(cell[-1])
+            base = cells.get(cell[:-1] + (reference,)) if reference else None
             ours = [m[metrics[0]] for m in members]
-            values.append("" if cell[-1] == baseline or not base else versus(ours, [b[metrics[0]] for b in base]))
+            values.append("" if cell[-1] == reference or not base else versus(ours, [b[metrics[0]] for b in base]))
         columns = [str(v) for v in cell] + values[: len(metrics)] + [str(len(members))] + values[len(metrics):]
         lines.append(f"| {' | '.join(columns)} |")
     return lines
@@ -402,15 +455,17 @@ def run_parts(grid: Grid, args: argparse.Namespace, results: dict[str, Any]) -> 
         cells = [(m, d, a, s) for d in args.datasets for a in args.alphas for s in args.seeds for m in args.methods]
         rows, lost = gather(grid.finetune, cells)
         results["main"] = _merge(results.get("main", []), rows, ("method", "dataset", "alpha", "seed"))
-        report += ["## main", *table(results["main"], ("dataset", "alpha"), "method", metrics, baseline="scratch"), ""]
+        results["main"] = [r for r in results["main"] if r["method"] in METHODS]  # the former single "scratch" arm
+        report += ["## main", *table(results["main"], ("dataset", "alpha"), "method", metrics, baseline=SCRATCH), ""]
         missing += lost
     if args.part in ("labels", "all"):
         dataset, alpha = args.labels_setting[0], float(args.labels_setting[1])
         cells = [(m, dataset, alpha, s, f) for f in args.fractions for s in args.seeds for m in args.methods]
         rows, lost = gather(grid.finetune, cells)
         results["labels"] = _merge(results.get("labels", []), rows, ("method", "dataset", "alpha", "seed", "label_fraction"))
+        results["labels"] = [r for r in results["labels"] if r["method"] in METHODS]
         report += ["## labels", *table(results["labels"], ("dataset", "alpha", "label_fraction"), "method", metrics,
-                                       baseline="scratch"), ""]
+                                       baseline=SCRATCH), ""]
         if results["labels"]:
             plot = results_file_for_plot(args)
             save(label_efficiency_figure(results["labels"]), plot)

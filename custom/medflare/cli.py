@@ -24,8 +24,10 @@ EXAMPLES = """examples:
   medflare run fedprox --data medmnist:../shared/data/medmnist/pneumoniamnist.npz --set method.mu=0.1
   medflare run fedavg --rounds 20 --set patience=3 --set tracking=both --out runs/fedavg
   medflare run fedavg --rounds 30 --resume runs/fedavg --out runs/fedavg-continued
+  medflare run fca --preset paper --data medmnist:../shared/data/medmnist/retinamnist.npz --rounds 5
   medflare watch 3f1c9a2e-... --startup-kit workspace/prod_00/lead@hospital-a.org
   medflare export fedavg -o jobs/ --mode preinstalled --set task.num_classes=2 --set task.in_channels=1 --set task.image_size=28
+  medflare rehearse --hospitals 2 --rounds 2 -o runs/rehearse   # as root: kits in network namespaces
 """
 OVERWRITE_HELP = "replace medflare's earlier results in a non-empty folder (files medflare did not write are kept)"
 
@@ -41,8 +43,36 @@ def cmd_methods(args: argparse.Namespace) -> int:
     from medflare.registry import get_method, list_methods
 
     for name in list_methods():
-        print(f"{name:12s} {get_method(name).summary}")
+        presets = get_method(name).presets
+        listed = f"  [--preset {', '.join(presets)}]" if presets else ""
+        print(f"{name:12s} {get_method(name).summary}{listed}")
     return 0
+
+
+def preset_notes(args: argparse.Namespace, methods: list[str]) -> list[str]:
+    """What ``--preset`` sets and what still differs from its source, printed before anything starts (one block
+    per preset used; a compared method without its own preset is named as taking the shared settings)."""
+    from medflare.run_config import find_preset
+
+    name = getattr(args, "preset", None)
+    if not name:
+        return []
+    lines: list[str] = []
+    for method in methods:
+        owner, preset, shared_only = find_preset(name, method, getattr(args, "preset_lead", None))
+        if shared_only:
+            lines.append(f"medflare: {method} has no '{name}' preset: it takes {owner}'s shared settings (model, "
+                         "resolution, rounds, clients, training), not its method options")
+        else:
+            lines += [f"medflare: {line}" if i == 0 else line for i, line in enumerate(preset.describe(method, name))]
+    return lines
+
+
+def preset_lead(name: str | None, methods: list[str]) -> str | None:
+    """``compare --preset``: the first compared method with that preset (the others share its settings)."""
+    from medflare.registry import get_method
+
+    return next((m for m in methods if name and name in get_method(m).presets), None)
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -52,18 +82,20 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def checked_run(args: argparse.Namespace, method: str | None = None, seed: int | None = None) -> Any:
+def checked_run(args: argparse.Namespace, method: str | None = None, seed: int | None = None,
+                data_defaults: dict[str, Any] | None = None) -> Any:
     """The run configuration of ``args``, validated and with its data read (nothing started or written).
 
     Args:
         seed: replaces the run's seed (``compare --seeds``).
+        data_defaults: protocol data options instead of the method's own (``compare``: the same for every method).
     """
     from medflare.runner import build_run_config, describe_sites
 
     run = build_run_config(args, method)
     if seed is not None:
         run.seed = seed
-    run.validate()
+    run.validate(data_defaults=data_defaults)
     describe_sites(run)  # reads and partitions the data: a missing file or a too-small site fails here
     return run
 
@@ -88,6 +120,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                               "reads a folder a job names); resubmit the job with resume_from=<earlier job id>")
         args.set = [*args.set, f"resume_from={args.resume}"]
     run = checked_run(args)
+    for line in preset_notes(args, [run.method]):
+        print(line)
     _tracking_note(run)
     out = Path(args.out or f"runs/{run.job_name}-{time.strftime('%Y%m%d-%H%M%S')}")
     OutputTarget(out, overwrite=args.overwrite).check()
@@ -123,10 +157,18 @@ def cmd_watch(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from medflare.outputs import OutputTarget, results_text
     from medflare.report import comparison_outputs
+    from medflare.run_config import shared_data_defaults
+    from medflare.runner import build_run_config
 
     seeds = list(dict.fromkeys(args.seeds or [None]))
+    methods = list(dict.fromkeys(args.methods))
+    args.preset_lead = preset_lead(getattr(args, "preset", None), methods)
+    # one evaluation protocol for all: a method's data defaults (FCA's like_train test slices) apply to every method
+    protocol = shared_data_defaults(methods, given=build_run_config(args, methods[0]).data)
     # every run is checked before any starts
-    runs = [checked_run(args, method, seed) for method in dict.fromkeys(args.methods) for seed in seeds]
+    runs = [checked_run(args, method, seed, protocol) for method in methods for seed in seeds]
+    for line in preset_notes(args, methods):
+        print(line)
     _tracking_note(runs[0])
     out = Path(args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
     target = OutputTarget(out, overwrite=args.overwrite)
@@ -168,6 +210,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         run.data["source"] = "site"  # an exported job is for POC/production: each hospital reads its own data
     run.validate(check_files=False)  # a weights file is read by the server, which may be another machine
     run.task_spec()
+    for line in preset_notes(args, [run.method]):
+        print(line)
     if run.pretrained not in (None, "imagenet") and not Path(run.pretrained).is_file():
         print(f"medflare: note: --pretrained {run.pretrained} is not here; the FLARE server loads it", file=sys.stderr)
     target = OutputTarget(Path(args.output), unit=run.job_name, overwrite=args.overwrite, option="-o")
@@ -229,6 +273,12 @@ def cmd_predict(args: argparse.Namespace) -> int:
     print(f"medflare: wrote {done['images']} predictions of {done['method']} ({done['model']}, {kind} "
           f"{', '.join(done['class_names'])}) to {done['output']}")
     return 0
+
+
+def cmd_rehearse(args: argparse.Namespace) -> int:
+    from medflare.deploy.rehearse import cmd_rehearse as rehearse
+
+    return rehearse(args)
 
 
 def add_env_options(parser: argparse.ArgumentParser) -> None:
@@ -309,6 +359,13 @@ def make_parser() -> argparse.ArgumentParser:
                                           "window the model was trained with")
     predict.add_argument("--batch-size", type=int, default=64, help="images per forward pass (default 64)")
     predict.set_defaults(func=cmd_predict)
+    rehearse = sub.add_parser(
+        "rehearse", help="rehearse a deployment on this machine (root): provisioned kits, one network namespace per "
+                         "participant, the lead's job over a shaped WAN, scripted faults; all removed afterwards")
+    from medflare.deploy.rehearse import add_rehearse_options
+
+    add_rehearse_options(rehearse)
+    rehearse.set_defaults(func=cmd_rehearse)
     return parser
 
 

@@ -8,6 +8,7 @@ so they equal the metrics of the pooled predictions; per-site metrics and their 
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -128,16 +129,28 @@ def _sum(parts: list[EvalStats]) -> EvalStats:
 
 # ----- generalization and specialization (FCA's evaluation protocol) --------------------------------------------
 SPECIALIZATION = "specialization"  # name of the method-declared evaluation of each site's own (personal) model
+# name of the method-declared evaluation of each site's own model on the pooled test set (methods without a global
+# classifier: FedRep, local-only); simulation only, where a site can build the pooled test set
+GENERALIZATION = "generalization"
+# The data of FCA's protocol (paper §4.2, spec §6(d)): each client's test set D_test^k follows its own class mix
+# (FLamby's per-centre test split, the ICH split files' per-client test lists); specialization is 1/K Σ_k
+# bACC(D_test^k) and generalization scores their union. Simulated sites get it with like_train slices (which still
+# tile the pooled test set); the methods FCA's paper evaluates this way declare it (``MethodSpec.data_defaults``).
+FCA_PROTOCOL_DATA: Mapping[str, Any] = MappingProxyType({"eval_split": "like_train"})
 _FIGURES = (("balanced_accuracy", "bacc"), ("bauc", "bauc"))
 
 
 def personalization_figures(
-    final: Mapping[str, Any], *, global_classifier: bool, specialization: str | None = SPECIALIZATION
+    final: Mapping[str, Any], *, global_classifier: bool, specialization: str | None = SPECIALIZATION,
+    generalization: str | None = None,
 ) -> dict[str, Any]:
     """FCA's figures from a run's final evaluation: generalization, specialization and their mean, in bACC and bAUC.
 
     * Generalization: the global model on the pooled test splits of all sites (``final["test"]``, from summed
-      statistics). None for a method without a global classifier (local-only, FedRep's private heads).
+      statistics). A method without a global classifier (local-only, FedRep's private heads) has no such model:
+      its generalization is each site's own model on the pooled test set, averaged over sites (the site mean of
+      the method-declared evaluation ``generalization``; ``generalization_by_site`` lists each site's), and None
+      where no site could score the pooled test set (a site reading its own data holds only its own split).
     * Specialization: each site's own model on its own test split, averaged over sites (1/K Σ_k): the site mean
       of the method-declared evaluation ``specialization``, or of the main evaluation (``final["site_mean"]``)
       when ``specialization`` is None (single-model methods, whose sites keep the global model; local-only,
@@ -149,12 +162,15 @@ def personalization_figures(
         final: the final evaluation as :func:`summarize` builds it.
         global_classifier: whether ``final["test"]`` scores one global classifier.
         specialization: the evaluation holding each site's own model, or None (see above).
+        generalization: without a global classifier, the evaluation holding each site's own model on the pooled
+            test set, or None (then there is no generalization figure).
 
     References:
         Wicaksana, Yan and Cheng, FCA: Taming Long-tailed Federated Medical Image Classification by Classifier
         Anchoring, 2023, §4.2 (bAUC: spec §1.5).
     """
-    general = final.get("test", {}) if global_classifier else {}
+    general_block = {} if global_classifier or not generalization else final.get("extra", {}).get(generalization, {})
+    general = final.get("test", {}) if global_classifier else general_block.get("site_mean", {})
     block = final.get("extra", {}).get(specialization, {}) if specialization else final
     special = block.get("site_mean", {})
     figures: dict[str, Any] = {}
@@ -167,4 +183,9 @@ def personalization_figures(
         site: {short: metrics.get(metric) for metric, short in _FIGURES}
         for site, metrics in block.get("by_site", {}).items()
     }
+    if general_block:
+        figures["generalization_by_site"] = {
+            site: {short: metrics.get(metric) for metric, short in _FIGURES}
+            for site, metrics in general_block.get("by_site", {}).items()
+        }
     return figures

@@ -1,4 +1,4 @@
-"""The user-facing run configuration: defaults <- scenario <- --config file <- command-line flags <- --set.
+"""The user-facing run configuration: defaults <- --preset <- scenario <- --config file <- command-line flags <- --set.
 
 ``RunConfig.validate`` is the one typed validation every command runs (``run``, ``compare``, ``export`` and the
 POC runner) before anything is started or written: every section is checked against its dataclass's
@@ -7,6 +7,7 @@ annotations and ranges, and normalised to typed values, so a job never carries `
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal, Mapping
 from medflare.config import check_value, fields_typed, from_dict
 from medflare.errors import ConfigError
 from medflare.methods.base import MethodSpec, TrainConfig
+from medflare.methods.presets import Preset
 from medflare.registry import get_method
 from medflare.site_runtime import TaskSpec, check_multi_label_support, resolve_train_config
 
@@ -165,16 +167,20 @@ class RunConfig:
     def site_names(self) -> list[str]:
         return [f"site-{i + 1}" for i in range(self.clients)]
 
-    def validate(self, check_files: bool = True) -> None:
+    def validate(self, check_files: bool = True, data_defaults: Mapping[str, Any] | None = None) -> None:
         """Check every option against its type and range, and normalise the sections to typed values.
 
         The one validation ``run``, ``compare``, ``export`` and the POC runner share; it starts nothing and
         writes nothing. Data sources are read later, by :meth:`task_spec`. The method's own checks of what the
         options alone decide (``MethodSpec.check_run``, e.g. MDH-FL's public set in a simulation) run here too.
+        The method's protocol data options (``MethodSpec.data_defaults``, e.g. FCA's ``eval_split=like_train``)
+        go into ``data`` here, under the job's own (see :meth:`_with_data_defaults`), so the run records them.
 
         Args:
             check_files: also require a ``pretrained`` weights file to exist here (off for ``export``: the
                 server that loads it may be another machine).
+            data_defaults: the protocol data options to apply instead of the method's own (``compare`` gives
+                every method the same, :func:`shared_data_defaults`).
 
         Raises:
             ConfigError: the first problem, in one line naming the option.
@@ -207,6 +213,7 @@ class RunConfig:
             resolve_train_config(spec, {**self.train, **self.site_train[site]})
         self.task = _typed_task(self.task)
         self.data = fields_typed(_data_config_cls(), self.data, "data")
+        self.data = self._with_data_defaults(spec.data_defaults if data_defaults is None else data_defaults)
         simulated = self.data.get("source", "site") != "site"
         data = from_dict(_data_config_cls(), self.site_data() if simulated else self.data,
                          "data")  # the partition scheme, noise rate, ... ranges
@@ -216,6 +223,28 @@ class RunConfig:
             from medflare.resume import check_resumable
 
             self.resume_from = str(check_resumable(self, self.resume_from))
+
+    def _with_data_defaults(self, defaults: Mapping[str, Any]) -> dict[str, Any]:
+        """The run's data options with a method's protocol options under them (simulated data only).
+
+        An option the job sets itself (scenario, file, flag or ``--set data.X``) wins. ``eval_split=like_train``
+        follows single class ids, so it is not applied to a multi-label task (the slices stay pooled); a method
+        that trains only single-label tasks refuses a multi-label one in :meth:`task_spec` with its own message.
+        """
+        missing = {key: value for key, value in defaults.items() if key not in self.data}
+        if not missing or self.data.get("source", "site") == "site":
+            return self.data
+        if missing.get("eval_split") == "like_train" and self._multi_label_task():
+            missing.pop("eval_split")
+        return {**self.data, **fields_typed(_data_config_cls(), missing, "data")}
+
+    def _multi_label_task(self) -> bool:
+        """Whether the task is multi-label: as declared, else (a method that can train one) read off the data."""
+        if set(TASK_SHAPE) <= set(self.task) or "multi_label" in self.task:
+            return bool(self.task.get("multi_label", False))
+        if not get_method(self.method).multi_label:
+            return False  # task_spec refuses a multi-label task for this method before anything starts
+        return infer_task(self).multi_label
 
     def _check_method_run(self, spec: MethodSpec, data: DataConfig | None) -> None:
         """The method's own pre-launch checks (``MethodSpec.check_run``), so a job never fails at its first task
@@ -273,6 +302,31 @@ class RunConfig:
 
     def train_config(self) -> TrainConfig:
         return resolve_train_config(get_method(self.method), self.train)
+
+
+def shared_data_defaults(methods: list[str], given: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The protocol data options of methods compared on identical data (``compare``): the union of their
+    ``MethodSpec.data_defaults``, so e.g. FedAvg beside FCA is scored on FCA's like_train test slices too.
+
+    Args:
+        methods: the compared methods.
+        given: the job's own data options; these win, so a method's default for one of them is not needed.
+
+    Raises:
+        ConfigError: two methods ask for different values of an option the job leaves open.
+    """
+    shared: dict[str, Any] = {}
+    owners: dict[str, str] = {}
+    for method in methods:
+        for key, value in get_method(method).data_defaults.items():
+            if key in (given or {}):
+                continue
+            if key in shared and shared[key] != value:
+                raise ConfigError(f"'{owners[key]}' evaluates with data.{key}={shared[key]} and '{method}' with "
+                                  f"{value}; choose one for every method with --set data.{key}=...")
+            shared.setdefault(key, value)
+            owners.setdefault(key, method)
+    return shared
 
 
 def typed_robust(robust: Mapping[str, Any]) -> dict[str, float]:
@@ -390,6 +444,42 @@ def merge_sections(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict
         if isinstance(base.get(key), Mapping) and isinstance(override.get(key), Mapping):
             merged[key] = {**base[key], **override[key]}
     return merged
+
+
+def find_preset(name: str, method: str, lead: str | None = None) -> tuple[str, Preset, bool]:
+    """The preset ``name`` a run of ``method`` takes: its own, else (``compare``) that of ``lead``, a compared method
+    that has one, without ``lead``'s own hyperparameters.
+
+    Returns:
+        (the method whose preset it is, the preset, whether ``method`` takes only its shared part).
+
+    Raises:
+        ConfigError: neither has a preset of that name; one line naming the methods that do.
+    """
+    from medflare.registry import list_methods
+
+    for owner in (method, lead):
+        if owner and name in get_method(owner).presets:
+            return owner, get_method(owner).presets[name], owner != method
+    having = [m for m in list_methods() if name in get_method(m).presets]
+    known = sorted({p for m in list_methods() for p in get_method(m).presets})
+    offer = f"methods with a '{name}' preset: {', '.join(having)}" if having else \
+        f"known presets: {', '.join(known) or 'none'}"
+    raise ConfigError(f"--preset {name}: method '{method}' has no preset '{name}'; {offer}")
+
+
+def preset_layer(name: str | None, method: str, lead: str | None = None) -> dict[str, Any]:
+    """The run-config layer of ``--preset name`` for ``method`` (empty without one): the lowest layer, under the
+    scenario, the config file, the flags and ``--set``, so every value it sets can still be changed.
+
+    A method compared with ``lead`` (``compare fedmas bsm-fl --preset paper``) that has no preset of its own takes
+    ``lead``'s shared settings (model, resolution, rounds, clients, training), not ``lead``'s hyperparameters.
+    """
+    if not name:
+        return {}
+    _, preset, shared_only = find_preset(name, method, lead)
+    layer = preset.shared() if shared_only else dict(preset.overrides)
+    return copy.deepcopy(layer)
 
 
 def merge_run_config(*layers: Mapping[str, Any]) -> RunConfig:

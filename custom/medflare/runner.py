@@ -52,6 +52,10 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
              "n < TAIL_MAX (both exclusive), medium if TAIL_MAX <= n <= HEAD_MIN (inclusive); e.g. 700 70 "
              "(HyperKvasir). Same as --set shot_thresholds=[700,70]",
     )
+    parser.add_argument("--preset", help="named configuration of the method, e.g. 'paper': the paper's headline set-up "
+                                         "(model, resolution, rounds, optimizer, ...); the lowest layer, so "
+                                         "--scenario, --config, flags and --set override it ('medflare methods' "
+                                         "lists the presets)")
     parser.add_argument("--scenario", help="named set-up: hyperkvasir-like | isic-attribute-like (see docs/scenarios)")
     parser.add_argument("--config", help="JSON or TOML file with run options (overrides the scenario; flags override it)")
     parser.add_argument(
@@ -61,15 +65,18 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
 
 
 def build_run_config(args: argparse.Namespace, method: str | None = None) -> RunConfig:
-    """RunConfig defaults <- --scenario <- --config <- flags <- --set (validate it with ``RunConfig.validate``).
+    """RunConfig defaults <- --preset <- --scenario <- --config <- flags <- --set (validate it with
+    ``RunConfig.validate``).
 
     Args:
         args: parsed options of :func:`add_run_options` (and ``args.method``).
         method: the method to build for (default ``args.method``; ``compare`` builds one per method).
     """
-    from medflare.run_config import apply_overrides, merge_run_config
+    from medflare.run_config import apply_overrides, merge_run_config, preset_layer
     from medflare.scenarios import load_scenario
 
+    # compare: a method without the preset takes the shared part of the first compared method's that has one
+    preset = preset_layer(getattr(args, "preset", None), method or args.method, getattr(args, "preset_lead", None))
     scenario = load_scenario(args.scenario) if args.scenario else {}
     from_file = load_config_file(args.config) if args.config else {}
     data = {"source": args.data, "partition": args.partition}
@@ -81,7 +88,7 @@ def build_run_config(args: argparse.Namespace, method: str | None = None) -> Run
         "data": {k: v for k, v in data.items() if v is not None},
         "train": {k: v for k, v in train.items() if v is not None},
     }
-    return apply_overrides(merge_run_config(scenario, from_file, flags), args.set)
+    return apply_overrides(merge_run_config(preset, scenario, from_file, flags), args.set)
 
 
 def data_was_chosen(args: argparse.Namespace) -> bool:

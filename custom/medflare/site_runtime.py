@@ -267,7 +267,9 @@ class SiteRuntime:
         from medflare.data import DataConfig, make_site_data
 
         cfg = from_dict(DataConfig, {**self.settings.data, "num_classes": self.settings.task.num_classes}, "data")
-        data = make_site_data(cfg, site_index, self.site_name)
+        # a trainer scoring its own model on the pooled test set (FCA's generalization without a global classifier)
+        pooled_test = bool(getattr(self.spec.trainer_cls, "scores_pooled_test", False))
+        data = make_site_data(cfg, site_index, self.site_name, pooled_test=pooled_test)
         task = self.settings.task
         if data.channels != task.in_channels:
             raise DataError(

@@ -13,6 +13,7 @@ from medflare.methods.fedrep import FedRepConfig
 from medflare.ops import model_params
 from medflare.registry import get_method
 
+from ._generalization import check_generalization_by_hand
 from ._trainers import make_trainer, tiny_classifier
 from .conftest import make_site
 
@@ -104,3 +105,9 @@ def test_the_head_phase_runs_every_round_not_only_the_first() -> None:
     after_first = trainer.model.head.weight.detach().clone()
     trainer.train_round(RoundContext(1, 2))
     assert not torch.allclose(trainer.model.head.weight, after_first)  # the body step alone never moves the head
+
+
+def test_generalization_is_each_sites_own_model_on_the_pooled_test_set_by_hand() -> None:
+    """FCA reports FedRep's generalization (Tables 4-5): each site's body and personal head on the pooled test set,
+    averaged over sites; checked against a forward pass of each site's model over both sites' test slices."""
+    check_generalization_by_hand("fedrep")

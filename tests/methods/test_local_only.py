@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from medflare import contracts
+from medflare.evaluation import GENERALIZATION
 from medflare.flare.models import build_global_model
 from medflare.methods.base import RoundContext
 from medflare.methods.local_only import LocalOnlyConfig
@@ -18,6 +19,7 @@ from medflare.ops import model_params
 from medflare.registry import get_method
 from medflare.site_runtime import SiteRuntime, SiteSettings, TaskSpec, resolve_site_model
 
+from ._generalization import check_generalization_by_hand
 from ._trainers import make_trainer, tiny_classifier
 from .conftest import make_site
 
@@ -54,11 +56,13 @@ def test_only_the_common_meta_leaves_a_site_and_it_scores_the_sites_own_model() 
                             model="cnn", train={"max_steps": 1, "batch_size": 8})
     site = SiteRuntime(settings, "site-1", 0, log=lambda message: None)
     own = site.trainer.evaluate("test").to_dict()
+    own_on_pool = site.trainer.evaluate("pooled_test").to_dict()
     arrays, meta = site.train({}, RoundContext(0, 2))
     assert arrays == {}
     assert set(meta) <= {contracts.N_SAMPLES, contracts.TRAIN_LOSS, contracts.TRAIN_SECONDS, contracts.EVAL_VAL,
-                         contracts.EVAL_TEST, contracts.EVAL_TEST_BY_ATTRIBUTE}
+                         contracts.EVAL_TEST, contracts.EVAL_TEST_BY_ATTRIBUTE, contracts.EVAL_EXTRA}
     assert meta[contracts.EVAL_TEST] == own
+    assert meta[contracts.EVAL_EXTRA] == {GENERALIZATION: {"test": own_on_pool}}  # counts of its own model only
 
 
 @pytest.mark.parametrize("loss", ["ce", "bsm", "sce"])
@@ -76,3 +80,9 @@ def test_the_chosen_loss_by_hand(loss: str, linear: torch.nn.Module) -> None:
 
 def test_the_default_loss_is_plain_cross_entropy() -> None:
     assert LocalOnlyConfig().loss == "ce"
+
+
+def test_generalization_is_each_sites_own_model_on_the_pooled_test_set_by_hand() -> None:
+    """FCA reports local learning's generalization (Tables 4-5): each site's own model on the pooled test set,
+    averaged over sites; checked against a forward pass of each site's model over both sites' test slices."""
+    check_generalization_by_hand("local-only")

@@ -31,7 +31,7 @@ from medflare.methods.ssl_fl.export import export_run, load_encoder, save_encode
 from medflare.methods.ssl_fl.masking import BlockMaskGenerator, beit_mask_count, random_mask
 from medflare.methods.ssl_fl.model import masked_patch_loss, patchify
 from medflare.methods.ssl_fl.server import SslFlRule
-from medflare.methods.ssl_fl.tokenizer import DalleEncoder, DalleTokenizer, DiscreteVae, load_dalle_encoder
+from medflare.methods.ssl_fl.tokenizer import DalleEncoder, DalleTokenizer, DiscreteVae, code_usage, load_dalle_encoder
 from medflare.optim import lr_at, set_step_lr
 from medflare.site_runtime import SiteRuntime, SiteSettings, TaskSpec
 
@@ -271,7 +271,7 @@ def test_stage_handoff_carries_the_encoder_bit_identically_and_drops_the_decoder
     ("method", "method_args", "other_stage_key"),
     [
         ("fed-mae", {"pretrain_rounds": 1}, {"pretrain": "head.weight", "finetune": "decoder.pred.weight"}),
-        ("fed-beit", {"tokenizer_rounds": 1, "pretrain_rounds": 1},
+        ("fed-beit", {"tokenizer_rounds": 1, "pretrain_rounds": 1, "min_code_perplexity": 0.0},  # a 1-step tokenizer
          {"tokenizer": "backbone.pos_embed", "pretrain": "tokenizer.decoder.0.weight", "finetune": "lm_head.proj.weight"}),
     ],
 )
@@ -377,10 +377,12 @@ def test_finetune_loss_is_label_smoothed_and_mixup_pairs_the_batch_with_its_reve
 # ----- Fed-BEiT ---------------------------------------------------------------------------------------
 def test_dvae_gives_one_token_per_patch_and_learns() -> None:
     torch.manual_seed(0)
-    vae = DiscreteVae(channels=3, patch=4, vocab=16, hidden=32, code_dim=16)
-    images = F.interpolate(torch.rand(32, 3, 7, 7) * 2 - 1, size=28)  # one colour per patch: codes can describe it
+    vae = DiscreteVae(channels=1, patch=4, vocab=16, hidden=32, code_dim=16)
+    images = F.interpolate(torch.randint(0, 4, (32, 1, 7, 7)) * 2 / 3 - 1, size=28)  # 4 grey levels, one per patch
     tokens = vae.tokens(images)
     assert tokens.shape == (32, 49) and tokens.dtype == torch.int64 and 0 <= tokens.min() and tokens.max() < 16
+    loss, codes = vae.loss_and_codes(images)
+    assert torch.equal(codes, tokens)  # the codes the tokenizer stage counts are the tokens it will give
     optimizer = torch.optim.Adam(vae.parameters(), 3e-3)
     losses = []
     for _ in range(60):
@@ -389,7 +391,74 @@ def test_dvae_gives_one_token_per_patch_and_learns() -> None:
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    assert losses[-1] < 0.8 * losses[0]
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def _textured_images(count: int, generator: torch.Generator) -> torch.Tensor:
+    """Grey 28-px images of smooth random blobs plus patch-level texture (no two patches alike)."""
+    coarse = F.interpolate(torch.rand(count, 1, 4, 4, generator=generator), size=28, mode="bilinear", align_corners=False)
+    fine = F.interpolate(torch.rand(count, 1, 14, 14, generator=generator), size=28, mode="nearest")
+    return (0.7 * coarse + 0.3 * fine) * 2 - 1
+
+
+def test_a_short_tokenizer_stage_uses_a_healthy_share_of_the_codebook() -> None:
+    """Fed-BEiT's default dVAE (512 codes) after a short stage, 2 rounds x 10 steps x 32 images at 4-px patches
+    with the stage's lr and temperature schedule: its tokens of held images spread over the codebook, above the
+    default floor. (Before the fix: a handful of codes carried every patch, perplexity < 5.)"""
+    cfg = FedBeitConfig()
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    vae = DiscreteVae(1, 4, cfg.vocab_size, cfg.dvae_hidden, cfg.dvae_code_dim)
+    optimizer = torch.optim.AdamW(vae.parameters(), 1e-3, weight_decay=0.0)  # train.stages.tokenizer
+    for stage_round in range(2):
+        vae.temperature = cfg.temperature(stage_round, 2)
+        for _ in range(10):
+            loss = vae.loss(_textured_images(32, generator), cfg.dvae_kl_weight, cfg.dvae_usage_weight)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    used, perplexity = code_usage(torch.bincount(vae.tokens(_textured_images(256, generator)).flatten(), minlength=512))
+    assert perplexity >= cfg.min_code_perplexity and used >= 64
+
+
+def test_code_statistics_reach_the_round_record_and_a_collapsed_tokenizer_fails_loudly() -> None:
+    """Sites report codes used and perplexity in the tokenizer and pre-training stages; the round record keeps them
+    per site with their image-weighted mean, and a pre-training mean below min_code_perplexity stops the job."""
+    def update(site: str, images: int, used: int, perplexity: float) -> SiteUpdate:
+        return SiteUpdate(site, {}, {N_IMAGES: images, contracts.N_SAMPLES: images, "codes_used": used,
+                                     "code_perplexity": perplexity})
+
+    rule = SslFlRule(FedBeitConfig(), 4, FED_BEIT.payload)
+    updates = [update("site-1", 100, 40, 10.0), update("site-2", 300, 200, 50.0)]
+    pretrain = RoundContext(2, 4, stage="pretrain", stage_round=0, stage_rounds=1, scored=False)
+    tokenizer = RoundContext(0, 4, stage="tokenizer", stage_round=0, stage_rounds=2, scored=False)
+    info = rule.round_info(updates, pretrain)
+    assert info["code_perplexity"] == {"site-1": 10.0, "site-2": 50.0} and info["codes_used"]["site-2"] == 200
+    assert info["code_perplexity_mean"] == pytest.approx(0.25 * 10 + 0.75 * 50)
+    low = [update("site-1", 100, 9, 3.0), update("site-2", 300, 12, 5.0)]
+    assert rule.round_info(low, tokenizer)["code_perplexity_mean"] == pytest.approx(4.5)  # still training: no check
+    with pytest.raises(ConfigError, match=r"perplexity 4.50 .* below method.min_code_perplexity=16"):
+        rule.round_info(low, pretrain)
+    assert SslFlRule(FedBeitConfig(min_code_perplexity=0), 4, FED_BEIT.payload).round_info(low, pretrain)
+    assert SslFlRule(FedMaeConfig(), 2, FED_MAE.payload).round_info([_update("site-1", 5, 5)], pretrain) == {}
+    site = _site("fed-beit", 0, {"min_code_perplexity": 0.0})
+    params = _global("fed-beit")
+    for ctx in (tokenizer, pretrain):
+        _, meta = site.train({k: params[k] for k in FED_BEIT.payload.shared_keys(list(params), ctx.stage)}, ctx)
+        assert int(site.trainer.code_counts.sum()) == QUICK["batch_size"] * 49  # every token of the round's batch
+        assert 1 <= meta["codes_used"] <= 512 and 1.0 <= meta["code_perplexity"] <= meta["codes_used"]
+        assert FED_BEIT.payload.meta["code_perplexity"](meta["code_perplexity"], None) == meta["code_perplexity"]
+
+
+def test_norm_pix_loss_defaults_off_at_small_patches_and_on_at_mae_patches() -> None:
+    """auto: off at 4-px patches (28 px images; with it on Fed-MAE's features collapsed there), on at 16 px."""
+    assert FedMaeConfig().norm_pix_loss == "auto"
+    assert not FedMaeConfig().norm_pix(4) and not FedMaeConfig().norm_pix(8) and FedMaeConfig().norm_pix(16)
+    assert FedMaeConfig(norm_pix_loss=True).norm_pix(4) and not FedMaeConfig(norm_pix_loss=False).norm_pix(16)
+    assert build_fed_mae(MODEL, 2, 1, 28, None, FedMaeConfig()).norm_pix is False
+    assert build_fed_mae(MODEL, 2, 1, 224, None, FedMaeConfig()).norm_pix is True  # 14 x 14 patches of 16 px
+    with pytest.raises(ConfigError, match="norm_pix_loss must be"):
+        FedMaeConfig(norm_pix_loss="sometimes")
 
 
 def test_beit_pretraining_predicts_tokens_of_masked_patches_only() -> None:
@@ -448,19 +517,27 @@ def test_beit_refuses_a_dalle_file_whose_vocabulary_differs(tmp_path: Path) -> N
 def test_exported_encoder_rebuilds_bit_identically_and_chains_into_a_new_job(tmp_path: Path) -> None:
     torch.manual_seed(0)
     network = build_fed_mae(MODEL, 3, 1, 28, None, FedMaeConfig()).eval()
+    with torch.no_grad():  # a trained final norm, unlike the untrained fc_norm
+        network.decoder.encoder_norm.weight.uniform_(0.5, 2.0)
+        network.decoder.encoder_norm.bias.uniform_(-0.5, 0.5)
     path = save_encoder(network, tmp_path / "encoder.pt", "fed-mae", MODEL)
     content = torch.load(path, weights_only=True)
-    assert content["format"] == "medflare.ssl_fl.encoder/1" and all(k.startswith("backbone.") for k in content["state_dict"])
+    assert content["format"] == "medflare.ssl_fl.encoder/2" and all(k.startswith("backbone.") for k in content["state_dict"])
+    assert all(torch.equal(content["encoder_norm"][k], v) for k, v in network.decoder.encoder_norm.state_dict().items())
     encoder, info = load_encoder(path)
     images = torch.randn(3, 1, 28, 28)
     assert (info.in_channels, info.image_size, info.num_features) == (1, 28, 96)
-    assert torch.equal(encoder(images), network.forward_features(images))
-    assert torch.equal(encoder(images.expand(-1, 3, -1, -1)), network.forward_features(images))  # RGB copy of grey
+    pooled = network.decoder.encoder_norm(network.backbone.forward_features(images))[:, 1:].mean(1)
+    assert torch.equal(encoder(images), pooled)
+    assert torch.equal(encoder(images.expand(-1, 3, -1, -1)), pooled)  # RGB copy of grey
     chained = build_fed_mae(MODEL, 3, 1, 28, str(path), FedMaeConfig(pretrain_rounds=0))
     assert all(torch.equal(chained.state_dict()[k], v) for k, v in content["state_dict"].items())
     with pytest.raises(DataError, match="not an SSL-FL encoder"):
         torch.save({"state_dict": {}}, tmp_path / "plain.pt")
         load_encoder(tmp_path / "plain.pt")
+    torch.save({**content, "format": "medflare.ssl_fl.encoder/1"}, tmp_path / "old.pt")
+    with pytest.raises(DataError, match="dropped the trained encoder norm; export it again"):
+        load_encoder(tmp_path / "old.pt")
 
 
 def test_export_from_a_run_needs_a_pretraining_only_run(tmp_path: Path) -> None:
@@ -484,7 +561,7 @@ def test_fed_mas_runs_on_a_fed_mae_encoder_as_its_frozen_prior(tmp_path: Path) -
     prior_spec = f"fed-mae:{path}"
     prior = build_prior(prior_spec, 96, input_size=64)  # the encoder's own size wins over prior_input_size
     images = torch.rand(2, 1, 28, 28) * 2 - 1
-    torch.testing.assert_close(prior(images), network.forward_features(images))
+    torch.testing.assert_close(prior(images), network.decoder.encoder_norm(network.backbone.forward_features(images))[:, 1:].mean(1))
     settings = SiteSettings(
         method="fedmas", task=TaskSpec(2, 1, 28), data={"source": "synthetic:n=80,classes=2,channels=1", "num_sites": 1},
         model="cnn", method_args={"prior": prior_spec, "prior_dim": 96}, train=QUICK, evaluation="off",

@@ -117,11 +117,52 @@ def test_the_export_writes_the_trained_encoder_weights(tmp_path: Path) -> None:
     (tmp_path / "summary.json").write_text(json.dumps({"config": config}))
     encoder, _ = load_encoder(export_run(tmp_path))
     exported = encoder.network.state_dict()
-    keys = [k for k in trained if k.startswith("backbone.")]
+    keys = _encoder_keys(list(trained))  # fc_norm pools only in fine-tuning: the prior pools the trained norm
     assert "backbone.blocks.0.attn.qkv.weight" in keys
     assert all(torch.equal(exported[k], trained[k]) for k in keys)
+    assert all(torch.equal(exported[f"backbone.norm.{p}"], trained[f"decoder.encoder_norm.{p}"]) for p in ("weight", "bias"))
     images = torch.randn(2, 3, 28, 28)
-    torch.testing.assert_close(encoder(images), network.eval().forward_features(images))
+    torch.testing.assert_close(encoder(images), _trained_features(network.eval(), images))
+
+
+def _trained_features(network: torch.nn.Module, images: torch.Tensor) -> torch.Tensor:
+    """The trained network's encoder output as pre-training's head sees it (blocks, then the trained final norm),
+    mean-pooled over the patch tokens."""
+    with torch.no_grad():
+        tokens = network.backbone.forward_features(images)  # the ViT's own norm is an identity (fc_norm pooling)
+        norm = network.decoder.encoder_norm if hasattr(network, "decoder") else network.lm_head.norm
+        return norm(tokens)[:, 1:].mean(dim=1)
+
+
+@pytest.mark.parametrize("method", ["fed-mae", "fed-beit"])
+def test_the_exported_prior_gives_the_trained_encoders_normalised_features(method: str, tmp_path: Path) -> None:
+    """A few real pre-training steps (encoder and final norm move off their initialisation), export, load through
+    Fed-MAS's prior loader: its features are the trained encoder's, through the norm pre-training trained."""
+    from medflare.methods.fed_mas.prior import build_prior
+    from medflare.methods.ssl_fl.export import export_global_model
+
+    args, rounds, ctx = JOBS[method]
+    args = {**args, "finetune_rounds": 0, "min_code_perplexity": 0.0} if method == "fed-beit" else {**args, "finetune_rounds": 0}
+    site = _site(method, max_steps=3)
+    site.trainer.cfg.min_code_perplexity = 0.0
+    params = _global(method, args)
+    with torch.no_grad():  # a trained norm far from LayerNorm's (1, 0) start, so dropping it shows
+        for key in ("decoder.encoder_norm.weight", "lm_head.norm.weight"):
+            if key in params:
+                params[key] = (params[key] * 0 + np.linspace(0.2, 3.0, params[key].size)).astype(params[key].dtype)
+    site.train({k: params[k] for k in site.spec.payload.shared_keys(list(params), ctx.stage)}, ctx)
+    network = site.model.eval()
+    initial = build_global_model(method, MODEL, TASK.num_classes, TASK.in_channels, TASK.image_size, method_args=args)
+    assert not torch.equal(network.state_dict()["backbone.blocks.0.attn.qkv.weight"],
+                           initial.state_dict()["backbone.blocks.0.attn.qkv.weight"])
+    model_file = tmp_path / "FL_global_model.pt"
+    torch.save({"model": network.state_dict()}, model_file)
+    spec = FED_MAE if method == "fed-mae" else FED_BEIT
+    out = export_global_model(method, MODEL, vars(TASK), spec.config_cls(**args), model_file, tmp_path / "encoder.pt")
+    prior = build_prior(f"fed-mae:{out}", 96, input_size=28)
+    images = torch.rand(4, 3, 28, 28) * 2 - 1
+    torch.testing.assert_close(prior(images), _trained_features(network, images), rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(prior(images), network.forward_features(images), atol=1e-2)  # not fc_norm's pooling
 
 
 # ----- 4. BEiT: the encoder sees the mask token, never the masked patches -------------------------------------
@@ -161,7 +202,7 @@ def test_mae_encodes_the_visible_share_and_scores_masked_normalised_patches() ->
     """m = 0.6 of 49 patches: the encoder sees the class token and int(49 * 0.4) = 19 patches; the loss is the
     mean over the masked patches of the per-patch MSE to the patch standardised by its mean and unbiased var."""
     torch.manual_seed(0)
-    network = build_fed_mae(MODEL, 3, 3, 28, None, FedMaeConfig()).eval()
+    network = build_fed_mae(MODEL, 3, 3, 28, None, FedMaeConfig(norm_pix_loss=True)).eval()
     images = torch.randn(3, 3, 28, 28)
     loss, pred, width = _mae_run(network, images, seed=1)
     assert width == 1 + 19

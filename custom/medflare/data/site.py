@@ -30,7 +30,7 @@ from typing import Literal
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import ConcatDataset, Dataset
 
 from medflare.data.longtail import long_tail_indices
 from medflare.data.noise import NOISE_KINDS, inject_label_noise
@@ -200,6 +200,8 @@ class SiteData:
         site_name: Name of the site, e.g. "site-1".
         public: The unlabelled public set (deterministic transform, every label -1), or None when not configured.
         multi_label: Whether labels are multi-hot rows (several findings per image).
+        pooled_test: Simulation, when asked for: every site's test slice as that site sees it, together (the
+            pooled test set FCA's generalization scores a site's own model on); None otherwise.
     """
 
     train: ImageDataset
@@ -214,15 +216,17 @@ class SiteData:
     site_name: str
     public: ImageDataset | None = None
     multi_label: bool = False
+    pooled_test: Dataset | None = None
 
 
-def make_site_data(cfg: DataConfig, site_index: int, site_name: str = "") -> SiteData:
+def make_site_data(cfg: DataConfig, site_index: int, site_name: str = "", pooled_test: bool = False) -> SiteData:
     """Builds the datasets of one site.
 
     Args:
         cfg: Data config (the same on every simulated site).
         site_index: 0-based index of this site among `cfg.num_sites` (ignored for the partition when local).
         site_name: Name used in messages and `SiteData.site_name`; default "site-<index+1>".
+        pooled_test: Also build `SiteData.pooled_test` (simulation only; a local site holds only its own data).
 
     Raises:
         ConfigError: Site index out of range, or a site shift on a file-based source.
@@ -231,10 +235,7 @@ def make_site_data(cfg: DataConfig, site_index: int, site_name: str = "") -> Sit
     site_name = site_name or f"site-{site_index + 1}"
     splits = load_source(cfg.source, seed=cfg.seed, num_classes=cfg.num_classes)
     train, val, test, identified = _site_sets(cfg, splits, site_index, site_name)
-    if cfg.window:
-        train, val, test = (_windowed(image_set, cfg) for image_set in (train, val, test))
-    if cfg.site_shift > 0:
-        train, val, test = (_shifted(image_set, cfg, site_index) for image_set in (train, val, test))
+    train, val, test = (_as_seen(image_set, cfg, site_index) for image_set in (train, val, test))
     num_classes = splits.train.num_classes
     image_size = cfg.image_size or int(splits.info["image_size"])
     channels = splits.train.channels
@@ -252,7 +253,26 @@ def make_site_data(cfg: DataConfig, site_index: int, site_name: str = "") -> Sit
         site_name=site_name,
         public=None if public is None else ImageDataset(public, build_transform(channels, image_size, train=False)),
         multi_label=train.multi_label,
+        pooled_test=_pooled_test(cfg, splits, channels, image_size) if pooled_test and not cfg.local else None,
     )
+
+
+def _as_seen(image_set: ImageSet, cfg: DataConfig, site_index: int) -> ImageSet:
+    """A split as site `site_index` reads it: with the job's intensity window and that site's acquisition shift."""
+    if cfg.window:
+        image_set = _windowed(image_set, cfg)
+    if cfg.site_shift > 0:
+        image_set = _shifted(image_set, cfg, site_index)
+    return image_set
+
+
+def _pooled_test(cfg: DataConfig, splits: DataSplits, channels: int, image_size: int) -> Dataset:
+    """Every simulated site's test slice as that site sees it, in site order: the pooled test set (the slices tile
+    the source's test split, so this is that split, each image shifted as its own site's)."""
+    transform = build_transform(channels, image_size, train=False)
+    slices = [_as_seen(_site_sets(cfg, splits, index, f"site-{index + 1}")[2], cfg, index)
+              for index in range(cfg.num_sites)]
+    return ConcatDataset([ImageDataset(image_set, transform) for image_set in slices])
 
 
 def describe_partition(cfg: DataConfig) -> list[dict]:

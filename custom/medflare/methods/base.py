@@ -26,6 +26,7 @@ from medflare.ops import load_params, model_params
 from medflare.ops.influence import Mixture, Weighting, bound, combine
 from medflare.optim import OptimizerKey, build_optimizer, check_train_options, rebuild_due, set_step_lr
 from medflare.optim import round_lr  # noqa: F401  (re-exported: its home was this module)
+from medflare.methods.presets import Preset
 
 Log = Callable[[str], None]
 LARGEST_SHARE = "largest_share"  # a round's record: site -> its largest share of any row of a row-weighted array
@@ -693,6 +694,12 @@ class MethodSpec:
             ``RunConfig.validate`` before anything starts: ``(method config, {site: resolved TrainConfig},
             simulated DataConfig or None when each site reads its own data) -> problems``, one sentence each
             naming the option to change. What only loaded data decides stays in the trainer.
+        data_defaults: DataConfig options of the paper's evaluation protocol for simulated data, e.g. FCA's
+            ``{"eval_split": "like_train"}`` (each site's test split follows its training class mix). Applied by
+            ``RunConfig.validate`` under the job's own data options (``--set data.eval_split=pooled`` wins), never
+            for site-local data, and ``like_train`` not for a multi-label task; the run's config records them.
+        presets: named run-config presets (``--preset NAME``), e.g. ``{"paper": Preset(...)}`` with the paper's
+            headline configuration and what still differs from it (:mod:`medflare.methods.presets`).
     """
 
     name: str
@@ -712,6 +719,8 @@ class MethodSpec:
     reveals: str = "nothing beyond the model weights and the common meta"
     multi_label: bool = False
     check_run: Callable[[Any, Mapping[str, TrainConfig], Any], list[str]] | None = None
+    data_defaults: Mapping[str, Any] = field(default_factory=dict)
+    presets: Mapping[str, Preset] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.server_model and self.payload.sends_weights:

@@ -14,11 +14,13 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from medflare.evaluation import GENERALIZATION
 from medflare.methods.base import LocalTrainer, RoundContext, TrainConfig
 from medflare.models import Classifier
 from medflare.optim import build_optimizer, set_step_lr
 
-__all__ = ["HeadLoss", "PersonalizedTrainer", "fit_head", "frozen_features", "head_optimizer"]
+__all__ = ["HeadLoss", "PersonalizedTrainer", "fit_head", "frozen_features", "head_optimizer",
+           "own_model_generalization"]
 
 HeadLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> scalar loss
 
@@ -87,6 +89,18 @@ def fit_head(
             optimizer.step()
             total, steps = total + float(loss.detach()), steps + 1
     return total / max(steps, 1)
+
+
+def own_model_generalization(trainer: LocalTrainer, split: str) -> dict[str, Any]:
+    """FCA's generalization of a method without a global classifier (FedRep, local-only): the site's own model on
+    the pooled test set, ``{GENERALIZATION: EvalStats}`` for the test split; the server averages it over sites.
+
+    The site must have the pooled test set (``data.pooled_test``: simulation, built when the trainer class sets
+    ``scores_pooled_test``); a site reading its own data holds only its own split, so it gives nothing.
+    """
+    if split != "test" or getattr(trainer.data, "pooled_test", None) is None:
+        return {}
+    return {GENERALIZATION: trainer.evaluate("pooled_test")}
 
 
 class PersonalizedTrainer(LocalTrainer):

@@ -14,6 +14,7 @@ from medflare.errors import ConfigError
 from medflare.methods.base import MethodSpec, TrainConfig
 from medflare.methods.fed_mas.client import RF_KEY, FedMasTrainer
 from medflare.methods.fed_mas.model import FedMasNet
+from medflare.methods.fed_mas.paper import PAPER
 from medflare.methods.fed_mas.plots import plot_divergence
 from medflare.methods.fed_mas.prior import IMAGENET_LITE0, prior_feature_dim
 from medflare.methods.fed_mas.server import FedMasRule
@@ -110,6 +111,7 @@ SPEC = register_method(
         reference=REFERENCE,
         site_log_plot=plot_divergence,
         check_run=check_prior_cache,
+        presets={"paper": PAPER},
         reveals=(
             "RF, one number in (0, 1]: how much the site's class-wise distances to the prior changed during local "
             "training; not the per-class distances w and ŵ, which stay in the site's own log"

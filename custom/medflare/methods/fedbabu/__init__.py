@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from medflare.contracts import Payload
 from medflare.errors import ConfigError
+from medflare.evaluation import FCA_PROTOCOL_DATA
 from medflare.methods.base import MethodSpec
 from medflare.methods.fedbabu.client import FedBabuTrainer
 from medflare.methods.fedbabu.server import FedBabuRule
@@ -49,6 +50,6 @@ SPEC = register_method(
         build_model=build_fedbabu_model,
         reference="Oh, Kim and Yun, FedBABU: Towards Enhanced Representation for Federated Image Classification, "
         "ICLR 2022",
-        smoke={"data": {"eval_split": "like_train"}},
+        data_defaults=FCA_PROTOCOL_DATA,  # FCA's protocol, under which FCA compares FedBABU (Tables 4-5)
     )
 )

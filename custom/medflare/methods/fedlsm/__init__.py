@@ -14,6 +14,7 @@ from medflare.data.transforms import AUGMENTATIONS
 from medflare.errors import ConfigError
 from medflare.methods.base import MethodSpec, TrainConfig
 from medflare.methods.fedlsm.client import FedLsmTrainer
+from medflare.methods.fedlsm.paper import PAPER
 from medflare.methods.fedlsm.server import (
     CLASSIFIER_KEYS,
     IDENTIFIED_KEY,
@@ -56,8 +57,8 @@ class FedLsmConfig:
     ue: bool = True  # False: the "w/o UE" ablation (random D^h / D^l, pseudo-labels on every sample)
     pos_weight_mode: str = "element"  # element: pos_weight on every entry, as the code builds it | positive
     repo_compat: bool = False  # the authors' behaviour for spec §5(e)1-2 and their UE formula (see README)
-    weak_augment: str = "weak"  # the teacher's view (horizontal flip)
-    strong_augment: str = "strong"  # the student's view (flips, affine, brightness/contrast, blur)
+    weak_augment: str = "weak"  # the teacher's view: Resize + horizontal flip (the code's weak view)
+    strong_augment: str = "fedlsm_strong"  # the student's view: the code's flips, brightness, blur|noise, affine
     classifier_keys: str = CLASSIFIER_KEYS  # state-dict keys of the classifier rows AWPA weights per class
 
     def __post_init__(self) -> None:
@@ -112,6 +113,7 @@ SPEC = register_method(
         reference=REFERENCE,
         multi_label=True,
         check_run=check_pool_rows,
+        presets={"paper": PAPER},
         smoke={"data": {"partition": "labelset:3"}, "method_args": {"local_iterations": 2}},
         reveals=(
             "q: per class, how many labels and confident pseudo-labels the site drew this round (its estimated class "

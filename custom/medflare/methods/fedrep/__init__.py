@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from medflare.contracts import Payload
 from medflare.errors import ConfigError
+from medflare.evaluation import FCA_PROTOCOL_DATA
 from medflare.methods.base import MethodSpec
 from medflare.methods.fedrep.client import FedRepTrainer
 from medflare.methods.fedrep.server import FedRepRule
@@ -37,7 +38,7 @@ SPEC = register_method(
         payload=Payload(private_keys=r"^head\."),
         server_rule_cls=FedRepRule,
         reference="Collins et al., Exploiting Shared Representations for Personalized Federated Learning, ICML 2021",
-        smoke={"data": {"eval_split": "like_train"}},
+        data_defaults=FCA_PROTOCOL_DATA,  # FCA's protocol, under which FCA compares FedRep (Tables 4-5)
         global_classifier=False,  # every head is private: the saved global model is a body without a head
     )
 )

@@ -10,7 +10,13 @@ from torch import nn
 from medflare.evaluation import SPECIALIZATION
 from medflare.losses import balanced_softmax_loss
 from medflare.methods.base import RoundContext
-from medflare.methods.personalization import PersonalizedTrainer, fit_head, frozen_features, head_optimizer
+from medflare.methods.personalization import (
+    PersonalizedTrainer,
+    fit_head,
+    frozen_features,
+    head_optimizer,
+    own_model_generalization,
+)
 
 __all__ = ["FedRepTrainer"]
 
@@ -46,9 +52,12 @@ class FedRepTrainer(PersonalizedTrainer):
         labelled = labels >= 0
         return self._loss(self.model(images)[labelled], labels[labelled])
 
+    scores_pooled_test = True  # the generalization evaluation scores the site's own model on the pooled test set
+
     def extra_evaluations(self, split: str) -> dict[str, Any]:
-        """Specialization: the site's body and personal head as its last local training left them."""
-        return {SPECIALIZATION: self.evaluate(split)}
+        """The site's body and personal head as its last local training left them: specialization on its own
+        split; generalization on the pooled test set (simulation), as FCA reports FedRep's."""
+        return {SPECIALIZATION: self.evaluate(split), **own_model_generalization(self, split)}
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return balanced_softmax_loss(logits, labels, self.class_counts, eps=self.cfg.eps)

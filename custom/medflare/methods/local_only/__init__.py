@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from medflare.contracts import Payload
 from medflare.errors import ConfigError
 from medflare.methods.base import MethodSpec
-from medflare.methods.local_only.client import LOSSES, LocalOnlyTrainer
+from medflare.methods.local_only.client import LOSSES, LocalOnlyReferenceTrainer
 from medflare.methods.local_only.server import LocalOnlyRule
 from medflare.registry import register_method
 
@@ -35,7 +35,7 @@ SPEC = register_method(
         name="local-only",
         summary="Local-only baseline: each site trains its own model (any architecture); no weights travel",
         config_cls=LocalOnlyConfig,
-        trainer_cls=LocalOnlyTrainer,
+        trainer_cls=LocalOnlyReferenceTrainer,
         # Every key is private: nothing travels, and the whole model is kept in the site state across a restart.
         payload=Payload(sends_weights=False, private_keys=r".*"),
         server_rule_cls=LocalOnlyRule,

@@ -14,6 +14,7 @@ from medflare.data import DataConfig
 from medflare.errors import ConfigError
 from medflare.methods.base import MethodSpec, TrainConfig
 from medflare.methods.mdhfl.client import MdhflTrainer
+from medflare.methods.mdhfl.paper import PAPER
 from medflare.methods.mdhfl.protocol import PAYLOAD
 from medflare.methods.mdhfl.server import MdhflRule
 from medflare.registry import register_method
@@ -109,5 +110,6 @@ SPEC = register_method(
         smoke=SMOKE,
         reveals=REVEALS,
         check_run=check_public_set,
+        presets={"paper": PAPER},
     )
 )

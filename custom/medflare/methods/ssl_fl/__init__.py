@@ -11,10 +11,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from medflare.contracts import MAX_SAMPLES, Payload, non_negative_number
+from medflare.data.transforms import AUGMENTATIONS
 from medflare.errors import ConfigError
 from medflare.methods.base import MethodSpec, Stage
-from medflare.methods.ssl_fl.client import N_IMAGES, FedBeitTrainer, FedMaeTrainer
+from medflare.methods.ssl_fl.client import CODE_PERPLEXITY, CODES_USED, N_IMAGES, FedBeitTrainer, FedMaeTrainer
 from medflare.methods.ssl_fl.model import FINETUNE, PRETRAIN, TOKENIZER, FedBeitNet, FedMaeNet
+from medflare.methods.ssl_fl.paper import PRESETS as PAPER_PRESETS
 from medflare.methods.ssl_fl.server import SslFlRule
 from medflare.methods.ssl_fl.tokenizer import DiscreteVae
 from medflare.registry import register_method
@@ -24,6 +26,8 @@ REFERENCE = (
     "Tackling Data Heterogeneity in Medical Imaging, IEEE TMI 2023 (code: rui-yan/SSL-FL)"
 )
 DVAE = "dvae"
+AUTO = "auto"
+NORM_PIX_MIN_PATCH = 16  # MAE's patch size, where norm_pix_loss was validated
 DALLE_PREFIX = "dall-e:"
 
 
@@ -40,6 +44,9 @@ class SslFlConfig:
     mixup: float = 0.8  # fine-tuning Mixup alpha (MAE 0.8, BEiT off); 0 = off
     cutmix: float = 1.0  # fine-tuning CutMix alpha (MAE 1.0, BEiT off); 0 = off
     mixup_switch_prob: float = 0.5  # chance a mixed batch uses CutMix instead of Mixup (MAE 0.5)
+    # Training views per stage (data/transforms.py; data.augment is not used): the scripts' Retina recipes, §4(c)
+    pretrain_augment: str = "mae_pretrain"  # pre-training (and BEiT's tokenizer): crop 0.2-1, grey, jitter 0.4, flip
+    finetune_augment: str = "ssl_finetune"  # fine-tuning: random resized crop 0.6-1, rotation 10°, flip
 
     def __post_init__(self) -> None:
         checks = [
@@ -50,6 +57,8 @@ class SslFlConfig:
             (0.0 <= self.label_smoothing < 1.0, "label_smoothing must be in [0, 1)"),
             (self.mixup >= 0 and self.cutmix >= 0, "mixup and cutmix alphas must be >= 0"),
             (0.0 <= self.mixup_switch_prob <= 1.0, "mixup_switch_prob must be in [0, 1]"),
+            (self.pretrain_augment in AUGMENTATIONS and self.finetune_augment in AUGMENTATIONS,
+             f"pretrain_augment and finetune_augment must be one of {AUGMENTATIONS}"),
         ]
         problems = [message for ok, message in checks if not ok]
         if problems:
@@ -83,7 +92,9 @@ class SslFlConfig:
 class FedMaeConfig(SslFlConfig):
     """Fed-MAE: random masking, a light decoder, pixel regression on the masked patches."""
 
-    norm_pix_loss: bool = True  # standardise each target patch (every SSL-FL script)
+    # standardise each target patch (every SSL-FL script, at 16-px patches); auto = on for patches of >= 16 px,
+    # off below: at 4-px patches (16 values per channel) it collapsed the features (README, Deviations)
+    norm_pix_loss: bool | str = AUTO
     decoder_dim: int = 128  # decoder width (ViT-B MAE: 512; this default is CPU-sized)
     decoder_depth: int = 2  # decoder blocks (ViT-B MAE: 8)
     decoder_heads: int = 4  # decoder attention heads (ViT-B MAE: 16)
@@ -92,6 +103,16 @@ class FedMaeConfig(SslFlConfig):
         super().__post_init__()
         if min(self.decoder_dim, self.decoder_depth, self.decoder_heads) < 1 or self.decoder_dim % self.decoder_heads:
             raise ConfigError("fed-mae decoder_dim, decoder_depth, decoder_heads must be >= 1, dim divisible by heads")
+        if isinstance(self.norm_pix_loss, str) and self.norm_pix_loss != AUTO:
+            raise ConfigError(f"fed-mae norm_pix_loss must be true, false or '{AUTO}', got '{self.norm_pix_loss}'")
+
+    def norm_pix(self, patch: int) -> bool:
+        """Whether targets are standardised per patch at ``patch`` px: ``norm_pix_loss``, or with ``auto`` on from
+        MAE's 16-px patches up (256 values per channel) and off for smaller patches, whose few pixels give a
+        noisy per-patch mean and variance."""
+        if self.norm_pix_loss == AUTO:
+            return patch >= NORM_PIX_MIN_PATCH
+        return bool(self.norm_pix_loss)
 
 
 @dataclass
@@ -103,12 +124,17 @@ class FedBeitConfig(SslFlConfig):
     drop_path: float = 0.2
     mixup: float = 0.0
     cutmix: float = 0.0
+    pretrain_augment: str = "beit_pretrain"  # BEiT's order: grey, jitter, flip, then the crop
     tokenizer: str = DVAE  # dvae (trained federatedly in its own stage) | dall-e:PATH (a local DALL-E encoder file)
     tokenizer_rounds: int = 1  # rounds of the federated dVAE stage; 0 with dall-e:PATH
     vocab_size: int = 512  # visual tokens (BEiT/DALL-E: 8192; this default is CPU-sized); set 8192 with DALL-E
     dvae_hidden: int = 64  # dVAE convolution width
     dvae_code_dim: int = 64  # dVAE codebook vector width
     dvae_kl_weight: float = 0.0  # weight of KL(q || uniform) in the dVAE loss (DALL-E's customized dVAE: 0)
+    dvae_usage_weight: float = 1.0  # weight of KL(batch-averaged q || uniform): keeps the codebook in use
+    # the stage fails when the visual tokens of the pre-training images have a lower perplexity (exp of the
+    # entropy of their code histogram, image-weighted mean over sites); 0 = no floor
+    min_code_perplexity: float = 16.0
     tau_start: float = 1.0  # Gumbel-softmax temperature at the start of the tokenizer stage (DALL-E: 1)
     tau_end: float = 1.0 / 16  # ... at its last round (DALL-E anneals to 1/16)
     block_min_patches: int = 0  # smallest masking block; 0 = BEiT's 16 per 196 patches, scaled to the grid
@@ -125,8 +151,13 @@ class FedBeitConfig(SslFlConfig):
             )
         if self.tokenizer == DVAE and self.pretrain_rounds and not self.tokenizer_rounds:
             raise ConfigError("fed-beit with the federated dVAE needs tokenizer_rounds >= 1 before pre-training")
-        if self.vocab_size < 2 or min(self.dvae_hidden, self.dvae_code_dim) < 1 or self.dvae_kl_weight < 0:
-            raise ConfigError("fed-beit vocab_size must be >= 2, dvae sizes >= 1 and dvae_kl_weight >= 0")
+        if self.vocab_size < 2 or min(self.dvae_hidden, self.dvae_code_dim) < 1 or min(
+            self.dvae_kl_weight, self.dvae_usage_weight, self.min_code_perplexity
+        ) < 0:
+            raise ConfigError(
+                "fed-beit vocab_size must be >= 2, dvae sizes >= 1, dvae_kl_weight, dvae_usage_weight and "
+                "min_code_perplexity >= 0"
+            )
         if not 0 < self.tau_end <= self.tau_start or self.layer_scale <= 0:
             raise ConfigError("fed-beit needs 0 < tau_end <= tau_start and layer_scale > 0")
 
@@ -164,9 +195,10 @@ def _load_pretrained(network: Any, pretrained: str | None) -> Any:
 
 def build_fed_mae(model: str, num_classes: int, in_channels: int, image_size: int, pretrained, cfg: FedMaeConfig) -> FedMaeNet:
     """The ViT classifier with MAE's decoder (``model`` must be a ``vit_*`` name)."""
+    classifier = _vit(model, num_classes, in_channels, image_size, cfg, layer_scale=None)
+    patch = int(classifier.backbone.patch_embed.patch_size[0])
     network = FedMaeNet(
-        _vit(model, num_classes, in_channels, image_size, cfg, layer_scale=None),
-        cfg.decoder_dim, cfg.decoder_depth, cfg.decoder_heads, cfg.mask_ratio, cfg.norm_pix_loss,
+        classifier, cfg.decoder_dim, cfg.decoder_depth, cfg.decoder_heads, cfg.mask_ratio, cfg.norm_pix(patch),
     )
     return _load_pretrained(network, pretrained)
 
@@ -197,18 +229,23 @@ BEIT_TRAIN_DEFAULTS = {
     },
 }
 PAYLOAD_META = {N_IMAGES: non_negative_number(N_IMAGES, upper=MAX_SAMPLES)}
+BEIT_PAYLOAD_META = {  # the visual tokens' code statistics on the round's images (tokenizer and pre-training)
+    **PAYLOAD_META, CODES_USED: non_negative_number(CODES_USED, upper=MAX_SAMPLES),
+    CODE_PERPLEXITY: non_negative_number(CODE_PERPLEXITY, upper=MAX_SAMPLES),
+}
 SMOKE_DATA = {"source": "synthetic:n=160,n_val=40,n_test=40,imbalance=2", "partition": "iid"}
 
 
 def _register(name: str, summary: str, config_cls: type, trainer_cls: type, network_cls: type, build_model: Any,
-              train_defaults: dict, smoke: dict) -> MethodSpec:
+              train_defaults: dict, smoke: dict, meta: dict = PAYLOAD_META, reveals: str = "") -> MethodSpec:
     """One SSL-FL method: its stages' wire declaration comes from the network's ``NOT_SENT`` table."""
     return register_method(
         MethodSpec(
             name=name, summary=summary, config_cls=config_cls, trainer_cls=trainer_cls,
-            payload=Payload(stage_excluded_keys=network_cls.NOT_SENT, meta=PAYLOAD_META), server_rule_cls=SslFlRule,
+            payload=Payload(stage_excluded_keys=network_cls.NOT_SENT, meta=meta), server_rule_cls=SslFlRule,
             build_model=build_model, train_defaults=train_defaults, reference=REFERENCE,
             smoke={"model": "vit_micro", "data": SMOKE_DATA, **smoke}, default_model="vit_tiny",
+            presets=PAPER_PRESETS.get(name, {}), **({"reveals": reveals} if reveals else {}),
         )
     )
 
@@ -221,5 +258,9 @@ FED_MAE = _register(
 FED_BEIT = _register(
     "fed-beit", "Fed-BEiT: federated dVAE tokenizer, BEiT pre-training of a ViT, then federated fine-tuning (one job)",
     FedBeitConfig, FedBeitTrainer, FedBeitNet, build_fed_beit, BEIT_TRAIN_DEFAULTS,
-    {"rounds": 3, "method_args": {"tokenizer_rounds": 1, "pretrain_rounds": 1}},
+    # the smoke job's one-step tokenizer cannot reach the codebook floor: it checks the wiring, not the tokens
+    {"rounds": 3, "method_args": {"tokenizer_rounds": 1, "pretrain_rounds": 1, "min_code_perplexity": 0.0}},
+    meta=BEIT_PAYLOAD_META,
+    reveals=("in the tokenizer and pre-training stages, how many of the visual-token codes occur in the site's "
+             "round and the perplexity of their histogram (two numbers: how varied its images look to the tokenizer)"),
 )

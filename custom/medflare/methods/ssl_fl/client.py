@@ -14,16 +14,20 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Subset
 
+from medflare.data import ImageDataset, build_transform
 from medflare.errors import ConfigError
 from medflare.methods.base import LocalTrainer, RoundContext
 from medflare.methods.ssl_fl.masking import BlockMaskGenerator, beit_mask_count
-from medflare.methods.ssl_fl.model import FINETUNE, TOKENIZER, set_drop_path
-from medflare.methods.ssl_fl.tokenizer import DalleTokenizer
+from medflare.methods.ssl_fl.model import FINETUNE, TOKENIZER, UNLABELLED_STAGES, set_drop_path
+from medflare.methods.ssl_fl.tokenizer import DalleTokenizer, code_usage
 
 if TYPE_CHECKING:
     from timm.data import Mixup
 
 N_IMAGES = "n_images"  # every local training image, labelled or not: the FedAvg weight of pre-training
+# Fed-BEiT: the visual tokens of the round's images (tokenizer and pre-training stages): how many codes of the
+# vocabulary occur, and the perplexity (exp of the entropy) of their histogram
+CODES_USED, CODE_PERPLEXITY = "codes_used", "code_perplexity"
 
 
 class SslFlTrainer(LocalTrainer):
@@ -40,7 +44,8 @@ class SslFlTrainer(LocalTrainer):
 
         super().__init__(*args, **kwargs)
         labels = np.asarray(self.data.train.labels)
-        self.labelled = Subset(self.data.train, np.flatnonzero(labels >= 0).tolist())
+        self.pretrain_images = self.augmented(self.cfg.pretrain_augment)
+        self.labelled = Subset(self.augmented(self.cfg.finetune_augment), np.flatnonzero(labels >= 0).tolist())
         self.mixup = _mixup(self.cfg, int(self.data.num_classes))
         self.soft_target_loss = SoftTargetCrossEntropy()
         self.rng = np.random.default_rng(int(torch.randint(2**31 - 1, ()).item()))  # seeded by the site runtime
@@ -62,8 +67,13 @@ class SslFlTrainer(LocalTrainer):
         rate = self.cfg.drop_path if stage == FINETUNE else self.cfg.pretrain_drop_path
         set_drop_path(self.model.backbone, rate)
 
+    def augmented(self, augment: str) -> ImageDataset:
+        """The site's training images (same order and labels as ``data.train``) under one stage's augmentation."""
+        data = self.data
+        return ImageDataset(data.train.images, build_transform(data.channels, data.image_size, True, augment))
+
     def train_dataset(self) -> Any:
-        return self.labelled if self.stage == FINETUNE else self.data.train
+        return self.labelled if self.stage == FINETUNE else self.pretrain_images
 
     # ----- losses ---------------------------------------------------------------------------------
     def compute_loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -120,21 +130,40 @@ class FedBeitTrainer(SslFlTrainer):
         self.masks = BlockMaskGenerator(grid, beit_mask_count(grid * grid, self.cfg.mask_ratio), self.cfg.block_min_patches)
         path = self.cfg.dalle_path
         self.dalle = DalleTokenizer(path, grid).to(self.device) if path else None
+        self.code_counts = torch.zeros(self.cfg.vocab_size, dtype=torch.int64)  # this round's visual tokens
         if self.dalle is not None and self.dalle.vocab != self.cfg.vocab_size:
             raise ConfigError(
                 f"the DALL-E encoder {path} has {self.dalle.vocab} codes; set method.vocab_size={self.dalle.vocab}"
             )
 
     def on_round_start(self, ctx: RoundContext) -> None:
+        self.code_counts = torch.zeros(self.cfg.vocab_size, dtype=torch.int64)
         if ctx.stage == TOKENIZER:
             self.model.tokenizer.temperature = self.cfg.temperature(ctx.stage_round, ctx.stage_rounds)
 
+    def count_codes(self, codes: torch.Tensor) -> None:
+        """Add a batch's token ids to the round's code histogram (reported in :meth:`round_meta`)."""
+        self.code_counts += torch.bincount(codes.flatten().cpu(), minlength=self.cfg.vocab_size)
+
     def compute_loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.stage == TOKENIZER:
-            return self.model.tokenizer.loss(images, self.cfg.dvae_kl_weight)
+            loss, codes = self.model.tokenizer.loss_and_codes(images, self.cfg.dvae_kl_weight, self.cfg.dvae_usage_weight)
+            self.count_codes(codes)
+            return loss
         return super().compute_loss(images, labels)
 
     def pretext_loss(self, images: torch.Tensor) -> torch.Tensor:
         tokenizer = self.dalle if self.dalle is not None else self.model.tokenizer
         masked = self.masks.batch(len(images), self.rng).to(self.device)
-        return self.model.pretext_loss(images, tokenizer.tokens(images), masked)
+        tokens = tokenizer.tokens(images)
+        self.count_codes(tokens)
+        return self.model.pretext_loss(images, tokens, masked)
+
+    def round_meta(self, ctx: RoundContext) -> dict[str, Any]:
+        """Also the code statistics of the round's visual tokens: in the tokenizer stage those of the dVAE being
+        trained, in pre-training the targets of the frozen final tokenizer (the server checks the floor)."""
+        meta = super().round_meta(ctx)
+        if ctx.stage in UNLABELLED_STAGES and self.code_counts.sum() > 0:
+            used, perplexity = code_usage(self.code_counts)
+            meta.update({CODES_USED: used, CODE_PERPLEXITY: perplexity})
+        return meta

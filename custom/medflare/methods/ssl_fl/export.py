@@ -3,16 +3,21 @@
 
 Format (``torch.save`` of a dict, readable with ``torch.load(..., weights_only=True)``):
 
-    {"format": "medflare.ssl_fl.encoder/1",
+    {"format": "medflare.ssl_fl.encoder/2",
      "method": "fed-mae",                # the method that pre-trained it
      "model": "vit_tiny",                # medflare model name (ViT size)
      "in_channels": 1, "image_size": 28, "patch_size": 4,
      "num_features": 192,                # width of the pooled features
      "layer_scale": False,               # whether blocks carry layer-scale parameters (Fed-BEiT)
-     "state_dict": {"backbone.<name>": tensor, ...}}   # the encoder only: no decoder, lm_head or head
+     "state_dict": {"backbone.<name>": tensor, ...},   # the encoder only: no decoder, lm_head or head
+     "encoder_norm": {"weight": tensor, "bias": tensor}}  # the encoder's final LayerNorm as pre-training trained it
 
-The features of the encoder are the mean of its patch tokens through ``backbone.fc_norm`` (the fine-tuning
-pooling). Usage on a finished pre-training-only run (``method.finetune_rounds=0``)::
+The features of the encoder are the mean over its patch tokens of that trained final norm (MAE's
+``decoder.encoder_norm``, BEiT's ``lm_head.norm``): what the pre-training head saw. ``backbone.fc_norm`` (the
+fine-tuning pooling norm, never trained in pre-training) is kept in ``state_dict`` for ``--pretrained`` but
+not used for the features. Format ``/1`` (before it) pooled through that untrained ``fc_norm``, dropping the
+trained norm; it is refused: export again. Usage on a finished pre-training-only run
+(``method.finetune_rounds=0``)::
 
     python -m medflare.methods.ssl_fl.export RUN_DIR [-o RUN_DIR/encoder.pt]
 """
@@ -31,7 +36,9 @@ from torch import nn
 from medflare.errors import ConfigError, DataError
 from medflare.models.vit import VitClassifier, build_vit, vit_size
 
-ENCODER_FORMAT = "medflare.ssl_fl.encoder/1"
+ENCODER_FORMAT = "medflare.ssl_fl.encoder/2"
+OLD_FORMATS = ("medflare.ssl_fl.encoder/1",)
+LN_EPS = 1e-6  # the ViT's LayerNorm epsilon (model.LN_EPS)
 ENCODER_PREFIX = "backbone."
 DEFAULT_FILE = "encoder.pt"
 
@@ -64,17 +71,25 @@ def encoder_info(network: VitClassifier, method: str, model: str) -> EncoderInfo
 
 
 def save_encoder(network: VitClassifier, path: str | Path, method: str, model: str) -> Path:
-    """Write ``network``'s encoder (``backbone.*``) in the documented format; returns the path."""
+    """Write ``network``'s encoder (``backbone.*``) and its trained final norm in the documented format.
+
+    Raises:
+        ConfigError: a network without a pre-trained encoder norm (not a Fed-MAE/Fed-BEiT network).
+    """
+    if not hasattr(network, "encoder_norm"):
+        raise ConfigError(f"{type(network).__name__} is not an SSL-FL network: it has no pre-trained encoder norm")
     info = encoder_info(network, method, model)
     state = {k: v.detach().cpu().clone() for k, v in network.state_dict().items() if k.startswith(ENCODER_PREFIX)}
+    norm = {k: v.detach().cpu().clone() for k, v in network.encoder_norm().state_dict().items()}
     file = Path(path)
     file.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"format": ENCODER_FORMAT, **info.__dict__, "state_dict": state}, file)
+    torch.save({"format": ENCODER_FORMAT, **info.__dict__, "state_dict": state, "encoder_norm": norm}, file)
     return file
 
 
 class EncoderFeatures(nn.Module):
-    """A loaded encoder as a feature extractor: ``[B, C, S, S]`` medflare-normalised images -> ``[B, D]``.
+    """A loaded encoder as a feature extractor: ``[B, C, S, S]`` medflare-normalised images -> ``[B, D]``, the
+    mean over the patch tokens of the trained final norm (the ViT's ``norm``; its ``fc_norm`` is an identity).
 
     It takes 3-channel input for a 1-channel encoder too (its first channel: Fed-MAS's prior copies grey
     images to RGB, so that channel is the original image).
@@ -104,6 +119,11 @@ def load_encoder(path: str | Path) -> tuple[EncoderFeatures, EncoderInfo]:
         content = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several unrelated types for unreadable files
         raise DataError(f"cannot read encoder file {file}: {exc}") from exc
+    if isinstance(content, dict) and content.get("format") in OLD_FORMATS:
+        raise DataError(
+            f"{file} is an SSL-FL encoder file of format '{content['format']}', which dropped the trained encoder "
+            "norm; export it again from its run with `python -m medflare.methods.ssl_fl.export RUN_DIR`"
+        )
     if not isinstance(content, dict) or content.get("format") != ENCODER_FORMAT:
         raise DataError(
             f"{file} is not an SSL-FL encoder file (format '{ENCODER_FORMAT}'); write one with "
@@ -118,9 +138,12 @@ def load_encoder(path: str | Path) -> tuple[EncoderFeatures, EncoderInfo]:
     state = content["state_dict"]
     if set(state) != encoder_keys:
         raise DataError(f"{file}: encoder keys do not fit {info.model} (differing: {sorted(set(state) ^ encoder_keys)[:3]})")
+    vit = network.backbone
+    vit.norm, vit.fc_norm = nn.LayerNorm(info.num_features, eps=LN_EPS), nn.Identity()  # pool the trained norm
     try:
         network.load_state_dict(state, strict=False)
-    except RuntimeError as exc:
+        vit.norm.load_state_dict(content["encoder_norm"])
+    except (RuntimeError, KeyError, TypeError) as exc:
         raise DataError(f"{file}: encoder weights do not fit {info.model}: {exc}") from exc
     return EncoderFeatures(network, info).eval(), info
 

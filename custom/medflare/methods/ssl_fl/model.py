@@ -87,6 +87,11 @@ class MaskedImageNet(VitClassifier):
         for name, parameter in self.named_parameters():
             parameter.requires_grad_(pattern.search(name) is not None)
 
+    def encoder_norm(self) -> nn.LayerNorm:
+        """The encoder's final norm as pre-training trained it (MAE: ``decoder.encoder_norm``, BEiT:
+        ``lm_head.norm``); the export pools the encoder's tokens through it."""
+        raise NotImplementedError
+
     def encode(self, tokens: torch.Tensor) -> torch.Tensor:
         """Transformer blocks over ``[class token, tokens]``; ``tokens`` already carry their position embedding."""
         vit = self.backbone
@@ -182,6 +187,9 @@ class FedMaeNet(MaskedImageNet):
         self.mask_ratio = mask_ratio
         self.norm_pix = norm_pix
 
+    def encoder_norm(self) -> nn.LayerNorm:
+        return self.decoder.encoder_norm
+
     def pretext_loss(self, images: torch.Tensor) -> torch.Tensor:
         """Reconstruction loss on the masked patches of a freshly masked batch."""
         vit = self.backbone
@@ -232,6 +240,9 @@ class FedBeitNet(MaskedImageNet):
         super().__init__(classifier)
         self.lm_head = BeitLmHead(self.backbone.embed_dim, vocab)
         self.tokenizer = tokenizer
+
+    def encoder_norm(self) -> nn.LayerNorm:
+        return self.lm_head.norm
 
     def pretext_loss(self, images: torch.Tensor, tokens: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
         """Cross-entropy of the visual tokens of the masked patches, which the encoder sees as mask tokens.

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from medflare import contracts
-from medflare.errors import PayloadError
+from medflare.errors import ConfigError, PayloadError
 from medflare.methods.base import RoundContext, ServerRule, SiteUpdate, Stage
-from medflare.methods.ssl_fl.client import N_IMAGES
-from medflare.methods.ssl_fl.model import UNLABELLED_STAGES
+from medflare.methods.ssl_fl.client import CODE_PERPLEXITY, CODES_USED, N_IMAGES
+from medflare.methods.ssl_fl.model import PRETRAIN, UNLABELLED_STAGES
+
+MEAN_PERPLEXITY = "code_perplexity_mean"  # round record: the sites' perplexities, weighted by their images
 
 
 class SslFlRule(ServerRule):
@@ -29,3 +33,30 @@ class SslFlRule(ServerRule):
         if float(images) < labelled:
             raise PayloadError(f"{N_IMAGES}={images:g} is fewer than the site's {labelled:g} labelled images")
         return float(images)
+
+    def round_info(self, updates: list[SiteUpdate], ctx: RoundContext) -> dict[str, Any]:
+        """Fed-BEiT: each site's codes used and code perplexity, and their image-weighted mean perplexity.
+
+        Raises:
+            ConfigError: in pre-training (whose targets are the final tokenizer's tokens), a mean perplexity below
+                ``min_code_perplexity``: nearly constant targets teach the encoder nothing.
+        """
+        reported = [u for u in updates if CODE_PERPLEXITY in u.meta]
+        if not reported:
+            return {}
+        weights = [float(u.meta.get(N_IMAGES, 1.0)) for u in reported]
+        mean = sum(w * float(u.meta[CODE_PERPLEXITY]) for w, u in zip(weights, reported)) / max(sum(weights), 1e-12)
+        info = {
+            CODES_USED: {u.site: u.meta[CODES_USED] for u in reported},
+            CODE_PERPLEXITY: {u.site: u.meta[CODE_PERPLEXITY] for u in reported},
+            MEAN_PERPLEXITY: mean,
+        }
+        floor = float(getattr(self.cfg, "min_code_perplexity", 0.0))
+        if ctx.stage == PRETRAIN and mean < floor:
+            raise ConfigError(
+                f"fed-beit: the tokenizer's visual tokens have perplexity {mean:.2f} on the sites' images (codes "
+                f"used per site: {sorted(info[CODES_USED].values())}), below method.min_code_perplexity={floor:g}; "
+                "train the tokenizer longer (method.tokenizer_rounds), raise method.dvae_usage_weight, or set "
+                "method.min_code_perplexity=0 to accept it"
+            )
+        return info

@@ -1,0 +1,228 @@
+"""A private wide-area network on one machine: one Linux network namespace per participant, joined by a bridge
+that lives in a namespace of its own (``medflare rehearse``; needs root).
+
+Every namespace, veth pair, qdisc and ``/etc/netns/<ns>/hosts`` file is created here, named
+``mfr-<owner pid>-<role>``, recorded, and removed by :meth:`Wan.teardown` (also after a failure); namespaces left by
+a rehearsal whose process died (SIGKILL) are swept by :func:`sweep_stale` the next time one starts. Nothing is
+added to the machine's own (root) network namespace: the veth pairs are created inside the bridge's namespace and
+their far ends moved into the participants' namespaces, so all traffic stays on interfaces inside namespaces this
+module made.
+
+Per participant the link can be shaped (``tc tbf``, both directions: the participant's ``eth0`` egress is its
+upload, the bridge port's egress its download) and taken down and brought back (the bridge port: the participant
+sees its carrier go). The kernel here has no ``netem``: latency and random loss cannot be emulated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+PREFIX = "mfr"  # every namespace this module makes is mfr-<pid>-<role>
+NETNS_ETC = Path("/etc/netns")
+NAME = re.compile(rf"^{PREFIX}-(\d+)-[a-z0-9]+$")
+SUBNET = "10.213.0"  # /24 inside the rehearsal's namespaces only (the root namespace never sees it)
+BRIDGE = "br0"
+
+
+class NetnsError(RuntimeError):
+    """A namespace, link or qdisc could not be made or changed; the message says which command failed."""
+
+
+def unavailable_reason() -> str | None:
+    """Why network namespaces cannot be used here (one line), or None when they can."""
+    if os.geteuid() != 0:
+        return "needs root: it creates network namespaces, veth pairs and tc qdiscs (run it as root, e.g. in CI)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"needs the '{tool}' command (iproute2), which is not installed"
+    if not Path("/proc/self/ns/net").exists():
+        return "this kernel has no network namespaces (/proc/self/ns/net is missing)"
+    probe = f"{PREFIX}-{os.getpid()}-probe"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot create a network namespace here ('ip netns add' said: {made.stderr.strip() or made.returncode})"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _run(*command: str, check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run(list(command), capture_output=True, text=True)
+    if check and done.returncode != 0:
+        raise NetnsError(f"'{' '.join(command)}' failed ({done.returncode}): {done.stderr.strip()}")
+    return done
+
+
+def list_namespaces() -> list[str]:
+    """Names of every named network namespace (``ip netns list``)."""
+    out = _run("ip", "netns", "list", check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def namespace_pids(ns: str) -> list[int]:
+    """Processes inside namespace ``ns``."""
+    out = _run("ip", "netns", "pids", ns, check=False).stdout
+    return [int(pid) for pid in out.split() if pid.isdigit()]
+
+
+def end_namespace_processes(ns: str, grace_seconds: float = 5.0, sig: int = signal.SIGTERM) -> list[int]:
+    """End every process inside ``ns`` (SIGTERM, then SIGKILL after ``grace_seconds``); only processes in a
+    namespace this module made are ever signalled. Returns their pids."""
+    pids = namespace_pids(ns)
+    processes = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            process = psutil.Process(pid)
+            process.send_signal(sig)
+            processes.append(process)
+    _, alive = psutil.wait_procs(processes, timeout=grace_seconds if sig != signal.SIGKILL else 5)
+    for process in alive:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    psutil.wait_procs(alive, timeout=5)
+    return pids
+
+
+def delete_namespace(ns: str) -> None:
+    """End what runs in ``ns``, delete it and its ``/etc/netns/<ns>`` folder."""
+    if ns in list_namespaces():
+        end_namespace_processes(ns)
+        _run("ip", "netns", "del", ns, check=False)
+    shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        NETNS_ETC.rmdir()  # only when empty: another tool's namespaces keep theirs
+
+
+def sweep_stale() -> list[str]:
+    """Delete the namespaces (and hosts folders) of rehearsals whose process is gone; return their names."""
+    stale = []
+    names = set(list_namespaces()) | ({p.name for p in NETNS_ETC.iterdir()} if NETNS_ETC.is_dir() else set())
+    for ns in sorted(names):
+        match = NAME.match(ns)
+        if match and not psutil.pid_exists(int(match.group(1))):
+            delete_namespace(ns)
+            stale.append(ns)
+    return stale
+
+
+@dataclass
+class Host:
+    """One participant's namespace on the WAN.
+
+    Attributes:
+        name: the participant (e.g. ``hospital-a``).
+        ns: its namespace.
+        address: its IPv4 address on the bridge.
+        port: the bridge-side end of its veth pair (in the bridge's namespace).
+        rate_mbit: its link's rate (None: unshaped).
+        up: whether its link is up.
+    """
+
+    name: str
+    ns: str
+    address: str
+    port: str
+    rate_mbit: float | None = None
+    up: bool = True
+
+
+@dataclass
+class Wan:
+    """The rehearsal's network: a bridge namespace and one namespace per participant.
+
+    Args:
+        names: participant names in order of their addresses (``<SUBNET>.<10 + index>``).
+        hosts_entries: host names every participant resolves, name -> participant (its address); written to every
+            namespace's ``/etc/netns/<ns>/hosts``.
+        owner: the pid the names carry (this process by default): a sweep deletes them once it is gone.
+    """
+
+    names: list[str]
+    hosts_entries: dict[str, str] = field(default_factory=dict)
+    owner: int = field(default_factory=os.getpid)
+    hosts: dict[str, Host] = field(default_factory=dict)
+    made: list[str] = field(default_factory=list)
+
+    @property
+    def bridge_ns(self) -> str:
+        return f"{PREFIX}-{self.owner}-wan"
+
+    def up(self) -> None:
+        """Create the bridge, every participant's namespace, link, address and hosts file."""
+        self._add_namespace(self.bridge_ns)
+        _run("ip", "-n", self.bridge_ns, "link", "add", BRIDGE, "type", "bridge")
+        _run("ip", "-n", self.bridge_ns, "link", "set", BRIDGE, "up")
+        for index, name in enumerate(self.names):
+            host = Host(name, f"{PREFIX}-{self.owner}-p{index}", f"{SUBNET}.{10 + index}", f"v{index}")
+            self._add_namespace(host.ns)
+            _run("ip", "-n", self.bridge_ns, "link", "add", host.port, "type", "veth", "peer", "name", "eth0",
+                 "netns", host.ns)
+            _run("ip", "-n", self.bridge_ns, "link", "set", host.port, "master", BRIDGE)
+            _run("ip", "-n", self.bridge_ns, "link", "set", host.port, "up")
+            _run("ip", "-n", host.ns, "addr", "add", f"{host.address}/24", "dev", "eth0")
+            _run("ip", "-n", host.ns, "link", "set", "eth0", "up")
+            self.hosts[name] = host
+        lines = ["127.0.0.1 localhost"]
+        for hostname, participant in self.hosts_entries.items():
+            lines.append(f"{self.hosts[participant].address} {hostname}")
+        for host in self.hosts.values():
+            folder = NETNS_ETC / host.ns
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "hosts").write_text("\n".join([*lines, f"{host.address} {host.name}"]) + "\n")
+
+    def _add_namespace(self, ns: str) -> None:
+        _run("ip", "netns", "add", ns)
+        self.made.append(ns)
+        _run("ip", "-n", ns, "link", "set", "lo", "up")
+
+    def exec_prefix(self, name: str) -> list[str]:
+        """The command prefix that runs a program inside ``name``'s namespace, with its hosts file."""
+        return ["ip", "netns", "exec", self.hosts[name].ns]
+
+    def set_rate(self, name: str, mbit: float | None) -> None:
+        """Shape ``name``'s link to ``mbit`` Mbit/s each way with ``tc tbf`` (None removes the shaping)."""
+        host = self.hosts[name]
+        for ns, dev in ((host.ns, "eth0"), (self.bridge_ns, host.port)):
+            _run("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+            if mbit is not None:
+                rate_bits = mbit * 1e6
+                burst = max(32_000, int(rate_bits / 8 / 100))  # 10 ms worth of bytes, at least 32 kB
+                _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+                     "rate", f"{int(rate_bits)}bit", "burst", str(burst), "latency", "100ms")
+        host.rate_mbit = mbit
+
+    def qdiscs(self, name: str) -> str:
+        """``tc qdisc show`` of both ends of ``name``'s link."""
+        host = self.hosts[name]
+        return "".join(_run("ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", dev, check=False).stdout
+                       for ns, dev in ((host.ns, "eth0"), (self.bridge_ns, host.port)))
+
+    def set_link(self, name: str, up: bool) -> None:
+        """Take ``name``'s link down (its bridge port; the participant loses carrier) or bring it back."""
+        host = self.hosts[name]
+        _run("ip", "-n", self.bridge_ns, "link", "set", host.port, "up" if up else "down")
+        host.up = up
+
+    def end_processes(self, name: str, sig: int = signal.SIGTERM) -> list[int]:
+        """End every process running in ``name``'s namespace; return their pids."""
+        return end_namespace_processes(self.hosts[name].ns, sig=sig)
+
+    def teardown(self) -> None:
+        """Remove everything :meth:`up` made, participants first (their processes are ended), the bridge last.
+        Never raises: it runs after failures."""
+        for ns in reversed(self.made):
+            with contextlib.suppress(Exception):
+                delete_namespace(ns)
+        deadline = time.time() + 10
+        while time.time() < deadline and set(self.made) & set(list_namespaces()):
+            time.sleep(0.2)
+        self.made = [ns for ns in self.made if ns in list_namespaces()]

@@ -1,0 +1,727 @@
+"""Rehearse a cross-hospital deployment on one machine: ``medflare rehearse`` (needs root).
+
+The consortium is provisioned with the project's normal flow (:func:`medflare.deploy.provision.provision`: FLARE's
+``nvflare provision`` plus medflare's site policies) from ``provisioning/project.yml``, cut to the server, N
+hospitals and the people. Every participant then runs from its own startup kit (``startup/start.sh``, as a
+hospital's IT starts it) in its own network namespace with its own address; the server's FQDN (and its certificate's
+other names) resolve to the server's address inside every namespace through ``/etc/netns/<ns>/hosts``, and a bridge
+in a namespace of its own joins them (:mod:`medflare.deploy.netns`). Each hospital reads its own data from its
+kit's ``local/medflare_site.json`` (synthetic images, a different seed per hospital). The lead, in its own
+namespace, submits a pre-installed job with its admin kit (``nvflare job submit``, as ``docs/deploy-lead.md`` says),
+follows it with ``medflare watch``, downloads it (``nvflare job download``) and builds the report
+(``medflare report``). Meanwhile the rehearsal shapes each hospital's link (``tc tbf``), takes links down and
+back, and kills and restarts hospitals, as scripted. At the end it checks what the deployment promises and writes
+``rehearsal.json`` (timings, rounds, faults, checks) beside the report.
+
+Everything it made (namespaces, qdiscs, hosts files, processes, kits) is removed at the end, also on failure,
+SIGTERM or Ctrl-C; the server and sites run under medflare's process keeper (:mod:`medflare.processes`), so they
+die with the rehearsal even when it is SIGKILLed, and its namespaces are swept by the next rehearsal.
+
+Command line::
+
+    medflare rehearse --hospitals 2 --rounds 2 -o runs/rehearse
+    medflare rehearse --hospitals 3 --min-clients 2 --straggler 10 --rate hospital-c=10 \\
+        --outage hospital-b@round2:25 --kill hospital-c@round3:5 -o runs/rehearse-faults
+    python -m medflare.deploy.rehearse faults -o runs/rehearse-faults     # the fault matrix (make rehearse-faults)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from medflare.deploy.netns import Wan, sweep_stale, unavailable_reason
+from medflare.errors import ConfigError, MedflareError
+from medflare.processes import end_processes, run_kept
+
+# provisioning, policies and FLARE are imported where used: `medflare --help` builds this command's options
+
+REPO_DIR = Path(__file__).resolve().parents[3]
+DEFAULT_PROJECT = REPO_DIR / "provisioning" / "project.yml"
+TASK = {"num_classes": 2, "in_channels": 1, "image_size": 28}  # what each hospital's synthetic data yields
+MID_ROUND_DELAY = 1.0  # seconds after a round starts that a round-triggered fault strikes (sites are training)
+STRAGGLER_SLACK = 3.0  # seconds the server may take past the straggler wait to cancel the task and aggregate
+WORK_ALLOWANCE = 60.0  # seconds a round may take for the sites' local work and transfers, on top of the waits
+Echo = Callable[[str], None]
+
+
+class RehearseError(MedflareError, RuntimeError):
+    """The rehearsal could not run, or its deployment broke a promise; the message says which."""
+
+
+# ----- what to rehearse ------------------------------------------------------------------------------------------
+@dataclass
+class Fault:
+    """One scripted fault at one hospital.
+
+    Attributes:
+        kind: "outage" (its link down, then back) or "kill" (every process of the hospital SIGKILLed, then its kit
+            started again with ``startup/start.sh``).
+        site: the hospital.
+        round: strike when this round (1-based) has started, plus :data:`MID_ROUND_DELAY`; or None.
+        seconds: strike this many seconds after submission (when ``round`` is None).
+        duration: seconds until the link comes back / the kit is started again.
+    """
+
+    kind: str
+    site: str
+    round: int | None
+    seconds: float
+    duration: float
+
+    @classmethod
+    def parse(cls, kind: str, text: str) -> Fault:
+        """``SITE@roundK:DURATION`` or ``SITE@SECONDS:DURATION``."""
+        match = re.fullmatch(r"([^@]+)@(round(\d+)|(\d+(?:\.\d+)?))(?::(\d+(?:\.\d+)?))", text.strip())
+        if not match:
+            raise ConfigError(f"--{kind} '{text}' must be SITE@roundK:SECONDS or SITE@SECONDS:SECONDS "
+                              f"(e.g. hospital-b@round2:25)")
+        site, _, round_, seconds, duration = match.groups()
+        return cls(kind, site, int(round_) if round_ else None, float(seconds or 0), float(duration))
+
+    def describe(self) -> str:
+        when = f"round {self.round}" if self.round is not None else f"{self.seconds:g} s after submission"
+        what = "link down" if self.kind == "outage" else "processes killed"
+        return f"{self.site}: {what} at {when} for {self.duration:g} s"
+
+
+@dataclass
+class Rehearsal:
+    """A rehearsal's settings (``medflare rehearse``'s options).
+
+    Attributes:
+        hospitals: number of hospitals (named as in project.yml, then hospital-d, -e, ...).
+        method, model, rounds: the job.
+        min_clients: sites each round needs (0 = every hospital).
+        straggler_seconds: how long a round waits for the others once ``min_clients`` answered.
+        task_timeout: seconds a site may take per task (0 = medflare's default, 3600).
+        max_steps, batch_size: local work per round.
+        images: synthetic training images per hospital.
+        rates: Mbit/s per hospital (``tc tbf`` both ways); others are unshaped.
+        faults: scripted outages and kills.
+        job_timeout: seconds the job may take.
+    """
+
+    hospitals: int = 2
+    method: str = "fedavg"
+    model: str = "cnn"
+    rounds: int = 2
+    min_clients: int = 0
+    straggler_seconds: int = 10
+    task_timeout: int = 0
+    max_steps: int = 5
+    batch_size: int = 32
+    images: int = 200
+    rates: dict[str, float] = field(default_factory=dict)
+    faults: list[Fault] = field(default_factory=list)
+    job_timeout: float = 900
+    project_file: Path = DEFAULT_PROJECT
+
+    def round_bound(self) -> float:
+        """The longest a round may take: a dead or cut-off site costs at most the straggler wait once
+        ``min_clients`` answered, and never more than the task timeout; the healthy sites' work and transfers get
+        :data:`WORK_ALLOWANCE`."""
+        task_timeout = self.task_timeout or 3600
+        return min(task_timeout, WORK_ALLOWANCE + self.straggler_seconds) + 5.0
+
+
+def consortium(project: dict[str, Any], hospitals: int) -> dict[str, Any]:
+    """project.yml cut to the server, ``hospitals`` hospitals (the project's first, then hospital-d, -e, ...; orgs
+    likewise) and the project's people."""
+    from medflare.deploy.provision import participants
+
+    clients = participants(project, "client")
+    chosen = [dict(c) for c in clients[:hospitals]]
+    for index in range(len(chosen), hospitals):
+        letter = chr(ord("a") + index) if index < 26 else str(index)
+        chosen.append({"name": f"hospital-{letter}", "type": "client", "org": f"hospital_{letter}"})
+    others = [p for p in project["participants"] if p.get("type") != "client"]
+    server = [p for p in others if p.get("type") == "server"]
+    return {**project, "participants": [*server, *chosen, *[p for p in others if p.get("type") != "server"]]}
+
+
+# ----- the rehearsal ---------------------------------------------------------------------------------------------
+class Stage:
+    """Runs one rehearsal; :meth:`close` removes everything it made (called on every way out)."""
+
+    def __init__(self, plan: Rehearsal, work: Path, echo: Echo) -> None:
+        self.plan, self.work, self.echo = plan, work, echo
+        self.wan: Wan | None = None
+        self.keepers: dict[str, list[subprocess.Popen]] = {}
+        self.timings: dict[str, float] = {}
+        self.events: list[dict[str, Any]] = []
+        self.t0 = time.time()
+
+    # ----- set-up ------------------------------------------------------------------------------------------
+    def provision(self) -> None:
+        import yaml
+
+        from medflare.deploy.policies import site_data_config
+        from medflare.deploy.provision import admin_with_role, load_project, participants, provision
+
+        project = consortium(load_project(self.plan.project_file), self.plan.hospitals)
+        self.server = participants(project, "server")[0]
+        self.hospitals = [c["name"] for c in participants(project, "client")]
+        self.lead = admin_with_role(project, "lead")
+        self.project_admin = admin_with_role(project, "project_admin")
+        self.port = int(self.server.get("fed_learn_port", 8002))
+        for name in self.plan.rates:
+            if name not in self.hospitals:
+                raise ConfigError(f"--rate names '{name}', not one of the hospitals {self.hospitals}")
+        for fault in self.plan.faults:
+            if fault.site not in self.hospitals:
+                raise ConfigError(f"--{fault.kind} names '{fault.site}', not one of the hospitals {self.hospitals}")
+        project_file = self.work / "project.yml"
+        project_file.write_text(yaml.safe_dump(project, sort_keys=False))
+        started = time.time()
+        self.prod = provision(project_file, self.work / "kits", "preinstalled")
+        for index, site in enumerate(self.hospitals):  # each hospital's own images, named by the hospital
+            source = f"synthetic:n={self.plan.images},classes={TASK['num_classes']},channels=1,size=28"
+            config = site_data_config(source, seed=index + 1)
+            (self.kit(site) / "local" / "medflare_site.json").write_text(json.dumps(config, indent=2) + "\n")
+        self.timings["provision"] = time.time() - started
+        self.echo(f"rehearse: provisioned {self.server['name']}, {', '.join(self.hospitals)} and {self.lead} "
+                  f"({self.prod})")
+
+    def kit(self, participant: str) -> Path:
+        return self.prod / participant
+
+    def network(self) -> None:
+        started = time.time()
+        names = [self.server["name"], *self.hospitals, self.lead]
+        server_names = [self.server["name"], *self.server.get("host_names", [])]
+        self.wan = Wan(names, {name: self.server["name"] for name in server_names})
+        self.wan.up()
+        for site, mbit in self.plan.rates.items():
+            self.wan.set_rate(site, mbit)
+        self.timings["network"] = time.time() - started
+        shaped = ", ".join(f"{s} {m:g} Mbit/s" for s, m in self.plan.rates.items()) or "no shaping"
+        self.echo(f"rehearse: {len(names)} namespaces on a bridge ({shaped}); {self.server['name']} is "
+                  f"{self.wan.hosts[self.server['name']].address} in every namespace's /etc/netns/<ns>/hosts")
+
+    def env(self) -> dict[str, str]:
+        """The environment every participant starts from: this interpreter's environment first on PATH (the kits'
+        ``sub_start.sh`` runs ``python3``), a HOME of the rehearsal's own (no ~/.nvflare of the user's)."""
+        from medflare.flare.memory import with_allocator_settings
+
+        home = self.work / "home"
+        home.mkdir(exist_ok=True)
+        env = with_allocator_settings({**os.environ, "HOME": str(home)})
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        env.pop("NVFLARE_STARTUP_KIT_DIR", None)
+        return env
+
+    def start(self, participant: str) -> None:
+        """``startup/start.sh`` of the participant's kit, in its namespace, under a keeper."""
+        kit = self.kit(participant)
+        for name in ("daemon_pid.fl", "pid.fl", "shutdown.fl", "restart.fl"):  # a killed daemon's leftovers
+            (kit / name).unlink(missing_ok=True)
+        command = [*self.wan.exec_prefix(participant), "bash", str(kit / "startup" / "start.sh")]
+        done, keeper = run_kept(command, timeout=60, env=self.env(), cwd=str(kit))
+        self.keepers.setdefault(participant, []).append(keeper)
+        if done.returncode != 0:
+            raise RehearseError(f"{participant}'s startup/start.sh failed ({done.returncode}): {done.stderr[-500:]}")
+
+    def in_ns(self, participant: str, command: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+        return subprocess.run([*self.wan.exec_prefix(participant), *command], capture_output=True, text=True,
+                              env=self.env(), timeout=timeout)
+
+    def nvflare(self, participant: str, admin: str, *args: str, timeout: float = 300) -> dict[str, Any]:
+        """``nvflare ... --startup-kit <admin's kit> --format json`` run in ``participant``'s namespace."""
+        from medflare.deploy.provision import nvflare_command
+
+        command = [*nvflare_command(), *args, "--startup-kit", str(self.kit(admin)), "--format", "json"]
+        done = self.in_ns(participant, command, timeout)
+        for line in reversed(done.stdout.strip().splitlines()):
+            if line.strip().startswith("{"):
+                with contextlib.suppress(json.JSONDecodeError):
+                    return {**json.loads(line), "exit_code": done.returncode}
+        return {"status": "error", "message": (done.stderr or done.stdout)[-1000:], "exit_code": done.returncode}
+
+    def connected(self) -> list[str]:
+        """Hospitals the server lists as connected, as the coordinating centre sees it (its admin kit, from the
+        server's namespace)."""
+        reply = self.nvflare(self.server["name"], self.project_admin, "system", "status", timeout=60)
+        text = json.dumps(reply.get("data", {}))
+        return [site for site in self.hospitals if f'"{site}"' in text]
+
+    def wait_connected(self, sites: list[str], timeout: float) -> float:
+        started = time.time()
+        while time.time() - started < timeout:
+            if set(sites) <= set(self.connected()):
+                return time.time() - started
+            time.sleep(1)
+        raise RehearseError(f"{sites} did not all connect to {self.server['name']} within {timeout:.0f} s; "
+                            f"see their kits' log.txt")
+
+    def start_all(self) -> None:
+        started = time.time()
+        self.start(self.server["name"])
+        for site in self.hospitals:
+            self.start(site)
+        self.wait_connected(self.hospitals, timeout=180)
+        self.timings["start_and_connect"] = time.time() - started
+        self.echo(f"rehearse: server and {len(self.hospitals)} hospitals started from their kits and connected "
+                  f"({self.timings['start_and_connect']:.0f} s)")
+
+    # ----- the job -----------------------------------------------------------------------------------------
+    def run_config(self) -> Any:
+        from medflare.deploy.apps import deployment_run
+
+        plan = self.plan
+        return deployment_run(
+            plan.method, model=plan.model, rounds=plan.rounds, clients=len(self.hospitals),
+            min_clients=plan.min_clients or len(self.hospitals), data={"source": "site"}, task=dict(TASK),
+            train={"max_steps": plan.max_steps, "batch_size": plan.batch_size},
+            straggler_seconds=plan.straggler_seconds, task_timeout=plan.task_timeout,
+            name=f"rehearse-{plan.method}")
+
+    def export(self) -> Path:
+        from medflare.runner import export_run_job
+
+        run = self.run_config()
+        run.validate(check_files=False)
+        self.run = run
+        return export_run_job(run, self.work / "jobs", "preinstalled")  # what `medflare export` writes
+
+    def submit(self, job_dir: Path) -> str:
+        reply = self.nvflare(self.lead, self.lead, "job", "submit", "-j", str(job_dir))
+        job_id = (reply.get("data") or {}).get("job_id")
+        if reply["exit_code"] != 0 or not job_id:
+            raise RehearseError(f"the lead's 'nvflare job submit' failed: {reply.get('message', reply)}")
+        self.submitted_at = time.time()
+        self.echo(f"rehearse: {self.lead} submitted {job_dir.name} from its namespace: job {job_id}")
+        return job_id
+
+    def server_results(self, job_id: str) -> dict[str, Any] | None:
+        from medflare.flare.controller import RESULTS_FILE
+
+        path = self.kit(self.server["name"]) / job_id / "app_server" / RESULTS_FILE
+        with contextlib.suppress(OSError, ValueError):
+            return json.loads(path.read_text())
+        return None
+
+    def follow(self, job_id: str) -> tuple[int, list[str]]:
+        """``medflare watch`` in the lead's namespace until the job ends, while the scripted faults play out;
+        returns watch's exit code and its lines."""
+        command = [*self.wan.exec_prefix(self.lead), sys.executable, "-m", "medflare.cli", "watch", job_id,
+                   "--startup-kit", str(self.kit(self.lead)), "--interval", "1",
+                   "--timeout", str(int(self.plan.job_timeout))]
+        watcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                   env=self.env(), start_new_session=True)
+        lines: list[str] = []
+
+        def read() -> None:
+            for line in watcher.stdout:
+                lines.append(line.rstrip())
+                self.echo(f"  lead> {line.rstrip()}")
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        pending = [self._schedule(f) for f in self.plan.faults]
+        try:
+            while watcher.poll() is None:
+                rounds_started = None
+                if any(p["state"] != "done" for p in pending):
+                    results = self.server_results(job_id)
+                    rounds_started = len(results["rounds"]) + 1 if results else (1 if self._job_running(job_id)
+                                                                                 else 0)
+                for item in pending:
+                    self._advance(item, rounds_started)
+                time.sleep(0.5)
+            for item in pending:  # the job ended first: links come back, kits start, for the clean-up and checks
+                while item["state"] != "done":
+                    item["due"] = 0.0
+                    self._advance(item, None)
+        finally:
+            if watcher.poll() is None:
+                end_processes([watcher])
+            reader.join(timeout=10)
+        return watcher.returncode, lines
+
+    def _job_running(self, job_id: str) -> bool:
+        return (self.kit(self.server["name"]) / job_id / "app_server").is_dir()
+
+    def _schedule(self, fault: Fault) -> dict[str, Any]:
+        return {"fault": fault, "state": "waiting", "due": None, "record": {"fault": fault.describe()}}
+
+    def _advance(self, item: dict[str, Any], rounds_started: int | None) -> None:
+        fault, record, now = item["fault"], item["record"], time.time()
+        if item["state"] == "waiting":
+            if fault.round is not None:
+                if rounds_started is not None and rounds_started >= fault.round and item["due"] is None:
+                    item["due"] = now + MID_ROUND_DELAY
+            elif item["due"] is None:
+                item["due"] = self.submitted_at + fault.seconds
+            if item["due"] is not None and now >= item["due"]:
+                if fault.kind == "outage":
+                    self.wan.set_link(fault.site, False)
+                else:
+                    record["killed_pids"] = len(self.wan.end_processes(fault.site, sig=signal.SIGKILL))
+                record["struck_at"] = now - self.submitted_at
+                self.echo(f"rehearse: fault: {fault.describe()} (at {record['struck_at']:.1f} s)")
+                item["state"], item["due"] = "struck", now + fault.duration
+        elif item["state"] == "struck" and now >= item["due"]:
+            if fault.kind == "outage":
+                self.wan.set_link(fault.site, True)
+                self.echo(f"rehearse: {fault.site}'s link is back")
+            else:
+                self.start(fault.site)
+                self.echo(f"rehearse: {fault.site} started again from its kit")
+            record["recovered_at"] = time.time() - self.submitted_at
+            item["state"] = "done"
+            self.events.append(record)
+
+    def download_and_report(self, job_id: str) -> Path:
+        """The lead downloads the job and builds the report, as ``docs/deploy-lead.md`` says."""
+        from medflare.flare.controller import RESULTS_FILE
+
+        reply = self.nvflare(self.lead, self.lead, "job", "download", job_id, "-o", str(self.work / "download"),
+                             "--force")
+        if reply["exit_code"] != 0:
+            raise RehearseError(f"the lead's 'nvflare job download' failed: {reply.get('message', reply)}")
+        found = sorted((self.work / "download").glob(f"**/app_server/{RESULTS_FILE}"))
+        if not found:
+            raise RehearseError(f"the downloaded job has no {RESULTS_FILE}: it did not run (see the server log)")
+        done = self.in_ns(self.lead, [sys.executable, "-m", "medflare.cli", "report", str(found[0]), "-o",
+                                      str(self.work / "report")])
+        if done.returncode != 0:
+            last = "\n".join((done.stderr or done.stdout).strip().splitlines()[-3:])
+            raise RehearseError(f"'medflare report' failed: {last}")
+        return found[0]
+
+    def job_status(self, job_id: str) -> str:
+        reply = self.nvflare(self.lead, self.lead, "job", "meta", job_id, timeout=60)
+        return str((reply.get("data") or {}).get("status", "UNKNOWN"))
+
+    def keep_logs(self, out: Path) -> None:
+        """The server's and every hospital's log (this machine plays every hospital: the logs are all here)."""
+        if not hasattr(self, "prod"):
+            return
+        for participant in [self.server["name"], *self.hospitals]:
+            log = self.kit(participant) / "log.txt"
+            if log.is_file():
+                (out / "logs").mkdir(parents=True, exist_ok=True)
+                shutil.copy(log, out / "logs" / f"{participant}.log")
+
+    def close(self) -> None:
+        """End every process, remove every namespace, qdisc and hosts file, and the kits. Never raises."""
+        with contextlib.suppress(Exception):
+            end_processes([k for keepers in self.keepers.values() for k in keepers])
+        if self.wan is not None:
+            self.wan.teardown()
+        shutil.rmtree(self.work / "kits", ignore_errors=True)  # every participant's private key
+        shutil.rmtree(self.work / "home", ignore_errors=True)
+
+
+# ----- checks ----------------------------------------------------------------------------------------------------
+def model_is_finite(path: Path, run: Any) -> str | None:
+    """None when the persisted global model loads with exactly the method's keys and only finite values, else why."""
+    import numpy as np
+    import torch
+
+    from medflare.flare.models import build_global_model
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)["model"]
+    except Exception as exc:  # noqa: BLE001 - any failure to load is the finding
+        return f"{path.name} does not load: {exc}"
+    task = run.task_spec()
+    expected = build_global_model(run.method, run.model, task.num_classes, task.in_channels, task.image_size)
+    if set(state) != set(expected.state_dict()):
+        return f"{path.name} has keys {sorted(set(state) ^ set(expected.state_dict()))} the method's model has not"
+    bad = [k for k, v in state.items() if not np.isfinite(np.asarray(v, dtype=np.float64)).all()]
+    return f"{path.name} has non-finite values in {bad}" if bad else None
+
+
+def check_outcome(plan: Rehearsal, status: str, results: dict[str, Any], model_problem: str | None,
+                  hospitals: list[str], events: list[dict[str, Any]], rejoined: dict[str, bool],
+                  server_log: str, job_id: str) -> list[dict[str, Any]]:
+    """What the deployment promises, each as {check, expected, observed, ok}."""
+    from medflare.deploy.policies import SITE_HEARTBEAT_TIMEOUT
+
+    rounds = results.get("rounds", [])
+    walls = [r.get("wall_seconds", 0.0) for r in rounds]
+    faulted = {f.site for f in plan.faults}
+    dead_site_report = "terminal outcome unavailable from"
+    killed = {f.site for f in plan.faults if f.kind == "kill"}
+    status_ok = status == "FINISHED:COMPLETED" or (
+        status == "FINISHED:ABNORMAL" and bool(killed) and f"Failing job {job_id}: {dead_site_report}" in server_log)
+    checks = [
+        {"check": "job status", "expected": "FINISHED:COMPLETED" + (
+            " (or FINISHED:ABNORMAL naming the killed site as dead)" if killed else ""),
+         "observed": status, "ok": status_ok},
+        {"check": "rounds", "expected": f"all {plan.rounds}, no error",
+         "observed": f"{len(rounds)}" + (f", error: {results['error']}" if results.get("error") else ""),
+         "ok": len(rounds) == plan.rounds and not results.get("error")},
+        {"check": "model", "expected": "FL_global_model.pt loads, finite, the method's keys",
+         "observed": model_problem or "ok", "ok": model_problem is None},
+        {"check": "longest round", "expected": f"<= {plan.round_bound():.0f} s (straggler {plan.straggler_seconds} s "
+                                               f"+ {WORK_ALLOWANCE:.0f} s work, capped by the task timeout)",
+         "observed": f"{max(walls, default=0):.1f} s", "ok": bool(walls) and max(walls) <= plan.round_bound()},
+    ]
+    waits = [r.get("wall_seconds", 0.0) - max((v.get("result_at", 0.0) for v in r.get("sites", {}).values()),
+                                                  default=0.0)
+             for r in rounds if set(hospitals) - set(r.get("share", {}))]
+    if waits:  # a round short of a site: once the others answered, it waits the straggler time, not more
+        checks.append({"check": "straggler wait", "expected": f"rounds short of a site end <= {plan.straggler_seconds}"
+                                                              f" + {STRAGGLER_SLACK:.0f} s after the last result",
+                       "observed": f"longest {max(waits):.1f} s over {len(waits)} round(s)",
+                       "ok": max(waits) <= plan.straggler_seconds + STRAGGLER_SLACK})
+    healthy = [s for s in hospitals if s not in faulted]
+    in_every = all(set(healthy) <= set(r.get("share", {})) for r in rounds)
+    checks.append({"check": "healthy hospitals", "expected": f"{healthy} in every round's aggregate",
+                   "observed": "yes" if in_every else "missing from some round", "ok": in_every})
+    for site in sorted(faulted):
+        missed = [r["round"] + 1 for r in rounds if site not in r.get("share", {})]
+        checks.append({"check": f"{site} rejoined", "expected": "connected to the server again after its fault",
+                       "observed": "connected" if rejoined.get(site) else "not connected",
+                       "ok": bool(rejoined.get(site))})
+        outage = [f for f in plan.faults if f.site == site and f.kind == "outage"]
+        if outage and outage[0].duration < SITE_HEARTBEAT_TIMEOUT:
+            back = bool(missed) and any(site in r.get("share", {}) for r in rounds if r["round"] + 1 > missed[0])
+            checks.append({"check": f"{site} back in the job",
+                           "expected": "misses the cut-off round(s), in a later round's aggregate again",
+                           "observed": f"missed rounds {missed}" + ("; back afterwards" if back else "; not back"),
+                           "ok": back})
+        else:
+            checks.append({"check": f"{site} rounds missed", "expected": "recorded",
+                           "observed": f"{missed}", "ok": True})
+    for event in events:
+        checks.append({"check": "fault played", "expected": event["fault"],
+                       "observed": f"struck at {event.get('struck_at', 0):.1f} s, recovered at "
+                                   f"{event.get('recovered_at', 0):.1f} s", "ok": "struck_at" in event})
+    return checks
+
+
+# ----- entry point -----------------------------------------------------------------------------------------------
+def rehearse(plan: Rehearsal, out_dir: str | Path, echo: Echo = print, overwrite: bool = False) -> dict[str, Any]:
+    """Run one rehearsal; write report, logs and ``rehearsal.json`` into ``out_dir``; return the record.
+
+    Raises:
+        RehearseError: namespaces are unavailable (one line why), or the rehearsal could not run. A run whose
+            checks fail still returns its record (``ok`` false) and keeps its outputs.
+    """
+    from medflare.deploy.policies import SITE_HEARTBEAT_TIMEOUT
+    from medflare.outputs import OutputTarget
+
+    reason = unavailable_reason()
+    if reason:
+        raise RehearseError(f"rehearse {reason}")
+    if plan.hospitals < 1 or plan.rounds < 1:
+        raise ConfigError("--hospitals and --rounds must be at least 1")
+    for stale in sweep_stale():
+        echo(f"rehearse: removed {stale}, left by a rehearsal that died")
+    target = OutputTarget(Path(out_dir), overwrite=overwrite, option="-o")
+    staging = target.begin()
+    stage = Stage(plan, staging / "work", echo)
+    stage.work.mkdir()
+    record: dict[str, Any] = {"plan": _plain(plan)}
+    try:
+        stage.provision()
+        stage.network()
+        stage.start_all()
+        job_dir = stage.export()
+        job_id = stage.submit(job_dir)
+        code, _ = stage.follow(job_id)
+        stage.timings["job"] = time.time() - stage.submitted_at
+        status = stage.job_status(job_id)
+        rejoined = {}
+        for site in {f.site for f in plan.faults}:
+            with contextlib.suppress(RehearseError):
+                stage.wait_connected([site], timeout=SITE_HEARTBEAT_TIMEOUT + 30)
+                rejoined[site] = True
+        started = time.time()
+        results_path = stage.download_and_report(job_id)
+        stage.timings["download_and_report"] = time.time() - started
+        results = json.loads(results_path.read_text())
+        model_problem = model_is_finite(results_path.parent / "FL_global_model.pt", stage.run)
+        server_log = (stage.kit(stage.server["name"]) / "log.txt").read_text(errors="replace")
+        checks = check_outcome(plan, status, results, model_problem, stage.hospitals, stage.events, rejoined,
+                               server_log, job_id)
+        record.update(
+            job_id=job_id, status=status, watch_exit=code, hospitals=stage.hospitals,
+            addresses={name: host.address for name, host in stage.wan.hosts.items()},
+            rounds=[{"round": r["round"] + 1, "wall_seconds": r.get("wall_seconds"),
+                     "sites": sorted(r.get("share", {}))} for r in results.get("rounds", [])],
+            faults=stage.events, checks=checks, ok=all(c["ok"] for c in checks))
+        for item in (stage.work / "report").iterdir():
+            shutil.move(str(item), staging / item.name)
+        stage.keep_logs(staging)
+    except BaseException as exc:
+        from medflare.runner import quiet_on_closed_output, signals_held
+
+        with signals_held():  # a second Ctrl-C must not stop the clean-up half-way
+            stage.echo = quiet_on_closed_output(echo)
+            stage.echo(f"rehearse: stopped ({exc or type(exc).__name__}); removing namespaces, processes and kits")
+            logs = ""
+            with contextlib.suppress(Exception):
+                if hasattr(stage, "prod"):
+                    log = stage.kit(stage.server["name"]) / "log.txt"
+                    logs = log.read_text(errors="replace")[-20000:] if log.is_file() else ""
+            stage.close()
+            target.abandon(logs + f"\nrehearse: stopped: {exc or type(exc).__name__}\n")
+        raise
+    stage.close()
+    stage.timings["total"] = time.time() - stage.t0
+    record["timings"] = {k: round(v, 1) for k, v in stage.timings.items()}
+    shutil.rmtree(stage.work, ignore_errors=True)
+    (staging / "rehearsal.json").write_text(json.dumps(record, indent=2) + "\n")
+    (staging / "rehearsal.md").write_text(checks_table(record["checks"]) + "\n")
+    target.publish()
+    echo(checks_table(record["checks"]))
+    echo(f"rehearse: {'all checks passed' if record['ok'] else 'CHECKS FAILED'}; "
+         f"{Path(out_dir)}/rehearsal.json, report.md, logs/ ({record['timings']['total']:.0f} s)")
+    return record
+
+
+def checks_table(checks: list[dict[str, Any]]) -> str:
+    rows = ["| check | expected | observed | ok |", "|---|---|---|---|"]
+    rows += [f"| {c['check']} | {c['expected']} | {c['observed']} | {'yes' if c['ok'] else 'NO'} |" for c in checks]
+    return "\n".join(rows)
+
+
+def _plain(plan: Rehearsal) -> dict[str, Any]:
+    data = asdict(plan)
+    data["project_file"] = str(plan.project_file)
+    return data
+
+
+# ----- the fault matrix ------------------------------------------------------------------------------------------
+STRAGGLER = 10
+
+
+def fault_matrix() -> list[tuple[str, Rehearsal, str]]:
+    """(name, rehearsal, expected outcome) of ``make rehearse-faults``: 3 hospitals, min_clients 2."""
+    base = dict(hospitals=3, min_clients=2, rounds=4, straggler_seconds=STRAGGLER, max_steps=20)
+    return [
+        ("link down mid-round", Rehearsal(**base, faults=[Fault("outage", "hospital-b", 2, 0, 3 * STRAGGLER)]),
+         f"round 2 goes on without hospital-b after the {STRAGGLER} s straggler wait; hospital-b is back in a "
+         "later round; job COMPLETED"),
+        ("hospital killed, kit restarted", Rehearsal(**base, faults=[Fault("kill", "hospital-c", 2, 0, 5)]),
+         "the other two finish every round; hospital-c's restarted kit connects to the server again; job COMPLETED "
+         "(or ABNORMAL naming hospital-c as dead)"),
+        ("one hospital at 10 Mbit/s", Rehearsal(**base, rates={"hospital-a": 10, "hospital-b": 1000,
+                                                                 "hospital-c": 1000}),
+         "every hospital in every round; job COMPLETED"),
+    ]
+
+
+def run_fault_matrix(out_dir: str | Path, echo: Echo = print, overwrite: bool = False,
+                     only: list[str] | None = None) -> list[dict[str, Any]]:
+    """Every fault of :func:`fault_matrix` in its own rehearsal; writes ``faults.md`` (fault, expected, observed,
+    longest round) into ``out_dir``."""
+    out = Path(out_dir)
+    rows = []
+    for index, (name, plan, expected) in enumerate(fault_matrix()):
+        if only and str(index + 1) not in only:
+            continue
+        echo(f"rehearse: fault {index + 1}: {name}")
+        record = rehearse(plan, out / f"fault-{index + 1}", echo, overwrite=overwrite)
+        failed = [c for c in record["checks"] if not c["ok"]]
+        longest = max((r["wall_seconds"] or 0 for r in record["rounds"]), default=0)
+        sites = "; ".join(f"r{r['round']}: {','.join(s.split('-')[-1] for s in r['sites'])}" for r in record["rounds"])
+        observed = f"{record['status']}; sites per round {sites}" + (
+            f"; FAILED: {', '.join(c['check'] for c in failed)}" if failed else "")
+        rows.append({"fault": name, "expected": expected, "observed": observed,
+                     "longest_round": f"{longest:.1f} s (bound {plan.round_bound():.0f} s)", "ok": record["ok"]})
+    table = ["| fault | expected | observed | longest round | ok |", "|---|---|---|---|---|"]
+    table += [f"| {r['fault']} | {r['expected']} | {r['observed']} | {r['longest_round']} | "
+              f"{'yes' if r['ok'] else 'NO'} |" for r in rows]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "faults.md").write_text("\n".join(table) + "\n")
+    echo("\n".join(table))
+    return rows
+
+
+# ----- command line ----------------------------------------------------------------------------------------------
+def add_rehearse_options(parser: Any) -> None:
+    """``medflare rehearse``'s options."""
+    parser.add_argument("--hospitals", type=int, default=2, help="hospitals (default 2)")
+    parser.add_argument("--method", default="fedavg", help="registered method (default fedavg)")
+    parser.add_argument("--model", default="cnn", help="model (default cnn)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds (default 2)")
+    parser.add_argument("--min-clients", type=int, default=0, help="sites each round needs (default: all)")
+    parser.add_argument("--straggler", type=int, default=10,
+                        help="seconds a round waits for the rest once min-clients answered (default 10)")
+    parser.add_argument("--task-timeout", type=int, default=0, help="seconds a site may take per task "
+                                                                    "(default: medflare's 3600)")
+    parser.add_argument("--max-steps", type=int, default=5, help="local steps per round (default 5)")
+    parser.add_argument("--images", type=int, default=200, help="synthetic training images per hospital")
+    parser.add_argument("--rate", action="append", default=[], metavar="SITE=MBIT",
+                        help="shape a hospital's link with tc tbf, both ways, e.g. hospital-b=10")
+    parser.add_argument("--outage", action="append", default=[], metavar="SITE@WHEN:SECONDS",
+                        help="take a hospital's link down at WHEN (roundK: once round K started; or seconds "
+                             "after submission) for SECONDS, e.g. hospital-b@round2:30")
+    parser.add_argument("--kill", action="append", default=[], metavar="SITE@WHEN:SECONDS",
+                        help="SIGKILL every process of a hospital at WHEN, start its kit again SECONDS later")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds the job may take (default 900)")
+    parser.add_argument("-o", "--output", default="runs/rehearse", help="result folder (default runs/rehearse)")
+    parser.add_argument("--overwrite", action="store_true", help="replace medflare's earlier results there")
+
+
+def plan_from_args(args: Any) -> Rehearsal:
+    rates = {}
+    for item in args.rate:
+        site, sep, mbit = item.partition("=")
+        try:
+            rates[site] = float(mbit)
+        except ValueError:
+            sep = ""
+        if not sep or rates[site] <= 0:
+            raise ConfigError(f"--rate '{item}' must be SITE=MBIT with MBIT > 0 (e.g. hospital-b=10)")
+    faults = [Fault.parse("outage", t) for t in args.outage] + [Fault.parse("kill", t) for t in args.kill]
+    return Rehearsal(hospitals=args.hospitals, method=args.method, model=args.model, rounds=args.rounds,
+                     min_clients=args.min_clients, straggler_seconds=args.straggler, task_timeout=args.task_timeout,
+                     max_steps=args.max_steps, images=args.images, rates=rates, faults=faults,
+                     job_timeout=args.timeout)
+
+
+def cmd_rehearse(args: Any) -> int:
+    """``medflare rehearse``: exit 0 when every check passed, 1 when one failed."""
+    record = rehearse(plan_from_args(args), args.output, overwrite=args.overwrite)
+    return 0 if record["ok"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from medflare.runner import Interrupted, stop_on_signals
+
+    parser = argparse.ArgumentParser(prog="python -m medflare.deploy.rehearse", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    one = sub.add_parser("run", help="one rehearsal (as medflare rehearse)")
+    add_rehearse_options(one)
+    faults = sub.add_parser("faults", help="the fault matrix: one rehearsal per fault, a table in OUT/faults.md")
+    faults.add_argument("-o", "--output", default="runs/rehearse-faults")
+    faults.add_argument("--overwrite", action="store_true")
+    faults.add_argument("--only", action="append", help="run only fault N (1-based; repeatable)")
+    args = parser.parse_args(argv)
+    try:
+        with stop_on_signals():
+            if args.command == "faults":
+                rows = run_fault_matrix(args.output, overwrite=args.overwrite, only=args.only)
+                return 0 if all(r["ok"] for r in rows) else 1
+            return cmd_rehearse(args)
+    except MedflareError as exc:
+        print(f"medflare: error: {exc}", file=sys.stderr)
+        return 2
+    except Interrupted as exc:
+        print(f"rehearse: interrupted by {exc}; removed every namespace, process and kit it made", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,262 @@
+"""``medflare rehearse``: a provisioned consortium run from its kits, one network namespace per participant.
+
+Without root or network namespaces the rehearsal tests skip with the reason (the refusal itself is tested
+everywhere). The small rehearsal (2 hospitals, fedavg on cnn, 2 rounds) takes about a minute on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from medflare.cli import main as medflare_main
+from medflare.deploy import netns
+from medflare.deploy.netns import NETNS_ETC, PREFIX, Wan, list_namespaces, sweep_stale, unavailable_reason
+from medflare.deploy.rehearse import (
+    Fault,
+    Rehearsal,
+    RehearseError,
+    check_outcome,
+    consortium,
+    rehearse,
+)
+from medflare.errors import ConfigError
+
+REASON = unavailable_reason()
+needs_netns = pytest.mark.skipif(REASON is not None, reason=f"medflare rehearse {REASON}")
+SERVER = "fl-server.medflare.example.org"
+
+
+def ours(owner: int | None = None) -> list[str]:
+    """Namespaces and /etc/netns folders a rehearsal of process ``owner`` (default: this one) made."""
+    prefix = f"{PREFIX}-{owner or os.getpid()}-"
+    made = [ns for ns in list_namespaces() if ns.startswith(prefix)]
+    if NETNS_ETC.is_dir():
+        made += [p.name for p in NETNS_ETC.iterdir() if p.name.startswith(prefix)]
+    return made
+
+
+def processes_naming(text: str) -> list[int]:
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        try:
+            if text in " ".join(process.info["cmdline"] or []):
+                found.append(process.pid)
+        except psutil.Error:
+            continue
+    return found
+
+
+# ----- without namespaces ----------------------------------------------------------------------------------------
+def test_fault_specs_parse_and_bad_ones_are_refused() -> None:
+    assert Fault.parse("outage", "hospital-b@round2:25") == Fault("outage", "hospital-b", 2, 0.0, 25.0)
+    assert Fault.parse("kill", "hospital-c@40:5") == Fault("kill", "hospital-c", None, 40.0, 5.0)
+    for bad in ("hospital-b", "hospital-b@round2", "@round2:3", "hospital-b@soon:3"):
+        with pytest.raises(ConfigError, match="SITE@roundK:SECONDS"):
+            Fault.parse("outage", bad)
+
+
+def test_consortium_keeps_server_and_people_and_names_more_hospitals() -> None:
+    project = {"name": "p", "participants": [
+        {"name": "srv.example.org", "type": "server"},
+        {"name": "hospital-a", "type": "client", "org": "hospital_a"},
+        {"name": "lead@x.org", "type": "admin", "role": "lead"},
+    ]}
+    cut = consortium(project, 3)
+    assert [p["name"] for p in cut["participants"]] == ["srv.example.org", "hospital-a", "hospital-b", "hospital-c",
+                                                         "lead@x.org"]
+    assert [p["name"] for p in consortium(project, 1)["participants"] if p["type"] == "client"] == ["hospital-a"]
+
+
+def test_without_root_it_refuses_in_one_line(monkeypatch, tmp_path: Path, capsys) -> None:
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    with pytest.raises(RehearseError, match="^rehearse needs root: it creates network namespaces"):
+        rehearse(Rehearsal(), tmp_path / "out")
+    assert medflare_main(["rehearse", "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs root" in err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_the_checks_catch_a_round_over_its_bound_and_a_site_that_never_came_back() -> None:
+    plan = Rehearsal(hospitals=3, min_clients=2, rounds=3, straggler_seconds=10,
+                     faults=[Fault("outage", "hospital-b", 2, 0, 30)])
+    every = {"hospital-a": 1, "hospital-b": 1, "hospital-c": 1}
+    without_b = {"hospital-a": 1, "hospital-c": 1}
+    good = {"rounds": [{"round": 0, "wall_seconds": 5, "share": every},
+                       {"round": 1, "wall_seconds": 12, "share": without_b,
+                        "sites": {"hospital-a": {"result_at": 2.0}, "hospital-c": {"result_at": 1.5}}},
+                       {"round": 2, "wall_seconds": 5, "share": every}]}
+    args = ("FINISHED:COMPLETED", good, None, ["hospital-a", "hospital-b", "hospital-c"], [],
+            {"hospital-b": True}, "", "job")
+    assert all(c["ok"] for c in check_outcome(plan, *args))
+    slow = json.loads(json.dumps(good))
+    slow["rounds"][0]["wall_seconds"] = plan.round_bound() + 1  # every site answered, too late
+    failed = [c["check"] for c in check_outcome(plan, args[0], slow, *args[2:]) if not c["ok"]]
+    assert failed == ["longest round"]
+    lingering = json.loads(json.dumps(good))  # result at 1 s, the round ended 15 s later: over the 10 s wait
+    lingering["rounds"][1]["sites"] = {"hospital-a": {"result_at": 1.0}, "hospital-c": {"result_at": 0.5}}
+    lingering["rounds"][1]["wall_seconds"] = 16.0
+    failed = [c["check"] for c in check_outcome(plan, args[0], lingering, *args[2:]) if not c["ok"]]
+    assert failed == ["straggler wait"]
+    gone = json.loads(json.dumps(good))
+    gone["rounds"][2]["share"] = without_b
+    failed = [c["check"] for c in check_outcome(plan, args[0], gone, *args[2:]) if not c["ok"]]
+    assert failed == ["hospital-b back in the job"]
+
+
+# ----- the network -----------------------------------------------------------------------------------------------
+def _in(wan: Wan, name: str, code: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([*wan.exec_prefix(name), sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+LISTEN = """
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("0.0.0.0", 9000)); s.listen()
+print("ready", flush=True)
+while True:
+    c, _ = s.accept(); n = 0
+    while (d := c.recv(1 << 16)):
+        n += len(d)
+    c.sendall(str(n).encode()); c.close()
+"""
+SEND = """
+import socket, sys, time
+t = time.time(); s = socket.create_connection(("{host}", 9000), timeout={timeout})
+s.sendall(b"x" * {size}); s.shutdown(socket.SHUT_WR); print(s.recv(64).decode(), time.time() - t)
+"""
+
+
+@needs_netns
+def test_the_wan_resolves_the_server_shapes_links_and_cuts_them() -> None:
+    wan = Wan(["server", "hospital"], {SERVER: "server"})
+    try:
+        wan.up()
+        assert len(set(ours())) == 3 and all(ns in list_namespaces() for ns in wan.made)
+        resolved = subprocess.run([*wan.exec_prefix("hospital"), "getent", "hosts", SERVER], capture_output=True,
+                                  text=True)
+        assert resolved.stdout.split()[0] == wan.hosts["server"].address  # through /etc/netns/<ns>/hosts
+        assert subprocess.run(["getent", "hosts", SERVER], capture_output=True).returncode != 0  # not outside
+        listener = subprocess.Popen([*wan.exec_prefix("server"), sys.executable, "-c", LISTEN],
+                                    stdout=subprocess.PIPE, text=True)
+        try:
+            assert listener.stdout.readline().strip() == "ready"
+            wan.set_rate("hospital", 10)
+            assert wan.qdiscs("hospital").count("tbf") == 2 and "rate 10Mbit" in wan.qdiscs("hospital")
+            size = 2_500_000  # 2 s at 10 Mbit/s
+            received, seconds = _in(wan, "hospital", SEND.format(host=SERVER, size=size, timeout=30)).stdout.split()
+            assert int(received) == size and 1.8 <= float(seconds) <= 6, seconds  # the link's floor, not loopback's
+            wan.set_rate("hospital", None)
+            assert "tbf" not in wan.qdiscs("hospital")
+            wan.set_link("hospital", False)
+            cut = _in(wan, "hospital", SEND.format(host=SERVER, size=1000, timeout=2))
+            assert cut.returncode != 0 and ("timed out" in cut.stderr or "unreachable" in cut.stderr), cut.stderr
+            wan.set_link("hospital", True)
+            back = _in(wan, "hospital", SEND.format(host=SERVER, size=1000, timeout=10))
+            assert back.stdout.split()[0] == "1000", back.stderr
+        finally:
+            listener.kill()
+            listener.wait()
+    finally:
+        wan.teardown()
+    assert not ours() and not wan.made
+
+
+@needs_netns
+def test_namespaces_of_a_killed_rehearsal_are_swept() -> None:
+    code = ("from medflare.deploy.netns import Wan; import time; w = Wan(['a', 'b'], {'x.org': 'a'}); w.up(); "
+            "print('up', flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "up"
+        left = ours(child.pid)
+        assert len(set(left)) == 3
+        assert not set(left) & set(sweep_stale())  # its owner lives: not stale
+        child.kill()
+        child.wait()
+        assert set(left) <= set(sweep_stale())
+        assert not ours(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+        sweep_stale()
+
+
+# ----- whole rehearsals ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small(tmp_path_factory, poc_lock) -> dict:
+    """2 hospitals, fedavg on cnn, 2 rounds, no faults (one FLARE deployment at a time on this machine)."""
+    if REASON:
+        pytest.skip(f"medflare rehearse {REASON}")
+    out = tmp_path_factory.mktemp("rehearse") / "out"
+    lines: list[str] = []
+    started = time.time()
+    record = rehearse(Rehearsal(hospitals=2, rounds=2), out, echo=lines.append)
+    return {"record": record, "out": out, "lines": lines, "seconds": time.time() - started}
+
+
+@pytest.mark.slow
+def test_a_small_rehearsal_runs_the_lead_job_over_the_namespaces(small) -> None:
+    record, out = small["record"], small["out"]
+    assert record["ok"], json.dumps(record["checks"], indent=1)
+    assert record["status"] == "FINISHED:COMPLETED" and record["watch_exit"] == 0
+    assert [r["sites"] for r in record["rounds"]] == [["hospital-a", "hospital-b"]] * 2
+    addresses = record["addresses"]
+    assert len(set(addresses.values())) == 4 and set(addresses) == {SERVER, "hospital-a", "hospital-b",
+                                                                      "lead@hospital-a.example.org"}
+    server = addresses[SERVER]
+    for site in ("hospital-a", "hospital-b"):  # each site dialled the server's FQDN from its own address, over TLS
+        log = (out / "logs" / f"{site}.log").read_text()
+        assert f"{addresses[site]}:" in log and f"=> {server}:8002 SSL {SERVER}" in log, log[-2000:]
+    assert any("round 2/2 done" in line for line in small["lines"])  # medflare watch, in the lead's namespace
+    summary = json.loads((out / "summary.json").read_text())  # `medflare report` of the lead's download
+    assert summary["rounds_completed"] == 2 and not summary["error"]
+    for name in ("report.md", "rounds.csv", "FL_global_model.pt", "rehearsal.md"):
+        assert (out / name).is_file(), name
+    assert small["seconds"] <= 120, f"the small rehearsal took {small['seconds']:.0f} s (budget 120 s)"
+
+
+@pytest.mark.slow
+def test_a_rehearsal_leaves_nothing_behind(small) -> None:
+    out = small["out"]
+    assert not ours()
+    assert not list(out.rglob("*.key")) and not (out / "work").exists()  # the kits, with their private keys, went
+    assert not out.with_name("out.partial").exists()
+    assert not processes_naming(str(out))
+    assert "tbf" not in subprocess.run(["tc", "qdisc"], capture_output=True, text=True).stdout
+
+
+@pytest.mark.slow
+@needs_netns
+def test_ctrl_c_mid_rehearsal_removes_everything(tmp_path: Path, poc_lock) -> None:
+    out = tmp_path / "out"
+    child = subprocess.Popen([sys.executable, "-m", "medflare.deploy.rehearse", "run", "--rounds", "20", "-o",
+                              str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+    lines = []
+    try:
+        for line in child.stdout:
+            lines.append(line)
+            if "submitted" in line:
+                break
+        assert ours(child.pid), "".join(lines)
+        child.send_signal(signal.SIGINT)
+        rest, _ = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 128 + signal.SIGINT, "".join(lines) + rest
+    assert "interrupted by SIGINT" in rest
+    assert not ours(child.pid) and not processes_naming(str(out))
+    assert not out.exists() and not out.with_name("out.partial").exists()
+    assert out.with_name("out.failed.log").is_file()
