@@ -8,7 +8,6 @@ so they equal the metrics of the pooled predictions; per-site metrics and their 
 
 from __future__ import annotations
 
-from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -136,7 +135,9 @@ GENERALIZATION = "generalization"
 # (FLamby's per-centre test split, the ICH split files' per-client test lists); specialization is 1/K Σ_k
 # bACC(D_test^k) and generalization scores their union. Simulated sites get it with like_train slices (which still
 # tile the pooled test set); the methods FCA's paper evaluates this way declare it (``MethodSpec.data_defaults``).
-FCA_PROTOCOL_DATA: Mapping[str, Any] = MappingProxyType({"eval_split": "like_train"})
+# A plain dict, not a MappingProxyType: specs are deep-copied (simulator job configs) and a proxy cannot be; the
+# run config copies it into its own data options, so nothing writes through it.
+FCA_PROTOCOL_DATA: Mapping[str, Any] = {"eval_split": "like_train"}
 _FIGURES = (("balanced_accuracy", "bacc"), ("bauc", "bauc"))
 
 
