@@ -101,7 +101,8 @@ clean:
 	rm -rf runs .pytest_cache
 
 # ----- deployment (issue 4): generated artifacts, provisioning, POC, the site wheel -------------------------
-.PHONY: apps templates policies privacy-doc deploy-artifacts provision poc-demo wheel rehearse rehearse-faults
+.PHONY: apps templates policies privacy-doc deploy-artifacts provision poc-demo wheel rehearse rehearse-faults \
+	bench-link
 PROJECT ?= provisioning/project.yml
 PROVISION_WS ?= runs/provision
 POC_METHOD ?= fedavg
@@ -139,9 +140,16 @@ REHEARSE_ARGS ?=
 rehearse: install
 	$(PY) -m medflare.cli rehearse -o runs/rehearse --overwrite $(REHEARSE_ARGS)
 
-# The fault matrix (docs/reliability.md): link down mid-round, a hospital killed and restarted, a 10 Mbit/s hospital.
+# The fault matrix (docs/reliability.md): link down mid-round, a hospital killed and restarted, a 10 Mbit/s hospital,
+# the server killed and restarted and the job resubmitted with resume_from.
 rehearse-faults: install
 	$(PY) -m medflare.deploy.rehearse faults -o runs/rehearse-faults --overwrite
+
+# Round time of FedAvg with ResNet-18 over hospital links shaped at 1000, 100 and 20 Mbit/s against the floor the
+# link sets (issue 29; needs root: one rehearsal per speed). BENCH_LINK_ARGS adds options (e.g. --dtype float16).
+BENCH_LINK_ARGS ?=
+bench-link: install
+	$(PY) benchmarks/link_speed.py --out runs/bench-link $(BENCH_LINK_ARGS)
 
 # The wheel a pre-installed site reviews and installs (pip install dist/medflare-*.whl).
 wheel: install

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from medflare.evaluation import SPECIALIZATION, personalization_figures
+from medflare.evaluation import (
+    SPECIALIZATION,
+    headline_metric,
+    metric_name,
+    personalization_figures,
+    selection_metric,
+)
 
 FINAL = {
     "test": {"balanced_accuracy": 0.6, "bauc": 0.8},
@@ -61,3 +67,12 @@ def test_the_per_round_history_keeps_confusion_loss_and_count_but_not_the_score_
         assert compact[split] == summary[split]  # the metrics computed from the histograms stay
         assert set(HISTOGRAM_KEYS) <= set(summary[f"{split}_stats"])  # the full summary ("final") is untouched
     assert np.asarray(summary["test_stats"]["pos_hist"]).size == 3 * 1000
+
+
+def test_the_headline_metric_follows_the_task_and_the_recorded_selection() -> None:
+    assert (headline_metric(multi_label=False), headline_metric(multi_label=True)) == ("balanced_accuracy",
+                                                                                       "auc_macro_ovr")
+    assert selection_metric({"key_metric": "auc_macro_ovr", "best": {}}) == "auc_macro_ovr"
+    assert selection_metric({"best": {"model_version": 3, "auc_macro_ovr": 0.7}}) == "auc_macro_ovr"  # earlier files
+    assert selection_metric({}, multi_label=True) == "auc_macro_ovr" and selection_metric({}) == "balanced_accuracy"
+    assert metric_name("auc_macro_ovr") == "macro AUROC" and metric_name("macro_f1") == "macro f1"

@@ -107,3 +107,15 @@ def test_export_never_writes_through_a_planted_partial_or_job_symlink(tmp_path: 
     assert (victim / "thesis.tex").read_text() == "keep me"
     assert not job.is_symlink() and (job / "meta.json").is_file()
     assert [p.name for p in out.iterdir() if p.name.endswith(".partial") and not p.is_symlink()] == []
+
+
+def test_a_job_with_plugin_files_is_refused_for_pre_installed_sites_before_anything_is_written(tmp_path: Path) -> None:
+    from medflare.errors import ConfigError
+
+    plugin = Path(__file__).parent / "flare" / "plugins" / "exchange.py"
+    run = RunConfig(data=SIMULATED, plugins=[str(plugin)])
+    out = tmp_path / "jobs"
+    with pytest.raises(ConfigError, match="need --mode byoc"):
+        export_job(run, out, TASK, mode="preinstalled")
+    assert not out.exists()  # no empty folder, no partial job
+    assert (export_job(run, out, TASK, mode="byoc") / "app" / "custom" / "medflare_plugins" / "exchange.py").is_file()

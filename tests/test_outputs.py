@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -175,6 +176,34 @@ def test_compare_with_seeds_prints_mean_and_std_and_keeps_every_run(tmp_path: Pa
     assert [json.loads((out_dir / r / "summary.json").read_text())["config"]["seed"] for r in sorted(runs)] == [0, 1, 2] * 2
     comparison = (out_dir / "comparison.md").read_text()
     assert "over 3 seed(s)" in comparison and "| fedprox | 2 | 2 |" in comparison  # every run: method, seed, rounds
+
+
+def test_report_on_a_run_folder_gives_the_start_up_the_run_printed(tmp_path: Path, fake_simulator, monkeypatch,
+                                                                    capsys) -> None:
+    """The run counts start-up from launching FLARE; the report used to count from the server app's start
+    (1.2 s where the run printed 17.1 s)."""
+    monkeypatch.setattr(simulate_module, "time", SimpleNamespace(time=lambda: 1000.0))  # medflare launches FLARE
+    launch = simulate_module._launch
+
+    def launch_then_start_the_server(run, job_dir, workspace, log_path, echo) -> None:
+        launch(run, job_dir, workspace, log_path, echo)
+        results_file = workspace / "server" / "simulate_job" / "app_server" / RESULTS_FILE
+        written = json.loads(results_file.read_text())
+        for index, record in enumerate(written["rounds"]):
+            record["started_at"] = 1017.1 + 10 * index
+        written["controller_started_at"] = 1015.9  # FLARE's own start-up came first
+        results_file.write_text(json.dumps(written))
+
+    monkeypatch.setattr(simulate_module, "_launch", launch_then_start_the_server)
+    run_folder = tmp_path / "run"
+    code, printed = run_cli(["run", "fedavg", *QUICK, "--out", str(run_folder)], capsys)
+    assert code == 0 and "start-up 17.1 s," in printed, printed
+    assert "start-up 17.1 s" in (run_folder / "report.md").read_text()
+
+    code, reported = run_cli(["report", str(run_folder)], capsys)
+    assert code == 0 and "start-up 17.1 s," in reported, reported
+    assert "start-up 17.1 s" in (run_folder / "report.md").read_text()
+    assert json.loads((run_folder / "summary.json").read_text())["timing"]["startup_seconds"] == pytest.approx(17.1)
 
 
 def test_export_never_deletes_an_existing_folder_it_did_not_write(tmp_path: Path, capsys) -> None:

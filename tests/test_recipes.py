@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import logging.config
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,14 @@ from nvflare.recipe import PocEnv, ProdEnv, SimEnv
 
 from medflare.cli import main
 from medflare.errors import ConfigError
-from medflare.recipes import MedflareRecipe, recipe
+from medflare.recipes import (
+    CONSOLE_FILTER,
+    CONSOLE_LOG_FILE,
+    MedflareRecipe,
+    console_log_config,
+    quiet_simulator_console,
+    recipe,
+)
 from medflare.registry import list_methods
 from medflare.run_config import DEPLOY_ROBUST, ROBUST_OFF
 
@@ -110,3 +119,37 @@ def test_a_recipe_exported_without_an_environment_decides_as_medflare_export(
     declared = {"task": {"num_classes": 2, "in_channels": 1, "image_size": 28}} if data == "site" else {}
     recipe("fedavg", rounds=1, clients=2, data=data, mode=mode, **declared).export(str(tmp_path))
     assert written_robust(tmp_path / "fedavg")[0] == expected
+
+
+def console_passes(name: str, level: int) -> bool:
+    """Whether the recipe's simulator console shows a record of logger ``name`` at ``level``."""
+    spec = dict(console_log_config()["filters"][CONSOLE_FILTER])
+    console_filter = logging.config.DictConfigurator({"version": 1}).configure_filter(spec)  # no global change
+    return bool(console_filter.filter(logging.LogRecord(name, level, __file__, 1, "message", None, None)))
+
+
+def test_the_simulator_console_shows_medflare_and_every_warning_but_not_flares_info() -> None:
+    config = console_log_config()
+    assert config["handlers"]["consoleHandler"]["filters"] == [CONSOLE_FILTER]
+    assert console_passes("medflare.flare.controller.MedflareController", logging.INFO)  # round lines
+    assert console_passes("medflare.flare.executor.MedflareExecutor", logging.INFO)  # per-site epochs
+    for flare_logger in ("nvflare.private.fed.client.client_runner.ClientRunner", "ObjectDownloader"):
+        assert not console_passes(flare_logger, logging.INFO)
+        assert console_passes(flare_logger, logging.WARNING) and console_passes(flare_logger, logging.ERROR)
+    log_file = config["handlers"]["logFileHandler"]  # each participant's log.txt keeps FLARE's whole log
+    assert not log_file.get("filters") and config["loggers"]["root"]["level"] == "INFO"
+
+
+def test_the_console_setting_yields_to_a_flare_log_setting_the_user_chose(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("FL_LOG_LEVEL", raising=False)
+    quiet = SimEnv(num_clients=2, workspace_root=str(tmp_path / "ws"))
+    quiet_simulator_console(quiet)
+    assert quiet.log_config == str(tmp_path / "ws" / CONSOLE_LOG_FILE)
+    assert json.loads(Path(quiet.log_config).read_text()) == console_log_config()
+    chosen = SimEnv(num_clients=2, workspace_root=str(tmp_path / "ws"), log_config="full")
+    quiet_simulator_console(chosen)
+    assert chosen.log_config == "full"
+    monkeypatch.setenv("FL_LOG_LEVEL", "concise")
+    from_environment = SimEnv(num_clients=2, workspace_root=str(tmp_path / "ws"))
+    quiet_simulator_console(from_environment)
+    assert from_environment.log_config is None  # FLARE's simulator reads FL_LOG_LEVEL itself

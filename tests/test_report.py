@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from medflare import plotting
+from medflare import report as report_module
 from medflare.outputs import results_text
-from medflare.report import build_summary, comparison_table, verdicts, write_outputs
+from medflare.report import build_summary, comparison_table, startup_text, verdicts, write_outputs
 
 SITES = ("site-1", "site-2")
 
@@ -127,18 +128,140 @@ def test_a_staged_runs_rounds_name_their_stage(tmp_path: Path) -> None:
     write_outputs(build_summary(staged, config(), CLIENTS), tmp_path)
 
     assert [(r["round"], r["stage"]) for r in csv.DictReader((tmp_path / "rounds.csv").open())] == [
-        ("1", "pretrain"), ("2", "finetune")]
+        ("0", ""), ("1", "pretrain"), ("2", "finetune")]  # round 0: the initial model, before any stage trained
     assert "best model by validation balanced_accuracy: round 1, stage pretrain (" in (tmp_path / "report.md").read_text()
 
 
 def test_rounds_csv_has_long_tail_and_attribute_columns(written) -> None:
     out, _ = written
     rows = list(csv.DictReader((out / "rounds.csv").open()))
-    assert [r["round"] for r in rows] == ["1", "2"]
+    assert [r["round"] for r in rows] == ["0", "1", "2"]
     for column in ("test_head_accuracy", "test_medium_accuracy", "test_tail_accuracy", "test_hmt_mean",
                    "test_bacc_attr_0", "test_bacc_attr_1", "test_bacc_attr_mean"):
         assert column in rows[0], column
-    assert rows[1]["test_tail_accuracy"] == "0.1" and rows[1]["test_bacc_attr_mean"] == "0.5"
+    assert rows[2]["test_tail_accuracy"] == "0.1" and rows[2]["test_bacc_attr_mean"] == "0.5"
+
+
+def test_rounds_csv_has_the_initial_model_and_the_site_means_the_readme_promises(written) -> None:
+    out, _ = written
+    rows = list(csv.DictReader((out / "rounds.csv").open()))
+    # round r is the model after r rounds: evaluation(0.5 + 0.1 r) in results(), round 0 without training
+    assert [(r["round"], r["test_balanced_accuracy"]) for r in rows] == [("0", "0.5"), ("1", "0.6"), ("2", "0.7")]
+    assert rows[0]["wall_seconds"] == rows[0]["share_site-1"] == rows[0]["train_loss_site-1"] == ""
+    assert rows[1]["wall_seconds"] == "1" and rows[1]["train_loss_site-1"] == "1"
+    assert [r["test_site_mean_balanced_accuracy"] for r in rows] == ["0.5", "0.6", "0.7"]
+    assert rows[2]["test_site_mean_head_accuracy"] == "0.8" and "test_site_mean_tail_accuracy" not in rows[0]
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "`rounds.csv` (one row per round r = the model after r rounds, round 0 the initial model" in readme
+    assert "`test_site_mean_*`" in readme
+
+
+def test_every_curve_and_row_shows_round_0_when_the_report_names_it_best(tmp_path: Path) -> None:
+    summary = build_summary(results(best_version=0), config(), CLIENTS)
+    write_outputs(summary, tmp_path)
+    assert "best model by validation balanced_accuracy: round 0" in (tmp_path / "report.md").read_text()
+    assert next(csv.DictReader((tmp_path / "rounds.csv").open()))["round"] == "0"
+    fig = plotting.learning_curves_figure(summary)
+    scores, losses = fig.axes
+    assert all(list(line.get_xdata())[0] == 0 for line in scores.lines)  # every score curve starts at round 0
+    assert all(list(line.get_xdata()) == [1, 2] for line in losses.lines)  # no training before round 1
+    plotting.pyplot().close(fig)
+    curves = report_module.per_round_curves({"fedmas": [summary]}, "balanced_accuracy")["fedmas"]
+    assert curves["rounds"] == [0, 1, 2] and curves["mean"] == pytest.approx([0.5, 0.6, 0.7])
+
+
+def multi_label_results() -> dict:
+    """A multi-label run as the controller records it: selected by AUROC, its balanced accuracy stuck at 0.5."""
+    run = results(best_version=1)
+    for version, evaluation_of in run["evaluations"].items():
+        for split in ("test", "val"):
+            evaluation_of[split] = {**evaluation_of[split], "balanced_accuracy": 0.5,
+                                    "auc_macro_ovr": 0.6 + 0.05 * int(version)}
+        for by_site in evaluation_of["by_site"].values():
+            by_site.update(balanced_accuracy=0.5, auc_macro_ovr=0.66)
+    run["final"] = run["evaluations"]["2"]
+    return {**run, "key_metric": "auc_macro_ovr", "best": {"model_version": 1, "auc_macro_ovr": 0.65}}
+
+
+def multi_label_config() -> dict:
+    task = {"num_classes": 3, "in_channels": 1, "image_size": 28, "multi_label": True}
+    return config(task=task)
+
+
+def test_a_multi_label_run_is_headlined_and_selected_by_auroc_everywhere(tmp_path: Path) -> None:
+    summary = build_summary(multi_label_results(), multi_label_config(), CLIENTS)
+    assert summary["headline_metric"] == "auc_macro_ovr"
+    write_outputs(summary, tmp_path)
+
+    report = (tmp_path / "report.md").read_text()
+    assert "the headline metric is macro AUROC (`auc_macro_ovr`), and the best model is chosen by its value" in report
+    assert "best model by validation auc_macro_ovr: round 1 (auc_macro_ovr 0.6500)" in report
+    fig = plotting.learning_curves_figure(summary)
+    labels = [line.get_label() for line in fig.axes[0].lines]
+    assert labels[0] == "test auc_macro_ovr" and "val auc_macro_ovr (selects the best model)" in labels
+    assert "val balanced_accuracy (selects the best model)" not in labels
+    assert list(fig.axes[0].lines[0].get_ydata()) == pytest.approx([0.6, 0.65, 0.7])
+    plotting.pyplot().close(fig)
+    rows = list(csv.DictReader((tmp_path / "rounds.csv").open()))
+    assert [r["test_auc_macro_ovr"] for r in rows] == ["0.6", "0.65", "0.7"]
+    assert [r["val_auc_macro_ovr"] for r in rows] == ["0.6", "0.65", "0.7"]
+    assert comparison_table([summary]).splitlines()[0].endswith("| vs best (auc_macro_ovr) |")
+
+
+def test_a_multi_label_run_without_a_recorded_metric_is_headlined_by_its_task(tmp_path: Path) -> None:
+    run = multi_label_results()
+    del run["key_metric"], run["best"]  # an earlier results file, nothing scored on validation
+    assert build_summary(run, multi_label_config(), CLIENTS)["headline_metric"] == "auc_macro_ovr"
+    assert build_summary(run, config(), CLIENTS)["headline_metric"] == "balanced_accuracy"
+
+
+def test_the_per_site_plot_shows_the_headline_metric() -> None:
+    summary = build_summary(multi_label_results(), multi_label_config(), CLIENTS)
+    assert report_module.per_site_scores(summary) == {"global model": {"site-1": 0.66, "site-2": 0.66},
+                                                      "own": {"site-1": 0.66, "site-2": 0.66}}
+
+
+def test_no_plot_without_data_is_drawn_or_embedded(tmp_path: Path) -> None:
+    run = results()
+    run["evaluations"], run["final"] = {}, {}  # the sites sent no evaluation (site_evaluation off)
+    for record in run["rounds"]:
+        record["sites"] = {}  # and no training loss
+    write_outputs(build_summary(run, config(), CLIENTS), tmp_path)
+
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["rf.png", "shares.png"]
+    report = (tmp_path / "report.md").read_text()
+    assert "learning_curves" not in report and "per_site.png" not in report
+    assert "round,wall_seconds,val_accuracy" in (tmp_path / "rounds.csv").read_text()  # the rows are still there
+
+
+def test_a_learning_curves_panel_without_data_is_left_out() -> None:
+    run = results()
+    for record in run["rounds"]:
+        record["sites"] = {}  # no site reported a training loss
+    fig = plotting.learning_curves_figure(build_summary(run, config(), CLIENTS))
+    assert [ax.get_ylabel() for ax in fig.axes] == ["score"]
+    plotting.pyplot().close(fig)
+
+
+def test_a_figure_without_data_is_not_written(tmp_path: Path) -> None:
+    fig, ax = plotting.pyplot().subplots()
+    ax.plot([1, 2], [None, None])  # what a per-site value of no site, or a metric never scored, draws
+    assert plotting.save(fig, tmp_path / "empty.png") is None and not (tmp_path / "empty.png").exists()
+    fig, ax = plotting.pyplot().subplots()
+    ax.plot([1, 2], [None, 0.5])
+    assert plotting.save(fig, tmp_path / "one_point.png") == tmp_path / "one_point.png"
+
+
+def test_start_up_counts_from_the_launch_and_says_when_the_launch_is_unknown() -> None:
+    run = {**results(), "controller_started_at": -5.0}  # round 1 starts at 0.0
+    launched = build_summary(run, config(), CLIENTS, launched_at=-17.0)["timing"]
+    assert (launched["startup_seconds"], launched["startup_from"], launched["launched_at"]) == (17.0, "launch", -17.0)
+    assert startup_text(launched) == "start-up 17.0 s"
+    elsewhere = build_summary(run, config(), CLIENTS)["timing"]
+    assert startup_text(elsewhere) == "start-up 5.0 s (from the server app's start: the job was launched elsewhere)"
+    resumed = {**run, "resumed": [{"start_round": 1}]}  # this job ran round 2 only, which started at 10.0
+    assert build_summary(resumed, config(), CLIENTS, launched_at=8.0)["timing"]["startup_seconds"] == 2.0
+    assert startup_text({"startup_from": "server"}) == "start-up n/a"
 
 
 def test_confusion_figure_shows_the_pooled_counts_with_class_names(written) -> None:
@@ -206,9 +329,9 @@ def test_comparison_reports_mean_std_and_no_difference_within_one_std() -> None:
 
 def test_verdict_uses_the_larger_of_the_two_spreads() -> None:
     stats = {"a": {"balanced_accuracy": (0.70, 0.01)}, "b": {"balanced_accuracy": (0.66, 0.05)}}
-    assert verdicts(stats)["b"].startswith("no difference")  # 0.04 is within b's own 0.05
+    assert verdicts(stats, "balanced_accuracy")["b"].startswith("no difference")  # 0.04 is within b's own 0.05
     stats["b"]["balanced_accuracy"] = (0.66, 0.03)
-    assert verdicts(stats)["b"].startswith("worse by 0.0400")
+    assert verdicts(stats, "balanced_accuracy")["b"].startswith("worse by 0.0400")
 
 
 # ----- medflare report on a tampered results file: one line naming the file and the field ----------------------

@@ -1,5 +1,5 @@
-"""The ``medflare`` command: list methods and models, run a method (FLARE simulator or POC), export a job, follow a
-running job.
+"""The ``medflare`` command: list methods and models, print a run's configuration, run a method (FLARE simulator or
+POC), export a job, follow a running job, apply a trained model.
 
 Every command checks all of its input (one typed validation, ``RunConfig.validate``) before it starts or writes
 anything; bad input ends with one line naming the option and exit code 2. Result folders are never emptied:
@@ -19,6 +19,7 @@ from medflare.files import disk_full_message, is_disk_full
 
 EXAMPLES = """examples:
   medflare methods
+  medflare config fedprox --set method.mu=0.1 > fedprox.toml    # every option: type, default, where it came from
   medflare run fedavg --clients 2 --rounds 3
   medflare run bsm-fl --data synthetic:imbalance=20 --partition dirichlet:0.5 --clients 3
   medflare run fedprox --data medmnist:../shared/data/medmnist/pneumoniamnist.npz --set method.mu=0.1
@@ -40,12 +41,11 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def cmd_methods(args: argparse.Namespace) -> int:
-    from medflare.registry import get_method, list_methods
+    from medflare.catalog import load_catalog  # the registry's snapshot: listing must not import torch
 
-    for name in list_methods():
-        presets = get_method(name).presets
-        listed = f"  [--preset {', '.join(presets)}]" if presets else ""
-        print(f"{name:12s} {get_method(name).summary}{listed}")
+    for method in load_catalog()["methods"]:
+        listed = f"  [--preset {', '.join(method['presets'])}]" if method["presets"] else ""
+        print(f"{method['name']:12s} {method['summary']}{listed}")
     return 0
 
 
@@ -76,9 +76,53 @@ def preset_lead(name: str | None, methods: list[str]) -> str | None:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from medflare.models import list_models
+    from medflare.catalog import COUNTED_SIZES, COUNTED_TASK, installed_models, load_catalog
 
-    print("\n".join(list_models()))
+    print(MODELS_ROW.format("model", "params", "input", "ImageNet weights (offline)"))
+    for model in load_catalog()["models"]:
+        print(MODELS_ROW.format(model["name"], *model_facts(model)))
+    for name in installed_models():
+        print(MODELS_ROW.format(name, "?", "installed package's model, imported when a job names it", "-"))
+    print(f"params: counted for {COUNTED_TASK['in_channels']} input channels, {COUNTED_TASK['num_classes']} classes "
+          f"and {max(COUNTED_SIZES)} px; the stem follows the task's channels (1 or 3), the head its classes. Any "
+          "model also starts from a local weights file: --pretrained FILE")
+    return 0
+
+
+MODELS_ROW = "{:19s} {:>7s}  {:54s} {}"
+
+
+def model_facts(model: dict[str, Any]) -> tuple[str, str, str]:
+    """Parameters, input and ImageNet weights of a catalog entry, as ``medflare models`` prints them."""
+    from medflare.catalog import SMALLEST_SIDE, is_installed
+
+    counts = {int(size): count for size, count in model["params"].items()}
+    largest = max(counts)
+    if len(set(counts.values())) == 1:
+        shape = f"any side >= {SMALLEST_SIDE} px"
+    else:  # the architecture depends on the image size (a ViT's position embeddings)
+        shape = "sized by task.image_size: " + ", ".join(f"{short_count(n)} at {s}" for s, n in counts.items()) + " px"
+    package = model["imagenet_package"]
+    weights = "-" if not package else \
+        f"--pretrained imagenet ({'installed' if is_installed(package) else f'{package} not installed'})"
+    return short_count(counts[largest]), shape, weights
+
+
+def short_count(count: int) -> str:
+    """A parameter count to three significant digits: 93.7k, 11.2M."""
+    for unit, scale in (("M", 1e6), ("k", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.3g}{unit}"
+    return str(count)
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from medflare.effective_config import config_toml
+    from medflare.runner import build_run_config, option_layers
+
+    run = build_run_config(args)
+    run.validate(check_files=False)  # typed and checked as 'run' checks it; the data is not read
+    print(config_toml(run, option_layers(args)), end="")
     return 0
 
 
@@ -145,10 +189,10 @@ def _tracking_note(run: Any) -> None:
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
-    from medflare.deploy.watch import FINISHED_OK, admin_kit, watch
+    from medflare.deploy.watch import FINISHED_OK, admin_kit, as_user, watch
 
     kit, user = admin_kit(args.startup_kit, args.poc)
-    print(f"medflare: following job {args.job_id} as {user}")
+    print(f"medflare: following job {args.job_id}{as_user(user)}")
     status = watch(args.job_id, kit, user, timeout=args.timeout, poll_interval=args.interval)
     print(f"medflare: job {args.job_id}: {status}")
     return 0 if status == FINISHED_OK else 1
@@ -268,11 +312,25 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from medflare.predict import predict_file
 
     done = predict_file(args.checkpoint, args.input, args.output, split=args.split, window=args.window,
-                        batch_size=args.batch_size)
+                        batch_size=args.batch_size, device=args.device, threads=args.threads)
     kind = "findings" if done["multi_label"] else "classes"
     print(f"medflare: wrote {done['images']} predictions of {done['method']} ({done['model']}, {kind} "
-          f"{', '.join(done['class_names'])}) to {done['output']}")
+          f"{', '.join(done['class_names'])}, on {done['device']}) to {done['output']}")
+    if done["metrics"] is not None:
+        print(f"medflare: {metrics_text(done['metrics'], done['labelled'])}")
     return 0
+
+
+def metrics_text(metrics: dict[str, float | None], labelled: int) -> str:
+    """``on N labelled images: balanced accuracy 0.8125, ...`` (n/a where a metric is undefined, e.g. AUROC
+    without both classes)."""
+    from medflare.evaluation import metric_name
+
+    if not labelled:
+        return "the input's labels mark no image as labelled: no metrics"
+    values = ", ".join(f"{metric_name(key)} {'n/a' if value is None else f'{value:.4f}'}"
+                       for key, value in metrics.items())
+    return f"on {labelled} labelled images: {values}"
 
 
 def cmd_rehearse(args: argparse.Namespace) -> int:
@@ -298,7 +356,14 @@ def make_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("methods", help="list registered methods").set_defaults(func=cmd_methods)
-    sub.add_parser("models", help="list model names").set_defaults(func=cmd_models)
+    sub.add_parser("models", help="list models: parameters, input, offline ImageNet weights").set_defaults(
+        func=cmd_models)
+    config = sub.add_parser(
+        "config", help="print the effective configuration of 'run METHOD [options]' as TOML: every option with its "
+                       "type, default and the layer that set it; loadable again with --config")
+    config.add_argument("method", help="registered method (see 'medflare methods')")
+    add_run_options(config)
+    config.set_defaults(func=cmd_config)
     run = sub.add_parser("run", help="run a method in the FLARE simulator", epilog=EXAMPLES,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     run.add_argument("method", help="registered method (see 'medflare methods')")
@@ -341,15 +406,16 @@ def make_parser() -> argparse.ArgumentParser:
     watch.add_argument("job_id", help="the job id 'nvflare job submit' (or 'medflare run --env poc') printed")
     watch.add_argument("--startup-kit", help="an admin's startup kit (default: $NVFLARE_STARTUP_KIT_DIR, else the "
                                              "lead's kit of the POC in --poc)")
-    watch.add_argument("--poc", default="runs/poc", help="a POC prepared by python -m medflare.deploy.poc "
-                                                         "(default runs/poc)")
+    watch.add_argument("--poc", help="a POC prepared by python -m medflare.deploy.poc (default $MEDFLARE_POC_ROOT "
+                                     "or runs/poc)")
     watch.add_argument("--interval", type=float, default=2.0, help="seconds between polls (default 2)")
     watch.add_argument("--timeout", type=float, default=0, help="stop following after this many seconds (0 = never)")
     watch.set_defaults(func=cmd_watch)
     predict = sub.add_parser(
         "predict", help="apply a run's FL_global_model.pt or best_FL_global_model.pt to new images; writes a CSV "
                         "of class probabilities (image, predicted, p_<class>...; multi-label: a sigmoid per "
-                        "finding, predicted = the findings scored >= 0.5)")
+                        "finding, predicted = the findings scored >= 0.5) and prints balanced accuracy, accuracy "
+                        "and AUROC when the input gives labels")
     predict.add_argument("checkpoint", help="FL_global_model.pt or best_FL_global_model.pt of a medflare run")
     predict.add_argument("input", help="a folder of images (first-level folders named like classes give labels), "
                                        "a CSV with a 'path' column, or an npz ('images' or '<split>_images')")
@@ -358,6 +424,11 @@ def make_parser() -> argparse.ArgumentParser:
     predict.add_argument("--window", help="DICOM/NIfTI intensity window (CENTER,WIDTH or a preset); default: the "
                                           "window the model was trained with")
     predict.add_argument("--batch-size", type=int, default=64, help="images per forward pass (default 64)")
+    predict.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                         help="where the model runs: auto (a CUDA GPU when torch sees one, else the CPU; default), "
+                              "cpu or cuda")
+    predict.add_argument("--threads", type=int, help="CPU threads (default: as each site's trainer, "
+                                                     "train.torch_threads)")
     predict.set_defaults(func=cmd_predict)
     rehearse = sub.add_parser(
         "rehearse", help="rehearse a deployment on this machine (root): provisioned kits, one network namespace per "

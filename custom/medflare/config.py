@@ -13,6 +13,7 @@ import json
 import math
 import tomllib
 import types
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
@@ -272,6 +273,43 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(loaded, dict):
         raise ConfigError(f"{file} must hold an object of run options, got {type(loaded).__name__}")
     return loaded
+
+
+# ----- where an option came from (``medflare config``) ----------------------------------------------------
+def layer_options(layer: Mapping[str, Any], sections: Collection[str]) -> set[str]:
+    """The options one configuration layer sets, as dotted names (``rounds``, ``train.lr``).
+
+    Mirrors how layers merge: a top-level None means "not given"; a section given as a table merges key by key,
+    so it names each of its keys; any other value (a section given whole, e.g. as JSON text) names itself.
+    """
+    names: set[str] = set()
+    for key, value in layer.items():
+        if value is None:
+            continue
+        if key in sections and isinstance(value, Mapping):
+            names |= {f"{key}.{sub}" for sub in value}
+        else:
+            names.add(key)
+    return names
+
+
+def override_options(overrides: Sequence[str], prefixes: Mapping[str, str]) -> set[str]:
+    """The options ``--set key=value`` items set, as dotted names; ``prefixes`` maps a --set prefix to its
+    section (``method`` -> ``method_args``). Malformed items are left to the code that applies them."""
+    names: set[str] = set()
+    for item in overrides:
+        section, dot, sub = item.partition("=")[0].partition(".")
+        names.add(f"{prefixes.get(section, section)}.{sub}" if dot else section)
+    return names
+
+
+def option_source(option: str, layers: Sequence[tuple[str, set[str]]]) -> str | None:
+    """The name of the last layer (lowest first) that set ``option`` or its whole section; None if none did."""
+    section = option.partition(".")[0]
+    for name, options in reversed(layers):
+        if option in options or (section != option and section in options):
+            return name
+    return None
 
 
 def parse_value(text: str) -> Any:

@@ -19,6 +19,31 @@ SPLIT_KEYS = (("val", contracts.EVAL_VAL), ("test", contracts.EVAL_TEST))
 
 SiteEvaluation = dict[str, Any]  # {"val": EvalStats, "test": EvalStats, "test_by_attribute": {...}, "extra": {...}}
 
+# The one metric a task is judged by: the controller selects the best model by its validation value, the console's
+# progress lines and the plots show it, report.md names it and compare judges methods by it. Balanced accuracy for
+# single-label tasks (the class imbalance of medical data); for multi-label tasks the mean per-finding AUROC,
+# because their balanced accuracy at the fixed 0.5 threshold stays at 0.5 while a model scores rare findings below
+# it, however well it ranks them.
+HEADLINE_METRICS = {False: "balanced_accuracy", True: "auc_macro_ovr"}
+METRIC_NAMES = {"balanced_accuracy": "balanced accuracy", "auc_macro_ovr": "macro AUROC"}  # as the console says it
+
+
+def headline_metric(multi_label: bool) -> str:
+    """The metric that judges a task and selects its best model (:data:`HEADLINE_METRICS`)."""
+    return HEADLINE_METRICS[bool(multi_label)]
+
+
+def selection_metric(results: Mapping[str, Any], multi_label: bool = False) -> str:
+    """The metric a controller's results file selected its best model by: the one it recorded (``key_metric``),
+    else the key of its best score (files of earlier versions), else the headline metric of the task."""
+    recorded = results.get("key_metric") or next(iter(set(results.get("best") or {}) - {"model_version"}), None)
+    return str(recorded) if recorded else headline_metric(multi_label)
+
+
+def metric_name(metric: str) -> str:
+    """How the console names a metric key ("macro AUROC" for ``auc_macro_ovr``)."""
+    return METRIC_NAMES.get(metric, metric.replace("_", " "))
+
 
 def site_evaluation(meta: Mapping[str, Any], num_classes: int, multi_label: bool = False) -> SiteEvaluation | None:
     """One site's statistics from its result meta, or None when it sent none.

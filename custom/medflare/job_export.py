@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -24,7 +25,10 @@ from typing import Any
 
 from medflare.checkpoint import checkpoint_facts
 from medflare.contracts import TRAIN_PHASE as TASK_TRAIN, privacy_scope
+from medflare.errors import ConfigError
+from medflare.evaluation import headline_metric
 from medflare.flare import tracking
+from medflare.registry import get_method
 from medflare.run_config import ROBUST_OFF, RunConfig, deployment_robust, typed_robust
 from medflare.site_runtime import TaskSpec
 
@@ -36,7 +40,6 @@ MODES = ("byoc", "preinstalled")
 DEFAULT_TASK_TIMEOUT = 3600
 
 
-MULTI_LABEL_KEY_METRIC = "auc_macro_ovr"  # multi-label jobs select the best model by mean per-class val AUROC
 
 
 def multi_label_args(task: TaskSpec) -> dict[str, Any]:
@@ -87,9 +90,10 @@ def server_config(run: RunConfig, task: TaskSpec, shot_groups: dict | None = Non
                     "stream_aggregation": run.stream_aggregation,
                     "plugins": run.plugin_modules(),
                     **multi_label_args(task),
+                    **download_args(run),
                 },
             },
-            *tracking.server_components(run.tracking),
+            *tracking.server_components(run.tracking, mlflow_args(run)),
         ],
         "workflows": [
             {
@@ -104,7 +108,7 @@ def server_config(run: RunConfig, task: TaskSpec, shot_groups: dict | None = Non
                     "wait_time_after_min_received": run.straggler_seconds,
                     "train_timeout": run.task_timeout or DEFAULT_TASK_TIMEOUT,
                     "patience": run.patience,
-                    **({"key_metric": MULTI_LABEL_KEY_METRIC} if task.multi_label else {}),
+                    **({"key_metric": headline_metric(True)} if task.multi_label else {}),
                 },
             }
         ],
@@ -112,6 +116,34 @@ def server_config(run: RunConfig, task: TaskSpec, shot_groups: dict | None = Non
     if run.resume_from:  # the controller reads the model and history (a folder in the simulator, else a job id)
         config["workflows"][0]["args"]["resume_from"] = run.resume_from
     return config
+
+
+def download_args(run: RunConfig) -> dict[str, Any]:
+    """The aggregator's ``download_dtype`` when the run narrows the download; a job that keeps the default writes
+    the configuration it always did (and the generated apps and templates stay as they are)."""
+    return {"download_dtype": run.download_dtype} if run.download_dtype != "float32" else {}
+
+
+def mlflow_args(run: RunConfig) -> dict[str, Any] | None:
+    """What the MLflow receiver records of the job (None without it): the experiment (``MLFLOW_EXPERIMENT_NAME``,
+    MLflow's own variable, where the job is written, else "medflare"), the run's name ``<method>-<model>-s<seed>``
+    and the run's effective settings as params, each named as its ``--set`` key (``train.lr``, ``method.mu``)."""
+    if "mlflow" not in tracking.TRACKERS[run.tracking]:
+        return None
+    method_config = get_method(run.method).config_cls(**run.method_args)
+    params = {
+        **{key: getattr(run, key) for key in ("method", "model", "pretrained", "rounds", "clients", "seed")},
+        "min_clients": run.required_clients,
+        **{f"data.{key}": value for key, value in run.data.items()},
+        **{f"train.{key}": value for key, value in dataclasses.asdict(run.train_config()).items()},
+        **{f"method.{key}": value for key, value in dataclasses.asdict(method_config).items()},
+    }
+    # a deployed job that brings its own (simulated) data runs only at sites that opted in to such data: a POC's
+    deployed_env = "prod" if run.data.get("source", "site") == "site" else "poc"
+    return tracking.mlflow_receiver_args(
+        params, run_name=f"{run.method}-{run.model}-s{run.seed}", tags={"method": run.method, "model": run.model},
+        deployed_env=deployed_env, experiment=os.environ.get("MLFLOW_EXPERIMENT_NAME", ""),
+    )
 
 
 def client_config(run: RunConfig, task: TaskSpec) -> dict[str, Any]:
@@ -234,6 +266,9 @@ def export_job(
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got '{mode}'")
+    if run.plugins and mode != "byoc":  # refused before anything is written
+        raise ConfigError(f"plugin files ship inside the job ({', '.join(map(str, run.plugins))}), so they need "
+                          "--mode byoc; for a pre-installed site, install them as a package (docs/own-model-and-data.md)")
     run = dataclasses.replace(run, robust=job_robust(run, mode))
     job_dir = Path(out_dir) / run.job_name
     Path(out_dir).mkdir(parents=True, exist_ok=True)
@@ -262,8 +297,6 @@ def _write_job(run: RunConfig, staging: Path, task: TaskSpec, mode: str, shot_gr
     if mode == "byoc":
         shutil.copytree(PACKAGE_DIR, staging / APP_NAME / "custom" / "medflare", ignore=_ignore_caches)
         _copy_plugins(run, staging / APP_NAME / "custom")
-    elif run.plugins:
-        raise ValueError("plugins ship inside the job, so they need --mode byoc")
 
 
 def _copy_plugins(run: RunConfig, custom_dir: Path) -> None:

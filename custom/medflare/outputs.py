@@ -29,6 +29,7 @@ from medflare.report import (
     comparison_table,
     format_seconds,
     results_table,
+    startup_text,
     untrained_best_warning,
     write_outputs,
 )
@@ -313,8 +314,7 @@ def results_text(summaries: list[Mapping[str, Any]], out: Path, seeds: int = 1) 
     lines = ["", comparison_table(summaries) if seeds > 1 else results_table(summaries)]
     if len(summaries) == 1:
         timing = summaries[0]["timing"]
-        lines.append(f"\nstart-up {format_seconds(timing.get('startup_seconds'), 1)}, "
-                     f"mean round {format_seconds(timing.get('mean_round_seconds'), 2)}")
+        lines.append(f"\n{startup_text(timing)}, mean round {format_seconds(timing.get('mean_round_seconds'), 2)}")
     for summary in summaries:
         warning = untrained_best_warning(summary)
         if warning:
@@ -347,9 +347,20 @@ def report_from_results(results_file: Path, out: Path, copy_models: bool = True)
         raise ConfigError(f"results file not found: {results_file}; give a run's {RESULTS_FILE} (a downloaded job "
                           f"has it in <job id>/workspace/app_server/)")
     run = job_run_config(_app_dir_of(results_file.parent))
-    results = read_results(results_file)  # depth-limited, held to the results schema: a bad file is one line
-    launched_at = results.get("controller_started_at")  # the server app's start: start-up = FLARE's job set-up
+    read_results(results_file)  # depth-limited, held to the results schema: a bad file is one line
+    launched_at = recorded_launch(results_file.parent)
     return write_job_outputs(run, results_file, out, {}, launched_at, copy_models=copy_models)
+
+
+def recorded_launch(folder: Path) -> float | None:
+    """When medflare launched the run whose outputs ``folder`` holds (``summary.json``'s ``timing.launched_at``),
+    so that a report on a run folder gives the run's own start-up; None for a job launched elsewhere."""
+    path = folder / "summary.json"
+    try:
+        launched_at = readback.load_json(path, ConfigError).get("timing", {}).get("launched_at")
+    except (MedflareError, AttributeError):
+        return None  # no summary, or not one medflare wrote: the launch is unknown
+    return float(launched_at) if isinstance(launched_at, (int, float)) and not isinstance(launched_at, bool) else None
 
 
 def _app_dir_of(results_dir: Path) -> Path:

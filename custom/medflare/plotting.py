@@ -2,7 +2,8 @@
 
 A neutral module: methods draw their site-local diagnostics with :func:`pyplot` without importing the report
 layer; ``report`` draws a run's figures with the functions below. Legends sit outside the axes, so they never
-cover a curve, and curves that coincide (sites with equal shares or equal values) stay visible.
+cover a curve, and curves that coincide (sites with equal shares or equal values) stay visible. A figure that
+shows no data is never written (:func:`save`), so no report embeds an empty plot.
 """
 
 from __future__ import annotations
@@ -10,12 +11,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+import numpy as np
+
+from medflare.evaluation import headline_metric
+
 DPI = 110
 # Marker shapes and line styles that keep coinciding per-site curves apart: each later site draws a smaller
 # marker with another dash pattern on top of the earlier ones.
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 LINE_STYLES = ("-", "--", "-.", ":")
 PER_SITE_TITLES = {"rf": "rescue factor RF per site"}
+CURVE_METRICS = ("balanced_accuracy", "auc_macro_ovr", "accuracy", "macro_f1")  # test curves; the headline first
 
 
 def pyplot() -> Any:
@@ -41,11 +47,31 @@ def legend_outside(ax: Any) -> None:
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
 
 
-def save(fig: Any, path: Path) -> Path:
-    """Write ``fig`` (legends outside the axes included) and free it."""
-    fig.savefig(path, dpi=DPI, bbox_inches="tight")
-    pyplot().close(fig)
-    return path
+def save(fig: Any, path: Path) -> Path | None:
+    """Write ``fig`` (legends outside the axes included) and free it; a figure without data is not written
+    (None), so an empty plot never reaches a report."""
+    try:
+        if not has_data(fig):
+            return None
+        fig.savefig(path, dpi=DPI, bbox_inches="tight")
+        return path
+    finally:
+        pyplot().close(fig)
+
+
+def has_data(fig: Any) -> bool:
+    """Whether any axes of ``fig`` shows data: an image, a bar or filled area, or a line with a finite point."""
+    for ax in fig.axes:
+        if ax.images or ax.patches or any(len(c.get_paths()) for c in ax.collections):
+            return True
+        if any(_finite(line.get_ydata()) for line in ax.lines):
+            return True
+    return False
+
+
+def _finite(values: Sequence[Any]) -> bool:
+    """Whether ``values`` hold a finite number (None, as plotted for a missing value, is NaN)."""
+    return bool(np.isfinite(np.asarray(values, dtype=float)).any())
 
 
 # ----- a run's figures -----------------------------------------------------------------------------------
@@ -54,21 +80,39 @@ def scored_model(summary: Mapping[str, Any]) -> str:
     return "global model" if summary.get("server_model", True) else "sites' own models"
 
 
+def headline(summary: Mapping[str, Any]) -> str:
+    """The run's headline metric, which selected its best model (``summary["headline_metric"]``; a summary of an
+    earlier version has none: balanced accuracy, the single-label headline, was all it knew)."""
+    return summary.get("headline_metric") or headline_metric(multi_label=False)
+
+
+def scored_rounds(summary: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """Every round's entry with the model it scored: round 0 (the initial model) when the sites evaluated it,
+    then each round of training (``summary["per_round"]``: round r is the model after r rounds)."""
+    initial = summary.get("initial_round")
+    return ([initial] if initial else []) + list(summary["per_round"])
+
+
 def learning_curves_figure(summary: Mapping[str, Any]) -> Any:
-    """Test metrics and validation balanced accuracy per round; each site's mean local training loss."""
-    plt = pyplot()
-    rounds = [e["round"] for e in summary["per_round"]]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    curves = [(f"test {m}", [e["metrics"].get(m) for e in summary["per_round"]])
-              for m in ("balanced_accuracy", "accuracy", "macro_f1")]
-    curves.append(("val balanced_accuracy", [e["val_metrics"].get("balanced_accuracy") for e in summary["per_round"]]))
-    for i, (label, values) in enumerate(curves):
-        axes[0].plot(rounds, values, **_site_style(i), label=label)
-    axes[0].set(xlabel="round", ylabel="score", title=f"{summary['method']}: {scored_model(summary)} after each round")
-    for i, site in enumerate(sorted(summary["clients"])):
-        axes[1].plot(rounds, [e["train_loss"].get(site) for e in summary["per_round"]], **_site_style(i), label=site)
-    axes[1].set(xlabel="round", ylabel="mean local training loss", title="local training loss per site")
-    for ax in axes:
+    """Test metrics (the headline first) and the headline's validation value per round, round 0 included when
+    evaluated; each site's mean local training loss. A panel without data is left out."""
+    metric, scored = headline(summary), scored_rounds(summary)
+    order = [metric] + [m for m in CURVE_METRICS if m != metric]
+    curves = [(f"test {m}", [e["metrics"].get(m) for e in scored]) for m in order]
+    curves.append((f"val {metric} (selects the best model)", [e["val_metrics"].get(metric) for e in scored]))
+    losses = [(site, [e["train_loss"].get(site) for e in summary["per_round"]]) for site in sorted(summary["clients"])]
+    panels = []  # (rounds, labelled curves, y label, title) of each panel that has data
+    if any(_finite(values) for _, values in curves):
+        panels.append(([e["round"] for e in scored], curves, "score",
+                       f"{summary['method']}: {scored_model(summary)} after each round"))
+    if any(_finite(values) for _, values in losses):
+        panels.append(([e["round"] for e in summary["per_round"]], losses, "mean local training loss",
+                       "local training loss per site"))
+    fig, axes = pyplot().subplots(1, max(len(panels), 1), figsize=(6 * max(len(panels), 1), 4), squeeze=False)
+    for ax, (rounds, lines, ylabel, title) in zip(axes[0], panels):
+        for i, (label, values) in enumerate(line for line in lines if _finite(line[1])):
+            ax.plot(rounds, values, **_site_style(i), label=label)
+        ax.set(xlabel="round", ylabel=ylabel, title=title)
         ax.xaxis.set_major_locator(integer_ticks())
         legend_outside(ax)
     fig.tight_layout()

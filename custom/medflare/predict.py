@@ -21,12 +21,13 @@ an npz (``images``, or MedMNIST's ``<split>_images``; optional labels, ``[N, K]`
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -39,6 +40,9 @@ from medflare.files import atomic_write_text
 from medflare.metrics.multi_label import THRESHOLD
 
 NPZ_IMAGE_KEYS = ("images",)  # else <split>_images (MedMNIST layout)
+DEVICES = ("auto", "cpu", "cuda")  # auto: CUDA when torch sees a GPU, as a site's trainer chooses
+# What predict reports on labelled input, after the task's headline metric (medflare.evaluation.headline_metric)
+REPORTED_METRICS = ("balanced_accuracy", "accuracy", "auc_macro_ovr")
 FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")  # a spreadsheet evaluates a cell starting so (CSV injection)
 
 
@@ -58,8 +62,10 @@ class PredictInput:
 
 
 def predict_file(checkpoint_path: str | Path, input_path: str | Path, output: str | Path, *, split: str = "test",
-                 window: str | None = None, batch_size: int = 64) -> dict[str, Any]:
-    """Score every image of ``input_path`` with the checkpoint and write ``output`` (CSV); return a summary.
+                 window: str | None = None, batch_size: int = 64, device: str = "auto",
+                 threads: int | None = None) -> dict[str, Any]:
+    """Score every image of ``input_path`` with the checkpoint and write ``output`` (CSV); return a summary, with the
+    metrics of the labelled images when the input gives labels (:func:`label_metrics`).
 
     Args:
         checkpoint_path: a run's FL_global_model.pt or best_FL_global_model.pt.
@@ -68,33 +74,101 @@ def predict_file(checkpoint_path: str | Path, input_path: str | Path, output: st
         split: which ``<split>_images`` of a MedMNIST-layout npz.
         window: intensity window of DICOM/NIfTI input (default: the one the model was trained with).
         batch_size: images per forward pass.
+        device: one of :data:`DEVICES`.
+        threads: CPU threads of the forward passes (default: a site trainer's, ``train.torch_threads``).
 
     Raises:
-        ConfigError: the checkpoint, the input or the output is unusable (one line saying why and what to do).
+        ConfigError: the checkpoint, the input, the output or the device is unusable (one line saying why and what
+            to do).
     """
     output = Path(output)
     if output.exists() or output.is_symlink():
         raise ConfigError(f"{output} exists; medflare does not replace files: choose a new output file")
     if not output.parent.is_dir():
         raise ConfigError(f"the folder of {output} does not exist; create it or choose another output file")
+    if batch_size < 1:
+        raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
     checkpoint = read_checkpoint(checkpoint_path)
-    logits_of = scorer(checkpoint)
+    chosen_device = choose_device(device)
+    logits_of = scorer(checkpoint, chosen_device)
     task = checkpoint.facts["task"]
     multi_label = bool(task.get("multi_label"))
     chosen_window = checkpoint.facts.get("window", "") if window is None else window
     inputs = read_input(Path(input_path), int(task["in_channels"]), checkpoint.class_names, split, chosen_window,
                         multi_label=multi_label)
-    probabilities = class_probabilities(logits_of, inputs.images, int(task["image_size"]), batch_size,
-                                        multi_label=multi_label)
+    with torch_threads(threads):
+        probabilities = class_probabilities(logits_of, inputs.images, int(task["image_size"]), batch_size,
+                                            multi_label=multi_label)
     write_predictions(output, inputs, probabilities, checkpoint.class_names, multi_label=multi_label)
     return {"images": len(inputs.ids), "output": str(output), "method": checkpoint.facts["method"],
             "model": checkpoint.facts["model"], "class_names": checkpoint.class_names, "multi_label": multi_label,
-            "trained_with": checkpoint.facts.get("medflare_version")}
+            "trained_with": checkpoint.facts.get("medflare_version"), "device": str(chosen_device),
+            **label_metrics(inputs, probabilities, multi_label)}
+
+
+def choose_device(name: str) -> Any:
+    """The torch device of ``--device``: auto (CUDA when torch sees a GPU, else the CPU), cpu or cuda.
+
+    Raises:
+        ConfigError: an unknown name, or cuda where torch sees no GPU.
+    """
+    import torch
+
+    from medflare.models import get_device
+
+    if name not in DEVICES:
+        raise ConfigError(f"--device must be one of {', '.join(DEVICES)}, got '{name}'")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: torch sees no CUDA GPU here (no GPU, driver or CUDA build of torch); "
+                          "use --device cpu or auto")
+    return get_device() if name == "auto" else torch.device(name)
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """Within this block torch computes with ``threads`` CPU threads (default: a site trainer's), as before after.
+
+    Why a site trainer's count and not torch's (one per core): on a machine where other work holds the cores, more
+    threads than free cores make every batch wait for the slowest thread (on 2 busy cores, 4000 28-px images took
+    4x longer with torch's 2 threads than with 1).
+    """
+    import torch
+
+    from medflare.methods.base import TrainConfig
+
+    count = TrainConfig.torch_threads if threads is None else threads
+    if count < 1:
+        raise ConfigError(f"--threads must be >= 1, got {count}")
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def label_metrics(inputs: PredictInput, probabilities: np.ndarray, multi_label: bool) -> dict[str, Any]:
+    """``labelled`` (images with a label; multi-label: with a known finding) and ``metrics`` (None without labels):
+    :data:`REPORTED_METRICS`, the task's headline metric first, computed by the sites' own evaluation code from the
+    same probabilities the CSV holds."""
+    if not inputs.labelled:
+        return {"labelled": 0, "metrics": None}
+    from medflare.evaluation import headline_metric
+    from medflare.methods.base import eval_stats
+    from medflare.metrics import compute_metrics
+
+    labels = np.asarray(inputs.images.labels)
+    stats = eval_stats(labels, probabilities, np.zeros(len(labels)), num_classes=probabilities.shape[1])
+    computed = compute_metrics(stats)
+    first = headline_metric(multi_label)
+    order = [first, *(key for key in REPORTED_METRICS if key != first)]
+    return {"labelled": int(stats.count), "metrics": {key: computed[key] for key in order}}
 
 
 # ----- the model ---------------------------------------------------------------------------------------
-def scorer(checkpoint: Checkpoint) -> Callable[[Any], Any]:
-    """The model rebuilt from the checkpoint, as a function images -> logits (the method's ``predict_logits``).
+def scorer(checkpoint: Checkpoint, device: Any) -> Callable[[Any], Any]:
+    """The model rebuilt from the checkpoint on ``device``, as a function images -> logits (the method's
+    ``predict_logits``).
 
     Raises:
         ConfigError: no global model, part of the model kept at the sites, another architecture, or another
@@ -105,7 +179,6 @@ def scorer(checkpoint: Checkpoint) -> Callable[[Any], Any]:
     from medflare.config import from_dict
     from medflare.flare.models import build_global_model
     from medflare.methods.base import LocalTrainer
-    from medflare.models import get_device
     from medflare.registry import get_method
 
     facts, where = checkpoint.facts, checkpoint.path
@@ -130,7 +203,6 @@ def scorer(checkpoint: Checkpoint) -> Callable[[Any], Any]:
         raise ConfigError(f"{where} does not fit model '{facts['model']}' of method '{facts['method']}' "
                           f"(missing {missing[:3]}, unexpected {unexpected[:3]}); the file was changed or saved by "
                           "another medflare version")
-    device = get_device()
     network.to(device).eval()
     method_cfg = from_dict(spec.config_cls, facts.get("method_args") or {}, f"method '{facts['method']}'")
     hook = spec.trainer_cls.predict_logits

@@ -19,15 +19,24 @@ defences (``run_config.DEPLOY_ROBUST`` under the recipe's own ``robust`` option)
 recipe's settings as they are (none by default). Exported without an environment, the job decides as ``medflare
 export`` does: a BYOC job with simulated data is a simulator job, any other (``mode="preinstalled"``,
 ``data="site"``) gets the defences.
+
+In ``SimEnv`` the console shows what ``medflare run`` shows: medflare's own lines (rounds, per-site epochs, scores)
+and every warning and error; FLARE's INFO log goes only to the simulator's log files (``<workspace_root>/<job>/
+server/log.txt`` and ``site-N/log.txt``). For FLARE's whole log on the console, choose FLARE's own log setting:
+``SimEnv(log_config="concise")`` (or ``"full"``, ``"verbose"``) or the environment variable ``FL_LOG_LEVEL``.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
+import os
 from pathlib import Path
 from typing import Any
 
 from nvflare.apis.job_def import ALL_SITES
+from nvflare.fuel.utils.log_utils import FL_LOG_LEVEL, concise_log_dict
 from nvflare.job_config.api import FedJob
 from nvflare.job_config.fed_job_config import FedJobConfig
 from nvflare.recipe.sim_env import SimEnv
@@ -39,6 +48,9 @@ from medflare.run_config import RunConfig, deployment_robust, merge_run_config
 __all__ = ["MedflareRecipe", "recipe"]
 
 MODES = ("byoc", "preinstalled")
+# The simulator's log configuration a recipe writes into the SimEnv workspace root (quiet_simulator_console)
+CONSOLE_LOG_FILE = "medflare_log_config.json"
+CONSOLE_FILTER = "MedflareConsole"
 
 
 class _MedflareJobConfig(FedJobConfig):
@@ -75,7 +87,10 @@ class MedflareRecipe(Recipe):
     Args:
         run: the run configuration (validated here).
         mode: ``byoc`` (the job carries medflare; needed by the simulator) or ``preinstalled`` (sites run their
-            own installed medflare and allow-list ``medflare.flare.``).
+            own installed medflare; their ``local/resources.json`` allow-lists medflare's job components by their
+            exact paths, as ``medflare.deploy.policies`` writes it, never a package prefix: through ``medflare.`` a
+            job without code could call any medflare function, among them one that rewrites a site's policies, and
+            even ``medflare.flare.`` opens hundreds; docs/deploy.md §3).
 
     Raises:
         ConfigError: an invalid option or mode, in one line.
@@ -89,6 +104,13 @@ class MedflareRecipe(Recipe):
         self.run_config = run
         self.mode = mode
         super().__init__(_MedflareJob(run, mode))
+
+    def run(self, env: ExecEnv, server_exec_params: dict | None = None,
+            client_exec_params: dict | None = None) -> Any:
+        """FLARE's ``Recipe.run``, with the simulator's console kept to medflare's lines (module docstring)."""
+        if isinstance(env, SimEnv):
+            quiet_simulator_console(env)
+        return super().run(env, server_exec_params=server_exec_params, client_exec_params=client_exec_params)
 
     def process_env(self, env: ExecEnv) -> None:
         """Refuse an environment whose sites differ from the recipe's (simulated data is split by site name); any
@@ -113,6 +135,28 @@ class MedflareRecipe(Recipe):
         if self._job._deploy_map:
             raise ConfigError("a medflare recipe's job is written by medflare's own builder, so FLARE's add_* "
                               "helpers cannot change it; use recipe() options instead (e.g. tracking='mlflow')")
+
+
+def console_log_config() -> dict[str, Any]:
+    """FLARE's default log configuration with a console that passes only medflare's records and any warning or
+    error; FLARE's INFO records (several a round per site) still reach each participant's ``log.txt``."""
+    config = copy.deepcopy(concise_log_dict)
+    # FLARE's own filter: records of loggers named medflare..., plus every record above INFO from any logger
+    config["filters"][CONSOLE_FILTER] = {"()": "nvflare.fuel.utils.log_utils.LoggerNameFilter",
+                                         "logger_names": ["medflare"], "allow_all_error_logs": True}
+    config["handlers"]["consoleHandler"]["filters"] = [CONSOLE_FILTER]
+    return config
+
+
+def quiet_simulator_console(env: SimEnv) -> None:
+    """Point ``env`` at :func:`console_log_config` (written into its workspace root), unless the user chose FLARE's
+    log setting (``SimEnv(log_config=...)`` or ``$FL_LOG_LEVEL``), which then applies as FLARE documents it."""
+    if env.log_config or os.environ.get(FL_LOG_LEVEL):
+        return
+    path = Path(env.workspace_root).resolve() / CONSOLE_LOG_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(console_log_config(), indent=2) + "\n")
+    env.log_config = str(path)  # the simulator and each site's worker read it by this absolute path
 
 
 def recipe(method: str, *, data: str | dict[str, Any] | None = None, partition: str | None = None,

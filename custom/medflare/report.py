@@ -1,18 +1,23 @@
 """Turn the controller's results file into summary.json, a per-round CSV, a markdown report and plots.
 
 Rounds are counted one way everywhere (console, rounds.csv, report.md, plots): round r is the global model after
-r rounds of training, round 0 the initial, untrained model.
+r rounds of training, round 0 the initial, untrained model (a row and a point of every curve when the sites
+scored it). The headline metric is the task's (:func:`medflare.evaluation.headline_metric`), the one the controller
+selected the best model by. Start-up is one figure everywhere: seconds from the run's launch to the start of its
+first round (:func:`_timing`).
 """
 
 from __future__ import annotations
 
 import csv
 import json
+from functools import partial
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from medflare import plotting, readback
 from medflare.errors import ConfigError
+from medflare.evaluation import metric_name, selection_metric
 
 TABLE_METRICS = ("accuracy", "balanced_accuracy", "macro_f1", "auc_macro_ovr")
 LONG_TAIL_METRICS = ("head_accuracy", "medium_accuracy", "tail_accuracy", "hmt_mean")
@@ -41,16 +46,19 @@ def build_summary(
         results: the controller's ``medflare_results.json``.
         config: the resolved run configuration.
         clients: per-site facts known to the launcher (simulation: partition sizes and class counts).
-        launched_at: epoch seconds when the launcher started FLARE (start-up time = first round start - this).
+        launched_at: epoch seconds when medflare launched FLARE for this run (see :func:`_timing`), or None when
+            the job was launched elsewhere.
     """
     rounds = list(results.get("rounds", []))
     evaluations = results.get("evaluations", {})
     per_round = [_round_entry(record, evaluations.get(str(record["round"] + 1), {})) for record in rounds]
     final_eval = results.get("final") or (evaluations.get(str(len(rounds)), {}) if rounds else {})
     method = results.get("method", config.get("method"))
+    multi_label = bool((config.get("task") or {}).get("multi_label"))
     return {
         "method": method,
         "server_model": _method_keeps_server_model(method),
+        "headline_metric": selection_metric(results, multi_label),
         "config": dict(config),
         "rounds_completed": len(rounds),
         "final": final_metrics(final_eval),
@@ -58,6 +66,7 @@ def build_summary(
         "final_by_attribute": final_eval.get("test_by_attribute", {}),
         "final_val": final_eval.get("val", {}),
         "initial": evaluations.get("0", {}).get("test", {}),
+        **({"initial_round": _scored_entry(0, evaluations["0"])} if "0" in evaluations else {}),
         "best": results.get("best", {}),
         "per_round": per_round,
         "clients": _client_entries(clients, rounds),
@@ -90,13 +99,23 @@ def with_attribute_scores(evaluation: Mapping[str, Any]) -> dict[str, Any]:
     return metrics
 
 
-def _round_entry(record: Mapping[str, Any], evaluation: Mapping[str, Any]) -> dict[str, Any]:
-    sites = record.get("sites", {})
-    entry = {
-        "round": record["round"] + 1,
+def _scored_entry(model_round: int, evaluation: Mapping[str, Any]) -> dict[str, Any]:
+    """What the sites scored of the model after ``model_round`` rounds: pooled test and validation metrics,
+    per site and their mean over sites; no training (round 0, the initial model, has none)."""
+    return {
+        "round": model_round,
         "metrics": with_attribute_scores(evaluation),
         "val_metrics": evaluation.get("val", {}),
         "by_site": evaluation.get("by_site", {}),
+        "site_mean": evaluation.get("site_mean", {}),
+        "wall_seconds": None, "share": {}, "train_loss": {},
+    }
+
+
+def _round_entry(record: Mapping[str, Any], evaluation: Mapping[str, Any]) -> dict[str, Any]:
+    sites = record.get("sites", {})
+    entry = {
+        **_scored_entry(record["round"] + 1, evaluation),
         "wall_seconds": record.get("wall_seconds"),
         "share": record.get("share", {}),
         "train_loss": {site: facts.get("train_loss") for site, facts in sites.items()},
@@ -130,18 +149,39 @@ def _payload_entries(rounds: list[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def _timing(results: Mapping[str, Any], rounds: list[Mapping[str, Any]], launched_at: float | None) -> dict[str, Any]:
+    """Round walls, and the start-up: seconds from the run's launch to the start of its first round.
+
+    The launch is when medflare started FLARE for the run (the simulator; the POC, then the job's submission),
+    recorded as ``launched_at`` so that ``medflare report`` on the run folder gives the same figure. For a job
+    launched elsewhere it is unknown; the start-up then counts from the server app's start (``startup_from``
+    "server"), which leaves out FLARE's own launch, and the report says so. A resumed job's first round is the
+    first one it ran.
+    """
     per_round = [r.get("wall_seconds") for r in rounds]
-    first_start = rounds[0]["started_at"] if rounds else None
-    timing = {
+    resumed_at = ((results.get("resumed") or [{}])[-1]).get("start_round", 0)  # the round this job began with
+    resumed_at = resumed_at if isinstance(resumed_at, int) and resumed_at >= 0 else 0
+    first_start = rounds[resumed_at]["started_at"] if resumed_at < len(rounds) else None
+    timing: dict[str, Any] = {
         "per_round_seconds": per_round,
         "mean_round_seconds": sum(per_round) / len(per_round) if per_round else None,
         "final_validation_seconds": results.get("final_validation", {}).get("wall_seconds"),
+        "launched_at": launched_at,
     }
-    if launched_at is not None and first_start is not None:
-        timing["startup_seconds"] = first_start - launched_at
-    if launched_at is not None and results.get("finished_at"):
-        timing["total_seconds"] = results["finished_at"] - launched_at
+    start, timing["startup_from"] = ((launched_at, "launch") if launched_at is not None
+                                     else (results.get("controller_started_at"), "server"))
+    if start is not None and first_start is not None:
+        timing["startup_seconds"] = first_start - start
+    if start is not None and results.get("finished_at"):
+        timing["total_seconds"] = results["finished_at"] - start
     return timing
+
+
+def startup_text(timing: Mapping[str, Any]) -> str:
+    """``start-up 17.1 s``, saying so when it counts from the server app's start instead of the launch."""
+    text = f"start-up {format_seconds(timing.get('startup_seconds'), 1)}"
+    if timing.get("startup_from") == "server" and timing.get("startup_seconds") is not None:
+        text += " (from the server app's start: the job was launched elsewhere)"
+    return text
 
 
 def write_outputs(summary: Mapping[str, Any], out_dir: str | Path) -> list[Path]:
@@ -158,20 +198,25 @@ def write_outputs(summary: Mapping[str, Any], out_dir: str | Path) -> list[Path]
 
 
 def _write_rounds_csv(summary: Mapping[str, Any], path: Path) -> None:
-    """One row per round: its stage (staged methods), test metrics (head/medium/tail and per-attribute ones when
-    present), validation metrics, each site's share and training loss."""
+    """One row per round r, the model after r rounds (round 0, the initial model, when the sites scored it): its
+    stage (staged methods), pooled test metrics (head/medium/tail and per-attribute ones when present), their
+    unweighted mean over sites (``test_site_mean_*``), pooled validation metrics, each site's share and loss."""
     sites = sorted(summary.get("clients", {}))
-    staged = any("stage" in entry for entry in summary["per_round"])
-    tested = metric_columns(*(entry["metrics"] for entry in summary["per_round"]))
+    rows = plotting.scored_rounds(summary)
+    staged = any("stage" in entry for entry in rows)
+    tested = metric_columns(*(entry["metrics"] for entry in rows))
+    site_mean = metric_columns(*(entry.get("site_mean", {}) for entry in rows))
     header = ["round"] + (["stage"] if staged else []) + ["wall_seconds"]
-    header += [f"test_{m}" for m in tested] + [f"val_{m}" for m in TABLE_METRICS]
+    header += [f"test_{m}" for m in tested] + [f"test_site_mean_{m}" for m in site_mean]
+    header += [f"val_{m}" for m in TABLE_METRICS]
     header += [f"share_{s}" for s in sites] + [f"train_loss_{s}" for s in sites]
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(header)
-        for entry in summary["per_round"]:
+        for entry in rows:
             row = [entry["round"]] + ([entry.get("stage", "")] if staged else []) + [_fmt(entry.get("wall_seconds"))]
             row += [_fmt(entry["metrics"].get(m)) for m in tested]
+            row += [_fmt(entry.get("site_mean", {}).get(m)) for m in site_mean]
             row += [_fmt(entry["val_metrics"].get(m)) for m in TABLE_METRICS]
             row += [_fmt(entry["share"].get(s)) for s in sites] + [_fmt(entry["train_loss"].get(s)) for s in sites]
             writer.writerow(row)
@@ -245,12 +290,16 @@ def _header(summary: Mapping[str, Any]) -> list[str]:
         f"- data: `{data.get('source')}` partition `{data.get('partition', '-')}`, {cfg.get('clients')} sites, "
         f"{_models_text(cfg)}, {summary['rounds_completed']} rounds, seed {cfg.get('seed')}",
         f"- classes: {', '.join(class_names(summary)) or 'n/a'}",
-        f"- mean round wall time {format_seconds(timing.get('mean_round_seconds'), 2)}; "
-        f"start-up {format_seconds(timing.get('startup_seconds'), 1)}",
+        f"- mean round wall time {format_seconds(timing.get('mean_round_seconds'), 2)}; {startup_text(timing)}",
         f"- metrics are of {_scored_models(summary)} on the sites' held-out test splits, summed as confusion counts "
-        "(exact pooled values); the best model is chosen on validation only; round r is the model after "
-        "r rounds (round 0: the initial model)",
+        f"(exact pooled values); the headline metric is {_headline_text(summary)}, and the best model is chosen by "
+        "its value on validation only; round r is the model after r rounds (round 0: the initial model)",
     ]
+
+
+def _headline_text(summary: Mapping[str, Any]) -> str:
+    metric = plotting.headline(summary)
+    return f"{metric_name(metric)} (`{metric}`)"
 
 
 def _method_keeps_server_model(method: str | None) -> bool:
@@ -424,29 +473,37 @@ def _plots_section(plots: list[str]) -> list[str]:
 
 # ----- plots ---------------------------------------------------------------------------------------------
 def write_plots(summary: Mapping[str, Any], out: Path) -> list[Path]:
-    """Learning curves, shares, any other per-site value (e.g. RF), per-site metrics and the confusion matrix."""
-    if not summary["per_round"]:
-        return []
-    files = [plotting.save(plotting.learning_curves_figure(summary), out / "learning_curves.png")]
+    """Learning curves, shares, any other per-site value (e.g. RF), per-site headline scores and the confusion
+    matrix; a plot without data is not drawn (:func:`plotting.save`), so the report never shows an empty one."""
+    model = plotting.scored_model(summary)
+    plots: list[tuple[str, Callable[[], Any]]] = [
+        ("learning_curves.png", partial(plotting.learning_curves_figure, summary))]
     for key in site_valued_keys(summary["per_round"], summary.get("clients") or ()):
         if key == "share":
-            files.append(plotting.save(plotting.shares_figure(summary), out / "shares.png"))
+            plots.append(("shares.png", partial(plotting.shares_figure, summary)))
         elif key != "train_loss":
-            files.append(plotting.save(plotting.per_site_value_figure(summary, key), out / f"{key}.png"))
-    final = summary["final"]
-    if final.get("by_site"):
-        model = plotting.scored_model(summary)
-        rows = {model: {s: m.get("balanced_accuracy") for s, m in final["by_site"].items()}}
-        rows |= {name: {s: m.get("balanced_accuracy") for s, m in block.get("by_site", {}).items()}
-                 for name, block in sorted((final.get("extra") or {}).items())}
-        figure = plotting.per_site_metrics_figure(rows, "balanced_accuracy", final.get("balanced_accuracy"),
-                                                  f"{model}, pooled")
-        files.append(plotting.save(figure, out / "per_site.png"))
+            plots.append((f"{key}.png", partial(plotting.per_site_value_figure, summary, key)))
+    per_site = per_site_scores(summary)
+    if per_site:
+        metric = plotting.headline(summary)
+        plots.append(("per_site.png", partial(plotting.per_site_metrics_figure, per_site, metric,
+                                              summary["final"].get(metric), f"{model}, pooled")))
     if summary.get("final_confusion"):
-        figure = plotting.confusion_figure(summary["final_confusion"], class_names(summary),
-                                           plotting.scored_model(summary))
-        files.append(plotting.save(figure, out / "confusion.png"))
-    return files
+        plots.append(("confusion.png", partial(plotting.confusion_figure, summary["final_confusion"],
+                                               class_names(summary), model)))
+    saved = (plotting.save(draw(), out / name) for name, draw in plots)
+    return [path for path in saved if path is not None]
+
+
+def per_site_scores(summary: Mapping[str, Any]) -> dict[str, dict[str, float | None]]:
+    """The final headline score on each site's own test split, per evaluated model (the scored model and each
+    method-declared evaluation); empty when no site has one."""
+    final, metric = summary["final"], plotting.headline(summary)
+    blocks = {plotting.scored_model(summary): final, **dict(sorted((final.get("extra") or {}).items()))}
+    rows = {name: {site: m.get(metric) for site, m in block.get("by_site", {}).items()}
+            for name, block in blocks.items()}
+    rows = {name: scores for name, scores in rows.items() if scores}
+    return rows if any(v is not None for scores in rows.values() for v in scores.values()) else {}
 
 
 def site_valued_keys(per_round: list[Mapping[str, Any]], sites: Iterable[str]) -> list[str]:
@@ -464,10 +521,7 @@ def site_valued_keys(per_round: list[Mapping[str, Any]], sites: Iterable[str]) -
     return keys
 
 
-# ----- comparison of methods (and seeds) -----------------------------------------------------------------
-KEY_METRIC = "balanced_accuracy"
-
-
+# ----- comparison of methods (and seeds): by the runs' headline metric -------------------------------------
 def by_method(summaries: list[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
     """Runs grouped by method, in the order the methods first appear (one run per seed)."""
     groups: dict[str, list[Mapping[str, Any]]] = {}
@@ -492,7 +546,7 @@ def seed_statistics(runs: list[Mapping[str, Any]], columns: list[str]) -> dict[s
     return stats
 
 
-def verdicts(stats: Mapping[str, Mapping[str, tuple[float, float] | None]], metric: str = KEY_METRIC) -> dict[str, str]:
+def verdicts(stats: Mapping[str, Mapping[str, tuple[float, float] | None]], metric: str) -> dict[str, str]:
     """Each method against the best mean of ``metric``: a gap within one standard deviation (the larger of the
     two methods') is **no difference** (the project's rule for seeded comparisons)."""
     known = {m: s[metric] for m, s in stats.items() if s.get(metric) is not None}
@@ -516,8 +570,9 @@ def comparison_table(summaries: list[Mapping[str, Any]]) -> str:
     groups = by_method(summaries)
     columns = metric_columns(*(s["final"] for s in summaries))
     stats = {method: seed_statistics(runs, columns) for method, runs in groups.items()}
-    verdict = verdicts(stats)
-    header = f"| method | seeds | rounds | {' | '.join(columns)} | vs best ({KEY_METRIC}) |"
+    metric = plotting.headline(summaries[0])  # one task for every run compared
+    verdict = verdicts(stats, metric)
+    header = f"| method | seeds | rounds | {' | '.join(columns)} | vs best ({metric}) |"
     lines = [header, "|---" * (len(columns) + 4) + "|"]
     for method, runs in groups.items():
         cells = " | ".join("n/a" if stats[method][c] is None else f"{stats[method][c][0]:.4f} ± {stats[method][c][1]:.4f}"
@@ -527,11 +582,13 @@ def comparison_table(summaries: list[Mapping[str, Any]]) -> str:
 
 
 def per_round_curves(groups: Mapping[str, list[Mapping[str, Any]]], metric: str) -> dict[str, dict[str, Any]]:
-    """Per method: ``metric`` per round, mean and std over seeds, and the final value's mean and std."""
+    """Per method: ``metric`` per round (round 0 included when scored), mean and std over seeds, and the final
+    value's mean and std."""
     curves = {}
     for method, runs in groups.items():
-        rounds = [e["round"] for e in runs[0]["per_round"]]
-        per_round = [[r["per_round"][i]["metrics"].get(metric) for r in runs if i < len(r["per_round"])]
+        scored = [plotting.scored_rounds(r) for r in runs]
+        rounds = [e["round"] for e in scored[0]]
+        per_round = [[entries[i]["metrics"].get(metric) for entries in scored if i < len(entries)]
                      for i in range(len(rounds))]
         spread = [mean_std([float(v) for v in values if v is not None]) if any(v is not None for v in values)
                   else (float("nan"), 0.0) for values in per_round]
@@ -554,5 +611,6 @@ def comparison_outputs(summaries: list[Mapping[str, Any]], out_dir: str | Path) 
         "# Method comparison (test split of every site, pooled)", "",
         f"Mean ± standard deviation over {seeds} seed(s) of the final global model's metrics. {rule}", "",
         comparison_table(summaries), "", "## Every run", "", results_table(summaries, with_seed=True), ""]))
-    figure = plotting.comparison_figure(per_round_curves(by_method(summaries), KEY_METRIC), KEY_METRIC)
-    return [table_file, plotting.save(figure, out / "comparison.png")]
+    metric = plotting.headline(summaries[0])
+    figure = plotting.comparison_figure(per_round_curves(by_method(summaries), metric), metric)
+    return [path for path in (table_file, plotting.save(figure, out / "comparison.png")) if path is not None]

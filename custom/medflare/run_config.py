@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,8 +75,10 @@ class RunConfig:
             or {"off": true} for none. A job for a real deployment (POC, production, a pre-installed or site-data
             export) gets DEPLOY_ROBUST under these settings, which win key by key; the simulator takes them as they
             are, none by default, so research runs aggregate as the papers do (:func:`deployment_robust`).
-        transfer_dtype: float32 (default) or float16: how float weights travel (the server aggregates in float64
-            and keeps the global model in its own precision).
+        transfer_dtype: float32 (default) or float16: how float weights travel from the sites (the server
+            aggregates in float64 and keeps the global model in its own precision).
+        download_dtype: float32 (default) or float16: how the global model's float weights travel to the sites
+            (each site loads them into its model's own dtype; integer buffers travel as they are).
         stream_aggregation: the server adds each site's result to one float64 sum as it arrives (in site-name order,
             so reruns repeat bit for bit) instead of holding every site's copy until the round ends; linear rules
             only, the others aggregate in one batch and each round's record says why (docs/architecture.md).
@@ -117,6 +120,7 @@ class RunConfig:
     site_model: dict[str, str] = field(default_factory=dict)
     robust: dict[str, Any] = field(default_factory=dict)
     transfer_dtype: str = "float32"
+    download_dtype: str = "float32"
     stream_aggregation: bool = False
     plugins: list[str] = field(default_factory=list)
     transfer_kind: str = "weights"
@@ -177,13 +181,14 @@ class RunConfig:
         go into ``data`` here, under the job's own (see :meth:`_with_data_defaults`), so the run records them.
 
         Args:
-            check_files: also require a ``pretrained`` weights file to exist here (off for ``export``: the
-                server that loads it may be another machine).
+            check_files: also require the job's data files and folders and a ``pretrained`` weights file to
+                exist here (off for ``export``: the machines that read them may be others). Either way they
+                become absolute paths (:meth:`_resolve_paths`).
             data_defaults: the protocol data options to apply instead of the method's own (``compare`` gives
                 every method the same, :func:`shared_data_defaults`).
 
         Raises:
-            ConfigError: the first problem, in one line naming the option.
+            ConfigError: the first problem, in one line naming the option (DataError for a missing data path).
         """
         load_plugin_files(self.plugins)
         spec = get_method(self.method)
@@ -194,7 +199,8 @@ class RunConfig:
         from medflare.flare.aggregator import RoundAggregation
 
         RoundAggregation(  # stages must add up to the rounds; robust and wire options must be valid
-            self.method, self.method_args, 2, self.rounds, self.robust, self.transfer_dtype, self.transfer_kind
+            self.method, self.method_args, 2, self.rounds, self.robust, self.transfer_dtype, self.transfer_kind,
+            download_dtype=self.download_dtype,
         )
         if self.dp:
             from medflare.flare.privacy import UpdatePrivacy
@@ -214,6 +220,7 @@ class RunConfig:
         self.task = _typed_task(self.task)
         self.data = fields_typed(_data_config_cls(), self.data, "data")
         self.data = self._with_data_defaults(spec.data_defaults if data_defaults is None else data_defaults)
+        self._resolve_paths(check_files)
         simulated = self.data.get("source", "site") != "site"
         data = from_dict(_data_config_cls(), self.site_data() if simulated else self.data,
                          "data")  # the partition scheme, noise rate, ... ranges
@@ -223,6 +230,27 @@ class RunConfig:
             from medflare.resume import check_resumable
 
             self.resume_from = str(check_resumable(self, self.resume_from))
+
+    def _resolve_paths(self, check_files: bool) -> None:
+        """Make every file or folder the job names absolute, against the folder medflare runs in.
+
+        FLARE starts the simulator's server and sites (and a POC's) in workspace folders of their own, so a relative
+        ``medmnist:``/``folder:``/``csv:`` source, public set or weights file would pass here and fail at every site
+        minutes later. Paths a hospital gives in its own ``local/medflare_site.json`` (``source: site``) are never
+        in the job, so they stay as the site wrote them.
+
+        Raises:
+            DataError, ConfigError: ``check_files`` and a path names nothing here; one line naming the path.
+        """
+        from medflare.data.public import absolute_public_source
+        from medflare.data.sources import absolute_source
+
+        if self.data.get("source", "site") != "site":
+            self.data["source"] = absolute_source(self.data["source"], "data.source", check_files)
+        if self.data.get("public_source"):
+            self.data["public_source"] = absolute_public_source(self.data["public_source"], check=check_files)
+        if self.pretrained not in (None, IMAGENET):
+            self.pretrained = os.path.abspath(os.path.expanduser(self.pretrained))
 
     def _with_data_defaults(self, defaults: Mapping[str, Any]) -> dict[str, Any]:
         """The run's data options with a method's protocol options under them (simulated data only).
@@ -261,8 +289,7 @@ class RunConfig:
         from medflare.models import get_model_info, list_models
 
         for site, model in {"": self.model, **self.site_model}.items():
-            if model not in list_models():
-                raise ConfigError(f"unknown model '{model}'; available: {', '.join(list_models())}")
+            get_model_info(model)  # unknown, or an installed package's model that cannot load: refused before launch
             if site and site not in self.site_names:
                 raise ConfigError(f"site_model names '{site}', which is not one of {', '.join(self.site_names)}")
         if get_method(self.method).server_model and any(model != self.model for model in self.site_model.values()):
@@ -275,8 +302,8 @@ class RunConfig:
             raise ConfigError(f"pretrained=imagenet: model '{self.model}' has no offline ImageNet weights "
                               f"(only {', '.join(offline)}); use --model {offline[0]} or a weights file")
         if check_files and self.pretrained not in (None, IMAGENET) and not Path(self.pretrained).is_file():
-            raise ConfigError(f"--pretrained: weights file '{self.pretrained}' not found; give an existing file "
-                              "or 'imagenet'")
+            raise ConfigError(f"--pretrained: weights file '{self.pretrained}' not found (relative paths are read "
+                              "from the folder medflare runs in); give an existing file or 'imagenet'")
 
     def plugin_modules(self) -> list[str]:
         """The module names the job's plugin files have inside the job (``medflare_plugins.<file stem>``)."""

@@ -31,11 +31,15 @@ def nvflare_command() -> list[str]:
 
 # ----- run options ------------------------------------------------------------------------------------
 def add_run_options(parser: argparse.ArgumentParser) -> None:
-    """The options every command that builds a job takes (``run``, ``compare``, ``export``, POC ``submit``)."""
+    """The options every command that builds a job takes (``run``, ``compare``, ``export``, ``config``, POC
+    ``submit``); the scenarios and partition schemes they list come from their registries."""
+    from medflare.catalog import load_catalog  # not the partition module itself: that imports torch
+    from medflare.scenarios import list_scenarios
+
     parser.add_argument("--data", help="synthetic[:k=v,...] | medmnist:PATH | folder:DIR | csv:FILE | site; "
                                        "--set data.imbalance=IR cuts a long-tailed training split from any source, "
                                        "--set data.window=40,80 (or brain, lung, bone, file) windows DICOM/NIfTI")
-    parser.add_argument("--partition", help="iid | dirichlet:A | quantity:A | attribute:F1/F2/.. | labelset:K | longtail-missing:A[:M]")
+    parser.add_argument("--partition", help=" | ".join(load_catalog()["partitions"]))
     parser.add_argument("--clients", type=int, help="number of sites (default 2)")
     parser.add_argument("--rounds", type=int, help="federated rounds (default 3)")
     parser.add_argument("--local-epochs", type=int, help="local epochs per round (default 1)")
@@ -56,7 +60,7 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
                                          "(model, resolution, rounds, optimizer, ...); the lowest layer, so "
                                          "--scenario, --config, flags and --set override it ('medflare methods' "
                                          "lists the presets)")
-    parser.add_argument("--scenario", help="named set-up: hyperkvasir-like | isic-attribute-like (see docs/scenarios)")
+    parser.add_argument("--scenario", help=f"named set-up: {' | '.join(list_scenarios())} (docs/scenarios.md)")
     parser.add_argument("--config", help="JSON or TOML file with run options (overrides the scenario; flags override it)")
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
@@ -72,7 +76,26 @@ def build_run_config(args: argparse.Namespace, method: str | None = None) -> Run
         args: parsed options of :func:`add_run_options` (and ``args.method``).
         method: the method to build for (default ``args.method``; ``compare`` builds one per method).
     """
-    from medflare.run_config import apply_overrides, merge_run_config, preset_layer
+    from medflare.run_config import apply_overrides, merge_run_config
+
+    return apply_overrides(merge_run_config(*(layer for _, layer in run_layers(args, method))), args.set)
+
+
+def option_layers(args: argparse.Namespace, method: str | None = None) -> list[tuple[str, set[str]]]:
+    """Which options each layer of :func:`build_run_config` sets (dotted names), lowest first, ``--set`` last:
+    what ``medflare config`` reports as each option's source."""
+    from medflare.config import layer_options, override_options
+    from medflare.run_config import SECTIONS
+
+    sections = set(SECTIONS.values())
+    named = [(name, layer_options(layer, sections)) for name, layer in run_layers(args, method)]
+    return named + [("--set", override_options(args.set, SECTIONS))]
+
+
+def run_layers(args: argparse.Namespace, method: str | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """The layers of a run's configuration under ``--set`` (applied as text by ``apply_overrides``), lowest first
+    and named as the user gave them: --preset, --scenario, --config, then the flags."""
+    from medflare.run_config import preset_layer
     from medflare.scenarios import load_scenario
 
     # compare: a method without the preset takes the shared part of the first compared method's that has one
@@ -88,7 +111,9 @@ def build_run_config(args: argparse.Namespace, method: str | None = None) -> Run
         "data": {k: v for k, v in data.items() if v is not None},
         "train": {k: v for k, v in train.items() if v is not None},
     }
-    return apply_overrides(merge_run_config(preset, scenario, from_file, flags), args.set)
+    return [(f"--preset {args.preset}" if getattr(args, "preset", None) else "--preset", preset),
+            (f"--scenario {args.scenario}" if args.scenario else "--scenario", scenario),
+            (f"--config {args.config}" if args.config else "--config", from_file), ("flags", flags)]
 
 
 def data_was_chosen(args: argparse.Namespace) -> bool:

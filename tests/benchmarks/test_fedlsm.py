@@ -42,6 +42,7 @@ def test_every_cell_takes_the_same_steps_and_only_the_upper_bound_sees_every_lab
         assert run.data["partition"] == ("iid" if cell.full_labels else "labelset:2")
         if cell.method == "fedlsm":
             assert run.method_args["local_iterations"] == 3
+            assert run.method_args["strong_augment"] == "strong"  # the view the published tables were measured with
 
 
 def test_retina_sites_annotate_the_listed_grades_except_in_the_upper_bound(

@@ -43,12 +43,13 @@ REVIEWED_ARGS = {
         "method", "model", "num_classes", "in_channels", "image_size", "pretrained", "method_args", "seed", "plugins"],
     "medflare.flare.aggregator.MedflareAggregator": [
         "method", "num_classes", "num_rounds", "method_args", "robust", "transfer_dtype", "transfer_kind", "plugins",
-        "multi_label", "stream_aggregation"],
+        "multi_label", "stream_aggregation", "download_dtype"],
     "medflare.flare.controller.MedflareController": [
         "num_rounds", "min_clients", "persistor_id", "aggregator_id", "wait_time_after_min_received", "train_timeout",
         "shot_groups", "key_metric", "patience", "resume_from"],
     "medflare.flare.tb_receiver.TensorBoardReceiver": ["events"],
-    "medflare.flare.mlflow_receiver.MlflowReceiver": ["events"],
+    # kw_args: FLARE's experiment/run names and tags; params: text values; deployed_env: a tag (no URI, no path)
+    "medflare.flare.mlflow_receiver.MlflowReceiver": ["events", "kw_args", "params", "deployed_env"],
     "medflare.flare.executor.MedflareExecutor": [
         "method", "task", "model", "method_args", "train", "data", "sites", "seed", "site_train", "evaluation",
         "site_model", "plugins", "stream_metrics"],

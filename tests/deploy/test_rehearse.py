@@ -6,6 +6,7 @@ everywhere). The small rehearsal (2 hospitals, fedavg on cnn, 2 rounds) takes ab
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -24,8 +25,10 @@ from medflare.deploy.rehearse import (
     Fault,
     Rehearsal,
     RehearseError,
+    add_rehearse_options,
     check_outcome,
     consortium,
+    plan_from_args,
     rehearse,
 )
 from medflare.errors import ConfigError
@@ -62,6 +65,59 @@ def test_fault_specs_parse_and_bad_ones_are_refused() -> None:
     for bad in ("hospital-b", "hospital-b@round2", "@round2:3", "hospital-b@soon:3"):
         with pytest.raises(ConfigError, match="SITE@roundK:SECONDS"):
             Fault.parse("outage", bad)
+
+
+def test_a_server_crash_parses_and_names_the_recovery() -> None:
+    crash = Fault.server_crash("round3:5")
+    assert crash == Fault("server", "server", 3, 0.0, 5.0) and "resubmitted with resume_from" in crash.describe()
+    with pytest.raises(ConfigError, match="^--kill-server 'soon' must be roundK:SECONDS"):
+        Fault.server_crash("soon")
+    parser = argparse.ArgumentParser()
+    add_rehearse_options(parser)
+    plan = plan_from_args(parser.parse_args(["--kill-server", "round3:5", "--kill", "hospital-b@round2:5"]))
+    assert sorted(f.kind for f in plan.faults) == ["kill", "server"]
+
+
+def test_the_checks_of_a_server_crash_need_the_checkpoints_round_and_model_and_every_round_once() -> None:
+    plan = Rehearsal(hospitals=2, rounds=4, faults=[Fault.server_crash("round3:5")])
+    every = {"hospital-a": 1, "hospital-b": 1}
+    crash = {"fault": plan.faults[0].describe(), "struck_at": 30.0, "recovered_at": 35.0, "crashed_job": "old",
+             "checkpoint": {"next_round": 2, "model_digest": "d2"}, "reconnected_after": 4.0, "resumed_job": "new"}
+    results = {"rounds": [{"round": r, "wall_seconds": 5, "share": every} for r in range(4)],
+               "resumed": [{"from_job": "old", "start_round": 2, "initial_model_digest": "d2"}]}
+    args = ("FINISHED:COMPLETED", results, None, ["hospital-a", "hospital-b"], [crash], {}, "", "new")
+    checks = check_outcome(plan, *args)
+    assert all(c["ok"] for c in checks) and {"server restarted", "resumed from the checkpoint",
+                                             "every round once"} <= {c["check"] for c in checks}
+
+    def failed(**changes) -> list[str]:
+        broken = json.loads(json.dumps({"results": results, "crash": crash}))
+        for path, value in changes.items():
+            where, key = path.split(".")
+            target = broken["results"]["resumed"][0] if where == "resumed" else broken[where]
+            target[key] = value
+        broken_args = (args[0], broken["results"], *args[2:4], [broken["crash"]], *args[5:])
+        return [c["check"] for c in check_outcome(plan, *broken_args) if not c["ok"]]
+
+    assert failed(**{"resumed.start_round": 0}) == ["resumed from the checkpoint"]  # started over
+    assert failed(**{"resumed.initial_model_digest": "d0"}) == ["resumed from the checkpoint"]  # another model
+    assert failed(**{"resumed.from_job": "other"}) == ["resumed from the checkpoint"]
+    assert failed(**{"crash.checkpoint": {}}) == ["resumed from the checkpoint"]  # nothing was checkpointed
+    assert failed(**{"crash.reconnected_after": None}) == ["server restarted"]
+    repeated = json.loads(json.dumps(results))
+    repeated["rounds"].insert(2, dict(repeated["rounds"][1]))  # round 2 played twice
+    assert [c["check"] for c in check_outcome(plan, args[0], repeated, *args[2:]) if not c["ok"]] == [
+        "rounds", "every round once"]
+
+
+def test_a_server_crash_the_job_outran_is_a_failed_check() -> None:
+    plan = Rehearsal(hospitals=2, rounds=2, faults=[Fault.server_crash("round3:5")])
+    results = {"rounds": [{"round": r, "wall_seconds": 5, "share": {"hospital-a": 1, "hospital-b": 1}}
+                          for r in range(2)]}
+    event = {"fault": plan.faults[0].describe(), "not_played": "the job ended before it was due"}
+    checks = check_outcome(plan, "FINISHED:COMPLETED", results, None, ["hospital-a", "hospital-b"], [event], {}, "",
+                           "job")
+    assert [c["observed"] for c in checks if not c["ok"]] == ["not played: the job ended before it was due"]
 
 
 def test_consortium_keeps_server_and_people_and_names_more_hospitals() -> None:

@@ -92,3 +92,50 @@ def test_admin_kit_is_read_from_the_kit_and_refused_in_one_line(tmp_path: Path, 
     monkeypatch.delenv("NVFLARE_STARTUP_KIT_DIR")
     with pytest.raises(ConfigError, match="no medflare POC is prepared there"):
         admin_kit(None, str(tmp_path / "nothing"))
+
+
+def write_poc_admin_kit(kit: Path, common_name: str | None) -> Path:
+    """An admin kit as FLARE's POC provisioning writes it: no username, the identity in the client certificate."""
+    (kit / "startup").mkdir(parents=True)
+    admin = {"username": "", "uid_source": "cert", "client_cert": "client.crt"}
+    (kit / "startup" / "fed_admin.json").write_text(json.dumps({"admin": admin}))
+    if common_name is not None:
+        import datetime
+
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+
+        key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+        now = datetime.datetime.now(datetime.timezone.utc)
+        cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+                .serial_number(1).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+                .sign(key, hashes.SHA256()))
+        (kit / "startup" / "client.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return kit
+
+
+def test_a_poc_kit_names_the_admin_of_its_certificate(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("NVFLARE_STARTUP_KIT_DIR", raising=False)
+    kit = write_poc_admin_kit(tmp_path / "lead", "lead@hospital-a.org")
+    assert admin_kit(str(kit)) == (kit, "lead@hospital-a.org")
+
+
+def test_watch_says_as_whom_it_follows_and_leaves_the_words_out_when_unknown(tmp_path: Path, monkeypatch,
+                                                                            capsys) -> None:
+    import medflare.deploy.watch as watch_module
+    from medflare.cli import main
+
+    monkeypatch.delenv("NVFLARE_STARTUP_KIT_DIR", raising=False)
+    followed: list[str] = []
+    monkeypatch.setattr(watch_module, "watch", lambda job_id, kit, user, **kwargs: followed.append(user) or
+                        "FINISHED:COMPLETED")
+    known = write_poc_admin_kit(tmp_path / "known", "lead@hospital-a.org")
+    assert main(["watch", "job-1", "--startup-kit", str(known)]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "medflare: following job job-1 as lead@hospital-a.org"
+    unknown = write_poc_admin_kit(tmp_path / "unknown", None)  # no certificate to read a name from
+    assert main(["watch", "job-1", "--startup-kit", str(unknown)]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "medflare: following job job-1"
+    assert followed == ["lead@hospital-a.org", ""]

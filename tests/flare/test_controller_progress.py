@@ -3,17 +3,24 @@ runtime (the simulator and POC tests run both for real)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
+from nvflare.apis.fl_constant import FLContextKey
 from nvflare.apis.fl_context import FLContext
+from nvflare.app_common.abstract.model import ModelLearnableKey
 from nvflare.widgets.info_collector import GroupInfoCollector, InfoCollector
 
+from medflare.evaluation import metric_name
 from medflare.flare.controller import MedflareController
 from medflare.flare.progress import STATS_GROUP, entries_from_results, format_progress
 from medflare.methods.base import RoundContext
 
 
 def controller_with_best(patience: int, best_version: int) -> MedflareController:
-    controller = MedflareController(num_rounds=10, patience=patience)
+    controller = MedflareController(num_rounds=10, patience=patience, key_metric="balanced_accuracy")
     controller._results = {"rounds": [], "evaluations": {},
                            "best": {"model_version": best_version, "balanced_accuracy": 0.625}}
     return controller
@@ -65,10 +72,69 @@ def test_progress_rebuilt_from_results_reads_like_the_live_log() -> None:
         "best": {"model_version": 0, "balanced_accuracy": 0.4},
     }
     assert [format_progress(e) for e in entries_from_results(results)] == [
-        "model 0 test balanced accuracy 0.5000 (2 sites)",
+        "model 0 test balanced accuracy 0.5000, val 0.4000 (2 sites)",
         "round 1/4 done in 2.0s; accepted ['site-1', 'site-2']",
-        "model 1 test balanced accuracy 0.5000 (2 sites)",
+        "model 1 test balanced accuracy 0.5000, val 0.4000 (2 sites)",
         "round 2/4 done in 1.0s; accepted ['site-1'], rejected ['site-2']",
         "stopping early after round 2: val balanced_accuracy did not improve",
-        "model 2 test balanced accuracy 0.5000 (2 sites)",
+        "model 2 test balanced accuracy 0.5000, val 0.4000 (2 sites)",
     ]
+
+
+MULTI_LABEL_EVALUATION = {"sites": ["site-1", "site-2"], "test": {"balanced_accuracy": 0.5, "auc_macro_ovr": 0.7123},
+                          "val": {"balanced_accuracy": 0.5, "auc_macro_ovr": 0.701}}
+
+
+def test_a_multi_label_run_reports_the_auroc_it_is_selected_by() -> None:
+    """Its balanced accuracy at the 0.5 threshold sat at 0.5000 every round; AUROC is what picks its best model."""
+    results = {"num_rounds": 2, "key_metric": "auc_macro_ovr", "rounds": [],
+               "final": {"model_version": 2, **MULTI_LABEL_EVALUATION}}
+    assert [format_progress(e) for e in entries_from_results(results)] == [
+        "model 2 test macro AUROC 0.7123, val 0.7010 (2 sites)"]
+
+
+def test_watch_still_reads_the_entries_of_an_earlier_server() -> None:
+    earlier = {"kind": "evaluation", "model": 1, "sites": 2, "test_balanced_accuracy": 0.5,
+               "val": {"balanced_accuracy": 0.4}}
+    assert format_progress(earlier) == "model 1 test balanced accuracy 0.5000, val 0.4000 (2 sites)"
+
+
+def started(multi_label: bool, tmp_path: Path, monkeypatch) -> MedflareController:
+    """A controller after FLARE's ``start_controller``, its engine stubbed: a MedflareAggregator of this task."""
+    from medflare.flare import controller as controller_module
+    from medflare.flare.aggregator import MedflareAggregator
+
+    monkeypatch.setattr(controller_module, "freeze_startup_objects", lambda: None)  # no gc.freeze in the test run
+    aggregator = MedflareAggregator("fedavg", num_classes=3, num_rounds=2, multi_label=multi_label)
+    persistor = SimpleNamespace(load=lambda fl_ctx: {ModelLearnableKey.WEIGHTS: {"w": np.zeros(2, np.float32)}})
+    controller = MedflareController(num_rounds=2)
+    controller._engine = SimpleNamespace(get_component={"aggregator": aggregator, "persistor": persistor}.get)
+    fl_ctx = FLContext()
+    fl_ctx.set_prop(FLContextKey.APP_ROOT, str(tmp_path), private=True, sticky=False)
+    controller.start_controller(fl_ctx)
+    return controller
+
+
+@pytest.mark.parametrize("multi_label,metric,other", [(False, "balanced_accuracy", "auc_macro_ovr"),
+                                                      (True, "auc_macro_ovr", "balanced_accuracy")])
+def test_the_best_model_is_selected_by_the_tasks_headline_metric(multi_label, metric, other, tmp_path: Path,
+                                                                  monkeypatch) -> None:
+    from medflare.flare import controller as controller_module
+
+    controller = started(multi_label, tmp_path, monkeypatch)
+    assert controller.key_metric == metric and controller._results["key_metric"] == metric  # report reads it back
+    scores = iter([(0.6, 0.9), (0.8, 0.5), (0.7, 0.95)])  # (headline, the other metric) of models 0, 1, 2
+
+    def summarize(evaluations: dict, shot_groups: dict | None) -> dict:  # the sites' pooled scores of each model
+        headline, rest = next(scores)
+        return {"sites": ["site-1"], "test": {metric: headline, other: rest}, "val": {metric: headline, other: rest}}
+
+    monkeypatch.setattr(controller_module, "summarize", summarize)
+    monkeypatch.setattr(controller_module, "send_scalars", lambda *args, **kwargs: None)
+    monkeypatch.setattr(controller, "fire_event", lambda *args: None)
+    lines = []
+    monkeypatch.setattr(controller, "log_info", lambda fl_ctx, line: lines.append(line))
+    for version in range(3):
+        controller._record_evaluation(version, {}, FLContext())
+    assert controller._results["best"] == {"model_version": 1, metric: 0.8}
+    assert lines[1] == f"medflare: model 1 test {metric_name(metric)} 0.8000, val 0.8000 (1 sites)"

@@ -56,7 +56,7 @@ SCALARS = AnalyticsDataType.SCALARS
     (tracking.EPOCH_LOSS, 0.7, None, None),
     (tracking.EPOCH_LOSS, math.nan, None, "finite"),
     (tracking.EPOCH_LOSS, {"class_0": 3.0, "class_1": 5.0}, SCALARS, "finite number"),
-    ("val/balanced_accuracy", 0.9, None, "not among the declared site metrics"),
+    ("test/balanced_accuracy", 0.9, None, "not among the declared site metrics"),
     ("train/labels_seen", {"class_0": 3.0}, SCALARS, "not among the declared site metrics"),
 ])
 def test_a_site_streams_only_declared_finite_scalars(tag: str, value: object, data_type, refused: str | None) -> None:

@@ -77,4 +77,4 @@ def test_the_resumed_summary_covers_every_round_with_one_counter(runs) -> None:
     summary = read(runs["resumed"], "summary.json")
     assert summary["rounds_completed"] == 5
     with (runs["resumed"] / "rounds.csv").open() as f:
-        assert len(list(csv.DictReader(f))) == 5
+        assert len(list(csv.DictReader(f))) == 6  # round 0 (the initial model) + 5 rounds

@@ -47,13 +47,18 @@ def test_predict_on_ten_new_images_matches_the_in_process_model(demo_run, tmp_pa
     assert "wrote 10 predictions of fedmas" in capsys.readouterr().out
 
 
-def test_predictions_on_the_test_split_rebuild_the_sites_confusion_matrix(demo_run, tmp_path: Path) -> None:
-    """The sites scored FL_global_model.pt in the final validation task; predict scores it alone, from the file."""
+def test_predictions_on_the_test_split_rebuild_the_sites_confusion_matrix(demo_run, tmp_path: Path, capsys) -> None:
+    """The sites scored FL_global_model.pt in the final validation task; predict scores it alone, from the file,
+    and prints the metrics the sites' pooled test counts give."""
     out, summary, _ = demo_run
     test = load_source(SOURCE).test
     npz = write_images_npz(tmp_path / "test.npz", np.asarray(test.images), np.asarray(test.labels))
 
     assert main(["predict", str(out / "FL_global_model.pt"), str(npz), "-o", str(tmp_path / "all.csv")]) == 0
+
+    final = summary["final"]
+    assert (f"on {len(test.labels)} labelled images: balanced accuracy {final['balanced_accuracy']:.4f}, "
+            f"accuracy {final['accuracy']:.4f}, macro AUROC ") in capsys.readouterr().out
 
     names = [f"lesion_type_{k}" for k in range(8)]
     confusion = np.zeros((8, 8), dtype=np.int64)

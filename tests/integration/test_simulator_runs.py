@@ -73,7 +73,7 @@ def test_outputs_written_and_nothing_partial_left(fedavg_run) -> None:
     for name in ("summary.json", "rounds.csv", "report.md", "learning_curves.png", "shares.png", "FL_global_model.pt"):
         assert (out / name).is_file(), name
     assert not out.with_name(out.name + ".partial").exists()
-    assert len((out / "rounds.csv").read_text().strip().splitlines()) == 3  # header + 2 rounds
+    assert len((out / "rounds.csv").read_text().strip().splitlines()) == 4  # header + round 0 + 2 rounds
 
 
 def test_exported_byoc_job_runs_under_nvflare_simulator(tmp_path: Path) -> None:

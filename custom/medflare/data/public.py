@@ -22,7 +22,7 @@ import os
 import numpy as np
 
 from medflare.data.readers import is_image_file, read_image
-from medflare.data.sources import load_source
+from medflare.data.sources import absolute_path, absolute_source, load_source
 from medflare.data.types import UNLABELED, ImageSet
 from medflare.errors import DataError
 
@@ -83,6 +83,18 @@ def load_public_source(spec: str, num_classes: int, channels: int, seed: int) ->
     paths = [path for part in parts for path in part.paths or []]
     return ImageSet(labels=_no_labels(len(paths)), num_classes=num_classes, channels=channels, paths=paths,
                     name=f"public:{spec}")
+
+
+def absolute_public_source(spec: str, option: str = "data.public_source", check: bool = True) -> str:
+    """``spec`` (``images:DIR`` or a `load_source` spec) with the folder or file it names made absolute against
+    the current folder, as :func:`medflare.data.sources.absolute_source` does for a data source.
+
+    Raises:
+        DataError: ``check`` and the path does not exist here.
+    """
+    if spec.startswith(IMAGES_PREFIX) and spec[len(IMAGES_PREFIX):]:
+        return IMAGES_PREFIX + absolute_path(spec[len(IMAGES_PREFIX):], "dir", option, check)
+    return absolute_source(spec, option, check)
 
 
 def unlabelled(image_set: ImageSet) -> ImageSet:

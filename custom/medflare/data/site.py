@@ -116,7 +116,7 @@ class DataConfig:
         local: True in POC/production: the source is this site's own data, used whole, no partitioning.
         min_size: Smallest allowed training slice per site.
         num_classes: Declared class count, checked against the data.
-        augment: Training augmentation of `build_transform` ("none", "weak", "basic", "strong").
+        augment: Training augmentation recipe of `build_transform` (one of `transforms.AUGMENTATIONS`).
         public_fraction: Simulation: share of the source's training split held out (seeded, labels unseen) as
             the unlabelled public set of public-set distillation methods; 0 = none.
         public_source: The public set every site holds a copy of: "images:DIR" or a `load_source` spec (a

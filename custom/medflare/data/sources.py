@@ -30,6 +30,7 @@ import numpy as np
 from medflare.data.readers import IMAGE_SUFFIXES, is_image_file, read_image
 from medflare.data.synthetic import SyntheticConfig, make_synthetic
 from medflare.data.partition import multi_label_strata
+from medflare.data.plugins import plugin_loader, source_kinds
 from medflare.data.types import UNLABELED, DataSplits, ImageSet, labelled_counts
 from medflare.errors import ConfigError, DataError
 
@@ -39,6 +40,8 @@ SPLIT_FRACTIONS = (0.70, 0.15, 0.15)
 CSV_REQUIRED = ("path", "label")
 CSV_CLASS_PREFIX = "label_"  # multi-label manifests: one column label_<class name> per class
 CSV_OPTIONAL = ("site", "attribute", "split", "class_name")
+# The spec forms whose argument names a file or folder (see `absolute_source`), and which of the two it must be
+PATH_SOURCES = {"medmnist": "file", "folder": "dir", "csv": "file"}
 # Simulated sites may run as threads of one process: load each source once instead of racing to build it.
 _LOAD_LOCK = threading.Lock()
 
@@ -64,6 +67,49 @@ def load_source(spec: str, *, seed: int = 0, num_classes: int | None = None) -> 
         return _load_source_cached(spec.strip(), int(seed), None if num_classes is None else int(num_classes))
 
 
+def absolute_source(spec: str, option: str = "data.source", check: bool = True) -> str:
+    """``spec`` with the file or folder it names made absolute against the current folder; other specs unchanged.
+
+    FLARE starts the simulator's server and every site in a workspace folder of its own, so a relative path in a
+    job would be read from there: the job would start and then fail at every site. A job therefore only ever
+    carries absolute paths, resolved where the user typed them.
+
+    Args:
+        spec: a `load_source` spec, e.g. ``medmnist:../data/pneumoniamnist.npz``.
+        option: the option's name for the error message.
+        check: also require the file or folder to exist here.
+
+    Raises:
+        DataError: ``check`` and the path names no file (folder) here; one line naming the path.
+    """
+    kind, _, path = spec.strip().partition(":")
+    if kind not in PATH_SOURCES or not path:
+        return spec  # generated data, or a spec load_source refuses with its own message
+    return f"{kind}:{absolute_path(path, PATH_SOURCES[kind], option, check)}"
+
+
+def absolute_path(path: str, kind: str, option: str, check: bool = True) -> str:
+    """``path`` (``~`` expanded) made absolute against the current folder.
+
+    Args:
+        path: a file or folder path as the user gave it.
+        kind: "file" or "dir": what the path must name when ``check``.
+        option: the option's name for the error message.
+        check: also require it to exist here.
+
+    Raises:
+        DataError: ``check`` and the path names no ``kind`` here.
+    """
+    absolute = os.path.abspath(os.path.expanduser(path))
+    exists = os.path.isdir(absolute) if kind == "dir" else os.path.isfile(absolute)
+    if check and not exists:
+        where = "" if os.path.isabs(os.path.expanduser(path)) else \
+            f" (a relative path is read from the folder medflare runs in, {os.getcwd()}: {absolute})"
+        raise DataError(f"{option}: {'folder' if kind == 'dir' else 'file'} '{path}' does not exist{where}; "
+                        "fix the path")
+    return absolute
+
+
 def clear_source_cache() -> None:
     """Forgets every cached `load_source` result (e.g. after files of a folder/CSV source changed)."""
     with _LOAD_LOCK:
@@ -79,9 +125,11 @@ def _load_source_cached(spec: str, seed: int, num_classes: int | None) -> DataSp
         "folder": _load_folder,
         "csv": _load_csv,
     }
-    if kind not in loaders or (kind != "synthetic" and not argument):
-        raise ConfigError(f"Unknown data source '{spec}'; valid forms: {', '.join(SOURCE_FORMS)}.")
-    splits = loaders[kind](argument, seed, num_classes)
+    loader = loaders.get(kind) or plugin_loader(kind)  # a plugin's own kind (medflare.data.plugins)
+    if loader is None or (kind in loaders and kind != "synthetic" and not argument):
+        plugins = [f"{name}:..." for name in source_kinds()]
+        raise ConfigError(f"Unknown data source '{spec}'; valid forms: {', '.join([*SOURCE_FORMS, *plugins])}.")
+    splits = loader(argument, seed, num_classes)
     splits.info = _describe(splits, spec, kind) | splits.info
     for image_set in (splits.train, splits.val, splits.test):
         _freeze(image_set)

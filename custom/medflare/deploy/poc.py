@@ -55,8 +55,9 @@ from medflare.runner import (
 
 REPO_DIR = Path(__file__).resolve().parents[3]
 DEFAULT_PROJECT = REPO_DIR / "provisioning" / "project.yml"
-DEFAULT_ROOT = Path(os.environ.get("MEDFLARE_POC_ROOT", "runs/poc"))
-DEFAULT_PORT = int(os.environ.get("MEDFLARE_POC_PORT", "8002"))
+# Read when a POC is made, not at import: a test or a long-lived process may set them later
+ROOT_ENV, DEFAULT_ROOT = "MEDFLARE_POC_ROOT", Path("runs/poc")
+PORT_ENV, DEFAULT_PORT = "MEDFLARE_POC_PORT", 8002
 SITE_PREFIX = "site-"  # simulated partitions are keyed by site-1..N (RunConfig.site_names)
 STATE_FILE = "medflare_poc.json"
 LOCK_FILE = "medflare_poc.lock"  # flock-ed by the medflare process working on the root; holds its PID
@@ -66,6 +67,24 @@ Echo = Callable[[str], None]
 
 class PocError(MedflareError, RuntimeError):
     """A POC step failed; the message says which and why."""
+
+
+def env_root() -> Path | None:
+    """The POC root ``$MEDFLARE_POC_ROOT`` names now, or None when it is unset or empty."""
+    value = os.environ.get(ROOT_ENV, "").strip()
+    return Path(value).expanduser() if value else None
+
+
+def env_port() -> int:
+    """The POC server port: ``$MEDFLARE_POC_PORT`` now, else 8002.
+
+    Raises:
+        ConfigError: the variable is not a port number.
+    """
+    value = os.environ.get(PORT_ENV, "").strip() or str(DEFAULT_PORT)
+    if not value.isdigit() or not 0 < int(value) < 65536:
+        raise ConfigError(f"{PORT_ENV}={value} is not a port number (1-65535)")
+    return int(value)
 
 
 def poc_project(project: Mapping[str, Any], sites: list[str], port: int) -> dict[str, Any]:
@@ -130,7 +149,7 @@ class PocSession:
     """
 
     root: Path
-    port: int = DEFAULT_PORT
+    port: int = field(default_factory=env_port)
     project_file: Path = DEFAULT_PROJECT
     echo: Echo = print
     state: dict[str, Any] = field(default_factory=dict)
@@ -454,15 +473,17 @@ def run_poc(
     out_dir: str | Path,
     echo: Echo = print,
     mode: str = "byoc",
-    port: int = DEFAULT_PORT,
+    port: int | None = None,
     timeout: float = 1800,
     overwrite: bool = False,
+    root: Path | None = None,
 ) -> dict[str, Any]:
     """The POC twin of ``run_simulation``: prepare and start a POC, submit the job as the lead, wait,
     download, write the run's outputs, stop and clean.
 
-    Everything is staged in ``<out>.partial`` (including the POC itself) and moved to ``out`` only after
-    success (:class:`medflare.outputs.OutputTarget` rules: a non-empty ``out`` needs ``overwrite``). On failure or
+    Everything is staged in ``<out>.partial`` (including the POC itself, unless ``root`` or ``$MEDFLARE_POC_ROOT``
+    says where the POC goes: then there, replacing a POC left in it as ``prepare`` does) and moved to ``out`` only
+    after success (:class:`medflare.outputs.OutputTarget` rules: a non-empty ``out`` needs ``overwrite``). On failure or
     interruption (SIGTERM/SIGINT) the POC's processes are stopped and removed and its server log, with the
     rounds that finished, is kept as ``<out>.failed.log``.
 
@@ -474,23 +495,31 @@ def run_poc(
         out_dir: result folder.
         echo: progress sink.
         mode: "byoc" (the job carries medflare) or "preinstalled" (sites use their installed medflare).
-        port: the POC server port on loopback.
+        port: the POC server port on loopback (default ``$MEDFLARE_POC_PORT`` or 8002, read now).
         timeout: seconds the job may take.
         overwrite: replace medflare's earlier results in a non-empty ``out_dir``.
+        root: the POC's folder (default ``$MEDFLARE_POC_ROOT``, read now, else ``<out>.partial/poc``).
     """
     run.robust = deployment_robust(run.robust)
     run.validate()
     target = OutputTarget(Path(out_dir), overwrite=overwrite)
     staging = target.begin()
-    session = PocSession(staging / "poc", port=port, echo=echo, tied=True)  # the POC dies with this process
-    with session.hold():
-        return _run_in_poc(run, session, target, mode, timeout)
+    poc_root = root or env_root() or staging / "poc"
+    session = PocSession(poc_root, port=port or env_port(), echo=echo, tied=True)  # the POC dies with this process
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(session.hold())  # another medflare process may be using a shared root
+        except PocError:
+            target.abandon()
+            raise
+        return _run_in_poc(run, session, target, staging, mode, timeout)
 
 
-def _run_in_poc(run: Any, session: PocSession, target: OutputTarget, mode: str, timeout: float) -> dict[str, Any]:
-    """:func:`run_poc`'s steps in the session's POC; on failure the cause is printed first, then the POC is ended
-    and its server log kept as ``<out>.failed.log``."""
-    staging, echo = session.root.parent, session.echo  # the POC lives in the run's staging folder
+def _run_in_poc(run: Any, session: PocSession, target: OutputTarget, staging: Path, mode: str,
+                timeout: float) -> dict[str, Any]:
+    """:func:`run_poc`'s steps in the session's POC, writing into ``staging``; on failure the cause is printed first,
+    then the POC is ended and its server log kept as ``<out>.failed.log``."""
+    echo = session.echo
     try:
         session.prepare(run.clients, allow_job_data=run.data.get("source", "site") != "site")
         job_dir = export_run_job(run, staging / "job", mode)
@@ -510,7 +539,7 @@ def _run_in_poc(run: Any, session: PocSession, target: OutputTarget, mode: str, 
             raise PocError(f"the job stopped early: {summary['error']}")
         session.stop()
         session.clean()
-        for leftover in ("poc", "download"):
+        for leftover in ("poc", "download"):  # "poc": the POC's HOME and project, when it lived in the staging
             shutil.rmtree(staging / leftover, ignore_errors=True)
         target.publish()
         return summary
@@ -602,7 +631,9 @@ def _cmd_clean(session: PocSession, args: Any) -> int:
 def _cmd_run(session: PocSession, args: Any) -> int:
     run = _run_config_from_args(args)
     out = Path(args.output or f"runs/poc-{run.job_name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    summary = run_poc(run, out, mode=args.mode, port=args.port, overwrite=args.overwrite)
+    # run_poc holds the POC root itself: --root or $MEDFLARE_POC_ROOT when given, else inside the run's staging
+    root = Path(args.root) if args.root else None
+    summary = run_poc(run, out, mode=args.mode, port=args.port, overwrite=args.overwrite, root=root)
     print(results_text([summary], out))
     return 0
 
@@ -612,9 +643,9 @@ def make_parser() -> Any:
 
     parser = argparse.ArgumentParser(prog="python -m medflare.deploy.poc", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--root", default=str(DEFAULT_ROOT),
-                        help="folder for this POC (HOME, workspace, jobs); default $MEDFLARE_POC_ROOT or runs/poc")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT,
+    parser.add_argument("--root", help="folder for this POC (HOME, workspace, jobs); default $MEDFLARE_POC_ROOT or "
+                                       "runs/poc ('run': or inside its result folder's staging)")
+    parser.add_argument("--port", type=int,
                         help="server port (default $MEDFLARE_POC_PORT or 8002)")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="provision a fresh POC (removes any previous one in --root)")
@@ -640,7 +671,7 @@ def make_parser() -> Any:
         else:
             p.add_argument("-o", "--output", help="result folder (default runs/poc-<method>-<time>); must be new")
             p.add_argument("--overwrite", action="store_true", help="replace medflare's earlier results there")
-        p.set_defaults(func=func)
+        p.set_defaults(func=func, holds_root=name == "run")
     p = sub.add_parser("wait", help="wait for a job (default: the last submitted); exit 0 if it completed")
     p.add_argument("job_id", nargs="?")
     p.add_argument("--timeout", type=float, default=1800)
@@ -661,9 +692,10 @@ def main(argv: list[str] | None = None) -> int:
     from medflare.runner import Interrupted, stop_on_signals
 
     args = make_parser().parse_args(argv)
-    session = PocSession(Path(args.root), port=args.port)
     try:
-        with stop_on_signals(), session.hold():
+        session = PocSession(Path(args.root or env_root() or DEFAULT_ROOT), port=args.port or env_port())
+        held = contextlib.nullcontext() if getattr(args, "holds_root", False) else session.hold()
+        with stop_on_signals(), held:
             return args.func(session, args)
     except MedflareError as exc:
         print(f"poc: error: {exc}", file=sys.stderr)

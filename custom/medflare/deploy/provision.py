@@ -5,11 +5,15 @@ Command line (what ``provisioning/provision.sh`` runs)::
     python -m medflare.deploy.provision -p provisioning/project.yml -w /secure/workspace \\
         [--mode byoc|preinstalled] [--site-mode hospital-b=preinstalled] [--gpus hospital-a=2]
     python -m medflare.deploy.provision --reinstall /path/to/kit --mode preinstalled   # one existing kit
+
+Every hospital kit also gets ``local/medflare_site.json.example``: the one file hospital IT writes, commented
+(:func:`site_config_example`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import subprocess
 import sys
@@ -19,6 +23,7 @@ from typing import Any, Mapping
 import yaml
 
 from medflare.deploy.policies import SITE_MODES, install_site_policies, is_site_kit
+from medflare.site_runtime import SITE_CONFIG_FILE
 
 
 STATE_DIR = "state"  # <workspace>/<project>/state/cert.json: the root CA and every participant's private key
@@ -27,6 +32,14 @@ STATE_DIR = "state"  # <workspace>/<project>/state/cert.json: the root CA and ev
 PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._@+-]{0,127}")
 PLAIN_NAME_RULE = ("one plain folder name (a string of letters, digits, '.', '_', '-', and '@', '+' in e-mail "
                    "addresses; no '/', not starting with '.' or '-')")
+
+
+# Beside the real file in a hospital kit's local/: medflare reads only medflare_site.json, so the example never acts.
+SITE_CONFIG_EXAMPLE = f"{SITE_CONFIG_FILE}.example"
+# JSON has no comments: the example explains each top-level setting in a "_comment_<setting>" key before it. The
+# site's loader reads only data, model, distributed and allow_job_data (each checked field by field), so the
+# comment keys may stay in a copied file; inside "data" and "distributed" every key is an option, so none go there.
+COMMENT_PREFIX = "_comment"
 
 
 class ProvisionError(RuntimeError):
@@ -90,6 +103,57 @@ def latest_prod_dir(workspace: str | Path, project_name: str) -> Path:
     return prods[-1]
 
 
+def site_config_example() -> dict[str, Any]:
+    """The commented ``local/medflare_site.json.example`` of a hospital kit; valid as ``medflare_site.json`` once
+    ``data.source`` names the site's images (a test loads it with the site's own loader)."""
+    return {
+        COMMENT_PREFIX: (
+            "Example of this hospital's medflare settings, written by provisioning. Copy it to medflare_site.json "
+            "in this folder (local/), the only file medflare reads, and set data.source. Each setting is explained "
+            f"by the '{COMMENT_PREFIX}_<setting>' key before it; medflare reads only data, model, distributed and "
+            "allow_job_data, so the comment keys may stay. Nothing in this file leaves the site. More: "
+            "docs/deploy-hospital-admin.md and docs/deploy.md section 7."
+        ),
+        f"{COMMENT_PREFIX}_data": (
+            "Where this hospital's images are; a job can neither name nor override these keys. source: "
+            "folder:/DIR (DIR/<class>/<images>, or DIR/{train,val,test}/<class>/...), csv:/FILE.csv (columns "
+            "path,label[,split][,class_name]; paths relative to the CSV), medmnist:/FILE.npz, or KIND:ARGUMENT of "
+            "a data-source package installed here (docs/own-model-and-data.md); use absolute paths. identified: "
+            "the class ids this site annotates, e.g. [0, 3] (the other classes become unknown in its training "
+            "labels); null = every class. public_source: this site's copy of the unlabelled public set of mdhfl "
+            "and fedmd, images:/DIR; empty = none. DICOM/NIfTI may add \"window\": \"40,80\" (center,width) "
+            "or a preset such as \"brain\"; set here, it wins over the job's."
+        ),
+        "data": {"source": "folder:/data/medflare/images", "identified": None, "public_source": ""},
+        f"{COMMENT_PREFIX}_model": (
+            "Optional, left out here: \"model\": \"NAME\" (see `medflare models`) trains that architecture at "
+            "this site, for methods that send no weights (mdhfl, fedmd, local-only); a weight-averaging job "
+            "refuses any model but its own."
+        ),
+        f"{COMMENT_PREFIX}_distributed": (
+            "Multi-GPU sites: processes = GPUs to train on, one process each (local/resources.json must offer "
+            "them, e.g. provision --gpus SITE=2, and the job reserves them with resource_spec); backend: auto, "
+            "nccl or gloo. processes 1 = ordinary training."
+        ),
+        "distributed": {"processes": 1, "backend": "auto"},
+        f"{COMMENT_PREFIX}_allow_job_data": (
+            "Leave false at a hospital. Only true lets a job bring its own data (test and POC sites); anything "
+            "else refuses such jobs."
+        ),
+        "allow_job_data": False,
+    }
+
+
+def install_kit(kit: str | Path, mode: str, num_gpus: int = 0, site_config: dict | None = None) -> list[Path]:
+    """medflare's policies in one server or site kit, and the commented site-file example in a hospital's kit."""
+    written = install_site_policies(kit, mode, num_gpus=num_gpus, site_config=site_config)
+    if (Path(kit) / "startup" / "fed_client.json").is_file():  # hospitals write a site file; the server none
+        example = Path(kit) / "local" / SITE_CONFIG_EXAMPLE
+        example.write_text(json.dumps(site_config_example(), indent=2) + "\n")
+        written.append(example)
+    return written
+
+
 def install_policies(
     prod_dir: str | Path,
     default_mode: str = "byoc",
@@ -97,11 +161,12 @@ def install_policies(
     site_gpus: Mapping[str, int] | None = None,
     site_configs: Mapping[str, dict] | None = None,
 ) -> dict[str, list[Path]]:
-    """Write site-local policies into every server and client kit of ``prod_dir``; returns files per kit."""
+    """Write site-local policies (and each hospital's site-file example) into every server and client kit of
+    ``prod_dir``; returns files per kit."""
     site_modes, site_gpus, site_configs = site_modes or {}, site_gpus or {}, site_configs or {}
     written = {}
     for kit in sorted(p for p in Path(prod_dir).iterdir() if p.is_dir() and is_site_kit(p)):
-        written[kit.name] = install_site_policies(
+        written[kit.name] = install_kit(
             kit,
             site_modes.get(kit.name, default_mode),
             num_gpus=site_gpus.get(kit.name, 0),
@@ -182,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.reinstall:
         try:
-            written = install_site_policies(args.reinstall, args.mode)
+            written = install_kit(args.reinstall, args.mode)
         except FileNotFoundError as exc:
             print(f"provision: error: {exc}", file=sys.stderr)
             return 2

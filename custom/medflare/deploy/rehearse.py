@@ -10,8 +10,10 @@ kit's ``local/medflare_site.json`` (synthetic images, a different seed per hospi
 namespace, submits a pre-installed job with its admin kit (``nvflare job submit``, as ``docs/deploy-lead.md`` says),
 follows it with ``medflare watch``, downloads it (``nvflare job download``) and builds the report
 (``medflare report``). Meanwhile the rehearsal shapes each hospital's link (``tc tbf``), takes links down and
-back, and kills and restarts hospitals, as scripted. At the end it checks what the deployment promises and writes
-``rehearsal.json`` (timings, rounds, faults, checks) beside the report.
+back, and kills and restarts hospitals or the server, as scripted; after a server crash the lead submits the job
+again with ``resume_from`` (the recovery ``docs/deploy.md`` documents), and that job is followed to the end. At
+the end it checks what the deployment promises and writes ``rehearsal.json`` (timings, rounds, faults, checks)
+beside the report.
 
 Everything it made (namespaces, qdiscs, hosts files, processes, kits) is removed at the end, also on failure,
 SIGTERM or Ctrl-C; the server and sites run under medflare's process keeper (:mod:`medflare.processes`), so they
@@ -22,6 +24,7 @@ Command line::
     medflare rehearse --hospitals 2 --rounds 2 -o runs/rehearse
     medflare rehearse --hospitals 3 --min-clients 2 --straggler 10 --rate hospital-c=10 \\
         --outage hospital-b@round2:25 --kill hospital-c@round3:5 -o runs/rehearse-faults
+    medflare rehearse --hospitals 3 --min-clients 2 --rounds 4 --kill-server round3:5 -o runs/rehearse-server
     python -m medflare.deploy.rehearse faults -o runs/rehearse-faults     # the fault matrix (make rehearse-faults)
 """
 
@@ -53,6 +56,7 @@ TASK = {"num_classes": 2, "in_channels": 1, "image_size": 28}  # what each hospi
 MID_ROUND_DELAY = 1.0  # seconds after a round starts that a round-triggered fault strikes (sites are training)
 STRAGGLER_SLACK = 3.0  # seconds the server may take past the straggler wait to cancel the task and aggregate
 WORK_ALLOWANCE = 60.0  # seconds a round may take for the sites' local work and transfers, on top of the waits
+SERVER = "server"  # the ``site`` of a server fault: the consortium's server, whatever its name
 Echo = Callable[[str], None]
 
 
@@ -63,12 +67,13 @@ class RehearseError(MedflareError, RuntimeError):
 # ----- what to rehearse ------------------------------------------------------------------------------------------
 @dataclass
 class Fault:
-    """One scripted fault at one hospital.
+    """One scripted fault at one hospital or at the server.
 
     Attributes:
-        kind: "outage" (its link down, then back) or "kill" (every process of the hospital SIGKILLed, then its kit
-            started again with ``startup/start.sh``).
-        site: the hospital.
+        kind: "outage" (its link down, then back), "kill" (every process of the hospital SIGKILLed, then its kit
+            started again with ``startup/start.sh``) or "server" (the same for the server; once the hospitals are
+            connected to it again, the lead submits the job again with ``resume_from`` = the crashed job's id).
+        site: the hospital (:data:`SERVER` for a server fault).
         round: strike when this round (1-based) has started, plus :data:`MID_ROUND_DELAY`; or None.
         seconds: strike this many seconds after submission (when ``round`` is None).
         duration: seconds until the link comes back / the kit is started again.
@@ -90,10 +95,20 @@ class Fault:
         site, _, round_, seconds, duration = match.groups()
         return cls(kind, site, int(round_) if round_ else None, float(seconds or 0), float(duration))
 
+    @classmethod
+    def server_crash(cls, text: str) -> Fault:
+        """``--kill-server``'s ``roundK:DURATION`` or ``SECONDS:DURATION``."""
+        try:
+            return cls.parse("server", f"{SERVER}@{text}")
+        except ConfigError:
+            raise ConfigError(f"--kill-server '{text}' must be roundK:SECONDS or SECONDS:SECONDS (e.g. "
+                              "round3:5)") from None
+
     def describe(self) -> str:
         when = f"round {self.round}" if self.round is not None else f"{self.seconds:g} s after submission"
         what = "link down" if self.kind == "outage" else "processes killed"
-        return f"{self.site}: {what} at {when} for {self.duration:g} s"
+        text = f"{self.site}: {what} at {when} for {self.duration:g} s"
+        return text + ("; the job resubmitted with resume_from" if self.kind == "server" else "")
 
 
 @dataclass
@@ -109,8 +124,9 @@ class Rehearsal:
         max_steps, batch_size: local work per round.
         images: synthetic training images per hospital.
         rates: Mbit/s per hospital (``tc tbf`` both ways); others are unshaped.
-        faults: scripted outages and kills.
+        faults: scripted outages and kills (at most one of the server).
         job_timeout: seconds the job may take.
+        transfer_dtype, download_dtype: how float weights travel up and down (float32 or float16).
     """
 
     hospitals: int = 2
@@ -127,6 +143,8 @@ class Rehearsal:
     faults: list[Fault] = field(default_factory=list)
     job_timeout: float = 900
     project_file: Path = DEFAULT_PROJECT
+    transfer_dtype: str = "float32"
+    download_dtype: str = "float32"
 
     def round_bound(self) -> float:
         """The longest a round may take: a dead or cut-off site costs at most the straggler wait once
@@ -161,6 +179,9 @@ class Stage:
         self.keepers: dict[str, list[subprocess.Popen]] = {}
         self.timings: dict[str, float] = {}
         self.events: list[dict[str, Any]] = []
+        self.pending = [self._schedule(f) for f in plan.faults]  # played across the crashed and the resumed job
+        self.job_ids: list[str] = []  # the jobs submitted, in order (a second one after a server crash)
+        self.resume_from = ""  # a crashed job whose server is back: the lead submits it again with resume_from
         self.t0 = time.time()
 
     # ----- set-up ------------------------------------------------------------------------------------------
@@ -180,8 +201,10 @@ class Stage:
             if name not in self.hospitals:
                 raise ConfigError(f"--rate names '{name}', not one of the hospitals {self.hospitals}")
         for fault in self.plan.faults:
-            if fault.site not in self.hospitals:
+            if fault.kind != "server" and fault.site not in self.hospitals:
                 raise ConfigError(f"--{fault.kind} names '{fault.site}', not one of the hospitals {self.hospitals}")
+        if sum(f.kind == "server" for f in self.plan.faults) > 1:
+            raise ConfigError("--kill-server can be given once: a rehearsal resumes one crashed job")
         project_file = self.work / "project.yml"
         project_file.write_text(yaml.safe_dump(project, sort_keys=False))
         started = time.time()
@@ -285,7 +308,7 @@ class Stage:
             min_clients=plan.min_clients or len(self.hospitals), data={"source": "site"}, task=dict(TASK),
             train={"max_steps": plan.max_steps, "batch_size": plan.batch_size},
             straggler_seconds=plan.straggler_seconds, task_timeout=plan.task_timeout,
-            name=f"rehearse-{plan.method}")
+            transfer_dtype=plan.transfer_dtype, download_dtype=plan.download_dtype, name=f"rehearse-{plan.method}")
 
     def export(self) -> Path:
         from medflare.runner import export_run_job
@@ -300,9 +323,23 @@ class Stage:
         job_id = (reply.get("data") or {}).get("job_id")
         if reply["exit_code"] != 0 or not job_id:
             raise RehearseError(f"the lead's 'nvflare job submit' failed: {reply.get('message', reply)}")
-        self.submitted_at = time.time()
+        if not self.job_ids:  # fault times and the job's time count from the first submission
+            self.submitted_at = time.time()
+        self.job_ids.append(job_id)
         self.echo(f"rehearse: {self.lead} submitted {job_dir.name} from its namespace: job {job_id}")
         return job_id
+
+    def resubmit(self, job_dir: Path) -> str:
+        """The documented recovery from a server crash (``docs/deploy.md`` §8): once every hospital is connected to
+        the restarted server, the lead submits the same job again with ``resume_from`` = the crashed job's id."""
+        from medflare.job_export import set_resume
+
+        crashed, self.resume_from = self.resume_from, ""
+        event = next(e for e in self.events if e.get("crashed_job") == crashed)
+        event["reconnected_after"] = self.wait_connected(self.hospitals, timeout=180)
+        resumed = set_resume(shutil.copytree(job_dir, self.work / "jobs" / f"{job_dir.name}-resumed"), crashed)
+        event["resumed_job"] = self.submit(resumed)
+        return event["resumed_job"]
 
     def server_results(self, job_id: str) -> dict[str, Any] | None:
         from medflare.flare.controller import RESULTS_FILE
@@ -329,21 +366,20 @@ class Stage:
 
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
-        pending = [self._schedule(f) for f in self.plan.faults]
         try:
-            while watcher.poll() is None:
+            # a crashed server ends watch (or leaves it waiting): the loop goes on until the server is back
+            while watcher.poll() is None or self._server_down():
                 rounds_started = None
-                if any(p["state"] != "done" for p in pending):
+                if any(p["state"] != "done" for p in self.pending):
                     results = self.server_results(job_id)
                     rounds_started = len(results["rounds"]) + 1 if results else (1 if self._job_running(job_id)
                                                                                  else 0)
-                for item in pending:
+                for item in self.pending:
                     self._advance(item, rounds_started)
+                if self.resume_from == job_id:  # its server is back: the job stays RUNNING for good (FLARE 2.9)
+                    return watcher.poll() or 0, lines
                 time.sleep(0.5)
-            for item in pending:  # the job ended first: links come back, kits start, for the clean-up and checks
-                while item["state"] != "done":
-                    item["due"] = 0.0
-                    self._advance(item, None)
+            self._finish_pending()
         finally:
             if watcher.poll() is None:
                 end_processes([watcher])
@@ -352,6 +388,20 @@ class Stage:
 
     def _job_running(self, job_id: str) -> bool:
         return (self.kit(self.server["name"]) / job_id / "app_server").is_dir()
+
+    def _server_down(self) -> bool:
+        return any(p["fault"].kind == "server" and p["state"] == "struck" for p in self.pending)
+
+    def _finish_pending(self) -> None:
+        """The job ended first: links come back and kits start, for the clean-up and checks; a server crash that
+        has not struck yet is recorded as not played (a crash after the job would rehearse nothing)."""
+        for item in self.pending:
+            if item["fault"].kind == "server" and item["state"] == "waiting":
+                item["state"] = "done"
+                self.events.append({**item["record"], "not_played": "the job ended before it was due"})
+            while item["state"] != "done":
+                item["due"] = 0.0
+                self._advance(item, None)
 
     def _schedule(self, fault: Fault) -> dict[str, Any]:
         return {"fault": fault, "state": "waiting", "due": None, "record": {"fault": fault.describe()}}
@@ -368,7 +418,9 @@ class Stage:
                 if fault.kind == "outage":
                     self.wan.set_link(fault.site, False)
                 else:
-                    record["killed_pids"] = len(self.wan.end_processes(fault.site, sig=signal.SIGKILL))
+                    record["killed_pids"] = len(self.wan.end_processes(self._participant(fault), sig=signal.SIGKILL))
+                if fault.kind == "server":
+                    record["crashed_job"] = self.job_ids[-1]
                 record["struck_at"] = now - self.submitted_at
                 self.echo(f"rehearse: fault: {fault.describe()} (at {record['struck_at']:.1f} s)")
                 item["state"], item["due"] = "struck", now + fault.duration
@@ -377,11 +429,31 @@ class Stage:
                 self.wan.set_link(fault.site, True)
                 self.echo(f"rehearse: {fault.site}'s link is back")
             else:
-                self.start(fault.site)
-                self.echo(f"rehearse: {fault.site} started again from its kit")
+                if fault.kind == "server":  # what the crashed job left: the resumed job must start from it
+                    record["checkpoint"] = self.checkpoint_facts(record["crashed_job"])
+                    self.resume_from = record["crashed_job"]
+                self.start(self._participant(fault))
+                self.echo(f"rehearse: {self._participant(fault)} started again from its kit")
             record["recovered_at"] = time.time() - self.submitted_at
             item["state"] = "done"
             self.events.append(record)
+
+    def _participant(self, fault: Fault) -> str:
+        return self.server["name"] if fault.kind == "server" else fault.site
+
+    def checkpoint_facts(self, job_id: str) -> dict[str, Any]:
+        """The last round job ``job_id``'s controller checkpointed, and the digest of the model it holds (what a
+        resumed job must continue from); {} when there is none."""
+        from medflare.flare.controller import CHECKPOINT_FILE
+        from medflare.ops.checkpoint import load_checkpoint
+        from medflare.resume import model_digest
+
+        path = self.kit(self.server["name"]) / job_id / "app_server" / CHECKPOINT_FILE
+        try:
+            params, state = load_checkpoint(path)
+        except (OSError, ValueError, KeyError, MedflareError):
+            return {}
+        return {"next_round": int(state["next_round"]), "model_digest": model_digest(params)}
 
     def download_and_report(self, job_id: str) -> Path:
         """The lead downloads the job and builds the report, as ``docs/deploy-lead.md`` says."""
@@ -406,7 +478,10 @@ class Stage:
         return str((reply.get("data") or {}).get("status", "UNKNOWN"))
 
     def keep_logs(self, out: Path) -> None:
-        """The server's and every hospital's log (this machine plays every hospital: the logs are all here)."""
+        """The server's and every hospital's log, and each hospital's own medflare site log of every job (where
+        its task time went; this machine plays every hospital: the logs are all here)."""
+        from medflare.site_runtime import SITE_LOG_FILE
+
         if not hasattr(self, "prod"):
             return
         for participant in [self.server["name"], *self.hospitals]:
@@ -414,6 +489,9 @@ class Stage:
             if log.is_file():
                 (out / "logs").mkdir(parents=True, exist_ok=True)
                 shutil.copy(log, out / "logs" / f"{participant}.log")
+            for job_id in self.job_ids:
+                for site_log in (self.kit(participant) / job_id).glob(f"*/{SITE_LOG_FILE}"):
+                    shutil.copy(site_log, out / "logs" / f"{participant}.{job_id}.{SITE_LOG_FILE}")
 
     def close(self) -> None:
         """End every process, remove every namespace, qdisc and hosts file, and the kits. Never raises."""
@@ -453,7 +531,7 @@ def check_outcome(plan: Rehearsal, status: str, results: dict[str, Any], model_p
 
     rounds = results.get("rounds", [])
     walls = [r.get("wall_seconds", 0.0) for r in rounds]
-    faulted = {f.site for f in plan.faults}
+    faulted = {f.site for f in plan.faults if f.kind != "server"}
     dead_site_report = "terminal outcome unavailable from"
     killed = {f.site for f in plan.faults if f.kind == "kill"}
     status_ok = status == "FINISHED:COMPLETED" or (
@@ -499,10 +577,41 @@ def check_outcome(plan: Rehearsal, status: str, results: dict[str, Any], model_p
             checks.append({"check": f"{site} rounds missed", "expected": "recorded",
                            "observed": f"{missed}", "ok": True})
     for event in events:
-        checks.append({"check": "fault played", "expected": event["fault"],
-                       "observed": f"struck at {event.get('struck_at', 0):.1f} s, recovered at "
-                                   f"{event.get('recovered_at', 0):.1f} s", "ok": "struck_at" in event})
-    return checks
+        played = (f"struck at {event.get('struck_at', 0):.1f} s, recovered at {event.get('recovered_at', 0):.1f} s"
+                  if "struck_at" in event else f"not played: {event.get('not_played', 'unknown')}")
+        checks.append({"check": "fault played", "expected": event["fault"], "observed": played,
+                       "ok": "struck_at" in event})
+    crashes = [e for e in events if "crashed_job" in e]
+    return checks + (server_crash_checks(plan, results, crashes[0]) if crashes else [])
+
+
+def server_crash_checks(plan: Rehearsal, results: dict[str, Any], crash: dict[str, Any]) -> list[dict[str, Any]]:
+    """A server crash's promises: the hospitals connect to the restarted server, and the resubmitted job continues
+    from the crashed job's last checkpoint (same round, same model) and plays every round exactly once."""
+    checkpoint = crash.get("checkpoint", {})
+    done = checkpoint.get("next_round", 0)
+    start = (results.get("resumed") or [{}])[-1]
+    resumed_at = start["start_round"] + 1 if isinstance(start.get("start_round"), int) else "-"
+    played = [r.get("round") for r in results.get("rounds", [])]
+    reconnected = crash.get("reconnected_after")
+    return [
+        {"check": "server restarted", "expected": "every hospital connected to the restarted server",
+         "observed": f"after {reconnected:.0f} s" if reconnected is not None else "not connected",
+         "ok": reconnected is not None},
+        {"check": "resumed from the checkpoint",
+         "expected": f"job {crash.get('resumed_job')} resumes job {crash['crashed_job']} after its checkpointed "
+                     f"round with its model: rounds {done + 1}-{plan.rounds}",
+         "observed": f"checkpoint after round {done}; resumed at round {resumed_at} from "
+                     f"{start.get('from_job', 'nothing')}; model " + (
+                         "the checkpoint's" if start.get("initial_model_digest") == checkpoint.get("model_digest")
+                         else "another"),
+         "ok": 1 <= done < plan.rounds and start.get("from_job") == crash["crashed_job"]
+               and start.get("start_round") == done
+               and start.get("initial_model_digest") == checkpoint.get("model_digest")},
+        {"check": "every round once", "expected": f"rounds 1-{plan.rounds} in order, none repeated",
+         "observed": ", ".join(str(r + 1) for r in played if isinstance(r, int)) or "none",
+         "ok": played == list(range(plan.rounds))},
+    ]
 
 
 # ----- entry point -----------------------------------------------------------------------------------------------
@@ -535,10 +644,16 @@ def rehearse(plan: Rehearsal, out_dir: str | Path, echo: Echo = print, overwrite
         job_dir = stage.export()
         job_id = stage.submit(job_dir)
         code, _ = stage.follow(job_id)
+        if stage.resume_from:  # the server crashed and is back: the lead resubmits the job to resume it
+            job_id = stage.resubmit(job_dir)
+            code, _ = stage.follow(job_id)
         stage.timings["job"] = time.time() - stage.submitted_at
         status = stage.job_status(job_id)
+        for event in stage.events:  # FLARE 2.9 never ends a job its server lost (docs/deploy.md §8)
+            if "crashed_job" in event:
+                event["crashed_job_status"] = stage.job_status(event["crashed_job"])
         rejoined = {}
-        for site in {f.site for f in plan.faults}:
+        for site in {f.site for f in plan.faults if f.kind != "server"}:
             with contextlib.suppress(RehearseError):
                 stage.wait_connected([site], timeout=SITE_HEARTBEAT_TIMEOUT + 30)
                 rejoined[site] = True
@@ -551,13 +666,14 @@ def rehearse(plan: Rehearsal, out_dir: str | Path, echo: Echo = print, overwrite
         checks = check_outcome(plan, status, results, model_problem, stage.hospitals, stage.events, rejoined,
                                server_log, job_id)
         record.update(
-            job_id=job_id, status=status, watch_exit=code, hospitals=stage.hospitals,
+            job_id=job_id, jobs=stage.job_ids, status=status, watch_exit=code, hospitals=stage.hospitals,
             addresses={name: host.address for name, host in stage.wan.hosts.items()},
             rounds=[{"round": r["round"] + 1, "wall_seconds": r.get("wall_seconds"),
                      "sites": sorted(r.get("share", {}))} for r in results.get("rounds", [])],
             faults=stage.events, checks=checks, ok=all(c["ok"] for c in checks))
         for item in (stage.work / "report").iterdir():
             shutil.move(str(item), staging / item.name)
+        shutil.copy(results_path, staging / results_path.name)  # the lead's download: per-round bytes and timings
         stage.keep_logs(staging)
     except BaseException as exc:
         from medflare.runner import quiet_on_closed_output, signals_held
@@ -615,6 +731,9 @@ def fault_matrix() -> list[tuple[str, Rehearsal, str]]:
         ("one hospital at 10 Mbit/s", Rehearsal(**base, rates={"hospital-a": 10, "hospital-b": 1000,
                                                                  "hospital-c": 1000}),
          "every hospital in every round; job COMPLETED"),
+        ("server killed, job resumed", Rehearsal(**base, faults=[Fault("server", SERVER, 3, 0, 5)]),
+         "every hospital connects to the restarted server; the job resubmitted with resume_from continues at the "
+         "crashed job's last checkpoint with its model, every round once; job COMPLETED"),
     ]
 
 
@@ -632,7 +751,10 @@ def run_fault_matrix(out_dir: str | Path, echo: Echo = print, overwrite: bool = 
         failed = [c for c in record["checks"] if not c["ok"]]
         longest = max((r["wall_seconds"] or 0 for r in record["rounds"]), default=0)
         sites = "; ".join(f"r{r['round']}: {','.join(s.split('-')[-1] for s in r['sites'])}" for r in record["rounds"])
-        observed = f"{record['status']}; sites per round {sites}" + (
+        crashes = [e for e in record["faults"] if "crashed_job" in e]
+        resumed = [f"; resumed at round {e.get('checkpoint', {}).get('next_round', -1) + 1} by job "
+                   f"{e.get('resumed_job')}" for e in crashes]
+        observed = f"{record['status']}; sites per round {sites}" + "".join(resumed) + (
             f"; FAILED: {', '.join(c['check'] for c in failed)}" if failed else "")
         rows.append({"fault": name, "expected": expected, "observed": observed,
                      "longest_round": f"{longest:.1f} s (bound {plan.round_bound():.0f} s)", "ok": record["ok"]})
@@ -666,6 +788,9 @@ def add_rehearse_options(parser: Any) -> None:
                              "after submission) for SECONDS, e.g. hospital-b@round2:30")
     parser.add_argument("--kill", action="append", default=[], metavar="SITE@WHEN:SECONDS",
                         help="SIGKILL every process of a hospital at WHEN, start its kit again SECONDS later")
+    parser.add_argument("--kill-server", action="append", default=[], metavar="WHEN:SECONDS",
+                        help="SIGKILL every process of the server at WHEN, start its kit again SECONDS later; the "
+                             "lead then resubmits the job with resume_from (e.g. round3:5)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds the job may take (default 900)")
     parser.add_argument("-o", "--output", default="runs/rehearse", help="result folder (default runs/rehearse)")
     parser.add_argument("--overwrite", action="store_true", help="replace medflare's earlier results there")
@@ -682,6 +807,7 @@ def plan_from_args(args: Any) -> Rehearsal:
         if not sep or rates[site] <= 0:
             raise ConfigError(f"--rate '{item}' must be SITE=MBIT with MBIT > 0 (e.g. hospital-b=10)")
     faults = [Fault.parse("outage", t) for t in args.outage] + [Fault.parse("kill", t) for t in args.kill]
+    faults += [Fault.server_crash(t) for t in args.kill_server]
     return Rehearsal(hospitals=args.hospitals, method=args.method, model=args.model, rounds=args.rounds,
                      min_clients=args.min_clients, straggler_seconds=args.straggler, task_timeout=args.task_timeout,
                      max_steps=args.max_steps, images=args.images, rates=rates, faults=faults,

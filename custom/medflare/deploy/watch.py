@@ -31,26 +31,49 @@ def admin_kit(startup_kit: str | None = None, poc_root: str | None = None) -> tu
     """The admin startup kit to watch with, and its user name.
 
     Order: ``startup_kit``; the ``NVFLARE_STARTUP_KIT_DIR`` environment variable; the lead's kit of the medflare
-    POC in ``poc_root`` (what ``python -m medflare.deploy.poc`` prepared).
+    POC in ``poc_root`` (what ``python -m medflare.deploy.poc`` prepared; default ``$MEDFLARE_POC_ROOT``, read
+    now, else runs/poc, as the POC scripts use).
 
     Raises:
         ConfigError: no kit found, or the folder is not an admin startup kit.
     """
     if startup_kit or os.environ.get(KIT_ENV):
         kit = Path(startup_kit or os.environ[KIT_ENV]).expanduser()
-    elif poc_root:
-        from medflare.deploy.poc import PocSession
-
-        session = PocSession(Path(poc_root))
-        if not session.state:
-            raise ConfigError(f"--poc {poc_root}: no medflare POC is prepared there; give --startup-kit ADMIN_KIT")
-        kit = session.kit(session.state["lead"])
     else:
-        raise ConfigError(f"give --startup-kit ADMIN_KIT (an admin's startup kit), set {KIT_ENV}, or --poc DIR")
+        from medflare.deploy.poc import DEFAULT_ROOT, PocSession, env_root
+
+        root = Path(poc_root) if poc_root else env_root() or DEFAULT_ROOT
+        session = PocSession(root)
+        if not session.state:
+            raise ConfigError(f"--poc {root}: no medflare POC is prepared there; give --startup-kit ADMIN_KIT (an "
+                              f"admin's startup kit) or set {KIT_ENV}")
+        kit = session.kit(session.state["lead"])
     config = kit / "startup" / "fed_admin.json"
     if not config.is_file():
         raise ConfigError(f"{kit} is not an admin startup kit: {config} is missing")
-    return kit, json.loads(config.read_text())["admin"]["username"]
+    return kit, kit_username(kit / "startup", json.loads(config.read_text())["admin"])
+
+
+def kit_username(startup: Path, admin: dict[str, Any]) -> str:
+    """The admin user a kit logs in as: its ``fed_admin.json`` username, else (POC kits leave it empty and take
+    the identity from the certificate, ``uid_source: cert``) the common name of its client certificate, as FLARE
+    does; "" when neither says."""
+    if admin.get("username"):
+        return str(admin["username"])
+    cert = startup / str(admin.get("client_cert", "client.crt"))
+    if admin.get("uid_source") != "cert" or not cert.is_file():
+        return ""
+    from nvflare.private.fed.utils.identity_utils import get_cn_from_cert, load_cert_file
+
+    try:
+        return str(get_cn_from_cert(load_cert_file(str(cert))) or "")
+    except Exception:  # noqa: BLE001 - an unreadable certificate: FLARE's login will say why
+        return ""
+
+
+def as_user(username: str) -> str:
+    """The words ' as USER' for a message, or '' when the user is not known."""
+    return f" as {username}" if username else ""
 
 
 class ProgressPrinter:
@@ -135,7 +158,7 @@ def watch(job_id: str, kit: Path, username: str, echo: Echo = print, timeout: fl
     try:
         session = new_secure_session(username, str(kit), timeout=30)
     except Exception as exc:  # noqa: BLE001 - connection and login failures come as several FLARE types
-        raise WatchError(f"cannot open an admin session with {kit} as {username}: {exc}") from exc
+        raise WatchError(f"cannot open an admin session with {kit}{as_user(username)}: {exc}") from exc
     try:
         return watch_job(session, job_id, echo, timeout, poll_interval)
     finally:

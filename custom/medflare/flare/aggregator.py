@@ -72,6 +72,8 @@ class RoundAggregation:
         stream_aggregation: add each accepted train result to one float64 running sum, in site-name order, instead
             of holding every site's update until the end (when the rule is linear; else the round is aggregated
             in one batch and its record says why). Needs :meth:`expect_sites` to free results early.
+        download_dtype: dtype the global model's float weights travel to the sites in ("float32", or "float16"
+            for half the bytes; :func:`medflare.ops.wire.encode_download`); the server keeps its own precision.
     """
 
     def __init__(
@@ -85,6 +87,7 @@ class RoundAggregation:
         transfer_kind: str = "weights",
         multi_label: bool = False,
         stream_aggregation: bool = False,
+        download_dtype: str = "float32",
     ):
         self.spec = get_method(method)
         method_cfg = from_dict(self.spec.config_cls, dict(method_args or {}), f"method '{method}'")
@@ -98,12 +101,12 @@ class RoundAggregation:
                 f"method '{method}': its server rule overrides aggregate(); a rule returns per-site weights "
                 "(site_weight, site_weights, row_weights, weighting) and the server bounds and combines them"
             )
-        if transfer_dtype not in wire.DTYPES or transfer_kind not in wire.KINDS:
+        if transfer_dtype not in wire.DTYPES or download_dtype not in wire.DTYPES or transfer_kind not in wire.KINDS:
             raise ConfigError(
-                f"transfer_dtype must be one of {wire.DTYPES} and transfer_kind one of {wire.KINDS}, "
-                f"got '{transfer_dtype}', '{transfer_kind}'"
+                f"transfer_dtype and download_dtype must be one of {wire.DTYPES} and transfer_kind one of "
+                f"{wire.KINDS}, got '{transfer_dtype}', '{download_dtype}', '{transfer_kind}'"
             )
-        self.transfer_dtype, self.transfer_kind = transfer_dtype, transfer_kind
+        self.transfer_dtype, self.transfer_kind, self.download_dtype = transfer_dtype, transfer_kind, download_dtype
         self.num_classes = num_classes
         self.contract = ContractContext(num_classes=num_classes, multi_label=multi_label)
         self.global_params: dict[str, np.ndarray] = {}
@@ -141,7 +144,13 @@ class RoundAggregation:
         dims = dict(self.rule.array_dims(phase, self.ctx))
         self.contract = ContractContext(self.num_classes, dims=dims, multi_label=self.multi_label)
         self.expected = self.rule.expected_arrays(phase, self.ctx, self.global_params, self.contract)
-        return outgoing
+        if isinstance(outgoing, PerSite):
+            return PerSite({site: self.downloaded(arrays) for site, arrays in outgoing.arrays.items()})
+        return self.downloaded(outgoing)
+
+    def downloaded(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``arrays`` as the server sends them: the model's float weights in ``download_dtype``."""
+        return wire.encode_download(arrays, self.global_params, self.download_dtype)
 
     def batch_reason(self) -> str:
         """Why this round's results are aggregated in one batch despite ``stream_aggregation`` ("" = they stream).
@@ -195,9 +204,11 @@ class RoundAggregation:
         else:
             try:
                 clean, clean_meta = validate_update(arrays, meta, self.expected, self.spec.payload, self.contract)
-                if self.phase == contracts.TRAIN_PHASE:
+                if self.phase == contracts.TRAIN_PHASE:  # against the frozen parts as the sites received them
+                    frozen = {k: self.global_params[k] for k in clean
+                              if self.spec.payload.is_frozen(k) and k in self.global_params}
                     contracts.check_frozen_unchanged(
-                        clean, self.global_params, self.spec.payload, self.transfer_dtype, kind
+                        clean, self.downloaded(frozen), self.spec.payload, self.transfer_dtype, kind
                     )
                 update = SiteUpdate(site, decode_weights(clean, self.global_params, kind), clean_meta)
                 self.rule.check_update(self.phase, update, self.ctx)
@@ -327,6 +338,8 @@ class MedflareAggregator(Aggregator):
         stream_aggregation: sum train results in site order as they arrive instead of holding every site's update
             (linear rules only; the others fall back to one batch and their round records say why). The result
             differs from the batch path in the last bits (Σw·a/Σw vs Σ(w/Σw)·a) and repeats bit for bit.
+        download_dtype: dtype the global model's float weights travel to the sites in ("float32", or "float16"
+            for half the bytes; the server aggregates and persists in the model's own precision).
     """
 
     def __init__(
@@ -341,6 +354,7 @@ class MedflareAggregator(Aggregator):
         plugins: list | None = None,
         multi_label: bool = False,
         stream_aggregation: bool = False,
+        download_dtype: str = "float32",
     ) -> None:
         super().__init__()
         self.plugins = plugins or []
@@ -354,9 +368,10 @@ class MedflareAggregator(Aggregator):
         self.transfer_kind = transfer_kind
         self.multi_label = multi_label
         self.stream_aggregation = stream_aggregation
+        self.download_dtype = download_dtype
         self.core = RoundAggregation(
             method, self.method_args, num_classes, num_rounds, self.robust, transfer_dtype, transfer_kind, multi_label,
-            stream_aggregation,
+            stream_aggregation, download_dtype,
         )
         self._fallback_logged = False
 

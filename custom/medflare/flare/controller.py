@@ -39,7 +39,7 @@ from nvflare.widgets.info_collector import GroupInfoCollector, InfoCollector
 
 from medflare import contracts, resume
 from medflare.errors import MedflareError, PayloadError
-from medflare.evaluation import site_evaluation, summarize, without_histograms
+from medflare.evaluation import headline_metric, site_evaluation, summarize, without_histograms
 from medflare.flare.aggregator import INFO, SHARES, MedflareAggregator
 from medflare.flare.memory import ALLOCATOR_ENV, collect_round_garbage, freeze_startup_objects
 from medflare.flare.progress import (
@@ -61,6 +61,7 @@ RESULTS_FILE = "medflare_results.json"
 # Per-site facts recorded each round; filter_history shows which privacy filters a site's result went through.
 SITE_FACTS = (contracts.N_SAMPLES, contracts.TRAIN_LOSS, contracts.TRAIN_SECONDS, contracts.FILTER_HISTORY)
 RESULT_AT = "result_at"  # seconds from the round's start until the site's result reached the controller
+TASK_BYTES = "task_bytes"  # a round's record: phase -> bytes of the task one site received (arrays + meta)
 CHECKPOINT_FILE = "medflare_checkpoint.npz"  # get_persist_state() after every round, for a resumed job
 BEST_MODEL_FILE = "best_FL_global_model.pt"  # written by FLARE's PT persistor
 
@@ -96,8 +97,9 @@ class MedflareController(Controller):
             fast failure from cutting a round short.
         train_timeout: seconds a site may take for one task (0 = no limit).
         shot_groups: optional {"head": [...], "medium": [...], "tail": [...]} class ids for long-tail metrics.
-        key_metric: validation metric that selects the best model (saved as best_FL_global_model.pt); multi-label
-            jobs use the mean per-class AUROC ("auc_macro_ovr").
+        key_metric: validation metric that selects the best model (saved as best_FL_global_model.pt); "" (the
+            default) is the task's headline metric, :func:`medflare.evaluation.headline_metric` (balanced accuracy,
+            or the mean per-class AUROC "auc_macro_ovr" for multi-label tasks). The results file records it.
         patience: stop after this many scored rounds without a better ``key_metric`` than the best model's
             (0 = never stop early); the final validation still runs, and ``stopped_early`` records why.
         resume_from: continue an earlier job: in POC and production the *id* of an earlier job of this server
@@ -116,7 +118,7 @@ class MedflareController(Controller):
         wait_time_after_min_received: int = 600,
         train_timeout: int = 0,
         shot_groups: dict | None = None,
-        key_metric: str = "balanced_accuracy",
+        key_metric: str = "",
         patience: int = 0,
         resume_from: str = "",
     ) -> None:
@@ -145,6 +147,7 @@ class MedflareController(Controller):
         if not isinstance(self.aggregator, MedflareAggregator):
             self.system_panic(f"component '{self.aggregator_id}' must be a MedflareAggregator", fl_ctx)
             return
+        self.key_metric = self.key_metric or headline_metric(self.aggregator.multi_label)
         learnable = self.persistor.load(fl_ctx)
         self.global_params = {k: np.asarray(v) for k, v in learnable[ModelLearnableKey.WEIGHTS].items()}
         self.results_path = os.path.join(fl_ctx.get_prop(FLContextKey.APP_ROOT), RESULTS_FILE)
@@ -157,7 +160,8 @@ class MedflareController(Controller):
                 self.system_panic(f"medflare: cannot resume from '{self.resume_from}': {exc}", fl_ctx)
 
     def _fresh_header(self) -> dict[str, Any]:
-        return {"method": self.aggregator.method, "num_rounds": self.num_rounds, "controller_started_at": time.time(),
+        return {"method": self.aggregator.method, "num_rounds": self.num_rounds, "key_metric": self.key_metric,
+                "controller_started_at": time.time(),
                 "allocator": {name: os.environ.get(name) for name in ALLOCATOR_ENV}, "rounds": [], "evaluations": {}}
 
     def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
@@ -326,6 +330,9 @@ class MedflareController(Controller):
             data = DXO(DataKind.WEIGHTS, data=arrays, meta=header).to_shareable()
             return Task(name=phase, data=data, timeout=self.train_timeout, result_received_cb=on_result)
 
+        sent = outgoing.arrays.values() if isinstance(outgoing, PerSite) else [outgoing]
+        # what one site receives in this phase (the largest task when each gets its own): the download's bytes
+        record.setdefault(TASK_BYTES, {})[phase] = max((payload_bytes(a, header) for a in sent), default=0)
         if isinstance(outgoing, PerSite):
             tasks = []
             for site, arrays in sorted(outgoing.arrays.items()):
@@ -443,7 +450,7 @@ class MedflareController(Controller):
         core = self.aggregator.core
         core.start_round(self.global_params, ctx)
         keys = core.spec.payload.shared_keys(list(self.global_params), ctx.stage)
-        arrays = {k: self.global_params[k] for k in keys}
+        arrays = core.downloaded({k: self.global_params[k] for k in keys})  # in the job's download dtype
         evaluations: dict[str, dict] = {}
         self._send_phase(TASK_VALIDATE, arrays, ctx, record, evaluations, abort_signal, fl_ctx)
         final = self._record_evaluation(version, evaluations, fl_ctx)
@@ -538,12 +545,15 @@ class MedflareController(Controller):
 def add_payload(payload: dict[str, dict], site: str, dxo: DXO) -> None:
     """Accumulate what one site sent this round: array keys, meta keys and bytes (arrays + JSON meta)."""
     arrays = dxo.data or {}
-    array_bytes = int(sum(np.asarray(v).nbytes for v in arrays.values()))
-    meta_bytes = len(json.dumps(dxo.meta or {}, default=_json_default))
     entry = payload.setdefault(site, {"arrays": 0, "meta_keys": [], "bytes": 0})
     entry["arrays"] += len(arrays)
     entry["meta_keys"] = sorted(set(entry["meta_keys"]) | set(dxo.meta or {}))
-    entry["bytes"] += array_bytes + meta_bytes
+    entry["bytes"] += payload_bytes(arrays, dxo.meta or {})
+
+
+def payload_bytes(arrays: dict[str, Any], meta: dict[str, Any]) -> int:
+    """The bytes a task or result carries: its arrays' bytes plus its meta as JSON (no framing, no encryption)."""
+    return int(sum(np.asarray(v).nbytes for v in arrays.values())) + len(json.dumps(meta, default=_json_default))
 
 
 def _submitter(run_dir: str) -> str:

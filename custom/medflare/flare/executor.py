@@ -16,9 +16,10 @@ from medflare import contracts
 from medflare.distributed import DataParallelSite, site_distributed_config
 from medflare.errors import MedflareError
 from medflare.flare.memory import collect_round_garbage, freeze_startup_objects
+from medflare.methods.base import LocalTrainer
 from medflare.registry import load_plugins
 from medflare.flare.tasks import TASK_SUBMIT_MODEL, TASK_TRAIN, TASK_VALIDATE, round_context
-from medflare.flare.tracking import EPOCH_LOSS, send_scalars
+from medflare.flare.tracking import EPOCH_LOSS, send_scalars, site_training_scalars, site_validation_scalars
 from medflare.site_runtime import (
     SiteRuntime,
     SiteSettings,
@@ -53,7 +54,8 @@ class MedflareExecutor(Executor):
         site_model: per-site architectures, e.g. {"site-1": "resnet10"} (methods that send no weights only); a
             site's own ``local/medflare_site.json`` "model" overrides it.
         plugins: ``medflare_plugins.*`` modules the job carries that register its own methods (BYOC only).
-        stream_metrics: fire FLARE analytics events with the training loss of every local epoch (the job's
+        stream_metrics: fire FLARE analytics events with the training loss of every local epoch and, per task,
+            the round's training loss, seconds and lr and the received model's validation metrics (the job's
             experiment tracking; :mod:`medflare.flare.tracking` declares what a site streams).
     """
 
@@ -89,6 +91,8 @@ class MedflareExecutor(Executor):
         self.site_model = site_model or {}
         self.stream_metrics = stream_metrics
         self._runtime: SiteRuntime | DataParallelSite | None = None
+        # the last task whose curves wait for its filtered result (FLARE's AFTER_TASK_RESULT_FILTER event)
+        self._unstreamed_task: tuple[SiteRuntime | DataParallelSite, str, Shareable] | None = None
 
     def _get_runtime(self, fl_ctx: FLContext) -> SiteRuntime | DataParallelSite:
         if self._runtime is None:
@@ -120,6 +124,12 @@ class MedflareExecutor(Executor):
     def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
         if event_type == EventType.END_RUN and self._runtime is not None:
             self._runtime.close()
+        if event_type == EventType.AFTER_TASK_RESULT_FILTER and self._unstreamed_task is not None:
+            # the site's result filters have run: stream from what the site lets leave, not from what it computed
+            (runtime, task_name, task), self._unstreamed_task = self._unstreamed_task, None
+            filtered = fl_ctx.get_prop(FLContextKey.TASK_RESULT)
+            if isinstance(filtered, Shareable):
+                self._stream_task(runtime, task_name, task, filtered, fl_ctx)
         super().handle_event(event_type, fl_ctx)
 
     def execute(self, task_name: str, shareable: Shareable, fl_ctx: FLContext, abort_signal: Signal) -> Shareable:
@@ -128,7 +138,9 @@ class MedflareExecutor(Executor):
             runtime = self._get_runtime(fl_ctx)
             collect_round_garbage()  # the last result's upload left FLARE's stream objects in reference cycles
             self._stream_epochs(runtime, fl_ctx)
-            return self._dispatch(runtime, task_name, shareable, abort_signal)
+            result = self._dispatch(runtime, task_name, shareable, abort_signal)
+            self._unstreamed_task = (runtime, task_name, shareable)  # streamed once FLARE has filtered the result
+            return result
         except MedflareError as exc:
             self.log_error(fl_ctx, f"{site}: task '{task_name}' failed: {exc}")
         except Exception as exc:  # the site must answer the server, whatever broke
@@ -138,8 +150,35 @@ class MedflareExecutor(Executor):
     def _stream_epochs(self, runtime: SiteRuntime | DataParallelSite, fl_ctx: FLContext) -> None:
         """Point the trainer's per-epoch report at FLARE's analytics events of this task (when tracking)."""
         if self.stream_metrics:
-            trainer = (runtime.runtime if isinstance(runtime, DataParallelSite) else runtime).trainer
-            trainer.epoch_listener = lambda epoch, loss: send_scalars(self, fl_ctx, {EPOCH_LOSS: loss}, epoch)
+            _trainer(runtime).epoch_listener = lambda epoch, loss: send_scalars(self, fl_ctx, {EPOCH_LOSS: loss}, epoch)
+
+    def _stream_task(
+        self, runtime: SiteRuntime | DataParallelSite, task_name: str, task: Shareable, result: Shareable,
+        fl_ctx: FLContext,
+    ) -> None:
+        """The site's curves from a finished train or validate task (when tracking): the received model's
+        validation metrics at its version, and the round's training loss, seconds and lr at the round (from 1).
+
+        Every value comes from the result as the site's result filters left it (or the job's lr schedule), so a
+        site filter that strips a value from results strips it from the stream; a tracking problem is logged,
+        never the task's failure.
+        """
+        done = result.get_return_code(ReturnCode.OK) == ReturnCode.OK
+        if not self.stream_metrics or not done or task_name not in (TASK_TRAIN, TASK_VALIDATE):
+            return
+        try:
+            ctx, meta = round_context(from_shareable(task).meta), from_shareable(result).meta
+        except ValueError as exc:  # a site filter made the result something other than a DXO: nothing to read
+            self.log_warning(fl_ctx, f"site curves not streamed: {exc}")
+            return
+        multi_label = bool(self.task.get("multi_label", False))
+        try:
+            send_scalars(self, fl_ctx, site_validation_scalars(meta, self.task["num_classes"], multi_label), ctx.round)
+        except MedflareError as exc:
+            self.log_warning(fl_ctx, f"validation metrics not streamed: {exc}")
+        if task_name == TASK_TRAIN:
+            scalars = site_training_scalars(meta, _learning_rate(_trainer(runtime)))
+            send_scalars(self, fl_ctx, scalars, ctx.round + 1)
 
     def _dispatch(
         self, runtime: SiteRuntime | DataParallelSite, task_name: str, shareable: Shareable, abort_signal: Signal
@@ -158,3 +197,14 @@ class MedflareExecutor(Executor):
             return make_reply(ReturnCode.TASK_ABORTED)
         diff = task_name == TASK_TRAIN and ctx.server_meta.get(contracts.TRANSFER_KIND) == "diff"
         return DXO(DataKind.WEIGHT_DIFF if diff else DataKind.WEIGHTS, data=arrays, meta=meta).to_shareable()
+
+
+def _trainer(runtime: SiteRuntime | DataParallelSite) -> LocalTrainer:
+    """The trainer of this process (a data-parallel site's rank 0)."""
+    return (runtime.runtime if isinstance(runtime, DataParallelSite) else runtime).trainer
+
+
+def _learning_rate(trainer: LocalTrainer) -> float | None:
+    """The largest lr of the trainer's parameter groups (layer-wise decay scales the others down), if it trained."""
+    groups = trainer.optimizer.param_groups if trainer.optimizer is not None else []
+    return max((float(group["lr"]) for group in groups), default=None)

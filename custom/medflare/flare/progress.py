@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from medflare.evaluation import metric_name, selection_metric
+
 STATS_GROUP = "medflare"  # the group name in FLARE's show_stats reply
 
 
@@ -21,13 +23,14 @@ def round_entry(record: Mapping[str, Any], num_rounds: int) -> dict[str, Any]:
 
 
 def evaluation_entry(model_version: int, summary: Mapping[str, Any], key_metric: str) -> dict[str, Any] | None:
-    """The pooled scores of one model version, or None when the sites sent no test statistics."""
-    test = summary.get("test", {})
-    if test.get("balanced_accuracy") is None:
+    """The pooled test and validation scores of one model version in ``key_metric`` (the task's headline metric,
+    which selects the best model), or None when the sites sent no test statistics."""
+    if not summary.get("test"):
         return None
     return {
-        "kind": "evaluation", "model": model_version, "sites": len(summary.get("sites", [])),
-        "test_balanced_accuracy": test["balanced_accuracy"], "val": {key_metric: summary.get("val", {}).get(key_metric)},
+        "kind": "evaluation", "model": model_version, "sites": len(summary.get("sites", [])), "metric": key_metric,
+        "test": {key_metric: summary["test"].get(key_metric)},
+        "val": {key_metric: summary.get("val", {}).get(key_metric)},
     }
 
 
@@ -41,7 +44,7 @@ def entries_from_results(results: Mapping[str, Any]) -> list[dict[str, Any]]:
     evaluation of the model it received, the round itself, an early stop, the final model's evaluation."""
     entries: list[dict[str, Any] | None] = []
     evaluations = results.get("evaluations", {})
-    key = next(iter(set(results.get("best", {})) - {"model_version"}), "balanced_accuracy")
+    key = selection_metric(results)
     rounds = results.get("rounds", [])
     for record in rounds:
         entries.append(evaluation_entry(record["round"], evaluations.get(str(record["round"]), {}), key))
@@ -62,8 +65,20 @@ def format_progress(entry: Mapping[str, Any]) -> str:
         return (f"round {entry['round']}/{entry['rounds']} done in {entry['seconds']:.1f}s; "
                 f"accepted {entry['accepted']}{rejected}")
     if kind == "evaluation":
-        return (f"model {entry['model']} test balanced accuracy {entry['test_balanced_accuracy']:.4f} "
-                f"({entry['sites']} sites)")
+        return f"model {entry['model']} {_scores_text(entry)} ({entry['sites']} sites)"
     if kind == "stopped":
         return f"stopping early after round {entry['after_round']}: {entry['reason']}"
     return str(dict(entry))
+
+
+def _scores_text(entry: Mapping[str, Any]) -> str:
+    """``test macro AUROC 0.7123, val 0.7010``. ``medflare watch`` may follow a server of an earlier medflare,
+    whose entries name no ``metric`` and give balanced accuracy as ``test_balanced_accuracy``."""
+    metric = entry.get("metric", "balanced_accuracy")
+    test = entry.get("test", {}).get(metric, entry.get("test_balanced_accuracy"))
+    val = entry.get("val", {}).get(metric)
+    return f"test {metric_name(metric)} {_score(test)}" + ("" if val is None else f", val {_score(val)}")
+
+
+def _score(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"

@@ -14,6 +14,10 @@ class TensorBoardReceiver(
 ):
     """FLARE's ``TBAnalyticsReceiver``: one TensorBoard folder per sender under the server's ``tb_events/``.
 
+    The server's folder holds the global curves (pooled, per-site and site-mean validation and test metrics, shares,
+    round times); each site's folder its own: training loss per local epoch and per round, training seconds, lr and
+    the validation metrics of each model it received (:data:`medflare.flare.tracking.SITE_STREAMED_TAGS`).
+
     It takes no folder: a job may not choose where the server writes (always ``tb_events/`` in the job folder).
 
     Args:

@@ -1,15 +1,18 @@
 """Experiment tracking through FLARE's own analytics events.
 
-Sites fire FLARE's ``analytix_log_stats`` event for each local epoch; :class:`SiteMetricsToServer` (FLARE's
-``ConvertToFedEvent``) turns it into a federated event, which reaches the server. The controller fires the same
-event for every round's pooled, per-site and site-mean metrics. On the server, FLARE's TensorBoard receiver
-(:mod:`medflare.flare.tb_receiver`) and, when asked, its MLflow receiver (:mod:`medflare.flare.mlflow_receiver`)
-write them, one TensorBoard folder (or MLflow run) per sender.
+Sites fire FLARE's ``analytix_log_stats`` event for each local epoch and each task; :class:`SiteMetricsToServer`
+(FLARE's ``ConvertToFedEvent``) turns it into a federated event, which reaches the server. The controller fires
+the same event for every round's pooled, per-site and site-mean metrics. On the server, FLARE's TensorBoard
+receiver (:mod:`medflare.flare.tb_receiver`) writes them, one folder per sender, and, when asked, its MLflow
+receiver (:mod:`medflare.flare.mlflow_receiver`) writes them into one MLflow run per job, with the job's
+settings as params (:func:`mlflow_receiver_args`).
 
 These events travel beside the task results, so neither a method's Payload nor a site's privacy filters see
-them. What a site may stream is therefore declared here, once (:data:`SITE_STREAMED_TAGS`: its training loss
-per local epoch, which refines the per-round ``train_loss`` it sends anyway), and the site-side converter
-forwards nothing else.
+them. What a site may stream is therefore declared here, once (:data:`SITE_STREAMED_TAGS`): its training loss
+per local epoch, and per round its mean training loss, training seconds, learning rate and the validation
+metrics of the received model. Each is a value its result carries anyway (``train_loss``, ``train_seconds``,
+the ``eval_val`` counts the metrics are computed from) or the job's own schedule (the learning rate). The
+site-side converter forwards nothing else.
 
 The receivers are optional: when ``tensorboard`` or ``mlflow`` is not installed on the server, the job still
 loads and runs; the receiver logs one line and records nothing (:class:`MissingTrackerReceiver`).
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import math
 import shutil
 from pathlib import Path
@@ -34,6 +38,9 @@ from nvflare.apis.utils.analytix_utils import create_analytic_dxo, send_analytic
 from nvflare.app_common.widgets.convert_to_fed_event import ConvertToFedEvent
 from nvflare.app_common.widgets.streaming import AnalyticsReceiver
 
+from medflare import contracts
+from medflare.metrics.classification import compute_metrics, stats_from_dict
+
 # run option value -> the receivers it puts on the server
 TRACKERS = {"tensorboard": ("tensorboard",), "mlflow": ("mlflow",), "both": ("tensorboard", "mlflow"), "off": ()}
 # receiver -> (the package it needs, the medflare class a job names)
@@ -43,10 +50,20 @@ RECEIVERS = {
 }
 TB_FOLDER = "tb_events"  # in the server's job folder (FLARE's default), one sub-folder per sender
 MLFLOW_DB = "mlflow.db"  # FLARE's MLflow receiver writes this SQLite store into the server's job result folder
-EPOCH_LOSS = "train/epoch_loss"
+EPOCH_LOSS = "train/epoch_loss"  # step: the job-wide local epoch
+ROUND_LOSS = "train/loss"  # step: the round, from 1 (as the server's train_loss/<site>); the result's train_loss
+ROUND_SECONDS = "train/seconds"  # the result's train_seconds
+LEARNING_RATE = "train/lr"  # the learning rate the round's last step used (the job's schedule)
+# The scalar metrics of compute_metrics a site streams as val/<name>, step: the received model's version
+SITE_VAL_METRICS = ("accuracy", "balanced_accuracy", "macro_f1", "macro_precision", "macro_recall", "auc_macro_ovr",
+                    "bauc", "loss")
 # Everything a site streams to the server, beside its task results (see the module docstring).
-SITE_STREAMED_TAGS = frozenset({EPOCH_LOSS})
+SITE_STREAMED_TAGS = frozenset({EPOCH_LOSS, ROUND_LOSS, ROUND_SECONDS, LEARNING_RATE,
+                                *(f"val/{name}" for name in SITE_VAL_METRICS)})
 INSTALL_HINT = "pip install 'medflare[tracking]'"
+DEFAULT_EXPERIMENT = "medflare"  # the MLflow experiment of every job unless MLFLOW_EXPERIMENT_NAME names another
+MAX_PARAM_CHARS = 500  # MLflow params are short strings (older MLflow servers refuse longer ones)
+SIMULATOR_JOB_ID = "simulate_job"  # every job FLARE's simulator runs has this id
 
 
 def missing_packages(tracking: str) -> list[str]:
@@ -63,9 +80,64 @@ def missing_notice(tracking: str) -> str | None:
             f"(the run itself is unaffected); {INSTALL_HINT} to record them")
 
 
-def server_components(tracking: str) -> list[dict[str, Any]]:
-    """The receivers a job's server config lists for the chosen trackers."""
-    return [{"id": f"{name}_receiver", "path": RECEIVERS[name][1], "args": {}} for name in TRACKERS[tracking]]
+def server_components(tracking: str, mlflow_args: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The receivers a job's server config lists for the chosen trackers.
+
+    Args:
+        tracking: a :data:`TRACKERS` choice.
+        mlflow_args: the MLflow receiver's arguments (:func:`mlflow_receiver_args`).
+    """
+    args = {"mlflow": dict(mlflow_args or {})}
+    return [{"id": f"{name}_receiver", "path": RECEIVERS[name][1], "args": args.get(name, {})}
+            for name in TRACKERS[tracking]]
+
+
+def mlflow_receiver_args(
+    params: Mapping[str, Any], run_name: str, tags: Mapping[str, str], deployed_env: str, experiment: str = ""
+) -> dict[str, Any]:
+    """The MLflow receiver's arguments: FLARE's ``kw_args`` (experiment, run name prefix, run tags) and the params.
+
+    Args:
+        params: the job's settings, logged once as MLflow params (:func:`flat_params`; values as text, at most
+            :data:`MAX_PARAM_CHARS` characters).
+        run_name: the run's name; the receiver appends the short job id.
+        tags: run tags known when the job is written (the receiver adds env, job id and medflare's version).
+        deployed_env: the ``env`` tag outside FLARE's simulator (``poc`` or ``prod``).
+        experiment: the MLflow experiment (default :data:`DEFAULT_EXPERIMENT`).
+    """
+    kw_args = {
+        TrackConst.EXPERIMENT_NAME: experiment or DEFAULT_EXPERIMENT,
+        TrackConst.RUN_NAME: run_name,
+        TrackConst.EXPERIMENT_TAGS: {},
+        TrackConst.RUN_TAGS: dict(tags),
+    }
+    return {"kw_args": kw_args, "params": flat_params(params), "deployed_env": deployed_env}
+
+
+def flat_params(settings: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """Settings as MLflow params: a nested mapping's entries under dotted keys (``train.stages.finetune.lr``).
+
+    Flattened rather than written as JSON: FLARE's job configurator reads a text in braces as a variable
+    reference and replaces it (``"{}"`` would load as None).
+    """
+    params: dict[str, str] = {}
+    for key, value in settings.items():
+        if isinstance(value, Mapping):
+            params.update(flat_params(value, f"{prefix}{key}."))
+        else:
+            params[f"{prefix}{key}"] = param_text(value)
+    return params
+
+
+def param_text(value: Any) -> str:
+    """An MLflow param value: numbers and names as they are, lists as JSON; cut to MAX_PARAM_CHARS."""
+    text = json.dumps(list(value), default=str) if isinstance(value, (list, tuple)) else str(value)
+    return text if len(text) <= MAX_PARAM_CHARS else text[:MAX_PARAM_CHARS - 1] + "…"
+
+
+def job_env(job_id: str, deployed_env: str) -> str:
+    """``simulator`` for a job FLARE's simulator runs, else the environment the job was written for."""
+    return "simulator" if job_id == SIMULATOR_JOB_ID else deployed_env
 
 
 def client_components(tracking: str) -> list[dict[str, Any]]:
@@ -118,6 +190,25 @@ def record_scalars(record: Mapping[str, Any]) -> dict[str, float]:
         if _is_number(facts.get("train_loss")):
             scalars[f"train_loss/{site}"] = float(facts["train_loss"])
     return scalars
+
+
+def site_validation_scalars(meta: Mapping[str, Any], num_classes: int, multi_label: bool = False) -> dict[str, float]:
+    """A site's ``val/<metric>`` of the model it received, from the ``eval_val`` counts its result carries.
+
+    Empty when the result carries no counts: ``site_evaluation=off``, every task but the final validation with
+    ``final``, an unscored stage.
+    """
+    if contracts.EVAL_VAL not in meta:
+        return {}
+    metrics = compute_metrics(stats_from_dict(meta[contracts.EVAL_VAL], num_classes, multi_label))
+    return _prefixed("val/", {name: metrics.get(name) for name in SITE_VAL_METRICS})
+
+
+def site_training_scalars(meta: Mapping[str, Any], learning_rate: float | None) -> dict[str, float]:
+    """A site's facts of one round of local training: mean loss, seconds (from its result's meta) and lr."""
+    facts = {ROUND_LOSS: meta.get(contracts.TRAIN_LOSS), ROUND_SECONDS: meta.get(contracts.TRAIN_SECONDS),
+             LEARNING_RATE: learning_rate}
+    return {tag: float(value) for tag, value in facts.items() if _is_number(value)}
 
 
 def _prefixed(prefix: str, metrics: Mapping[str, Any]) -> dict[str, float]:

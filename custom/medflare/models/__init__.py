@@ -1,11 +1,14 @@
 """Model registry and factory: every network behind one interface (:class:`Classifier`).
 
-Importing a family module registers its models; add a family by adding one import line below.
+Importing a family module registers its models; add a family by adding one import line below. Models from outside
+medflare (a job's plugin file, an installed package's ``medflare.models`` entry point): ``models/_registry.py``.
 """
 
 from medflare.models import cifar_resnet, cnn, efficientnet_lite, torchvision_nets, vit  # noqa: F401  (registers)
 from medflare.models._factory import IMAGENET, create_model
-from medflare.models._registry import ModelInfo, get_model_info, is_model, list_models, register_model
+from medflare.models._registry import (
+    ENTRY_POINT_GROUP, ModelInfo, get_model_info, is_model, list_models, register_model,
+)
 from medflare.models.classifier import Classifier, CosineLinear
 from medflare.models.device import get_device
 from medflare.models.ema import EmaTeacher
@@ -18,6 +21,7 @@ from medflare.models.efficientnet_lite import (
 from medflare.models.weights import WeightsReport, load_weights, read_state_dict_file
 
 __all__ = [
+    "ENTRY_POINT_GROUP",
     "IMAGENET",
     "IMAGENET_LITE0_MEAN",
     "IMAGENET_LITE0_STD",

@@ -37,7 +37,8 @@ def create_model(
             accept any input size from 28x28 up (every registered model is tested at 28x28).
 
     Raises:
-        ConfigError: for an unknown name, non-positive sizes, or ``"imagenet"`` on a model without offline weights.
+        ConfigError: for an unknown name, non-positive sizes, ``"imagenet"`` on a model without offline weights, or
+            an entry function that returns something other than a :class:`Classifier`.
         DataError: if a weights file is missing or does not fit the model.
     """
     info = get_model_info(name)
@@ -45,6 +46,9 @@ def create_model(
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"create_model('{name}'): {label} must be a positive integer, got {value!r}")
     model = info.entrypoint(num_classes=num_classes, in_channels=in_channels, image_size=image_size)
+    if not isinstance(model, Classifier):  # methods split every model into backbone and head (a user's model too)
+        raise ConfigError(f"model '{name}' ({info.module}) returned a {type(model).__name__}, not a medflare "
+                          "Classifier; wrap the network: Classifier(backbone, head), see docs/own-model-and-data.md")
     if pretrained is None:
         return model
     if pretrained == IMAGENET:

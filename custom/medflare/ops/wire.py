@@ -1,6 +1,8 @@
 """How model weights travel: their dtype on the wire, and whether as weights or as differences.
 
-A site sends its float weights in the job's transfer dtype (float32, or float16 for half the bytes). When the
+The server sends the global model's float weights in the job's download dtype (float32, or float16 for half the
+bytes; :func:`encode_download`), and a site loads them into its model's own dtype. A site sends its float weights in
+the job's transfer dtype (float32, or float16 for half the bytes). When the
 job sends updates as differences (``kind="diff"``, what FLARE's differential-privacy filters expect), a site
 sends θ_local − θ_received for the float keys only: integer buffers (BatchNorm's ``num_batches_tracked``) stay
 home, so a privacy filter never sees them and the server keeps its own value. The server turns what arrived
@@ -9,7 +11,7 @@ back into absolute weights before any aggregation rule sees them.
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Container, Mapping
 
 import numpy as np
 
@@ -38,6 +40,25 @@ def encode_weights(
         for k, v in weights.items()
         if is_float(v)
     }
+
+
+def encode_download(
+    arrays: Mapping[str, np.ndarray], model_keys: Container[str], dtype: str
+) -> dict[str, np.ndarray]:
+    """What the server sends, as it goes on the wire: the model's float weights (``model_keys``) narrowed to
+    ``dtype``, every other array as it is (integer buffers such as BatchNorm's counters, and a method's own arrays,
+    whose dtype its contract fixes). A weight holding a value ``dtype`` cannot (|x| > 65504 in float16) keeps its
+    own dtype, so a site never receives an overflowed infinity."""
+    wire_dtype = np.dtype(dtype)
+    return {k: v.astype(wire_dtype) if k in model_keys and _narrows(v, wire_dtype) else v for k, v in arrays.items()}
+
+
+def _narrows(array: np.ndarray, dtype: np.dtype) -> bool:
+    """Whether ``array`` is a wider float array whose every value ``dtype`` holds without overflow."""
+    array = np.asarray(array)
+    if not is_float(array) or array.dtype.itemsize <= dtype.itemsize:
+        return False
+    return not array.size or bool(np.max(np.abs(array)) <= np.finfo(dtype).max)  # NaN compares False: kept
 
 
 def decode_weights(
