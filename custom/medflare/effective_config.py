@@ -116,7 +116,10 @@ def _section_options(run: RunConfig, layers: Sequence[tuple[str, set[str]]]) -> 
             source = option_source(f"{name}.{key}", layers) or fallback
             default = section.defaults.get(key, UNSET)
             value = given[key] if key in given else default
-            options[name].append(Option(key, value, hint, default, source, written=key in given))
+            # an option at its built-in default stays a comment, so the file read back as --config chooses only
+            # what a layer chose (export treats a written data.source as the user's choice of data)
+            written = key in given and source != DEFAULT_SOURCE
+            options[name].append(Option(key, value, hint, default, source, written=written))
     return options
 
 

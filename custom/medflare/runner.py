@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import os
 import signal
 import subprocess
 import sys
@@ -21,6 +23,10 @@ if TYPE_CHECKING:  # importing the run configuration pulls in torch: only the co
     from medflare.run_config import RunConfig
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# MEDFLARE_SMOKE=1 (the runnable-docs test sets it) caps every run built here, so the docs' commands run as written
+# in seconds instead of minutes. The data is not shrunk (evaluating the full splits is cheap next to FLARE's start-up).
+SMOKE_ENV = "MEDFLARE_SMOKE"
+SMOKE_CAPS = {"rounds": 2, "train.local_epochs": 1, "train.max_steps": 2}
 
 
 def nvflare_command() -> list[str]:
@@ -76,20 +82,75 @@ def build_run_config(args: argparse.Namespace, method: str | None = None) -> Run
         args: parsed options of :func:`add_run_options` (and ``args.method``).
         method: the method to build for (default ``args.method``; ``compare`` builds one per method).
     """
+    return smoke_sized(_layered_run(args, method))
+
+
+def _layered_run(args: argparse.Namespace, method: str | None) -> RunConfig:
     from medflare.run_config import apply_overrides, merge_run_config
 
     return apply_overrides(merge_run_config(*(layer for _, layer in run_layers(args, method))), args.set)
 
 
+def smoke_sized(run: RunConfig) -> RunConfig:
+    """``run`` within :data:`SMOKE_CAPS` when ``$MEDFLARE_SMOKE`` is set (and not ``0``), else ``run`` itself.
+
+    A capped run says so on stderr: a smoke-size run must never pass for a result (its summary records the caps too,
+    as the run's rounds and train settings).
+    """
+    from medflare.run_config import apply_overrides
+
+    capped = smoke_caps(run)
+    if capped:
+        _note_once(f"medflare: note: {SMOKE_ENV}={os.environ[SMOKE_ENV]}: a smoke-size run, not a result "
+                   f"({', '.join(capped)})")
+    return apply_overrides(run, capped) if capped else run
+
+
+def smoke_caps(run: RunConfig) -> list[str]:
+    """The ``key=value`` overrides that bring ``run`` within :data:`SMOKE_CAPS` (none without ``$MEDFLARE_SMOKE``)."""
+    if not smoke_requested():
+        return []
+    return [f"{key}={cap}" for key, cap in SMOKE_CAPS.items() if not _within(_option_value(run, key), cap)]
+
+
+def smoke_requested() -> bool:
+    return os.environ.get(SMOKE_ENV, "0") not in ("", "0")
+
+
+def _option_value(run: RunConfig, key: str) -> Any:
+    """A dotted option's value as set so far (``None`` when a section leaves it to the method's default)."""
+    from medflare.run_config import SECTIONS
+
+    section, _, sub = key.partition(".")
+    return getattr(run, SECTIONS[section]).get(sub) if sub else getattr(run, key)
+
+
+def _within(value: Any, cap: int) -> bool:
+    """Whether a count option (text until validated) is already set to 1..cap; a value that is no integer is left
+    for validation to refuse, with the option's name."""
+    try:
+        return value is not None and 0 < int(str(value)) <= cap
+    except ValueError:
+        return True
+
+
+@functools.cache  # compare builds each method's run twice: one note per distinct change is enough
+def _note_once(text: str) -> None:
+    print(text, file=sys.stderr)
+
+
 def option_layers(args: argparse.Namespace, method: str | None = None) -> list[tuple[str, set[str]]]:
-    """Which options each layer of :func:`build_run_config` sets (dotted names), lowest first, ``--set`` last:
-    what ``medflare config`` reports as each option's source."""
+    """Which options each layer of :func:`build_run_config` sets (dotted names), lowest first, ``--set`` last
+    (then ``$MEDFLARE_SMOKE``'s caps, when set): what ``medflare config`` reports as each option's source."""
     from medflare.config import layer_options, override_options
     from medflare.run_config import SECTIONS
 
     sections = set(SECTIONS.values())
     named = [(name, layer_options(layer, sections)) for name, layer in run_layers(args, method)]
-    return named + [("--set", override_options(args.set, SECTIONS))]
+    named.append(("--set", override_options(args.set, SECTIONS)))
+    if smoke_requested():  # a smoke-size run's caps are the top layer (build_run_config applies them last)
+        named.append((SMOKE_ENV, override_options(smoke_caps(_layered_run(args, method)), SECTIONS)))
+    return named
 
 
 def run_layers(args: argparse.Namespace, method: str | None = None) -> list[tuple[str, dict[str, Any]]]:

@@ -95,3 +95,10 @@ def test_watch_finds_the_lead_kit_of_the_poc_the_variable_names(no_poc_env, tmp_
     monkeypatch.setenv("MEDFLARE_POC_ROOT", str(tmp_path / "none"))
     with pytest.raises(ConfigError, match=f"--poc {tmp_path / 'none'}: no medflare POC is prepared there"):
         admin_kit(None, None)
+
+
+def test_wait_and_download_before_any_submit_say_so_in_one_line(tmp_path: Path) -> None:
+    session = PocSession(tmp_path / "poc")
+    for act in (lambda: session.wait(), lambda: session.download(None, tmp_path / "out")):
+        with pytest.raises(ConfigError, match="no job was submitted to this POC yet"):
+            act()

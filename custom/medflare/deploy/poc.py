@@ -360,13 +360,19 @@ class PocSession:
         self.echo(f"poc: submitted {Path(job_dir).name} as {user}: job {job_id}")
         return job_id
 
+    def _last_job(self) -> str:
+        """The job this POC submitted last (what wait/download act on when no job id is given)."""
+        if not self.state.get("last_job"):
+            raise ConfigError("no job was submitted to this POC yet: run poc/submit.sh JOB_DIR first, or give a job id")
+        return self.state["last_job"]
+
     def try_submit(self, job_dir: str | Path, user: str) -> dict[str, Any]:
         """Submit and return FLARE's reply without raising (to check that a submission is refused)."""
         return self.nvflare("job", "submit", "-j", str(job_dir), "--startup-kit", str(self.kit(user)), check=False)
 
     def wait(self, job_id: str | None = None, timeout: float = 600) -> str:
         """Wait for a job to end; return its final status (e.g. FINISHED:COMPLETED). Never raises on failure."""
-        job_id = job_id or self.state["last_job"]
+        job_id = job_id or self._last_job()
         user = self.state["jobs"].get(job_id, {}).get("user", self.state["lead"])
         reply = self.nvflare("job", "wait", job_id, "--timeout", str(int(timeout)),
                              "--startup-kit", str(self.kit(user)), check=False, timeout=timeout + 60)
@@ -377,7 +383,7 @@ class PocSession:
 
     def download(self, job_id: str | None, out_dir: str | Path) -> Path:
         """Download a finished job's workspace; return the folder holding ``workspace/app_server``."""
-        job_id = job_id or self.state["last_job"]
+        job_id = job_id or self._last_job()
         user = self.state["jobs"].get(job_id, {}).get("user", self.state["lead"])
         reply = self.nvflare("job", "download", job_id, "-o", str(out_dir), "--force",
                              "--startup-kit", str(self.kit(user)))
