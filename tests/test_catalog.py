@@ -111,3 +111,22 @@ def test_models_lists_an_installed_packages_models_without_importing_them(tmp_pa
 
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("tiny_net "))
     assert "installed package's model, imported when a job names it" in row
+
+
+def test_a_closed_pipe_ends_a_listing_quietly() -> None:
+    """`medflare models | head -1`: no traceback when the reader stops early; the SIGPIPE exit status."""
+    import subprocess
+    import sys
+
+    import os
+
+    code = "import sys; from medflare.cli import main; sys.exit(main(['models']))"
+    reader, writer = os.pipe()
+    os.close(reader)  # the reader is gone before the table is printed: every write meets a closed pipe
+    try:
+        child = subprocess.run([sys.executable, "-c", code], stdout=writer, stderr=subprocess.PIPE, timeout=60)
+    finally:
+        os.close(writer)
+    stderr = child.stderr.decode()
+    assert child.returncode == 141
+    assert "Traceback" not in stderr and stderr == ""

@@ -9,6 +9,8 @@ a non-empty ``--out`` needs ``--overwrite``, and even then only files medflare w
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -450,6 +452,11 @@ def main(argv: list[str] | None = None) -> int:
     except MedflareError as exc:
         print(f"medflare: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # the reader went away (`medflare methods | head`): end quietly as a Unix tool killed by SIGPIPE would,
+        # with stdout pointed at /dev/null so the interpreter's final flush raises nothing either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except OSError as exc:
         if not is_disk_full(exc):
             raise
