@@ -40,6 +40,7 @@ from medflare.site_runtime import SITE_LOG_FILE, TASK_SECONDS_EVENT
 
 SPEEDS = (1000.0, 100.0, 20.0)
 GOAL_AT_100 = 1.15
+PHASES = ("download", "site", "upload", "server")  # a round's time, in order (:func:`round_phases`)
 
 
 # ----- pure parts: the floor and the table ------------------------------------------------------------------
@@ -64,7 +65,36 @@ def site_spans(logs: Path) -> dict[str, dict[int, dict[str, float]]]:
     return spans
 
 
-def round_rows(results: dict[str, Any], spans: dict[str, dict[int, dict[str, float]]]) -> list[dict[str, Any]]:
+def site_walls(logs: Path) -> dict[str, dict[int, dict[str, float]]]:
+    """site -> round -> the wall-clock times its train task began and ended at the site (``wall`` of its
+    ``task_seconds`` record; every participant shares this machine's clock)."""
+    walls: dict[str, dict[int, dict[str, float]]] = {}
+    for log in sorted(logs.glob(f"*.{SITE_LOG_FILE}")):
+        site = log.name.split(".", 1)[0]
+        for line in log.read_text().splitlines():
+            record = json.loads(line) if line.strip() else {}
+            if record.get("event") == TASK_SECONDS_EVENT and "wall" in record:
+                walls.setdefault(site, {})[int(record["round"])] = record["wall"]
+    return walls
+
+
+def round_phases(record: dict[str, Any], walls: dict[str, dict[int, dict[str, float]]]) -> dict[str, float] | None:
+    """Where the round's time went for the site whose result reached the server last: ``download`` (round start
+    to the task's start at the site: the server's send, the link, FLARE's receive), ``site`` (the task at the
+    site), ``upload`` (the task's end to the server holding the result: FLARE's send, the link, the server's
+    receive and checks) and ``server`` (the last result to the round's end). None without the sites' wall times."""
+    arrivals = {site: entry["result_at"] for site, entry in record.get("sites", {}).items() if "result_at" in entry}
+    last = max(arrivals, key=arrivals.get) if arrivals else None
+    wall = walls.get(last or "", {}).get(record["round"])
+    if wall is None:
+        return None
+    start = record["started_at"]
+    return {"download": wall["began"] - start, "site": wall["ended"] - wall["began"],
+            "upload": arrivals[last] - (wall["ended"] - start), "server": record["wall_seconds"] - arrivals[last]}
+
+
+def round_rows(results: dict[str, Any], spans: dict[str, dict[int, dict[str, float]]],
+               walls: dict[str, dict[int, dict[str, float]]] | None = None) -> list[dict[str, Any]]:
     """Per round: its wall (start to the next round's start; the last: its recorded wall), the bytes one site
     received and the most one sent, and the slowest site's local work.
 
@@ -83,7 +113,7 @@ def round_rows(results: dict[str, Any], spans: dict[str, dict[int, dict[str, flo
             raise ValueError(f"round {record['round'] + 1} has no download bytes, result bytes or site timing: the "
                              "server or the sites ran a medflare without them")
         rows.append({"round": record["round"] + 1, "wall": wall, "bytes_down": int(down), "bytes_up": int(max(up)),
-                     "work": max(work)})
+                     "work": max(work), "phases": round_phases(record, walls or {})})
     return rows
 
 
@@ -93,10 +123,16 @@ def speed_row(mbit: float, rounds: list[dict[str, Any]]) -> dict[str, Any]:
     per_round = statistics.mean(r["wall"] for r in measured)
     floor = statistics.mean(floor_seconds(r["bytes_down"], r["bytes_up"], mbit, r["work"]) for r in measured)
     transfer = statistics.mean((r["bytes_down"] + r["bytes_up"]) * 8 / (mbit * 1e6) for r in measured)
+    phases = [r["phases"] for r in measured if r.get("phases")]
     return {"mbit": mbit, "s_per_round": per_round, "floor": floor, "ratio": per_round / floor,
             "transfer_floor": transfer, "work": statistics.mean(r["work"] for r in measured),
             "bytes_down": measured[-1]["bytes_down"], "bytes_up": measured[-1]["bytes_up"],
-            "rounds_measured": [r["round"] for r in measured]}
+            "rounds_measured": [r["round"] for r in measured],
+            "phases": {key: statistics.mean(p[key] for p in phases) for key in PHASES} if phases else None,
+            "phase_floors": {"download": statistics.mean(r["bytes_down"] * 8 / (mbit * 1e6) for r in measured),
+                             "site": statistics.mean(r["work"] for r in measured),
+                             "upload": statistics.mean(r["bytes_up"] * 8 / (mbit * 1e6) for r in measured),
+                             "server": 0.0}}
 
 
 def markdown(rows: list[dict[str, Any]], config: dict[str, Any]) -> str:
@@ -107,6 +143,13 @@ def markdown(rows: list[dict[str, Any]], config: dict[str, Any]) -> str:
         lines.append(f"| {row['mbit']:g} | {row['s_per_round']:.2f} | {row['floor']:.2f} | {row['ratio']:.3f} | "
                      f"{row['transfer_floor']:.2f} | {row['work']:.2f} | {row['bytes_down']:,} / "
                      f"{row['bytes_up']:,} | {', '.join(map(str, row['rounds_measured']))} |")
+    timed = [row for row in rows if row.get("phases")]
+    if timed:
+        lines += ["", "Where a round's time goes, for the site whose result arrived last (mean s over the same rounds; "
+                  "measured / floor):", "", "| Mbit/s | " + " | ".join(PHASES) + " |", "|---" * (len(PHASES) + 1) + "|"]
+        for row in timed:
+            cells = [f"{row['phases'][key]:.2f} / {row['phase_floors'][key]:.2f}" for key in PHASES]
+            lines.append(f"| {row['mbit']:g} | " + " | ".join(cells) + " |")
     at_100 = [row for row in rows if row["mbit"] == 100]
     if at_100:
         met = "met" if at_100[0]["ratio"] <= GOAL_AT_100 else "missed"
@@ -141,7 +184,7 @@ def measure(args: argparse.Namespace, mbit: float) -> dict[str, Any]:
     record = rehearse(rehearsal(args, mbit), out, echo=lambda line: print(f"  [{mbit:g} Mbit/s] {line}", flush=True),
                       overwrite=True)
     results = json.loads((out / RESULTS_FILE).read_text())
-    row = speed_row(mbit, round_rows(results, site_spans(out / "logs")))
+    row = speed_row(mbit, round_rows(results, site_spans(out / "logs"), site_walls(out / "logs")))
     return {**row, "status": record["status"], "checks_ok": record["ok"]}
 
 

@@ -92,3 +92,29 @@ def test_each_speed_shapes_every_hospital_and_the_dtype_applies_both_ways() -> N
     assert (plan.transfer_dtype, plan.download_dtype, plan.rounds) == ("float16", "float16", 2)
     with pytest.raises(SystemExit):
         link.parse_args(["--rounds", "1"])  # round 1 is never measured
+
+
+def test_a_round_splits_into_download_site_upload_and_server_for_the_last_site_to_answer() -> None:
+    record = {"round": 1, "started_at": 100.0, "wall_seconds": 10.0,
+              "sites": {"hospital-a": {"result_at": 8.0}, "hospital-b": {"result_at": 9.5}}}
+    walls = {"hospital-a": {1: {"began": 103.0, "ended": 105.0}}, "hospital-b": {1: {"began": 104.0, "ended": 106.5}}}
+    phases = link.round_phases(record, walls)
+    assert phases == pytest.approx({"download": 4.0, "site": 2.5, "upload": 3.0, "server": 0.5})  # hospital-b's
+    assert sum(phases.values()) == pytest.approx(record["wall_seconds"])
+    assert link.round_phases(record, {"hospital-a": walls["hospital-a"]}) is None  # no wall times of the last site
+
+
+def test_the_table_shows_each_phase_against_its_floor_when_the_sites_logged_wall_times(tmp_path: Path) -> None:
+    log = tmp_path / f"hospital-a.job.{SITE_LOG}"
+    log.write_text(json.dumps({"event": "task_seconds", "round": 0, "seconds": {"train": 1.0},
+                               "wall": {"began": 1.0, "ended": 2.0}}) + "\n" + json.dumps({"event": "other"}) + "\n")
+    assert link.site_walls(tmp_path) == {"hospital-a": {0: {"began": 1.0, "ended": 2.0}}}
+    runs = results([30.0, 7.0, 5.0], down=6_250_000, up=(6_250_000, 6_250_000))
+    for record in runs["rounds"]:
+        record["sites"] = {"hospital-a": {"result_at": record["wall_seconds"] - 0.5}}
+    walls = {"hospital-a": {r["round"]: {"began": r["started_at"] + 1.0, "ended": r["started_at"] + 2.0}
+                            for r in runs["rounds"]}}
+    row = link.speed_row(100, link.round_rows(runs, SPANS, walls))
+    assert row["phase_floors"]["download"] == pytest.approx(0.5)  # 5e7 bits at 1e8 bit/s
+    assert row["phases"]["server"] == pytest.approx(0.5)
+    assert "| 100 | 1.00 / 0.50 | 1.00 / 4.50 |" in link.markdown([row], {})  # site floor: the slowest spans

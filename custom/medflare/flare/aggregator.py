@@ -119,6 +119,7 @@ class RoundAggregation:
         self.first_samples: dict[str, float] = {}  # site -> n_samples of its first accepted update
         self.stream_aggregation = stream_aggregation
         self.stream: SiteOrderedSum | None = None  # the train phase's running sum while it streams
+        self.norms: dict[str, float] = {}  # site -> its update's norm, taken as it arrives (the norm bound's input)
 
     def start_round(self, global_params: Mapping[str, np.ndarray], ctx: RoundContext) -> None:
         """Forget the previous round."""
@@ -135,7 +136,7 @@ class RoundAggregation:
         if self.phase:
             self.earlier[self.phase] = self.accepted()
         self.phase = phase
-        self.updates, self.rejected = {}, {}
+        self.updates, self.rejected, self.norms = {}, {}, {}
         streams = self.stream_aggregation and phase == contracts.TRAIN_PHASE and not self.batch_reason()
         self.stream = SiteOrderedSum() if streams else None
         outgoing = self.rule.phase_arrays(phase, self.ctx, self.global_params, self.earlier)
@@ -217,6 +218,8 @@ class RoundAggregation:
                     weight = self.rule.site_weight(update, self.ctx)  # the aggregation weight must be computable
                     if self.stream is not None:
                         update = self._stream(update, weight)
+                    elif self.robust.max_norm_ratio > 0 and self.global_params:  # while later results travel
+                        self.norms[site] = update_norm(update.arrays, self.global_params)
                 self.updates[site] = update
                 return None
             except (MedflareError, KeyError, TypeError, ValueError) as exc:
@@ -285,7 +288,8 @@ class RoundAggregation:
         ratio = self.robust.max_norm_ratio
         if ratio <= 0 or len(updates) < 2 or not self.global_params:
             return updates
-        norms = {u.site: update_norm(u.arrays, self.global_params) for u in updates}
+        norms = {u.site: self.norms[u.site] if u.site in self.norms else update_norm(u.arrays, self.global_params)
+                 for u in updates}
         kept = []
         for update in updates:
             others = float(np.median([n for s, n in norms.items() if s != update.site]))
@@ -305,8 +309,8 @@ def update_norm(arrays: Mapping[str, np.ndarray], global_params: Mapping[str, np
     for key, value in arrays.items():
         reference = global_params.get(key)
         if reference is not None and np.asarray(reference).dtype.kind == "f":
-            diff = np.asarray(value, dtype=np.float64) - np.asarray(reference, dtype=np.float64)
-            total += float(np.dot(diff.ravel(), diff.ravel()))
+            diff = np.subtract(value, reference, dtype=np.float64).ravel()  # one float64 temporary, not three
+            total += float(np.dot(diff, diff))
     return float(np.sqrt(total))
 
 
@@ -341,6 +345,8 @@ class MedflareAggregator(Aggregator):
         download_dtype: dtype the global model's float weights travel to the sites in ("float32", or "float16"
             for half the bytes; the server aggregates and persists in the model's own precision).
     """
+
+    holds_plaintext = True  # the server can read and save the global model (False: flare.he.EncryptedAggregator)
 
     def __init__(
         self,
