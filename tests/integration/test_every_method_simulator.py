@@ -1,5 +1,6 @@
 """Every registered method's FLARE 2.9 recipe completes a short job in ``SimEnv`` (FLARE's simulator), reports
-per-site metrics, and sends exactly what its Payload declares: new methods are covered with no new test.
+per-site metrics, sends exactly what its Payload declares, and shows medflare's progress on the console with
+FLARE's INFO log kept in files: new methods are covered with no new test.
 
 One simulator run per method serves both checks (the recipe and the job ``medflare run`` simulates are the same
 job: tests/test_recipes.py compares them file by file), which keeps the suite inside its time budget.
@@ -9,6 +10,7 @@ per-site models for a heterogeneous method, multi-label data, ...); they are mer
 """
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -30,6 +32,10 @@ from medflare.runner import describe_sites
 from ._rescoring import rescore_global_model
 
 pytestmark = pytest.mark.slow
+
+# INFO lines FLARE's simulator prints several times a round per site with its default ("concise") console: a
+# recipe run shows medflare's lines instead and leaves FLARE's INFO log in the simulator's log files (issue 30)
+FLARE_INFO = re.compile(r"set transaction info|object has been downloaded|Finished one task run")
 
 DEFAULTS = {
     "rounds": 1,
@@ -87,13 +93,26 @@ def check_audit(records: list[dict], method: str, global_keys: list[str]) -> Cou
     return checked
 
 
+def check_console(capfd: pytest.CaptureFixture, run: RunConfig, workspace_root: Path) -> None:
+    """medflare's progress on the console, FLARE's INFO log only in the simulator's log files."""
+    shown = "".join(capfd.readouterr()).splitlines()
+    assert any(f"medflare: round 1/{run.rounds}" in line for line in shown), shown[-20:]
+    if run.method == "fedavg":  # a plain supervised method reports each local epoch
+        assert any(f"site-1: round 1/{run.rounds} epoch 1/" in line for line in shown), shown[-20:]
+    assert [line for line in shown if FLARE_INFO.search(line)] == []
+    server_logs = list(workspace_root.glob("*/server/log.txt"))
+    assert server_logs and FLARE_INFO.search(server_logs[0].read_text())  # not lost: in the log file
+
+
 @pytest.mark.parametrize("method", list_methods())
 def test_methods_recipe_completes_a_short_job_in_simenv_and_sends_exactly_its_declaration(
-    method: str, tmp_path: Path
+    method: str, tmp_path: Path, capfd: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.delenv("FL_LOG_LEVEL", raising=False)  # the console a user gets by default
     run = smoke_run(method)  # one round per stage (SSL-FL's smallest job: one pre-training, one fine-tuning round)
     out, summary, results = run_recipe_in_simenv(run, tmp_path)
     assert "error" not in results, results.get("error")
+    check_console(capfd, run, tmp_path / "ws")
     assert len(results["rounds"]) == run.rounds == len(results["stages"]) == summary["rounds_completed"]
     assert all(set(r["payload"]) == set(run.site_names) for r in results["rounds"])  # every site answered
     assert results["final"]["model_version"] == run.rounds
