@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.medflare-installed
 DEMO_OUT ?= runs/demo
 
-.PHONY: install demo test test-fast mutants bench-overhead bench-scaling bench-fedmas bench-fedmas-cost bench-fca bench-mdhfl bench-mdhfl-cpu60 bench-ssl-fl bench-fedlsm bench-paper clean
+.PHONY: install demo test test-fast mutants bench-overhead bench-scaling bench-peer bench-fedmas bench-fedmas-cost bench-fca bench-mdhfl bench-mdhfl-cpu60 bench-ssl-fl bench-fedlsm bench-dp bench-he bench-paper clean
 
 # pip (not uv/poetry) so torch==2.14.1 / torchvision==0.29.1 come from this machine's local wheel store.
 $(STAMP): pyproject.toml
@@ -40,6 +40,23 @@ bench-overhead: install
 # rounds (fixed total data), the 20-hospital estimate, then float32 vs float16 transfer on the demo job, 3 seeds.
 bench-scaling: install
 	$(PY) benchmarks/scaling.py --out runs/bench-scaling
+
+# medflare against Flower on the same FedAvg work (issue 32): bare loop, medflare's simulator and POC, Flower's
+# simulation and deployment engines; ResNet-18 and cnn, PneumoniaMNIST, 2 sites. Flower gets its own virtual
+# environment (flwr 1.42 needs protobuf < 7, medflare's has 7.x); it is a benchmark-only peer, in no medflare extra.
+# pip takes torch/torchvision from this machine's local wheel store, as for medflare. BENCH_PEER_ARGS adds options
+# (e.g. --quick, --clients 2 4).
+FLOWER_VENV ?= .venv-flower
+FLOWER_STAMP := $(FLOWER_VENV)/.flower-installed
+BENCH_PEER_ARGS ?=
+$(FLOWER_STAMP):
+	@test -x $(FLOWER_VENV)/bin/python || $(PYTHON) -m venv $(FLOWER_VENV)
+	$(FLOWER_VENV)/bin/python -m pip install --quiet --upgrade "pip<26.2"
+	$(FLOWER_VENV)/bin/python -m pip install --quiet "flwr[simulation]==1.42.*" torch==2.14.1 torchvision==0.29.1 numpy
+	@touch $(FLOWER_STAMP)
+
+bench-peer: install $(FLOWER_STAMP)
+	$(PY) benchmarks/peer_flower.py --flower-venv $(FLOWER_VENV) --out runs/bench-peer $(BENCH_PEER_ARGS)
 
 bench-fedmas: install
 	$(PY) benchmarks/fedmas_vs_baselines.py --setting synthetic --out runs/bench-fedmas-synthetic
@@ -75,6 +92,15 @@ bench-ssl-fl: install
 bench-fedlsm: install
 	nice -n 10 $(PY) benchmarks/fedlsm.py --setting retina --rounds 15 --steps 10 --out runs/bench-fedlsm-retina
 	nice -n 10 $(PY) benchmarks/fedlsm.py --setting synthetic-ml --rounds 15 --steps 10 --out runs/bench-fedlsm-synthetic-ml
+
+# Accuracy against ε (∞, 8, 3, 1): FedAvg with DP-SGD at every site on PneumoniaMNIST, 3 seeds (docs/privacy.md)
+bench-dp: install
+	nice -n 10 $(PY) benchmarks/dp_epsilon.py --rounds 5 --steps 30 --out runs/bench-dp
+
+# Seconds and bytes per round with and without encrypted aggregation (TenSEAL CKKS), cnn and ResNet-18, 2 sites in a
+# POC with HEBuilder kits (docs/privacy.md)
+bench-he: install
+	nice -n 10 $(PY) benchmarks/he_cost.py --models cnn resnet18 --rounds 3 --out runs/bench-he
 
 # Each seed method with its --preset paper against its main baseline on the MedMNIST sets, 3 seeds (issue 28), sized
 # for <= 40 GPU-minutes per method; without CUDA it refuses with an estimate measured here (BENCH_PAPER_ARGS=--dry-run

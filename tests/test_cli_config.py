@@ -93,7 +93,7 @@ def test_every_option_is_listed_with_its_type(capsys) -> None:
     text = printed_config(["fedprox"], capsys)
 
     options = options_by_section(text)
-    sections = {"method_args", "train", "data", "task", "robust"}
+    sections = {"method_args", "train", "data", "task", "robust", "dp_sgd"}
     assert set(options[""]) == {f.name for f in dataclasses.fields(RunConfig)} - sections
     assert set(options["train"]) == {f.name for f in dataclasses.fields(TrainConfig)}
     assert set(options["robust"]) == {"max_norm_ratio", "max_share", "off"}

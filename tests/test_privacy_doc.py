@@ -24,3 +24,18 @@ def test_the_site_filter_section_is_hand_written_and_names_every_check() -> None
     for check in ("Names", "Private keys", "Shapes", "Dtypes", "Values", "Meta schema", "Fail closed"):
         assert f"- **{check}.**" in section, check
     assert "What it cannot know:" in section
+
+
+def test_the_encryption_paragraph_names_every_method_as_its_rule_declares() -> None:
+    """docs/privacy.md's per-method HE paragraph: each method in the runs-encrypted list or the refused sentence,
+    as its server rule's ``encrypted_aggregation_refusal`` says (fedmd shares mdhfl's rule)."""
+    from pathlib import Path
+
+    from medflare.registry import get_method
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "privacy.md").read_text()
+    paragraph = text[text.index("**Per method.** Every method whose aggregate"):].split("\n\n")[0]
+    runs, refused = paragraph.split("Refused, from the rule's declared", 1)
+    for method in list_methods():
+        refusal = get_method(method).server_rule_cls.encrypted_aggregation_refusal
+        assert f"`{method}`" in (refused if refusal else runs), (method, bool(refusal))

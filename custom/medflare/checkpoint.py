@@ -62,6 +62,7 @@ def checkpoint_facts(run: Any, task: Any) -> dict[str, Any]:
         "window": str(run.data.get("window") or ""),
         "server_model": spec.server_model,
         "private_keys": spec.payload.private_keys,
+        **({"dp_sgd": dict(run.dp_sgd)} if getattr(run, "dp_sgd", None) else {}),  # its GroupNorm architecture
     }
 
 

@@ -28,6 +28,8 @@ EVAL_TEST = "eval_test"  # same on the site's test split (reported, never used f
 EVAL_TEST_BY_ATTRIBUTE = "eval_test_by_attribute"  # {attribute value: EvalStats dict} when images carry one
 EVAL_EXTRA = "eval_extra"  # {evaluation name: {"val"|"test": EvalStats dict}}: method-declared evaluations
 FILTER_HISTORY = "filter_history"  # added by FLARE's DXO filters: the names of the filters a result went through
+DP_EPSILON = "dp_epsilon"  # DP-SGD only: ε the site has spent in this job so far, at the job's δ (medflare.dp_sgd)
+DECLINED_HEADER = "medflare_declined"  # header of an error reply: the site's one-line reason for declining the task
 
 PRIVACY_SCOPE_PREFIX = "medflare-"  # a job names the scope medflare-<method>; sites bind its result filters
 TRAIN_PHASE = "train"  # the phase whose results are aggregated into the next global model
@@ -52,6 +54,8 @@ SCORED = "scored"  # False in stages without a classifier (pre-training): sites 
 ARRAY_DIMS = "array_dims"  # named dimensions of this task's declared arrays, e.g. {"rows": 512}
 TRANSFER_DTYPE = "transfer_dtype"  # "float32" (default) or "float16": how float weights travel
 TRANSFER_KIND = "transfer_kind"  # "weights" (default) or "diff": updates as differences (for DP filters)
+# secure_aggregation=he: {name: [shape, dtype]} of the arrays a task or result carries as CKKS ciphertexts
+ENCRYPTED_ARRAYS = "encrypted_arrays"
 
 MetaValidator = Callable[[Any, "ContractContext"], Any]
 
@@ -233,6 +237,7 @@ COMMON_META: dict[str, MetaValidator] = {
     EVAL_TEST_BY_ATTRIBUTE: eval_stats_by_group(EVAL_TEST_BY_ATTRIBUTE),
     EVAL_EXTRA: eval_extra(EVAL_EXTRA),
     FILTER_HISTORY: short_names(FILTER_HISTORY),
+    DP_EPSILON: non_negative_number(DP_EPSILON),
 }
 
 

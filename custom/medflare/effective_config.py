@@ -62,6 +62,8 @@ def _section_note(section: str) -> list[str]:
         return [f"# a POC, production or pre-installed job adds {deploy} under these (docs/deploy-lead.md)"]
     if section == "task":
         return ["# read from the data unless all of num_classes, in_channels and image_size are given"]
+    if section == "dp_sgd":
+        return ["# DP-SGD at every site: off unless an option is set here (medflare[dp]; docs/privacy.md)"]
     return []
 
 
@@ -86,6 +88,7 @@ class Section(NamedTuple):
 def _sections(run: RunConfig) -> dict[str, Section]:
     """Every section's dataclass fields (robust: and ``off``), with the defaults this run's method gives them."""
     from medflare.data import DataConfig
+    from medflare.dp_sgd import DPSGDConfig
     from medflare.flare.aggregator import RobustConfig
     from medflare.methods.base import TrainConfig
     from medflare.site_runtime import TaskSpec, resolve_train_config
@@ -101,6 +104,7 @@ def _sections(run: RunConfig) -> dict[str, Section]:
         "task": Section(_field_hints(TaskSpec), _field_defaults(TaskSpec)),
         "robust": Section({**_field_hints(RobustConfig), ROBUST_OFF_KEY: bool},
                           {**_field_defaults(RobustConfig), ROBUST_OFF_KEY: False}),
+        "dp_sgd": Section(_field_hints(DPSGDConfig), _field_defaults(DPSGDConfig)),
     }
 
 

@@ -17,3 +17,8 @@ class DataError(MedflareError, ValueError):
 
 class PayloadError(MedflareError, ValueError):
     """A message between site and server breaks the method's declared payload contract."""
+
+
+class SiteDeclined(MedflareError):
+    """A site declines a task on its own policy (e.g. its DP-SGD budget is spent); the one-line reason is all the
+    site sends back, and the server records it beside the site's failed task."""

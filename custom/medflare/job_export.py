@@ -60,6 +60,7 @@ def server_config(run: RunConfig, task: TaskSpec, shot_groups: dict | None = Non
         "method_args": run.method_args,
         "seed": run.seed,
         "plugins": run.plugin_modules(),
+        **({"dp_sgd": True} if run.dp_sgd else {}),  # the sites' DP-compatible architecture
     }
     config: dict[str, Any] = {
         "format_version": 2,
@@ -78,7 +79,7 @@ def server_config(run: RunConfig, task: TaskSpec, shot_groups: dict | None = Non
             },
             {
                 "id": "aggregator",
-                "path": "medflare.flare.aggregator.MedflareAggregator",
+                "path": aggregator_path(run),
                 "args": {
                     "method": run.method,
                     "num_classes": task.num_classes,
@@ -116,6 +117,13 @@ def server_config(run: RunConfig, task: TaskSpec, shot_groups: dict | None = Non
     if run.resume_from:  # the controller reads the model and history (a folder in the simulator, else a job id)
         config["workflows"][0]["args"]["resume_from"] = run.resume_from
     return config
+
+
+def aggregator_path(run: RunConfig) -> str:
+    """The server's aggregator: medflare's, or its encrypted twin (secure_aggregation=he, same arguments)."""
+    if run.secure_aggregation == "he":
+        return "medflare.flare.he.EncryptedAggregator"
+    return "medflare.flare.aggregator.MedflareAggregator"
 
 
 def download_args(run: RunConfig) -> dict[str, Any]:
@@ -175,12 +183,13 @@ def client_config(run: RunConfig, task: TaskSpec) -> dict[str, Any]:
                         "site_model": run.site_model,
                         "plugins": run.plugin_modules(),
                         "stream_metrics": bool(tracking.TRACKERS[run.tracking]),
+                        **({"dp_sgd": run.dp_sgd} if run.dp_sgd else {}),
                     },
                 },
             }
         ],
         "task_result_filters": _result_filters(run, task),
-        "task_data_filters": _audit_filters(run, task, "task") if run.audit else [],
+        "task_data_filters": _data_filters(run, task),
         "components": tracking.client_components(run.tracking),
     }
 
@@ -199,25 +208,40 @@ def task_names(run: RunConfig, task: TaskSpec | None = None) -> list[str]:
 
 
 def _result_filters(run: RunConfig, task: TaskSpec) -> list[dict[str, Any]]:
-    """The job's DP filter on train results (if asked), then the audit recorder, so it records what really leaves.
+    """The job's DP filter on train results (if asked), the encryption of the results that carry the model
+    (secure_aggregation=he), then the audit recorder, so it records what really leaves.
 
-    FLARE allows one filter chain per task, so each task's filters form one chain, in order.
+    FLARE allows one filter chain per task, so each task's filters form one chain, in order (a site's own privacy
+    filters run before them: the site checks its plaintext update before it is encrypted).
     """
+    from medflare.flare.tasks import TASK_SUBMIT_MODEL
+
     dp = {"path": "medflare.flare.privacy.UpdatePrivacy", "args": run.dp} if run.dp else None
+    seal = _encryption_filter(run) if run.secure_aggregation == "he" else None
     chains = []
     for name in task_names(run, task):
-        filters = ([dp] if dp and name == TASK_TRAIN else []) + ([_recorder("result")] if run.audit else [])
+        filters = ([dp] if dp and name == TASK_TRAIN else []) + \
+            ([seal] if seal and name in (TASK_TRAIN, TASK_SUBMIT_MODEL) else []) + \
+            ([_recorder("result")] if run.audit else [])
         if filters:
             chains.append({"tasks": [name], "filters": filters})
     return chains
 
 
-def _audit_filters(run: RunConfig, task: TaskSpec, direction: str) -> list[dict[str, Any]]:
-    """A recorder of every message's structure (tests compare it with the method's declared payload).
+def _encryption_filter(run: RunConfig) -> dict[str, Any]:
+    """The site filter that encrypts a result's model arrays: the method's declared arrays (its rule weighs sites by
+    them) and frozen parts (sent back as received) stay in plaintext."""
+    payload = get_method(run.method).payload
+    return {"path": "medflare.flare.he.EncryptResult",
+            "args": {"plain": sorted(payload.arrays_for(TASK_TRAIN)), "plain_keys": payload.frozen_keys or ""}}
 
-    FLARE keys job filters by exact task name ("*" matches nothing), so every task the job sends is listed.
-    """
-    return [{"tasks": task_names(run, task), "filters": [_recorder(direction)]}]
+
+def _data_filters(run: RunConfig, task: TaskSpec) -> list[dict[str, Any]]:
+    """On every task: the audit recorder (what arrives, ciphertexts as they are), then the decryption of the
+    global model (secure_aggregation=he)."""
+    filters = ([_recorder("task")] if run.audit else []) + \
+        ([{"path": "medflare.flare.he.DecryptTask", "args": {}}] if run.secure_aggregation == "he" else [])
+    return [{"tasks": task_names(run, task), "filters": filters}] if filters else []
 
 
 def _recorder(direction: str) -> dict[str, Any]:
@@ -236,6 +260,7 @@ def meta_config(run: RunConfig) -> dict[str, Any]:
         "deploy_map": {APP_NAME: ["@ALL"]},
         # For whoever reviews the job: FLARE keeps unknown meta keys and ignores them
         "robust_aggregation": robust_record(run.robust),
+        **({"secure_aggregation": run.secure_aggregation} if run.secure_aggregation != "off" else {}),
     }
 
 
@@ -254,7 +279,8 @@ def simulator_job(run: RunConfig, mode: str) -> bool:
 def job_robust(run: RunConfig, mode: str) -> dict[str, float]:
     """The robust settings a job written in ``mode`` carries: the run's own in a simulator job, else the deployment
     defaults under them (a POC run with simulated data is a deployment too: ``deploy.poc`` says so first)."""
-    return typed_robust(run.robust) if simulator_job(run, mode) else deployment_robust(run.robust)
+    encrypted = run.secure_aggregation == "he"
+    return typed_robust(run.robust) if simulator_job(run, mode) else deployment_robust(run.robust, encrypted)
 
 
 def export_job(

@@ -35,7 +35,8 @@ from medflare.report import (
 )
 
 MARKER = ".medflare-outputs.json"
-MODEL_FILES = ("FL_global_model.pt", "best_FL_global_model.pt")
+# the encrypted model is what a secure_aggregation=he server writes instead (flare/he.py; only a site decrypts it)
+MODEL_FILES = ("FL_global_model.pt", "best_FL_global_model.pt", "FL_global_model.ckks.npz")
 
 
 @dataclass
@@ -396,6 +397,7 @@ def job_run_config(app_dir: Path) -> Any:
             "data": {k: v for k, v in executor["data"].items() if k not in ("num_sites", "seed")},
             "train": executor["train"], "site_train": executor.get("site_train", {}),
             "site_model": executor.get("site_model") or {}, "site_evaluation": executor.get("evaluation", "every_round"),
+            "dp_sgd": executor.get("dp_sgd") or {},
             "straggler_seconds": controller.get("wait_time_after_min_received", 600),
             "task_timeout": controller.get("train_timeout", 0),
             "task_request_interval": server.get("server", {}).get("task_request_interval", 0.1),

@@ -192,7 +192,8 @@ def scorer(checkpoint: Checkpoint, device: Any) -> Callable[[Any], Any]:
     spec = get_method(facts["method"])
     task = facts["task"]
     network = build_global_model(facts["method"], facts["model"], int(task["num_classes"]), int(task["in_channels"]),
-                                 int(task["image_size"]), method_args=facts.get("method_args") or {}).network
+                                 int(task["image_size"]), method_args=facts.get("method_args") or {},
+                                 dp_sgd=bool(facts.get("dp_sgd"))).network
     missing, unexpected = network.load_state_dict(dict(checkpoint.weights), strict=False)
     private = [k for k in missing if spec.payload.is_private(k)]
     if private:

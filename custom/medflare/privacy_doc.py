@@ -7,6 +7,7 @@ document cannot drift from the Payloads the code enforces.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from medflare.registry import get_method, list_methods
 
@@ -18,8 +19,8 @@ END = "<!-- END GENERATED -->"
 def payload_table() -> str:
     """One markdown row per method: weights, what never leaves, extra arrays and meta, what the server sends."""
     rows = [
-        "| method | weights sent | never leaves the site | extra arrays sent | extra meta sent | server sends besides weights | what the extras reveal |",
-        "|---|---|---|---|---|---|---|",
+        "| method | weights sent | never leaves the site | extra arrays sent | extra meta sent | server sends besides weights | what the extras reveal | with `dp_sgd` |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name in list_methods():
         spec = get_method(name)
@@ -32,8 +33,17 @@ def payload_table() -> str:
         ) or "-"
         meta = ", ".join(f"`{key}`" for key in sorted(payload.meta)) or "-"
         receives = ", ".join(f"`{key}`" for key in payload.receives) or "-"
-        rows.append(f"| `{name}` | {weights} | {kept} | {arrays} | {meta} | {receives} | {spec.reveals} |")
+        rows.append(f"| `{name}` | {weights} | {kept} | {arrays} | {meta} | {receives} | {spec.reveals} | {dp_cell(spec)} |")
     return "\n".join(rows)
+
+
+def dp_cell(spec: Any) -> str:
+    """What a site's DP-SGD ε covers for this method: refused (with the reason), or what it leaves out beyond the
+    common meta (``MethodSpec.dp_sgd_blocker`` / ``dp_sgd_uncovered``)."""
+    if spec.dp_sgd_blocker:
+        return f"refused: {spec.dp_sgd_blocker}"
+    return f"ε covers the weights; not covered: {spec.dp_sgd_uncovered}" if spec.dp_sgd_uncovered else \
+        "ε covers the weights"
 
 
 def rendered(text: str) -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from medflare import plotting, readback
+from medflare.contracts import DP_EPSILON
 from medflare.errors import ConfigError
 from medflare.evaluation import metric_name, selection_metric
 
@@ -122,6 +123,9 @@ def _round_entry(record: Mapping[str, Any], evaluation: Mapping[str, Any]) -> di
         "rejected": record.get("rejected", {}),
         "failed": record.get("failed", {}),
     }
+    epsilon = {site: facts[DP_EPSILON] for site, facts in sites.items() if DP_EPSILON in facts}
+    if epsilon:  # DP-SGD: ε each site has spent after this round (plotted per site like RF)
+        entry[DP_EPSILON] = epsilon
     known = {"round", "started_at", "failed", "rejected", "payload", "sites", "share", "wall_seconds"}
     entry.update({k: v for k, v in record.items() if k not in known})  # method extras such as "rf"
     return entry
@@ -134,6 +138,8 @@ def _client_entries(clients: Mapping[str, Any], rounds: list[Mapping[str, Any]])
             entry = entries.setdefault(site, {})
             entry["n_samples_reported"] = facts.get("n_samples")
             entry.setdefault("train_seconds", []).append(facts.get("train_seconds"))
+            if DP_EPSILON in facts:  # ε after each round this site trained (DP-SGD)
+                entry.setdefault(DP_EPSILON, []).append(facts[DP_EPSILON])
             if facts.get("filter_history"):
                 entry["filter_history"] = facts["filter_history"]
     return entries
@@ -340,7 +346,10 @@ def best_model_lines(summary: Mapping[str, Any]) -> list[str]:
         return ["- no model was scored on validation, so no best model was chosen"]
     version = int(best["model_version"])
     metric, score = next(((k, v) for k, v in best.items() if k != "model_version"), ("validation score", None))
-    if server_holds_model(summary):
+    if (summary.get("config") or {}).get("secure_aggregation") == "he":  # the server held only ciphertexts
+        saved = ("not saved: with encrypted aggregation the server holds no plaintext model; "
+                 "`FL_global_model.ckks.npz` is the final model, which only a site's TenSEAL context decrypts")
+    elif server_holds_model(summary):
         saved = (f"saved as `best_FL_global_model.pt`; `FL_global_model.pt` is round {summary['rounds_completed']}")
     else:
         saved = ("the sites' models of that round; the server holds no model of this method, so "
@@ -433,10 +442,17 @@ def _shot_group_names(summary: Mapping[str, Any], train: list[int] | None) -> di
 
 
 def _sites_section(summary: Mapping[str, Any]) -> list[str]:
-    lines = ["## Sites", "", "| site | train samples | bytes sent per round |", "|---|---|---|"]
+    private = any(facts.get(DP_EPSILON) for facts in summary["clients"].values())
+    delta = (summary.get("config", {}).get("dp_sgd") or {}).get("delta")
+    at_delta = f", δ = {delta:g}" if delta else ""
+    epsilon_column = f" ε spent (DP-SGD{at_delta}) |" if private else ""
+    lines = ["## Sites", "", f"| site | train samples | bytes sent per round |{epsilon_column}",
+             "|---|---|---|" + ("---|" if private else "")]
     for site, facts in sorted(summary["clients"].items()):
         sent = summary["payload"].get(site, {}).get("bytes_per_round", [])
-        lines.append(f"| {site} | {facts.get('n_train', facts.get('n_samples_reported'))} | {sent[-1] if sent else '-'} |")
+        row = f"| {site} | {facts.get('n_train', facts.get('n_samples_reported'))} | {sent[-1] if sent else '-'} |"
+        spent = facts.get(DP_EPSILON) or []
+        lines.append(row + (f" {spent[-1]:.3f} after {len(spent)} round(s) |" if spent else " - |" if private else ""))
     return lines
 
 
@@ -446,6 +462,7 @@ PLOT_CAPTIONS = {
     "per_site.png": "Each site's own test split",
     "confusion.png": "Confusion matrix of the final model (pooled test split)",
     "rf.png": "Fed-MAS rescue factor RF per site",
+    "dp_epsilon.png": "DP-SGD: the ε each site has spent after each round",
     "diagnostics.png": "site-local diagnostics (never sent; copied out of the simulated site)",
 }
 

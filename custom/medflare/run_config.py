@@ -26,7 +26,8 @@ if TYPE_CHECKING:
     from medflare.data import DataConfig
 
 # --set prefixes and the RunConfig field each one writes into
-SECTIONS = {"method": "method_args", "train": "train", "data": "data", "task": "task", "robust": "robust"}
+SECTIONS = {"method": "method_args", "train": "train", "data": "data", "task": "task", "robust": "robust",
+            "dp_sgd": "dp_sgd"}
 # A job name becomes a folder name: one plain path component, never a path
 JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 SITE_EVALUATION = ("every_round", "final", "off")
@@ -89,6 +90,10 @@ class RunConfig:
         dp: a differential-privacy result filter the job asks every site to apply to its updates, e.g.
             {"filter": "percentile", "args": {"percentile": 10, "gamma": 0.01}} (needs transfer_kind=diff). A
             hospital can also impose one in its own privacy policy.
+        dp_sgd: DP-SGD at every site (:class:`medflare.dp_sgd.DPSGDConfig`: noise_multiplier, max_grad_norm, delta,
+            max_epsilon, accountant), e.g. ``--set dp_sgd.noise_multiplier=1.1``; empty = off. Each site clips and
+            noises every sample's gradient, accounts its ε and records it each round; a site's own
+            ``medflare_site.json`` may demand more (docs/privacy.md). Needs ``medflare[dp]``.
         audit: record the structure (names, dtypes, shapes, bytes; never values) of every task and result at each
             site into ``medflare_payload_audit.jsonl`` (a privacy review of what really travels).
         tracking: experiment tracking through FLARE's analytics events: tensorboard (default), mlflow, both, or
@@ -97,6 +102,10 @@ class RunConfig:
             model's (0 = never); the final validation still runs. Needs site_evaluation=every_round.
         resume_from: a previous run's folder (``medflare_results.json`` and ``FL_global_model.pt``), read by the
             server: the job continues its round counter, history and global model (``--resume``).
+        secure_aggregation: "off" (default) or "he": sites encrypt their model arrays with the TenSEAL CKKS
+            context of their kit (FLARE's HEBuilder), the server aggregates ciphertexts with its plaintext
+            weights and never reads an update, sites decrypt the global model (POC and production only;
+            :mod:`medflare.flare.he`, docs/privacy.md).
     """
 
     method: str = "fedavg"
@@ -125,10 +134,12 @@ class RunConfig:
     plugins: list[str] = field(default_factory=list)
     transfer_kind: str = "weights"
     dp: dict[str, Any] = field(default_factory=dict)
+    dp_sgd: dict[str, Any] = field(default_factory=dict)
     audit: bool = False
     tracking: Literal["tensorboard", "mlflow", "both", "off"] = "tensorboard"
     patience: int = 0
     resume_from: str = ""
+    secure_aggregation: Literal["off", "he"] = "off"
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -202,6 +213,12 @@ class RunConfig:
             self.method, self.method_args, 2, self.rounds, self.robust, self.transfer_dtype, self.transfer_kind,
             download_dtype=self.download_dtype,
         )
+        if self.secure_aggregation == "he":  # what the server can no longer do with encrypted updates
+            from medflare.flare.he import check_encrypted_run
+
+            check_encrypted_run(spec, stream_aggregation=self.stream_aggregation, transfer_kind=self.transfer_kind,
+                                transfer_dtype=self.transfer_dtype, download_dtype=self.download_dtype,
+                                max_norm_ratio=self.robust.get("max_norm_ratio", 0.0), resume=bool(self.resume_from))
         if self.dp:
             from medflare.flare.privacy import UpdatePrivacy
 
@@ -211,6 +228,7 @@ class RunConfig:
                 UpdatePrivacy(**self.dp)
             except (TypeError, ValueError) as exc:
                 raise ConfigError(f"dp: {exc}") from exc
+        self._validate_dp_sgd(spec)
         resolve_train_config(spec, self.train)
         for site, overrides in self.site_train.items():
             if site not in self.site_names:
@@ -230,6 +248,21 @@ class RunConfig:
             from medflare.resume import check_resumable
 
             self.resume_from = str(check_resumable(self, self.resume_from))
+
+    def _validate_dp_sgd(self, spec: MethodSpec) -> None:
+        """The dp_sgd section typed and in range, a method whose update can be DP-SGD, and a model Opacus can train
+        (built here once, at a small size, so an unsupported layer is refused before launch)."""
+        if not self.dp_sgd:
+            return
+        from medflare.dp_sgd import DPSGDConfig, check_method_supports_dp, dp_compatible_model
+
+        # every setting written out (δ and the accountant included), so the job and its records say what ran
+        self.dp_sgd = dataclasses.asdict(DPSGDConfig(**fields_typed(DPSGDConfig, self.dp_sgd, "dp_sgd")))
+        check_method_supports_dp(self.method, spec.dp_sgd_blocker)
+        if spec.server_model:  # sites of a method without a server model may train their own architectures
+            channels, size = int(self.task.get("in_channels", 1)), int(self.task.get("image_size", 32))
+            method_cfg = spec.config_cls(**self.method_args)
+            dp_compatible_model(spec.build_model(self.model, 2, channels, size, None, method_cfg))
 
     def _resolve_paths(self, check_files: bool) -> None:
         """Make every file or folder the job names absolute, against the folder medflare runs in.
@@ -379,13 +412,16 @@ def typed_robust(robust: Mapping[str, Any]) -> dict[str, float]:
     return dict(ROBUST_OFF) if off else typed
 
 
-def deployment_robust(robust: Mapping[str, Any]) -> dict[str, float]:
+def deployment_robust(robust: Mapping[str, Any], encrypted: bool = False) -> dict[str, float]:
     """The robust settings of a job for a real deployment: :data:`DEPLOY_ROBUST` under the run's own settings.
 
     The run's keys win one by one (``robust.max_share=0.4`` keeps the norm bound), so a defence is off only where
-    the run says so (``robust.off=true``, or a key set to 0), never because a setting was left out.
+    the run says so (``robust.off=true``, or a key set to 0), never because a setting was left out. An
+    ``encrypted`` job (secure_aggregation=he) defaults the norm bound to off: the server cannot read the updates
+    (the share cap stays: it bounds the server's own plaintext weights).
     """
-    return {**DEPLOY_ROBUST, **typed_robust(robust)}
+    defaults = {**DEPLOY_ROBUST, "max_norm_ratio": 0.0} if encrypted else DEPLOY_ROBUST
+    return {**defaults, **typed_robust(robust)}
 
 
 def _data_config_cls() -> type:

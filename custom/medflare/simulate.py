@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from medflare.errors import MedflareError
+from medflare.errors import ConfigError, MedflareError
 from medflare.flare.controller import RESULTS_FILE
 from medflare.flare.memory import with_allocator_settings
 from medflare.flare.tracking import keep_server_records
@@ -38,6 +38,13 @@ LOST_SITE = re.compile(r"(?:Communication error with|Subprocess died for) client
 SERVER_ERROR_LOG = Path("server") / "error_log.txt"
 
 
+# FLARE's simulator has no startup kits, so no provisioned TenSEAL contexts (FLARE's FedAvgRecipeWithHE refuses
+# SimEnv for the same reason): secure_aggregation=he runs in a POC and in production only
+SIMULATOR_HAS_NO_HE = ("secure_aggregation=he needs the TenSEAL contexts FLARE's HEBuilder provisions into startup "
+                       "kits, which the simulator has none of; run it in a POC (medflare run --env poc, or "
+                       "python -m medflare.deploy.poc run) or in production")
+
+
 class SimulationError(MedflareError, RuntimeError):
     """The FLARE simulator exited with an error."""
 
@@ -51,7 +58,12 @@ def run_simulation(
     :class:`medflare.outputs.OutputTarget`: a non-empty ``out`` needs ``overwrite``, and only medflare's own
     files are ever replaced). On failure or interruption the simulator and its site processes are stopped and
     the simulator log, with the rounds that finished, is kept as ``<out>.failed.log``.
+
+    Raises:
+        ConfigError: also for ``secure_aggregation=he``, which FLARE's simulator cannot run.
     """
+    if run.secure_aggregation == "he":
+        raise ConfigError(SIMULATOR_HAS_NO_HE)
     run.validate()
     target = OutputTarget(Path(out_dir), overwrite=overwrite)
     target.check()

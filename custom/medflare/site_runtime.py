@@ -6,8 +6,10 @@ benchmarked against a bare PyTorch loop) without starting FLARE.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -62,6 +64,7 @@ class SiteSettings:
     train: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     evaluation: str = "every_round"  # every_round | final | off: when the site sends evaluation counts
+    dp_sgd: dict[str, Any] = field(default_factory=dict)  # DP-SGD as this site trains it (resolve_site_dp); {} = off
 
     def __post_init__(self) -> None:
         if self.evaluation not in EVALUATION_MODES:
@@ -212,6 +215,24 @@ def resolve_site_model(
     return str(chosen)
 
 
+def resolve_site_dp(job_dp: Mapping[str, Any] | None, site: str, site_config_dir: str | Path | None) -> dict[str, Any]:
+    """The DP-SGD settings this site trains with: the job's ``dp_sgd``, checked against the ``dp_sgd`` policy of
+    its own ``local/medflare_site.json`` (which may require DP-SGD, a σ floor, a clipping ceiling, a δ ceiling and
+    a budget); {} = off.
+
+    Raises:
+        SiteDeclined: the job asks for less than the site demands (one line, sent back to the server).
+    """
+    site_file = _read_site_file(Path(site_config_dir) / SITE_CONFIG_FILE) if site_config_dir is not None else None
+    policy = (site_file or {}).get("dp_sgd")
+    if not job_dp and not policy:
+        return {}
+    from medflare.dp_sgd import site_dp_settings  # local: opacus is an extra, needed only when DP-SGD is in play
+
+    cfg = site_dp_settings(job_dp, policy, site)
+    return dataclasses.asdict(cfg) if cfg is not None else {}
+
+
 def _read_site_file(path: Path) -> dict[str, Any] | None:
     """The site's ``medflare_site.json`` as a dict (depth-limited, its "model" a name), or None when the site
     has none.
@@ -225,7 +246,7 @@ def _read_site_file(path: Path) -> dict[str, Any] | None:
 
     fix = 'fix it, e.g. {"data": {"source": "folder:/path"}}'
     # "data" and ALLOW_JOB_DATA are checked where they are used (a missing data object, only true opts in)
-    site_file = readback.obj(optional={"model": readback.STR})
+    site_file = readback.obj(optional={"model": readback.STR, "dp_sgd": readback.OBJECT})
     return readback.check(readback.load_json(path, DataError, fix=fix), site_file, str(path), DataError, fix)
 
 
@@ -256,6 +277,8 @@ class SiteRuntime:
         self.trainer: LocalTrainer = self.spec.trainer_cls(
             self.model, self.data, self.train_cfg, self.method_cfg, self.spec.payload, self.device, log
         )
+        if settings.dp_sgd:
+            self._enable_dp_sgd()
         if local_dir is not None:
             self.trainer.local_log = JsonLinesLog(Path(local_dir) / SITE_LOG_FILE)
         self.model_keys = list(self.model.state_dict().keys())
@@ -290,16 +313,32 @@ class SiteRuntime:
         model = self.spec.build_model(
             self.settings.model, task.num_classes, task.in_channels, task.image_size, None, self.method_cfg
         )
+        if self.settings.dp_sgd:  # the architecture the server built for this job (flare.models.build_global_model)
+            from medflare.dp_sgd import check_method_supports_dp, dp_compatible_model
+
+            check_method_supports_dp(self.settings.method, self.spec.dp_sgd_blocker)
+            model = dp_compatible_model(model)
         model = model.to(self.device)
         if self.device.type == "cuda":
             model = model.to(memory_format=torch.channels_last)
         return model
+
+    def _enable_dp_sgd(self) -> None:
+        """Per-sample clipping, noise and this site's accountant for the whole job (kept in its state file)."""
+        from medflare.dp_sgd import DPSGDConfig, PrivateTraining
+
+        cfg = from_dict(DPSGDConfig, self.settings.dp_sgd, "dp_sgd")
+        self.trainer.enable_dp_sgd(PrivateTraining(cfg, self.model, len(self.trainer.train_dataset())))
+        budget = f", budget ε ≤ {cfg.max_epsilon:g}" if cfg.max_epsilon > 0 else ""
+        self.log(f"DP-SGD: σ = {cfg.noise_multiplier:g}, C = {cfg.max_grad_norm:g}, δ = {cfg.delta:g}, "
+                 f"{cfg.accountant.upper()} accountant{budget}")
 
     def train(
         self, arrays: Mapping[str, np.ndarray], ctx: RoundContext, should_abort: Callable[[], bool] = lambda: False
     ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """Score the site's own model (method-declared evaluations), load the received arrays, score the global
         model, train locally; return what the method declares it sends for this stage."""
+        began_at = time.time()  # wall clock, shared with the server on one machine: splits a round's time
         self._state_write.wait()  # the previous task's state is on disk before this task changes it
         scoring = ctx.scored and self.settings.evaluation == "every_round"
         spans: dict[str, float] = {}  # where this task's time goes; kept in the site's own log, never sent
@@ -317,7 +356,8 @@ class SiteRuntime:
             self._check_outgoing(out_arrays, meta, contracts.TRAIN_PHASE, ctx)
         with timed(spans, "save_state"):
             self.save_state()
-        self.trainer.record_locally(event=TASK_SECONDS_EVENT, round=ctx.round, seconds=spans)
+        self.trainer.record_locally(event=TASK_SECONDS_EVENT, round=ctx.round, seconds=spans,
+                                    wall={"began": began_at, "ended": time.time()})
         return out_arrays, meta
 
     def run_phase(

@@ -40,7 +40,8 @@ TASK = TaskSpec(num_classes=2, in_channels=1, image_size=28)
 REVIEWED_ARGS = {
     "medflare.flare.persistor.MedflareModelPersistor": ["model", "facts"],  # facts: plain values saved beside
     "medflare.flare.models.build_global_model": [
-        "method", "model", "num_classes", "in_channels", "image_size", "pretrained", "method_args", "seed", "plugins"],
+        "method", "model", "num_classes", "in_channels", "image_size", "pretrained", "method_args", "seed", "plugins",
+        "dp_sgd"],  # a flag: the DP-compatible twin of the same network (GroupNorm for BatchNorm)
     "medflare.flare.aggregator.MedflareAggregator": [
         "method", "num_classes", "num_rounds", "method_args", "robust", "transfer_dtype", "transfer_kind", "plugins",
         "multi_label", "stream_aggregation", "download_dtype"],
@@ -52,10 +53,16 @@ REVIEWED_ARGS = {
     "medflare.flare.mlflow_receiver.MlflowReceiver": ["events", "kw_args", "params", "deployed_env"],
     "medflare.flare.executor.MedflareExecutor": [
         "method", "task", "model", "method_args", "train", "data", "sites", "seed", "site_train", "evaluation",
-        "site_model", "plugins", "stream_metrics"],
+        "site_model", "plugins", "stream_metrics",
+        "dp_sgd"],  # checked against the site's own dp_sgd policy in local/medflare_site.json, which wins
     "medflare.flare.tracking.SiteMetricsToServer": ["events_to_convert", "fed_event_prefix"],
     "medflare.flare.audit.PayloadRecorder": ["direction"],
     "medflare.flare.privacy.UpdatePrivacy": ["filter", "args"],
+    "medflare.flare.he.EncryptedAggregator": [  # MedflareAggregator's; the TenSEAL context is the kit's own
+        "method", "num_classes", "num_rounds", "method_args", "robust", "transfer_dtype", "transfer_kind", "plugins",
+        "multi_label", "stream_aggregation", "download_dtype"],
+    "medflare.flare.he.EncryptResult": ["plain", "plain_keys"],  # names of arrays left in plaintext
+    "medflare.flare.he.DecryptTask": [],
 }
 KITS = {
     "client": (lambda: client_resources_policy(flare_defaults("client")["resources.json"]), CLIENT_COMPONENTS),
@@ -109,13 +116,17 @@ def test_a_job_can_reach_only_the_job_components(kind: str, tmp_path: Path) -> N
 
 
 def test_job_builders_name_exactly_the_allow_listed_components() -> None:
-    """With every option that adds a component on (tracking, audit, differential privacy), the builders name
-    exactly the allow-list: nothing a job legitimately needs is refused, nothing else is allowed."""
+    """With every option that adds a component on (tracking, audit, differential privacy; encrypted aggregation,
+    which excludes the DP filter), the builders name exactly the allow-list: nothing a job legitimately needs is
+    refused, nothing else is allowed."""
     for method in list_methods():
         run = deployment_run(method, tracking="both", audit=True, transfer_kind="diff",
                              dp={"filter": "percentile", "args": {"percentile": 10, "gamma": 0.01}})
-        assert _medflare_paths(server_config(run, TASK)) == set(SERVER_COMPONENTS), method
-        assert _medflare_paths(client_config(run, TASK)) == set(CLIENT_COMPONENTS), method
+        sealed = deployment_run("fedavg", tracking="both", audit=True, secure_aggregation="he")
+        servers = _medflare_paths(server_config(run, TASK)) | _medflare_paths(server_config(sealed, TASK))
+        clients = _medflare_paths(client_config(run, TASK)) | _medflare_paths(client_config(sealed, TASK))
+        assert servers == set(SERVER_COMPONENTS), method
+        assert clients == set(CLIENT_COMPONENTS), method
 
 
 @pytest.mark.parametrize("method", list_methods())

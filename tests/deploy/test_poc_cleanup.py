@@ -40,7 +40,7 @@ class PocThatFailsThenIsAskedToStop:
     def hold(self):
         yield
 
-    def prepare(self, clients: int, allow_job_data: bool) -> None:
+    def prepare(self, clients: int, allow_job_data: bool, he: bool = False) -> None:
         self.state = {"sites": [f"site-{i + 1}" for i in range(clients)]}
 
     def start(self) -> None:

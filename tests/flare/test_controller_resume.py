@@ -24,7 +24,7 @@ LEAD = "lead@hospital-a.example.org"
 def controller(app_dir: Path, method: str = "fedavg", rounds: int = ROUNDS) -> MedflareController:
     """A controller as start_controller leaves it (persistor and aggregator stubbed: no FLARE engine)."""
     ctl = MedflareController(num_rounds=rounds, min_clients=1)
-    ctl.aggregator = SimpleNamespace(method=method, core=SimpleNamespace(
+    ctl.aggregator = SimpleNamespace(method=method, holds_plaintext=True, core=SimpleNamespace(
         stages=[Stage("warmup", 1), Stage("train", rounds - 1)]))
     ctl.persistor = SimpleNamespace(saved=[], save=lambda learnable, fl_ctx: ctl.persistor.saved.append(learnable))
     ctl.global_params = {"w": np.zeros((2, 3), np.float32)}

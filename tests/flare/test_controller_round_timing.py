@@ -78,7 +78,7 @@ def test_an_abort_ends_the_wait_and_cancels_the_tasks() -> None:
 
 def test_the_previous_rounds_bookkeeping_runs_after_the_next_task_is_sent_and_only_once() -> None:
     ctl, order = controller(), []
-    ctl.aggregator = SimpleNamespace(core=SimpleNamespace(task_header=lambda: {}))
+    ctl.aggregator = SimpleNamespace(holds_plaintext=True, core=SimpleNamespace(task_header=lambda: {}))
     ctl.broadcast = lambda task, fl_ctx, **kw: order.append(("broadcast", tuple(kw.get("targets") or ())))
     ctl._wait_for_answers = lambda tasks, answers, abort, fl_ctx: order.append(("wait", len(tasks)))
     ctl._housekeeping = lambda: order.append(("bookkeeping", ()))
@@ -92,7 +92,7 @@ def test_the_previous_rounds_bookkeeping_runs_after_the_next_task_is_sent_and_on
 
 def test_the_last_rounds_bookkeeping_runs_before_the_job_ends() -> None:
     ctl, done = controller(), []
-    ctl.aggregator = SimpleNamespace(method="fedavg", core=SimpleNamespace(stages=[]))
+    ctl.aggregator = SimpleNamespace(method="fedavg", holds_plaintext=True, core=SimpleNamespace(stages=[]))
     ctl._results = {"rounds": []}
     ctl.persistor = SimpleNamespace(save=lambda learnable, fl_ctx: done.append("model"))
     ctl.global_params = {}

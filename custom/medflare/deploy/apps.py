@@ -50,7 +50,7 @@ def deployment_run(method: str, **overrides: Any) -> RunConfig:
         "straggler_seconds": 600,
     }
     fields.update(overrides)
-    fields["robust"] = deployment_robust(fields.get("robust", {}))
+    fields["robust"] = deployment_robust(fields.get("robust", {}), fields.get("secure_aggregation") == "he")
     return RunConfig(**fields)
 
 

@@ -31,6 +31,7 @@ from medflare import contracts
 from medflare.contracts import ContractContext, Expected, Payload
 from medflare.errors import MedflareError, PayloadError
 from medflare.ops import wire
+from medflare.ops.he_aggregate import declared_encrypted, stand_in
 
 CLIENT_CONFIG = "config_fed_client.json"
 SUBMIT_MODEL = "submit_model"
@@ -148,6 +149,10 @@ def received_task(task: Any, frozen: Callable[[str], bool] = lambda name: False)
     meta = dxo.meta or {}
     arrays = {str(name): _stand_in(value) for name, value in (dxo.data or {}).items()
               if isinstance(value, np.ndarray) and value.dtype.kind in "fiub"}
+    # secure_aggregation=he: the global model arrives as ciphertexts the job's DecryptTask opens after this record;
+    # the task declares their shapes and dtypes, which is all a result is checked against
+    arrays.update({name: stand_in(*declared) for name, declared in
+                   declared_encrypted(meta, contracts.ENCRYPTED_ARRAYS).items() if name in (dxo.data or {})})
     kept = {str(name): np.array(value, copy=True) for name, value in (dxo.data or {}).items()
             if isinstance(value, np.ndarray) and frozen(str(name))}
     return ReceivedTask(arrays, _array_dims(meta.get(contracts.ARRAY_DIMS)),

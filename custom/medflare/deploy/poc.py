@@ -37,7 +37,15 @@ import psutil
 import yaml
 
 from medflare.deploy.policies import SITE_MODES, install_site_policies, site_data_config
-from medflare.deploy.provision import admin_with_role, load_project, nvflare_command, participants, protect_secrets
+from medflare.deploy.provision import (
+    STATE_DIR,
+    admin_with_role,
+    load_project,
+    nvflare_command,
+    participants,
+    protect_secrets,
+    with_he_builder,
+)
 from medflare.errors import ConfigError, MedflareError
 from medflare.flare.memory import with_allocator_settings
 from medflare.flare.tracking import keep_server_records
@@ -103,17 +111,19 @@ def poc_project(project: Mapping[str, Any], sites: list[str], port: int) -> dict
     return {**project, "participants": [server, *clients, *others]}
 
 
-def bind_to_loopback(server_kit: Path) -> None:
+def bind_to_loopback(server_kit: Path, signing_key: Any = None) -> None:
     """Make a POC server listen on 127.0.0.1 only.
 
     FLARE's server binds to loopback exactly when the host in its service target (``startup/fed_server.json``,
     ``servers[].service.target``) is a loopback address; otherwise it listens on every interface (0.0.0.0).
     A POC kit names the consortium's server FQDN there (its sites connect to ``localhost`` anyway), so a POC
     would be reachable from the network. POC kits are unsigned (mTLS is their trust anchor), so the file may
-    be edited; a signed kit is refused rather than broken.
+    be edited; a signed kit (one with TenSEAL contexts, which FLARE signs) is signed again with ``signing_key``,
+    the POC's own root CA key, and refused without it rather than broken.
     """
     startup = server_kit / "startup"
-    if (startup / "signature.json").exists():
+    signed = (startup / "signature.json").exists()
+    if signed and signing_key is None:
         raise PocError(f"{startup} is signed; cannot bind this POC server to loopback without breaking the kit")
     config_path = startup / "fed_server.json"
     config = json.loads(config_path.read_text())
@@ -121,6 +131,19 @@ def bind_to_loopback(server_kit: Path) -> None:
         port = str(server["service"]["target"]).rsplit(":", 1)[-1]
         server["service"]["target"] = f"127.0.0.1:{port}"
     config_path.write_text(json.dumps(config, indent=2) + "\n")
+    if signed:
+        from nvflare.lighter.utils import sign_folders
+
+        sign_folders(str(startup), signing_key, signature_file="signature.json")
+
+
+def root_signing_key(project_dir: Path) -> Any:
+    """The root CA's private key a POC's provisioning kept in ``<project>/state/cert.json`` (POC kits only: a
+    production CA key lives offline)."""
+    from nvflare.lighter.utils import load_private_key
+
+    state = json.loads((project_dir / STATE_DIR / "cert.json").read_text())
+    return load_private_key(state["root_pri_key"])
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
@@ -236,6 +259,7 @@ class PocSession:
         site_modes: Mapping[str, str] | None = None,
         default_mode: str = "byoc",
         allow_job_data: bool = False,
+        he: bool = False,
     ) -> None:
         """Provision a fresh POC with ``n_sites`` sites and install medflare's site policies in every kit.
 
@@ -248,6 +272,7 @@ class PocSession:
             default_mode: mode of the other sites ("byoc" sites accept both BYOC and pre-installed jobs).
             allow_job_data: write each site's opt-in to jobs that bring their own (e.g. simulated) data into its
                 ``local/medflare_site.json``; without it such jobs are refused, as at a hospital.
+            he: the kits also get FLARE's TenSEAL contexts (HEBuilder), for secure_aggregation=he jobs.
         """
         site_modes = dict(site_modes or {})
         sites = [f"{SITE_PREFIX}{i + 1}" for i in range(n_sites)]
@@ -260,6 +285,7 @@ class PocSession:
                 f"choose another port with --port / MEDFLARE_POC_PORT."
             )
         project = poc_project(load_project(self.project_file), sites, self.port)
+        project = with_he_builder(project) if he else project
         self.root.mkdir(parents=True, exist_ok=True)
         self.home.mkdir(exist_ok=True)
         project_file = self.root / "project.yml"
@@ -280,7 +306,8 @@ class PocSession:
         opt_in = site_data_config(allow_job_data=True) if allow_job_data else None
         for site in [self.state["server"], *sites]:
             install_site_policies(self.kit(site), self.state["site_modes"].get(site, default_mode), site_config=opt_in)
-        bind_to_loopback(self.kit(self.state["server"]))
+        signing_key = root_signing_key(self.workspace / project["name"]) if he else None
+        bind_to_loopback(self.kit(self.state["server"]), signing_key)
         self._save_state()
         self.echo(f"poc: prepared {n_sites} sites ({self.state['site_modes']}) in {self.workspace}")
 
@@ -506,7 +533,7 @@ def run_poc(
         overwrite: replace medflare's earlier results in a non-empty ``out_dir``.
         root: the POC's folder (default ``$MEDFLARE_POC_ROOT``, read now, else ``<out>.partial/poc``).
     """
-    run.robust = deployment_robust(run.robust)
+    run.robust = deployment_robust(run.robust, encrypted=run.secure_aggregation == "he")
     run.validate()
     target = OutputTarget(Path(out_dir), overwrite=overwrite)
     staging = target.begin()
@@ -527,7 +554,8 @@ def _run_in_poc(run: Any, session: PocSession, target: OutputTarget, staging: Pa
     then the POC is ended and its server log kept as ``<out>.failed.log``."""
     echo = session.echo
     try:
-        session.prepare(run.clients, allow_job_data=run.data.get("source", "site") != "site")
+        session.prepare(run.clients, allow_job_data=run.data.get("source", "site") != "site",
+                        he=run.secure_aggregation == "he")
         job_dir = export_run_job(run, staging / "job", mode)
         launched_at = time.time()
         session.start()
@@ -563,14 +591,14 @@ def _run_in_poc(run: Any, session: PocSession, target: OutputTarget, staging: Pa
 # ----- command line ---------------------------------------------------------------------------------
 def _run_config_from_args(args: Any) -> Any:
     run = build_run_config(args)
-    run.robust = deployment_robust(run.robust)  # every job submitted to a POC is a deployment's
+    run.robust = deployment_robust(run.robust, encrypted=run.secure_aggregation == "he")  # a deployment's job
     run.validate()
     return run
 
 
 def _cmd_prepare(session: PocSession, args: Any) -> int:
     modes = dict(item.split("=", 1) for item in args.site_mode)
-    session.prepare(args.sites, modes, args.mode_default, allow_job_data=args.allow_job_data)
+    session.prepare(args.sites, modes, args.mode_default, allow_job_data=args.allow_job_data, he=args.he)
     return 0
 
 
@@ -661,6 +689,8 @@ def make_parser() -> Any:
     p.add_argument("--allow-job-data", action="store_true",
                    help="sites accept jobs that bring their own (e.g. synthetic) data; otherwise each site reads "
                         "only its local/medflare_site.json")
+    p.add_argument("--he", action="store_true", help="also provision FLARE's TenSEAL contexts (HEBuilder), for "
+                                                     "jobs with secure_aggregation=he")
     p.set_defaults(func=_cmd_prepare)
     p = sub.add_parser("start", help="start server and sites; returns when they are ready")
     p.add_argument("--exclude", action="append", default=[], help="participant not to start")

@@ -39,12 +39,15 @@ SERVER_COMPONENTS = (
     "medflare.flare.controller.MedflareController",
     "medflare.flare.tb_receiver.TensorBoardReceiver",
     "medflare.flare.mlflow_receiver.MlflowReceiver",
+    "medflare.flare.he.EncryptedAggregator",
 )
 CLIENT_COMPONENTS = (
     "medflare.flare.executor.MedflareExecutor",
     "medflare.flare.tracking.SiteMetricsToServer",
     "medflare.flare.audit.PayloadRecorder",
     "medflare.flare.privacy.UpdatePrivacy",
+    "medflare.flare.he.EncryptResult",
+    "medflare.flare.he.DecryptTask",
 )
 # Folders FLARE keeps a server's submitted jobs and run snapshots in, inside the server's own kit (FLARE's
 # default is the world-readable /tmp/nvflare, shared by every server on the machine).

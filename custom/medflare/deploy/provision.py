@@ -42,6 +42,13 @@ SITE_CONFIG_EXAMPLE = f"{SITE_CONFIG_FILE}.example"
 COMMENT_PREFIX = "_comment"
 
 
+# FLARE's HEBuilder (TenSEAL CKKS contexts for secure_aggregation=he: client_context.tenseal with the secret key in
+# every site kit, server_context.tenseal without it in the server's), with its defaults: poly_modulus_degree 8192,
+# coefficient moduli [60, 40, 40], scale 2**40. It must run before SignatureBuilder, which then signs the kits.
+HE_BUILDER = {"path": "nvflare.lighter.impl.he.HEBuilder", "args": {}}
+SIGNATURE_BUILDER = "nvflare.lighter.impl.signature.SignatureBuilder"
+
+
 class ProvisionError(RuntimeError):
     """``nvflare provision`` failed or wrote no kits."""
 
@@ -82,6 +89,17 @@ def check_inside(workspace: str | Path, paths: list[Path]) -> None:
                                  "before writing there: remove that link or choose another -w")
 
 
+def with_he_builder(project: Mapping[str, Any]) -> dict[str, Any]:
+    """``project`` whose kits also get the TenSEAL contexts of encrypted aggregation: :data:`HE_BUILDER` inserted
+    before FLARE's SignatureBuilder (which signs the contexts; FLARE's loader refuses unsigned ones), unless the
+    project already has an HEBuilder."""
+    builders = list(project.get("builders") or [])
+    if any(b.get("path") == HE_BUILDER["path"] for b in builders):
+        return dict(project)
+    at = next((i for i, b in enumerate(builders) if b.get("path") == SIGNATURE_BUILDER), len(builders))
+    return {**project, "builders": [*builders[:at], dict(HE_BUILDER), *builders[at:]]}
+
+
 def participants(project: Mapping[str, Any], kind: str) -> list[dict[str, Any]]:
     """Participants of one type ("server", "client" or "admin"), in file order."""
     return [p for p in project["participants"] if p.get("type") == kind]
@@ -110,8 +128,8 @@ def site_config_example() -> dict[str, Any]:
         COMMENT_PREFIX: (
             "Example of this hospital's medflare settings, written by provisioning. Copy it to medflare_site.json "
             "in this folder (local/), the only file medflare reads, and set data.source. Each setting is explained "
-            f"by the '{COMMENT_PREFIX}_<setting>' key before it; medflare reads only data, model, distributed and "
-            "allow_job_data, so the comment keys may stay. Nothing in this file leaves the site. More: "
+            f"by the '{COMMENT_PREFIX}_<setting>' key before it; medflare reads only data, model, dp_sgd, distributed "
+            "and allow_job_data, so the comment keys may stay. Nothing in this file leaves the site. More: "
             "docs/deploy-hospital-admin.md and docs/deploy.md section 7."
         ),
         f"{COMMENT_PREFIX}_data": (
@@ -129,6 +147,13 @@ def site_config_example() -> dict[str, Any]:
             "Optional, left out here: \"model\": \"NAME\" (see `medflare models`) trains that architecture at "
             "this site, for methods that send no weights (mdhfl, fedmd, local-only); a weight-averaging job "
             "refuses any model but its own."
+        ),
+        f"{COMMENT_PREFIX}_dp_sgd": (
+            "Optional, left out here: this hospital's demands on DP-SGD (docs/privacy.md), e.g. \"dp_sgd\": "
+            "{\"required\": true, \"max_epsilon\": 8, \"min_noise_multiplier\": 1.0, \"max_grad_norm\": 1.0, "
+            "\"max_delta\": 1e-5}. A job that asks for less (no DP-SGD, less noise, a larger clipping bound or "
+            "delta, a higher budget) is declined before training; once this site's epsilon would pass max_epsilon "
+            "it stops contributing to the job. Needs medflare[dp] (opacus) here."
         ),
         f"{COMMENT_PREFIX}_distributed": (
             "Multi-GPU sites: processes = GPUs to train on, one process each (local/resources.json must offer "
@@ -181,8 +206,12 @@ def provision(
     default_mode: str = "byoc",
     site_modes: Mapping[str, str] | None = None,
     site_gpus: Mapping[str, int] | None = None,
+    he: bool = False,
 ) -> Path:
-    """Run ``nvflare provision`` and install medflare's site policies; return the new ``prod_NN`` folder."""
+    """Run ``nvflare provision`` and install medflare's site policies; return the new ``prod_NN`` folder.
+
+    ``he``: the kits also get the TenSEAL contexts of encrypted aggregation (:func:`with_he_builder`; the project
+    file given is provisioned from a copy in the workspace that adds FLARE's HEBuilder)."""
     project = load_project(project_yml)
     unknown = set(site_modes or {}) | set(site_gpus or {})
     unknown -= {p["name"] for p in project["participants"]}
@@ -191,6 +220,9 @@ def provision(
     Path(workspace).mkdir(parents=True, exist_ok=True)
     project_dir = Path(workspace) / project["name"]
     check_inside(workspace, [project_dir])  # e.g. a link left in the workspace: FLARE would write through it
+    if he:
+        project_yml = Path(workspace) / f"{project['name']}.he.yml"
+        project_yml.write_text(yaml.safe_dump(with_he_builder(project), sort_keys=False))
     proc = subprocess.run(
         nvflare_command() + ["provision", "-p", str(project_yml), "-w", str(workspace)],
         capture_output=True, text=True,
@@ -241,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="per-site override, e.g. hospital-b=preinstalled")
     parser.add_argument("--gpus", action="append", default=[], metavar="SITE=N",
                         help="GPUs a site offers to jobs (resources.json), e.g. hospital-a=2")
+    parser.add_argument("--he", action="store_true",
+                        help="also write the TenSEAL contexts of encrypted aggregation (FLARE's HEBuilder) into the "
+                             "kits, for jobs with secure_aggregation=he")
     parser.add_argument("--reinstall", metavar="KIT",
                         help="only rewrite medflare's policies in one existing kit with --mode (e.g. after moving "
                              "the server kit, whose job store path is absolute)")
@@ -262,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--site-mode values must be one of {SITE_MODES}, got {sorted(bad)}")
     site_gpus = {name: int(n) for name, n in _pairs(args.gpus, "--gpus").items()}
     try:
-        prod_dir = provision(args.project, args.workspace, args.mode, site_modes, site_gpus)
+        prod_dir = provision(args.project, args.workspace, args.mode, site_modes, site_gpus, he=args.he)
     except ProvisionError as exc:
         print(f"provision: error: {exc}", file=sys.stderr)
         return 2

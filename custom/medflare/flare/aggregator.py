@@ -347,6 +347,7 @@ class MedflareAggregator(Aggregator):
     """
 
     holds_plaintext = True  # the server can read and save the global model (False: flare.he.EncryptedAggregator)
+    core_cls: type[RoundAggregation] = RoundAggregation  # the FLARE-free round it drives
 
     def __init__(
         self,
@@ -375,7 +376,7 @@ class MedflareAggregator(Aggregator):
         self.multi_label = multi_label
         self.stream_aggregation = stream_aggregation
         self.download_dtype = download_dtype
-        self.core = RoundAggregation(
+        self.core = self.core_cls(
             method, self.method_args, num_classes, num_rounds, self.robust, transfer_dtype, transfer_kind, multi_label,
             stream_aggregation, download_dtype,
         )

@@ -59,7 +59,8 @@ from medflare.ops.timing import timed
 
 RESULTS_FILE = "medflare_results.json"
 # Per-site facts recorded each round; filter_history shows which privacy filters a site's result went through.
-SITE_FACTS = (contracts.N_SAMPLES, contracts.TRAIN_LOSS, contracts.TRAIN_SECONDS, contracts.FILTER_HISTORY)
+SITE_FACTS = (contracts.N_SAMPLES, contracts.TRAIN_LOSS, contracts.TRAIN_SECONDS, contracts.FILTER_HISTORY,
+              contracts.DP_EPSILON)
 RESULT_AT = "result_at"  # seconds from the round's start until the site's result reached the controller
 TASK_BYTES = "task_bytes"  # a round's record: phase -> bytes of the task one site received (arrays + meta)
 CHECKPOINT_FILE = "medflare_checkpoint.npz"  # get_persist_state() after every round, for a resumed job
@@ -162,7 +163,9 @@ class MedflareController(Controller):
     def _fresh_header(self) -> dict[str, Any]:
         return {"method": self.aggregator.method, "num_rounds": self.num_rounds, "key_metric": self.key_metric,
                 "controller_started_at": time.time(),
-                "allocator": {name: os.environ.get(name) for name in ALLOCATOR_ENV}, "rounds": [], "evaluations": {}}
+                "allocator": {name: os.environ.get(name) for name in ALLOCATOR_ENV}, "rounds": [], "evaluations": {},
+                **({} if self.aggregator.holds_plaintext else  # what an encrypted job's server does not write
+                   {"secure_aggregation": self.aggregator.encryption_record()})}
 
     def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
         if event_type == InfoCollector.EVENT_TYPE_GET_STATS:  # FLARE's show_stats: progress for medflare watch
@@ -256,7 +259,8 @@ class MedflareController(Controller):
         bookkeeping when a site asks costs it a whole poll interval)."""
         spans = record["server_seconds"]
         with timed(spans, "checkpoint"):  # recorded in the next write (the last round's: in the final one)
-            self._save_checkpoint(fl_ctx)
+            if self.aggregator.holds_plaintext:  # an encrypted job's server holds ciphertexts: no resume point
+                self._save_checkpoint(fl_ctx)
         with timed(spans, "gc"):  # FLARE's transfers of this round sit in reference cycles (flare/memory.py)
             record["gc_objects_freed"] = collect_round_garbage()
 
@@ -379,7 +383,8 @@ class MedflareController(Controller):
         site, result = client_task.client.name, client_task.result
         rc = result.get_return_code()
         if rc != ReturnCode.OK:
-            record["failed"][site] = str(rc)
+            declined = result.get_header(contracts.DECLINED_HEADER)  # e.g. its DP-SGD budget is spent
+            record["failed"][site] = f"{rc}: {str(declined)[:500]}" if declined else str(rc)  # a site's text: capped
             self.log_warning(fl_ctx, f"{site} returned {rc} for '{task_name}'; see that site's log")
             return
         try:
@@ -421,7 +426,10 @@ class MedflareController(Controller):
     def _persist_global_model(self, fl_ctx: FLContext) -> None:
         """FL_global_model.pt of the last round played, written once: every round's model is already in the
         round checkpoint (for a resumed job), so a per-round copy (fsync'ed, 45 MB for a ResNet-18) only
-        lengthened each round."""
+        lengthened each round. An encrypted job's server writes the model as it holds it, encrypted."""
+        if not self.aggregator.holds_plaintext:
+            self.aggregator.save_model(self.global_params, os.path.dirname(self.results_path))
+            return
         self.persistor.save(make_model_learnable(self.global_params, {}), fl_ctx)
 
     # ----- evaluation -------------------------------------------------------------------------------
@@ -433,7 +441,8 @@ class MedflareController(Controller):
         if score is not None and score > self._best:
             self._best = score
             self._results["best"] = {"model_version": model_version, self.key_metric: score}
-            self.fire_event(AppEventType.GLOBAL_BEST_MODEL_AVAILABLE, fl_ctx)
+            if self.aggregator.holds_plaintext:  # the persistor saves it; an encrypted job's server cannot
+                self.fire_event(AppEventType.GLOBAL_BEST_MODEL_AVAILABLE, fl_ctx)
         send_scalars(self, fl_ctx, round_scalars(summary), step=model_version)
         self._report(evaluation_entry(model_version, summary, self.key_metric), fl_ctx)
         return summary

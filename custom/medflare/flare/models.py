@@ -43,10 +43,13 @@ def build_global_model(
     method_args: dict | None = None,
     seed: int = 0,
     plugins: list | None = None,
+    dp_sgd: bool = False,
 ) -> nn.Module:
     """Initial global network; FLARE's PTFileModelPersistor instantiates it from the job config.
 
-    Seeded so that the same job starts from the same weights in the simulator, POC and production.
+    Seeded so that the same job starts from the same weights in the simulator, POC and production. With
+    ``dp_sgd`` the network is the DP-compatible one every site of the job builds
+    (:func:`medflare.dp_sgd.dp_compatible_model`).
     """
     load_plugins(plugins or [])
     spec = get_method(method)
@@ -55,4 +58,8 @@ def build_global_model(
     method_cfg = from_dict(spec.config_cls, method_args or {}, f"method '{method}'")
     torch.manual_seed(seed)
     network = spec.build_model(model, num_classes, in_channels, image_size, pretrained, method_cfg)
+    if dp_sgd:
+        from medflare.dp_sgd import dp_compatible_model
+
+        network = dp_compatible_model(network)
     return ServerModel(network, spec.payload.private_keys)

@@ -9,9 +9,10 @@ settings as params (:func:`mlflow_receiver_args`).
 
 These events travel beside the task results, so neither a method's Payload nor a site's privacy filters see
 them. What a site may stream is therefore declared here, once (:data:`SITE_STREAMED_TAGS`): its training loss
-per local epoch, and per round its mean training loss, training seconds, learning rate and the validation
-metrics of the received model. Each is a value its result carries anyway (``train_loss``, ``train_seconds``,
-the ``eval_val`` counts the metrics are computed from) or the job's own schedule (the learning rate). The
+per local epoch, and per round its mean training loss, training seconds, learning rate, ε spent (DP-SGD only)
+and the validation metrics of the received model. Each is a value its result carries anyway (``train_loss``,
+``train_seconds``, ``dp_epsilon``, the ``eval_val`` counts the metrics are computed from) or the job's own schedule
+(the learning rate). The
 site-side converter forwards nothing else.
 
 The receivers are optional: when ``tensorboard`` or ``mlflow`` is not installed on the server, the job still
@@ -54,11 +55,12 @@ EPOCH_LOSS = "train/epoch_loss"  # step: the job-wide local epoch
 ROUND_LOSS = "train/loss"  # step: the round, from 1 (as the server's train_loss/<site>); the result's train_loss
 ROUND_SECONDS = "train/seconds"  # the result's train_seconds
 LEARNING_RATE = "train/lr"  # the learning rate the round's last step used (the job's schedule)
+DP_EPSILON = "privacy/epsilon"  # DP-SGD: the result's dp_epsilon, ε the site has spent so far at the job's δ
 # The scalar metrics of compute_metrics a site streams as val/<name>, step: the received model's version
 SITE_VAL_METRICS = ("accuracy", "balanced_accuracy", "macro_f1", "macro_precision", "macro_recall", "auc_macro_ovr",
                     "bauc", "loss")
 # Everything a site streams to the server, beside its task results (see the module docstring).
-SITE_STREAMED_TAGS = frozenset({EPOCH_LOSS, ROUND_LOSS, ROUND_SECONDS, LEARNING_RATE,
+SITE_STREAMED_TAGS = frozenset({EPOCH_LOSS, ROUND_LOSS, ROUND_SECONDS, LEARNING_RATE, DP_EPSILON,
                                 *(f"val/{name}" for name in SITE_VAL_METRICS)})
 INSTALL_HINT = "pip install 'medflare[tracking]'"
 DEFAULT_EXPERIMENT = "medflare"  # the MLflow experiment of every job unless MLFLOW_EXPERIMENT_NAME names another
@@ -205,9 +207,10 @@ def site_validation_scalars(meta: Mapping[str, Any], num_classes: int, multi_lab
 
 
 def site_training_scalars(meta: Mapping[str, Any], learning_rate: float | None) -> dict[str, float]:
-    """A site's facts of one round of local training: mean loss, seconds (from its result's meta) and lr."""
+    """A site's facts of one round of local training: mean loss, seconds, ε spent with DP-SGD (from its result's
+    meta) and lr."""
     facts = {ROUND_LOSS: meta.get(contracts.TRAIN_LOSS), ROUND_SECONDS: meta.get(contracts.TRAIN_SECONDS),
-             LEARNING_RATE: learning_rate}
+             DP_EPSILON: meta.get(contracts.DP_EPSILON), LEARNING_RATE: learning_rate}
     return {tag: float(value) for tag, value in facts.items() if _is_number(value)}
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, Mapping
 
 import numpy as np
 import torch
@@ -27,6 +27,9 @@ from medflare.ops.influence import Mixture, Weighting, bound, combine
 from medflare.optim import OptimizerKey, build_optimizer, check_train_options, rebuild_due, set_step_lr
 from medflare.optim import round_lr  # noqa: F401  (re-exported: its home was this module)
 from medflare.methods.presets import Preset
+
+if TYPE_CHECKING:
+    from medflare.dp_sgd import PrivateTraining
 
 Log = Callable[[str], None]
 LARGEST_SHARE = "largest_share"  # a round's record: site -> its largest share of any row of a row-weighted array
@@ -212,6 +215,16 @@ class LocalTrainer:
         self.received: dict[str, np.ndarray] = {}  # declared non-parameter arrays of the current task
         self._stage: str | None = None  # the stage of the last round trained (kept across restarts)
         self._configured_stage: str | None = None  # the stage on_stage_start last ran for (this process)
+        self.dp: PrivateTraining | None = None  # DP-SGD (the site runtime enables it when the job asks)
+
+    def enable_dp_sgd(self, dp: PrivateTraining) -> None:
+        """Train with DP-SGD from now on: Poisson batches, per-sample clipping and noise, every step accounted.
+
+        AMP is off (Opacus's per-sample gradients and the loss scaler do not mix), and ``train.grad_clip`` is not
+        applied: each sample's gradient is clipped to ``dp_sgd.max_grad_norm`` instead.
+        """
+        self.dp = dp
+        self.use_amp, self.scaler = False, None
 
     @property
     def stage(self) -> str | None:
@@ -253,6 +266,7 @@ class LocalTrainer:
             "private": private,
             "stage": self._stage,
             "extra": self.extra_state(),
+            "dp_sgd": self.dp.state_dict() if self.dp is not None else None,
         }
 
     def load_state(self, state: Mapping[str, Any]) -> None:
@@ -261,10 +275,12 @@ class LocalTrainer:
         self._stage = state.get("stage")
         self.train_cfg = self.job_train_cfg.for_stage(self._stage)
         if state.get("optimizer") is not None:
-            self.optimizer = build_optimizer(self.model, self.train_cfg, self.parameters_to_train())
+            self.optimizer = self._new_optimizer()
             self.optimizer.load_state_dict(state["optimizer"])
             self._optimizer_key = (self._stage, -1, -1)  # kept unless fresh_optimizer asks for a new one
         self.load_extra_state(state.get("extra") or {})
+        if self.dp is not None and state.get("dp_sgd"):
+            self.dp.load_state_dict(state["dp_sgd"])  # a restarted site keeps counting its ε
 
     def extra_evaluations(self, split: str) -> dict[str, Any]:
         """Method-declared evaluations of the site's own local model on ``split``: {name: EvalStats}.
@@ -284,6 +300,8 @@ class LocalTrainer:
         self._stage = ctx.stage
         self.on_round_start(ctx)
         self._round_ctx, self._round_steps = ctx, self._planned_steps()
+        if self.dp is not None:  # before any step: a site never spends beyond its budget
+            self.dp.check_budget(self._round_steps, self.train_cfg.batch_size)
         loss_sum, steps = 0.0, 0
         for epoch in range(self.train_cfg.local_epochs):
             self.model.train()
@@ -301,6 +319,7 @@ class LocalTrainer:
             contracts.N_SAMPLES: self.labelled_samples(),
             contracts.TRAIN_LOSS: loss_sum / max(steps, 1),
             contracts.TRAIN_SECONDS: time.perf_counter() - start,
+            **({contracts.DP_EPSILON: self.dp.epsilon()} if self.dp is not None else {}),
         }
         meta.update(self.round_meta(ctx))
         return meta
@@ -323,7 +342,10 @@ class LocalTrainer:
         """
         if self.multi_label:
             return masked_bce(logits, labels)
-        return F.cross_entropy(logits, labels, ignore_index=-1, reduction="sum") / (labels >= 0).sum().clamp(min=1)
+        # DP-SGD: a mean over the batch's rows, which Opacus's per-sample gradients undo exactly (a mean over the
+        # labelled rows would scale each sample's gradient by how many others in its batch are unlabelled)
+        rows = labels.new_tensor(labels.shape[0]) if self.dp is not None else (labels >= 0).sum()
+        return F.cross_entropy(logits, labels, ignore_index=-1, reduction="sum") / rows.clamp(min=1)
 
     def scores_and_losses(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-sample scores (softmax, or sigmoid per class) and losses (CE, or mean BCE over known entries).
@@ -412,10 +434,15 @@ class LocalTrainer:
         ctx = self._round_ctx
         key = (ctx.stage, ctx.round, step_in_round)
         if self.optimizer is None or rebuild_due(self.train_cfg.fresh_optimizer, self._optimizer_key, key):
-            self.optimizer = build_optimizer(self.model, self.train_cfg, self.parameters_to_train())
+            self.optimizer = self._new_optimizer()
         self._optimizer_key = key
         set_step_lr(self.optimizer, self.train_cfg, ctx.stage_round, ctx.stage_rounds, step_in_round, self._round_steps)
         return self.optimizer
+
+    def _new_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer the TrainConfig names over :meth:`parameters_to_train`, behind DP-SGD when it is on."""
+        optimizer = build_optimizer(self.model, self.train_cfg, self.parameters_to_train())
+        return self.dp.wrap(optimizer, self.train_cfg.batch_size) if self.dp is not None else optimizer
 
     def _planned_steps(self) -> int:
         """Optimizer steps this round will take: local epochs x batches, capped by ``max_steps``."""
@@ -427,8 +454,8 @@ class LocalTrainer:
         for images, labels in self.train_loader():
             if self._step_cap_reached(done + steps) or should_abort():
                 break
-            if not self.uses_unlabelled_samples and not bool((labels >= 0).any()):
-                continue  # nothing to learn from in this batch for a supervised loss
+            if not self.uses_unlabelled_samples and not bool((labels >= 0).any()) and self.dp is None:
+                continue  # nothing to learn from in this batch (DP-SGD still takes the noised step it accounts)
             images, labels = images.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
             loss = self._step(images, labels, done + steps)
             loss_sum, steps = loss_sum + loss, steps + 1
@@ -442,6 +469,8 @@ class LocalTrainer:
         gradient clipping and :meth:`after_step`. Shared by the main loop and a method's own loops (e.g.
         MDH-FL's distillation steps on public images). Returns the loss."""
         optimizer.zero_grad(set_to_none=True)
+        if self.dp is not None:
+            self.dp.clear_per_sample_gradients(self.model)
         with torch.autocast(device_type=self.device.type, enabled=self.use_amp):
             loss = loss_fn()
         if not torch.isfinite(loss):
@@ -460,7 +489,7 @@ class LocalTrainer:
         return float(loss.detach().item())
 
     def _clip(self) -> None:
-        if self.train_cfg.grad_clip > 0:
+        if self.train_cfg.grad_clip > 0 and self.dp is None:  # DP-SGD clips each sample's gradient instead
             torch.nn.utils.clip_grad_norm_(self.parameters_to_train(), self.train_cfg.grad_clip)
 
     def _step_cap_reached(self, steps: int) -> bool:
@@ -473,6 +502,9 @@ class LocalTrainer:
     def train_loader(self) -> DataLoader:
         """Shuffled training batches of :meth:`train_dataset` (drop_last only when it leaves at least one batch)."""
         dataset = self.train_dataset()
+        if self.dp is not None:  # Poisson sampling, as the accountant assumes
+            return self.dp.loader(dataset, self.train_cfg.batch_size, self.train_cfg.num_workers,
+                                  pin_memory=self.device.type == "cuda")
         drop_last = len(dataset) > self.train_cfg.batch_size
         return DataLoader(
             dataset,
@@ -508,6 +540,13 @@ class ServerRule:
         total_rounds: the job's rounds (all stages together).
         payload: the method's wire declaration.
     """
+
+    # Why the server cannot aggregate this rule's results encrypted (``secure_aggregation=he``), "" when it can.
+    # The server weighs the sites' ciphertexts with the bounded shares of :meth:`weighting`, so a rule qualifies when
+    # its weights, checks and round info read only the sites' meta and declared arrays, never their model weights
+    # (those arrive as ciphertexts; a rule that did read one fails loudly, it never sees plaintext). A rule whose
+    # aggregate is not that weighted sum (a median, a clipped mix of predictions) says why here.
+    encrypted_aggregation_refusal: ClassVar[str] = ""
 
     def __init__(self, method_cfg: Any, total_rounds: int, payload: Payload = Payload()) -> None:
         self.cfg = method_cfg
@@ -632,10 +671,13 @@ class ServerRule:
 
 def aggregate_updates(
     rule: ServerRule, global_params: Mapping[str, np.ndarray], updates: list[SiteUpdate], ctx: RoundContext,
-    cap: float = 0.0,
+    cap: float = 0.0, combiner: Callable[..., dict[str, Any]] = combine,
 ) -> AggregateResult:
     """The next global model: the rule's raw :meth:`ServerRule.weighting`, bounded (no site above ``cap`` in any
     part), then combined. Keys a site never sends (private keys) keep the server's value.
+
+    ``combiner`` does the combining once the shares are bounded (``combine``, or with encrypted aggregation
+    ``ops.he_aggregate.combine_encrypted`` over ciphertexts: the bound always comes first, in plaintext).
 
     Returns:
         the params, each site's scalar share, and the rule's round info; with row weights also ``largest_share``
@@ -645,7 +687,7 @@ def aggregate_updates(
     shares = bound(weighting, cap)
     arrays = {u.site: {k: v for k, v in u.arrays.items() if k in global_params} for u in updates}
     dtypes = {k: np.asarray(v).dtype for k, v in global_params.items()}
-    combined = combine(arrays, shares, dtypes) if any(arrays.values()) else {}
+    combined = combiner(arrays, shares, dtypes) if any(arrays.values()) else {}
     info = rule.round_info(updates, ctx)
     if shares.rows:
         info = {**info, LARGEST_SHARE: shares.largest()}
@@ -700,6 +742,12 @@ class MethodSpec:
             for site-local data, and ``like_train`` not for a multi-label task; the run's config records them.
         presets: named run-config presets (``--preset NAME``), e.g. ``{"paper": Preset(...)}`` with the paper's
             headline configuration and what still differs from it (:mod:`medflare.methods.presets`).
+        dp_sgd_blocker: why the method's local update cannot run as DP-SGD (:mod:`medflare.dp_sgd`), one line; ""
+            when it is a per-sample loss over the site's private samples, which Opacus clips and noises. A job with
+            ``dp_sgd`` is refused for a method that gives a reason.
+        dp_sgd_uncovered: what a site's ε does not cover besides the common meta (evaluation counts,
+            ``n_samples``), e.g. class counts its loss reads or values it sends that no noised step produced;
+            ``docs/privacy.md`` is generated from it.
     """
 
     name: str
@@ -721,6 +769,8 @@ class MethodSpec:
     check_run: Callable[[Any, Mapping[str, TrainConfig], Any], list[str]] | None = None
     data_defaults: Mapping[str, Any] = field(default_factory=dict)
     presets: Mapping[str, Preset] = field(default_factory=dict)
+    dp_sgd_blocker: str = ""
+    dp_sgd_uncovered: str = ""
 
     def __post_init__(self) -> None:
         if not self.server_model and self.payload.sends_weights:

@@ -17,6 +17,9 @@ class BsmFlConfig:
 SPEC = register_method(
     MethodSpec(
         name="bsm-fl",
+        dp_sgd_uncovered=(
+            "the site's class counts its loss reads: ε covers the noised steps given those counts, not the counts"
+        ),
         summary="BSM-FL: FedAvg with local balanced-softmax loss (label-prior-adjusted logits)",
         config_cls=BsmFlConfig,
         trainer_cls=BalancedSoftmaxTrainer,

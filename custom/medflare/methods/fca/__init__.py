@@ -71,6 +71,9 @@ TRAIN_DEFAULTS = {
 SPEC = register_method(
     MethodSpec(
         name="fca",
+        dp_sgd_uncovered=(
+            "the site's class counts its loss reads: ε covers the noised steps given those counts, not the counts"
+        ),
         summary="FCA: personal head per site (never sent) anchors the federated head via KL; BSM on both heads",
         config_cls=FcaConfig,
         trainer_cls=FcaTrainer,

@@ -101,6 +101,10 @@ TRAIN_DEFAULTS = {"grad_clip": 5.0}  # clipping at 5.0 is in the code, not the p
 SPEC = register_method(
     MethodSpec(
         name="fedmas",
+        dp_sgd_uncovered=(
+            "RF, computed from the site's private images outside the noised steps; the site's class counts its loss "
+            "reads"
+        ),
         summary="Fed-MAS: BSM + distillation to a frozen prior; sites weighted by rescue factor RF",
         config_cls=FedMasConfig,
         trainer_cls=FedMasTrainer,
@@ -122,6 +126,9 @@ SPEC = register_method(
 BSM_KD_SPEC = register_method(
     MethodSpec(
         name="bsm-kd",
+        dp_sgd_uncovered=(
+            "the site's class counts its loss reads: ε covers the noised steps given those counts, not the counts"
+        ),
         summary="BSM-FL w/ KD (Fed-MAS ablation): BSM + distillation to the prior, sample-count aggregation",
         config_cls=BsmKdConfig,
         trainer_cls=FedMasTrainer,

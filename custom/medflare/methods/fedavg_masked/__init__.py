@@ -21,6 +21,7 @@ class FedAvgMaskedConfig:
 SPEC = register_method(
     MethodSpec(
         name="fedavg-masked",
+        dp_sgd_uncovered="identified: which classes the site annotates",
         summary="FedAvg* (FPSL's task-dependent aggregation): classifier row c averaged over the sites labelling c",
         config_cls=FedAvgMaskedConfig,
         trainer_cls=FedAvgMaskedTrainer,

@@ -24,6 +24,9 @@ class FedLcConfig:
 SPEC = register_method(
     MethodSpec(
         name="fedlc",
+        dp_sgd_uncovered=(
+            "the site's class counts its loss reads: ε covers the noised steps given those counts, not the counts"
+        ),
         summary="FedLC: local CE on logits minus tau * n_k^(-1/4) (site counts), sample-count-weighted average",
         config_cls=FedLcConfig,
         trainer_cls=FedLcTrainer,

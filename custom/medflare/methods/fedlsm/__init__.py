@@ -104,6 +104,10 @@ PAYLOAD = Payload(
 SPEC = register_method(
     MethodSpec(
         name="fedlsm",
+        dp_sgd_blocker=(
+            "UDE MixUp blends pairs of private images into one training row and an EMA teacher trained on private data "
+            "pseudo-labels them, so no gradient belongs to one sample"
+        ),
         summary="FedLSM: UE pools, EMA-teacher pseudo-labels, UDE MixUp, classifier rows weighted by q (AWPA)",
         config_cls=FedLsmConfig,
         trainer_cls=FedLsmTrainer,

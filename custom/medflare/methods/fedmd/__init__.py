@@ -30,6 +30,10 @@ class FedMdConfig(MdhflConfig):
 SPEC = register_method(
     MethodSpec(
         name="fedmd",
+        dp_sgd_blocker=(
+            "its distillation steps train the same model on public rows with a plain optimizer between its private "
+            "steps, which Opacus's per-sample hooks and the accountant do not separate"
+        ),
         summary="FedMD: per-site architectures; KL to the mean of all sites' public-set predictions + local CE",
         config_cls=FedMdConfig,
         trainer_cls=MdhflTrainer,

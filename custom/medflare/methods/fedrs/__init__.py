@@ -41,6 +41,9 @@ class FedRsConfig:
 SPEC = register_method(
     MethodSpec(
         name="fedrs",
+        dp_sgd_uncovered=(
+            "the site's class counts its loss reads: ε covers the noised steps given those counts, not the counts"
+        ),
         summary="FedRS: local (balanced) softmax with the logits of the site's missing classes scaled by alpha",
         config_cls=FedRsConfig,
         trainer_cls=FedRsTrainer,

@@ -34,6 +34,9 @@ class LdamDrwConfig:
 SPEC = register_method(
     MethodSpec(
         name="ldam-drw",
+        dp_sgd_uncovered=(
+            "the site's class counts its loss reads: ε covers the noised steps given those counts, not the counts"
+        ),
         summary="LDAM-DRW-FL: local LDAM loss on a cosine head, class-balanced re-weighting from 80% of rounds",
         config_cls=LdamDrwConfig,
         trainer_cls=LdamDrwTrainer,

@@ -15,6 +15,8 @@ class LocalOnlyRule(ServerRule):
     specialization (``final.site_mean``). There is no global classifier: generalization = each site's own model on
     the pooled test set, averaged over sites (FCA's local-learning row; simulation only)."""
 
+    encrypted_aggregation_refusal = "it aggregates nothing (every weight stays at its site): nothing to encrypt"
+
     def final_metrics(self, final: Mapping[str, Any]) -> dict[str, Any]:
         return personalization_figures(final, global_classifier=False, specialization=None,
                                        generalization=GENERALIZATION)

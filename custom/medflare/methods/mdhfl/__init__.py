@@ -99,6 +99,10 @@ SMOKE = {
 SPEC = register_method(
     MethodSpec(
         name="mdhfl",
+        dp_sgd_blocker=(
+            "its distillation steps train the same model on public rows with a plain optimizer between its private "
+            "steps, which Opacus's per-sample hooks and the accountant do not separate"
+        ),
         summary="MDH-FL: per-site architectures; KL to confidence-weighted public-set predictions + local SCE",
         config_cls=MdhflConfig,
         trainer_cls=MdhflTrainer,

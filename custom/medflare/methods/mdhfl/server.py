@@ -67,6 +67,9 @@ class MdhflRule(ServerRule):
     and each site's latest private loss (CCR needs the previous round's).
     """
 
+    encrypted_aggregation_refusal = ("it sends no weights: the server mixes the sites' public-set predictions per "
+                                     "receiver and clips them, which it must read to do")
+
     def __init__(self, method_cfg: Any, total_rounds: int, payload: contracts.Payload = contracts.Payload()) -> None:
         super().__init__(method_cfg, total_rounds, payload)
         self.public_size = 0

@@ -236,6 +236,11 @@ BEIT_PAYLOAD_META = {  # the visual tokens' code statistics on the round's image
 SMOKE_DATA = {"source": "synthetic:n=160,n_val=40,n_test=40,imbalance=2", "partition": "iid"}
 
 
+# Why neither SSL-FL method trains with DP-SGD (MethodSpec.dp_sgd_blocker)
+SSL_DP_BLOCKER = ("its fine-tuning mixes pairs of images (MixUp/CutMix) into one training row, so no gradient belongs "
+                  "to one sample")
+
+
 def _register(name: str, summary: str, config_cls: type, trainer_cls: type, network_cls: type, build_model: Any,
               train_defaults: dict, smoke: dict, meta: dict = PAYLOAD_META, reveals: str = "") -> MethodSpec:
     """One SSL-FL method: its stages' wire declaration comes from the network's ``NOT_SENT`` table."""
@@ -246,6 +251,7 @@ def _register(name: str, summary: str, config_cls: type, trainer_cls: type, netw
             build_model=build_model, train_defaults=train_defaults, reference=REFERENCE,
             smoke={"model": "vit_micro", "data": SMOKE_DATA, **smoke}, default_model="vit_tiny",
             presets=PAPER_PRESETS.get(name, {}), **({"reveals": reveals} if reveals else {}),
+            dp_sgd_blocker=SSL_DP_BLOCKER,
         )
     )
 

@@ -1,0 +1,279 @@
+"""DP-SGD at a site: per-sample clipping and Gaussian noise from Opacus, and one privacy accountant per site.
+
+Pure PyTorch + Opacus, below the FLARE layer. The trainer (``methods.base.LocalTrainer``) asks four things of a
+:class:`PrivateTraining`: a Poisson-sampled loader (:meth:`~PrivateTraining.loader`), its optimizer wrapped in
+Opacus's ``DPOptimizer`` (:meth:`~PrivateTraining.wrap`), whether one more round stays within the site's budget
+(:meth:`~PrivateTraining.check_budget`) and the ε spent so far (:meth:`~PrivateTraining.epsilon`).
+
+The guarantee: each site's released models are (ε, δ)-DP with respect to adding or removing one of its training
+samples (sample-level DP), ε from the accountant over every optimizer step the site took in the job. Sampling is
+Poisson with rate ``batch_size / N`` (Opacus's ``DPDataLoader``; batches vary in size, an empty one is still a
+noised step), which is what the RDP and PRV accountants assume. Opacus's ``GradSampleModule`` hooks compute each
+sample's gradient, ``DPOptimizer`` clips each to ``max_grad_norm``, sums them, adds N(0, (σ·C)²) per coordinate
+and divides by the expected batch size. What is *not* covered (class counts a method's loss reads, evaluation
+counts, values computed outside the noised steps) is listed per method in ``docs/privacy.md``.
+
+Models are made DP-compatible by Opacus's ``ModuleValidator.fix`` (BatchNorm, which mixes samples, becomes
+GroupNorm) wherever the run config has a ``dp_sgd`` section, on the server and at every site alike
+(:func:`dp_compatible_model`), so every party builds the same architecture.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from medflare.config import from_dict
+from medflare.errors import ConfigError, SiteDeclined
+
+ACCOUNTANTS = ("rdp", "prv")
+INSTALL_HINT = "pip install 'medflare[dp]'"
+SITE_POLICY_KEY = "dp_sgd"  # the object in a site's medflare_site.json
+
+
+@dataclass
+class DPSGDConfig:
+    """A job's DP-SGD settings (``--set dp_sgd.noise_multiplier=1.1``; an empty section = DP-SGD off).
+
+    Attributes:
+        noise_multiplier: σ: the noise's standard deviation over the clipping bound.
+        max_grad_norm: C: every sample's gradient is clipped to this L2 norm.
+        delta: δ of the reported (ε, δ); keep it below 1 / (a site's training samples).
+        max_epsilon: the job's own budget per site (0 = none): a site whose next round would take its ε above it
+            stops contributing. A site's own ``max_epsilon`` wins when it is lower.
+        accountant: "rdp" (Rényi DP, Mironov 2017; Opacus's default) or "prv" (privacy random variables,
+            Gopi et al. 2021; tighter).
+    """
+
+    noise_multiplier: float = 1.0
+    max_grad_norm: float = 1.0
+    delta: float = 1e-5
+    max_epsilon: float = 0.0
+    accountant: Literal["rdp", "prv"] = "rdp"
+
+    def __post_init__(self) -> None:
+        checks = (
+            (self.noise_multiplier > 0, "noise_multiplier", "> 0"),
+            (self.max_grad_norm > 0, "max_grad_norm", "> 0"),
+            (0 < self.delta < 1, "delta", "in (0, 1)"),
+            (self.max_epsilon >= 0, "max_epsilon", ">= 0 (0 = no budget)"),
+            (self.accountant in ACCOUNTANTS, "accountant", f"one of {', '.join(ACCOUNTANTS)}"),
+        )
+        for ok, name, allowed in checks:
+            if not ok:
+                raise ConfigError(f"dp_sgd.{name} must be {allowed}, got {getattr(self, name)!r}")
+
+
+@dataclass
+class SiteDPPolicy:
+    """What a hospital demands of DP-SGD, in its own ``local/medflare_site.json`` (``"dp_sgd": {...}``).
+
+    Attributes:
+        required: every job must train with DP-SGD at this site.
+        max_epsilon: this site's budget for one job (0 = none): it stops contributing before a round that would
+            take its ε above it, and refuses a job whose own budget is higher.
+        min_noise_multiplier: the lowest σ it accepts.
+        max_grad_norm: the largest clipping bound it accepts (0 = any).
+        max_delta: the largest δ it accepts.
+    """
+
+    required: bool = False
+    max_epsilon: float = 0.0
+    min_noise_multiplier: float = 0.0
+    max_grad_norm: float = 0.0
+    max_delta: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if min(self.max_epsilon, self.min_noise_multiplier, self.max_grad_norm) < 0 or not 0 < self.max_delta < 1:
+            raise ConfigError("dp_sgd in medflare_site.json: max_epsilon, min_noise_multiplier and max_grad_norm must "
+                              f"be >= 0 and max_delta in (0, 1), got {self}")
+
+
+def site_dp_settings(job: Mapping[str, Any] | None, policy: Mapping[str, Any] | None, site: str) -> DPSGDConfig | None:
+    """The DP-SGD settings this site trains with: the job's, checked against the site's policy; None = off.
+
+    The job's ``max_epsilon`` becomes the site's when the site's is lower or the job sets none.
+
+    Raises:
+        SiteDeclined: one line naming what the job asks for and what the site demands (before any training).
+    """
+    rules = from_dict(SiteDPPolicy, dict(policy or {}), "medflare_site.json dp_sgd")
+    if not job:
+        if rules.required:
+            raise SiteDeclined(f"{site} declines the job: its medflare_site.json requires DP-SGD and the job has "
+                               "none; submit it with a dp_sgd section (e.g. --set dp_sgd.noise_multiplier=1.0)")
+        return None
+    cfg = from_dict(DPSGDConfig, dict(job), "dp_sgd")
+    refusals = [
+        (cfg.noise_multiplier < rules.min_noise_multiplier,
+         f"noise_multiplier {cfg.noise_multiplier:g} is below its floor {rules.min_noise_multiplier:g}"),
+        (0 < rules.max_grad_norm < cfg.max_grad_norm,
+         f"max_grad_norm {cfg.max_grad_norm:g} is above its ceiling {rules.max_grad_norm:g}"),
+        (cfg.delta > rules.max_delta, f"delta {cfg.delta:g} is above its max_delta {rules.max_delta:g}"),
+        (0 < rules.max_epsilon < cfg.max_epsilon,
+         f"max_epsilon {cfg.max_epsilon:g} is above its budget {rules.max_epsilon:g}"),
+    ]
+    reasons = [reason for refused, reason in refusals if refused]
+    if reasons:
+        raise SiteDeclined(f"{site} declines the job's dp_sgd: {'; '.join(reasons)} (its medflare_site.json)")
+    budgets = [b for b in (cfg.max_epsilon, rules.max_epsilon) if b > 0]
+    cfg.max_epsilon = min(budgets, default=0.0)
+    return cfg
+
+
+def check_method_supports_dp(method: str, blocker: str) -> None:
+    """Refuse DP-SGD for a method whose local update cannot be made DP (its MethodSpec's ``dp_sgd_blocker``).
+
+    Raises:
+        ConfigError: one line with the method's reason.
+    """
+    if blocker:
+        raise ConfigError(f"dp_sgd: method '{method}' cannot train with DP-SGD: {blocker}")
+
+
+def opacus() -> Any:
+    """The opacus package, or a one-line ConfigError saying how to install it."""
+    try:
+        import opacus as package
+    except ImportError:
+        raise ConfigError(f"dp_sgd needs the opacus package: {INSTALL_HINT}") from None
+    return package
+
+
+def dp_compatible_model(model: nn.Module) -> nn.Module:
+    """``model`` with every layer that mixes samples replaced by a per-sample one (BatchNorm -> GroupNorm), by
+    Opacus's ``ModuleValidator.fix``, and in-place activations made out-of-place (same weights, same keys); the
+    same on the server and at every site of a job with ``dp_sgd``.
+
+    Raises:
+        ConfigError: a layer Opacus cannot fix or compute per-sample gradients of (the first one, in one line).
+    """
+    validator = opacus().validators.ModuleValidator
+    fixed = validator.fix(model)
+    for layer in fixed.modules():  # an in-place activation would overwrite the output Opacus's backward hook reads
+        if getattr(layer, "inplace", False) is True:
+            layer.inplace = False
+    problems = validator.validate(fixed, strict=False)
+    if problems:
+        raise ConfigError(f"dp_sgd: {type(model).__name__} cannot train with DP-SGD: {problems[0]}; choose another "
+                          "--model (cnn and the resnets can)")
+    return fixed
+
+
+def make_accountant(kind: str) -> Any:
+    """A fresh Opacus accountant: RDP or PRV."""
+    accountants = opacus().accountants
+    return accountants.RDPAccountant() if kind == "rdp" else accountants.PRVAccountant()
+
+
+def epsilon_of(history: list[tuple[float, float, int]], delta: float, kind: str = "rdp") -> float:
+    """ε at ``delta`` after the steps in ``history``: (noise multiplier, sample rate, steps) entries, as Opacus's
+    accountants keep them; 0 before any step."""
+    if not history:
+        return 0.0
+    accountant = make_accountant(kind)
+    accountant.history = list(history)
+    return float(accountant.get_epsilon(delta=delta))
+
+
+def noise_for_epsilon(target_epsilon: float, delta: float, sample_rate: float, steps: int, kind: str = "rdp") -> float:
+    """The noise multiplier σ that spends ``target_epsilon`` at ``delta`` over ``steps`` Poisson-sampled steps
+    (Opacus's ``get_noise_multiplier``); e.g. for a benchmark that sweeps ε."""
+    utils = opacus().accountants.utils
+    return float(utils.get_noise_multiplier(target_epsilon=target_epsilon, target_delta=delta,
+                                            sample_rate=sample_rate, steps=steps, accountant=kind))
+
+
+class PrivateTraining:
+    """One site's DP-SGD for a whole job: the per-sample gradient hooks on its model, its accountant and budget.
+
+    Args:
+        cfg: the settings this site trains with (:func:`site_dp_settings`).
+        model: the site's (DP-compatible) network; hooks are added to its layers, so the trainer keeps calling
+            the model itself and its state dict keeps its own key names.
+        num_samples: the site's training-set size N (the sample rate is ``batch_size / N``).
+    """
+
+    def __init__(self, cfg: DPSGDConfig, model: nn.Module, num_samples: int) -> None:
+        if num_samples < 1:
+            raise ConfigError("dp_sgd needs at least one training sample at the site")
+        self.cfg = cfg
+        self.num_samples = num_samples
+        self.accountant = make_accountant(cfg.accountant)
+        # torch notes, every step, that the first layer's input needs no gradient: true and harmless (images)
+        warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with "
+                                "respect to module outputs since no inputs require gradients")
+        # The hooks live on the model's layers; this wrapper only owns them (it is never called)
+        self._hooks = opacus().GradSampleModule(model, batch_first=True, loss_reduction="mean")
+
+    def sample_rate(self, batch_size: int) -> float:
+        """q = batch_size / N, at most 1."""
+        return min(1.0, batch_size / self.num_samples)
+
+    def loader(self, dataset: Dataset, batch_size: int, num_workers: int = 0, pin_memory: bool = False) -> DataLoader:
+        """Poisson-sampled batches: each sample joins each batch with probability q, 1/q batches an epoch."""
+        return opacus().data_loader.DPDataLoader(dataset, sample_rate=self.sample_rate(batch_size),
+                                                 num_workers=num_workers, pin_memory=pin_memory)
+
+    def wrap(self, optimizer: torch.optim.Optimizer, batch_size: int) -> torch.optim.Optimizer:
+        """``optimizer`` behind Opacus's ``DPOptimizer`` (clip each sample's gradient, sum, add noise, average over
+        the expected batch size), each of its steps counted by this site's accountant."""
+        dp_optimizer = opacus().optimizers.DPOptimizer(
+            optimizer, noise_multiplier=self.cfg.noise_multiplier, max_grad_norm=self.cfg.max_grad_norm,
+            expected_batch_size=max(1, round(self.sample_rate(batch_size) * self.num_samples)), loss_reduction="mean",
+        )
+        dp_optimizer.attach_step_hook(self.accountant.get_optimizer_hook_fn(sample_rate=self.sample_rate(batch_size)))
+        return dp_optimizer
+
+    @staticmethod
+    def clear_per_sample_gradients(model: nn.Module) -> None:
+        """Drop per-sample gradients a step left on parameters its optimizer does not hold (a frozen part)."""
+        for parameter in model.parameters():
+            parameter.grad_sample = None
+
+    def epsilon(self) -> float:
+        """ε spent so far at the configured δ (0 before the first step)."""
+        return epsilon_of(self.accountant.history, self.cfg.delta, self.cfg.accountant)
+
+    def epsilon_after(self, steps: int, batch_size: int) -> float:
+        """ε after ``steps`` more steps at this batch size (the accountant itself is left as it is)."""
+        planned = (self.cfg.noise_multiplier, self.sample_rate(batch_size), steps)
+        return epsilon_of([*self.accountant.history, planned], self.cfg.delta, self.cfg.accountant)
+
+    def check_budget(self, steps: int, batch_size: int) -> None:
+        """Refuse a round whose ``steps`` would take ε above the budget: the site stops contributing *before*
+        it would overspend.
+
+        Raises:
+            SiteDeclined: naming the ε spent, the ε the round would reach and the budget.
+        """
+        budget = self.cfg.max_epsilon
+        if budget <= 0:
+            return
+        after = self.epsilon_after(steps, batch_size)
+        if after > budget or math.isnan(after):
+            raise SiteDeclined(
+                f"DP-SGD budget spent: ε = {self.epsilon():.3f} at δ = {self.cfg.delta:g} so far, one more round "
+                f"({steps} steps) would reach {after:.3f} > max_epsilon {budget:g}; this site stops contributing"
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The accountant's history (kept in the site's state file, so a restarted site keeps counting)."""
+        return {"history": [list(entry) for entry in self.accountant.history], "accountant": self.cfg.accountant}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`.
+
+        Raises:
+            ConfigError: the saved history was kept by another accountant than this job's.
+        """
+        if state.get("accountant") != self.cfg.accountant:
+            raise ConfigError(f"the site's saved DP-SGD state was kept by accountant '{state.get('accountant')}', "
+                              f"this job uses '{self.cfg.accountant}'")
+        self.accountant.history = [(float(s), float(q), int(n)) for s, q, n in state.get("history") or []]

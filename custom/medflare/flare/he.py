@@ -1,0 +1,391 @@
+"""Encrypted aggregation in FLARE (``secure_aggregation=he``): sites encrypt, the server weighs ciphertexts it
+cannot read, sites decrypt.
+
+Built from FLARE's homomorphic-encryption pieces: the TenSEAL CKKS contexts FLARE's ``HEBuilder`` writes into
+provisioned kits (``client_context.tenseal`` with the secret key at every site, ``server_context.tenseal`` without
+it on the server; ``SignatureBuilder`` signs both) and FLARE's loader, which checks that signature
+(``load_tenseal_context_from_workspace``). FLARE's own ``HEModelEncryptor``/``HEInTimeAccumulateWeightedAggregator``
+are not used: they weigh each site at the site by its step count and send ``CKKSVector`` objects whose FLARE
+serialization carries the context (about 660 KB) with every array, while medflare's rules weigh sites on the server
+(sample counts, Fed-MAS's rescue factors, per-class rows) under a share cap.
+
+- At a site, :class:`DecryptTask` (a job task-data filter) decrypts the global model a task carries, and
+  :class:`EncryptResult` (a job task-result filter on ``train`` and ``submit_model``) encrypts every model array
+  of the result. FLARE runs a site's own privacy filters first, so the site's ``PayloadGuard`` and the trainer's
+  own checks (NaN/Inf, the method's contract, frozen parts) see the plaintext update before it is encrypted.
+- On the server, :class:`EncryptedAggregator` runs :class:`EncryptedRoundAggregation`: every check that needs only
+  shapes, meta and declared arrays runs as before (on zero-stride stand-ins of the ciphertexts), the rule computes
+  its weights in plaintext, the share cap bounds them, and only then are the ciphertexts weighed and added
+  (:func:`medflare.ops.he_aggregate.combine_encrypted`).
+
+What the server can no longer do is refused or recorded: the update-norm bound (``robust.max_norm_ratio``), stream
+aggregation, differences (``transfer_kind=diff``), half-precision transfers and resuming are refused; no plaintext
+model file, best-model file or round checkpoint is written (the final model is saved encrypted,
+:data:`MODEL_FILE`). FLARE's simulator has no provisioned contexts, so the simulator refuses the option.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+from nvflare.apis.dxo import from_shareable
+from nvflare.apis.event_type import EventType
+from nvflare.apis.filter import Filter
+from nvflare.apis.fl_constant import ReturnCode
+from nvflare.apis.fl_context import FLContext
+from nvflare.apis.shareable import Shareable
+
+from medflare import contracts
+from medflare.errors import ConfigError, PayloadError
+from medflare.flare.aggregator import MedflareAggregator, RoundAggregation
+from medflare.methods.base import AggregateResult, MethodSpec, PerSite, aggregate_updates
+from medflare.ops import he_aggregate
+from medflare.ops.he_aggregate import EncryptedArray, combine_encrypted, declared_encrypted, stand_in
+from medflare.ops.influence import Shares, combine
+
+MODE = "he"  # RunConfig.secure_aggregation's value that turns it on
+SERVER_CONTEXT_FILE = "server_context.tenseal"  # FLARE's ProvFileName.SERVER_CONTEXT_TENSEAL (HEBuilder)
+CLIENT_CONTEXT_FILE = "client_context.tenseal"  # FLARE's ProvFileName.CLIENT_CONTEXT_TENSEAL
+MODEL_FILE = "FL_global_model.ckks.npz"  # the final global model, encrypted: only a site can read it
+_HEADER = "__medflare_he__"  # MODEL_FILE's entry naming each array's shape, dtype and whether it is encrypted
+
+
+def encryption_refusal(spec: MethodSpec) -> str:
+    """Why ``spec``'s method cannot aggregate encrypted ("" when it can), from its rule's declaration
+    (``ServerRule.encrypted_aggregation_refusal``) and whether its sites send weights at all."""
+    reason = spec.server_rule_cls.encrypted_aggregation_refusal
+    if not reason and not spec.payload.sends_weights:
+        reason = "its sites send no weights, so there is nothing to encrypt"
+    return f"method '{spec.name}' cannot aggregate encrypted: {reason}" if reason else ""
+
+
+def encrypted_run_problems(
+    spec: MethodSpec, *, stream_aggregation: bool = False, transfer_kind: str = "weights",
+    transfer_dtype: str = "float32", download_dtype: str = "float32", max_norm_ratio: float = 0.0,
+    resume: bool = False,
+) -> list[str]:
+    """What a job with encrypted aggregation asks that the server can no longer do, one sentence each."""
+    refusal = encryption_refusal(spec)
+    conditions = [
+        (max_norm_ratio > 0, "robust.max_norm_ratio compares the sites' update norms, which the server cannot read "
+                             "under encryption; set robust.max_norm_ratio=0 (each site still checks its own update "
+                             "for NaN/Inf and its method's contract before encrypting)"),
+        (stream_aggregation, "stream_aggregation adds plaintext arrays as they arrive; encrypted aggregation holds "
+                             "the ciphertexts until the round ends"),
+        (transfer_kind != "weights", "transfer_kind=diff (for DP filters) needs plaintext differences; encrypted "
+                                     "updates travel as weights"),
+        ("float32" != transfer_dtype or download_dtype != "float32",
+         "transfer_dtype and download_dtype must be float32: ciphertexts hold float64 values whatever the dtype"),
+        (resume, "resume_from continues from a plaintext checkpoint, which an encrypted job does not write"),
+    ]
+    return ([refusal] if refusal else []) + [text for applies, text in conditions if applies]
+
+
+def check_encrypted_run(spec: MethodSpec, **options: Any) -> None:
+    """Raise ConfigError naming all an encrypted job asks that cannot be done (:func:`encrypted_run_problems`)."""
+    problems = encrypted_run_problems(spec, **options)
+    if problems:
+        raise ConfigError("secure_aggregation=he: " + "; ".join(problems))
+
+
+def load_workspace_context(file_name: str, fl_ctx: FLContext) -> Any:
+    """A TenSEAL context from this participant's startup kit, through FLARE's loader (which refuses an unsigned or
+    tampered context in secure mode).
+
+    Raises:
+        ConfigError: TenSEAL is missing, or the kit has no such context (not provisioned with HEBuilder).
+    """
+    he_aggregate.tenseal()
+    from nvflare.app_opt.he.homomorphic_encrypt import load_tenseal_context_from_workspace
+
+    try:
+        return load_tenseal_context_from_workspace(file_name, fl_ctx)
+    except ValueError as exc:
+        raise ConfigError(f"secure_aggregation=he: {exc}; provision the kits with FLARE's HEBuilder "
+                          "(docs/deploy.md, 'Encrypted aggregation')") from exc
+
+
+class EncryptedRoundAggregation(RoundAggregation):
+    """:class:`RoundAggregation` over encrypted train results: the server never holds a decryptable model array.
+
+    The global model's arrays that have been aggregated are :class:`EncryptedArray` s (kept in ``encrypted``); the
+    rule and every shape check see zero-stride stand-ins of them. Train results must carry every shared model
+    array encrypted, except the method's frozen parts, which every site sends back exactly as the server sent them
+    and so travel in plaintext (the server still checks them). The server context (no secret key) is set with
+    :meth:`use_context` before the first result arrives.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        check_encrypted_run(self.spec, stream_aggregation=self.stream_aggregation, transfer_kind=self.transfer_kind,
+                            transfer_dtype=self.transfer_dtype, download_dtype=self.download_dtype,
+                            max_norm_ratio=self.robust.max_norm_ratio)
+        self.context: Any = None
+        self.encrypted: dict[str, EncryptedArray] = {}  # the global model's aggregated arrays
+        self.stand_ins: dict[str, np.ndarray] = {}
+        self.sent_encrypted: dict[str, list] = {}  # what the current task carries encrypted (its header says so)
+
+    def use_context(self, context: Any) -> None:
+        """The server's TenSEAL context; refused when it holds a secret key."""
+        if context.is_private():
+            raise ConfigError("the server's TenSEAL context holds a secret key, so the server could decrypt every "
+                              "site's update; provision the server kit with HEBuilder's server context")
+        self.context = context
+
+    def start_round(self, global_params: Mapping[str, Any], ctx: Any) -> None:
+        global_params = {k: self.encrypted[k] if v is self.stand_ins.get(k) else v  # reset() hands back stand-ins
+                         for k, v in global_params.items()}
+        self.encrypted = {k: v for k, v in global_params.items() if isinstance(v, EncryptedArray)}
+        self.stand_ins = {k: stand_in(v.shape, v.dtype) for k, v in self.encrypted.items()}
+        plain = {k: v for k, v in global_params.items() if k not in self.encrypted}
+        super().start_round({**plain, **self.stand_ins}, ctx)
+        self.sent_encrypted = {}
+
+    def start_phase(self, phase: str) -> dict[str, np.ndarray] | PerSite:
+        self.sent_encrypted = {}
+        return super().start_phase(phase)
+
+    def downloaded(self, arrays: Mapping[str, Any]) -> dict[str, Any]:
+        """``arrays`` as the server sends them: the encrypted global arrays as ciphertext bytes (the task header
+        declares them), the rest as :meth:`RoundAggregation.downloaded` sends them."""
+        sealed = {k for k, v in arrays.items() if isinstance(v, EncryptedArray) or v is self.stand_ins.get(k)}
+        sent = super().downloaded({k: v for k, v in arrays.items() if k not in sealed})
+        for key in sealed:
+            array = self.encrypted[key]
+            sent[key] = array.serialize()
+            self.sent_encrypted[key] = [list(array.shape), array.dtype]
+        return sent
+
+    def task_header(self) -> dict[str, Any]:
+        header = super().task_header()
+        return {**header, contracts.ENCRYPTED_ARRAYS: dict(self.sent_encrypted)} if self.sent_encrypted else header
+
+    def batch_reason(self) -> str:
+        return "encrypted aggregation holds every site's ciphertexts until the round ends"
+
+    def encrypted_keys(self) -> list[str]:
+        """The arrays a train result must carry encrypted: the shared model arrays, frozen parts excepted."""
+        return sorted(k for k in self.expected if k in self.global_params and not self.spec.payload.is_frozen(k))
+
+    def accept(
+        self, site: str, arrays: Mapping[str, Any], meta: Mapping[str, Any], kind: str = "weights"
+    ) -> str | None:
+        """Read the ciphertexts, then run every plaintext check on stand-ins of them (shapes, meta, declared
+        arrays, the rule's checks, the weight); keep the ciphertexts for the aggregate."""
+        if self.phase != contracts.TRAIN_PHASE:
+            return super().accept(site, arrays, meta, kind)
+        try:
+            ciphertexts = self._ciphertexts(arrays, meta)
+        except PayloadError as exc:
+            self.rejected[site] = str(exc)
+            return str(exc)
+        plain = {k: self._stand_in(k) if k in ciphertexts else v for k, v in arrays.items()}
+        reason = super().accept(site, plain, {k: v for k, v in meta.items() if k != contracts.ENCRYPTED_ARRAYS}, kind)
+        if reason is None:
+            self.updates[site].arrays.update(ciphertexts)
+        return reason
+
+    def _stand_in(self, key: str) -> np.ndarray:
+        value = np.asarray(self.global_params[key])
+        return stand_in(value.shape, value.dtype.name)
+
+    def _ciphertexts(self, arrays: Mapping[str, Any], meta: Mapping[str, Any]) -> dict[str, EncryptedArray]:
+        """key -> the site's ciphertext of that model array, read under the server's context.
+
+        Raises:
+            PayloadError: a model array in plaintext or missing, a declaration that does not match the model, or
+                bytes that are not a ciphertext of this project's context.
+        """
+        if self.context is None:
+            raise PayloadError("the server has no TenSEAL context: this server kit was not provisioned for "
+                               "encrypted aggregation")
+        wanted = self.encrypted_keys()
+        declared = declared_encrypted(meta, contracts.ENCRYPTED_ARRAYS)
+        if sorted(declared) != wanted:
+            plain = sorted(set(wanted) - set(declared))
+            raise PayloadError(f"the job aggregates encrypted updates, but {plain[:5] or sorted(declared)[:5]} "
+                               f"arrived {'in plaintext' if plain else 'encrypted without being model arrays'}")
+        ciphertexts = {}
+        for key in wanted:
+            model = np.asarray(self.global_params[key])
+            if declared[key] != (tuple(model.shape), model.dtype.name):
+                raise PayloadError(f"'{key}' is declared {declared[key]}, the model has {tuple(model.shape)} "
+                                   f"{model.dtype.name}")
+            ciphertexts[key] = he_aggregate.read_ciphertext(self.context, key, arrays.get(key), model.shape,
+                                                            model.dtype.name)
+        return ciphertexts
+
+    def aggregate(self) -> AggregateResult:
+        """The rule's weights, bounded in plaintext (the share cap), then the ciphertexts weighed and added.
+
+        Raises:
+            PayloadError: nothing to aggregate, or a plaintext (frozen) aggregate that is not finite.
+        """
+        result = aggregate_updates(self.rule, self.global_params, self.accepted(), self.ctx, self.robust.max_share,
+                                   combiner=combine_sealed)
+        params = {k: self.encrypted[k] if v is self.stand_ins.get(k) else v for k, v in result.params.items()}
+        broken = sorted(k for k, v in params.items()
+                        if isinstance(v, np.ndarray) and v.dtype.kind == "f" and not np.all(np.isfinite(v)))
+        if broken:
+            raise PayloadError(f"the aggregate has NaN/Inf in {broken[:5]}; the previous global model is kept")
+        return AggregateResult(params=params, shares=result.shares, info=result.info)
+
+
+def combine_sealed(updates: Mapping[str, Mapping[str, Any]], shares: Shares,
+                   dtypes: Mapping[str, np.dtype] | None = None) -> dict[str, Any]:
+    """``combine`` for a mix of ciphertexts and plaintext (frozen) arrays: each key the way its arrays are."""
+    sites = list(updates)
+    sealed = {k for k, v in updates[sites[0]].items() if isinstance(v, EncryptedArray)} if sites else set()
+    parts = [{site: {k: v for k, v in arrays.items() if (k in sealed) == encrypted} for site, arrays in updates.items()}
+             for encrypted in (True, False)]
+    combined = combine_encrypted(parts[0], shares) if sealed else {}
+    if any(parts[1].values()):
+        combined.update(combine(parts[1], shares, dtypes))
+    return combined
+
+
+class EncryptedAggregator(MedflareAggregator):
+    """:class:`MedflareAggregator` whose rounds aggregate ciphertexts (:class:`EncryptedRoundAggregation`); it
+    takes the same arguments and loads the server kit's TenSEAL context (no secret key) when the job starts."""
+
+    holds_plaintext = False
+    core_cls = EncryptedRoundAggregation
+
+    def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
+        if event_type == EventType.START_RUN:
+            try:
+                self.core.use_context(load_workspace_context(SERVER_CONTEXT_FILE, fl_ctx))
+            except ConfigError as exc:
+                self.system_panic(str(exc), fl_ctx)
+        super().handle_event(event_type, fl_ctx)
+
+    def encryption_record(self) -> dict[str, Any]:
+        """What the results file says about the job's encryption and what the server did not write."""
+        return {
+            "mode": MODE,
+            "model_file": f"{MODEL_FILE}: the final global model as CKKS ciphertexts; only a site decrypts it "
+                          "(medflare.flare.he.read_encrypted_model with its client_context.tenseal)",
+            "best_model_file": "not written: the server cannot save a plaintext model",
+            "checkpoint": "not written: the server holds ciphertexts only, and an encrypted job cannot be resumed",
+            "norm_bound": "off: the server cannot read the updates; each site checks its own before encrypting",
+        }
+
+    def save_model(self, params: Mapping[str, Any], folder: str | Path) -> Path:
+        """Write the global model as the server holds it (ciphertexts and plaintext arrays) to ``folder``."""
+        return save_encrypted_model(Path(folder) / MODEL_FILE, params)
+
+
+def save_encrypted_model(path: str | Path, params: Mapping[str, Any]) -> Path:
+    """``params`` (ciphertexts and plaintext arrays) as one ``.npz``: each ciphertext's bytes as a uint8 array, a
+    JSON header with every array's shape and dtype. No pickle, no key."""
+    header, entries = {}, {}
+    for index, (key, value) in enumerate(params.items()):
+        name = f"a{index}"
+        if isinstance(value, EncryptedArray):
+            entries[name] = np.frombuffer(value.serialize(), dtype=np.uint8)
+            header[key] = {"entry": name, "shape": list(value.shape), "dtype": value.dtype, "encrypted": True}
+        else:
+            array = np.asarray(value)
+            entries[name] = array
+            header[key] = {"entry": name, "shape": list(array.shape), "dtype": array.dtype.name, "encrypted": False}
+    entries[_HEADER] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
+    path = Path(path)
+    with path.open("wb") as f:
+        np.savez(f, **entries)
+    return path
+
+
+def read_encrypted_model(path: str | Path, context: Any) -> dict[str, np.ndarray]:
+    """The plaintext model from :func:`save_encrypted_model`'s file, decrypted with a site's context.
+
+    Raises:
+        ConfigError: ``context`` has no secret key (the server's cannot decrypt).
+    """
+    if not context.is_private():
+        raise ConfigError(f"{path} is encrypted: decrypt it with a site's client_context.tenseal (the server's "
+                          "context has no secret key)")
+    with np.load(path, allow_pickle=False) as stored:
+        header = json.loads(stored[_HEADER].tobytes().decode())
+        return {key: he_aggregate.decrypt_array(context, stored[e["entry"]].tobytes(), tuple(e["shape"]), e["dtype"])
+                if e["encrypted"] else stored[e["entry"]] for key, e in header.items()}
+
+
+class _SiteContext(Filter):
+    """A site filter holding the site kit's TenSEAL context (with the secret key), loaded when first needed. The
+    file is always the kit's own ``client_context.tenseal``: a job cannot name another."""
+
+    context_file = CLIENT_CONTEXT_FILE
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._context: Any = None
+
+    def context(self, fl_ctx: FLContext) -> Any:
+        if self._context is None:
+            context = load_workspace_context(self.context_file, fl_ctx)
+            if not context.is_private():
+                raise ConfigError(f"{self.context_file} has no secret key: this site could not read the global "
+                                  "model; provision the site kit with HEBuilder's client context")
+            self._context = context
+        return self._context
+
+
+class DecryptTask(_SiteContext):
+    """Site task-data filter: decrypts the arrays a task declares encrypted (``contracts.ENCRYPTED_ARRAYS``) into
+    the shapes and dtypes it declares; a task without encrypted arrays passes unchanged."""
+
+    def process(self, shareable: Shareable, fl_ctx: FLContext) -> Shareable:
+        try:
+            dxo = from_shareable(shareable)
+        except (ValueError, TypeError):
+            return shareable
+        declared = declared_encrypted(dxo.meta or {}, contracts.ENCRYPTED_ARRAYS)
+        if not declared:
+            return shareable
+        context = self.context(fl_ctx)
+        data = dict(dxo.data or {})
+        for key, (shape, dtype) in declared.items():
+            data[key] = he_aggregate.decrypt_array(context, data[key], shape, dtype)
+        dxo.data = data
+        dxo.remove_meta_props([contracts.ENCRYPTED_ARRAYS])
+        dxo.update_shareable(shareable)
+        return shareable
+
+
+class EncryptResult(_SiteContext):
+    """Site task-result filter: encrypts every array of a result except the method's declared arrays (``plain``)
+    and frozen parts (``plain_keys``, a regex), and declares them in the result's meta. It runs after the site's
+    own filters, so the site has checked the plaintext update; a NaN/Inf array is refused here too.
+
+    Args:
+        plain: names of the declared (non-model) arrays the server's rule reads in plaintext.
+        plain_keys: regex of the model keys that travel in plaintext (the method's frozen parts), "" for none.
+    """
+
+    def __init__(self, plain: list | None = None, plain_keys: str = "") -> None:
+        super().__init__()
+        self.plain = list(plain or [])
+        self.plain_keys = plain_keys
+
+    def process(self, shareable: Shareable, fl_ctx: FLContext) -> Shareable:
+        if shareable.get_return_code() not in (None, ReturnCode.OK):
+            return shareable
+        dxo = from_shareable(shareable)
+        data = dict(dxo.data or {})
+        sealed = [k for k in data if k not in self.plain and not (self.plain_keys and re.search(self.plain_keys, k))]
+        if not sealed:
+            return shareable
+        context = self.context(fl_ctx)
+        declared = {}
+        for key in sealed:
+            array = np.asarray(data[key])
+            data[key] = he_aggregate.encrypt_array(context, array)
+            declared[key] = [list(array.shape), array.dtype.name]
+        dxo.data = data
+        dxo.set_meta_prop(contracts.ENCRYPTED_ARRAYS, declared)
+        dxo.update_shareable(shareable)
+        return shareable

@@ -1,0 +1,227 @@
+"""Encrypted aggregation: the server weighs and adds CKKS ciphertexts of the sites' arrays with plaintext shares.
+
+A site encrypts each model array as one flat TenSEAL ``CKKSVector`` (:func:`encrypt_array`) under the context its
+startup kit holds (FLARE's ``HEBuilder`` writes it, with the secret key; every site of a project shares it). The
+server's context has no secret key, so it can multiply a ciphertext by a plaintext number or vector and add
+ciphertexts, but never read one. :func:`combine_encrypted` is :func:`medflare.ops.influence.combine` over
+ciphertexts: the shares are the server's own, bounded in plaintext (:func:`~medflare.ops.influence.bound`, the
+share cap included) before any ciphertext is touched; a row-weighted array (a classifier weighted per class) is
+multiplied elementwise by each site's share of every row, repeated over the row's entries. The sites decrypt the
+result (:func:`decrypt_array`).
+
+CKKS is approximate: with FLARE's default parameters (poly_modulus_degree 8192, coefficient moduli [60, 40, 40],
+scale 2**40) a decrypted average is within about 1e-5 of the plaintext one for weights of magnitude 1; one
+plaintext multiplication per round uses the one level those moduli leave, which is all a weighted sum needs.
+TenSEAL is imported on first use (the ``medflare[he]`` extra), so jobs without encryption never need it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+from medflare.errors import ConfigError, PayloadError
+from medflare.ops.influence import Shares, cast_like
+
+# FLARE's HEBuilder defaults: the parameters a provisioned kit's contexts have (tests build the same, smaller data)
+POLY_MODULUS_DEGREE = 8192
+COEFF_MOD_BIT_SIZES = (60, 40, 40)
+SCALE_BITS = 40
+
+
+def tenseal() -> Any:
+    """The ``tenseal`` module, or a one-line error naming the extra that installs it."""
+    try:
+        import tenseal as ts
+    except ImportError as exc:
+        raise ConfigError("secure_aggregation=he needs TenSEAL: pip install 'medflare[he]' (tenseal==0.3.18) on "
+                          "the server and at every site") from exc
+    return ts
+
+
+@dataclass(frozen=True)
+class EncryptedArray:
+    """One array as a CKKS ciphertext: what the server holds of a site's update and of the global model.
+
+    Attributes:
+        vector: the TenSEAL ``CKKSVector`` of the array's values, flattened in C order.
+        shape: the array's shape (the ciphertext holds ``prod(shape)`` values).
+        dtype: the array's dtype name; decrypted values are cast back to it (integers rounded).
+    """
+
+    vector: Any
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def serialize(self) -> bytes:
+        """The ciphertext as it travels (no context, no key); an empty array travels as no bytes."""
+        return self.vector.serialize() if self.vector is not None else b""
+
+
+def make_context(poly_modulus_degree: int = POLY_MODULUS_DEGREE,
+                 coeff_mod_bit_sizes: tuple[int, ...] = COEFF_MOD_BIT_SIZES, scale_bits: int = SCALE_BITS) -> Any:
+    """A CKKS context with its secret key, made as FLARE's ``HEBuilder`` makes a project's (tests, benchmarks)."""
+    ts = tenseal()
+    context = ts.context(ts.SCHEME_TYPE.CKKS, poly_modulus_degree=poly_modulus_degree,
+                         coeff_mod_bit_sizes=list(coeff_mod_bit_sizes), encryption_type=ts.ENCRYPTION_TYPE.SYMMETRIC)
+    context.generate_relin_keys()
+    context.global_scale = 2**scale_bits
+    return context
+
+
+def server_copy(context: Any) -> bytes:
+    """``context`` serialized as ``HEBuilder`` writes the server's: relinearisation keys, no public or secret key."""
+    return context.serialize(save_public_key=False, save_secret_key=False, save_galois_keys=False,
+                             save_relin_keys=True)
+
+
+def server_context(data: bytes) -> Any:
+    """The server's context from its serialized form; refused when it holds a secret key.
+
+    Raises:
+        ConfigError: the context can decrypt (a site's context in the server kit).
+    """
+    context = tenseal().context_from(data)
+    if context.is_private():
+        raise ConfigError("the server's TenSEAL context holds a secret key, so the server could decrypt every "
+                          "site's update; provision the server kit with HEBuilder's server context (no secret key)")
+    return context
+
+
+def encrypt_array(context: Any, array: np.ndarray) -> bytes:
+    """A site's array as a serialized CKKS ciphertext (values in float64, flattened in C order).
+
+    Raises:
+        PayloadError: the array holds NaN or Inf (a ciphertext would hide them from every check).
+    """
+    values = np.asarray(array, dtype=np.float64).ravel()
+    if not np.all(np.isfinite(values)):
+        raise PayloadError("refusing to encrypt an array with NaN or Inf: the server could not see it")
+    return tenseal().ckks_vector(context, values).serialize() if values.size else b""
+
+
+def read_ciphertext(context: Any, name: str, data: Any, shape: tuple[int, ...], dtype: str) -> EncryptedArray:
+    """A received ciphertext under ``context``, checked to hold ``prod(shape)`` values.
+
+    Raises:
+        PayloadError: not a serialized CKKS vector of this context, or of the wrong length.
+    """
+    size = int(np.prod(shape, dtype=np.int64))
+    if not isinstance(data, (bytes, bytearray)):
+        raise PayloadError(f"'{name}' must arrive encrypted (serialized CKKS bytes), got {type(data).__name__}")
+    if not size:
+        return EncryptedArray(None, tuple(shape), dtype)
+    try:
+        vector = tenseal().ckks_vector_from(context, bytes(data))
+    except Exception as exc:  # TenSEAL raises ValueError/RuntimeError on a malformed or foreign ciphertext
+        raise PayloadError(f"'{name}' is not a CKKS ciphertext of this project's context: {exc}") from exc
+    if vector.size() != size:
+        raise PayloadError(f"'{name}' encrypts {vector.size()} values, the array has {size} {tuple(shape)}")
+    return EncryptedArray(vector, tuple(shape), dtype)
+
+
+def decrypt_array(context: Any, data: bytes, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """What a site with the secret key reads from a serialized ciphertext: the array in its own shape and dtype."""
+    size = int(np.prod(shape, dtype=np.int64))
+    if not size:
+        return np.zeros(shape, dtype=dtype)
+    values = np.asarray(tenseal().ckks_vector_from(context, data).decrypt(), dtype=np.float64)
+    if values.size != size:
+        raise PayloadError(f"a ciphertext decrypts to {values.size} values, the array has {size} {tuple(shape)}")
+    return cast_like(values.reshape(shape), np.dtype(dtype))
+
+
+def combine_encrypted(updates: Mapping[str, Mapping[str, Any]], shares: Shares,
+                      dtypes: Mapping[str, np.dtype] | None = None) -> dict[str, EncryptedArray]:
+    """key -> Σ_site share · ciphertext for every encrypted array (row-wise where ``shares.rows`` says so).
+
+    The ciphertext twin of :func:`medflare.ops.influence.combine`: ``shares`` come bounded from ``bound``, so a
+    share cap holds before any ciphertext is multiplied. A site whose share of an array is zero everywhere adds
+    nothing (CKKS cannot multiply by an all-zero plaintext).
+
+    Args:
+        updates: site -> {key: EncryptedArray}; every site carries the same keys and shapes.
+        shares: bounded shares from ``bound`` (the sites of ``updates``).
+        dtypes: unused (the result keeps each array's dtype); the signature is ``combine``'s.
+
+    Raises:
+        PayloadError: nothing to aggregate, or an array that is not encrypted.
+    """
+    if not updates:
+        raise PayloadError("nothing to aggregate: no site update was accepted")
+    sites = list(updates)
+    result: dict[str, EncryptedArray] = {}
+    for key in updates[sites[0]]:
+        arrays = [updates[site][key] for site in sites]
+        if not all(isinstance(a, EncryptedArray) for a in arrays):
+            raise PayloadError(f"'{key}' is not encrypted at every site; an encrypted job aggregates ciphertexts only")
+        first = arrays[0]
+        if not first.size:  # nothing to weigh (an empty buffer): it travels as an empty ciphertext
+            result[key] = first
+            continue
+        if key in shares.rows:
+            matrix = shares.rows[key][[shares.order.index(site) for site in sites]]
+            weights = [_per_entry(row, first.shape) for row in matrix]
+        else:
+            weights = [shares.sites[site] for site in sites]
+        result[key] = EncryptedArray(_weighted_ciphertext_sum([a.vector for a in arrays], weights),
+                                     first.shape, first.dtype)
+    return result
+
+
+def _per_entry(row_shares: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """One site's share of each row, repeated over that row's entries (the array flattened in C order)."""
+    if not shape or row_shares.shape[0] != shape[0]:
+        raise PayloadError(f"row weights have {row_shares.shape[0]} rows, the array has shape {tuple(shape)}")
+    return np.repeat(np.asarray(row_shares, dtype=np.float64), int(np.prod(shape[1:], dtype=np.int64)))
+
+
+def _weighted_ciphertext_sum(vectors: list[Any], weights: list[Any]) -> Any:
+    """Σ weight·vector over the terms whose weight is not zero everywhere (scalars or per-entry vectors)."""
+    total = None
+    for vector, weight in zip(vectors, weights):
+        if vector is None or not np.any(np.asarray(weight) != 0):
+            continue
+        term = vector * (float(weight) if np.ndim(weight) == 0 else np.asarray(weight).tolist())
+        total = term if total is None else total + term
+    if total is None:
+        raise PayloadError("every site's share of an encrypted array is zero")
+    return total
+
+
+def stand_in(shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """A zero-stride array of ``shape`` and ``dtype`` standing for a ciphertext wherever only the shape and dtype
+    are checked (it costs no memory per value)."""
+    return np.broadcast_to(np.zeros((), dtype=np.dtype(dtype)), tuple(shape))
+
+
+def declared_encrypted(meta: Mapping[str, Any], key: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape, dtype) of the ciphertexts a message declares under ``meta[key]`` ({} when none).
+
+    Raises:
+        PayloadError: a declaration that is not {name: [shape, dtype]} with a whole, non-negative shape and a
+            numeric dtype.
+    """
+    declared = meta.get(key)
+    if declared is None:
+        return {}
+    if not isinstance(declared, Mapping):
+        raise PayloadError(f"'{key}' must map array names to [shape, dtype], got {type(declared).__name__}")
+    result = {}
+    for name, entry in declared.items():
+        try:
+            shape, dtype = entry
+            shape = tuple(int(d) for d in shape)
+            kind = np.dtype(str(dtype)).kind
+        except (TypeError, ValueError) as exc:
+            raise PayloadError(f"'{key}' declares '{name}' as {entry!r}, not [shape, dtype]") from exc
+        if any(d < 0 for d in shape) or kind not in "fiub":
+            raise PayloadError(f"'{key}' declares '{name}' with shape {shape} and dtype {dtype}")
+        result[str(name)] = (shape, str(np.dtype(str(dtype))))
+    return result

@@ -1,0 +1,205 @@
+"""Encrypted aggregation (secure_aggregation=he): the server weighs CKKS ciphertexts with its plaintext shares and
+never holds a decryptable update; the sites' decrypted model equals the plaintext aggregate within CKKS precision.
+
+One small context (FLARE's HEBuilder parameters) for the module; small arrays, so the whole file takes seconds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tenseal")
+
+from nvflare.apis.dxo import DXO, DataKind, from_shareable  # noqa: E402
+
+from medflare import contracts  # noqa: E402
+from medflare.errors import ConfigError  # noqa: E402
+from medflare.flare.aggregator import RoundAggregation  # noqa: E402
+from medflare.flare.he import (  # noqa: E402
+    DecryptTask,
+    EncryptedRoundAggregation,
+    EncryptResult,
+    encryption_refusal,
+    read_encrypted_model,
+    save_encrypted_model,
+)
+from medflare.methods.base import RoundContext  # noqa: E402
+from medflare.ops import he_aggregate  # noqa: E402
+from medflare.ops.he_aggregate import EncryptedArray  # noqa: E402
+from medflare.registry import get_method  # noqa: E402
+
+CKKS_TOLERANCE = 1e-4  # |decrypted − plaintext| for weights of magnitude ≤ 3 at scale 2**40
+GLOBAL = {
+    "features.weight": np.zeros((4, 2, 3), np.float32),
+    "features.bn.num_batches_tracked": np.array(0, np.int64),
+    "head.weight": np.zeros((3, 4), np.float32),
+    "head.bias": np.zeros(3, np.float32),
+}
+
+
+@pytest.fixture(scope="module")
+def contexts():
+    """(site context with the secret key, server context without it), as HEBuilder writes them into the kits."""
+    site = he_aggregate.make_context()
+    return site, he_aggregate.server_context(he_aggregate.server_copy(site))
+
+
+def site_update(seed: int, n: int, **meta) -> tuple[dict[str, np.ndarray], dict]:
+    rng = np.random.default_rng(seed)
+    arrays = {k: (rng.normal(size=v.shape).astype(v.dtype) if v.dtype.kind == "f" else np.array(4 + seed, v.dtype))
+              for k, v in GLOBAL.items()}
+    return arrays, {"n_samples": n, **meta}
+
+
+def encrypted(site_context, arrays: dict, meta: dict, plain: tuple[str, ...] = ()) -> tuple[dict, dict]:
+    """What EncryptResult makes of a site's result (the filter itself is tested below)."""
+    sealed = {k: he_aggregate.encrypt_array(site_context, v) for k, v in arrays.items() if k not in plain}
+    declared = {k: [list(np.shape(arrays[k])), np.asarray(arrays[k]).dtype.name] for k in sealed}
+    return {**arrays, **sealed}, {**meta, contracts.ENCRYPTED_ARRAYS: declared}
+
+
+def rounds(method: str, contexts, updates: dict, method_args=None, robust=None, num_rounds: int = 2):
+    """(plaintext aggregate, encrypted core after aggregating the same updates) of round 1."""
+    plain = RoundAggregation(method, method_args, 3, num_rounds, robust)
+    sealed = EncryptedRoundAggregation(method, method_args, 3, num_rounds, robust)
+    sealed.use_context(contexts[1])
+    for core in (plain, sealed):
+        core.start_round(GLOBAL, RoundContext(0, num_rounds))
+        core.start_phase("train")
+    for site, (arrays, meta) in updates.items():
+        assert plain.accept(site, arrays, meta) is None
+        assert sealed.accept(site, *encrypted(contexts[0], arrays, meta)) is None
+    return plain.aggregate(), sealed
+
+
+def decrypted(site_context, params: dict) -> dict[str, np.ndarray]:
+    return {k: he_aggregate.decrypt_array(site_context, v.serialize(), v.shape, v.dtype)
+            if isinstance(v, EncryptedArray) else v for k, v in params.items()}
+
+
+def assert_close(decrypted_params: dict, plain_params: dict) -> None:
+    for key, value in plain_params.items():
+        assert decrypted_params[key].dtype == value.dtype and decrypted_params[key].shape == value.shape
+        np.testing.assert_allclose(decrypted_params[key], value, atol=CKKS_TOLERANCE, err_msg=key)
+
+
+@pytest.mark.parametrize("method, method_args, meta, robust", [
+    ("fedavg", None, ({}, {}), None),
+    ("fedmas", None, ({"rf": 0.2}, {"rf": 0.9}), None),
+    ("fedmas", None, ({"rf": 0.2}, {"rf": 0.9}), {"max_share": 0.6}),  # the cap binds: 0.9/1.1 > 0.6
+    ("fedlsm", {"aggregation": "awpa"}, ({"q": [5, 0, 1], "identified": [1, 0, 1]},
+                                         {"q": [1, 4, 0], "identified": [1, 1, 0]}), {"max_share": 0.7}),
+])
+def test_the_decrypted_aggregate_equals_the_plaintext_one(contexts, method, method_args, meta, robust) -> None:
+    updates = {"site-1": site_update(1, 10, **meta[0]), "site-2": site_update(2, 30, **meta[1])}
+    plain, sealed = rounds(method, contexts, updates, method_args, robust)
+    result = sealed.aggregate()
+    assert result.shares == pytest.approx(plain.shares)
+    if robust:
+        assert max(result.shares.values()) <= robust["max_share"] + 1e-9  # capped before weighing ciphertexts
+    assert_close(decrypted(contexts[0], result.params), plain.params)
+
+
+def test_the_server_holds_only_ciphertexts_it_cannot_decrypt(contexts) -> None:
+    _, sealed = rounds("fedavg", contexts, {"site-1": site_update(1, 10), "site-2": site_update(2, 20)})
+    assert not sealed.context.is_private()
+    for update in sealed.accepted():
+        model = {k: v for k, v in update.arrays.items() if k in GLOBAL}
+        assert set(model) == set(GLOBAL) and all(isinstance(v, EncryptedArray) for v in model.values())
+        for array in model.values():
+            assert not array.vector.context().is_private()
+            with pytest.raises(ValueError, match="secret"):
+                array.vector.decrypt()
+    with pytest.raises(ConfigError, match="secret key"):
+        sealed.use_context(contexts[0])
+
+
+def test_a_plaintext_model_array_is_refused(contexts) -> None:
+    sealed = EncryptedRoundAggregation("fedavg", None, 3, 2)
+    sealed.use_context(contexts[1])
+    sealed.start_round(GLOBAL, RoundContext(0, 2))
+    sealed.start_phase("train")
+    arrays, meta = site_update(1, 10)
+    assert "in plaintext" in sealed.accept("site-1", arrays, meta)
+    sealed_arrays, sealed_meta = encrypted(contexts[0], arrays, meta, plain=("head.bias",))
+    assert "in plaintext" in sealed.accept("site-2", sealed_arrays, sealed_meta)
+    sealed_arrays, sealed_meta = encrypted(contexts[0], arrays, meta)
+    sealed_arrays["head.bias"] = he_aggregate.encrypt_array(contexts[0], np.zeros(5))
+    assert "encrypts 5 values" in sealed.accept("site-3", sealed_arrays, sealed_meta)
+
+
+def test_the_next_round_sends_ciphertexts_the_sites_decrypt(contexts) -> None:
+    """The encrypted global model goes out as bytes the task header declares; DecryptTask restores the arrays."""
+    plain, sealed = rounds("fedavg", contexts, {"site-1": site_update(1, 10), "site-2": site_update(2, 20)})
+    sealed.start_round(sealed.aggregate().params, RoundContext(1, 2))
+    outgoing = sealed.start_phase("train")
+    header = sealed.task_header()
+    assert set(header[contracts.ENCRYPTED_ARRAYS]) == set(GLOBAL)
+    assert all(isinstance(outgoing[k], bytes) for k in GLOBAL)
+    task = DXO(DataKind.WEIGHTS, data=outgoing, meta=header).to_shareable()
+    decrypt = DecryptTask()
+    decrypt._context = contexts[0]
+    received = from_shareable(decrypt.process(task, None))
+    assert contracts.ENCRYPTED_ARRAYS not in received.meta
+    assert_close(received.data, plain.params)
+
+
+def test_encrypt_result_seals_model_arrays_and_leaves_declared_and_frozen_ones(contexts) -> None:
+    arrays, meta = site_update(1, 10)
+    arrays["q"] = np.array([1.0, 2.0, 3.0])
+    encrypt = EncryptResult(plain=["q"], plain_keys=r"^head\.bias$")
+    encrypt._context = contexts[0]
+    dxo = from_shareable(encrypt.process(DXO(DataKind.WEIGHTS, data=dict(arrays), meta=meta).to_shareable(), None))
+    declared = dxo.meta[contracts.ENCRYPTED_ARRAYS]
+    assert set(declared) == {"features.weight", "features.bn.num_batches_tracked", "head.weight"}
+    assert all(isinstance(dxo.data[k], bytes) for k in declared)
+    np.testing.assert_array_equal(dxo.data["q"], arrays["q"])
+    np.testing.assert_array_equal(dxo.data["head.bias"], arrays["head.bias"])
+    arrays["head.weight"][0, 0] = np.nan
+    with pytest.raises(Exception, match="NaN"):
+        encrypt.process(DXO(DataKind.WEIGHTS, data=dict(arrays), meta=meta).to_shareable(), None)
+
+
+@pytest.mark.parametrize("method", ["mdhfl", "fedmd", "local-only"])
+def test_methods_whose_aggregate_is_no_weighted_sum_of_models_are_refused(method: str) -> None:
+    reason = encryption_refusal(get_method(method))
+    assert reason.startswith(f"method '{method}' cannot aggregate encrypted: ") and "\n" not in reason
+    with pytest.raises(ConfigError, match="cannot aggregate encrypted"):
+        EncryptedRoundAggregation(method, None, 3, 2)
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedmas", "fedlsm", "fedavg-masked", "fedprox", "fedbabu"])
+def test_weighted_sum_methods_are_accepted(method: str) -> None:
+    assert encryption_refusal(get_method(method)) == ""
+
+
+@pytest.mark.parametrize("options, refused", [
+    ({"robust": {"max_norm_ratio": 10.0}}, "max_norm_ratio"),
+    ({"stream_aggregation": True}, "stream_aggregation"),
+    ({"transfer_kind": "diff"}, "transfer_kind=diff"),
+    ({"transfer_dtype": "float16"}, "float32"),
+])
+def test_what_the_server_can_no_longer_do_is_refused(options: dict, refused: str) -> None:
+    with pytest.raises(ConfigError, match=refused):
+        EncryptedRoundAggregation("fedavg", None, 3, 2, **options)
+
+
+def test_the_saved_model_is_encrypted_and_a_site_decrypts_it(contexts, tmp_path) -> None:
+    plain, sealed = rounds("fedavg", contexts, {"site-1": site_update(1, 10), "site-2": site_update(2, 20)})
+    path = save_encrypted_model(tmp_path / "model.ckks.npz", sealed.aggregate().params)
+    assert_close(read_encrypted_model(path, contexts[0]), plain.params)
+    with pytest.raises(ConfigError, match="client_context"):
+        read_encrypted_model(path, contexts[1])
+
+
+def test_the_simulator_refuses_and_a_run_refuses_what_the_server_cannot_do(tmp_path) -> None:
+    from medflare.run_config import RunConfig
+    from medflare.simulate import run_simulation
+
+    with pytest.raises(ConfigError, match="simulator"):
+        run_simulation(RunConfig(secure_aggregation="he"), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ConfigError, match="max_norm_ratio"):
+        RunConfig(secure_aggregation="he", robust={"max_norm_ratio": 10}).validate(check_files=False)
+    with pytest.raises(ConfigError, match="cannot aggregate encrypted"):
+        RunConfig(method="local-only", secure_aggregation="he").validate(check_files=False)
