@@ -50,47 +50,16 @@ SERVER_SPANS_OUTSIDE_WALL = ("results_file", "checkpoint", "gc")
 
 # ----- the bare side: one process per site, a coordinator that averages -------------------------------------
 def bare_site(run_fields: dict[str, Any], index: int, steps: int, conn: Any) -> None:
-    """One bare site: receive weights, score val and test, train, send weights and timings; until told to stop."""
-    import torch
-    import torch.nn.functional as F
-    from torch.utils.data import DataLoader
+    """One bare site (``fedavg_site.FedAvgSite``: receive weights, score val and test, train), sending weights and
+    timings back; until told to stop."""
+    from fedavg_site import FedAvgSite, site_specs  # benchmarks/, on the path the spawned site inherits
 
-    from medflare.data import DataConfig, make_site_data
-    from medflare.models import create_model
     from medflare.run_config import RunConfig
 
-    torch.set_num_threads(1)  # what medflare gives each site (train.torch_threads)
-    run = RunConfig(**run_fields)
-    task = run.task_spec()
-    data = make_site_data(DataConfig(**{**run.site_data(), "num_classes": task.num_classes}), index,
-                          run.site_names[index])
-    torch.manual_seed(run.seed + index)
-    model = create_model(run.model, task.num_classes, task.in_channels, image_size=task.image_size)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    batch = int(run.train.get("batch_size", 64))
-    conn.send(("ready", len(data.train)))
+    site = FedAvgSite(site_specs(RunConfig(**run_fields), steps)[index])
+    conn.send(("ready", site.n_train))
     while (params := conn.recv()) is not None:
-        started = time.perf_counter()
-        model.load_state_dict({k: torch.as_tensor(v) for k, v in params.items()})
-        model.eval()
-        with torch.no_grad():
-            for split in (data.val, data.test):
-                for images, _ in DataLoader(split, batch_size=256):
-                    torch.softmax(model(images), dim=1)
-        train_started = time.perf_counter()
-        model.train()
-        images_seen = 0
-        loader = DataLoader(data.train, batch_size=batch, shuffle=True, drop_last=len(data.train) > batch)
-        for step, (images, labels) in enumerate(loader):
-            if steps and step >= steps:
-                break
-            optimizer.zero_grad()
-            F.cross_entropy(model(images), labels).backward()
-            optimizer.step()
-            images_seen += len(labels)
-        train_seconds = time.perf_counter() - train_started
-        state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
-        conn.send((state, {"work": time.perf_counter() - started, "train": train_seconds, "images": images_seen}))
+        conn.send(site.round(params))
 
 
 def bare_run(run: Any, steps: int) -> dict[str, Any]:

@@ -1,0 +1,424 @@
+"""Peer benchmark: medflare against Flower on the same FedAvg work, and both against the bare PyTorch loop.
+
+Five sides, one after another, per model and site count:
+
+- ``bare``: the bare PyTorch FedAvg of ``overhead.py`` (one process per site, pipes, float64 average);
+- ``medflare-sim``: medflare in FLARE's simulator; ``medflare-poc``: medflare in a FLARE POC on this machine (server
+  and sites as separate FLARE processes, mTLS on loopback), both through ``overhead.flare_run``;
+- ``flower-sim``: Flower 1.42's simulation engine (``flwr.simulation.run_simulation``, one Ray actor per site);
+- ``flower-deploy``: Flower's deployment engine: a SuperLink and one SuperNode per site on loopback (insecure
+  mode), the app submitted with ``flwr run``; each round's ClientApp is a new process, as Flower runs it.
+
+The same work everywhere: the model (``--models``, ResNet-18 and ``cnn``), the data (PneumoniaMNIST, or a
+synthetic source), the IID partitions, one local epoch (or ``--steps``) of Adam lr 1e-3 at batch 64, scoring val
+and test each round, every site every round. The bare loop's sites and Flower's clients run the very same code
+(``fedavg_site.FedAvgSite``); Flower's side reads the sites' specs from a workload file and checks each
+partition's sha256 against the one written here from medflare's own data code. Flower lives in its own virtual
+environment (``--flower-venv``, made by ``make bench-peer``): ``flwr`` 1.42 needs protobuf < 7, medflare's
+environment has protobuf 7. On a CUDA machine every side trains on the GPU (AMP, channels_last); the table names
+the device.
+
+Per side: seconds per round (mean of rounds 2..R; round 1 holds start-up), its ratio to bare, coordination per
+round (round wall minus the slowest site's own work), the whole job from launch to exit, CPU-seconds of all the
+side's processes, the peak of their summed resident memory, and the bytes a site sends and receives per round.
+Each side runs under a keeper (``medflare.processes``) in its own process tree, so CPU-seconds count every process
+it started (also a POC's), and nothing it started outlives it, also on failure or Ctrl-C. Goal (issue 32): medflare
+at or below Flower's seconds per round, simulator against simulation engine and POC against deployment engine.
+
+Usage:
+    python benchmarks/peer_flower.py                     # ResNet-18 and cnn, 2 sites, all five sides
+    python benchmarks/peer_flower.py --quick             # cnn, 2 sites, 3 rounds, 5 steps: a few minutes
+    python benchmarks/peer_flower.py --sides bare flower-sim --models cnn --rounds 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # benchmarks/ is not a package: the sibling scripts are imported by name
+    sys.path.insert(0, str(HERE))
+
+import overhead  # noqa: E402
+from fedavg_site import initial_state, site_specs  # noqa: E402
+
+from medflare.benchmarking import later_rounds, mean_later_rounds  # noqa: E402
+
+ROOT = HERE.parent
+APP_DIR = HERE / "flower_peer"
+DEFAULT_FLOWER_VENV = ROOT / ".venv-flower"
+SIDES = ("bare", "medflare-sim", "medflare-poc", "flower-sim", "flower-deploy")
+MEDFLARE_ENV = {"medflare-sim": "sim", "medflare-poc": "poc"}
+PAIRS = {"simulation": ("medflare-sim", "flower-sim"), "deployment": ("medflare-poc", "flower-deploy")}
+WORKLOAD_ENV, RESULT_ENV = "MEDFLARE_PEER_WORKLOAD", "MEDFLARE_PEER_RESULT"  # read by flower_peer/apps.py
+SIDE_TIMEOUT = 3600.0
+SUBMIT_TIMEOUT = 180.0
+PR_SET_CHILD_SUBREAPER = 36
+
+
+# ----- the workload both sides read ---------------------------------------------------------------------------
+def workload(run: Any, steps: int) -> dict[str, Any]:
+    """Rounds, each site's spec and the sha256 of its partition as medflare's data code builds it."""
+    from fedavg_site import partition_digest, site_data
+
+    specs = site_specs(run, steps)
+    return {"rounds": run.rounds, "sites": [dataclasses.asdict(spec) for spec in specs],
+            "digests": {spec.name: partition_digest(site_data(spec)) for spec in specs}}
+
+
+def model_state_bytes(spec: dict[str, Any]) -> int:
+    """Bytes of the model's state as the bare loop pipes it (each array at its own dtype)."""
+    from fedavg_site import spec_from_dict
+
+    return int(sum(array.nbytes for array in initial_state(spec_from_dict(spec)).values()))
+
+
+# ----- one side: raw records to comparable figures ------------------------------------------------------------
+def flower_walls(rounds: list[dict[str, Any]]) -> list[float]:
+    """Round start to the next round's start; the last round: start to aggregated (medflare's definition)."""
+    starts = [r["started_at"] for r in rounds]
+    return [b - a for a, b in zip(starts, starts[1:])] + [rounds[-1]["aggregated_at"] - starts[-1]]
+
+
+def flower_round_parts(rounds: list[dict[str, Any]]) -> dict[str, float]:
+    """Where a Flower round goes (mean s, rounds 2..R, the site whose reply came last), from the clients' clocks:
+    ``dispatch`` round start to the client's handler (deployment: the SuperNode's pull, a new ClientApp process,
+    its imports), ``set_up`` the handler's time besides the site's work (building the site in a new process,
+    Adam's state in and out of the context), ``work``, and ``return`` handler end to aggregated."""
+    parts: dict[str, list[float]] = {}
+    for r in later_rounds(rounds):
+        last = max(r["sites"], key=lambda s: s["left_at"])
+        entry = {"dispatch": last["entered_at"] - r["started_at"],
+                 "set_up": last["left_at"] - last["entered_at"] - last["work"], "work": last["work"],
+                 "return": r["aggregated_at"] - last["left_at"]}
+        for name, value in entry.items():
+            parts.setdefault(name, []).append(value)
+    return {name: sum(values) / len(values) for name, values in parts.items()}
+
+
+def normalise(side: str, raw: dict[str, Any], state_bytes: int) -> dict[str, Any]:
+    """Per round walls and each site's work, and bytes per site and round up and down (None: not recorded)."""
+    rounds = raw["rounds"]
+    if side == "bare":
+        return {"walls": [r["wall"] for r in rounds], "work": [[s["work"] for s in r["sites"]] for r in rounds],
+                "bytes_up": state_bytes, "bytes_down": state_bytes}
+    if side in MEDFLARE_ENV:
+        sent = [b for entry in raw.get("payload", {}).values() for b in entry["bytes_per_round"]]
+        return {"walls": [r["wall"] for r in rounds], "work": [list(r["work"].values()) for r in rounds],
+                "bytes_up": max(sent) if sent else None, "bytes_down": None}
+    errors = [e for r in rounds for e in r.get("errors", [])]
+    if errors:
+        raise RuntimeError(f"{side}: {len(errors)} client error(s), first: {errors[0]}")
+    return {"walls": flower_walls(rounds), "work": [[s["work"] for s in r["sites"]] for r in rounds],
+            "bytes_up": max(b for r in rounds for b in r["bytes_up"]),
+            "bytes_down": max(b for r in rounds for b in r["bytes_down"]), "parts": flower_round_parts(rounds)}
+
+
+def side_figures(rounds: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
+    """One side's row: seconds per round and coordination (rounds 2..R), with what the driver measured."""
+    walls = rounds["walls"]
+    coordination = [wall - max(work) for wall, work in zip(walls, rounds["work"])]
+    return {"round_seconds": mean_later_rounds(walls), "coordination_seconds": mean_later_rounds(coordination),
+            "first_round_seconds": walls[0], "rounds": len(walls), "walls": walls,
+            "bytes_up": rounds["bytes_up"], "bytes_down": rounds["bytes_down"], "parts": rounds.get("parts"),
+            **measured}
+
+
+def compare(sides: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Ratios to bare, and per engine pair whether medflare's round is at or below Flower's, and by how much."""
+    bare = sides.get("bare", {}).get("round_seconds")
+    for figures in sides.values():
+        figures["ratio_to_bare"] = figures["round_seconds"] / bare if bare else None
+    goals = {}
+    for mode, (ours, theirs) in PAIRS.items():
+        if ours in sides and theirs in sides:
+            gap = sides[ours]["round_seconds"] - sides[theirs]["round_seconds"]
+            goals[mode] = {"medflare": ours, "flower": theirs, "met": gap <= 0, "gap_seconds": gap,
+                           "gap_percent": 100 * gap / sides[theirs]["round_seconds"]}
+    return {"sides": sides, "goals": goals}
+
+
+def goal_line(mode: str, goal: dict[str, Any]) -> str:
+    verdict = "met" if goal["met"] else "missed"
+    relation = "below" if goal["gap_seconds"] <= 0 else "above"
+    return (f"{mode}: medflare ({goal['medflare']}) at or below Flower ({goal['flower']}): **{verdict}**, "
+            f"{abs(goal['gap_seconds']):.2f} s/round ({abs(goal['gap_percent']):.1f} %) {relation} Flower")
+
+
+def markdown(config: dict[str, Any], cells: dict[str, dict[str, Any]]) -> str:
+    """results.md: one table per model and site count, then the goals."""
+    lines = ["# Peer benchmark: medflare vs Flower 1.42 on the same FedAvg work (and the bare PyTorch loop)", "",
+             f"Config: `{json.dumps(config)}`", ""]
+    for cell, result in cells.items():
+        lines += [f"## {cell}", "",
+                  "| side | device | s/round (rounds 2..R) | ratio to bare | coordination s/round | first round s "
+                  "| whole job s | CPU-s | peak memory GiB | MB up / site-round | MB down / site-round |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for side, f in result["sides"].items():
+            lines.append(
+                f"| {side} | {f['device']} | {f['round_seconds']:.2f} | {_fmt(f['ratio_to_bare'])} | "
+                f"{f['coordination_seconds']:.2f} | {f['first_round_seconds']:.2f} | {f['total_seconds']:.1f} | "
+                f"{_fmt(f['cpu_seconds'], 0)} | {_fmt(_gib(f['peak_rss_bytes']), 2)} | {_fmt(_mb(f['bytes_up']), 1)} | "
+                f"{_fmt(_mb(f['bytes_down']), 1)} |")
+        lines += [""] + [f"- {goal_line(mode, goal)}" for mode, goal in result["goals"].items()] + [""]
+        lines += [f"- where a {side} round goes (s, rounds 2..R, last site): "
+                  + ", ".join(f"{name} {value:.2f}" for name, value in f["parts"].items())
+                  for side, f in result["sides"].items() if f.get("parts")] + [""]
+    return "\n".join(lines)
+
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _mb(value: float | None) -> float | None:
+    return None if value is None else value / 1e6
+
+
+def _gib(value: float | None) -> float | None:
+    return None if value is None else value / 2**30
+
+
+def peak_tree_rss(traces: dict[int, Any]) -> int | None:
+    """The largest summed VmRSS over one sampling pass of the side's process tree (shared pages per process)."""
+    by_pass: dict[float, int] = {}
+    for trace in traces.values():
+        for at, rss, _ in trace.samples:
+            by_pass[at] = by_pass.get(at, 0) + rss
+    return max(by_pass.values()) if by_pass else None
+
+
+# ----- running a side -----------------------------------------------------------------------------------------
+def side_command(side: str, args: argparse.Namespace, model: str, clients: int, result: Path) -> list[str]:
+    """What runs a side: Flower's simulation in its venv; the rest as this script's ``--side`` mode."""
+    if side == "flower-sim":
+        return [str(flower_bin(args, "python")), "-m", "flower_peer.simulate"]
+    cell = ["--models", model, "--clients", str(clients), "--rounds", str(args.rounds), "--steps", str(args.steps),
+            "--batch-size", str(args.batch_size), "--data", args.data, "--seed", str(args.seed),
+            "--flower-venv", str(args.flower_venv)]
+    return [sys.executable, str(Path(__file__).resolve()), "--side", side, "--result", str(result), *cell]
+
+
+def flower_bin(args: argparse.Namespace, name: str) -> Path:
+    return Path(args.flower_venv) / "bin" / name
+
+
+def side_env(workload_file: Path, result: Path) -> dict[str, str]:
+    """Flower's processes find the app, the shared site code and medflare's data and model code on PYTHONPATH."""
+    paths = [str(APP_DIR), str(HERE), str(ROOT / "custom"), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p), WORKLOAD_ENV: str(workload_file),
+            RESULT_ENV: str(result), "FLWR_TELEMETRY_ENABLED": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def adopt_orphans() -> None:
+    """Make this process a child subreaper (Linux): what a side's processes orphan (Ray's and Flower's daemons,
+    whose parents die first) is reparented here instead of to init, so :func:`end_leftovers` reaps it and its CPU
+    time counts in ``RUSAGE_CHILDREN``."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: orphans go to init and their CPU time is not counted
+        pass
+
+
+def end_leftovers() -> None:
+    """End and reap every child still here after a side (sides run one at a time: all of them are its)."""
+    import psutil
+
+    from medflare.processes import end_processes
+
+    end_processes(psutil.Process().children())
+    while True:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                return
+        except ChildProcessError:
+            return
+
+
+def run_side(side: str, command: list[str], env: dict[str, str], log: Path, result: Path) -> dict[str, Any]:
+    """Run one side under a keeper; wall, CPU-seconds and peak memory of its whole process tree, and its record."""
+    import scaling
+
+    from medflare.processes import end_processes, start_kept
+
+    result.unlink(missing_ok=True)
+    cpu, launched = children_cpu_seconds(), time.perf_counter()
+    with log.open("w") as out, scaling.TreeSampler(interval=1.0) as sampler:
+        keeper = start_kept(command, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        try:
+            code = keeper.wait(timeout=SIDE_TIMEOUT)
+        finally:
+            end_processes([keeper])  # the keeper ends everything the side started
+            end_leftovers()
+    measured = {"total_seconds": time.perf_counter() - launched, "cpu_seconds": children_cpu_seconds() - cpu,
+                "peak_rss_bytes": peak_tree_rss(sampler.traces)}
+    if code != 0 or not result.is_file():
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+        raise RuntimeError(f"{side} failed (exit {code}); last lines of {log}:\n{tail}")
+    return {"raw": json.loads(result.read_text()), "measured": measured}
+
+
+def measure_cell(args: argparse.Namespace, model: str, clients: int, out: Path) -> dict[str, Any]:
+    """Every requested side on one model and site count."""
+    run = overhead.build_run(argparse.Namespace(**{**vars(args), "model": model}), clients)
+    out.mkdir(parents=True, exist_ok=True)
+    load = workload(run, args.steps)
+    workload_file = out / "workload.json"
+    workload_file.write_text(json.dumps(load, indent=1))
+    state_bytes = model_state_bytes(load["sites"][0])
+    sides = {}
+    for side in args.sides:
+        result = out / f"{side}.json"
+        print(f"{model}, {clients} site(s): {side} ...", flush=True)
+        ran = run_side(side, side_command(side, args, model, clients, result), side_env(workload_file, result),
+                       out / f"{side}.log", result)
+        sides[side] = side_figures(normalise(side, ran["raw"], state_bytes), {**ran["measured"], "device": device()})
+        print(f"  {side}: {sides[side]['round_seconds']:.2f} s/round, whole job {sides[side]['total_seconds']:.0f} s",
+              flush=True)
+    return compare(sides)
+
+
+def device() -> str:
+    """The device every side trains on (each picks CUDA when there is one, as medflare's sites do)."""
+    import torch
+
+    return f"cuda ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else "cpu"
+
+
+# ----- the sides that run as this script ----------------------------------------------------------------------
+def run_here(args: argparse.Namespace) -> None:
+    """``--side``: run one side in this process (and its children) and write its raw record to ``--result``."""
+    model, clients, result = args.models[0], args.clients[0], Path(args.result)
+    run = overhead.build_run(argparse.Namespace(**{**vars(args), "model": model}), clients)
+    if args.side == "bare":
+        record = {"rounds": overhead.bare_run(run, args.steps)["rounds"]}
+    elif args.side in MEDFLARE_ENV:
+        flare = overhead.flare_run(run, result.with_suffix(""), MEDFLARE_ENV[args.side])
+        record = {"rounds": flare["rounds"], "payload": flare["summary"].get("payload", {})}
+    else:
+        deploy_flower(args, clients, result)
+        return
+    result.write_text(json.dumps(record))
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_for_port(port: int, process: subprocess.Popen, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the SuperLink exited ({process.returncode}) before listening on {port}")
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"the SuperLink did not listen on {port} within {timeout:.0f} s")
+
+
+def deploy_flower(args: argparse.Namespace, clients: int, result: Path) -> None:
+    """Flower's deployment engine on loopback: SuperLink, one SuperNode per site, ``flwr run``; the ServerApp
+    writes ``result`` when its last round is done. Everything started here is ended on the way out."""
+    from medflare.processes import end_processes
+
+    home = result.with_suffix("").with_name(result.stem + "-flwr-home")
+    home.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    (home / "config.toml").write_text(f'[superlink]\ndefault = "bench"\n\n[superlink.bench]\n'
+                                      f'address = "127.0.0.1:{port}"\ninsecure = true\n')
+    # Flower starts its helpers (flower-superexec, flwr-serverapp, flwr-clientapp) by name, from PATH
+    env = {**os.environ, "FLWR_HOME": str(home),
+           "PATH": os.pathsep.join([str(flower_bin(args, "")), os.environ.get("PATH", "")])}
+    processes: list[subprocess.Popen] = []
+    try:
+        superlink = subprocess.Popen([str(flower_bin(args, "flower-superlink")), "--insecure", "--port", str(port),
+                                      "--disable-runtime-dependency-installation"], env=env)
+        processes.append(superlink)
+        wait_for_port(port, superlink)
+        for index in range(clients):
+            processes.append(subprocess.Popen(
+                [str(flower_bin(args, "flower-supernode")), "--insecure", "--superlink", f"127.0.0.1:{port}",
+                 "--port", str(free_port()), "--node-config", f"partition-id={index} num-partitions={clients}"],
+                env=env))
+        subprocess.run([str(flower_bin(args, "flwr")), "run", str(APP_DIR), "bench"], env=env, check=True,
+                       timeout=SUBMIT_TIMEOUT)
+        while not result.is_file():  # the ServerApp writes it after its last round
+            if any(p.poll() is not None for p in processes):
+                raise RuntimeError("a Flower process exited before the run finished")
+            time.sleep(0.5)
+    finally:
+        end_processes(processes)
+
+
+# ----- command line -------------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["resnet18", "cnn"])
+    parser.add_argument("--clients", type=int, nargs="+", default=[2], help="site counts, one table each")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=0, help="optimizer steps per site and round (0 = one epoch)")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--data", default=f"medmnist:{overhead.DATA}")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
+    parser.add_argument("--flower-venv", default=str(DEFAULT_FLOWER_VENV),
+                        help="Flower's own virtual environment (flwr 1.42, torch, numpy)")
+    parser.add_argument("--quick", action="store_true", help="cnn, 2 sites, 3 rounds, 5 steps")
+    parser.add_argument("--out", default="runs/bench-peer")
+    parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # internal: run one side here
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    # what overhead.build_run reads besides these: medflare's defaults of the overhead benchmark
+    args.task_request_interval, args.transfer_dtype = 0.1, "float32"
+    if args.quick:
+        args.models, args.clients, args.rounds, args.steps = ["cnn"], [2], 3, 5
+    if args.rounds < 2:
+        parser.error("--rounds must be at least 2: round 1 holds the start-up and is left out of the mean")
+    running = [args.side] if args.side else args.sides
+    if any(side.startswith("flower") for side in running) and not flower_bin(args, "flwr").is_file():
+        parser.error(f"no Flower environment at {args.flower_venv}: run `make bench-peer`, which makes it")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.side:
+        run_here(args)
+        return {}
+    out = Path(args.out)
+    adopt_orphans()
+    cells = {f"{model}, {clients} sites": measure_cell(args, model, clients, out / f"{model}-{clients}")
+             for model in args.models for clients in args.clients}
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "side", "result", "flower_venv")}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"config": config, "cells": cells}, indent=2) + "\n")
+    (out / "results.md").write_text(markdown(config, cells))
+    print(f"written: {out / 'results.md'}, {out / 'results.json'}")
+    return cells
+
+
+if __name__ == "__main__":
+    from medflare.runner import stop_on_signals
+
+    with stop_on_signals():
+        main()
