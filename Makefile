@@ -95,7 +95,7 @@ bench-fedlsm: install
 
 # Accuracy against ε (∞, 8, 3, 1): FedAvg with DP-SGD at every site on PneumoniaMNIST, 3 seeds (docs/privacy.md)
 bench-dp: install
-	nice -n 10 $(PY) benchmarks/dp_epsilon.py --rounds 5 --steps 30 --out runs/bench-dp
+	nice -n 10 $(PY) benchmarks/dp_epsilon.py --rounds 5 --steps 15 --out runs/bench-dp
 
 # Seconds and bytes per round with and without encrypted aggregation (TenSEAL CKKS), cnn and ResNet-18, 2 sites in a
 # POC with HEBuilder kits (docs/privacy.md)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,41 @@ def test_each_sample_is_clipped_and_the_noise_has_the_configured_scale() -> None
     assert not torch.equal(noisy, other_draw)  # same data, same model: only the noise differs
     noise = noisy - clipped  # N(0, (σC)²) per coordinate, divided by the expected batch size
     assert noise.std().item() == pytest.approx(1.0 * clip / batch, rel=0.15)
+
+
+def test_a_step_is_the_sum_of_clipped_per_sample_gradients_over_the_expected_batch() -> None:
+    # The trainer's loss is a mean over the batch's rows; Opacus undoes it per sample, clips, sums and divides by
+    # the *expected* batch (a Poisson batch of 6 where 8 are expected): a wrong reduction scales every step.
+    torch.manual_seed(0)
+    model, clip, rows, expected = nn.Linear(5, 3), 2.0, 6, 8
+    scales = torch.tensor([0.1, 0.3, 1.0, 3.0, 10.0, 30.0])[:, None]  # small gradients kept, large ones clipped
+    images, labels = torch.randn(rows, 5) * scales, torch.arange(rows) % 3
+    by_hand = []
+    for image, label in zip(images, labels):  # each sample's own gradient, clipped to C
+        model.zero_grad()
+        F.cross_entropy(model(image[None]), label[None]).backward()
+        grad = torch.cat([p.grad.flatten() for p in model.parameters()])
+        by_hand.append(grad * min(1.0, clip / grad.norm().item()))
+    assert min(g.norm() for g in by_hand) < clip * 0.99 and max(g.norm() for g in by_hand) == pytest.approx(clip)
+    dp = PrivateTraining(DPSGDConfig(noise_multiplier=1e-9, max_grad_norm=clip), model, num_samples=10 * expected)
+    optimizer = dp.wrap(torch.optim.SGD(model.parameters(), lr=1.0), batch_size=expected)
+    before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    optimizer.zero_grad()
+    (F.cross_entropy(model(images), labels, reduction="sum") / rows).backward()  # the trainer's supervised loss
+    optimizer.step()
+    update = before - torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert torch.allclose(update, torch.stack(by_hand).sum(0) / expected, atol=1e-6)
+
+
+def test_an_adam_type_optimizer_is_kept_with_a_one_line_warning_and_sgd_without() -> None:
+    model = nn.Linear(4, 2)
+    dp = PrivateTraining(DPSGDConfig(), model, num_samples=40)
+    with pytest.warns(UserWarning, match=r"train.optimizer=adam: .*train.optimizer=sgd"):
+        wrapped = dp.wrap(torch.optim.Adam(model.parameters()), batch_size=10)
+    assert isinstance(wrapped.original_optimizer, torch.optim.Adam)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dp.wrap(torch.optim.SGD(model.parameters(), lr=0.1), batch_size=10)
 
 
 def test_the_accountant_counts_every_step_and_survives_a_restart() -> None:

@@ -150,7 +150,7 @@ def site_config_example() -> dict[str, Any]:
         ),
         f"{COMMENT_PREFIX}_dp_sgd": (
             "Optional, left out here: this hospital's demands on DP-SGD (docs/privacy.md), e.g. \"dp_sgd\": "
-            "{\"required\": true, \"max_epsilon\": 8, \"min_noise_multiplier\": 1.0, \"max_grad_norm\": 1.0, "
+            "{\"required\": true, \"max_epsilon\": 8, \"min_noise_multiplier\": 1.0, \"max_grad_norm\": 10, "
             "\"max_delta\": 1e-5}. A job that asks for less (no DP-SGD, less noise, a larger clipping bound or "
             "delta, a higher budget) is declined before training; once this site's epsilon would pass max_epsilon "
             "it stops contributing to the job. Needs medflare[dp] (opacus) here."
