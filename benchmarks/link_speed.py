@@ -33,7 +33,7 @@ import json
 import statistics
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from medflare.benchmarking import later_rounds
 from medflare.site_runtime import SITE_LOG_FILE, TASK_SECONDS_EVENT
@@ -52,16 +52,22 @@ def floor_seconds(bytes_down: int, bytes_up: int, mbit: float, work_seconds: flo
     return (bytes_down + bytes_up) * 8 / (mbit * 1e6) + work_seconds
 
 
-def site_spans(logs: Path) -> dict[str, dict[int, dict[str, float]]]:
-    """site -> round -> the spans of its train task, from each site's own log of the speed's job
+def task_records(logs: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(site, record) for every ``task_seconds`` record in each site's own log of the speed's job
     (``<site>.<job>.<SITE_LOG_FILE>``, as the rehearsal keeps them)."""
-    spans: dict[str, dict[int, dict[str, float]]] = {}
     for log in sorted(logs.glob(f"*.{SITE_LOG_FILE}")):
         site = log.name.split(".", 1)[0]
         for line in log.read_text().splitlines():
             record = json.loads(line) if line.strip() else {}
             if record.get("event") == TASK_SECONDS_EVENT:
-                spans.setdefault(site, {})[int(record["round"])] = record["seconds"]
+                yield site, record
+
+
+def site_spans(logs: Path) -> dict[str, dict[int, dict[str, float]]]:
+    """site -> round -> the spans of its train task."""
+    spans: dict[str, dict[int, dict[str, float]]] = {}
+    for site, record in task_records(logs):
+        spans.setdefault(site, {})[int(record["round"])] = record["seconds"]
     return spans
 
 
@@ -69,12 +75,9 @@ def site_walls(logs: Path) -> dict[str, dict[int, dict[str, float]]]:
     """site -> round -> the wall-clock times its train task began and ended at the site (``wall`` of its
     ``task_seconds`` record; every participant shares this machine's clock)."""
     walls: dict[str, dict[int, dict[str, float]]] = {}
-    for log in sorted(logs.glob(f"*.{SITE_LOG_FILE}")):
-        site = log.name.split(".", 1)[0]
-        for line in log.read_text().splitlines():
-            record = json.loads(line) if line.strip() else {}
-            if record.get("event") == TASK_SECONDS_EVENT and "wall" in record:
-                walls.setdefault(site, {})[int(record["round"])] = record["wall"]
+    for site, record in task_records(logs):
+        if "wall" in record:
+            walls.setdefault(site, {})[int(record["round"])] = record["wall"]
     return walls
 
 

@@ -214,7 +214,7 @@ class RunConfig:
             download_dtype=self.download_dtype,
         )
         if self.secure_aggregation == "he":  # what the server can no longer do with encrypted updates
-            from medflare.flare.he import check_encrypted_run
+            from medflare.ops.he_aggregate import check_encrypted_run
 
             check_encrypted_run(spec, stream_aggregation=self.stream_aggregation, transfer_kind=self.transfer_kind,
                                 transfer_dtype=self.transfer_dtype, download_dtype=self.download_dtype,

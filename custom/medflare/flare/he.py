@@ -42,9 +42,17 @@ from nvflare.apis.shareable import Shareable
 from medflare import contracts
 from medflare.errors import ConfigError, PayloadError
 from medflare.flare.aggregator import MedflareAggregator, RoundAggregation
-from medflare.methods.base import AggregateResult, MethodSpec, PerSite, aggregate_updates
+from medflare.methods.base import AggregateResult, PerSite, aggregate_updates
 from medflare.ops import he_aggregate
-from medflare.ops.he_aggregate import EncryptedArray, combine_encrypted, declared_encrypted, stand_in
+from medflare.ops.he_aggregate import (  # noqa: F401  (the run checks: re-exported for the FLARE side)
+    EncryptedArray,
+    check_encrypted_run,
+    combine_encrypted,
+    declared_encrypted,
+    encrypted_run_problems,
+    encryption_refusal,
+    stand_in,
+)
 from medflare.ops.influence import Shares, combine
 
 MODE = "he"  # RunConfig.secure_aggregation's value that turns it on
@@ -52,44 +60,6 @@ SERVER_CONTEXT_FILE = "server_context.tenseal"  # FLARE's ProvFileName.SERVER_CO
 CLIENT_CONTEXT_FILE = "client_context.tenseal"  # FLARE's ProvFileName.CLIENT_CONTEXT_TENSEAL
 MODEL_FILE = "FL_global_model.ckks.npz"  # the final global model, encrypted: only a site can read it
 _HEADER = "__medflare_he__"  # MODEL_FILE's entry naming each array's shape, dtype and whether it is encrypted
-
-
-def encryption_refusal(spec: MethodSpec) -> str:
-    """Why ``spec``'s method cannot aggregate encrypted ("" when it can), from its rule's declaration
-    (``ServerRule.encrypted_aggregation_refusal``) and whether its sites send weights at all."""
-    reason = spec.server_rule_cls.encrypted_aggregation_refusal
-    if not reason and not spec.payload.sends_weights:
-        reason = "its sites send no weights, so there is nothing to encrypt"
-    return f"method '{spec.name}' cannot aggregate encrypted: {reason}" if reason else ""
-
-
-def encrypted_run_problems(
-    spec: MethodSpec, *, stream_aggregation: bool = False, transfer_kind: str = "weights",
-    transfer_dtype: str = "float32", download_dtype: str = "float32", max_norm_ratio: float = 0.0,
-    resume: bool = False,
-) -> list[str]:
-    """What a job with encrypted aggregation asks that the server can no longer do, one sentence each."""
-    refusal = encryption_refusal(spec)
-    conditions = [
-        (max_norm_ratio > 0, "robust.max_norm_ratio compares the sites' update norms, which the server cannot read "
-                             "under encryption; set robust.max_norm_ratio=0 (each site still checks its own update "
-                             "for NaN/Inf and its method's contract before encrypting)"),
-        (stream_aggregation, "stream_aggregation adds plaintext arrays as they arrive; encrypted aggregation holds "
-                             "the ciphertexts until the round ends"),
-        (transfer_kind != "weights", "transfer_kind=diff (for DP filters) needs plaintext differences; encrypted "
-                                     "updates travel as weights"),
-        ("float32" != transfer_dtype or download_dtype != "float32",
-         "transfer_dtype and download_dtype must be float32: ciphertexts hold float64 values whatever the dtype"),
-        (resume, "resume_from continues from a plaintext checkpoint, which an encrypted job does not write"),
-    ]
-    return ([refusal] if refusal else []) + [text for applies, text in conditions if applies]
-
-
-def check_encrypted_run(spec: MethodSpec, **options: Any) -> None:
-    """Raise ConfigError naming all an encrypted job asks that cannot be done (:func:`encrypted_run_problems`)."""
-    problems = encrypted_run_problems(spec, **options)
-    if problems:
-        raise ConfigError("secure_aggregation=he: " + "; ".join(problems))
 
 
 def load_workspace_context(file_name: str, fl_ctx: FLContext) -> Any:

@@ -18,12 +18,15 @@ TenSEAL is imported on first use (the ``medflare[he]`` extra), so jobs without e
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
 from medflare.errors import ConfigError, PayloadError
 from medflare.ops.influence import Shares, cast_like
+
+if TYPE_CHECKING:  # the run's checks read a method's declaration; no import of the methods layer at run time
+    from medflare.methods.base import MethodSpec
 
 # FLARE's HEBuilder defaults: the parameters a provisioned kit's contexts have (tests build the same, smaller data)
 POLY_MODULUS_DEGREE = 8192
@@ -225,3 +228,42 @@ def declared_encrypted(meta: Mapping[str, Any], key: str) -> dict[str, tuple[tup
             raise PayloadError(f"'{key}' declares '{name}' with shape {shape} and dtype {dtype}")
         result[str(name)] = (shape, str(np.dtype(str(dtype))))
     return result
+
+
+# ----- what an encrypted job asks that the server can do (checked by the run config and the aggregator) -----
+def encryption_refusal(spec: MethodSpec) -> str:
+    """Why ``spec``'s method cannot aggregate encrypted ("" when it can), from its rule's declaration
+    (``ServerRule.encrypted_aggregation_refusal``) and whether its sites send weights at all."""
+    reason = spec.server_rule_cls.encrypted_aggregation_refusal
+    if not reason and not spec.payload.sends_weights:
+        reason = "its sites send no weights, so there is nothing to encrypt"
+    return f"method '{spec.name}' cannot aggregate encrypted: {reason}" if reason else ""
+
+
+def encrypted_run_problems(
+    spec: MethodSpec, *, stream_aggregation: bool = False, transfer_kind: str = "weights",
+    transfer_dtype: str = "float32", download_dtype: str = "float32", max_norm_ratio: float = 0.0,
+    resume: bool = False,
+) -> list[str]:
+    """What a job with encrypted aggregation asks that the server can no longer do, one sentence each."""
+    refusal = encryption_refusal(spec)
+    conditions = [
+        (max_norm_ratio > 0, "robust.max_norm_ratio compares the sites' update norms, which the server cannot read "
+                             "under encryption; set robust.max_norm_ratio=0 (each site still checks its own update "
+                             "for NaN/Inf and its method's contract before encrypting)"),
+        (stream_aggregation, "stream_aggregation adds plaintext arrays as they arrive; encrypted aggregation holds "
+                             "the ciphertexts until the round ends"),
+        (transfer_kind != "weights", "transfer_kind=diff (for DP filters) needs plaintext differences; encrypted "
+                                     "updates travel as weights"),
+        ("float32" != transfer_dtype or download_dtype != "float32",
+         "transfer_dtype and download_dtype must be float32: ciphertexts hold float64 values whatever the dtype"),
+        (resume, "resume_from continues from a plaintext checkpoint, which an encrypted job does not write"),
+    ]
+    return ([refusal] if refusal else []) + [text for applies, text in conditions if applies]
+
+
+def check_encrypted_run(spec: MethodSpec, **options: Any) -> None:
+    """Raise ConfigError naming all an encrypted job asks that cannot be done (:func:`encrypted_run_problems`)."""
+    problems = encrypted_run_problems(spec, **options)
+    if problems:
+        raise ConfigError("secure_aggregation=he: " + "; ".join(problems))
