@@ -36,6 +36,10 @@ SIMULATOR_LOG = "simulator.log"
 # never restarts that site, so the job would wait for it until the task timeout (an hour by default).
 LOST_SITE = re.compile(r"(?:Communication error with|Subprocess died for) client ([\w.-]+)")
 SERVER_ERROR_LOG = Path("server") / "error_log.txt"
+# What FLARE 2.9 logs once a participant's run is over: the server's runner after END_RUN and its cleanup
+# (server/log.txt), a site's runner once its END_RUN handlers have returned (site-*/log.txt).
+SERVER_RUN_ENDED = re.compile(r"ServerRunner - INFO - .*Server runner finished\.")
+SITE_RUN_ENDED = re.compile(r"ClientRunner - INFO - .*END_RUN fired")
 
 
 # FLARE's simulator has no startup kits, so no provisioned TenSEAL contexts (FLARE's FedAvgRecipeWithHE refuses
@@ -97,30 +101,64 @@ def run_simulation(
         raise
 
 
-class LostSiteWatch(threading.Thread):
-    """Stops the simulator once its error log reports a lost site (:data:`LOST_SITE`), keeping that line as
-    ``reason``: a run that can no longer finish ends with a clear error instead of waiting out the task timeout."""
+class LogTail:
+    """The lines a growing log file gained since the last call (a partial last line waits for its end)."""
 
-    def __init__(self, error_log: Path, proc: subprocess.Popen, period_seconds: float = 2.0) -> None:
-        super().__init__(name="medflare-lost-site-watch", daemon=True)
-        self.error_log, self.proc, self.period_seconds = error_log, proc, period_seconds
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.partial = path, 0, ""
+
+    def new_lines(self) -> list[str]:
+        if not self.path.is_file():
+            return []
+        with self.path.open("rb") as log:
+            log.seek(self.offset)
+            data = log.read()
+        self.offset += len(data)
+        *lines, self.partial = (self.partial + data.decode(errors="replace")).split("\n")
+        return lines
+
+
+class SimulatorWatch(threading.Thread):
+    """Follows FLARE's simulator from its workspace logs and stops it in two cases.
+
+    - A lost site (:data:`LOST_SITE` in the server's error log, kept as ``reason``): the run can no longer finish,
+      so it ends with a clear error instead of waiting out the task timeout.
+    - The job is over: the server's runner has finished (after END_RUN, so every server component has written its
+      files) and every site has fired END_RUN (its state is saved). What the simulator does after that is FLARE's
+      shutdown grace: about 5 s of sleeps a run (MPM's 3 s, the workers' 2 s) with nothing left to write, which
+      medflare ends instead (``ended_job``). The run's outcome is then medflare's results, not the exit code.
+    """
+
+    def __init__(self, workspace: Path, proc: subprocess.Popen, sites: int, period_seconds: float = 0.2) -> None:
+        super().__init__(name="medflare-simulator-watch", daemon=True)
+        self.proc, self.sites, self.period_seconds = proc, sites, period_seconds
+        self.errors = LogTail(workspace / SERVER_ERROR_LOG)
+        self.server_log = LogTail(workspace / "server" / "log.txt")
+        self.site_logs = [LogTail(workspace / f"site-{i}" / "log.txt") for i in range(1, sites + 1)]
         self.reason: str | None = None
+        self.ended_job = False
         self.done = threading.Event()
 
     def run(self) -> None:
+        ended: set[int] = set()  # index 0: the server, i: site-i
         while not self.done.wait(self.period_seconds) and self.proc.poll() is None:
-            self.reason = lost_site(self.error_log)
+            self.reason = next((line.strip() for line in self.errors.new_lines() if LOST_SITE.search(line)), None)
             if self.reason:
                 stop_process_tree(self.proc)
+                return
+            for index, (log, marker) in enumerate([(self.server_log, SERVER_RUN_ENDED)]
+                                                  + [(log, SITE_RUN_ENDED) for log in self.site_logs]):
+                if index not in ended and any(marker.search(line) for line in log.new_lines()):
+                    ended.add(index)
+            if len(ended) == self.sites + 1:
+                self.ended_job = True
+                stop_process_tree(self.proc, grace_seconds=5.0)
                 return
 
 
 def lost_site(error_log: Path) -> str | None:
     """The first line of FLARE's simulator error log that reports a lost site, or None."""
-    if not error_log.is_file():
-        return None
-    with error_log.open(errors="replace") as lines:
-        return next((line.strip() for line in lines if LOST_SITE.search(line)), None)
+    return next((line.strip() for line in LogTail(error_log).new_lines() if LOST_SITE.search(line)), None)
 
 
 def _launch(run: RunConfig, job_dir: Path, workspace: Path, log_path: Path, echo: Callable[[str], None]) -> None:
@@ -132,7 +170,7 @@ def _launch(run: RunConfig, job_dir: Path, workspace: Path, log_path: Path, echo
     with log_path.open("w") as log:
         # through a keeper: the simulator and its workers (each in its own session) die with medflare, SIGKILL too
         proc = start_kept(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        watch = LostSiteWatch(workspace / SERVER_ERROR_LOG, proc)
+        watch = SimulatorWatch(workspace, proc, run.clients)
         watch.start()
         try:
             assert proc.stdout is not None
@@ -159,7 +197,7 @@ def _launch(run: RunConfig, job_dir: Path, workspace: Path, log_path: Path, echo
             "started at the same moment on this machine (both can be given the same free port), or the site's "
             "process was killed (out of memory). Rerun the job; if it repeats, run one simulator at a time."
         )
-    if code != 0:
+    if code != 0 and not watch.ended_job:
         raise SimulationError(
             f"nvflare simulator exited with code {code}. Last lines of its log:\n" + "\n".join(tail[-20:])
         )

@@ -40,8 +40,8 @@ def answer_later(answers: PhaseAnswers, site: str, after: float) -> threading.Th
 def test_the_wait_ends_when_the_last_result_is_processed_not_at_the_next_poll() -> None:
     ctl, answers, tasks = controller(), PhaseAnswers(), tasks_for("site-1", "site-2")
     answers.add("site-1")
+    started = time.monotonic()  # before the answering thread starts its sleep, so the wait cannot look shorter
     answer_later(answers, "site-2", after=0.3)
-    started = time.monotonic()
     ctl._wait_for_answers(tasks, answers, Signal(), FLContext())
     waited = time.monotonic() - started
     assert 0.3 <= waited < 1.0, f"waited {waited:.2f} s for a result that came after 0.3 s (poll period {SLOW_POLL} s)"
