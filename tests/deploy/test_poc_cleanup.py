@@ -133,12 +133,11 @@ def test_a_poc_that_fails_offline_says_why_ends_its_processes_and_keeps_a_failed
     try:
         with pytest.raises(PocError, match="connection to the server timed out"):  # the cause, not the stop
             poc_module.run_poc(run, out, echo=lines.append)
-        assert time.monotonic() - started < 40  # the hung stop is cut after STOP_TIMEOUT s, not 120
+        assert time.monotonic() - started < 30  # the POC is discarded without its (hung) orderly stop
         assert left_after(workspace, seconds=5) == []  # the server and the site loop are ended
         failed = [i for i, line in enumerate(lines) if "failed:" in line]
         assert failed and "connection to the server timed out" in lines[failed[0]], lines
-        hung = [i for i, line in enumerate(lines) if "'nvflare poc stop' did not finish" in line]
-        assert hung and failed[0] < hung[0], lines  # the cause comes first: the clean-up may take minutes
+        assert not any("'nvflare poc stop'" in line for line in lines), lines
         assert sorted(p.name for p in tmp_path.iterdir()) == ["nvflare.py", "out.failed.log"]
         log = (tmp_path / "out.failed.log").read_text()
         assert log.startswith("server log") and "connection to the server timed out" in log

@@ -368,10 +368,14 @@ class PocSession:
         self.state = {}
 
     def discard(self) -> None:
-        """Stop and remove whatever POC this root holds (used before prepare and after failures)."""
+        """Stop and remove whatever POC this root holds (used before prepare, after a test and after failures).
+
+        Its processes are ended directly (SIGTERM, then SIGKILL): FLARE's orderly ``poc stop`` (8 s with 2 sites)
+        keeps a workspace consistent, and this one is deleted right after."""
         if self.workspace.exists() or self._own_processes() or self.keepers:
             self.echo(f"poc: stopping and removing the previous POC in {self.root}")
-            self.stop()
+            end_processes([*self.keepers, *self._own_processes()])
+            self.keepers = []
             self.clean()
 
     # ----- jobs -------------------------------------------------------------------------------------
@@ -401,7 +405,7 @@ class PocSession:
         """Wait for a job to end; return its final status (e.g. FINISHED:COMPLETED). Never raises on failure."""
         job_id = job_id or self._last_job()
         user = self.state["jobs"].get(job_id, {}).get("user", self.state["lead"])
-        reply = self.nvflare("job", "wait", job_id, "--timeout", str(int(timeout)),
+        reply = self.nvflare("job", "wait", job_id, "--timeout", str(int(timeout)), "--interval", "0.5",
                              "--startup-kit", str(self.kit(user)), check=False, timeout=timeout + 60)
         status = reply.get("data", {}).get("status") or reply.get("error_code") or "UNKNOWN"
         self.state["jobs"].setdefault(job_id, {})["status"] = status
@@ -571,8 +575,7 @@ def _run_in_poc(run: Any, session: PocSession, target: OutputTarget, staging: Pa
         keep_site_logs(session.prod_dir(), staging, job_id)  # a POC's sites are on this machine too
         if summary.get("error"):
             raise PocError(f"the job stopped early: {summary['error']}")
-        session.stop()
-        session.clean()
+        session.discard()  # results and site logs are copied out: the POC goes, no orderly stop needed
         for leftover in ("poc", "download"):  # "poc": the POC's HOME and project, when it lived in the staging
             shutil.rmtree(staging / leftover, ignore_errors=True)
         target.publish()
@@ -581,7 +584,7 @@ def _run_in_poc(run: Any, session: PocSession, target: OutputTarget, staging: Pa
         with signals_held():  # a stop request during the clean-up must not leave the POC running
             note = failure_note(run.rounds, session.root, exc)
             session.echo = quiet_on_closed_output(echo)  # a gone terminal must not stop the clean-up
-            session.echo(f"{note.strip()}; stopping the POC")  # the cause first: stopping may take minutes
+            session.echo(f"{note.strip()}; stopping the POC")  # the cause first
             log = (session.server_log() if session.state else "") + note
             session.discard()
             target.abandon(log)
