@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.medflare-installed
 DEMO_OUT ?= runs/demo
 
-.PHONY: install demo test test-fast mutants bench-overhead bench-scaling bench-peer bench-fedmas bench-fedmas-cost bench-fca bench-mdhfl bench-mdhfl-cpu60 bench-ssl-fl bench-fedlsm bench-dp bench-he bench-paper clean
+.PHONY: install demo test test-fast mutants bench-overhead bench-scaling bench-peer bench-fedmas bench-fedmas-cost bench-fca bench-mdhfl bench-mdhfl-cpu60 bench-ssl-fl bench-fedlsm bench-dp bench-he bench-paper bench-fixed clean
 
 # pip (not uv/poetry) so torch==2.14.1 / torchvision==0.29.1 come from this machine's local wheel store.
 $(STAMP): pyproject.toml
@@ -102,6 +102,11 @@ bench-dp: install
 bench-he: install
 	nice -n 10 $(PY) benchmarks/he_cost.py --models cnn resnet18 --rounds 3 --out runs/bench-he
 
+# The fixed seconds of a run besides its rounds: the simulator's start and end, a POC's start and removal
+# (docs/benchmarks.md, issue 32)
+bench-fixed: install
+	$(PY) benchmarks/fixed_costs.py --repeats 3 --out runs/bench-fixed
+
 # Each seed method with its --preset paper against its main baseline on the MedMNIST sets, 3 seeds (issue 28), sized
 # for <= 40 GPU-minutes per method; without CUDA it refuses with an estimate measured here (BENCH_PAPER_ARGS=--dry-run
 # prints the plan and the estimate, --allow-cpu runs anyway). Tables land in runs/bench-paper/.
@@ -109,10 +114,11 @@ BENCH_PAPER_ARGS ?=
 bench-paper: install
 	$(PY) benchmarks/paper.py --out runs/bench-paper $(BENCH_PAPER_ARGS)
 
-# pytest exit code 5 means "no tests collected": that must not pass as green. TEST_WORKERS pytest-xdist workers
-# (2 on the 2-core CI machine: a simulator test keeps about one core busy); tests/conftest.py decides which tests
-# share a worker (all POC tests do).
-TEST_WORKERS ?= 2
+# pytest exit code 5 means "no tests collected": that must not pass as green. TEST_WORKERS pytest-xdist workers:
+# 3 on the 2-core CI machine, where 2 left a third of the CPU idle (POC and simulator tests spend much of their time
+# in FLARE's start-up and polling sleeps): 16.5 against 20.7 min on 2026-11-26. tests/conftest.py decides which
+# tests share a worker (all POC tests do).
+TEST_WORKERS ?= 3
 test: install
 	$(PY) -m pytest -q --timeout=900 -n $(TEST_WORKERS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
