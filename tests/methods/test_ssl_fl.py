@@ -334,6 +334,7 @@ def test_a_restarted_site_rebuilds_the_optimizer_of_its_stage(stage: str, tmp_pa
     params = _global("fed-mae", {})
     ctx = RoundContext(1, 3, stage, stage_round=0, stage_rounds=1, scored=stage == "finetune")
     site.train({k: params[k] for k in FED_MAE.payload.shared_keys(list(params), stage)}, ctx)
+    site.close()  # its state is written in the background: on disk before the site "restarts"
     restarted = SiteRuntime(SiteSettings(**settings), "site-1", 0, log=lambda m: None, local_dir=tmp_path)
     assert restarted.trainer.train_cfg == site.trainer.train_cfg  # the stage's settings, not the job's flat ones
     assert restarted.trainer.optimizer.defaults["betas"] == site.trainer.optimizer.defaults["betas"]
