@@ -17,16 +17,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Callable
 
-import medflare.simulate as simulate
-from medflare.deploy.poc import PocSession
-from medflare.run_config import RunConfig
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # benchmarks/ is not a package: the sibling scripts are imported by name
+    sys.path.insert(0, str(HERE))
+
+import medflare.simulate as simulate  # noqa: E402
+from he_cost import free_port  # noqa: E402
+from medflare.deploy.poc import PocSession  # noqa: E402
+from medflare.run_config import RunConfig  # noqa: E402
 
 
 def timed_simulator_run(workdir: Path) -> dict[str, float]:
@@ -55,12 +60,6 @@ def timed_simulator_run(workdir: Path) -> dict[str, float]:
         simulate._launch = launch
     return {"start_to_round_1": marks["first_round"] - marks["launch"],
             "last_round_to_exit": marks["exited"] - marks["last_line"], "whole_run": whole}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def timed_poc(workdir: Path) -> dict[str, float]:

@@ -131,26 +131,24 @@ class SimulatorWatch(threading.Thread):
 
     def __init__(self, workspace: Path, proc: subprocess.Popen, sites: int, period_seconds: float = 0.2) -> None:
         super().__init__(name="medflare-simulator-watch", daemon=True)
-        self.proc, self.sites, self.period_seconds = proc, sites, period_seconds
+        self.proc, self.period_seconds = proc, period_seconds
         self.errors = LogTail(workspace / SERVER_ERROR_LOG)
-        self.server_log = LogTail(workspace / "server" / "log.txt")
-        self.site_logs = [LogTail(workspace / f"site-{i}" / "log.txt") for i in range(1, sites + 1)]
+        # the logs still to say their run ended, each with the line that says it
+        self.running = [(LogTail(workspace / "server" / "log.txt"), SERVER_RUN_ENDED)] + [
+            (LogTail(workspace / f"site-{i}" / "log.txt"), SITE_RUN_ENDED) for i in range(1, sites + 1)]
         self.reason: str | None = None
         self.ended_job = False
         self.done = threading.Event()
 
     def run(self) -> None:
-        ended: set[int] = set()  # index 0: the server, i: site-i
         while not self.done.wait(self.period_seconds) and self.proc.poll() is None:
-            self.reason = next((line.strip() for line in self.errors.new_lines() if LOST_SITE.search(line)), None)
+            self.reason = _lost_site_line(self.errors.new_lines())
             if self.reason:
                 stop_process_tree(self.proc)
                 return
-            for index, (log, marker) in enumerate([(self.server_log, SERVER_RUN_ENDED)]
-                                                  + [(log, SITE_RUN_ENDED) for log in self.site_logs]):
-                if index not in ended and any(marker.search(line) for line in log.new_lines()):
-                    ended.add(index)
-            if len(ended) == self.sites + 1:
+            self.running = [(log, ended) for log, ended in self.running
+                            if not any(ended.search(line) for line in log.new_lines())]
+            if not self.running:
                 self.ended_job = True
                 stop_process_tree(self.proc, grace_seconds=5.0)
                 return
@@ -158,7 +156,11 @@ class SimulatorWatch(threading.Thread):
 
 def lost_site(error_log: Path) -> str | None:
     """The first line of FLARE's simulator error log that reports a lost site, or None."""
-    return next((line.strip() for line in LogTail(error_log).new_lines() if LOST_SITE.search(line)), None)
+    return _lost_site_line(LogTail(error_log).new_lines())
+
+
+def _lost_site_line(lines: list[str]) -> str | None:
+    return next((line.strip() for line in lines if LOST_SITE.search(line)), None)
 
 
 def _launch(run: RunConfig, job_dir: Path, workspace: Path, log_path: Path, echo: Callable[[str], None]) -> None:
