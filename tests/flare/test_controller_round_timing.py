@@ -1,5 +1,6 @@
 """The controller's round timing: it goes on the moment the last result is processed (not at FLARE's next poll),
-keeps broadcast_and_wait's straggler rules, and does the previous round's bookkeeping after the next task is out.
+keeps broadcast_and_wait's straggler rules, does the previous round's bookkeeping after the next task is out, and
+holds a site's request for its next task while the server is between phases (instead of FLARE's "try again").
 """
 
 from __future__ import annotations
@@ -10,10 +11,12 @@ from types import SimpleNamespace
 
 import numpy as np
 from nvflare.apis.controller_spec import TaskCompletionStatus
+from nvflare.apis.event_type import EventType
+from nvflare.apis.fl_constant import ReservedKey
 from nvflare.apis.fl_context import FLContext
 from nvflare.apis.signal import Signal
 
-from medflare.flare.controller import MedflareController, PhaseAnswers
+from medflare.flare.controller import TASK_HOLD_SECONDS, MedflareController, NextTaskHold, PhaseAnswers
 from medflare.methods.base import PerSite, RoundContext, Stage
 
 SLOW_POLL = 5.0  # a poll period far longer than any wait below: only the result callback's event can be in time
@@ -107,3 +110,91 @@ def test_the_last_rounds_bookkeeping_runs_before_the_job_ends() -> None:
     ctl.aggregator.core.stages = [Stage("train", 2)]
     ctl.control_flow(Signal(), FLContext())
     assert done == [0, 1, "model", "final"]
+
+
+# ----- a site's request for its next task, held while the server is between phases ------------------------------
+def task_request_from(site: str) -> FLContext:
+    """The FLContext FLARE's server runner fires BEFORE_PROCESS_TASK_REQUEST with: the asking site as its peer."""
+    peer = FLContext()
+    peer.put(key=ReservedKey.IDENTITY_NAME, value=site, private=False, sticky=False)
+    ctx = FLContext()
+    ctx.set_peer_context(peer)
+    return ctx
+
+
+def ask_for_task(ctl: MedflareController, site: str, waited: list[float]) -> threading.Thread:
+    def ask() -> None:
+        started = time.monotonic()
+        ctl.handle_event(EventType.BEFORE_PROCESS_TASK_REQUEST, task_request_from(site))
+        waited.append(time.monotonic() - started)
+
+    thread = threading.Thread(target=ask)
+    thread.start()
+    return thread
+
+
+def test_a_hold_ends_when_the_next_task_is_out() -> None:
+    hold = NextTaskHold(limit=5.0)
+    hold.between_phases({"site-1"})
+    started = time.monotonic()
+    threading.Thread(target=lambda: (time.sleep(0.3), hold.task_out())).start()
+    waited = hold.hold("site-1")
+    assert 0.28 <= waited < 1.0 and time.monotonic() - started < 1.0, waited
+
+
+def test_no_hold_while_a_task_is_out_or_for_a_site_that_did_not_answer() -> None:
+    hold = NextTaskHold(limit=5.0)
+    assert hold.hold("site-1") == 0.0  # before any phase ended: a task may be out, nothing to wait for
+    hold.between_phases({"site-1"})
+    assert hold.hold("site-2") == 0.0 and hold.hold(None) == 0.0  # not among the phase's answers
+    hold.task_out()
+    assert hold.hold("site-1") == 0.0
+
+
+def test_a_hold_never_outlasts_its_limit() -> None:
+    hold = NextTaskHold(limit=0.3)
+    hold.between_phases({"site-1"})
+    waited = hold.hold("site-1")
+    assert 0.28 <= waited < 1.0, waited
+
+
+def test_the_controller_holds_an_answered_sites_request_until_its_next_task_is_broadcast() -> None:
+    ctl, answers, tasks = controller(), PhaseAnswers(), tasks_for("site-1", "site-2")
+    ctl.aggregator = SimpleNamespace(holds_plaintext=True, core=SimpleNamespace(task_header=lambda: {}))
+    answers.add("site-1")
+    answers.add("site-2")
+    ctl._wait_for_answers(tasks, answers, Signal(), FLContext())  # the phase is over: the server works
+    waited: list[float] = []
+    asking = [ask_for_task(ctl, "site-1", waited), ask_for_task(ctl, "outsider", waited)]
+    time.sleep(0.3)
+    assert len(waited) == 1 and waited[0] < 0.1  # the outsider was answered at once; site-1 is still held
+    broadcast_at = []
+    ctl.broadcast = lambda task, fl_ctx, **kw: broadcast_at.append(time.monotonic())
+    ctl._wait_for_answers = lambda tasks, answers, abort, fl_ctx: None
+    ctl._send_phase("train", {"w": np.zeros(2)}, RoundContext(round=1, total_rounds=2), {}, {}, Signal(), FLContext())
+    for thread in asking:
+        thread.join(timeout=5)
+    assert len(waited) == 2 and 0.28 <= waited[1] < TASK_HOLD_SECONDS, waited  # released by the broadcast
+
+
+def test_an_aborted_phase_holds_nobody() -> None:
+    ctl, answers, tasks = controller(), PhaseAnswers(), tasks_for("site-1")
+    answers.add("site-1")
+    abort = Signal()
+    abort.trigger(True)
+    ctl._wait_for_answers(tasks, answers, abort, FLContext())
+    assert ctl._next_task.hold("site-1") == 0.0
+
+
+def test_the_end_of_the_job_releases_a_held_request() -> None:
+    ctl = controller()
+    ctl.aggregator = SimpleNamespace(method="fedavg", holds_plaintext=True, core=SimpleNamespace(stages=[]))
+    ctl._results = {"rounds": []}
+    ctl.persistor = SimpleNamespace(save=lambda learnable, fl_ctx: None)
+    ctl.global_params = {}
+    ctl._run_round = lambda ctx, abort, fl_ctx: ctl._next_task.between_phases({"site-1"})
+    ctl._final_validation = lambda last, abort, fl_ctx: None
+    ctl._write_results = lambda: None
+    ctl.aggregator.core.stages = [Stage("train", 1)]
+    ctl.control_flow(Signal(), FLContext())
+    assert ctl._next_task.hold("site-1") == 0.0

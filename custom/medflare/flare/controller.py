@@ -27,6 +27,7 @@ from typing import Any, Callable
 import numpy as np
 from nvflare.apis.client import Client
 from nvflare.apis.controller_spec import ClientTask, Task, TaskCompletionStatus
+from nvflare.apis.event_type import EventType
 from nvflare.apis.dxo import DXO, DataKind, from_shareable
 from nvflare.apis.fl_constant import FLContextKey, ReturnCode
 from nvflare.apis.fl_context import FLContext
@@ -65,6 +66,10 @@ RESULT_AT = "result_at"  # seconds from the round's start until the site's resul
 TASK_BYTES = "task_bytes"  # a round's record: phase -> bytes of the task one site received (arrays + meta)
 CHECKPOINT_FILE = "medflare_checkpoint.npz"  # get_persist_state() after every round, for a resumed job
 BEST_MODEL_FILE = "best_FL_global_model.pt"  # written by FLARE's PT persistor
+# The longest a site's request for its next task is held while the server works between two phases; past it the
+# site hears "try again" as before. Longer than the server's usual turn (0.1-0.3 s, docs/benchmarks.md), short
+# enough that FLARE's heartbeats, which wait for the same lock, stay far inside their timeouts.
+TASK_HOLD_SECONDS = 1.0
 
 
 class PhaseAnswers:
@@ -83,6 +88,42 @@ class PhaseAnswers:
     def sites(self) -> set[str]:
         with self._lock:
             return set(self._sites)
+
+
+class NextTaskHold:
+    """Holds a site's request for its next task while the server works between two phases.
+
+    Once every answer of a phase is in, the sites that answered ask for their next task while the server still
+    aggregates and scores; told "try again", a site waits a whole poll period before it asks again: a fixed 0.5 s
+    in FLARE's simulator (``simulator_worker``), ``task_request_interval`` in POC and production. Instead, such a
+    request (FLARE's ``BEFORE_PROCESS_TASK_REQUEST`` event) waits here until the next task is out, at most
+    ``limit`` seconds, and is then answered at once. Only the sites that answered the phase are held: the next
+    phase is theirs. The wait runs under FLARE's workflow lock, which result submissions also take, so it only
+    happens when no result of the phase is outstanding.
+    """
+
+    def __init__(self, limit: float = TASK_HOLD_SECONDS) -> None:
+        self.limit = limit
+        self._task_out = threading.Event()
+        self._task_out.set()
+        self._sites: frozenset[str] = frozenset()
+
+    def between_phases(self, answered: set[str]) -> None:
+        """Every answer of a phase is in: ``answered`` will ask for the next task before it is out."""
+        self._sites = frozenset(answered)
+        self._task_out.clear()
+
+    def task_out(self) -> None:
+        """The next task is out, or none will come: release every held request."""
+        self._task_out.set()
+
+    def hold(self, site: str | None) -> float:
+        """Wait (at most ``limit`` s) while ``site``'s next task is not out yet; the seconds waited."""
+        if site not in self._sites or self._task_out.is_set():
+            return 0.0
+        started = time.monotonic()
+        self._task_out.wait(self.limit)
+        return time.monotonic() - started
 
 
 class MedflareController(Controller):
@@ -140,6 +181,7 @@ class MedflareController(Controller):
         self._progress: list[dict[str, Any]] = []  # what show_stats serves to `medflare watch`
         self._checkpoint_write = BackgroundWrite("medflare-checkpoint")  # written while the sites train
         self._housekeeping: Callable[[], None] | None = None  # the last round's _close_round, until it ran
+        self._next_task = NextTaskHold()
 
     # ----- FLARE lifecycle ------------------------------------------------------------------------
     def start_controller(self, fl_ctx: FLContext) -> None:
@@ -172,9 +214,13 @@ class MedflareController(Controller):
             collector = fl_ctx.get_prop(InfoCollector.CTX_KEY_STATS_COLLECTOR, None)
             if isinstance(collector, GroupInfoCollector):
                 collector.add_info(STATS_GROUP, {"num_rounds": self.num_rounds, "progress": list(self._progress)})
+        elif event_type == EventType.BEFORE_PROCESS_TASK_REQUEST:
+            peer = fl_ctx.get_peer_context()
+            self._next_task.hold(peer.get_identity_name() if peer is not None else None)
         super().handle_event(event_type, fl_ctx)
 
     def stop_controller(self, fl_ctx: FLContext) -> None:
+        self._next_task.task_out()
         self.cancel_all_tasks()
         with contextlib.suppress(Exception):  # an aborted job still leaves its last round's checkpoint whole
             self._checkpoint_write.wait()
@@ -217,6 +263,8 @@ class MedflareController(Controller):
                 self._checkpoint_write.wait()
             self.log_exception(fl_ctx, f"medflare controller failed: {exc}")
             self.system_panic(f"medflare controller failed: {exc}", fl_ctx)
+        finally:
+            self._next_task.task_out()  # no more tasks: a held request hears "try again" or END_RUN now
 
     # ----- one round --------------------------------------------------------------------------------
     def _run_round(self, plan: RoundContext, abort_signal: Signal, fl_ctx: FLContext) -> None:
@@ -346,6 +394,7 @@ class MedflareController(Controller):
             tasks = [make_task(outgoing)]
             self.broadcast(task=tasks[0], fl_ctx=fl_ctx, min_responses=self.min_clients,
                            wait_time_after_min_received=self.wait_time_after_min_received)
+        self._next_task.task_out()
         self._run_housekeeping()  # the previous round's, while the sites fetch and train
         self._wait_for_answers(tasks, answers, abort_signal, fl_ctx)
 
@@ -372,6 +421,8 @@ class MedflareController(Controller):
             if deadline is not None and time.time() > deadline:
                 break
             answers.wake.wait(self._task_check_period)
+        if not abort_signal.triggered:
+            self._next_task.between_phases(answers.sites())
         status = TaskCompletionStatus.OK if targets <= answers.sites() else TaskCompletionStatus.CANCELLED
         for task in tasks:  # FLARE's monitor then drops them; a late result is ignored as an unknown task's
             if task.completion_status is None:
