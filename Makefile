@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.medflare-installed
 DEMO_OUT ?= runs/demo
 
-.PHONY: install demo test test-fast mutants bench-overhead bench-scaling bench-peer bench-fedmas bench-fedmas-cost bench-fca bench-mdhfl bench-mdhfl-cpu60 bench-ssl-fl bench-fedlsm bench-dp bench-he bench-paper bench-fixed clean
+.PHONY: install demo test test-fast mutants bench-overhead bench-scaling bench-peer bench-transfer bench-fedmas bench-fedmas-cost bench-fca bench-mdhfl bench-mdhfl-cpu60 bench-ssl-fl bench-fedlsm bench-dp bench-he bench-paper bench-fixed clean
 
 # pip (not uv/poetry) so torch==2.14.1 / torchvision==0.29.1 come from this machine's local wheel store.
 $(STAMP): pyproject.toml
@@ -30,19 +30,26 @@ DEMO_CPU_PINS := NPY_DISABLE_CPU_FEATURES="X86_V4 AVX512F AVX512CD AVX512_SKX AV
 demo: install
 	$(DEMO_CPU_PINS) $(VENV)/bin/medflare compare fedmas bsm-fl --scenario hyperkvasir-like --clients 4 --rounds 8 --out $(DEMO_OUT) --overwrite
 
-# Heavy benchmarks (not part of make test); results land in runs/bench-*.
-# Framework cost at realistic work (issue 15): ResNet-18, PneumoniaMNIST, 2 and 4 sites, one process per site on
-# both sides; --quick for a 1-2 min sanity run.
+# Heavy benchmarks (not part of make test); results land in runs/bench-*. bench-overhead, bench-scaling and
+# bench-peer end by putting their tables (every goal marked met or missed) into docs/benchmarks.md's blocks.
+DOCS_TABLES = $(PY) benchmarks/docs_tables.py
+# Framework cost at realistic work (issues 15, 32): ResNet-18, PneumoniaMNIST, 2 and 4 sites, one process per site
+# on both sides, in FLARE's simulator and in a POC; --quick for a 1-2 min sanity run.
 bench-overhead: install
 	$(PY) benchmarks/overhead.py --out runs/bench-overhead
+	$(DOCS_TABLES) bench-overhead runs/bench-overhead/results.md --command "make bench-overhead (simulator)"
+	$(PY) benchmarks/overhead.py --env poc --out runs/bench-overhead-poc
+	$(DOCS_TABLES) bench-overhead-poc runs/bench-overhead-poc/results.md --command "make bench-overhead (POC)"
 
 # Memory, scaling and fp16 parity (issue 15): peak RSS and its growth after round 3 with 2, 4 and 8 sites over 30
 # rounds (fixed total data), the 20-hospital estimate, then float32 vs float16 transfer on the demo job, 3 seeds.
 bench-scaling: install
 	$(PY) benchmarks/scaling.py --out runs/bench-scaling
+	$(DOCS_TABLES) bench-scaling runs/bench-scaling/results.md --command "make bench-scaling"
 
 # medflare against Flower on the same FedAvg work (issue 32): bare loop, medflare's simulator and POC, Flower's
-# simulation and deployment engines; ResNet-18 and cnn, PneumoniaMNIST, 2 sites. Flower gets its own virtual
+# simulation and deployment engines, and FLARE's own FedAvg recipe (the floor under medflare's simulator side);
+# ResNet-18 and cnn, PneumoniaMNIST, 2 sites. A side that fails or hangs (--side-timeout) is reported, not fatal. Flower gets its own virtual
 # environment (flwr 1.42 needs protobuf < 7, medflare's has 7.x); it is a benchmark-only peer, in no medflare extra.
 # pip takes torch/torchvision from this machine's local wheel store, as for medflare. BENCH_PEER_ARGS adds options
 # (e.g. --quick, --clients 2 4).
@@ -57,6 +64,12 @@ $(FLOWER_STAMP):
 
 bench-peer: install $(FLOWER_STAMP)
 	$(PY) benchmarks/peer_flower.py --flower-venv $(FLOWER_VENV) --out runs/bench-peer $(BENCH_PEER_ARGS)
+	$(DOCS_TABLES) bench-peer runs/bench-peer/results.md --command "make bench-peer $(BENCH_PEER_ARGS)"
+
+# FLARE's transfer of one model alone (issue 32): two FLARE cells on loopback, each change medflare could make to
+# what it hands FLARE (fp16, one buffer, chunk sizes, tensors).
+bench-transfer: install
+	$(PY) benchmarks/transfer.py --out runs/bench-transfer
 
 bench-fedmas: install
 	$(PY) benchmarks/fedmas_vs_baselines.py --setting synthetic --out runs/bench-fedmas-synthetic

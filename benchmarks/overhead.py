@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from medflare.benchmarking import later_rounds, mean_later_rounds, model_fp32_bytes, trained_images
+from medflare.benchmarking import goal_verdict, later_rounds, mean_later_rounds, model_fp32_bytes, trained_images
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "medmnist" / "pneumoniamnist.npz"
 GOALS = {"ratio": 1.05, "overhead_seconds": 0.3, "throughput": 0.95, "first_round": 2.0, "bytes": 1.05}
@@ -273,8 +273,18 @@ def markdown(config: dict[str, Any], by_clients: dict[str, dict[str, Any]]) -> s
     lines += ["| sites | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for clients, f in by_clients.items():
         lines.append(f"| {clients} | " + " | ".join(_fmt(f["flare_coordination_parts"].get(n)) for n in names) + " |")
-    lines += ["", "Goals met: " + "; ".join(f"{c} sites {f['goals_met']}" for c, f in by_clients.items()), ""]
+    lines += [""] + [f"- {c} sites: " + "; ".join(goal_verdicts(f)) for c, f in by_clients.items()] + [""]
     return "\n".join(lines)
+
+
+def goal_verdicts(f: dict[str, Any]) -> list[str]:
+    """Each goal of one site count, met or missed and by how much."""
+    return [goal_verdict("ratio", f["round_ratio_without_startup"], GOALS["ratio"]),
+            goal_verdict("coordination", f["coordination_seconds_per_round"]["flare"], GOALS["overhead_seconds"],
+                         unit=" s"),
+            goal_verdict("throughput", f["throughput_ratio"], GOALS["throughput"], at_most=False),
+            goal_verdict("first round / later", f["first_round_over_later"]["flare"], GOALS["first_round"]),
+            goal_verdict("bytes / fp32 model", f["bytes_per_site_round_over_fp32_model"], GOALS["bytes"])]
 
 
 def _fmt(value: float | None, digits: int = 3) -> str:

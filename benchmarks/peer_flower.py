@@ -7,7 +7,10 @@ Five sides, one after another, per model and site count:
   and sites as separate FLARE processes, mTLS on loopback), both through ``overhead.flare_run``;
 - ``flower-sim``: Flower 1.42's simulation engine (``flwr.simulation.run_simulation``, one Ray actor per site);
 - ``flower-deploy``: Flower's deployment engine: a SuperLink and one SuperNode per site on loopback (insecure
-  mode), the app submitted with ``flwr run``; each round's ClientApp is a new process, as Flower runs it.
+  mode), the app submitted with ``flwr run``; each round's ClientApp is a new process, as Flower runs it;
+- ``flare-sim``: the floor under medflare's simulator side: FLARE 2.9's own ``FedAvgRecipe`` (its ``FedAvg``
+  controller and in-process Client API) in ``SimEnv``, the sites running ``flare_peer/client.py`` around the same
+  site code, so FLARE moves the same model with nothing of medflare in between.
 
 The same work everywhere: the model (``--models``, ResNet-18 and ``cnn``), the data (PneumoniaMNIST, or a
 synthetic source), the IID partitions, one local epoch (or ``--steps``) of Adam lr 1e-3 at batch 64, scoring val
@@ -37,6 +40,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import resource
 import socket
 import subprocess
@@ -57,11 +61,15 @@ from medflare.benchmarking import later_rounds, mean_later_rounds  # noqa: E402
 ROOT = HERE.parent
 APP_DIR = HERE / "flower_peer"
 DEFAULT_FLOWER_VENV = ROOT / ".venv-flower"
-SIDES = ("bare", "medflare-sim", "medflare-poc", "flower-sim", "flower-deploy")
+SIDES = ("bare", "medflare-sim", "medflare-poc", "flower-sim", "flower-deploy", "flare-sim")
 MEDFLARE_ENV = {"medflare-sim": "sim", "medflare-poc": "poc"}
 PAIRS = {"simulation": ("medflare-sim", "flower-sim"), "deployment": ("medflare-poc", "flower-deploy")}
+FLOORS = {"medflare-sim": "flare-sim"}  # medflare's side -> FLARE's own FedAvg on the same engine
+FLARE_CLIENT = HERE / "flare_peer" / "client.py"
+FLARE_ROUND_START = re.compile(r"Round (\d+) started\.")
+FLARE_FINISHED = re.compile(r"Finished FedAvg\.")
 WORKLOAD_ENV, RESULT_ENV = "MEDFLARE_PEER_WORKLOAD", "MEDFLARE_PEER_RESULT"  # read by flower_peer/apps.py
-SIDE_TIMEOUT = 3600.0
+SIDE_TIMEOUT = 1200.0  # default --side-timeout: a side that hangs (seen once: Flower's deployment) is ended
 SUBMIT_TIMEOUT = 180.0
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -116,6 +124,9 @@ def normalise(side: str, raw: dict[str, Any], state_bytes: int) -> dict[str, Any
         sent = [b for entry in raw.get("payload", {}).values() for b in entry["bytes_per_round"]]
         return {"walls": [r["wall"] for r in rounds], "work": [list(r["work"].values()) for r in rounds],
                 "bytes_up": max(sent) if sent else None, "bytes_down": None}
+    if side.startswith("flare"):  # FLARE's own FedAvg: bytes are not recorded on that side
+        return {"walls": flower_walls(rounds), "work": [[s["work"] for s in r["sites"]] for r in rounds],
+                "bytes_up": None, "bytes_down": None, "parts": flower_round_parts(rounds)}
     errors = [e for r in rounds for e in r.get("errors", [])]
     if errors:
         raise RuntimeError(f"{side}: {len(errors)} client error(s), first: {errors[0]}")
@@ -145,7 +156,17 @@ def compare(sides: dict[str, dict[str, Any]]) -> dict[str, Any]:
             gap = sides[ours]["round_seconds"] - sides[theirs]["round_seconds"]
             goals[mode] = {"medflare": ours, "flower": theirs, "met": gap <= 0, "gap_seconds": gap,
                            "gap_percent": 100 * gap / sides[theirs]["round_seconds"]}
-    return {"sides": sides, "goals": goals}
+    floors = {ours: {"flare": theirs, "gap_seconds": sides[ours]["round_seconds"] - sides[theirs]["round_seconds"],
+                     "coordination_gap_seconds": sides[ours]["coordination_seconds"]
+                     - sides[theirs]["coordination_seconds"]}
+              for ours, theirs in FLOORS.items() if ours in sides and theirs in sides}
+    return {"sides": sides, "goals": goals, "floors": floors}
+
+
+def floor_line(side: str, floor: dict[str, Any]) -> str:
+    return (f"{side} against FLARE's own FedAvg ({floor['flare']}): {floor['gap_seconds']:+.2f} s/round, "
+            f"coordination {floor['coordination_gap_seconds']:+.2f} s/round (positive: medflare's own cost above "
+            f"FLARE's floor)")
 
 
 def goal_line(mode: str, goal: dict[str, Any]) -> str:
@@ -170,7 +191,9 @@ def markdown(config: dict[str, Any], cells: dict[str, dict[str, Any]]) -> str:
                 f"{f['coordination_seconds']:.2f} | {f['first_round_seconds']:.2f} | {f['total_seconds']:.1f} | "
                 f"{_fmt(f['cpu_seconds'], 0)} | {_fmt(_gib(f['peak_rss_bytes']), 2)} | {_fmt(_mb(f['bytes_up']), 1)} | "
                 f"{_fmt(_mb(f['bytes_down']), 1)} |")
-        lines += [""] + [f"- {goal_line(mode, goal)}" for mode, goal in result["goals"].items()] + [""]
+        lines += [""] + [f"- {goal_line(mode, goal)}" for mode, goal in result["goals"].items()]
+        lines += [f"- {floor_line(side, floor)}" for side, floor in result.get("floors", {}).items()]
+        lines += [f"- {side}: **failed**, no figures ({why})" for side, why in result.get("failed", {}).items()] + [""]
         lines += [f"- where a {side} round goes (s, rounds 2..R, last site): "
                   + ", ".join(f"{name} {value:.2f}" for name, value in f["parts"].items())
                   for side, f in result["sides"].items() if f.get("parts")] + [""]
@@ -216,8 +239,10 @@ def flower_bin(args: argparse.Namespace, name: str) -> Path:
 def side_env(workload_file: Path, result: Path) -> dict[str, str]:
     """Flower's processes find the app, the shared site code and medflare's data and model code on PYTHONPATH."""
     paths = [str(APP_DIR), str(HERE), str(ROOT / "custom"), os.environ.get("PYTHONPATH", "")]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p), WORKLOAD_ENV: str(workload_file),
-            RESULT_ENV: str(result), "FLWR_TELEMETRY_ENABLED": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+    # absolute: FLARE's simulator runs a site's script in the site's own workspace folder
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p),
+            WORKLOAD_ENV: str(workload_file.resolve()), RESULT_ENV: str(result.resolve()),
+            "FLWR_TELEMETRY_ENABLED": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
 def children_cpu_seconds() -> float:
@@ -252,7 +277,8 @@ def end_leftovers() -> None:
             return
 
 
-def run_side(side: str, command: list[str], env: dict[str, str], log: Path, result: Path) -> dict[str, Any]:
+def run_side(side: str, command: list[str], env: dict[str, str], log: Path, result: Path,
+             timeout: float = SIDE_TIMEOUT) -> dict[str, Any]:
     """Run one side under a keeper; wall, CPU-seconds and peak memory of its whole process tree, and its record."""
     import scaling
 
@@ -263,7 +289,9 @@ def run_side(side: str, command: list[str], env: dict[str, str], log: Path, resu
     with log.open("w") as out, scaling.TreeSampler(interval=1.0) as sampler:
         keeper = start_kept(command, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
         try:
-            code = keeper.wait(timeout=SIDE_TIMEOUT)
+            code = keeper.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = f"ended after the side timeout of {timeout:.0f} s"
         finally:
             end_processes([keeper])  # the keeper ends everything the side started
             end_leftovers()
@@ -283,16 +311,21 @@ def measure_cell(args: argparse.Namespace, model: str, clients: int, out: Path) 
     workload_file = out / "workload.json"
     workload_file.write_text(json.dumps(load, indent=1))
     state_bytes = model_state_bytes(load["sites"][0])
-    sides = {}
+    sides, failed = {}, {}
     for side in args.sides:
         result = out / f"{side}.json"
         print(f"{model}, {clients} site(s): {side} ...", flush=True)
-        ran = run_side(side, side_command(side, args, model, clients, result), side_env(workload_file, result),
-                       out / f"{side}.log", result)
+        try:
+            ran = run_side(side, side_command(side, args, model, clients, result), side_env(workload_file, result),
+                           out / f"{side}.log", result, args.side_timeout)
+        except RuntimeError as exc:  # one side's failure is reported; the other sides still run
+            failed[side] = str(exc).splitlines()[0]
+            print(f"  {side}: FAILED: {failed[side]}", flush=True)
+            continue
         sides[side] = side_figures(normalise(side, ran["raw"], state_bytes), {**ran["measured"], "device": device()})
         print(f"  {side}: {sides[side]['round_seconds']:.2f} s/round, whole job {sides[side]['total_seconds']:.0f} s",
               flush=True)
-    return compare(sides)
+    return {**compare(sides), "failed": failed}
 
 
 def device() -> str:
@@ -312,10 +345,62 @@ def run_here(args: argparse.Namespace) -> None:
     elif args.side in MEDFLARE_ENV:
         flare = overhead.flare_run(run, result.with_suffix(""), MEDFLARE_ENV[args.side])
         record = {"rounds": flare["rounds"], "payload": flare["summary"].get("payload", {})}
+    elif args.side == "flare-sim":
+        record = {"rounds": flare_fedavg(clients, result)}
     else:
         deploy_flower(args, clients, result)
         return
     result.write_text(json.dumps(record))
+
+
+def flare_fedavg(clients: int, result: Path) -> list[dict[str, Any]]:
+    """FLARE's own ``FedAvgRecipe`` in ``SimEnv`` with ``flare_peer/client.py``: its rounds as Flower's side records
+    them (start, aggregated, each site's stamps), from the server's log and the sites' lines."""
+    from nvflare.app_opt.pt.recipes.fedavg import FedAvgRecipe
+    from nvflare.recipe import SimEnv
+
+    load = json.loads(Path(os.environ[WORKLOAD_ENV]).read_text())
+    spec = load["sites"][0]
+    model = {"class_path": "flare_peer.model.PeerNet",
+             "args": {name: spec[name] for name in ("model", "num_classes", "in_channels", "image_size", "seed")}}
+    recipe = FedAvgRecipe(name="flare-fedavg", model=model, min_clients=clients,
+                          num_rounds=load["rounds"], train_script=str(FLARE_CLIENT), command=f"{sys.executable} -u")
+    workspace = result.with_name(result.stem + "-workspace")
+    for old in result.parent.glob(f"{result.name}.*.jsonl"):
+        old.unlink()
+    recipe.execute(SimEnv(num_clients=clients, workspace_root=str(workspace)))
+    return flare_rounds(workspace, result, [s["name"] for s in load["sites"]])
+
+
+def flare_rounds(workspace: Path, result: Path, sites: list[str]) -> list[dict[str, Any]]:
+    """Round starts and the end from FLARE's FedAvg log lines, with each site's own round lines."""
+    from round_timeline import STAMP
+
+    log = next(path for path in workspace.rglob("log.txt") if "server" in path.parts)
+    starts, finished, when = {}, None, None
+    for line in log.read_text(errors="replace").splitlines():  # FedAvg's banners continue a stamped line
+        if STAMP.match(line):
+            when = stamped_time(line)
+        if when is None:
+            continue
+        if match := FLARE_ROUND_START.search(line):
+            starts[int(match.group(1))] = when
+        elif FLARE_FINISHED.search(line):
+            finished = when
+    by_site = {name: {entry["round"]: entry for entry in map(json.loads, Path(f"{result}.{name}.jsonl").open())}
+               for name in sites}
+    order = sorted(starts)
+    ends = [starts[r] for r in order[1:]] + [finished]
+    return [{"started_at": starts[r], "aggregated_at": end, "sites": [by_site[name][r] for name in sites]}
+            for r, end in zip(order, ends)]
+
+
+def stamped_time(line: str) -> float:
+    from datetime import datetime
+
+    from round_timeline import STAMP
+
+    return datetime.strptime(STAMP.match(line).group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
 def free_port() -> int:
@@ -383,6 +468,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
     parser.add_argument("--flower-venv", default=str(DEFAULT_FLOWER_VENV),
                         help="Flower's own virtual environment (flwr 1.42, torch, numpy)")
+    parser.add_argument("--side-timeout", type=float, default=SIDE_TIMEOUT,
+                        help="seconds a side may run before it is ended and reported as failed")
     parser.add_argument("--quick", action="store_true", help="cnn, 2 sites, 3 rounds, 5 steps")
     parser.add_argument("--out", default="runs/bench-peer")
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # internal: run one side here

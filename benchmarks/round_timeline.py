@@ -34,7 +34,7 @@ SITE_EVENTS = {
     "downloaded": re.compile(r"\[client\] download ref=\S+ done"),
     "processed": re.compile(r"ClientRunner - .*finished processing task"),
 }
-STEPS = ("pickup", "download", "work", "upload", "server after last result")
+STEPS = ("pickup", "download", "work", "upload", "server after last result", "round wall")
 
 
 def stamped(path: Path) -> list[tuple[float, str]]:
@@ -84,7 +84,9 @@ def round_steps(workspace: Path) -> dict[int, dict[str, float]]:
     server = stamped(server_log)
     sites = {site: stamped(path) for site, path in site_logs.items()}
     steps = {}
-    for number, (start, done) in sorted(round_windows(server).items()):
+    windows = sorted(round_windows(server).items())
+    next_start = {number: start for number, (start, _) in windows}
+    for number, (start, done) in windows:
         per_site = {}
         for site, lines in sites.items():
             assigned = first_after(server, SERVER_EVENTS["assigned"], start, done, site)
@@ -96,7 +98,9 @@ def round_steps(workspace: Path) -> dict[int, dict[str, float]]:
                                   received - processed, received)
         if per_site:
             slowest = max(per_site.values(), key=lambda s: s[4])
-            steps[number] = dict(zip(STEPS, (*slowest[:4], done - slowest[4])))
+            # the wall runs to the next round's start (the last round: to its end), as the benchmarks count it
+            wall = next_start.get(number + 1, done) - start
+            steps[number] = dict(zip(STEPS, (*slowest[:4], done - slowest[4], wall)))
     return steps
 
 

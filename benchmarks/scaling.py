@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from medflare.benchmarking import (
-    later_rounds, mean_later_rounds, mean_std, model_fp32_bytes, run_cell, trained_images, versus,
+    goal_verdict, later_rounds, mean_later_rounds, mean_std, model_fp32_bytes, run_cell, trained_images, versus,
 )
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "medmnist" / "pneumoniamnist.npz"
@@ -434,8 +434,19 @@ def _scaling_lines(scaling: dict[str, Any]) -> list[str]:
                 f"{_number(e['bytes_per_round'])} bytes per round through the server "
                 f"({_number(e['upload_bytes_per_round'])} up, {_number(e['download_bytes_per_round'])} down); "
                 f"server memory {memory}.")
-    lines += ["", estimate, ""]
+    lines += ["", estimate, ""] + _memory_goal_lines(scaling["by_clients"], goal)
     return lines + _streaming_lines(scaling["by_clients"])
+
+
+def _memory_goal_lines(by_clients: dict[str, Any], goal: float) -> list[str]:
+    """The growth goal per site count and process, met or missed and by how much."""
+    lines = []
+    for clients, f in by_clients.items():
+        growth = {role: m["growth_after_round_3"] for role, m in sorted(f["memory"].items())}
+        lines.append(f"- {clients} sites: " + "; ".join(
+            goal_verdict(f"{role} growth after round 3", None if g is None else 100 * g, 100 * goal, unit=" %")
+            for role, g in growth.items()))
+    return lines + [""] if lines else []
 
 
 def _streaming_lines(by_clients: dict[str, Any]) -> list[str]:

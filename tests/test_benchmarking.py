@@ -6,7 +6,7 @@ from typing import Any
 
 import medflare.simulate
 import pytest
-from medflare.benchmarking import fingerprint_file, mean_std, run_cell, versus
+from medflare.benchmarking import fingerprint_file, goal_verdict, mean_std, run_cell, versus
 from medflare.run_config import RunConfig
 
 
@@ -64,3 +64,11 @@ def test_versus_reads_a_gap_within_one_std_as_no_difference() -> None:
     assert versus([0.9], [0.5]).endswith("(one seed: not a result)")
     with pytest.raises(ValueError):
         versus([], [0.5])
+
+
+def test_goal_verdict_marks_met_or_missed_and_by_how_much() -> None:
+    assert goal_verdict("ratio", 1.104, 1.05) == "ratio 1.104 (goal <= 1.05): **missed** by 0.054"
+    assert goal_verdict("ratio", 1.02, 1.05) == "ratio 1.02 (goal <= 1.05): met, 0.03 to spare"
+    assert goal_verdict("throughput", 0.93, 0.95, at_most=False) == "throughput 0.93 (goal >= 0.95): **missed** by 0.02"
+    assert goal_verdict("growth", 8.4, 5.0, unit=" %") == "growth 8.4 % (goal <= 5 %): **missed** by 3.4 %"
+    assert goal_verdict("growth", None, 5.0) == "growth (goal <= 5): not measured"

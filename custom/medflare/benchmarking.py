@@ -86,6 +86,17 @@ def versus(values: list[float], baseline: list[float]) -> str:
     return f"{gap:+.3f} ({'above' if gap > 0 else 'below'})"
 
 
+def goal_verdict(name: str, value: float | None, goal: float, at_most: bool = True, unit: str = "") -> str:
+    """One goal of a benchmark, marked met or missed and by how much: "ratio 1.104 (goal <= 1.05): **missed** by
+    0.054". ``at_most`` False: the value must reach the goal (a throughput)."""
+    sign = "<=" if at_most else ">="
+    if value is None:
+        return f"{name} (goal {sign} {goal:g}{unit}): not measured"
+    gap = value - goal if at_most else goal - value
+    verdict = f"**missed** by {gap:.3g}{unit}" if gap > 0 else f"met, {abs(gap):.3g}{unit} to spare"
+    return f"{name} {value:.4g}{unit} (goal {sign} {goal:g}{unit}): {verdict}"
+
+
 def later_rounds(rows: list[Any]) -> list[Any]:
     """Rounds 2..R (round 1 holds the sites' start-up: process launch, imports, data); the only round if there is
     one."""

@@ -82,5 +82,7 @@ def test_a_poc_table_says_poc_and_leaves_the_uncounted_cpu_seconds_blank() -> No
     table = overhead.markdown({"env": "poc"}, {"2": figures})
     assert table.startswith("# Framework cost: medflare in a FLARE POC")
     assert "| 200 / - |" in table
+    assert "ratio 1.05 (goal <= 1.05): met, 0 to spare" in table  # every goal, met or missed and by how much
+    assert "coordination 0.6 s (goal <= 0.3 s): **missed** by 0.3 s" in table
     simulated = {**figures, "cpu_seconds": {"bare": 200.0, "flare": 210.0}}
     assert "FLARE's simulator" in overhead.markdown({"env": "sim"}, {"2": simulated})

@@ -139,3 +139,64 @@ def test_a_site_s_optimizer_state_survives_the_trip_through_flower_s_context() -
     assert saved.keys() == fresh.optimizer_state().keys()
     for key, value in saved.items():
         np.testing.assert_array_equal(fresh.optimizer_state()[key], value)
+
+
+FEDAVG_LOG = """\
+2026-11-26 10:41:50,000 - FedAvg - INFO - [identity=simulator_server, run=simulate_job, wf=controller] -
+--------------------------------------------------------------------------------
+                                Round 0 started.
+--------------------------------------------------------------------------------
+2026-11-26 10:41:52,500 - FedAvg - INFO - [identity=simulator_server] - Aggregated 2/2 results
+2026-11-26 10:41:53,000 - FedAvg - INFO - [identity=simulator_server, run=simulate_job, wf=controller] -
+                                Round 1 started.
+2026-11-26 10:41:56,250 - FedAvg - INFO - [identity=simulator_server, run=simulate_job, wf=controller] -
+                                Finished FedAvg.
+"""
+
+
+def test_flare_s_own_fedavg_rounds_come_from_its_banners_and_the_sites_lines(tmp_path: Path) -> None:
+    from datetime import datetime
+
+    (tmp_path / "ws" / "flare-fedavg" / "server").mkdir(parents=True)
+    (tmp_path / "ws" / "flare-fedavg" / "server" / "log.txt").write_text(FEDAVG_LOG)
+    result = tmp_path / "flare-sim.json"
+    at = datetime(2026, 11, 26, 10, 41, 50).timestamp()
+    for name, work in (("site-1", 1.0), ("site-2", 2.0)):
+        lines = [{"round": r, "entered_at": at + 3 * r + 0.5, "left_at": at + 3 * r + 0.5 + work, "work": work}
+                 for r in (0, 1)]
+        Path(f"{result}.{name}.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    rounds = peer.flare_rounds(tmp_path / "ws", result, ["site-1", "site-2"])
+    assert [r["started_at"] - at for r in rounds] == [0.0, 3.0]
+    assert [r["aggregated_at"] - at for r in rounds] == [3.0, 6.25]  # the next start; the last: FedAvg finished
+    figures = peer.normalise("flare-sim", {"rounds": rounds}, 100)
+    assert figures["walls"] == pytest.approx([3.0, 3.25]) and figures["work"] == [[1.0, 2.0], [1.0, 2.0]]
+    assert figures["bytes_up"] is None and figures["parts"]["dispatch"] == pytest.approx(0.5)
+
+
+def test_medflare_s_distance_to_flare_s_own_fedavg_is_reported() -> None:
+    sides = {"bare": measured(8.0), "medflare-sim": measured(9.0), "flare-sim": measured(11.0)}
+    compared = peer.compare(sides)
+    assert compared["floors"]["medflare-sim"]["gap_seconds"] == pytest.approx(-2.0)
+    table = peer.markdown({}, {"cell": compared})
+    assert "medflare-sim against FLARE's own FedAvg (flare-sim): -2.00 s/round" in table
+
+
+def test_a_side_that_hangs_is_ended_at_its_timeout_and_reported_not_fatal(tmp_path: Path) -> None:
+    import sys
+    import time
+
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="ended after the side timeout of 1 s"):
+        peer.run_side("flower-deploy", [sys.executable, "-c", "import time; time.sleep(60)"], {}, tmp_path / "log",
+                      tmp_path / "result.json", timeout=1.0)
+    assert time.monotonic() - started < 20
+    compared = {**peer.compare({"bare": measured(8.0), "medflare-poc": measured(9.0)}),
+                "failed": {"flower-deploy": "flower-deploy failed (ended after the side timeout of 1 s)"}}
+    table = peer.markdown({}, {"cell": compared})
+    assert "- flower-deploy: **failed**, no figures (flower-deploy failed" in table
+    assert "deployment:" not in table  # no goal is read from a pair with a failed side
+
+
+def test_a_side_gets_absolute_paths_because_flare_s_sites_run_in_their_own_folders() -> None:
+    env = peer.side_env(Path("runs/x/workload.json"), Path("runs/x/flare-sim.json"))
+    assert Path(env[peer.WORKLOAD_ENV]).is_absolute() and Path(env[peer.RESULT_ENV]).is_absolute()

@@ -36,7 +36,8 @@ def workspace(root: Path) -> Path:
 def test_the_steps_are_those_of_the_site_whose_result_came_last(tmp_path: Path) -> None:
     steps = timeline.round_steps(workspace(tmp_path))
     assert list(steps) == [2]
-    expected = {"pickup": 0.4, "download": 0.25, "work": 1.8, "upload": 0.45, "server after last result": 0.1}
+    expected = {"pickup": 0.4, "download": 0.25, "work": 1.8, "upload": 0.45, "server after last result": 0.1,
+                "round wall": 3.0}  # the last round: start to done (no next start)
     assert steps[2] == pytest.approx(expected, abs=1e-6)  # site-2, not site-1 (pickup 0.1, upload 0.5)
 
 
