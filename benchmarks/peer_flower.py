@@ -374,13 +374,12 @@ def flare_fedavg(clients: int, result: Path) -> list[dict[str, Any]]:
 
 def flare_rounds(workspace: Path, result: Path, sites: list[str]) -> list[dict[str, Any]]:
     """Round starts and the end from FLARE's FedAvg log lines, with each site's own round lines."""
-    from round_timeline import STAMP
+    from round_timeline import stamp_seconds
 
     log = next(path for path in workspace.rglob("log.txt") if "server" in path.parts)
     starts, finished, when = {}, None, None
     for line in log.read_text(errors="replace").splitlines():  # FedAvg's banners continue a stamped line
-        if STAMP.match(line):
-            when = stamped_time(line)
+        when = stamp_seconds(line) or when
         if when is None:
             continue
         if match := FLARE_ROUND_START.search(line):
@@ -393,14 +392,6 @@ def flare_rounds(workspace: Path, result: Path, sites: list[str]) -> list[dict[s
     ends = [starts[r] for r in order[1:]] + [finished]
     return [{"started_at": starts[r], "aggregated_at": end, "sites": [by_site[name][r] for name in sites]}
             for r, end in zip(order, ends)]
-
-
-def stamped_time(line: str) -> float:
-    from datetime import datetime
-
-    from round_timeline import STAMP
-
-    return datetime.strptime(STAMP.match(line).group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
 def free_port() -> int:

@@ -37,14 +37,16 @@ SITE_EVENTS = {
 STEPS = ("pickup", "download", "work", "upload", "server after last result", "round wall")
 
 
+def stamp_seconds(line: str) -> float | None:
+    """The time (``time.time()`` scale) a FLARE log line starts with; None for a line without one."""
+    match = STAMP.match(line)
+    return datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() if match else None
+
+
 def stamped(path: Path) -> list[tuple[float, str]]:
     """(seconds, line) of every timestamped line of a FLARE log."""
-    lines = []
-    for line in path.read_text(errors="replace").splitlines():
-        match = STAMP.match(line)
-        if match:
-            lines.append((datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp(), line))
-    return lines
+    lines = [(stamp_seconds(line), line) for line in path.read_text(errors="replace").splitlines()]
+    return [(when, line) for when, line in lines if when is not None]
 
 
 def round_windows(server: list[tuple[float, str]]) -> dict[int, tuple[float, float]]:

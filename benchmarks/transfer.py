@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -37,16 +36,13 @@ from typing import Callable
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "custom"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling scripts (benchmarks/ is not a package)
+
+from he_cost import free_port  # noqa: E402
 
 VARIANTS = ("fp32", "fp16", "one-buffer", "chunk-8mb", "chunk-64mb", "native", "tensors", "tensors-fp16",
             "one-tensor")
 CHUNK_VAR = "NVFLARE_NP_DOWNLOAD_CHUNK_SIZE"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("localhost", 0))
-        return sock.getsockname()[1]
 
 
 def model_arrays(model: str) -> dict[str, np.ndarray]:
