@@ -147,18 +147,19 @@ class FedAvgSite:
         self.model.eval()
         with torch.no_grad(), torch.autocast(self.device.type, enabled=self.amp):
             for split in (self.data.val, self.data.test):
-                for images, _ in DataLoader(split, batch_size=EVAL_BATCH):
-                    torch.softmax(self.model(images.to(self.device)), dim=1)
+                for images, _ in DataLoader(split, batch_size=EVAL_BATCH, pin_memory=self.amp):
+                    torch.softmax(self.model(images.to(self.device, non_blocking=True)), dim=1)
 
     def train(self) -> int:
         """One local epoch (full batches when that leaves one), capped at ``steps``; the images trained on."""
         self.model.train()
         images_seen, batch, steps = 0, self.spec.batch_size, self.spec.steps
-        loader = DataLoader(self.data.train, batch_size=batch, shuffle=True, drop_last=self.n_train > batch)
+        loader = DataLoader(self.data.train, batch_size=batch, shuffle=True, drop_last=self.n_train > batch,
+                            pin_memory=self.amp)  # on CUDA as medflare's trainer loads its batches
         for step, (images, labels) in enumerate(loader):
             if steps and step >= steps:
                 break
-            images, labels = images.to(self.device), labels.to(self.device)
+            images, labels = images.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
             self.optimizer.zero_grad()
             with torch.autocast(self.device.type, enabled=self.amp):
                 loss = F.cross_entropy(self.model(images), labels)

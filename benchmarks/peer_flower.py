@@ -47,7 +47,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:  # benchmarks/ is not a package: the sibling scripts are imported by name
@@ -303,8 +303,9 @@ def run_side(side: str, command: list[str], env: dict[str, str], log: Path, resu
     return {"raw": json.loads(result.read_text()), "measured": measured}
 
 
-def measure_cell(args: argparse.Namespace, model: str, clients: int, out: Path) -> dict[str, Any]:
-    """Every requested side on one model and site count."""
+def measure_cell(args: argparse.Namespace, model: str, clients: int, out: Path,
+                 on_side: Callable[[dict[str, Any]], None] = lambda cell: None) -> dict[str, Any]:
+    """Every requested side on one model and site count; ``on_side`` gets the cell so far after each side."""
     run = overhead.build_run(argparse.Namespace(**{**vars(args), "model": model}), clients)
     out.mkdir(parents=True, exist_ok=True)
     load = workload(run, args.steps)
@@ -325,6 +326,7 @@ def measure_cell(args: argparse.Namespace, model: str, clients: int, out: Path) 
         sides[side] = side_figures(normalise(side, ran["raw"], state_bytes), {**ran["measured"], "device": device()})
         print(f"  {side}: {sides[side]['round_seconds']:.2f} s/round, whole job {sides[side]['total_seconds']:.0f} s",
               flush=True)
+        on_side({**compare(sides), "failed": failed})
     return {**compare(sides), "failed": failed}
 
 
@@ -485,14 +487,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return {}
     out = Path(args.out)
     adopt_orphans()
-    cells = {f"{model}, {clients} sites": measure_cell(args, model, clients, out / f"{model}-{clients}")
-             for model in args.models for clients in args.clients}
     config = {k: v for k, v in vars(args).items() if k not in ("out", "side", "result", "flower_venv")}
+    cells: dict[str, dict[str, Any]] = {}
+    for model in args.models:
+        for clients in args.clients:
+            name = f"{model}, {clients} sites"
+
+            def publish(cell: dict[str, Any], name: str = name) -> None:
+                write_results(out, config, {**cells, name: cell})  # a run ended early keeps every finished side
+
+            cells[name] = measure_cell(args, model, clients, out / f"{model}-{clients}", on_side=publish)
+    write_results(out, config, cells)
+    print(f"written: {out / 'results.md'}, {out / 'results.json'}")
+    return cells
+
+
+def write_results(out: Path, config: dict[str, Any], cells: dict[str, dict[str, Any]]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"config": config, "cells": cells}, indent=2) + "\n")
     (out / "results.md").write_text(markdown(config, cells))
-    print(f"written: {out / 'results.md'}, {out / 'results.json'}")
-    return cells
 
 
 if __name__ == "__main__":

@@ -200,3 +200,22 @@ def test_a_side_that_hangs_is_ended_at_its_timeout_and_reported_not_fatal(tmp_pa
 def test_a_side_gets_absolute_paths_because_flare_s_sites_run_in_their_own_folders() -> None:
     env = peer.side_env(Path("runs/x/workload.json"), Path("runs/x/flare-sim.json"))
     assert Path(env[peer.WORKLOAD_ENV]).is_absolute() and Path(env[peer.RESULT_ENV]).is_absolute()
+
+
+def test_a_run_ended_after_its_first_side_keeps_that_side_s_row(tmp_path: Path, monkeypatch) -> None:
+    """A benchmark cut by its time limit (seen on a GPU lease) must not lose the sides that finished."""
+    bare = {"rounds": [{"wall": wall, "sites": [{"work": wall - 0.5}]} for wall in (4.0, 2.0, 2.2)]}
+
+    def run_side(side, command, env, log, result, timeout):
+        if side == "bare":
+            return {"raw": bare, "measured": {"total_seconds": 30.0, "cpu_seconds": 40.0, "peak_rss_bytes": 2**30}}
+        raise KeyboardInterrupt  # the run is ended while its second side runs
+
+    monkeypatch.setattr(peer, "run_side", run_side)
+    monkeypatch.setattr(peer, "adopt_orphans", lambda: None)
+    with pytest.raises(KeyboardInterrupt):
+        peer.main(NO_FLOWER + ["--sides", "bare", "medflare-sim", "--models", "cnn", "--rounds", "3",
+                               "--out", str(tmp_path)])
+    kept = json.loads((tmp_path / "results.json").read_text())["cells"]["cnn, 2 sites"]["sides"]
+    assert list(kept) == ["bare"] and kept["bare"]["round_seconds"] == pytest.approx(2.1)
+    assert "| bare | " in (tmp_path / "results.md").read_text()
