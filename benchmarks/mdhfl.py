@@ -17,9 +17,9 @@ round against the expected public rows per round × classes × 2 bytes (float16)
 
 Engines: ``simulator`` runs every cell through FLARE's simulator; ``inprocess`` (the default, for CPU budget)
 drives the very same site and server code (SiteRuntime, RoundAggregation with the method's rule and every
-contract check) round by round in this process, each site with its own torch random state as if it ran in its
-own process. ``--parity`` first runs one cell both ways and stops unless both give the same accuracies and
-bytes. Cells run in ``--workers`` parallel processes.
+contract check) round by round in this process, each site with its own random state as if it ran in its own
+process (``benchmarks/inprocess.py``, shared with ``ssl_fl.py``). ``--parity`` first runs one cell both ways and
+stops unless both give the same accuracies and bytes. Cells run in ``--workers`` parallel processes.
 
 Usage:
     python benchmarks/mdhfl.py --setting retina [--seeds 0 1 2] [--noise clean pairflip:0.2 symmetric:0.2]
@@ -30,26 +30,28 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import json
 import statistics
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
 from medflare import contracts
 from medflare.data.checksums import verify_medmnist_file
-from medflare.evaluation import site_evaluation, summarize
-from medflare.flare.aggregator import RoundAggregation
-from medflare.flare.tasks import TASK_VALIDATE, round_context, round_meta, round_plan
-from medflare.methods.base import PerSite, RoundContext
+from medflare.evaluation import summarize
+from medflare.methods.base import RoundContext
 from medflare.run_config import RunConfig
 from medflare.simulate import run_simulation
-from medflare.site_runtime import SiteRuntime, SiteSettings
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # benchmarks/ is not a package: the sibling scripts are imported by name
+    sys.path.insert(0, str(HERE))
+
+from inprocess import Deliver, run_at_site, run_rounds  # noqa: E402
 
 RETINA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "medmnist" / "retinamnist.npz"
 SITE_MODELS = {"site-1": "resnet10", "site-2": "shufflenet", "site-3": "cnn"}
@@ -99,82 +101,15 @@ def run_config(args: argparse.Namespace, variant: str, noise: str, seed: int) ->
     )
 
 
-class InProcessSites:
-    """Every site of a run in this process, each with its own torch random state (as in its own process)."""
-
-    def __init__(self, run: RunConfig) -> None:
-        task = run.task_spec()
-        self.sites: dict[str, SiteRuntime] = {}
-        self.rng: dict[str, torch.Tensor] = {}
-        for index, name in enumerate(run.site_names):
-            settings = SiteSettings(
-                method=run.method, task=task, data=run.site_data(), model=run.site_model.get(name, run.model),
-                method_args=run.method_args, train=run.train, seed=run.seed, evaluation=run.site_evaluation,
-            )
-            self.sites[name] = SiteRuntime(settings, name, index, log=lambda message: None)
-            self.rng[name] = torch.random.get_rng_state()
-
-    @contextlib.contextmanager
-    def at(self, site: str) -> Iterator[SiteRuntime]:
-        torch.random.set_rng_state(self.rng[site])
-        try:
-            yield self.sites[site]
-        finally:
-            self.rng[site] = torch.random.get_rng_state()
-
-
-Deliver = Callable[[SiteRuntime, str, dict, dict], tuple[dict, dict]]
-
-
-def run_at_site(runtime: SiteRuntime, task_name: str, arrays: dict, header: dict) -> tuple[dict, dict]:
-    """What the site executor does with a task: its arrays and meta (validate: meta only)."""
-    ctx = round_context(header)
-    if task_name == TASK_VALIDATE:
-        return {}, runtime.validate(arrays, ctx)
-    if task_name == contracts.TRAIN_PHASE:
-        return runtime.train(arrays, ctx)
-    return runtime.run_phase(task_name, arrays, ctx)
-
-
 def run_in_process(run: RunConfig, deliver: Deliver = run_at_site) -> dict[str, Any]:
-    """The controller's round loop without FLARE: phases, per-site tasks, validation, final evaluation.
+    """The cell's rounds in this process (``inprocess.run_rounds``; ``deliver`` as there): the final evaluation
+    summary (``by_site``, ``site_mean``, ...) and the array bytes each site sent per round."""
+    sent = {site: [0] * run.rounds for site in run.site_names}
 
-    Args:
-        run: the cell's configuration.
-        deliver: hands one task (name, arrays, header meta) to a site and returns its result; tests pass one
-            that goes through the FLARE executor and the site's privacy filter.
+    def count(plan: RoundContext, site: str, result: tuple[dict, dict]) -> None:
+        sent[site][plan.round] += contracts.result_nbytes(result[0])
 
-    Returns the final evaluation summary (``by_site``, ``site_mean``, ...) and the bytes each site sent per round.
-    """
-    run.validate()
-    task = run.task_spec()
-    sites = InProcessSites(run)
-    core = RoundAggregation(run.method, run.method_args, task.num_classes, run.rounds)
-    sent: dict[str, list[int]] = {site: [] for site in run.site_names}
-    for plan in round_plan(core.stages, run.rounds):
-        ctx = dataclasses.replace(plan, server_meta=core.rule.server_meta(plan))
-        core.start_round({}, ctx)
-        for site in sent:
-            sent[site].append(0)
-        for phase in core.rule.phases(ctx):
-            outgoing = core.start_phase(phase)
-            header = {**round_meta(ctx), **core.task_header()}
-            tasks = outgoing.arrays if isinstance(outgoing, PerSite) else {site: outgoing for site in sent}
-            for site, arrays in tasks.items():
-                with sites.at(site) as runtime:
-                    result = deliver(runtime, phase, arrays, header)
-                reason = core.accept(site, *result)
-                if reason:
-                    raise RuntimeError(f"{site} {phase}: {reason}")
-                sent[site][-1] += contracts.result_nbytes(result[0])
-        core.aggregate()
-    final = RoundContext(run.rounds, run.rounds, stage=core.stages[-1].name, stage_round=core.stages[-1].rounds,
-                         stage_rounds=core.stages[-1].rounds)
-    evaluations = {}
-    for site in sent:
-        with sites.at(site) as runtime:
-            _, meta = deliver(runtime, TASK_VALIDATE, {}, round_meta(final))
-            evaluations[site] = site_evaluation(meta, task.num_classes)
+    _, evaluations = run_rounds(run, deliver, on_result=count)
     return {**summarize(evaluations), "sent_bytes_per_round": sent}
 
 

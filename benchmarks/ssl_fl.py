@@ -17,7 +17,8 @@ hospital IDs); metrics are of the final global model on the sites' pooled test s
 
 Runner: by default every job runs in this process through the same code FLARE runs (SiteRuntime at each site,
 RoundAggregation with the method's rule at the server, sites one after another, each with its own random
-generators as in its own process), which saves FLARE's per-job start-up on a shared 2-core machine.
+generators as in its own process: ``benchmarks/inprocess.py``, shared with ``mdhfl.py``), which saves FLARE's
+per-job start-up on a shared 2-core machine.
 ``--check-simulator`` runs one small job both in FLARE's simulator and in process and records whether their
 final metrics are identical. ``--runner simulator`` runs everything in FLARE's simulator.
 
@@ -35,14 +36,12 @@ beside it (-label-efficiency.png).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import json
-import random
 import statistics
+import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -51,18 +50,19 @@ from medflare import contracts
 from medflare.benchmarking import mean_std, versus
 from medflare.config import from_dict, parse_value
 from medflare.data.checksums import verify_medmnist_file
-from medflare.evaluation import site_evaluation, summarize
-from medflare.flare.aggregator import RoundAggregation
-from medflare.flare.models import build_global_model
-from medflare.flare.tasks import round_context, round_meta, round_plan
-from medflare.methods.base import RoundContext
+from medflare.evaluation import summarize
 from medflare.methods.ssl_fl.export import ENCODER_FORMAT, export_global_model
 from medflare.metrics import shot_groups_from_counts
 from medflare.plotting import legend_outside, pyplot, save
 from medflare.registry import get_method
 from medflare.run_config import RunConfig
 from medflare.simulate import describe_sites, run_simulation
-from medflare.site_runtime import SiteRuntime, SiteSettings
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # benchmarks/ is not a package: the sibling scripts are imported by name
+    sys.path.insert(0, str(HERE))
+
+from inprocess import RoundDone, run_rounds  # noqa: E402
 
 DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "medmnist"
 DATASETS = {"retina": "retinamnist.npz", "pneumonia": "pneumoniamnist.npz"}
@@ -100,64 +100,18 @@ SHOT_THRESHOLDS = (300, 100)
 
 
 # ----- one job --------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def own_generators(state: dict[str, Any]) -> Iterator[None]:
-    """Run a block with a site's own torch/numpy/python random state (as if in its own process)."""
-    saved = (torch.get_rng_state(), np.random.get_state(), random.getstate())
-    if state:
-        torch.set_rng_state(state["torch"])
-        np.random.set_state(state["numpy"])
-        random.setstate(state["python"])
-    try:
-        yield
-    finally:
-        state.update(torch=torch.get_rng_state(), numpy=np.random.get_state(), python=random.getstate())
-        torch.set_rng_state(saved[0])
-        np.random.set_state(saved[1])
-        random.setstate(saved[2])
-
-
 def run_in_process(run: RunConfig, log: Any = print) -> dict[str, Any]:
-    """The job's rounds with FLARE's site and server code, sites in turn; returns the final evaluation summary."""
-    run.validate()
-    task = run.task_spec()
-    core = RoundAggregation(run.method, run.method_args, task.num_classes, run.rounds)
-    network = build_global_model(run.method, run.model, task.num_classes, task.in_channels, task.image_size,
-                                 run.pretrained, run.method_args, run.seed)
-    global_params = {k: v.detach().cpu().numpy() for k, v in network.state_dict().items()}
-    sites, states = [], []
-    for index, name in enumerate(run.site_names):
-        settings = SiteSettings(method=run.method, task=task, data=run.site_data(), model=run.model,
-                                method_args=run.method_args, train=run.train, seed=run.seed, evaluation="final")
-        state: dict[str, Any] = {}
-        with own_generators(state):
-            sites.append(SiteRuntime(settings, name, index, log=lambda message: None))
-        states.append(state)
+    """The job's rounds in this process (``inprocess.run_rounds``): the final evaluation summary, the last global
+    model, the mean training loss and the server's record of each round."""
     losses, infos = [], []
-    for plan in round_plan(core.stages, run.rounds):
-        started = time.perf_counter()
-        core.start_round(global_params, dataclasses.replace(plan, server_meta=core.rule.server_meta(plan)))
-        for phase in core.rule.phases(core.ctx):
-            outgoing = core.start_phase(phase)
-            ctx = round_context({**round_meta(core.ctx), **core.task_header()})
-            for site, state in zip(sites, states):
-                with own_generators(state):
-                    arrays, meta = site.train(outgoing, ctx) if phase == contracts.TRAIN_PHASE else site.run_phase(phase, outgoing, ctx)
-                reason = core.accept(site.site_name, arrays, meta)
-                if reason:
-                    raise RuntimeError(f"{site.site_name} rejected in round {plan.round + 1}: {reason}")
-        aggregate = core.aggregate()
-        global_params = aggregate.params
-        infos.append({"round": plan.round + 1, "stage": plan.stage, **aggregate.info})
-        losses.append(statistics.mean(u.meta[contracts.TRAIN_LOSS] for u in core.accepted()))
-        log(f"    round {plan.round + 1}/{run.rounds} ({plan.stage}) loss {losses[-1]:.4f} {time.perf_counter() - started:.1f}s")
-    last = core.stages[-1]
-    final = RoundContext(run.rounds, run.rounds, stage=last.name, stage_round=last.rounds, stage_rounds=last.rounds)
-    keys = core.spec.payload.shared_keys(list(global_params), last.name)
-    evaluations = {}
-    for site, state in zip(sites, states):
-        with own_generators(state):
-            evaluations[site.site_name] = site_evaluation(site.validate({k: global_params[k] for k in keys}, final), task.num_classes)
+
+    def record(done: RoundDone) -> None:
+        plan = done.plan
+        infos.append({"round": plan.round + 1, "stage": plan.stage, **done.aggregate.info})
+        losses.append(statistics.mean(u.meta[contracts.TRAIN_LOSS] for u in done.accepted))
+        log(f"    round {plan.round + 1}/{run.rounds} ({plan.stage}) loss {losses[-1]:.4f} {done.seconds:.1f}s")
+
+    global_params, evaluations = run_rounds(run, on_round=record)
     _, counts = describe_sites(run)
     groups = shot_groups_from_counts(counts, *run.shot_thresholds) if run.shot_thresholds and counts else None
     return {"final": summarize(evaluations, groups), "global_params": global_params, "train_loss": losses,

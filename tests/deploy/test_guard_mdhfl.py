@@ -35,8 +35,9 @@ SITE_MODELS = {"site-1": "cnn", "site-2": "shufflenet", "site-3": "cnn"}  # two 
 
 @pytest.fixture(scope="module")
 def bench() -> SimpleNamespace:
-    """The benchmark script's in-process engine (the controller's round loop without FLARE)."""
-    return SimpleNamespace(**runpy.run_path(str(BENCHMARK)))
+    """The benchmark script's in-process engine (the controller's round loop without FLARE) and its sites."""
+    engine = runpy.run_path(str(BENCHMARK.with_name("inprocess.py")))
+    return SimpleNamespace(**{**engine, **runpy.run_path(str(BENCHMARK))})
 
 
 def small_run(method: str, probs_dtype: str) -> RunConfig:
