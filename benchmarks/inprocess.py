@@ -17,7 +17,8 @@ from medflare import contracts
 from medflare.evaluation import SiteEvaluation, site_evaluation
 from medflare.flare.aggregator import RoundAggregation
 from medflare.flare.models import build_global_model
-from medflare.flare.tasks import TASK_VALIDATE, round_context, round_meta, round_plan
+from medflare.flare.tasks import TASK_VALIDATE, round_context, round_meta
+from medflare.server_setup import round_plan
 from medflare.methods.base import AggregateResult, PerSite, RoundContext, SiteUpdate
 from medflare.run_config import RunConfig
 from medflare.site_runtime import SiteRuntime, SiteSettings

@@ -45,7 +45,7 @@ DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "medmnis
 GOALS = {"ratio": 1.05, "overhead_seconds": 0.3, "throughput": 0.95, "first_round": 2.0, "bytes": 1.05}
 SITE_OVERHEAD_SPANS = ("receive", "encode", "save_state")  # a site's spans besides evaluation and training
 # not inside the round's wall: the results file is written just after it, checkpoint and gc while the sites train
-SERVER_SPANS_OUTSIDE_WALL = ("results_file", "checkpoint", "gc")
+SERVER_SPANS_OUTSIDE_WALL = ("results_file", "best_model", "checkpoint", "gc")
 
 
 # ----- the bare side: one process per site, a coordinator that averages -------------------------------------

@@ -14,8 +14,8 @@ from PIL import Image
 
 from medflare.cli import main
 from medflare.job_export import export_job
-from medflare.outputs import report_from_results
 from medflare.run_config import DEPLOY_ROBUST, ROBUST_OFF, RunConfig
+from medflare.runner import report_from_results
 
 from .test_job_export import written_robust
 

@@ -1,8 +1,12 @@
-"""The package's layers, read from its import graph: lower floors never import the command-line face.
+"""The package's layers, read from its import graph: every import counts, at the top, in a function or under
+TYPE_CHECKING.
 
-Floors, bottom to top: the algorithm floors (methods, losses, metrics, ops, models, data) and the FLARE glue
-(flare) and the job writer (job_export) know nothing of how runs are launched or reported; the environments (simulate, deploy) share the
-neutral runner/outputs/report/plotting modules; only ``medflare.cli`` is the command line, and nothing imports it.
+Floors, bottom to top: the algorithm floors (methods, losses, metrics, ops, models, data) and the run layer (a run's
+configuration, its validation and the site and server work without FLARE) know nothing of FLARE's glue (flare), and
+nothing flare/ builds on imports it; the job writer (job_export) and flare know nothing of how runs are launched or
+reported; deployment tools (deploy) never import the reporting internals (report, plotting): the POC writes a run's
+outputs through the runner, as the simulator does; only ``medflare.cli`` is the command line, and nothing imports
+it. No two modules import each other, however indirectly.
 """
 
 from __future__ import annotations
@@ -16,6 +20,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "custom" / "medflare"
 LOWER_FLOORS = ("methods", "losses", "metrics", "ops", "models", "data", "flare", "job_export")
 LAUNCH_AND_REPORT = ("medflare.cli", "medflare.simulate", "medflare.deploy", "medflare.runner", "medflare.outputs",
                      "medflare.report")
+RUN_LAYER = ("medflare.config", "medflare.run_config", "medflare.effective_config", "medflare.registry",
+             "medflare.scenarios", "medflare.site_runtime", "medflare.server_setup", "medflare.resume",
+             "medflare.plan")
+REPORTING = ("medflare.report", "medflare.plotting")
 
 
 def module_name(path: Path) -> str:
@@ -24,7 +32,8 @@ def module_name(path: Path) -> str:
 
 
 def imports(path: Path, module: str) -> list[tuple[str, list[str], int]]:
-    """(module, imported names, line) of every import in the file of ``module``, relative imports resolved."""
+    """(module, imported names, line) of every import in the file of ``module``, relative imports resolved; a
+    package module taken by name (``from medflare import report``) is an import of that module."""
     found = []
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text())):
@@ -35,12 +44,42 @@ def imports(path: Path, module: str) -> list[tuple[str, list[str], int]]:
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
-            found.append((base, [alias.name for alias in node.names], node.lineno))
+            names = [alias.name for alias in node.names]
+            found += [(f"{base}.{name}", [], node.lineno) for name in names if f"{base}.{name}" in MODULES]
+            others = [name for name in names if f"{base}.{name}" not in MODULES]
+            found += [(base, others, node.lineno)] if others else []
     return found
 
 
 def package_modules() -> dict[str, Path]:
     return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+MODULES = package_modules()
+
+
+def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the modules of ``modules`` it imports."""
+    return {module: {target for target, _, _ in imports(path, module) if target in modules and target != module}
+            for module, path in modules.items()}
+
+
+def reached(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module ``start`` imports, directly or through others."""
+    seen, todo = set(), list(graph[start])
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo += graph[module]
+    return seen
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[tuple[str, ...]]:
+    """Each set of modules that import each other, directly or not (a strongly connected component), sorted."""
+    reach = {module: reached(graph, module) for module in graph}
+    return sorted({tuple(sorted(other for other in reach[module] if module in reach[other]))
+                   for module in graph if module in reach[module]})
 
 
 def under(module: str, prefix: str) -> bool:
@@ -70,8 +109,26 @@ def takes_private_names_of_another_package(source: str, target: str, names: list
     return outside and any(name.startswith("_") for name in names)
 
 
+GRAPH = import_graph(MODULES)
+FLARE = {module for module in GRAPH if under(module, "medflare.flare")}
+BELOW_FLARE = set().union(*(reached(GRAPH, module) for module in FLARE)) - FLARE  # what flare/ builds on
+
+
+def what_flare_builds_on_imports_flare(source: str, target: str, names: list[str]) -> bool:
+    return source in BELOW_FLARE and under(target, "medflare.flare")
+
+
+def run_layer_imports_flare(source: str, target: str, names: list[str]) -> bool:
+    return any(under(source, module) for module in RUN_LAYER) and under(target, "medflare.flare")
+
+
+def deployment_imports_reporting(source: str, target: str, names: list[str]) -> bool:
+    return under(source, "medflare.deploy") and any(under(target, module) for module in REPORTING)
+
+
 RULES = [imports_the_command_line, lower_floor_imports_launching_or_reporting, deployment_borrows_the_simulator,
-         takes_private_names_of_another_package]
+         takes_private_names_of_another_package, what_flare_builds_on_imports_flare, run_layer_imports_flare,
+         deployment_imports_reporting]
 
 
 def violations(rule, modules: dict[str, Path]) -> list[str]:
@@ -82,9 +139,8 @@ def violations(rule, modules: dict[str, Path]) -> list[str]:
 
 @pytest.mark.parametrize("rule", RULES, ids=lambda rule: rule.__name__)
 def test_the_package_keeps_its_layers(rule) -> None:
-    modules = package_modules()
-    assert len(modules) > 50
-    assert violations(rule, modules) == []
+    assert len(MODULES) > 50 and {"medflare.site_runtime", "medflare.methods.base"} <= BELOW_FLARE
+    assert violations(rule, MODULES) == []
 
 
 # Each rule meets the import it forbids (the shapes issue 9 found), so the checks above cannot pass by reading nothing.
@@ -96,6 +152,15 @@ FORBIDDEN = [
     (deployment_borrows_the_simulator, "medflare.deploy.poc", "from medflare.simulate import describe_sites\n"),
     (takes_private_names_of_another_package, "medflare.deploy.poc", "from medflare.cli import _add_run_options\n"),
     (takes_private_names_of_another_package, "medflare.deploy.poc", "from ..report import _fmt\n"),
+    # the shapes issue 33 found
+    (what_flare_builds_on_imports_flare, "medflare.resume", "def f():\n    from medflare.flare.tasks import round_plan\n"),
+    (what_flare_builds_on_imports_flare, "medflare.methods.base", "import medflare.flare.aggregator\n"),
+    (run_layer_imports_flare, "medflare.run_config",
+     "def f():\n    from medflare.flare.aggregator import RoundAggregation\n"),
+    (run_layer_imports_flare, "medflare.effective_config",
+     "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .flare.privacy import UpdatePrivacy\n"),
+    (deployment_imports_reporting, "medflare.deploy.poc", "from medflare.report import results_table\n"),
+    (deployment_imports_reporting, "medflare.deploy.rehearse", "def f():\n    from medflare import plotting\n"),
 ]
 
 
@@ -104,3 +169,33 @@ def test_each_rule_catches_the_import_it_forbids(rule, module: str, code: str, t
     probe = tmp_path / "probe.py"
     probe.write_text(code)
     assert len(violations(rule, {module: probe})) == 1
+
+
+def test_no_modules_import_each_other() -> None:
+    assert import_cycles(GRAPH) == []
+
+
+# The circles issue 33 found (in functions, under TYPE_CHECKING, through a package's own import line), and a module
+# that imports one of them but is not part of it.
+CIRCLES = [
+    ({"medflare.deploy.poc": "def f():\n    from medflare.deploy.watch import watch\n",
+      "medflare.deploy.watch": "def f():\n    from medflare.deploy.poc import PocSession\n"},
+     ("medflare.deploy.poc", "medflare.deploy.watch")),
+    ({"medflare.methods.base": "from medflare.optim import build_optimizer\n",
+      "medflare.optim": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .methods.base import TrainConfig\n",
+      "medflare.run_config": "import medflare.optim\n"},
+     ("medflare.methods.base", "medflare.optim")),
+    ({"medflare.registry": "def f():\n    import medflare.methods\n",
+      "medflare.methods": "from medflare.methods import fedavg\n",
+      "medflare.methods.fedavg": "from medflare.registry import register_method\n"},
+     ("medflare.methods", "medflare.methods.fedavg", "medflare.registry")),
+]
+
+
+@pytest.mark.parametrize("files, cycle", CIRCLES, ids=["+".join(cycle) for _, cycle in CIRCLES])
+def test_the_cycle_check_catches_modules_that_import_each_other(files: dict[str, str], cycle: tuple,
+                                                                tmp_path: Path) -> None:
+    modules = {module: tmp_path / f"{module}.py" for module in files}
+    for module, code in files.items():
+        modules[module].write_text(code)
+    assert import_cycles(import_graph(modules)) == [cycle]

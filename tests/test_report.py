@@ -12,8 +12,8 @@ import pytest
 
 from medflare import plotting
 from medflare import report as report_module
-from medflare.outputs import results_text
 from medflare.report import build_summary, comparison_table, startup_text, verdicts, write_outputs
+from medflare.runner import results_text
 
 SITES = ("site-1", "site-2")
 

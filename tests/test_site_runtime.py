@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 import typing
 from pathlib import Path
 
@@ -11,12 +12,14 @@ from medflare.data import DataConfig
 from medflare.errors import ConfigError, DataError
 from medflare.methods.base import RoundContext
 from medflare.site_runtime import (
+    DP_FILTER_ARGS,
     JOB_SETTABLE_DATA_KEYS,
     SITE_FIXED_DATA,
     SITE_ONLY_DATA_KEYS,
     SiteRuntime,
     SiteSettings,
     TaskSpec,
+    check_dp_filter,
     read_site_data_config,
     site_index_from_name,
 )
@@ -215,3 +218,17 @@ def test_the_site_state_is_written_while_the_result_travels(tmp_path: Path, monk
     assert (tmp_path / SITE_STATE_FILE).is_file()
     state = torch.load(tmp_path / SITE_STATE_FILE, weights_only=False)
     assert state["optimizer"]["state"]  # Adam's moments after one step
+
+
+def test_a_jobs_dp_filter_is_checked_against_the_arguments_of_flares_filters() -> None:
+    import inspect
+
+    from medflare.flare.privacy import FILTERS
+
+    assert {name: set(inspect.signature(flare_filter).parameters) - {"data_kinds"}
+            for name, flare_filter in FILTERS.items()} == {name: set(args) for name, args in DP_FILTER_ARGS.items()}
+    check_dp_filter({"filter": "svt", "args": {"epsilon": 0.1}})
+    for dp, words in (({"filter": "gauss"}, "filter must be one of"), ({"filtre": "svt"}, "unknown option(s) filtre"),
+                      ({"args": {"percentle": 10}}, "args percentle not taken by FLARE's 'percentile' filter")):
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            check_dp_filter(dp)

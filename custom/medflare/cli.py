@@ -124,6 +124,12 @@ def cmd_config(args: argparse.Namespace) -> int:
 
     run = build_run_config(args)
     run.validate(check_files=False)  # typed and checked as 'run' checks it; the data is not read
+    if args.plan:  # what the simulator job will do, resolved (this reads the data for the task's shape)
+        from medflare.job_export import job_robust
+        from medflare.plan import build_plan
+
+        print(build_plan(run, run.task_spec(), job_robust(run, "byoc")).describe(), end="")
+        return 0
     print(config_toml(run, option_layers(args)), end="")
     return 0
 
@@ -158,7 +164,8 @@ def run_in_env(args: argparse.Namespace, run: Any, out: Path, overwrite: bool = 
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from medflare.outputs import OutputTarget, results_text
+    from medflare.outputs import OutputTarget
+    from medflare.runner import results_text
 
     if args.resume:  # checked with everything else: same method, model and stages, more rounds
         if args.env == "poc":
@@ -191,7 +198,8 @@ def _tracking_note(run: Any) -> None:
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
-    from medflare.deploy.watch import FINISHED_OK, admin_kit, as_user, watch
+    from medflare.deploy.poc import admin_kit
+    from medflare.deploy.watch import FINISHED_OK, as_user, watch
 
     kit, user = admin_kit(args.startup_kit, args.poc)
     print(f"medflare: following job {args.job_id}{as_user(user)}")
@@ -201,10 +209,10 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from medflare.outputs import OutputTarget, results_text
+    from medflare.outputs import OutputTarget
     from medflare.report import comparison_outputs
     from medflare.run_config import shared_data_defaults
-    from medflare.runner import build_run_config
+    from medflare.runner import build_run_config, results_text
 
     seeds = list(dict.fromkeys(args.seeds or [None]))
     methods = list(dict.fromkeys(args.methods))
@@ -292,7 +300,8 @@ def robust_note(run: Any, mode: str) -> str:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from medflare.outputs import OutputTarget, report_from_results, results_text
+    from medflare.outputs import OutputTarget
+    from medflare.runner import report_from_results, results_text
 
     results = Path(args.results)
     beside = results if results.is_dir() else results.parent
@@ -364,6 +373,9 @@ def make_parser() -> argparse.ArgumentParser:
         "config", help="print the effective configuration of 'run METHOD [options]' as TOML: every option with its "
                        "type, default and the layer that set it; loadable again with --config")
     config.add_argument("method", help="registered method (see 'medflare methods')")
+    config.add_argument("--plan", action="store_true",
+                        help="print the run's resolved plan (JSON) instead: every site's model and training settings "
+                             "per stage, every round's phases, the options the job carries")
     add_run_options(config)
     config.set_defaults(func=cmd_config)
     run = sub.add_parser("run", help="run a method in the FLARE simulator", epilog=EXAMPLES,

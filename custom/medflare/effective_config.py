@@ -89,8 +89,8 @@ def _sections(run: RunConfig) -> dict[str, Section]:
     """Every section's dataclass fields (robust: and ``off``), with the defaults this run's method gives them."""
     from medflare.data import DataConfig
     from medflare.dp_sgd import DPSGDConfig
-    from medflare.flare.aggregator import RobustConfig
     from medflare.methods.base import TrainConfig
+    from medflare.server_setup import RobustConfig
     from medflare.site_runtime import TaskSpec, resolve_train_config
 
     spec = get_method(run.method)

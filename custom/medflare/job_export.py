@@ -28,16 +28,14 @@ from medflare.contracts import TRAIN_PHASE as TASK_TRAIN, privacy_scope
 from medflare.errors import ConfigError
 from medflare.evaluation import headline_metric
 from medflare.flare import tracking
-from medflare.registry import get_method
+from medflare.plan import DEFAULT_TASK_TIMEOUT, RunPlan, build_plan, round_steps
+from medflare.registry import get_method, load_plugins
 from medflare.run_config import ROBUST_OFF, RunConfig, deployment_robust, typed_robust
 from medflare.site_runtime import TaskSpec
 
 PACKAGE_DIR = Path(__file__).resolve().parent  # .../custom/medflare
 APP_NAME = "app"
 MODES = ("byoc", "preinstalled")
-# Seconds a site may take for one task when the run sets no task_timeout. FLARE's own default (no limit) let
-# one dead site keep a job RUNNING forever; with a limit the site counts as failed for that round.
-DEFAULT_TASK_TIMEOUT = 3600
 
 
 
@@ -196,15 +194,10 @@ def client_config(run: RunConfig, task: TaskSpec) -> dict[str, Any]:
 
 def task_names(run: RunConfig, task: TaskSpec | None = None) -> list[str]:
     """Every task name the job's server sends: the rule's phases over all rounds, validate and submit_model."""
-    from medflare.flare.aggregator import RoundAggregation
-    from medflare.flare.tasks import TASK_SUBMIT_MODEL, TASK_VALIDATE, round_plan
+    from medflare.flare.tasks import TASK_SUBMIT_MODEL, TASK_VALIDATE
 
-    multi_label = bool(task and task.multi_label)
-    core = RoundAggregation(
-        run.method, run.method_args, 2, run.rounds, run.robust, run.transfer_dtype, run.transfer_kind, multi_label
-    )
-    phases = {phase for ctx in round_plan(core.stages, run.rounds) for phase in core.rule.phases(ctx)}
-    return sorted(phases | {TASK_VALIDATE, TASK_SUBMIT_MODEL})
+    steps = round_steps(run.method, run.method_args, run.rounds, bool(task and task.multi_label))
+    return sorted({phase for step in steps for phase in step.phases} | {TASK_VALIDATE, TASK_SUBMIT_MODEL})
 
 
 def _result_filters(run: RunConfig, task: TaskSpec) -> list[dict[str, Any]]:
@@ -354,3 +347,52 @@ def _ignore_caches(directory: str, names: list[str]) -> list[str]:
 
 def _write_json(path: Path, content: dict[str, Any]) -> None:
     path.write_text(json.dumps(content, indent=2, sort_keys=False) + "\n")
+
+
+# ----- the job read back: the plan it carries ----------------------------------------------------------------
+def plan_from_job(job_dir: str | Path) -> RunPlan:
+    """The plan a written job carries, read back from its ``meta.json`` and the app's server and site configs (what
+    the server and every site read: one app deployed to all)."""
+    job = Path(job_dir)
+    config_dir = job / "app" / "config"
+    meta = json.loads((job / "meta.json").read_text())
+    server = json.loads((config_dir / "config_fed_server.json").read_text())
+    client = json.loads((config_dir / "config_fed_client.json").read_text())
+    run, task, robust = run_from_job(meta, server, client)
+    return build_plan(run, task, robust, plugins=client["executors"][0]["executor"]["args"].get("plugins", []))
+
+
+def run_from_job(meta: Mapping[str, Any], server: Mapping[str, Any],
+                 client: Mapping[str, Any]) -> tuple[RunConfig, TaskSpec, dict[str, float]]:
+    """The options a job's configs record, as the RunConfig that writes them, its task and robust settings."""
+    site = client["executors"][0]["executor"]["args"]
+    components = {c["id"]: c for c in server["components"]}
+    aggregator = components["aggregator"]["args"]
+    persisted = components["persistor"]["args"]["model"]["args"]
+    controller = server["workflows"][0]["args"]
+    load_plugins(site.get("plugins", []))
+    task = TaskSpec(**{**site["task"], "class_names": components["persistor"]["args"]["facts"]["task"]["class_names"]})
+    result_filters = [f for chain in client.get("task_result_filters", []) for f in chain["filters"]]
+    run = RunConfig(
+        method=site["method"], model=site["model"], pretrained=persisted["pretrained"], rounds=controller["num_rounds"],
+        clients=len(site["sites"]), min_clients=controller["min_clients"], seed=site["seed"],
+        data=site["data"] if site["data"].get("source", "site") == "site" else
+        {k: v for k, v in site["data"].items() if k != "num_sites"},
+        train=site["train"], method_args=site["method_args"], site_train=site["site_train"],
+        site_evaluation=site["evaluation"], straggler_seconds=controller["wait_time_after_min_received"],
+        task_timeout=controller["train_timeout"], task_request_interval=server["server"]["task_request_interval"],
+        name=meta["name"], site_model=site["site_model"], transfer_dtype=aggregator["transfer_dtype"],
+        download_dtype=aggregator.get("download_dtype", "float32"), stream_aggregation=aggregator["stream_aggregation"],
+        transfer_kind=aggregator["transfer_kind"],
+        dp=next((f["args"] for f in result_filters if f["path"].endswith("privacy.UpdatePrivacy")), {}),
+        dp_sgd=site.get("dp_sgd", {}), audit=any(f["path"].endswith("audit.PayloadRecorder") for f in result_filters),
+        tracking=tracking_of(server["components"]), patience=controller["patience"],
+        resume_from=controller.get("resume_from", ""), secure_aggregation=meta.get("secure_aggregation", "off"),
+    )
+    return run, task, dict(aggregator["robust"])
+
+
+def tracking_of(components: list[Mapping[str, Any]]) -> str:
+    """The ``tracking`` choice whose receivers a server config lists."""
+    listed = tuple(name for name, (_, path) in tracking.RECEIVERS.items() if any(c["path"] == path for c in components))
+    return next(choice for choice, receivers in tracking.TRACKERS.items() if set(receivers) == set(listed))

@@ -1,4 +1,5 @@
-"""Local optimizers and learning-rate schedules of every method (pure torch; timm builds the parameter groups).
+"""Local training settings, optimizers and learning-rate schedules of every method (pure torch; timm builds the
+parameter groups).
 
 The trainer asks two things of this module: :func:`build_optimizer` (the optimizer named in the TrainConfig,
 with no-decay and layer-wise lr-decay parameter groups when asked) and, before every optimizer step,
@@ -24,28 +25,27 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, Mapping
 
 import torch
 from torch import nn
 
+from medflare.config import from_dict
 from medflare.errors import ConfigError
-
-if TYPE_CHECKING:
-    from medflare.methods.base import RoundContext, TrainConfig
 
 __all__ = [
     "FRESH_OPTIMIZER",
     "LR_SCHEDULES",
     "OPTIMIZERS",
     "OptimizerKey",
+    "TrainConfig",
     "build_optimizer",
     "check_train_options",
     "lr_at",
     "param_groups",
     "peak_lr",
     "rebuild_due",
-    "round_lr",
     "set_step_lr",
 ]
 
@@ -55,6 +55,67 @@ FRESH_OPTIMIZER = ("never", "stage", "round", "step")
 
 #: Where a step sits: (stage name, round, step in round); compared by :func:`rebuild_due`.
 OptimizerKey = tuple[str, int, int]
+
+
+@dataclass
+class TrainConfig:
+    """Local training settings shared by all methods (a method may change the defaults); the functions below give
+    the optimizer and schedule options their meaning."""
+
+    optimizer: Literal["sgd", "adam", "adamw"] = "adam"
+    lr: float = 1e-3
+    momentum: float = 0.9  # sgd only
+    nesterov: bool = False  # sgd only
+    betas: tuple[float, float] = (0.9, 0.999)  # adam/adamw only (MAE pre-training uses (0.9, 0.95))
+    eps: float = 1e-8  # adam/adamw only
+    weight_decay: float = 0.0
+    no_decay_norm_bias: bool = False  # no weight decay on 1-D params (norms, biases) and e.g. a ViT's pos_embed
+    layer_decay: float = 1.0  # layer-wise lr decay for vit_* models (BEiT/MAE fine-tuning use 0.65); 1 = off
+    batch_size: int = 64
+    local_epochs: int = 1
+    max_steps: int = 0  # cap on optimizer steps per round; 0 = no cap (use for quick CPU runs)
+    grad_clip: float = 0.0  # max gradient norm; 0 = off
+    # constant | cosine (once per round, as Fed-MAS does) | warmup_cosine (per step, MAE/BEiT) | multistep (FCA)
+    lr_schedule: Literal["constant", "cosine", "warmup_cosine", "multistep"] = "constant"
+    min_lr: float = 1e-4  # cosine floor (cosine, warmup_cosine)
+    warmup_rounds: float = 0.0  # warmup_cosine: linear warm-up from 0 over this many rounds of the stage
+    milestones: tuple[int, ...] = ()  # multistep: stage rounds at which lr is multiplied by gamma
+    gamma: float = 0.1  # multistep factor
+    # never: state kept across rounds | stage: new at a stage change | round | step (MDH-FL's fresh Adam per step)
+    fresh_optimizer: Literal["never", "stage", "round", "step"] = "never"
+    eval_batch_size: int = 256
+    num_workers: int = 0
+    torch_threads: int = 1  # CPU threads per site; keeps simulated sites from fighting over cores
+    base_batch: int = 0  # > 0: lr is given per base_batch images and scales with batch_size (MAE: 256); 0 = as given
+    # stage name -> overrides of the options above in that stage (SSL-FL pre-trains and fine-tunes differently)
+    stages: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(self.betas)  # type: ignore[assignment]  # JSON/TOML give lists
+        self.milestones = tuple(self.milestones)
+        check_train_options(self)
+        if self.batch_size < 1 or self.local_epochs < 1:
+            raise ConfigError("train.batch_size and train.local_epochs must be >= 1")
+        if self.lr <= 0:
+            raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+        if self.max_steps < 0:
+            raise ConfigError(f"train.max_steps must be >= 0 (0 = no cap), got {self.max_steps}")
+        for stage in self.stages:
+            self.for_stage(stage)  # fail early on a bad stage override
+
+    def for_stage(self, stage: str | None) -> TrainConfig:
+        """The settings in ``stage``: these options with the stage's overrides (``stages[stage]``) on top.
+
+        Raises:
+            ConfigError: a stage override that is not a TrainConfig option (or is a nested ``stages``).
+        """
+        overrides = self.stages.get(stage or "")
+        if not overrides:
+            return self
+        if not isinstance(overrides, Mapping) or "stages" in overrides:
+            raise ConfigError(f"train.stages.{stage} must map TrainConfig options to values, got {overrides!r}")
+        base = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "stages"}
+        return from_dict(TrainConfig, {**base, **overrides}, f"train.stages.{stage}")
 
 
 def check_train_options(cfg: TrainConfig) -> None:
@@ -113,11 +174,6 @@ def _half_cosine(peak: float, floor: float, progress: float) -> float:
     """From ``peak`` at progress 0 down to ``floor`` at progress 1 (clamped to [0, 1])."""
     progress = min(max(progress, 0.0), 1.0)
     return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
-
-
-def round_lr(cfg: TrainConfig, ctx: RoundContext) -> float:
-    """The learning rate at the first step of the round ``ctx`` describes (schedules restart with each stage)."""
-    return lr_at(cfg, float(ctx.stage_round), ctx.stage_rounds)
 
 
 def set_step_lr(

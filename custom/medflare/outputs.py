@@ -1,4 +1,5 @@
-"""Where a run's results go, and what they are: safe output folders and the files every run writes.
+"""Where a run's results go: safe output folders, the site logs and failure note a run leaves, and what a job that
+ran elsewhere was built from. The results themselves are written by :func:`medflare.runner.write_job_outputs`.
 
 Nothing is deleted that medflare did not write. Every folder medflare writes results into holds a marker file
 (:data:`MARKER`) listing each file medflare put there. A non-empty folder is refused unless the user passes
@@ -8,8 +9,8 @@ real name only when complete; a failed or interrupted run leaves ``<target>.fail
 medflare deletes, replaces or writes stays inside the folder it owns (a marker naming anything else is refused),
 and one command at a time writes a folder (``<folder>.lock``, :class:`medflare.files.FolderLock`).
 
-Shared by the simulator and POC runners and by ``medflare export``/``report``, so every environment writes
-the same outputs the same way.
+Shared by the simulator and POC runners and by ``medflare export``/``report``; it imports no reporting, so
+deployment tools may use it.
 """
 
 from __future__ import annotations
@@ -19,20 +20,11 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from medflare import readback
 from medflare.errors import ConfigError, MedflareError
 from medflare.files import FolderLock, OutputError, atomic_write_json, atomic_write_text, confined
-from medflare.report import (
-    build_summary,
-    comparison_table,
-    format_seconds,
-    results_table,
-    startup_text,
-    untrained_best_warning,
-    write_outputs,
-)
 
 MARKER = ".medflare-outputs.json"
 # the encrypted model is what a secure_aggregation=he server writes instead (flare/he.py; only a site decrypts it)
@@ -235,33 +227,6 @@ def _remove_files(folder: Path, files: list[str]) -> None:
             directory.rmdir()
 
 
-def write_job_outputs(
-    run: Any,
-    results_file: Path,
-    out: Path,
-    clients: Mapping[str, Any],
-    launched_at: float | None,
-    deployment: dict[str, Any] | None = None,
-    copy_models: bool = True,
-) -> dict[str, Any]:
-    """summary.json, rounds.csv, report.md, plots and the global models, from the controller's results file.
-
-    Shared by the simulator and POC runners, so ``medflare run`` writes the same outputs in every environment.
-
-    Args:
-        copy_models: copy the global models found beside the results (off when the outputs go beside them).
-    """
-    results = json.loads(results_file.read_text())
-    summary = build_summary(results, {**run_summary_config(run), **(deployment or {})}, clients, launched_at)
-    if deployment:
-        summary["deployment"] = deployment
-    write_outputs(summary, out)
-    for name in (*MODEL_FILES, results_file.name) if copy_models else ():  # the history makes --resume possible
-        if (results_file.parent / name).exists():
-            shutil.copy(results_file.parent / name, out / name)
-    return summary
-
-
 SITE_FLARE_LOG = "flare_job_log.txt"  # a POC site's FLARE log of the job, kept beside its medflare log
 
 
@@ -304,55 +269,7 @@ def failure_note(rounds: int, search_root: Path, exc: BaseException) -> str:
     return f"\nmedflare: run {reason}; rounds finished: {finished}/{rounds}\n"
 
 
-def run_summary_config(run: Any) -> dict[str, Any]:
-    """The resolved run configuration as summaries record it (with the task and the full training settings)."""
-    return {**vars(run), "task": vars(run.task_spec()), "train_resolved": vars(run.train_config())}
-
-
-def results_text(summaries: list[Mapping[str, Any]], out: Path, seeds: int = 1) -> str:
-    """What a finished command prints: the results table (mean ± std over seeds when there are several), timing
-    of a single run, a warning for each run whose best model is the untrained one, and where the files are."""
-    lines = ["", comparison_table(summaries) if seeds > 1 else results_table(summaries)]
-    if len(summaries) == 1:
-        timing = summaries[0]["timing"]
-        lines.append(f"\n{startup_text(timing)}, mean round {format_seconds(timing.get('mean_round_seconds'), 2)}")
-    for summary in summaries:
-        warning = untrained_best_warning(summary)
-        if warning:
-            lines.append(f"medflare: warning: {summary['method']} (seed {summary['config'].get('seed')}): {warning}")
-    lines.append(f"results: {out.resolve()}")
-    return "\n".join(lines)
-
-
 # ----- results of a job that ran elsewhere (downloaded from POC/production, or a simulator workspace) -------
-def report_from_results(results_file: Path, out: Path, copy_models: bool = True) -> dict[str, Any]:
-    """The usual run outputs from a job's ``medflare_results.json`` and the job config that sits beside it.
-
-    FLARE deploys the whole app to the server, so ``app_server/config/`` holds both the server and the client
-    config in a downloaded job and in a simulator workspace alike; the run is rebuilt from them, and the report
-    says the same (data, sites, seed, model, training settings) as the simulator run's.
-
-    Args:
-        results_file: the results file, or the folder holding it (``.../app_server``).
-        out: folder to write summary.json, rounds.csv, report.md and plots into.
-        copy_models: also copy the global models there (pointless when the report goes beside them).
-
-    Raises:
-        ConfigError: the file is missing, or it or the job config beside it is unreadable.
-    """
-    from medflare.flare.controller import RESULTS_FILE
-    from medflare.report import read_results
-
-    results_file = results_file / RESULTS_FILE if results_file.is_dir() else results_file
-    if not results_file.is_file():
-        raise ConfigError(f"results file not found: {results_file}; give a run's {RESULTS_FILE} (a downloaded job "
-                          f"has it in <job id>/workspace/app_server/)")
-    run = job_run_config(_app_dir_of(results_file.parent))
-    read_results(results_file)  # depth-limited, held to the results schema: a bad file is one line
-    launched_at = recorded_launch(results_file.parent)
-    return write_job_outputs(run, results_file, out, {}, launched_at, copy_models=copy_models)
-
-
 def recorded_launch(folder: Path) -> float | None:
     """When medflare launched the run whose outputs ``folder`` holds (``summary.json``'s ``timing.launched_at``),
     so that a report on a run folder gives the run's own start-up; None for a job launched elsewhere."""
@@ -373,12 +290,14 @@ def _app_dir_of(results_dir: Path) -> Path:
     return apps[0] if len(apps) == 1 and (apps[0] / "config").is_dir() else results_dir
 
 
-def job_run_config(app_dir: Path) -> Any:
-    """The RunConfig a job was built from, read back from its app config (``config_fed_server/client``)."""
+def job_run_config(folder: Path) -> Any:
+    """The RunConfig a job was built from, read back from its app config (``config_fed_server/client``) in
+    ``folder`` (``app_server/``) or in the one job of the medflare run folder ``folder``."""
     from medflare.config import from_dict
     from medflare.run_config import RunConfig
     from medflare.site_runtime import TaskSpec
 
+    app_dir = _app_dir_of(folder)
     server, client = (_read_app_config(app_dir, side) for side in ("server", "client"))
     meta_files = (app_dir.parent / "meta.json", app_dir.parent.parent / "meta.json")
     meta = next((readback.load_json(p, ConfigError) for p in meta_files if p.is_file()), {})

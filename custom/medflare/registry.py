@@ -1,46 +1,46 @@
-"""The methods registry: one ``register_method`` call per method folder, looked up by name."""
+"""The methods registry: medflare's own methods (one ``builtin_method`` call per method) and those a job's plugins
+register (``register_method``), looked up by name."""
 
 from __future__ import annotations
 
-import sys
 from typing import TYPE_CHECKING
 
 from medflare.errors import ConfigError
 
-if TYPE_CHECKING:  # importing methods.base here would make method folders import a half-built registry
+if TYPE_CHECKING:  # importing it imports every method, and torch: only a lookup does
     from medflare.methods.base import MethodSpec
 
-_METHODS: dict[str, MethodSpec] = {}
-_PLUGINS: set[str] = set()  # methods registered from outside medflare.methods (a job's plugins, tests)
+_PLUGINS: dict[str, MethodSpec] = {}  # methods from outside medflare.methods (a job's plugins, tests), by name
 
 
 def register_method(spec: MethodSpec) -> MethodSpec:
-    """Add a method; a second method with the same name is a programming error."""
-    if spec.name in _METHODS:
+    """Add a method from outside medflare (a job's plugin, a test); a name already taken is a programming error."""
+    if spec.name in _registered():
         raise ValueError(f"method '{spec.name}' is registered twice")
-    _METHODS[spec.name] = spec
-    if not str(sys._getframe(1).f_globals.get("__name__", "")).startswith("medflare.methods."):
-        _PLUGINS.add(spec.name)
+    _PLUGINS[spec.name] = spec
     return spec
 
 
 def get_method(name: str) -> MethodSpec:
     """The spec of a registered method, or a ConfigError listing what exists."""
-    _load_builtin_methods()
-    if name not in _METHODS:
-        raise ConfigError(f"unknown method '{name}'; registered methods: {', '.join(list_methods(plugins=True))}")
-    return _METHODS[name]
+    methods = _registered()
+    if name not in methods:
+        raise ConfigError(f"unknown method '{name}'; registered methods: {', '.join(sorted(methods))}")
+    return methods[name]
 
 
 def list_methods(plugins: bool = False) -> list[str]:
     """Registered method names, sorted: the built-in ones, and with ``plugins`` also those a job's plugins
     registered in this process (apps, templates and docs list the built-in ones only)."""
-    _load_builtin_methods()
-    return sorted(name for name in _METHODS if plugins or name not in _PLUGINS)
+    return sorted(name for name in _registered() if plugins or name not in _PLUGINS)
 
 
-def _load_builtin_methods() -> None:
-    import medflare.methods  # noqa: F401  (importing it runs the one registration line per method)
+def _registered() -> dict[str, MethodSpec]:
+    """Every method by name: medflare's own (importing methods.base first runs medflare.methods, whose folders
+    each declare theirs with ``builtin_method``), then the plugins'."""
+    from medflare.methods.base import BUILTIN_METHODS
+
+    return {**{spec.name: spec for spec in BUILTIN_METHODS}, **_PLUGINS}
 
 
 PLUGIN_PACKAGE = "medflare_plugins"  # a job's own methods ship as app/custom/medflare_plugins/<name>.py (BYOC)

@@ -138,24 +138,24 @@ def check_resumable(run: Any, folder: str | Path) -> Path:
 
 
 def _check_stages(run: Any, history: Mapping[str, Any], folder: Path) -> None:
-    from medflare.flare.aggregator import RoundAggregation
-    from medflare.flare.tasks import round_plan
+    from medflare.server_setup import server_rule
 
-    core = RoundAggregation(run.method, run.method_args, 2, run.rounds, run.robust, run.transfer_dtype, run.transfer_kind)
-    plan = round_plan(core.stages, run.rounds)
-    for record, ctx in zip(history["rounds"], plan):
-        if record.get("stage", ctx.stage) != ctx.stage:
+    _, _, stages, _ = server_rule(run.method, run.method_args, run.rounds, run.robust, run.transfer_dtype,
+                                  run.transfer_kind)
+    plan = [stage.name for stage in stages for _ in range(stage.rounds)]
+    for record, stage in zip(history["rounds"], plan):
+        if record.get("stage", stage) != stage:
             raise ConfigError(f"--resume: round {record['round'] + 1} of {folder} was stage '{record['stage']}', but "
-                              f"with {run.rounds} rounds it would be '{ctx.stage}'; keep the stage lengths unchanged")
+                              f"with {run.rounds} rounds it would be '{stage}'; keep the stage lengths unchanged")
 
 
 def _check_model(run: Any, checkpoint: Path) -> None:
     """The checkpoint must hold exactly the keys and shapes of this run's global model."""
-    from medflare.flare.models import build_global_model
+    from medflare.server_setup import global_model
 
     task = run.task_spec()
-    expected = build_global_model(run.method, run.model, task.num_classes, task.in_channels, task.image_size,
-                                  None, run.method_args, run.seed, run.plugin_modules()).state_dict()
+    expected = global_model(run.method, run.model, task.num_classes, task.in_channels, task.image_size, None,
+                            run.method_args, run.seed, run.plugin_modules()).state_dict()
     saved = read_model(checkpoint.parent)
     shapes = {k: tuple(np.shape(v)) for k, v in saved.items()}
     wanted = {k: tuple(v.shape) for k, v in expected.items()}

@@ -20,7 +20,8 @@ from medflare.errors import ConfigError
 from medflare.methods.base import MethodSpec, TrainConfig
 from medflare.methods.presets import Preset
 from medflare.registry import get_method
-from medflare.site_runtime import TaskSpec, check_multi_label_support, resolve_train_config
+from medflare.server_setup import RobustConfig, server_rule
+from medflare.site_runtime import TaskSpec, check_dp_filter, check_multi_label_support, resolve_train_config
 
 if TYPE_CHECKING:
     from medflare.data import DataConfig
@@ -72,7 +73,7 @@ class RunConfig:
         name: job name (default: the method name).
         site_model: per-site architectures, e.g. {"site-1": "resnet10"}; only for methods whose server holds
             no model (no weights travel).
-        robust: the server's defences, e.g. {"max_norm_ratio": 10, "max_share": 0.5} (flare.aggregator.RobustConfig),
+        robust: the server's defences, e.g. {"max_norm_ratio": 10, "max_share": 0.5} (server_setup.RobustConfig),
             or {"off": true} for none. A job for a real deployment (POC, production, a pre-installed or site-data
             export) gets DEPLOY_ROBUST under these settings, which win key by key; the simulator takes them as they
             are, none by default, so research runs aggregate as the papers do (:func:`deployment_robust`).
@@ -207,11 +208,9 @@ class RunConfig:
         spec.config_cls(**self.method_args)  # the method's own range checks
         self.train = fields_typed(TrainConfig, self.train, "train")
         self.robust = typed_robust(self.robust)  # before the aggregator sees it: it knows no "off"
-        from medflare.flare.aggregator import RoundAggregation
-
-        RoundAggregation(  # stages must add up to the rounds; robust and wire options must be valid
-            self.method, self.method_args, 2, self.rounds, self.robust, self.transfer_dtype, self.transfer_kind,
-            download_dtype=self.download_dtype,
+        server_rule(  # stages must add up to the rounds; robust and wire options must be valid
+            self.method, self.method_args, self.rounds, self.robust, self.transfer_dtype, self.transfer_kind,
+            self.download_dtype,
         )
         if self.secure_aggregation == "he":  # what the server can no longer do with encrypted updates
             from medflare.ops.he_aggregate import check_encrypted_run
@@ -220,14 +219,9 @@ class RunConfig:
                                 transfer_dtype=self.transfer_dtype, download_dtype=self.download_dtype,
                                 max_norm_ratio=self.robust.get("max_norm_ratio", 0.0), resume=bool(self.resume_from))
         if self.dp:
-            from medflare.flare.privacy import UpdatePrivacy
-
             if self.transfer_kind != "diff":
                 raise ConfigError("dp filters act on weight differences: add --set transfer_kind=diff")
-            try:
-                UpdatePrivacy(**self.dp)
-            except (TypeError, ValueError) as exc:
-                raise ConfigError(f"dp: {exc}") from exc
+            check_dp_filter(self.dp)
         self._validate_dp_sgd(spec)
         resolve_train_config(spec, self.train)
         for site, overrides in self.site_train.items():
@@ -395,8 +389,6 @@ def typed_robust(robust: Mapping[str, Any]) -> dict[str, float]:
     Raises:
         ConfigError: an unknown key, a value out of range, or ``off`` beside a defence it would silently drop.
     """
-    from medflare.flare.aggregator import RobustConfig
-
     settings = dict(robust)
     unknown = sorted(set(settings) - {*ROBUST_OFF, ROBUST_OFF_KEY})
     if unknown:

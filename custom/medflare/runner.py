@@ -1,7 +1,9 @@
-"""Setting up and controlling a run in any environment (simulator, POC): options, the job, child processes.
+"""Setting up and controlling a run in any environment (simulator, POC): options, the job, its outputs, child
+processes.
 
 A neutral module below the command line: ``medflare.cli`` and ``medflare.deploy.poc`` both build their run
-configuration and their job here, so neither borrows the other's internals.
+configuration and their job and write the run's outputs here (the one door to :mod:`medflare.report`), so neither
+borrows the other's internals.
 """
 
 from __future__ import annotations
@@ -9,15 +11,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 from medflare.config import load_config_file
+from medflare.errors import ConfigError
 
 if TYPE_CHECKING:  # importing the run configuration pulls in torch: only the commands that build a run pay it
     from medflare.run_config import RunConfig
@@ -223,6 +228,88 @@ def export_run_job(run: RunConfig, out_dir: str | Path, mode: str, class_counts:
     if class_counts is None:
         _, class_counts = describe_sites(run)
     return export_job(run, out_dir, run.task_spec(), mode=mode, shot_groups=shot_groups_for(run, class_counts))
+
+
+# ----- outputs -----------------------------------------------------------------------------------------
+def write_job_outputs(
+    run: Any,
+    results_file: Path,
+    out: Path,
+    clients: Mapping[str, Any],
+    launched_at: float | None,
+    deployment: dict[str, Any] | None = None,
+    copy_models: bool = True,
+) -> dict[str, Any]:
+    """summary.json, rounds.csv, report.md, plots and the global models, from the controller's results file.
+
+    Shared by the simulator and POC runners, so ``medflare run`` writes the same outputs in every environment.
+
+    Args:
+        copy_models: copy the global models found beside the results (off when the outputs go beside them).
+    """
+    from medflare.outputs import MODEL_FILES
+    from medflare.report import build_summary, write_outputs
+
+    results = json.loads(results_file.read_text())
+    summary = build_summary(results, {**run_summary_config(run), **(deployment or {})}, clients, launched_at)
+    if deployment:
+        summary["deployment"] = deployment
+    write_outputs(summary, out)
+    for name in (*MODEL_FILES, results_file.name) if copy_models else ():  # the history makes --resume possible
+        if (results_file.parent / name).exists():
+            shutil.copy(results_file.parent / name, out / name)
+    return summary
+
+
+def run_summary_config(run: Any) -> dict[str, Any]:
+    """The resolved run configuration as summaries record it (with the task and the full training settings)."""
+    return {**vars(run), "task": vars(run.task_spec()), "train_resolved": vars(run.train_config())}
+
+
+def results_text(summaries: list[Mapping[str, Any]], out: Path, seeds: int = 1) -> str:
+    """What a finished command prints: the results table (mean ± std over seeds when there are several), timing
+    of a single run, a warning for each run whose best model is the untrained one, and where the files are."""
+    from medflare.report import comparison_table, format_seconds, results_table, startup_text, untrained_best_warning
+
+    lines = ["", comparison_table(summaries) if seeds > 1 else results_table(summaries)]
+    if len(summaries) == 1:
+        timing = summaries[0]["timing"]
+        lines.append(f"\n{startup_text(timing)}, mean round {format_seconds(timing.get('mean_round_seconds'), 2)}")
+    for summary in summaries:
+        warning = untrained_best_warning(summary)
+        if warning:
+            lines.append(f"medflare: warning: {summary['method']} (seed {summary['config'].get('seed')}): {warning}")
+    lines.append(f"results: {out.resolve()}")
+    return "\n".join(lines)
+
+
+def report_from_results(results_file: Path, out: Path, copy_models: bool = True) -> dict[str, Any]:
+    """The usual run outputs from a job's ``medflare_results.json`` and the job config that sits beside it.
+
+    FLARE deploys the whole app to the server, so ``app_server/config/`` holds both the server and the client
+    config in a downloaded job and in a simulator workspace alike; the run is rebuilt from them, and the report
+    says the same (data, sites, seed, model, training settings) as the simulator run's.
+
+    Args:
+        results_file: the results file, or the folder holding it (``.../app_server``).
+        out: folder to write summary.json, rounds.csv, report.md and plots into.
+        copy_models: also copy the global models there (pointless when the report goes beside them).
+
+    Raises:
+        ConfigError: the file is missing, or it or the job config beside it is unreadable.
+    """
+    from medflare.flare.controller import RESULTS_FILE
+    from medflare.outputs import job_run_config, recorded_launch
+    from medflare.report import read_results
+
+    results_file = results_file / RESULTS_FILE if results_file.is_dir() else results_file
+    if not results_file.is_file():
+        raise ConfigError(f"results file not found: {results_file}; give a run's {RESULTS_FILE} (a downloaded job "
+                          f"has it in <job id>/workspace/app_server/)")
+    run = job_run_config(results_file.parent)
+    read_results(results_file)  # depth-limited, held to the results schema: a bad file is one line
+    launched_at = recorded_launch(results_file.parent)
+    return write_job_outputs(run, results_file, out, {}, launched_at, copy_models=copy_models)
 
 
 # ----- interruption ------------------------------------------------------------------------------------

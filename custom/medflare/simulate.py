@@ -16,12 +16,12 @@ from medflare.errors import ConfigError, MedflareError
 from medflare.flare.controller import RESULTS_FILE
 from medflare.flare.memory import with_allocator_settings
 from medflare.flare.tracking import keep_server_records
-from medflare.outputs import OutputTarget, failure_note, keep_site_logs, write_job_outputs
+from medflare.outputs import OutputTarget, failure_note, keep_site_logs
 from medflare.processes import start_kept
 from medflare.registry import get_method
 from medflare.run_config import RunConfig
 from medflare.runner import (
-    describe_sites, export_run_job, nvflare_command, signals_held, stop_process_tree,
+    describe_sites, export_run_job, nvflare_command, signals_held, stop_process_tree, write_job_outputs,
 )
 from medflare.site_runtime import SITE_LOG_FILE
 

@@ -83,6 +83,29 @@ def check_multi_label_support(spec: MethodSpec, task: TaskSpec) -> None:
         )
 
 
+# The arguments of the FLARE filters :class:`medflare.flare.privacy.UpdatePrivacy` applies, by its filter names
+DP_FILTER_ARGS = {
+    "percentile": ("percentile", "gamma"),
+    "svt": ("fraction", "epsilon", "noise_var", "gamma", "tau", "replace", "epsilon_threshold", "epsilon_query",
+            "epsilon_release"),
+}
+
+
+def check_dp_filter(dp: Mapping[str, Any]) -> None:
+    """A job's dp result filter (``{"filter": ..., "args": {...}}``) as the sites' UpdatePrivacy takes it, checked
+    without FLARE (ConfigError: an unknown option, filter or filter argument)."""
+    unknown = sorted(set(dp) - {"filter", "args"})
+    name, args = dp.get("filter", "percentile"), dp.get("args") or {}
+    if unknown:
+        raise ConfigError(f"dp: unknown option(s) {', '.join(unknown)}; valid options: filter, args")
+    if name not in DP_FILTER_ARGS:
+        raise ConfigError(f"dp: UpdatePrivacy filter must be one of {sorted(DP_FILTER_ARGS)}, got '{name}'")
+    wrong = sorted(set(args) - set(DP_FILTER_ARGS[name])) if isinstance(args, Mapping) else [repr(args)]
+    if wrong:
+        raise ConfigError(f"dp: args {', '.join(wrong)} not taken by FLARE's '{name}' filter; it takes "
+                          f"{', '.join(DP_FILTER_ARGS[name])}")
+
+
 def resolve_train_config(spec: MethodSpec, overrides: Mapping[str, Any] | None) -> TrainConfig:
     """TrainConfig = shared defaults <- the method's paper defaults <- the job's overrides.
 

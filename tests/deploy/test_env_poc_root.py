@@ -12,8 +12,7 @@ import pytest
 
 import medflare.deploy.poc as poc_module
 from medflare.cli import main
-from medflare.deploy.poc import PocError, PocSession, run_poc
-from medflare.deploy.watch import admin_kit
+from medflare.deploy.poc import PocError, PocSession, admin_kit, run_poc
 from medflare.errors import ConfigError
 from medflare.report import build_summary
 from medflare.run_config import RunConfig

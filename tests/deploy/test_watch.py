@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from medflare.deploy.watch import ProgressPrinter, admin_kit, progress_entries, watch_job
+from medflare.deploy.poc import admin_kit
+from medflare.deploy.watch import ProgressPrinter, progress_entries, watch_job
 from medflare.errors import ConfigError
 from medflare.flare.progress import STATS_GROUP, entries_from_results, format_progress
 

@@ -208,7 +208,7 @@ def test_a_non_finite_aggregate_is_refused(core: RoundAggregation, monkeypatch: 
 
 def test_stages_must_add_up_to_the_rounds() -> None:
     from medflare.errors import ConfigError
-    from medflare.flare.aggregator import checked_stages
+    from medflare.server_setup import checked_stages
     from medflare.methods.base import Stage
 
     stages = [Stage("pretrain", 2, scored=False), Stage("finetune", 3)]

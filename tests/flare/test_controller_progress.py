@@ -138,3 +138,37 @@ def test_the_best_model_is_selected_by_the_tasks_headline_metric(multi_label, me
         controller._record_evaluation(version, {}, FLContext())
     assert controller._results["best"] == {"model_version": 1, metric: 0.8}
     assert lines[1] == f"medflare: model 1 test {metric_name(metric)} 0.8000, val 0.8000 (1 sites)"
+
+
+def test_the_best_model_saved_after_the_next_task_is_out_is_the_scored_one(tmp_path: Path, monkeypatch) -> None:
+    """The best model's write waits for the round's housekeeping (off the critical path), by which time the
+    context holds the next round's model: the persistor must still get the model that was scored."""
+    from nvflare.app_common.app_constant import AppConstants
+    from nvflare.app_common.app_event_type import AppEventType
+
+    from medflare.flare import controller as controller_module
+
+    controller = started(False, tmp_path, monkeypatch)
+    monkeypatch.setattr(controller_module, "summarize", lambda evaluations, shot_groups: {
+        "sites": ["site-1"], "val": {"balanced_accuracy": 0.7}, "test": {"balanced_accuracy": 0.7}})
+    monkeypatch.setattr(controller_module, "send_scalars", lambda *args, **kwargs: None)
+    saved = []
+
+    def fire_event(event: str, fl_ctx: FLContext) -> None:
+        if event == AppEventType.GLOBAL_BEST_MODEL_AVAILABLE:  # what FLARE's persistor reads and writes
+            saved.append(fl_ctx.get_prop(AppConstants.GLOBAL_MODEL)[ModelLearnableKey.WEIGHTS]["w"].copy())
+
+    monkeypatch.setattr(controller, "fire_event", fire_event)
+    fl_ctx = FLContext()
+    scored = {"w": np.array([1.0, 2.0], np.float32)}
+    controller.global_params = scored
+    controller._record_evaluation(0, {}, fl_ctx)
+    assert saved == []  # not while the round still holds up the next one
+    controller.global_params = {"w": np.array([9.0, 9.0], np.float32)}  # aggregated; the next task carries it
+    fl_ctx.set_prop(AppConstants.GLOBAL_MODEL, {ModelLearnableKey.WEIGHTS: controller.global_params}, private=True,
+                    sticky=True)
+    controller._close_round({"server_seconds": {}}, fl_ctx)
+    assert len(saved) == 1 and saved[0].tolist() == [1.0, 2.0]
+    assert fl_ctx.get_prop(AppConstants.GLOBAL_MODEL)[ModelLearnableKey.WEIGHTS]["w"].tolist() == [9.0, 9.0]
+    controller._close_round({"server_seconds": {}}, fl_ctx)
+    assert len(saved) == 1  # saved once

@@ -23,11 +23,10 @@ from nvflare.recipe import SimEnv
 from medflare.config import from_dict
 from medflare.flare.audit import AUDIT_FILE
 from medflare.flare.controller import RESULTS_FILE
-from medflare.outputs import write_job_outputs
 from medflare.recipes import MedflareRecipe
 from medflare.registry import get_method, list_methods
 from medflare.run_config import RunConfig, merge_sections
-from medflare.runner import describe_sites
+from medflare.runner import describe_sites, write_job_outputs
 
 from ._rescoring import rescore_global_model
 

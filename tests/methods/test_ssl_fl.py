@@ -284,7 +284,7 @@ def test_the_site_privacy_filter_passes_every_stage_because_sites_send_back_only
     from nvflare.apis.dxo import DXO, DataKind
 
     from medflare.deploy.filters import PayloadGuard
-    from medflare.flare.tasks import round_plan
+    from medflare.server_setup import round_plan
 
     from ..deploy.test_provision_and_policies import guard_context
 

@@ -107,7 +107,7 @@ def add_code(job_dir: str | Path) -> Path:
 
 def apps_readme(methods: list[str]) -> str:
     """The apps/ folder's README (regenerated with the apps)."""
-    from medflare.job_export import DEFAULT_TASK_TIMEOUT
+    from medflare.plan import DEFAULT_TASK_TIMEOUT
     from medflare.registry import get_method
 
     rows = "\n".join(f"| `{m}` | {get_method(m).summary} |" for m in methods)

@@ -46,10 +46,11 @@ from medflare.deploy.provision import (
     protect_secrets,
     with_he_builder,
 )
+from medflare.deploy.watch import KIT_ENV, WatchError, kit_username, watch
 from medflare.errors import ConfigError, MedflareError
 from medflare.flare.memory import with_allocator_settings
 from medflare.flare.tracking import keep_server_records
-from medflare.outputs import OutputTarget, failure_note, keep_site_logs, results_text, write_job_outputs
+from medflare.outputs import OutputTarget, failure_note, keep_site_logs
 from medflare.processes import end_processes, run_kept
 from medflare.run_config import deployment_robust
 from medflare.runner import (
@@ -58,7 +59,9 @@ from medflare.runner import (
     describe_sites,
     export_run_job,
     quiet_on_closed_output,
+    results_text,
     signals_held,
+    write_job_outputs,
 )
 
 REPO_DIR = Path(__file__).resolve().parents[3]
@@ -491,13 +494,36 @@ def write_run_outputs(run: Any, download_dir: Path, out: Path, launched_at: floa
     return summary
 
 
+def admin_kit(startup_kit: str | None = None, poc_root: str | None = None) -> tuple[Path, str]:
+    """The admin startup kit to watch with, and its user name.
+
+    Order: ``startup_kit``; the ``NVFLARE_STARTUP_KIT_DIR`` environment variable; the lead's kit of the medflare
+    POC in ``poc_root`` (what ``python -m medflare.deploy.poc`` prepared; default ``$MEDFLARE_POC_ROOT``, read
+    now, else runs/poc, as the POC scripts use).
+
+    Raises:
+        ConfigError: no kit found, or the folder is not an admin startup kit.
+    """
+    if startup_kit or os.environ.get(KIT_ENV):
+        kit = Path(startup_kit or os.environ[KIT_ENV]).expanduser()
+    else:
+        root = Path(poc_root) if poc_root else env_root() or DEFAULT_ROOT
+        session = PocSession(root)
+        if not session.state:
+            raise ConfigError(f"--poc {root}: no medflare POC is prepared there; give --startup-kit ADMIN_KIT (an "
+                              f"admin's startup kit) or set {KIT_ENV}")
+        kit = session.kit(session.state["lead"])
+    config = kit / "startup" / "fed_admin.json"
+    if not config.is_file():
+        raise ConfigError(f"{kit} is not an admin startup kit: {config} is missing")
+    return kit, kit_username(kit / "startup", json.loads(config.read_text())["admin"])
+
+
 def follow_job(session: PocSession, job_id: str, echo: Echo, timeout: float) -> None:
     """Print the job's per-round progress as the lead sees it (``medflare watch``) until the job ends.
 
     Progress is a convenience: when it cannot be followed, one line says so and the run waits as before.
     """
-    from medflare.deploy.watch import WatchError, admin_kit, watch
-
     try:
         kit, user = admin_kit(startup_kit=str(session.kit(session.state["lead"])))
         watch(job_id, kit, user, echo, timeout=timeout)

@@ -10,12 +10,11 @@ file, if the user may download the job.
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from medflare.errors import ConfigError, MedflareError
+from medflare.errors import MedflareError
 from medflare.flare.progress import STATS_GROUP, entries_from_results, format_progress
 
 Echo = Callable[[str], None]
@@ -25,33 +24,6 @@ KIT_ENV = "NVFLARE_STARTUP_KIT_DIR"
 
 class WatchError(MedflareError, RuntimeError):
     """The job could not be followed (no session, unknown job)."""
-
-
-def admin_kit(startup_kit: str | None = None, poc_root: str | None = None) -> tuple[Path, str]:
-    """The admin startup kit to watch with, and its user name.
-
-    Order: ``startup_kit``; the ``NVFLARE_STARTUP_KIT_DIR`` environment variable; the lead's kit of the medflare
-    POC in ``poc_root`` (what ``python -m medflare.deploy.poc`` prepared; default ``$MEDFLARE_POC_ROOT``, read
-    now, else runs/poc, as the POC scripts use).
-
-    Raises:
-        ConfigError: no kit found, or the folder is not an admin startup kit.
-    """
-    if startup_kit or os.environ.get(KIT_ENV):
-        kit = Path(startup_kit or os.environ[KIT_ENV]).expanduser()
-    else:
-        from medflare.deploy.poc import DEFAULT_ROOT, PocSession, env_root
-
-        root = Path(poc_root) if poc_root else env_root() or DEFAULT_ROOT
-        session = PocSession(root)
-        if not session.state:
-            raise ConfigError(f"--poc {root}: no medflare POC is prepared there; give --startup-kit ADMIN_KIT (an "
-                              f"admin's startup kit) or set {KIT_ENV}")
-        kit = session.kit(session.state["lead"])
-    config = kit / "startup" / "fed_admin.json"
-    if not config.is_file():
-        raise ConfigError(f"{kit} is not an admin startup kit: {config} is missing")
-    return kit, kit_username(kit / "startup", json.loads(config.read_text())["admin"])
 
 
 def kit_username(startup: Path, admin: dict[str, Any]) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 import numpy as np
@@ -14,47 +13,19 @@ from nvflare.apis.shareable import Shareable
 from nvflare.app_common.abstract.aggregator import Aggregator
 
 from medflare import contracts
-from medflare.config import from_dict
 from medflare.contracts import ContractContext, Expected, validate_update
-from medflare.errors import ConfigError, MedflareError, PayloadError
-from medflare.methods.base import (
-    AggregateResult,
-    PerSite,
-    RoundContext,
-    ServerRule,
-    SiteUpdate,
-    Stage,
-    aggregate_updates,
-)
+from medflare.errors import MedflareError, PayloadError
+from medflare.methods.base import AggregateResult, PerSite, RoundContext, SiteUpdate, aggregate_updates
 from medflare.ops import normalise_weights, wire
 from medflare.ops.aggregate import SiteOrderedSum
 from medflare.ops.influence import Mixture, mix
 from medflare.ops.wire import decode_weights
-from medflare.registry import get_method, load_plugins
+from medflare.registry import load_plugins
+from medflare.server_setup import server_rule
 
 SHARES = "shares"
 INFO = "info"
 STREAM_INFO = "stream_aggregation"  # a round's record: whether its results were summed as they arrived
-
-
-@dataclass(frozen=True)
-class RobustConfig:
-    """Optional defences against one site taking over or breaking the aggregate (on in production templates).
-
-    Attributes:
-        max_norm_ratio: reject a site whose update norm ‖θ_site − θ_global‖ exceeds this multiple of the
-            median norm of the other sites (0 = off; needs at least two sites).
-        max_share: cap on any one site's share of every part of every aggregate (0 = off): the scalar share,
-            every row of a row-weighted array, every mix the server builds from the sites' arrays
-            (:mod:`medflare.ops.influence`); relaxes to equal shares when no split of this round's sites can meet it.
-    """
-
-    max_norm_ratio: float = 0.0
-    max_share: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.max_norm_ratio < 0 or not 0 <= self.max_share <= 1:
-            raise ConfigError(f"robust: max_norm_ratio must be >= 0 and max_share in [0, 1], got {self}")
 
 
 class RoundAggregation:
@@ -65,7 +36,7 @@ class RoundAggregation:
         method_args: the method's hyperparameters.
         num_classes: K of the task.
         num_rounds: the job's rounds; the rule's stages must add up to it.
-        robust: :class:`RobustConfig` fields.
+        robust: :class:`medflare.server_setup.RobustConfig` fields.
         transfer_dtype: dtype float weights travel in ("float32" or "float16").
         transfer_kind: "weights", or "diff" (updates as differences, e.g. for a site's DP filter).
         multi_label: whether the task is multi-label (the rule and the evaluation checks need to know).
@@ -89,23 +60,10 @@ class RoundAggregation:
         stream_aggregation: bool = False,
         download_dtype: str = "float32",
     ):
-        self.spec = get_method(method)
-        method_cfg = from_dict(self.spec.config_cls, dict(method_args or {}), f"method '{method}'")
-        self.rule: ServerRule = self.spec.server_rule_cls(method_cfg, num_rounds, self.spec.payload)
-        self.rule.multi_label = self.multi_label = multi_label
-        self.stages = checked_stages(self.rule.stages(), num_rounds, method)
-        self.robust = from_dict(RobustConfig, dict(robust or {}), "robust")
-        self.rule.share_cap = self.robust.max_share
-        if type(self.rule).aggregate is not ServerRule.aggregate:
-            raise ConfigError(
-                f"method '{method}': its server rule overrides aggregate(); a rule returns per-site weights "
-                "(site_weight, site_weights, row_weights, weighting) and the server bounds and combines them"
-            )
-        if transfer_dtype not in wire.DTYPES or download_dtype not in wire.DTYPES or transfer_kind not in wire.KINDS:
-            raise ConfigError(
-                f"transfer_dtype and download_dtype must be one of {wire.DTYPES} and transfer_kind one of "
-                f"{wire.KINDS}, got '{transfer_dtype}', '{download_dtype}', '{transfer_kind}'"
-            )
+        self.spec, self.rule, self.stages, self.robust = server_rule(
+            method, method_args, num_rounds, robust, transfer_dtype, transfer_kind, download_dtype, multi_label
+        )
+        self.multi_label = multi_label
         self.transfer_dtype, self.transfer_kind, self.download_dtype = transfer_dtype, transfer_kind, download_dtype
         self.num_classes = num_classes
         self.contract = ContractContext(num_classes=num_classes, multi_label=multi_label)
@@ -314,18 +272,6 @@ def update_norm(arrays: Mapping[str, np.ndarray], global_params: Mapping[str, np
     return float(np.sqrt(total))
 
 
-def checked_stages(stages: list[Stage], num_rounds: int, method: str) -> list[Stage]:
-    """The rule's stages, which must add up to the job's rounds."""
-    total = sum(stage.rounds for stage in stages)
-    if total != num_rounds or any(stage.rounds < 1 for stage in stages):
-        plan = " + ".join(f"{s.name}={s.rounds}" for s in stages)
-        raise ConfigError(
-            f"method '{method}' runs stages {plan} = {total} rounds, but the job has rounds={num_rounds}; "
-            "set rounds to the sum, or change the stage budgets in the method's options"
-        )
-    return stages
-
-
 class MedflareAggregator(Aggregator):
     """FLARE Aggregator adapter over :class:`RoundAggregation`; one instance serves every method.
 
@@ -334,7 +280,7 @@ class MedflareAggregator(Aggregator):
         num_classes: class count declared by the job (validates per-class vectors).
         num_rounds: total rounds (some server rules schedule by round).
         method_args: the method's hyperparameters (the server rule reads its own).
-        robust: :class:`RobustConfig` fields (update-norm bound, share cap); off when empty.
+        robust: :class:`medflare.server_setup.RobustConfig` fields (update-norm bound, share cap); off when empty.
         transfer_dtype: dtype float weights travel in ("float32", or "float16" for half the bytes).
         transfer_kind: "weights", or "diff" (sites send θ_local − θ_global, float keys only; for DP filters).
         plugins: ``medflare_plugins.*`` modules the job carries that register its own methods.

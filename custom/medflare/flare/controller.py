@@ -51,7 +51,8 @@ from medflare.flare.progress import (
     round_entry,
     stop_entry,
 )
-from medflare.flare.tasks import TASK_VALIDATE, round_meta, round_plan
+from medflare.flare.tasks import TASK_VALIDATE, round_meta
+from medflare.server_setup import round_plan
 from medflare.flare.tracking import record_scalars, round_scalars, send_scalars
 from medflare.methods.base import PerSite, RoundContext
 from medflare.ops.background import BackgroundWrite
@@ -181,6 +182,7 @@ class MedflareController(Controller):
         self._progress: list[dict[str, Any]] = []  # what show_stats serves to `medflare watch`
         self._checkpoint_write = BackgroundWrite("medflare-checkpoint")  # written while the sites train
         self._housekeeping: Callable[[], None] | None = None  # the last round's _close_round, until it ran
+        self._best_unsaved: dict[str, np.ndarray] | None = None  # scored best, saved by the next housekeeping
         self._next_task = NextTaskHold()
 
     # ----- FLARE lifecycle ------------------------------------------------------------------------
@@ -287,7 +289,7 @@ class MedflareController(Controller):
             self._require_enough_sites(ctx.round, phase, record)
         spans = record["server_seconds"]
         if ctx.scored:
-            with timed(spans, "evaluation"):  # includes saving the best model when validation improved
+            with timed(spans, "evaluation"):  # a better model is saved later, once the next task is out
                 self._record_evaluation(ctx.round, evaluations, fl_ctx)
         with timed(spans, "aggregate"):
             self._aggregate(record, fl_ctx)
@@ -306,6 +308,8 @@ class MedflareController(Controller):
         on the next round's task while it runs (they poll for that task, and a server still busy with
         bookkeeping when a site asks costs it a whole poll interval)."""
         spans = record["server_seconds"]
+        with timed(spans, "best_model"):  # before the checkpoint, which names the best model version
+            self._save_best_model(fl_ctx)
         with timed(spans, "checkpoint"):  # recorded in the next write (the last round's: in the final one)
             if self.aggregator.holds_plaintext:  # an encrypted job's server holds ciphertexts: no resume point
                 self._save_checkpoint(fl_ctx)
@@ -493,10 +497,28 @@ class MedflareController(Controller):
             self._best = score
             self._results["best"] = {"model_version": model_version, self.key_metric: score}
             if self.aggregator.holds_plaintext:  # the persistor saves it; an encrypted job's server cannot
-                self.fire_event(AppEventType.GLOBAL_BEST_MODEL_AVAILABLE, fl_ctx)
+                self._best_unsaved = self.global_params  # the scored model (aggregation replaces the dict)
         send_scalars(self, fl_ctx, round_scalars(summary), step=model_version)
         self._report(evaluation_entry(model_version, summary, self.key_metric), fl_ctx)
         return summary
+
+    def _save_best_model(self, fl_ctx: FLContext) -> None:
+        """Have FLARE's persistor write best_FL_global_model.pt of the model scored best and not yet saved.
+
+        A round defers it to its housekeeping, after the next task is out: the fsync'ed write of a ResNet-18
+        (~0.1 s) then overlaps the sites' work instead of delaying the next round. The persistor saves the model
+        in the context's GLOBAL_MODEL, which by then is the next round's, so the scored one is put there for
+        the event.
+        """
+        params, self._best_unsaved = self._best_unsaved, None
+        if params is None:
+            return
+        current = fl_ctx.get_prop(AppConstants.GLOBAL_MODEL)
+        fl_ctx.set_prop(AppConstants.GLOBAL_MODEL, make_model_learnable(params, {}), private=True, sticky=True)
+        try:
+            self.fire_event(AppEventType.GLOBAL_BEST_MODEL_AVAILABLE, fl_ctx)
+        finally:
+            fl_ctx.set_prop(AppConstants.GLOBAL_MODEL, current, private=True, sticky=True)
 
     def _final_validation(self, last: RoundContext, abort_signal: Signal, fl_ctx: FLContext) -> None:
         """Score the final global model (after the last round played) at every site; its metrics land in
@@ -514,6 +536,7 @@ class MedflareController(Controller):
         evaluations: dict[str, dict] = {}
         self._send_phase(TASK_VALIDATE, arrays, ctx, record, evaluations, abort_signal, fl_ctx)
         final = self._record_evaluation(version, evaluations, fl_ctx)
+        self._save_best_model(fl_ctx)
         method_metrics = core.rule.final_metrics(final)
         self._results["final"] = {"model_version": version, **final, "method_metrics": method_metrics}
         self._results["final_validation"] = {"wall_seconds": time.time() - record["started_at"], "failed": record["failed"]}

@@ -1,30 +1,15 @@
-"""Task names, the round plan, and the round header the server puts into every task."""
+"""Task names and the round header the server puts into every task (the round plan: ``server_setup.round_plan``)."""
 
 from __future__ import annotations
 
 from typing import Any, Mapping
 
 from medflare import contracts
-from medflare.methods.base import RoundContext, Stage
+from medflare.methods.base import RoundContext
 
 TASK_TRAIN = contracts.TRAIN_PHASE
 TASK_VALIDATE = "validate"
 TASK_SUBMIT_MODEL = "submit_model"
-
-
-def round_plan(stages: list[Stage], total_rounds: int) -> list[RoundContext]:
-    """One RoundContext per round, stage by stage, with job-level and in-stage counters."""
-    plan, index = [], 0
-    for stage in stages:
-        for stage_round in range(stage.rounds):
-            plan.append(
-                RoundContext(
-                    round=index, total_rounds=total_rounds, stage=stage.name, stage_round=stage_round,
-                    stage_rounds=stage.rounds, scored=stage.scored,
-                )
-            )
-            index += 1
-    return plan
 
 
 def round_meta(ctx: RoundContext) -> dict[str, Any]:

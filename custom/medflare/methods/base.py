@@ -8,8 +8,8 @@ pure numpy: it turns accepted site updates into the next global model. Neither k
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
 
 import numpy as np
 import torch
@@ -18,14 +18,12 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from medflare import contracts
-from medflare.config import from_dict
 from medflare.contracts import ContractContext, Payload
-from medflare.errors import ConfigError, PayloadError
+from medflare.errors import PayloadError
 from medflare.losses.multi_label import masked_bce
 from medflare.ops import load_params, model_params
 from medflare.ops.influence import Mixture, Weighting, bound, combine
-from medflare.optim import OptimizerKey, build_optimizer, check_train_options, rebuild_due, set_step_lr
-from medflare.optim import round_lr  # noqa: F401  (re-exported: its home was this module)
+from medflare.optim import OptimizerKey, TrainConfig, build_optimizer, lr_at, rebuild_due, set_step_lr
 from medflare.methods.presets import Preset
 
 if TYPE_CHECKING:
@@ -33,69 +31,6 @@ if TYPE_CHECKING:
 
 Log = Callable[[str], None]
 LARGEST_SHARE = "largest_share"  # a round's record: site -> its largest share of any row of a row-weighted array
-
-
-@dataclass
-class TrainConfig:
-    """Local training settings shared by all methods (a method may change the defaults).
-
-    Optimizer and schedule semantics are in :mod:`medflare.optim`.
-    """
-
-    optimizer: Literal["sgd", "adam", "adamw"] = "adam"
-    lr: float = 1e-3
-    momentum: float = 0.9  # sgd only
-    nesterov: bool = False  # sgd only
-    betas: tuple[float, float] = (0.9, 0.999)  # adam/adamw only (MAE pre-training uses (0.9, 0.95))
-    eps: float = 1e-8  # adam/adamw only
-    weight_decay: float = 0.0
-    no_decay_norm_bias: bool = False  # no weight decay on 1-D params (norms, biases) and e.g. a ViT's pos_embed
-    layer_decay: float = 1.0  # layer-wise lr decay for vit_* models (BEiT/MAE fine-tuning use 0.65); 1 = off
-    batch_size: int = 64
-    local_epochs: int = 1
-    max_steps: int = 0  # cap on optimizer steps per round; 0 = no cap (use for quick CPU runs)
-    grad_clip: float = 0.0  # max gradient norm; 0 = off
-    # constant | cosine (once per round, as Fed-MAS does) | warmup_cosine (per step, MAE/BEiT) | multistep (FCA)
-    lr_schedule: Literal["constant", "cosine", "warmup_cosine", "multistep"] = "constant"
-    min_lr: float = 1e-4  # cosine floor (cosine, warmup_cosine)
-    warmup_rounds: float = 0.0  # warmup_cosine: linear warm-up from 0 over this many rounds of the stage
-    milestones: tuple[int, ...] = ()  # multistep: stage rounds at which lr is multiplied by gamma
-    gamma: float = 0.1  # multistep factor
-    # never: state kept across rounds | stage: new at a stage change | round | step (MDH-FL's fresh Adam per step)
-    fresh_optimizer: Literal["never", "stage", "round", "step"] = "never"
-    eval_batch_size: int = 256
-    num_workers: int = 0
-    torch_threads: int = 1  # CPU threads per site; keeps simulated sites from fighting over cores
-    base_batch: int = 0  # > 0: lr is given per base_batch images and scales with batch_size (MAE: 256); 0 = as given
-    # stage name -> overrides of the options above in that stage (SSL-FL pre-trains and fine-tunes differently)
-    stages: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.betas = tuple(self.betas)  # type: ignore[assignment]  # JSON/TOML give lists
-        self.milestones = tuple(self.milestones)
-        check_train_options(self)
-        if self.batch_size < 1 or self.local_epochs < 1:
-            raise ConfigError("train.batch_size and train.local_epochs must be >= 1")
-        if self.lr <= 0:
-            raise ConfigError(f"train.lr must be > 0, got {self.lr}")
-        if self.max_steps < 0:
-            raise ConfigError(f"train.max_steps must be >= 0 (0 = no cap), got {self.max_steps}")
-        for stage in self.stages:
-            self.for_stage(stage)  # fail early on a bad stage override
-
-    def for_stage(self, stage: str | None) -> TrainConfig:
-        """The settings in ``stage``: these options with the stage's overrides (``stages[stage]``) on top.
-
-        Raises:
-            ConfigError: a stage override that is not a TrainConfig option (or is a nested ``stages``).
-        """
-        overrides = self.stages.get(stage or "")
-        if not overrides:
-            return self
-        if not isinstance(overrides, Mapping) or "stages" in overrides:
-            raise ConfigError(f"train.stages.{stage} must map TrainConfig options to values, got {overrides!r}")
-        base = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "stages"}
-        return from_dict(TrainConfig, {**base, **overrides}, f"train.stages.{stage}")
 
 
 @dataclass(frozen=True)
@@ -135,6 +70,11 @@ class RoundContext:
             object.__setattr__(self, "stage_round", self.round)
         if self.stage_rounds <= 0:
             object.__setattr__(self, "stage_rounds", self.total_rounds)
+
+
+def round_lr(cfg: TrainConfig, ctx: RoundContext) -> float:
+    """The learning rate at the first step of the round ``ctx`` describes (schedules restart with each stage)."""
+    return lr_at(cfg, float(ctx.stage_round), ctx.stage_rounds)
 
 
 @dataclass
@@ -775,3 +715,15 @@ class MethodSpec:
     def __post_init__(self) -> None:
         if not self.server_model and self.payload.sends_weights:
             raise ValueError(f"method '{self.name}': a server without a model cannot receive weights")
+
+
+BUILTIN_METHODS: list[MethodSpec] = []  # medflare's own methods, in the order medflare.methods imports them
+
+
+def builtin_method(spec: MethodSpec) -> MethodSpec:
+    """Declare one of medflare's own methods (a method folder's ``__init__``); :mod:`medflare.registry` looks them
+    up. A method from outside medflare calls ``registry.register_method`` instead."""
+    if any(known.name == spec.name for known in BUILTIN_METHODS):
+        raise ValueError(f"method '{spec.name}' is registered twice")
+    BUILTIN_METHODS.append(spec)
+    return spec

@@ -2,9 +2,8 @@
 
 from dataclasses import dataclass
 
-from medflare.methods.base import MethodSpec
+from medflare.methods.base import MethodSpec, builtin_method
 from medflare.methods.bsm_fl.client import BalancedSoftmaxTrainer
-from medflare.registry import register_method
 
 
 @dataclass
@@ -14,7 +13,7 @@ class BsmFlConfig:
     eps: float = 1e-12  # prior floor: classes missing at a site get a log(eps) logit offset (spec §1.1)
 
 
-SPEC = register_method(
+SPEC = builtin_method(
     MethodSpec(
         name="bsm-fl",
         dp_sgd_uncovered=(

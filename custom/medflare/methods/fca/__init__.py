@@ -9,13 +9,12 @@ from dataclasses import dataclass
 from medflare.contracts import Payload
 from medflare.errors import ConfigError
 from medflare.evaluation import FCA_PROTOCOL_DATA
-from medflare.methods.base import MethodSpec
+from medflare.methods.base import MethodSpec, builtin_method
 from medflare.methods.fca.client import FcaTrainer
 from medflare.methods.fca.loss import CONSISTENCY_MODES
 from medflare.methods.fca.model import PERSONAL_HEAD_KEYS, FcaNet
 from medflare.methods.fca.paper import PAPER
 from medflare.methods.fca.server import FcaRule
-from medflare.registry import register_method
 
 __all__ = ["FcaConfig", "SPEC", "build_fca_model"]
 
@@ -68,7 +67,7 @@ TRAIN_DEFAULTS = {
     "gamma": 0.1,
 }
 
-SPEC = register_method(
+SPEC = builtin_method(
     MethodSpec(
         name="fca",
         dp_sgd_uncovered=(

@@ -11,14 +11,13 @@ from typing import Mapping
 from medflare.contracts import Payload, positive_number
 from medflare.data import DataConfig
 from medflare.errors import ConfigError
-from medflare.methods.base import MethodSpec, TrainConfig
+from medflare.methods.base import MethodSpec, TrainConfig, builtin_method
 from medflare.methods.fed_mas.client import RF_KEY, FedMasTrainer
 from medflare.methods.fed_mas.model import FedMasNet
 from medflare.methods.fed_mas.paper import PAPER
 from medflare.methods.fed_mas.plots import plot_divergence
 from medflare.methods.fed_mas.prior import IMAGENET_LITE0, prior_feature_dim
 from medflare.methods.fed_mas.server import FedMasRule
-from medflare.registry import register_method
 
 AGGREGATIONS = ("mas", "mas_inv", "mas_drw", "samples")
 PRIOR_PRECISIONS = ("fp32", "reduced")
@@ -98,7 +97,7 @@ def check_prior_cache(cfg: FedMasConfig, trains: Mapping[str, TrainConfig], data
 
 TRAIN_DEFAULTS = {"grad_clip": 5.0}  # clipping at 5.0 is in the code, not the paper (spec §2(e)6)
 
-SPEC = register_method(
+SPEC = builtin_method(
     MethodSpec(
         name="fedmas",
         dp_sgd_uncovered=(
@@ -123,7 +122,7 @@ SPEC = register_method(
     )
 )
 
-BSM_KD_SPEC = register_method(
+BSM_KD_SPEC = builtin_method(
     MethodSpec(
         name="bsm-kd",
         dp_sgd_uncovered=(

@@ -2,9 +2,8 @@
 
 from dataclasses import dataclass
 
-from medflare.methods.base import MethodSpec
+from medflare.methods.base import MethodSpec, builtin_method
 from medflare.methods.fedavg.client import FedAvgTrainer
-from medflare.registry import register_method
 
 
 @dataclass
@@ -12,7 +11,7 @@ class FedAvgConfig:
     """FedAvg has no hyperparameters beyond the shared TrainConfig."""
 
 
-SPEC = register_method(
+SPEC = builtin_method(
     MethodSpec(
         name="fedavg",
         summary="FedAvg: cross-entropy locally, sample-count-weighted average of all weights",

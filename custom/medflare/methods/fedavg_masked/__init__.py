@@ -6,11 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from medflare.contracts import Payload, class_mask
-from medflare.methods.base import MethodSpec
+from medflare.methods.base import MethodSpec, builtin_method
 from medflare.methods.fedavg_masked.client import FedAvgMaskedTrainer
 from medflare.methods.fedavg_masked.server import MaskedClassifierRule
 from medflare.methods.fedlsm.server import IDENTIFIED_KEY
-from medflare.registry import register_method
 
 
 @dataclass
@@ -18,7 +17,7 @@ class FedAvgMaskedConfig:
     """FedAvg* has no hyperparameters: the classifier is the model's ``head.*`` (every registered network's)."""
 
 
-SPEC = register_method(
+SPEC = builtin_method(
     MethodSpec(
         name="fedavg-masked",
         dp_sgd_uncovered="identified: which classes the site annotates",

@@ -7,11 +7,10 @@ from dataclasses import dataclass
 from medflare.contracts import Payload
 from medflare.errors import ConfigError
 from medflare.evaluation import FCA_PROTOCOL_DATA
-from medflare.methods.base import MethodSpec
+from medflare.methods.base import MethodSpec, builtin_method
 from medflare.methods.fedbabu.client import FedBabuTrainer
 from medflare.methods.fedbabu.server import FedBabuRule
 from medflare.models import Classifier
-from medflare.registry import register_method
 
 __all__ = ["FedBabuConfig", "SPEC", "build_fedbabu_model"]
 
@@ -39,7 +38,7 @@ def build_fedbabu_model(model: str, num_classes: int, in_channels: int, image_si
     return network
 
 
-SPEC = register_method(
+SPEC = builtin_method(
     MethodSpec(
         name="fedbabu",
         dp_sgd_uncovered=(

@@ -3,9 +3,8 @@
 from dataclasses import dataclass
 
 from medflare.errors import ConfigError
-from medflare.methods.base import MethodSpec
+from medflare.methods.base import MethodSpec, builtin_method
 from medflare.methods.fedlc.client import FedLcTrainer
-from medflare.registry import register_method
 
 __all__ = ["FedLcConfig", "SPEC"]
 
@@ -21,7 +20,7 @@ class FedLcConfig:
             raise ConfigError(f"fedlc tau must be >= 0, got {self.tau}")
 
 
-SPEC = register_method(
+SPEC = builtin_method(
     MethodSpec(
         name="fedlc",
         dp_sgd_uncovered=(

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 from medflare.contracts import Payload, class_counts, class_mask, counts
 from medflare.data.transforms import AUGMENTATIONS
 from medflare.errors import ConfigError
-from medflare.methods.base import MethodSpec, TrainConfig
+from medflare.methods.base import MethodSpec, TrainConfig, builtin_method
 from medflare.methods.fedlsm.client import FedLsmTrainer
 from medflare.methods.fedlsm.paper import PAPER
 from medflare.methods.fedlsm.server import (
@@ -25,7 +25,6 @@ from medflare.methods.fedlsm.server import (
     Q_KEY,
     FedLsmRule,
 )
-from medflare.registry import register_method
 
 AGGREGATIONS = ("awpa", "masked", "samples")
 POS_WEIGHT_MODES = ("element", "positive")
@@ -101,7 +100,7 @@ PAYLOAD = Payload(
     meta={Q_KEY: class_counts(Q_KEY), IDENTIFIED_KEY: class_mask(IDENTIFIED_KEY)},
 )
 
-SPEC = register_method(
+SPEC = builtin_method(
     MethodSpec(
         name="fedlsm",
         dp_sgd_blocker=(

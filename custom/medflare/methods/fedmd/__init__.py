@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from medflare.methods.base import MethodSpec
+from medflare.methods.base import MethodSpec, builtin_method
 from medflare.methods.mdhfl import REVEALS, SMOKE, MdhflConfig, check_public_set
 from medflare.methods.mdhfl.client import MdhflTrainer
 from medflare.methods.mdhfl.protocol import PAYLOAD
 from medflare.methods.mdhfl.server import MdhflRule
-from medflare.registry import register_method
 
 
 @dataclass
@@ -27,7 +26,7 @@ class FedMdConfig(MdhflConfig):
     kl_optimizer: str = "persistent"  # an ordinary Adam kept across steps (FedMD compiles its models once)
 
 
-SPEC = register_method(
+SPEC = builtin_method(
     MethodSpec(
         name="fedmd",
         dp_sgd_blocker=(

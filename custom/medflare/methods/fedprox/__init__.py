@@ -3,9 +3,8 @@
 from dataclasses import dataclass
 
 from medflare.errors import ConfigError
-from medflare.methods.base import MethodSpec
+from medflare.methods.base import MethodSpec, builtin_method
 from medflare.methods.fedprox.client import FedProxTrainer
-from medflare.registry import register_method
 
 
 @dataclass
@@ -19,7 +18,7 @@ class FedProxConfig:
             raise ConfigError(f"fedprox mu must be >= 0, got {self.mu}")
 
 
-SPEC = register_method(
+SPEC = builtin_method(
     MethodSpec(
         name="fedprox",
         dp_sgd_blocker=(

@@ -7,10 +7,9 @@ from dataclasses import dataclass
 from medflare.contracts import Payload
 from medflare.errors import ConfigError
 from medflare.evaluation import FCA_PROTOCOL_DATA
-from medflare.methods.base import MethodSpec
+from medflare.methods.base import MethodSpec, builtin_method
 from medflare.methods.fedrep.client import FedRepTrainer
 from medflare.methods.fedrep.server import FedRepRule
-from medflare.registry import register_method
 
 __all__ = ["FedRepConfig", "SPEC"]
 
@@ -29,7 +28,7 @@ class FedRepConfig:
             raise ConfigError(f"fedrep eps must be >= 0, got {self.eps}")
 
 
-SPEC = register_method(
+SPEC = builtin_method(
     MethodSpec(
         name="fedrep",
         dp_sgd_blocker=(

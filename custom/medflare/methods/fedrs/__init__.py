@@ -6,10 +6,9 @@ from dataclasses import dataclass
 
 from medflare.errors import ConfigError
 from medflare.losses.restricted_softmax import RESTRICTION_MODES
-from medflare.methods.base import MethodSpec
+from medflare.methods.base import MethodSpec, builtin_method
 from medflare.methods.fedrs.client import FedRsTrainer
 from medflare.methods.fedrs.server import FedRsRule
-from medflare.registry import register_method
 
 __all__ = ["FedRsConfig", "SPEC"]
 
@@ -38,7 +37,7 @@ class FedRsConfig:
             raise ConfigError(f"fedrs eps must be >= 0, got {self.eps}")
 
 
-SPEC = register_method(
+SPEC = builtin_method(
     MethodSpec(
         name="fedrs",
         dp_sgd_uncovered=(

@@ -3,10 +3,9 @@
 from dataclasses import dataclass
 
 from medflare.errors import ConfigError
-from medflare.methods.base import MethodSpec
+from medflare.methods.base import MethodSpec, builtin_method
 from medflare.methods.ldam_drw.client import LdamDrwTrainer
 from medflare.methods.ldam_drw.model import build_cosine_head_model
-from medflare.registry import register_method
 
 __all__ = ["LdamDrwConfig", "SPEC"]
 
@@ -31,7 +30,7 @@ class LdamDrwConfig:
             raise ConfigError(f"ldam-drw drw_start_fraction must be in [0, 1], got {self.drw_start_fraction}")
 
 
-SPEC = register_method(
+SPEC = builtin_method(
     MethodSpec(
         name="ldam-drw",
         dp_sgd_uncovered=(

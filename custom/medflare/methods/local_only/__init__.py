@@ -10,10 +10,9 @@ from dataclasses import dataclass
 
 from medflare.contracts import Payload
 from medflare.errors import ConfigError
-from medflare.methods.base import MethodSpec
+from medflare.methods.base import MethodSpec, builtin_method
 from medflare.methods.local_only.client import LOSSES, LocalOnlyReferenceTrainer
 from medflare.methods.local_only.server import LocalOnlyRule
-from medflare.registry import register_method
 
 
 @dataclass
@@ -30,7 +29,7 @@ class LocalOnlyConfig:
             raise ConfigError(f"local-only loss must be one of {sorted(LOSSES)}, got '{self.loss}'")
 
 
-SPEC = register_method(
+SPEC = builtin_method(
     MethodSpec(
         name="local-only",
         summary="Local-only baseline: each site trains its own model (any architecture); no weights travel",

@@ -12,12 +12,11 @@ from typing import Mapping
 
 from medflare.data import DataConfig
 from medflare.errors import ConfigError
-from medflare.methods.base import MethodSpec, TrainConfig
+from medflare.methods.base import MethodSpec, TrainConfig, builtin_method
 from medflare.methods.mdhfl.client import MdhflTrainer
 from medflare.methods.mdhfl.paper import PAPER
 from medflare.methods.mdhfl.protocol import PAYLOAD
 from medflare.methods.mdhfl.server import MdhflRule
-from medflare.registry import register_method
 
 WEIGHTINGS = ("ccr", "mean")
 LOCAL_LOSSES = ("sce", "ce")
@@ -96,7 +95,7 @@ SMOKE = {
     "method_args": {"public_per_round": 32, "chunks": 2},
 }
 
-SPEC = register_method(
+SPEC = builtin_method(
     MethodSpec(
         name="mdhfl",
         dp_sgd_blocker=(

@@ -3,9 +3,8 @@
 from dataclasses import dataclass
 
 from medflare.errors import ConfigError
-from medflare.methods.base import MethodSpec
+from medflare.methods.base import MethodSpec, builtin_method
 from medflare.methods.moon.client import MoonTrainer
-from medflare.registry import register_method
 
 __all__ = ["MoonConfig", "SPEC"]
 
@@ -24,7 +23,7 @@ class MoonConfig:
             raise ConfigError(f"moon temperature must be > 0, got {self.temperature}")
 
 
-SPEC = register_method(
+SPEC = builtin_method(
     MethodSpec(
         name="moon",
         summary="MOON: CE + mu * contrastive term (global model positive, site's previous model negative)",

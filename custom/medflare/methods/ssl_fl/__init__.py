@@ -13,13 +13,12 @@ from typing import Any
 from medflare.contracts import MAX_SAMPLES, Payload, non_negative_number
 from medflare.data.transforms import AUGMENTATIONS
 from medflare.errors import ConfigError
-from medflare.methods.base import MethodSpec, Stage
+from medflare.methods.base import MethodSpec, Stage, builtin_method
 from medflare.methods.ssl_fl.client import CODE_PERPLEXITY, CODES_USED, N_IMAGES, FedBeitTrainer, FedMaeTrainer
 from medflare.methods.ssl_fl.model import FINETUNE, PRETRAIN, TOKENIZER, FedBeitNet, FedMaeNet
 from medflare.methods.ssl_fl.paper import PRESETS as PAPER_PRESETS
 from medflare.methods.ssl_fl.server import SslFlRule
 from medflare.methods.ssl_fl.tokenizer import DiscreteVae
-from medflare.registry import register_method
 
 REFERENCE = (
     "Yan, Qu, Wei, Huang, Shen, Rubin, Xing and Zhou, Label-Efficient Self-Supervised Federated Learning for "
@@ -244,7 +243,7 @@ SSL_DP_BLOCKER = ("its fine-tuning mixes pairs of images (MixUp/CutMix) into one
 def _register(name: str, summary: str, config_cls: type, trainer_cls: type, network_cls: type, build_model: Any,
               train_defaults: dict, smoke: dict, meta: dict = PAYLOAD_META, reveals: str = "") -> MethodSpec:
     """One SSL-FL method: its stages' wire declaration comes from the network's ``NOT_SENT`` table."""
-    return register_method(
+    return builtin_method(
         MethodSpec(
             name=name, summary=summary, config_cls=config_cls, trainer_cls=trainer_cls,
             payload=Payload(stage_excluded_keys=network_cls.NOT_SENT, meta=meta), server_rule_cls=SslFlRule,

@@ -1,0 +1,91 @@
+"""The run plan: resolved once from the layered options, and carried by the job so that whoever reads the job (the
+server, each site, a reviewer) rebuilds the very plan the command line built, for every registered method."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from medflare.cli import main
+from medflare.deploy.apps import deployment_run
+from medflare.job_export import export_job, job_robust, plan_from_job
+from medflare.plan import DEFAULT_TASK_TIMEOUT, RunPlan, build_plan
+from medflare.registry import list_methods
+from medflare.run_config import RunConfig
+
+from .test_cli import TASK, run_cli
+
+SIMULATED = "synthetic:classes=3,channels=1"
+
+
+def planned_and_written(run: RunConfig, out: Path, mode: str) -> tuple[RunPlan, Path]:
+    run.validate(check_files=False)
+    task = run.task_spec()
+    return build_plan(run, task, job_robust(run, mode)), export_job(run, out, task, mode=mode)
+
+
+@pytest.mark.parametrize("method", list_methods())
+def test_every_method_s_job_carries_the_plan_the_command_line_built(method: str, tmp_path: Path) -> None:
+    plan, job = planned_and_written(deployment_run(method), tmp_path, "preinstalled")
+    assert plan_from_job(job) == plan
+    assert RunPlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+    assert len(plan.rounds) == deployment_run(method).rounds and all(r.phases for r in plan.rounds)
+
+
+def test_a_simulator_job_with_every_option_set_rebuilds_the_same_plan(tmp_path: Path) -> None:
+    run = RunConfig(method="fedprox", rounds=4, clients=3, min_clients=2, seed=5, data={"source": SIMULATED},
+                    train={"lr": 0.01, "batch_size": 8}, method_args={"mu": 0.1}, site_train={"site-2": {"lr": 0.5}},
+                    site_evaluation="every_round", straggler_seconds=30, task_timeout=90, task_request_interval=0.3,
+                    name="probe", robust={"max_share": 0.4}, transfer_dtype="float16", download_dtype="float16",
+                    stream_aggregation=True, transfer_kind="diff",
+                    dp={"filter": "percentile", "args": {"percentile": 10, "gamma": 0.01}}, audit=True,
+                    tracking="both", patience=2)
+    plan, job = planned_and_written(run, tmp_path, "byoc")
+    assert plan_from_job(job) == plan
+    assert (plan.site("site-1").train["train"].lr, plan.site("site-2").train["train"].lr) == (0.01, 0.5)
+    assert plan.site("site-3").train["train"].batch_size == 8 and plan.method_args["mu"] == 0.1
+    assert (plan.min_clients, plan.task_timeout, plan.robust["max_share"]) == (2, 90, 0.4)
+    assert plan.data["num_sites"] == 3 and plan.data["seed"] == 5
+
+
+def test_a_changed_job_config_gives_another_plan(tmp_path: Path) -> None:
+    """The rebuilt plan reads every option from the job: one edited argument shows as a different plan."""
+    plan, job = planned_and_written(RunConfig(method="fedavg", data={"source": SIMULATED}), tmp_path, "byoc")
+    server = job / "app" / "config" / "config_fed_server.json"
+    config = json.loads(server.read_text())
+    (aggregator,) = [c for c in config["components"] if c["id"] == "aggregator"]
+    aggregator["args"]["transfer_dtype"] = "float16"
+    server.write_text(json.dumps(config))
+    rebuilt = plan_from_job(job)
+    assert rebuilt != plan and rebuilt.transfer_dtype == "float16"
+
+
+def test_each_site_trains_each_stage_with_its_resolved_settings(tmp_path: Path) -> None:
+    """Fed-MAE pre-trains at the stage's own lr (2e-3) and fine-tunes at the flat one (3e-3), unless a site says
+    otherwise for every stage (site-2: lr 0.01); the stages run in order, pre-training unscored."""
+    run = deployment_run("fed-mae", site_train={"site-2": {"lr": 0.01}})
+    plan, _ = planned_and_written(run, tmp_path, "preinstalled")
+    assert list(plan.site("site-1").train) == ["pretrain", "finetune"]
+    assert plan.site("site-1").train["pretrain"].lr == pytest.approx(2e-3)
+    assert plan.site("site-1").train["finetune"].lr == pytest.approx(3e-3)
+    assert plan.site("site-2").train["finetune"].lr == pytest.approx(0.01)
+    assert plan.site("site-2").train["pretrain"].lr == pytest.approx(2e-3)  # the stage's own value wins
+    assert not plan.rounds[0].scored and plan.rounds[-1].scored and plan.task_timeout == DEFAULT_TASK_TIMEOUT
+
+
+def test_logit_exchange_rounds_plan_their_phases() -> None:
+    run = RunConfig(method="fedmd", rounds=2, data={"source": SIMULATED, "public_fraction": 0.2})
+    run.validate(check_files=False)
+    plan = build_plan(run, run.task_spec(), {})
+    assert [r.phases for r in plan.rounds] == [("public_setup", "public_probs", "train"), ("public_probs", "train")]
+
+
+def test_medflare_config_plan_prints_the_plan_export_writes(tmp_path: Path, capsys) -> None:
+    options = [*TASK, "--data", "synthetic:classes=2,channels=1", "--set", "rounds=2", "--set", "train.lr=0.02"]
+    code, out, err = run_cli(["config", "fedavg", "--plan", *options], capsys)
+    assert code == 0, err
+    printed = RunPlan.from_dict(json.loads(out))
+    assert main(["export", "fedavg", *options, "-o", str(tmp_path)]) == 0
+    assert plan_from_job(tmp_path / "fedavg") == printed and printed.site("site-1").train["train"].lr == 0.02
