@@ -133,7 +133,7 @@ bench-paper: install
 # tests share a worker (all POC tests do).
 TEST_WORKERS ?= 3
 test: install
-	$(PY) -m pytest -q --timeout=900 -n $(TEST_WORKERS); rc=$$?; \
+	$(PY) -m pytest -q --timeout=900 --durations=15 -n $(TEST_WORKERS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # Every method's invariant ledger (methods/<name>/ledger.toml): each mutant applied in a scratch copy, its tests run,
