@@ -89,3 +89,23 @@ def test_medflare_config_plan_prints_the_plan_export_writes(tmp_path: Path, caps
     printed = RunPlan.from_dict(json.loads(out))
     assert main(["export", "fedavg", *options, "-o", str(tmp_path)]) == 0
     assert plan_from_job(tmp_path / "fedavg") == printed and printed.site("site-1").train["train"].lr == 0.02
+
+
+def test_a_resolved_task_is_handed_down_instead_of_read_again(tmp_path: Path, monkeypatch) -> None:
+    """The runners read the data for the task once: given the task, the sites' description, the job and the
+    summary's configuration never read it again."""
+    from medflare import runner
+
+    run = RunConfig(method="fedavg", data={"source": SIMULATED}, shot_thresholds=[30, 10])
+    run.validate(check_files=False)
+    task = run.task_spec()
+
+    def read_again(self) -> None:
+        raise AssertionError("the task was read from the data again")
+
+    monkeypatch.setattr(RunConfig, "task_spec", read_again)
+    sites, counts = runner.describe_sites(run, task)
+    job = runner.export_run_job(run, tmp_path, "byoc", task=task)
+    assert set(sites) == {"site-1", "site-2"} and len(counts) == task.num_classes
+    assert plan_from_job(job).task == task
+    assert runner.run_summary_config(run, task)["task"]["num_classes"] == task.num_classes

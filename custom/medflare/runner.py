@@ -26,6 +26,7 @@ from medflare.errors import ConfigError
 
 if TYPE_CHECKING:  # importing the run configuration pulls in torch: only the commands that build a run pay it
     from medflare.run_config import RunConfig
+    from medflare.site_runtime import TaskSpec
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # MEDFLARE_SMOKE=1 (the runnable-docs test sets it) caps every run built here, so the docs' commands run as written
@@ -200,21 +201,24 @@ def shot_groups_for(run: RunConfig, class_counts: list[int] | None) -> dict | No
     return shot_groups_from_counts(class_counts, head_min=head_min, tail_max=tail_max)
 
 
-def describe_sites(run: RunConfig) -> tuple[dict[str, Any], list[int] | None]:
-    """Per-site partition facts (simulated data only) and global training class counts."""
+def describe_sites(run: RunConfig, task: TaskSpec | None = None) -> tuple[dict[str, Any], list[int] | None]:
+    """Per-site partition facts (simulated data only) and global training class counts; ``task``: the run's
+    resolved task, read from the data when not given."""
     if run.data.get("source", "site") == "site":
         return {}, None
     from medflare.config import from_dict
     from medflare.data import DataConfig, describe_partition
 
-    data_cfg = from_dict(DataConfig, {**run.site_data(), "num_classes": run.task_spec().num_classes}, "data")
+    num_classes = (task or run.task_spec()).num_classes
+    data_cfg = from_dict(DataConfig, {**run.site_data(), "num_classes": num_classes}, "data")
     facts = describe_partition(data_cfg)
     sites = {name: facts[i] for i, name in enumerate(run.site_names)}
     totals = [sum(int(f["class_counts"][k]) for f in facts) for k in range(len(facts[0]["class_counts"]))]
     return sites, totals
 
 
-def export_run_job(run: RunConfig, out_dir: str | Path, mode: str, class_counts: list[int] | None = None) -> Path:
+def export_run_job(run: RunConfig, out_dir: str | Path, mode: str, class_counts: list[int] | None = None,
+                   task: TaskSpec | None = None) -> Path:
     """The run's FLARE job (``byoc`` or ``preinstalled``), as the simulator, POC and production get it.
 
     Args:
@@ -222,12 +226,14 @@ def export_run_job(run: RunConfig, out_dir: str | Path, mode: str, class_counts:
         out_dir: folder the job folder ``<job name>/`` is written into.
         mode: ``byoc`` (the job carries medflare) or ``preinstalled``.
         class_counts: global training class counts from :func:`describe_sites` (computed when not given).
+        task: the run's resolved task (read from the data when not given).
     """
     from medflare.job_export import export_job
 
+    task = task or run.task_spec()
     if class_counts is None:
-        _, class_counts = describe_sites(run)
-    return export_job(run, out_dir, run.task_spec(), mode=mode, shot_groups=shot_groups_for(run, class_counts))
+        _, class_counts = describe_sites(run, task)
+    return export_job(run, out_dir, task, mode=mode, shot_groups=shot_groups_for(run, class_counts))
 
 
 # ----- outputs -----------------------------------------------------------------------------------------
@@ -239,6 +245,7 @@ def write_job_outputs(
     launched_at: float | None,
     deployment: dict[str, Any] | None = None,
     copy_models: bool = True,
+    task: TaskSpec | None = None,
 ) -> dict[str, Any]:
     """summary.json, rounds.csv, report.md, plots and the global models, from the controller's results file.
 
@@ -246,12 +253,14 @@ def write_job_outputs(
 
     Args:
         copy_models: copy the global models found beside the results (off when the outputs go beside them).
+        task: the run's resolved task (read from the data when not given).
     """
     from medflare.outputs import MODEL_FILES
     from medflare.report import build_summary, write_outputs
 
     results = json.loads(results_file.read_text())
-    summary = build_summary(results, {**run_summary_config(run), **(deployment or {})}, clients, launched_at)
+    config = {**run_summary_config(run, task), **(deployment or {})}
+    summary = build_summary(results, config, clients, launched_at)
     if deployment:
         summary["deployment"] = deployment
     write_outputs(summary, out)
@@ -261,9 +270,9 @@ def write_job_outputs(
     return summary
 
 
-def run_summary_config(run: Any) -> dict[str, Any]:
+def run_summary_config(run: Any, task: TaskSpec | None = None) -> dict[str, Any]:
     """The resolved run configuration as summaries record it (with the task and the full training settings)."""
-    return {**vars(run), "task": vars(run.task_spec()), "train_resolved": vars(run.train_config())}
+    return {**vars(run), "task": vars(task or run.task_spec()), "train_resolved": vars(run.train_config())}
 
 
 def results_text(summaries: list[Mapping[str, Any]], out: Path, seeds: int = 1) -> str:

@@ -71,19 +71,20 @@ def run_simulation(
     run.validate()
     target = OutputTarget(Path(out_dir), overwrite=overwrite)
     target.check()
-    clients, class_counts = describe_sites(run)  # reads the data: bad data fails before anything is written
+    task = run.task_spec()  # the data is read for the task once and the result handed down
+    clients, class_counts = describe_sites(run, task)  # bad data fails before anything is written
     staging = target.begin()
     workspace = staging / "workspace"
     try:
         # BYOC: the simulator enforces the same class allow-list as a real site, and a simulated site has not
         # allow-listed medflare; carrying the code is what a researcher submitting to POC does too.
-        job_dir = export_run_job(run, staging / "job", "byoc", class_counts)
+        job_dir = export_run_job(run, staging / "job", "byoc", class_counts, task)
         launched_at = time.time()
         _launch(run, job_dir, workspace, staging / SIMULATOR_LOG, echo)
         keep_site_logs(workspace, staging)
         keep_server_records(_server_app_dir(workspace).parent, staging)  # TensorBoard / MLflow records
         _plot_site_logs(run, staging)  # before the report, which shows every plot of the run
-        summary = write_job_outputs(run, _results_file(workspace), staging, clients, launched_at)
+        summary = write_job_outputs(run, _results_file(workspace), staging, clients, launched_at, task=task)
         if summary.get("error"):
             raise SimulationError(f"the job stopped early: {summary['error']}")
         finished = run.rounds == summary["rounds_completed"] or summary.get("stopped_early")

@@ -482,11 +482,14 @@ def find_results(download_dir: str | Path) -> Path:
     return found[0]
 
 
-def write_run_outputs(run: Any, download_dir: Path, out: Path, launched_at: float | None, extra: dict) -> dict:
-    """summary.json / rounds.csv / report.md / plots (as ``medflare run`` writes them) from a downloaded job."""
+def write_run_outputs(run: Any, download_dir: Path, out: Path, launched_at: float | None, extra: dict,
+                      task: Any = None) -> dict:
+    """summary.json / rounds.csv / report.md / plots (as ``medflare run`` writes them) from a downloaded job;
+    ``task``: the run's resolved task (read from the data when not given)."""
     results_path = find_results(download_dir)
-    clients, _ = describe_sites(run)
-    summary = write_job_outputs(run, results_path, out, clients, launched_at, deployment=extra)
+    task = task or run.task_spec()
+    clients, _ = describe_sites(run, task)
+    summary = write_job_outputs(run, results_path, out, clients, launched_at, deployment=extra, task=task)
     keep_server_records(results_path.parent.parent, out)  # TensorBoard / MLflow records of the job
     server_log = results_path.parent.parent / "log.txt"
     if server_log.exists():
@@ -586,7 +589,8 @@ def _run_in_poc(run: Any, session: PocSession, target: OutputTarget, staging: Pa
     try:
         session.prepare(run.clients, allow_job_data=run.data.get("source", "site") != "site",
                         he=run.secure_aggregation == "he")
-        job_dir = export_run_job(run, staging / "job", mode)
+        task = run.task_spec()  # the data is read for the task once and the result handed down
+        job_dir = export_run_job(run, staging / "job", mode, None, task)
         launched_at = time.time()
         session.start()
         job_id = session.submit(job_dir)
@@ -597,7 +601,7 @@ def _run_in_poc(run: Any, session: PocSession, target: OutputTarget, staging: Pa
             raise PocError(f"job {job_id} ended as {status}; see the server log")
         download = session.download(job_id, staging / "download")
         extra = {"env": "poc", "mode": mode, "job_id": job_id, "status": status, "sites": session.state["sites"]}
-        summary = write_run_outputs(run, download, staging, launched_at, extra)
+        summary = write_run_outputs(run, download, staging, launched_at, extra, task)
         keep_site_logs(session.prod_dir(), staging, job_id)  # a POC's sites are on this machine too
         if summary.get("error"):
             raise PocError(f"the job stopped early: {summary['error']}")
