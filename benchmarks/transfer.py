@@ -1,4 +1,6 @@
-"""FLARE's transfer of one model, measured alone: two FLARE cells on loopback, one sends the model, the other decodes it.
+"""FLARE's transfer of one model, measured alone: two FLARE cells in two processes on loopback, one sends the model,
+the other decodes it. (Two cells of one process would not do: FLARE hands a message between them by a direct call,
+without the socket; this benchmark did that until 2026-11-26, which made the transfer look 2x faster.)
 
 This isolates FLARE 2.9's transfer path (FOBS serialisation, the ``ViaDownloaderDecomposer`` download of the arrays
 in chunks, the cell's framing and acknowledgements, deserialisation) from everything else in a round (the
@@ -102,35 +104,54 @@ def register_decomposers() -> None:
     fobs.register(TensorDecomposer)
 
 
-def start_cells(port: int):
+def start_cell(fqcn: str, port: int):
+    """A FLARE cell on ``tcp://localhost:port`` (the server cell listens there, a site cell connects)."""
     from nvflare.fuel.f3.cellnet.cell import Cell
 
-    url = f"tcp://localhost:{port}"
-    server = Cell(fqcn="server", root_url=url, secure=False, credentials={}, create_internal_listener=False)
-    site = Cell(fqcn="site-1", root_url=url, secure=False, credentials={}, create_internal_listener=False)
-    server.start()
-    site.start()
-    return server, site
+    cell = Cell(fqcn=fqcn, root_url=f"tcp://localhost:{port}", secure=False, credentials={},
+                create_internal_listener=False)
+    cell.start()
+    return cell
 
 
-def measure(variant: str, arrays: dict[str, np.ndarray], repeats: int, port: int) -> dict:
-    """Seconds from the site's send to the server's reply, after it decoded every array, over ``repeats`` sends."""
-    from nvflare.apis.dxo import DXO, DataKind, from_shareable
+def serve(variant: str, model: str, port: int) -> None:
+    """The server cell, in a process of its own: FLARE delivers a message between two cells of one process by a
+    direct call, so only cells in two processes move it through the socket and the download service, as a job
+    does. It decodes every array of each result, then replies with the bytes it got; it runs until killed."""
+    from nvflare.apis.dxo import from_shareable
     from nvflare.apis.fl_constant import ReturnCode
-    from nvflare.fuel.f3.cellnet.utils import make_reply, new_cell_message
+    from nvflare.fuel.f3.cellnet.utils import make_reply
 
-    data, check = payload_for(variant, arrays)
-    received: list[int] = []
+    _, check = payload_for(variant, model_arrays(model))
 
     def on_result(request):
-        received.append(check(from_shareable(request.payload).data))
-        return make_reply(ReturnCode.OK)
+        return make_reply(ReturnCode.OK, body={"bytes": check(from_shareable(request.payload).data)})
 
-    server, site = start_cells(port)
+    server = start_cell("server", port)
+    server.register_request_cb(channel="bench", topic="result", cb=on_result)
+    print("ready", flush=True)
+    while True:
+        time.sleep(1)
+
+
+def measure(variant: str, arrays: dict[str, np.ndarray], repeats: int, port: int, model: str) -> dict:
+    """Seconds from the site's send to the server's reply, after it decoded every array, over ``repeats`` sends;
+    the server cell runs in a child process (:func:`serve`)."""
+    import subprocess
+
+    from nvflare.apis.dxo import DXO, DataKind
+    from nvflare.fuel.f3.cellnet.utils import new_cell_message
+
+    data, _ = payload_for(variant, arrays)
+    server = subprocess.Popen([sys.executable, __file__, "--serve", variant, "--model", model, "--port", str(port)],
+                              stdout=subprocess.PIPE, text=True)
+    site = None
     try:
-        server.register_request_cb(channel="bench", topic="result", cb=on_result)
+        if server.stdout is None or server.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"{variant}: the server cell did not start")
+        site = start_cell("site-1", port)
         _wait_connected(site)
-        seconds = []
+        seconds, received = [], 0
         for _ in range(repeats + 1):  # the first send warms the connection and the streams up
             message = new_cell_message({}, DXO(DataKind.WEIGHTS, data=data, meta={}).to_shareable())
             start = time.perf_counter()
@@ -138,11 +159,14 @@ def measure(variant: str, arrays: dict[str, np.ndarray], repeats: int, port: int
             seconds.append(time.perf_counter() - start)
             if reply is None or reply.get_header("return_code", "OK") != "OK":
                 raise RuntimeError(f"{variant}: the server did not confirm the result: {reply and reply.headers}")
+            received = reply.payload["bytes"]
         return {"variant": variant, "seconds": seconds[1:], "mean": statistics.mean(seconds[1:]),
-                "stdev": statistics.pstdev(seconds[1:]), "bytes": received[-1]}
+                "stdev": statistics.pstdev(seconds[1:]), "bytes": received}
     finally:
-        site.stop()
-        server.stop()
+        if site is not None:
+            site.stop()
+        server.kill()
+        server.wait()
 
 
 def _wait_connected(site, timeout: float = 30.0) -> None:
@@ -176,14 +200,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--one", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--serve", choices=VARIANTS, help=argparse.SUPPRESS)  # the server cell's process
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help="a folder for results.md and results.json")
     args = parser.parse_args()
-    if args.one:
+    if args.one or args.serve:
         import logging
 
         logging.disable(logging.WARNING)
         register_decomposers()
-        print(json.dumps(measure(args.one, model_arrays(args.model), args.repeats, free_port())))
+        if args.serve:
+            serve(args.serve, args.model, args.port)
+        print(json.dumps(measure(args.one, model_arrays(args.model), args.repeats, free_port(), args.model)))
         return
     rows = [run_variant(variant, args.model, args.repeats) for variant in args.variants]
     table = markdown(rows, args.model, args.repeats)
@@ -196,7 +224,7 @@ def main() -> None:
 
 def markdown(rows: list[dict], model: str, repeats: int) -> str:
     base = rows[0]["mean"]
-    lines = [f"# FLARE's transfer of one {model} model between two cells on loopback", "",
+    lines = [f"# FLARE's transfer of one {model} model between two cells (two processes) on loopback", "",
              f"| variant | s per transfer (mean ± sd of {repeats}) | MB/s | against {rows[0]['variant']} |",
              "|---|---|---|---|"]
     lines += [f"| {row['variant']} | {row['mean']:.3f} ± {row['stdev']:.3f} | {row['bytes'] / row['mean'] / 1e6:.0f} "

@@ -39,3 +39,22 @@ def test_a_model_crosses_two_flare_cells_and_arrives_whole() -> None:
     assert [row["bytes"] for row in rows] == [expected, expected]
     assert all(0 < row["mean"] < 30 for row in rows)
     assert "| one-buffer |" in transfer.markdown(rows, "cnn", 1)
+
+
+def test_the_server_cell_runs_in_another_process_so_the_model_crosses_the_socket(monkeypatch) -> None:
+    """FLARE hands a message between two cells of one process by a direct call: the measured transfer would then
+    skip the socket (it did once, and read 2x faster)."""
+    from he_cost import free_port
+
+    started_here = []
+    start_cell = transfer.start_cell
+
+    def recording(fqcn: str, port: int):
+        started_here.append(fqcn)
+        return start_cell(fqcn, port)
+
+    monkeypatch.setattr(transfer, "start_cell", recording)
+    transfer.register_decomposers()
+    row = transfer.measure("fp32", transfer.model_arrays("cnn"), 1, free_port(), "cnn")
+    assert started_here == ["site-1"]
+    assert row["bytes"] == sum(v.nbytes for v in transfer.model_arrays("cnn").values())
