@@ -210,7 +210,8 @@ def main() -> None:
         logging.disable(logging.WARNING)
         register_decomposers()
         if args.serve:
-            serve(args.serve, args.model, args.port)
+            serve(args.serve, args.model, args.port)  # until the measuring process ends it
+            return
         print(json.dumps(measure(args.one, model_arrays(args.model), args.repeats, free_port(), args.model)))
         return
     rows = [run_variant(variant, args.model, args.repeats) for variant in args.variants]

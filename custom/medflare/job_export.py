@@ -117,10 +117,13 @@ def server_config(run: RunConfig, task: TaskSpec, shot_groups: dict | None = Non
     return config
 
 
+ENCRYPTED_AGGREGATOR = "medflare.flare.he.EncryptedAggregator"
+
+
 def aggregator_path(run: RunConfig) -> str:
     """The server's aggregator: medflare's, or its encrypted twin (secure_aggregation=he, same arguments)."""
     if run.secure_aggregation == "he":
-        return "medflare.flare.he.EncryptedAggregator"
+        return ENCRYPTED_AGGREGATOR
     return "medflare.flare.aggregator.MedflareAggregator"
 
 
@@ -354,42 +357,66 @@ def plan_from_job(job_dir: str | Path) -> RunPlan:
     """The plan a written job carries, read back from its ``meta.json`` and the app's server and site configs (what
     the server and every site read: one app deployed to all)."""
     job = Path(job_dir)
-    config_dir = job / "app" / "config"
+    config_dir = job / APP_NAME / "config"
     meta = json.loads((job / "meta.json").read_text())
-    server = json.loads((config_dir / "config_fed_server.json").read_text())
-    client = json.loads((config_dir / "config_fed_client.json").read_text())
-    run, task, robust = run_from_job(meta, server, client)
-    return build_plan(run, task, robust, plugins=client["executors"][0]["executor"]["args"].get("plugins", []))
+    server, client = (json.loads((config_dir / f"config_fed_{side}.json").read_text()) for side in ("server", "client"))
+    plugins = _executor(client)["args"].get("plugins", [])
+    load_plugins(plugins)  # the job's own methods, before they are looked up
+    run = run_from_job(meta, server, client)
+    robust = next(c for c in server["components"] if c["id"] == "aggregator")["args"]["robust"]
+    return build_plan(run, TaskSpec(**run.task), robust, plugins=plugins)
 
 
-def run_from_job(meta: Mapping[str, Any], server: Mapping[str, Any],
-                 client: Mapping[str, Any]) -> tuple[RunConfig, TaskSpec, dict[str, float]]:
-    """The options a job's configs record, as the RunConfig that writes them, its task and robust settings."""
-    site = client["executors"][0]["executor"]["args"]
-    components = {c["id"]: c for c in server["components"]}
-    aggregator = components["aggregator"]["args"]
-    persisted = components["persistor"]["args"]["model"]["args"]
-    controller = server["workflows"][0]["args"]
-    load_plugins(site.get("plugins", []))
-    task = TaskSpec(**{**site["task"], "class_names": components["persistor"]["args"]["facts"]["task"]["class_names"]})
-    result_filters = [f for chain in client.get("task_result_filters", []) for f in chain["filters"]]
-    run = RunConfig(
-        method=site["method"], model=site["model"], pretrained=persisted["pretrained"], rounds=controller["num_rounds"],
-        clients=len(site["sites"]), min_clients=controller["min_clients"], seed=site["seed"],
-        data=site["data"] if site["data"].get("source", "site") == "site" else
-        {k: v for k, v in site["data"].items() if k != "num_sites"},
-        train=site["train"], method_args=site["method_args"], site_train=site["site_train"],
-        site_evaluation=site["evaluation"], straggler_seconds=controller["wait_time_after_min_received"],
-        task_timeout=controller["train_timeout"], task_request_interval=server["server"]["task_request_interval"],
-        name=meta["name"], site_model=site["site_model"], transfer_dtype=aggregator["transfer_dtype"],
-        download_dtype=aggregator.get("download_dtype", "float32"), stream_aggregation=aggregator["stream_aggregation"],
-        transfer_kind=aggregator["transfer_kind"],
-        dp=next((f["args"] for f in result_filters if f["path"].endswith("privacy.UpdatePrivacy")), {}),
-        dp_sgd=site.get("dp_sgd", {}), audit=any(f["path"].endswith("audit.PayloadRecorder") for f in result_filters),
-        tracking=tracking_of(server["components"]), patience=controller["patience"],
-        resume_from=controller.get("resume_from", ""), secure_aggregation=meta.get("secure_aggregation", "off"),
-    )
-    return run, task, dict(aggregator["robust"])
+def run_from_job(meta: Mapping[str, Any], server: Mapping[str, Any], client: Mapping[str, Any]) -> RunConfig:
+    """The RunConfig a job's configs record (its task declared), from the parsed ``meta.json`` (``{}`` where there
+    is none, e.g. beside a server's results) and the app's configs. Options a job made from a template may leave
+    out take their defaults. ``robust`` stays the run's own: the job carries the deployment's defences under it
+    (:func:`job_robust`), which cannot be told apart from settings the run made.
+
+    Raises:
+        ConfigError: a component or argument medflare writes is missing: not a medflare job.
+    """
+    from medflare.config import from_dict
+
+    try:
+        components = {c["id"]: c for c in server["components"]}
+        persistor, aggregator = components["persistor"]["args"], components["aggregator"]
+        model, controller = persistor["model"]["args"], server["workflows"][0]["args"]
+        executor = _executor(client)["args"]
+        class_names = (persistor.get("facts") or {}).get("task", {}).get("class_names")
+        result_filters = [f for chain in client.get("task_result_filters", []) for f in chain["filters"]]
+        wire = aggregator["args"]
+        fields = {
+            "method": model["method"], "model": model["model"], "pretrained": model.get("pretrained"),
+            "seed": model["seed"], "method_args": model["method_args"], "rounds": controller["num_rounds"],
+            "min_clients": controller["min_clients"], "clients": len(executor["sites"]),
+            "task": vars(TaskSpec(**{**executor["task"], **({"class_names": class_names} if class_names else {})})),
+            # the seed the sites get: left out where it is the run's own (RunConfig.site_data adds that one back)
+            "data": {k: v for k, v in executor["data"].items()
+                     if k != "num_sites" and not (k == "seed" and v == model["seed"])},
+            "train": executor["train"], "site_train": executor.get("site_train", {}),
+            "site_model": executor.get("site_model") or {}, "site_evaluation": executor.get("evaluation", "every_round"),
+            "dp_sgd": executor.get("dp_sgd") or {},
+            "straggler_seconds": controller.get("wait_time_after_min_received", 600),
+            "task_timeout": controller.get("train_timeout", 0), "patience": controller.get("patience", 0),
+            "resume_from": controller.get("resume_from", ""),
+            "task_request_interval": server.get("server", {}).get("task_request_interval", 0.1),
+            "name": meta.get("name", ""),
+            "transfer_dtype": wire.get("transfer_dtype", "float32"), "download_dtype": wire.get("download_dtype", "float32"),
+            "transfer_kind": wire.get("transfer_kind", "weights"),
+            "stream_aggregation": wire.get("stream_aggregation", False),
+            "secure_aggregation": "he" if aggregator["path"] == ENCRYPTED_AGGREGATOR else "off",
+            "dp": next((f["args"] for f in result_filters if f["path"].endswith(".UpdatePrivacy")), {}),
+            "audit": any(f["path"].endswith(".PayloadRecorder") for f in result_filters),
+            "tracking": tracking_of(server["components"]),
+        }
+    except (KeyError, TypeError, IndexError) as exc:
+        raise ConfigError(f"the job config lacks {exc}: not a medflare job") from exc
+    return from_dict(RunConfig, fields, "job config")
+
+
+def _executor(client: Mapping[str, Any]) -> Mapping[str, Any]:
+    return client["executors"][0]["executor"]
 
 
 def tracking_of(components: list[Mapping[str, Any]]) -> str:

@@ -293,38 +293,16 @@ def _app_dir_of(results_dir: Path) -> Path:
 def job_run_config(folder: Path) -> Any:
     """The RunConfig a job was built from, read back from its app config (``config_fed_server/client``) in
     ``folder`` (``app_server/``) or in the one job of the medflare run folder ``folder``."""
-    from medflare.config import from_dict
-    from medflare.run_config import RunConfig
-    from medflare.site_runtime import TaskSpec
+    from medflare.job_export import run_from_job
 
     app_dir = _app_dir_of(folder)
     server, client = (_read_app_config(app_dir, side) for side in ("server", "client"))
     meta_files = (app_dir.parent / "meta.json", app_dir.parent.parent / "meta.json")
     meta = next((readback.load_json(p, ConfigError) for p in meta_files if p.is_file()), {})
-    meta = meta if isinstance(meta, dict) else {}
     try:
-        persistor = _component(server["components"], "MedflareModelPersistor")["args"]
-        model = persistor["model"]["args"]
-        class_names = (persistor.get("facts") or {}).get("task", {}).get("class_names")
-        controller = _component(server["workflows"], "MedflareController")["args"]
-        executor = _component([e["executor"] for e in client["executors"]], "MedflareExecutor")["args"]
-        fields = {
-            "method": model["method"], "model": model["model"], "pretrained": model.get("pretrained"),
-            "seed": model["seed"], "method_args": model["method_args"], "rounds": controller["num_rounds"],
-            "min_clients": controller["min_clients"], "clients": len(executor["sites"]),
-            "task": vars(TaskSpec(**{**executor["task"], **({"class_names": class_names} if class_names else {})})),
-            "data": {k: v for k, v in executor["data"].items() if k not in ("num_sites", "seed")},
-            "train": executor["train"], "site_train": executor.get("site_train", {}),
-            "site_model": executor.get("site_model") or {}, "site_evaluation": executor.get("evaluation", "every_round"),
-            "dp_sgd": executor.get("dp_sgd") or {},
-            "straggler_seconds": controller.get("wait_time_after_min_received", 600),
-            "task_timeout": controller.get("train_timeout", 0),
-            "task_request_interval": server.get("server", {}).get("task_request_interval", 0.1),
-            "name": meta.get("name", ""),
-        }
-    except (KeyError, TypeError) as exc:
-        raise ConfigError(f"the job config in {app_dir / 'config'} lacks {exc}: not a medflare job") from exc
-    return from_dict(RunConfig, fields, "job config")
+        return run_from_job(meta if isinstance(meta, dict) else {}, server, client)
+    except ConfigError as exc:
+        raise ConfigError(f"{app_dir / 'config'}: {exc}") from exc
 
 
 def _read_app_config(app_dir: Path, side: str) -> dict[str, Any]:
@@ -343,10 +321,3 @@ def _read_app_config(app_dir: Path, side: str) -> dict[str, Any]:
                 raise ConfigError(f"cannot read the job config {path}: {' '.join(str(exc).split())}") from exc
     raise ConfigError(f"no config_fed_{side}.json beside the results in {app_dir}; a report needs the job config "
                       f"that FLARE keeps in app_server/config/")
-
-
-def _component(components: list[dict[str, Any]], class_name: str) -> dict[str, Any]:
-    for component in components:
-        if str(component.get("path", "")).endswith("." + class_name):
-            return component
-    raise ConfigError(f"the job config has no {class_name}: it is not a medflare job")
