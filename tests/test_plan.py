@@ -3,21 +3,31 @@ server, each site, a reviewer) rebuilds the very plan the command line built, fo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from nvflare.apis.fl_constant import ReservedKey
+from nvflare.apis.fl_context import FLContext
+from nvflare.apis.workspace import Workspace
+from nvflare.fuel.utils.zip_utils import zip_directory_to_bytes
+from nvflare.private.fed.utils.app_deployer import AppDeployer
 
 from medflare.cli import main
 from medflare.deploy.apps import deployment_run
-from medflare.job_export import export_job, job_robust, plan_from_job
-from medflare.plan import DEFAULT_TASK_TIMEOUT, RunPlan, build_plan
+from medflare.errors import ConfigError
+from medflare.flare.tasks import deployed_plan
+from medflare.job_export import export_job, job_robust
+from medflare.plan import APP_NAME, DEFAULT_TASK_TIMEOUT, RunPlan, build_plan, plan_from_job
 from medflare.registry import list_methods
 from medflare.run_config import RunConfig
 
 from .test_cli import TASK, run_cli
 
 SIMULATED = "synthetic:classes=3,channels=1"
+FIELDS = [field.name for field in dataclasses.fields(RunPlan)]
 
 
 def planned_and_written(run: RunConfig, out: Path, mode: str) -> tuple[RunPlan, Path]:
@@ -109,3 +119,43 @@ def test_a_resolved_task_is_handed_down_instead_of_read_again(tmp_path: Path, mo
     assert set(sites) == {"site-1", "site-2"} and len(counts) == task.num_classes
     assert plan_from_job(job).task == task
     assert runner.run_summary_config(run, task)["task"]["num_classes"] == task.num_classes
+
+
+def deployed_to(job: Path, participant: str, root: Path) -> FLContext:
+    """What FLARE gives ``participant``'s components once it deployed ``job`` (its own AppDeployer: the app unzipped
+    under the participant's workspace, the job's meta beside it): a context naming the workspace and the job."""
+    for kit_folder in ("startup", "local"):  # a workspace as FLARE requires it
+        (root / participant / kit_folder).mkdir(parents=True)
+    workspace = Workspace(str(root / participant), site_name=participant)
+    meta = json.loads((job / "meta.json").read_text())
+    app = zip_directory_to_bytes(str(job / APP_NAME), "")  # as the server sends an app
+    assert not AppDeployer().deploy(workspace, "job-1", meta, APP_NAME, app, FLContext())  # no error message
+    fl_ctx = FLContext()
+    fl_ctx.set_prop(ReservedKey.ENGINE, SimpleNamespace(get_workspace=lambda: workspace), private=True, sticky=False)
+    fl_ctx.set_prop(ReservedKey.RUN_NUM, "job-1", private=True, sticky=False)
+    return fl_ctx
+
+
+@pytest.mark.parametrize("method", list_methods())
+def test_the_server_and_every_site_rebuild_the_plan_the_command_line_built(method: str, tmp_path: Path) -> None:
+    """From ``medflare export`` to what FLARE deploys: the plan each participant's components rebuild
+    (``flare.tasks.deployed_plan``, read by the controller and the executor) equals the command line's, field by
+    field, and so does its fingerprint, the one they log; a hospital with its own name rebuilds it too."""
+    plan, job = planned_and_written(deployment_run(method, name=f"{method}-at-hospitals"), tmp_path / "jobs",
+                                    "preinstalled")
+    for participant in ("server", "site-1", "hospital-b"):
+        rebuilt = deployed_plan(deployed_to(job, participant, tmp_path / "workspaces"))
+        assert {field: getattr(rebuilt, field) for field in FIELDS} == {field: getattr(plan, field) for field in FIELDS}
+        assert rebuilt.digest() == plan.digest()
+
+
+def test_a_job_whose_server_and_site_configs_disagree_makes_no_plan(tmp_path: Path) -> None:
+    """A job edited on one side only (here the sites' method options) is refused by whoever rebuilds it, with
+    the option named, instead of sites training one thing and the server aggregating another."""
+    _, job = planned_and_written(RunConfig(method="fedprox", data={"source": SIMULATED}), tmp_path, "byoc")
+    client = job / "app" / "config" / "config_fed_client.json"
+    config = json.loads(client.read_text())
+    config["executors"][0]["executor"]["args"]["method_args"] = {"mu": 0.5}
+    client.write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="disagree on method_args"):
+        plan_from_job(job)

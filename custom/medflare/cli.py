@@ -128,7 +128,10 @@ def cmd_config(args: argparse.Namespace) -> int:
         from medflare.job_export import job_robust
         from medflare.plan import build_plan
 
-        print(build_plan(run, run.task_spec(), job_robust(run, "byoc")).describe(), end="")
+        plan = build_plan(run, run.task_spec(), job_robust(run, "byoc"))
+        print(plan.describe(), end="")
+        print(f"plan {plan.digest()}: the server and every site log this fingerprint of the plan they run",
+              file=sys.stderr)
         return 0
     print(config_toml(run, option_layers(args)), end="")
     return 0

@@ -26,7 +26,6 @@ need no change.
 
 from __future__ import annotations
 
-import json
 import socket
 import types
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from medflare.errors import ConfigError
 from medflare.methods.base import RoundContext
-from medflare.site_runtime import SITE_CONFIG_FILE, SiteRuntime, SiteSettings
+from medflare.site_runtime import SiteFile, SiteRuntime, SiteSettings
 
 Log = Callable[[str], None]
 
@@ -73,15 +72,13 @@ class DistributedConfig:
         return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def site_distributed_config(site_config_dir: str | Path) -> DistributedConfig:
+def site_distributed_config(site_config_dir: str | Path | SiteFile) -> DistributedConfig:
     """The site's ``distributed`` block from ``local/medflare_site.json``, capped by the GPUs FLARE gave the job.
 
     On a GPU site FLARE's GPUResourceConsumer exposes only the GPUs the job's ``resource_spec`` reserved
     (CUDA_VISIBLE_DEVICES), so one process per visible GPU at most.
     """
-    path = Path(site_config_dir) / SITE_CONFIG_FILE
-    block = json.loads(path.read_text()).get("distributed", {}) if path.is_file() else {}
-    config = DistributedConfig(**block)
+    config = DistributedConfig(**SiteFile.of(site_config_dir).get("distributed", {}))
     if torch.cuda.is_available() and config.processes > torch.cuda.device_count():
         config.processes = max(1, torch.cuda.device_count())
     return config

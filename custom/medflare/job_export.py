@@ -28,13 +28,12 @@ from medflare.contracts import TRAIN_PHASE as TASK_TRAIN, privacy_scope
 from medflare.errors import ConfigError
 from medflare.evaluation import headline_metric
 from medflare.flare import tracking
-from medflare.plan import DEFAULT_TASK_TIMEOUT, RunPlan, build_plan, round_steps
-from medflare.registry import get_method, load_plugins
+from medflare.plan import APP_NAME, DEFAULT_TASK_TIMEOUT, ENCRYPTED_AGGREGATOR, round_steps
+from medflare.registry import get_method
 from medflare.run_config import ROBUST_OFF, RunConfig, deployment_robust, typed_robust
 from medflare.site_runtime import TaskSpec
 
 PACKAGE_DIR = Path(__file__).resolve().parent  # .../custom/medflare
-APP_NAME = "app"
 MODES = ("byoc", "preinstalled")
 
 
@@ -115,9 +114,6 @@ def server_config(run: RunConfig, task: TaskSpec, shot_groups: dict | None = Non
     if run.resume_from:  # the controller reads the model and history (a folder in the simulator, else a job id)
         config["workflows"][0]["args"]["resume_from"] = run.resume_from
     return config
-
-
-ENCRYPTED_AGGREGATOR = "medflare.flare.he.EncryptedAggregator"
 
 
 def aggregator_path(run: RunConfig) -> str:
@@ -350,76 +346,3 @@ def _ignore_caches(directory: str, names: list[str]) -> list[str]:
 
 def _write_json(path: Path, content: dict[str, Any]) -> None:
     path.write_text(json.dumps(content, indent=2, sort_keys=False) + "\n")
-
-
-# ----- the job read back: the plan it carries ----------------------------------------------------------------
-def plan_from_job(job_dir: str | Path) -> RunPlan:
-    """The plan a written job carries, read back from its ``meta.json`` and the app's server and site configs (what
-    the server and every site read: one app deployed to all)."""
-    job = Path(job_dir)
-    config_dir = job / APP_NAME / "config"
-    meta = json.loads((job / "meta.json").read_text())
-    server, client = (json.loads((config_dir / f"config_fed_{side}.json").read_text()) for side in ("server", "client"))
-    plugins = _executor(client)["args"].get("plugins", [])
-    load_plugins(plugins)  # the job's own methods, before they are looked up
-    run = run_from_job(meta, server, client)
-    robust = next(c for c in server["components"] if c["id"] == "aggregator")["args"]["robust"]
-    return build_plan(run, TaskSpec(**run.task), robust, plugins=plugins)
-
-
-def run_from_job(meta: Mapping[str, Any], server: Mapping[str, Any], client: Mapping[str, Any]) -> RunConfig:
-    """The RunConfig a job's configs record (its task declared), from the parsed ``meta.json`` (``{}`` where there
-    is none, e.g. beside a server's results) and the app's configs. Options a job made from a template may leave
-    out take their defaults. ``robust`` stays the run's own: the job carries the deployment's defences under it
-    (:func:`job_robust`), which cannot be told apart from settings the run made.
-
-    Raises:
-        ConfigError: a component or argument medflare writes is missing: not a medflare job.
-    """
-    from medflare.config import from_dict
-
-    try:
-        components = {c["id"]: c for c in server["components"]}
-        persistor, aggregator = components["persistor"]["args"], components["aggregator"]
-        model, controller = persistor["model"]["args"], server["workflows"][0]["args"]
-        executor = _executor(client)["args"]
-        class_names = (persistor.get("facts") or {}).get("task", {}).get("class_names")
-        result_filters = [f for chain in client.get("task_result_filters", []) for f in chain["filters"]]
-        wire = aggregator["args"]
-        fields = {
-            "method": model["method"], "model": model["model"], "pretrained": model.get("pretrained"),
-            "seed": model["seed"], "method_args": model["method_args"], "rounds": controller["num_rounds"],
-            "min_clients": controller["min_clients"], "clients": len(executor["sites"]),
-            "task": vars(TaskSpec(**{**executor["task"], **({"class_names": class_names} if class_names else {})})),
-            # the seed the sites get: left out where it is the run's own (RunConfig.site_data adds that one back)
-            "data": {k: v for k, v in executor["data"].items()
-                     if k != "num_sites" and not (k == "seed" and v == model["seed"])},
-            "train": executor["train"], "site_train": executor.get("site_train", {}),
-            "site_model": executor.get("site_model") or {}, "site_evaluation": executor.get("evaluation", "every_round"),
-            "dp_sgd": executor.get("dp_sgd") or {},
-            "straggler_seconds": controller.get("wait_time_after_min_received", 600),
-            "task_timeout": controller.get("train_timeout", 0), "patience": controller.get("patience", 0),
-            "resume_from": controller.get("resume_from", ""),
-            "task_request_interval": server.get("server", {}).get("task_request_interval", 0.1),
-            "name": meta.get("name", ""),
-            "transfer_dtype": wire.get("transfer_dtype", "float32"), "download_dtype": wire.get("download_dtype", "float32"),
-            "transfer_kind": wire.get("transfer_kind", "weights"),
-            "stream_aggregation": wire.get("stream_aggregation", False),
-            "secure_aggregation": "he" if aggregator["path"] == ENCRYPTED_AGGREGATOR else "off",
-            "dp": next((f["args"] for f in result_filters if f["path"].endswith(".UpdatePrivacy")), {}),
-            "audit": any(f["path"].endswith(".PayloadRecorder") for f in result_filters),
-            "tracking": tracking_of(server["components"]),
-        }
-    except (KeyError, TypeError, IndexError) as exc:
-        raise ConfigError(f"the job config lacks {exc}: not a medflare job") from exc
-    return from_dict(RunConfig, fields, "job config")
-
-
-def _executor(client: Mapping[str, Any]) -> Mapping[str, Any]:
-    return client["executors"][0]["executor"]
-
-
-def tracking_of(components: list[Mapping[str, Any]]) -> str:
-    """The ``tracking`` choice whose receivers a server config lists."""
-    listed = tuple(name for name, (_, path) in tracking.RECEIVERS.items() if any(c["path"] == path for c in components))
-    return next(choice for choice, receivers in tracking.TRACKERS.items() if set(receivers) == set(listed))

@@ -15,7 +15,6 @@ deployment tools may use it.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -293,31 +292,13 @@ def _app_dir_of(results_dir: Path) -> Path:
 def job_run_config(folder: Path) -> Any:
     """The RunConfig a job was built from, read back from its app config (``config_fed_server/client``) in
     ``folder`` (``app_server/``) or in the one job of the medflare run folder ``folder``."""
-    from medflare.job_export import run_from_job
+    from medflare.plan import app_configs, run_from_job
 
     app_dir = _app_dir_of(folder)
-    server, client = (_read_app_config(app_dir, side) for side in ("server", "client"))
-    meta_files = (app_dir.parent / "meta.json", app_dir.parent.parent / "meta.json")
-    meta = next((readback.load_json(p, ConfigError) for p in meta_files if p.is_file()), {})
+    meta_path = next((p for p in (app_dir.parent / "meta.json", app_dir.parent.parent / "meta.json") if p.is_file()),
+                     None)
     try:
-        return run_from_job(meta if isinstance(meta, dict) else {}, server, client)
+        return run_from_job(*app_configs(app_dir / "config", meta_path))
     except ConfigError as exc:
-        raise ConfigError(f"{app_dir / 'config'}: {exc}") from exc
-
-
-def _read_app_config(app_dir: Path, side: str) -> dict[str, Any]:
-    """``config_fed_<side>.json`` (exported jobs) or ``.conf`` (jobs made from job_templates/)."""
-    config_dir = app_dir / "config"
-    for suffix in (".json", ".conf"):
-        path = config_dir / f"config_fed_{side}{suffix}"
-        if path.is_file():
-            try:
-                if suffix == ".json":
-                    return json.loads(path.read_text())
-                from pyhocon import ConfigFactory
-
-                return json.loads(json.dumps(ConfigFactory.parse_file(str(path)).as_plain_ordered_dict()))
-            except Exception as exc:  # noqa: BLE001 - any parse failure means the same to the user
-                raise ConfigError(f"cannot read the job config {path}: {' '.join(str(exc).split())}") from exc
-    raise ConfigError(f"no config_fed_{side}.json beside the results in {app_dir}; a report needs the job config "
-                      f"that FLARE keeps in app_server/config/")
+        raise ConfigError(f"{app_dir / 'config'}: {exc}; a report needs the job config FLARE keeps in "
+                          "app_server/config/") from exc

@@ -43,6 +43,14 @@ DEPLOY_ROBUST = {"max_norm_ratio": 10.0, "max_share": 0.6}
 ROBUST_OFF = {"max_norm_ratio": 0.0, "max_share": 0.0}
 ROBUST_OFF_KEY = "off"
 
+# run option ``tracking`` -> the receivers it puts on the server (:mod:`medflare.flare.tracking`)
+TRACKERS = {"tensorboard": ("tensorboard",), "mlflow": ("mlflow",), "both": ("tensorboard", "mlflow"), "off": ()}
+# receiver -> (the package it needs, the medflare class a job names)
+RECEIVERS = {
+    "tensorboard": ("tensorboard", "medflare.flare.tb_receiver.TensorBoardReceiver"),
+    "mlflow": ("mlflow", "medflare.flare.mlflow_receiver.MlflowReceiver"),
+}
+
 
 @dataclass
 class RunConfig:

@@ -147,7 +147,7 @@ SITE_FIXED_DATA = {"local": True, "num_sites": 1}
 
 
 def read_site_data_config(
-    site_config_dir: str | Path, job_data: Mapping[str, Any] | None, simulated: bool = False
+    site_config_dir: str | Path | SiteFile, job_data: Mapping[str, Any] | None, simulated: bool = False
 ) -> dict[str, Any]:
     """The data config a site uses: the hospital, not the job, decides.
 
@@ -158,7 +158,7 @@ def read_site_data_config(
     simulator, whose sites have no such file, takes the job's partitioned data spec without an opt-in.
 
     Args:
-        site_config_dir: the site's ``local/`` folder.
+        site_config_dir: the site's ``local/`` folder (or its file, read).
         job_data: the data block of the job's executor config.
         simulated: True in FLARE's simulator (its engine sets ``FLContextKey.SIMULATE_MODE``, which a job's
             configuration cannot set); False in POC and production.
@@ -166,19 +166,18 @@ def read_site_data_config(
     Raises:
         DataError: the job's data is refused, or the site's file is missing, not JSON or has no ``data`` object.
     """
-    path = Path(site_config_dir) / SITE_CONFIG_FILE
-    site_file = _read_site_file(path)
-    opted_in = (site_file or {}).get(ALLOW_JOB_DATA) is True
+    site_file = SiteFile.of(site_config_dir)
+    path, opted_in = site_file.path, site_file.get(ALLOW_JOB_DATA) is True
     job_source = (job_data or {}).get("source", "site")
     if job_source != "site":
-        if (site_file is None and simulated) or opted_in:
+        if (site_file.content is None and simulated) or opted_in:
             return dict(job_data or {})
         raise DataError(
             f"refused: the job names its own data (source '{job_source}'), but this site reads only the data in "
             f"its {path}. Submit the job with {{\"source\": \"site\"}}, or (test sites only) add "
             f'"{ALLOW_JOB_DATA}": true to that file'
         )
-    site_data = _site_data_block(path, site_file)
+    site_data = _site_data_block(path, site_file.content)
     job_options = {k: v for k, v in (job_data or {}).items() if k != "source"}
     if not opted_in:
         _refuse_site_only_keys(job_options, site_data, path)
@@ -218,7 +217,8 @@ def _refuse_site_only_keys(job_options: Mapping[str, Any], site_data: Mapping[st
 
 
 def resolve_site_model(
-    method: str, job_model: str, site_models: Mapping[str, str] | None, site: str, site_config_dir: str | Path | None
+    method: str, job_model: str, site_models: Mapping[str, str] | None, site: str,
+    site_config_dir: str | Path | SiteFile | None,
 ) -> str:
     """The architecture this site trains: its own ``local/medflare_site.json`` "model", else the job's per-site
     choice (``site_model``), else the job's model.
@@ -226,8 +226,7 @@ def resolve_site_model(
     Only methods whose server holds no model (no weights travel) may mix architectures; for the others every
     site must train the job's model, because the server averages weights key by key.
     """
-    site_file = _read_site_file(Path(site_config_dir) / SITE_CONFIG_FILE) if site_config_dir is not None else None
-    local = (site_file or {}).get("model")
+    local = SiteFile.of(site_config_dir).get("model")
     chosen = local or (site_models or {}).get(site) or job_model
     if chosen != job_model and get_method(method).server_model:
         where = "its local medflare_site.json" if local else "the job's site_model"
@@ -238,7 +237,9 @@ def resolve_site_model(
     return str(chosen)
 
 
-def resolve_site_dp(job_dp: Mapping[str, Any] | None, site: str, site_config_dir: str | Path | None) -> dict[str, Any]:
+def resolve_site_dp(
+    job_dp: Mapping[str, Any] | None, site: str, site_config_dir: str | Path | SiteFile | None
+) -> dict[str, Any]:
     """The DP-SGD settings this site trains with: the job's ``dp_sgd``, checked against the ``dp_sgd`` policy of
     its own ``local/medflare_site.json`` (which may require DP-SGD, a σ floor, a clipping ceiling, a δ ceiling and
     a budget); {} = off.
@@ -246,8 +247,7 @@ def resolve_site_dp(job_dp: Mapping[str, Any] | None, site: str, site_config_dir
     Raises:
         SiteDeclined: the job asks for less than the site demands (one line, sent back to the server).
     """
-    site_file = _read_site_file(Path(site_config_dir) / SITE_CONFIG_FILE) if site_config_dir is not None else None
-    policy = (site_file or {}).get("dp_sgd")
+    policy = SiteFile.of(site_config_dir).get("dp_sgd")
     if not job_dp and not policy:
         return {}
     from medflare.dp_sgd import site_dp_settings  # local: opacus is an extra, needed only when DP-SGD is in play
@@ -256,21 +256,39 @@ def resolve_site_dp(job_dp: Mapping[str, Any] | None, site: str, site_config_dir
     return dataclasses.asdict(cfg) if cfg is not None else {}
 
 
-def _read_site_file(path: Path) -> dict[str, Any] | None:
-    """The site's ``medflare_site.json`` as a dict (depth-limited, its "model" a name), or None when the site
-    has none.
+@dataclass(frozen=True)
+class SiteFile:
+    """A site's ``local/medflare_site.json``, read once (the executor hands it to every resolver below).
 
-    Raises:
-        DataError: one line naming the file and the field that is not JSON, nested too deep, or of the wrong type.
+    ``content`` is None when the site has none (FLARE's simulator).
     """
-    if not path.is_file():
-        return None
-    from medflare import readback  # local: beside its one use in this module
 
-    fix = 'fix it, e.g. {"data": {"source": "folder:/path"}}'
-    # "data" and ALLOW_JOB_DATA are checked where they are used (a missing data object, only true opts in)
-    site_file = readback.obj(optional={"model": readback.STR, "dp_sgd": readback.OBJECT})
-    return readback.check(readback.load_json(path, DataError, fix=fix), site_file, str(path), DataError, fix)
+    path: Path
+    content: dict[str, Any] | None
+
+    @classmethod
+    def of(cls, site: str | Path | SiteFile | None) -> SiteFile:
+        """``site`` itself, or the file in the site's ``local/`` folder ``site`` (None: no file).
+
+        Raises:
+            DataError: one line naming the file and the field that is not JSON, nested too deep, or of the wrong
+                type.
+        """
+        if isinstance(site, SiteFile):
+            return site
+        path = Path(site or ".") / SITE_CONFIG_FILE
+        if site is None or not path.is_file():
+            return cls(path, None)
+        from medflare import readback  # local: beside its one use in this module
+
+        fix = 'fix it, e.g. {"data": {"source": "folder:/path"}}'
+        # "data" and ALLOW_JOB_DATA are checked where they are used (a missing data object, only true opts in)
+        schema = readback.obj(optional={"model": readback.STR, "dp_sgd": readback.OBJECT,
+                                        "distributed": readback.OBJECT})
+        return cls(path, readback.check(readback.load_json(path, DataError, fix=fix), schema, str(path), DataError, fix))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return (self.content or {}).get(key, default)
 
 
 class SiteRuntime:

@@ -1,12 +1,16 @@
 """End to end in FLARE's simulator: 2 sites x 2 rounds, then the outputs a user reads."""
 
+import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from medflare.job_export import job_robust
+from medflare.plan import build_plan
 from medflare.run_config import RunConfig
 from medflare.simulate import nvflare_command, run_simulation
 
@@ -37,6 +41,18 @@ def test_summary_has_every_documented_field(fedavg_run) -> None:
     assert set(on_disk["per_round"][0]["share"]) == {"site-1", "site-2"}
     assert sum(on_disk["per_round"][0]["share"].values()) == pytest.approx(1.0)
     assert on_disk["timing"]["startup_seconds"] > 0 and len(on_disk["timing"]["per_round_seconds"]) == 2
+
+
+def test_the_server_and_both_sites_ran_the_plan_the_command_line_built(fedavg_run) -> None:
+    """The fingerprint of the plan ``medflare config --plan`` prints is the one the server records and every site
+    logs: each rebuilt it from the job FLARE deployed (tests/test_plan.py compares the plans field by field)."""
+    out, _ = fedavg_run
+    run = dataclasses.replace(FEDAVG, data=dict(DATA), train=dict(QUICK))
+    run.validate(check_files=False)
+    digest = build_plan(run, run.task_spec(), job_robust(run, "byoc")).digest()
+    assert json.loads((out / "medflare_results.json").read_text())["plan"] == digest
+    logged = re.findall(r"(site-\d): runs plan (\w+)", (out / "simulator.log").read_text())
+    assert sorted(logged) == [("site-1", digest), ("site-2", digest)]
 
 
 def test_final_metrics_are_those_of_the_saved_global_model_on_the_pooled_test_split(fedavg_run) -> None:

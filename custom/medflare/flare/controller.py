@@ -51,7 +51,7 @@ from medflare.flare.progress import (
     round_entry,
     stop_entry,
 )
-from medflare.flare.tasks import TASK_VALIDATE, round_meta
+from medflare.flare.tasks import TASK_VALIDATE, deployed_plan, round_meta
 from medflare.server_setup import round_plan
 from medflare.flare.tracking import record_scalars, round_scalars, send_scalars
 from medflare.methods.base import PerSite, RoundContext
@@ -184,6 +184,7 @@ class MedflareController(Controller):
         self._housekeeping: Callable[[], None] | None = None  # the last round's _close_round, until it ran
         self._best_unsaved: dict[str, np.ndarray] | None = None  # scored best, saved by the next housekeeping
         self._next_task = NextTaskHold()
+        self._plan_digest = ""  # the fingerprint of the job's plan, rebuilt at START_RUN (before start_controller)
 
     # ----- FLARE lifecycle ------------------------------------------------------------------------
     def start_controller(self, fl_ctx: FLContext) -> None:
@@ -206,13 +207,16 @@ class MedflareController(Controller):
 
     def _fresh_header(self) -> dict[str, Any]:
         return {"method": self.aggregator.method, "num_rounds": self.num_rounds, "key_metric": self.key_metric,
+                **({"plan": self._plan_digest} if self._plan_digest else {}),
                 "controller_started_at": time.time(),
                 "allocator": {name: os.environ.get(name) for name in ALLOCATOR_ENV}, "rounds": [], "evaluations": {},
                 **({} if self.aggregator.holds_plaintext else  # what an encrypted job's server does not write
                    {"secure_aggregation": self.aggregator.encryption_record()})}
 
     def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
-        if event_type == InfoCollector.EVENT_TYPE_GET_STATS:  # FLARE's show_stats: progress for medflare watch
+        if event_type == EventType.START_RUN:
+            self._rebuild_plan(fl_ctx)
+        elif event_type == InfoCollector.EVENT_TYPE_GET_STATS:  # FLARE's show_stats: progress for medflare watch
             collector = fl_ctx.get_prop(InfoCollector.CTX_KEY_STATS_COLLECTOR, None)
             if isinstance(collector, GroupInfoCollector):
                 collector.add_info(STATS_GROUP, {"num_rounds": self.num_rounds, "progress": list(self._progress)})
@@ -220,6 +224,17 @@ class MedflareController(Controller):
             peer = fl_ctx.get_peer_context()
             self._next_task.hold(peer.get_identity_name() if peer is not None else None)
         super().handle_event(event_type, fl_ctx)
+
+    def _rebuild_plan(self, fl_ctx: FLContext) -> None:
+        """The job's plan, rebuilt from the configs FLARE deployed as every site and the command line rebuild it;
+        its fingerprint goes into the results and the log, beside each site's."""
+        try:
+            plan = deployed_plan(fl_ctx)
+        except MedflareError as exc:
+            self.system_panic(f"medflare: this job's configs do not make one plan: {exc}", fl_ctx)
+            return
+        self._plan_digest = plan.digest()
+        self.log_info(fl_ctx, f"medflare: runs plan {self._plan_digest} (medflare config --plan prints it)")
 
     def stop_controller(self, fl_ctx: FLContext) -> None:
         self._next_task.task_out()

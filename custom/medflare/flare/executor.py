@@ -18,12 +18,11 @@ from medflare.errors import ConfigError, MedflareError, SiteDeclined
 from medflare.flare.memory import collect_round_garbage, freeze_startup_objects
 from medflare.methods.base import LocalTrainer
 from medflare.registry import load_plugins
-from medflare.flare.tasks import TASK_SUBMIT_MODEL, TASK_TRAIN, TASK_VALIDATE, round_context
+from medflare.flare.tasks import TASK_SUBMIT_MODEL, TASK_TRAIN, TASK_VALIDATE, deployed_plan, round_context
 from medflare.flare.tracking import EPOCH_LOSS, send_scalars, site_training_scalars, site_validation_scalars
 from medflare.site_runtime import (
+    SiteFile,
     SiteRuntime,
-    SiteSettings,
-    TaskSpec,
     read_site_data_config,
     resolve_site_dp,
     resolve_site_model,
@@ -104,23 +103,22 @@ class MedflareExecutor(Executor):
         if self._runtime is None:
             site = fl_ctx.get_identity_name()
             workspace = fl_ctx.get_engine().get_workspace()
-            config_dir = workspace.get_site_config_dir()
-            settings = SiteSettings(
-                method=self.method,
-                task=TaskSpec(**self.task),
+            site_file = SiteFile.of(workspace.get_site_config_dir())  # the hospital's own settings, read once
+            # the job's plan, rebuilt from the configs FLARE deployed (this executor's among them), as the server
+            # and the command line rebuild it; the site's own file decides its data, DP-SGD and architecture
+            plan = deployed_plan(fl_ctx)
+            self.log_info(fl_ctx, f"{site}: runs plan {plan.digest()} (medflare config --plan prints it)")
+            settings = plan.site_settings(
+                site,
                 # FLARE's simulator sets SIMULATE_MODE (private, sticky); a job's configuration cannot.
-                data=read_site_data_config(config_dir, self.data, fl_ctx.get_prop(FLContextKey.SIMULATE_MODE, False)),
-                model=resolve_site_model(self.method, self.model, self.site_model, site, config_dir),
-                method_args=self.method_args,
-                train={**self.train, **self.site_train.get(site, {})},
-                seed=self.seed,
-                evaluation=self.evaluation,
-                dp_sgd=resolve_site_dp(self.dp_sgd, site, config_dir),
+                data=read_site_data_config(site_file, plan.data, fl_ctx.get_prop(FLContextKey.SIMULATE_MODE, False)),
+                dp_sgd=resolve_site_dp(plan.dp_sgd, site, site_file),
+                model=resolve_site_model(plan.method, plan.model, plan.site_models(), site, site_file),
             )
-            index = site_index_from_name(site, self.sites) if not settings.data.get("local") else 0
+            index = site_index_from_name(site, [s.name for s in plan.sites]) if not settings.data.get("local") else 0
             log = lambda msg: self.log_info(fl_ctx, f"{site}: {msg}")  # noqa: E731
             local_dir = workspace.get_app_dir(fl_ctx.get_job_id())
-            parallel = site_distributed_config(config_dir)  # a multi-GPU site asks for several processes
+            parallel = site_distributed_config(site_file)  # a multi-GPU site asks for several processes
             if parallel.processes > 1 and settings.dp_sgd:
                 raise ConfigError(f"{site}: dp_sgd trains on one process per site (one accountant, one Poisson "
                                   "sampler); set distributed.processes to 1 in local/medflare_site.json")

@@ -1,11 +1,15 @@
-"""Task names and the round header the server puts into every task (the round plan: ``server_setup.round_plan``)."""
+"""Task names, the round header the server puts into every task (the round plan: ``server_setup.round_plan``), and
+the job's plan as a participant rebuilds it."""
 
 from __future__ import annotations
 
 from typing import Any, Mapping
 
+from nvflare.apis.fl_context import FLContext
+
 from medflare import contracts
 from medflare.methods.base import RoundContext
+from medflare.plan import RunPlan, plan_from_app
 
 TASK_TRAIN = contracts.TRAIN_PHASE
 TASK_VALIDATE = "validate"
@@ -43,3 +47,14 @@ def round_context(meta: Mapping[str, Any]) -> RoundContext:
         scored=bool(meta.get(contracts.SCORED, True)),
         server_meta={k: v for k, v in meta.items() if k not in HEADER_KEYS},
     )
+
+
+def deployed_plan(fl_ctx: FLContext) -> RunPlan:
+    """The running job's plan, rebuilt from the app and meta FLARE deployed to this participant (the server and
+    every site alike), as the command line and ``medflare config --plan`` built it.
+
+    Raises:
+        ConfigError: the job's configs are unreadable, not a medflare job, or disagree between server and sites.
+    """
+    workspace, job_id = fl_ctx.get_engine().get_workspace(), fl_ctx.get_job_id()
+    return plan_from_app(workspace.get_app_config_dir(job_id), workspace.get_job_meta_path(job_id))

@@ -41,14 +41,8 @@ from nvflare.app_common.widgets.streaming import AnalyticsReceiver
 
 from medflare import contracts
 from medflare.metrics.classification import compute_metrics, stats_from_dict
+from medflare.run_config import RECEIVERS, TRACKERS
 
-# run option value -> the receivers it puts on the server
-TRACKERS = {"tensorboard": ("tensorboard",), "mlflow": ("mlflow",), "both": ("tensorboard", "mlflow"), "off": ()}
-# receiver -> (the package it needs, the medflare class a job names)
-RECEIVERS = {
-    "tensorboard": ("tensorboard", "medflare.flare.tb_receiver.TensorBoardReceiver"),
-    "mlflow": ("mlflow", "medflare.flare.mlflow_receiver.MlflowReceiver"),
-}
 TB_FOLDER = "tb_events"  # in the server's job folder (FLARE's default), one sub-folder per sender
 MLFLOW_DB = "mlflow.db"  # FLARE's MLflow receiver writes this SQLite store into the server's job result folder
 EPOCH_LOSS = "train/epoch_loss"  # step: the job-wide local epoch
