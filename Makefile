@@ -160,7 +160,7 @@ apps: install
 
 # job_templates/<method>/: one `nvflare job create` template per method, from the same builders.
 templates: install
-	$(PY) -m medflare.deploy.templates
+	$(PY) tools/job_templates.py
 
 # provisioning/site_local/: the reviewed site-local policy files (authorization, privacy, resources).
 policies: install
@@ -168,7 +168,7 @@ policies: install
 
 # docs/privacy.md's per-method table, generated from each method's Payload.
 privacy-doc: install
-	$(PY) -m medflare.privacy_doc
+	$(PY) tools/privacy_doc.py
 
 deploy-artifacts: apps templates policies privacy-doc
 

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from medflare.benchmarking import mean_std, run_cell
+from benchmarking import mean_std, run_cell
 from medflare.data.checksums import verify_medmnist_file
 from medflare.evaluation import personalization_figures
 from medflare.run_config import RunConfig, merge_sections

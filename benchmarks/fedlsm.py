@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from medflare.benchmarking import mean_std, run_cell
+from benchmarking import mean_std, run_cell
 from medflare.data.checksums import verify_medmnist_file
 from medflare.registry import get_method
 from medflare.run_config import RunConfig, merge_sections

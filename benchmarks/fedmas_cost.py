@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from medflare.benchmarking import mean_std, versus
+from benchmarking import mean_std, versus
 
 W_PASS_PER_CLASS = 32  # images per class in the shortcut's w pass
 SHORTCUTS = {"cache_prior_features": True, "prior_precision": "reduced", "w_pass_per_class": W_PASS_PER_CLASS}
@@ -123,7 +123,7 @@ def site_round_parts(run: Any, rounds: int) -> dict[str, float]:
 # ----- part 2: accuracy and local work in FLARE's simulator -------------------------------------------------------
 def simulated(run: Any, out: Path) -> dict[str, float]:
     """One cell's accuracy and local work (an identical finished run in ``out`` is reused)."""
-    from medflare.benchmarking import run_cell
+    from benchmarking import run_cell
 
     summary, _ = run_cell(run, out)
     seconds = [t for facts in summary["clients"].values() for t in facts.get("train_seconds", [])[1:] if t]

@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator
 
-from medflare.benchmarking import later_rounds
+from benchmarking import later_rounds
 from medflare.site_runtime import SITE_LOG_FILE, TASK_SECONDS_EVENT
 
 SPEEDS = (1000.0, 100.0, 20.0)

@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from medflare.benchmarking import goal_verdict, later_rounds, mean_later_rounds, model_fp32_bytes, trained_images
+from benchmarking import goal_verdict, later_rounds, mean_later_rounds, model_fp32_bytes, trained_images
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "medmnist" / "pneumoniamnist.npz"
 GOALS = {"ratio": 1.05, "overhead_seconds": 0.3, "throughput": 0.95, "first_round": 2.0, "bytes": 1.05}
@@ -167,7 +167,7 @@ def flare_rounds(results: dict[str, Any], spans: dict[str, dict[int, dict[str, f
         sites = {site: sum(spans[site][record["round"]].values()) for site in spans if record["round"] in spans[site]}
         arrived = {site: facts.get("result_at") for site, facts in record.get("sites", {}).items()}
         train = {site: facts.get("train_seconds") for site, facts in record.get("sites", {}).items()}
-        rounds.append({"wall": wall, "work": sites, "result_at": arrived, "train": train,
+        rounds.append({"started_at": record["started_at"], "wall": wall, "work": sites, "result_at": arrived, "train": train,
                        "server": record.get("server_seconds", {}),
                        "spans": {site: spans[site].get(record["round"], {}) for site in spans}})
     return rounds

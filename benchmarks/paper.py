@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from medflare.benchmarking import mean_std, run_cell, versus
+from benchmarking import mean_std, run_cell, versus
 from medflare.errors import ConfigError
 from medflare.methods.presets import PAPER
 from medflare.registry import get_method

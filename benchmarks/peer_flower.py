@@ -56,7 +56,7 @@ if str(HERE) not in sys.path:  # benchmarks/ is not a package: the sibling scrip
 import overhead  # noqa: E402
 from fedavg_site import initial_state, site_specs  # noqa: E402
 
-from medflare.benchmarking import later_rounds, mean_later_rounds  # noqa: E402
+from benchmarking import later_rounds, mean_later_rounds  # noqa: E402
 
 ROOT = HERE.parent
 APP_DIR = HERE / "flower_peer"
@@ -65,6 +65,7 @@ SIDES = ("bare", "medflare-sim", "medflare-poc", "flower-sim", "flower-deploy", 
 MEDFLARE_ENV = {"medflare-sim": "sim", "medflare-poc": "poc"}
 PAIRS = {"simulation": ("medflare-sim", "flower-sim"), "deployment": ("medflare-poc", "flower-deploy")}
 FLOORS = {"medflare-sim": "flare-sim"}  # medflare's side -> FLARE's own FedAvg on the same engine
+SIMULATOR_SERVERS = ("medflare-sim", "flare-sim")  # sides whose server is FLARE's simulator: its memory is measured
 FLARE_CLIENT = HERE / "flare_peer" / "client.py"
 FLARE_ROUND_START = re.compile(r"Round (\d+) started\.")
 FLARE_FINISHED = re.compile(r"Finished FedAvg\.")
@@ -158,15 +159,23 @@ def compare(sides: dict[str, dict[str, Any]]) -> dict[str, Any]:
                            "gap_percent": 100 * gap / sides[theirs]["round_seconds"]}
     floors = {ours: {"flare": theirs, "gap_seconds": sides[ours]["round_seconds"] - sides[theirs]["round_seconds"],
                      "coordination_gap_seconds": sides[ours]["coordination_seconds"]
-                     - sides[theirs]["coordination_seconds"]}
+                     - sides[theirs]["coordination_seconds"],
+                     "server_growth": (_growth(sides[ours]), _growth(sides[theirs]))}
               for ours, theirs in FLOORS.items() if ours in sides and theirs in sides}
     return {"sides": sides, "goals": goals, "floors": floors}
 
 
+def _growth(figures: dict[str, Any]) -> float | None:
+    return (figures.get("server_memory") or {}).get("growth_after_round_3")
+
+
 def floor_line(side: str, floor: dict[str, Any]) -> str:
+    ours, flare = floor.get("server_growth") or (None, None)
+    memory = (f"; the server's memory after round 3 grew {100 * ours:+.1f} % against FLARE's {100 * flare:+.1f} %"
+              f" (goal <= 5 %)" if ours is not None and flare is not None else "")
     return (f"{side} against FLARE's own FedAvg ({floor['flare']}): {floor['gap_seconds']:+.2f} s/round, "
             f"coordination {floor['coordination_gap_seconds']:+.2f} s/round (positive: medflare's own cost above "
-            f"FLARE's floor)")
+            f"FLARE's floor){memory}")
 
 
 def goal_line(mode: str, goal: dict[str, Any]) -> str:
@@ -300,7 +309,22 @@ def run_side(side: str, command: list[str], env: dict[str, str], log: Path, resu
     if code != 0 or not result.is_file():
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
         raise RuntimeError(f"{side} failed (exit {code}); last lines of {log}:\n{tail}")
-    return {"raw": json.loads(result.read_text()), "measured": measured}
+    raw = json.loads(result.read_text())
+    return {"raw": raw, "measured": {**measured, "server_memory": server_memory(side, sampler.traces, raw["rounds"])}}
+
+
+def server_memory(side: str, traces: dict[int, Any], rounds: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The server's peak RSS and the growth of its high-water mark after round 3 (``scaling.py``'s measure, goal
+    <= 5 %), for the sides whose server is FLARE's simulator: medflare's and FLARE's own FedAvg, the floor."""
+    import scaling
+
+    if side not in SIMULATOR_SERVERS:
+        return None
+    starts, last = [r["started_at"] for r in rounds], rounds[-1]
+    ends = starts[1:] + [starts[-1] + last["wall"] if "wall" in last else last["aggregated_at"]]
+    records = [{"started_at": start, "wall_seconds": end - start} for start, end in zip(starts, ends)]
+    server = scaling.memory_figures(traces, {"rounds": records}).get("server")
+    return {key: server[key] for key in ("peak_bytes", "growth_after_round_3", "high_water_by_round")} if server else None
 
 
 def measure_cell(args: argparse.Namespace, model: str, clients: int, out: Path,

@@ -13,8 +13,8 @@ Two parts (``--part``):
              (:func:`hospital_estimate`).
 ``parity``   the demo job (``hyperkvasir-like``, 4 sites, 8 rounds, Fed-MAS, ``cnn``) with weights travelling in
              float32 and in float16 (``transfer_dtype``), seeds 0 1 2: balanced accuracy mean ± std per dtype and
-             the gap read with ``medflare.benchmarking.versus`` (within one std is "no difference"). Finished
-             runs with the same configuration are reused (``medflare.benchmarking.run_cell``).
+             the gap read with ``benchmarking.versus`` (within one std is "no difference"). Finished
+             runs with the same configuration are reused (``benchmarking.run_cell``).
 
 What the memory figures are. A thread in this process walks the process tree below it every ``--sample-seconds``
 and reads each process's ``/proc/<pid>/status``: ``VmRSS`` (resident now) and ``VmHWM``, the kernel's own
@@ -59,7 +59,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from medflare.benchmarking import (
+from benchmarking import (
     goal_verdict, later_rounds, mean_later_rounds, mean_std, model_fp32_bytes, run_cell, trained_images, versus,
 )
 

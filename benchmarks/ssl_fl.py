@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from medflare import contracts
-from medflare.benchmarking import mean_std, versus
+from benchmarking import mean_std, versus
 from medflare.config import from_dict, parse_value
 from medflare.data.checksums import verify_medmnist_file
 from medflare.evaluation import summarize

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,8 @@ from medflare.data.checksums import MEDMNIST_MD5, file_md5
 
 # ../shared/data beside the repository (tests/conftest.py -> parents[1] is the repository root).
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+# the repository's own tools (tools/ is no package: job_templates, privacy_doc, mutants are imported by name)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 
 POC_MODULE = re.compile(r"(^|/)test_poc_[^/]*\.py$")

@@ -97,8 +97,10 @@ def test_medflare_config_plan_prints_the_plan_export_writes(tmp_path: Path, caps
     code, out, err = run_cli(["config", "fedavg", "--plan", *options], capsys)
     assert code == 0, err
     printed = RunPlan.from_dict(json.loads(out))
+    assert f"plan {printed.digest()}:" in err  # the fingerprint the server and the sites log
     assert main(["export", "fedavg", *options, "-o", str(tmp_path)]) == 0
     assert plan_from_job(tmp_path / "fedavg") == printed and printed.site("site-1").train["train"].lr == 0.02
+    assert f"plan {printed.digest()}:" in capsys.readouterr().out  # export names the plan of the job it wrote
 
 
 def test_a_resolved_task_is_handed_down_instead_of_read_again(tmp_path: Path, monkeypatch) -> None:

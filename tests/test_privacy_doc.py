@@ -1,12 +1,12 @@
 """docs/privacy.md's per-method table is generated from the Payloads the code enforces; it must be current."""
 
-from medflare import privacy_doc
+import privacy_doc
 from medflare.registry import list_methods
 
 
 def test_privacy_doc_is_up_to_date() -> None:
     text = privacy_doc.DOC.read_text()
-    assert privacy_doc.rendered(text) == text, "docs/privacy.md is stale: run 'python -m medflare.privacy_doc'"
+    assert privacy_doc.rendered(text) == text, "docs/privacy.md is stale: run 'python tools/privacy_doc.py'"
 
 
 def test_every_method_has_a_row_naming_its_declared_meta() -> None:

@@ -86,7 +86,7 @@ def test_the_sites_own_public_source_is_used_and_wins_over_the_jobs(tmp_path: Pa
 
 
 def test_job_settable_keys_and_what_job_templates_send_pass_through(tmp_path: Path) -> None:
-    from medflare.deploy.templates import template_data, template_run
+    from job_templates import template_data, template_run
 
     site_file = tmp_path / "medflare_site.json"
     site_file.write_text(json.dumps({"data": {"source": "folder:/data/xray"}}))

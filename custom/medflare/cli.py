@@ -260,6 +260,7 @@ def _compare_failure_log(staging: Path, finished: list[str], exc: BaseException)
 
 def cmd_export(args: argparse.Namespace) -> int:
     from medflare.outputs import OutputTarget
+    from medflare.plan import plan_from_job
     from medflare.runner import build_run_config, data_was_chosen, export_run_job
 
     run = build_run_config(args)
@@ -286,6 +287,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"wrote {job_dir} ({args.mode}) with simulated data '{run.data['source']}'; "
               f"run it with: nvflare simulator {job_dir} -n {run.clients} -t {run.clients}")
     print(robust_note(run, args.mode))
+    print(f"plan {plan_from_job(job_dir).digest()}: the server and every site log this fingerprint once they run it")
     return 0
 
 

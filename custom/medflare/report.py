@@ -75,6 +75,7 @@ def build_summary(
         "timing": _timing(results, rounds, launched_at),
         "error": results.get("error"),
         "stopped_early": results.get("stopped_early"),
+        "plan": results.get("plan"),  # the fingerprint of the plan the server ran (each site logs its own)
     }
 
 
@@ -296,6 +297,8 @@ def _header(summary: Mapping[str, Any]) -> list[str]:
         f"- data: `{data.get('source')}` partition `{data.get('partition', '-')}`, {cfg.get('clients')} sites, "
         f"{_models_text(cfg)}, {summary['rounds_completed']} rounds, seed {cfg.get('seed')}",
         f"- classes: {', '.join(class_names(summary)) or 'n/a'}",
+        *([f"- plan `{summary['plan']}` (the server's; every site logs the one it runs, `medflare config --plan` "
+           "prints the plan)"] if summary.get("plan") else []),
         f"- mean round wall time {format_seconds(timing.get('mean_round_seconds'), 2)}; {startup_text(timing)}",
         f"- metrics are of {_scored_models(summary)} on the sites' held-out test splits, summed as confusion counts "
         f"(exact pooled values); the headline metric is {_headline_text(summary)}, and the best model is chosen by "

@@ -231,12 +231,13 @@ class RunConfig:
                 raise ConfigError("dp filters act on weight differences: add --set transfer_kind=diff")
             check_dp_filter(self.dp)
         self._validate_dp_sgd(spec)
-        resolve_train_config(spec, self.train)
         for site, overrides in self.site_train.items():
             if site not in self.site_names:
                 raise ConfigError(f"site_train names '{site}', which is not one of {', '.join(self.site_names)}")
             self.site_train[site] = fields_typed(TrainConfig, overrides, f"site_train.{site}")
-            resolve_train_config(spec, {**self.train, **self.site_train[site]})
+        # every site's settings resolved once: a bad combination fails here, naming the option
+        trains = {site: resolve_train_config(spec, {**self.train, **self.site_train.get(site, {})})
+                  for site in self.site_names}
         self.task = _typed_task(self.task)
         self.data = fields_typed(_data_config_cls(), self.data, "data")
         self.data = self._with_data_defaults(spec.data_defaults if data_defaults is None else data_defaults)
@@ -244,7 +245,7 @@ class RunConfig:
         simulated = self.data.get("source", "site") != "site"
         data = from_dict(_data_config_cls(), self.site_data() if simulated else self.data,
                          "data")  # the partition scheme, noise rate, ... ranges
-        self._check_method_run(spec, data if simulated else None)
+        self._check_method_run(spec, data if simulated else None, trains)
         self._validate_model(check_files)
         if self.resume_from and check_files:  # the server reads it; export leaves it to the server
             from medflare.resume import check_resumable
@@ -309,13 +310,11 @@ class RunConfig:
             return False  # task_spec refuses a multi-label task for this method before anything starts
         return infer_task(self).multi_label
 
-    def _check_method_run(self, spec: MethodSpec, data: DataConfig | None) -> None:
+    def _check_method_run(self, spec: MethodSpec, data: DataConfig | None, trains: dict[str, TrainConfig]) -> None:
         """The method's own pre-launch checks (``MethodSpec.check_run``), so a job never fails at its first task
         over options known here; ``data`` is the simulated DataConfig, None when each site reads its own data."""
         if spec.check_run is None:
             return
-        trains = {site: resolve_train_config(spec, {**self.train, **self.site_train.get(site, {})})
-                  for site in self.site_names}
         problems = spec.check_run(spec.config_cls(**self.method_args), trains, data)
         if problems:
             raise ConfigError(f"method '{self.method}': " + "; ".join(problems))

@@ -6,6 +6,7 @@ from pathlib import Path
 from types import ModuleType
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))  # the scripts import their siblings by name, as when run from the folder
 
 
 def load_benchmark(name: str) -> ModuleType:

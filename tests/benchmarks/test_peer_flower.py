@@ -181,6 +181,29 @@ def test_medflare_s_distance_to_flare_s_own_fedavg_is_reported() -> None:
     assert "medflare-sim against FLARE's own FedAvg (flare-sim): -2.00 s/round" in table
 
 
+def test_the_server_s_memory_growth_is_measured_on_both_simulator_sides_and_set_against_flare_s() -> None:
+    """The server is the process that started FLARE's simulator workers; its high-water mark at the end of round 3
+    against the last round's (scaling.py's measure): medflare's side 100 -> 110 MB (+10 %), FLARE's own 100 -> 104."""
+    scaling = load_benchmark("scaling")
+    starts = [100.0 + 10 * r for r in range(5)]
+
+    def traces(last_mb: float) -> dict:
+        marks = [90, 95, 100, 100, last_mb]  # MB at the end of rounds 1..5
+        server = [(start + 9.0, int(mb * 1e6), int(mb * 1e6)) for start, mb in zip(starts, marks)]
+        worker = scaling.ProcessTrace(1, ["python", "-m", "nvflare.private.fed.app.simulator.simulator_worker",
+                                          "--client", "site-1"], [(starts[0], 10**8, 10**8)])
+        return {1: scaling.ProcessTrace(0, ["nvflare", "simulator"], server), 2: worker}
+
+    medflare = peer.server_memory("medflare-sim", traces(110), [{"started_at": s, "wall": 10.0} for s in starts])
+    flare = peer.server_memory("flare-sim", traces(104), [{"started_at": s, "aggregated_at": s + 10.0} for s in starts])
+    assert medflare["growth_after_round_3"] == pytest.approx(0.10) and flare["growth_after_round_3"] == pytest.approx(0.04)
+    assert peer.server_memory("bare", traces(110), []) is None  # no server there
+    sides = {"medflare-sim": {**measured(9.0), "server_memory": medflare}, "flare-sim": {**measured(11.0),
+                                                                                           "server_memory": flare}}
+    table = peer.markdown({}, {"cell": peer.compare(sides)})
+    assert "the server's memory after round 3 grew +10.0 % against FLARE's +4.0 % (goal <= 5 %)" in table
+
+
 def test_a_side_that_hangs_is_ended_at_its_timeout_and_reported_not_fatal(tmp_path: Path) -> None:
     import sys
     import time

@@ -13,7 +13,7 @@ import pytest
 from pyhocon import ConfigFactory
 
 from medflare.deploy.apps import DEPLOY_TASK
-from medflare.deploy.templates import EXAMPLE_SOURCE, TEMPLATES_DIR, example_command, stale_templates, template_run
+from job_templates import EXAMPLE_SOURCE, TEMPLATES_DIR, example_command, stale_templates, template_run
 from medflare.job_export import client_config, server_config
 from medflare.registry import list_methods
 from medflare.run_config import DEPLOY_ROBUST

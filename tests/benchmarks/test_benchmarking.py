@@ -6,7 +6,7 @@ from typing import Any
 
 import medflare.simulate
 import pytest
-from medflare.benchmarking import fingerprint_file, goal_verdict, mean_std, run_cell, versus
+from benchmarking import fingerprint_file, goal_verdict, mean_std, run_cell, versus
 from medflare.run_config import RunConfig
 
 

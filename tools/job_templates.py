@@ -11,7 +11,7 @@ and a test runs that command verbatim and the job it makes:
         -f config_fed_client.conf 'source="synthetic:n=400,classes=2,channels=1"' partition=iid max_steps=5 \\
         -f config_fed_server.conf num_rounds=3 -force
 
-Command line: ``python -m medflare.deploy.templates`` rewrites ``job_templates/``; ``--check`` reports drift.
+Command line: ``python tools/job_templates.py`` rewrites ``job_templates/``; ``--check`` reports drift.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any, Mapping
 
 from medflare.deploy.apps import DEPLOY_TASK, deployment_run, stale_files, write_per_method
 
-REPO_DIR = Path(__file__).resolve().parents[3]
+REPO_DIR = Path(__file__).resolve().parents[1]
 TEMPLATES_DIR = REPO_DIR / "job_templates"
 # Simulated data for trying a template: the declared task's classes and channels (DEPLOY_TASK: 2 classes,
 # 1 channel, 28 px; the generator's default is 5 classes, 3 channels), so the default task and the data agree.

@@ -1,6 +1,6 @@
 """The generated part of ``docs/privacy.md``: what each registered method sends, straight from its declaration.
 
-``python -m medflare.privacy_doc`` rewrites the block between the markers; a test fails when it is stale, so the
+``python tools/privacy_doc.py`` rewrites the block between the markers; a test fails when it is stale, so the
 document cannot drift from the Payloads the code enforces.
 """
 
@@ -11,8 +11,8 @@ from typing import Any
 
 from medflare.registry import get_method, list_methods
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "privacy.md"
-BEGIN = "<!-- BEGIN GENERATED: python -m medflare.privacy_doc -->"
+DOC = Path(__file__).resolve().parents[1] / "docs" / "privacy.md"
+BEGIN = "<!-- BEGIN GENERATED: python tools/privacy_doc.py -->"
 END = "<!-- END GENERATED -->"
 
 
