@@ -161,3 +161,15 @@ def test_a_job_whose_server_and_site_configs_disagree_makes_no_plan(tmp_path: Pa
     client.write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="disagree on method_args"):
         plan_from_job(job)
+
+
+def test_a_site_data_job_hands_its_own_data_options_to_the_sites(tmp_path: Path) -> None:
+    """Options a job may set at a site that reads its own images (augment, image size, the seed of its splits) reach
+    the sites and the plan; before, a site-data job dropped them silently (the sites saw only {"source": "site"})."""
+    run = RunConfig(method="fedavg", data={"source": "site", "augment": "none", "image_size": 32, "seed": 0},
+                    task={"num_classes": 2, "in_channels": 1, "image_size": 32})
+    plan, job = planned_and_written(run, tmp_path, "preinstalled")
+    client = json.loads((job / "app" / "config" / "config_fed_client.json").read_text())
+    sent = client["executors"][0]["executor"]["args"]["data"]
+    assert sent == {"source": "site", "augment": "none", "image_size": 32, "seed": 0} == plan.data
+    assert plan_from_job(job) == plan

@@ -253,8 +253,9 @@ def run_from_job(meta: Mapping[str, Any], server: Mapping[str, Any], client: Map
             "min_clients": controller["min_clients"], "clients": len(executor["sites"]),
             "task": vars(TaskSpec(**{**executor["task"], **({"class_names": class_names} if class_names else {})})),
             # the seed the sites get: left out where it is the run's own (RunConfig.site_data adds that one back)
-            "data": {k: v for k, v in executor["data"].items()
-                     if k != "num_sites" and not (k == "seed" and v == model["seed"])},
+            # simulated data: without what RunConfig.site_data adds back (the sites' count, the run's own seed)
+            "data": {k: v for k, v in executor["data"].items() if executor["data"].get("source", "site") == "site"
+                     or (k != "num_sites" and not (k == "seed" and v == model["seed"]))},
             "train": executor["train"], "site_train": executor.get("site_train", {}),
             "site_model": executor.get("site_model") or {}, "site_evaluation": executor.get("evaluation", "every_round"),
             "dp_sgd": executor.get("dp_sgd") or {},

@@ -344,9 +344,12 @@ class RunConfig:
         return [plugin_module_name(path) for path in self.plugins]
 
     def site_data(self) -> dict[str, Any]:
-        """The data config the sites receive (num_sites and seed filled in for simulation)."""
+        """The data config the sites receive: num_sites and seed filled in for simulation; with site data, the
+        job's own data options (e.g. ``augment``), which each site takes or refuses
+        (``site_runtime.read_site_data_config``: the hospital's file decides), but not ``partition``, which only
+        splits simulated data."""
         if self.data.get("source", "site") == "site":
-            return {"source": "site"}
+            return {"source": "site", **{key: value for key, value in self.data.items() if key != "partition"}}
         return {"seed": self.seed, **self.data, "num_sites": self.clients}
 
     def task_spec(self) -> TaskSpec:
