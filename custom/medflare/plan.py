@@ -3,9 +3,10 @@
 ``RunConfig`` is layered user input; a :class:`RunPlan` is its resolution, typed and complete: the method's full
 hyperparameters (defaults filled in), each site's model and training settings per stage, every round's stage and
 phases, the robust, wire and privacy options the job carries, its timing and tracking. ``medflare config --plan``
-prints it. The job folder is its serialisation: ``job_export.plan_from_job`` reads a job's configs back into the
-plan, and a test checks, for every registered method, that it equals the plan the command line built. Nothing
-here imports FLARE.
+prints it. The job folder is its serialisation: :func:`plan_from_job` reads a job's configs back into the plan,
+and :func:`plan_from_app` is how the server and every site rebuild it from the app FLARE deployed to them; a test
+checks, for every registered method, that each equals the plan the command line built. Nothing here imports
+FLARE's glue (``medflare.flare``).
 """
 
 from __future__ import annotations
