@@ -74,10 +74,11 @@ def namespace_pids(ns: str) -> list[int]:
     return [int(pid) for pid in out.split() if pid.isdigit()]
 
 
-def end_namespace_processes(ns: str, grace_seconds: float = 5.0, sig: int = signal.SIGTERM) -> list[int]:
-    """End every process inside ``ns`` (SIGTERM, then SIGKILL after ``grace_seconds``); only processes in a
-    namespace this module made are ever signalled. Returns their pids."""
-    pids = namespace_pids(ns)
+def end_namespace_processes(namespaces: list[str], grace_seconds: float = 5.0, sig: int = signal.SIGTERM) -> list[int]:
+    """End every process inside ``namespaces`` (SIGTERM, then SIGKILL after ``grace_seconds``, all namespaces at
+    once: one grace period, not one per namespace); only processes in a namespace this module made are ever
+    signalled. Returns their pids."""
+    pids = [pid for ns in namespaces for pid in namespace_pids(ns)]
     processes = []
     for pid in pids:
         with contextlib.suppress(psutil.Error):
@@ -95,7 +96,7 @@ def end_namespace_processes(ns: str, grace_seconds: float = 5.0, sig: int = sign
 def delete_namespace(ns: str) -> None:
     """End what runs in ``ns``, delete it and its ``/etc/netns/<ns>`` folder."""
     if ns in list_namespaces():
-        end_namespace_processes(ns)
+        end_namespace_processes([ns])
         _run("ip", "netns", "del", ns, check=False)
     shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
     with contextlib.suppress(OSError):
@@ -214,11 +215,13 @@ class Wan:
 
     def end_processes(self, name: str, sig: int = signal.SIGTERM) -> list[int]:
         """End every process running in ``name``'s namespace; return their pids."""
-        return end_namespace_processes(self.hosts[name].ns, sig=sig)
+        return end_namespace_processes([self.hosts[name].ns], sig=sig)
 
     def teardown(self) -> None:
         """Remove everything :meth:`up` made, participants first (their processes are ended), the bridge last.
         Never raises: it runs after failures."""
+        with contextlib.suppress(Exception):  # every participant's processes in one grace period
+            end_namespace_processes([ns for ns in self.made if ns in list_namespaces()])
         for ns in reversed(self.made):
             with contextlib.suppress(Exception):
                 delete_namespace(ns)

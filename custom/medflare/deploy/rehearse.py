@@ -641,14 +641,19 @@ def rehearse(plan: Rehearsal, out_dir: str | Path, echo: Echo = print, overwrite
         stage.provision()
         stage.network()
         stage.start_all()
+        started = time.time()
         job_dir = stage.export()
+        stage.timings["export"] = time.time() - started
         job_id = stage.submit(job_dir)
+        stage.timings["submit"] = stage.submitted_at - started - stage.timings["export"]
         code, _ = stage.follow(job_id)
         if stage.resume_from:  # the server crashed and is back: the lead resubmits the job to resume it
             job_id = stage.resubmit(job_dir)
             code, _ = stage.follow(job_id)
         stage.timings["job"] = time.time() - stage.submitted_at
+        started = time.time()
         status = stage.job_status(job_id)
+        stage.timings["status"] = time.time() - started
         for event in stage.events:  # FLARE 2.9 never ends a job its server lost (docs/deploy.md §8)
             if "crashed_job" in event:
                 event["crashed_job_status"] = stage.job_status(event["crashed_job"])
@@ -689,7 +694,9 @@ def rehearse(plan: Rehearsal, out_dir: str | Path, echo: Echo = print, overwrite
             stage.close()
             target.abandon(logs + f"\nrehearse: stopped: {exc or type(exc).__name__}\n")
         raise
+    started = time.time()
     stage.close()
+    stage.timings["close"] = time.time() - started
     stage.timings["total"] = time.time() - stage.t0
     record["timings"] = {k: round(v, 1) for k, v in stage.timings.items()}
     shutil.rmtree(stage.work, ignore_errors=True)
