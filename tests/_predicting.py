@@ -10,6 +10,7 @@ import numpy as np
 
 from medflare.checkpoint import checkpoint_facts, read_checkpoint
 from medflare.flare.models import build_global_model
+from medflare.job_export import job_plan
 from medflare.run_config import RunConfig
 from medflare.site_runtime import SiteRuntime, SiteSettings, TaskSpec
 
@@ -24,7 +25,7 @@ def save_global_model(path: Path, run: RunConfig, seed: int = 3) -> Path:
     task = run.task_spec()
     model = build_global_model(run.method, run.model, task.num_classes, task.in_channels, task.image_size,
                                method_args=run.method_args, seed=seed)
-    persistor = MedflareModelPersistor(model=model, facts=checkpoint_facts(run, task))
+    persistor = MedflareModelPersistor(model=model, facts=checkpoint_facts(job_plan(run, task)))
     persistor.load_model(FLContext())
     persistor.save_model_file(str(path))
     return path

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from medflare.deploy.apps import deployment_run
-from medflare.job_export import DEFAULT_TASK_TIMEOUT, export_job, server_config, set_resume
+from medflare.job_export import export_job, job_plan, server_config, set_resume
+from medflare.plan import DEFAULT_TASK_TIMEOUT
 from medflare.run_config import DEPLOY_ROBUST, ROBUST_OFF, RunConfig
 from medflare.site_runtime import TaskSpec
 
@@ -17,11 +18,11 @@ SIMULATED = {"source": "synthetic:n=200"}
 
 
 def controller_args(run: RunConfig) -> dict:
-    return server_config(run, TASK)["workflows"][0]["args"]
+    return server_config(job_plan(run, TASK))["workflows"][0]["args"]
 
 
 def aggregator_args(run: RunConfig) -> dict:
-    (aggregator,) = [c for c in server_config(run, TASK)["components"] if c["id"] == "aggregator"]
+    (aggregator,) = [c for c in server_config(job_plan(run, TASK))["components"] if c["id"] == "aggregator"]
     return aggregator["args"]
 
 

@@ -123,7 +123,7 @@ def template_data(run: Any) -> dict[str, Any]:
 
 def write_template(method: str, out_dir: str | Path) -> Path:
     """Write ``out_dir/<method>/`` (info.conf, info.md, meta.conf, client and server configs)."""
-    from medflare.job_export import client_config, meta_config, server_config
+    from medflare.job_export import client_config, job_plan, meta_config, server_config
     from medflare.site_runtime import TaskSpec
 
     run = template_run(method)
@@ -131,8 +131,9 @@ def write_template(method: str, out_dir: str | Path) -> Path:
     folder = Path(out_dir) / method
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
-    meta = meta_config(run)
-    client = client_config(run, task)
+    plan = job_plan(run, task)
+    meta = meta_config(plan)
+    client = client_config(plan)
     # Spell out the shared-source keys so `source=... partition=...` are plain variables; a site reading its
     # own local/medflare_site.json ignores them.
     client["executors"][0]["executor"]["args"]["data"] = template_data(run)
@@ -145,7 +146,7 @@ def write_template(method: str, out_dir: str | Path) -> Path:
     files = {
         "info.conf": (info, "how `nvflare job list-templates` describes this template"),
         "meta.conf": (meta, "job meta: name, participants, resources, privacy scope"),
-        "config_fed_server.conf": (server_config(run, task), "server: persistor, aggregator, round controller"),
+        "config_fed_server.conf": (server_config(plan), "server: persistor, aggregator, round controller"),
         "config_fed_client.conf": (client, "site: the medflare executor"),
     }
     example = "\n".join(f"#   {line}" for line in example_command(method).splitlines())

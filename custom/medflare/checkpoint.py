@@ -38,31 +38,29 @@ def normalization() -> dict[str, Any]:
     return {"mean": NORMALISE_MEAN, "std": NORMALISE_STD, "scale": "uint8 / 255; deeper images as float in [0, 1]"}
 
 
-def checkpoint_facts(run: Any, task: Any) -> dict[str, Any]:
-    """The facts a run's global model carries (plain JSON types, safe for ``torch.load(weights_only=True)``).
-
-    Args:
-        run: the validated RunConfig.
-        task: its TaskSpec (with class names when the data or ``task.class_names`` gave them).
-    """
+def checkpoint_facts(plan: Any) -> dict[str, Any]:
+    """The facts a job's global model carries (plain JSON types, safe for ``torch.load(weights_only=True)``), from
+    its :class:`~medflare.plan.RunPlan` (the task with class names when the data or ``task.class_names`` gave
+    them)."""
     from medflare.registry import get_method
 
-    spec = get_method(run.method)
+    spec = get_method(plan.method)
+    task = plan.task
     return {
         "format": FACTS_FORMAT,
         "medflare_version": medflare.__version__,
-        "job": run.job_name,
-        "method": run.method,
-        "method_args": dict(run.method_args),
-        "model": run.model,
+        "job": plan.job_name,
+        "method": plan.method,
+        "method_args": dict(plan.method_options),
+        "model": plan.model,
         "task": {"num_classes": task.num_classes, "in_channels": task.in_channels, "image_size": task.image_size,
                  "class_names": list(task.class_names) if task.class_names else None,
                  "multi_label": bool(getattr(task, "multi_label", False))},
         "normalization": normalization(),
-        "window": str(run.data.get("window") or ""),
+        "window": str(plan.data.get("window") or ""),
         "server_model": spec.server_model,
         "private_keys": spec.payload.private_keys,
-        **({"dp_sgd": dict(run.dp_sgd)} if getattr(run, "dp_sgd", None) else {}),  # its GroupNorm architecture
+        **({"dp_sgd": dict(plan.dp_sgd)} if plan.dp_sgd else {}),  # its GroupNorm architecture
     }
 
 

@@ -125,10 +125,9 @@ def cmd_config(args: argparse.Namespace) -> int:
     run = build_run_config(args)
     run.validate(check_files=False)  # typed and checked as 'run' checks it; the data is not read
     if args.plan:  # what the simulator job will do, resolved (this reads the data for the task's shape)
-        from medflare.job_export import job_robust
-        from medflare.plan import build_plan
+        from medflare.job_export import job_plan
 
-        plan = build_plan(run, run.task_spec(), job_robust(run, "byoc"))
+        plan = job_plan(run, run.task_spec(), "byoc")
         print(plan.describe(), end="")
         print(f"plan {plan.digest()}: the server and every site log this fingerprint of the plan they run",
               file=sys.stderr)

@@ -28,15 +28,14 @@ from medflare.contracts import TRAIN_PHASE as TASK_TRAIN, privacy_scope
 from medflare.errors import ConfigError
 from medflare.evaluation import headline_metric
 from medflare.flare import tracking
-from medflare.plan import APP_NAME, DEFAULT_TASK_TIMEOUT, ENCRYPTED_AGGREGATOR, round_steps
+from medflare.plan import APP_NAME, ENCRYPTED_AGGREGATOR, RunPlan, build_plan
 from medflare.registry import get_method
 from medflare.run_config import ROBUST_OFF, RunConfig, deployment_robust, typed_robust
-from medflare.site_runtime import TaskSpec
+from medflare.site_runtime import TaskSpec, resolve_train_config
 
 PACKAGE_DIR = Path(__file__).resolve().parent  # .../custom/medflare
 MODES = ("byoc", "preinstalled")
-
-
+PLAIN_AGGREGATOR = "medflare.flare.aggregator.MedflareAggregator"
 
 
 def multi_label_args(task: TaskSpec) -> dict[str, Any]:
@@ -44,25 +43,32 @@ def multi_label_args(task: TaskSpec) -> dict[str, Any]:
     return {"multi_label": True} if task.multi_label else {}
 
 
-def server_config(run: RunConfig, task: TaskSpec, shot_groups: dict | None = None) -> dict[str, Any]:
+def job_plan(run: RunConfig, task: TaskSpec, mode: str | None = None) -> RunPlan:
+    """The plan a job written in ``mode`` carries: its robust settings :func:`job_robust`'s; without a mode, the
+    run's own (a config written straight from ``run``)."""
+    return build_plan(run, task, typed_robust(run.robust) if mode is None else job_robust(run, mode))
+
+
+def server_config(plan: RunPlan, shot_groups: dict | None = None) -> dict[str, Any]:
     """config_fed_server.json: the (FLARE PT) model persistor, the medflare aggregator and controller, and the
     experiment-tracking receivers."""
+    task = plan.task
     model_args = {
-        "method": run.method,
-        "model": run.model,
+        "method": plan.method,
+        "model": plan.model,
         "num_classes": task.num_classes,
         "in_channels": task.in_channels,
         "image_size": task.image_size,
-        "pretrained": run.pretrained,
-        "method_args": run.method_args,
-        "seed": run.seed,
-        "plugins": run.plugin_modules(),
-        **({"dp_sgd": True} if run.dp_sgd else {}),  # the sites' DP-compatible architecture
+        "pretrained": plan.pretrained,
+        "method_args": plan.method_options,
+        "seed": plan.seed,
+        "plugins": list(plan.plugins),
+        **({"dp_sgd": True} if plan.dp_sgd else {}),  # the sites' DP-compatible architecture
     }
     config: dict[str, Any] = {
         "format_version": 2,
         # FLARE's default 2 s polling interval dominates short rounds; 0.1 s is safe on loopback and LAN.
-        "server": {"heart_beat_timeout": 600, "task_request_interval": run.task_request_interval},
+        "server": {"heart_beat_timeout": 600, "task_request_interval": plan.task_request_interval},
         "task_data_filters": [],
         "task_result_filters": [],
         "components": [
@@ -71,88 +77,78 @@ def server_config(run: RunConfig, task: TaskSpec, shot_groups: dict | None = Non
                 "path": "medflare.flare.persistor.MedflareModelPersistor",
                 "args": {
                     "model": {"path": "medflare.flare.models.build_global_model", "args": model_args},
-                    "facts": checkpoint_facts(run, task),  # saved inside every global model file
+                    "facts": checkpoint_facts(plan),  # saved inside every global model file
                 },
             },
             {
                 "id": "aggregator",
-                "path": aggregator_path(run),
+                "path": ENCRYPTED_AGGREGATOR if plan.secure_aggregation == "he" else PLAIN_AGGREGATOR,
                 "args": {
-                    "method": run.method,
+                    "method": plan.method,
                     "num_classes": task.num_classes,
-                    "num_rounds": run.rounds,
-                    "method_args": run.method_args,
-                    "robust": typed_robust(run.robust),
-                    "transfer_dtype": run.transfer_dtype,
-                    "transfer_kind": run.transfer_kind,
-                    "stream_aggregation": run.stream_aggregation,
-                    "plugins": run.plugin_modules(),
+                    "num_rounds": len(plan.rounds),
+                    "method_args": plan.method_options,
+                    "robust": dict(plan.robust),
+                    "transfer_dtype": plan.transfer_dtype,
+                    "transfer_kind": plan.transfer_kind,
+                    "stream_aggregation": plan.stream_aggregation,
+                    "plugins": list(plan.plugins),
                     **multi_label_args(task),
-                    **download_args(run),
+                    # a job that keeps the default download writes the configuration it always did
+                    **({"download_dtype": plan.download_dtype} if plan.download_dtype != "float32" else {}),
                 },
             },
-            *tracking.server_components(run.tracking, mlflow_args(run)),
+            *tracking.server_components(plan.tracking, mlflow_args(plan)),
         ],
         "workflows": [
             {
                 "id": "controller",
                 "path": "medflare.flare.controller.MedflareController",
                 "args": {
-                    "num_rounds": run.rounds,
-                    "min_clients": run.required_clients,
+                    "num_rounds": len(plan.rounds),
+                    "min_clients": plan.min_clients,
                     "persistor_id": "persistor",
                     "aggregator_id": "aggregator",
                     "shot_groups": shot_groups,
-                    "wait_time_after_min_received": run.straggler_seconds,
-                    "train_timeout": run.task_timeout or DEFAULT_TASK_TIMEOUT,
-                    "patience": run.patience,
+                    "wait_time_after_min_received": plan.straggler_seconds,
+                    "train_timeout": plan.task_timeout,
+                    "patience": plan.patience,
                     **({"key_metric": headline_metric(True)} if task.multi_label else {}),
                 },
             }
         ],
     }
-    if run.resume_from:  # the controller reads the model and history (a folder in the simulator, else a job id)
-        config["workflows"][0]["args"]["resume_from"] = run.resume_from
+    if plan.resume_from:  # the controller reads the model and history (a folder in the simulator, else a job id)
+        config["workflows"][0]["args"]["resume_from"] = plan.resume_from
     return config
 
 
-def aggregator_path(run: RunConfig) -> str:
-    """The server's aggregator: medflare's, or its encrypted twin (secure_aggregation=he, same arguments)."""
-    if run.secure_aggregation == "he":
-        return ENCRYPTED_AGGREGATOR
-    return "medflare.flare.aggregator.MedflareAggregator"
-
-
-def download_args(run: RunConfig) -> dict[str, Any]:
-    """The aggregator's ``download_dtype`` when the run narrows the download; a job that keeps the default writes
-    the configuration it always did (and the generated apps and templates stay as they are)."""
-    return {"download_dtype": run.download_dtype} if run.download_dtype != "float32" else {}
-
-
-def mlflow_args(run: RunConfig) -> dict[str, Any] | None:
+def mlflow_args(plan: RunPlan) -> dict[str, Any] | None:
     """What the MLflow receiver records of the job (None without it): the experiment (``MLFLOW_EXPERIMENT_NAME``,
     MLflow's own variable, where the job is written, else "medflare"), the run's name ``<method>-<model>-s<seed>``
-    and the run's effective settings as params, each named as its ``--set`` key (``train.lr``, ``method.mu``)."""
-    if "mlflow" not in tracking.TRACKERS[run.tracking]:
+    and the job's effective settings as params, each named as its ``--set`` key (``train.lr``, ``method.mu``;
+    ``data.*``: the data options the sites receive)."""
+    if "mlflow" not in tracking.TRACKERS[plan.tracking]:
         return None
-    method_config = get_method(run.method).config_cls(**run.method_args)
+    train = resolve_train_config(get_method(plan.method), plan.train)
     params = {
-        **{key: getattr(run, key) for key in ("method", "model", "pretrained", "rounds", "clients", "seed")},
-        "min_clients": run.required_clients,
-        **{f"data.{key}": value for key, value in run.data.items()},
-        **{f"train.{key}": value for key, value in dataclasses.asdict(run.train_config()).items()},
-        **{f"method.{key}": value for key, value in dataclasses.asdict(method_config).items()},
+        **{key: getattr(plan, key) for key in ("method", "model", "pretrained", "seed")},
+        "rounds": len(plan.rounds), "clients": len(plan.sites), "min_clients": plan.min_clients,
+        **{f"data.{key}": value for key, value in plan.data.items()},
+        **{f"train.{key}": value for key, value in dataclasses.asdict(train).items()},
+        **{f"method.{key}": value for key, value in plan.method_args.items()},
     }
     # a deployed job that brings its own (simulated) data runs only at sites that opted in to such data: a POC's
-    deployed_env = "prod" if run.data.get("source", "site") == "site" else "poc"
+    deployed_env = "prod" if plan.data.get("source", "site") == "site" else "poc"
     return tracking.mlflow_receiver_args(
-        params, run_name=f"{run.method}-{run.model}-s{run.seed}", tags={"method": run.method, "model": run.model},
+        params, run_name=f"{plan.method}-{plan.model}-s{plan.seed}", tags={"method": plan.method, "model": plan.model},
         deployed_env=deployed_env, experiment=os.environ.get("MLFLOW_EXPERIMENT_NAME", ""),
     )
 
 
-def client_config(run: RunConfig, task: TaskSpec) -> dict[str, Any]:
+def client_config(plan: RunPlan) -> dict[str, Any]:
     """config_fed_client.json: the medflare executor for every task."""
+    task = plan.task
     return {
         "format_version": 2,
         "executors": [
@@ -162,44 +158,43 @@ def client_config(run: RunConfig, task: TaskSpec) -> dict[str, Any]:
                     "id": "executor",
                     "path": "medflare.flare.executor.MedflareExecutor",
                     "args": {
-                        "method": run.method,
+                        "method": plan.method,
                         "task": {
                             "num_classes": task.num_classes,
                             "in_channels": task.in_channels,
                             "image_size": task.image_size,
                             **multi_label_args(task),
                         },
-                        "model": run.model,
-                        "method_args": run.method_args,
-                        "train": run.train,
-                        "data": run.site_data(),
-                        "sites": run.site_names,
-                        "seed": run.seed,
-                        "site_train": run.site_train,
-                        "evaluation": run.site_evaluation,
-                        "site_model": run.site_model,
-                        "plugins": run.plugin_modules(),
-                        "stream_metrics": bool(tracking.TRACKERS[run.tracking]),
-                        **({"dp_sgd": run.dp_sgd} if run.dp_sgd else {}),
+                        "model": plan.model,
+                        "method_args": plan.method_options,
+                        "train": plan.train,
+                        "data": plan.data,
+                        "sites": [site.name for site in plan.sites],
+                        "seed": plan.seed,
+                        "site_train": plan.site_train,
+                        "evaluation": plan.evaluation,
+                        "site_model": {site.name: site.model for site in plan.sites if site.model != plan.model},
+                        "plugins": list(plan.plugins),
+                        "stream_metrics": bool(tracking.TRACKERS[plan.tracking]),
+                        **({"dp_sgd": plan.dp_sgd} if plan.dp_sgd else {}),
                     },
                 },
             }
         ],
-        "task_result_filters": _result_filters(run, task),
-        "task_data_filters": _data_filters(run, task),
-        "components": tracking.client_components(run.tracking),
+        "task_result_filters": _result_filters(plan),
+        "task_data_filters": _data_filters(plan),
+        "components": tracking.client_components(plan.tracking),
     }
 
 
-def task_names(run: RunConfig, task: TaskSpec | None = None) -> list[str]:
+def task_names(plan: RunPlan) -> list[str]:
     """Every task name the job's server sends: the rule's phases over all rounds, validate and submit_model."""
     from medflare.flare.tasks import TASK_SUBMIT_MODEL, TASK_VALIDATE
 
-    steps = round_steps(run.method, run.method_args, run.rounds, bool(task and task.multi_label))
-    return sorted({phase for step in steps for phase in step.phases} | {TASK_VALIDATE, TASK_SUBMIT_MODEL})
+    return sorted({phase for step in plan.rounds for phase in step.phases} | {TASK_VALIDATE, TASK_SUBMIT_MODEL})
 
 
-def _result_filters(run: RunConfig, task: TaskSpec) -> list[dict[str, Any]]:
+def _result_filters(plan: RunPlan) -> list[dict[str, Any]]:
     """The job's DP filter on train results (if asked), the encryption of the results that carry the model
     (secure_aggregation=he), then the audit recorder, so it records what really leaves.
 
@@ -208,51 +203,51 @@ def _result_filters(run: RunConfig, task: TaskSpec) -> list[dict[str, Any]]:
     """
     from medflare.flare.tasks import TASK_SUBMIT_MODEL
 
-    dp = {"path": "medflare.flare.privacy.UpdatePrivacy", "args": run.dp} if run.dp else None
-    seal = _encryption_filter(run) if run.secure_aggregation == "he" else None
+    dp = {"path": "medflare.flare.privacy.UpdatePrivacy", "args": plan.dp} if plan.dp else None
+    seal = _encryption_filter(plan.method) if plan.secure_aggregation == "he" else None
     chains = []
-    for name in task_names(run, task):
+    for name in task_names(plan):
         filters = ([dp] if dp and name == TASK_TRAIN else []) + \
             ([seal] if seal and name in (TASK_TRAIN, TASK_SUBMIT_MODEL) else []) + \
-            ([_recorder("result")] if run.audit else [])
+            ([_recorder("result")] if plan.audit else [])
         if filters:
             chains.append({"tasks": [name], "filters": filters})
     return chains
 
 
-def _encryption_filter(run: RunConfig) -> dict[str, Any]:
+def _encryption_filter(method: str) -> dict[str, Any]:
     """The site filter that encrypts a result's model arrays: the method's declared arrays (its rule weighs sites by
     them) and frozen parts (sent back as received) stay in plaintext."""
-    payload = get_method(run.method).payload
+    payload = get_method(method).payload
     return {"path": "medflare.flare.he.EncryptResult",
             "args": {"plain": sorted(payload.arrays_for(TASK_TRAIN)), "plain_keys": payload.frozen_keys or ""}}
 
 
-def _data_filters(run: RunConfig, task: TaskSpec) -> list[dict[str, Any]]:
+def _data_filters(plan: RunPlan) -> list[dict[str, Any]]:
     """On every task: the audit recorder (what arrives, ciphertexts as they are), then the decryption of the
     global model (secure_aggregation=he)."""
-    filters = ([_recorder("task")] if run.audit else []) + \
-        ([{"path": "medflare.flare.he.DecryptTask", "args": {}}] if run.secure_aggregation == "he" else [])
-    return [{"tasks": task_names(run, task), "filters": filters}] if filters else []
+    filters = ([_recorder("task")] if plan.audit else []) + \
+        ([{"path": "medflare.flare.he.DecryptTask", "args": {}}] if plan.secure_aggregation == "he" else [])
+    return [{"tasks": task_names(plan), "filters": filters}] if filters else []
 
 
 def _recorder(direction: str) -> dict[str, Any]:
     return {"path": "medflare.flare.audit.PayloadRecorder", "args": {"direction": direction}}
 
 
-def meta_config(run: RunConfig) -> dict[str, Any]:
+def meta_config(plan: RunPlan) -> dict[str, Any]:
     """meta.json: one app deployed to every participant, under the method's privacy scope."""
     return {
-        "name": run.job_name,
+        "name": plan.job_name,
         # Sites with a privacy policy apply this scope's result filters (the method's Payload guard);
         # FLARE ignores it where no policy is defined (simulator, plain POC).
-        "scope": privacy_scope(run.method),
+        "scope": privacy_scope(plan.method),
         "resource_spec": {},
-        "min_clients": run.required_clients,
+        "min_clients": plan.min_clients,
         "deploy_map": {APP_NAME: ["@ALL"]},
         # For whoever reviews the job: FLARE keeps unknown meta keys and ignores them
-        "robust_aggregation": robust_record(run.robust),
-        **({"secure_aggregation": run.secure_aggregation} if run.secure_aggregation != "off" else {}),
+        "robust_aggregation": robust_record(plan.robust),
+        **({"secure_aggregation": plan.secure_aggregation} if plan.secure_aggregation != "off" else {}),
     }
 
 
@@ -287,14 +282,14 @@ def export_job(
     if run.plugins and mode != "byoc":  # refused before anything is written
         raise ConfigError(f"plugin files ship inside the job ({', '.join(map(str, run.plugins))}), so they need "
                           "--mode byoc; for a pre-installed site, install them as a package (docs/own-model-and-data.md)")
-    run = dataclasses.replace(run, robust=job_robust(run, mode))
+    plan = job_plan(run, task, mode)
     job_dir = Path(out_dir) / run.job_name
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     # A new folder made exclusively: a planted `<job>.partial` (or a symlink of that name) is never written through
     staging = Path(tempfile.mkdtemp(dir=out_dir, prefix=f".{run.job_name}.", suffix=".partial"))
     staging.chmod(0o755)  # mkdtemp's 0700 would hide the job from whoever submits or reviews it
     try:
-        _write_job(run, staging, task, mode, shot_groups)
+        _write_job(plan, staging, mode, shot_groups, run.plugins)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -305,28 +300,28 @@ def export_job(
     return job_dir
 
 
-def _write_job(run: RunConfig, staging: Path, task: TaskSpec, mode: str, shot_groups: dict | None) -> None:
+def _write_job(plan: RunPlan, staging: Path, mode: str, shot_groups: dict | None, plugin_files: list) -> None:
     """The job's files (meta, server and client configs, and for BYOC the code) into the empty ``staging``."""
     config_dir = staging / APP_NAME / "config"
     config_dir.mkdir(parents=True)
-    _write_json(staging / "meta.json", meta_config(run))
-    _write_json(config_dir / "config_fed_server.json", server_config(run, task, shot_groups))
-    _write_json(config_dir / "config_fed_client.json", client_config(run, task))
+    _write_json(staging / "meta.json", meta_config(plan))
+    _write_json(config_dir / "config_fed_server.json", server_config(plan, shot_groups))
+    _write_json(config_dir / "config_fed_client.json", client_config(plan))
     if mode == "byoc":
         shutil.copytree(PACKAGE_DIR, staging / APP_NAME / "custom" / "medflare", ignore=_ignore_caches)
-        _copy_plugins(run, staging / APP_NAME / "custom")
+        _copy_plugins(plugin_files, list(plan.plugins), staging / APP_NAME / "custom")
 
 
-def _copy_plugins(run: RunConfig, custom_dir: Path) -> None:
+def _copy_plugins(files: list, modules: list[str], custom_dir: Path) -> None:
     """Plugin files go to app/custom/medflare_plugins/, the package the job's components import them from."""
-    if not run.plugins:
+    if not files:
         return
     from medflare.registry import PLUGIN_PACKAGE
 
     package = custom_dir / PLUGIN_PACKAGE
     package.mkdir()
     (package / "__init__.py").write_text('"""Methods this job brings along (medflare plugins)."""\n')
-    for path, module in zip(run.plugins, run.plugin_modules()):
+    for path, module in zip(files, modules):
         shutil.copy(path, package / (module.rsplit(".", 1)[1] + ".py"))
 
 

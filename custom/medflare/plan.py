@@ -60,6 +60,7 @@ class RunPlan:
     job_name: str
     method: str
     method_args: dict[str, Any]  # every hyperparameter of the method, typed, defaults filled in
+    method_options: dict[str, Any]  # the ones the run set: what the job's configs and its model's facts carry
     model: str
     pretrained: str | None
     seed: int
@@ -149,7 +150,8 @@ def build_plan(run: RunConfig, task: TaskSpec, robust: Mapping[str, float],
         for site in run.site_names
     )
     return RunPlan(
-        job_name=run.job_name, method=run.method, method_args=dataclasses.asdict(method_cfg), model=run.model,
+        job_name=run.job_name, method=run.method, method_args=dataclasses.asdict(method_cfg),
+        method_options=dict(run.method_args), model=run.model,
         pretrained=run.pretrained, seed=run.seed, task=task, data=run.site_data(), train=dict(run.train),
         site_train={site: dict(options) for site, options in run.site_train.items()}, sites=sites,
         min_clients=run.required_clients, rounds=rounds, evaluation=run.site_evaluation, patience=run.patience,

@@ -24,7 +24,7 @@ from medflare.deploy.filters import CLIENT_CONFIG, PayloadGuard
 from medflare.errors import PayloadError
 from medflare.flare.executor import MedflareExecutor
 from medflare.flare.tasks import TASK_SUBMIT_MODEL
-from medflare.job_export import client_config, task_names
+from medflare.job_export import client_config, job_plan, task_names
 from medflare.methods.mdhfl.protocol import PROBS, PROBS_PHASE
 from medflare.run_config import RunConfig
 from medflare.site_runtime import SiteRuntime
@@ -55,7 +55,7 @@ class GuardedSite:
 
     def __init__(self, run: RunConfig, app: Path) -> None:
         (app / "config").mkdir(parents=True)
-        config = client_config(run, run.task_spec())
+        config = client_config(job_plan(run, run.task_spec()))
         (app / "config" / CLIENT_CONFIG).write_text(json.dumps(config))
         self.app = app
         self.executor = MedflareExecutor(**config["executors"][0]["executor"]["args"])
@@ -93,7 +93,7 @@ def test_every_real_result_of_the_exchange_passes_the_site_guard(bench: SimpleNa
     site = GuardedSite(run, tmp_path / "app")
     summary = bench.run_in_process(run, deliver=site)
 
-    assert set(site.guarded) == set(task_names(run)) - {TASK_SUBMIT_MODEL}  # every task the job sends
+    assert set(site.guarded) == set(task_names(job_plan(run, run.task_spec()))) - {TASK_SUBMIT_MODEL}  # every task the job sends
     assert site.guarded[PROBS_PHASE] == {probs_dtype}  # the probabilities passed the value checks
     assert all(not dtypes for name, dtypes in site.guarded.items() if name != PROBS_PHASE)
     assert set(summary["by_site"]) == set(SITE_MODELS)

@@ -14,7 +14,7 @@ from pyhocon import ConfigFactory
 
 from medflare.deploy.apps import DEPLOY_TASK
 from job_templates import EXAMPLE_SOURCE, TEMPLATES_DIR, example_command, stale_templates, template_run
-from medflare.job_export import client_config, server_config
+from medflare.job_export import client_config, job_plan, server_config
 from medflare.registry import list_methods
 from medflare.run_config import DEPLOY_ROBUST
 from medflare.runner import nvflare_command
@@ -98,8 +98,8 @@ def test_job_create_yields_exactly_the_exported_job(method: str, tmp_path: Path)
     run.data = {"source": EXAMPLE_SOURCE, "partition": "iid"}
     run.train = {**run.train, "max_steps": 5}
     task = TaskSpec(**DEPLOY_TASK)
-    assert parsed(job / "app" / "config" / "config_fed_server.conf") == json.loads(json.dumps(server_config(run, task)))
-    assert parsed(job / "app" / "config" / "config_fed_client.conf") == json.loads(json.dumps(client_config(run, task)))
+    assert parsed(job / "app" / "config" / "config_fed_server.conf") == json.loads(json.dumps(server_config(job_plan(run, task))))
+    assert parsed(job / "app" / "config" / "config_fed_client.conf") == json.loads(json.dumps(client_config(job_plan(run, task))))
     assert parsed(job / "meta.conf")["scope"] == f"medflare-{method}"
 
 

@@ -15,7 +15,7 @@ from nvflare.apis.fl_context import FLContext
 from nvflare.apis.utils.analytix_utils import create_analytic_dxo
 
 from medflare.flare import tracking
-from medflare.job_export import client_config, server_config
+from medflare.job_export import client_config, job_plan, server_config
 from medflare.run_config import RunConfig
 from medflare.site_runtime import TaskSpec
 
@@ -83,7 +83,7 @@ def test_the_site_converter_forwards_declared_events_and_keeps_the_rest(monkeypa
 ])
 def test_job_names_receivers_and_site_converter_under_the_allow_listed_namespace(choice: str, receivers: list) -> None:
     run = RunConfig(tracking=choice)
-    server, client = server_config(run, TASK), client_config(run, TASK)
+    server, client = server_config(job_plan(run, TASK)), client_config(job_plan(run, TASK))
     named = [c["path"] for c in server["components"] if "receiver" in c["id"]]
     assert named == receivers
     converters = [c["path"] for c in client["components"]]

@@ -25,7 +25,7 @@ from medflare import contracts
 from medflare.flare import executor as executor_module
 from medflare.flare import tracking
 from medflare.flare.tasks import TASK_TRAIN, TASK_VALIDATE, round_meta
-from medflare.job_export import server_config
+from medflare.job_export import job_plan, server_config
 from medflare.metrics import EvalStats, MultiLabelEvalStats, compute_metrics
 from medflare.methods.base import RoundContext
 from medflare.run_config import RunConfig
@@ -42,7 +42,7 @@ def fedprox_run(**changes: Any) -> RunConfig:
 
 
 def receiver_args(run: RunConfig) -> dict[str, Any]:
-    components = server_config(run, TASK)["components"]
+    components = server_config(job_plan(run, TASK))["components"]
     return next(c["args"] for c in components if c["id"] == "mlflow_receiver")
 
 
@@ -72,9 +72,9 @@ def test_the_experiment_is_mlflows_own_variable_where_the_job_is_written(monkeyp
 
 
 def test_only_the_mlflow_receiver_takes_arguments() -> None:
-    components = server_config(fedprox_run(tracking="both"), TASK)["components"]
+    components = server_config(job_plan(fedprox_run(tracking="both"), TASK))["components"]
     assert next(c for c in components if c["id"] == "tensorboard_receiver")["args"] == {}
-    assert "mlflow_receiver" not in [c["id"] for c in server_config(fedprox_run(tracking="tensorboard"), TASK)
+    assert "mlflow_receiver" not in [c["id"] for c in server_config(job_plan(fedprox_run(tracking="tensorboard"), TASK))
                                      ["components"]]
 
 
@@ -84,7 +84,7 @@ def test_nested_settings_become_dotted_params_that_flares_configurator_leaves_al
     params = receiver_args(run)["params"]
     assert params["train.stages.pretrain.lr"] == str(run.train_config().stages["pretrain"]["lr"])
     assert not any(key == "train.stages" for key in params)
-    config = server_config(run, TASK)
+    config = server_config(job_plan(run, TASK))
     resolve_var_refs(JsonScanner(config), {})  # what FLARE's job configurator does to every string
     assert next(c["args"] for c in config["components"] if c["id"] == "mlflow_receiver")["params"] == params
 
