@@ -120,3 +120,26 @@ def test_a_job_with_plugin_files_is_refused_for_pre_installed_sites_before_anyth
         export_job(run, out, TASK, mode="preinstalled")
     assert not out.exists()  # no empty folder, no partial job
     assert (export_job(run, out, TASK, mode="byoc") / "app" / "custom" / "medflare_plugins" / "exchange.py").is_file()
+
+
+def test_both_sides_pull_arrays_in_the_chunks_the_job_sets_under_the_name_flare_reads(tmp_path: Path) -> None:
+    """The chunk size is the sender's: the server's model goes down, each site's result comes up. FLARE reads it
+    from the app's own config (ConfigService's application section), under the numpy decomposer's variable name."""
+    import subprocess
+    import sys
+
+    job = export_job(RunConfig(data={"source": "site"}, task=dict(vars(TASK))), tmp_path, TASK, mode="preinstalled")
+    read = ("import json, sys\n"
+            "from nvflare.apis.fl_constant import ConfigVarName, SystemConfigs\n"
+            "from nvflare.app_common.decomposers.numpy_decomposers import NumpyArrayDecomposer\n"
+            "from nvflare.fuel.utils import app_config_utils\n"
+            "from nvflare.fuel.utils.config_service import ConfigService\n"
+            "ConfigService.initialize(section_files={}, config_path=[sys.argv[2]])\n"
+            "ConfigService.add_section(SystemConfigs.APPLICATION_CONF, json.load(open(sys.argv[1])))\n"
+            "name = NumpyArrayDecomposer()._config_var_name(ConfigVarName.DOWNLOAD_CHUNK_SIZE)\n"
+            "print(app_config_utils.get_int_var(name, -1))\n")
+    for side in ("server", "client"):
+        config = job / "app" / "config" / f"config_fed_{side}.json"
+        done = subprocess.run([sys.executable, "-c", read, str(config), str(config.parent)], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert int(done.stdout.split()[-1]) == 16 * 1024 * 1024 > 2 * 1024 * 1024, (side, done.stdout)

@@ -42,6 +42,8 @@ EXAMPLE_VARIABLES = {
 COMMENTS: dict[str, str] = {
     # shared
     "format_version": "FLARE job-config format version (2 for FLARE 2.x)",
+    "np_download_chunk_size": "bytes per request when the other side pulls this side's arrays (FLARE default 2 MiB;"
+                              " 16 MiB keeps a slow link busy)",
     "id": "component id other components refer to",
     "path": "class (or function) FLARE builds; pre-installed sites allow-list exactly this path",
     "args": "constructor arguments of the class above",

@@ -36,6 +36,10 @@ from medflare.site_runtime import TaskSpec, resolve_train_config
 PACKAGE_DIR = Path(__file__).resolve().parent  # .../custom/medflare
 MODES = ("byoc", "preinstalled")
 PLAIN_AGGREGATOR = "medflare.flare.aggregator.MedflareAggregator"
+# FLARE's receiver pulls a model's arrays in chunks, one request each (2 MiB by default). Over a 100 Mbit/s link,
+# 16 MiB chunks brought a ResNet-18 round from 1.160x to 1.128x its floor (3 runs each, benchmarks/link_speed.py;
+# docs/benchmarks.md); 64 MiB did not help. The sender's job config decides: both sides write it.
+DOWNLOAD_CHUNK = {"np_download_chunk_size": 16 * 1024 * 1024}
 
 
 def multi_label_args(task: TaskSpec) -> dict[str, Any]:
@@ -69,6 +73,7 @@ def server_config(plan: RunPlan, shot_groups: dict | None = None) -> dict[str, A
         "format_version": 2,
         # FLARE's default 2 s polling interval dominates short rounds; 0.1 s is safe on loopback and LAN.
         "server": {"heart_beat_timeout": 600, "task_request_interval": plan.task_request_interval},
+        **DOWNLOAD_CHUNK,
         "task_data_filters": [],
         "task_result_filters": [],
         "components": [
@@ -151,6 +156,7 @@ def client_config(plan: RunPlan) -> dict[str, Any]:
     task = plan.task
     return {
         "format_version": 2,
+        **DOWNLOAD_CHUNK,
         "executors": [
             {
                 "tasks": ["*"],  # train, validate, submit_model and any method-specific phase
