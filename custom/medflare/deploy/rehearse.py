@@ -42,7 +42,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from medflare.deploy.netns import Wan, sweep_stale, unavailable_reason
 from medflare.errors import ConfigError, MedflareError
@@ -184,6 +184,15 @@ class Stage:
         self.resume_from = ""  # a crashed job whose server is back: the lead submits it again with resume_from
         self.t0 = time.time()
 
+    @contextlib.contextmanager
+    def timed(self, name: str) -> Iterator[None]:
+        """Record the block's wall time as ``timings[name]`` (``rehearsal.json``: where the rehearsal's time went)."""
+        started = time.time()
+        try:
+            yield
+        finally:
+            self.timings[name] = time.time() - started
+
     # ----- set-up ------------------------------------------------------------------------------------------
     def provision(self) -> None:
         import yaml
@@ -207,13 +216,12 @@ class Stage:
             raise ConfigError("--kill-server can be given once: a rehearsal resumes one crashed job")
         project_file = self.work / "project.yml"
         project_file.write_text(yaml.safe_dump(project, sort_keys=False))
-        started = time.time()
-        self.prod = provision(project_file, self.work / "kits", "preinstalled")
-        for index, site in enumerate(self.hospitals):  # each hospital's own images, named by the hospital
-            source = f"synthetic:n={self.plan.images},classes={TASK['num_classes']},channels=1,size=28"
-            config = site_data_config(source, seed=index + 1)
-            (self.kit(site) / "local" / "medflare_site.json").write_text(json.dumps(config, indent=2) + "\n")
-        self.timings["provision"] = time.time() - started
+        with self.timed("provision"):
+            self.prod = provision(project_file, self.work / "kits", "preinstalled")
+            for index, site in enumerate(self.hospitals):  # each hospital's own images, named by the hospital
+                source = f"synthetic:n={self.plan.images},classes={TASK['num_classes']},channels=1,size=28"
+                config = site_data_config(source, seed=index + 1)
+                (self.kit(site) / "local" / "medflare_site.json").write_text(json.dumps(config, indent=2) + "\n")
         self.echo(f"rehearse: provisioned {self.server['name']}, {', '.join(self.hospitals)} and {self.lead} "
                   f"({self.prod})")
 
@@ -221,14 +229,13 @@ class Stage:
         return self.prod / participant
 
     def network(self) -> None:
-        started = time.time()
         names = [self.server["name"], *self.hospitals, self.lead]
         server_names = [self.server["name"], *self.server.get("host_names", [])]
-        self.wan = Wan(names, {name: self.server["name"] for name in server_names})
-        self.wan.up()
-        for site, mbit in self.plan.rates.items():
-            self.wan.set_rate(site, mbit)
-        self.timings["network"] = time.time() - started
+        with self.timed("network"):
+            self.wan = Wan(names, {name: self.server["name"] for name in server_names})
+            self.wan.up()
+            for site, mbit in self.plan.rates.items():
+                self.wan.set_rate(site, mbit)
         shaped = ", ".join(f"{s} {m:g} Mbit/s" for s, m in self.plan.rates.items()) or "no shaping"
         self.echo(f"rehearse: {len(names)} namespaces on a bridge ({shaped}); {self.server['name']} is "
                   f"{self.wan.hosts[self.server['name']].address} in every namespace's /etc/netns/<ns>/hosts")
@@ -641,19 +648,17 @@ def rehearse(plan: Rehearsal, out_dir: str | Path, echo: Echo = print, overwrite
         stage.provision()
         stage.network()
         stage.start_all()
-        started = time.time()
-        job_dir = stage.export()
-        stage.timings["export"] = time.time() - started
-        job_id = stage.submit(job_dir)
-        stage.timings["submit"] = stage.submitted_at - started - stage.timings["export"]
+        with stage.timed("export"):
+            job_dir = stage.export()
+        with stage.timed("submit"):
+            job_id = stage.submit(job_dir)
         code, _ = stage.follow(job_id)
         if stage.resume_from:  # the server crashed and is back: the lead resubmits the job to resume it
             job_id = stage.resubmit(job_dir)
             code, _ = stage.follow(job_id)
         stage.timings["job"] = time.time() - stage.submitted_at
-        started = time.time()
-        status = stage.job_status(job_id)
-        stage.timings["status"] = time.time() - started
+        with stage.timed("status"):
+            status = stage.job_status(job_id)
         for event in stage.events:  # FLARE 2.9 never ends a job its server lost (docs/deploy.md §8)
             if "crashed_job" in event:
                 event["crashed_job_status"] = stage.job_status(event["crashed_job"])
@@ -662,9 +667,8 @@ def rehearse(plan: Rehearsal, out_dir: str | Path, echo: Echo = print, overwrite
             with contextlib.suppress(RehearseError):
                 stage.wait_connected([site], timeout=SITE_HEARTBEAT_TIMEOUT + 30)
                 rejoined[site] = True
-        started = time.time()
-        results_path = stage.download_and_report(job_id)
-        stage.timings["download_and_report"] = time.time() - started
+        with stage.timed("download_and_report"):
+            results_path = stage.download_and_report(job_id)
         results = json.loads(results_path.read_text())
         model_problem = model_is_finite(results_path.parent / "FL_global_model.pt", stage.run)
         server_log = (stage.kit(stage.server["name"]) / "log.txt").read_text(errors="replace")
@@ -694,9 +698,8 @@ def rehearse(plan: Rehearsal, out_dir: str | Path, echo: Echo = print, overwrite
             stage.close()
             target.abandon(logs + f"\nrehearse: stopped: {exc or type(exc).__name__}\n")
         raise
-    started = time.time()
-    stage.close()
-    stage.timings["close"] = time.time() - started
+    with stage.timed("close"):
+        stage.close()
     stage.timings["total"] = time.time() - stage.t0
     record["timings"] = {k: round(v, 1) for k, v in stage.timings.items()}
     shutil.rmtree(stage.work, ignore_errors=True)
