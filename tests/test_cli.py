@@ -378,6 +378,58 @@ def test_report_never_replaces_files_it_did_not_write(tmp_path: Path, capsys) ->
     assert run_cli(["report", str(app_server)], capsys)[0] == 0  # its own earlier report is replaced
 
 
+def with_server_plan(app_server: Path, plan: str) -> None:
+    """The results as a server writes them: with the fingerprint of the plan it ran."""
+    results = json.loads((app_server / "medflare_results.json").read_text())
+    (app_server / "medflare_results.json").write_text(json.dumps({**results, "plan": plan}))
+
+
+def test_a_report_checks_the_job_config_beside_the_results_against_the_plan_the_server_ran(
+    tmp_path: Path, capsys
+) -> None:
+    from medflare.plan import plan_from_job
+
+    run = RunConfig(method="fedprox", rounds=2, data={"source": "synthetic:n=200"}, train={"lr": 0.01})
+    app_server = downloaded_job(tmp_path, run)
+    ran = plan_from_job(tmp_path / "export" / "fedprox")
+    with_server_plan(app_server, ran.digest())
+    assert run_cli(["report", str(app_server), "-o", str(tmp_path / "r")], capsys)[0] == 0
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert (summary["plan"], summary["plan_check"]) == (ran.digest(), "matches")
+    assert "resolves to the same plan" in (tmp_path / "r" / "report.md").read_text()
+
+    server = app_server / "config" / "config_fed_server.json"  # edited after the run: 5 rounds, not 2
+    config = json.loads(server.read_text())
+    config["workflows"][0]["args"]["num_rounds"] = 5
+    next(c for c in config["components"] if c["id"] == "aggregator")["args"]["num_rounds"] = 5
+    server.write_text(json.dumps(config))
+    code, out, err = run_cli(["report", str(app_server), "-o", str(tmp_path / "r2")], capsys)
+    assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1, err
+    assert f"the server ran plan {ran.digest()}" in err and "changed after the run?" in err
+    assert not (tmp_path / "r2").exists()
+
+
+def test_results_from_before_the_server_recorded_its_plan_are_reported_unchecked(tmp_path: Path) -> None:
+    app_server = downloaded_job(tmp_path, RunConfig(method="fedavg", rounds=2, data={"source": "synthetic:n=200"}))
+    summary = report_from_results(app_server, tmp_path / "report")
+    assert summary["plan_check"] == "unknown" and "resolves to" not in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_a_run_whose_server_ran_another_plan_keeps_its_outputs_and_says_so(tmp_path: Path) -> None:
+    from medflare.runner import plan_job, results_text, write_job_outputs
+
+    run = RunConfig(method="fedavg", rounds=2, data={"source": "synthetic:n=200"})
+    run.validate()
+    app_server = downloaded_job(tmp_path, run)
+    with_server_plan(app_server, "0123456789ab")
+    summary = write_job_outputs(plan_job(run, "byoc"), run, app_server / "medflare_results.json",
+                                tmp_path / "out", {}, None)
+    assert summary["plan_check"].startswith("differs: the server ran plan 0123456789ab")
+    assert (tmp_path / "out" / "summary.json").is_file()  # nothing of a finished run is lost
+    assert "**warning:** the configuration below differs" in (tmp_path / "out" / "report.md").read_text()
+    assert "medflare: warning: fedavg: the plan differs" in results_text([summary], tmp_path / "out")
+
+
 def test_report_on_a_missing_file_is_one_line(tmp_path: Path, capsys) -> None:
     code, out, err = run_cli(["report", str(tmp_path / "nope" / "medflare_results.json")], capsys)
     assert (code, out) == (2, "") and "results file not found" in err and len(err.strip().splitlines()) == 1

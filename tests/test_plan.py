@@ -120,7 +120,7 @@ def test_a_resolved_task_is_handed_down_instead_of_read_again(tmp_path: Path, mo
     job = runner.export_run_job(run, tmp_path, "byoc", task=task)
     assert set(sites) == {"site-1", "site-2"} and len(counts) == task.num_classes
     assert plan_from_job(job).task == task
-    assert runner.run_summary_config(run, task)["task"]["num_classes"] == task.num_classes
+    assert runner.summary_config(runner.plan_job(run, "byoc", task), run)["task"]["num_classes"] == task.num_classes
 
 
 def deployed_to(job: Path, participant: str, root: Path) -> FLContext:

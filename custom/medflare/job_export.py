@@ -279,23 +279,35 @@ def job_robust(run: RunConfig, mode: str) -> dict[str, float]:
 def export_job(
     run: RunConfig, out_dir: str | Path, task: TaskSpec, mode: str = "byoc", shot_groups: dict | None = None
 ) -> Path:
-    """Write ``out_dir/<job name>/`` and return its path. An existing folder of that name is replaced.
+    """Write ``out_dir/<job name>/`` for ``run`` (its plan: :func:`job_plan`) and return its path; see
+    :func:`write_job`. The job's robust settings are :func:`job_robust`'s (``run`` itself is not changed)."""
+    return write_job(job_plan(run, task, mode), out_dir, mode, shot_groups, run.plugins)
 
-    The job's robust settings are :func:`job_robust`'s (``run`` itself is not changed).
+
+def write_job(plan: RunPlan, out_dir: str | Path, mode: str = "byoc", shot_groups: dict | None = None,
+              plugin_files: list | tuple = ()) -> Path:
+    """Write the job of ``plan`` to ``out_dir/<job name>/`` and return its path. An existing folder of that name is
+    replaced, only once the new one is complete.
+
+    Args:
+        plugin_files: the files of the plan's plugin modules (``RunConfig.plugins``), copied into a BYOC job.
+
+    Raises:
+        ConfigError: the plan brings plugins and ``mode`` is not ``byoc`` (nothing is written).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got '{mode}'")
-    if run.plugins and mode != "byoc":  # refused before anything is written
-        raise ConfigError(f"plugin files ship inside the job ({', '.join(map(str, run.plugins))}), so they need "
-                          "--mode byoc; for a pre-installed site, install them as a package (docs/own-model-and-data.md)")
-    plan = job_plan(run, task, mode)
-    job_dir = Path(out_dir) / run.job_name
+    if plan.plugins and mode != "byoc":  # refused before anything is written
+        named = ", ".join(map(str, plugin_files or plan.plugins))
+        raise ConfigError(f"plugin files ship inside the job ({named}), so they need --mode byoc; for a "
+                          "pre-installed site, install them as a package (docs/own-model-and-data.md)")
+    job_dir = Path(out_dir) / plan.job_name
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     # A new folder made exclusively: a planted `<job>.partial` (or a symlink of that name) is never written through
-    staging = Path(tempfile.mkdtemp(dir=out_dir, prefix=f".{run.job_name}.", suffix=".partial"))
+    staging = Path(tempfile.mkdtemp(dir=out_dir, prefix=f".{plan.job_name}.", suffix=".partial"))
     staging.chmod(0o755)  # mkdtemp's 0700 would hide the job from whoever submits or reviews it
     try:
-        _write_job(plan, staging, mode, shot_groups, run.plugins)
+        _write_job(plan, staging, mode, shot_groups, list(plugin_files))
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -292,13 +292,19 @@ def _app_dir_of(results_dir: Path) -> Path:
 def job_run_config(folder: Path) -> Any:
     """The RunConfig a job was built from, read back from its app config (``config_fed_server/client``) in
     ``folder`` (``app_server/``) or in the one job of the medflare run folder ``folder``."""
-    from medflare.plan import app_configs, run_from_job
+    return job_run_and_plan(folder)[0]
+
+
+def job_run_and_plan(folder: Path) -> tuple[Any, Any]:
+    """The RunConfig and the RunPlan of the job whose app config is in ``folder`` (see :func:`job_run_config`),
+    rebuilt as the server rebuilt its own (``plan.job_from_app``)."""
+    from medflare.plan import job_from_app
 
     app_dir = _app_dir_of(folder)
     meta_path = next((p for p in (app_dir.parent / "meta.json", app_dir.parent.parent / "meta.json") if p.is_file()),
                      None)
     try:
-        return run_from_job(*app_configs(app_dir / "config", meta_path))
+        return job_from_app(app_dir / "config", meta_path)
     except ConfigError as exc:
         raise ConfigError(f"{app_dir / 'config'}: {exc}; a report needs the job config FLARE keeps in "
                           "app_server/config/") from exc

@@ -67,6 +67,7 @@ class RunPlan:
     task: TaskSpec
     data: dict[str, Any]  # what the sites receive ({"source": "site"}: each reads its own)
     train: dict[str, Any]  # the job's own training options (typed), under which each site's and stage's merge
+    train_resolved: TrainConfig  # the job's options over the method's defaults (what summaries record)
     site_train: dict[str, dict[str, Any]]  # a site's own options over the job's
     sites: tuple[SitePlan, ...]
     min_clients: int  # valid updates a round needs
@@ -119,6 +120,7 @@ class RunPlan:
         """The plan :meth:`to_dict` wrote."""
         fields = dict(record)
         fields["task"] = TaskSpec(**fields["task"])
+        fields["train_resolved"] = TrainConfig(**fields["train_resolved"])
         fields["sites"] = tuple(SitePlan(s["name"], s["model"], {stage: TrainConfig(**train) for stage, train
                                                                  in s["train"].items()}) for s in fields["sites"])
         fields["rounds"] = tuple(RoundPlan(r["round"], r["stage"], r["scored"], tuple(r["phases"]))
@@ -153,6 +155,7 @@ def build_plan(run: RunConfig, task: TaskSpec, robust: Mapping[str, float],
         job_name=run.job_name, method=run.method, method_args=dataclasses.asdict(method_cfg),
         method_options=dict(run.method_args), model=run.model,
         pretrained=run.pretrained, seed=run.seed, task=task, data=run.site_data(), train=dict(run.train),
+        train_resolved=resolve_train_config(spec, run.train),
         site_train={site: dict(options) for site, options in run.site_train.items()}, sites=sites,
         min_clients=run.required_clients, rounds=rounds, evaluation=run.site_evaluation, patience=run.patience,
         straggler_seconds=run.straggler_seconds, task_timeout=run.task_timeout or DEFAULT_TASK_TIMEOUT,
@@ -189,6 +192,12 @@ def plan_from_app(config_dir: str | Path, meta_path: str | Path | None = None) -
         ConfigError: a config that is missing, not JSON or not a medflare job, or server and site configs that
             disagree about what the sites build (:func:`run_from_job`).
     """
+    return job_from_app(config_dir, meta_path)[1]
+
+
+def job_from_app(config_dir: str | Path, meta_path: str | Path | None = None) -> tuple[RunConfig, RunPlan]:
+    """The run a deployed app records (:func:`run_from_job`) and the plan it resolves to (:func:`plan_from_app`):
+    a report describes the first as the run's configuration and checks the second against the server's."""
     meta, server, client = app_configs(Path(config_dir), meta_path)
     try:
         plugins = _executor(client)["args"].get("plugins", [])
@@ -197,7 +206,7 @@ def plan_from_app(config_dir: str | Path, meta_path: str | Path | None = None) -
         raise ConfigError(f"the job config lacks {exc or 'its aggregator'}: not a medflare job") from exc
     load_plugins(plugins)  # the job's own methods, before they are looked up
     run = run_from_job(meta, server, client)
-    return build_plan(run, TaskSpec(**run.task), robust, plugins=plugins)
+    return run, build_plan(run, TaskSpec(**run.task), robust, plugins=plugins)
 
 
 def read_app_config(config_dir: Path, side: str) -> dict[str, Any]:

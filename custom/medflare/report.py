@@ -298,12 +298,20 @@ def _header(summary: Mapping[str, Any]) -> list[str]:
         f"{_models_text(cfg)}, {summary['rounds_completed']} rounds, seed {cfg.get('seed')}",
         f"- classes: {', '.join(class_names(summary)) or 'n/a'}",
         *([f"- plan `{summary['plan']}` (the server's; every site logs the one it runs, `medflare config --plan` "
-           "prints the plan)"] if summary.get("plan") else []),
+           f"prints the plan){_plan_check_text(summary)}"] if summary.get("plan") else []),
         f"- mean round wall time {format_seconds(timing.get('mean_round_seconds'), 2)}; {startup_text(timing)}",
         f"- metrics are of {_scored_models(summary)} on the sites' held-out test splits, summed as confusion counts "
         f"(exact pooled values); the headline metric is {_headline_text(summary)}, and the best model is chosen by "
         "its value on validation only; round r is the model after r rounds (round 0: the initial model)",
     ]
+
+
+def _plan_check_text(summary: Mapping[str, Any]) -> str:
+    """What the job config this report describes is to the plan the server ran (``runner.plan_check``)."""
+    check = summary.get("plan_check")
+    if check == "matches":
+        return "; the configuration below resolves to the same plan"
+    return f"; **warning:** the configuration below {check}" if check and check != "unknown" else ""
 
 
 def _headline_text(summary: Mapping[str, Any]) -> str:

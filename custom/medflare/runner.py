@@ -25,6 +25,7 @@ from medflare.config import load_config_file
 from medflare.errors import ConfigError
 
 if TYPE_CHECKING:  # importing the run configuration pulls in torch: only the commands that build a run pay it
+    from medflare.plan import RunPlan
     from medflare.run_config import RunConfig
     from medflare.site_runtime import TaskSpec
 
@@ -217,8 +218,17 @@ def describe_sites(run: RunConfig, task: TaskSpec | None = None) -> tuple[dict[s
     return sites, totals
 
 
+def plan_job(run: RunConfig, mode: str, task: TaskSpec | None = None) -> RunPlan:
+    """What the job of ``run`` written in ``mode`` will do (``job_export.job_plan``), resolved once: a runner hands
+    it to :func:`export_run_job` and :func:`write_job_outputs`. ``task``: the run's resolved task (read from the
+    data when not given)."""
+    from medflare.job_export import job_plan
+
+    return job_plan(run, task or run.task_spec(), mode)
+
+
 def export_run_job(run: RunConfig, out_dir: str | Path, mode: str, class_counts: list[int] | None = None,
-                   task: TaskSpec | None = None) -> Path:
+                   task: TaskSpec | None = None, plan: RunPlan | None = None) -> Path:
     """The run's FLARE job (``byoc`` or ``preinstalled``), as the simulator, POC and production get it.
 
     Args:
@@ -227,40 +237,43 @@ def export_run_job(run: RunConfig, out_dir: str | Path, mode: str, class_counts:
         mode: ``byoc`` (the job carries medflare) or ``preinstalled``.
         class_counts: global training class counts from :func:`describe_sites` (computed when not given).
         task: the run's resolved task (read from the data when not given).
+        plan: the job's plan from :func:`plan_job` (built here when not given).
     """
-    from medflare.job_export import export_job
+    from medflare.job_export import write_job
 
-    task = task or run.task_spec()
+    plan = plan or plan_job(run, mode, task)
     if class_counts is None:
-        _, class_counts = describe_sites(run, task)
-    return export_job(run, out_dir, task, mode=mode, shot_groups=shot_groups_for(run, class_counts))
+        _, class_counts = describe_sites(run, plan.task)
+    return write_job(plan, out_dir, mode, shot_groups_for(run, class_counts), run.plugins)
 
 
 # ----- outputs -----------------------------------------------------------------------------------------
 def write_job_outputs(
-    run: Any,
+    plan: RunPlan,
+    run: RunConfig,
     results_file: Path,
     out: Path,
     clients: Mapping[str, Any],
     launched_at: float | None,
     deployment: dict[str, Any] | None = None,
     copy_models: bool = True,
-    task: TaskSpec | None = None,
 ) -> dict[str, Any]:
     """summary.json, rounds.csv, report.md, plots and the global models, from the controller's results file.
 
     Shared by the simulator and POC runners, so ``medflare run`` writes the same outputs in every environment.
 
     Args:
+        plan: the job's plan: the task, the training settings and the fingerprint the summary records.
+        run: the run the plan was resolved from, as the summary records its configuration.
         copy_models: copy the global models found beside the results (off when the outputs go beside them).
-        task: the run's resolved task (read from the data when not given).
     """
     from medflare.outputs import MODEL_FILES
     from medflare.report import build_summary, write_outputs
 
     results = json.loads(results_file.read_text())
-    config = {**run_summary_config(run, task), **(deployment or {})}
+    config = {**summary_config(plan, run), **(deployment or {})}
     summary = build_summary(results, config, clients, launched_at)
+    summary["plan_check"] = plan_check(results.get("plan"), plan)
     if deployment:
         summary["deployment"] = deployment
     write_outputs(summary, out)
@@ -270,9 +283,21 @@ def write_job_outputs(
     return summary
 
 
-def run_summary_config(run: Any, task: TaskSpec | None = None) -> dict[str, Any]:
-    """The resolved run configuration as summaries record it (with the task and the full training settings)."""
-    return {**vars(run), "task": vars(task or run.task_spec()), "train_resolved": vars(run.train_config())}
+def summary_config(plan: RunPlan, run: RunConfig) -> dict[str, Any]:
+    """The run's configuration as summaries record it: the options of ``run``, with the task and the full
+    training settings its plan resolved."""
+    return {**vars(run), "task": vars(plan.task), "train_resolved": vars(plan.train_resolved)}
+
+
+def plan_check(server_plan: str | None, plan: RunPlan) -> str:
+    """Whether the server ran ``plan``: "matches", "unknown" (results from before the server recorded its plan),
+    or a line saying which plan each side stands for."""
+    if not server_plan:
+        return "unknown"
+    if server_plan == plan.digest():
+        return "matches"
+    return (f"differs: the server ran plan {server_plan}, the job config here resolves to plan {plan.digest()} "
+            "(changed after the run?)")
 
 
 def results_text(summaries: list[Mapping[str, Any]], out: Path, seeds: int = 1) -> str:
@@ -288,6 +313,8 @@ def results_text(summaries: list[Mapping[str, Any]], out: Path, seeds: int = 1) 
         warning = untrained_best_warning(summary)
         if warning:
             lines.append(f"medflare: warning: {summary['method']} (seed {summary['config'].get('seed')}): {warning}")
+        if str(summary.get("plan_check", "")).startswith("differs"):  # the job that ran is not the one described
+            lines.append(f"medflare: warning: {summary['method']}: the plan {summary['plan_check']}")
     lines.append(f"results: {out.resolve()}")
     return "\n".join(lines)
 
@@ -296,8 +323,9 @@ def report_from_results(results_file: Path, out: Path, copy_models: bool = True)
     """The usual run outputs from a job's ``medflare_results.json`` and the job config that sits beside it.
 
     FLARE deploys the whole app to the server, so ``app_server/config/`` holds both the server and the client
-    config in a downloaded job and in a simulator workspace alike; the run is rebuilt from them, and the report
-    says the same (data, sites, seed, model, training settings) as the simulator run's.
+    config in a downloaded job and in a simulator workspace alike; the run and its plan are rebuilt from them as
+    the server rebuilt its own, and the report says the same (data, sites, seed, model, training settings) as the
+    simulator run's.
 
     Args:
         results_file: the results file, or the folder holding it (``.../app_server``).
@@ -305,20 +333,23 @@ def report_from_results(results_file: Path, out: Path, copy_models: bool = True)
         copy_models: also copy the global models there (pointless when the report goes beside them).
 
     Raises:
-        ConfigError: the file is missing, or it or the job config beside it is unreadable.
+        ConfigError: the file is missing, or it or the job config beside it is unreadable, or that config is not
+            the one the server ran (its plan's fingerprint differs from the one the results record).
     """
     from medflare.flare.controller import RESULTS_FILE
-    from medflare.outputs import job_run_config, recorded_launch
+    from medflare.outputs import job_run_and_plan, recorded_launch
     from medflare.report import read_results
 
     results_file = results_file / RESULTS_FILE if results_file.is_dir() else results_file
     if not results_file.is_file():
         raise ConfigError(f"results file not found: {results_file}; give a run's {RESULTS_FILE} (a downloaded job "
                           f"has it in <job id>/workspace/app_server/)")
-    run = job_run_config(results_file.parent)
-    read_results(results_file)  # depth-limited, held to the results schema: a bad file is one line
+    run, plan = job_run_and_plan(results_file.parent)
+    check = plan_check(read_results(results_file).get("plan"), plan)  # depth-limited, held to the results schema
+    if check.startswith("differs"):
+        raise ConfigError(f"{results_file}: {check}; report on the job as it was downloaded")
     launched_at = recorded_launch(results_file.parent)
-    return write_job_outputs(run, results_file, out, {}, launched_at, copy_models=copy_models)
+    return write_job_outputs(plan, run, results_file, out, {}, launched_at, copy_models=copy_models)
 
 
 # ----- interruption ------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from medflare.processes import start_kept
 from medflare.registry import get_method
 from medflare.run_config import RunConfig
 from medflare.runner import (
-    describe_sites, export_run_job, nvflare_command, signals_held, stop_process_tree, write_job_outputs,
+    describe_sites, export_run_job, nvflare_command, plan_job, signals_held, stop_process_tree, write_job_outputs,
 )
 from medflare.site_runtime import SITE_LOG_FILE
 
@@ -73,18 +73,19 @@ def run_simulation(
     target.check()
     task = run.task_spec()  # the data is read for the task once and the result handed down
     clients, class_counts = describe_sites(run, task)  # bad data fails before anything is written
+    plan = plan_job(run, "byoc", task)  # what the job does, resolved once: the job and the summary are written from it
     staging = target.begin()
     workspace = staging / "workspace"
     try:
         # BYOC: the simulator enforces the same class allow-list as a real site, and a simulated site has not
         # allow-listed medflare; carrying the code is what a researcher submitting to POC does too.
-        job_dir = export_run_job(run, staging / "job", "byoc", class_counts, task)
+        job_dir = export_run_job(run, staging / "job", "byoc", class_counts, task, plan)
         launched_at = time.time()
         _launch(run, job_dir, workspace, staging / SIMULATOR_LOG, echo)
         keep_site_logs(workspace, staging)
         keep_server_records(_server_app_dir(workspace).parent, staging)  # TensorBoard / MLflow records
         _plot_site_logs(run, staging)  # before the report, which shows every plot of the run
-        summary = write_job_outputs(run, _results_file(workspace), staging, clients, launched_at, task=task)
+        summary = write_job_outputs(plan, run, _results_file(workspace), staging, clients, launched_at)
         if summary.get("error"):
             raise SimulationError(f"the job stopped early: {summary['error']}")
         finished = run.rounds == summary["rounds_completed"] or summary.get("stopped_early")

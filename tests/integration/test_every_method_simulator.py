@@ -26,7 +26,7 @@ from medflare.flare.controller import RESULTS_FILE
 from medflare.recipes import MedflareRecipe
 from medflare.registry import get_method, list_methods
 from medflare.run_config import RunConfig, merge_sections
-from medflare.runner import describe_sites, write_job_outputs
+from medflare.runner import describe_sites, plan_job, write_job_outputs
 
 from ._rescoring import rescore_global_model
 
@@ -58,7 +58,8 @@ def run_recipe_in_simenv(run: RunConfig, tmp_path: Path) -> tuple[Path, dict, di
     results_file = workspace / "server" / "simulate_job" / "app_server" / RESULTS_FILE
     out = tmp_path / "run"
     out.mkdir()
-    summary = write_job_outputs(run, results_file, out, describe_sites(run)[0], launched_at=None)
+    plan = plan_job(run, "byoc")
+    summary = write_job_outputs(plan, run, results_file, out, describe_sites(run)[0], launched_at=None)
     for audit in workspace.glob(f"site-*/**/{AUDIT_FILE}"):
         site = audit.relative_to(workspace).parts[0]
         (out / "sites" / site).mkdir(parents=True)
@@ -111,6 +112,7 @@ def test_methods_recipe_completes_a_short_job_in_simenv_and_sends_exactly_its_de
     run = smoke_run(method)  # one round per stage (SSL-FL's smallest job: one pre-training, one fine-tuning round)
     out, summary, results = run_recipe_in_simenv(run, tmp_path)
     assert "error" not in results, results.get("error")
+    assert summary["plan_check"] == "matches"  # the server ran the plan the runner built (and wrote the job from)
     check_console(capfd, run, tmp_path / "ws")
     assert len(results["rounds"]) == run.rounds == len(results["stages"]) == summary["rounds_completed"]
     assert all(set(r["payload"]) == set(run.site_names) for r in results["rounds"])  # every site answered

@@ -51,6 +51,7 @@ def test_the_server_and_both_sites_ran_the_plan_the_command_line_built(fedavg_ru
     run.validate(check_files=False)
     digest = build_plan(run, run.task_spec(), job_robust(run, "byoc")).digest()
     assert json.loads((out / "medflare_results.json").read_text())["plan"] == digest
+    assert json.loads((out / "summary.json").read_text())["plan_check"] == "matches"  # the run checked it too
     logged = re.findall(r"(site-\d): runs plan (\w+)", (out / "simulator.log").read_text())
     assert sorted(logged) == [("site-1", digest), ("site-2", digest)]
 

@@ -50,7 +50,7 @@ from medflare.deploy.watch import KIT_ENV, WatchError, kit_username, watch
 from medflare.errors import ConfigError, MedflareError
 from medflare.flare.memory import with_allocator_settings
 from medflare.flare.tracking import keep_server_records
-from medflare.outputs import OutputTarget, failure_note, keep_site_logs
+from medflare.outputs import OutputTarget, failure_note, job_run_and_plan, keep_site_logs
 from medflare.processes import end_processes, run_kept
 from medflare.run_config import deployment_robust
 from medflare.runner import (
@@ -58,6 +58,7 @@ from medflare.runner import (
     build_run_config,
     describe_sites,
     export_run_job,
+    plan_job,
     quiet_on_closed_output,
     results_text,
     signals_held,
@@ -483,13 +484,14 @@ def find_results(download_dir: str | Path) -> Path:
 
 
 def write_run_outputs(run: Any, download_dir: Path, out: Path, launched_at: float | None, extra: dict,
-                      task: Any = None) -> dict:
+                      plan: Any = None) -> dict:
     """summary.json / rounds.csv / report.md / plots (as ``medflare run`` writes them) from a downloaded job;
-    ``task``: the run's resolved task (read from the data when not given)."""
+    ``plan``: the job's plan (``runner.plan_job``; when not given, the one the downloaded job's config resolves to,
+    as its server rebuilt it)."""
     results_path = find_results(download_dir)
-    task = task or run.task_spec()
-    clients, _ = describe_sites(run, task)
-    summary = write_job_outputs(run, results_path, out, clients, launched_at, deployment=extra, task=task)
+    plan = plan or job_run_and_plan(results_path.parent)[1]
+    clients, _ = describe_sites(run, plan.task)
+    summary = write_job_outputs(plan, run, results_path, out, clients, launched_at, deployment=extra)
     keep_server_records(results_path.parent.parent, out)  # TensorBoard / MLflow records of the job
     server_log = results_path.parent.parent / "log.txt"
     if server_log.exists():
@@ -589,8 +591,8 @@ def _run_in_poc(run: Any, session: PocSession, target: OutputTarget, staging: Pa
     try:
         session.prepare(run.clients, allow_job_data=run.data.get("source", "site") != "site",
                         he=run.secure_aggregation == "he")
-        task = run.task_spec()  # the data is read for the task once and the result handed down
-        job_dir = export_run_job(run, staging / "job", mode, None, task)
+        plan = plan_job(run, mode)  # the data is read for the task once; the job and its outputs come from the plan
+        job_dir = export_run_job(run, staging / "job", mode, None, plan.task, plan)
         launched_at = time.time()
         session.start()
         job_id = session.submit(job_dir)
@@ -601,7 +603,7 @@ def _run_in_poc(run: Any, session: PocSession, target: OutputTarget, staging: Pa
             raise PocError(f"job {job_id} ended as {status}; see the server log")
         download = session.download(job_id, staging / "download")
         extra = {"env": "poc", "mode": mode, "job_id": job_id, "status": status, "sites": session.state["sites"]}
-        summary = write_run_outputs(run, download, staging, launched_at, extra, task)
+        summary = write_run_outputs(run, download, staging, launched_at, extra, plan)
         keep_site_logs(session.prod_dir(), staging, job_id)  # a POC's sites are on this machine too
         if summary.get("error"):
             raise PocError(f"the job stopped early: {summary['error']}")
