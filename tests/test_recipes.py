@@ -47,6 +47,25 @@ def test_a_recipe_exports_exactly_the_job_medflare_export_writes(method: str, tm
     assert [name for name in exported if exported[name] != from_recipe[name]] == []
 
 
+def test_a_recipe_reads_the_data_for_its_task_once_and_writes_every_job_from_that_plan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from medflare.plan import plan_from_job
+    from medflare.run_config import RunConfig
+
+    job = recipe("fedavg", rounds=1, data="synthetic:n=200")
+    task = job.run_config.task_spec()
+
+    def read_again(self) -> None:
+        raise AssertionError("the task was read from the data again")
+
+    monkeypatch.setattr(RunConfig, "task_spec", read_again)
+    job.export(str(tmp_path / "sim"))
+    job.export(str(tmp_path / "poc"), env=PocEnv(num_clients=2))
+    assert plan_from_job(tmp_path / "sim" / "fedavg").task == plan_from_job(tmp_path / "poc" / "fedavg").task == task
+    assert plan_from_job(tmp_path / "poc" / "fedavg").robust == DEPLOY_ROBUST
+
+
 def test_recipe_options_are_run_options_checked_in_one_line() -> None:
     with pytest.raises(ConfigError, match="unknown option"):
         recipe("fedavg", rounds=1, learning_rate=0.1)

@@ -44,6 +44,7 @@ from nvflare.recipe.spec import ExecEnv, Recipe
 
 from medflare.errors import ConfigError
 from medflare.run_config import RunConfig, deployment_robust, merge_run_config
+from medflare.site_runtime import TaskSpec
 
 __all__ = ["MedflareRecipe", "recipe"]
 
@@ -56,28 +57,30 @@ CONSOLE_FILTER = "MedflareConsole"
 class _MedflareJobConfig(FedJobConfig):
     """FLARE's job configuration whose job folder is written by medflare's own builder."""
 
-    def __init__(self, run: RunConfig, mode: str) -> None:
+    def __init__(self, run: RunConfig, mode: str, task: TaskSpec) -> None:
         super().__init__(job_name=run.job_name, min_clients=run.required_clients)
         self.run = run
         self.mode = mode
+        self.task = task  # read from the data once, when the recipe was built
         self.deployed = False  # set by the recipe when it knows the job goes to a POC or production
 
     def generate_job_config(self, job_root: str) -> None:
-        """Write ``job_root/<job name>/`` (FLARE calls this for export, the simulator, POC and production)."""
-        from medflare.runner import export_run_job
+        """Write ``job_root/<job name>/`` from the job's plan (FLARE calls this for export, the simulator, POC and
+        production)."""
+        from medflare.runner import export_run_job, plan_job
 
         run = self.run
         if self.deployed:  # whatever its mode and data (a POC may run simulated data): defences on
             run = dataclasses.replace(run, robust=deployment_robust(run.robust))
-        export_run_job(run, Path(job_root), self.mode)
+        export_run_job(run, Path(job_root), self.mode, None, self.task, plan_job(run, self.mode, self.task))
 
 
 class _MedflareJob(FedJob):
     """A FedJob whose apps come from medflare's builder; FLARE's environments deploy it like any FedJob."""
 
-    def __init__(self, run: RunConfig, mode: str) -> None:
+    def __init__(self, run: RunConfig, mode: str, task: TaskSpec) -> None:
         super().__init__(name=run.job_name, min_clients=run.required_clients)
-        self.job = _MedflareJobConfig(run, mode)
+        self.job = _MedflareJobConfig(run, mode, task)
         self.clients = [ALL_SITES]  # the app goes to every site; the simulator names them site-1..N
 
 
@@ -100,10 +103,10 @@ class MedflareRecipe(Recipe):
         if mode not in MODES:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}, got '{mode}'")
         run.validate()
-        run.task_spec()  # reads the data: a missing file or an impossible partition fails before any export
+        task = run.task_spec()  # reads the data once: a missing file or an impossible partition fails here
         self.run_config = run
         self.mode = mode
-        super().__init__(_MedflareJob(run, mode))
+        super().__init__(_MedflareJob(run, mode, task))
 
     def run(self, env: ExecEnv, server_exec_params: dict | None = None,
             client_exec_params: dict | None = None) -> Any:
