@@ -407,6 +407,10 @@ def test_a_report_checks_the_job_config_beside_the_results_against_the_plan_the_
     assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1, err
     assert f"the server ran plan {ran.digest()}" in err and "changed after the run?" in err
     assert not (tmp_path / "r2").exists()
+    with_server_plan(app_server, {"not": "a fingerprint"})  # a results file edited too: one line, no report
+    code, out, err = run_cli(["report", str(app_server), "-o", str(tmp_path / "r3")], capsys)
+    assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1 and "plan" in err, err
+    assert not (tmp_path / "r3").exists()
 
 
 def test_results_from_before_the_server_recorded_its_plan_are_reported_unchecked(tmp_path: Path) -> None:

@@ -89,7 +89,8 @@ RESULTS = obj(required={"method": STR, "rounds": list_of(_ROUND)},
               optional={"num_rounds": INT, "evaluations": obj(each=_EVALUATION), "final": _EVALUATION,
                         "best": obj(optional={"model_version": INT}, each=NUMBER), "final_validation": OBJECT,
                         "resumed": list_of(OBJECT), "controller_started_at": NUMBER, "finished_at": NUMBER,
-                        "stopped_early": obj(nullable=True), "error": Spec((str, type(None)))})
+                        "stopped_early": obj(nullable=True), "error": Spec((str, type(None))),
+                        "plan": Spec((str, type(None)))})
 
 
 def load_json(path: Path, error: type[MedflareError] = DataError, where: str = "", fix: str = "") -> Any:
