@@ -67,12 +67,12 @@ class _MedflareJobConfig(FedJobConfig):
     def generate_job_config(self, job_root: str) -> None:
         """Write ``job_root/<job name>/`` from the job's plan (FLARE calls this for export, the simulator, POC and
         production)."""
-        from medflare.runner import export_run_job, plan_job
+        from medflare.runner import export_run_job
 
         run = self.run
         if self.deployed:  # whatever its mode and data (a POC may run simulated data): defences on
             run = dataclasses.replace(run, robust=deployment_robust(run.robust))
-        export_run_job(run, Path(job_root), self.mode, None, self.task, plan_job(run, self.mode, self.task))
+        export_run_job(run, Path(job_root), self.mode, task=self.task)
 
 
 class _MedflareJob(FedJob):

@@ -236,8 +236,8 @@ def export_run_job(run: RunConfig, out_dir: str | Path, mode: str, class_counts:
         out_dir: folder the job folder ``<job name>/`` is written into.
         mode: ``byoc`` (the job carries medflare) or ``preinstalled``.
         class_counts: global training class counts from :func:`describe_sites` (computed when not given).
-        task: the run's resolved task (read from the data when not given).
-        plan: the job's plan from :func:`plan_job` (built here when not given).
+        task: the run's resolved task (read from the data when neither it nor ``plan`` is given).
+        plan: the job's plan from :func:`plan_job` (built here from ``task`` when not given).
     """
     from medflare.job_export import write_job
 
