@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.medflare-installed
 DEMO_OUT ?= runs/demo
 
-.PHONY: install demo test test-nightly test-all test-fast mutants bench-overhead bench-scaling bench-peer bench-transfer bench-fedmas bench-fedmas-cost bench-fca bench-mdhfl bench-mdhfl-cpu60 bench-ssl-fl bench-fedlsm bench-dp bench-he bench-paper bench-fixed clean
+.PHONY: install demo test test-fast mutants bench-overhead bench-scaling bench-peer bench-transfer bench-fedmas bench-fedmas-cost bench-fca bench-mdhfl bench-mdhfl-cpu60 bench-ssl-fl bench-fedlsm bench-dp bench-he bench-paper bench-fixed clean
 
 # pip (not uv/poetry) so torch==2.14.1 / torchvision==0.29.1 come from this machine's local wheel store.
 $(STAMP): pyproject.toml
@@ -132,21 +132,9 @@ bench-paper: install
 # in FLARE's start-up and polling sleeps): 16.5 against 20.7 min on 2026-11-26. tests/conftest.py decides which
 # tests share a worker (all POC tests do).
 TEST_WORKERS ?= 3
-# make test leaves out the tests marked nightly (multi-job POCs with faults, encrypted fedmas, live progress and
-# TensorBoard over a POC: about a third of the POC time); make test-nightly runs those, make test-all everything.
-# $(call pytest_suite,TARGET,PYTEST ARGS): the suite on TEST_WORKERS workers, red when it collects nothing.
-define pytest_suite
-	$(PY) -m pytest -q $(2) --timeout=900 --durations=15 -n $(TEST_WORKERS); rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "make $(1): pytest collected no tests" >&2; exit 1; fi; exit $$rc
-endef
 test: install
-	$(call pytest_suite,test,-m "not nightly")
-
-test-nightly: install
-	$(call pytest_suite,test-nightly,-m nightly)
-
-test-all: install
-	$(call pytest_suite,test-all,)
+	$(PY) -m pytest -q --timeout=900 --durations=15 -n $(TEST_WORKERS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # Every method's invariant ledger (methods/<name>/ledger.toml): each mutant applied in a scratch copy, its tests run,
 # a killed/survived table printed and written to runs/mutants/mutants.md; fails when one survives.

@@ -1,7 +1,5 @@
-"""Encrypted aggregation in a real FLARE POC: kits provisioned with FLARE's HEBuilder, a job with
-secure_aggregation=he beside the same job in plaintext (one POC per method, both jobs at once, two rounds each):
-fedavg in ``make test``, fedmas (RF-weighted shares) in ``make test-nightly`` (tests/flare/test_he.py checks both
-methods' encrypted aggregate in-process in seconds).
+"""Encrypted aggregation in a real FLARE POC: kits provisioned with FLARE's HEBuilder, fedavg and fedmas jobs with
+secure_aggregation=he beside the same jobs in plaintext (one POC, four jobs at once, two rounds each).
 
 The encrypted jobs finish, their server writes only the encrypted model (no FL_global_model.pt, no best model, no
 checkpoint), and that model, decrypted with a site's context, equals the plaintext job's within CKKS precision
@@ -24,7 +22,7 @@ from medflare.run_config import RunConfig, deployment_robust  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-METHODS = ("fedavg", pytest.param("fedmas", marks=pytest.mark.nightly))  # a POC each
+METHODS = ("fedavg", "fedmas")
 TRAIN = {"max_steps": 3, "batch_size": 32, "optimizer": "sgd", "lr": 0.01, "momentum": 0.0}
 DATA = {"source": "synthetic:n=400", "partition": "iid"}
 JOB_TIMEOUT = 300
@@ -39,18 +37,16 @@ def job_run(method: str, he: bool) -> RunConfig:
     return run
 
 
-@pytest.fixture(scope="module", params=METHODS)
-def finished(request, tmp_path_factory, poc_lock, poc_port):
-    """(the method, its downloaded job folder per job name, the POC's seconds, a site's context, the server's
-    context) after the method's encrypted and plaintext jobs ended."""
-    method = request.param
-    root = tmp_path_factory.mktemp(f"poc-he-{method}")
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, poc_lock, poc_port):
+    """(downloaded job folder per job name, the POC's seconds, a site's context) after all four jobs ended."""
+    root = tmp_path_factory.mktemp("poc-he")
     session = PocSession(root / "poc", port=poc_port, echo=lambda line: None)
     try:
         started = time.time()
         session.prepare(2, allow_job_data=True, he=True)
         session.start()
-        runs = [job_run(method, he) for he in (True, False)]
+        runs = [job_run(method, he) for method in METHODS for he in (True, False)]
         ids = {run.job_name: session.submit(export_poc_job(run, root / "jobs", "byoc")) for run in runs}
         statuses = {name: session.wait(job_id, timeout=JOB_TIMEOUT) for name, job_id in ids.items()}
         assert set(statuses.values()) == {"FINISHED:COMPLETED"}, (statuses, session.server_log()[-3000:])
@@ -59,13 +55,14 @@ def finished(request, tmp_path_factory, poc_lock, poc_port):
         context = he_aggregate.tenseal().context_from(
             (session.kit("site-1") / "startup" / CLIENT_CONTEXT_FILE).read_bytes())
         server_context = (session.kit(session.state["server"]) / "startup" / "server_context.tenseal").read_bytes()
-        yield method, downloads, time.time() - started, context, server_context
+        yield downloads, time.time() - started, context, server_context
     finally:
         session.discard()
 
 
-def test_the_encrypted_model_equals_the_plaintext_one(finished) -> None:
-    method, downloads, seconds, context, _ = finished
+@pytest.mark.parametrize("method", METHODS)
+def test_the_encrypted_model_equals_the_plaintext_one(finished, method: str) -> None:
+    downloads, seconds, context, _ = finished
     encrypted_app, plain_app = downloads[f"{method}-he"], downloads[f"{method}-plain"]
     assert not (encrypted_app / "FL_global_model.pt").exists()
     assert not (encrypted_app / "best_FL_global_model.pt").exists()
@@ -75,7 +72,7 @@ def test_the_encrypted_model_equals_the_plaintext_one(finished) -> None:
     assert set(decrypted) == set(plain_params)
     worst = max(float(np.max(np.abs(decrypted[k].astype(np.float64) - np.asarray(v, np.float64)), initial=0.0))
                 for k, v in plain_params.items())
-    print(f"{method}: POC with 2 jobs took {seconds:.0f} s; max |encrypted - plaintext| = {worst:.2e}")
+    print(f"{method}: POC with 4 jobs took {seconds:.0f} s; max |encrypted - plaintext| = {worst:.2e}")
     assert worst < CKKS_TOLERANCE
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from .._processes import LiveProcess
 
-pytestmark = [pytest.mark.slow, pytest.mark.nightly]  # make test-nightly, not make test
+pytestmark = pytest.mark.slow
 
 POC_LOCK = Path("/tmp/medflare-poc.lock")  # POCs use fixed ports (8002/8003): one at a time on this machine
 ROUNDS = 3
