@@ -131,9 +131,11 @@ bench-paper: install
 # 3 on the 2-core CI machine, where 2 left a third of the CPU idle (POC and simulator tests spend much of their time
 # in FLARE's start-up and polling sleeps): 16.5 against 20.7 min on 2026-11-26. tests/conftest.py decides which
 # tests share a worker (all POC tests do).
+# OMP_NUM_THREADS=1: one torch thread per worker and per FLARE process it starts (sites already use one), so 3
+# workers do not spin 6 threads on 2 cores: pytest -m "not slow" -n 3 took 7:23 user-min against 8:36 (2026-11-27).
 TEST_WORKERS ?= 3
 test: install
-	$(PY) -m pytest -q --timeout=900 --durations=15 -n $(TEST_WORKERS); rc=$$?; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --timeout=900 --durations=15 -n $(TEST_WORKERS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # Every method's invariant ledger (methods/<name>/ledger.toml): each mutant applied in a scratch copy, its tests run,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -125,6 +126,15 @@ def test_default_is_one_group_decaying_everything() -> None:
     groups = param_groups(model, TrainConfig(weight_decay=5e-4))
     assert len(groups) == 1 and groups[0]["weight_decay"] == 5e-4
     assert {id(p) for p in groups[0]["params"]} == {id(p) for p in model.parameters()}
+
+
+def test_the_default_groups_need_no_timm_and_the_decay_rules_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    """timm costs a site process 0.7 s to import; the default optimizer does without it."""
+    monkeypatch.setitem(sys.modules, "timm.optim", None)  # importing it now raises ImportError
+    model = create_model("cnn", 3)
+    assert len(param_groups(model, TrainConfig(weight_decay=5e-4))) == 1
+    with pytest.raises(ImportError):
+        param_groups(model, TrainConfig(weight_decay=0.05, no_decay_norm_bias=True))
 
 
 def test_no_decay_group_holds_exactly_the_one_dimensional_params() -> None:

@@ -236,9 +236,12 @@ def param_groups(model: nn.Module, cfg: TrainConfig, trainable: Iterable[nn.Para
     Raises:
         ConfigError: ``layer_decay < 1`` on a model without ``group_matcher``.
     """
+    wanted = list(trainable) if trainable is not None else [p for p in model.parameters() if p.requires_grad]
+    if cfg.layer_decay == 1.0 and not cfg.no_decay_norm_bias:  # the default: one group, and no timm import (0.7 s)
+        return _restrict([{"params": list(model.parameters()), "weight_decay": cfg.weight_decay}], wanted,
+                         cfg.weight_decay)
     from timm.optim import param_groups_layer_decay, param_groups_weight_decay  # here: timm is slow to import
 
-    wanted = list(trainable) if trainable is not None else [p for p in model.parameters() if p.requires_grad]
     if cfg.layer_decay < 1.0:
         if not hasattr(model, "group_matcher"):
             raise ConfigError(
@@ -252,12 +255,10 @@ def param_groups(model: nn.Module, cfg: TrainConfig, trainable: Iterable[nn.Para
             no_weight_decay_list=_no_weight_decay_names(model, cfg),
             weight_decay_exclude_1d=cfg.no_decay_norm_bias,
         )
-    elif cfg.no_decay_norm_bias:
+    else:
         groups = param_groups_weight_decay(
             model, weight_decay=cfg.weight_decay, no_weight_decay_list=_no_weight_decay_names(model, cfg)
         )
-    else:
-        groups = [{"params": list(model.parameters()), "weight_decay": cfg.weight_decay}]
     return _restrict(groups, wanted, cfg.weight_decay)
 
 
