@@ -79,7 +79,7 @@ def run_simulation(
     try:
         # BYOC: the simulator enforces the same class allow-list as a real site, and a simulated site has not
         # allow-listed medflare; carrying the code is what a researcher submitting to POC does too.
-        job_dir = export_run_job(run, staging / "job", "byoc", class_counts, None, plan)
+        job_dir = export_run_job(run, staging / "job", "byoc", class_counts, plan=plan)
         launched_at = time.time()
         _launch(run, job_dir, workspace, staging / SIMULATOR_LOG, echo)
         keep_site_logs(workspace, staging)

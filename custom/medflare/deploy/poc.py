@@ -592,7 +592,7 @@ def _run_in_poc(run: Any, session: PocSession, target: OutputTarget, staging: Pa
         session.prepare(run.clients, allow_job_data=run.data.get("source", "site") != "site",
                         he=run.secure_aggregation == "he")
         plan = plan_job(run, mode)  # the data is read for the task once; the job and its outputs come from the plan
-        job_dir = export_run_job(run, staging / "job", mode, None, None, plan)
+        job_dir = export_run_job(run, staging / "job", mode, plan=plan)
         launched_at = time.time()
         session.start()
         job_id = session.submit(job_dir)
