@@ -263,8 +263,9 @@ def job_written_by(monkeypatch, export_function: str) -> dict:
 
     written: dict = {}
 
-    def export_then_stop(run, out_dir, mode, *args):
-        written["robust"], written["record"] = written_robust(runner.export_run_job(run, out_dir, mode, *args))
+    def export_then_stop(run, out_dir, mode, *args, **kwargs):
+        written["robust"], written["record"] = written_robust(
+            runner.export_run_job(run, out_dir, mode, *args, **kwargs))
         raise JobWritten
 
     monkeypatch.setattr(export_function, export_then_stop)
