@@ -1,11 +1,14 @@
 """FCA through FLARE's simulator: the personal head never travels (recorded real messages, both directions, every
-round), the final summary carries FCA's figures, and a restarted site reloads its personal head bit for bit."""
+round), the final summary carries FCA's figures, and a restarted site reloads its personal head bit for bit.
+
+Both tests read one job (FCA's recipe in FLARE's SimEnv, its workspace kept): a 3-site simulator run costs about a
+minute of CPU on the 2-core CI machine, and the second test only needs the state files the first job leaves."""
 
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -13,7 +16,8 @@ import torch
 
 from medflare.evaluation import SPECIALIZATION
 from medflare.run_config import RunConfig
-from medflare.simulate import nvflare_command, run_simulation
+
+from .test_every_method_simulator import run_recipe_in_simenv
 
 pytestmark = pytest.mark.slow
 
@@ -30,10 +34,26 @@ def fca_run(**overrides) -> RunConfig:
     return RunConfig(**{**settings, **overrides})
 
 
-def test_no_personal_head_key_travels_and_the_summary_reports_generalization_and_specialization(tmp_path: Path) -> None:
+class FcaJob(NamedTuple):
+    run: RunConfig
+    out: Path  # what `medflare run` writes (summary, global model, each site's payload audit)
+    summary: dict
+    workspace: Path  # FLARE's simulator workspace: each site's saved state
+
+
+@pytest.fixture(scope="module")
+def fca_job(tmp_path_factory: pytest.TempPathFactory) -> FcaJob:
     run = fca_run(audit=True)
-    out = tmp_path / "out"
-    summary = run_simulation(run, out, echo=lambda line: None)
+    run.validate()
+    root = tmp_path_factory.mktemp("fca")
+    out, summary, results = run_recipe_in_simenv(run, root)
+    assert "error" not in results, results.get("error")
+    (workspace,) = {path.parent for path in (root / "ws").glob("*/site-1")}
+    return FcaJob(run, out, summary, workspace)
+
+
+def test_no_personal_head_key_travels_and_the_summary_reports_generalization_and_specialization(fca_job: FcaJob) -> None:
+    run, out, summary = fca_job.run, fca_job.out, fca_job.summary
     assert summary["rounds_completed"] == 3
     for site in run.site_names:
         path = out / "sites" / site / "medflare_payload_audit.jsonl"
@@ -61,19 +81,11 @@ def test_no_personal_head_key_travels_and_the_summary_reports_generalization_and
     assert special["by_site"] != final["by_site"]  # the personal models are scored, not the global one again
 
 
-def test_a_restarted_site_reloads_its_personal_head_bit_for_bit(tmp_path: Path) -> None:
-    from medflare.job_export import export_job
+def test_a_restarted_site_reloads_its_personal_head_bit_for_bit(fca_job: FcaJob, tmp_path: Path) -> None:
     from medflare.site_runtime import SITE_STATE_FILE, SiteRuntime, SiteSettings
 
-    run = fca_run()
-    run.validate()
+    run, workspace = fca_job.run, fca_job.workspace
     task = run.task_spec()
-    job = export_job(run, tmp_path / "jobs", task)
-    workspace = tmp_path / "ws"
-    subprocess.run(
-        nvflare_command() + ["simulator", str(job), "-w", str(workspace), "-n", "3", "-t", "3"],
-        check=True, capture_output=True, timeout=900,
-    )
     settings = SiteSettings(method="fca", task=task, data=run.site_data(), model=run.model, train=run.train,
                             seed=run.seed)
     heads = {}
