@@ -133,7 +133,7 @@ bench-paper: install
 # tests share a worker (all POC tests do).
 # OMP_NUM_THREADS=1: one torch thread per worker and per FLARE process it starts (sites already use one), so 3
 # workers do not spin 6 threads on 2 cores: pytest -m "not slow" -n 3 took 7:23 user-min against 8:36 (2026-11-27).
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 4
 test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q --timeout=900 --durations=15 -n $(TEST_WORKERS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
