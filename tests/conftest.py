@@ -19,6 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 
 POC_MODULE = re.compile(r"(^|/)test_poc_[^/]*\.py$")
+# modules whose parametrized cases all read one module-scoped fixture that is costly to build (every template's job,
+# created by one nvflare process): their cases stay on one worker, so it is built once
+SHARED_FIXTURE_MODULES = ("tests/deploy/test_templates.py",)
 
 
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown (and unused) when xdist is not installed
@@ -37,11 +40,12 @@ def work_unit(nodeid: str) -> str:
     """The tests one worker runs together: every POC module (``test_poc_*.py``) as one unit, because POCs on one
     machine take turns on a lock and a second worker would sit idle waiting for it; a module's unparametrized tests
     as one unit, so its module-scoped fixtures (a whole simulator run, say) are built once; and each case of a
-    parametrized test on its own, so the every-method runs spread over the workers."""
+    parametrized test on its own, so the every-method runs spread over the workers, except in the modules of
+    :data:`SHARED_FIXTURE_MODULES`."""
     module, _, test = nodeid.partition("::")
     if POC_MODULE.search(module):
         return "poc"
-    return nodeid if "[" in test else module
+    return nodeid if "[" in test and not module.endswith(SHARED_FIXTURE_MODULES) else module
 
 
 @pytest.fixture(scope="session")

@@ -4,9 +4,11 @@ template yields a job that runs in FLARE's simulator."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -50,18 +52,52 @@ def documented_command(method: str) -> str:
     return re.search(r"```bash\n(.*?)```", text, re.S).group(1)
 
 
-def create_job(method: str, workdir: Path) -> Path:
-    """Run the documented command verbatim (a shell, from a folder laid out like the repository)."""
+def laid_out_like_the_repository(workdir: Path) -> Path:
     for name in ("job_templates", "custom"):
         (workdir / name).symlink_to(REPO / name)
+    return workdir
+
+
+def create_job(method: str, workdir: Path) -> Path:
+    """Run the documented command verbatim (a shell, from a folder laid out like the repository)."""
     command = documented_command(method)
     assert command.startswith("nvflare job create ")
     nvflare = " ".join(shlex.quote(part) for part in nvflare_command())
-    proc = subprocess.run(["bash", "-c", nvflare + command.removeprefix("nvflare")], cwd=workdir,
-                          capture_output=True, text=True, env={"HOME": str(workdir), "PATH": "/usr/bin:/bin"},
-                          timeout=300)
+    proc = subprocess.run(["bash", "-c", nvflare + command.removeprefix("nvflare")],
+                          cwd=laid_out_like_the_repository(workdir), capture_output=True, text=True,
+                          env={"HOME": str(workdir), "PATH": "/usr/bin:/bin"}, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return workdir / "jobs" / method
+
+
+# nvflare's own command-line entry point, given each documented command's words in turn (a shell's word splitting,
+# line continuations joined), in one folder laid out like the repository
+CREATE_EVERY_JOB = r"""
+import os, shlex, sys
+from nvflare.cli import main
+os.chdir(sys.argv[1])
+for command in sys.argv[2:]:
+    sys.argv = shlex.split(command.replace("\\\n", " "))
+    try:
+        main()
+    except SystemExit as exc:
+        if exc.code:
+            raise SystemExit(f"{exc.code}: {command}")
+"""
+
+
+@pytest.fixture(scope="module")
+def created_jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every template's documented ``nvflare job create`` command run by nvflare's CLI in one Python process: each
+    nvflare process imports the job's components (torch, ~5 s of CPU on the CI machine), 19 of them a minute and a
+    half; test_documented_job_runs_in_the_simulator runs one command verbatim in a shell."""
+    workdir = laid_out_like_the_repository(tmp_path_factory.mktemp("templates"))
+    commands = [documented_command(method) for method in list_methods()]
+    assert all(command.startswith("nvflare job create ") for command in commands)
+    proc = subprocess.run([sys.executable, "-c", CREATE_EVERY_JOB, str(workdir), *commands], capture_output=True,
+                          text=True, env={**os.environ, "HOME": str(workdir)}, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return workdir / "jobs"
 
 
 def test_every_config_header_shows_the_documented_command() -> None:
@@ -88,10 +124,10 @@ def test_every_template_has_the_deployment_defences_and_says_so_in_its_meta() ->
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", list_methods())
-def test_job_create_yields_exactly_the_exported_job(method: str, tmp_path: Path) -> None:
+def test_job_create_yields_exactly_the_exported_job(method: str, created_jobs: Path) -> None:
     """Each template's created job equals what the export builders write for the same settings, so it runs
     wherever `medflare export` jobs run (tests/integration/test_every_method_simulator.py runs every method)."""
-    job = create_job(method, tmp_path)
+    job = created_jobs / method
     assert (job / "app" / "custom" / "medflare" / "flare" / "executor.py").is_file()
     run = template_run(method)
     run.rounds = 3
