@@ -23,6 +23,7 @@ from typing import Any, Mapping
 import yaml
 
 from medflare.deploy.policies import SITE_MODES, install_site_policies, is_site_kit
+from medflare.runner import nvflare_command
 from medflare.site_runtime import SITE_CONFIG_FILE
 
 
@@ -51,12 +52,6 @@ SIGNATURE_BUILDER = "nvflare.lighter.impl.signature.SignatureBuilder"
 
 class ProvisionError(RuntimeError):
     """``nvflare provision`` failed or wrote no kits."""
-
-
-def nvflare_command() -> list[str]:
-    """The nvflare CLI of this interpreter's environment (never whatever comes first on PATH)."""
-    candidate = Path(sys.executable).with_name("nvflare")
-    return [str(candidate)] if candidate.exists() else [sys.executable, "-m", "nvflare.cli"]
 
 
 def load_project(path: str | Path) -> dict[str, Any]:

@@ -269,7 +269,7 @@ class Stage:
 
     def nvflare(self, participant: str, admin: str, *args: str, timeout: float = 300) -> dict[str, Any]:
         """``nvflare ... --startup-kit <admin's kit> --format json`` run in ``participant``'s namespace."""
-        from medflare.deploy.provision import nvflare_command
+        from medflare.runner import nvflare_command
 
         command = [*nvflare_command(), *args, "--startup-kit", str(self.kit(admin)), "--format", "json"]
         done = self.in_ns(participant, command, timeout)
