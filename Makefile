@@ -128,9 +128,10 @@ bench-paper: install
 	$(PY) benchmarks/paper.py --out runs/bench-paper $(BENCH_PAPER_ARGS)
 
 # pytest exit code 5 means "no tests collected": that must not pass as green. TEST_WORKERS pytest-xdist workers:
-# 3 on the 2-core CI machine, where 2 left a third of the CPU idle (POC and simulator tests spend much of their time
-# in FLARE's start-up and polling sleeps): 16.5 against 20.7 min on 2026-11-26. tests/conftest.py decides which
-# tests share a worker (all POC tests do).
+# 4 on the 2-core CI machine, where fewer leave CPU idle (POC and simulator tests spend much of their time in FLARE's
+# start-up and polling sleeps, and the POC tests hold one worker): 3 took 16.5 against 20.7 min with 2 on 2026-11-26;
+# on 2026-11-27 (a 2.7x slower machine) a fresh-clone bash .ci/run took 31.5 min with 4 against 35.4 with 3 (pytest
+# 28.5 against 32.1, FCA's tests already sharing one job). tests/conftest.py decides which tests share a worker.
 # OMP_NUM_THREADS=1: one torch thread per worker and per FLARE process it starts (sites already use one), so 3
 # workers do not spin 6 threads on 2 cores: pytest -m "not slow" -n 3 took 7:23 user-min against 8:36 (2026-11-27).
 TEST_WORKERS ?= 4
