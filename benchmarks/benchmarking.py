@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import platform
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -123,3 +125,18 @@ def model_fp32_bytes(run: RunConfig) -> int:
     task = run.task_spec()
     state = create_model(run.model, task.num_classes, task.in_channels, image_size=task.image_size).state_dict()
     return int(sum(v.numel() * (4 if v.is_floating_point() else v.element_size()) for v in state.values()))
+
+
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's model name and the cores this process may use, for the tables that name their device: figures
+    differ between CPUs (an AMD EPYC's float kernels move the demo's third decimal against an Intel's, and its
+    speed is another)."""
+    name = platform.processor() or platform.machine() or "unknown CPU"
+    try:
+        models = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                  if line.startswith("model name")]
+        name = models[0] if models else name
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{name}, {cores} cores"

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarking import mean_std, run_cell, versus
+from benchmarking import cpu_model, mean_std, run_cell, versus
 from medflare.errors import ConfigError
 from medflare.methods.presets import PAPER
 from medflare.registry import get_method
@@ -344,7 +344,7 @@ def device_name() -> tuple[str, str]:
 
     if torch.cuda.is_available():
         return "cuda", torch.cuda.get_device_name(0)
-    return "cpu", "CPU (no CUDA)"
+    return "cpu", f"{cpu_model()} (no CUDA)"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -56,7 +56,7 @@ if str(HERE) not in sys.path:  # benchmarks/ is not a package: the sibling scrip
 import overhead  # noqa: E402
 from fedavg_site import initial_state, site_specs  # noqa: E402
 
-from benchmarking import later_rounds, mean_later_rounds  # noqa: E402
+from benchmarking import cpu_model, later_rounds, mean_later_rounds  # noqa: E402
 
 ROOT = HERE.parent
 APP_DIR = HERE / "flower_peer"
@@ -358,7 +358,7 @@ def device() -> str:
     """The device every side trains on (each picks CUDA when there is one, as medflare's sites do)."""
     import torch
 
-    return f"cuda ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else "cpu"
+    return f"cuda ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else f"cpu ({cpu_model()})"
 
 
 # ----- the sides that run as this script ----------------------------------------------------------------------

@@ -60,7 +60,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarking import (
-    goal_verdict, later_rounds, mean_later_rounds, mean_std, model_fp32_bytes, run_cell, trained_images, versus,
+    cpu_model, goal_verdict, later_rounds, mean_later_rounds, mean_std, model_fp32_bytes, run_cell, trained_images,
+    versus,
 )
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "medmnist" / "pneumoniamnist.npz"
@@ -316,7 +317,8 @@ def device_line(cuda: bool, images_per_s: float | None, gpu_samples: list[float]
     claimed."""
     speed = "-" if images_per_s is None else f"{images_per_s:.0f}"
     if not cuda:
-        return f"device cpu: {speed} training images/s on CPU; no GPU figure is claimed (none measured here)"
+        return (f"device cpu ({cpu_model()}): {speed} training images/s on CPU; no GPU figure is claimed (none "
+                "measured here)")
     utilisation = "unavailable"
     if gpu_samples:
         utilisation = f"{statistics.mean(gpu_samples):.0f} % (mean of {len(gpu_samples)} samples)"

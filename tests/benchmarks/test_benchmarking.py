@@ -1,9 +1,11 @@
 """A benchmark cell is reused only when an identical run finished; anything else runs again."""
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
+import benchmarking
 import medflare.simulate
 import pytest
 from benchmarking import fingerprint_file, goal_verdict, mean_std, run_cell, versus
@@ -72,3 +74,11 @@ def test_goal_verdict_marks_met_or_missed_and_by_how_much() -> None:
     assert goal_verdict("throughput", 0.93, 0.95, at_most=False) == "throughput 0.93 (goal >= 0.95): **missed** by 0.02"
     assert goal_verdict("growth", 8.4, 5.0, unit=" %") == "growth 8.4 % (goal <= 5 %): **missed** by 3.4 %"
     assert goal_verdict("growth", None, 5.0) == "growth (goal <= 5): not measured"
+
+
+def test_the_cpu_is_named_by_its_model_and_the_cores_this_process_may_use(tmp_path: Path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu\n")
+    cores = len(os.sched_getaffinity(0))
+    assert benchmarking.cpu_model(cpuinfo) == f"AMD EPYC 7B13, {cores} cores"
+    assert benchmarking.cpu_model(tmp_path / "absent").endswith(f", {cores} cores")  # no /proc: the platform's name
