@@ -50,9 +50,10 @@ def smoke_run(method: str) -> RunConfig:
     return from_dict(RunConfig, {**settings, "method": method}, "smoke settings")
 
 
-def run_recipe_in_simenv(run: RunConfig, tmp_path: Path) -> tuple[Path, dict, dict]:
-    """(run folder, summary, controller results) of ``run``'s recipe executed in SimEnv, with the outputs
-    ``medflare run`` writes (summary, global model) and each site's payload audit copied to ``sites/<site>/``."""
+def run_recipe_in_simenv(run: RunConfig, tmp_path: Path) -> tuple[Path, dict, dict, Path]:
+    """(run folder, summary, controller results, FLARE's workspace) of ``run``'s recipe executed in SimEnv, with
+    the outputs ``medflare run`` writes (summary, global model) and each site's payload audit copied to
+    ``sites/<site>/``."""
     result = MedflareRecipe(run).execute(SimEnv(num_clients=run.clients, workspace_root=str(tmp_path / "ws")))
     workspace = Path(result.get_result())
     results_file = workspace / "server" / "simulate_job" / "app_server" / RESULTS_FILE
@@ -64,7 +65,7 @@ def run_recipe_in_simenv(run: RunConfig, tmp_path: Path) -> tuple[Path, dict, di
         site = audit.relative_to(workspace).parts[0]
         (out / "sites" / site).mkdir(parents=True)
         (out / "sites" / site / AUDIT_FILE).write_bytes(audit.read_bytes())
-    return out, summary, json.loads(results_file.read_text())
+    return out, summary, json.loads(results_file.read_text()), workspace
 
 
 def audit_records(out: Path, site: str) -> list[dict]:
@@ -110,7 +111,7 @@ def test_methods_recipe_completes_a_short_job_in_simenv_and_sends_exactly_its_de
 ) -> None:
     monkeypatch.delenv("FL_LOG_LEVEL", raising=False)  # the console a user gets by default
     run = smoke_run(method)  # one round per stage (SSL-FL's smallest job: one pre-training, one fine-tuning round)
-    out, summary, results = run_recipe_in_simenv(run, tmp_path)
+    out, summary, results, _ = run_recipe_in_simenv(run, tmp_path)
     assert "error" not in results, results.get("error")
     assert summary["plan_check"] == "matches"  # the server ran the plan the runner built (and wrote the job from)
     check_console(capfd, run, tmp_path / "ws")

@@ -45,10 +45,8 @@ class FcaJob(NamedTuple):
 def fca_job(tmp_path_factory: pytest.TempPathFactory) -> FcaJob:
     run = fca_run(audit=True)
     run.validate()
-    root = tmp_path_factory.mktemp("fca")
-    out, summary, results = run_recipe_in_simenv(run, root)
+    out, summary, results, workspace = run_recipe_in_simenv(run, tmp_path_factory.mktemp("fca"))
     assert "error" not in results, results.get("error")
-    (workspace,) = {path.parent for path in (root / "ws").glob("*/site-1")}
     return FcaJob(run, out, summary, workspace)
 
 
