@@ -202,19 +202,21 @@ def planned_steps(run: RunConfig) -> dict[StepKey, int]:
 def measure_step_seconds(key: StepKey, device: str, steps: int = 2) -> float:
     """Seconds of one real optimizer step (forward, cross-entropy, backward, Adam) of ``key`` here.
 
-    On CUDA at the full batch under autocast (as the trainer runs); on CPU with one thread (a simulated site's
-    share) at :data:`CPU_PROBE_BATCH` images, scaled linearly to the batch. One warm-up step is not timed.
+    On CUDA at the full batch under autocast, the model placed as a site places it (channels_last); on CPU with
+    one thread (a simulated site's share) at :data:`CPU_PROBE_BATCH` images, scaled linearly to the batch. One
+    warm-up step is not timed.
     """
     import torch
 
-    from medflare.models import create_model
+    from medflare.models import create_model, place_model
 
     threads = torch.get_num_threads()
     probe = key.batch if device == "cuda" else min(key.batch, CPU_PROBE_BATCH)
     try:
         if device == "cpu":
             torch.set_num_threads(1)
-        model = create_model(key.model, key.num_classes, key.channels, image_size=key.image_size).to(device).train()
+        model = place_model(create_model(key.model, key.num_classes, key.channels, image_size=key.image_size),
+                            device).train()
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
         images = torch.randn(probe, key.channels, key.image_size, key.image_size, device=device)
         labels = torch.randint(0, key.num_classes, (probe,), device=device)

@@ -308,7 +308,7 @@ def run_side(side: str, command: list[str], env: dict[str, str], log: Path, resu
                 "peak_rss_bytes": peak_tree_rss(sampler.traces)}
     if code != 0 or not result.is_file():
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
-        raise RuntimeError(f"{side} failed (exit {code}); last lines of {log}:\n{tail}")
+        raise RuntimeError(f"{side} failed (exit {code}); its log: {log}\n{tail}")
     raw = json.loads(result.read_text())
     return {"raw": raw, "measured": {**measured, "server_memory": server_memory(side, sampler.traces, raw["rounds"])}}
 
@@ -344,8 +344,8 @@ def measure_cell(args: argparse.Namespace, model: str, clients: int, out: Path,
             ran = run_side(side, side_command(side, args, model, clients, result), side_env(workload_file, result),
                            out / f"{side}.log", result, args.side_timeout)
         except RuntimeError as exc:  # one side's failure is reported; the other sides still run
-            failed[side] = str(exc).splitlines()[0]
-            print(f"  {side}: FAILED: {failed[side]}", flush=True)
+            failed[side], *tail = str(exc).splitlines()  # the table keeps the line; the console also the log's end
+            print(f"  {side}: FAILED: {failed[side]}", *(f"    | {line}" for line in tail), sep="\n", flush=True)
             continue
         sides[side] = side_figures(normalise(side, ran["raw"], state_bytes), {**ran["measured"], "device": device()})
         print(f"  {side}: {sides[side]['round_seconds']:.2f} s/round, whole job {sides[side]['total_seconds']:.0f} s",

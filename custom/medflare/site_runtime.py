@@ -22,7 +22,7 @@ from medflare.config import from_dict
 from medflare.contracts import ContractContext
 from medflare.errors import ConfigError, DataError
 from medflare.methods.base import LocalTrainer, MethodSpec, RoundContext, TrainConfig, eval_stats
-from medflare.models import get_device
+from medflare.models import get_device, place_model
 from medflare.ops.background import BackgroundWrite
 from medflare.ops.timing import timed
 from medflare.ops.wire import encode_weights
@@ -359,10 +359,7 @@ class SiteRuntime:
 
             check_method_supports_dp(self.settings.method, self.spec.dp_sgd_blocker)
             model = dp_compatible_model(model)
-        model = model.to(self.device)
-        if self.device.type == "cuda":
-            model = model.to(memory_format=torch.channels_last)
-        return model
+        return place_model(model, self.device)
 
     def _enable_dp_sgd(self) -> None:
         """Per-sample clipping, noise and this site's accountant for the whole job (kept in its state file)."""

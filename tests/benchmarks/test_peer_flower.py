@@ -242,3 +242,26 @@ def test_a_run_ended_after_its_first_side_keeps_that_side_s_row(tmp_path: Path, 
     kept = json.loads((tmp_path / "results.json").read_text())["cells"]["cnn, 2 sites"]["sides"]
     assert list(kept) == ["bare"] and kept["bare"]["round_seconds"] == pytest.approx(2.1)
     assert "| bare | " in (tmp_path / "results.md").read_text()
+
+
+def test_a_failed_side_names_its_log_in_the_table_and_shows_the_log_s_end(tmp_path: Path, monkeypatch,
+                                                                          capsys: pytest.CaptureFixture) -> None:
+    """Seen on a GPU lease: the table's one line ended in "last lines of ...:" with the lines themselves lost."""
+    import sys
+
+    log = tmp_path / "side.log"
+    with pytest.raises(RuntimeError) as failure:
+        peer.run_side("bare", [sys.executable, "-c", "print('boom', flush=True); raise SystemExit(3)"], {}, log,
+                      tmp_path / "result.json", timeout=60.0)
+    first, *tail = str(failure.value).splitlines()
+    assert first == f"bare failed (exit 3); its log: {log}" and tail == ["boom"]
+
+    def run_side(side, command, env, log, result, timeout):
+        raise failure.value
+
+    monkeypatch.setattr(peer, "run_side", run_side)
+    monkeypatch.setattr(peer, "adopt_orphans", lambda: None)
+    peer.main(NO_FLOWER + ["--sides", "bare", "--models", "cnn", "--rounds", "2", "--out", str(tmp_path / "out")])
+    assert "    | boom" in capsys.readouterr().out
+    assert f"- bare: **failed**, no figures (bare failed (exit 3); its log: {log})" in \
+        (tmp_path / "out" / "results.md").read_text()

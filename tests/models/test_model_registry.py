@@ -12,6 +12,7 @@ from medflare.models import (
     CosineLinear,
     create_model,
     get_device,
+    place_model,
     get_model_info,
     is_model,
     list_models,
@@ -209,6 +210,22 @@ def test_densenet_matches_torchvision_on_even_feature_maps() -> None:
 def test_get_device() -> None:
     device = get_device()
     assert isinstance(device, torch.device) and device.type in {"cpu", "cuda"}
+
+
+def _conv_weight(model: torch.nn.Module) -> torch.Tensor:
+    return next(m.weight for m in model.modules() if isinstance(m, torch.nn.Conv2d))
+
+
+def test_place_model_keeps_the_cpu_layout() -> None:
+    """channels_last only pays on CUDA under autocast; on the CPU the layout stays as built."""
+    model = place_model(create_model("resnet18", NUM_CLASSES, 3, image_size=28), "cpu")
+    assert _conv_weight(model).device.type == "cpu" and _conv_weight(model).is_contiguous()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_place_model_puts_cuda_models_in_channels_last() -> None:
+    weight = _conv_weight(place_model(create_model("resnet18", NUM_CLASSES, 3, image_size=28), "cuda"))
+    assert weight.is_cuda and weight.is_contiguous(memory_format=torch.channels_last)
 
 
 def test_vit_size_names_and_layer_scale() -> None:

@@ -10,7 +10,7 @@ from medflare.models._registry import (
     ENTRY_POINT_GROUP, ModelInfo, get_model_info, is_model, list_models, register_model,
 )
 from medflare.models.classifier import Classifier, CosineLinear
-from medflare.models.device import get_device
+from medflare.models.device import get_device, place_model
 from medflare.models.ema import EmaTeacher
 from medflare.models.efficientnet_lite import (
     IMAGENET_LITE0_MEAN,
@@ -32,6 +32,7 @@ __all__ = [
     "WeightsReport",
     "create_model",
     "get_device",
+    "place_model",
     "get_model_info",
     "imagenet_lite0_weights_path",
     "is_model",
