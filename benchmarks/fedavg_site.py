@@ -105,7 +105,7 @@ class FedAvgSite:
     """One site: its data, model and Adam optimizer, kept across rounds."""
 
     def __init__(self, spec: SiteSpec) -> None:
-        from medflare.models import get_device
+        from medflare.models import get_device, place_model
 
         self.device = get_device()
         self.amp = self.device.type == "cuda"
@@ -114,9 +114,7 @@ class FedAvgSite:
         self.spec = spec
         self.data = site_data(spec)
         torch.manual_seed(spec.seed + spec.index)
-        self.model = build_model(spec).to(self.device)
-        if self.amp:
-            self.model = self.model.to(memory_format=torch.channels_last)
+        self.model = place_model(build_model(spec), self.device)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=spec.lr)
         self.scaler = torch.amp.GradScaler("cuda") if self.amp else None
 
