@@ -12,10 +12,10 @@ from medflare.models import (
     CosineLinear,
     create_model,
     get_device,
-    place_model,
     get_model_info,
     is_model,
     list_models,
+    place_model,
     register_model,
 )
 from medflare.models.vit import VIT_SIZES, vit_patch_size
