@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import re
+import shutil
+import subprocess
 import sys
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +19,10 @@ from medflare.data.checksums import MEDMNIST_MD5, file_md5
 
 # ../shared/data beside the repository (tests/conftest.py -> parents[1] is the repository root).
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+# the warm start of FLARE's simulator processes (a helper folder, not a package on sys.path: loaded by its path)
+_spec = importlib.util.spec_from_file_location("warm_start", Path(__file__).parent / "_warm_start" / "server.py")
+warm_start = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(warm_start)
 # the repository's own tools (tools/ is no package: job_templates, privacy_doc, mutants are imported by name)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
@@ -46,6 +55,43 @@ def work_unit(nodeid: str) -> str:
     if POC_MODULE.search(module):
         return "poc"
     return nodeid if "[" in test and not module.endswith(SHARED_FIXTURE_MODULES) else module
+
+
+@pytest.fixture(scope="session", autouse=True)
+def warm_site_workers(request: pytest.FixtureRequest) -> Iterator[None]:
+    """FLARE's simulator and its site workers start as forks of a process that has torch imported
+    (tests/_warm_start/server.py: why, and what stays as a cold start has it); ``MEDFLARE_TEST_WARM_START=0`` turns
+    it off, and a session without slow tests (the simulator runs) does without."""
+    wanted = any(item.get_closest_marker("slow") for item in request.session.items)
+    if not wanted or os.environ.get("MEDFLARE_TEST_WARM_START", "1") == "0":
+        yield
+        return
+    folder = Path(tempfile.mkdtemp(prefix="medflare-warm-"))  # short: a socket's path has at most 107 bytes
+    address = folder / "server.sock"
+    server = subprocess.Popen([sys.executable, warm_start.__file__, str(address), str(os.getpid())],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+    saved = {name: os.environ.get(name) for name in ("MEDFLARE_TEST_WARM_SERVER", "MEDFLARE_TEST_WARM_MODULES",
+                                                      "PYTHONPATH")}
+    os.environ["MEDFLARE_TEST_WARM_SERVER"] = str(address)  # until it listens, the workers start cold
+    os.environ["MEDFLARE_TEST_WARM_MODULES"] = ",".join(warm_start.MODULES)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [saved["PYTHONPATH"], str(warm_start.HOOK)]))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        server.terminate()
+        server.wait(timeout=30)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def cold_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Processes this test starts begin as fresh interpreters (for tests whose subject is the processes)."""
+    monkeypatch.delenv("MEDFLARE_TEST_WARM_SERVER", raising=False)
 
 
 @pytest.fixture(scope="session")

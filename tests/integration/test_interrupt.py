@@ -13,6 +13,8 @@ import pytest
 
 from .._processes import LiveProcess, alive, kill_all, left_after, processes_naming, sigterm_and_wait
 
+pytestmark = pytest.mark.usefixtures("cold_start")  # the subject is the processes: each starts as a fresh interpreter
+
 
 def medflare_run(out: Path, rounds: int) -> list[str]:
     """A small synthetic ``medflare run`` in the simulator (``rounds`` long enough to be interrupted)."""

@@ -1,0 +1,44 @@
+"""Run by every Python process whose PYTHONPATH holds this folder (the test session puts it there; see
+tests/_warm_start/server.py). A ``python -m`` process of a module the session names (FLARE's simulator and its site
+workers) hands its work to the warm server, which forks a child that already has torch imported; this process stays
+as the worker's stand-in (the pid FLARE watches, signals and waits for) and exits as the worker exits. Any other
+process, or any failure to reach the server, goes on as a normal cold start."""
+
+import os
+import sys
+
+
+def _hand_over() -> None:
+    address = os.environ.get("MEDFLARE_TEST_WARM_SERVER")
+    argv = getattr(sys, "orig_argv", [])  # Python >= 3.10; any other interpreter that reads this file starts cold
+    if not address or len(argv) < 3 or argv[1] != "-m":
+        return
+    if argv[2] not in os.environ.get("MEDFLARE_TEST_WARM_MODULES", "").split(","):
+        return
+    import json
+    import signal
+    import socket
+
+    try:
+        conn = socket.socket(socket.AF_UNIX)
+        conn.connect(address)
+    except OSError:
+        return  # no server (the session ended or it is disabled): a cold start does the same work
+    request = json.dumps({"module": argv[2], "args": argv[3:], "cwd": os.getcwd(), "env": dict(os.environ)}).encode()
+    try:
+        socket.send_fds(conn, [len(request).to_bytes(8, "big") + request], [0, 1, 2])
+        reply = conn.makefile("r")
+        worker = int(reply.readline())
+    except (OSError, ValueError):
+        conn.close()
+        return  # the server could not fork the worker: start cold
+    for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(number, lambda received, _frame: os.kill(worker, received))
+    kind, value = (reply.readline().split() or ["exit", "1"])  # the server went away: a failed run
+    if kind == "signal":  # end as the worker ended, so FLARE reads the same return code
+        signal.signal(int(value), signal.SIG_DFL)
+        os.kill(os.getpid(), int(value))
+    os._exit(int(value))
+
+
+_hand_over()

@@ -1,0 +1,178 @@
+"""A warm start for the Python processes FLARE's simulator starts for its sites, used by the test session only.
+
+Why: every site of every simulator run is a fresh ``python -m nvflare.private.fed.app.simulator.simulator_worker``
+that spends ~6 CPU-s importing torch, ``torch._dynamo`` (a torch optimizer's constructor imports it) and
+torchvision before it does any work: on a 2-core CI machine that was a quarter of the suite's CPU. This server
+imports those libraries once and forks a child for each such process; the child then runs the same module with the
+same arguments, environment, working directory, standard streams and ``sys.path`` a fresh interpreter would have.
+Nothing of medflare, nvflare or the job is imported before the fork: the job's own code (a BYOC job's ``custom/``
+included) is imported by the child from its own ``PYTHONPATH``, as in a cold start.
+
+How (three processes per site worker):
+- the stand-in: the process FLARE started. ``hook/sitecustomize.py`` sends its arguments, environment, working
+  directory and file descriptors 0-2 here, forwards every signal it gets to the worker and exits with the worker's
+  status (a signal as that signal), so FLARE's ``poll``, ``terminate`` and return codes see what they would see;
+- the keeper: a fork of this server per request; it forks the worker, waits for it, reports how it ended, and kills
+  it if the stand-in disappears (FLARE killed it with SIGKILL): no worker outlives its stand-in;
+- the worker: its own session (as FLARE's ``setsid``), default signal handlers, then ``runpy`` as ``python -m`` does.
+
+Started by ``tests/conftest.py`` once per test process; ``MEDFLARE_TEST_WARM_START=0`` turns it off, and tests whose
+subject is the processes themselves (signals, leftovers) start their runs cold (``cold_start`` fixture).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import types
+from pathlib import Path
+
+# what a site worker imports anyway, costly and free of per-run state; nothing of nvflare or medflare
+PRELOAD = ("numpy", "torch", "torch._dynamo", "torchvision")
+# the ``python -m`` modules that start warm: FLARE's simulator as a recipe's SimEnv starts it, and its site workers.
+# Not the ``nvflare simulator`` command that ``medflare run`` starts: medflare stops it by killing its process tree
+# (the simulator's multiprocessing manager included), and a warm process has no tree under its stand-in.
+MODULES = ("nvflare.private.fed.app.simulator.simulator_worker", "nvflare.private.fed.app.simulator.simulator")
+KILL_GRACE = 5.0
+HOOK = Path(__file__).resolve().parent / "hook"  # put on the test session's PYTHONPATH: its sitecustomize hands over
+
+
+def receive_request(conn: socket.socket) -> tuple[dict, list[int]]:
+    """The stand-in's request and its descriptors 0-2."""
+    data, fds, _flags, _address = socket.recv_fds(conn, 1 << 20, 3)
+    size = int.from_bytes(data[:8], "big")
+    body = data[8:]
+    while len(body) < size:
+        more = conn.recv(size - len(body))
+        if not more:
+            raise EOFError("the stand-in closed its request early")
+        body += more
+    return json.loads(body), fds
+
+
+def fresh_sys_path(cwd: str, env: dict[str, str]) -> list[str]:
+    """``sys.path`` of ``python -m`` started in ``cwd`` with ``env``'s PYTHONPATH (the interpreter's and site's own
+    entries kept)."""
+    own = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    base = [entry for entry in sys.path[1:] if entry not in own]
+    return [cwd, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep)), *base]
+
+
+def run_worker(request: dict, fds: list[int]) -> None:
+    """Become the worker: ``python -m <module> <args>`` as a fresh interpreter would run it; never returns."""
+    os.setsid()
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(number, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.environ.pop("MEDFLARE_TEST_WARM_SERVER", None)  # the worker's own children start cold
+    sys.path[:] = fresh_sys_path(request["cwd"], request["env"])
+    if request["env"].get("PYTHONUNBUFFERED"):
+        sys.stdout.reconfigure(write_through=True)
+        sys.stderr.reconfigure(write_through=True)
+    sys.argv = ["-m", *request["args"]]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    import runpy
+
+    code, interrupted = 0, False
+    try:
+        runpy._run_module_as_main(request["module"], alter_argv=True)  # what `python -m` calls
+    except SystemExit as end:
+        code = end.code if isinstance(end.code, int) else (0 if end.code is None else 1)
+        if not isinstance(end.code, (int, type(None))):
+            print(end.code, file=sys.stderr)
+    except KeyboardInterrupt:  # the interpreter prints it, then ends by SIGINT itself
+        traceback.print_exc()
+        interrupted = True
+    except BaseException:  # noqa: BLE001 - printed as the interpreter prints it, exit status 1 as it gives
+        traceback.print_exc()
+        code = 1
+    threading._shutdown()  # the interpreter's own end: non-daemon threads, then atexit, then the streams
+    import atexit
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if interrupted:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(code)
+
+
+def keep(conn: socket.socket) -> None:
+    """The keeper: fork the worker, report its pid and how it ended; kill it if the stand-in goes away."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    request, fds = receive_request(conn)
+    worker = os.fork()
+    if worker == 0:
+        conn.close()
+        run_worker(request, fds)
+    for fd in fds:
+        os.close(fd)
+    conn.sendall(f"{worker}\n".encode())
+    while True:
+        done, status = os.waitpid(worker, os.WNOHANG)
+        if done:
+            ended = (f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}")
+            try:
+                conn.sendall(f"{ended}\n".encode())
+            except OSError:
+                pass
+            os._exit(0)
+        readable, _, _ = select.select([conn], [], [], 0.2)
+        if readable and not conn.recv(1):  # the stand-in is gone (SIGKILL): its worker goes too
+            stop(worker)
+            os._exit(0)
+
+
+def stop(worker: int) -> None:
+    os.kill(worker, signal.SIGTERM)
+    deadline = time.monotonic() + KILL_GRACE
+    while time.monotonic() < deadline:
+        if os.waitpid(worker, os.WNOHANG)[0]:
+            return
+        time.sleep(0.1)
+    os.kill(worker, signal.SIGKILL)
+    os.waitpid(worker, 0)
+
+
+def serve(address: str, owner: int) -> None:
+    """Accept stand-ins until the owner (the test process) is gone."""
+    for name in PRELOAD:
+        __import__(name)
+    gc.freeze()  # the children's collections then leave the preloaded objects' pages shared (not copied on write)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # keepers are reaped by the kernel
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(address)
+    listener.listen(64)
+    print("ready", flush=True)
+    while os.getppid() == owner:
+        if not select.select([listener], [], [], 1.0)[0]:
+            continue
+        conn, _ = listener.accept()
+        if os.fork() == 0:
+            listener.close()
+            try:
+                keep(conn)
+            finally:
+                os._exit(0)
+        conn.close()
+    os.unlink(address)
+    os.rmdir(os.path.dirname(address))  # the folder the test session made for this socket alone
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1], int(sys.argv[2]))

@@ -1,0 +1,91 @@
+"""The test session's warm start (tests/_warm_start): a ``python -m`` process it names runs as a fork of a process
+with torch imported, and sees what a fresh interpreter would see; its stand-in carries signals and exit codes, and
+no worker outlives its stand-in. Each check runs the same probe cold and warm."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow  # the session starts its warm server only when it runs slow tests
+
+PROBE = '''
+import json, os, sys, time
+print(json.dumps({"argv": sys.argv, "path": sys.path, "cwd": os.getcwd(), "name": __name__,
+                  "answer": os.environ.get("PROBE_ANSWER"), "warm": "torch" in sys.modules, "pid": os.getpid()}),
+      flush=True)
+if sys.argv[1:] == ["sleep"]:
+    time.sleep(120)
+sys.exit(int(sys.argv[1]))
+'''
+
+
+@pytest.fixture
+def probe(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """A probe module in its own folder, and the environment that starts it warm (the session's server)."""
+    address = os.environ.get("MEDFLARE_TEST_WARM_SERVER")
+    if not address:
+        pytest.skip("the session's warm start is off (MEDFLARE_TEST_WARM_START=0)")
+    deadline = time.time() + 120  # the server listens once it has imported torch (until then processes start cold)
+    while not Path(address).exists() and time.time() < deadline:
+        time.sleep(0.5)
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "medflare_warm_probe.py").write_text(PROBE)
+    (tmp_path / "cwd").mkdir()
+    env = {**os.environ, "PROBE_ANSWER": "42", "MEDFLARE_TEST_WARM_MODULES": "medflare_warm_probe",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path / "lib"), os.environ["PYTHONPATH"]])}
+    return tmp_path, env
+
+
+def start(folder: Path, env: dict[str, str], warm: bool, argument: str) -> subprocess.Popen:
+    if not warm:
+        env = {name: value for name, value in env.items() if name != "MEDFLARE_TEST_WARM_SERVER"}
+    return subprocess.Popen([sys.executable, "-m", "medflare_warm_probe", argument], cwd=folder / "cwd", env=env,
+                            stdout=subprocess.PIPE, text=True)
+
+
+def test_a_warm_process_sees_what_a_fresh_one_sees_and_ends_with_its_code(probe) -> None:
+    folder, env = probe
+    seen = {}
+    for warm in (False, True):
+        proc = start(folder, env, warm, "3")
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 3
+        seen[warm] = json.loads(out)
+    assert seen[True].pop("warm") and not seen[False].pop("warm")  # the warm one started with torch imported
+    assert seen[True].pop("pid") != seen[False].pop("pid")
+    assert seen[True] == seen[False]  # argv, sys.path, working directory, __name__, environment
+
+
+@pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_stand_in_ends_the_worker_as_it_would_end_a_fresh_one(probe, number: int) -> None:
+    folder, env = probe
+    codes = []
+    for warm in (False, True):
+        proc = start(folder, env, warm, "sleep")
+        worker = json.loads(proc.stdout.readline())["pid"]
+        proc.send_signal(number)
+        codes.append(proc.wait(timeout=60))
+        assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE
+    assert codes[0] == codes[1] != 0
+
+
+def test_a_killed_stand_in_takes_its_worker_along(probe) -> None:
+    folder, env = probe
+    proc = start(folder, env, True, "sleep")
+    report = json.loads(proc.stdout.readline())
+    assert report["warm"] and report["pid"] != proc.pid
+    proc.kill()
+    proc.wait(timeout=10)
+    deadline = time.time() + 15  # the keeper sees its stand-in gone, SIGTERMs the worker, waits 5 s, then SIGKILLs
+    while psutil.pid_exists(report["pid"]) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not psutil.pid_exists(report["pid"])
