@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import signal
 import socket
 import sys
@@ -14,7 +13,6 @@ import pytest
 
 from .._processes import LiveProcess, alive, processes_naming, sigterm_and_wait
 
-POC_LOCK = Path("/tmp/medflare-poc.lock")  # POCs use fixed ports: one at a time on this machine
 
 
 def listening_addresses(port: int) -> set[str]:
@@ -26,13 +24,6 @@ def listening_addresses(port: int) -> set[str]:
         if fields[3] == "0A" and int(port_hex, 16) == port:
             addresses.add(socket.inet_ntoa(bytes.fromhex(host_hex)[::-1]))
     return addresses
-
-
-@pytest.fixture
-def poc_lock():
-    with POC_LOCK.open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
 
 
 @pytest.mark.slow

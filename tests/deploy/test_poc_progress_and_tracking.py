@@ -4,7 +4,6 @@ server's TensorBoard records with every round's metrics and each site's per-epoc
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
@@ -18,16 +17,8 @@ from .._processes import LiveProcess
 
 pytestmark = pytest.mark.slow
 
-POC_LOCK = Path("/tmp/medflare-poc.lock")  # POCs use fixed ports (8002/8003): one at a time on this machine
 ROUNDS = 3
 ROUND_LINE = re.compile(r"round (\d+)/(\d+) done in")
-
-
-@pytest.fixture
-def poc_lock():
-    with POC_LOCK.open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
 
 
 def round_numbers(lines: list[str]) -> list[int]:
