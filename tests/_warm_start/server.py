@@ -78,7 +78,6 @@ def run_worker(request: dict, fds: list[int]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    os.environ.pop("MEDFLARE_TEST_WARM_SERVER", None)  # the worker's own children start cold
     sys.path[:] = fresh_sys_path(request["cwd"], request["env"])
     if request["env"].get("PYTHONUNBUFFERED"):
         sys.stdout.reconfigure(write_through=True)
