@@ -18,13 +18,16 @@ import pytest
 pytestmark = pytest.mark.slow  # the session starts its warm server only when it runs slow tests
 
 PROBE = '''
-import json, os, sys, time
+import json, os, subprocess, sys, time
+if sys.argv[1:] == ["child"]:  # a warm process's own children (the simulator's site workers) start warm too
+    print(subprocess.run([sys.executable, "-m", "medflare_warm_probe", "0"], capture_output=True, text=True).stdout,
+          end="", flush=True)
 print(json.dumps({"argv": sys.argv, "path": sys.path, "cwd": os.getcwd(), "name": __name__,
                   "answer": os.environ.get("PROBE_ANSWER"), "warm": "torch" in sys.modules, "pid": os.getpid()}),
       flush=True)
 if sys.argv[1:] == ["sleep"]:
     time.sleep(120)
-sys.exit(int(sys.argv[1]))
+sys.exit(int(sys.argv[1]) if sys.argv[1].isdigit() else 0)
 '''
 
 
@@ -63,6 +66,14 @@ def test_a_warm_process_sees_what_a_fresh_one_sees_and_ends_with_its_code(probe)
     assert seen[True].pop("warm") and not seen[False].pop("warm")  # the warm one started with torch imported
     assert seen[True].pop("pid") != seen[False].pop("pid")
     assert seen[True] == seen[False]  # argv, sys.path, working directory, __name__, environment
+
+
+def test_a_warm_process_starts_its_own_children_warm(probe) -> None:
+    folder, env = probe
+    proc = start(folder, env, True, "child")
+    out, _ = proc.communicate(timeout=120)
+    child, parent = (json.loads(line) for line in out.splitlines())
+    assert parent["warm"] and child["warm"] and child["pid"] != parent["pid"]
 
 
 @pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGINT])
