@@ -120,7 +120,11 @@ def keep(conn: socket.socket) -> None:
         run_worker(request, fds)
     for fd in fds:
         os.close(fd)
-    conn.sendall(f"{worker}\n".encode())
+    try:
+        conn.sendall(f"{worker}\n".encode())
+    except OSError:  # the stand-in is already gone
+        stop(worker)
+        os._exit(0)
     while True:
         done, status = os.waitpid(worker, os.WNOHANG)
         if done:
@@ -131,9 +135,17 @@ def keep(conn: socket.socket) -> None:
                 pass
             os._exit(0)
         readable, _, _ = select.select([conn], [], [], 0.2)
-        if readable and not conn.recv(1):  # the stand-in is gone (SIGKILL): its worker goes too
+        if readable and not stand_in_alive(conn):  # the stand-in is gone (SIGKILL): its worker goes too
             stop(worker)
             os._exit(0)
+
+
+def stand_in_alive(conn: socket.socket) -> bool:
+    """False once the stand-in's end is closed: end of stream, or a reset when it died before reading our reply."""
+    try:
+        return bool(conn.recv(1))
+    except OSError:
+        return False
 
 
 def stop(worker: int) -> None:
