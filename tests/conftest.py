@@ -70,19 +70,14 @@ def warm_site_workers(request: pytest.FixtureRequest) -> Iterator[None]:
     address = folder / "server.sock"
     server = subprocess.Popen([sys.executable, warm_start.__file__, str(address), str(os.getpid())],
                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
-    saved = {name: os.environ.get(name) for name in ("MEDFLARE_TEST_WARM_SERVER", "MEDFLARE_TEST_WARM_MODULES",
-                                                      "PYTHONPATH")}
-    os.environ["MEDFLARE_TEST_WARM_SERVER"] = str(address)  # until it listens, the workers start cold
-    os.environ["MEDFLARE_TEST_WARM_MODULES"] = ",".join(warm_start.MODULES)
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [saved["PYTHONPATH"], str(warm_start.HOOK)]))
     try:
-        yield
+        with pytest.MonkeyPatch.context() as patch:  # the session's processes inherit these; restored at its end
+            patch.setenv("MEDFLARE_TEST_WARM_SERVER", str(address))  # until it listens, the workers start cold
+            patch.setenv("MEDFLARE_TEST_WARM_MODULES", ",".join(warm_start.MODULES))
+            patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"),
+                                                                     str(warm_start.HOOK)])))
+            yield
     finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
         server.terminate()
         server.wait(timeout=30)
         shutil.rmtree(folder, ignore_errors=True)

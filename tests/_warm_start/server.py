@@ -149,6 +149,7 @@ def stand_in_alive(conn: socket.socket) -> bool:
 
 
 def stop(worker: int) -> None:
+    """SIGTERM, then SIGKILL after the grace (not medflare.processes: nothing of medflare is imported before a fork)."""
     os.kill(worker, signal.SIGTERM)
     deadline = time.monotonic() + KILL_GRACE
     while time.monotonic() < deadline:
@@ -177,7 +178,6 @@ def serve(address: str, owner: int) -> None:
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(address)
     listener.listen(64)
-    print("ready", flush=True)
     while os.getppid() == owner:
         reap()
         if not select.select([listener], [], [], 1.0)[0]:

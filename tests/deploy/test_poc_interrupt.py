@@ -14,7 +14,6 @@ import pytest
 from .._processes import LiveProcess, alive, processes_naming, sigterm_and_wait
 
 
-
 def listening_addresses(port: int) -> set[str]:
     """IPv4 addresses with a TCP socket in LISTEN state on ``port`` (from /proc/net/tcp)."""
     addresses = set()
