@@ -89,6 +89,14 @@ def cold_start(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MEDFLARE_TEST_WARM_SERVER", raising=False)
 
 
+@pytest.fixture(scope="module")
+def cold_start_module() -> Iterator[None]:
+    """:func:`cold_start` for a module's fixtures too (a POC whose processes a test kills, say)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("MEDFLARE_TEST_WARM_SERVER", raising=False)
+        yield
+
+
 @pytest.fixture(scope="session")
 def medmnist_file() -> Callable[[str], Path]:
     """Getter for a MedMNIST file of ../shared/data: skips when absent, fails on a wrong MD5."""

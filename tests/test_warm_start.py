@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -100,3 +101,27 @@ def test_a_killed_stand_in_takes_its_worker_along(probe) -> None:
     while psutil.pid_exists(report["pid"]) and time.time() < deadline:
         time.sleep(0.2)
     assert not psutil.pid_exists(report["pid"])
+
+
+def test_a_process_in_another_network_namespace_starts_cold(probe) -> None:
+    """A fork of the server would run in the server's network (a rehearsal's hospital would reach the wrong one)."""
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "--net", "true"]).returncode != 0:
+        pytest.skip("no network namespaces here (unshare --net needs root)")
+    folder, env = probe
+    proc = subprocess.Popen(["unshare", "--net", sys.executable, "-m", "medflare_warm_probe", "3"], cwd=folder / "cwd",
+                            env=env, stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 3
+    assert not json.loads(out)["warm"]
+
+
+def test_another_name_of_the_same_interpreter_starts_warm(probe) -> None:
+    """FLARE starts a POC's job processes as ``python3`` of the environment, the session runs as ``python``."""
+    other = Path(sys.executable).with_name("python3" if Path(sys.executable).name != "python3" else "python")
+    if not other.exists():
+        pytest.skip(f"{other} does not exist")
+    folder, env = probe
+    proc = subprocess.Popen([str(other), "-m", "medflare_warm_probe", "0"], cwd=folder / "cwd", env=env,
+                            stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and json.loads(out)["warm"]

@@ -42,6 +42,32 @@ def nvflare_command() -> list[str]:
     return [str(candidate)] if candidate.exists() else [sys.executable, "-m", "nvflare.cli"]
 
 
+# FLARE's admin side (the ``nvflare`` command, the Session API) looks for its optional comm_config.json in
+# ConfigService's config path, which FLARE sets for its server and sites only; elsewhere it walks the whole working
+# directory for it, once per file extension. From a source checkout with its .venv that cost ~3 CPU-s per command
+# (2026-11-28), from a hospital's data share it could take minutes, and a stray comm_config.json anywhere below would
+# configure FLARE's connections. medflare therefore runs those commands in a folder of its own
+# (:func:`flare_admin_popen_args`) and gives its own admin sessions a config path (:func:`confine_flare_config_search`).
+def flare_admin_popen_args(folder: Path, env: Mapping[str, str]) -> dict[str, Any]:
+    """``cwd`` and ``env`` for an ``nvflare`` admin command run in ``folder`` (created if missing): the environment's
+    relative PYTHONPATH entries made absolute first, so the command imports what this process would."""
+    folder.mkdir(parents=True, exist_ok=True)
+    env = dict(env)
+    if env.get("PYTHONPATH"):
+        env["PYTHONPATH"] = os.pathsep.join(str(Path(entry).resolve()) if entry else entry
+                                            for entry in env["PYTHONPATH"].split(os.pathsep))
+    return {"cwd": str(folder), "env": env}
+
+
+def confine_flare_config_search(folder: Path) -> None:
+    """Make this process's FLARE look for its config files in ``folder`` (an admin kit) rather than walk the working
+    directory (see :func:`flare_admin_popen_args`). A missing folder is left to the session to report."""
+    from nvflare.fuel.utils.config_service import ConfigService
+
+    if folder.is_dir():
+        ConfigService.initialize(section_files={}, config_path=[str(folder)])
+
+
 # ----- run options ------------------------------------------------------------------------------------
 def add_run_options(parser: argparse.ArgumentParser) -> None:
     """The options every command that builds a job takes (``run``, ``compare``, ``export``, ``config``, POC

@@ -22,6 +22,7 @@ subject is the processes themselves (signals, leftovers) start their runs cold (
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -37,10 +38,12 @@ from pathlib import Path
 
 # what a site worker imports anyway, costly and free of per-run state; nothing of nvflare or medflare
 PRELOAD = ("numpy", "torch", "torch._dynamo", "torchvision")
-# the ``python -m`` modules that start warm: FLARE's simulator as a recipe's SimEnv starts it, and its site workers.
-# Not the ``nvflare simulator`` command that ``medflare run`` starts: medflare stops it by killing its process tree
-# (the simulator's multiprocessing manager included), and a warm process has no tree under its stand-in.
-MODULES = ("nvflare.private.fed.app.simulator.simulator_worker", "nvflare.private.fed.app.simulator.simulator")
+# the ``python -m`` modules that start warm: FLARE's simulator as a recipe's SimEnv starts it, its site workers, and
+# a POC's job processes (server and site; a POC's own server and site processes start cold, as do its ``nvflare``
+# commands). Not the ``nvflare simulator`` command that ``medflare run`` starts: medflare stops it by killing its
+# process tree (the simulator's multiprocessing manager included), and a warm process has no tree under its stand-in.
+MODULES = ("nvflare.private.fed.app.simulator.simulator_worker", "nvflare.private.fed.app.simulator.simulator",
+           "nvflare.private.fed.app.server.runner_process", "nvflare.private.fed.app.client.worker_process")
 KILL_GRACE = 5.0
 HOOK = Path(__file__).resolve().parent / "hook"  # put on the test session's PYTHONPATH: its sitecustomize hands over
 
@@ -111,9 +114,24 @@ def run_worker(request: dict, fds: list[int]) -> None:
     os._exit(code)
 
 
+def place() -> dict:
+    """This server's interpreter, namespaces and user, as the hook reports the stand-in's."""
+    return {"python": f"{sys.prefix} {sys.version}", "net": os.readlink("/proc/self/ns/net"),
+            "mnt": os.readlink("/proc/self/ns/mnt"), "uid": os.getuid()}
+
+
 def keep(conn: socket.socket) -> None:
-    """The keeper: fork the worker, report its pid and how it ended; kill it if the stand-in goes away."""
+    """The keeper: fork the worker, report its pid and how it ended; kill it if the stand-in goes away. A stand-in
+    of another interpreter (virtual environment), in another network or mount namespace, or of another user, is told
+    to start cold: a fork of this server would run outside them (a rehearsal's hospital, ``ip netns exec``, would
+    reach the wrong network)."""
     request, fds = receive_request(conn)
+    if request.get("place") != place():
+        for fd in fds:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            conn.sendall(b"cold\n")
+        os._exit(0)
     worker = os.fork()
     if worker == 0:
         conn.close()

@@ -50,7 +50,8 @@ def fault_run(name: str, rounds: int) -> RunConfig:
 
 
 @pytest.fixture(scope="module")
-def faults(tmp_path_factory, poc_lock, poc_port):
+def faults(cold_start_module, tmp_path_factory, poc_lock, poc_port):
+    """A 3-site POC whose processes start cold: the tests kill a participant's processes by their command lines."""
     root = tmp_path_factory.mktemp("poc-faults")
     session = PocSession(root / "poc", port=poc_port, echo=lambda line: None)
     try:

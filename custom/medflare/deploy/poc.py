@@ -57,6 +57,7 @@ from medflare.runner import (
     build_run_config,
     describe_sites,
     export_run_job,
+    flare_admin_popen_args,
     nvflare_command,
     plan_job,
     quiet_on_closed_output,
@@ -220,12 +221,13 @@ class PocSession:
         ``starts``: the command starts POC processes; in a ``tied`` session they run under a keeper.
         """
         command = nvflare_command() + list(args) + ["--format", "json"]
+        popen_args = flare_admin_popen_args(self.home, self.env())  # not the user's folder: runner.py says why
         try:
             if starts and self.tied:
-                proc, keeper = run_kept(command, timeout, env=self.env())
+                proc, keeper = run_kept(command, timeout, **popen_args)
                 self.keepers.append(keeper)
             else:
-                proc = subprocess.run(command, capture_output=True, text=True, env=self.env(), timeout=timeout)
+                proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, **popen_args)
         except subprocess.TimeoutExpired as exc:
             raise PocError(f"'nvflare {' '.join(args)}' did not finish within {timeout:.0f} s") from exc
         reply = _last_json(proc.stdout) or {"status": "error", "message": (proc.stderr or proc.stdout)[-2000:]}
@@ -387,7 +389,7 @@ class PocSession:
         """Submit a job folder as ``user`` (default: the project's lead); return the job id."""
         self._require_prepared()
         user = user or self.state["lead"]
-        reply = self.nvflare("job", "submit", "-j", str(job_dir), "--startup-kit", str(self.kit(user)))
+        reply = self.nvflare("job", "submit", "-j", str(Path(job_dir).resolve()), "--startup-kit", str(self.kit(user)))
         job_id = reply["data"]["job_id"]
         self.state["jobs"][job_id] = {"job_dir": str(job_dir), "user": user, "submitted_at": time.time()}
         self.state["last_job"] = job_id
@@ -403,7 +405,8 @@ class PocSession:
 
     def try_submit(self, job_dir: str | Path, user: str) -> dict[str, Any]:
         """Submit and return FLARE's reply without raising (to check that a submission is refused)."""
-        return self.nvflare("job", "submit", "-j", str(job_dir), "--startup-kit", str(self.kit(user)), check=False)
+        return self.nvflare("job", "submit", "-j", str(Path(job_dir).resolve()), "--startup-kit", str(self.kit(user)),
+                            check=False)
 
     def wait(self, job_id: str | None = None, timeout: float = 600) -> str:
         """Wait for a job to end; return its final status (e.g. FINISHED:COMPLETED). Never raises on failure."""
@@ -420,7 +423,7 @@ class PocSession:
         """Download a finished job's workspace; return the folder holding ``workspace/app_server``."""
         job_id = job_id or self._last_job()
         user = self.state["jobs"].get(job_id, {}).get("user", self.state["lead"])
-        reply = self.nvflare("job", "download", job_id, "-o", str(out_dir), "--force",
+        reply = self.nvflare("job", "download", job_id, "-o", str(Path(out_dir).resolve()), "--force",
                              "--startup-kit", str(self.kit(user)))
         return Path(reply["data"]["download_path"])
 

@@ -174,7 +174,7 @@ class Stage:
     """Runs one rehearsal; :meth:`close` removes everything it made (called on every way out)."""
 
     def __init__(self, plan: Rehearsal, work: Path, echo: Echo) -> None:
-        self.plan, self.work, self.echo = plan, work, echo
+        self.plan, self.work, self.echo = plan, work.resolve(), echo  # absolute: commands run in work/home
         self.wan: Wan | None = None
         self.keepers: dict[str, list[subprocess.Popen]] = {}
         self.timings: dict[str, float] = {}
@@ -264,8 +264,10 @@ class Stage:
             raise RehearseError(f"{participant}'s startup/start.sh failed ({done.returncode}): {done.stderr[-500:]}")
 
     def in_ns(self, participant: str, command: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+        from medflare.runner import flare_admin_popen_args  # in the rehearsal's home: runner.py says why
+
         return subprocess.run([*self.wan.exec_prefix(participant), *command], capture_output=True, text=True,
-                              env=self.env(), timeout=timeout)
+                              timeout=timeout, **flare_admin_popen_args(self.work / "home", self.env()))
 
     def nvflare(self, participant: str, admin: str, *args: str, timeout: float = 300) -> dict[str, Any]:
         """``nvflare ... --startup-kit <admin's kit> --format json`` run in ``participant``'s namespace."""

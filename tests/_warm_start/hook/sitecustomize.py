@@ -24,14 +24,15 @@ def _hand_over() -> None:
         conn.connect(address)
     except OSError:
         return  # no server (the session ended or it is disabled): a cold start does the same work
-    request = json.dumps({"module": argv[2], "args": argv[3:], "cwd": os.getcwd(), "env": dict(os.environ)}).encode()
+    request = json.dumps({"module": argv[2], "args": argv[3:], "cwd": os.getcwd(), "env": dict(os.environ),
+                          "place": _place()}).encode()
     try:
         socket.send_fds(conn, [len(request).to_bytes(8, "big") + request], [0, 1, 2])
         reply = conn.makefile("r")
         worker = int(reply.readline())
     except (OSError, ValueError):
         conn.close()
-        return  # the server could not fork the worker: start cold
+        return  # the server could not fork the worker, or it runs elsewhere (another namespace): start cold
     for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(number, lambda received, _frame: os.kill(worker, received))
     kind, value = (reply.readline().split() or ["exit", "1"])  # the server went away: a failed run
@@ -39,6 +40,13 @@ def _hand_over() -> None:
         signal.signal(int(value), signal.SIG_DFL)
         os.kill(os.getpid(), int(value))
     os._exit(int(value))
+
+
+def _place() -> dict:
+    """What a fork of the server would not share with this process: its interpreter, its network and mount
+    namespaces (a rehearsal's participant, ``ip netns exec``) and its user."""
+    return {"python": f"{sys.prefix} {sys.version}", "net": os.readlink("/proc/self/ns/net"),
+            "mnt": os.readlink("/proc/self/ns/mnt"), "uid": os.getuid()}
 
 
 _hand_over()
