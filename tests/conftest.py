@@ -74,6 +74,7 @@ def warm_site_workers(request: pytest.FixtureRequest) -> Iterator[None]:
         with pytest.MonkeyPatch.context() as patch:  # the session's processes inherit these; restored at its end
             patch.setenv("MEDFLARE_TEST_WARM_SERVER", str(address))  # until it listens, the workers start cold
             patch.setenv("MEDFLARE_TEST_WARM_MODULES", ",".join(warm_start.MODULES))
+            patch.setenv("MEDFLARE_TEST_WARM_SCRIPTS", ",".join(warm_start.SCRIPTS))
             patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"),
                                                                      str(warm_start.HOOK)])))
             yield

@@ -43,24 +43,29 @@ def probe(tmp_path: Path) -> tuple[Path, dict[str, str]]:
         time.sleep(0.5)
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "medflare_warm_probe.py").write_text(PROBE)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "medflare-warm-probe").write_text(PROBE)  # as a console script runs
     (tmp_path / "cwd").mkdir()
     env = {**os.environ, "PROBE_ANSWER": "42", "MEDFLARE_TEST_WARM_MODULES": "medflare_warm_probe",
+           "MEDFLARE_TEST_WARM_SCRIPTS": "medflare-warm-probe 3",
            "PYTHONPATH": os.pathsep.join([str(tmp_path / "lib"), os.environ["PYTHONPATH"]])}
     return tmp_path, env
 
 
-def start(folder: Path, env: dict[str, str], warm: bool, argument: str) -> subprocess.Popen:
+def start(folder: Path, env: dict[str, str], warm: bool, argument: str, as_script: bool = False) -> subprocess.Popen:
     if not warm:
         env = {name: value for name, value in env.items() if name != "MEDFLARE_TEST_WARM_SERVER"}
-    return subprocess.Popen([sys.executable, "-m", "medflare_warm_probe", argument], cwd=folder / "cwd", env=env,
+    program = ["../bin/medflare-warm-probe"] if as_script else ["-m", "medflare_warm_probe"]
+    return subprocess.Popen([sys.executable, *program, argument], cwd=folder / "cwd", env=env,
                             stdout=subprocess.PIPE, text=True)
 
 
-def test_a_warm_process_sees_what_a_fresh_one_sees_and_ends_with_its_code(probe) -> None:
+@pytest.mark.parametrize("as_script", [False, True], ids=["module", "script"])
+def test_a_warm_process_sees_what_a_fresh_one_sees_and_ends_with_its_code(probe, as_script: bool) -> None:
     folder, env = probe
     seen = {}
     for warm in (False, True):
-        proc = start(folder, env, warm, "3")
+        proc = start(folder, env, warm, "3", as_script)
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 3
         seen[warm] = json.loads(out)

@@ -2,9 +2,11 @@
 
 Why: every site of every simulator run is a fresh ``python -m nvflare.private.fed.app.simulator.simulator_worker``
 that spends ~6 CPU-s importing torch, ``torch._dynamo`` (a torch optimizer's constructor imports it) and
-torchvision before it does any work: on a 2-core CI machine that was a quarter of the suite's CPU. This server
-imports those libraries once and forks a child for each such process; the child then runs the same module with the
-same arguments, environment, working directory, standard streams and ``sys.path`` a fresh interpreter would have.
+torchvision before it does any work: on a 2-core CI machine that was a quarter of the suite's CPU. A POC's job
+processes do the same, and ``nvflare job submit`` imports the job's components, torch with them (:data:`MODULES`,
+:data:`SCRIPTS`). This server imports those libraries once and forks a child for each such process; the child then
+runs the same module or script with the same arguments, environment, working directory, standard streams and
+``sys.path`` a fresh interpreter would have.
 Nothing of medflare, nvflare or the job is imported before the fork: the job's own code (a BYOC job's ``custom/``
 included) is imported by the child from its own ``PYTHONPATH``, as in a cold start.
 
@@ -44,6 +46,10 @@ PRELOAD = ("numpy", "torch", "torch._dynamo", "torchvision")
 # process tree (the simulator's multiprocessing manager included), and a warm process has no tree under its stand-in.
 MODULES = ("nvflare.private.fed.app.simulator.simulator_worker", "nvflare.private.fed.app.simulator.simulator",
            "nvflare.private.fed.app.server.runner_process", "nvflare.private.fed.app.client.worker_process")
+# the scripts that start warm, with their first argument: FLARE's admin commands that start no process (``nvflare job
+# submit`` imports the job's components, torch with them, to fill in their defaults). Not ``nvflare poc``: it starts
+# and stops the POC's processes, which medflare ties to its own (a keeper).
+SCRIPTS = ("nvflare job", "nvflare system")
 KILL_GRACE = 5.0
 HOOK = Path(__file__).resolve().parent / "hook"  # put on the test session's PYTHONPATH: its sitecustomize hands over
 
@@ -61,16 +67,17 @@ def receive_request(conn: socket.socket) -> tuple[dict, list[int]]:
     return json.loads(body), fds
 
 
-def fresh_sys_path(cwd: str, env: dict[str, str]) -> list[str]:
-    """``sys.path`` of ``python -m`` started in ``cwd`` with ``env``'s PYTHONPATH (the interpreter's and site's own
-    entries kept)."""
+def fresh_sys_path(first: str, env: dict[str, str]) -> list[str]:
+    """``sys.path`` of a fresh interpreter whose first entry is ``first`` (``python -m``: its working directory; a
+    script: the script's folder) with ``env``'s PYTHONPATH (the interpreter's and site's own entries kept)."""
     own = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     base = [entry for entry in sys.path[1:] if entry not in own]
-    return [cwd, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep)), *base]
+    return [first, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep)), *base]
 
 
 def run_worker(request: dict, fds: list[int]) -> None:
-    """Become the worker: ``python -m <module> <args>`` as a fresh interpreter would run it; never returns."""
+    """Become the worker: ``python -m <module> <args>`` or ``python <script> <args>`` as a fresh interpreter would
+    run it; never returns."""
     os.setsid()
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
@@ -81,17 +88,22 @@ def run_worker(request: dict, fds: list[int]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    sys.path[:] = fresh_sys_path(request["cwd"], request["env"])
+    script = request.get("script")
+    sys.path[:] = fresh_sys_path(os.path.dirname(os.path.realpath(script)) if script else request["cwd"],
+                                 request["env"])
     if request["env"].get("PYTHONUNBUFFERED"):
         sys.stdout.reconfigure(write_through=True)
         sys.stderr.reconfigure(write_through=True)
-    sys.argv = ["-m", *request["args"]]
+    sys.argv = [script, *request["args"]] if script else ["-m", *request["args"]]
     sys.modules["__main__"] = types.ModuleType("__main__")
     import runpy
 
     code, interrupted = 0, False
     try:
-        runpy._run_module_as_main(request["module"], alter_argv=True)  # what `python -m` calls
+        if script:
+            runpy.run_path(script, run_name="__main__")  # what `python <script>` does
+        else:
+            runpy._run_module_as_main(request["module"], alter_argv=True)  # what `python -m` calls
     except SystemExit as end:
         code = end.code if isinstance(end.code, int) else (0 if end.code is None else 1)
         if not isinstance(end.code, (int, type(None))):

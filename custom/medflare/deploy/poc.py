@@ -1,6 +1,7 @@
 """Run medflare jobs in a real FLARE POC (provisioned mTLS kits, separate server/site processes) on one machine.
 
-Everything a POC touches lives under one root folder: its own ``HOME`` (FLARE's startup-kit registry) and its
+Everything a POC touches lives under one root folder: its own ``HOME`` (FLARE's startup-kit registry, and the
+working folder of the ``nvflare`` commands: medflare/runner.py says why) and its
 own ``NVFLARE_POC_WORKSPACE``, so nothing leaks into the user's ``~/.nvflare`` and re-running is safe. One medflare
 process at a time works on a root (a lock file in it names the owner's PID). A POC that ``run`` (or ``medflare run
 --env poc``) starts dies with it, even when it is SIGKILLed; one started step by step lives until ``stop``. The POC is

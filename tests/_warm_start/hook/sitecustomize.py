@@ -1,8 +1,9 @@
 """Run by every Python process whose PYTHONPATH holds this folder (the test session puts it there; see
 tests/_warm_start/server.py). A ``python -m`` process of a module the session names (FLARE's simulator and its site
-workers) hands its work to the warm server, which forks a child that already has torch imported; this process stays
-as the worker's stand-in (the pid FLARE watches, signals and waits for) and exits as the worker exits. Any other
-process, or any failure to reach the server, goes on as a normal cold start."""
+workers, a POC's job processes), or of a script it names (``nvflare job``), hands its work to the warm server, which
+forks a child that already has torch imported; this process stays as the worker's stand-in (the pid FLARE watches,
+signals and waits for) and exits as the worker exits. Any other process, or any failure to reach the server, goes on
+as a normal cold start."""
 
 import os
 import sys
@@ -10,10 +11,8 @@ import sys
 
 def _hand_over() -> None:
     address = os.environ.get("MEDFLARE_TEST_WARM_SERVER")
-    argv = getattr(sys, "orig_argv", [])  # Python >= 3.10; any other interpreter that reads this file starts cold
-    if not address or len(argv) < 3 or argv[1] != "-m":
-        return
-    if argv[2] not in os.environ.get("MEDFLARE_TEST_WARM_MODULES", "").split(","):
+    what = _wanted(getattr(sys, "orig_argv", []))  # Python >= 3.10; any other interpreter that reads this starts cold
+    if not address or not what:
         return
     import json
     import signal
@@ -24,8 +23,7 @@ def _hand_over() -> None:
         conn.connect(address)
     except OSError:
         return  # no server (the session ended or it is disabled): a cold start does the same work
-    request = json.dumps({"module": argv[2], "args": argv[3:], "cwd": os.getcwd(), "env": dict(os.environ),
-                          "place": _place()}).encode()
+    request = json.dumps({**what, "cwd": os.getcwd(), "env": dict(os.environ), "place": _place()}).encode()
     try:
         socket.send_fds(conn, [len(request).to_bytes(8, "big") + request], [0, 1, 2])
         reply = conn.makefile("r")
@@ -40,6 +38,20 @@ def _hand_over() -> None:
         signal.signal(int(value), signal.SIG_DFL)
         os.kill(os.getpid(), int(value))
     os._exit(int(value))
+
+
+def _wanted(argv: list[str]) -> dict | None:
+    """What to run warm: ``python -m MODULE ARGS`` of a module the session names, or ``python SCRIPT ARGS`` of a
+    script (a console script, such as ``nvflare``) the session names with its first argument ("nvflare job")."""
+    if len(argv) < 3:
+        return None
+    if argv[1] == "-m":
+        return {"module": argv[2], "args": argv[3:]} if argv[2] in os.environ.get("MEDFLARE_TEST_WARM_MODULES",
+                                                                                    "").split(",") else None
+    scripts = os.environ.get("MEDFLARE_TEST_WARM_SCRIPTS", "").split(",")
+    if f"{os.path.basename(argv[1])} {argv[2]}" in scripts and os.path.isfile(argv[1]):
+        return {"script": argv[1], "args": argv[2:]}  # as given: the worker runs in the same working directory
+    return None
 
 
 def _place() -> dict:
