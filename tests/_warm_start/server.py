@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib.util
 import json
 import os
 import select
@@ -126,19 +127,22 @@ def run_worker(request: dict, fds: list[int]) -> None:
     os._exit(code)
 
 
-def place() -> dict:
-    """This server's interpreter, namespaces and user, as the hook reports the stand-in's."""
-    return {"python": f"{sys.prefix} {sys.version}", "net": os.readlink("/proc/self/ns/net"),
-            "mnt": os.readlink("/proc/self/ns/mnt"), "uid": os.getuid()}
+def hook_place() -> dict:
+    """This server's place, by the hook's own ``place()`` (loaded from its file: the workers' ``sys.path`` is built
+    from this process's and must not gain the hook's folder)."""
+    spec = importlib.util.spec_from_file_location("medflare_warm_place", HOOK / "medflare_warm_place.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.place()
 
 
-def keep(conn: socket.socket) -> None:
+def keep(conn: socket.socket, own_place: dict) -> None:
     """The keeper: fork the worker, report its pid and how it ended; kill it if the stand-in goes away. A stand-in
     of another interpreter (virtual environment), in another network or mount namespace, or of another user, is told
     to start cold: a fork of this server would run outside them (a rehearsal's hospital, ``ip netns exec``, would
     reach the wrong network)."""
     request, fds = receive_request(conn)
-    if request.get("place") != place():
+    if request.get("place") != own_place:
         for fd in fds:
             os.close(fd)
         with contextlib.suppress(OSError):
@@ -205,6 +209,7 @@ def serve(address: str, owner: int) -> None:
     for name in PRELOAD:
         __import__(name)
     gc.freeze()  # the children's collections then leave the preloaded objects' pages shared (not copied on write)
+    own_place = hook_place()
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(address)
     listener.listen(64)
@@ -216,7 +221,7 @@ def serve(address: str, owner: int) -> None:
         if os.fork() == 0:
             listener.close()
             try:
-                keep(conn)
+                keep(conn, own_place)
             finally:
                 os._exit(0)
         conn.close()

@@ -390,7 +390,7 @@ class PocSession:
         """Submit a job folder as ``user`` (default: the project's lead); return the job id."""
         self._require_prepared()
         user = user or self.state["lead"]
-        reply = self.nvflare("job", "submit", "-j", str(Path(job_dir).resolve()), "--startup-kit", str(self.kit(user)))
+        reply = self.nvflare(*self._submit_args(job_dir, user))
         job_id = reply["data"]["job_id"]
         self.state["jobs"][job_id] = {"job_dir": str(job_dir), "user": user, "submitted_at": time.time()}
         self.state["last_job"] = job_id
@@ -406,8 +406,11 @@ class PocSession:
 
     def try_submit(self, job_dir: str | Path, user: str) -> dict[str, Any]:
         """Submit and return FLARE's reply without raising (to check that a submission is refused)."""
-        return self.nvflare("job", "submit", "-j", str(Path(job_dir).resolve()), "--startup-kit", str(self.kit(user)),
-                            check=False)
+        return self.nvflare(*self._submit_args(job_dir, user), check=False)
+
+    def _submit_args(self, job_dir: str | Path, user: str) -> list[str]:
+        """``nvflare job submit`` of ``job_dir`` as ``user`` (absolute: the command runs in the POC's home)."""
+        return ["job", "submit", "-j", str(Path(job_dir).resolve()), "--startup-kit", str(self.kit(user))]
 
     def wait(self, job_id: str | None = None, timeout: float = 600) -> str:
         """Wait for a job to end; return its final status (e.g. FINISHED:COMPLETED). Never raises on failure."""
