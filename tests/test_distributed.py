@@ -46,6 +46,7 @@ def train_two_rounds(processes: int) -> list[dict[str, np.ndarray]]:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # make test-heavy
 def test_two_gloo_processes_match_one_process() -> None:
     single, parallel = train_two_rounds(1), train_two_rounds(2)
     for round_single, round_parallel in zip(single, parallel):

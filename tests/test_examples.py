@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # make test-heavy
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"

@@ -24,7 +24,8 @@ if sys.argv[1:] == ["child"]:  # a warm process's own children (the simulator's 
     print(subprocess.run([sys.executable, "-m", "medflare_warm_probe", "0"], capture_output=True, text=True).stdout,
           end="", flush=True)
 print(json.dumps({"argv": sys.argv, "path": sys.path, "cwd": os.getcwd(), "name": __name__,
-                  "answer": os.environ.get("PROBE_ANSWER"), "warm": "torch" in sys.modules, "pid": os.getpid()}),
+                  "answer": os.environ.get("PROBE_ANSWER"), "warm": "torch" in sys.modules, "pid": os.getpid(),
+                  "cold": os.environ.get("MEDFLARE_TEST_WARM_COLD")}),
       flush=True)
 if sys.argv[1:] == ["sleep"]:
     time.sleep(120)
@@ -52,6 +53,12 @@ def probe(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     return tmp_path, env
 
 
+def why_cold(report: dict) -> str:
+    """The hook's reason for a cold start and the server's log (its refusals and failures)."""
+    log = Path(os.environ["MEDFLARE_TEST_WARM_SERVER"]).with_name("server.log")
+    return f"started cold: {report.get('cold')}; server log: {log.read_text()[-2000:] if log.exists() else 'empty'}"
+
+
 def start(folder: Path, env: dict[str, str], warm: bool, argument: str, as_script: bool = False) -> subprocess.Popen:
     if not warm:
         env = {name: value for name, value in env.items() if name != "MEDFLARE_TEST_WARM_SERVER"}
@@ -69,6 +76,7 @@ def test_a_warm_process_sees_what_a_fresh_one_sees_and_ends_with_its_code(probe,
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 3
         seen[warm] = json.loads(out)
+    assert seen[True]["warm"], why_cold(seen[True])
     assert seen[True].pop("warm") and not seen[False].pop("warm")  # the warm one started with torch imported
     assert seen[True].pop("pid") != seen[False].pop("pid")
     assert seen[True] == seen[False]  # argv, sys.path, working directory, __name__, environment
@@ -79,7 +87,9 @@ def test_a_warm_process_starts_its_own_children_warm(probe) -> None:
     proc = start(folder, env, True, "child")
     out, _ = proc.communicate(timeout=120)
     child, parent = (json.loads(line) for line in out.splitlines())
-    assert parent["warm"] and child["warm"] and child["pid"] != parent["pid"]
+    assert parent["warm"], why_cold(parent)
+    assert child["warm"], why_cold(child)
+    assert child["pid"] != parent["pid"]
 
 
 @pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGINT])
@@ -99,7 +109,8 @@ def test_a_killed_stand_in_takes_its_worker_along(probe) -> None:
     folder, env = probe
     proc = start(folder, env, True, "sleep")
     report = json.loads(proc.stdout.readline())
-    assert report["warm"] and report["pid"] != proc.pid
+    assert report["warm"], why_cold(report)
+    assert report["pid"] != proc.pid
     proc.kill()
     proc.wait(timeout=10)
     deadline = time.time() + 15  # the keeper sees its stand-in gone, SIGTERMs the worker, waits 5 s, then SIGKILLs
@@ -129,4 +140,5 @@ def test_another_name_of_the_same_interpreter_starts_warm(probe) -> None:
     proc = subprocess.Popen([str(other), "-m", "medflare_warm_probe", "0"], cwd=folder / "cwd", env=env,
                             stdout=subprocess.PIPE, text=True)
     out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0 and json.loads(out)["warm"]
+    assert proc.returncode == 0
+    assert json.loads(out)["warm"], why_cold(json.loads(out))

@@ -53,6 +53,7 @@ MODULES = ("nvflare.private.fed.app.simulator.simulator_worker", "nvflare.privat
 SCRIPTS = ("nvflare job", "nvflare system")
 KILL_GRACE = 5.0
 HOOK = Path(__file__).resolve().parent / "hook"  # put on the test session's PYTHONPATH: its sitecustomize hands over
+LOG = os.devnull  # serve() sets it: server.log beside the socket
 
 
 def receive_request(conn: socket.socket) -> tuple[dict, list[int]]:
@@ -143,12 +144,13 @@ def keep(conn: socket.socket, own_place: dict) -> None:
     reach the wrong network)."""
     request, fds = receive_request(conn)
     if request.get("place") != own_place:
-        for fd in fds:
-            os.close(fd)
-        with contextlib.suppress(OSError):
-            conn.sendall(b"cold\n")
-        os._exit(0)
-    worker = os.fork()
+        log(f"cold: {request.get('place')} is not {own_place}")
+        send_cold(conn, fds)
+    try:
+        worker = os.fork()
+    except OSError as error:
+        log(f"cold: fork failed: {error}")
+        send_cold(conn, fds)
     if worker == 0:
         conn.close()
         run_worker(request, fds)
@@ -172,6 +174,21 @@ def keep(conn: socket.socket, own_place: dict) -> None:
         if readable and not stand_in_alive(conn):  # the stand-in is gone (SIGKILL): its worker goes too
             stop(worker)
             os._exit(0)
+
+
+def send_cold(conn: socket.socket, fds: list[int]) -> None:
+    """Tell the stand-in to start cold itself; ends the keeper."""
+    for fd in fds:
+        os.close(fd)
+    with contextlib.suppress(OSError):
+        conn.sendall(b"cold\n")
+    os._exit(0)
+
+
+def log(line: str) -> None:
+    """One line in the server's log beside its socket (what the warm start's tests show when a start went cold)."""
+    with contextlib.suppress(OSError), open(LOG, "a") as out:
+        out.write(f"{time.strftime('%H:%M:%S')} [{os.getpid()}] {line}\n")
 
 
 def stand_in_alive(conn: socket.socket) -> bool:
@@ -206,6 +223,8 @@ def reap() -> None:
 
 def serve(address: str, owner: int) -> None:
     """Accept stand-ins until the owner (the test process) is gone."""
+    global LOG
+    LOG = os.path.join(os.path.dirname(address), "server.log")
     for name in PRELOAD:
         __import__(name)
     gc.freeze()  # the children's collections then leave the preloaded objects' pages shared (not copied on write)
@@ -217,17 +236,36 @@ def serve(address: str, owner: int) -> None:
         reap()
         if not select.select([listener], [], [], 1.0)[0]:
             continue
-        conn, _ = listener.accept()
-        if os.fork() == 0:
+        try:
+            conn, _ = listener.accept()
+        except OSError as error:
+            log(f"accept failed: {error}")
+            continue
+        try:
+            keeper = os.fork()
+        except OSError as error:  # the stand-in reads the end of its stream and starts cold
+            log(f"cold: fork of a keeper failed: {error}")
+            keeper = -1
+        if keeper == 0:
             listener.close()
+            code = 0
             try:
                 keep(conn, own_place)
+            except BaseException:  # noqa: BLE001 - a keeper's stand-in starts cold, a worker's ends with 1
+                log(f"keeper or worker failed: {traceback.format_exc()}")
+                code = 1
             finally:
-                os._exit(0)
+                os._exit(code)
         conn.close()
-    os.unlink(address)
+    for path in (address, LOG):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
     os.rmdir(os.path.dirname(address))  # the folder the test session made for this socket alone
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1], int(sys.argv[2]))
+    try:
+        serve(sys.argv[1], int(sys.argv[2]))
+    except BaseException:
+        log(f"the server failed: {traceback.format_exc()}")
+        raise

@@ -32,7 +32,7 @@ from medflare.job_export import set_resume
 from medflare.ops.checkpoint import load_checkpoint
 from medflare.run_config import RunConfig
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # make test-heavy
 
 METHOD = "fedavg"
 QUICK = {"max_steps": 3, "batch_size": 32}

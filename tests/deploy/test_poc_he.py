@@ -20,7 +20,7 @@ from medflare.flare.he import CLIENT_CONTEXT_FILE, MODEL_FILE, read_encrypted_mo
 from medflare.ops import he_aggregate  # noqa: E402
 from medflare.run_config import RunConfig, deployment_robust  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # make test-heavy
 
 METHODS = ("fedavg", "fedmas")
 TRAIN = {"max_steps": 3, "batch_size": 32, "optimizer": "sgd", "lr": 0.01, "momentum": 0.0}

@@ -15,7 +15,7 @@ import pytest
 
 from .._processes import LiveProcess
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # make test-heavy
 
 ROUNDS = 3
 ROUND_LINE = re.compile(r"round (\d+)/(\d+) done in")

@@ -303,6 +303,7 @@ def test_a_rehearsal_leaves_nothing_behind(small) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # make test-heavy
 @needs_netns
 def test_ctrl_c_mid_rehearsal_removes_everything(tmp_path: Path) -> None:
     out = tmp_path / "out"

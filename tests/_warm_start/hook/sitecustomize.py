@@ -10,6 +10,7 @@ import sys
 
 
 def _hand_over() -> None:
+    os.environ.pop("MEDFLARE_TEST_WARM_COLD", None)  # a cold parent's reason is not this process's
     address = os.environ.get("MEDFLARE_TEST_WARM_SERVER")
     what = _wanted(getattr(sys, "orig_argv", []))  # Python >= 3.10; any other interpreter that reads this starts cold
     if not address or not what:
@@ -21,8 +22,9 @@ def _hand_over() -> None:
     try:
         conn = socket.socket(socket.AF_UNIX)
         conn.connect(address)
-    except OSError:
-        return  # no server (the session ended or it is disabled): a cold start does the same work
+    except OSError as error:
+        _started_cold(f"no server at {address}: {error}")  # the session ended or it is disabled
+        return
     from medflare_warm_place import place  # beside this file
 
     request = json.dumps({**what, "cwd": os.getcwd(), "env": dict(os.environ), "place": place()}).encode()
@@ -30,9 +32,10 @@ def _hand_over() -> None:
         socket.send_fds(conn, [len(request).to_bytes(8, "big") + request], [0, 1, 2])
         reply = conn.makefile("r")
         worker = int(reply.readline())
-    except (OSError, ValueError):
+    except (OSError, ValueError) as error:
         conn.close()
-        return  # the server could not fork the worker, or it runs elsewhere (another namespace): start cold
+        _started_cold(f"the server answered {error}")  # it could not fork, or it runs elsewhere (a namespace)
+        return
     for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(number, lambda received, _frame: os.kill(worker, received))
     kind, value = (reply.readline().split() or ["exit", "1"])  # the server went away: a failed run
@@ -40,6 +43,11 @@ def _hand_over() -> None:
         signal.signal(int(value), signal.SIG_DFL)
         os.kill(os.getpid(), int(value))
     os._exit(int(value))
+
+
+def _started_cold(why: str) -> None:
+    """Say why in this process's environment (the warm start's tests print it; a cold start does the same work)."""
+    os.environ["MEDFLARE_TEST_WARM_COLD"] = why
 
 
 def _wanted(argv: list[str]) -> dict | None:
