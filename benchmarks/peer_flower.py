@@ -271,19 +271,22 @@ def adopt_orphans() -> None:
         pass
 
 
-def end_leftovers() -> None:
-    """End and reap every child still here after a side (sides run one at a time: all of them are its)."""
+def own_children() -> set[int]:
+    """The pids of this process's children now."""
+    import psutil
+
+    return {child.pid for child in psutil.Process().children()}
+
+
+def end_leftovers(spared: set[int]) -> None:
+    """End and reap every child still here after a side, except those this process had before it (``spared``):
+    sides run one at a time, so the others are the side's (orphans adopted included); a process that calls this, a
+    test session say, keeps the children it had, and their exit statuses stay theirs to collect."""
     import psutil
 
     from medflare.processes import end_processes
 
-    end_processes(psutil.Process().children())
-    while True:
-        try:
-            if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                return
-        except ChildProcessError:
-            return
+    end_processes([child for child in psutil.Process().children() if child.pid not in spared])  # reaps them too
 
 
 def run_side(side: str, command: list[str], env: dict[str, str], log: Path, result: Path,
@@ -294,6 +297,7 @@ def run_side(side: str, command: list[str], env: dict[str, str], log: Path, resu
     from medflare.processes import end_processes, start_kept
 
     result.unlink(missing_ok=True)
+    spared = own_children()
     cpu, launched = children_cpu_seconds(), time.perf_counter()
     with log.open("w") as out, scaling.TreeSampler(interval=1.0) as sampler:
         keeper = start_kept(command, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -303,7 +307,7 @@ def run_side(side: str, command: list[str], env: dict[str, str], log: Path, resu
             code = f"ended after the side timeout of {timeout:.0f} s"
         finally:
             end_processes([keeper])  # the keeper ends everything the side started
-            end_leftovers()
+            end_leftovers(spared)
     measured = {"total_seconds": time.perf_counter() - launched, "cpu_seconds": children_cpu_seconds() - cpu,
                 "peak_rss_bytes": peak_tree_rss(sampler.traces)}
     if code != 0 or not result.is_file():

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,10 @@ def warm_site_workers(request: pytest.FixtureRequest) -> Iterator[None]:
                                                                      str(warm_start.HOOK)])))
             yield
     finally:
+        if server.poll() is not None:  # the session's simulator and POC runs went on cold: say so, with its log
+            log = folder / "server.log"
+            warnings.warn(f"the warm-start server ended early (exit status {server.returncode}); its log: "
+                          f"{log.read_text()[-2000:] if log.exists() else 'empty'}", stacklevel=1)
         server.terminate()
         server.wait(timeout=30)
         shutil.rmtree(folder, ignore_errors=True)

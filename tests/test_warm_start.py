@@ -119,6 +119,25 @@ def test_a_killed_stand_in_takes_its_worker_along(probe) -> None:
     assert not psutil.pid_exists(report["pid"])
 
 
+def test_a_kill_of_a_keepers_process_group_takes_its_worker_not_the_server(probe) -> None:
+    """FLARE SIGKILLs the process group of a job pid it still holds after the job ended; by then that pid may be a
+    keeper's (pids wrap): the kill must end that keeper and its worker only, and later processes still start warm."""
+    folder, env = probe
+    proc = start(folder, env, True, "sleep")
+    report = json.loads(proc.stdout.readline())
+    assert report["warm"], why_cold(report)
+    keeper = psutil.Process(report["pid"]).ppid()
+    os.killpg(os.getpgid(keeper), signal.SIGKILL)
+    assert proc.wait(timeout=30) != 0  # the stand-in lost its keeper: a failed run, as FLARE should see it
+    deadline = time.time() + 15
+    while psutil.pid_exists(report["pid"]) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not psutil.pid_exists(report["pid"])
+    after = start(folder, env, True, "0")
+    out, _ = after.communicate(timeout=120)
+    assert json.loads(out)["warm"], why_cold(json.loads(out))
+
+
 def test_a_process_in_another_network_namespace_starts_cold(probe) -> None:
     """A fork of the server would run in the server's network (a rehearsal's hospital would reach the wrong one)."""
     if shutil.which("unshare") is None or subprocess.run(["unshare", "--net", "true"]).returncode != 0:

@@ -15,8 +15,12 @@ How (three processes per site worker):
   directory and file descriptors 0-2 here, forwards every signal it gets to the worker and exits with the worker's
   status (a signal as that signal), so FLARE's ``poll``, ``terminate`` and return codes see what they would see;
 - the keeper: a fork of this server per request; it forks the worker, waits for it, reports how it ended, and kills
-  it if the stand-in disappears (FLARE killed it with SIGKILL): no worker outlives its stand-in;
-- the worker: its own session (as FLARE's ``setsid``), default signal handlers, then ``runpy`` as ``python -m`` does.
+  it if the stand-in disappears (FLARE killed it with SIGKILL): no worker outlives its stand-in. Each keeper is
+  its own process group: FLARE's job handles SIGKILL the process group of the pid they hold, also after that
+  process ended (``ProcessAdapter.terminate``), and pids wrap (at 32768 here): in the server's group, a keeper that
+  got such a pid would take the server and every other keeper with it;
+- the worker: its own session (as FLARE's ``setsid``), default signal handlers, then ``runpy`` as ``python -m`` does;
+  it dies with its keeper (``PR_SET_PDEATHSIG``).
 
 Started by ``tests/conftest.py`` once per test process; ``MEDFLARE_TEST_WARM_START=0`` turns it off, and tests whose
 subject is the processes themselves (signals, leftovers) start their runs cold (``cold_start`` fixture).
@@ -25,6 +29,7 @@ subject is the processes themselves (signals, leftovers) start their runs cold (
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import importlib.util
 import json
@@ -52,6 +57,7 @@ MODULES = ("nvflare.private.fed.app.simulator.simulator_worker", "nvflare.privat
 # and stops the POC's processes, which medflare ties to its own (a keeper).
 SCRIPTS = ("nvflare job", "nvflare system")
 KILL_GRACE = 5.0
+PR_SET_PDEATHSIG = 1
 HOOK = Path(__file__).resolve().parent / "hook"  # put on the test session's PYTHONPATH: its sitecustomize hands over
 LOG = os.devnull  # serve() sets it: server.log beside the socket
 
@@ -77,10 +83,14 @@ def fresh_sys_path(first: str, env: dict[str, str]) -> list[str]:
     return [first, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep)), *base]
 
 
-def run_worker(request: dict, fds: list[int]) -> None:
+def run_worker(request: dict, fds: list[int], keeper: int) -> None:
     """Become the worker: ``python -m <module> <args>`` or ``python <script> <args>`` as a fresh interpreter would
-    run it; never returns."""
+    run it; never returns. It dies with its keeper, which reports to its stand-in: a worker no stand-in waits for
+    would be left behind."""
     os.setsid()
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != keeper:  # the keeper died before the line above
+        os._exit(1)
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
@@ -153,7 +163,7 @@ def keep(conn: socket.socket, own_place: dict) -> None:
         send_cold(conn, fds)
     if worker == 0:
         conn.close()
-        run_worker(request, fds)
+        run_worker(request, fds, os.getppid())
     for fd in fds:
         os.close(fd)
     try:
@@ -246,7 +256,11 @@ def serve(address: str, owner: int) -> None:
         except OSError as error:  # the stand-in reads the end of its stream and starts cold
             log(f"cold: fork of a keeper failed: {error}")
             keeper = -1
+        if keeper > 0:
+            with contextlib.suppress(OSError):  # also here, so that it holds before the keeper runs
+                os.setpgid(keeper, keeper)
         if keeper == 0:
+            os.setpgid(0, 0)  # not in this server's process group (see the module's docstring)
             listener.close()
             code = 0
             try:

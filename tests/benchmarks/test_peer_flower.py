@@ -225,6 +225,28 @@ def test_a_side_gets_absolute_paths_because_flare_s_sites_run_in_their_own_folde
     assert Path(env[peer.WORKLOAD_ENV]).is_absolute() and Path(env[peer.RESULT_ENV]).is_absolute()
 
 
+def test_a_side_ends_what_it_left_behind_and_spares_its_callers_other_children(tmp_path: Path) -> None:
+    """A test session running a side in its own process had its other children (the warm-start server) ended."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    own = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    result = tmp_path / "result.json"
+    side = ("import json, subprocess, sys; left = subprocess.Popen([sys.executable, '-c', 'import time; "
+            f"time.sleep(60)'], start_new_session=True); json.dump({{'left': left.pid}}, open({str(result)!r}, 'w'))")
+    try:
+        with pytest.raises(KeyError):  # no "rounds" in this side's record: read after the processes are ended
+            peer.run_side("bare", [sys.executable, "-c", side], {}, tmp_path / "log", result, timeout=60.0)
+        left = json.loads(result.read_text())["left"]
+        assert not psutil.pid_exists(left) or psutil.Process(left).status() == psutil.STATUS_ZOMBIE
+        assert own.poll() is None  # the caller's own child lives, and its exit status is still the caller's
+    finally:
+        own.kill()
+        assert own.wait(timeout=10) == -9
+
+
 def test_a_run_ended_after_its_first_side_keeps_that_side_s_row(tmp_path: Path, monkeypatch) -> None:
     """A benchmark cut by its time limit (seen on a GPU lease) must not lose the sides that finished."""
     bare = {"rounds": [{"wall": wall, "sites": [{"work": wall - 0.5}]} for wall in (4.0, 2.0, 2.2)]}

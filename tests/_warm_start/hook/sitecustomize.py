@@ -38,7 +38,7 @@ def _hand_over() -> None:
         return
     for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(number, lambda received, _frame: os.kill(worker, received))
-    kind, value = (reply.readline().split() or ["exit", "1"])  # the server went away: a failed run
+    kind, value = reply.readline().split() or _keeper_gone(address, worker)  # a failed run
     if kind == "signal":  # end as the worker ended, so FLARE reads the same return code
         signal.signal(int(value), signal.SIG_DFL)
         os.kill(os.getpid(), int(value))
@@ -48,6 +48,16 @@ def _hand_over() -> None:
 def _started_cold(why: str) -> None:
     """Say why in this process's environment (the warm start's tests print it; a cold start does the same work)."""
     os.environ["MEDFLARE_TEST_WARM_COLD"] = why
+
+
+def _keeper_gone(address: str, worker: int) -> list[str]:
+    """The keeper ended without a word (SIGKILLed): note it in the server's log, and end as a failed run."""
+    try:
+        with open(os.path.join(os.path.dirname(address), "server.log"), "a") as log:
+            log.write(f"stand-in {os.getpid()} of worker {worker} {sys.orig_argv[1:4]}: its keeper vanished\n")
+    except OSError:
+        pass
+    return ["exit", "1"]
 
 
 def _wanted(argv: list[str]) -> dict | None:
