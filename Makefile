@@ -139,9 +139,9 @@ bench-paper: install
 # workers do not spin 6 threads on 2 cores: pytest -m "not slow" -n 3 took 7:23 user-min against 8:36 (2026-11-27).
 # PYTHONDONTWRITEBYTECODE emptied: where the environment sets it, every test process (pytest's workers, FLARE's
 # processes) compiled medflare's and the tests' sources again (pytest's collection: 22 against 16.5 CPU-s).
-# make test leaves the tests marked heavy (POCs with encryption, faults, progress and Ctrl-C, the rehearsal's Ctrl-C,
-# the examples, the gloo processes) to make test-heavy, so that it stays under 20 minutes on the 2-core CI machine;
-# .ci/run runs both.
+# make test leaves the tests marked heavy (POCs with encryption, faults, progress and Ctrl-C; the rehearsals; the
+# real-data runs but one; a simulator's SIGTERM; the examples; the gloo processes; two FLARE cells) to make test-heavy,
+# so that it stays under 20 minutes on the 2-core CI machine; .ci/run runs both.
 TEST_WORKERS ?= 4
 PYTEST_RUN = OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q --timeout=900 --durations=15 -n $(TEST_WORKERS)
 test: install

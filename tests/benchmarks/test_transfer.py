@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from .conftest import load_benchmark
 
@@ -33,6 +34,8 @@ def test_each_variant_counts_the_bytes_it_sends() -> None:
     assert check(data) == full - (36 + 3) * 2  # the float arrays at half their size, the int64 counter whole
 
 
+@pytest.mark.slow
+@pytest.mark.heavy  # make test-heavy
 def test_a_model_crosses_two_flare_cells_and_arrives_whole() -> None:
     rows = [transfer.run_variant(variant, "cnn", repeats=1) for variant in ("fp32", "one-buffer")]
     expected = sum(v.nbytes for v in transfer.model_arrays("cnn").values())

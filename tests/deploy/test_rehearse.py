@@ -266,6 +266,7 @@ def small(tmp_path_factory) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # make test-heavy
 def test_a_small_rehearsal_runs_the_lead_job_over_the_namespaces(small) -> None:
     record, out = small["record"], small["out"]
     assert record["ok"], json.dumps(record["checks"], indent=1)
@@ -286,13 +287,15 @@ def test_a_small_rehearsal_runs_the_lead_job_over_the_namespaces(small) -> None:
     # The bar for the default suite is 2 minutes on its own: 76 s here, idle, on 2026-11-27 (a CPU that ran
     # the bare PyTorch loop at 8.2 s/round, 3.6x slower than on 2026-11-26). make test's 3 workers share 2 cores and
     # stretch it (123 s seen in CI), so what is asserted is twice that bar: a rehearsal that sits out one of its own
-    # deadlines (180 s to connect, the job's 900 s) fails it; stage timings name where the time went.
+    # deadlines (180 s to connect, the job's 900 s) fails it; stage timings name where the time went. Inside make
+    # test it took 156 s on 2026-11-28 (fresh clone, 4 workers on 2 cores), over the bar: it runs in make test-heavy.
     timings = record["timings"]
     assert set(timings) >= {"start_and_connect", "submit", "job", "download_and_report", "close", "total"}
     assert timings["total"] <= 2 * 120, f"the small rehearsal took {timings['total']:.0f} s: {timings}"
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # make test-heavy
 def test_a_rehearsal_leaves_nothing_behind(small) -> None:
     out = small["out"]
     assert not ours()

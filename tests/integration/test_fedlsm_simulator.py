@@ -51,6 +51,7 @@ def test_multi_label_fedlsm_sets_up_pos_weight_once_and_reports_per_class_auroc(
 
 
 @pytest.mark.realdata
+@pytest.mark.heavy  # make test-heavy
 def test_fedlsm_on_retinamnist_with_two_or_three_identified_grades_per_site(
     tmp_path: Path, medmnist_file
 ) -> None:

@@ -23,6 +23,7 @@ def medflare_run(out: Path, rounds: int) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # make test-heavy
 def test_sigterm_stops_the_simulator_and_leaves_a_failed_log(tmp_path: Path) -> None:
     out = tmp_path / "out"
     with LiveProcess(medflare_run(out, rounds=40)) as live:

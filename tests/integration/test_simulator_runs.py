@@ -133,7 +133,8 @@ def test_too_few_sites_stops_the_job_with_a_clear_error_and_no_output(tmp_path: 
 
 
 @pytest.mark.realdata
-@pytest.mark.parametrize("method", ["fedavg", "bsm-fl"])  # every method runs on synthetic data elsewhere
+@pytest.mark.parametrize("method", ["fedavg", pytest.param("bsm-fl", marks=pytest.mark.heavy)])  # every method runs
+# on synthetic data elsewhere; make test reads the real data with one of them, make test-heavy with both
 def test_baselines_complete_on_pneumoniamnist(method: str, medmnist_file, tmp_path: Path) -> None:
     path = medmnist_file("pneumoniamnist.npz")
     run = RunConfig(method=method, rounds=2, clients=3, data={"source": f"medmnist:{path}", "partition": "dirichlet:0.5"},
