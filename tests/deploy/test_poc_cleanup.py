@@ -1,7 +1,8 @@
 """A POC run that failed (say its output pipe closed when the terminal went away) still stops its POC when a stop
 request arrives during that clean-up: the request must not cut the clean-up short and leave FLARE running.
 A POC that fails while the network is down (``nvflare poc stop`` hangs) prints its real cause first, ends its own
-processes and keeps ``<out>.failed.log``. A POC that ``run_poc`` started dies with medflare, even on SIGKILL. One
+processes and keeps ``<out>.failed.log``; one that does not start in time says what each participant last
+logged. A POC that ``run_poc`` started dies with medflare, even on SIGKILL. One
 medflare process at a time works on a POC root.
 
 Fast: the POC session (or FLARE's ``nvflare`` command) is a stand-in, so this runs without FLARE;
@@ -154,6 +155,30 @@ def test_a_hung_poc_stop_still_ends_the_poc_of_a_step_by_step_session(tmp_path: 
         assert left_after(session.workspace, seconds=5) == []
     finally:
         kill_all(processes_naming(session.workspace))
+
+
+class PocThatDoesNotStartInTime(QuickStopSession):
+    """A POC whose ``nvflare poc start`` outlives its limit: the server logged, site-1 logged, site-2 never did."""
+
+    def nvflare(self, *args: str, **kwargs) -> dict:
+        if args[:2] == ("poc", "start"):
+            raise PocError("'nvflare poc start' did not finish within 180 s")
+        return {"status": "ok"}
+
+
+def test_a_poc_that_does_not_start_in_time_says_what_each_participant_last_logged(tmp_path: Path) -> None:
+    session = PocThatDoesNotStartInTime(tmp_path / "root", echo=lambda line: None)
+    session.prepare()
+    (session.kit("server") / "log.txt").write_text("started\nwaiting for site-2 to register\n")
+    (session.kit("site-1") / "log.txt").parent.mkdir(parents=True)
+    (session.kit("site-1") / "log.txt").write_text("connecting to server:8002 failed: certificate name mismatch\n")
+    with pytest.raises(PocError) as failure:
+        session.start()
+    message = str(failure.value)
+    assert "\n" not in message and message.startswith("'nvflare poc start' did not finish within 180 s")
+    assert "server: 'waiting for site-2 to register'" in message
+    assert "site-1: 'connecting to server:8002 failed: certificate name mismatch'" in message
+    assert "site-2: no log" in message and f"{session.prod_dir()}/*/log.txt" in message
 
 
 # A medflare that starts a tied POC (its ``poc start`` leaves a server running in a session of its own) and waits.

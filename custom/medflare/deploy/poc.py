@@ -324,7 +324,10 @@ class PocSession:
         args = ["poc", "start", "--timeout", str(int(timeout))]
         for name in exclude or []:
             args += ["-ex", name]
-        self.nvflare(*args, timeout=timeout + 60, starts=True)
+        try:
+            self.nvflare(*args, timeout=timeout + 60, starts=True)
+        except PocError as exc:  # what each participant last logged is often the only trace of why
+            raise PocError(f"{exc}; {self._last_logged()}") from exc
         self.echo(f"poc: started on localhost:{self.port}")
 
     def start_site(self, site: str, timeout: float = 60) -> None:
@@ -437,6 +440,15 @@ class PocSession:
         return path.read_text(errors="replace") if path.is_file() else ""
 
     # ----- internals --------------------------------------------------------------------------------
+    def _last_logged(self, width: int = 160) -> str:
+        """One line: the last line of each participant's log.txt (or that it has none), and where the logs are."""
+        said = []
+        for name in [self.state["server"], *self.state.get("sites", [])]:
+            path = self.kit(name) / "log.txt"
+            lines = path.read_text(errors="replace").strip().splitlines() if path.is_file() else []
+            said.append(f"{name}: {lines[-1][-width:]!r}" if lines else f"{name}: no log")
+        return f"last logged by {' | '.join(said)} (logs: {self.prod_dir()}/*/log.txt)"
+
     def _require_prepared(self) -> None:
         if not self.state:
             raise PocError(f"no POC is prepared in {self.root}; run 'prepare' first")
