@@ -44,7 +44,8 @@ def site3_run(name: str) -> RunConfig:
 @pytest.fixture(scope="module")
 def poc(tmp_path_factory, poc_lock, poc_port):
     root = tmp_path_factory.mktemp("poc")
-    session = PocSession(root / "poc", port=poc_port, echo=lambda line: None)
+    # tied: the POC dies with this test process, also when a cancelled run (CI, Ctrl-C) skips the teardown
+    session = PocSession(root / "poc", port=poc_port, echo=lambda line: None, tied=True)
     timings: dict[str, float] = {}
     jobs: dict[str, dict] = {}
     try:

@@ -53,7 +53,8 @@ def fault_run(name: str, rounds: int) -> RunConfig:
 def faults(cold_start_module, tmp_path_factory, poc_lock, poc_port):
     """A 3-site POC whose processes start cold: the tests kill a participant's processes by their command lines."""
     root = tmp_path_factory.mktemp("poc-faults")
-    session = PocSession(root / "poc", port=poc_port, echo=lambda line: None)
+    # tied: the POC dies with this test process, also when a cancelled run (CI, Ctrl-C) skips the teardown
+    session = PocSession(root / "poc", port=poc_port, echo=lambda line: None, tied=True)
     try:
         session.prepare(3, allow_job_data=True)
         session.start()
@@ -96,7 +97,7 @@ def test_a_restarted_server_resumes_the_job_from_its_last_round(faults) -> None:
     assert _kill(session, server)
     _clear_stale_pid_files(session.kit(server))
     # 300 s: on 2 loaded cores (4 test workers) this once took over 120 s (CI of dea96f9), 20-40 s when idle
-    session.nvflare("poc", "start", "-p", server, "--timeout", "60", timeout=300)
+    session.nvflare("poc", "start", "-p", server, "--timeout", "60", timeout=300, starts=True)
     _wait_until_connected(session, ["site-1", "site-3"])
 
     resumed_dir = set_resume(shutil.copytree(first_dir, faults["root"] / "jobs" / "resumed"), first)

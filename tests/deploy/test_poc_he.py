@@ -41,7 +41,8 @@ def job_run(method: str, he: bool) -> RunConfig:
 def finished(tmp_path_factory, poc_lock, poc_port):
     """(downloaded job folder per job name, the POC's seconds, a site's context) after all four jobs ended."""
     root = tmp_path_factory.mktemp("poc-he")
-    session = PocSession(root / "poc", port=poc_port, echo=lambda line: None)
+    # tied: the POC dies with this test process, also when a cancelled run (CI, Ctrl-C) skips the teardown
+    session = PocSession(root / "poc", port=poc_port, echo=lambda line: None, tied=True)
     try:
         started = time.time()
         session.prepare(2, allow_job_data=True, he=True)
