@@ -324,15 +324,12 @@ class PocSession:
         args = ["poc", "start", "--timeout", str(int(timeout))]
         for name in exclude or []:
             args += ["-ex", name]
-        try:
-            self.nvflare(*args, timeout=timeout + 60, starts=True)
-        except PocError as exc:  # what each participant last logged is often the only trace of why
-            raise PocError(f"{exc}; {self._last_logged()}") from exc
+        self._start_processes(*args, timeout=timeout + 60)
         self.echo(f"poc: started on localhost:{self.port}")
 
     def start_site(self, site: str, timeout: float = 60) -> None:
         """Start one more site and wait until the server lists it as connected."""
-        self.nvflare("poc", "start", "-p", site, "--timeout", str(int(timeout)), timeout=timeout + 60, starts=True)
+        self._start_processes("poc", "start", "-p", site, "--timeout", str(int(timeout)), timeout=timeout + 60)
         deadline = time.time() + timeout
         while time.time() < deadline:
             if site in self.connected_sites():
@@ -436,16 +433,26 @@ class PocSession:
 
     def server_log(self) -> str:
         """The POC server's log (deploy refusals and job failures are reported there)."""
-        path = self.kit(self.state["server"]) / "log.txt"
-        return path.read_text(errors="replace") if path.is_file() else ""
+        return self._log(self.state["server"])
 
     # ----- internals --------------------------------------------------------------------------------
+    def _log(self, participant: str) -> str:
+        path = self.kit(participant) / "log.txt"
+        return path.read_text(errors="replace") if path.is_file() else ""
+
+    def _start_processes(self, *args: str, timeout: float) -> None:
+        """An ``nvflare poc start`` command; its failure says what each participant last logged (often the only
+        trace of why)."""
+        try:
+            self.nvflare(*args, timeout=timeout, starts=True)
+        except PocError as exc:
+            raise PocError(f"{exc}; {self._last_logged()}") from exc
+
     def _last_logged(self, width: int = 160) -> str:
         """One line: the last line of each participant's log.txt (or that it has none), and where the logs are."""
         said = []
         for name in [self.state["server"], *self.state.get("sites", [])]:
-            path = self.kit(name) / "log.txt"
-            lines = path.read_text(errors="replace").strip().splitlines() if path.is_file() else []
+            lines = self._log(name).strip().splitlines()
             said.append(f"{name}: {lines[-1][-width:]!r}" if lines else f"{name}: no log")
         return f"last logged by {' | '.join(said)} (logs: {self.prod_dir()}/*/log.txt)"
 
