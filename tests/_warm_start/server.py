@@ -7,9 +7,8 @@ processes do the same, and ``nvflare job submit`` imports the job's components, 
 :data:`SCRIPTS`). This server imports those libraries once and forks a child for each such process; the child then
 runs the same module or script with the same arguments, environment, working directory, standard streams and
 ``sys.path`` a fresh interpreter would have.
-Nothing of medflare or the job is imported before the fork (FLARE's installed modules are, :data:`PRELOAD`): the
-job's own code (a BYOC job's ``custom/`` included) is imported by the child from its own ``PYTHONPATH``, as in a
-cold start.
+Nothing of medflare, nvflare or the job is imported before the fork: the job's own code (a BYOC job's ``custom/``
+included) is imported by the child from its own ``PYTHONPATH``, as in a cold start.
 
 How (three processes per site worker):
 - the stand-in: the process FLARE started. ``hook/sitecustomize.py`` sends its arguments, environment, working
@@ -45,16 +44,11 @@ import traceback
 import types
 from pathlib import Path
 
-# what a site worker imports anyway, costly and free of per-run state: the libraries, and FLARE's own modules that
-# the processes of MODULES and medflare's components import (~0.7 CPU-s a process); nothing of medflare or the job,
-# and none of MODULES themselves (``runpy`` runs each as ``__main__``, which warns when it was imported already)
-PRELOAD = ("numpy", "torch", "torch._dynamo", "torchvision",
-           "nvflare.private.fed.app.simulator.simulator_runner", "nvflare.private.fed.simulator.simulator_app_runner",
-           "nvflare.private.fed.client.fed_client", "nvflare.private.fed.client.client_app_runner",
-           "nvflare.private.fed.server.server_app_runner", "nvflare.private.fed.app.fl_conf",
-           "nvflare.private.fed.app.job_process_cleanup", "nvflare.app_opt.job_launcher.workspace_cell_transfer",
-           "nvflare.app_common.aggregators", "nvflare.app_common.shareablegenerators",
-           "nvflare.app_common.widgets.streaming", "nvflare.app_opt.pt")
+# what a site worker imports anyway, costly and free of per-run state; nothing of nvflare or medflare. With FLARE's
+# modules preloaded too (tried: ~0.7 CPU-s a process less), workers that start that fast reach FLARE's simulator at the same
+# instant, and its threads share one ``build_ctx`` whose ``client_name`` each sets just before sending it
+# (``SimulatorRunner.do_one_task``), so site-2's worker once ran as site-1 (make test red, ldam-drw, 2026-11-28)
+PRELOAD = ("numpy", "torch", "torch._dynamo", "torchvision")
 # the ``python -m`` modules that start warm: FLARE's simulator as a recipe's SimEnv starts it, its site workers, and
 # a POC's job processes (server and site; a POC's own server and site processes start cold, as do its ``nvflare``
 # commands). Not the ``nvflare simulator`` command that ``medflare run`` starts: medflare stops it by killing its
@@ -246,8 +240,6 @@ def serve(address: str, owner: int) -> None:
     LOG = os.path.join(os.path.dirname(address), "server.log")
     for name in PRELOAD:
         __import__(name)
-    if set(MODULES) & set(sys.modules) or any(name.startswith("medflare") for name in sys.modules):
-        raise RuntimeError("the preload imported a module a warm process runs as __main__, or medflare")
     gc.freeze()  # the children's collections then leave the preloaded objects' pages shared (not copied on write)
     own_place = hook_place()
     listener = socket.socket(socket.AF_UNIX)
