@@ -45,9 +45,9 @@ import types
 from pathlib import Path
 
 # what a site worker imports anyway, costly and free of per-run state; nothing of nvflare or medflare. With FLARE's
-# modules preloaded too (tried: ~0.7 CPU-s a process less), workers that start that fast reach FLARE's simulator at the same
-# instant, and its threads share one ``build_ctx`` whose ``client_name`` each sets just before sending it
-# (``SimulatorRunner.do_one_task``), so site-2's worker once ran as site-1 (make test red, ldam-drw, 2026-11-28)
+# modules preloaded too (tried: ~0.7 CPU-s a process less), workers that start that fast reach FLARE's simulator
+# at the same instant, and its threads share one ``build_ctx`` whose ``client_name`` each sets just before sending
+# it (``SimulatorRunner.do_one_task``), so site-2's worker once ran as site-1 (make test red, ldam-drw, 2026-11-28)
 PRELOAD = ("numpy", "torch", "torch._dynamo", "torchvision")
 # the ``python -m`` modules that start warm: FLARE's simulator as a recipe's SimEnv starts it, its site workers, and
 # a POC's job processes (server and site; a POC's own server and site processes start cold, as do its ``nvflare``
