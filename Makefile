@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.medflare-installed
 DEMO_OUT ?= runs/demo
 
-.PHONY: install demo test test-heavy test-fast mutants bench-overhead bench-scaling bench-peer bench-transfer bench-fedmas bench-fedmas-cost bench-fca bench-mdhfl bench-mdhfl-cpu60 bench-ssl-fl bench-fedlsm bench-dp bench-he bench-paper bench-fixed clean
+.PHONY: install demo test test-heavy test-fast lint mutants bench-overhead bench-scaling bench-peer bench-transfer bench-fedmas bench-fedmas-cost bench-fca bench-mdhfl bench-mdhfl-cpu60 bench-ssl-fl bench-fedlsm bench-dp bench-he bench-paper bench-fixed clean
 
 # pip (not uv/poetry) so torch==2.14.1 / torchvision==0.29.1 come from this machine's local wheel store. pip
 # byte-compiles what it installs one file at a time; compileall does the same on every core (a fresh install took
@@ -130,18 +130,18 @@ BENCH_PAPER_ARGS ?=
 bench-paper: install
 	$(PY) benchmarks/paper.py --out runs/bench-paper $(BENCH_PAPER_ARGS)
 
+# make test: the fast tests and a smoke set (tests marked smoke: one FLARE simulator run per control pattern, one POC;
+# every registered method through the in-process loop with the job's plan and aggregation), within 10 minutes on a
+# fresh 2-core clone, install included. make test-heavy: the tests marked heavy (every method in FLARE's simulator,
+# the POCs with encryption and faults, the rehearsals, the examples, the runnable docs). tests/conftest.py refuses a
+# slow test that is neither. Every process a test starts starts as it does for a user.
 # pytest exit code 5 means "no tests collected": that must not pass as green. TEST_WORKERS pytest-xdist workers:
-# 4 on the 2-core CI machine, where fewer leave CPU idle (POC and simulator tests spend much of their time in FLARE's
-# start-up and polling sleeps, and the POC tests hold one worker): 3 took 16.5 against 20.7 min with 2 on 2026-11-26;
-# on 2026-11-27 (a 2.7x slower machine) a fresh-clone bash .ci/run took 31.5 min with 4 against 35.4 with 3 (pytest
-# 28.5 against 32.1, FCA's tests already sharing one job). tests/conftest.py decides which tests share a worker.
-# OMP_NUM_THREADS=1: one torch thread per worker and per FLARE process it starts (sites already use one), so 3
-# workers do not spin 6 threads on 2 cores: pytest -m "not slow" -n 3 took 7:23 user-min against 8:36 (2026-11-27).
+# 4 on the 2-core CI machine, where fewer leave CPU idle while FLARE's processes start and poll; tests/conftest.py
+# decides which tests share a worker (all POC tests one, as POCs on one machine take turns).
+# OMP_NUM_THREADS=1: one torch thread per worker and per FLARE process it starts (sites already use one), so the
+# workers do not spin twice as many threads as there are cores.
 # PYTHONDONTWRITEBYTECODE emptied: where the environment sets it, every test process (pytest's workers, FLARE's
 # processes) compiled medflare's and the tests' sources again (pytest's collection: 22 against 16.5 CPU-s).
-# make test leaves the tests marked heavy (POCs with encryption, faults, progress and Ctrl-C; the rehearsals; the
-# real-data runs but one; a simulator's SIGTERM; the examples; the gloo processes; two FLARE cells) to make test-heavy,
-# so that it stays under 20 minutes on the 2-core CI machine; .ci/run runs both.
 TEST_WORKERS ?= 4
 PYTEST_RUN = OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q --timeout=900 --durations=15 -n $(TEST_WORKERS)
 test: install
@@ -151,6 +151,11 @@ test: install
 test-heavy: install
 	$(PYTEST_RUN) -m heavy; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test-heavy: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# ruff with the rules of pyproject.toml's [tool.ruff.lint] (pyflakes, bugbear, import order, docstrings of the
+# package's public modules, classes and functions); .ci/run runs it first. `ruff check --fix .` sorts imports.
+lint: install
+	$(VENV)/bin/ruff check .
 
 # Every method's invariant ledger (methods/<name>/ledger.toml): each mutant applied in a scratch copy, its tests run,
 # a killed/survived table printed and written to runs/mutants/mutants.md; fails when one survives.

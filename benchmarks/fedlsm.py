@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarking import mean_std, run_cell
+
 from medflare.data.checksums import verify_medmnist_file
 from medflare.registry import get_method
 from medflare.run_config import RunConfig, merge_sections

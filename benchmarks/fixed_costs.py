@@ -28,8 +28,9 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:  # benchmarks/ is not a package: the sibling scripts are imported by name
     sys.path.insert(0, str(HERE))
 
-import medflare.simulate as simulate  # noqa: E402
 from he_cost import free_port  # noqa: E402
+
+import medflare.simulate as simulate  # noqa: E402
 from medflare.deploy.poc import PocSession  # noqa: E402
 from medflare.run_config import RunConfig  # noqa: E402
 

@@ -1,6 +1,11 @@
-"""The benchmarks' in-process engine: a job's rounds through the site and server code FLARE runs, without FLARE
-(saves FLARE's start-up per job on a small machine). ``mdhfl.py`` and ``ssl_fl.py`` import it by name; their
-``--parity`` and ``--check-simulator`` compare it with FLARE's simulator."""
+"""The in-process engine: a job's rounds through the site and server code FLARE runs, without FLARE (saves FLARE's
+start-up per job on a small machine). It runs the job's own plan (``runner.plan_job``, as ``medflare run`` writes it
+for the simulator), builds each site as the executor does (``RunPlan.localise``) and aggregates with the round core
+FLARE's aggregator drives, built from the arguments the job gives it (``job_export.aggregation_args``).
+
+``make test`` runs every registered method through it (tests/integration/test_every_method_inprocess.py);
+``mdhfl.py`` and ``ssl_fl.py`` import it by name, and their ``--parity`` and ``--check-simulator`` compare it with
+FLARE's simulator."""
 
 from __future__ import annotations
 
@@ -18,10 +23,13 @@ from medflare.evaluation import SiteEvaluation, site_evaluation
 from medflare.flare.aggregator import RoundAggregation
 from medflare.flare.models import build_global_model
 from medflare.flare.tasks import TASK_VALIDATE, round_context, round_meta
-from medflare.server_setup import round_plan
+from medflare.job_export import aggregation_args, global_model_args
 from medflare.methods.base import AggregateResult, PerSite, RoundContext, SiteUpdate
+from medflare.plan import RunPlan
 from medflare.run_config import RunConfig
-from medflare.site_runtime import SiteRuntime, SiteSettings
+from medflare.runner import plan_job
+from medflare.server_setup import round_plan
+from medflare.site_runtime import SiteFile, SiteRuntime
 
 Deliver = Callable[[SiteRuntime, str, dict, dict], tuple[dict, dict]]
 # the global random generators a site's code may draw from: (read, restore) of each
@@ -29,22 +37,28 @@ GENERATORS = ((torch.get_rng_state, torch.set_rng_state), (np.random.get_state, 
               (random.getstate, random.setstate))
 
 
-class InProcessSites:
-    """Every site of a run in this process (``sites``: name -> SiteRuntime), each with its own torch, numpy and
-    python random state, as if it ran in its own process."""
+def plan_of(job: RunPlan | RunConfig) -> RunPlan:
+    """The plan itself, or the plan of the job ``medflare run`` writes for FLARE's simulator from a run (validated
+    first, as ``simulate.run_simulation`` does)."""
+    if isinstance(job, RunPlan):
+        return job
+    job.validate()
+    return plan_job(job, "byoc")
 
-    def __init__(self, run: RunConfig) -> None:
-        task = run.task_spec()
+
+class InProcessSites:
+    """Every site of a plan in this process (``sites``: name -> SiteRuntime), each with its own torch, numpy and
+    python random state, as if it ran in its own process. Like a site of FLARE's simulator, none has a
+    ``medflare_site.json``: each takes the job's data."""
+
+    def __init__(self, plan: RunPlan) -> None:
         self.sites: dict[str, SiteRuntime] = {}
         self.rng: dict[str, list[Any]] = {}
-        for index, name in enumerate(run.site_names):
-            settings = SiteSettings(
-                method=run.method, task=task, data=run.site_data(), model=run.site_model.get(name, run.model),
-                method_args=run.method_args, train=run.train, seed=run.seed, evaluation=run.site_evaluation,
-            )
-            self.rng[name] = []
-            with self.at(name):  # built from the caller's random state, then on its own
-                self.sites[name] = SiteRuntime(settings, name, index, log=lambda message: None)
+        for site in plan.sites:
+            settings, index = plan.localise(site.name, SiteFile.of(None), simulated=True)
+            self.rng[site.name] = []
+            with self.at(site.name):  # built from the caller's random state, then on its own
+                self.sites[site.name] = SiteRuntime(settings, site.name, index, log=lambda message: None)
 
     @contextlib.contextmanager
     def at(self, site: str) -> Iterator[SiteRuntime]:
@@ -79,45 +93,60 @@ class RoundDone:
     seconds: float
 
 
-def run_rounds(run: RunConfig, deliver: Deliver = run_at_site, on_result: Callable[..., None] = lambda *result: None,
+def run_rounds(job: RunPlan | RunConfig, deliver: Deliver = run_at_site,
+               on_result: Callable[..., None] = lambda *result: None,
                on_round: Callable[[RoundDone], None] = lambda done: None) -> tuple[dict, dict[str, SiteEvaluation]]:
-    """The controller's loop: the seeded global model, round by round each phase's task to every site in turn
-    (a refused result raises RuntimeError), then every site's evaluation of the last model, which is returned too.
+    """The controller's loop over ``job`` (a plan, or a run: :func:`plan_of`): the seeded global model, round by
+    round each phase's task to every site in turn (a refused result raises RuntimeError), then every site's
+    evaluation of the last model, which is returned too.
 
     ``deliver`` hands a site one task (name, arrays, header meta) and returns its (arrays, meta): tests pass one
     through the FLARE executor and the site's privacy filter. ``on_result(plan, site, result)`` sees each accepted
     result as it arrives, ``on_round`` each round once the server aggregated it.
     """
-    run.validate()
-    task = run.task_spec()
-    core = RoundAggregation(run.method, run.method_args, task.num_classes, run.rounds)
-    network = build_global_model(run.method, run.model, task.num_classes, task.in_channels, task.image_size,
-                                 run.pretrained, run.method_args, run.seed)
+    plan = plan_of(job)
+    core = RoundAggregation(**aggregation_args(plan))
+    network = build_global_model(**global_model_args(plan))
     params = {k: v.detach().cpu().numpy() for k, v in network.state_dict().items()}
-    sites = InProcessSites(run)
-    for plan in round_plan(core.stages, run.rounds):
+    sites = InProcessSites(plan)
+    last = None
+    for ctx in round_plan(core.stages, len(plan.rounds)):
         started = time.perf_counter()
-        core.start_round(params, dataclasses.replace(plan, server_meta=core.rule.server_meta(plan)))
+        core.start_round(params, dataclasses.replace(ctx, server_meta=core.rule.server_meta(ctx)))
         for phase in core.rule.phases(core.ctx):
             outgoing = core.start_phase(phase)
-            header = {**round_meta(core.ctx), **core.task_header()}
             tasks = outgoing.arrays if isinstance(outgoing, PerSite) else {site: outgoing for site in sites.sites}
-            for site, arrays in tasks.items():
-                with sites.at(site) as runtime:
-                    result = deliver(runtime, phase, arrays, header)
-                reason = core.accept(site, *result)
-                if reason:
-                    raise RuntimeError(f"{site} rejected in round {plan.round + 1} ({phase}): {reason}")
-                on_result(plan, site, result)
+            _send(sites, core, phase, tasks, deliver, on_result)
         aggregate = core.aggregate()
-        params = aggregate.params
-        on_round(RoundDone(plan, aggregate, core.accepted(), time.perf_counter() - started))
-    last = core.stages[-1]
-    final = RoundContext(run.rounds, run.rounds, stage=last.name, stage_round=last.rounds, stage_rounds=last.rounds)
-    shared = {k: params[k] for k in core.spec.payload.shared_keys(list(params), last.name)}
-    evaluations = {}
+        params, last = aggregate.params, ctx
+        on_round(RoundDone(ctx, aggregate, core.accepted(), time.perf_counter() - started))
+    return params, _final_validation(sites, core, params, last, deliver)
+
+
+def _send(sites: InProcessSites, core: RoundAggregation, phase: str, tasks: dict[str, dict], deliver: Deliver,
+          on_result: Callable[..., None]) -> None:
+    """One phase's task to each of its sites, in turn; every result through the server's checks."""
+    header = {**round_meta(core.ctx), **core.task_header()}
+    for site, arrays in tasks.items():
+        with sites.at(site) as runtime:
+            result = deliver(runtime, phase, arrays, header)
+        reason = core.accept(site, *result)
+        if reason:
+            raise RuntimeError(f"{site} rejected in round {core.ctx.round + 1} ({phase}): {reason}")
+        on_result(core.ctx, site, result)
+
+
+def _final_validation(sites: InProcessSites, core: RoundAggregation, params: dict, last: RoundContext,
+                      deliver: Deliver) -> dict[str, SiteEvaluation]:
+    """Every site's evaluation of the final model, sent as the controller sends it (the model version after the
+    last round, the shared keys of its stage in the job's download dtype)."""
+    final = RoundContext(last.round + 1, last.total_rounds, stage=last.stage, stage_round=last.stage_round + 1,
+                         stage_rounds=last.stage_rounds, scored=True)
+    core.start_round(params, final)
+    arrays = core.downloaded({k: params[k] for k in core.spec.payload.shared_keys(list(params), final.stage)})
+    header, evaluations = {**round_meta(core.ctx), **core.task_header()}, {}
     for site in sites.sites:
         with sites.at(site) as runtime:
-            _, meta = deliver(runtime, TASK_VALIDATE, shared, round_meta(final))
-        evaluations[site] = site_evaluation(meta, task.num_classes)
-    return params, evaluations
+            _, meta = deliver(runtime, TASK_VALIDATE, arrays, header)
+        evaluations[site] = site_evaluation(meta, core.num_classes)
+    return evaluations

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from benchmarking import later_rounds
+
 from medflare.site_runtime import SITE_LOG_FILE, TASK_SECONDS_EVENT
 
 SPEEDS = (1000.0, 100.0, 20.0)

@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-
 from benchmarking import goal_verdict, later_rounds, mean_later_rounds, model_fp32_bytes, trained_images
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "medmnist" / "pneumoniamnist.npz"

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarking import cpu_model, mean_std, run_cell, versus
+
 from medflare.errors import ConfigError
 from medflare.methods.presets import PAPER
 from medflare.registry import get_method

@@ -54,9 +54,8 @@ if str(HERE) not in sys.path:  # benchmarks/ is not a package: the sibling scrip
     sys.path.insert(0, str(HERE))
 
 import overhead  # noqa: E402
-from fedavg_site import initial_state, site_specs  # noqa: E402
-
 from benchmarking import cpu_model, later_rounds, mean_later_rounds  # noqa: E402
+from fedavg_site import initial_state, site_specs  # noqa: E402
 
 ROOT = HERE.parent
 APP_DIR = HERE / "flower_peer"

@@ -60,7 +60,14 @@ from pathlib import Path
 from typing import Any
 
 from benchmarking import (
-    cpu_model, goal_verdict, later_rounds, mean_later_rounds, mean_std, model_fp32_bytes, run_cell, trained_images,
+    cpu_model,
+    goal_verdict,
+    later_rounds,
+    mean_later_rounds,
+    mean_std,
+    model_fp32_bytes,
+    run_cell,
+    trained_images,
     versus,
 )
 

@@ -45,9 +45,9 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
+from benchmarking import mean_std, versus
 
 from medflare import contracts
-from benchmarking import mean_std, versus
 from medflare.config import from_dict, parse_value
 from medflare.data.checksums import verify_medmnist_file
 from medflare.evaluation import summarize

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,10 +16,6 @@ from medflare.data.checksums import MEDMNIST_MD5, file_md5
 
 # ../shared/data beside the repository (tests/conftest.py -> parents[1] is the repository root).
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-# the warm start of FLARE's simulator processes (a helper folder, not a package on sys.path: loaded by its path)
-_spec = importlib.util.spec_from_file_location("warm_start", Path(__file__).parent / "_warm_start" / "server.py")
-warm_start = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(warm_start)
 # the repository's own tools (tools/ is no package: job_templates, privacy_doc, mutants are imported by name)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
@@ -46,6 +38,18 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return ByWorkUnit(config, log)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every slow test (one that starts FLARE or trains for long) says where it runs: in ``make test``'s smoke set
+    (``smoke``) or in ``make test-heavy`` (``heavy``), never both; a smoke or heavy test is also slow. A new
+    end-to-end test must choose, so that ``make test`` keeps its time."""
+    undecided = [item.nodeid for item in items
+                 if bool(item.get_closest_marker("slow")) != (bool(item.get_closest_marker("smoke"))
+                                                              + bool(item.get_closest_marker("heavy")) == 1)]
+    if undecided:
+        raise pytest.UsageError("a slow test must be marked either smoke (make test) or heavy (make test-heavy), and "
+                                f"a smoke or heavy test slow; not so: {', '.join(undecided[:10])}")
+
+
 def work_unit(nodeid: str) -> str:
     """The tests one worker runs together: every POC module (``test_poc_*.py``) as one unit, because POCs on one
     machine take turns on a lock and a second worker would sit idle waiting for it; a module's unparametrized tests
@@ -58,49 +62,20 @@ def work_unit(nodeid: str) -> str:
     return nodeid if "[" in test and not module.endswith(SHARED_FIXTURE_MODULES) else module
 
 
-@pytest.fixture(scope="session", autouse=True)
-def warm_site_workers(request: pytest.FixtureRequest) -> Iterator[None]:
-    """FLARE's simulator and its site workers start as forks of a process that has torch imported
-    (tests/_warm_start/server.py: why, and what stays as a cold start has it); ``MEDFLARE_TEST_WARM_START=0`` turns
-    it off, and a session without slow tests (the simulator runs) does without."""
-    wanted = any(item.get_closest_marker("slow") for item in request.session.items)
-    if not wanted or os.environ.get("MEDFLARE_TEST_WARM_START", "1") == "0":
-        yield
-        return
-    folder = Path(tempfile.mkdtemp(prefix="medflare-warm-"))  # short: a socket's path has at most 107 bytes
-    address = folder / "server.sock"
-    server = subprocess.Popen([sys.executable, warm_start.__file__, str(address), str(os.getpid())],
-                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
-    try:
-        with pytest.MonkeyPatch.context() as patch:  # the session's processes inherit these; restored at its end
-            patch.setenv("MEDFLARE_TEST_WARM_SERVER", str(address))  # until it listens, the workers start cold
-            patch.setenv("MEDFLARE_TEST_WARM_MODULES", ",".join(warm_start.MODULES))
-            patch.setenv("MEDFLARE_TEST_WARM_SCRIPTS", ",".join(warm_start.SCRIPTS))
-            patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"),
-                                                                     str(warm_start.HOOK)])))
-            yield
-    finally:
-        if server.poll() is not None:  # the session's simulator and POC runs went on cold: say so, with its log
-            log = folder / "server.log"
-            warnings.warn(f"the warm-start server ended early (exit status {server.returncode}); its log: "
-                          f"{log.read_text()[-2000:] if log.exists() else 'empty'}", stacklevel=1)
-        server.terminate()
-        server.wait(timeout=30)
-        shutil.rmtree(folder, ignore_errors=True)
-
-
 @pytest.fixture
-def cold_start(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Processes this test starts begin as fresh interpreters (for tests whose subject is the processes)."""
-    monkeypatch.delenv("MEDFLARE_TEST_WARM_SERVER", raising=False)
-
-
-@pytest.fixture(scope="module")
-def cold_start_module() -> Iterator[None]:
-    """:func:`cold_start` for a module's fixtures too (a POC whose processes a test kills, say)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.delenv("MEDFLARE_TEST_WARM_SERVER", raising=False)
-        yield
+def tiny_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs (a really full disk); skipped unless this process may mount one (root in most CI images)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root; the patched-os.write tests cover a full disk")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
 
 
 @pytest.fixture(scope="session")

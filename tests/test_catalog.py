@@ -115,10 +115,9 @@ def test_models_lists_an_installed_packages_models_without_importing_them(tmp_pa
 
 def test_a_closed_pipe_ends_a_listing_quietly() -> None:
     """`medflare models | head -1`: no traceback when the reader stops early; the SIGPIPE exit status."""
+    import os
     import subprocess
     import sys
-
-    import os
 
     code = "import sys; from medflare.cli import main; sys.exit(main(['models']))"
     reader, writer = os.pipe()

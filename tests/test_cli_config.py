@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from medflare.cli import main, make_parser
 from medflare.methods.base import TrainConfig

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -25,22 +23,6 @@ def disk_full_below(folder: Path, monkeypatch) -> None:
     if not Path("/proc/self/fd").is_dir():
         pytest.skip("needs /proc/self/fd to tell which file a write goes to")
     monkeypatch.setattr(os, "write", write)
-
-
-@pytest.fixture
-def tiny_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 1 MiB tmpfs (a really full disk); skipped unless this process may mount one (root in most CI images)."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root; the patched-os.write tests cover a full disk")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True)
-    if mounted.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
-        yield disk
-    finally:
-        subprocess.run(["umount", str(disk)], check=True)
 
 
 def test_a_symlink_at_the_temporary_name_is_never_written_through(tmp_path: Path) -> None:

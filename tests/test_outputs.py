@@ -17,11 +17,9 @@ import pytest
 
 import medflare.simulate as simulate_module
 from medflare.cli import main
-from medflare.flare.controller import RESULTS_FILE
 from medflare.errors import ConfigError
+from medflare.flare.controller import RESULTS_FILE
 from medflare.outputs import MARKER, OutputTarget
-
-from .test_files import tiny_disk  # noqa: F401 - a fixture
 
 QUICK = ["--data", "synthetic:n=200", "--rounds", "2"]
 TASK = ["--set", "task.num_classes=2", "--set", "task.in_channels=1", "--set", "task.image_size=28"]

@@ -20,8 +20,14 @@ from medflare.errors import ConfigError
 from medflare.predict import predict_file
 from medflare.run_config import RunConfig, load_plugin_files
 
-from ._predicting import read_probabilities, save_global_model, site_probabilities, ten_synthetic_images, write_images_npz
-from .test_files import disk_full_below, tiny_disk  # noqa: F401 - tiny_disk is a fixture
+from ._predicting import (
+    read_probabilities,
+    save_global_model,
+    site_probabilities,
+    ten_synthetic_images,
+    write_images_npz,
+)
+from .test_files import disk_full_below
 
 PLUGINS = Path(__file__).parent / "flare" / "plugins"
 
@@ -68,8 +74,8 @@ def test_multi_label_predict_scores_a_sigmoid_per_finding_as_the_sites_do(tmp_pa
 
 
 def test_multi_label_predicted_lists_the_findings_at_or_above_one_half(tmp_path: Path) -> None:
-    from medflare.predict import PredictInput, write_predictions
     from medflare.data.types import ImageSet
+    from medflare.predict import PredictInput, write_predictions
 
     inputs = PredictInput(ImageSet(labels=np.full((2, 3), -1), num_classes=3, channels=1,
                                    images=np.zeros((2, 4, 4, 1), np.uint8)), ["a", "b"], labelled=False)

@@ -1,6 +1,7 @@
 """docs/privacy.md's per-method table is generated from the Payloads the code enforces; it must be current."""
 
 import privacy_doc
+
 from medflare.registry import list_methods
 
 

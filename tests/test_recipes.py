@@ -26,7 +26,7 @@ from medflare.recipes import (
 from medflare.registry import list_methods
 from medflare.run_config import DEPLOY_ROBUST, ROBUST_OFF
 
-from .integration.test_every_method_simulator import smoke_run
+from .integration._smoke import smoke_run
 from .test_job_export import written_robust
 
 

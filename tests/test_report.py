@@ -10,8 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from medflare import plotting
-from medflare import report as report_module
+from medflare import plotting, report as report_module
 from medflare.report import build_summary, comparison_table, startup_text, verdicts, write_outputs
 from medflare.runner import results_text
 

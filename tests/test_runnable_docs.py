@@ -172,7 +172,7 @@ def repository_copy(root: Path) -> Path:
 
 def slow_if_it_starts_flare(block: ShellBlock) -> Any:
     """The block as a test case, marked slow (like every simulator or POC test) when it starts FLARE."""
-    marks = [pytest.mark.slow] if STARTS_FLARE.search("\n".join(block.commands)) else []
+    marks = [pytest.mark.slow, pytest.mark.heavy] if STARTS_FLARE.search("\n".join(block.commands)) else []
     return pytest.param(block, marks=marks, id=block.where)
 
 

@@ -20,6 +20,7 @@ import numpy as np
 import nvflare.client as flare
 import torch
 from fedavg_site import FedAvgSite, spec_from_dict
+
 from flare_peer.model import PREFIX
 
 WORKLOAD_ENV, RESULT_ENV = "MEDFLARE_PEER_WORKLOAD", "MEDFLARE_PEER_RESULT"

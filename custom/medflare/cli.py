@@ -43,6 +43,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def cmd_methods(args: argparse.Namespace) -> int:
+    """``medflare methods``: every registered method with its paper and what it solves (from the catalog)."""
     from medflare.catalog import load_catalog  # the registry's snapshot: listing must not import torch
 
     for method in load_catalog()["methods"]:
@@ -78,6 +79,7 @@ def preset_lead(name: str | None, methods: list[str]) -> str | None:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
+    """``medflare models``: every model factory with its parameter count, input and offline ImageNet weights."""
     from medflare.catalog import COUNTED_SIZES, COUNTED_TASK, installed_models, load_catalog
 
     print(MODELS_ROW.format("model", "params", "input", "ImageNet weights (offline)"))
@@ -119,6 +121,7 @@ def short_count(count: int) -> str:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
+    """``medflare config``: the effective configuration of a run as TOML, or its resolved plan (``--plan``)."""
     from medflare.effective_config import config_toml
     from medflare.runner import build_run_config, option_layers
 
@@ -166,6 +169,7 @@ def run_in_env(args: argparse.Namespace, run: Any, out: Path, overwrite: bool = 
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    """``medflare run``: one method's job in the simulator, a POC or production, and its outputs."""
     from medflare.outputs import OutputTarget
     from medflare.runner import results_text
 
@@ -200,6 +204,7 @@ def _tracking_note(run: Any) -> None:
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
+    """``medflare watch``: a submitted job's progress, round by round, and its outputs when it ends."""
     from medflare.deploy.poc import admin_kit
     from medflare.deploy.watch import FINISHED_OK, as_user, watch
 
@@ -211,6 +216,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    """``medflare compare``: several methods (and seeds) on the same data, with a comparison table and plots."""
     from medflare.outputs import OutputTarget
     from medflare.report import comparison_outputs
     from medflare.run_config import shared_data_defaults
@@ -258,6 +264,7 @@ def _compare_failure_log(staging: Path, finished: list[str], exc: BaseException)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    """``medflare export``: the run's FLARE job folder, to submit with FLARE's own tools."""
     from medflare.outputs import OutputTarget
     from medflare.plan import plan_from_job
     from medflare.runner import build_run_config, data_was_chosen, export_run_job
@@ -304,6 +311,7 @@ def robust_note(run: Any, mode: str) -> str:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    """``medflare report``: a run's outputs rebuilt from a downloaded job's results."""
     from medflare.outputs import OutputTarget
     from medflare.runner import report_from_results, results_text
 
@@ -324,6 +332,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
+    """``medflare predict``: a saved global model's predictions for new images, as CSV."""
     from medflare.predict import predict_file
 
     done = predict_file(args.checkpoint, args.input, args.output, split=args.split, window=args.window,
@@ -349,6 +358,7 @@ def metrics_text(metrics: dict[str, float | None], labelled: int) -> str:
 
 
 def cmd_rehearse(args: argparse.Namespace) -> int:
+    """``medflare rehearse``: a provisioned deployment rehearsed on this machine (``deploy.rehearse``)."""
     from medflare.deploy.rehearse import cmd_rehearse as rehearse
 
     return rehearse(args)
@@ -364,6 +374,7 @@ def add_env_options(parser: argparse.ArgumentParser) -> None:
 
 
 def make_parser() -> argparse.ArgumentParser:
+    """The ``medflare`` command line: one subcommand per ``cmd_*`` function."""
     from medflare.runner import add_run_options
 
     parser = OneLineParser(
@@ -459,6 +470,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``medflare`` console script: parse, run the subcommand, and turn a medflare error into one line."""
     from medflare.runner import Interrupted, stop_on_signals
 
     args = make_parser().parse_args(argv)

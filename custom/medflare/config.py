@@ -11,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import tomllib
 import types
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+
+import tomllib
 
 from medflare.errors import ConfigError
 

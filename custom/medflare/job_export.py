@@ -53,11 +53,11 @@ def job_plan(run: RunConfig, task: TaskSpec, mode: str | None = None) -> RunPlan
     return build_plan(run, task, typed_robust(run.robust) if mode is None else job_robust(run, mode))
 
 
-def server_config(plan: RunPlan, shot_groups: dict | None = None) -> dict[str, Any]:
-    """config_fed_server.json: the (FLARE PT) model persistor, the medflare aggregator and controller, and the
-    experiment-tracking receivers."""
+def global_model_args(plan: RunPlan) -> dict[str, Any]:
+    """The arguments of ``flare.models.build_global_model`` that the job's persistor builds the initial model with
+    (the in-process loop of ``benchmarks/inprocess.py`` builds it from the same)."""
     task = plan.task
-    model_args = {
+    return {
         "method": plan.method,
         "model": plan.model,
         "num_classes": task.num_classes,
@@ -69,6 +69,31 @@ def server_config(plan: RunPlan, shot_groups: dict | None = None) -> dict[str, A
         "plugins": list(plan.plugins),
         **({"dp_sgd": True} if plan.dp_sgd else {}),  # the sites' DP-compatible architecture
     }
+
+
+def aggregation_args(plan: RunPlan) -> dict[str, Any]:
+    """The arguments of the round core (``flare.aggregator.RoundAggregation``) that the job's aggregator drives;
+    the aggregator's own arguments are these and the plan's plugins (the in-process loop builds the core from the
+    same)."""
+    return {
+        "method": plan.method,
+        "num_classes": plan.task.num_classes,
+        "num_rounds": len(plan.rounds),
+        "method_args": plan.method_options,
+        "robust": dict(plan.robust),
+        "transfer_dtype": plan.transfer_dtype,
+        "transfer_kind": plan.transfer_kind,
+        "stream_aggregation": plan.stream_aggregation,
+        **multi_label_args(plan.task),
+        # a job that keeps the default download writes the configuration it always did
+        **({"download_dtype": plan.download_dtype} if plan.download_dtype != "float32" else {}),
+    }
+
+
+def server_config(plan: RunPlan, shot_groups: dict | None = None) -> dict[str, Any]:
+    """config_fed_server.json: the (FLARE PT) model persistor, the medflare aggregator and controller, and the
+    experiment-tracking receivers."""
+    task = plan.task
     config: dict[str, Any] = {
         "format_version": 2,
         # FLARE's default 2 s polling interval dominates short rounds; 0.1 s is safe on loopback and LAN.
@@ -81,27 +106,14 @@ def server_config(plan: RunPlan, shot_groups: dict | None = None) -> dict[str, A
                 "id": "persistor",
                 "path": "medflare.flare.persistor.MedflareModelPersistor",
                 "args": {
-                    "model": {"path": "medflare.flare.models.build_global_model", "args": model_args},
+                    "model": {"path": "medflare.flare.models.build_global_model", "args": global_model_args(plan)},
                     "facts": checkpoint_facts(plan),  # saved inside every global model file
                 },
             },
             {
                 "id": "aggregator",
                 "path": ENCRYPTED_AGGREGATOR if plan.secure_aggregation == "he" else PLAIN_AGGREGATOR,
-                "args": {
-                    "method": plan.method,
-                    "num_classes": task.num_classes,
-                    "num_rounds": len(plan.rounds),
-                    "method_args": plan.method_options,
-                    "robust": dict(plan.robust),
-                    "transfer_dtype": plan.transfer_dtype,
-                    "transfer_kind": plan.transfer_kind,
-                    "stream_aggregation": plan.stream_aggregation,
-                    "plugins": list(plan.plugins),
-                    **multi_label_args(task),
-                    # a job that keeps the default download writes the configuration it always did
-                    **({"download_dtype": plan.download_dtype} if plan.download_dtype != "float32" else {}),
-                },
+                "args": {**aggregation_args(plan), "plugins": list(plan.plugins)},
             },
             *tracking.server_components(plan.tracking, mlflow_args(plan)),
         ],

@@ -24,7 +24,16 @@ from medflare.methods.base import TrainConfig
 from medflare.registry import get_method, load_plugins
 from medflare.run_config import RECEIVERS, TRACKERS, RunConfig
 from medflare.server_setup import round_plan, server_rule
-from medflare.site_runtime import SiteSettings, TaskSpec, resolve_train_config
+from medflare.site_runtime import (
+    SiteFile,
+    SiteSettings,
+    TaskSpec,
+    read_site_data_config,
+    resolve_site_dp,
+    resolve_site_model,
+    resolve_train_config,
+    site_index_from_name,
+)
 
 # Seconds a site may take for one task when the run sets no task_timeout. FLARE's own default (no limit) let
 # one dead site keep a job RUNNING forever; with a limit the site counts as failed for that round.
@@ -102,6 +111,19 @@ class RunPlan:
         return SiteSettings(method=self.method, task=self.task, data=data, model=model,
                             method_args=self.method_args, train={**self.train, **self.site_train.get(site, {})},
                             seed=self.seed, evaluation=self.evaluation, dp_sgd=dp_sgd)
+
+    def localise(self, site: str, site_file: SiteFile, simulated: bool) -> tuple[SiteSettings, int]:
+        """What ``site`` runs of this plan with its own ``medflare_site.json`` (``site_file``: its data, DP-SGD and
+        architecture), and the index of its partition of the job's simulated data (0 when it reads its own).
+        ``simulated``: FLARE's simulator, whose sites have no file and take the job's data."""
+        settings = self.site_settings(
+            site,
+            data=read_site_data_config(site_file, self.data, simulated),
+            dp_sgd=resolve_site_dp(self.dp_sgd, site, site_file),
+            model=resolve_site_model(self.method, self.model, self.site_models(), site, site_file),
+        )
+        index = 0 if settings.data.get("local") else site_index_from_name(site, [s.name for s in self.sites])
+        return settings, index
 
     def site_models(self) -> dict[str, str]:
         return {site.name: site.model for site in self.sites}

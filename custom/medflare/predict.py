@@ -33,8 +33,8 @@ import numpy as np
 
 from medflare.checkpoint import Checkpoint, normalization, read_checkpoint
 from medflare.data.readers import IMAGE_SUFFIXES, is_image_file, parse_window, read_image
-from medflare.data.types import UNLABELED, ImageSet
 from medflare.data.sources import CSV_CLASS_PREFIX, class_columns
+from medflare.data.types import UNLABELED, ImageSet
 from medflare.errors import ConfigError, DataError
 from medflare.files import atomic_write_text
 from medflare.metrics.multi_label import THRESHOLD

@@ -185,6 +185,7 @@ class Keeper:
 
 
 def main(argv: list[str]) -> int:
+    """The keeper process: run a command and end everything it started when ``--parent`` dies."""
     parser = argparse.ArgumentParser(description="run a command; end all it started when the parent dies")
     parser.add_argument("--parent", type=int, required=True)
     parser.add_argument("--stay", action="store_true")

@@ -16,7 +16,6 @@ and a bad file becomes ONE line (a :mod:`medflare.errors` error) naming the file
 from __future__ import annotations
 
 import json
-import tomllib
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import tomllib
 
 from medflare.errors import DataError, MedflareError
 

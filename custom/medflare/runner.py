@@ -147,6 +147,7 @@ def smoke_caps(run: RunConfig) -> list[str]:
 
 
 def smoke_requested() -> bool:
+    """Whether ``MEDFLARE_SMOKE`` asks to cap every run at smoke size (the runnable-docs tests set it)."""
     return os.environ.get(SMOKE_ENV, "0") not in ("", "0")
 
 

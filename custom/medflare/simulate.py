@@ -21,7 +21,13 @@ from medflare.processes import start_kept
 from medflare.registry import get_method
 from medflare.run_config import RunConfig
 from medflare.runner import (
-    describe_sites, export_run_job, nvflare_command, plan_job, signals_held, stop_process_tree, write_job_outputs,
+    describe_sites,
+    export_run_job,
+    nvflare_command,
+    plan_job,
+    signals_held,
+    stop_process_tree,
+    write_job_outputs,
 )
 from medflare.site_runtime import SITE_LOG_FILE
 

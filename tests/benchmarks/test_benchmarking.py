@@ -6,9 +6,10 @@ from pathlib import Path
 from typing import Any
 
 import benchmarking
-import medflare.simulate
 import pytest
 from benchmarking import fingerprint_file, goal_verdict, mean_std, run_cell, versus
+
+import medflare.simulate
 from medflare.run_config import RunConfig
 
 

@@ -18,7 +18,7 @@ def bench() -> ModuleType:
 
 def test_every_variant_is_a_valid_demo_job(bench: ModuleType) -> None:
     args = bench.parse_args([])
-    for variant, (method, options, data) in bench.VARIANTS.items():
+    for variant, (method, options, _data) in bench.VARIANTS.items():
         run = bench.run_config(args, variant, seed=1)
         run.validate()
         assert (run.method, run.clients, run.rounds, run.model, run.seed) == (method, 4, 8, "cnn", 1)

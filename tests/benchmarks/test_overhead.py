@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from medflare.ops import weighted_average
+
 from .conftest import load_benchmark
 
 overhead = load_benchmark("overhead")

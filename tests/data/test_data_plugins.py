@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from medflare.data import DataSplits, load_source
-from medflare.data import plugins
+from medflare.data import DataSplits, load_source, plugins
 from medflare.data.plugins import ENTRY_POINT_GROUP, find_source, register_source, splits_from_datasets
 from medflare.data.sources import clear_source_cache
 from medflare.errors import ConfigError, DataError

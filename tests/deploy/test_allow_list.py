@@ -23,7 +23,11 @@ from nvflare.fuel.utils.class_loader import load_class
 import medflare
 from medflare.deploy.apps import deployment_run
 from medflare.deploy.policies import (
-    CLIENT_COMPONENTS, COMPONENT_NAMESPACE, SERVER_COMPONENTS, client_resources_policy, flare_defaults,
+    CLIENT_COMPONENTS,
+    COMPONENT_NAMESPACE,
+    SERVER_COMPONENTS,
+    client_resources_policy,
+    flare_defaults,
     server_resources_policy,
 )
 from medflare.job_export import client_config, job_plan, server_config

@@ -97,7 +97,7 @@ def test_every_real_result_of_the_exchange_passes_the_site_guard(bench: SimpleNa
     assert site.guarded[PROBS_PHASE] == {probs_dtype}  # the probabilities passed the value checks
     assert all(not dtypes for name, dtypes in site.guarded.items() if name != PROBS_PHASE)
     assert set(summary["by_site"]) == set(SITE_MODELS)
-    runtime = bench.InProcessSites(run).sites["site-1"]
+    runtime = bench.InProcessSites(bench.plan_of(run)).sites["site-1"]
     submitted = site.executor._dispatch(runtime, TASK_SUBMIT_MODEL, DXO(DataKind.WEIGHTS, data={}).to_shareable(),
                                         Signal())
     assert site.guard.process(submitted, site.context(TASK_SUBMIT_MODEL, Shareable())) is submitted

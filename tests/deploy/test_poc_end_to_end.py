@@ -62,7 +62,7 @@ def poc(tmp_path_factory, poc_lock, poc_port):
         for job in jobs.values():
             job["status"] = session.wait(job["id"], timeout=JOB_TIMEOUT)
         timings["two_jobs"] = time.time() - t1
-        for mode, job in jobs.items():
+        for job in jobs.values():
             if job["status"] == "FINISHED:COMPLETED":
                 job["download"] = session.download(job["id"], root / "downloads")
         yield {"session": session, "jobs": jobs, "root": root, "timings": timings}
@@ -71,6 +71,7 @@ def poc(tmp_path_factory, poc_lock, poc_port):
         session.clean()
 
 
+@pytest.mark.smoke  # the one POC of make test
 def test_preinstalled_job_completes_without_carrying_code(poc) -> None:
     job = poc["jobs"]["preinstalled"]
     assert job["status"] == "FINISHED:COMPLETED", poc["session"].server_log()[-3000:]
@@ -79,6 +80,7 @@ def test_preinstalled_job_completes_without_carrying_code(poc) -> None:
     assert meta["scope"] == f"medflare-{METHOD}"  # the sites applied this method's privacy filters
 
 
+@pytest.mark.smoke  # the one POC of make test
 def test_byoc_job_completes_carrying_code(poc) -> None:
     job = poc["jobs"]["byoc"]
     assert job["status"] == "FINISHED:COMPLETED", poc["session"].server_log()[-3000:]
@@ -86,6 +88,7 @@ def test_byoc_job_completes_carrying_code(poc) -> None:
 
 
 @pytest.mark.parametrize("mode", ["preinstalled", "byoc"])
+@pytest.mark.smoke  # the one POC of make test
 def test_downloaded_results_become_the_usual_report(poc, mode: str, tmp_path: Path) -> None:
     job = poc["jobs"][mode]
     assert "download" in job, f"{mode} job did not complete: {job['status']}"
@@ -103,6 +106,7 @@ def test_downloaded_results_become_the_usual_report(poc, mode: str, tmp_path: Pa
     assert {"n_samples", "eval_val", "eval_test"} <= sent <= declared
 
 
+@pytest.mark.smoke  # the one POC of make test
 def test_member_cannot_submit(poc) -> None:
     session: PocSession = poc["session"]
     member = next(name for name, role in session.state["admins"].items() if role == "member")
@@ -142,6 +146,7 @@ def site3(poc) -> dict:
     return {"ids": jobs, "statuses": statuses, "local_before": before, "local_after": after}
 
 
+@pytest.mark.heavy  # make test-heavy: a fourth site and its four jobs
 def test_preinstalled_site_runs_preinstalled_jobs_and_refuses_byoc(poc, site3) -> None:
     session: PocSession = poc["session"]
     assert site3["statuses"]["preinstalled"] == "FINISHED:COMPLETED", session.server_log()[-3000:]
@@ -151,6 +156,7 @@ def test_preinstalled_site_runs_preinstalled_jobs_and_refuses_byoc(poc, site3) -
     assert any("site-3: NVFLARE_ERROR: BYOC not permitted" in line for line in refusals), refusals
 
 
+@pytest.mark.heavy  # make test-heavy: a fourth site and its four jobs
 def test_site_refuses_tamper_jobs_and_job_chosen_data(poc, site3) -> None:
     """A code-free job naming a policy-writing medflare function, at the site or at the server, is refused
     before it runs, and both ``local/`` folders stay byte-identical; a job naming its own data is refused."""
@@ -169,6 +175,7 @@ def test_site_refuses_tamper_jobs_and_job_chosen_data(poc, site3) -> None:
     assert "refused: the job names its own data (source 'synthetic:n=400')" in data_log, data_log[-2000:]
 
 
+@pytest.mark.heavy  # make test-heavy: a fourth site and its four jobs
 def test_no_site_log_reaches_the_server_and_the_job_store_is_private(poc, site3) -> None:
     """Sites do not stream or upload logs (ERRORLOG_<site> carried a data path); the job store is in the kit."""
     session: PocSession = poc["session"]
@@ -183,6 +190,7 @@ def test_no_site_log_reaches_the_server_and_the_job_store_is_private(poc, site3)
     assert uploaded == [], uploaded
 
 
+@pytest.mark.heavy  # make test-heavy: a fourth site and its four jobs
 def test_poc_stays_within_budget(poc, site3) -> None:
     timings = poc["timings"]
     assert timings["prepare_and_start"] < 90, timings

@@ -50,7 +50,7 @@ def fault_run(name: str, rounds: int) -> RunConfig:
 
 
 @pytest.fixture(scope="module")
-def faults(cold_start_module, tmp_path_factory, poc_lock, poc_port):
+def faults(tmp_path_factory, poc_lock, poc_port):
     """A 3-site POC whose processes start cold: the tests kill a participant's processes by their command lines."""
     root = tmp_path_factory.mktemp("poc-faults")
     # tied: the POC dies with this test process, also when a cancelled run (CI, Ctrl-C) skips the teardown

@@ -28,7 +28,7 @@ def listening_addresses(port: int) -> set[str]:
 @pytest.mark.slow
 @pytest.mark.heavy  # make test-heavy
 def test_sigterm_stops_the_poc_and_its_server_listens_on_loopback(
-    tmp_path: Path, poc_lock, poc_port, monkeypatch, cold_start  # the subject is the processes: all start cold
+    tmp_path: Path, poc_lock, poc_port, monkeypatch
 ) -> None:
     monkeypatch.setenv("MEDFLARE_POC_PORT", str(poc_port))  # a free port: an earlier POC may still hold 8002
     out = tmp_path / "out"

@@ -24,7 +24,12 @@ from medflare import contracts
 from medflare.contracts import ArraySpec, ContractContext, Payload
 from medflare.deploy.filters import PayloadGuard, check_result_keys
 from medflare.deploy.policies import (
-    CLIENT_COMPONENTS, SERVER_COMPONENTS, SERVER_STORAGE, allow_components, authorization_policy, privacy_policy,
+    CLIENT_COMPONENTS,
+    SERVER_COMPONENTS,
+    SERVER_STORAGE,
+    allow_components,
+    authorization_policy,
+    privacy_policy,
     scope_name,
 )
 from medflare.deploy.provision import ProvisionError, load_project, main, participants, provision

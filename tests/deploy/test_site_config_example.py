@@ -16,7 +16,10 @@ from medflare.deploy.provision import COMMENT_PREFIX, SITE_CONFIG_EXAMPLE, insta
 from medflare.distributed import site_distributed_config
 from medflare.errors import ConfigError, DataError
 from medflare.site_runtime import (
-    SITE_CONFIG_FILE, SITE_ONLY_DATA_KEYS, read_site_data_config, resolve_site_model,
+    SITE_CONFIG_FILE,
+    SITE_ONLY_DATA_KEYS,
+    read_site_data_config,
+    resolve_site_model,
 )
 
 

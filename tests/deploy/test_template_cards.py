@@ -8,8 +8,8 @@ import re
 import pytest
 from pyhocon import ConfigFactory
 
-from medflare.deploy.policies import CLIENT_COMPONENTS, SERVER_COMPONENTS
 from job_templates import TEMPLATES_DIR
+from medflare.deploy.policies import CLIENT_COMPONENTS, SERVER_COMPONENTS
 from medflare.registry import list_methods
 
 CONFIG_FILES = ("config_fed_server.conf", "config_fed_client.conf")

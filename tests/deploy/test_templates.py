@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from pyhocon import ConfigFactory
 
-from medflare.deploy.apps import DEPLOY_TASK
 from job_templates import EXAMPLE_SOURCE, TEMPLATES_DIR, example_command, stale_templates, template_run
+from medflare.deploy.apps import DEPLOY_TASK
 from medflare.job_export import client_config, job_plan, server_config
 from medflare.registry import list_methods
 from medflare.run_config import DEPLOY_ROBUST
@@ -122,7 +122,6 @@ def test_every_template_has_the_deployment_defences_and_says_so_in_its_meta() ->
         assert parsed(TEMPLATES_DIR / method / "meta.conf")["robust_aggregation"] == {"on": True, **DEPLOY_ROBUST}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("method", list_methods())
 def test_job_create_yields_exactly_the_exported_job(method: str, created_jobs: Path) -> None:
     """Each template's created job equals what the export builders write for the same settings, so it runs
@@ -140,6 +139,7 @@ def test_job_create_yields_exactly_the_exported_job(method: str, created_jobs: P
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # make test-heavy
 def test_documented_job_runs_in_the_simulator(tmp_path: Path) -> None:
     """The default task and the documented data agree: the job made verbatim from the docs trains."""
     job = create_job(list_methods()[0], tmp_path)

@@ -37,7 +37,8 @@ class FakeSession:
                            STATS_GROUP: {"num_rounds": 3, "progress": ALL_ENTRIES[:count]}}}
 
     def monitor_job_and_return_job_meta(self, job_id, timeout=0.0, poll_interval=2.0, cb=None):
-        for self.poll in range(len(self.shown_per_poll)):
+        for poll in range(len(self.shown_per_poll)):
+            self.poll = poll  # what show_stats shows at this poll
             cb(self, job_id, {"status": "RUNNING"})
         return "JOB_FINISHED", {"status": "FINISHED:COMPLETED"}
 

@@ -33,10 +33,10 @@ from medflare.errors import MedflareError
 from medflare.flare.aggregator import RoundAggregation
 from medflare.flare.models import build_global_model
 from medflare.flare.tasks import round_context, round_meta
-from medflare.server_setup import round_plan
 from medflare.methods.base import PerSite
 from medflare.registry import get_method, list_methods
 from medflare.run_config import RunConfig, merge_sections
+from medflare.server_setup import round_plan
 from medflare.site_runtime import SiteRuntime, SiteSettings
 
 CAP = 0.6

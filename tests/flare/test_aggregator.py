@@ -208,8 +208,8 @@ def test_a_non_finite_aggregate_is_refused(core: RoundAggregation, monkeypatch: 
 
 def test_stages_must_add_up_to_the_rounds() -> None:
     from medflare.errors import ConfigError
-    from medflare.server_setup import checked_stages
     from medflare.methods.base import Stage
+    from medflare.server_setup import checked_stages
 
     stages = [Stage("pretrain", 2, scored=False), Stage("finetune", 3)]
     assert checked_stages(stages, 5, "m") == stages

@@ -16,10 +16,13 @@ from nvflare.apis.fl_constant import ReservedKey
 from nvflare.apis.fl_context import FLContext
 from nvflare.apis.signal import Signal
 
-from medflare.flare.controller import TASK_HOLD_SECONDS, MedflareController, NextTaskHold, PhaseAnswers
+from medflare.flare.controller import MedflareController, NextTaskHold, PhaseAnswers
 from medflare.methods.base import PerSite, RoundContext, Stage
 
-SLOW_POLL = 5.0  # a poll period far longer than any wait below: only the result callback's event can be in time
+# Every wait below ends on an event; its bound is half the time the wait would last without that event (the poll
+# period, a hold's limit, a straggler's deadline), far from it on a machine busy with other work.
+SLOW_POLL = 10.0  # a poll period far longer than any wait below: only the result callback's event can be in time
+HOLD_LIMIT = 10.0  # a hold's limit far longer than any wait below: only the next task can end the hold in time
 
 
 def controller(min_clients: int = 2, wait_after_min: int = 600) -> MedflareController:
@@ -47,7 +50,7 @@ def test_the_wait_ends_when_the_last_result_is_processed_not_at_the_next_poll() 
     answer_later(answers, "site-2", after=0.3)
     ctl._wait_for_answers(tasks, answers, Signal(), FLContext())
     waited = time.monotonic() - started
-    assert 0.3 <= waited < 1.0, f"waited {waited:.2f} s for a result that came after 0.3 s (poll period {SLOW_POLL} s)"
+    assert 0.3 <= waited < SLOW_POLL / 2, f"waited {waited:.2f} s for a result that came after 0.3 s (poll {SLOW_POLL} s)"
     assert [t.completion_status for t in tasks] == [TaskCompletionStatus.OK] * 2
 
 
@@ -59,7 +62,7 @@ def test_stragglers_get_wait_time_after_min_received_then_their_task_is_cancelle
     ctl._task_check_period = 0.05
     ctl._wait_for_answers(tasks, answers, Signal(), FLContext())
     waited = time.monotonic() - started
-    assert 1.0 <= waited < 2.0
+    assert 1.0 <= waited < 1.0 + SLOW_POLL / 2  # without the deadline it would wait for site-2, which never answers
     assert [t.completion_status for t in tasks] == [TaskCompletionStatus.CANCELLED] * 2  # site-2 never answered
 
 
@@ -68,7 +71,7 @@ def test_a_task_flare_ended_itself_counts_as_answered() -> None:
     tasks[0].completion_status = TaskCompletionStatus.TIMEOUT
     started = time.monotonic()
     ctl._wait_for_answers(tasks, answers, Signal(), FLContext())
-    assert time.monotonic() - started < 1.0 and tasks[0].completion_status == TaskCompletionStatus.TIMEOUT
+    assert time.monotonic() - started < SLOW_POLL / 2 and tasks[0].completion_status == TaskCompletionStatus.TIMEOUT
 
 
 def test_an_abort_ends_the_wait_and_cancels_the_tasks() -> None:
@@ -134,16 +137,16 @@ def ask_for_task(ctl: MedflareController, site: str, waited: list[float]) -> thr
 
 
 def test_a_hold_ends_when_the_next_task_is_out() -> None:
-    hold = NextTaskHold(limit=5.0)
+    hold = NextTaskHold(limit=HOLD_LIMIT)
     hold.between_phases({"site-1"})
     started = time.monotonic()
     threading.Thread(target=lambda: (time.sleep(0.3), hold.task_out())).start()
     waited = hold.hold("site-1")
-    assert 0.28 <= waited < 1.0 and time.monotonic() - started < 1.0, waited
+    assert 0.28 <= waited < HOLD_LIMIT / 2 and time.monotonic() - started < HOLD_LIMIT / 2, waited
 
 
 def test_no_hold_while_a_task_is_out_or_for_a_site_that_did_not_answer() -> None:
-    hold = NextTaskHold(limit=5.0)
+    hold = NextTaskHold(limit=HOLD_LIMIT)
     assert hold.hold("site-1") == 0.0  # before any phase ended: a task may be out, nothing to wait for
     hold.between_phases({"site-1"})
     assert hold.hold("site-2") == 0.0 and hold.hold(None) == 0.0  # not among the phase's answers
@@ -155,7 +158,7 @@ def test_a_hold_never_outlasts_its_limit() -> None:
     hold = NextTaskHold(limit=0.3)
     hold.between_phases({"site-1"})
     waited = hold.hold("site-1")
-    assert 0.28 <= waited < 1.0, waited
+    assert 0.28 <= waited < HOLD_LIMIT / 2, waited  # without the limit it would wait for a task that never comes
 
 
 def test_the_controller_holds_an_answered_sites_request_until_its_next_task_is_broadcast() -> None:
@@ -163,18 +166,18 @@ def test_the_controller_holds_an_answered_sites_request_until_its_next_task_is_b
     ctl.aggregator = SimpleNamespace(holds_plaintext=True, core=SimpleNamespace(task_header=lambda: {}))
     answers.add("site-1")
     answers.add("site-2")
+    ctl._next_task = NextTaskHold(limit=HOLD_LIMIT)  # only the broadcast can release site-1 within the bounds below
     ctl._wait_for_answers(tasks, answers, Signal(), FLContext())  # the phase is over: the server works
     waited: list[float] = []
     asking = [ask_for_task(ctl, "site-1", waited), ask_for_task(ctl, "outsider", waited)]
-    time.sleep(0.3)
-    assert len(waited) == 1 and waited[0] < 0.1  # the outsider was answered at once; site-1 is still held
+    asking[1].join(timeout=HOLD_LIMIT / 2)
+    assert not asking[1].is_alive() and asking[0].is_alive()  # the outsider was answered at once; site-1 is held
     broadcast_at = []
     ctl.broadcast = lambda task, fl_ctx, **kw: broadcast_at.append(time.monotonic())
     ctl._wait_for_answers = lambda tasks, answers, abort, fl_ctx: None
     ctl._send_phase("train", {"w": np.zeros(2)}, RoundContext(round=1, total_rounds=2), {}, {}, Signal(), FLContext())
-    for thread in asking:
-        thread.join(timeout=5)
-    assert len(waited) == 2 and 0.28 <= waited[1] < TASK_HOLD_SECONDS, waited  # released by the broadcast
+    asking[0].join(timeout=HOLD_LIMIT)
+    assert len(waited) == 2 and waited[1] < HOLD_LIMIT / 2, waited  # released by the broadcast, not by the limit
 
 
 def test_an_aborted_phase_holds_nobody() -> None:

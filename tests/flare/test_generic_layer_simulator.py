@@ -29,6 +29,7 @@ def site_log(out: Path, site: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+@pytest.mark.smoke  # multi-phase, per-site tasks
 def test_each_site_receives_its_own_array_in_a_per_site_phase(tmp_path: Path) -> None:
     run = RunConfig(
         method="test-exchange", rounds=2, clients=3, data=SMALL_DATA, train={"max_steps": 1, "batch_size": 16},
@@ -51,6 +52,7 @@ def test_each_site_receives_its_own_array_in_a_per_site_phase(tmp_path: Path) ->
         assert sent["arrays"] == weights + 1, site
 
 
+@pytest.mark.heavy  # make test-heavy
 def test_two_stages_change_counters_key_sets_and_scoring(tmp_path: Path) -> None:
     run = RunConfig(
         method="test-staged", rounds=3, clients=2, data=SMALL_DATA, train={"max_steps": 1, "batch_size": 16},
@@ -78,6 +80,7 @@ def test_two_stages_change_counters_key_sets_and_scoring(tmp_path: Path) -> None
     assert own["test"]["accuracy"] != final["accuracy"] or own["by_site"] != final["by_site"]
 
 
+@pytest.mark.smoke  # no server model
 def test_heterogeneous_sites_and_a_server_without_a_model(tmp_path: Path) -> None:
     run = RunConfig(
         method="local-only", rounds=2, clients=3, data=SMALL_DATA, train={"max_steps": 2, "batch_size": 16},
@@ -94,6 +97,7 @@ def test_heterogeneous_sites_and_a_server_without_a_model(tmp_path: Path) -> Non
     }  # no array ever left a site
 
 
+@pytest.mark.heavy  # make test-heavy
 def test_site_state_survives_a_restart_bit_for_bit(tmp_path: Path) -> None:
     """Run a job, then start a fresh site runtime on the same job workspace: it reloads the state the site
     saved after its last round (optimizer moments and the private head) exactly."""

@@ -62,6 +62,7 @@ def test_frozen_start_up_objects_do_not_hide_a_later_rounds_garbage(automatic_gc
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # make test-heavy
 def test_the_server_collects_after_every_round_in_the_simulator(tmp_path: Path) -> None:
     config = RunConfig(method="fedavg", rounds=2, clients=2, data={"source": "synthetic:n=240,classes=3"},
                        train={"max_steps": 2, "batch_size": 16})

@@ -12,7 +12,7 @@ import torch
 from medflare.run_config import RunConfig
 from medflare.simulate import run_simulation
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # make test-heavy
 
 SITES = 3
 

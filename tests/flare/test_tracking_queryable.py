@@ -22,12 +22,11 @@ from nvflare.fuel.utils.json_scanner import JsonScanner
 from nvflare.fuel.utils.wfconf import resolve_var_refs
 
 from medflare import contracts
-from medflare.flare import executor as executor_module
-from medflare.flare import tracking
+from medflare.flare import executor as executor_module, tracking
 from medflare.flare.tasks import TASK_TRAIN, TASK_VALIDATE, round_meta
 from medflare.job_export import job_plan, server_config
-from medflare.metrics import EvalStats, MultiLabelEvalStats, compute_metrics
 from medflare.methods.base import RoundContext
+from medflare.metrics import EvalStats, MultiLabelEvalStats, compute_metrics
 from medflare.run_config import RunConfig
 from medflare.site_runtime import TaskSpec
 

@@ -12,7 +12,7 @@ from medflare.flare.models import build_global_model
 from medflare.run_config import RunConfig
 from medflare.simulate import run_simulation
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # make test-heavy
 
 GAMMA = 1e-4  # PercentilePrivacy clips every shared difference to ±gamma
 # fp16 against fp32 weights, same job and seed: what `benchmarks/scaling.py --part parity` reads as no difference

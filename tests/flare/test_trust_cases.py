@@ -11,8 +11,15 @@ from medflare.errors import ConfigError
 from medflare.flare.aggregator import RoundAggregation
 from medflare.methods.base import LARGEST_SHARE, RoundContext, ServerRule, SiteUpdate
 from medflare.methods.fedlsm.server import LABEL_COUNTS, NEGATIVES, POS_WEIGHT, POSITIVES
-from medflare.methods.mdhfl.protocol import PRIVATE_LOSS, PROBS, PROBS_PHASE, PUBLIC_DIGEST, PUBLIC_SIZE, SETUP_PHASE
-from medflare.methods.mdhfl.protocol import TARGET
+from medflare.methods.mdhfl.protocol import (
+    PRIVATE_LOSS,
+    PROBS,
+    PROBS_PHASE,
+    PUBLIC_DIGEST,
+    PUBLIC_SIZE,
+    SETUP_PHASE,
+    TARGET,
+)
 from medflare.registry import get_method, list_methods, register_method
 
 K = 3

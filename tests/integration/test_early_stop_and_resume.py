@@ -18,7 +18,7 @@ import torch
 from medflare.cli import main
 from medflare.resume import model_digest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # make test-heavy
 
 COMMON = ["--data", "synthetic:n=300", "--clients", "2", "--max-steps", "2", "--batch-size", "32",
           "--set", "tracking=off"]

@@ -3,51 +3,34 @@ per-site metrics, sends exactly what its Payload declares, and shows medflare's 
 FLARE's INFO log kept in files: new methods are covered with no new test.
 
 One simulator run per method serves both checks (the recipe and the job ``medflare run`` simulates are the same
-job: tests/test_recipes.py compares them file by file), which keeps the suite inside its time budget.
-
-Each method may give the smallest meaningful settings for its job in ``MethodSpec.smoke`` (a ViT for SSL-FL,
-per-site models for a heterogeneous method, multi-label data, ...); they are merged over the defaults here.
+job: tests/test_recipes.py compares them file by file). ``make test-heavy`` runs it; ``make test`` runs the same
+smoke jobs through the in-process loop (test_every_method_inprocess.py) and one simulator run per control pattern.
 """
 
 import json
 import re
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
 from nvflare.recipe import SimEnv
 
-from medflare.config import from_dict
 from medflare.flare.audit import AUDIT_FILE
 from medflare.flare.controller import RESULTS_FILE
 from medflare.recipes import MedflareRecipe
 from medflare.registry import get_method, list_methods
-from medflare.run_config import RunConfig, merge_sections
+from medflare.run_config import RunConfig
 from medflare.runner import describe_sites, plan_job, write_job_outputs
 
 from ._rescoring import rescore_global_model
+from ._smoke import check_audit, smoke_run
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 # INFO lines FLARE's simulator prints several times a round per site with its default ("concise") console: a
 # recipe run shows medflare's lines instead and leaves FLARE's INFO log in the simulator's log files (issue 30)
 FLARE_INFO = re.compile(r"set transaction info|object has been downloaded|Finished one task run")
-
-DEFAULTS = {
-    "rounds": 1,
-    "clients": 2,
-    "data": {"source": "synthetic:n=300,imbalance=5", "partition": "dirichlet:1.0"},
-    "train": {"max_steps": 2, "batch_size": 32},
-    "audit": True,
-}
-
-
-def smoke_run(method: str) -> RunConfig:
-    settings = merge_sections(DEFAULTS, dict(get_method(method).smoke))
-    return from_dict(RunConfig, {**settings, "method": method}, "smoke settings")
 
 
 def run_recipe_in_simenv(run: RunConfig, tmp_path: Path) -> tuple[Path, dict, dict, Path]:
@@ -71,27 +54,6 @@ def run_recipe_in_simenv(run: RunConfig, tmp_path: Path) -> tuple[Path, dict, di
 def audit_records(out: Path, site: str) -> list[dict]:
     path = out / "sites" / site / "medflare_payload_audit.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def check_audit(records: list[dict], method: str, global_keys: list[str]) -> Counter:
-    """Every real message at a site against the declaration; returns the checked results by task name."""
-    payload = get_method(method).payload
-    task, checked = None, Counter()
-    for record in records:
-        assert "return_code" not in record, f"{method}: a task failed at the site: {record}"
-        sent = set(record["arrays"])
-        assert not any(payload.is_private(k) for k in sent), f"{method}: a private key travelled: {record}"
-        if record["direction"] == "task":
-            task = record
-            assert sent <= set(global_keys) | set(payload.receives), f"{method}: server sent undeclared {sent}"
-            continue
-        phase, stage = record["task"], task["header"].get("stage", "train")
-        expected = set(payload.shared_keys(global_keys, stage)) if phase == "train" else set()
-        expected |= set(payload.arrays_for(phase))
-        assert sent == expected, f"{method} {phase}/{stage}: sent {sorted(sent ^ expected)[:5]} against the declaration"
-        assert set(record["meta"]) <= set(payload.allowed_meta()), f"{method}: undeclared meta {record['meta']}"
-        checked[phase] += 1
-    return checked
 
 
 def check_console(capfd: pytest.CaptureFixture, run: RunConfig, workspace_root: Path) -> None:

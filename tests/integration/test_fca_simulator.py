@@ -19,7 +19,7 @@ from medflare.run_config import RunConfig
 
 from .test_every_method_simulator import run_recipe_in_simenv
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # make test-heavy
 
 # Long tail with classes missing per site; each site's test split follows its own class mix.
 DATA = {"source": "synthetic:n=480,classes=4,imbalance=5", "partition": "class-dirichlet:20/10/5/1:0.3",

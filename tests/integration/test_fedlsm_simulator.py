@@ -14,9 +14,10 @@ from medflare.cli import main
 from medflare.run_config import RunConfig
 
 from ._rescoring import rescore_global_model, rescore_multi_label_model
-from .test_every_method_simulator import audit_records, check_audit
+from ._smoke import check_audit
+from .test_every_method_simulator import audit_records
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # make test-heavy
 
 ML_SOURCE = "synthetic:multilabel=1,classes=4,n=240,size=16"
 

@@ -7,7 +7,7 @@ import pytest
 from medflare.run_config import RunConfig
 from medflare.simulate import run_simulation
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # make test-heavy
 
 
 def test_fedmas_records_rf_and_rf_weighted_shares(tmp_path: Path) -> None:

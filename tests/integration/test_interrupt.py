@@ -13,8 +13,6 @@ import pytest
 
 from .._processes import LiveProcess, alive, kill_all, left_after, processes_naming, sigterm_and_wait
 
-pytestmark = pytest.mark.usefixtures("cold_start")  # the subject is the processes: each starts as a fresh interpreter
-
 
 def medflare_run(out: Path, rounds: int) -> list[str]:
     """A small synthetic ``medflare run`` in the simulator (``rounds`` long enough to be interrupted)."""
@@ -43,6 +41,7 @@ def test_sigterm_stops_the_simulator_and_leaves_a_failed_log(tmp_path: Path) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # make test-heavy
 def test_sigkill_leaves_no_process_of_the_run(tmp_path: Path) -> None:
     staging = tmp_path / "out.partial"  # every process of the run names it: job folder, workspace
     try:

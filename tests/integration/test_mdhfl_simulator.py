@@ -13,7 +13,7 @@ from medflare.models import create_model
 from medflare.run_config import RunConfig
 from medflare.simulate import SimulationError, run_simulation
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # make test-heavy
 
 PLUGINS = Path(__file__).parent / "plugins"
 SITE_MODELS = {"site-1": "resnet10", "site-2": "resnet12", "site-3": "shufflenet", "site-4": "mobilenet_v2"}

@@ -17,7 +17,7 @@ from medflare.simulate import run_simulation
 
 from .._predicting import read_probabilities, site_probabilities, write_images_npz
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # make test-heavy
 
 SOURCE = "synthetic:n=400,classes=8,imbalance=10"
 

@@ -30,6 +30,7 @@ def fedavg_run(tmp_path_factory) -> tuple[Path, dict]:
     return out, summary
 
 
+@pytest.mark.smoke  # single phase
 def test_summary_has_every_documented_field(fedavg_run) -> None:
     out, summary = fedavg_run
     on_disk = json.loads((out / "summary.json").read_text())
@@ -43,6 +44,7 @@ def test_summary_has_every_documented_field(fedavg_run) -> None:
     assert on_disk["timing"]["startup_seconds"] > 0 and len(on_disk["timing"]["per_round_seconds"]) == 2
 
 
+@pytest.mark.smoke  # single phase
 def test_the_server_and_both_sites_ran_the_plan_the_command_line_built(fedavg_run) -> None:
     """The fingerprint of the plan ``medflare config --plan`` prints is the one the server records and every site
     logs: each rebuilt it from the job FLARE deployed (tests/test_plan.py compares the plans field by field)."""
@@ -56,6 +58,7 @@ def test_the_server_and_both_sites_ran_the_plan_the_command_line_built(fedavg_ru
     assert sorted(logged) == [("site-1", digest), ("site-2", digest)]
 
 
+@pytest.mark.smoke  # single phase
 def test_final_metrics_are_those_of_the_saved_global_model_on_the_pooled_test_split(fedavg_run) -> None:
     # Prepare
     out, summary = fedavg_run
@@ -69,15 +72,17 @@ def test_final_metrics_are_those_of_the_saved_global_model_on_the_pooled_test_sp
     assert summary["final"]["loss"] != pytest.approx(summary["initial"]["loss"], rel=1e-6)  # a trained model
 
 
+@pytest.mark.smoke  # single phase
 def test_payload_records_exactly_the_declared_keys(fedavg_run) -> None:
     _, summary = fedavg_run
-    for site, sent in summary["payload"].items():
+    for sent in summary["payload"].values():
         assert sent["meta_keys"] == sorted(
             ["eval_test", "eval_test_by_attribute", "eval_val", "n_samples", "train_loss", "train_seconds"]
         )
         assert all(b > 1000 for b in sent["bytes_per_round"])
 
 
+@pytest.mark.smoke  # single phase
 def test_sites_report_their_partition_sizes(fedavg_run) -> None:
     _, summary = fedavg_run
     for site in ("site-1", "site-2"):
@@ -85,6 +90,7 @@ def test_sites_report_their_partition_sizes(fedavg_run) -> None:
         assert facts["n_samples_reported"] == facts["n_train"] > 0
 
 
+@pytest.mark.smoke  # single phase
 def test_outputs_written_and_nothing_partial_left(fedavg_run) -> None:
     out, _ = fedavg_run
     for name in ("summary.json", "rounds.csv", "report.md", "learning_curves.png", "shares.png", "FL_global_model.pt"):
@@ -93,6 +99,7 @@ def test_outputs_written_and_nothing_partial_left(fedavg_run) -> None:
     assert len((out / "rounds.csv").read_text().strip().splitlines()) == 4  # header + round 0 + 2 rounds
 
 
+@pytest.mark.heavy  # make test-heavy
 def test_exported_byoc_job_runs_under_nvflare_simulator(tmp_path: Path) -> None:
     export = subprocess.run(
         [sys.executable, "-m", "medflare.cli", "export", "fedprox", "-o", str(tmp_path / "jobs"), "--mode", "byoc",
@@ -113,6 +120,7 @@ def test_exported_byoc_job_runs_under_nvflare_simulator(tmp_path: Path) -> None:
 DIVERGING_SITE_2 = {"site-2": {"optimizer": "sgd", "lr": 1e30}}
 
 
+@pytest.mark.heavy  # make test-heavy
 def test_a_failing_site_is_left_out_and_the_round_goes_on(tmp_path: Path) -> None:
     run = RunConfig(method="fedavg", rounds=2, clients=2, min_clients=1, data=DATA, train=QUICK, site_train=DIVERGING_SITE_2)
     summary = run_simulation(run, tmp_path / "out", echo=lambda line: None)
@@ -122,6 +130,7 @@ def test_a_failing_site_is_left_out_and_the_round_goes_on(tmp_path: Path) -> Non
     assert summary["rounds_completed"] == 2
 
 
+@pytest.mark.heavy  # make test-heavy
 def test_too_few_sites_stops_the_job_with_a_clear_error_and_no_output(tmp_path: Path) -> None:
     from medflare.errors import MedflareError
 
@@ -133,8 +142,8 @@ def test_too_few_sites_stops_the_job_with_a_clear_error_and_no_output(tmp_path: 
 
 
 @pytest.mark.realdata
-@pytest.mark.parametrize("method", ["fedavg", pytest.param("bsm-fl", marks=pytest.mark.heavy)])  # every method runs
-# on synthetic data elsewhere; make test reads the real data with one of them, make test-heavy with both
+@pytest.mark.parametrize("method", ["fedavg", "bsm-fl"])  # every method runs on synthetic data elsewhere
+@pytest.mark.heavy  # make test-heavy
 def test_baselines_complete_on_pneumoniamnist(method: str, medmnist_file, tmp_path: Path) -> None:
     path = medmnist_file("pneumoniamnist.npz")
     run = RunConfig(method=method, rounds=2, clients=3, data={"source": f"medmnist:{path}", "partition": "dirichlet:0.5"},

@@ -15,7 +15,7 @@ from medflare.flare.progress import entries_from_results, format_progress
 from medflare.run_config import RunConfig
 from medflare.simulate import run_simulation
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # make test-heavy
 
 ROUNDS, EPOCHS = 2, 2
 

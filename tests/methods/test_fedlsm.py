@@ -18,11 +18,9 @@ from medflare.errors import ConfigError, PayloadError
 from medflare.flare.aggregator import RoundAggregation
 from medflare.losses import weighted_bce
 from medflare.methods.base import RoundContext, SiteUpdate, TrainConfig
-from medflare.methods.fedavg_masked import SPEC as MASKED_SPEC
-from medflare.methods.fedavg_masked import FedAvgMaskedConfig
+from medflare.methods.fedavg_masked import SPEC as MASKED_SPEC, FedAvgMaskedConfig
 from medflare.methods.fedavg_masked.client import FedAvgMaskedTrainer
-from medflare.methods.fedlsm import SPEC, FedLsmConfig
-from medflare.methods.fedlsm import client as fedlsm_client
+from medflare.methods.fedlsm import SPEC, FedLsmConfig, client as fedlsm_client
 from medflare.methods.fedlsm.client import identified_classes
 from medflare.methods.fedlsm.pseudo import (
     element_weights,

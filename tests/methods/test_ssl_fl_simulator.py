@@ -26,7 +26,9 @@ def _audit(out: Path, site: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-@pytest.mark.parametrize("method", sorted(JOBS))
+# staged pre-training: Fed-MAE is make test's smoke run of the pattern, Fed-BEiT (a third stage) is make test-heavy's
+@pytest.mark.parametrize("method", [pytest.param("fed-beit", marks=pytest.mark.heavy),
+                                    pytest.param("fed-mae", marks=pytest.mark.smoke)])
 def test_one_job_pretrains_then_finetunes_a_tiny_vit(method: str, tmp_path: Path) -> None:
     method_args, stages = JOBS[method]
     run = RunConfig(

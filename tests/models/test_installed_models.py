@@ -11,8 +11,15 @@ import pytest
 import torch
 
 from medflare.errors import ConfigError
-from medflare.models import ENTRY_POINT_GROUP, Classifier, create_model, get_model_info, is_model, list_models
-from medflare.models import _registry
+from medflare.models import (
+    ENTRY_POINT_GROUP,
+    Classifier,
+    _registry,
+    create_model,
+    get_model_info,
+    is_model,
+    list_models,
+)
 from tests._packages import installed_package
 
 USER_NET = '''

@@ -41,7 +41,7 @@ WIDE_MODELS = {"vit_small", "vit_base"}
 
 
 def _all_models() -> list:
-    return [pytest.param(name, marks=pytest.mark.slow) if name in WIDE_MODELS else name for name in list_models()]
+    return [pytest.param(name, marks=[pytest.mark.slow, pytest.mark.heavy]) if name in WIDE_MODELS else name for name in list_models()]
 
 
 @pytest.fixture(autouse=True)
@@ -185,6 +185,7 @@ def test_vit_pools_the_mean_patch_token_through_fc_norm(image_size: int, tokens:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # make test-heavy
 @pytest.mark.parametrize(("name", "image_size", "patch"), [("vit_small", 64, 8), ("vit_base", 224, 16)])
 def test_wide_vits_have_their_standard_sizes(name: str, image_size: int, patch: int) -> None:
     """vit_small and vit_base come from the same builder with the ViT/DeiT widths; ViT-B/16 at 224 px."""

@@ -157,6 +157,7 @@ def _tree_differences(expected: Path, actual: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m medflare.deploy.apps``: write (or ``--check``) ``apps/<method>/`` for every method."""
     parser = argparse.ArgumentParser(description="Write (or --check) apps/<method>/ for every registered method.")
     parser.add_argument("-o", "--output", default=str(APPS_DIR), help="apps folder (default: the repository's apps/)")
     parser.add_argument("--check", action="store_true", help="only report stale files; exit 1 if any")

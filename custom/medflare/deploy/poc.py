@@ -734,6 +734,7 @@ def _cmd_run(session: PocSession, args: Any) -> int:
 
 
 def make_parser() -> Any:
+    """The command line of ``python -m medflare.deploy.poc`` (the steps ``poc/*.sh`` call)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m medflare.deploy.poc", description=__doc__,
@@ -784,6 +785,7 @@ def make_parser() -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m medflare.deploy.poc``: one POC step (prepare, start, submit, wait, download, stop, clean)."""
     import sys
 
     from medflare.runner import Interrupted, stop_on_signals

@@ -1,8 +1,8 @@
-"""Provision a consortium: ``nvflare provision`` writes the startup kits, then medflare's site policies go in.
+r"""Provision a consortium: ``nvflare provision`` writes the startup kits, then medflare's site policies go in.
 
 Command line (what ``provisioning/provision.sh`` runs)::
 
-    python -m medflare.deploy.provision -p provisioning/project.yml -w /secure/workspace \\
+    python -m medflare.deploy.provision -p provisioning/project.yml -w /secure/workspace \
         [--mode byoc|preinstalled] [--site-mode hospital-b=preinstalled] [--gpus hospital-a=2]
     python -m medflare.deploy.provision --reinstall /path/to/kit --mode preinstalled   # one existing kit
 
@@ -25,7 +25,6 @@ import yaml
 from medflare.deploy.policies import SITE_MODES, install_site_policies, is_site_kit
 from medflare.runner import nvflare_command
 from medflare.site_runtime import SITE_CONFIG_FILE
-
 
 STATE_DIR = "state"  # <workspace>/<project>/state/cert.json: the root CA and every participant's private key
 # FLARE writes <workspace>/<project name>/prod_NN/<participant name>/: each name must stay one plain folder name.
@@ -260,6 +259,7 @@ def _pairs(items: list[str], flag: str) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m medflare.deploy.provision``: startup kits for a project, with each site's policies."""
     parser = argparse.ArgumentParser(description="Provision a medflare consortium (startup kits + site policies).")
     parser.add_argument("-p", "--project", help="project.yml")
     parser.add_argument("-w", "--workspace", help="folder for the kits (keep it private)")

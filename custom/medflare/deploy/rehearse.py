@@ -1,4 +1,4 @@
-"""Rehearse a cross-hospital deployment on one machine: ``medflare rehearse`` (needs root).
+r"""Rehearse a cross-hospital deployment on one machine: ``medflare rehearse`` (needs root).
 
 The consortium is provisioned with the project's normal flow (:func:`medflare.deploy.provision.provision`: FLARE's
 ``nvflare provision`` plus medflare's site policies) from ``provisioning/project.yml``, cut to the server, N
@@ -22,7 +22,7 @@ die with the rehearsal even when it is SIGKILLed, and its namespaces are swept b
 Command line::
 
     medflare rehearse --hospitals 2 --rounds 2 -o runs/rehearse
-    medflare rehearse --hospitals 3 --min-clients 2 --straggler 10 --rate hospital-c=10 \\
+    medflare rehearse --hospitals 3 --min-clients 2 --straggler 10 --rate hospital-c=10 \
         --outage hospital-b@round2:25 --kill hospital-c@round3:5 -o runs/rehearse-faults
     medflare rehearse --hospitals 3 --min-clients 2 --rounds 4 --kill-server round3:5 -o runs/rehearse-server
     python -m medflare.deploy.rehearse faults -o runs/rehearse-faults     # the fault matrix (make rehearse-faults)
@@ -715,6 +715,7 @@ def rehearse(plan: Rehearsal, out_dir: str | Path, echo: Echo = print, overwrite
 
 
 def checks_table(checks: list[dict[str, Any]]) -> str:
+    """The rehearsal's checks as a Markdown table (check, expected, observed, ok)."""
     rows = ["| check | expected | observed | ok |", "|---|---|---|---|"]
     rows += [f"| {c['check']} | {c['expected']} | {c['observed']} | {'yes' if c['ok'] else 'NO'} |" for c in checks]
     return "\n".join(rows)
@@ -809,6 +810,7 @@ def add_rehearse_options(parser: Any) -> None:
 
 
 def plan_from_args(args: Any) -> Rehearsal:
+    """The rehearsal the command line asks for (hospitals, link rates, outages, the job)."""
     rates = {}
     for item in args.rate:
         site, sep, mbit = item.partition("=")
@@ -833,6 +835,7 @@ def cmd_rehearse(args: Any) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m medflare.deploy.rehearse``: a rehearsal, or its fault matrix (``faults``)."""
     import argparse
 
     from medflare.runner import Interrupted, stop_on_signals

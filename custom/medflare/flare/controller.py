@@ -27,8 +27,8 @@ from typing import Any, Callable
 import numpy as np
 from nvflare.apis.client import Client
 from nvflare.apis.controller_spec import ClientTask, Task, TaskCompletionStatus
-from nvflare.apis.event_type import EventType
 from nvflare.apis.dxo import DXO, DataKind, from_shareable
+from nvflare.apis.event_type import EventType
 from nvflare.apis.fl_constant import FLContextKey, ReturnCode
 from nvflare.apis.fl_context import FLContext
 from nvflare.apis.impl.controller import Controller
@@ -52,12 +52,12 @@ from medflare.flare.progress import (
     stop_entry,
 )
 from medflare.flare.tasks import TASK_VALIDATE, deployed_plan, round_meta
-from medflare.server_setup import round_plan
 from medflare.flare.tracking import record_scalars, round_scalars, send_scalars
 from medflare.methods.base import PerSite, RoundContext
 from medflare.ops.background import BackgroundWrite
 from medflare.ops.checkpoint import load_checkpoint, save_checkpoint
 from medflare.ops.timing import timed
+from medflare.server_setup import round_plan
 
 RESULTS_FILE = "medflare_results.json"
 # Per-site facts recorded each round; filter_history shows which privacy filters a site's result went through.

@@ -16,18 +16,11 @@ from medflare import contracts
 from medflare.distributed import DataParallelSite, site_distributed_config
 from medflare.errors import ConfigError, MedflareError, SiteDeclined
 from medflare.flare.memory import collect_round_garbage, freeze_startup_objects
-from medflare.methods.base import LocalTrainer
-from medflare.registry import load_plugins
 from medflare.flare.tasks import TASK_SUBMIT_MODEL, TASK_TRAIN, TASK_VALIDATE, deployed_plan, round_context
 from medflare.flare.tracking import EPOCH_LOSS, send_scalars, site_training_scalars, site_validation_scalars
-from medflare.site_runtime import (
-    SiteFile,
-    SiteRuntime,
-    read_site_data_config,
-    resolve_site_dp,
-    resolve_site_model,
-    site_index_from_name,
-)
+from medflare.methods.base import LocalTrainer
+from medflare.registry import load_plugins
+from medflare.site_runtime import SiteFile, SiteRuntime
 
 
 class MedflareExecutor(Executor):
@@ -108,14 +101,8 @@ class MedflareExecutor(Executor):
             # and the command line rebuild it; the site's own file decides its data, DP-SGD and architecture
             plan = deployed_plan(fl_ctx)
             self.log_info(fl_ctx, f"{site}: runs plan {plan.digest()} (medflare config --plan prints it)")
-            settings = plan.site_settings(
-                site,
-                # FLARE's simulator sets SIMULATE_MODE (private, sticky); a job's configuration cannot.
-                data=read_site_data_config(site_file, plan.data, fl_ctx.get_prop(FLContextKey.SIMULATE_MODE, False)),
-                dp_sgd=resolve_site_dp(plan.dp_sgd, site, site_file),
-                model=resolve_site_model(plan.method, plan.model, plan.site_models(), site, site_file),
-            )
-            index = site_index_from_name(site, [s.name for s in plan.sites]) if not settings.data.get("local") else 0
+            # FLARE's simulator sets SIMULATE_MODE (private, sticky); a job's configuration cannot.
+            settings, index = plan.localise(site, site_file, fl_ctx.get_prop(FLContextKey.SIMULATE_MODE, False))
             log = lambda msg: self.log_info(fl_ctx, f"{site}: {msg}")  # noqa: E731
             local_dir = workspace.get_app_dir(fl_ctx.get_job_id())
             parallel = site_distributed_config(site_file)  # a multi-GPU site asks for several processes

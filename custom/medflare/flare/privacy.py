@@ -9,7 +9,6 @@ site names it in its privacy policy (``local/privacy.json``), or a job in its cl
 
 from __future__ import annotations
 
-
 from nvflare.apis.dxo import DataKind, from_shareable
 from nvflare.apis.filter import Filter
 from nvflare.apis.fl_constant import ReturnCode

@@ -1,7 +1,21 @@
 """Built-in methods. Adding a method = one folder plus one import line here."""
 
-from medflare.methods import bsm_fl, fed_mas, fedavg, fedlc, fedprox, ldam_drw, local_only, moon  # noqa: F401
-from medflare.methods import fca, fedbabu, fedrep, fedrs  # noqa: F401  (FCA and its personalized baselines)
-from medflare.methods import fedmd, mdhfl  # noqa: F401
-from medflare.methods import ssl_fl  # noqa: F401
-from medflare.methods import fedavg_masked, fedlsm  # noqa: F401
+from medflare.methods import (  # noqa: F401  # noqa: F401  (FCA and its personalized baselines)  # noqa: F401  # noqa: F401
+    bsm_fl,
+    fca,
+    fed_mas,
+    fedavg,
+    fedavg_masked,
+    fedbabu,
+    fedlc,
+    fedlsm,
+    fedmd,
+    fedprox,
+    fedrep,
+    fedrs,
+    ldam_drw,
+    local_only,
+    mdhfl,
+    moon,
+    ssl_fl,  # noqa: F401
+)

@@ -21,10 +21,10 @@ from medflare import contracts
 from medflare.contracts import ContractContext, Payload
 from medflare.errors import PayloadError
 from medflare.losses.multi_label import masked_bce
+from medflare.methods.presets import Preset
 from medflare.ops import load_params, model_params
 from medflare.ops.influence import Mixture, Weighting, bound, combine
 from medflare.optim import OptimizerKey, TrainConfig, build_optimizer, lr_at, rebuild_due, set_step_lr
-from medflare.methods.presets import Preset
 
 if TYPE_CHECKING:
     from medflare.dp_sgd import PrivateTraining

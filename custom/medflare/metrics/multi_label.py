@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from medflare.errors import DataError, MedflareError, PayloadError
-from medflare.metrics.eval_stats import DEFAULT_BINS, _PROB_TOLERANCE, _count_array, _to_numpy, score_bins
+from medflare.metrics.eval_stats import _PROB_TOLERANCE, DEFAULT_BINS, _count_array, _to_numpy, score_bins
 
 __all__ = ["THRESHOLD", "MultiLabelEvalStats"]
 

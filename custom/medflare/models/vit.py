@@ -7,7 +7,6 @@ chosen from the image size so small images still give a 7x7 grid or finer. Nothi
 
 from __future__ import annotations
 
-
 from medflare.errors import ConfigError
 from medflare.models._registry import register_model
 from medflare.models.classifier import Classifier

@@ -22,6 +22,7 @@ DTYPES = ("float32", "float16")
 
 
 def is_float(array: np.ndarray) -> bool:
+    """Whether ``array`` holds floating-point values (the weights a wire dtype applies to)."""
     return np.asarray(array).dtype.kind == "f"
 
 

@@ -25,14 +25,14 @@ CLASSIFIER_KEYS = r"^head\."  # every registered network's classifier (models.Cl
 def classifier_row_weights(
     updates: list[SiteUpdate], classifier_keys: str, vectors: Mapping[str, np.ndarray]
 ) -> dict[str, dict[str, np.ndarray]]:
-    """key -> site -> per-class weights for every classifier array (weight rows and bias entries alike).
+    r"""key -> site -> per-class weights for every classifier array (weight rows and bias entries alike).
 
     ``ops.weighted_average`` normalises each row over sites and falls back to the scalar (n_k) shares for a
     row whose weights sum to zero at every site.
 
     Args:
         updates: the accepted updates (their keys name the classifier arrays).
-        classifier_keys: regex of the classifier's state-dict keys, e.g. ``^head\\.``.
+        classifier_keys: regex of the classifier's state-dict keys, e.g. ``^head\.``.
         vectors: site -> length-K weights (AWPA: q^k; masked aggregation: n_k · 1[c ∈ I_k]).
     """
     keys = [k for k in updates[0].arrays if re.search(classifier_keys, k)] if updates else []

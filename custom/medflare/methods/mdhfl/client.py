@@ -114,7 +114,8 @@ class MdhflTrainer(LocalOnlyTrainer):
             if len(images) < 2:
                 continue  # batch norm cannot train on a single image
             images = images.to(self.device)
-            loss = self.optimizer_step(self._kl_step_optimizer(), lambda: mixed_target_loss(self.model(images), rows))
+            loss = self.optimizer_step(self._kl_step_optimizer(),  # the closure runs within this iteration
+                                       lambda: mixed_target_loss(self.model(images), rows))  # noqa: B023
             losses.append(loss)
         mean = float(np.mean(losses)) if losses else 0.0
         self.record_locally(kl_loss=mean, kl_steps=len(losses))

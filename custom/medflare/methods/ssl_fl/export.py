@@ -199,6 +199,7 @@ def export_global_model(
 
 
 def main(argv: list[str] | None = None) -> Any:
+    """``python -m medflare.methods.ssl_fl.export``: the pre-trained encoder of an SSL-FL run, as a file."""
     parser = argparse.ArgumentParser(description="Export the pre-trained encoder of an SSL-FL pre-training run.")
     parser.add_argument("run_dir", help="the run folder of a fed-mae/fed-beit job with method.finetune_rounds=0")
     parser.add_argument("-o", "--out", help=f"output file (default RUN_DIR/{DEFAULT_FILE})")
