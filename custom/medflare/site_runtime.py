@@ -139,9 +139,10 @@ JOB_SETTABLE_DATA_KEYS = frozenset({
     "site_shift",  # pixel shift of in-memory demo sources (a file source refuses it)
 })
 # Only the site's own file sets these: they name what is read (source, public_source), carve the site's images
-# into a set whose predictions go to the server (public_fraction), or state what its labels mean (identified).
+# into a set whose predictions go to the server (public_fraction), or state what its labels mean (identified,
+# class_map: its own class names -> the job's).
 # The refusal covers every key outside JOB_SETTABLE_DATA_KEYS; this set records the review of DataConfig's fields.
-SITE_ONLY_DATA_KEYS = frozenset({"source", "public_source", "public_fraction", "identified"})
+SITE_ONLY_DATA_KEYS = frozenset({"source", "public_source", "public_fraction", "identified", "class_map"})
 # Fixed by medflare at a site that reads its own data: a job's (or the file's) value is replaced.
 SITE_FIXED_DATA = {"local": True, "num_sites": 1}
 
@@ -333,7 +334,8 @@ class SiteRuntime:
         cfg = from_dict(DataConfig, {**self.settings.data, "num_classes": self.settings.task.num_classes}, "data")
         # a trainer scoring its own model on the pooled test set (FCA's generalization without a global classifier)
         pooled_test = bool(getattr(self.spec.trainer_cls, "scores_pooled_test", False))
-        data = make_site_data(cfg, site_index, self.site_name, pooled_test=pooled_test)
+        data = make_site_data(cfg, site_index, self.site_name, pooled_test=pooled_test,
+                              class_names=self.settings.task.class_names)
         task = self.settings.task
         if data.channels != task.in_channels:
             raise DataError(

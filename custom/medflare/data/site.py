@@ -24,7 +24,7 @@ single labels.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch.utils.data import ConcatDataset, Dataset
 
+from medflare.data.classes import align_to_job
 from medflare.data.longtail import long_tail_indices
 from medflare.data.noise import NOISE_KINDS, inject_label_noise
 from medflare.data.partition import Partition, apply_label_mask, parse_scheme, partition, partition_like
@@ -130,6 +131,8 @@ class DataConfig:
             training split (1 = keep everything); any source (`medflare.data.longtail`).
         window: Intensity window of DICOM/NIfTI files: "CENTER,WIDTH" (e.g. "40,80"), a CT preset ("brain",
             "subdural", "lung", "bone", ...), "file" (each DICOM's own window) or "" (min-max per image).
+        class_map: This site's own class names -> the job's, for those it spells differently (only the site's
+            `local/medflare_site.json` sets it; `medflare.data.classes`).
     """
 
     source: str = "synthetic"
@@ -151,6 +154,7 @@ class DataConfig:
     identified: list | None = None
     imbalance: float = 1.0
     window: str = ""
+    class_map: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         parse_scheme(self.partition)  # fail early on a bad scheme string
@@ -219,7 +223,8 @@ class SiteData:
     pooled_test: Dataset | None = None
 
 
-def make_site_data(cfg: DataConfig, site_index: int, site_name: str = "", pooled_test: bool = False) -> SiteData:
+def make_site_data(cfg: DataConfig, site_index: int, site_name: str = "", pooled_test: bool = False,
+                   class_names: Sequence[str] | None = None) -> SiteData:
     """Builds the datasets of one site.
 
     Args:
@@ -227,13 +232,17 @@ def make_site_data(cfg: DataConfig, site_index: int, site_name: str = "", pooled
         site_index: 0-based index of this site among `cfg.num_sites` (ignored for the partition when local).
         site_name: Name used in messages and `SiteData.site_name`; default "site-<index+1>".
         pooled_test: Also build `SiteData.pooled_test` (simulation only; a local site holds only its own data).
+        class_names: The job's class names in label order (its task's); data that names its classes must name
+            these (`medflare.data.classes.align_to_job`, with the site's `cfg.class_map`).
 
     Raises:
         ConfigError: Site index out of range, or a site shift on a file-based source.
-        DataError: The source cannot be loaded, or this site's training split is empty.
+        DataError: The source cannot be loaded, its class names are not the job's, or this site's training split
+            is empty.
     """
     site_name = site_name or f"site-{site_index + 1}"
     splits = load_source(cfg.source, seed=cfg.seed, num_classes=cfg.num_classes)
+    splits = align_to_job(splits, class_names, cfg.class_map, site_name)
     train, val, test, identified = _site_sets(cfg, splits, site_index, site_name)
     train, val, test = (_as_seen(image_set, cfg, site_index) for image_set in (train, val, test))
     num_classes = splits.train.num_classes

@@ -1,0 +1,85 @@
+"""The job's class names, which every site's data must match: the data contract's names.
+
+A folder source numbers its classes by the sorted folder names, so two hospitals that spell one class differently
+(``normal`` and ``Normal``) would number the same classes differently and train one class as another. A job whose
+task names its classes therefore makes each site compare its own names with the job's, in one line that lists
+both, before anything trains. A site may map its own spellings to the job's names in its
+``local/medflare_site.json`` (``{"data": {"class_map": {"Normal": "normal"}}}``); its labels are then renumbered
+into the job's order (a multi-label site's columns reordered). Data that does not name its classes (a MedMNIST
+file, a CSV with numeric labels only) is taken in the job's order, as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from medflare.data.types import UNLABELED, DataSplits, ImageSet
+from medflare.errors import DataError
+
+CLASS_MAP_KEY = "class_map"  # a site's data block: its own class names -> the job's
+
+
+def align_to_job(splits: DataSplits, job_names: Sequence[str] | None, class_map: Mapping[str, str] | None,
+                 where: str) -> DataSplits:
+    """``splits`` with its labels in the job's class order.
+
+    Args:
+        splits: a loaded source; its ``info["class_names"]`` count when ``info["named_classes"]`` says the data
+            names its classes.
+        job_names: the job's class names in label order (``task.class_names``); None: the job names none.
+        class_map: the site's own name -> the job's name, for the names that differ (only the site sets it).
+        where: the site, for the message.
+
+    Raises:
+        DataError: the site's names (after ``class_map``) are not the job's, or ``class_map`` names a class the
+            data does not have or maps two classes to one.
+    """
+    site_names = list(splits.info["class_names"]) if splits.info.get("named_classes") else None
+    if class_map and site_names is None:
+        raise DataError(f"{where}: class_map is set, but the data names no classes (folder names, a CSV's "
+                        "class_name or label_<name> columns); remove class_map")
+    if not job_names or site_names is None:
+        return splits
+    mapped = _mapped_names(site_names, dict(class_map or {}), where)
+    if sorted(mapped) != sorted(job_names):
+        mapping = f" (after class_map: {mapped})" if class_map else ""
+        raise DataError(f"{where}: this site's classes {site_names}{mapping} are not the job's {list(job_names)}; "
+                        'rename the class folders, or map each of the site\'s names to the job\'s in its local/'
+                        'medflare_site.json, e.g. {"data": {"class_map": {"' + _first_difference(mapped, job_names)
+                        + '": "<the job\'s name>"}}}')
+    order = np.array([list(job_names).index(name) for name in mapped], dtype=np.int64)
+    if np.array_equal(order, np.arange(len(order))):
+        return splits
+    sets = {split: _relabelled(getattr(splits, split), order) for split in ("train", "val", "test")}
+    return DataSplits(**sets, info={**splits.info, "class_names": list(job_names)})
+
+
+def _mapped_names(site_names: list[str], class_map: dict[str, str], where: str) -> list[str]:
+    """The site's names with ``class_map`` applied; every key must be one of them, no two may become one."""
+    unknown = sorted(set(class_map) - set(site_names))
+    if unknown:
+        raise DataError(f"{where}: class_map names {unknown}, which are not among this site's classes {site_names}")
+    mapped = [str(class_map.get(name, name)) for name in site_names]
+    if len(set(mapped)) != len(mapped):
+        raise DataError(f"{where}: class_map makes two of this site's classes one: {site_names} -> {mapped}")
+    return mapped
+
+
+def _first_difference(mapped: list[str], job_names: Sequence[str]) -> str:
+    """A site name that is not one of the job's (for the example in the message)."""
+    return next((name for name in mapped if name not in job_names), mapped[0])
+
+
+def _relabelled(image_set: ImageSet, order: np.ndarray) -> ImageSet:
+    """``image_set`` with site class k as job class ``order[k]``: single labels renumbered (unlabelled kept),
+    multi-hot columns moved."""
+    labels = np.asarray(image_set.labels)
+    if labels.ndim == 2:
+        moved = np.empty_like(labels)
+        moved[:, order] = labels
+        return dataclasses.replace(image_set, labels=moved)
+    renumbered = np.where(labels == UNLABELED, UNLABELED, order[np.clip(labels, 0, None)])
+    return dataclasses.replace(image_set, labels=renumbered.astype(labels.dtype))
