@@ -84,6 +84,7 @@ def aggregation_args(plan: RunPlan) -> dict[str, Any]:
         "transfer_dtype": plan.transfer_dtype,
         "transfer_kind": plan.transfer_kind,
         "stream_aggregation": plan.stream_aggregation,
+        "min_clients": plan.min_clients,
         **multi_label_args(plan.task),
         # a job that keeps the default download writes the configuration it always did
         **({"download_dtype": plan.download_dtype} if plan.download_dtype != "float32" else {}),

@@ -48,7 +48,8 @@ REVIEWED_ARGS = {
         "dp_sgd"],  # a flag: the DP-compatible twin of the same network (GroupNorm for BatchNorm)
     "medflare.flare.aggregator.MedflareAggregator": [
         "method", "num_classes", "num_rounds", "method_args", "robust", "transfer_dtype", "transfer_kind", "plugins",
-        "multi_label", "stream_aggregation", "download_dtype"],
+        "multi_label", "stream_aggregation", "download_dtype",
+        "min_clients"],  # the controller's: no robust rejection may leave fewer sites
     "medflare.flare.controller.MedflareController": [
         "num_rounds", "min_clients", "persistor_id", "aggregator_id", "wait_time_after_min_received", "train_timeout",
         "shot_groups", "key_metric", "patience", "resume_from"],
@@ -64,7 +65,7 @@ REVIEWED_ARGS = {
     "medflare.flare.privacy.UpdatePrivacy": ["filter", "args"],
     "medflare.flare.he.EncryptedAggregator": [  # MedflareAggregator's; the TenSEAL context is the kit's own
         "method", "num_classes", "num_rounds", "method_args", "robust", "transfer_dtype", "transfer_kind", "plugins",
-        "multi_label", "stream_aggregation", "download_dtype"],
+        "multi_label", "stream_aggregation", "download_dtype", "min_clients"],
     "medflare.flare.he.EncryptResult": ["plain", "plain_keys"],  # names of arrays left in plaintext
     "medflare.flare.he.DecryptTask": [],
 }

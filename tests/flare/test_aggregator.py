@@ -157,8 +157,8 @@ def test_forged_sample_counts_are_rejected(core: RoundAggregation) -> None:
     assert core.accept("site-2", *update(1.0, n=120)) is None
 
 
-def robust_core(**robust) -> RoundAggregation:
-    core = RoundAggregation("fedavg", {}, num_classes=3, num_rounds=2, robust=robust)
+def robust_core(min_clients: int = 1, **robust) -> RoundAggregation:
+    core = RoundAggregation("fedavg", {}, num_classes=3, num_rounds=2, robust=robust, min_clients=min_clients)
     core.start_round(GLOBAL, RoundContext(0, 2))
     core.start_phase("train")
     return core
@@ -171,6 +171,31 @@ def test_norm_bound_rejects_a_scaled_update_and_keeps_the_honest_ones() -> None:
     result = core.aggregate()
     assert set(result.shares) == {"site-1", "site-2"} and "median" in core.rejected["site-3"]
     np.testing.assert_allclose(result.params["w"], 1.1, rtol=1e-6)
+
+
+def test_with_two_sites_a_tiny_update_evicts_nobody_and_the_round_says_why() -> None:
+    """With two sites each one's reference median is the other's norm: a hostile step 1/11 of the honest one's used
+    to get the honest site rejected, the hostile one aggregated alone with share 1.0 (issue 49, item 1)."""
+    core = robust_core(min_clients=2, max_norm_ratio=10, max_share=0.6)
+    assert core.accept("site-1", *update(1.0)) is None  # honest
+    assert core.accept("site-2", *update(1.0 / 11)) is None  # hostile: a tiny step
+    result = core.aggregate()
+    assert core.rejected == {} and set(result.shares) == {"site-1", "site-2"}
+    assert max(result.shares.values()) == pytest.approx(0.5)  # equal n_samples: neither takes over
+    assert result.info["norm_bound"].startswith("not applied: 2 sites answered")
+
+
+def test_a_robust_rejection_that_leaves_fewer_than_min_clients_fails_the_round_naming_every_site() -> None:
+    from medflare.errors import PayloadError
+
+    core = robust_core(min_clients=3, max_norm_ratio=10)
+    for site, value in (("site-1", 1.0), ("site-2", 1.2), ("site-3", 1e30)):
+        assert core.accept(site, *update(value)) is None
+    with pytest.raises(PayloadError) as failed:
+        core.aggregate()
+    message = str(failed.value)
+    assert all(site in message for site in ("site-1", "site-2", "site-3")) and "min_clients=3" in message
+    assert "previous global model is kept" in message
 
 
 def test_without_the_robust_rule_a_scaled_float32_update_dominates() -> None:

@@ -26,6 +26,8 @@ from medflare.server_setup import server_rule
 SHARES = "shares"
 INFO = "info"
 STREAM_INFO = "stream_aggregation"  # a round's record: whether its results were summed as they arrived
+NORM_BOUND_INFO = "norm_bound"  # a round's record: why the update-norm bound named no outlier, when it could not
+MIN_SITES_FOR_OUTLIER = 3  # with two sites each one's reference median is the other: a tiny update evicts the other
 
 
 class RoundAggregation:
@@ -45,6 +47,8 @@ class RoundAggregation:
             in one batch and its record says why). Needs :meth:`expect_sites` to free results early.
         download_dtype: dtype the global model's float weights travel to the sites in ("float32", or "float16"
             for half the bytes; :func:`medflare.ops.wire.encode_download`); the server keeps its own precision.
+        min_clients: the valid results a round needs (the job's); no robust decision may leave fewer, the round
+            then fails naming every site involved.
     """
 
     def __init__(
@@ -59,7 +63,9 @@ class RoundAggregation:
         multi_label: bool = False,
         stream_aggregation: bool = False,
         download_dtype: str = "float32",
+        min_clients: int = 1,
     ):
+        self.min_clients = min_clients
         self.spec, self.rule, self.stages, self.robust = server_rule(
             method, method_args, num_rounds, robust, transfer_dtype, transfer_kind, download_dtype, multi_label
         )
@@ -215,8 +221,11 @@ class RoundAggregation:
         if self.stream is not None:
             result = self._streamed_aggregate(self.stream)
         else:
-            updates = self._drop_outlier_updates(self.accepted())
+            updates, note = self._drop_outlier_updates(self.accepted())
+            self._require_quorum(updates)
             result = aggregate_updates(self.rule, self.global_params, updates, self.ctx, self.robust.max_share)
+            if note:
+                result = dataclasses.replace(result, info={**result.info, NORM_BOUND_INFO: note})
         if self.stream_aggregation:
             result = dataclasses.replace(result, info={**result.info, STREAM_INFO: self._stream_facts()})
         broken = sorted(k for k, v in result.params.items() if np.asarray(v).dtype.kind == "f" and not np.all(np.isfinite(v)))
@@ -241,11 +250,30 @@ class RoundAggregation:
         return {"mode": "streamed", "most_results_held": self.stream.most_waiting,
                 "in_site_order": not self.stream.out_of_order}
 
-    def _drop_outlier_updates(self, updates: list[SiteUpdate]) -> list[SiteUpdate]:
-        """Reject sites whose update norm exceeds ``max_norm_ratio`` × the median norm of the other sites."""
+    def _require_quorum(self, updates: list[SiteUpdate]) -> None:
+        """No robust decision leaves fewer than ``min_clients`` sites: the round fails instead, naming them all.
+
+        Raises:
+            PayloadError: the robust rules left fewer sites than the job needs (the previous model is kept).
+        """
+        if len(updates) >= self.min_clients or not self.rejected:
+            return
+        kept = sorted(update.site for update in updates)
+        raise PayloadError(
+            f"the robust rules would leave {len(kept)} site(s) ({', '.join(kept) or 'none'}) after rejecting "
+            f"{'; '.join(f'{site}: {why}' for site, why in sorted(self.rejected.items()))}; the job needs "
+            f"min_clients={self.min_clients}, so this round is not aggregated and the previous global model is kept"
+        )
+
+    def _drop_outlier_updates(self, updates: list[SiteUpdate]) -> tuple[list[SiteUpdate], str]:
+        """Reject sites whose update norm exceeds ``max_norm_ratio`` × the median norm of the other sites; with
+        fewer than :data:`MIN_SITES_FOR_OUTLIER` updates reject none and say why (the second value)."""
         ratio = self.robust.max_norm_ratio
         if ratio <= 0 or len(updates) < 2 or not self.global_params:
-            return updates
+            return updates, ""
+        if len(updates) < MIN_SITES_FOR_OUTLIER:
+            return updates, (f"not applied: {len(updates)} sites answered, and naming an outlier needs at least "
+                             f"{MIN_SITES_FOR_OUTLIER} (with two, each site's reference is the other's norm)")
         norms = {u.site: self.norms[u.site] if u.site in self.norms else update_norm(u.arrays, self.global_params)
                  for u in updates}
         kept = []
@@ -258,7 +286,7 @@ class RoundAggregation:
                 self.updates.pop(update.site, None)
             else:
                 kept.append(update)
-        return kept
+        return kept, ""
 
 
 def update_norm(arrays: Mapping[str, np.ndarray], global_params: Mapping[str, np.ndarray]) -> float:
@@ -290,6 +318,7 @@ class MedflareAggregator(Aggregator):
             differs from the batch path in the last bits (Σw·a/Σw vs Σ(w/Σw)·a) and repeats bit for bit.
         download_dtype: dtype the global model's float weights travel to the sites in ("float32", or "float16"
             for half the bytes; the server aggregates and persists in the model's own precision).
+        min_clients: the valid results a round needs (the controller's); no robust rejection may leave fewer.
     """
 
     holds_plaintext = True  # the server can read and save the global model (False: flare.he.EncryptedAggregator)
@@ -308,6 +337,7 @@ class MedflareAggregator(Aggregator):
         multi_label: bool = False,
         stream_aggregation: bool = False,
         download_dtype: str = "float32",
+        min_clients: int = 1,
     ) -> None:
         super().__init__()
         self.plugins = plugins or []
@@ -322,9 +352,10 @@ class MedflareAggregator(Aggregator):
         self.multi_label = multi_label
         self.stream_aggregation = stream_aggregation
         self.download_dtype = download_dtype
+        self.min_clients = min_clients
         self.core = self.core_cls(
             method, self.method_args, num_classes, num_rounds, self.robust, transfer_dtype, transfer_kind, multi_label,
-            stream_aggregation, download_dtype,
+            stream_aggregation, download_dtype, min_clients,
         )
         self._fallback_logged = False
 
