@@ -54,6 +54,18 @@ def test_a_site_may_opt_in_to_job_data(tmp_path: Path) -> None:
         read_site_data_config(tmp_path, {"source": "site"})
 
 
+@pytest.mark.parametrize("data", [{}, {"source": ""}, {"source": None}, {"image_size": 64}])
+def test_a_site_file_whose_data_names_no_source_is_refused_not_trained_on_synthetic_images(
+    tmp_path: Path, data: dict
+) -> None:
+    """DataConfig's default source is medflare's synthetic generator: a hospital's {"data": {}} trained on it,
+    logging "2400 train images" (issue 49, item 3)."""
+    (tmp_path / "medflare_site.json").write_text(json.dumps({"data": data}))
+    with pytest.raises(DataError) as refused:
+        read_site_data_config(tmp_path, {"source": "site"})
+    assert str(refused.value).startswith(f"{tmp_path / 'medflare_site.json'}: its 'data' object names no source")
+
+
 def test_site_data_comes_from_the_sites_own_file(tmp_path: Path) -> None:
     (tmp_path / "medflare_site.json").write_text(json.dumps({"data": {"source": "folder:/data/xray"}}))
     config = read_site_data_config(tmp_path, {"source": "site", "image_size": 32})

@@ -186,10 +186,11 @@ def read_site_data_config(
 
 
 def _site_data_block(path: Path, site_file: dict[str, Any] | None) -> dict[str, Any]:
-    """The ``data`` object of the site's file.
+    """The ``data`` object of the site's file, which must name its source (without one the data would default to
+    medflare's synthetic images, and a hospital would train on them without a word).
 
     Raises:
-        DataError: the file is missing or has no ``data`` object.
+        DataError: the file is missing, has no ``data`` object, or that object names no ``source``.
     """
     if site_file is None:
         raise DataError(
@@ -199,6 +200,11 @@ def _site_data_block(path: Path, site_file: dict[str, Any] | None) -> dict[str, 
     site_data = site_file.get("data")
     if not isinstance(site_data, dict):
         raise DataError(f"{path} has no 'data' object; add e.g. {{\"data\": {{\"source\": \"folder:/path\"}}}}")
+    source = site_data.get("source")
+    if not isinstance(source, str) or not source.strip():
+        raise DataError(f"{path}: its 'data' object names no source, so this site has no images to train on; add "
+                        '"source", e.g. {"data": {"source": "folder:/path/to/images"}} (or csv:/path/manifest.csv, '
+                        "medmnist:/path/file.npz)")
     return site_data
 
 
