@@ -19,7 +19,7 @@ import medflare.simulate as simulate_module
 from medflare.cli import main
 from medflare.errors import ConfigError
 from medflare.flare.controller import RESULTS_FILE
-from medflare.outputs import MARKER, OutputTarget
+from medflare.outputs import MARKER, OutputTarget, first_site_error
 
 QUICK = ["--data", "synthetic:n=200", "--rounds", "2"]
 TASK = ["--set", "task.num_classes=2", "--set", "task.in_channels=1", "--set", "task.image_size=28"]
@@ -388,3 +388,18 @@ def test_a_marker_nested_too_deep_vouches_for_nothing(tmp_path: Path) -> None:
 
     (tmp_path / MARKER).write_text("[" * 100_000 + "]" * 100_000)
     assert _read_marker(tmp_path) == []
+
+
+def test_the_first_site_error_is_the_earliest_sites_line_whole(tmp_path: Path) -> None:
+    """A site's error reached the console cut to its last 200 characters, behind a generic "only 0 site(s) sent a
+    valid result" (issue 48, item 6): the run's message now carries the earliest site's own line, from its name."""
+    why = ("data.window 'brain' applies to DICOM and NIfTI files, but /data/xray/normal/img_001.png is a PNG; remove "
+           "data.window from the job or give this site DICOM images " + "x" * 200)
+    prefix = "2026-11-28 18:00:0{} - MedflareExecutor - ERROR - [identity={}, run=simulate_job]: "
+    logs = {"site-1": f"{prefix.format(5, 'site-1')}site-1: task 'train' crashed: boom\nTraceback (most recent)\n",
+            "site-2": f"{prefix.format(3, 'site-2')}site-2: task 'train' failed: {why}\n"}
+    assert first_site_error(tmp_path) is None
+    for site, text in logs.items():
+        (tmp_path / site / "simulate_job").mkdir(parents=True)
+        (tmp_path / site / "log.txt").write_text("2026-11-28 17:59:59 - INFO - started\n" + text)
+    assert first_site_error(tmp_path) == f"site-2: task 'train' failed: {why}"

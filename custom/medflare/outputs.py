@@ -16,6 +16,7 @@ deployment tools may use it.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -246,6 +247,24 @@ def keep_site_logs(root: Path, out: Path, job_id: str | None = None) -> None:
             site = log.relative_to(root).parts[0]
             (out / "sites" / site).mkdir(parents=True, exist_ok=True)
             shutil.copy(log, out / "sites" / site / name)
+
+
+# the executor's one line for a task a site could not do (flare/executor.py): "<site>: task '<name>' failed: <why>"
+SITE_TASK_ERROR = re.compile(r"(?P<site>[\w.-]+): task '[^']+' (?:failed|crashed|declined): .*")
+
+
+def first_site_error(root: Path) -> str | None:
+    """The earliest line, over every site's FLARE log below ``root`` (``site-*/**/log.txt``: a simulator
+    workspace), in which a site says why it could not do a task: that line from the site's name on, whole (FLARE's
+    timestamps order the sites' logs); None when no site said so."""
+    found: list[tuple[str, str]] = []
+    for log in sorted(root.glob("site-*/**/log.txt")):
+        for line in log.read_text(errors="replace").splitlines():
+            match = SITE_TASK_ERROR.search(line)
+            if match:
+                found.append((line[:match.start()], match.group(0)))  # the prefix starts with the timestamp
+                break
+    return min(found)[1] if found else None
 
 
 def failure_note(rounds: int, search_root: Path, exc: BaseException) -> str:
