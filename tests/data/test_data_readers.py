@@ -110,6 +110,32 @@ def test_nifti_slice_reads_rows_first_and_refuses_volumes(tmp_path: Path) -> Non
         read_image(str(path), window="file")
 
 
+def x_ray_12_bit() -> np.ndarray:
+    """A 12-bit X-ray's stored values (125-3540), as a detector writes them into a 16-bit PNG or a DICOM."""
+    return np.linspace(125, 3540, 36).round().reshape(6, 6).astype(np.uint16)
+
+
+@pytest.mark.parametrize("suffix", [".png", ".tif"])
+def test_a_16_bit_png_or_tiff_reaches_the_network_as_its_dicom_does(tmp_path: Path, suffix: str) -> None:
+    """16-bit PNG was divided by 65535 (a 12-bit X-ray trained on [0.002, 0.054]) while the same pixels as DICOM
+    were min-max scaled to [0, 1] (issue 48, item 2): both now reach the site's tensors equal, with or without a
+    window."""
+    stored = x_ray_12_bit()
+    for name in ("a", "b"):  # the same image in two class folders: a folder source needs two classes
+        (tmp_path / "png" / name).mkdir(parents=True)
+        Image.fromarray(stored).save(tmp_path / "png" / name / f"x{suffix}")
+        write_dicom(tmp_path / "dcm" / name / "x.dcm", stored, intercept=0.0)
+    for window in ("", "2000,3000"):
+        tensors = {}
+        for kind in ("png", "dcm"):
+            cfg = DataConfig(source=f"folder:{tmp_path / kind}", num_sites=1, min_size=1, augment="none",
+                             window=window)
+            site = make_site_data(cfg, 0)
+            tensors[kind] = np.stack([site.train[i][0].numpy() for i in range(len(site.train))])
+        np.testing.assert_allclose(tensors["png"], tensors["dcm"], atol=1e-6)
+        assert tensors["png"].min() == pytest.approx(-1.0) and tensors["png"].max() == pytest.approx(1.0)
+
+
 def test_16_bit_png_keeps_its_levels(tmp_path: Path) -> None:
     levels = np.array([[0, 1, 2, 65535]], dtype=np.uint16)
     path = tmp_path / "xray.png"
@@ -144,12 +170,16 @@ def test_window_errors_name_the_fix(tmp_path: Path, png_class_folder) -> None:
         DataConfig(window="40")
     with pytest.raises(ConfigError, match="WIDTH > 0"):
         parse_window("40,-1")
-    with pytest.raises(ConfigError, match="data.window applies to DICOM/NIfTI files, not to the in-memory source"):
+    with pytest.raises(ConfigError, match="data.window applies to image files, not to the in-memory source"):
         make_site_data(DataConfig(source="synthetic:n=40", window="brain", min_size=1), 0)
-    pngs = png_class_folder({"a": 10, "b": 10})
-    site = make_site_data(DataConfig(source=f"folder:{pngs}", window="brain", num_sites=1, min_size=1), 0)
-    with pytest.raises(DataError, match="is a PNG/JPEG, whose values are display levels already"):
+    pngs = png_class_folder({"a": 10, "b": 10}, channels=3)
+    site = make_site_data(DataConfig(source=f"folder:{pngs}", window="40,80", num_sites=1, min_size=1), 0)
+    with pytest.raises(DataError, match="is a colour image; windowing applies to grayscale values"):
         site.train[0]
+    png = tmp_path / "gray.png"
+    Image.fromarray(np.zeros((4, 4), np.uint8)).save(png)
+    with pytest.raises(DataError, match="data.window=file reads a DICOM's own window, but .* is not a DICOM"):
+        read_image(str(png), window="file")
 
 
 def test_missing_reader_package_names_the_extra(tmp_path: Path, monkeypatch) -> None:

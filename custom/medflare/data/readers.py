@@ -1,14 +1,17 @@
 """Decoding of single image files into `[H, W, C]` arrays, without losing bit depth.
 
-An 8-bit image (PNG/JPEG) comes back as uint8. Anything deeper, a 16-bit PNG, a DICOM or a NIfTI slice, comes
-back as float32 in [0, 1], so a 12-bit CT keeps its 4096 levels instead of being cut to 256; the transform
-(`medflare.data.transforms`) takes either.
+An 8-bit image (PNG/JPEG/TIFF) comes back as uint8 (its display levels, which the transform scales by 1/255).
+Anything deeper, a 16-bit PNG or TIFF, a DICOM or a NIfTI slice, comes back as float32 in [0, 1], so a 12-bit
+X-ray keeps its 4096 levels instead of being cut to 256; the transform (`medflare.data.transforms`) takes either.
 
-DICOM (pydicom) and NIfTI (nibabel) are optional: `pip install medflare[dicom]` on a site that holds such files.
-Their values are in the file's own units after the modality rescale (Hounsfield units for CT). Without a window
-each image is min-max scaled to [0, 1]; with one (:func:`parse_window`: `data.window=40,80`, a preset such as
+Deeper values are scaled the same way whatever the format: without a window each image is min-max scaled to
+[0, 1] (a 12-bit X-ray stored as 16-bit PNG, values 125-3540, reaches [0, 1] as its DICOM does, not the
+[0.002, 0.054] of a division by 65535); with one (:func:`parse_window`: `data.window=40,80`, a preset such as
 `brain`, or `file` for the DICOM's own WindowCenter/WindowWidth) values are clipped to
-[center - width/2, center + width/2] and scaled to [0, 1], the same for every image, as radiologists read CT.
+[center - width/2, center + width/2] and scaled to [0, 1], the same for every image, as radiologists read CT. A
+window applies to an 8-bit grayscale image's levels too; colour images are never windowed. DICOM values are in the
+file's own units after the modality rescale (Hounsfield units for CT), MONOCHROME1 inverted to MONOCHROME2.
+DICOM (pydicom) and NIfTI (nibabel) are optional: `pip install medflare[dicom]` on a site that holds such files.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import numpy as np
 
 from medflare.errors import ConfigError, DataError
 
-PIL_SUFFIXES = (".png", ".jpg", ".jpeg")
+PIL_SUFFIXES = (".png", ".jpg", ".jpeg", ".tif", ".tiff")
 DICOM_SUFFIXES = (".dcm",)
 NIFTI_SUFFIXES = (".nii", ".nii.gz")
 IMAGE_SUFFIXES = PIL_SUFFIXES + DICOM_SUFFIXES + NIFTI_SUFFIXES
@@ -107,21 +110,19 @@ def read_image(path: str, channels: int | None = None, window: WindowSpec = None
     Args:
         path: the image file.
         channels: 1, 3 or None.
-        window: intensity window of a DICOM or NIfTI file (see :func:`parse_window`); None = min-max per image.
+        window: intensity window of a grayscale image (see :func:`parse_window`); None = min-max per image for
+            images deeper than 8 bits, the display levels of 8-bit ones.
 
     Raises:
-        DataError: The file is missing, unreadable or not a 2-D image, its reader package is not installed, or a
-            window is asked of a PNG/JPEG (their values are display levels already).
+        DataError: The file is missing, unreadable or not a 2-D image, its reader package is not installed, a
+            window is asked of a colour image, or the DICOM's own window (`file`) of another format.
     """
     if not os.path.isfile(path):
         raise DataError(f"Image file '{path}' does not exist; fix the path or remove the entry.")
     lower = path.lower()
-    if window is not None and lower.endswith(PIL_SUFFIXES):
-        raise DataError(f"data.window is set but '{path}' is a PNG/JPEG, whose values are display levels already; "
-                        "windowing applies to DICOM and NIfTI files. Remove data.window for this source.")
     try:
         if lower.endswith(PIL_SUFFIXES):
-            pixels = _read_with_pil(path)
+            pixels = _read_with_pil(path, window)
         elif lower.endswith(DICOM_SUFFIXES):
             pixels = _read_dicom(path, window)
         elif lower.endswith(NIFTI_SUFFIXES):
@@ -165,19 +166,35 @@ def rescale_to_unit(pixels: np.ndarray) -> np.ndarray:
     return ((values - low) / (high - low)).astype(np.float32)
 
 
-def _read_with_pil(path: str) -> np.ndarray:
+def _read_with_pil(path: str, window: WindowSpec) -> np.ndarray:
     from PIL import Image
 
     with Image.open(path) as image:
         image.load()  # force full decoding here, so a truncated file fails now and not inside a DataLoader
-        if image.mode in ("I;16", "I;16B", "I;16L"):
-            # 16-bit grayscale: all 65536 levels kept (PIL's convert("L") would clip at 255).
-            return (np.asarray(image, dtype=np.float64) / 65535.0).astype(np.float32)
-        if image.mode in ("I", "F"):
-            return rescale_to_unit(np.asarray(image))
+        if image.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
+            # deeper than 8 bits: every level kept (PIL's convert("L") would clip at 255), scaled as a DICOM's
+            return _scaled(np.asarray(image, dtype=np.float64), window, path)
         if image.mode not in ("L", "RGB", "RGBA"):
             image = image.convert("RGBA" if "A" in image.mode or "transparency" in image.info else "RGB")
-        return np.asarray(image, dtype=np.uint8)
+        pixels = np.asarray(image, dtype=np.uint8)
+    if window is None:
+        return pixels
+    if pixels.ndim == 3:
+        raise DataError(f"data.window is set but '{path}' is a colour image; windowing applies to grayscale "
+                        "values. Remove data.window for this source.")
+    return _scaled(pixels, window, path)
+
+
+def _scaled(values: np.ndarray, window: WindowSpec, path: str) -> np.ndarray:
+    """Grayscale values as float32 in [0, 1]: through ``window``, else min-max per image.
+
+    Raises:
+        DataError: ``window`` is the DICOM's own (`file`), which only a DICOM has.
+    """
+    if window == FILE_WINDOW:
+        raise DataError(f"data.window=file reads a DICOM's own window, but '{path}' is not a DICOM; give the window "
+                        f"(e.g. data.window=40,80) or a preset ({', '.join(WINDOW_PRESETS)}).")
+    return window.apply(values) if isinstance(window, Window) else rescale_to_unit(values)
 
 
 def _require_backend(path: str) -> None:
@@ -228,12 +245,8 @@ def _read_nifti(path: str, window: WindowSpec) -> np.ndarray:
     _require_backend(path)
     import nibabel
 
-    if window == FILE_WINDOW:
-        raise DataError(f"data.window=file reads a DICOM's own window, but '{path}' is NIfTI; give the window "
-                        f"(e.g. data.window=40,80) or a preset ({', '.join(WINDOW_PRESETS)}).")
     values = np.squeeze(np.asarray(nibabel.load(path).dataobj, dtype=np.float64))
     if values.ndim != 2:
         raise DataError(f"NIfTI '{path}' has shape {values.shape}; medflare reads 2-D slices only. "
                         "Extract the slices you want to classify into separate files first.")
-    values = values.T  # NIfTI stores x (columns) first; images here are [rows, columns]
-    return window.apply(values) if isinstance(window, Window) else rescale_to_unit(values)
+    return _scaled(values.T, window, path)  # NIfTI stores x (columns) first; images here are [rows, columns]

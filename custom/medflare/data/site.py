@@ -462,7 +462,7 @@ def _eval_slice(image_set: ImageSet, cfg: DataConfig, site_index: int, train_spl
 
 def _windowed(image_set: ImageSet, cfg: DataConfig) -> ImageSet:
     if image_set.in_memory:
-        raise ConfigError(f"data.window applies to DICOM/NIfTI files, not to the in-memory source '{cfg.source}'; "
+        raise ConfigError(f"data.window applies to image files, not to the in-memory source '{cfg.source}'; "
                           "remove data.window.")
     return dataclasses.replace(image_set, window=parse_window(cfg.window))
 
