@@ -88,13 +88,17 @@ def test_the_digest_of_deep_images_follows_their_order() -> None:
 
 
 def test_two_16_bit_png_sets_that_differ_below_8_bits_have_different_digests(tmp_path: Path) -> None:
-    """The real case: 16-bit PNGs read as float32, where a cast to uint8 made every such set look the same."""
+    """The real case: 16-bit PNGs read as float32, where a cast to uint8 made every such set look the same (each
+    image is min-max scaled, so the sets differ in one pixel's level relative to the others, all within one 8-bit
+    step)."""
     digests = []
-    for level in (256, 257):
-        folder = tmp_path / f"level-{level}"
+    for middle in (257, 258):
+        folder = tmp_path / f"middle-{middle}"
         folder.mkdir()
         for index in range(2):
-            Image.fromarray(np.full((6, 6), level + index, np.uint16)).save(folder / f"img_{index}.png")
+            image = np.full((6, 6), 256 + index, np.uint16)
+            image[0, :3] = (256, middle, 259)
+            Image.fromarray(image).save(folder / f"img_{index}.png")
         digests.append(public_digest(load_public_source(f"images:{folder}", num_classes=2, channels=1, seed=0)))
     assert digests[0] != digests[1]
 
