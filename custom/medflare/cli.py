@@ -157,6 +157,17 @@ def checked_run(args: argparse.Namespace, method: str | None = None, seed: int |
     return run
 
 
+def show_task(run: Any) -> None:
+    """Print the task a checked run trains and each site's images (``runner.task_lines``), once every check has
+    passed (a refused run prints its one error line only). The data was read when the run was checked: the same
+    cached source."""
+    from medflare.runner import describe_sites, task_lines
+
+    task = run.task_spec()
+    for line in task_lines(run, task, describe_sites(run, task)[0]):
+        print(line)
+
+
 def run_in_env(args: argparse.Namespace, run: Any, out: Path, overwrite: bool = False) -> dict[str, Any]:
     """Run one job where ``--env`` says (simulator or POC) and write its outputs to ``out``; its summary."""
     if args.env == "poc":
@@ -185,6 +196,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/{run.job_name}-{time.strftime('%Y%m%d-%H%M%S')}")
     OutputTarget(out, overwrite=args.overwrite).check()
     where = f"a {run.clients}-site FLARE POC" if args.env == "poc" else f"{run.clients} simulated sites"
+    show_task(run)
     print(f"medflare: running {run.method} on {where} for {run.rounds} rounds -> {out}")
     summary = run_in_env(args, run, out, overwrite=args.overwrite)
     if summary.get("stopped_early"):
@@ -235,6 +247,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
     target = OutputTarget(out, overwrite=args.overwrite)
     staging = target.begin()
+    show_task(runs[0])  # one data protocol: the same task for every run
     summaries: list[dict[str, Any]] = []
     try:
         for run in runs:
@@ -292,6 +305,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     else:
         print(f"wrote {job_dir} ({args.mode}) with simulated data '{run.data['source']}'; "
               f"run it with: nvflare simulator {job_dir} -n {run.clients} -t {run.clients}")
+    show_task(run)
     print(robust_note(run, args.mode))
     print(f"plan {plan_from_job(job_dir).digest()}: the server and every site log this fingerprint once they run it")
     return 0

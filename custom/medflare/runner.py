@@ -245,6 +245,44 @@ def describe_sites(run: RunConfig, task: TaskSpec | None = None) -> tuple[dict[s
     return sites, totals
 
 
+LARGE_IMAGES = 512  # px: above this, an image size nobody chose gets a note (slow, and more than a CPU may hold)
+
+
+def task_lines(run: RunConfig, task: TaskSpec, sites: Mapping[str, Any]) -> list[str]:
+    """What the run will train, shown before anything starts: the task (classes with their names, channels, image
+    size), each simulated site's images per split (``sites``: :func:`describe_sites`'), and a note when the image
+    size was read off the data and is large, or the images are not all that one square size."""
+    kind = "findings" if task.multi_label else "classes"
+    names = f" ({', '.join(task.class_names)})" if task.class_names else " (unnamed: the job names none)"
+    lines = [f"medflare: task: {task.num_classes} {kind}{names}, {task.in_channels} channel(s), "
+             f"{task.image_size} x {task.image_size} px"]
+    lines += [f"medflare:   {site}: {facts['n_train']} train / {facts['n_val']} val / {facts['n_test']} test images"
+              for site, facts in sites.items()]
+    if run.data.get("source", "site") == "site":
+        lines.append("medflare:   each site reads its own images and checks them against this task")
+    return lines + image_size_notes(run, task)
+
+
+def image_size_notes(run: RunConfig, task: TaskSpec) -> list[str]:
+    """Notes on an image size read off the data (not set by ``data.image_size`` or ``task.image_size``)."""
+    if run.data.get("image_size") or "image_size" in run.task or run.data.get("source", "site") == "site":
+        return []
+    from medflare.data import load_source
+
+    splits = load_source(run.data["source"], seed=run.seed, num_classes=run.task.get("num_classes"))  # cached
+    shapes = [tuple(shape) for shape in splits.info.get("image_shapes", [])]
+    size, notes = task.image_size, []
+    if size > LARGE_IMAGES:
+        notes.append(f"medflare: note: the images are {size} px (the first image's height) and no image size is set: "
+                     f"training at {size} px is slow, and may not fit a CPU's memory; set e.g. "
+                     "--set data.image_size=224")
+    if any(shape != (size, size) for shape in shapes):
+        seen = ", ".join(f"{h} x {w}" for h, w in shapes[:4]) + (", ..." if len(shapes) > 4 else "")
+        notes.append(f"medflare: note: the images are not all {size} x {size} px ({seen}): each is resized to "
+                     f"{size} x {size}, which squashes other aspect ratios; set --set data.image_size=N to choose")
+    return notes
+
+
 def plan_job(run: RunConfig, mode: str, task: TaskSpec | None = None) -> RunPlan:
     """What the job of ``run`` written in ``mode`` will do (``job_export.job_plan``), resolved once: a runner hands
     it to :func:`export_run_job` and :func:`write_job_outputs`. ``task``: the run's resolved task (read from the

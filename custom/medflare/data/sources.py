@@ -29,7 +29,7 @@ import numpy as np
 
 from medflare.data.partition import multi_label_strata
 from medflare.data.plugins import plugin_loader, source_kinds
-from medflare.data.readers import IMAGE_SUFFIXES, is_image_file, read_image
+from medflare.data.readers import IMAGE_SUFFIXES, PIL_SUFFIXES, is_image_file, read_image
 from medflare.data.synthetic import SyntheticConfig, make_synthetic
 from medflare.data.types import UNLABELED, DataSplits, ImageSet, labelled_counts
 from medflare.errors import ConfigError, DataError
@@ -37,6 +37,7 @@ from medflare.errors import ConfigError, DataError
 SOURCE_FORMS = ("synthetic", "synthetic:key=val,...", "medmnist:PATH", "folder:DIR", "csv:FILE")
 SPLITS = ("train", "val", "test")
 SPLIT_FRACTIONS = (0.70, 0.15, 0.15)
+SHAPE_PROBES = 200  # image headers read to tell a source of mixed or non-square sizes (probe_shapes)
 CSV_REQUIRED = ("path", "label")
 CSV_CLASS_PREFIX = "label_"  # multi-label manifests: one column label_<class name> per class
 CSV_OPTIONAL = ("site", "attribute", "split", "class_name")
@@ -302,11 +303,12 @@ def _load_csv(manifest: str, seed: int, num_classes: int | None) -> DataSplits:
     else:
         parts = stratified_split(multi_label_strata(labels) if labels.ndim == 2 else labels, SPLIT_FRACTIONS, seed)
     channels, image_size = _probe_first_image(paths)
+    shapes = probe_shapes(paths)
     sets = {split: ImageSet(labels=labels[part], num_classes=num_found, channels=channels,
                             paths=[paths[i] for i in part], name=f"csv:{manifest}[{split}]",
                             **{key: value[part] for key, value in columns.items()})
             for split, part in zip(SPLITS, parts)}
-    info = {"class_names": class_names, "image_size": image_size}
+    info = {"class_names": class_names, "image_size": image_size, "image_shapes": shapes}
     if columns_of_classes and "label" not in header:
         info["named_classes"] = True  # the label_<name> columns name the classes
     if "class_name" in header and "label" in header:
@@ -406,10 +408,12 @@ def _check_labels(labels: dict[str, np.ndarray], num_classes: int | None,
 
 def _file_splits(files: dict[str, tuple[list[str], np.ndarray]], num_classes: int, name: str,
                  class_names: list[str]) -> DataSplits:
-    channels, image_size = _probe_first_image([path for paths, _ in files.values() for path in paths])
+    every_path = [path for paths, _ in files.values() for path in paths]
+    channels, image_size = _probe_first_image(every_path)
     sets = {split: ImageSet(labels=labels, num_classes=num_classes, channels=channels, paths=list(paths),
                             name=f"{name}[{split}]") for split, (paths, labels) in files.items()}
-    return DataSplits(**sets, info={"class_names": class_names, "image_size": image_size})
+    info = {"class_names": class_names, "image_size": image_size, "image_shapes": probe_shapes(every_path)}
+    return DataSplits(**sets, info=info)
 
 
 def _probe_first_image(paths: list[str]) -> tuple[int, int]:
@@ -420,6 +424,24 @@ def _probe_first_image(paths: list[str]) -> tuple[int, int]:
     """
     pixels = read_image(paths[0])
     return (1 if pixels.shape[-1] == 1 else 3), int(pixels.shape[0])
+
+
+def probe_shapes(paths: list[str], most: int = SHAPE_PROBES) -> list[tuple[int, int]]:
+    """The distinct (height, width) of up to ``most`` of ``paths``, spread evenly over them (sorted): read from
+    PNG/JPEG/TIFF headers only (a DICOM or NIfTI counts by its first image's size), to tell a source whose images
+    are not all one square size."""
+    from PIL import Image
+
+    step = max(1, len(paths) // most)
+    shapes = set()
+    for path in paths[::step][:most]:
+        if path.lower().endswith(PIL_SUFFIXES):
+            try:
+                with Image.open(path) as image:  # the header: no pixel is decoded
+                    shapes.add((int(image.height), int(image.width)))
+            except Exception:  # noqa: BLE001 - a broken file is named when it is read (read_image's DataError)
+                continue
+    return sorted(shapes)
 
 
 def _describe(splits: DataSplits, spec: str, kind: str) -> dict:
