@@ -139,3 +139,27 @@ def test_fedmas_prior_cache_with_a_drawing_augmentation_is_refused_before_anythi
             RunConfig(method=method, method_args=cached).validate()
     RunConfig(method="fedmas", method_args=cached, data={"source": "synthetic", "augment": "weak"}).validate()
     RunConfig(method="fedmas", method_args=cached, data={"source": "site"}).validate()  # the site checks its own
+
+
+# ----- absurd numbers in a site's file or a job: one line each (issue 49, item 7) ---------------------------------
+@pytest.mark.parametrize("key, value, expected", [
+    ("image_size", 10**400, ("data.image_size must be an integer", "of magnitude below 2**53", "(401 characters)")),
+    ("label_noise", 10**400, ("data.label_noise must be a finite number", "within a float's range")),
+    ("seed", 2**64, ("data.seed must be an integer of magnitude below 2**53, got 18446744073709551616",)),
+    ("image_size", 100_000, ("image_size=100000 must be between 1 and 4096",)),
+], ids=["image_size-10^400", "label_noise-10^400", "seed-2^64", "image_size-100000"])
+def test_a_huge_number_in_a_data_block_is_one_line(key: str, value: int, expected: tuple[str, ...]) -> None:
+    with pytest.raises(ConfigError) as refused:
+        from_dict(DataConfig, {"source": "folder:/x", key: value}, "data")
+    message = str(refused.value)
+    assert all(part in message for part in expected) and "\n" not in message and len(message) < 300, message
+
+
+def test_a_config_file_nested_thousands_deep_is_one_line(tmp_path) -> None:
+    from medflare.config import load_config_file
+
+    deep = tmp_path / "deep.toml"
+    deep.write_text("a = " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(ConfigError) as refused:
+        load_config_file(deep)
+    assert str(refused.value).startswith(f"config file {deep} nests deeper than") and "\n" not in str(refused.value)

@@ -16,14 +16,15 @@ from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
-import tomllib
-
 from medflare.errors import ConfigError
 
 T = TypeVar("T")
 TRUE_WORDS = ("true", "yes", "on", "1")
 FALSE_WORDS = ("false", "no", "off", "0")
 NONE_WORDS = ("none", "null")
+MAX_WHOLE = 2**53  # whole numbers at or beyond it are refused: a float holds no larger integer exactly
+SHOWN_CHARACTERS = 80  # of a refused value in a message
+MAX_IMAGE_SIZE = 4096  # px: a task's or a data config's image size (every image is resized to it)
 
 
 def from_dict(cls: type[T], values: dict[str, Any] | None, where: str) -> T:
@@ -81,15 +82,17 @@ def check_value(value: Any, hint: Any, option: str, example: Any = None) -> Any:
     except _Mismatch as exc:
         where, expected, given = exc.where or (option, hint, value)
         fix = f"; e.g. {option}={_render(example)}" if example is not None and where == option else ""
-        raise ConfigError(f"{where} must be {describe_type(expected)}, got {_render(given)}{fix}") from None
+        raise ConfigError(f"{where} must be {describe_type(expected)}{exc.why}, got {_render(given)}{fix}") from None
 
 
 class _Mismatch(Exception):
-    """Internal: a value does not fit its hint; ``where`` = (option, hint, value) of the innermost misfit."""
+    """Internal: a value does not fit its hint; ``where`` = (option, hint, value) of the innermost misfit, ``why``
+    what the type alone does not say (a bound)."""
 
-    def __init__(self, where: tuple[str, Any, Any] | None = None) -> None:
+    def __init__(self, where: tuple[str, Any, Any] | None = None, why: str = "") -> None:
         super().__init__()
         self.where = where
+        self.why = why
 
 
 def _convert(value: Any, hint: Any, option: str) -> Any:
@@ -142,12 +145,13 @@ def _convert_union(value: Any, hint: Any, args: tuple, option: str) -> Any:
         return None
     # Text matches str trivially: try the typed members first so "0.5" becomes a number where one is allowed.
     members = sorted((a for a in args if a is not type(None)), key=lambda a: a is str)
+    why = ""
     for member in members:
         try:
             return _convert(value, member, option)
-        except _Mismatch:
-            continue
-    raise _Mismatch((option, hint, value))  # no member fits: the union, not its last member, is what failed
+        except _Mismatch as exc:
+            why = why or exc.why
+    raise _Mismatch((option, hint, value), why)  # no member fits: the union, not its last member, is what failed
 
 
 def _to_bool(value: Any) -> bool:
@@ -163,28 +167,27 @@ def _to_bool(value: Any) -> bool:
 def _to_int(value: Any) -> int:
     if isinstance(value, bool):
         raise _Mismatch  # True is an int to Python, never to a user
-    if isinstance(value, int):
-        return value
     if isinstance(value, str):
         try:
-            return int(value.strip())
+            value = int(value.strip())
         except ValueError:
             raise _Mismatch from None
-    raise _Mismatch
+    if not isinstance(value, int):
+        raise _Mismatch
+    if abs(value) >= MAX_WHOLE:  # beyond a float's exact integers: no option means such a number
+        raise _Mismatch(why=" of magnitude below 2**53")
+    return value
 
 
 def _to_float(value: Any) -> float:
     if isinstance(value, bool):
         raise _Mismatch
-    if isinstance(value, (int, float)):
-        number = float(value)
-    elif isinstance(value, str):
-        try:
-            number = float(value.strip())
-        except ValueError:
-            raise _Mismatch from None
-    else:
-        raise _Mismatch
+    try:
+        number = float(value.strip() if isinstance(value, str) else value)
+    except (ValueError, TypeError):
+        raise _Mismatch from None
+    except OverflowError:  # an integer beyond float's range
+        raise _Mismatch(why=" within a float's range") from None
     if not math.isfinite(number):
         raise _Mismatch  # nan/inf learning rates and weights train nothing and poison aggregates
     return number
@@ -253,24 +256,28 @@ def _example(field: dataclasses.Field) -> Any:
 
 
 def _render(value: Any) -> str:
+    """``value`` as a message shows it, cut to :data:`SHOWN_CHARACTERS` (a message stays one readable line)."""
     if isinstance(value, str):
-        return repr(value)
-    try:
-        return json.dumps(value)
-    except (TypeError, ValueError):
-        return repr(value)
+        text = repr(value)
+    else:
+        try:
+            text = json.dumps(value)
+        except (TypeError, ValueError):
+            text = repr(value)
+    if len(text) <= SHOWN_CHARACTERS:
+        return text
+    return f"{text[:SHOWN_CHARACTERS // 2]}... ({len(text)} characters)"
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
-    """Read a JSON or TOML run configuration."""
+    """Read a JSON or TOML run configuration (``readback.load_json``: one line for a file that is unreadable, not
+    JSON/TOML, or nested deeper than any run option is; a TOML nested 5,000 deep gave a 3,002-line traceback)."""
+    from medflare.readback import load_json
+
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"config file not found: {file}")
-    text = file.read_text()
-    try:
-        loaded = tomllib.loads(text) if file.suffix == ".toml" else json.loads(text)
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"cannot parse {file}: {' '.join(str(exc).split())}") from exc
+    loaded = load_json(file, ConfigError, where="config file ")
     if not isinstance(loaded, dict):
         raise ConfigError(f"{file} must hold an object of run options, got {type(loaded).__name__}")
     return loaded

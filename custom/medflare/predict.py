@@ -33,7 +33,7 @@ import numpy as np
 
 from medflare.checkpoint import Checkpoint, normalization, read_checkpoint
 from medflare.data.readers import IMAGE_SUFFIXES, is_image_file, parse_window, read_image
-from medflare.data.sources import CSV_CLASS_PREFIX, class_columns
+from medflare.data.sources import CSV_CLASS_PREFIX, class_columns, manifest_rows
 from medflare.data.types import UNLABELED, ImageSet
 from medflare.errors import ConfigError, DataError
 from medflare.files import atomic_write_text
@@ -314,8 +314,7 @@ def _manifest_images(manifest: Path, class_names: list[str],
 
     A multi-label model reads ``label_<class>`` columns instead (1, 0, or -1 / empty), all of its classes or none.
     """
-    with manifest.open(newline="", encoding="utf-8-sig") as handle:
-        rows = list(csv.DictReader(handle))
+    rows = list(manifest_rows(manifest))
     if not rows or "path" not in rows[0]:
         raise ConfigError(f"{manifest} needs a header with a 'path' column and at least one row")
     paths = [str(manifest.parent / row["path"]) if not os.path.isabs(row["path"]) else row["path"] for row in rows]

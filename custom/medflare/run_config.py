@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Mapping
 
-from medflare.config import check_value, fields_typed, from_dict
+from medflare.config import MAX_IMAGE_SIZE, check_value, fields_typed, from_dict
 from medflare.errors import ConfigError
 from medflare.methods.base import MethodSpec, TrainConfig
 from medflare.methods.presets import Preset
@@ -33,6 +33,13 @@ SECTIONS = {"method": "method_args", "train": "train", "data": "data", "task": "
 JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 SITE_EVALUATION = ("every_round", "final", "off")
 TASK_SHAPE = ("num_classes", "in_channels", "image_size")  # the task fields a job must know (class_names optional)
+# Bounds of a run's numbers: beyond them a job is a typo or an attack (a round plan of 10^20 rounds filled memory;
+# a seed of 2^64 failed inside FLARE; site indices are added to the seed, and numpy takes seeds below 2^32).
+MAX_ROUNDS = 100_000
+MAX_CLIENTS = 1_000
+MAX_SEED = 2**31 - 1
+MAX_SECONDS = 7 * 24 * 3600  # a week: straggler and task limits
+TASK_BOUNDS = {"num_classes": (2, 100_000), "in_channels": (1, 16), "image_size": (8, MAX_IMAGE_SIZE)}
 IMAGENET = "imagenet"  # the `pretrained` value naming a model's offline ImageNet weights
 # The server's defences in every job for a real deployment (POC, production; issue 26), under the run's own robust
 # settings. One hospital can neither take over nor break the aggregate: an update more than 10x the other sites'
@@ -155,15 +162,17 @@ class RunConfig:
             load_plugin_files(self.plugins)  # a plugin's method names its default model too
             self.model = get_method(self.method).default_model
         checks = [
-            (self.rounds >= 1, f"rounds must be >= 1, got {self.rounds}"),
-            (self.clients >= 1, f"clients must be >= 1, got {self.clients}"),
+            (1 <= self.rounds <= MAX_ROUNDS, f"rounds must be between 1 and {MAX_ROUNDS}, got {self.rounds}"),
+            (1 <= self.clients <= MAX_CLIENTS, f"clients must be between 1 and {MAX_CLIENTS}, got {self.clients}"),
             (0 <= self.min_clients <= self.clients,
              f"min_clients must be between 0 and clients={self.clients}, got {self.min_clients}"),
-            (self.seed >= 0, f"seed must be >= 0, got {self.seed}"),
+            (0 <= self.seed <= MAX_SEED, f"seed must be between 0 and {MAX_SEED}, got {self.seed}"),
             (self.site_evaluation in SITE_EVALUATION,
              f"site_evaluation must be one of {', '.join(SITE_EVALUATION)}, got '{self.site_evaluation}'"),
-            (self.straggler_seconds >= 0, f"straggler_seconds must be >= 0, got {self.straggler_seconds}"),
-            (self.task_timeout >= 0, f"task_timeout must be >= 0 (0 = no limit), got {self.task_timeout}"),
+            (0 <= self.straggler_seconds <= MAX_SECONDS,
+             f"straggler_seconds must be between 0 and {MAX_SECONDS}, got {self.straggler_seconds}"),
+            (0 <= self.task_timeout <= MAX_SECONDS,
+             f"task_timeout must be between 0 (no limit) and {MAX_SECONDS}, got {self.task_timeout}"),
             (self.task_request_interval > 0, f"task_request_interval must be > 0, got {self.task_request_interval}"),
             (self.shot_thresholds is None or (len(self.shot_thresholds) == 2
                                                and self.shot_thresholds[0] >= self.shot_thresholds[1] >= 0),
@@ -435,10 +444,9 @@ def _data_config_cls() -> type:
 def _typed_task(task: Mapping[str, Any]) -> dict[str, Any]:
     """The declared task fields, typed, with their ranges checked."""
     typed = fields_typed(TaskSpec, dict(task), "task")
-    lowest = {"num_classes": 2, "in_channels": 1, "image_size": 8}
-    for key, value in typed.items():
-        if key in lowest and value < lowest[key]:
-            raise ConfigError(f"task.{key} must be >= {lowest[key]}, got {value}")
+    for key, (low, high) in TASK_BOUNDS.items():
+        if key in typed and not low <= typed[key] <= high:
+            raise ConfigError(f"task.{key} must be between {low} and {high}, got {typed[key]}")
     names = typed.get("class_names")
     if names is not None and "num_classes" in typed and len(names) != typed["num_classes"]:
         raise ConfigError(f"task.class_names lists {len(names)} names for task.num_classes={typed['num_classes']}; "

@@ -238,3 +238,20 @@ def test_inconsistent_class_names_are_refused(png_manifest, names: list[str], ex
     manifest = png_manifest(rows, header=("path", "label", "class_name"))
     with pytest.raises(DataError, match=expected):
         load_source(f"csv:{manifest}")
+
+
+@pytest.mark.parametrize("encoding, separator", [("utf-8-sig", ","), ("utf-16", "\t"), ("cp1252", ",")])
+def test_a_manifest_in_a_spreadsheets_encoding_reads_as_utf_8_does(png_manifest, tmp_path: Path, encoding: str,
+                                                                   separator: str) -> None:
+    """Spreadsheet programs write "CSV UTF-8" (a byte order mark), "Unicode text" (UTF-16, tab-separated) or
+    Windows-1252 "CSV"; UTF-16 and Latin-1 manifests ended in a traceback (issue 49, item 7)."""
+    rows = [{"path": f"img_{i}.png", "label": i % 2, "class_name": ("épanchement", "normal")[i % 2]}
+            for i in range(40)]
+    manifest = png_manifest(rows, header=("path", "label", "class_name"))
+    expected = load_source(f"csv:{manifest}")
+    text = manifest.read_text(encoding="utf-8").replace(",", separator)
+    other = tmp_path / f"manifest-{encoding}.csv"
+    other.write_bytes(text.encode(encoding))
+    splits = load_source(f"csv:{other}")
+    assert splits.info["class_names"] == expected.info["class_names"] == ["épanchement", "normal"]
+    assert splits.train.paths == expected.train.paths and np.array_equal(splits.train.labels, expected.train.labels)

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch.utils.data import ConcatDataset, Dataset
 
+from medflare.config import MAX_IMAGE_SIZE
 from medflare.data.classes import align_to_job
 from medflare.data.longtail import long_tail_indices
 from medflare.data.noise import NOISE_KINDS, inject_label_noise
@@ -165,7 +166,8 @@ class DataConfig:
             (self.eval_split in EVAL_SPLITS, f"eval_split='{self.eval_split}' must be one of {EVAL_SPLITS}"),
             (self.num_sites >= 1, f"num_sites={self.num_sites} must be >= 1"),
             (self.seed >= 0, f"seed={self.seed} must be >= 0"),
-            (self.image_size is None or self.image_size >= 1, f"image_size={self.image_size} must be >= 1"),
+            (self.image_size is None or 1 <= self.image_size <= MAX_IMAGE_SIZE,
+             f"image_size={self.image_size} must be between 1 and {MAX_IMAGE_SIZE}"),
             (all(0.0 <= rate <= 1.0 for rate in rates), f"label_noise={self.label_noise} must be in [0, 1]"),
             (not isinstance(self.label_noise, list) or len(rates) == self.num_sites,
              f"label_noise lists {len(rates)} rates for {self.num_sites} sites; give one rate per site"),

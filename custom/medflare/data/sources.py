@@ -19,11 +19,14 @@ in-process per (spec, seed, num_classes), with read-only arrays: treat a returne
 
 from __future__ import annotations
 
+import codecs
 import csv
 import functools
+import io
 import os
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -235,21 +238,42 @@ def _load_folder(root: str, seed: int, num_classes: int | None) -> DataSplits:
     return splits
 
 
+def manifest_rows(manifest: str | os.PathLike) -> csv.DictReader:
+    """A CSV manifest's rows, in the encoding and separator spreadsheet programs write: UTF-8 with or without a byte
+    order mark, UTF-16 with one ("Unicode text", tab-separated), else Windows-1252 ("CSV" on Windows; Latin-1 for
+    its five undefined bytes). A UTF-16 or Latin-1 manifest used to end in a traceback."""
+    try:
+        raw = Path(manifest).read_bytes()
+    except OSError as exc:
+        raise DataError(f"CSV manifest '{manifest}' cannot be read ({exc.strerror or exc}).") from exc
+    if raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        text = raw.decode("utf-16")
+    else:
+        try:
+            text = raw.decode("utf-8-sig")
+        except UnicodeDecodeError:
+            try:
+                text = raw.decode("cp1252")
+            except UnicodeDecodeError:
+                text = raw.decode("latin-1")
+    first = text.split("\n", 1)[0]
+    return csv.DictReader(io.StringIO(text, newline=""), delimiter="\t" if "\t" in first and "," not in first else ",")
+
+
 def _read_manifest(manifest: str) -> tuple[list[str], list[tuple[dict[str, str], int]]]:
     """Header and (row dict, line number) pairs of a CSV manifest, with the required columns checked."""
     _require_path(manifest, "CSV manifest", "file")
-    with open(manifest, newline="", encoding="utf-8-sig") as handle:
-        reader = csv.DictReader(handle)
-        header = [name.strip() for name in reader.fieldnames or []]
-        missing = [name for name in CSV_REQUIRED if name not in header]
-        if "label" in missing and len(class_columns(header)) > 1:
-            missing.remove("label")  # a multi-label manifest
-        if missing:
-            raise DataError(f"CSV manifest '{manifest}' lacks column(s) {', '.join(missing)}; the header must be "
-                            f"path,label (or path,{CSV_CLASS_PREFIX}<class>,... for multi-label) with optional "
-                            f"{','.join(CSV_OPTIONAL)} (found: {','.join(header)}).")
-        rows = [({key.strip(): (value or "").strip() for key, value in row.items() if key}, line)
-                for line, row in enumerate(reader, start=2)]
+    reader = manifest_rows(manifest)
+    header = [name.strip() for name in reader.fieldnames or []]
+    missing = [name for name in CSV_REQUIRED if name not in header]
+    if "label" in missing and len(class_columns(header)) > 1:
+        missing.remove("label")  # a multi-label manifest
+    if missing:
+        raise DataError(f"CSV manifest '{manifest}' lacks column(s) {', '.join(missing)}; the header must be "
+                        f"path,label (or path,{CSV_CLASS_PREFIX}<class>,... for multi-label) with optional "
+                        f"{','.join(CSV_OPTIONAL)} (found: {','.join(header)}).")
+    rows = [({key.strip(): (value or "").strip() for key, value in row.items() if key}, line)
+            for line, row in enumerate(reader, start=2)]
     if not rows:
         raise DataError(f"CSV manifest '{manifest}' has no data rows.")
     return header, rows
