@@ -108,6 +108,18 @@ def test_from_dict_rejects_bad_payloads(corrupt) -> None:
         EvalStats.from_dict(payload)
 
 
+def test_unsigned_counts_beyond_any_site_are_refused_before_they_wrap() -> None:
+    """An unsigned 2^64 - 1 passed the "no negative counts" check and became -1 in the int64 cast (issue 49, item 5);
+    any count above contracts.MAX_SAMPLES is a forged statistic."""
+    payload = _valid_payload()
+    confusion = np.asarray(payload["confusion"], dtype=np.uint64)
+    confusion[0, 0] = np.iinfo(np.uint64).max
+    with pytest.raises(PayloadError, match="counts more than 100,000,000 samples in one cell"):
+        EvalStats.from_dict({**payload, "confusion": confusion})
+    with pytest.raises(PayloadError, match=r"'count' must be an integer in \[0, 100,000,000\]"):
+        EvalStats.from_dict({**payload, "count": 10**12})
+
+
 def test_from_dict_checks_expected_sizes() -> None:
     with pytest.raises(PayloadError, match="expected 5"):
         EvalStats.from_dict(_valid_payload(), num_classes=5)
