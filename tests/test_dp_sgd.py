@@ -182,6 +182,17 @@ def test_a_site_declines_a_job_that_asks_for_less_than_its_policy(tmp_path: Path
         resolve_site_dp(job, "site-1", tmp_path)
 
 
+@pytest.mark.parametrize("bound", [{"max_epsilon": 8}, {"min_noise_multiplier": 1.0}, {"max_grad_norm": 1.0}])
+def test_a_site_with_a_dp_bound_but_without_required_declines_a_job_without_dp_sgd(tmp_path: Path,
+                                                                                    bound: dict) -> None:
+    """A floor, ceiling or budget used to bind only jobs that had a dp_sgd section: a job without one trained with
+    no noise at all (unbounded ε) unless the site also wrote "required": true (issue 49, item 5)."""
+    (tmp_path / SITE_CONFIG_FILE).write_text(json.dumps({"data": {"source": "folder:/x"}, "dp_sgd": bound}))
+    with pytest.raises(SiteDeclined, match=f"site-1 declines the job: .*dp_sgd \\({next(iter(bound))}\\) requires"):
+        resolve_site_dp({}, "site-1", tmp_path)
+    assert resolve_site_dp({"noise_multiplier": 1.2}, "site-1", tmp_path)["noise_multiplier"] == 1.2
+
+
 def test_a_site_takes_the_lower_budget_and_a_site_without_policy_takes_the_job(tmp_path: Path) -> None:
     assert site_dp_settings({"noise_multiplier": 1.2}, POLICY, "site-1").max_epsilon == 8
     assert site_dp_settings({"noise_multiplier": 1.2, "max_epsilon": 3}, POLICY, "site-1").max_epsilon == 3

@@ -85,7 +85,8 @@ class SiteDPPolicy:
     """What a hospital demands of DP-SGD, in its own ``local/medflare_site.json`` (``"dp_sgd": {...}``).
 
     Attributes:
-        required: every job must train with DP-SGD at this site.
+        required: every job must train with DP-SGD at this site (so must it when any bound below is set: a job
+            without DP-SGD is declined then too).
         max_epsilon: this site's budget for one job (0 = none): it stops contributing before a round that would
             take its ε above it, and refuses a job whose own budget is higher.
         min_noise_multiplier: the lowest σ it accepts.
@@ -115,9 +116,14 @@ def site_dp_settings(job: Mapping[str, Any] | None, policy: Mapping[str, Any] | 
     """
     rules = from_dict(SiteDPPolicy, dict(policy or {}), "medflare_site.json dp_sgd")
     if not job:
-        if rules.required:
-            raise SiteDeclined(f"{site} declines the job: its medflare_site.json requires DP-SGD and the job has "
-                               "none; submit it with a dp_sgd section (e.g. --set dp_sgd.noise_multiplier=1.0)")
+        # fail closed: a floor, a ceiling or a budget demands DP-SGD as "required" does (without it ε is unbounded)
+        demands = [name for name, set_ in (("required", rules.required), ("min_noise_multiplier",
+                   rules.min_noise_multiplier > 0), ("max_grad_norm", rules.max_grad_norm > 0),
+                   ("max_epsilon", rules.max_epsilon > 0)) if set_]
+        if demands:
+            raise SiteDeclined(f"{site} declines the job: its medflare_site.json's dp_sgd ({', '.join(demands)}) "
+                               "requires DP-SGD and the job has none; submit it with a dp_sgd section (e.g. --set "
+                               "dp_sgd.noise_multiplier=1.0)")
         return None
     cfg = from_dict(DPSGDConfig, dict(job), "dp_sgd")
     refusals = [
