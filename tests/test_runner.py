@@ -53,3 +53,22 @@ def test_a_job_on_site_data_shows_the_declared_task(tmp_path: Path) -> None:
     lines = lines_for(RunConfig(method="fedavg", data={"source": "site"}, task=task))
     assert lines == ["medflare: task: 3 classes (a, b, c), 1 channel(s), 28 x 28 px",
                      "medflare:   each site reads its own images and checks them against this task"]
+
+
+def test_a_window_the_images_cannot_take_is_refused_before_launch(tmp_path: Path) -> None:
+    """A window for colour images (or a DICOM's own window for PNGs) failed inside the job at every site, 34-85 s
+    later, behind a generic count of valid results (issue 48, item 4): the task's first image is read with it."""
+    import pytest
+
+    from medflare.errors import DataError
+
+    for shape, window, expected in (((16, 16, 3), "40,80", "is a colour image"), ((16, 16), "file", "is not a DICOM")):
+        root = tmp_path / f"{len(shape)}d"
+        for name in ("a", "b"):
+            (root / name).mkdir(parents=True)
+            for i in range(30):
+                Image.fromarray(np.full(shape, i, np.uint8)).save(root / name / f"{i}.png")
+        run = RunConfig(method="fedavg", data={"source": f"folder:{root}", "window": window})
+        run.validate()
+        with pytest.raises(DataError, match=expected):
+            run.task_spec()

@@ -267,6 +267,12 @@ def first_site_error(root: Path) -> str | None:
     return min(found)[1] if found else None
 
 
+def first_site_said(root: Path) -> str:
+    """:func:`first_site_error` as the end of a failed run's one-line error ("" when no site gave one)."""
+    said = first_site_error(root)
+    return f". The first site error: {said}" if said else ""
+
+
 def failure_note(rounds: int, search_root: Path, exc: BaseException) -> str:
     """The closing line of a failure log: why the run ended and how many rounds the server finished.
 

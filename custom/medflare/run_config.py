@@ -464,9 +464,12 @@ def infer_task(run: RunConfig) -> TaskSpec:
             "(e.g. --set task.num_classes=2 --set task.in_channels=1 --set task.image_size=28)"
         )
     from medflare.data import load_source
+    from medflare.data.readers import parse_window
 
     splits = load_source(run.data["source"], seed=run.seed, num_classes=run.task.get("num_classes"))
     sample = splits.train.get_image(0)
+    if run.data.get("window") and not splits.train.in_memory:  # before launch, not inside the job at every site
+        dataclasses.replace(splits.train, window=parse_window(run.data["window"])).get_image(0)
     size = run.data.get("image_size") or int(sample.shape[0])
     inferred = {"num_classes": splits.train.num_classes, "in_channels": splits.train.channels, "image_size": size,
                 "multi_label": splits.train.multi_label}

@@ -16,7 +16,7 @@ from medflare.errors import ConfigError, MedflareError
 from medflare.flare.controller import RESULTS_FILE
 from medflare.flare.memory import with_allocator_settings
 from medflare.flare.tracking import keep_server_records
-from medflare.outputs import OutputTarget, failure_note, first_site_error, keep_site_logs
+from medflare.outputs import OutputTarget, failure_note, first_site_said, keep_site_logs
 from medflare.processes import start_kept
 from medflare.registry import get_method
 from medflare.run_config import RunConfig
@@ -93,12 +93,12 @@ def run_simulation(
         _plot_site_logs(run, staging)  # before the report, which shows every plot of the run
         summary = write_job_outputs(plan, run, _results_file(workspace), staging, clients, launched_at)
         if summary.get("error"):
-            raise SimulationError(f"the job stopped early: {summary['error']}{_site_said(workspace)}")
+            raise SimulationError(f"the job stopped early: {summary['error']}{first_site_said(workspace)}")
         finished = run.rounds == summary["rounds_completed"] or summary.get("stopped_early")
         if not finished:  # e.g. sites that could not even load the job
             raise SimulationError(
                 f"the job completed {summary['rounds_completed']} of {run.rounds} rounds without an error from the "
-                f"server{_site_said(workspace)}; the sites' errors are in the simulator log kept as "
+                f"server{first_site_said(workspace)}; the sites' errors are in the simulator log kept as "
                 f"{Path(out_dir).name}.failed.log"
             )
         shutil.rmtree(workspace, ignore_errors=True)  # logs stay in simulator.log; the model is copied out
@@ -219,12 +219,6 @@ def _failure_log(run: RunConfig, staging: Path, workspace: Path, exc: BaseExcept
     log = staging / SIMULATOR_LOG
     text = log.read_text(errors="replace") if log.is_file() else ""
     return text + failure_note(run.rounds, workspace, exc)
-
-
-def _site_said(workspace: Path) -> str:
-    """The first site's own error, whole, for the one-line message of a failed run ("" when no site gave one)."""
-    said = first_site_error(workspace)
-    return f". The first site error: {said}" if said else ""
 
 
 def _shorten(line: str) -> str:

@@ -50,7 +50,7 @@ from medflare.deploy.watch import KIT_ENV, WatchError, kit_username, watch
 from medflare.errors import ConfigError, MedflareError
 from medflare.flare.memory import with_allocator_settings
 from medflare.flare.tracking import keep_server_records
-from medflare.outputs import OutputTarget, failure_note, job_run_and_plan, keep_site_logs
+from medflare.outputs import OutputTarget, failure_note, first_site_said, job_run_and_plan, keep_site_logs
 from medflare.processes import end_processes, run_kept
 from medflare.run_config import deployment_robust
 from medflare.runner import (
@@ -626,13 +626,13 @@ def _run_in_poc(run: Any, session: PocSession, target: OutputTarget, staging: Pa
         follow_job(session, job_id, echo, timeout)
         status = session.wait(job_id, timeout=timeout)
         if status != "FINISHED:COMPLETED":
-            raise PocError(f"job {job_id} ended as {status}; see the server log")
+            raise PocError(f"job {job_id} ended as {status}{first_site_said(session.prod_dir())}; see the server log")
         download = session.download(job_id, staging / "download")
         extra = {"env": "poc", "mode": mode, "job_id": job_id, "status": status, "sites": session.state["sites"]}
         summary = write_run_outputs(run, download, staging, launched_at, extra, plan)
         keep_site_logs(session.prod_dir(), staging, job_id)  # a POC's sites are on this machine too
         if summary.get("error"):
-            raise PocError(f"the job stopped early: {summary['error']}")
+            raise PocError(f"the job stopped early: {summary['error']}{first_site_said(session.prod_dir())}")
         session.discard()  # results and site logs are copied out: the POC goes, no orderly stop needed
         for leftover in ("poc", "download"):  # "poc": the POC's HOME and project, when it lived in the staging
             shutil.rmtree(staging / leftover, ignore_errors=True)
