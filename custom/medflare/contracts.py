@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from medflare.errors import PayloadError
+from medflare.metrics.eval_stats import MAX_COUNT
 
 # Meta keys every method may send. They carry no per-class information.
 N_SAMPLES = "n_samples"  # labelled training samples used this round (FedAvg weight)
@@ -33,7 +34,7 @@ DECLINED_HEADER = "medflare_declined"  # header of an error reply: the site's on
 
 PRIVACY_SCOPE_PREFIX = "medflare-"  # a job names the scope medflare-<method>; sites bind its result filters
 TRAIN_PHASE = "train"  # the phase whose results are aggregated into the next global model
-MAX_SAMPLES = 100_000_000  # no site trains on more images than this; larger n_samples is a forged weight
+MAX_SAMPLES = MAX_COUNT  # no site trains on more images than this; larger n_samples is a forged weight
 # Integer buffers (BatchNorm's num_batches_tracked) are counters: whole, >= 0, and below 2**53, where float64 still
 # holds every integer exactly, so averaging them can neither lose a count nor wrap around int64.
 MAX_INTEGER_BUFFER = 2**53

@@ -291,7 +291,7 @@ class SiteFile:
         fix = 'fix it, e.g. {"data": {"source": "folder:/path"}}'
         # "data" and ALLOW_JOB_DATA are checked where they are used (a missing data object, only true opts in)
         schema = readback.obj(optional={"model": readback.STR, "dp_sgd": readback.OBJECT,
-                                        "distributed": readback.OBJECT})
+                                        "distributed": readback.OBJECT, "policy": readback.OBJECT})
         return cls(path, readback.check(readback.load_json(path, DataError, fix=fix), schema, str(path), DataError, fix))
 
     def get(self, key: str, default: Any = None) -> Any:

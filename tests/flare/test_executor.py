@@ -59,3 +59,67 @@ def test_a_site_without_its_data_file_says_so_before_anything_trains(tmp_path: P
     args = json.loads((job / "app" / "config" / "config_fed_client.json").read_text())["executors"][0]["executor"]
     with pytest.raises(DataError, match="this site has no data configured"):
         MedflareExecutor(**args["args"])._get_runtime(fl_ctx)
+
+
+# ----- the hospital's policy and its audit log (issue 48, item 5) -------------------------------------------------
+def site_executor(tmp_path: Path, site_content: dict, **run_options) -> tuple[MedflareExecutor, object, Path]:
+    """The executor of a pre-installed job (fedavg unless ``run_options`` say otherwise) deployed to site-1, whose
+    ``local/medflare_site.json`` holds ``site_content``; with its FLContext and that file's folder."""
+    task = {"num_classes": 2, "in_channels": 1, "image_size": 28}
+    run = RunConfig(**{"method": "fedavg", "data": {"source": "site"}, "task": task, **run_options})
+    run.validate(check_files=False)
+    job = export_job(run, tmp_path / "jobs", run.task_spec(), mode="preinstalled")
+    fl_ctx = deployed_to(job, "site-1", tmp_path / "workspaces")
+    local = tmp_path / "workspaces" / "site-1" / "local"
+    (local / SITE_CONFIG_FILE).write_text(json.dumps(site_content))
+    fl_ctx.set_prop(ReservedKey.IDENTITY_NAME, "site-1", private=True, sticky=False)
+    args = json.loads((job / "app" / "config" / "config_fed_client.json").read_text())["executors"][0]["executor"]
+    return MedflareExecutor(**args["args"]), fl_ctx, local
+
+
+def audit_lines(local: Path) -> list[dict]:
+    return [json.loads(line) for line in (local / "medflare_audit.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("policy, run_options, reason", [
+    ({"methods": ["fedprox", "fedmas"]}, {}, "method 'fedavg' is not among the methods this site accepts"),
+    ({"require": ["dp_sgd"]}, {}, "the job has no dp_sgd, which this site requires"),
+    ({"require": ["robust", "secure_aggregation"]}, {"robust": {"off": True}},
+     "the job has no robust, secure_aggregation, which this site requires"),
+])
+def test_a_job_the_sites_policy_refuses_is_declined_before_any_image_is_read_and_audited(
+    tmp_path: Path, monkeypatch, policy: dict, run_options: dict, reason: str
+) -> None:
+    from medflare.errors import SiteDeclined
+
+    executor, fl_ctx, local = site_executor(tmp_path, {"data": SITE_DATA, "policy": policy}, **run_options)
+    monkeypatch.setattr("medflare.flare.executor.SiteRuntime", lambda *a, **k: pytest.fail("the site read its data"))
+    for _ in range(2):  # every task of the job gets the same answer; the audit log gets one line
+        with pytest.raises(SiteDeclined, match=f"^site-1 declines the job: {reason}"):
+            executor._get_runtime(fl_ctx)
+    [line] = audit_lines(local)
+    assert (line["decision"], line["method"], line["job_id"]) == ("declined", "fedavg", "job-1")
+    assert line["reason"].startswith(reason) and len(line["plan"]) == 12 and line["tasks"] == []
+
+
+def test_an_accepted_job_leaves_one_audit_line_with_what_left_the_site(tmp_path: Path) -> None:
+    import numpy as np
+    from nvflare.apis.dxo import DXO, DataKind
+    from nvflare.apis.event_type import EventType
+    from nvflare.apis.fl_constant import FLContextKey
+
+    policy = {"methods": ["fedavg"], "require": ["robust"]}  # a pre-installed job has the deployment defences
+    executor, fl_ctx, local = site_executor(tmp_path, {"data": SITE_DATA, "policy": policy})
+    runtime = executor._get_runtime(fl_ctx)
+    try:
+        task = DXO(DataKind.WEIGHTS, data={}, meta={"round": 3}).to_shareable()
+        result = DXO(DataKind.WEIGHTS, data={"w": np.zeros(4, np.float32)}, meta={"n_samples": 60}).to_shareable()
+        executor._unstreamed_task = (runtime, "train", task)
+        fl_ctx.set_prop(FLContextKey.TASK_RESULT, result, private=True, sticky=False)
+        executor.handle_event(EventType.AFTER_TASK_RESULT_FILTER, fl_ctx)
+        executor.handle_event(EventType.END_RUN, fl_ctx)
+    finally:
+        runtime.close()
+    [line] = audit_lines(local)
+    assert line["decision"] == "accepted" and "reason" not in line
+    assert line["tasks"] == [{"task": "train", "round": 3, "meta_keys": ["n_samples"], "arrays": {"w": 16}}]

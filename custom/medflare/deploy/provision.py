@@ -122,8 +122,8 @@ def site_config_example() -> dict[str, Any]:
         COMMENT_PREFIX: (
             "Example of this hospital's medflare settings, written by provisioning. Copy it to medflare_site.json "
             "in this folder (local/), the only file medflare reads, and set data.source. Each setting is explained "
-            f"by the '{COMMENT_PREFIX}_<setting>' key before it; medflare reads only data, model, dp_sgd, distributed "
-            "and allow_job_data, so the comment keys may stay. Nothing in this file leaves the site. More: "
+            f"by the '{COMMENT_PREFIX}_<setting>' key before it; medflare reads only data, model, dp_sgd, distributed, "
+            "policy and allow_job_data, so the comment keys may stay. Nothing in this file leaves the site. More: "
             "docs/deploy-hospital-admin.md and docs/deploy.md section 7."
         ),
         f"{COMMENT_PREFIX}_data": (
@@ -134,7 +134,8 @@ def site_config_example() -> dict[str, Any]:
             "the class ids this site annotates, e.g. [0, 3] (the other classes become unknown in its training "
             "labels); null = every class. public_source: this site's copy of the unlabelled public set of mdhfl "
             "and fedmd, images:/DIR; empty = none. DICOM/NIfTI may add \"window\": \"40,80\" (center,width) "
-            "or a preset such as \"brain\"; set here, it wins over the job's."
+            "or a preset such as \"brain\"; set here, it wins over the job's. class_map: this site's own "
+            "class names -> the job's, for folders spelled differently, e.g. {\"Normal\": \"normal\"}."
         ),
         "data": {"source": "folder:/data/medflare/images", "identified": None, "public_source": ""},
         f"{COMMENT_PREFIX}_model": (
@@ -149,6 +150,14 @@ def site_config_example() -> dict[str, Any]:
             "delta, a higher budget) is declined before training; once this site's epsilon would pass max_epsilon "
             "it stops contributing to the job. Needs medflare[dp] (opacus) here."
         ),
+        f"{COMMENT_PREFIX}_policy": (
+            "The jobs this site runs: methods = the methods it accepts (null = any); require = what every job must "
+            "have, among dp_sgd, robust (the server's update-norm bound and share cap) and secure_aggregation. A "
+            "job the policy refuses is declined before any image is read, with the reason. audit_log: one JSON "
+            "line per job (id, plan fingerprint, method, decision, what left the site in each task, DP budget "
+            "spent), relative to this folder."
+        ),
+        "policy": {"methods": None, "require": ["robust"], "audit_log": "medflare_audit.jsonl"},
         f"{COMMENT_PREFIX}_distributed": (
             "Multi-GPU sites: processes = GPUs to train on, one process each (local/resources.json must offer "
             "them, e.g. provision --gpus SITE=2, and the job reserves them with resource_spec); backend: auto, "

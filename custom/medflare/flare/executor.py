@@ -19,7 +19,9 @@ from medflare.flare.memory import collect_round_garbage, freeze_startup_objects
 from medflare.flare.tasks import TASK_SUBMIT_MODEL, TASK_TRAIN, TASK_VALIDATE, deployed_plan, round_context
 from medflare.flare.tracking import EPOCH_LOSS, send_scalars, site_training_scalars, site_validation_scalars
 from medflare.methods.base import LocalTrainer
+from medflare.plan import RunPlan
 from medflare.registry import load_plugins
+from medflare.site_policy import AuditLog, site_policy
 from medflare.site_runtime import SiteFile, SiteRuntime
 
 
@@ -89,10 +91,14 @@ class MedflareExecutor(Executor):
         self.stream_metrics = stream_metrics
         self.dp_sgd = dp_sgd or {}
         self._runtime: SiteRuntime | DataParallelSite | None = None
+        self._declined = ""  # the site policy's reason, once it declined this job (every task gets it)
+        self._audit: AuditLog | None = None  # the site's audit record of this job (a site with its own file)
         # the last task whose curves wait for its filtered result (FLARE's AFTER_TASK_RESULT_FILTER event)
         self._unstreamed_task: tuple[SiteRuntime | DataParallelSite, str, Shareable] | None = None
 
     def _get_runtime(self, fl_ctx: FLContext) -> SiteRuntime | DataParallelSite:
+        if self._declined:
+            raise SiteDeclined(self._declined)
         if self._runtime is None:
             site = fl_ctx.get_identity_name()
             workspace = fl_ctx.get_engine().get_workspace()
@@ -101,6 +107,7 @@ class MedflareExecutor(Executor):
             # and the command line rebuild it; the site's own file decides its data, DP-SGD and architecture
             plan = deployed_plan(fl_ctx)
             self.log_info(fl_ctx, f"{site}: runs plan {plan.digest()} (medflare config --plan prints it)")
+            self._check_policy(site, site_file, plan, fl_ctx.get_job_id())
             # FLARE's simulator sets SIMULATE_MODE (private, sticky); a job's configuration cannot.
             settings, index = plan.localise(site, site_file, fl_ctx.get_prop(FLContextKey.SIMULATE_MODE, False))
             log = lambda msg: self.log_info(fl_ctx, f"{site}: {msg}")  # noqa: E731
@@ -116,7 +123,28 @@ class MedflareExecutor(Executor):
             freeze_startup_objects()
         return self._runtime
 
+    def _check_policy(self, site: str, site_file: SiteFile, plan: RunPlan, job_id: str) -> None:
+        """The hospital's policy (``medflare.site_policy``) against the job, before any image is read; a site with
+        its own file keeps an audit record of the job.
+
+        Raises:
+            SiteDeclined: the policy refuses the job (also recorded in the audit log).
+        """
+        if site_file.content is None:  # FLARE's simulator: no hospital, no policy
+            return
+        policy = site_policy(site_file.content)
+        self._audit = AuditLog(site_file.path.parent / policy.audit_log, job_id, plan)
+        reason = policy.refusal(plan)
+        if reason:
+            self._declined = f"{site} declines the job: {reason} (its medflare_site.json policy)"
+            self._audit.close("declined", reason)
+            self._audit = None
+            raise SiteDeclined(self._declined)
+
     def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
+        if event_type == EventType.END_RUN and self._audit is not None:
+            self._audit.close("accepted")
+            self._audit = None
         if event_type == EventType.END_RUN and self._runtime is not None:
             self._runtime.close()
         if event_type == EventType.AFTER_SEND_TASK_RESULT:
@@ -128,6 +156,7 @@ class MedflareExecutor(Executor):
             (runtime, task_name, task), self._unstreamed_task = self._unstreamed_task, None
             filtered = fl_ctx.get_prop(FLContextKey.TASK_RESULT)
             if isinstance(filtered, Shareable):
+                self._audit_task(task_name, task, filtered)
                 self._stream_task(runtime, task_name, task, filtered, fl_ctx)
         super().handle_event(event_type, fl_ctx)
 
@@ -146,9 +175,26 @@ class MedflareExecutor(Executor):
             return reply
         except MedflareError as exc:
             self.log_error(fl_ctx, f"{site}: task '{task_name}' failed: {exc}")
+            self._audit_failure(task_name, exc)
         except Exception as exc:  # the site must answer the server, whatever broke
             self.log_error(fl_ctx, f"{site}: task '{task_name}' crashed: {exc}\n{traceback.format_exc()}")
+            self._audit_failure(task_name, exc)
         return make_reply(ReturnCode.EXECUTION_EXCEPTION)
+
+    def _audit_failure(self, task_name: str, exc: BaseException) -> None:
+        """A task the site could not do, in its audit record (which stays at the site)."""
+        if self._audit is not None:
+            self._audit.failed(task_name, f"{type(exc).__name__}: {exc}")
+
+    def _audit_task(self, task_name: str, task: Shareable, result: Shareable) -> None:
+        """What left the site in a task's result, as its filters let it out, for the audit log."""
+        if self._audit is None or result.get_return_code(ReturnCode.OK) != ReturnCode.OK:
+            return
+        try:
+            sent, received = from_shareable(result), from_shareable(task)
+        except ValueError:  # a filter made it something other than a DXO: nothing medflare can name
+            return
+        self._audit.task(task_name, round_context(received.meta).round, sent.data or {}, sent.meta or {})
 
     def _stream_epochs(self, runtime: SiteRuntime | DataParallelSite, fl_ctx: FLContext) -> None:
         """Point the trainer's per-epoch report at FLARE's analytics events of this task (when tracking)."""

@@ -13,8 +13,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from medflare.contracts import MAX_SAMPLES  # no site evaluates more images than it may train on
 from medflare.errors import DataError, MedflareError, PayloadError
+
+MAX_COUNT = 100_000_000  # no site trains on or evaluates more images: a larger count is forged (contracts.MAX_SAMPLES)
 
 __all__ = ["DEFAULT_BINS", "EvalStats", "score_bins"]
 
@@ -160,8 +161,8 @@ class EvalStats:
             raise PayloadError(f"EvalStats payload lacks {sorted(missing)}")
         confusion, pos_hist, neg_hist = (_count_array(data[key], key) for key in ("confusion", "pos_hist", "neg_hist"))
         count, loss_sum = data["count"], data["loss_sum"]
-        if not isinstance(count, (int, np.integer)) or isinstance(count, bool) or not 0 <= count <= MAX_SAMPLES:
-            raise PayloadError(f"EvalStats 'count' must be an integer in [0, {MAX_SAMPLES:,}], got {count!r}")
+        if not isinstance(count, (int, np.integer)) or isinstance(count, bool) or not 0 <= count <= MAX_COUNT:
+            raise PayloadError(f"EvalStats 'count' must be an integer in [0, {MAX_COUNT:,}], got {count!r}")
         if not isinstance(loss_sum, (int, float, np.number)) or not np.isfinite(loss_sum):
             raise PayloadError(f"EvalStats 'loss_sum' must be a finite number, got {loss_sum!r}")
         _check_consistent(confusion, pos_hist, neg_hist, int(count), PayloadError)
@@ -224,8 +225,8 @@ def _count_array(value: Any, name: str, ndim: int = 2) -> np.ndarray:
         raise PayloadError(f"EvalStats '{name}' must be a {ndim}-D array of integers, got {array.ndim}-D {array.dtype}")
     if (array < 0).any():
         raise PayloadError(f"EvalStats '{name}' has negative counts")
-    if array.size and array.max() > MAX_SAMPLES:  # before the cast: an unsigned 2^64 - 1 would wrap to -1
-        raise PayloadError(f"EvalStats '{name}' counts more than {MAX_SAMPLES:,} samples in one cell")
+    if array.size and array.max() > MAX_COUNT:  # before the cast: an unsigned 2^64 - 1 would wrap to -1
+        raise PayloadError(f"EvalStats '{name}' counts more than {MAX_COUNT:,} samples in one cell")
     return array.astype(np.int64)
 
 

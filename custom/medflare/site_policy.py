@@ -1,0 +1,97 @@
+"""A hospital's policy over the jobs it runs, in its own ``local/medflare_site.json`` (``"policy": {...}``), and
+its audit log.
+
+The policy says which methods the site accepts and which defences every job must have (DP-SGD, the server's robust
+aggregation, encrypted aggregation). The executor checks a job against it from the job's plan, before it reads an
+image, and declines a job the policy refuses with the reason, once (every task of that job gets the same answer).
+The audit log (``local/medflare_audit.jsonl`` unless the policy names another file) gets one JSON line per job: its
+id, plan fingerprint and method, the decision and its reason, and for an accepted job what left the site in each
+task (array names and bytes, meta keys, as the site's own filters let them out) and the DP-SGD budget spent.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from medflare.config import from_dict
+from medflare.contracts import DP_EPSILON
+from medflare.errors import ConfigError
+from medflare.plan import RunPlan
+
+AUDIT_FILE = "medflare_audit.jsonl"  # in the site's local/ folder, unless the policy names another
+# what a policy may require of a job, and how the job's plan shows it
+REQUIREMENTS: dict[str, Callable[[RunPlan], bool]] = {
+    "dp_sgd": lambda plan: bool(plan.dp_sgd),
+    "robust": lambda plan: plan.robust.get("max_norm_ratio", 0) > 0 and plan.robust.get("max_share", 0) > 0,
+    "secure_aggregation": lambda plan: plan.secure_aggregation == "he",
+}
+
+
+@dataclass(frozen=True)
+class SitePolicy:
+    """What a hospital accepts of a job.
+
+    Attributes:
+        methods: the methods it runs (None: any registered method).
+        require: what every job must have, from :data:`REQUIREMENTS` (DP-SGD at the sites, the server's update-norm
+            bound and share cap, encrypted aggregation).
+        audit_log: the audit file, absolute or relative to the site's ``local/`` folder.
+    """
+
+    methods: list[str] | None = None
+    require: list[str] = field(default_factory=list)
+    audit_log: str = AUDIT_FILE
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.require) - set(REQUIREMENTS))
+        if unknown:
+            raise ConfigError(f"policy.require names {unknown}; it may require {', '.join(REQUIREMENTS)}")
+
+    def refusal(self, plan: RunPlan) -> str:
+        """Why this site declines the job of ``plan`` ("" when it accepts it)."""
+        if self.methods is not None and plan.method not in self.methods:
+            return f"method '{plan.method}' is not among the methods this site accepts ({', '.join(self.methods)})"
+        missing = [name for name in self.require if not REQUIREMENTS[name](plan)]
+        return f"the job has no {', '.join(missing)}, which this site requires" if missing else ""
+
+
+def site_policy(content: Mapping[str, Any] | None) -> SitePolicy:
+    """The ``policy`` object of a site's ``medflare_site.json`` content (the default policy when there is none).
+
+    Raises:
+        ConfigError: a field that does not fit, in one line naming it.
+    """
+    return from_dict(SitePolicy, dict((content or {}).get("policy") or {}), "medflare_site.json policy")
+
+
+class AuditLog:
+    """A site's audit record of one job, written as one JSON line when the job ends (or is declined)."""
+
+    def __init__(self, path: Path, job_id: str, plan: RunPlan) -> None:
+        self.path = path
+        self.record: dict[str, Any] = {"job_id": job_id, "plan": plan.digest(), "method": plan.method, "tasks": []}
+
+    def task(self, name: str, round_index: int, arrays: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
+        """What left the site in one task's result."""
+        self.record["tasks"].append({
+            "task": name, "round": round_index, "meta_keys": sorted(meta),
+            "arrays": {key: int(getattr(value, "nbytes", 0)) for key, value in sorted(arrays.items())},
+        })
+        spent = meta.get(DP_EPSILON)
+        if spent is not None:
+            self.record["dp_epsilon_spent"] = spent
+
+    def failed(self, name: str, why: str) -> None:
+        """A task the site could not do (its data, a crash), so the record says what actually ran."""
+        self.record.setdefault("failed", []).append({"task": name, "why": why[:500]})
+
+    def close(self, decision: str, reason: str = "") -> None:
+        """Append the job's line: ``decision`` is "accepted" or "declined"."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as log:
+            log.write(json.dumps({**self.record, "decision": decision, **({"reason": reason} if reason else {})})
+                      + "\n")
