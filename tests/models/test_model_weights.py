@@ -93,7 +93,7 @@ def test_weights_of_another_architecture_are_rejected(tmp_path: Path) -> None:
         create_model("cnn", 4, pretrained=str(path))
 
 
-def test_nan_weights_are_refused_as_a_warm_start(tmp_path: Path) -> None:
+def test_nan_weights_are_refused_as_pretrained_weights(tmp_path: Path) -> None:
     """Before: --pretrained loaded them, and training went on from NaN without a word."""
     state = create_model("cnn", 4).state_dict()
     key = next(k for k, v in state.items() if v.is_floating_point())
