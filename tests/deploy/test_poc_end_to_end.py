@@ -4,7 +4,7 @@ Two sites (opted in to job-provided data) run one method's job in pre-installed 
 (submitted by the project's lead, at the same time). A third site is configured for pre-installed mode only: it
 runs a pre-installed job on its own site-local data and refuses a BYOC job, a job naming its own data, and a
 code-free job naming a medflare function that rewrites site policies (its ``local/`` stays byte-identical, as
-does the server's). A ``member`` cannot submit at all. No site log reaches the server's job store.
+does the server's, but for the site's audit log, where medflare records each job that reached its executor). A ``member`` cannot submit at all. No site log reaches the server's job store.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from medflare.deploy.poc import PocSession, export_poc_job, retarget_job, write_
 from medflare.deploy.policies import SERVER_STORAGE, site_data_config
 from medflare.registry import get_method
 from medflare.run_config import RunConfig
+from medflare.site_policy import AUDIT_FILE
 
 pytestmark = pytest.mark.slow
 
@@ -159,11 +160,17 @@ def test_preinstalled_site_runs_preinstalled_jobs_and_refuses_byoc(poc, site3) -
 @pytest.mark.heavy  # make test-heavy: a fourth site and its four jobs
 def test_site_refuses_tamper_jobs_and_job_chosen_data(poc, site3) -> None:
     """A code-free job naming a policy-writing medflare function, at the site or at the server, is refused
-    before it runs, and both ``local/`` folders stay byte-identical; a job naming its own data is refused."""
+    before it runs, and both ``local/`` folders stay byte-identical (but for medflare's own audit log at the site,
+    whose every line is a record of one of these jobs); a job naming its own data is refused."""
     session: PocSession = poc["session"]
     refused = {name: site3["statuses"][name] for name in ("tamper", "data")}
     assert all(status != "FINISHED:COMPLETED" for status in refused.values()), refused
-    assert site3["local_after"] == site3["local_before"]
+    after = dict(site3["local_after"]["site-3"])
+    audit = after.pop(AUDIT_FILE, b"").decode()  # medflare's own record of the jobs that reached its executor
+    assert {**site3["local_after"], "site-3": after} == site3["local_before"]  # the policies are as they were
+    records = [json.loads(line) for line in audit.splitlines()]
+    assert records and {r["job_id"] for r in records} <= set(site3["ids"].values())
+    assert all(r["decision"] in ("accepted", "declined") and len(r["plan"]) == 12 for r in records)
     # the tamper component's index depends on how many components the job has (tracking adds some)
     refusal = re.compile(r"Component 'medflare\.deploy\.policies\.install_site_policies' at config path "
                          r"'components\.#\d+' is not in")
