@@ -58,7 +58,9 @@ def test_methods_smoke_job_plays_its_plan_in_process_and_sends_exactly_its_decla
         assert checked["train"] == len(plan.rounds) and checked["validate"] == 1, checked
         phases = {phase for step in plan.rounds for phase in step.phases} | {"validate"}
         assert set(checked) == phases, (checked, phases)  # a result for every phase the plan sends
-        assert evaluations[site] is not None
+        # the final model was scored on every labelled image of the site's test split
+        test_split = runtimes[site].data.test
+        assert evaluations[site]["test"].count == len(test_split) > 0
         trained = snapshot(runtimes[site])
         assert any(not torch.equal(first_state[site][k], trained[k]) for k in trained), f"{site}'s model never changed"
     if get_method(method).server_model:  # the server's model moved too
