@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from medflare.config import from_dict
-from medflare.contracts import DP_EPSILON
+from medflare.contracts import DP_EPSILON, MAX_SAMPLES
 from medflare.errors import ConfigError
 from medflare.plan import RunPlan
 
@@ -40,13 +40,20 @@ class SitePolicy:
         require: what every job must have, from :data:`REQUIREMENTS` (DP-SGD at the sites, the server's update-norm
             bound and share cap, encrypted aggregation).
         audit_log: the audit file, absolute or relative to the site's ``local/`` folder.
+        min_class_samples: a class the site has fewer samples of (in the split or group a statistic describes) is
+            left out of every statistic it sends: evaluation counts and histograms, and per-class counts a method
+            aggregates with (FedLSM's q and label counts). 0: no floor.
     """
 
     methods: list[str] | None = None
     require: list[str] = field(default_factory=list)
     audit_log: str = AUDIT_FILE
+    min_class_samples: int = 0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.min_class_samples <= MAX_SAMPLES:
+            raise ConfigError(f"policy.min_class_samples must be a count in [0, {MAX_SAMPLES}], "
+                              f"got {self.min_class_samples}")
         unknown = sorted(set(self.require) - set(REQUIREMENTS))
         if unknown:
             raise ConfigError(f"policy.require names {unknown}; it may require {', '.join(REQUIREMENTS)}")

@@ -65,6 +65,7 @@ class SiteSettings:
     seed: int = 0
     evaluation: str = "every_round"  # every_round | final | off: when the site sends evaluation counts
     dp_sgd: dict[str, Any] = field(default_factory=dict)  # DP-SGD as this site trains it (resolve_site_dp); {} = off
+    min_class_samples: int = 0  # the site policy's floor: no statistics about a class with fewer samples leave
 
     def __post_init__(self) -> None:
         if self.evaluation not in EVALUATION_MODES:
@@ -325,6 +326,7 @@ class SiteRuntime:
         self.trainer: LocalTrainer = self.spec.trainer_cls(
             self.model, self.data, self.train_cfg, self.method_cfg, self.spec.payload, self.device, log
         )
+        self.trainer.min_class_samples = settings.min_class_samples
         if settings.dp_sgd:
             self._enable_dp_sgd()
         if local_dir is not None:
@@ -479,16 +481,17 @@ class SiteRuntime:
 
     def _evaluation_meta(self) -> dict[str, Any]:
         """Summable statistics of the received model: val, test, and test per image attribute when known."""
-        num_classes = self.settings.task.num_classes
+        num_classes, floor = self.settings.task.num_classes, self.trainer.min_class_samples
         labels, probs, losses = self.trainer.predictions("test")
         meta = {
             contracts.EVAL_VAL: self.trainer.evaluate("val").to_dict(),
-            contracts.EVAL_TEST: eval_stats(labels, probs, losses, num_classes).to_dict(),
+            contracts.EVAL_TEST: eval_stats(labels, probs, losses, num_classes, min_class_samples=floor).to_dict(),
         }
         attributes = self.data.attributes_test
         if attributes is not None:
             meta[contracts.EVAL_TEST_BY_ATTRIBUTE] = {
-                str(value): eval_stats(labels, probs, losses, num_classes, keep=attributes == value).to_dict()
+                str(value): eval_stats(labels, probs, losses, num_classes, keep=attributes == value,
+                                       min_class_samples=floor).to_dict()
                 for value in np.unique(attributes)
             }
         return meta

@@ -123,3 +123,22 @@ def test_an_accepted_job_leaves_one_audit_line_with_what_left_the_site(tmp_path:
     [line] = audit_lines(local)
     assert line["decision"] == "accepted" and "reason" not in line
     assert line["tasks"] == [{"task": "train", "round": 3, "meta_keys": ["n_samples"], "arrays": {"w": 16}}]
+
+
+def test_the_policys_class_floor_reaches_the_statistics_the_site_sends(tmp_path: Path) -> None:
+    from medflare import contracts
+    from medflare.errors import ConfigError
+    from medflare.site_policy import site_policy
+
+    executor, fl_ctx, _ = site_executor(tmp_path, {"data": SITE_DATA, "policy": {"min_class_samples": 1000}})
+    runtime = executor._get_runtime(fl_ctx)
+    try:
+        labels = runtime.trainer.predictions("test")[0]
+        assert runtime.settings.min_class_samples == 1000 and 0 < len(labels) < 1000
+        assert runtime._evaluation_meta()[contracts.EVAL_TEST]["count"] == 0  # every class is under the floor
+        runtime.trainer.min_class_samples = 0
+        assert runtime._evaluation_meta()[contracts.EVAL_TEST]["count"] == len(labels)
+    finally:
+        runtime.close()
+    with pytest.raises(ConfigError, match="min_class_samples must be a count"):
+        site_policy({"policy": {"min_class_samples": -1}})

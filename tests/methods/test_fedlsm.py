@@ -567,3 +567,21 @@ def test_fedavg_masked_sites_send_their_declared_classes_else_the_classes_they_l
     np.testing.assert_array_equal(identified_classes(single), [True, False, True])
     multi = SimpleNamespace(train=SimpleNamespace(labels=np.array([[1, -1, 0], [0, -1, 0]])))
     np.testing.assert_array_equal(identified_classes(multi), [True, False, True])
+
+
+def test_the_site_policys_floor_reports_a_small_class_as_one_the_site_has_none_of() -> None:
+    """Issue 48, item 5: q (and the masked mode's class set) and the multi-label label counts."""
+    trainer = fedlsm_trainer("synthetic:n=60,classes=3,size=8", aggregation="masked")
+    trainer.q.copy_(torch.tensor([7.0, 2.0, 0.0], dtype=torch.float64))
+    trainer.identified.fill_(True)
+    trainer.min_class_samples = 3
+    meta = trainer.round_meta(RoundContext(0, 2))
+    assert meta["q"] == [7.0, 0.0, 0.0] and meta["identified"] == [1.0, 0.0, 1.0]
+    multi = fedlsm_trainer("synthetic:multilabel=1,classes=4,n=60,size=8")
+    labels = multi.data.train.labels
+    multi.min_class_samples = int((labels == 1).sum(axis=0).max())  # every finding but the commonest is hidden
+    arrays, _ = multi.run_phase(LABEL_COUNTS, {}, RoundContext(0, 2))
+    kept = (labels == 1).sum(axis=0) >= multi.min_class_samples
+    np.testing.assert_array_equal(arrays["positives"], np.where(kept, (labels == 1).sum(axis=0), 0))
+    np.testing.assert_array_equal(arrays["positives"] + arrays["negatives"], len(labels))  # still one image set
+    assert 0 < kept.sum() < 4

@@ -155,9 +155,10 @@ def site_config_example() -> dict[str, Any]:
             "have, among dp_sgd, robust (the server's update-norm bound and share cap) and secure_aggregation. A "
             "job the policy refuses is declined before any image is read, with the reason. audit_log: one JSON "
             "line per job (id, plan fingerprint, method, decision, what left the site in each task, DP budget "
-            "spent), relative to this folder."
+            "spent), relative to this folder. min_class_samples: a class this site has fewer images of (in the "
+            "split or group a statistic describes) is left out of every statistic it sends (0 = no floor)."
         ),
-        "policy": {"methods": None, "require": ["robust"], "audit_log": "medflare_audit.jsonl"},
+        "policy": {"methods": None, "require": ["robust"], "audit_log": "medflare_audit.jsonl", "min_class_samples": 0},
         f"{COMMENT_PREFIX}_distributed": (
             "Multi-GPU sites: processes = GPUs to train on, one process each (local/resources.json must offer "
             "them, e.g. provision --gpus SITE=2, and the job reserves them with resource_spec); backend: auto, "

@@ -21,7 +21,7 @@ from medflare.flare.tracking import EPOCH_LOSS, send_scalars, site_training_scal
 from medflare.methods.base import LocalTrainer
 from medflare.plan import RunPlan
 from medflare.registry import load_plugins
-from medflare.site_policy import AuditLog, site_policy
+from medflare.site_policy import AuditLog, SitePolicy, site_policy
 from medflare.site_runtime import SiteFile, SiteRuntime
 
 
@@ -107,9 +107,10 @@ class MedflareExecutor(Executor):
             # and the command line rebuild it; the site's own file decides its data, DP-SGD and architecture
             plan = deployed_plan(fl_ctx)
             self.log_info(fl_ctx, f"{site}: runs plan {plan.digest()} (medflare config --plan prints it)")
-            self._check_policy(site, site_file, plan, fl_ctx.get_job_id())
+            policy = self._check_policy(site, site_file, plan, fl_ctx.get_job_id())
             # FLARE's simulator sets SIMULATE_MODE (private, sticky); a job's configuration cannot.
             settings, index = plan.localise(site, site_file, fl_ctx.get_prop(FLContextKey.SIMULATE_MODE, False))
+            settings.min_class_samples = policy.min_class_samples
             log = lambda msg: self.log_info(fl_ctx, f"{site}: {msg}")  # noqa: E731
             local_dir = workspace.get_app_dir(fl_ctx.get_job_id())
             parallel = site_distributed_config(site_file)  # a multi-GPU site asks for several processes
@@ -123,16 +124,16 @@ class MedflareExecutor(Executor):
             freeze_startup_objects()
         return self._runtime
 
-    def _check_policy(self, site: str, site_file: SiteFile, plan: RunPlan, job_id: str) -> None:
+    def _check_policy(self, site: str, site_file: SiteFile, plan: RunPlan, job_id: str) -> SitePolicy:
         """The hospital's policy (``medflare.site_policy``) against the job, before any image is read; a site with
-        its own file keeps an audit record of the job.
+        its own file keeps an audit record of the job. Returns the policy (the default one in FLARE's simulator).
 
         Raises:
             SiteDeclined: the policy refuses the job (also recorded in the audit log).
         """
-        if site_file.content is None:  # FLARE's simulator: no hospital, no policy
-            return
         policy = site_policy(site_file.content)
+        if site_file.content is None:  # FLARE's simulator: no hospital, no policy
+            return policy
         self._audit = AuditLog(site_file.path.parent / policy.audit_log, job_id, plan)
         reason = policy.refusal(plan)
         if reason:
@@ -140,6 +141,7 @@ class MedflareExecutor(Executor):
             self._audit.close("declined", reason)
             self._audit = None
             raise SiteDeclined(self._declined)
+        return policy
 
     def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
         if event_type == EventType.END_RUN and self._audit is not None:

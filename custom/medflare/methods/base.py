@@ -123,6 +123,8 @@ class LocalTrainer:
     """
 
     uses_unlabelled_samples = False
+    # the site policy's floor (SiteSettings.min_class_samples): statistics about a smaller class never leave
+    min_class_samples = 0
 
     def __init__(
         self,
@@ -324,7 +326,8 @@ class LocalTrainer:
 
     def evaluate(self, split: str) -> Any:
         """Summable evaluation statistics of the current model on ``split`` ('val' or 'test')."""
-        return eval_stats(*self.predictions(split), num_classes=int(self.data.num_classes))
+        return eval_stats(*self.predictions(split), num_classes=int(self.data.num_classes),
+                          min_class_samples=self.min_class_samples)
 
     # ----- hooks ----------------------------------------------------------------------------------
     def on_round_start(self, ctx: RoundContext) -> None:
@@ -456,13 +459,35 @@ class LocalTrainer:
         )
 
 
-def eval_stats(labels: np.ndarray, probs: np.ndarray, losses: np.ndarray, num_classes: int, keep=None) -> Any:
+def small_classes(counts: np.ndarray, minimum: int) -> np.ndarray:
+    """bool ``[K]``: the classes a site reports nothing about, under its policy's ``min_class_samples``: those it
+    has some, but fewer than ``minimum``, samples of (a class it has none of reveals no one)."""
+    counts = np.asarray(counts)
+    return (counts > 0) & (counts < minimum)
+
+
+def eval_stats(labels: np.ndarray, probs: np.ndarray, losses: np.ndarray, num_classes: int, keep=None,
+               min_class_samples: int = 0) -> Any:
     """EvalStats of the labelled rows (optionally only rows where ``keep`` is true); multi-hot ``labels`` give
-    MultiLabelEvalStats over the rows with a known entry."""
+    MultiLabelEvalStats over the rows with a known entry.
+
+    ``min_class_samples`` (the site policy's): a class with fewer samples than that among these rows is left out,
+    its samples (single-label) or its entries (multi-label: positives or negatives below the minimum) with it.
+    """
     from medflare.data.types import labelled_rows
     from medflare.metrics import EvalStats, MultiLabelEvalStats
 
     rows = labelled_rows(labels) if keep is None else labelled_rows(labels) & keep
+    if min_class_samples > 0 and labels.ndim == 2:
+        known = labels[rows] >= 0
+        positives = (labels[rows] == 1).sum(axis=0)
+        hidden = small_classes(positives, min_class_samples) | small_classes(known.sum(0) - positives,
+                                                                             min_class_samples)
+        labels = np.where(hidden[None, :], -1, labels)
+        rows &= labelled_rows(labels)
+    elif min_class_samples > 0:
+        counts = np.bincount(labels[rows], minlength=num_classes)
+        rows &= ~np.isin(labels, np.flatnonzero(small_classes(counts, min_class_samples)))
     kind = MultiLabelEvalStats if labels.ndim == 2 else EvalStats
     return kind.from_predictions(labels[rows], probs[rows], num_classes, loss_sum=float(losses[rows].sum()))
 

@@ -16,7 +16,7 @@ from medflare import contracts
 from medflare.data import MultiViewDataset, build_transform
 from medflare.errors import ConfigError, PayloadError
 from medflare.losses import weighted_bce
-from medflare.methods.base import LocalTrainer, RoundContext
+from medflare.methods.base import LocalTrainer, RoundContext, small_classes
 from medflare.methods.fedlsm.pseudo import (
     element_weights,
     mixup,
@@ -227,9 +227,12 @@ class FedLsmTrainer(LocalTrainer):
 
     # ----- what leaves the site --------------------------------------------------------------------------
     def round_meta(self, ctx: RoundContext) -> dict[str, Any]:
-        meta: dict[str, Any] = {contracts.N_SAMPLES: len(self.data.train), Q_KEY: self.q.tolist()}
+        # a class the site's policy counts too small to report is reported as one it has none of
+        q = self.q.cpu().numpy()
+        shown = ~small_classes(q, self.min_class_samples)
+        meta: dict[str, Any] = {contracts.N_SAMPLES: len(self.data.train), Q_KEY: (q * shown).tolist()}
         if self.cfg.aggregation == "masked":
-            meta[IDENTIFIED_KEY] = self.identified.double().tolist()
+            meta[IDENTIFIED_KEY] = (self.identified.double().cpu().numpy() * shown).tolist()
         self.record_locally(round=ctx.round, q=self.q.tolist(), uncertain=len(self.uncertain),
                             confident=len(self.confident), steps=len(self.batches))
         return meta
@@ -243,4 +246,8 @@ class FedLsmTrainer(LocalTrainer):
             return super().run_phase(phase, arrays, ctx)
         labels = np.asarray(self.data.train.labels)
         positives = (labels == 1).sum(axis=0).astype(np.int64)
+        # under the site policy's floor a class is counted as if the site had no positive of it
+        hidden = small_classes(positives, self.min_class_samples) | small_classes(len(labels) - positives,
+                                                                                  self.min_class_samples)
+        positives[hidden] = 0
         return {POSITIVES: positives, NEGATIVES: len(labels) - positives}, {}
