@@ -136,3 +136,14 @@ def test_the_readme_command_gives_the_sites_an_absolute_path(monkeypatch) -> Non
     run = RunConfig(method="fedprox", data={"source": "medmnist:../shared/data/medmnist/pneumoniamnist.npz"})
     run.validate()
     assert run.site_data()["source"] == f"medmnist:{readme_file}"
+
+
+def test_a_plugin_sources_relative_path_becomes_absolute_and_other_arguments_stay(user_folder: Path) -> None:
+    """Issue 48, item 6: a plugin reads its argument at the site, from the site's own folder."""
+    from medflare.data.sources import absolute_source
+
+    (user_folder / "lesions").mkdir()
+    assert absolute_source("lesions:lesions") == f"lesions:{user_folder / 'lesions'}"
+    assert absolute_source("lesions:../data/tiny.npz") == f"lesions:{user_folder.parent / 'data' / 'tiny.npz'}"
+    assert absolute_source("lesions:fold=3") == "lesions:fold=3"  # not a file here: the plugin's own argument
+    assert absolute_source("lesions:/abs/path") == "lesions:/abs/path"

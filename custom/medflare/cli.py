@@ -378,6 +378,16 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     return rehearse(args)
 
 
+def cmd_preflight(args: argparse.Namespace) -> int:
+    """``medflare preflight``: a site's kit, file, images and devices checked before a job (``deploy.preflight``);
+    exit 1 when a check fails."""
+    from medflare.deploy.preflight import FAIL, as_json, overall, preflight, table
+
+    checks = preflight(args.kit, job=args.job, max_images=args.max_images, server=not args.no_server)
+    print(as_json(checks) if args.json else table(checks))
+    return 1 if overall(checks) == FAIL else 0
+
+
 def add_env_options(parser: argparse.ArgumentParser) -> None:
     """Where a command's jobs run: ``--env`` and, for POC, ``--mode``."""
     parser.add_argument("--env", choices=["sim", "poc"], default="sim",
@@ -480,6 +490,18 @@ def make_parser() -> argparse.ArgumentParser:
 
     add_rehearse_options(rehearse)
     rehearse.set_defaults(func=cmd_rehearse)
+    preflight = sub.add_parser(
+        "preflight", help="check this site before a job: kit, certificate, server, medflare_site.json, every image, "
+                          "disk, devices, versions, DP budget (PASS/WARN/FAIL; exit 1 on FAIL; writes nothing)")
+    preflight.add_argument("kit", help="this site's startup kit (the folder holding startup/ and local/)")
+    preflight.add_argument("--job", help="also check a job folder (as `medflare export` writes it) against this "
+                                         "site's data and policy, as the site will when the job arrives")
+    preflight.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    preflight.add_argument("--no-server", action="store_true",
+                           help="leave the server unchecked (a WARN), e.g. before the consortium's server runs")
+    preflight.add_argument("--max-images", type=int, default=0,
+                           help="read at most this many images per split (default 0: every image)")
+    preflight.set_defaults(func=cmd_preflight)
     return parser
 
 

@@ -299,6 +299,36 @@ class SiteFile:
         return (self.content or {}).get(key, default)
 
 
+def load_site_data(settings: SiteSettings, site_index: int, site_name: str, pooled_test: bool = False) -> Any:
+    """The site's data as the job's task needs it (``medflare.data.SiteData``): the job's class names (with the
+    site's ``class_map``), channels and single- or multi-label checked; what a site does when a job arrives and what
+    ``medflare preflight --job`` does before one does.
+
+    ``pooled_test``: a trainer that scores its own model on the pooled test set (FCA's generalization without a
+    global classifier).
+
+    Raises:
+        DataError: the data cannot be read or does not fit the job's task (one line naming the site).
+    """
+    from medflare.data import DataConfig, make_site_data
+
+    cfg = from_dict(DataConfig, {**settings.data, "num_classes": settings.task.num_classes}, "data")
+    data = make_site_data(cfg, site_index, site_name, pooled_test=pooled_test, class_names=settings.task.class_names)
+    task = settings.task
+    if data.channels != task.in_channels:
+        raise DataError(
+            f"{site_name}: images have {data.channels} channel(s) but the job declares "
+            f"in_channels={task.in_channels}; fix the job's task.in_channels or the site's data"
+        )
+    if data.multi_label != task.multi_label:
+        kinds = ("single-label", "multi-label")
+        raise DataError(
+            f"{site_name}: the site's data is {kinds[data.multi_label]} but the job declares a "
+            f"{kinds[task.multi_label]} task; fix the job's task.multi_label or the site's labels"
+        )
+    return data
+
+
 class SiteRuntime:
     """A site's live state for one job: data, model, trainer (optimizer and personal state persist)."""
 
@@ -337,25 +367,8 @@ class SiteRuntime:
         self._restore_state()  # a site process restarted inside a running job continues where it stopped
 
     def _load_data(self, site_index: int) -> Any:
-        from medflare.data import DataConfig, make_site_data
-
-        cfg = from_dict(DataConfig, {**self.settings.data, "num_classes": self.settings.task.num_classes}, "data")
-        # a trainer scoring its own model on the pooled test set (FCA's generalization without a global classifier)
         pooled_test = bool(getattr(self.spec.trainer_cls, "scores_pooled_test", False))
-        data = make_site_data(cfg, site_index, self.site_name, pooled_test=pooled_test,
-                              class_names=self.settings.task.class_names)
-        task = self.settings.task
-        if data.channels != task.in_channels:
-            raise DataError(
-                f"{self.site_name}: images have {data.channels} channel(s) but the job declares "
-                f"in_channels={task.in_channels}; fix the job's task.in_channels or the site's data"
-            )
-        if data.multi_label != task.multi_label:
-            kinds = ("single-label", "multi-label")
-            raise DataError(
-                f"{self.site_name}: the site's data is {kinds[data.multi_label]} but the job declares a "
-                f"{kinds[task.multi_label]} task; fix the job's task.multi_label or the site's labels"
-            )
+        data = load_site_data(self.settings, site_index, self.site_name, pooled_test)
         self.log(f"{len(data.train)} train / {len(data.val)} val / {len(data.test)} test images")
         return data
 

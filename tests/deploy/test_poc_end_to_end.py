@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import time
 import zipfile
 from pathlib import Path
@@ -114,6 +116,25 @@ def test_member_cannot_submit(poc) -> None:
     reply = session.try_submit(poc["jobs"]["preinstalled"]["dir"], member)
     assert reply["exit_code"] != 0
     assert "not authorized" in json.dumps(reply), reply
+
+
+@pytest.mark.smoke  # the one POC of make test
+def test_preflight_passes_a_site_against_its_job_with_the_server_up_and_writes_nothing(poc, tmp_path: Path) -> None:
+    """Issue 48, item 4: the admin's command, as a user runs it, against the running POC server (FLARE's own
+    connectivity check with the site's certificate) and a job for that site."""
+    kit = poc["session"].kit("site-3")
+    job_dir = export_poc_job(site3_run("site3-preflight"), tmp_path / "job", "preinstalled")
+    retarget_job(job_dir, ["site-3"], "site3-preflight")
+    before = {folder: _tree_bytes(kit / folder) for folder in ("local", "startup")}
+    done = subprocess.run([sys.executable, "-m", "medflare.cli", "preflight", str(kit), "--job", str(job_dir),
+                           "--json"], capture_output=True, text=True, timeout=180)
+    report = json.loads(done.stdout)
+    statuses = {check["check"]: check["status"] for check in report["checks"]}
+    assert done.returncode == 0 and report["overall"] != "FAIL", done.stdout + done.stderr
+    for name in ("kit files", "certificate", "server", "versions", "site file", "policy", "data", "images",
+                 "classes", "job", "job policy", "job data"):
+        assert statuses[name] == "PASS", (name, report)
+    assert {folder: _tree_bytes(kit / folder) for folder in before} == before
 
 
 SITE3_JOBS = ("preinstalled", "byoc", "tamper", "data")

@@ -280,6 +280,8 @@ def test_a_small_rehearsal_runs_the_lead_job_over_the_namespaces(small) -> None:
         log = (out / "logs" / f"{site}.log").read_text()
         assert f"{addresses[site]}:" in log and f"=> {server}:8002 SSL {SERVER}" in log, log[-2000:]
     assert any("round 2/2 done" in line for line in small["lines"])  # medflare watch, in the lead's namespace
+    # each hospital's admin check, in its namespace, before the job: the server reached by its name, no FAIL
+    assert set(record["preflight"]) == {"hospital-a", "hospital-b"} and "FAIL" not in record["preflight"].values()
     summary = json.loads((out / "summary.json").read_text())  # `medflare report` of the lead's download
     assert summary["rounds_completed"] == 2 and not summary["error"]
     for name in ("report.md", "rounds.csv", "FL_global_model.pt", "rehearsal.md"):
@@ -290,7 +292,7 @@ def test_a_small_rehearsal_runs_the_lead_job_over_the_namespaces(small) -> None:
     # deadlines (180 s to connect, the job's 900 s) fails it; stage timings name where the time went. Inside make
     # test it took 156 s on 2026-11-28 (fresh clone, 4 workers on 2 cores), over the bar: it runs in make test-heavy.
     timings = record["timings"]
-    assert set(timings) >= {"start_and_connect", "submit", "job", "download_and_report", "close", "total"}
+    assert set(timings) >= {"start_and_connect", "preflight", "submit", "job", "download_and_report", "close", "total"}
     assert timings["total"] <= 2 * 120, f"the small rehearsal took {timings['total']:.0f} s: {timings}"
 
 

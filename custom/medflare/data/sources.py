@@ -73,6 +73,7 @@ def load_source(spec: str, *, seed: int = 0, num_classes: int | None = None) -> 
 
 def absolute_source(spec: str, option: str = "data.source", check: bool = True) -> str:
     """``spec`` with the file or folder it names made absolute against the current folder; other specs unchanged.
+    A plugin source's argument (``lesions:data/lesions``) is made absolute when it names a file or folder here.
 
     FLARE starts the simulator's server and every site in a workspace folder of its own, so a relative path in a
     job would be read from there: the job would start and then fail at every site. A job therefore only ever
@@ -87,6 +88,9 @@ def absolute_source(spec: str, option: str = "data.source", check: bool = True) 
         DataError: ``check`` and the path names no file (folder) here; one line naming the path.
     """
     kind, _, path = spec.strip().partition(":")
+    if kind not in PATH_SOURCES and path and not os.path.isabs(path) and os.path.exists(os.path.expanduser(path)):
+        # a plugin's argument that names a file or folder here: the plugin reads it from the site's folder
+        return f"{kind}:{os.path.abspath(os.path.expanduser(path))}"
     if kind not in PATH_SOURCES or not path:
         return spec  # generated data, or a spec load_source refuses with its own message
     return f"{kind}:{absolute_path(path, PATH_SOURCES[kind], option, check)}"

@@ -196,6 +196,9 @@ def site_data_config(source: str | None = None, allow_job_data: bool = False, **
     return config
 
 
+KIT_VERSIONS_FILE = "medflare_kit.json"  # in a kit's local/: the versions it was set up with
+
+
 def install_site_policies(
     kit_dir: str | Path,
     mode: str,
@@ -231,6 +234,7 @@ def install_site_policies(
     resources_default = _read(local / "resources.json.default")
     written = [
         _write(local / "authorization.json", authorization_policy(_read(local / "authorization.json.default"), mode)),
+        _write(local / KIT_VERSIONS_FILE, installed_versions()),  # what `medflare preflight` compares
     ]
     if is_client:
         written.append(_write(local / "resources.json",
@@ -244,6 +248,15 @@ def install_site_policies(
             (kit / folder).mkdir(mode=0o700, exist_ok=True)
             (kit / folder).chmod(0o700)
     return written
+
+
+def installed_versions() -> dict[str, str]:
+    """The medflare and FLARE versions installed here (a kit records those it was set up with)."""
+    import nvflare
+
+    import medflare
+
+    return {"medflare": medflare.__version__, "nvflare": nvflare.__version__}
 
 
 def is_site_kit(kit_dir: Path) -> bool:

@@ -327,6 +327,29 @@ class Stage:
         self.run = run
         return export_run_job(run, self.work / "jobs", "preinstalled")  # what `medflare export` writes
 
+    def preflight(self, job_dir: Path) -> dict[str, str]:
+        """``medflare preflight KIT --job JOB`` for each hospital, in its namespace, as its admin runs it before
+        the job (the server up, reached by its name). Returns each hospital's overall result.
+
+        Raises:
+            RehearseError: a hospital's preflight failed (its failing checks, one line each).
+        """
+        results = {}
+        for site in self.hospitals:
+            done = self.in_ns(site, [sys.executable, "-m", "medflare.cli", "preflight", str(self.kit(site)),
+                                     "--job", str(job_dir), "--json"], timeout=300)
+            try:
+                report = json.loads(done.stdout.strip().splitlines()[-1])
+            except (IndexError, json.JSONDecodeError) as exc:
+                raise RehearseError(f"{site}'s preflight printed no report ({done.returncode}): "
+                                    f"{done.stderr[-500:]}") from exc
+            failed = [f"{c['check']}: {c['detail']}" for c in report["checks"] if c["status"] == "FAIL"]
+            if failed:
+                raise RehearseError(f"{site}'s preflight failed: " + "; ".join(failed))
+            results[site] = report["overall"]
+        self.echo(f"rehearse: preflight {', '.join(f'{site} {result}' for site, result in results.items())}")
+        return results
+
     def submit(self, job_dir: Path) -> str:
         reply = self.nvflare(self.lead, self.lead, "job", "submit", "-j", str(job_dir))
         job_id = (reply.get("data") or {}).get("job_id")
@@ -652,6 +675,8 @@ def rehearse(plan: Rehearsal, out_dir: str | Path, echo: Echo = print, overwrite
         stage.start_all()
         with stage.timed("export"):
             job_dir = stage.export()
+        with stage.timed("preflight"):
+            record["preflight"] = stage.preflight(job_dir)
         with stage.timed("submit"):
             job_id = stage.submit(job_dir)
         code, _ = stage.follow(job_id)

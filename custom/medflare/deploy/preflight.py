@@ -1,0 +1,432 @@
+"""``medflare preflight``: a hospital admin's check of a site, on the site machine, before a job arrives.
+
+It checks the kit (its files, the certificate's chain and dates, the server's name resolving and answering through
+FLARE's own connectivity check), the site's ``local/medflare_site.json`` (schema, policy, every path readable), the
+images (each one read: corrupt files, counts per class and their names, sizes, intensity ranges), disk space,
+devices, the installed medflare and FLARE against the kit's versions, and the DP-SGD budget. With ``--job`` it also
+checks the site's data and policy against that job, as the site will when the job arrives (the same functions:
+:meth:`medflare.plan.RunPlan.localise`, :func:`medflare.site_runtime.load_site_data`,
+:meth:`medflare.site_policy.SitePolicy.refusal`). Every check gives PASS, WARN or FAIL with one line of detail;
+nothing is written but the report (stdout).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from medflare.errors import MedflareError
+
+PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
+CERT_WARN_DAYS = 30  # a certificate that expires sooner gets a WARN: re-provisioning takes the consortium time
+DISK_FAIL_GIB, DISK_WARN_GIB = 1.0, 10.0  # free space where the kit's jobs write (models, checkpoints, logs)
+PROGRESS_SECONDS = 5.0  # how often the image scan says how far it is
+KIT_FILES = ("startup/fed_client.json", "startup/client.crt", "startup/client.key", "startup/rootCA.pem", "local")
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Check:
+    """One line of the report."""
+
+    check: str
+    status: str  # PASS | WARN | FAIL
+    detail: str
+
+
+class Failed(Exception):
+    """A check that cannot go on (its FAIL line); the later checks that need it are skipped."""
+
+
+def preflight(kit: str | Path, job: str | Path | None = None, max_images: int = 0, server: bool = True,
+              progress: Progress = lambda line: print(line, file=sys.stderr, flush=True)) -> list[Check]:
+    """Every check of the site whose kit is ``kit`` (and, with ``job``, of that job at this site).
+
+    ``max_images``: read at most this many images per split (0: every image). ``server``: False leaves the server
+    unchecked (a WARN line), for a site set up before the consortium's server runs.
+    """
+    kit = Path(kit).resolve()
+    checks: list[Check] = []
+    for name, check in _kit_checks(kit):
+        unchecked = name == "server" and not server
+        checks.append(Check(name, WARN, "not checked (--no-server)") if unchecked else _run(name, check))
+    if any(c.status == FAIL for c in checks[:1]):  # no kit: nothing else can be found
+        return checks
+    site = _site_name(kit)
+    site_file = _run_value(checks, "site file", lambda: _site_file(kit))
+    if site_file is not None:
+        checks.append(_run("policy", lambda: _policy(site_file)))
+        found = _run_value(checks, "data", lambda: _site_data(site, site_file))
+        if found is not None:
+            checks += _image_checks(*found, site_file, max_images, progress)
+        checks.append(_run("DP-SGD", lambda: _dp_budget(site_file)))
+        checks.append(_run("devices", lambda: _devices(site_file)))
+        if job is not None:
+            checks += _job_checks(Path(job), site, site_file)
+    return checks
+
+
+def _run(name: str, check: Callable[[], tuple[str, str]]) -> Check:
+    """``check`` returns (status, detail); a medflare error or :class:`Failed` is its FAIL line."""
+    try:
+        status, detail = check()
+    except (Failed, MedflareError, OSError, ValueError) as exc:
+        return Check(name, FAIL, _one_line(exc))
+    return Check(name, status, detail)
+
+
+def _run_value(checks: list[Check], name: str, build: Callable[[], tuple[Any, str, str]]) -> Any:
+    """A check that also yields a value the later checks need (None when it failed)."""
+    found: list[Any] = []
+
+    def check() -> tuple[str, str]:
+        value, status, detail = build()
+        found.append(value)
+        return status, detail
+
+    checks.append(_run(name, check))
+    return found[0] if found else None
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:400] or type(exc).__name__
+
+
+# ----- the kit ---------------------------------------------------------------------------------------------------
+def _kit_checks(kit: Path) -> Iterator[tuple[str, Callable[[], tuple[str, str]]]]:
+    yield "kit files", lambda: _kit_files(kit)
+    yield "certificate", lambda: _certificate(kit)
+    yield "server", lambda: _server(kit)
+    yield "versions", lambda: _versions(kit)
+    yield "disk", lambda: _disk(kit)
+
+
+def _kit_files(kit: Path) -> tuple[str, str]:
+    missing = [name for name in KIT_FILES if not (kit / name).exists()]
+    if missing:
+        raise Failed(f"{kit} is not a site's startup kit: {', '.join(missing)} missing (the kit of a hospital "
+                     "holds startup/fed_client.json, its certificate and key, rootCA.pem and local/)")
+    return PASS, f"{kit} ({_site_name(kit)})"
+
+
+def _site_name(kit: Path) -> str:
+    return str(json.loads((kit / "startup" / "fed_client.json").read_text())["client"].get("fqsn") or kit.name)
+
+
+def _certificate(kit: Path, now: datetime.datetime | None = None) -> tuple[str, str]:
+    from cryptography import x509
+
+    startup = kit / "startup"
+    cert = x509.load_pem_x509_certificate((startup / "client.crt").read_bytes())
+    root = x509.load_pem_x509_certificate((startup / "rootCA.pem").read_bytes())
+    try:
+        cert.verify_directly_issued_by(root)
+    except Exception as exc:  # noqa: BLE001 - cryptography raises several types for a foreign or altered cert
+        raise Failed(f"client.crt is not signed by the kit's rootCA.pem ({type(exc).__name__}); the kit was altered "
+                     "or mixes two provisionings: ask the project admin for this site's kit") from exc
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
+    if now < start:
+        raise Failed(f"client.crt is valid only from {start:%Y-%m-%d %H:%M} UTC; check this machine's clock")
+    if now > end:
+        raise Failed(f"client.crt expired on {end:%Y-%m-%d} UTC; ask the project admin to provision a new kit")
+    days = (end - now).days
+    status = WARN if days < CERT_WARN_DAYS else PASS
+    return status, f"{cert.subject.rfc4514_string()}, issued by {root.subject.rfc4514_string()}, valid until " \
+                   f"{end:%Y-%m-%d} ({days} days)"
+
+
+def _server(kit: Path) -> tuple[str, str]:
+    from nvflare.tool.package_checker.check_rule import CHECK_PASSED, CheckServerAvailable
+    from nvflare.tool.package_checker.utils import NVFlareRole
+
+    target = json.loads((kit / "startup" / "fed_client.json").read_text())["servers"][0]["service"]["target"]
+    host, _, port = target.rpartition(":")
+    try:
+        address = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0][4][0]
+    except socket.gaierror as exc:
+        raise Failed(f"the server's name {host} does not resolve ({exc.strerror}); ask your IT for a DNS or "
+                     "/etc/hosts entry") from exc
+    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.settimeout(10)
+        if probe.connect_ex((address, int(port))) != 0:
+            raise Failed(f"nothing answers at {target} ({address}): the server is not running, or a firewall "
+                         "blocks the port")
+    result = CheckServerAvailable("server available", role=NVFlareRole.CLIENT)(str(kit), None)  # FLARE's own
+    if result.problem != CHECK_PASSED:
+        raise Failed(f"{result.problem} with this kit's certificate: {result.solution}")
+    return PASS, f"{target} ({address}) answers this kit's certificate"
+
+
+def _versions(kit: Path) -> tuple[str, str]:
+    from medflare.deploy.policies import KIT_VERSIONS_FILE, installed_versions
+
+    here, recorded = installed_versions(), kit / "local" / KIT_VERSIONS_FILE
+    if not recorded.is_file():
+        return WARN, f"no local/{KIT_VERSIONS_FILE} (a kit medflare did not set up); installed: {_versions_text(here)}"
+    kit_versions = json.loads(recorded.read_text())
+    if kit_versions.get("nvflare") != here["nvflare"]:
+        raise Failed(f"FLARE {here['nvflare']} is installed but the kit was set up with {kit_versions.get('nvflare')}"
+                     f"; install nvflare=={kit_versions.get('nvflare')}")
+    if kit_versions.get("medflare") != here["medflare"]:
+        return WARN, f"medflare {here['medflare']} is installed, the kit was set up with {kit_versions['medflare']}"
+    return PASS, _versions_text(here)
+
+
+def _versions_text(versions: dict[str, str]) -> str:
+    return ", ".join(f"{name} {version}" for name, version in versions.items())
+
+
+def _disk(kit: Path) -> tuple[str, str]:
+    free = shutil.disk_usage(kit).free / 2**30
+    detail = f"{free:.1f} GiB free where the kit's jobs write ({kit})"
+    if free < DISK_FAIL_GIB:
+        raise Failed(f"only {detail}; at least {DISK_FAIL_GIB:g} GiB is needed")
+    return (WARN if free < DISK_WARN_GIB else PASS), detail
+
+
+def _devices(site_file: Any) -> tuple[str, str]:
+    import torch
+
+    from medflare.distributed import site_distributed_config
+
+    processes = site_distributed_config(site_file).processes
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    names = sorted({torch.cuda.get_device_name(i) for i in range(gpus)})
+    found = f"{gpus} CUDA GPU(s): {', '.join(names)}" if gpus else f"CPU only ({os.cpu_count()} cores)"
+    if processes > max(gpus, 1):
+        return WARN, f"{found}, but distributed.processes is {processes}"
+    return PASS, found
+
+
+# ----- the site's file and data ---------------------------------------------------------------------------------
+def _site_file(kit: Path) -> tuple[Any, str, str]:
+    from medflare.site_runtime import SITE_CONFIG_FILE, SiteFile
+
+    site_file = SiteFile.of(kit / "local")
+    if site_file.content is None:
+        raise Failed(f"no local/{SITE_CONFIG_FILE}: copy local/{SITE_CONFIG_FILE}.example to it and set your "
+                     "data source (docs/deploy-hospital-admin.md)")
+    return site_file, PASS, str(site_file.path)
+
+
+def _policy(site_file: Any) -> tuple[str, str]:
+    from medflare.site_policy import site_policy
+
+    policy = site_policy(site_file.content)
+    accepts = ", ".join(policy.methods) if policy.methods is not None else "any method"
+    required = ", ".join(policy.require) or "nothing"
+    return PASS, (f"accepts {accepts}; requires {required}; min_class_samples {policy.min_class_samples}; audit log "
+                  f"{policy.audit_log}")
+
+
+def _site_data(site: str, site_file: Any) -> tuple[Any, str, str]:
+    """The site's own data as it reads it for any job (its class_map and window applied, no job's task)."""
+    from medflare.config import from_dict
+    from medflare.data import DataConfig, make_site_data
+    from medflare.site_runtime import read_site_data_config
+
+    data_config = {**read_site_data_config(site_file, None), "local": True, "num_sites": 1}
+    data = make_site_data(from_dict(DataConfig, data_config, "data"), 0, site)
+    names = list(_source_info(data_config)["class_names"])  # the site's own (before any job's class_map)
+    return (data, names), PASS, f"{data_config['source']}: {len(data.train)} train / {len(data.val)} val / " \
+                       f"{len(data.test)} test images"
+
+
+def _image_checks(data: Any, names: list[str], site_file: Any, max_images: int, progress: Progress) -> list[Check]:
+    from medflare.site_policy import site_policy
+
+    sets = {split: getattr(data, split).images for split in ("train", "val", "test")}
+    scan = _scan(sets, max_images, progress)
+    checks = [_corrupt_check(scan), _size_check(scan), _intensity_check(scan)]
+    floor = site_policy(site_file.content).min_class_samples
+    checks.append(_class_check(sets, names, floor))
+    return checks
+
+
+@dataclass
+class _Scan:
+    read: int = 0
+    total: int = 0
+    corrupt: list[str] | None = None
+    sizes: dict[tuple[int, int], int] | None = None
+    low: float = float("inf")
+    high: float = float("-inf")
+    blank: int = 0
+    kinds: set[str] | None = None
+
+
+def _scan(sets: dict[str, Any], max_images: int, progress: Progress) -> _Scan:
+    """Read every image of ``sets`` (at most ``max_images`` per split) as training will."""
+    scan = _Scan(corrupt=[], sizes={}, kinds=set())
+    indices = {split: range(len(s) if not max_images else min(len(s), max_images)) for split, s in sets.items()}
+    scan.total = sum(len(i) for i in indices.values())
+    said = time.time()
+    for split, image_set in sets.items():
+        for index in indices[split]:
+            _read_one(image_set, index, scan)
+            if time.time() - said > PROGRESS_SECONDS:
+                progress(f"preflight: read {scan.read} of {scan.total} images")
+                said = time.time()
+    return scan
+
+
+def _read_one(image_set: Any, index: int, scan: _Scan) -> None:
+    scan.read += 1
+    try:
+        pixels = image_set.get_image(index)
+    except MedflareError:
+        scan.corrupt.append(image_set.paths[index] if image_set.paths else f"{image_set.name}[{index}]")
+        return
+    scan.sizes[pixels.shape[:2]] = scan.sizes.get(pixels.shape[:2], 0) + 1
+    scan.kinds.add("8-bit" if pixels.dtype == np.uint8 else "scaled to [0, 1]")
+    low, high = float(pixels.min()), float(pixels.max())
+    scan.low, scan.high = min(scan.low, low), max(scan.high, high)
+    scan.blank += low == high
+
+
+def _corrupt_check(scan: _Scan) -> Check:
+    if scan.corrupt:
+        shown = ", ".join(scan.corrupt[:3]) + (f" and {len(scan.corrupt) - 3} more" if len(scan.corrupt) > 3 else "")
+        return Check("images", FAIL, f"{len(scan.corrupt)} of {scan.read} images cannot be read: {shown}; replace "
+                                     "or remove them")
+    return Check("images", PASS, f"all {scan.read} images read" + ("" if scan.read == scan.total else
+                                                                    f" of {scan.total}"))
+
+
+def _size_check(scan: _Scan) -> Check:
+    if not scan.sizes:
+        return Check("image sizes", WARN, "no image could be read")
+    sizes = sorted(scan.sizes, key=lambda hw: -scan.sizes[hw])
+    shown = ", ".join(f"{h}x{w} ({scan.sizes[(h, w)]})" for h, w in sizes[:4]) + (" ..." if len(sizes) > 4 else "")
+    odd = len(sizes) > 1 or sizes[0][0] != sizes[0][1]
+    note = "; mixed or non-square sizes are resized to the job's square image_size (set data.image_size)"
+    return Check("image sizes", WARN if odd else PASS, shown + (note if odd else ""))
+
+
+def _intensity_check(scan: _Scan) -> Check:
+    if not scan.sizes:
+        return Check("intensities", WARN, "no image could be read")
+    detail = f"{', '.join(sorted(scan.kinds))}; values {scan.low:g} to {scan.high:g}"
+    if scan.blank:
+        return Check("intensities", WARN, f"{detail}; {scan.blank} image(s) hold one value only (blank?)")
+    return Check("intensities", PASS, detail)
+
+
+def _class_check(sets: dict[str, Any], names: list[str], floor: int) -> Check:
+    from medflare.data.types import labelled_counts
+
+    counts = {split: labelled_counts(s.labels, len(names)) for split, s in sets.items()}
+    rows = [f"{name} {'/'.join(str(int(counts[s][k])) for s in sets)}" for k, name in enumerate(names)]
+    detail = f"{len(names)} classes (train/val/test): {'; '.join(rows)}"
+    empty = [name for k, name in enumerate(names) if counts["train"][k] == 0]
+    small = [name for k, name in enumerate(names) if 0 < counts["train"][k] < floor]
+    if empty:
+        return Check("classes", WARN, f"{detail}; no training image of {', '.join(empty)}")
+    if small:
+        return Check("classes", WARN, f"{detail}; {', '.join(small)} under min_class_samples ({floor}): no "
+                                      "statistics about them leave the site")
+    return Check("classes", PASS, detail)
+
+
+def _dp_budget(site_file: Any) -> tuple[str, str]:
+    from medflare.site_policy import site_policy
+
+    policy, dp = site_policy(site_file.content), site_file.get("dp_sgd") or {}
+    if not dp and "dp_sgd" not in policy.require:
+        return PASS, "no DP-SGD policy (jobs without DP-SGD are accepted)"
+    try:
+        import opacus  # noqa: F401 - DP-SGD trains with it at this site
+    except ImportError as exc:
+        raise Failed("this site's policy asks for DP-SGD, but opacus is not installed: pip install "
+                     "'medflare[dp]'") from exc
+    spent = _epsilon_spent(site_file.path.parent / policy.audit_log)
+    budget = dp.get("max_epsilon")
+    limit = f"each job may spend ε ≤ {budget:g}" if budget else "no per-job ε budget set (max_epsilon)"
+    return PASS, f"{limit}; past jobs in the audit log spent ε {spent:g} in all"
+
+
+def _epsilon_spent(audit: Path) -> float:
+    if not audit.is_file():
+        return 0.0
+    lines = (json.loads(line) for line in audit.read_text().splitlines() if line.strip())
+    return float(sum(line.get("dp_epsilon_spent", 0) or 0 for line in lines))
+
+
+# ----- a job at this site ---------------------------------------------------------------------------------------
+def _job_checks(job: Path, site: str, site_file: Any) -> list[Check]:
+    checks: list[Check] = []
+    plan = _run_value(checks, "job", lambda: _job_plan(job))
+    if plan is not None:
+        checks.append(_run("job policy", lambda: _job_policy(plan, site_file)))
+        checks.append(_run("job data", lambda: _job_data(plan, site, site_file)))
+    return checks
+
+
+def _job_plan(job: Path) -> tuple[Any, str, str]:
+    from medflare.plan import plan_from_job
+
+    plan = plan_from_job(job)
+    return plan, PASS, f"{job} runs {plan.method} (plan {plan.digest()})"
+
+
+def _job_policy(plan: Any, site_file: Any) -> tuple[str, str]:
+    from medflare.site_policy import site_policy
+
+    reason = site_policy(site_file.content).refusal(plan)
+    if reason:
+        raise Failed(f"the site would decline this job: {reason}")
+    return PASS, "the site's policy accepts the job"
+
+
+def _job_data(plan: Any, site: str, site_file: Any) -> tuple[str, str]:
+    from medflare.registry import get_method
+    from medflare.site_runtime import check_multi_label_support, load_site_data
+
+    settings, index = plan.localise(site, site_file, False)
+    check_multi_label_support(get_method(plan.method), settings.task)
+    data = load_site_data(settings, index, site)
+    task = settings.task
+    names = f"classes {task.class_names}" if task.class_names else f"{task.num_classes} classes (unnamed)"
+    detail = f"{len(data.train)} train images fit the job's {names}, {task.in_channels} channel(s)"
+    native = _source_info(settings.data)["image_size"]
+    if native != task.image_size:
+        return WARN, f"{detail}; this site's images ({native} px) are resized to the job's {task.image_size} px"
+    return PASS, f"{detail}, {native} px"
+
+
+def _source_info(data_config: dict[str, Any]) -> dict[str, Any]:
+    """What the site's source says of itself: class names (when it names them) and its first image's size."""
+    from medflare.data.sources import load_source
+
+    return load_source(data_config["source"], seed=int(data_config.get("seed", 0))).info
+
+
+# ----- the report -----------------------------------------------------------------------------------------------
+def overall(checks: list[Check]) -> str:
+    """FAIL if any check failed, else WARN if any warned, else PASS."""
+    statuses = {c.status for c in checks}
+    return FAIL if FAIL in statuses else WARN if WARN in statuses else PASS
+
+
+def table(checks: list[Check]) -> str:
+    """The report as aligned text columns, the overall result last."""
+    width = max(len(c.check) for c in checks)
+    lines = [f"{c.status}  {c.check.ljust(width)}  {c.detail}" for c in checks]
+    return "\n".join([*lines, f"preflight: {overall(checks)}"])
+
+
+def as_json(checks: list[Check]) -> str:
+    """The report as one JSON object: overall and the checks in order."""
+    return json.dumps({"overall": overall(checks), "checks": [asdict(c) for c in checks]}, ensure_ascii=False)
