@@ -8,12 +8,14 @@ so they equal the metrics of the pooled predictions; per-site metrics and their 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from medflare import contracts
 from medflare.metrics import EvalStats, compute_metrics, stats_from_dict
+from medflare.ops.influence import cap_shares, normalise_weights
 
 SPLIT_KEYS = (("val", contracts.EVAL_VAL), ("test", contracts.EVAL_TEST))
 
@@ -69,17 +71,22 @@ def site_evaluation(meta: Mapping[str, Any], num_classes: int, multi_label: bool
 
 
 def summarize(
-    evaluations: Mapping[str, SiteEvaluation], shot_groups: Mapping[str, Sequence[int]] | None = None
+    evaluations: Mapping[str, SiteEvaluation], shot_groups: Mapping[str, Sequence[int]] | None = None,
+    share_cap: float = 0.0,
 ) -> dict[str, Any]:
     """Pooled, per-site and site-mean metrics of one model version from every site's statistics.
 
-    Returns a dict with ``sites``; ``val``/``test`` (pooled metrics) and ``val_stats``/``test_stats``;
+    Returns a dict with ``sites``; ``val``/``test`` (pooled metrics) and ``val_stats``/``test_stats`` (the sums);
     ``test_by_attribute``; ``by_site`` (site -> test metrics) and ``site_mean`` (unweighted mean over sites of
     each scalar test metric); and ``extra`` (evaluation name -> the same pooled/by_site/site_mean block).
+
+    ``share_cap`` (the job's robust.max_share; 0: none): no site's images weigh more than that in a pooled metric,
+    as in the model's aggregate, so one site's counts cannot decide the consortium's metrics, its best model or its
+    early stop. A split where a site was capped records the capped shares as ``<split>_capped``.
     """
     evaluations = dict(sorted(evaluations.items()))  # sum in site order, not arrival order: reproducible bits
     summary: dict[str, Any] = {"sites": list(evaluations)}
-    summary.update(_split_block(evaluations, shot_groups, with_stats=True))
+    summary.update(_split_block(evaluations, shot_groups, with_stats=True, share_cap=share_cap))
     by_attribute: dict[str, list[EvalStats]] = {}
     for evaluation in evaluations.values():
         for attribute, stats in evaluation.get("test_by_attribute", {}).items():
@@ -95,6 +102,33 @@ def summarize(
             for name in names
         }
     return summary
+
+
+class DeclaredCounts:
+    """Each site's evaluation counts per split as it first reported them in the job: its split sizes, declared once.
+
+    A site's validation and test splits do not change during a job, so a later report with other counts is forged
+    (or the site's data changed under the job) and its statistics are refused; an attribute group cannot hold more
+    images than the test split they divide.
+    """
+
+    def __init__(self) -> None:
+        self.counts: dict[str, dict[str, int]] = {}
+
+    def refusal(self, site: str, evaluation: SiteEvaluation) -> str:
+        """Why ``site``'s statistics are refused ("" when they are accepted; the first report declares)."""
+        found = {split: evaluation[split].count for split, _ in SPLIT_KEYS if split in evaluation}
+        for name, splits in (evaluation.get("extra") or {}).items():
+            found.update({f"{name}/{split}": stats.count for split, stats in splits.items()})
+        declared = self.counts.setdefault(site, {})
+        for split, count in sorted(found.items()):
+            if declared.setdefault(split, count) != count:
+                return (f"its {split} statistics count {count} images, but it declared {declared[split]} the first "
+                        "time: a site's evaluation splits do not change during a job")
+        groups = sum(stats.count for stats in (evaluation.get("test_by_attribute") or {}).values())
+        if "test" in found and groups > found["test"]:
+            return f"its attribute groups count {groups} test images, more than its test split's {found['test']}"
+        return ""
 
 
 HISTOGRAM_KEYS = ("pos_hist", "neg_hist")  # the score histograms behind AUROC: K x 1000 counts per split
@@ -116,16 +150,19 @@ def without_histograms(summary: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _split_block(
-    per_site: Mapping[str, Mapping[str, EvalStats]], shot_groups: Mapping[str, Sequence[int]] | None, with_stats: bool = False
+    per_site: Mapping[str, Mapping[str, EvalStats]], shot_groups: Mapping[str, Sequence[int]] | None,
+    with_stats: bool = False, share_cap: float = 0.0,
 ) -> dict[str, Any]:
     block: dict[str, Any] = {}
     for split in ("val", "test"):
-        parts = [stats[split] for stats in per_site.values() if split in stats]
+        parts = {site: stats[split] for site, stats in per_site.items() if split in stats}
         if parts:
-            pooled = _sum(parts)
+            pooled, capped = capped_pool(parts, share_cap)
             block[split] = compute_metrics(pooled, shot_groups)
+            if capped:
+                block[f"{split}_capped"] = capped
             if with_stats:
-                block[f"{split}_stats"] = pooled.to_dict()
+                block[f"{split}_stats"] = _sum(list(parts.values())).to_dict()
     by_site = {site: compute_metrics(stats["test"], shot_groups) for site, stats in sorted(per_site.items()) if "test" in stats}
     if by_site:
         block["by_site"] = by_site
@@ -149,6 +186,36 @@ def _is_number(value: Any) -> bool:
 
 def _sum(parts: list[EvalStats]) -> EvalStats:
     return sum(parts[1:], parts[0])
+
+
+CAP_RESOLUTION = 1000  # the capped pool weighs sites by whole multiples: shares kept to 0.1 % of the smallest
+
+
+def capped_pool(parts: Mapping[str, EvalStats], cap: float) -> tuple[EvalStats, dict[str, float]]:
+    """The sites' statistics pooled with no site's images above ``cap`` of the pool, and the capped shares (empty
+    when no site was over the cap: the plain sum, exactly).
+
+    Over the cap, each site's statistics count as if each of its images were seen a whole number of times in
+    proportion to its capped share over its count (``ops.influence.cap_shares``, the model's water-filling), so
+    every metric of the pool (accuracy, balanced accuracy, AUROC, loss) is the share-weighted one.
+    """
+    counts = {site: float(stats.count) for site, stats in parts.items() if stats.count > 0}
+    if cap <= 0 or len(counts) < 2:
+        return _sum(list(parts.values())), {}
+    raw = normalise_weights(counts)
+    shares = cap_shares(raw, cap)
+    capped = {site: shares[site] for site in counts if shares[site] < raw[site] - 1e-9}
+    if not capped:
+        return _sum(list(parts.values())), {}
+    per_image = {site: shares[site] / counts[site] for site in counts}
+    base = min(per_image.values())
+    times = {site: max(1, round(CAP_RESOLUTION * per_image[site] / base)) for site in counts}
+    return _sum([_repeated(parts[site], times[site]) for site in counts]), capped
+
+
+def _repeated(stats: EvalStats, times: int) -> EvalStats:
+    """``stats`` as if every one of its samples had been seen ``times`` times."""
+    return type(stats)(**{f.name: getattr(stats, f.name) * times for f in dataclasses.fields(stats)})
 
 
 # ----- generalization and specialization (FCA's evaluation protocol) --------------------------------------------

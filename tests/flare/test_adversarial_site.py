@@ -119,8 +119,9 @@ def honest_job(method: str) -> tuple[RunConfig, list[Round]]:
     return run, rounds
 
 
-def replay(round_: Round, overrides: dict[int, dict[str, Result]]) -> Replay:
-    """The server's round again, from its recorded start, with some sites' results replaced.
+def replay(round_: Round, overrides: dict[int, dict[str, Result]], absent: tuple[str, ...] = ()) -> Replay:
+    """The server's round again, from its recorded start, with some sites' results replaced (and the ``absent``
+    sites' left out, as if they never answered).
 
     A round the server stops with an error (e.g. MDH-FL's public-set check: sites that disagree about the public set
     stop the job, naming the odd site) counts as a refusal of the phase's results, with that error as the reason."""
@@ -134,7 +135,8 @@ def replay(round_: Round, overrides: dict[int, dict[str, Result]]) -> Replay:
             return Replay([stopped] * len(round_.phases), sent, {})
         sent.append(outgoing.arrays if isinstance(outgoing, PerSite) else {"all": outgoing})
         for site, result in round_.results[index].items():
-            core.accept(site, *overrides.get(index, {}).get(site, result))
+            if site not in absent:
+                core.accept(site, *overrides.get(index, {}).get(site, result))
         rejected.append(dict(core.rejected))
     return Replay(rejected, sent, core.aggregate().params)
 
@@ -305,3 +307,64 @@ def test_no_site_outweighs_the_cap_in_any_part(job: tuple[str, list[Round]]) -> 
                 measured += 1
     assert measured or not any(tamper(r, p, r.results[i][ATTACKER]) for r in rounds for i, p in enumerate(r.phases)
                                for tamper in MAY_ACCEPT.values()), f"{method}: nothing was measured"
+
+
+def tiny(round_: Round, phase: str, result: Result) -> Result | None:
+    """A step 1/11 of the honest one: with two sites, the honest site's norm is then 11x the median of the others."""
+    arrays, meta = result
+    start = round_.start.global_params
+    floats = [k for k, v in arrays.items() if k in start and v.dtype.kind == "f"]
+    if not floats:
+        return None
+    return {**arrays, **{k: (start[k] + (arrays[k] - start[k]) / 11.0).astype(arrays[k].dtype) for k in floats}}, meta
+
+
+def test_with_two_sites_a_tiny_update_evicts_no_honest_site(job: tuple[str, list[Round]]) -> None:
+    """Issue 49, item 1: site-2 does not answer; the attacker's tiny step must not get site-1 rejected (a norm bound
+    names an outlier only among three or more sites) nor leave the attacker above the cap."""
+    method, rounds = job
+    for index, round_ in enumerate(rounds):
+        for position, phase in enumerate(round_.phases):
+            forged = tiny(round_, phase, round_.results[position][ATTACKER]) if phase == contracts.TRAIN_PHASE else None
+            if forged is None:
+                continue
+            replayed = replay(round_, {position: {ATTACKER: forged}}, absent=("site-2",))
+            assert "site-1" not in replayed.rejected[position], f"{method} round {index}: {replayed.rejected}"
+
+
+def forged_counts(evaluation: dict) -> dict:
+    """Every split's statistics of a site, all wrong and a million times as many."""
+    from medflare.evaluation import _repeated
+
+    forged = {}
+    for split in ("val", "test"):
+        stats = evaluation[split]
+        wrong = dataclasses.replace(stats, confusion=np.fliplr(stats.confusion).copy()) if stats.confusion.ndim == 2 \
+            else stats
+        forged[split] = _repeated(wrong, 10**6)
+    return {**evaluation, **forged}
+
+
+def test_forged_evaluation_counts_are_refused_or_capped(job: tuple[str, list[Round]]) -> None:
+    """Issue 49, item 2, for every method's real evaluation statistics: the attacker's counts, a million times its
+    split, are refused once it has declared its split, and weigh at most the cap in the pooled metrics before."""
+    from medflare.evaluation import DeclaredCounts, site_evaluation, summarize
+
+    method, rounds = job
+    core = rounds[0].start
+    checked = 0
+    declared = DeclaredCounts()
+    for round_ in rounds:
+        for position, phase in enumerate(round_.phases):
+            evaluations = {site: site_evaluation(meta, core.num_classes, core.multi_label)
+                           for site, (_, meta) in round_.results[position].items()}
+            if any(e is None or "val" not in e for e in evaluations.values()):
+                continue
+            honest = evaluations[ATTACKER]
+            assert all(declared.refusal(site, e) == "" for site, e in evaluations.items()), method
+            forged = forged_counts(honest)
+            assert " statistics count 1" in declared.refusal(ATTACKER, forged), method
+            capped = summarize({**evaluations, ATTACKER: forged}, share_cap=CAP)
+            assert capped["val_capped"] == {ATTACKER: pytest.approx(CAP)}, method
+            checked += 1
+    assert checked, f"{method}: no round carried evaluation statistics"

@@ -125,7 +125,7 @@ def test_the_best_model_is_selected_by_the_tasks_headline_metric(multi_label, me
     assert controller.key_metric == metric and controller._results["key_metric"] == metric  # report reads it back
     scores = iter([(0.6, 0.9), (0.8, 0.5), (0.7, 0.95)])  # (headline, the other metric) of models 0, 1, 2
 
-    def summarize(evaluations: dict, shot_groups: dict | None) -> dict:  # the sites' pooled scores of each model
+    def summarize(evaluations: dict, shot_groups: dict | None, share_cap: float = 0.0) -> dict:  # the sites' pooled scores of each model
         headline, rest = next(scores)
         return {"sites": ["site-1"], "test": {metric: headline, other: rest}, "val": {metric: headline, other: rest}}
 
@@ -149,7 +149,7 @@ def test_the_best_model_saved_after_the_next_task_is_out_is_the_scored_one(tmp_p
     from medflare.flare import controller as controller_module
 
     controller = started(False, tmp_path, monkeypatch)
-    monkeypatch.setattr(controller_module, "summarize", lambda evaluations, shot_groups: {
+    monkeypatch.setattr(controller_module, "summarize", lambda evaluations, shot_groups, share_cap=0.0: {
         "sites": ["site-1"], "val": {"balanced_accuracy": 0.7}, "test": {"balanced_accuracy": 0.7}})
     monkeypatch.setattr(controller_module, "send_scalars", lambda *args, **kwargs: None)
     saved = []

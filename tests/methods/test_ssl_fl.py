@@ -571,3 +571,18 @@ def test_fed_mas_runs_on_a_fed_mae_encoder_as_its_frozen_prior(tmp_path: Path) -
     params = {k: v.numpy() for k, v in build_global_model("fedmas", "cnn", 2, 1, 28, method_args=settings.method_args).state_dict().items()}
     _, meta = site.train(params, RoundContext(0, 1))
     assert 0 < meta["rf"] <= 1
+
+
+def test_one_sites_image_count_cannot_decide_the_perplexity_gate_past_the_share_cap() -> None:
+    """Issue 49, item 2: a site claiming 10^8 images and a collapsed perplexity weighs at most the job's cap."""
+    def update(site: str, images: int, perplexity: float) -> SiteUpdate:
+        return SiteUpdate(site, {}, {N_IMAGES: images, contracts.N_SAMPLES: images, "codes_used": 10,
+                                     "code_perplexity": perplexity})
+
+    pretrain = RoundContext(2, 4, stage="pretrain", stage_round=0, stage_rounds=1, scored=False)
+    updates = [update("site-1", 100, 40.0), update("site-2", 100, 40.0), update("hostile", 10**8, 1.0)]
+    rule = SslFlRule(FedBeitConfig(), 4, FED_BEIT.payload)
+    with pytest.raises(ConfigError, match="below method.min_code_perplexity"):
+        rule.round_info(updates, pretrain)  # without a cap (research runs) the count decides
+    rule.share_cap = 0.6
+    assert rule.round_info(updates, pretrain)["code_perplexity_mean"] == pytest.approx(0.6 * 1.0 + 0.4 * 40.0)

@@ -40,7 +40,7 @@ from nvflare.widgets.info_collector import GroupInfoCollector, InfoCollector
 
 from medflare import contracts, resume
 from medflare.errors import MedflareError, PayloadError
-from medflare.evaluation import headline_metric, site_evaluation, summarize, without_histograms
+from medflare.evaluation import DeclaredCounts, headline_metric, site_evaluation, summarize, without_histograms
 from medflare.flare.aggregator import INFO, SHARES, MedflareAggregator
 from medflare.flare.memory import ALLOCATOR_ENV, collect_round_garbage, freeze_startup_objects
 from medflare.flare.progress import (
@@ -173,6 +173,7 @@ class MedflareController(Controller):
         self.wait_time_after_min_received = wait_time_after_min_received
         self.train_timeout = train_timeout
         self.shot_groups = shot_groups
+        self._declared_counts = DeclaredCounts()  # each site's evaluation split sizes, as it first reported them
         self.key_metric = key_metric
         self.patience = patience
         self.resume_from = resume_from
@@ -475,7 +476,11 @@ class MedflareController(Controller):
         except Exception as exc:
             self.log_warning(fl_ctx, f"ignoring malformed evaluation statistics from {site}: {exc}")
             return
-        if evaluation:
+        refusal = self._declared_counts.refusal(site, evaluation) if evaluation else ""
+        if refusal:
+            record.setdefault("evaluation_refused", {})[site] = refusal
+            self.log_warning(fl_ctx, f"medflare: {site}'s evaluation statistics refused: {refusal}")
+        elif evaluation:
             evaluations[site] = evaluation
 
     def _aggregate(self, record: dict, fl_ctx: FLContext) -> None:
@@ -505,7 +510,7 @@ class MedflareController(Controller):
     # ----- evaluation -------------------------------------------------------------------------------
     def _record_evaluation(self, model_version: int, evaluations: dict[str, dict], fl_ctx: FLContext) -> dict:
         """Sum the sites' statistics of model ``model_version`` and keep the best model by validation."""
-        summary = summarize(evaluations, self.shot_groups)
+        summary = summarize(evaluations, self.shot_groups, share_cap=self.aggregator.core.robust.max_share)
         self._results["evaluations"][str(model_version)] = without_histograms(summary)  # "final" keeps them
         score = summary.get("val", {}).get(self.key_metric)
         if score is not None and score > self._best:

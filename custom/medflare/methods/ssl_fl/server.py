@@ -9,6 +9,7 @@ from medflare.errors import ConfigError, PayloadError
 from medflare.methods.base import RoundContext, ServerRule, SiteUpdate, Stage
 from medflare.methods.ssl_fl.client import CODE_PERPLEXITY, CODES_USED, N_IMAGES
 from medflare.methods.ssl_fl.model import PRETRAIN, UNLABELLED_STAGES
+from medflare.ops.influence import Weighting, bound
 
 MEAN_PERPLEXITY = "code_perplexity_mean"  # round record: the sites' perplexities, weighted by their images
 
@@ -35,7 +36,9 @@ class SslFlRule(ServerRule):
         return float(images)
 
     def round_info(self, updates: list[SiteUpdate], ctx: RoundContext) -> dict[str, Any]:
-        """Fed-BEiT: each site's codes used and code perplexity, and their image-weighted mean perplexity.
+        """Fed-BEiT: each site's codes used and code perplexity, and their image-weighted mean perplexity, each
+        site's weight capped at the job's share cap (``robust.max_share``) as in the model's aggregate, so no one
+        site's image count stops a healthy job or passes a collapsed tokenizer.
 
         Raises:
             ConfigError: in pre-training (whose targets are the final tokenizer's tokens), a mean perplexity below
@@ -44,8 +47,10 @@ class SslFlRule(ServerRule):
         reported = [u for u in updates if CODE_PERPLEXITY in u.meta]
         if not reported:
             return {}
-        weights = [float(u.meta.get(N_IMAGES, 1.0)) for u in reported]
-        mean = sum(w * float(u.meta[CODE_PERPLEXITY]) for w, u in zip(weights, reported)) / max(sum(weights), 1e-12)
+        weights = {u.site: float(u.meta.get(N_IMAGES, 1.0)) for u in reported}
+        shares = bound(Weighting(weights), self.share_cap).sites if sum(weights.values()) > 0 else \
+            dict.fromkeys(weights, 1.0 / len(weights))
+        mean = sum(shares[u.site] * float(u.meta[CODE_PERPLEXITY]) for u in reported)
         info = {
             CODES_USED: {u.site: u.meta[CODES_USED] for u in reported},
             CODE_PERPLEXITY: {u.site: u.meta[CODE_PERPLEXITY] for u in reported},
