@@ -142,14 +142,24 @@ def replay(round_: Round, overrides: dict[int, dict[str, Result]], absent: tuple
 
 
 # ----- tampering ----------------------------------------------------------------------------------------------------
-def scaled(round_: Round, phase: str, result: Result) -> Result | None:
-    """(a) the update's step from the global model, times 1000 (weights only)."""
-    arrays, meta = result
-    start = round_.start.global_params
-    floats = [k for k, v in arrays.items() if k in start and v.dtype.kind == "f"]
-    if not floats:
-        return None
-    return {**arrays, **{k: (start[k] + 1000.0 * (arrays[k] - start[k])).astype(arrays[k].dtype) for k in floats}}, meta
+def stepped(factor: float) -> Callable[[Round, str, Result], Result | None]:
+    """The update's step from the global model times ``factor`` (weights only): (a) 1000, a huge step; 1/11, a tiny
+    one (with two sites the honest site's norm is then 11x the median of the others)."""
+
+    def tamper(round_: Round, phase: str, result: Result) -> Result | None:
+        arrays, meta = result
+        start = round_.start.global_params
+        floats = [k for k, v in arrays.items() if k in start and v.dtype.kind == "f"]
+        if not floats:
+            return None
+        return {**arrays, **{k: (start[k] + factor * (arrays[k] - start[k])).astype(arrays[k].dtype)
+                             for k in floats}}, meta
+
+    return tamper
+
+
+scaled = stepped(1000.0)
+tiny = stepped(1.0 / 11.0)
 
 
 def meta_extreme(largest: bool) -> Callable[[Round, str, Result], Result | None]:
@@ -309,16 +319,6 @@ def test_no_site_outweighs_the_cap_in_any_part(job: tuple[str, list[Round]]) -> 
                                for tamper in MAY_ACCEPT.values()), f"{method}: nothing was measured"
 
 
-def tiny(round_: Round, phase: str, result: Result) -> Result | None:
-    """A step 1/11 of the honest one: with two sites, the honest site's norm is then 11x the median of the others."""
-    arrays, meta = result
-    start = round_.start.global_params
-    floats = [k for k, v in arrays.items() if k in start and v.dtype.kind == "f"]
-    if not floats:
-        return None
-    return {**arrays, **{k: (start[k] + (arrays[k] - start[k]) / 11.0).astype(arrays[k].dtype) for k in floats}}, meta
-
-
 def test_with_two_sites_a_tiny_update_evicts_no_honest_site(job: tuple[str, list[Round]]) -> None:
     """Issue 49, item 1: site-2 does not answer; the attacker's tiny step must not get site-1 rejected (a norm bound
     names an outlier only among three or more sites) nor leave the attacker above the cap."""
@@ -355,9 +355,9 @@ def test_forged_evaluation_counts_are_refused_or_capped(job: tuple[str, list[Rou
     checked = 0
     declared = DeclaredCounts()
     for round_ in rounds:
-        for position, phase in enumerate(round_.phases):
+        for results in round_.results:
             evaluations = {site: site_evaluation(meta, core.num_classes, core.multi_label)
-                           for site, (_, meta) in round_.results[position].items()}
+                           for site, (_, meta) in results.items()}
             if any(e is None or "val" not in e for e in evaluations.values()):
                 continue
             honest = evaluations[ATTACKER]
