@@ -31,6 +31,9 @@ EVAL_EXTRA = "eval_extra"  # {evaluation name: {"val"|"test": EvalStats dict}}: 
 FILTER_HISTORY = "filter_history"  # added by FLARE's DXO filters: the names of the filters a result went through
 DP_EPSILON = "dp_epsilon"  # DP-SGD only: ε the site has spent in this job so far, at the job's δ (medflare.dp_sgd)
 DECLINED_HEADER = "medflare_declined"  # header of an error reply: the site's one-line reason for declining the task
+# header a site's task filter puts on a task it refuses to train on (e.g. an implausible decrypted model): the
+# executor declines the task with that reason instead of training
+REFUSED_TASK_HEADER = "medflare_refused_task"
 
 PRIVACY_SCOPE_PREFIX = "medflare-"  # a job names the scope medflare-<method>; sites bind its result filters
 TRAIN_PHASE = "train"  # the phase whose results are aggregated into the next global model

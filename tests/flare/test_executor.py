@@ -142,3 +142,22 @@ def test_the_policys_class_floor_reaches_the_statistics_the_site_sends(tmp_path:
         runtime.close()
     with pytest.raises(ConfigError, match="min_class_samples must be a count"):
         site_policy({"policy": {"min_class_samples": -1}})
+
+
+def test_a_task_its_own_filter_refused_is_declined_with_the_cause(tmp_path: Path, monkeypatch) -> None:
+    """Issue 49, item 4: e.g. he.DecryptTask found the decrypted model implausible; the site does not train."""
+    from nvflare.apis.dxo import DXO, DataKind
+    from nvflare.apis.signal import Signal
+
+    from medflare import contracts
+
+    executor, fl_ctx, _ = site_executor(tmp_path, {"data": SITE_DATA})
+    monkeypatch.setattr("medflare.flare.executor.SiteRuntime", lambda *a, **k: pytest.fail("the site trained"))
+    logged: list[str] = []
+    monkeypatch.setattr(executor, "log_error", lambda fl_ctx, message: logged.append(message))
+    task = DXO(DataKind.WEIGHTS, data={}, meta={}).to_shareable()
+    task.set_header(contracts.REFUSED_TASK_HEADER, "the decrypted global model is implausible: 'w' is not finite")
+    reply = executor.execute("train", task, fl_ctx, Signal())
+    assert reply.get_header(contracts.DECLINED_HEADER) == ("site-1 refuses the task: the decrypted global model is "
+                                                          "implausible: 'w' is not finite")
+    assert logged == [f"site-1: task 'train' declined: {reply.get_header(contracts.DECLINED_HEADER)}"]

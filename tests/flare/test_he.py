@@ -203,3 +203,23 @@ def test_the_simulator_refuses_and_a_run_refuses_what_the_server_cannot_do(tmp_p
         RunConfig(secure_aggregation="he", robust={"max_norm_ratio": 10}).validate(check_files=False)
     with pytest.raises(ConfigError, match="cannot aggregate encrypted"):
         RunConfig(method="local-only", secure_aggregation="he").validate(check_files=False)
+
+
+def test_a_site_refuses_a_decrypted_model_that_is_garbage_or_far_out_of_range(contexts) -> None:
+    """Issue 49, item 4: the server cannot look inside the aggregate; the site checks what it decrypted."""
+    plain, sealed = rounds("fedavg", contexts, {"site-1": site_update(1, 10), "site-2": site_update(2, 20)})
+    sealed.start_round(sealed.aggregate().params, RoundContext(1, 2))
+    outgoing, header = sealed.start_phase("train"), sealed.task_header()
+    decrypt = DecryptTask()
+    decrypt._context = contexts[0]
+    good = decrypt.process(DXO(DataKind.WEIGHTS, data=dict(outgoing), meta=dict(header)).to_shareable(), None)
+    assert good.get_header(contracts.REFUSED_TASK_HEADER) is None  # and it is now the site's last model
+    other_key = he_aggregate.make_context()  # a ciphertext made under another consortium's key
+    forged = {k: he_aggregate.encrypt_array(other_key, v) if k in header[contracts.ENCRYPTED_ARRAYS] else v
+              for k, v in plain.params.items()}
+    task = decrypt.process(DXO(DataKind.WEIGHTS, data=forged, meta=dict(header)).to_shareable(), None)
+    assert "the decrypted global model is implausible: " in task.get_header(contracts.REFUSED_TASK_HEADER)
+    scaled = {k: he_aggregate.encrypt_array(contexts[0], v * 1000) if k in header[contracts.ENCRYPTED_ARRAYS] else v
+              for k, v in plain.params.items()}
+    task = decrypt.process(DXO(DataKind.WEIGHTS, data=scaled, meta=dict(header)).to_shareable(), None)
+    assert "since the last round, over 10 x its norm" in task.get_header(contracts.REFUSED_TASK_HEADER)

@@ -165,6 +165,9 @@ class MedflareExecutor(Executor):
     def execute(self, task_name: str, shareable: Shareable, fl_ctx: FLContext, abort_signal: Signal) -> Shareable:
         site = fl_ctx.get_identity_name()
         try:
+            refused = shareable.get_header(contracts.REFUSED_TASK_HEADER)
+            if refused:  # a task filter of this site refused what the task carries (e.g. he.DecryptTask)
+                raise SiteDeclined(f"{site} refuses the task: {refused}")
             runtime = self._get_runtime(fl_ctx)
             self._stream_epochs(runtime, fl_ctx)
             result = self._dispatch(runtime, task_name, shareable, abort_signal)

@@ -304,9 +304,46 @@ class _SiteContext(Filter):
         return self._context
 
 
+# A decrypted aggregate the site refuses to train on: the server cannot look inside it (a ciphertext made under
+# another key decrypts to noise of about 1e9 and more; an update far out of range is a convex mix of the sites')
+MAX_DECRYPTED_ABS = 1e6  # no weight of a trained classifier comes near it
+MAX_CHANGE_RATIO = 10.0  # ||new - last|| <= 10 x ||last|| over the model: ten times any round's step seen
+
+
+def implausible(arrays: Mapping[str, np.ndarray], last: Mapping[str, np.ndarray]) -> str:
+    """Why a decrypted global model is not one a site should train on ("" when it is plausible): an array that is
+    not finite or holds a value above :data:`MAX_DECRYPTED_ABS`, or a model that moved more than
+    :data:`MAX_CHANGE_RATIO` times its own norm since the last model this site received (over the arrays both hold:
+    one array's norm can be near zero, a freshly trained bias, say)."""
+    for key, value in arrays.items():
+        value = np.asarray(value, np.float64)
+        if not np.all(np.isfinite(value)):
+            return f"'{key}' is not finite"
+        largest = float(np.max(np.abs(value))) if value.size else 0.0
+        if largest > MAX_DECRYPTED_ABS:
+            return f"'{key}' holds {largest:.3g}, beyond {MAX_DECRYPTED_ABS:g} (a ciphertext under another key?)"
+    common = [k for k in arrays if k in last and np.shape(last[k]) == np.shape(arrays[k])]
+    if not common:
+        return ""
+    change = float(np.sqrt(sum(np.sum((np.asarray(arrays[k], np.float64) - last[k]) ** 2) for k in common)))
+    norm = float(np.sqrt(sum(np.sum(np.asarray(last[k], np.float64) ** 2) for k in common)))
+    if change > MAX_CHANGE_RATIO * max(norm, 1e-3):
+        return f"the model moved {change:.3g} since the last round, over {MAX_CHANGE_RATIO:g} x its norm {norm:.3g}"
+    return ""
+
+
 class DecryptTask(_SiteContext):
     """Site task-data filter: decrypts the arrays a task declares encrypted (``contracts.ENCRYPTED_ARRAYS``) into
-    the shapes and dtypes it declares; a task without encrypted arrays passes unchanged."""
+    the shapes and dtypes it declares; a task without encrypted arrays passes unchanged.
+
+    The site checks what it decrypted (:func:`implausible`) against the last model it received, which the server
+    could not: a task with an implausible model gets :data:`contracts.REFUSED_TASK_HEADER` with the cause, and the
+    executor declines it with that line (the round's record names it) instead of training on garbage.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last: dict[str, np.ndarray] = {}  # the last plausible decrypted model (stays at the site)
 
     def process(self, shareable: Shareable, fl_ctx: FLContext) -> Shareable:
         try:
@@ -320,6 +357,12 @@ class DecryptTask(_SiteContext):
         data = dict(dxo.data or {})
         for key, (shape, dtype) in declared.items():
             data[key] = he_aggregate.decrypt_array(context, data[key], shape, dtype)
+        opened = {key: data[key] for key in declared if np.asarray(data[key]).dtype.kind == "f"}
+        why = implausible(opened, self._last)
+        if why:
+            shareable.set_header(contracts.REFUSED_TASK_HEADER, f"the decrypted global model is implausible: {why}")
+            return shareable
+        self._last = {key: np.array(value, copy=True) for key, value in opened.items()}
         dxo.data = data
         dxo.remove_meta_props([contracts.ENCRYPTED_ARRAYS])
         dxo.update_shareable(shareable)
