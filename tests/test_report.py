@@ -361,3 +361,13 @@ def test_report_on_a_tampered_results_file_is_one_line(tmp_path: Path, capsys, c
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert f"{path}: " in err or f"{path} " in err
     assert field in err and not (app_server / "report.md").exists()
+
+
+def test_class_names_from_the_data_are_escaped_in_report_md(tmp_path: Path) -> None:
+    """Issue 49, item 5: a class folder named like Markdown or HTML cannot break a table or inject a link."""
+    task = {"num_classes": 3, "in_channels": 3, "image_size": 28,
+            "class_names": ["a|b", "<img src=x onerror=alert(1)>", "[click](http://x)"]}
+    write_outputs(build_summary(results(), config(task=task), CLIENTS), tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    assert "| 0 | a\\|b |" in text and "\\<img src=x onerror=alert(1)\\>" in text and "\\[click\\](http://x)" in text
+    assert "<img" not in text.replace("\\<img", "")

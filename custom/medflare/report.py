@@ -265,6 +265,14 @@ def _cell(value: Any) -> str:
     return f"{value:.4f}" if isinstance(value, (int, float)) else "n/a"
 
 
+_MARKDOWN_SPECIAL = str.maketrans({c: f"\\{c}" for c in "\\`*_[]<>|#"} | {"\n": " ", "\r": " "})
+
+
+def markdown_text(text: str) -> str:
+    """``text`` from the data (a class name, say) as literal Markdown: no table cell broken, no HTML, no link."""
+    return str(text).translate(_MARKDOWN_SPECIAL)
+
+
 def class_names(summary: Mapping[str, Any]) -> list[str]:
     """The run's class names (from the data or ``task.class_names``), else ``class_<k>``."""
     task = summary["config"].get("task") or {}
@@ -296,7 +304,7 @@ def _header(summary: Mapping[str, Any]) -> list[str]:
         "",
         f"- data: `{data.get('source')}` partition `{data.get('partition', '-')}`, {cfg.get('clients')} sites, "
         f"{_models_text(cfg)}, {summary['rounds_completed']} rounds, seed {cfg.get('seed')}",
-        f"- classes: {', '.join(class_names(summary)) or 'n/a'}",
+        f"- classes: {', '.join(markdown_text(name) for name in class_names(summary)) or 'n/a'}",
         *([f"- plan `{summary['plan']}` (the server's; every site logs the one it runs, `medflare config --plan` "
            f"prints the plan){_plan_check_text(summary)}"] if summary.get("plan") else []),
         f"- mean round wall time {format_seconds(timing.get('mean_round_seconds'), 2)}; {startup_text(timing)}",
@@ -430,7 +438,7 @@ def _per_class_section(summary: Mapping[str, Any]) -> list[str]:
     scored = "The final global model" if server_holds_model(summary) else "The sites' own final models"
     lines = ["## Per class", "", f"{scored} on the pooled test split; the confusion matrix is `confusion.png`.", "", "| class | name | training images | group | recall | AUC |", "|---|---|---|---|---|---|"]
     for k, name in enumerate(class_names(summary)):
-        lines.append(f"| {k} | {name} | {train[k] if train else '-'} | {groups.get(k, '-')} | "
+        lines.append(f"| {k} | {markdown_text(name)} | {train[k] if train else '-'} | {groups.get(k, '-')} | "
                      f"{_cell(recall[k] if k < len(recall) else None)} | "
                      f"{_cell(auc[k] if k < len(auc) else None)} |")
     return lines

@@ -22,6 +22,8 @@ from medflare.cli import main as medflare_main
 from medflare.deploy import netns
 from medflare.deploy.netns import NETNS_ETC, PREFIX, Wan, list_namespaces, sweep_stale, unavailable_reason
 from medflare.deploy.rehearse import (
+    RECONNECT_ALLOWANCE,
+    WORK_ALLOWANCE,
     Fault,
     Rehearsal,
     RehearseError,
@@ -30,6 +32,7 @@ from medflare.deploy.rehearse import (
     consortium,
     plan_from_args,
     rehearse,
+    stalled_rounds,
 )
 from medflare.errors import ConfigError
 
@@ -167,6 +170,32 @@ def test_the_checks_catch_a_round_over_its_bound_and_a_site_that_never_came_back
     gone["rounds"][2]["share"] = without_b
     failed = [c["check"] for c in check_outcome(plan, args[0], gone, *args[2:]) if not c["ok"]]
     assert failed == ["hospital-b back in the job"]
+
+
+def test_the_round_bound_states_both_set_ups_and_a_stalled_round_names_its_cause() -> None:
+    """Issue 49, item 6: with every hospital required a round waits out the faulted site's outage; with fewer it
+    waits the straggler time. A round over the fault-free bound is recorded with the fault that overlapped it."""
+    outage = Fault("outage", "hospital-b", 2, 0, 30)
+    some = Rehearsal(hospitals=3, min_clients=2, straggler_seconds=10, faults=[outage])
+    every = Rehearsal(hospitals=3, straggler_seconds=10, faults=[outage])
+    assert not some.all_required() and every.all_required()
+    assert some.round_bound() == WORK_ALLOWANCE + 10 + 5 == 75
+    assert every.round_bound() == WORK_ALLOWANCE + 10 + 30 + RECONNECT_ALLOWANCE + 5
+    assert "the longest fault 30 s" in every.bound_text() and "fault" not in some.bound_text()
+    assert Rehearsal(hospitals=2, straggler_seconds=10).round_bound() == 75  # no fault: nothing to wait out
+    rounds = [{"round": 0, "started_at": 1000.0, "wall_seconds": 20.0},
+              {"round": 1, "started_at": 1020.0, "wall_seconds": 109.0},
+              {"round": 2, "started_at": 1129.0, "wall_seconds": 80.0}]
+    events = [{"fault": outage.describe(), "struck_at": 25.0, "recovered_at": 55.0}]
+    hospitals, share = ["hospital-a", "hospital-b", "hospital-c"], {"hospital-a": 1, "hospital-b": 1, "hospital-c": 1}
+    waited = {"rounds": [{**r, "share": share} for r in rounds]}
+    checks = {c["check"]: c for c in check_outcome(every, "FINISHED:COMPLETED", waited, None, hospitals, events,
+                                                  {"hospital-b": True}, "", "job")}
+    assert checks["hospital-b in every round"]["ok"] and checks["longest round"]["ok"]  # 109 s <= 135 s
+    stalled = stalled_rounds(every, rounds, events, submitted_at=1000.0)
+    assert stalled == [{"round": 2, "wall_seconds": 109.0, "cause": outage.describe()},
+                       {"round": 3, "wall_seconds": 80.0, "cause": "no scripted fault overlapped it (the sites' "
+                                                                   "work, the network, or the machine's load)"}]
 
 
 # ----- the network -----------------------------------------------------------------------------------------------
@@ -322,6 +351,8 @@ def test_ctrl_c_mid_rehearsal_removes_everything(tmp_path: Path) -> None:
             if "submitted" in line:
                 break
         assert ours(child.pid), "".join(lines)
+        work = out.with_name("out.partial") / "work"  # the kits and keys: this account's only, also if SIGKILLed now
+        assert work.stat().st_mode & 0o077 == 0, oct(work.stat().st_mode)
         child.send_signal(signal.SIGINT)
         rest, _ = child.communicate(timeout=120)
     finally:

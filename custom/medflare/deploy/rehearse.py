@@ -56,6 +56,8 @@ TASK = {"num_classes": 2, "in_channels": 1, "image_size": 28}  # what each hospi
 MID_ROUND_DELAY = 1.0  # seconds after a round starts that a round-triggered fault strikes (sites are training)
 STRAGGLER_SLACK = 3.0  # seconds the server may take past the straggler wait to cancel the task and aggregate
 WORK_ALLOWANCE = 60.0  # seconds a round may take for the sites' local work and transfers, on top of the waits
+# a hospital whose link or processes come back reconnects (FLARE's retry back-off) and redoes its task in this long
+RECONNECT_ALLOWANCE = 30.0
 SERVER = "server"  # the ``site`` of a server fault: the consortium's server, whatever its name
 Echo = Callable[[str], None]
 
@@ -146,12 +148,30 @@ class Rehearsal:
     transfer_dtype: str = "float32"
     download_dtype: str = "float32"
 
+    def all_required(self) -> bool:
+        """Every hospital must answer each round (``min_clients`` 0 or the number of hospitals)."""
+        return self.min_clients == 0 or self.min_clients >= self.hospitals
+
     def round_bound(self) -> float:
-        """The longest a round may take: a dead or cut-off site costs at most the straggler wait once
-        ``min_clients`` answered, and never more than the task timeout; the healthy sites' work and transfers get
-        :data:`WORK_ALLOWANCE`."""
+        """The longest a round may take, never more than the task timeout; the healthy sites' work and transfers
+        get :data:`WORK_ALLOWANCE`. When fewer than every hospital is required, a dead or cut-off site costs at most
+        the straggler wait once ``min_clients`` answered. When every hospital is required, the round waits for the
+        faulted one: the longest hospital fault's duration and :data:`RECONNECT_ALLOWANCE` are added."""
         task_timeout = self.task_timeout or 3600
-        return min(task_timeout, WORK_ALLOWANCE + self.straggler_seconds) + 5.0
+        wait = float(self.straggler_seconds)
+        hospital_faults = [f.duration for f in self.faults if f.kind != "server"]
+        if self.all_required() and hospital_faults:
+            wait += max(hospital_faults) + RECONNECT_ALLOWANCE
+        return min(task_timeout, WORK_ALLOWANCE + wait) + 5.0
+
+    def bound_text(self) -> str:
+        """How :meth:`round_bound` is made up, for the check's expected column."""
+        parts = f"straggler {self.straggler_seconds} s + {WORK_ALLOWANCE:.0f} s work"
+        if self.all_required() and any(f.kind != "server" for f in self.faults):
+            longest = max(f.duration for f in self.faults if f.kind != "server")
+            parts += f" + the longest fault {longest:g} s + {RECONNECT_ALLOWANCE:.0f} s to reconnect (every hospital " \
+                     "required)"
+        return f"<= {self.round_bound():.0f} s ({parts}, capped by the task timeout)"
 
 
 def consortium(project: dict[str, Any], hospitals: int) -> dict[str, Any]:
@@ -577,8 +597,7 @@ def check_outcome(plan: Rehearsal, status: str, results: dict[str, Any], model_p
          "ok": len(rounds) == plan.rounds and not results.get("error")},
         {"check": "model", "expected": "FL_global_model.pt loads, finite, the method's keys",
          "observed": model_problem or "ok", "ok": model_problem is None},
-        {"check": "longest round", "expected": f"<= {plan.round_bound():.0f} s (straggler {plan.straggler_seconds} s "
-                                               f"+ {WORK_ALLOWANCE:.0f} s work, capped by the task timeout)",
+        {"check": "longest round", "expected": plan.bound_text(),
          "observed": f"{max(walls, default=0):.1f} s", "ok": bool(walls) and max(walls) <= plan.round_bound()},
     ]
     waits = [r.get("wall_seconds", 0.0) - max((v.get("result_at", 0.0) for v in r.get("sites", {}).values()),
@@ -599,7 +618,11 @@ def check_outcome(plan: Rehearsal, status: str, results: dict[str, Any], model_p
                        "observed": "connected" if rejoined.get(site) else "not connected",
                        "ok": bool(rejoined.get(site))})
         outage = [f for f in plan.faults if f.site == site and f.kind == "outage"]
-        if outage and outage[0].duration < SITE_HEARTBEAT_TIMEOUT:
+        if outage and plan.all_required():  # each round waited for it: it is in every round's aggregate
+            checks.append({"check": f"{site} in every round", "expected": "every hospital required: each round "
+                                                                          "waits for it through the outage",
+                           "observed": f"missed rounds {missed}", "ok": not missed})
+        elif outage and outage[0].duration < SITE_HEARTBEAT_TIMEOUT:
             back = bool(missed) and any(site in r.get("share", {}) for r in rounds if r["round"] + 1 > missed[0])
             checks.append({"check": f"{site} back in the job",
                            "expected": "misses the cut-off round(s), in a later round's aggregate again",
@@ -615,6 +638,25 @@ def check_outcome(plan: Rehearsal, status: str, results: dict[str, Any], model_p
                        "ok": "struck_at" in event})
     crashes = [e for e in events if "crashed_job" in e]
     return checks + (server_crash_checks(plan, results, crashes[0]) if crashes else [])
+
+
+def stalled_rounds(plan: Rehearsal, rounds: list[dict[str, Any]], events: list[dict[str, Any]],
+                   submitted_at: float) -> list[dict[str, Any]]:
+    """The rounds that took longer than a fault-free round may (work and the straggler wait), each with its cause:
+    the scripted faults whose time overlapped it, or that none did."""
+    calm = WORK_ALLOWANCE + plan.straggler_seconds + 5.0
+    stalled = []
+    for record in rounds:
+        wall = float(record.get("wall_seconds") or 0.0)
+        if wall <= calm:
+            continue
+        start = float(record.get("started_at") or submitted_at) - submitted_at
+        overlapping = [e["fault"] for e in events if "struck_at" in e
+                       and e["struck_at"] <= start + wall and e.get("recovered_at", float("inf")) >= start]
+        stalled.append({"round": record.get("round", 0) + 1, "wall_seconds": round(wall, 1),
+                        "cause": "; ".join(overlapping) or "no scripted fault overlapped it (the sites' work, "
+                                                               "the network, or the machine's load)"})
+    return stalled
 
 
 def server_crash_checks(plan: Rehearsal, results: dict[str, Any], crash: dict[str, Any]) -> list[dict[str, Any]]:
@@ -667,7 +709,10 @@ def rehearse(plan: Rehearsal, out_dir: str | Path, echo: Echo = print, overwrite
     target = OutputTarget(Path(out_dir), overwrite=overwrite, option="-o")
     staging = target.begin()
     stage = Stage(plan, staging / "work", echo)
-    stage.work.mkdir()
+    # the kits and the CA's keys go below: readable by this account only from the start, so a SIGKILLed rehearsal
+    # (whose folder the next one sweeps) never leaves them open to others in the meantime
+    stage.work.mkdir(mode=0o700)
+    stage.work.chmod(0o700)
     record: dict[str, Any] = {"plan": _plain(plan)}
     try:
         stage.provision()
@@ -701,6 +746,9 @@ def rehearse(plan: Rehearsal, out_dir: str | Path, echo: Echo = print, overwrite
         server_log = (stage.kit(stage.server["name"]) / "log.txt").read_text(errors="replace")
         checks = check_outcome(plan, status, results, model_problem, stage.hospitals, stage.events, rejoined,
                                server_log, job_id)
+        record["stalled_rounds"] = stalled_rounds(plan, results.get("rounds", []), stage.events, stage.submitted_at)
+        for stalled in record["stalled_rounds"]:
+            stage.echo(f"rehearse: round {stalled['round']} took {stalled['wall_seconds']} s: {stalled['cause']}")
         record.update(
             job_id=job_id, jobs=stage.job_ids, status=status, watch_exit=code, hospitals=stage.hospitals,
             addresses={name: host.address for name, host in stage.wan.hosts.items()},
