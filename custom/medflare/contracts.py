@@ -30,7 +30,15 @@ EVAL_TEST_BY_ATTRIBUTE = "eval_test_by_attribute"  # {attribute value: EvalStats
 EVAL_EXTRA = "eval_extra"  # {evaluation name: {"val"|"test": EvalStats dict}}: method-declared evaluations
 FILTER_HISTORY = "filter_history"  # added by FLARE's DXO filters: the names of the filters a result went through
 DP_EPSILON = "dp_epsilon"  # DP-SGD only: ε the site has spent in this job so far, at the job's δ (medflare.dp_sgd)
-DECLINED_HEADER = "medflare_declined"  # header of an error reply: the site's one-line reason for declining the task
+DECLINED_HEADER = "medflare_declined"  # header of an error reply: why the site declined, a key of DECLINE_REASONS
+# The only words a site's decline may carry out of the hospital (free text could carry a path or a patient's name);
+# the server records the sentence, the site's own log keeps the details.
+DECLINE_REASONS = {
+    "policy": "its site policy declines the job (methods or required defences)",
+    "dp_policy": "its DP-SGD policy declines the job's dp_sgd",
+    "dp_budget": "its DP-SGD budget is spent; it stops contributing",
+    "implausible_model": "the decrypted global model is implausible",
+}
 # header a site's task filter puts on a task it refuses to train on (e.g. an implausible decrypted model): the
 # executor declines the task with that reason instead of training
 REFUSED_TASK_HEADER = "medflare_refused_task"

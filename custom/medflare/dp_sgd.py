@@ -123,7 +123,7 @@ def site_dp_settings(job: Mapping[str, Any] | None, policy: Mapping[str, Any] | 
         if demands:
             raise SiteDeclined(f"{site} declines the job: its medflare_site.json's dp_sgd ({', '.join(demands)}) "
                                "requires DP-SGD and the job has none; submit it with a dp_sgd section (e.g. --set "
-                               "dp_sgd.noise_multiplier=1.0)")
+                               "dp_sgd.noise_multiplier=1.0)", reason="dp_policy")
         return None
     cfg = from_dict(DPSGDConfig, dict(job), "dp_sgd")
     refusals = [
@@ -137,7 +137,8 @@ def site_dp_settings(job: Mapping[str, Any] | None, policy: Mapping[str, Any] | 
     ]
     reasons = [reason for refused, reason in refusals if refused]
     if reasons:
-        raise SiteDeclined(f"{site} declines the job's dp_sgd: {'; '.join(reasons)} (its medflare_site.json)")
+        raise SiteDeclined(f"{site} declines the job's dp_sgd: {'; '.join(reasons)} (its medflare_site.json)",
+                           reason="dp_policy")
     budgets = [b for b in (cfg.max_epsilon, rules.max_epsilon) if b > 0]
     cfg.max_epsilon = min(budgets, default=0.0)
     return cfg
@@ -279,7 +280,8 @@ class PrivateTraining:
         if after > budget or math.isnan(after):
             raise SiteDeclined(
                 f"DP-SGD budget spent: ε = {self.epsilon():.3f} at δ = {self.cfg.delta:g} so far, one more round "
-                f"({steps} steps) would reach {after:.3f} > max_epsilon {budget:g}; this site stops contributing"
+                f"({steps} steps) would reach {after:.3f} > max_epsilon {budget:g}; this site stops contributing",
+                reason="dp_budget",
             )
 
     def state_dict(self) -> dict[str, Any]:

@@ -20,5 +20,10 @@ class PayloadError(MedflareError, ValueError):
 
 
 class SiteDeclined(MedflareError):
-    """A site declines a task on its own policy (e.g. its DP-SGD budget is spent); the one-line reason is all the
-    site sends back, and the server records it beside the site's failed task."""
+    """A site declines a task on its own policy (e.g. its DP-SGD budget is spent). The message, with its details,
+    stays in the site's log; what the site sends back is only ``reason``, one word of a closed vocabulary
+    (``medflare.contracts.DECLINE_REASONS``), which the server records beside the site's failed task."""
+
+    def __init__(self, message: str, reason: str = "policy") -> None:
+        super().__init__(message)
+        self.reason = reason

@@ -172,3 +172,14 @@ def test_the_best_model_saved_after_the_next_task_is_out_is_the_scored_one(tmp_p
     assert fl_ctx.get_prop(AppConstants.GLOBAL_MODEL)[ModelLearnableKey.WEIGHTS]["w"].tolist() == [9.0, 9.0]
     controller._close_round({"server_seconds": {}}, fl_ctx)
     assert len(saved) == 1  # saved once
+
+
+def test_a_declining_sites_reason_is_recorded_only_from_the_closed_vocabulary() -> None:
+    """Issue 49, item 5: no free text a site writes reaches the server's record."""
+    from medflare.flare.controller import declined_text
+
+    assert declined_text("EXECUTION_EXCEPTION", "dp_budget") == ("EXECUTION_EXCEPTION: declined: its DP-SGD budget "
+                                                                 "is spent; it stops contributing")
+    assert declined_text("EXECUTION_EXCEPTION", "/data/patients/jane-doe.png") == (
+        "EXECUTION_EXCEPTION: declined (an unrecognised reason, not recorded)")
+    assert declined_text("EXECUTION_EXCEPTION", None) == "EXECUTION_EXCEPTION"

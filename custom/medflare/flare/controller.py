@@ -127,6 +127,15 @@ class NextTaskHold:
         return time.monotonic() - started
 
 
+def declined_text(rc: str, declined: Any) -> str:
+    """A failed task's record: the return code, and a declining site's reason in medflare's words (a site sends a
+    key of :data:`contracts.DECLINE_REASONS` only; anything else is not repeated)."""
+    if declined is None:
+        return str(rc)
+    sentence = contracts.DECLINE_REASONS.get(declined) if isinstance(declined, str) else None
+    return f"{rc}: declined: {sentence}" if sentence else f"{rc}: declined (an unrecognised reason, not recorded)"
+
+
 class MedflareController(Controller):
     """Round loop shared by all methods.
 
@@ -455,7 +464,7 @@ class MedflareController(Controller):
         rc = result.get_return_code()
         if rc != ReturnCode.OK:
             declined = result.get_header(contracts.DECLINED_HEADER)  # e.g. its DP-SGD budget is spent
-            record["failed"][site] = f"{rc}: {str(declined)[:500]}" if declined else str(rc)  # a site's text: capped
+            record["failed"][site] = declined_text(rc, declined)
             self.log_warning(fl_ctx, f"{site} returned {rc} for '{task_name}'; see that site's log")
             return
         try:

@@ -167,7 +167,7 @@ class MedflareExecutor(Executor):
         try:
             refused = shareable.get_header(contracts.REFUSED_TASK_HEADER)
             if refused:  # a task filter of this site refused what the task carries (e.g. he.DecryptTask)
-                raise SiteDeclined(f"{site} refuses the task: {refused}")
+                raise SiteDeclined(f"{site} refuses the task: {refused}", reason="implausible_model")
             runtime = self._get_runtime(fl_ctx)
             self._stream_epochs(runtime, fl_ctx)
             result = self._dispatch(runtime, task_name, shareable, abort_signal)
@@ -176,7 +176,7 @@ class MedflareExecutor(Executor):
         except SiteDeclined as exc:  # the site's own policy: its one-line reason is what the server records
             self.log_error(fl_ctx, f"{site}: task '{task_name}' declined: {exc}")
             reply = make_reply(ReturnCode.EXECUTION_EXCEPTION)
-            reply.set_header(contracts.DECLINED_HEADER, str(exc)[:500])
+            reply.set_header(contracts.DECLINED_HEADER, exc.reason)  # a word of DECLINE_REASONS, no free text
             return reply
         except MedflareError as exc:
             self.log_error(fl_ctx, f"{site}: task '{task_name}' failed: {exc}")
