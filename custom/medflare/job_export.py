@@ -272,8 +272,9 @@ def meta_config(plan: RunPlan) -> dict[str, Any]:
 
 def robust_record(robust: dict[str, Any]) -> dict[str, Any]:
     """Whether the server's robust defences are on, and with which values (0 = that defence is off)."""
-    settings = {**ROBUST_OFF, **typed_robust(robust)}
-    return {"on": any(settings.values()), **settings}
+    from medflare.server_setup import RobustConfig
+
+    return RobustConfig(**{**ROBUST_OFF, **typed_robust(robust)}).record()
 
 
 def simulator_job(run: RunConfig, mode: str) -> bool:

@@ -36,6 +36,12 @@ class RobustConfig:
         if self.max_norm_ratio < 0 or not 0 <= self.max_share <= 1:
             raise ConfigError(f"robust: max_norm_ratio must be >= 0 and max_share in [0, 1], got {self}")
 
+    def record(self) -> dict[str, Any]:
+        """Whether the defences are on, and with which values (0 = that defence is off): ``meta.json``'s
+        ``robust_aggregation`` as the job was written, and the server's results as it ran."""
+        settings = {"max_norm_ratio": float(self.max_norm_ratio), "max_share": float(self.max_share)}
+        return {"on": any(settings.values()), **settings}
+
 
 def server_rule(
     method: str,

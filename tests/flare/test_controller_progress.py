@@ -99,13 +99,13 @@ def test_watch_still_reads_the_entries_of_an_earlier_server() -> None:
     assert format_progress(earlier) == "model 1 test balanced accuracy 0.5000, val 0.4000 (2 sites)"
 
 
-def started(multi_label: bool, tmp_path: Path, monkeypatch) -> MedflareController:
+def started(multi_label: bool, tmp_path: Path, monkeypatch, robust: dict | None = None) -> MedflareController:
     """A controller after FLARE's ``start_controller``, its engine stubbed: a MedflareAggregator of this task."""
     from medflare.flare import controller as controller_module
     from medflare.flare.aggregator import MedflareAggregator
 
     monkeypatch.setattr(controller_module, "freeze_startup_objects", lambda: None)  # no gc.freeze in the test run
-    aggregator = MedflareAggregator("fedavg", num_classes=3, num_rounds=2, multi_label=multi_label)
+    aggregator = MedflareAggregator("fedavg", num_classes=3, num_rounds=2, multi_label=multi_label, robust=robust)
     persistor = SimpleNamespace(load=lambda fl_ctx: {ModelLearnableKey.WEIGHTS: {"w": np.zeros(2, np.float32)}})
     controller = MedflareController(num_rounds=2)
     controller._engine = SimpleNamespace(get_component={"aggregator": aggregator, "persistor": persistor}.get)
@@ -183,3 +183,13 @@ def test_a_declining_sites_reason_is_recorded_only_from_the_closed_vocabulary() 
     assert declined_text("EXECUTION_EXCEPTION", "/data/patients/jane-doe.png") == (
         "EXECUTION_EXCEPTION: declined (an unrecognised reason, not recorded)")
     assert declined_text("EXECUTION_EXCEPTION", None) == "EXECUTION_EXCEPTION"
+
+
+@pytest.mark.parametrize("robust, record", [
+    ({"max_norm_ratio": 10.0, "max_share": 0.6}, {"on": True, "max_norm_ratio": 10.0, "max_share": 0.6}),
+    ({}, {"on": False, "max_norm_ratio": 0.0, "max_share": 0.0}),  # edited out of an exported job's config
+])
+def test_the_results_record_the_defences_the_server_ran_with(robust: dict, record: dict, tmp_path: Path,
+                                                               monkeypatch) -> None:
+    """Issue 49, item 5: the server's record comes from its own aggregator, not from what meta.json says."""
+    assert started(False, tmp_path, monkeypatch, robust)._results["robust_aggregation"] == record

@@ -219,6 +219,8 @@ class MedflareController(Controller):
         return {"method": self.aggregator.method, "num_rounds": self.num_rounds, "key_metric": self.key_metric,
                 **({"plan": self._plan_digest} if self._plan_digest else {}),
                 "controller_started_at": time.time(),
+                # the defences this server runs with, read from its own aggregator: an edited job records the truth
+                "robust_aggregation": self.aggregator.core.robust.record(),
                 "allocator": {name: os.environ.get(name) for name in ALLOCATOR_ENV}, "rounds": [], "evaluations": {},
                 **({} if self.aggregator.holds_plaintext else  # what an encrypted job's server does not write
                    {"secure_aggregation": self.aggregator.encryption_record()})}
