@@ -265,7 +265,9 @@ def _cell(value: Any) -> str:
     return f"{value:.4f}" if isinstance(value, (int, float)) else "n/a"
 
 
-_MARKDOWN_SPECIAL = str.maketrans({c: f"\\{c}" for c in "\\`*_[]<>|#"} | {"\n": " ", "\r": " "})
+# what lets text break a table cell, open a tag or a link, or start code or emphasis (an underscore inside a word,
+# as in lesion_type_7, is literal in CommonMark and stays as written)
+_MARKDOWN_SPECIAL = str.maketrans({c: f"\\{c}" for c in "\\`*[]<>|"} | {"\n": " ", "\r": " "})
 
 
 def markdown_text(text: str) -> str:
