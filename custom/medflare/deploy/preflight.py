@@ -20,7 +20,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,15 +65,15 @@ def preflight(kit: str | Path, job: str | Path | None = None, max_images: int = 
         return checks
     site = _site_name(kit)
     site_file = _run_value(checks, "site file", lambda: _site_file(kit))
-    if site_file is not None:
-        checks.append(_run("policy", lambda: _policy(site_file)))
+    policy = _run_value(checks, "policy", lambda: _policy(site_file)) if site_file is not None else None
+    if policy is not None:
         found = _run_value(checks, "data", lambda: _site_data(site, site_file))
         if found is not None:
-            checks += _image_checks(*found, site_file, max_images, progress)
-        checks.append(_run("DP-SGD", lambda: _dp_budget(site_file)))
+            checks += _image_checks(*found, policy.min_class_samples, max_images, progress)
+        checks.append(_run("DP-SGD", lambda: _dp_budget(site_file, policy)))
         checks.append(_run("devices", lambda: _devices(site_file)))
         if job is not None:
-            checks += _job_checks(Path(job), site, site_file)
+            checks += _job_checks(Path(job), site, site_file, policy)
     return checks
 
 
@@ -124,7 +124,7 @@ def _site_name(kit: Path) -> str:
     return str(json.loads((kit / "startup" / "fed_client.json").read_text())["client"].get("fqsn") or kit.name)
 
 
-def _certificate(kit: Path, now: datetime.datetime | None = None) -> tuple[str, str]:
+def _certificate(kit: Path) -> tuple[str, str]:
     from cryptography import x509
 
     startup = kit / "startup"
@@ -135,7 +135,7 @@ def _certificate(kit: Path, now: datetime.datetime | None = None) -> tuple[str, 
     except Exception as exc:  # noqa: BLE001 - cryptography raises several types for a foreign or altered cert
         raise Failed(f"client.crt is not signed by the kit's rootCA.pem ({type(exc).__name__}); the kit was altered "
                      "or mixes two provisionings: ask the project admin for this site's kit") from exc
-    now = now or datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.timezone.utc)
     start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
     if now < start:
         raise Failed(f"client.crt is valid only from {start:%Y-%m-%d %H:%M} UTC; check this machine's clock")
@@ -221,14 +221,14 @@ def _site_file(kit: Path) -> tuple[Any, str, str]:
     return site_file, PASS, str(site_file.path)
 
 
-def _policy(site_file: Any) -> tuple[str, str]:
+def _policy(site_file: Any) -> tuple[Any, str, str]:
     from medflare.site_policy import site_policy
 
     policy = site_policy(site_file.content)
     accepts = ", ".join(policy.methods) if policy.methods is not None else "any method"
     required = ", ".join(policy.require) or "nothing"
-    return PASS, (f"accepts {accepts}; requires {required}; min_class_samples {policy.min_class_samples}; audit log "
-                  f"{policy.audit_log}")
+    return policy, PASS, (f"accepts {accepts}; requires {required}; min_class_samples {policy.min_class_samples}; "
+                          f"audit log {policy.audit_log}")
 
 
 def _site_data(site: str, site_file: Any) -> tuple[Any, str, str]:
@@ -244,32 +244,29 @@ def _site_data(site: str, site_file: Any) -> tuple[Any, str, str]:
                        f"{len(data.test)} test images"
 
 
-def _image_checks(data: Any, names: list[str], site_file: Any, max_images: int, progress: Progress) -> list[Check]:
-    from medflare.site_policy import site_policy
-
+def _image_checks(data: Any, names: list[str], floor: int, max_images: int, progress: Progress) -> list[Check]:
     sets = {split: getattr(data, split).images for split in ("train", "val", "test")}
     scan = _scan(sets, max_images, progress)
-    checks = [_corrupt_check(scan), _size_check(scan), _intensity_check(scan)]
-    floor = site_policy(site_file.content).min_class_samples
-    checks.append(_class_check(sets, names, floor))
-    return checks
+    return [_corrupt_check(scan), _size_check(scan), _intensity_check(scan), _class_check(sets, names, floor)]
 
 
 @dataclass
 class _Scan:
+    """What reading the images found."""
+
     read: int = 0
     total: int = 0
-    corrupt: list[str] | None = None
-    sizes: dict[tuple[int, int], int] | None = None
+    corrupt: list[str] = field(default_factory=list)
+    sizes: dict[tuple[int, ...], int] = field(default_factory=dict)
     low: float = float("inf")
     high: float = float("-inf")
     blank: int = 0
-    kinds: set[str] | None = None
+    kinds: set[str] = field(default_factory=set)
 
 
 def _scan(sets: dict[str, Any], max_images: int, progress: Progress) -> _Scan:
     """Read every image of ``sets`` (at most ``max_images`` per split) as training will."""
-    scan = _Scan(corrupt=[], sizes={}, kinds=set())
+    scan = _Scan()
     indices = {split: range(len(s) if not max_images else min(len(s), max_images)) for split, s in sets.items()}
     scan.total = sum(len(i) for i in indices.values())
     said = time.time()
@@ -340,10 +337,8 @@ def _class_check(sets: dict[str, Any], names: list[str], floor: int) -> Check:
     return Check("classes", PASS, detail)
 
 
-def _dp_budget(site_file: Any) -> tuple[str, str]:
-    from medflare.site_policy import site_policy
-
-    policy, dp = site_policy(site_file.content), site_file.get("dp_sgd") or {}
+def _dp_budget(site_file: Any, policy: Any) -> tuple[str, str]:
+    dp = site_file.get("dp_sgd") or {}
     if not dp and "dp_sgd" not in policy.require:
         return PASS, "no DP-SGD policy (jobs without DP-SGD are accepted)"
     try:
@@ -365,11 +360,11 @@ def _epsilon_spent(audit: Path) -> float:
 
 
 # ----- a job at this site ---------------------------------------------------------------------------------------
-def _job_checks(job: Path, site: str, site_file: Any) -> list[Check]:
+def _job_checks(job: Path, site: str, site_file: Any, policy: Any) -> list[Check]:
     checks: list[Check] = []
     plan = _run_value(checks, "job", lambda: _job_plan(job))
     if plan is not None:
-        checks.append(_run("job policy", lambda: _job_policy(plan, site_file)))
+        checks.append(_run("job policy", lambda: _job_policy(plan, policy)))
         checks.append(_run("job data", lambda: _job_data(plan, site, site_file)))
     return checks
 
@@ -381,21 +376,17 @@ def _job_plan(job: Path) -> tuple[Any, str, str]:
     return plan, PASS, f"{job} runs {plan.method} (plan {plan.digest()})"
 
 
-def _job_policy(plan: Any, site_file: Any) -> tuple[str, str]:
-    from medflare.site_policy import site_policy
-
-    reason = site_policy(site_file.content).refusal(plan)
+def _job_policy(plan: Any, policy: Any) -> tuple[str, str]:
+    reason = policy.refusal(plan)
     if reason:
         raise Failed(f"the site would decline this job: {reason}")
     return PASS, "the site's policy accepts the job"
 
 
 def _job_data(plan: Any, site: str, site_file: Any) -> tuple[str, str]:
-    from medflare.registry import get_method
-    from medflare.site_runtime import check_multi_label_support, load_site_data
+    from medflare.site_runtime import load_site_data
 
     settings, index = plan.localise(site, site_file, False)
-    check_multi_label_support(get_method(plan.method), settings.task)
     data = load_site_data(settings, index, site)
     task = settings.task
     names = f"classes {task.class_names}" if task.class_names else f"{task.num_classes} classes (unnamed)"
