@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.medflare-installed
 DEMO_OUT ?= runs/demo
 
-.PHONY: install demo test test-heavy test-fast lint mutants bench-overhead bench-scaling bench-peer bench-transfer bench-fedmas bench-fedmas-cost bench-fca bench-mdhfl bench-mdhfl-cpu60 bench-ssl-fl bench-fedlsm bench-dp bench-he bench-paper bench-fixed clean
+.PHONY: install demo test test-heavy test-fast lint mutants bench-overhead bench-scaling bench-peer bench-transfer flower-robust-reference bench-robust bench-fedmas bench-fedmas-cost bench-fca bench-mdhfl bench-mdhfl-cpu60 bench-ssl-fl bench-fedlsm bench-dp bench-he bench-paper bench-fixed clean
 
 # pip (not uv/poetry) so torch==2.14.1 / torchvision==0.29.1 come from this machine's local wheel store. pip
 # byte-compiles what it installs one file at a time; compileall does the same on every core (a fresh install took
@@ -68,6 +68,15 @@ $(FLOWER_STAMP):
 bench-peer: install $(FLOWER_STAMP)
 	$(PY) benchmarks/peer_flower.py --flower-venv $(FLOWER_VENV) --out runs/bench-peer $(BENCH_PEER_ARGS)
 	$(DOCS_TABLES) bench-peer runs/bench-peer/results.md --command "make bench-peer $(BENCH_PEER_ARGS)"
+
+# Flower's robust aggregation functions on fixed inputs (issue 49): flwr 1.42 and numpy only, in their own venv;
+# rewrites the reference tests/flare/test_robust_rules_vs_flower.py checks medflare's rules against (that test also
+# reruns Flower when this venv exists).
+FLOWER_RULES_VENV ?= .venv-flower-rules
+flower-robust-reference:
+	@test -x $(FLOWER_RULES_VENV)/bin/python || $(PYTHON) -m venv $(FLOWER_RULES_VENV)
+	$(FLOWER_RULES_VENV)/bin/python -m pip install --quiet "flwr==1.42.*" numpy
+	$(FLOWER_RULES_VENV)/bin/python benchmarks/robust_rules_flower.py --out benchmarks/results/robust_rules_flower.json
 
 # FLARE's transfer of one model alone (issue 32): two FLARE cells on loopback, each change medflare could make to
 # what it hands FLARE (fp16, one buffer, chunk sizes, tensors).

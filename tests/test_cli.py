@@ -117,7 +117,7 @@ BAD_INPUTS = [
     (["--set", "robust.off=true", "--set", "robust.max_share=0.4"], "robust.off=true turns every defence off"),
     (["--set", "robust.off=maybe"], "robust.off must be true or false"),
     (["--set", "robust.max_share=2"], "max_share in [0, 1]"),
-    (["--set", "robust.nope=1"], "robust: unknown option(s) nope; valid options: max_norm_ratio, max_share, off"),
+    (["--set", "robust.nope=1"], "robust: unknown option(s) nope; valid options: max_norm_ratio, max_share, rule, hostile_sites, trim_fraction, krum_keep, off"),
 ]
 COMMANDS = {
     "run": lambda options, out: ["run", "fedavg", *options, "--out", str(out)],

@@ -110,6 +110,35 @@ def test_export_never_writes_through_a_planted_partial_or_job_symlink(tmp_path: 
     assert [p.name for p in out.iterdir() if p.name.endswith(".partial") and not p.is_symlink()] == []
 
 
+def test_a_job_folder_is_replaced_only_where_it_holds_what_medflare_recorded_writing(tmp_path: Path) -> None:
+    """Issue 49, item 5: writing a job over an earlier one removes only the files medflare recorded (with their
+    SHA-256) and that still hold that content; a folder of the job's name that medflare did not write, or one with a
+    file added or changed, is refused and kept whole."""
+    from medflare.files import MARKER, OutputError
+
+    out, run, task = tmp_path / "jobs", RunConfig(method="fedavg", data={"source": "site"}), TaskSpec(2, 1, 28)
+    job = export_job(run, out, task, "preinstalled")
+    recorded = json.loads((out / MARKER).read_text())["sha256"]
+    assert "fedavg/meta.json" in recorded and not (job / MARKER).exists()  # the record lies beside the job
+    assert export_job(run, out, task, "preinstalled") == job  # medflare's own, unchanged: replaced
+    (job / "notes.txt").write_text("mine")
+    with pytest.raises(OutputError, match="notes.txt, which medflare did not write"):
+        export_job(run, out, task, "preinstalled")
+    assert (job / "notes.txt").read_text() == "mine" and (job / "meta.json").is_file()
+    (job / "notes.txt").unlink()
+    (job / "meta.json").write_text('{"edited": true}')  # medflare's name, other content
+    with pytest.raises(OutputError, match="meta.json, which medflare did not write"):
+        export_job(run, out, task, "preinstalled")
+    assert (job / "meta.json").read_text() == '{"edited": true}'
+    theirs = tmp_path / "other" / "fedavg"
+    theirs.mkdir(parents=True)
+    (theirs / "meta.json").write_text("theirs")  # a folder of the job's name, never recorded
+    with pytest.raises(OutputError):
+        export_job(run, tmp_path / "other", task, "preinstalled")
+    assert (theirs / "meta.json").read_text() == "theirs"
+    assert not [p for p in (tmp_path / "other").iterdir() if p.name.endswith(".partial")]
+
+
 def test_a_job_with_plugin_files_is_refused_for_pre_installed_sites_before_anything_is_written(tmp_path: Path) -> None:
     from medflare.errors import ConfigError
 

@@ -403,3 +403,33 @@ def test_the_first_site_error_is_the_earliest_sites_line_whole(tmp_path: Path) -
         (tmp_path / site / "simulate_job").mkdir(parents=True)
         (tmp_path / site / "log.txt").write_text("2026-11-28 17:59:59 - INFO - started\n" + text)
     assert first_site_error(tmp_path) == f"site-2: task 'train' failed: {why}"
+
+
+def test_overwrite_keeps_a_file_whose_content_changed_since_medflare_wrote_it(tmp_path: Path, fake_simulator,
+                                                                              capsys) -> None:
+    """Issue 49, item 5: a deletion checks the content medflare recorded, not the name. A user who put their own
+    text in medflare's report.md (same name) keeps it: --overwrite refuses to replace it, and an earlier result that
+    is not written again is removed only while it holds what medflare wrote."""
+    out_dir = tmp_path / "run"
+    fake_simulator["extra_key"] = "rf"
+    assert run_cli(["run", "fedavg", *QUICK, "--out", str(out_dir)], capsys)[0] == 0
+    marker = json.loads((out_dir / MARKER).read_text())
+    assert set(marker["sha256"]) == set(marker["files"]) and all(len(d) == 64 for d in marker["sha256"].values())
+    (out_dir / "rf.png").write_bytes(b"my own picture")  # medflare's name, someone's content now
+    fake_simulator["extra_key"] = None
+    assert run_cli(["run", "fedavg", *QUICK, "--out", str(out_dir), "--overwrite"], capsys)[0] == 0
+    assert (out_dir / "rf.png").read_bytes() == b"my own picture"  # not written again, and changed: kept
+    (out_dir / "report.md").write_text("my notes")
+    code, out = run_cli(["run", "fedavg", *QUICK, "--out", str(out_dir), "--overwrite"], capsys)
+    assert code == 2 and "report.md was not written by medflare (or changed since it was)" in out
+    assert (out_dir / "report.md").read_text() == "my notes"
+
+
+def test_a_marker_without_digests_vouches_for_no_deletion(tmp_path: Path) -> None:
+    from medflare.files import remove_recorded
+
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "meta.json").write_text("{}")
+    (tmp_path / MARKER).write_text(json.dumps({"written_by": "medflare", "files": ["job/meta.json"]}))
+    assert remove_recorded(tmp_path, "job") == ["job/meta.json"]  # an older marker names it; nothing proves content
+    assert (tmp_path / "job" / "meta.json").read_text() == "{}"

@@ -20,7 +20,6 @@ import argparse
 import dataclasses
 import json
 import shlex
-import shutil
 import sys
 from pathlib import Path
 from typing import Any, Mapping
@@ -125,14 +124,19 @@ def template_data(run: Any) -> dict[str, Any]:
 
 def write_template(method: str, out_dir: str | Path) -> Path:
     """Write ``out_dir/<method>/`` (info.conf, info.md, meta.conf, client and server configs)."""
+
+    from medflare.files import write_recorded
+
+    return write_recorded(Path(out_dir), method, lambda folder: _fill_template(method, folder))
+
+
+def _fill_template(method: str, folder: Path) -> None:
+    """The template's files into the empty ``folder``."""
     from medflare.job_export import client_config, job_plan, meta_config, server_config
     from medflare.site_runtime import TaskSpec
 
     run = template_run(method)
     task = TaskSpec(**DEPLOY_TASK)
-    folder = Path(out_dir) / method
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
     plan = job_plan(run, task)
     meta = meta_config(plan)
     client = client_config(plan)
@@ -158,7 +162,6 @@ def write_template(method: str, out_dir: str | Path) -> Path:
         (folder / name).write_text(header + to_hocon(content, method_keys) + "\n")
     paths = component_paths([files["config_fed_server.conf"][0], files["config_fed_client.conf"][0]])
     (folder / "info.md").write_text(info_markdown(method, run, paths))
-    return folder
 
 
 def example_command(method: str) -> str:

@@ -320,7 +320,8 @@ def robust_note(run: Any, mode: str) -> str:
     if not record["on"]:
         turn_on = " ".join(f"--set robust.{key}={value:g}" for key, value in DEPLOY_ROBUST.items())
         return f"robust aggregation: off (one site can take over the aggregate); on: {turn_on}"
-    settings = ", ".join(f"{key}={value:g}" for key, value in record.items() if key != "on")
+    settings = ", ".join(f"{key}={value:g}" if not isinstance(value, str) else f"{key}={value}"
+                         for key, value in record.items() if key != "on")
     return f"robust aggregation: on ({settings}); off: --set robust.off=true (docs/deploy-lead.md)"
 
 

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import shutil
 import tempfile
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
+from medflare import readback
 from medflare.errors import MedflareError
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -226,3 +228,147 @@ class FolderLock:
 
 def _read(fd: int) -> str:
     return os.pread(fd, 200, 0).decode("utf-8", errors="replace").strip()
+
+
+# ----- what medflare wrote: a marker of files and their content --------------------------------------------------
+MARKER = ".medflare-outputs.json"
+
+
+def files_under(folder: Path) -> list[str]:
+    """Every file below ``folder`` (relative, '/'-separated), except the folder's own marker."""
+    if not folder.is_dir():
+        return []
+    files = (p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() or p.is_symlink())
+    return sorted(f for f in files if f != MARKER)
+
+
+def read_marker(folder: Path) -> list[str]:
+    """The files ``folder``'s marker lists."""
+    return list(read_record(folder))
+
+
+def read_record(folder: Path) -> dict[str, str]:
+    """relative file -> the SHA-256 medflare recorded for it ("" when the marker recorded none: an older marker,
+    which vouches for the name only and so for nothing that may be deleted)."""
+    path = folder / MARKER
+    if not path.is_file():
+        return {}
+    try:
+        content = readback.load_json(path)
+        files = [str(f) for f in content.get("files", [])]
+        digests = content.get("sha256", {})
+        digests = {str(k): str(v) for k, v in digests.items()} if isinstance(digests, dict) else {}
+    except (MedflareError, AttributeError, TypeError):
+        return {}  # an unreadable (or absurdly nested) marker vouches for nothing: nothing is removed
+    for relative in files:  # all checked before any is used: a bad entry deletes nothing
+        confined(folder, relative, str(path))
+    return {relative: digests.get(relative, "") for relative in files}
+
+
+def write_marker(folder: Path, files: list[str], digests: dict[str, str] | None = None) -> None:
+    """Write ``folder``'s marker: ``files`` and the SHA-256 of each (relative path -> hex)."""
+    content = {"written_by": "medflare", "note": "files medflare wrote here, with the SHA-256 of what it wrote; "
+               "--overwrite removes only these, and only while they still hold that content",
+               "files": files, "sha256": {f: (digests or {}).get(f, "") for f in files}}
+    atomic_write_json(folder / MARKER, content)
+
+
+def file_digest(path: Path) -> str:
+    """SHA-256 of a file's content (hex); "" for anything that is not a regular file (a link is never vouched for)."""
+    if path.is_symlink() or not path.is_file():
+        return ""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def digests(folder: Path, files: list[str]) -> dict[str, str]:
+    """relative file -> its SHA-256, for ``files`` below ``folder``."""
+    return {relative: file_digest(folder / relative) for relative in files}
+
+
+def unchanged_files(folder: Path) -> list[str]:
+    """The files ``folder``'s marker lists that still hold the content medflare recorded (absent ones too: nothing
+    of anyone's lies there)."""
+    unchanged = []
+    for relative, recorded in read_record(folder).items():
+        path = confined(folder, relative, str(folder / MARKER))
+        if not (path.exists() or path.is_symlink()) or (recorded and file_digest(path) == recorded):
+            unchanged.append(relative)
+    return unchanged
+
+
+def record_files(folder: Path, digests: dict[str, str], dropped: set[str] = frozenset()) -> None:
+    """Add files (relative path -> SHA-256 of what medflare wrote) to ``folder``'s marker; ``dropped`` leave it."""
+    record = {f: d for f, d in read_record(folder).items() if f not in dropped}
+    record.update(digests)
+    write_marker(folder, sorted(record), record)
+
+
+def remove_recorded(folder: Path, unit: str) -> list[str]:
+    """Remove ``folder/unit`` when it holds only what medflare recorded writing there, each file still with that
+    content; else remove nothing and return what else is there (someone's files, or medflare's changed since),
+    relative to ``folder``."""
+    prefix = f"{unit}/"
+    ours = {f for f in unchanged_files(folder) if f.startswith(prefix)}
+    left = [f"{prefix}{f}" for f in files_under(folder / unit) if f"{prefix}{f}" not in ours]
+    if left:
+        return left
+    remove_files(folder, sorted(ours))
+    record_files(folder, {}, ours)
+    return []
+
+
+def remove_files(folder: Path, files: list[str]) -> None:
+    """Delete the listed files (only files, never a folder with other content), then folders left empty.
+
+    Every path is confined to ``folder`` first (see :func:`medflare.files.confined`): one outside deletes nothing.
+    """
+    folder = folder.resolve()
+    paths = [confined(folder, relative, str(folder / MARKER)) for relative in files]
+    parents: set[Path] = set()
+    for path in paths:
+        if path.is_file() or path.is_symlink():
+            path.unlink()
+            parents.update(p for p in path.parents if folder in p.parents)
+    for directory in sorted(parents, key=lambda p: len(p.parts), reverse=True):
+        if directory.is_dir() and not any(directory.iterdir()):
+            directory.rmdir()
+
+
+def write_recorded(out_dir: Path, name: str, write: Callable[[Path], Any]) -> Path:
+    """``out_dir/name`` as ``write`` fills it, recorded in ``out_dir``'s marker (each file's SHA-256), and return it.
+
+    ``write`` fills a new folder medflare makes exclusively beside the target (a planted ``.partial`` or a link of
+    the target's name is never written through); the result appears under its real name only once complete. An
+    existing folder of that name is replaced only when it holds nothing but what medflare recorded writing there,
+    unchanged (:func:`remove_recorded`); a link of that name is replaced itself, never what it points to.
+
+    Raises:
+        OutputError: the existing folder holds other files, or a file has that name (all kept; nothing written).
+    """
+    target = out_dir / name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out_dir, prefix=f".{name}.", suffix=".partial"))
+    staging.chmod(0o755)  # mkdtemp's 0700 would hide the result from whoever submits or reviews it
+    try:
+        write(staging)
+        if target.is_symlink():
+            target.unlink()
+        left = remove_recorded(out_dir, name) if target.is_dir() else []
+        if left or (target.exists() and not target.is_dir()):
+            raise OutputError(f"{target} holds {out_dir / left[0] if left else 'a file of that name'}, which "
+                              "medflare did not write (or changed since it did); move it away or write elsewhere")
+        if target.is_dir():
+            target.rmdir()  # empty: every file in it was medflare's and unchanged
+        written = {f"{name}/{p.relative_to(staging).as_posix()}": file_digest(p)
+                   for p in sorted(staging.rglob("*")) if p.is_file()}
+        staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    record_files(out_dir, written)
+    return target
+

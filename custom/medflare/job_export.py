@@ -19,7 +19,6 @@ import dataclasses
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from medflare.checkpoint import checkpoint_facts
 from medflare.contracts import TRAIN_PHASE as TASK_TRAIN, privacy_scope
 from medflare.errors import ConfigError
 from medflare.evaluation import headline_metric
+from medflare.files import write_recorded
 from medflare.flare import tracking
 from medflare.plan import APP_NAME, ENCRYPTED_AGGREGATOR, RunPlan, build_plan
 from medflare.registry import get_method
@@ -301,13 +301,15 @@ def export_job(
 def write_job(plan: RunPlan, out_dir: str | Path, mode: str = "byoc", shot_groups: dict | None = None,
               plugin_files: list | tuple = ()) -> Path:
     """Write the job of ``plan`` to ``out_dir/<job name>/`` and return its path. An existing folder of that name is
-    replaced, only once the new one is complete.
+    replaced only once the new one is complete, and only where it holds what medflare recorded writing there
+    (``out_dir``'s marker, :mod:`medflare.outputs`: each file's SHA-256); anything else in it refuses the job.
 
     Args:
         plugin_files: the files of the plan's plugin modules (``RunConfig.plugins``), copied into a BYOC job.
 
     Raises:
         ConfigError: the plan brings plugins and ``mode`` is not ``byoc`` (nothing is written).
+        OutputError: the existing folder holds files medflare did not write, or changed since (they are kept).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got '{mode}'")
@@ -315,21 +317,8 @@ def write_job(plan: RunPlan, out_dir: str | Path, mode: str = "byoc", shot_group
         named = ", ".join(map(str, plugin_files or plan.plugins))
         raise ConfigError(f"plugin files ship inside the job ({named}), so they need --mode byoc; for a "
                           "pre-installed site, install them as a package (docs/own-model-and-data.md)")
-    job_dir = Path(out_dir) / plan.job_name
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    # A new folder made exclusively: a planted `<job>.partial` (or a symlink of that name) is never written through
-    staging = Path(tempfile.mkdtemp(dir=out_dir, prefix=f".{plan.job_name}.", suffix=".partial"))
-    staging.chmod(0o755)  # mkdtemp's 0700 would hide the job from whoever submits or reviews it
-    try:
-        _write_job(plan, staging, mode, shot_groups, list(plugin_files))
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    if job_dir.is_symlink():  # replace the link itself, never the folder it points to
-        job_dir.unlink()
-    shutil.rmtree(job_dir, ignore_errors=True)
-    staging.rename(job_dir)  # only a complete job folder ever appears under its real name
-    return job_dir
+    return write_recorded(Path(out_dir), plan.job_name,
+                          lambda staging: _write_job(plan, staging, mode, shot_groups, list(plugin_files)))
 
 
 def _write_job(plan: RunPlan, staging: Path, mode: str, shot_groups: dict | None, plugin_files: list) -> None:

@@ -2,9 +2,10 @@
 ran elsewhere was built from. The results themselves are written by :func:`medflare.runner.write_job_outputs`.
 
 Nothing is deleted that medflare did not write. Every folder medflare writes results into holds a marker file
-(:data:`MARKER`) listing each file medflare put there. A non-empty folder is refused unless the user passes
-``--overwrite``; even then only the files the marker lists are removed, and a new result never replaces a file
-medflare did not write. Results are staged in ``<target>.partial`` (marked as medflare's) and appear under their
+(:data:`MARKER`) listing each file medflare put there with the SHA-256 of what it wrote. A non-empty folder is
+refused unless the user passes ``--overwrite``; even then only the files the marker lists, still holding the content
+it recorded, are removed (a file of that name with other content is someone's: kept, and a new result never replaces
+it), and a new result never replaces a file medflare did not write. Results are staged in ``<target>.partial`` (marked as medflare's) and appear under their
 real name only when complete; a failed or interrupted run leaves ``<target>.failed.log`` instead. Every path
 medflare deletes, replaces or writes stays inside the folder it owns (a marker naming anything else is refused),
 and one command at a time writes a folder (``<folder>.lock``, :class:`medflare.files.FolderLock`).
@@ -24,9 +25,21 @@ from typing import Any
 
 from medflare import readback
 from medflare.errors import ConfigError, MedflareError
-from medflare.files import FolderLock, OutputError, atomic_write_json, atomic_write_text, confined
+from medflare.files import (  # noqa: F401  (MARKER, record_files: re-exported)
+    MARKER,
+    FolderLock,
+    OutputError,
+    atomic_write_text,
+    confined,
+    digests as _digests,
+    files_under as _files_under,
+    read_marker as _read_marker,
+    record_files,
+    remove_files as _remove_files,
+    unchanged_files,
+    write_marker as _write_marker,
+)
 
-MARKER = ".medflare-outputs.json"
 # the encrypted model is what a secure_aggregation=he server writes instead (flare/he.py; only a site decrypts it)
 MODEL_FILES = ("FL_global_model.pt", "best_FL_global_model.pt", "FL_global_model.ckks.npz")
 
@@ -128,7 +141,7 @@ class OutputTarget:
             if self.unit:
                 (self.staging / MARKER).unlink(missing_ok=True)  # the root's marker records a unit's files
             else:
-                _write_marker(source, new_files)
+                _write_marker(source, new_files, _digests(source, new_files))
             source.rename(self.target)
             shutil.rmtree(self.staging, ignore_errors=True)
             if self.unit:
@@ -136,17 +149,19 @@ class OutputTarget:
             self._lock.release()
             return self.target
         prefix = f"{self.unit}/" if self.unit else ""
-        ours = {f[len(prefix):] for f in _read_marker(self.root) if f.startswith(prefix)}
+        ours = {f[len(prefix):] for f in unchanged_files(self.root) if f.startswith(prefix)}
         clashes = sorted(set(new_files) & (set(_files_under(self.target)) - ours))
         if clashes:
             self._keep_staging = True
             raise OutputError(
-                f"{self.target / clashes[0]} was not written by medflare and would be replaced; the results are "
-                f"kept in {self.staging}. Move that file away, or choose another {self.option}"
+                f"{self.target / clashes[0]} was not written by medflare (or changed since it was) and would be "
+                f"replaced; the results are kept in {self.staging}. Move that file away, or choose another "
+                f"{self.option}"
             )
         replaced = ours & set(new_files) if self.merge else ours
         destinations = [confined(self.target, relative, f"the result {relative}") for relative in new_files]
-        self._record(new_files)  # first: a result moved in below is medflare's even if the move stops half-way
+        # first: a result moved in below is medflare's even if the move stops half-way
+        self._record(new_files, digests=_digests(source, new_files))
         _remove_files(self.target, sorted(replaced))
         for relative, destination in zip(new_files, destinations):
             destination.parent.mkdir(parents=True, exist_ok=True)
@@ -173,58 +188,17 @@ class OutputTarget:
         except (OSError, OutputError):
             return None
 
-    def _record(self, new_files: list[str], replaced: set[str] | None = None) -> None:
+    def _record(self, new_files: list[str], replaced: set[str] | None = None,
+                digests: dict[str, str] | None = None) -> None:
+        """Add ``new_files`` (relative to the unit) to the root's marker, with ``digests`` (default: read from
+        where they now lie); ``replaced`` leaves the marker."""
         prefix = f"{self.unit}/" if self.unit else ""
-        kept = [f for f in _read_marker(self.root) if f not in (replaced or set())]
-        _write_marker(self.root, sorted(set(kept) | {prefix + f for f in new_files}))
+        digests = digests if digests is not None else _digests(self.target, new_files)
+        record_files(self.root, {prefix + f: digest for f, digest in digests.items()}, replaced or set())
 
 
 def _has_content(folder: Path) -> bool:
     return folder.is_dir() and any(folder.iterdir())
-
-
-def _files_under(folder: Path) -> list[str]:
-    """Every file below ``folder`` (relative, '/'-separated), except the folder's own marker."""
-    if not folder.is_dir():
-        return []
-    files = (p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() or p.is_symlink())
-    return sorted(f for f in files if f != MARKER)
-
-
-def _read_marker(folder: Path) -> list[str]:
-    path = folder / MARKER
-    if not path.is_file():
-        return []
-    try:
-        files = [str(f) for f in readback.load_json(path).get("files", [])]
-    except (MedflareError, AttributeError, TypeError):
-        return []  # an unreadable (or absurdly nested) marker vouches for nothing: nothing is removed
-    for relative in files:  # all checked before any is used: a bad entry deletes nothing
-        confined(folder, relative, str(path))
-    return files
-
-
-def _write_marker(folder: Path, files: list[str]) -> None:
-    content = {"written_by": "medflare", "note": "files medflare wrote here; --overwrite removes only these",
-               "files": files}
-    atomic_write_json(folder / MARKER, content)
-
-
-def _remove_files(folder: Path, files: list[str]) -> None:
-    """Delete the listed files (only files, never a folder with other content), then folders left empty.
-
-    Every path is confined to ``folder`` first (see :func:`medflare.files.confined`): one outside deletes nothing.
-    """
-    folder = folder.resolve()
-    paths = [confined(folder, relative, str(folder / MARKER)) for relative in files]
-    parents: set[Path] = set()
-    for path in paths:
-        if path.is_file() or path.is_symlink():
-            path.unlink()
-            parents.update(p for p in path.parents if folder in p.parents)
-    for directory in sorted(parents, key=lambda p: len(p.parts), reverse=True):
-        if directory.is_dir() and not any(directory.iterdir()):
-            directory.rmdir()
 
 
 SITE_FLARE_LOG = "flare_job_log.txt"  # a POC site's FLARE log of the job, kept beside its medflare log

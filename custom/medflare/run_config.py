@@ -20,7 +20,7 @@ from medflare.errors import ConfigError
 from medflare.methods.base import MethodSpec, TrainConfig
 from medflare.methods.presets import Preset
 from medflare.registry import get_method
-from medflare.server_setup import RobustConfig, server_rule
+from medflare.server_setup import RULE_OPTION_NAMES, RULE_OPTIONS, RobustConfig, server_rule
 from medflare.site_runtime import TaskSpec, check_dp_filter, check_multi_label_support, resolve_train_config
 
 if TYPE_CHECKING:
@@ -225,16 +225,18 @@ class RunConfig:
         spec.config_cls(**self.method_args)  # the method's own range checks
         self.train = fields_typed(TrainConfig, self.train, "train")
         self.robust = typed_robust(self.robust)  # before the aggregator sees it: it knows no "off"
-        server_rule(  # stages must add up to the rounds; robust and wire options must be valid
+        _, _, _, defences = server_rule(  # stages must add up to the rounds; robust and wire options must be valid
             self.method, self.method_args, self.rounds, self.robust, self.transfer_dtype, self.transfer_kind,
             self.download_dtype,
         )
+        defences.check_quorum(self.required_clients, self.clients)
         if self.secure_aggregation == "he":  # what the server can no longer do with encrypted updates
             from medflare.ops.he_aggregate import check_encrypted_run
 
             check_encrypted_run(spec, stream_aggregation=self.stream_aggregation, transfer_kind=self.transfer_kind,
                                 transfer_dtype=self.transfer_dtype, download_dtype=self.download_dtype,
-                                max_norm_ratio=self.robust.get("max_norm_ratio", 0.0), resume=bool(self.resume_from))
+                                max_norm_ratio=self.robust.get("max_norm_ratio", 0.0), resume=bool(self.resume_from),
+                                robust_rule=self.robust.get("rule", "mean"))
         if self.dp:
             if self.transfer_kind != "diff":
                 raise ConfigError("dp filters act on weight differences: add --set transfer_kind=diff")
@@ -402,21 +404,28 @@ def shared_data_defaults(methods: list[str], given: Mapping[str, Any] | None = N
     return shared
 
 
-def typed_robust(robust: Mapping[str, Any]) -> dict[str, float]:
+def typed_robust(robust: Mapping[str, Any]) -> dict[str, Any]:
     """The run's own robust settings, typed and range-checked; ``off: true`` becomes both defences at 0.
 
     Raises:
-        ConfigError: an unknown key, a value out of range, or ``off`` beside a defence it would silently drop.
+        ConfigError: an unknown key, a value out of range, an option of a rule the run does not use, or ``off``
+            beside a defence it would silently drop.
     """
     settings = dict(robust)
-    unknown = sorted(set(settings) - {*ROBUST_OFF, ROBUST_OFF_KEY})
+    valid = [field.name for field in dataclasses.fields(RobustConfig)]
+    unknown = sorted(set(settings) - {*valid, ROBUST_OFF_KEY})
     if unknown:
         raise ConfigError(f"robust: unknown option(s) {', '.join(unknown)}; valid options: "
-                          f"{', '.join([*ROBUST_OFF, ROBUST_OFF_KEY])}")
+                          f"{', '.join([*valid, ROBUST_OFF_KEY])}")
     off = check_value(settings.pop(ROBUST_OFF_KEY, False), bool, f"robust.{ROBUST_OFF_KEY}", True)
     typed = fields_typed(RobustConfig, settings, "robust")
-    RobustConfig(**typed)  # the ranges
-    kept_on = [f"robust.{key}={value:g}" for key, value in typed.items() if value]
+    defences = RobustConfig(**typed)  # the ranges
+    unused = sorted(set(typed) & set(RULE_OPTION_NAMES) - set(RULE_OPTIONS.get(defences.rule, ())))
+    if unused:
+        raise ConfigError(f"robust.{unused[0]} is an option of another rule than robust.rule={defences.rule} "
+                          f"(it takes {', '.join(RULE_OPTIONS.get(defences.rule, ())) or 'no options'})")
+    kept_on = [f"robust.{key}={typed[key]:g}" for key in ROBUST_OFF if typed.get(key)]
+    kept_on += [f"robust.rule={defences.rule}"] if defences.rule != "mean" else []
     if off and kept_on:
         raise ConfigError(f"robust.off=true turns every defence off, but {' and '.join(kept_on)} keeps one on; "
                           "drop one of the two")

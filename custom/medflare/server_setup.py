@@ -5,7 +5,7 @@ defences, the wire format and the initial global model. The FLARE glue (:mod:`me
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping, get_args, get_type_hints
 
 import torch
 from torch import nn
@@ -16,6 +16,11 @@ from medflare.methods.base import MethodSpec, RoundContext, ServerRule, Stage
 from medflare.ops import wire
 from medflare.registry import get_method, load_plugins
 
+SELECTING_RULES = ("krum", "multi_krum", "bulyan")  # choose sites by Krum score before the method weighs them
+RULE_OPTIONS = {"trimmed_mean": ("trim_fraction",), "krum": ("hostile_sites",),
+                "multi_krum": ("hostile_sites", "krum_keep"), "bulyan": ("hostile_sites",)}
+RULE_OPTION_NAMES = ("hostile_sites", "krum_keep", "trim_fraction")  # options only some rules take
+
 
 @dataclass(frozen=True)
 class RobustConfig:
@@ -23,23 +28,84 @@ class RobustConfig:
 
     Attributes:
         max_norm_ratio: reject a site whose update norm ‖θ_site − θ_global‖ exceeds this multiple of the
-            median norm of the other sites (0 = off; needs at least two sites).
+            median norm of the other sites (0 = off; names an outlier only among 3 or more sites).
         max_share: cap on any one site's share of every part of every aggregate (0 = off): the scalar share,
             every row of a row-weighted array, every mix the server builds from the sites' arrays
             (:mod:`medflare.ops.influence`); relaxes to equal shares when no split of this round's sites can meet it.
+        rule: how the model arrays are combined (:mod:`medflare.ops.robust_rules`): "mean" (the method's weighted
+            sum), "median" or "trimmed_mean" (per coordinate, weighted by the capped shares), "krum" or
+            "multi_krum" (the sites with the lowest Krum scores, then the method's weighting over them), "bulyan"
+            (Krum picks, then the share-weighted mean of the values closest to the median per coordinate).
+        hostile_sites: f, the sites Krum, Multi-Krum and Bulyan assume hostile (Krum needs n >= f + 3 sites,
+            Bulyan n >= 4f + 3).
+        trim_fraction: β of the trimmed mean: β of the share mass cut from each end per coordinate.
+        krum_keep: Multi-Krum's m, the sites kept (0: n − f).
     """
 
     max_norm_ratio: float = 0.0
     max_share: float = 0.0
+    rule: Literal["mean", "median", "trimmed_mean", "krum", "multi_krum", "bulyan"] = "mean"
+    hostile_sites: int = 1
+    trim_fraction: float = 0.2
+    krum_keep: int = 0
 
     def __post_init__(self) -> None:
+        rules = get_args(get_type_hints(RobustConfig)["rule"])
         if self.max_norm_ratio < 0 or not 0 <= self.max_share <= 1:
             raise ConfigError(f"robust: max_norm_ratio must be >= 0 and max_share in [0, 1], got {self}")
+        if self.rule not in rules:
+            raise ConfigError(f"robust.rule must be one of {', '.join(rules)}, got '{self.rule}'")
+        if not 0 <= self.hostile_sites <= 100 or self.krum_keep < 0 or not 0 < self.trim_fraction < 0.5:
+            raise ConfigError("robust: hostile_sites must be in [0, 100], krum_keep >= 0 and trim_fraction in "
+                              f"(0, 0.5), got {self.hostile_sites}, {self.krum_keep}, {self.trim_fraction}")
+        # a weighted coordinate rule resists one site only while its share stays below what the rule tolerates
+        tolerated = {"median": (0.5, "below 0.5 (e.g. 0.45)"),
+                     "trimmed_mean": (self.trim_fraction + 1e-12, f"at most trim_fraction={self.trim_fraction:g}")}
+        if self.rule in tolerated and not 0 < self.max_share < tolerated[self.rule][0]:
+            raise ConfigError(
+                f"robust.rule={self.rule} weighs each site by its share, and one site decides a coordinate once its "
+                f"share reaches {'one half' if self.rule == 'median' else 'the trimmed fraction'}: set "
+                f"robust.max_share {tolerated[self.rule][1]}, got {self.max_share:g}"
+            )
+
+    @property
+    def selects(self) -> bool:
+        """Whether the rule chooses sites by Krum score before they are weighed."""
+        return self.rule in SELECTING_RULES
+
+    def sites_needed(self) -> int:
+        """The fewest sites a round needs for the rule to be defined (Krum: f + 3, Bulyan: 4f + 3)."""
+        f = self.hostile_sites
+        return {"krum": f + 3, "multi_krum": f + 3, "bulyan": 4 * f + 3}.get(self.rule, 1)
+
+    def kept(self, answered: int) -> int:
+        """How many of ``answered`` sites the rule keeps for the aggregate."""
+        f = self.hostile_sites
+        return {"krum": 1, "multi_krum": self.krum_keep or answered - f, "bulyan": answered - 2 * f}.get(
+            self.rule, answered)
+
+    def check_quorum(self, min_clients: int, sites: int | None = None) -> None:
+        """Refuse a rule that can never keep ``min_clients`` sites, or not run with the job's ``sites``.
+
+        Raises:
+            ConfigError: naming the rule, its needs and the job's numbers.
+        """
+        if sites is not None and sites < self.sites_needed():
+            raise ConfigError(f"robust.rule={self.rule} with hostile_sites={self.hostile_sites} needs at least "
+                              f"{self.sites_needed()} sites; the job has {sites}")
+        largest = self.kept(max(sites or 0, self.sites_needed(), min_clients))
+        if self.selects and largest < min_clients:
+            raise ConfigError(f"robust.rule={self.rule} keeps {largest} site(s) per round and the job needs "
+                              f"min_clients={min_clients}: no round could be aggregated (use multi_krum with "
+                              f"krum_keep >= {min_clients}, or lower min_clients)")
 
     def record(self) -> dict[str, Any]:
         """Whether the defences are on, and with which values (0 = that defence is off): ``meta.json``'s
         ``robust_aggregation`` as the job was written, and the server's results as it ran."""
-        settings = {"max_norm_ratio": float(self.max_norm_ratio), "max_share": float(self.max_share)}
+        settings: dict[str, Any] = {"max_norm_ratio": float(self.max_norm_ratio), "max_share": float(self.max_share)}
+        if self.rule != "mean":  # the method's own weighted sum is recorded by its absence, as before rules existed
+            settings["rule"] = self.rule
+            settings.update({option: getattr(self, option) for option in RULE_OPTIONS.get(self.rule, ())})
         return {"on": any(settings.values()), **settings}
 
 
@@ -67,6 +133,9 @@ def server_rule(
     stages = checked_stages(rule.stages(), num_rounds, method)
     defences = from_dict(RobustConfig, dict(robust or {}), "robust")
     rule.share_cap = defences.max_share
+    if defences.rule != "mean" and not spec.server_model:
+        raise ConfigError(f"robust.rule={defences.rule} combines the sites' models, and method '{method}' has no "
+                          "global model to combine (no weights travel); leave robust.rule at mean")
     if type(rule).aggregate is not ServerRule.aggregate:
         raise ConfigError(
             f"method '{method}': its server rule overrides aggregate(); a rule returns per-site weights "

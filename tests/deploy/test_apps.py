@@ -35,6 +35,26 @@ def test_add_code_turns_an_app_into_a_byoc_job(tmp_path: Path) -> None:
     assert not list((job / "app" / "custom").rglob("__pycache__"))
 
 
+def test_regenerating_removes_only_what_medflare_recorded_writing(tmp_path: Path, capsys) -> None:
+    """Issue 49, item 5: the folder of a method no longer registered goes only when it holds medflare's recorded,
+    unchanged files; a folder someone put there, or one with a file changed, is kept and named."""
+    from medflare.deploy.apps import write_per_method
+
+    method = list_methods()[0]
+    write_app(method, tmp_path)
+    (tmp_path / method).rename(tmp_path / "retired")  # recorded under its old name: not medflare's any more
+    write_app(list_methods()[1], tmp_path)
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "notes.txt").write_text("mine")
+    write_per_method(tmp_path, [list_methods()[1]], write_app)
+    assert (tmp_path / "theirs" / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "retired" / "meta.json").is_file()  # moved: its content is recorded under another name
+    assert "kept " in capsys.readouterr().err
+    (tmp_path / "retired").rename(tmp_path / method)
+    write_per_method(tmp_path, [list_methods()[1]], write_app)
+    assert not (tmp_path / method).exists() and (tmp_path / list_methods()[1] / "meta.json").is_file()
+
+
 def test_production_jobs_turn_the_robust_aggregation_on() -> None:
     """Issue 7.3: the norm bound and the share cap are on in every ready-made production job, and a cap that
     the sites a round needs could not meet would only relax (max_share * min_clients >= 1). Issue 26: they are the

@@ -76,6 +76,7 @@ class Replay:
     rejected: list[dict[str, str]]
     sent: list[dict[str, dict[str, np.ndarray]]]
     params: dict[str, np.ndarray]
+    rejected_at_aggregation: dict[str, str] = field(default_factory=dict)  # the robust rules' too
 
 
 def smoke_run(method: str) -> RunConfig:
@@ -138,7 +139,8 @@ def replay(round_: Round, overrides: dict[int, dict[str, Result]], absent: tuple
             if site not in absent:
                 core.accept(site, *overrides.get(index, {}).get(site, result))
         rejected.append(dict(core.rejected))
-    return Replay(rejected, sent, core.aggregate().params)
+    params = core.aggregate().params
+    return Replay(rejected, sent, params, dict(core.rejected))
 
 
 # ----- tampering ----------------------------------------------------------------------------------------------------
@@ -368,3 +370,48 @@ def test_forged_evaluation_counts_are_refused_or_capped(job: tuple[str, list[Rou
             assert capped["val_capped"] == {ATTACKER: pytest.approx(CAP)}, method
             checked += 1
     assert checked, f"{method}: no round carried evaluation statistics"
+
+
+# robust.rule at three sites: the attacker is one of three; each coordinate rule with the largest cap it tolerates
+# (the median: below one half; the trimmed mean: at most its fraction); Krum's f = 0 (n >= f + 3), keeping two
+RULES = {"median": {"max_share": 0.45}, "trimmed_mean": {"trim_fraction": 0.34, "max_share": 0.34},
+         "multi_krum": {"hostile_sites": 0, "krum_keep": 2, "max_share": CAP}}
+
+
+def test_every_robust_rule_composes_with_the_methods_weighting(job: tuple[str, list[Round]]) -> None:
+    """Issue 49, item 3: with a robust rule instead of the norm bound, the attacker's x1000 step leaves every model
+    value the sites sent within the two honest sites' values (each rule's output is a share-weighted combination of
+    honest values per coordinate), and a method without a global model refuses the rule with its reason."""
+    from medflare.errors import ConfigError
+    from medflare.server_setup import RobustConfig
+
+    method, rounds = job
+    if not get_method(method).server_model:
+        with pytest.raises(ConfigError, match="has no global model"):
+            RoundAggregation(method, {}, rounds[0].start.num_classes, 2, {"rule": "median", "max_share": 0.45})
+        return
+    checked = 0
+    for index, round_ in enumerate(rounds):
+        position = len(round_.phases) - 1
+        if round_.phases[position] != contracts.TRAIN_PHASE:
+            continue
+        forged = scaled(round_, contracts.TRAIN_PHASE, round_.results[position][ATTACKER])
+        if forged is None:
+            continue
+        for rule, options in RULES.items():
+            start = copy.deepcopy(round_.start)
+            start.robust = RobustConfig(rule=rule, **options)
+            replayed = replay(dataclasses.replace(round_, start=start), {position: {ATTACKER: forged}})
+            if ATTACKER in replayed.rejected[position]:
+                continue  # the method's own checks refused the step before any rule
+            assert ATTACKER in replayed.rejected_at_aggregation or rule != "multi_krum", f"{method}: {rule} kept it"
+            honest = [round_.results[position][site][0] for site in ("site-1", "site-2")]
+            for key, value in replayed.params.items():
+                if key in honest[0] and np.asarray(value).dtype.kind == "f":
+                    low = np.minimum(honest[0][key], honest[1][key]).astype(np.float64)
+                    high = np.maximum(honest[0][key], honest[1][key]).astype(np.float64)
+                    slack = 1e-6 * (1 + np.abs(high))
+                    inside = (value >= low - slack) & (value <= high + slack)
+                    assert inside.all(), f"{method} round {index} {rule}: '{key}' leaves the honest range"
+            checked += 1
+    assert checked, f"{method}: no train phase was aggregated"

@@ -1,6 +1,7 @@
 """Server-side round aggregation: validation of every update and the weighting rule, without FLARE."""
 
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -216,6 +217,77 @@ def test_share_cap_applies_and_relaxes_when_impossible() -> None:
         core.accept(f"site-{i + 1}", *update(float(i), n=n))
     assert core.accept("site-4", {"w": np.zeros((9,), np.float32)}, {"n_samples": 10})  # rejected
     assert core.aggregate().shares == pytest.approx({"site-1": 1 / 3, "site-2": 1 / 3, "site-3": 1 / 3})
+
+
+def test_multi_krum_rejects_the_far_site_with_its_score_and_fedavg_weighs_the_rest() -> None:
+    core = robust_core(min_clients=3, rule="multi_krum", hostile_sites=1)  # keeps n - f = 4 of 5
+    for i, (value, n) in enumerate(((1.0, 10), (1.1, 30), (0.9, 10), (1.0, 50), (40.0, 10))):
+        assert core.accept(f"site-{i + 1}", *update(value, n=n)) is None
+    result = core.aggregate()
+    assert set(result.shares) == {"site-1", "site-2", "site-3", "site-4"}
+    assert "Krum score" in core.rejected["site-5"] and "robust.rule=multi_krum" in core.rejected["site-5"]
+    np.testing.assert_allclose(result.params["w"], (10 * 1.0 + 30 * 1.1 + 10 * 0.9 + 50 * 1.0) / 100, rtol=1e-6)
+
+
+def test_the_median_rule_takes_the_share_weighted_median_under_the_cap() -> None:
+    core = robust_core(rule="median", max_share=0.4)
+    for i, (value, n) in enumerate(((0.0, 980), (1.0, 10), (7.0, 10))):
+        assert core.accept(f"site-{i + 1}", *update(value, n=n)) is None
+    result = core.aggregate()  # site-1 asks for 0.98, the cap leaves it 0.4: the median is site-2's value
+    np.testing.assert_array_equal(result.params["w"], 1.0)
+    assert result.shares["site-1"] == pytest.approx(0.4) and core.rejected == {}
+
+
+def test_bulyan_needs_4f_plus_3_answers_and_keeps_the_honest_values() -> None:
+    from medflare.errors import PayloadError
+
+    core = robust_core(min_clients=5, rule="bulyan", hostile_sites=1)
+    values = (1.0, 1.1, 0.9, 1.05, 0.95, 1.0, -60.0)
+    for i, value in enumerate(values):
+        assert core.accept(f"site-{i + 1}", *update(value)) is None
+    result = core.aggregate()
+    assert "site-7" in core.rejected and len(result.shares) == 5  # theta = n - 2f Krum picks
+    assert 0.9 <= float(result.params["w"][0, 0]) <= 1.1
+    core = robust_core(rule="bulyan", hostile_sites=1)
+    for i, value in enumerate(values[:6]):
+        core.accept(f"site-{i + 1}", *update(value))
+    with pytest.raises(PayloadError, match="needs at least 7 sites; 6 answered"):
+        core.aggregate()
+
+
+@pytest.mark.parametrize("robust, min_clients, words", [
+    ({"rule": "krum"}, 2, "keeps 1 site(s) per round and the job needs min_clients=2"),
+    ({"rule": "multi_krum", "krum_keep": 2}, 3, "keeps 2 site(s)"),
+])
+def test_a_rule_that_keeps_fewer_sites_than_min_clients_is_refused(robust: dict, min_clients: int, words: str) -> None:
+    from medflare.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        robust_core(min_clients=min_clients, **robust)
+
+
+def test_rules_that_cannot_compose_are_refused_with_the_reason() -> None:
+    from medflare.errors import ConfigError
+    from medflare.ops.he_aggregate import encrypted_run_problems
+    from medflare.registry import get_method
+    from medflare.run_config import RunConfig, typed_robust
+
+    with pytest.raises(ConfigError, match="method 'mdhfl' has no global model"):
+        RoundAggregation("mdhfl", {}, num_classes=3, num_rounds=2, robust={"rule": "median", "max_share": 0.45})
+    with pytest.raises(ConfigError, match="set robust.max_share below 0.5"):
+        typed_robust({"rule": "median", "max_share": 0.6})
+    with pytest.raises(ConfigError, match="set robust.max_share at most trim_fraction=0.2"):
+        typed_robust({"rule": "trimmed_mean", "max_share": 0.3})
+    assert any("robust.rule=median" in p for p in encrypted_run_problems(get_method("fedavg"), robust_rule="median"))
+    with pytest.raises(ConfigError, match="robust.trim_fraction is an option of another rule"):
+        typed_robust({"rule": "median", "trim_fraction": 0.3, "max_share": 0.45})
+    with pytest.raises(ConfigError, match="robust.rule=krum keeps one on"):
+        typed_robust({"off": True, "rule": "krum"})
+    with pytest.raises(ConfigError, match="needs at least 7 sites; the job has 3"):
+        RunConfig(method="fedavg", clients=3, robust={"rule": "bulyan"}).validate()
+    core = robust_core(rule="trimmed_mean", max_share=0.2)
+    core.stream_aggregation = True
+    assert "robust.rule=trimmed_mean" in core.batch_reason()
 
 
 def test_a_non_finite_aggregate_is_refused(core: RoundAggregation, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from medflare.files import OutputError
 from medflare.run_config import DEPLOY_ROBUST, RunConfig, deployment_robust
 
 REPO_DIR = Path(__file__).resolve().parents[3]
@@ -74,12 +75,17 @@ def write_apps(out_dir: str | Path = APPS_DIR, methods: list[str] | None = None)
 def write_per_method(
     out_dir: str | Path, methods: list[str], write_one: Callable[[str, Path], Path]
 ) -> list[Path]:
-    """One generated folder per method under ``out_dir``; folders of methods no longer registered are removed."""
+    """One generated folder per method under ``out_dir``; the folder of a method no longer registered is removed
+    when it holds only what medflare recorded writing there (else it is kept and named)."""
+    from medflare.files import remove_recorded
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for stale in out.iterdir():
-        if stale.is_dir() and stale.name not in methods:
-            shutil.rmtree(stale)
+    for stale in sorted(out.iterdir()):
+        if stale.is_dir() and not stale.name.startswith(".") and stale.name not in methods:
+            left = remove_recorded(out, stale.name)
+            if left:
+                print(f"kept {stale}: it holds {left[0]}, which medflare did not write", file=sys.stderr)
     return [write_one(method, out) for method in methods]
 
 
@@ -100,7 +106,9 @@ def add_code(job_dir: str | Path) -> Path:
     from medflare.job_export import APP_NAME, PACKAGE_DIR
 
     target = Path(job_dir) / APP_NAME / "custom" / "medflare"
-    shutil.rmtree(target, ignore_errors=True)
+    if target.exists() or target.is_symlink():
+        raise OutputError(f"{target} exists: the job already carries code; medflare replaces nothing it did not "
+                          "write, so start from a pre-installed job")
     shutil.copytree(PACKAGE_DIR, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     return Path(job_dir)
 

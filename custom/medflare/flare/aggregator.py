@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 from nvflare.apis.dxo import DXO, DataKind, from_shareable
@@ -15,10 +15,20 @@ from nvflare.app_common.abstract.aggregator import Aggregator
 from medflare import contracts
 from medflare.contracts import ContractContext, Expected, validate_update
 from medflare.errors import MedflareError, PayloadError
-from medflare.methods.base import AggregateResult, PerSite, RoundContext, SiteUpdate, aggregate_updates
+from medflare.methods.base import LARGEST_SHARE, AggregateResult, PerSite, RoundContext, SiteUpdate, aggregate_updates
 from medflare.ops import normalise_weights, wire
 from medflare.ops.aggregate import SiteOrderedSum
-from medflare.ops.influence import Mixture, mix
+from medflare.ops.influence import Mixture, combine, mix
+from medflare.ops.robust_rules import (
+    bulyan_picks,
+    closest_to_median_mean,
+    krum_scores_of,
+    multi_krum_picks,
+    robust_combiner,
+    squared_distances,
+    weighted_median,
+    weighted_trimmed_mean,
+)
 from medflare.ops.wire import decode_weights
 from medflare.registry import load_plugins
 from medflare.server_setup import server_rule
@@ -27,6 +37,7 @@ SHARES = "shares"
 INFO = "info"
 STREAM_INFO = "stream_aggregation"  # a round's record: whether its results were summed as they arrived
 NORM_BOUND_INFO = "norm_bound"  # a round's record: why the update-norm bound named no outlier, when it could not
+RULE_INFO = "robust_rule"  # a round's record: the robust rule's kept sites and whether its guarantee held
 MIN_SITES_FOR_OUTLIER = 3  # with two sites each one's reference median is the other: a tiny update evicts the other
 
 
@@ -69,6 +80,7 @@ class RoundAggregation:
         self.spec, self.rule, self.stages, self.robust = server_rule(
             method, method_args, num_rounds, robust, transfer_dtype, transfer_kind, download_dtype, multi_label
         )
+        self.robust.check_quorum(min_clients)
         self.multi_label = multi_label
         self.transfer_dtype, self.transfer_kind, self.download_dtype = transfer_dtype, transfer_kind, download_dtype
         self.num_classes = num_classes
@@ -122,6 +134,8 @@ class RoundAggregation:
 
         Only a linear rule (Σ weight·arrays / Σ weight) can add results one at a time; the update-norm bound and a
         share cap compare every site with the others, so they need all updates at once."""
+        if self.robust.rule != "mean":
+            return f"robust.rule={self.robust.rule} compares every site's update with the others'"
         if self.robust.max_norm_ratio > 0:
             return "the update-norm bound (robust.max_norm_ratio) compares every site's update with the others'"
         if self.robust.max_share > 0:
@@ -222,10 +236,14 @@ class RoundAggregation:
             result = self._streamed_aggregate(self.stream)
         else:
             updates, note = self._drop_outlier_updates(self.accepted())
+            updates = self._select(updates)
             self._require_quorum(updates)
-            result = aggregate_updates(self.rule, self.global_params, updates, self.ctx, self.robust.max_share)
+            result = aggregate_updates(self.rule, self.global_params, updates, self.ctx, self.robust.max_share,
+                                       self._combiner())
             if note:
                 result = dataclasses.replace(result, info={**result.info, NORM_BOUND_INFO: note})
+            if self.robust.rule != "mean":
+                result = dataclasses.replace(result, info={**result.info, RULE_INFO: self._rule_facts(result)})
         if self.stream_aggregation:
             result = dataclasses.replace(result, info={**result.info, STREAM_INFO: self._stream_facts()})
         broken = sorted(k for k, v in result.params.items() if np.asarray(v).dtype.kind == "f" and not np.all(np.isfinite(v)))
@@ -264,6 +282,61 @@ class RoundAggregation:
             f"{'; '.join(f'{site}: {why}' for site, why in sorted(self.rejected.items()))}; the job needs "
             f"min_clients={self.min_clients}, so this round is not aggregated and the previous global model is kept"
         )
+
+    def _select(self, updates: list[SiteUpdate]) -> list[SiteUpdate]:
+        """The sites a selecting ``robust.rule`` (Krum, Multi-Krum, Bulyan) keeps, by the distances between the
+        model arrays every site sent; the others are rejected with their score, like the norm bound's outliers.
+
+        Raises:
+            PayloadError: fewer sites answered than the rule is defined for (the previous model is kept).
+        """
+        robust = self.robust
+        if not robust.selects or not updates:
+            return updates
+        answered, keep = len(updates), robust.kept(len(updates))
+        if answered < robust.sites_needed() or not 1 <= keep <= answered:
+            raise PayloadError(
+                f"robust.rule={robust.rule} with hostile_sites={robust.hostile_sites} needs at least "
+                f"{max(robust.sites_needed(), keep)} sites; {answered} answered "
+                f"({', '.join(u.site for u in updates)}), so this round is not aggregated and the previous "
+                "global model is kept"
+            )
+        keys = [k for k, v in self.global_params.items()
+                if np.asarray(v).dtype.kind == "f" and all(k in u.arrays for u in updates)]
+        distances = squared_distances([u.arrays for u in updates], keys)
+        f = robust.hostile_sites
+        picks = bulyan_picks(distances, f) if robust.rule == "bulyan" else multi_krum_picks(distances, f, keep)
+        scores = krum_scores_of(distances, f, max(answered - f - 2, 1))
+        for index, update in enumerate(updates):
+            if index not in picks:
+                self.rejected[update.site] = (
+                    f"not among the {len(picks)} of {answered} sites robust.rule={robust.rule} keeps (Krum score "
+                    f"{scores[index]:.4g}; the highest kept {max(scores[i] for i in picks):.4g})"
+                )
+                self.updates.pop(update.site, None)
+        return [updates[index] for index in sorted(picks)]
+
+    def _rule_facts(self, result: AggregateResult) -> dict[str, Any]:
+        """What a round's record says about ``robust.rule``: the sites it kept, the largest share any of them had
+        (of any row too), and whether that share was within what the rule tolerates from one site (a cap that
+        relaxed to equal shares among few sites can exceed it: two sites, or fewer than 1/trim_fraction)."""
+        largest = max(result.info.get(LARGEST_SHARE, result.shares).values())
+        tolerated = {"median": largest < 0.5, "trimmed_mean": largest <= self.robust.trim_fraction + 1e-12}
+        return {"rule": self.robust.rule, "kept": sorted(result.shares), "largest_share": round(float(largest), 6),
+                "tolerates_one_site": tolerated.get(self.robust.rule, True)}
+
+    def _combiner(self) -> Callable[..., dict[str, Any]]:
+        """How the kept sites' model arrays are combined under their bounded shares."""
+        robust = self.robust
+        if robust.rule == "median":
+            return robust_combiner(weighted_median)
+        if robust.rule == "trimmed_mean":
+            return robust_combiner(lambda values, weights: weighted_trimmed_mean(values, weights,
+                                                                                 robust.trim_fraction))
+        if robust.rule == "bulyan":
+            return robust_combiner(lambda values, weights: closest_to_median_mean(
+                values, weights, values.shape[0] - 2 * robust.hostile_sites))
+        return combine
 
     def _drop_outlier_updates(self, updates: list[SiteUpdate]) -> tuple[list[SiteUpdate], str]:
         """Reject sites whose update norm exceeds ``max_norm_ratio`` × the median norm of the other sites; with

@@ -93,7 +93,7 @@ class EncryptedRoundAggregation(RoundAggregation):
         super().__init__(*args, **kwargs)
         check_encrypted_run(self.spec, stream_aggregation=self.stream_aggregation, transfer_kind=self.transfer_kind,
                             transfer_dtype=self.transfer_dtype, download_dtype=self.download_dtype,
-                            max_norm_ratio=self.robust.max_norm_ratio)
+                            max_norm_ratio=self.robust.max_norm_ratio, robust_rule=self.robust.rule)
         self.context: Any = None
         self.encrypted: dict[str, EncryptedArray] = {}  # the global model's aggregated arrays
         self.stand_ins: dict[str, np.ndarray] = {}

@@ -243,7 +243,7 @@ def encryption_refusal(spec: MethodSpec) -> str:
 def encrypted_run_problems(
     spec: MethodSpec, *, stream_aggregation: bool = False, transfer_kind: str = "weights",
     transfer_dtype: str = "float32", download_dtype: str = "float32", max_norm_ratio: float = 0.0,
-    resume: bool = False,
+    resume: bool = False, robust_rule: str = "mean",
 ) -> list[str]:
     """What a job with encrypted aggregation asks that the server can no longer do, one sentence each."""
     refusal = encryption_refusal(spec)
@@ -251,6 +251,8 @@ def encrypted_run_problems(
         (max_norm_ratio > 0, "robust.max_norm_ratio compares the sites' update norms, which the server cannot read "
                              "under encryption; set robust.max_norm_ratio=0 (each site still checks its own update "
                              "for NaN/Inf and its method's contract before encrypting)"),
+        (robust_rule != "mean", f"robust.rule={robust_rule} compares the sites' model arrays, which the server "
+                                "cannot read under encryption; leave robust.rule at mean"),
         (stream_aggregation, "stream_aggregation adds plaintext arrays as they arrive; encrypted aggregation holds "
                              "the ciphertexts until the round ends"),
         (transfer_kind != "weights", "transfer_kind=diff (for DP filters) needs plaintext differences; encrypted "
