@@ -78,6 +78,11 @@ flower-robust-reference:
 	$(FLOWER_RULES_VENV)/bin/python -m pip install --quiet "flwr==1.42.*" numpy
 	$(FLOWER_RULES_VENV)/bin/python benchmarks/robust_rules_flower.py --out benchmarks/results/robust_rules_flower.json
 
+# The robust rules (robust.rule) against FedAvg with one hostile site among seven (issue 49): PneumoniaMNIST, cnn,
+# 5 rounds, 3 seeds, through the in-process engine (the job's plan and the server's aggregation core).
+bench-robust: install
+	$(PY) benchmarks/robust_rules.py --out runs/bench-robust --seeds 0 1 2
+
 # FLARE's transfer of one model alone (issue 32): two FLARE cells on loopback, each change medflare could make to
 # what it hands FLARE (fp16, one buffer, chunk sizes, tensors).
 bench-transfer: install

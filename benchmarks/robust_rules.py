@@ -101,14 +101,15 @@ def one_run(robust: dict[str, Any], seed: int, rounds: int, hostile: bool) -> di
 def table(results: dict[str, list[dict[str, Any]]], rounds: int, seeds: list[int]) -> str:
     """The results page's table; an arm whose model went non-finite in a seed says so (its other seeds are shown)."""
     scored = {name: [r for r in rows if "diverged" not in r] for name, rows in results.items()}
-    reference = scored.get("FedAvg") or next(rows for rows in scored.values() if rows)
+    reference_name = "FedAvg" if scored.get("FedAvg") else next(name for name, rows in scored.items() if rows)
+    reference = scored[reference_name]
     baseline = [r["balanced_accuracy"] for r in reference]
     base_ms = statistics.mean(r["aggregation_ms"] for r in next(rows for rows in scored.values() if rows))
     lines = [f"PneumoniaMNIST, {SITES} sites IID, cnn, {rounds} rounds of one local epoch, seeds {seeds}; "
              f"{HOSTILE} sends its step reversed x{REVERSED:g} (all arms but the first). Honest sites' pooled test.",
              "",
-             "| arm | balanced accuracy (mean ± std) | vs FedAvg under attack | hostile site kept (rounds) | "
-             "aggregation ms / round | x FedAvg's | round s |",
+             f"| arm | balanced accuracy (mean ± std) | vs {reference_name} | hostile site kept (rounds) | "
+             f"aggregation ms / round | x {reference_name}'s | round s |",
              "|---|---|---|---|---|---|---|"]
     for name, rows in scored.items():
         diverged = len(results[name]) - len(rows)
