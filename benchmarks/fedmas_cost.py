@@ -90,7 +90,8 @@ def site_round_parts(run: Any, rounds: int) -> dict[str, float]:
     weights round after round (the site's work does not depend on what the others send)."""
     from medflare.methods.base import RoundContext
     from medflare.runner import describe_sites
-    from medflare.site_runtime import SiteRuntime, SiteSettings
+    from medflare.site_config import SiteSettings
+    from medflare.site_runtime import SiteRuntime
 
     sites, _ = describe_sites(run)
     index = max(range(run.clients), key=lambda i: sum(sites[run.site_names[i]]["class_counts"]))

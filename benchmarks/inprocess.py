@@ -29,7 +29,8 @@ from medflare.plan import RunPlan
 from medflare.run_config import RunConfig
 from medflare.runner import plan_job
 from medflare.server_setup import round_plan
-from medflare.site_runtime import SiteFile, SiteRuntime
+from medflare.site_config import SiteFile
+from medflare.site_runtime import SiteRuntime
 
 Deliver = Callable[[SiteRuntime, str, dict, dict], tuple[dict, dict]]
 # the global random generators a site's code may draw from: (read, restore) of each

@@ -12,7 +12,8 @@ from medflare.checkpoint import checkpoint_facts, read_checkpoint
 from medflare.flare.models import build_global_model
 from medflare.job_export import job_plan
 from medflare.run_config import RunConfig
-from medflare.site_runtime import SiteRuntime, SiteSettings, TaskSpec
+from medflare.site_config import SiteSettings, TaskSpec
+from medflare.site_runtime import SiteRuntime
 
 
 def save_global_model(path: Path, run: RunConfig, seed: int = 3) -> Path:

@@ -13,7 +13,7 @@ from medflare.errors import ConfigError
 from medflare.methods.base import TrainConfig
 from medflare.registry import get_method, list_methods
 from medflare.run_config import RunConfig
-from medflare.site_runtime import TaskSpec
+from medflare.site_config import TaskSpec
 
 
 @dataclass

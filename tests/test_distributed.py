@@ -12,7 +12,7 @@ import pytest
 from medflare.distributed import DataParallelSite, DistributedConfig, site_distributed_config
 from medflare.errors import ConfigError
 from medflare.methods.base import RoundContext
-from medflare.site_runtime import SiteSettings, TaskSpec
+from medflare.site_config import SiteSettings, TaskSpec
 
 TRAIN = {"optimizer": "sgd", "momentum": 0.0, "lr": 0.05, "batch_size": 16, "max_steps": 4, "local_epochs": 1}
 

@@ -20,7 +20,8 @@ from medflare.methods.base import RoundContext
 from medflare.registry import get_method, list_methods
 from medflare.report import build_summary, markdown_report
 from medflare.run_config import RunConfig
-from medflare.site_runtime import SITE_CONFIG_FILE, SiteRuntime, SiteSettings, TaskSpec, resolve_site_dp
+from medflare.site_config import SITE_CONFIG_FILE, SiteSettings, TaskSpec, resolve_site_dp
+from medflare.site_runtime import SiteRuntime
 
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 

@@ -10,7 +10,7 @@ from medflare.deploy.apps import deployment_run
 from medflare.job_export import export_job, job_plan, server_config, set_resume
 from medflare.plan import DEFAULT_TASK_TIMEOUT
 from medflare.run_config import DEPLOY_ROBUST, ROBUST_OFF, RunConfig
-from medflare.site_runtime import TaskSpec
+from medflare.site_config import TaskSpec
 
 TASK = TaskSpec(num_classes=2, in_channels=1, image_size=28)
 SITE_DATA = {"source": "site"}

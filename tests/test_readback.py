@@ -15,7 +15,7 @@ from medflare.checkpoint import FACTS_KEY, read_checkpoint
 from medflare.cli import main
 from medflare.errors import ConfigError, DataError
 from medflare.run_config import RunConfig
-from medflare.site_runtime import read_site_data_config
+from medflare.site_config import read_site_data_config
 
 from ._predicting import save_global_model, ten_synthetic_images
 

@@ -11,18 +11,18 @@ import pytest
 from medflare.data import DataConfig
 from medflare.errors import ConfigError, DataError
 from medflare.methods.base import RoundContext
-from medflare.site_runtime import (
+from medflare.site_config import (
     DP_FILTER_ARGS,
     JOB_SETTABLE_DATA_KEYS,
     SITE_FIXED_DATA,
     SITE_ONLY_DATA_KEYS,
-    SiteRuntime,
     SiteSettings,
     TaskSpec,
     check_dp_filter,
     read_site_data_config,
     site_index_from_name,
 )
+from medflare.site_runtime import SiteRuntime
 
 TASK = TaskSpec(num_classes=5, in_channels=3, image_size=28)
 DATA = {"source": "synthetic:n=200", "partition": "iid", "num_sites": 2}
@@ -182,7 +182,7 @@ def test_channel_mismatch_names_the_site() -> None:
 def test_job_stage_overrides_merge_into_the_method_stage_defaults() -> None:
     """A job changing one option of one stage keeps the method's other options of that stage."""
     from medflare.registry import get_method
-    from medflare.site_runtime import resolve_train_config
+    from medflare.site_config import resolve_train_config
 
     cfg = resolve_train_config(get_method("fed-mae"), {"lr": 1e-3, "stages": {"pretrain": {"warmup_rounds": 3}}})
     pretrain = cfg.for_stage("pretrain")

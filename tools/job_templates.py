@@ -133,7 +133,7 @@ def write_template(method: str, out_dir: str | Path) -> Path:
 def _fill_template(method: str, folder: Path) -> None:
     """The template's files into the empty ``folder``."""
     from medflare.job_export import client_config, job_plan, meta_config, server_config
-    from medflare.site_runtime import TaskSpec
+    from medflare.site_config import TaskSpec
 
     run = template_run(method)
     task = TaskSpec(**DEPLOY_TASK)

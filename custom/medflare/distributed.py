@@ -41,7 +41,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 from medflare.errors import ConfigError
 from medflare.methods.base import RoundContext
-from medflare.site_runtime import SiteFile, SiteRuntime, SiteSettings
+from medflare.site_config import SiteFile, SiteSettings
+from medflare.site_runtime import SiteRuntime
 
 Log = Callable[[str], None]
 

@@ -91,7 +91,7 @@ def _sections(run: RunConfig) -> dict[str, Section]:
     from medflare.dp_sgd import DPSGDConfig
     from medflare.methods.base import TrainConfig
     from medflare.server_setup import RobustConfig
-    from medflare.site_runtime import TaskSpec, resolve_train_config
+    from medflare.site_config import TaskSpec, resolve_train_config
 
     spec = get_method(run.method)
     return {

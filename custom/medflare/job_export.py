@@ -31,7 +31,7 @@ from medflare.flare import tracking
 from medflare.plan import APP_NAME, ENCRYPTED_AGGREGATOR, RunPlan, build_plan
 from medflare.registry import get_method
 from medflare.run_config import ROBUST_OFF, RunConfig, deployment_robust, typed_robust
-from medflare.site_runtime import TaskSpec, resolve_train_config
+from medflare.site_config import TaskSpec, resolve_train_config
 
 PACKAGE_DIR = Path(__file__).resolve().parent  # .../custom/medflare
 MODES = ("byoc", "preinstalled")

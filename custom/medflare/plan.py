@@ -24,7 +24,7 @@ from medflare.methods.base import TrainConfig
 from medflare.registry import get_method, load_plugins
 from medflare.run_config import RECEIVERS, TRACKERS, RunConfig
 from medflare.server_setup import round_plan, server_rule
-from medflare.site_runtime import (
+from medflare.site_config import (
     SiteFile,
     SiteSettings,
     TaskSpec,

@@ -44,7 +44,7 @@ from nvflare.recipe.spec import ExecEnv, Recipe
 
 from medflare.errors import ConfigError
 from medflare.run_config import RunConfig, deployment_robust, merge_run_config
-from medflare.site_runtime import TaskSpec
+from medflare.site_config import TaskSpec
 
 __all__ = ["MedflareRecipe", "recipe"]
 

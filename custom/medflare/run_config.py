@@ -21,7 +21,7 @@ from medflare.methods.base import MethodSpec, TrainConfig
 from medflare.methods.presets import Preset
 from medflare.registry import get_method
 from medflare.server_setup import RULE_OPTION_NAMES, RULE_OPTIONS, RobustConfig, server_rule
-from medflare.site_runtime import TaskSpec, check_dp_filter, check_multi_label_support, resolve_train_config
+from medflare.site_config import TaskSpec, check_dp_filter, check_multi_label_support, resolve_train_config
 
 if TYPE_CHECKING:
     from medflare.data import DataConfig
@@ -357,7 +357,7 @@ class RunConfig:
     def site_data(self) -> dict[str, Any]:
         """The data config the sites receive: num_sites and seed filled in for simulation; with site data, the
         job's own data options (e.g. ``augment``), which each site takes or refuses
-        (``site_runtime.read_site_data_config``: the hospital's file decides), but not ``partition``, which only
+        (``site_config.read_site_data_config``: the hospital's file decides), but not ``partition``, which only
         splits simulated data."""
         if self.data.get("source", "site") == "site":
             return {"source": "site", **{key: value for key, value in self.data.items() if key != "partition"}}

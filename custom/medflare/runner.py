@@ -27,7 +27,7 @@ from medflare.errors import ConfigError
 if TYPE_CHECKING:  # importing the run configuration pulls in torch: only the commands that build a run pay it
     from medflare.plan import RunPlan
     from medflare.run_config import RunConfig
-    from medflare.site_runtime import TaskSpec
+    from medflare.site_config import TaskSpec
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # MEDFLARE_SMOKE=1 (the runnable-docs test sets it) caps every run built here, so the docs' commands run as written

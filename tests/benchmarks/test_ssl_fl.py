@@ -47,7 +47,7 @@ def test_each_pretraining_arm_and_its_scratch_arm_differ_only_in_pretraining(ben
     """Same network, initialisation and fine-tuning recipe (Fed-BEiT's: layer scale, drop-path 0.2, clipping 3.0,
     as its registered defaults give), and the tables read each pre-training arm against its own scratch arm."""
     from medflare.registry import get_method
-    from medflare.site_runtime import resolve_train_config
+    from medflare.site_config import resolve_train_config
 
     scratch = vars(bench.finetune_run(scratch_arm, "retina", 0.5, 1, 0.3, None))
     pretrained = vars(bench.finetune_run(method, "retina", 0.5, 1, 0.3, "encoder.pt"))

@@ -17,7 +17,8 @@ from medflare.data.types import UNLABELED, DataSplits, ImageSet
 from medflare.errors import DataError
 from medflare.run_config import RunConfig
 from medflare.runner import plan_job
-from medflare.site_runtime import SiteFile, SiteRuntime, TaskSpec
+from medflare.site_config import SiteFile, TaskSpec
+from medflare.site_runtime import SiteRuntime
 
 JOB = ["effusion", "nodule", "normal"]  # the job's names, in label order (sorted, as the lead's folders gave them)
 COUNTS = {"effusion": 12, "nodule": 15, "normal": 18}  # a different count per class: a label's class shows in it

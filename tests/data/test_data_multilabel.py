@@ -23,7 +23,7 @@ from medflare.data import (
 )
 from medflare.data.synthetic import SyntheticConfig, draw_findings, finding_prevalence
 from medflare.errors import ConfigError, DataError
-from medflare.site_runtime import read_site_data_config
+from medflare.site_config import read_site_data_config
 
 ML_SOURCE = "synthetic:multilabel=1,classes=6,n=600,size=12"
 

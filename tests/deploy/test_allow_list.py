@@ -32,7 +32,7 @@ from medflare.deploy.policies import (
 )
 from medflare.job_export import client_config, job_plan, server_config
 from medflare.registry import list_methods
-from medflare.site_runtime import TaskSpec
+from medflare.site_config import TaskSpec
 
 TASK = TaskSpec(num_classes=2, in_channels=1, image_size=28)
 # Every argument a job can pass to an allow-listed component, reviewed for what a job could do with it. A new

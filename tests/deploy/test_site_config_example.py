@@ -15,12 +15,7 @@ from medflare.deploy.policies import flare_defaults
 from medflare.deploy.provision import COMMENT_PREFIX, SITE_CONFIG_EXAMPLE, install_policies, main, site_config_example
 from medflare.distributed import site_distributed_config
 from medflare.errors import ConfigError, DataError
-from medflare.site_runtime import (
-    SITE_CONFIG_FILE,
-    SITE_ONLY_DATA_KEYS,
-    read_site_data_config,
-    resolve_site_model,
-)
+from medflare.site_config import SITE_CONFIG_FILE, SITE_ONLY_DATA_KEYS, read_site_data_config, resolve_site_model
 
 
 def fake_kit(folder: Path, kind: str) -> Path:

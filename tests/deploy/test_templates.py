@@ -20,7 +20,7 @@ from medflare.job_export import client_config, job_plan, server_config
 from medflare.registry import list_methods
 from medflare.run_config import DEPLOY_ROBUST
 from medflare.runner import nvflare_command
-from medflare.site_runtime import TaskSpec
+from medflare.site_config import TaskSpec
 
 REPO = Path(__file__).resolve().parents[2]
 TEMPLATE_FILES = ("info.conf", "info.md", "meta.conf", "config_fed_client.conf", "config_fed_server.conf")

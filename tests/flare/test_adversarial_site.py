@@ -37,7 +37,8 @@ from medflare.methods.base import PerSite
 from medflare.registry import get_method, list_methods
 from medflare.run_config import RunConfig, merge_sections
 from medflare.server_setup import round_plan
-from medflare.site_runtime import SiteRuntime, SiteSettings
+from medflare.site_config import SiteSettings
+from medflare.site_runtime import SiteRuntime
 
 CAP = 0.6
 ROBUST = {"max_norm_ratio": 10.0, "max_share": CAP}

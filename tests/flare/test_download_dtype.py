@@ -23,7 +23,8 @@ from medflare.flare.models import build_global_model
 from medflare.methods.base import PerSite, RoundContext
 from medflare.ops.wire import encode_download, encode_weights
 from medflare.registry import get_method
-from medflare.site_runtime import SiteRuntime, SiteSettings, TaskSpec
+from medflare.site_config import SiteSettings, TaskSpec
+from medflare.site_runtime import SiteRuntime
 
 K = 5
 TASK = TaskSpec(num_classes=K, in_channels=3, image_size=28)

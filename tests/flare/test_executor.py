@@ -15,7 +15,7 @@ from medflare.flare.executor import MedflareExecutor
 from medflare.job_export import export_job, job_robust
 from medflare.plan import build_plan
 from medflare.run_config import RunConfig
-from medflare.site_runtime import SITE_CONFIG_FILE
+from medflare.site_config import SITE_CONFIG_FILE
 
 from ..test_plan import deployed_to
 

@@ -102,7 +102,8 @@ def test_site_state_survives_a_restart_bit_for_bit(tmp_path: Path) -> None:
     """Run a job, then start a fresh site runtime on the same job workspace: it reloads the state the site
     saved after its last round (optimizer moments and the private head) exactly."""
     from medflare.job_export import export_job
-    from medflare.site_runtime import SITE_STATE_FILE, SiteRuntime, SiteSettings
+    from medflare.site_config import SiteSettings
+    from medflare.site_runtime import SITE_STATE_FILE, SiteRuntime
 
     run = RunConfig(
         method="test-staged", rounds=3, clients=2, data=SMALL_DATA, train={"max_steps": 2, "batch_size": 16},

@@ -17,7 +17,7 @@ from nvflare.apis.utils.analytix_utils import create_analytic_dxo
 from medflare.flare import tracking
 from medflare.job_export import client_config, job_plan, server_config
 from medflare.run_config import RunConfig
-from medflare.site_runtime import TaskSpec
+from medflare.site_config import TaskSpec
 
 REPO = Path(__file__).resolve().parents[2]
 TASK = TaskSpec(num_classes=3, in_channels=1, image_size=28)

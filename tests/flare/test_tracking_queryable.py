@@ -28,7 +28,7 @@ from medflare.job_export import job_plan, server_config
 from medflare.methods.base import RoundContext
 from medflare.metrics import EvalStats, MultiLabelEvalStats, compute_metrics
 from medflare.run_config import RunConfig
-from medflare.site_runtime import TaskSpec
+from medflare.site_config import TaskSpec
 
 TASK = TaskSpec(num_classes=3, in_channels=1, image_size=28)
 JOB_ID = "3f2a9c1e-0b7d-4c55-9d0e-5a6b7c8d9e0f"

@@ -80,7 +80,8 @@ def test_no_personal_head_key_travels_and_the_summary_reports_generalization_and
 
 
 def test_a_restarted_site_reloads_its_personal_head_bit_for_bit(fca_job: FcaJob, tmp_path: Path) -> None:
-    from medflare.site_runtime import SITE_STATE_FILE, SiteRuntime, SiteSettings
+    from medflare.site_config import SiteSettings
+    from medflare.site_runtime import SITE_STATE_FILE, SiteRuntime
 
     run, workspace = fca_job.run, fca_job.workspace
     task = run.task_spec()

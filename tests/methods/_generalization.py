@@ -12,7 +12,8 @@ from medflare.evaluation import GENERALIZATION, site_evaluation, summarize
 from medflare.methods.base import RoundContext
 from medflare.metrics import EvalStats, compute_metrics
 from medflare.registry import get_method
-from medflare.site_runtime import SiteRuntime, SiteSettings, TaskSpec
+from medflare.site_config import SiteSettings, TaskSpec
+from medflare.site_runtime import SiteRuntime
 
 CLASSES = 3
 DATA = {"source": "synthetic:n=150,classes=3", "num_sites": 2, "partition": "dirichlet:0.5",

@@ -14,7 +14,8 @@ from medflare.flare.models import build_global_model
 from medflare.methods.base import RoundContext, SiteUpdate
 from medflare.methods.fca import FcaConfig
 from medflare.registry import get_method
-from medflare.site_runtime import SiteRuntime, SiteSettings, TaskSpec
+from medflare.site_config import SiteSettings, TaskSpec
+from medflare.site_runtime import SiteRuntime
 
 TASK = TaskSpec(num_classes=3, in_channels=3, image_size=28)
 DATA = {"source": "synthetic:n=120,classes=3", "num_sites": 2, "partition": "iid"}

@@ -17,7 +17,8 @@ from medflare.methods.fed_mas.prior import IMAGENET_MEAN, IMAGENET_STD, MOCO_PRE
 from medflare.methods.fed_mas.rescue import ClassMeanAccumulator, distillation_distance, rescue_factor
 from medflare.ops import cap_shares
 from medflare.registry import get_method
-from medflare.site_runtime import SiteRuntime, SiteSettings, TaskSpec
+from medflare.site_config import SiteSettings, TaskSpec
+from medflare.site_runtime import SiteRuntime
 
 # ----- rescue factor, by hand -------------------------------------------------------------------------
 

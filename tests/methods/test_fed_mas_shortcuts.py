@@ -16,7 +16,8 @@ from medflare.methods.fed_mas.rescue import (
     rescue_factor,
     stratified_subsample,
 )
-from medflare.site_runtime import SiteRuntime, SiteSettings, TaskSpec
+from medflare.site_config import SiteSettings, TaskSpec
+from medflare.site_runtime import SiteRuntime
 
 TASK = TaskSpec(num_classes=3, in_channels=3, image_size=28)
 # A cached feature against a fresh forward of another batch: the kernels depend on batch size and thread count

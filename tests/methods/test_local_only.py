@@ -17,7 +17,8 @@ from medflare.methods.base import RoundContext
 from medflare.methods.local_only import LocalOnlyConfig
 from medflare.ops import model_params
 from medflare.registry import get_method
-from medflare.site_runtime import SiteRuntime, SiteSettings, TaskSpec, resolve_site_model
+from medflare.site_config import SiteSettings, TaskSpec, resolve_site_model
+from medflare.site_runtime import SiteRuntime
 
 from ._generalization import check_generalization_by_hand
 from ._trainers import make_trainer, tiny_classifier

@@ -17,7 +17,8 @@ from medflare.losses import masked_bce, weighted_bce
 from medflare.metrics import MultiLabelEvalStats
 from medflare.registry import get_method, list_methods
 from medflare.run_config import RunConfig
-from medflare.site_runtime import SiteRuntime, SiteSettings, TaskSpec, check_multi_label_support
+from medflare.site_config import SiteSettings, TaskSpec, check_multi_label_support
+from medflare.site_runtime import SiteRuntime
 
 from ._trainers import make_trainer
 

@@ -33,7 +33,8 @@ from medflare.methods.ssl_fl.model import masked_patch_loss, patchify
 from medflare.methods.ssl_fl.server import SslFlRule
 from medflare.methods.ssl_fl.tokenizer import DalleEncoder, DalleTokenizer, DiscreteVae, code_usage, load_dalle_encoder
 from medflare.optim import lr_at, set_step_lr
-from medflare.site_runtime import SiteRuntime, SiteSettings, TaskSpec
+from medflare.site_config import SiteSettings, TaskSpec
+from medflare.site_runtime import SiteRuntime
 
 MODEL = "vit_micro"  # the CPU-sized ViT: 7 x 7 patches of 4 px at 28 px
 TASK = TaskSpec(num_classes=3, in_channels=3, image_size=28)
@@ -143,7 +144,7 @@ def test_mae_pretraining_trains_encoder_and_decoder_but_not_head_or_positions() 
 
 # ----- schedules ------------------------------------------------------------------------------------
 def _mae_pretrain_config() -> TrainConfig:
-    from medflare.site_runtime import resolve_train_config
+    from medflare.site_config import resolve_train_config
 
     return resolve_train_config(FED_MAE, {"batch_size": 64}).for_stage("pretrain")
 

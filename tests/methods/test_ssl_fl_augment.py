@@ -9,7 +9,8 @@ import torch
 from medflare.data import build_transform
 from medflare.errors import ConfigError
 from medflare.methods.ssl_fl import FedBeitConfig, FedMaeConfig
-from medflare.site_runtime import SiteRuntime, SiteSettings, TaskSpec
+from medflare.site_config import SiteSettings, TaskSpec
+from medflare.site_runtime import SiteRuntime
 
 TASK = TaskSpec(num_classes=3, in_channels=3, image_size=28)
 DATA = {"source": "synthetic:n=60,classes=3", "num_sites": 2, "partition": "iid", "label_fraction": 0.5}

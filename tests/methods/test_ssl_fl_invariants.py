@@ -19,7 +19,8 @@ from medflare.methods.ssl_fl.client import N_IMAGES
 from medflare.methods.ssl_fl.export import export_run, load_encoder
 from medflare.methods.ssl_fl.masking import BlockMaskGenerator, random_mask
 from medflare.methods.ssl_fl.model import patchify
-from medflare.site_runtime import SiteRuntime, SiteSettings, TaskSpec
+from medflare.site_config import SiteSettings, TaskSpec
+from medflare.site_runtime import SiteRuntime
 
 MODEL = "vit_micro"  # 96-d, depth 6: 7 x 7 patches of 4 px at 28 px
 GRID, PATCH, DEPTH = 7, 4, 6

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from medflare.contracts import privacy_scope
-from medflare.site_runtime import ALLOW_JOB_DATA, SITE_CONFIG_FILE
+from medflare.site_config import ALLOW_JOB_DATA, SITE_CONFIG_FILE
 
 SITE_MODES = ("byoc", "preinstalled")
 # The only medflare paths a job may name, all in one namespace, by kit kind: the classes (and the model factory)

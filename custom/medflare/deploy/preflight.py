@@ -212,7 +212,7 @@ def _devices(site_file: Any) -> tuple[str, str]:
 
 # ----- the site's file and data ---------------------------------------------------------------------------------
 def _site_file(kit: Path) -> tuple[Any, str, str]:
-    from medflare.site_runtime import SITE_CONFIG_FILE, SiteFile
+    from medflare.site_config import SITE_CONFIG_FILE, SiteFile
 
     site_file = SiteFile.of(kit / "local")
     if site_file.content is None:
@@ -235,7 +235,7 @@ def _site_data(site: str, site_file: Any) -> tuple[Any, str, str]:
     """The site's own data as it reads it for any job (its class_map and window applied, no job's task)."""
     from medflare.config import from_dict
     from medflare.data import DataConfig, make_site_data
-    from medflare.site_runtime import read_site_data_config
+    from medflare.site_config import read_site_data_config
 
     data_config = {**read_site_data_config(site_file, None), "local": True, "num_sites": 1}
     data = make_site_data(from_dict(DataConfig, data_config, "data"), 0, site)

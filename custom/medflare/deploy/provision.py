@@ -24,7 +24,7 @@ import yaml
 
 from medflare.deploy.policies import SITE_MODES, install_site_policies, is_site_kit
 from medflare.runner import nvflare_command
-from medflare.site_runtime import SITE_CONFIG_FILE
+from medflare.site_config import SITE_CONFIG_FILE
 
 STATE_DIR = "state"  # <workspace>/<project>/state/cert.json: the root CA and every participant's private key
 # FLARE writes <workspace>/<project name>/prod_NN/<participant name>/: each name must stay one plain folder name.

@@ -21,8 +21,9 @@ from medflare.flare.tracking import EPOCH_LOSS, send_scalars, site_training_scal
 from medflare.methods.base import LocalTrainer
 from medflare.plan import RunPlan
 from medflare.registry import load_plugins
+from medflare.site_config import SiteFile
 from medflare.site_policy import AuditLog, SitePolicy, site_policy
-from medflare.site_runtime import SiteFile, SiteRuntime
+from medflare.site_runtime import SiteRuntime
 
 
 class MedflareExecutor(Executor):

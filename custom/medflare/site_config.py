@@ -1,0 +1,294 @@
+"""What a site runs, decided before any image is read: the job's task, a site's settings, its own
+``medflare_site.json`` (data, DP-SGD, architecture) and the checks a job's options get. The torch runtime that acts
+on them is :mod:`medflare.site_runtime`."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from medflare.config import from_dict
+from medflare.errors import ConfigError, DataError
+from medflare.methods.base import MethodSpec, TrainConfig
+from medflare.registry import get_method
+
+SITE_CONFIG_FILE = "medflare_site.json"  # in a site's local/ folder (POC and production)
+ALLOW_JOB_DATA = "allow_job_data"  # a site's opt-in (in that file): jobs may bring their own, e.g. simulated, data
+EVALUATION_MODES = ("every_round", "final", "off")
+
+
+@dataclass
+class TaskSpec:
+    """Facts about the task that site and server must agree on (no data, no paths).
+
+    ``multi_label``: several findings per image (multi-hot labels, sigmoid scores, BCE); the data decides it in
+    simulation, a job on site-local data declares it.
+    ``class_names`` (optional, for reports and ``medflare predict``) come from the data or ``task.class_names``.
+    """
+
+    num_classes: int
+    in_channels: int
+    image_size: int
+    multi_label: bool = False
+    class_names: list[str] | None = None
+
+
+@dataclass
+class SiteSettings:
+    """One site's full configuration, assembled from the job and (in POC/production) the site's own file."""
+
+    method: str
+    task: TaskSpec
+    data: dict[str, Any]
+    model: str = "cnn"
+    method_args: dict[str, Any] = field(default_factory=dict)
+    train: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    evaluation: str = "every_round"  # every_round | final | off: when the site sends evaluation counts
+    dp_sgd: dict[str, Any] = field(default_factory=dict)  # DP-SGD as this site trains it (resolve_site_dp); {} = off
+    min_class_samples: int = 0  # the site policy's floor: no statistics about a class with fewer samples leave
+
+    def __post_init__(self) -> None:
+        if self.evaluation not in EVALUATION_MODES:
+            raise ConfigError(f"evaluation must be one of {EVALUATION_MODES}, got '{self.evaluation}'")
+
+
+def check_multi_label_support(spec: MethodSpec, task: TaskSpec) -> None:
+    """A multi-label task needs a method that declares it can train one (``MethodSpec.multi_label``)."""
+    if task.multi_label and not spec.multi_label:
+        from medflare.registry import get_method, list_methods
+
+        able = [name for name in list_methods() if get_method(name).multi_label]
+        raise ConfigError(
+            f"method '{spec.name}' trains single-label classifiers (softmax over classes) and cannot run this "
+            f"multi-label task; use one of {', '.join(able)}"
+        )
+
+
+# The arguments of the FLARE filters :class:`medflare.flare.privacy.UpdatePrivacy` applies, by its filter names
+DP_FILTER_ARGS = {
+    "percentile": ("percentile", "gamma"),
+    "svt": ("fraction", "epsilon", "noise_var", "gamma", "tau", "replace", "epsilon_threshold", "epsilon_query",
+            "epsilon_release"),
+}
+
+
+def check_dp_filter(dp: Mapping[str, Any]) -> None:
+    """A job's dp result filter (``{"filter": ..., "args": {...}}``) as the sites' UpdatePrivacy takes it, checked
+    without FLARE (ConfigError: an unknown option, filter or filter argument)."""
+    unknown = sorted(set(dp) - {"filter", "args"})
+    name, args = dp.get("filter", "percentile"), dp.get("args") or {}
+    if unknown:
+        raise ConfigError(f"dp: unknown option(s) {', '.join(unknown)}; valid options: filter, args")
+    if name not in DP_FILTER_ARGS:
+        raise ConfigError(f"dp: UpdatePrivacy filter must be one of {sorted(DP_FILTER_ARGS)}, got '{name}'")
+    wrong = sorted(set(args) - set(DP_FILTER_ARGS[name])) if isinstance(args, Mapping) else [repr(args)]
+    if wrong:
+        raise ConfigError(f"dp: args {', '.join(wrong)} not taken by FLARE's '{name}' filter; it takes "
+                          f"{', '.join(DP_FILTER_ARGS[name])}")
+
+
+def resolve_train_config(spec: MethodSpec, overrides: Mapping[str, Any] | None) -> TrainConfig:
+    """TrainConfig = shared defaults <- the method's paper defaults <- the job's overrides.
+
+    Per-stage overrides (``stages``) merge stage by stage and option by option, so a job can change one
+    option of one stage and keep the method's other stage defaults.
+    """
+    defaults, job = dict(spec.train_defaults), dict(overrides or {})
+    merged = {**defaults, **job}
+    if isinstance(defaults.get("stages"), Mapping) and isinstance(job.get("stages"), Mapping):
+        names = {**defaults["stages"], **job["stages"]}
+        merged["stages"] = {n: {**defaults["stages"].get(n, {}), **job["stages"].get(n, {})} for n in names}
+    return from_dict(TrainConfig, merged, "train")
+
+
+# Data options a job may set at a site that reads its own data (``{"source": "site"}``). None of them names a file
+# or folder: each only reshuffles, resizes, relabels or subsets, in memory, the images the site's own
+# ``medflare_site.json`` names, so a job cannot make the site read (or send results about) anything else.
+JOB_SETTABLE_DATA_KEYS = frozenset({
+    "augment",  # training augmentation of the same images
+    "image_size",  # the size the same images are resized to
+    "seed",  # reseeds the site's own splits and label draws; job templates send it
+    "partition",  # simulation only (ignored when local); job templates send it
+    "eval_split",  # simulation only (ignored when local)
+    "min_size",  # a size check of simulated training slices
+    "num_classes",  # a check; the runtime replaces it with the job's task.num_classes anyway
+    "label_noise",  # flips some of the site's own training labels (robustness studies)
+    "noise_kind",  # how label_noise flips them
+    "label_fraction",  # hides some of the site's own training labels
+    "imbalance",  # long-tail cut: trains on a subset of the same training images
+    "window",  # intensity window of the same DICOM/NIfTI files: numbers, a preset or the files' own header
+    "site_shift",  # pixel shift of in-memory demo sources (a file source refuses it)
+})
+# Only the site's own file sets these: they name what is read (source, public_source), carve the site's images
+# into a set whose predictions go to the server (public_fraction), or state what its labels mean (identified,
+# class_map: its own class names -> the job's).
+# The refusal covers every key outside JOB_SETTABLE_DATA_KEYS; this set records the review of DataConfig's fields.
+SITE_ONLY_DATA_KEYS = frozenset({"source", "public_source", "public_fraction", "identified", "class_map"})
+# Fixed by medflare at a site that reads its own data: a job's (or the file's) value is replaced.
+SITE_FIXED_DATA = {"local": True, "num_sites": 1}
+
+
+def read_site_data_config(
+    site_config_dir: str | Path | SiteFile, job_data: Mapping[str, Any] | None, simulated: bool = False
+) -> dict[str, Any]:
+    """The data config a site uses: the hospital, not the job, decides.
+
+    A site with a ``local/medflare_site.json`` always follows it: the job's ``{"source": "site"}`` (or nothing)
+    reads the file's ``data``, plus the job's options in :data:`JOB_SETTABLE_DATA_KEYS` the file does not set; a
+    job that names its own source, or sets any other data key the file does not set (e.g. ``public_source``), is
+    refused unless the file opts in with ``"allow_job_data": true`` (a test or POC site). Only FLARE's
+    simulator, whose sites have no such file, takes the job's partitioned data spec without an opt-in.
+
+    Args:
+        site_config_dir: the site's ``local/`` folder (or its file, read).
+        job_data: the data block of the job's executor config.
+        simulated: True in FLARE's simulator (its engine sets ``FLContextKey.SIMULATE_MODE``, which a job's
+            configuration cannot set); False in POC and production.
+
+    Raises:
+        DataError: the job's data is refused, or the site's file is missing, not JSON or has no ``data`` object.
+    """
+    site_file = SiteFile.of(site_config_dir)
+    path, opted_in = site_file.path, site_file.get(ALLOW_JOB_DATA) is True
+    job_source = (job_data or {}).get("source", "site")
+    if job_source != "site":
+        if (site_file.content is None and simulated) or opted_in:
+            return dict(job_data or {})
+        raise DataError(
+            f"refused: the job names its own data (source '{job_source}'), but this site reads only the data in "
+            f"its {path}. Submit the job with {{\"source\": \"site\"}}, or (test sites only) add "
+            f'"{ALLOW_JOB_DATA}": true to that file'
+        )
+    site_data = _site_data_block(path, site_file.content)
+    job_options = {k: v for k, v in (job_data or {}).items() if k != "source"}
+    if not opted_in:
+        _refuse_site_only_keys(job_options, site_data, path)
+    return {**job_options, **site_data, **SITE_FIXED_DATA}
+
+
+def _site_data_block(path: Path, site_file: dict[str, Any] | None) -> dict[str, Any]:
+    """The ``data`` object of the site's file, which must name its source (without one the data would default to
+    medflare's synthetic images, and a hospital would train on them without a word).
+
+    Raises:
+        DataError: the file is missing, has no ``data`` object, or that object names no ``source``.
+    """
+    if site_file is None:
+        raise DataError(
+            f"this site has no data configured: {path} is missing. Create it with "
+            '{"data": {"source": "folder:/path/to/images"}} (or csv:/path/manifest.csv, medmnist:/path/file.npz)'
+        )
+    site_data = site_file.get("data")
+    if not isinstance(site_data, dict):
+        raise DataError(f"{path} has no 'data' object; add e.g. {{\"data\": {{\"source\": \"folder:/path\"}}}}")
+    source = site_data.get("source")
+    if not isinstance(source, str) or not source.strip():
+        raise DataError(f"{path}: its 'data' object names no source, so this site has no images to train on; add "
+                        '"source", e.g. {"data": {"source": "folder:/path/to/images"}} (or csv:/path/manifest.csv, '
+                        "medmnist:/path/file.npz)")
+    return site_data
+
+
+def _refuse_site_only_keys(job_options: Mapping[str, Any], site_data: Mapping[str, Any], path: Path) -> None:
+    """Refuse the job's data keys that only the site may set (and its file does not): refused, not dropped, so
+    the job's author learns the option had no effect.
+
+    Raises:
+        DataError: naming the refused keys and the keys a job may set.
+    """
+    refused = sorted(set(job_options) - JOB_SETTABLE_DATA_KEYS - set(SITE_FIXED_DATA) - set(site_data))
+    if refused:
+        raise DataError(
+            f"refused: the job sets data key(s) {', '.join(refused)}, which this site sets only in its own {path}; "
+            f"remove them from the job (a job may set only {', '.join(sorted(JOB_SETTABLE_DATA_KEYS))})"
+        )
+
+
+def resolve_site_model(
+    method: str, job_model: str, site_models: Mapping[str, str] | None, site: str,
+    site_config_dir: str | Path | SiteFile | None,
+) -> str:
+    """The architecture this site trains: its own ``local/medflare_site.json`` "model", else the job's per-site
+    choice (``site_model``), else the job's model.
+
+    Only methods whose server holds no model (no weights travel) may mix architectures; for the others every
+    site must train the job's model, because the server averages weights key by key.
+    """
+    local = SiteFile.of(site_config_dir).get("model")
+    chosen = local or (site_models or {}).get(site) or job_model
+    if chosen != job_model and get_method(method).server_model:
+        where = "its local medflare_site.json" if local else "the job's site_model"
+        raise ConfigError(
+            f"{site}: {where} asks for model '{chosen}', but '{method}' averages weights, so every site must train "
+            f"the job's model '{job_model}'; per-site architectures need a method that sends no weights (e.g. mdhfl)"
+        )
+    return str(chosen)
+
+
+def resolve_site_dp(
+    job_dp: Mapping[str, Any] | None, site: str, site_config_dir: str | Path | SiteFile | None
+) -> dict[str, Any]:
+    """The DP-SGD settings this site trains with: the job's ``dp_sgd``, checked against the ``dp_sgd`` policy of
+    its own ``local/medflare_site.json`` (which may require DP-SGD, a σ floor, a clipping ceiling, a δ ceiling and
+    a budget); {} = off.
+
+    Raises:
+        SiteDeclined: the job asks for less than the site demands (one line, sent back to the server).
+    """
+    policy = SiteFile.of(site_config_dir).get("dp_sgd")
+    if not job_dp and not policy:
+        return {}
+    from medflare.dp_sgd import site_dp_settings  # local: opacus is an extra, needed only when DP-SGD is in play
+
+    cfg = site_dp_settings(job_dp, policy, site)
+    return dataclasses.asdict(cfg) if cfg is not None else {}
+
+
+@dataclass(frozen=True)
+class SiteFile:
+    """A site's ``local/medflare_site.json``, read once (the executor hands it to every resolver below).
+
+    ``content`` is None when the site has none (FLARE's simulator).
+    """
+
+    path: Path
+    content: dict[str, Any] | None
+
+    @classmethod
+    def of(cls, site: str | Path | SiteFile | None) -> SiteFile:
+        """``site`` itself, or the file in the site's ``local/`` folder ``site`` (None: no file).
+
+        Raises:
+            DataError: one line naming the file and the field that is not JSON, nested too deep, or of the wrong
+                type.
+        """
+        if isinstance(site, SiteFile):
+            return site
+        path = Path(site or ".") / SITE_CONFIG_FILE
+        if site is None or not path.is_file():
+            return cls(path, None)
+        from medflare import readback  # local: beside its one use in this module
+
+        fix = 'fix it, e.g. {"data": {"source": "folder:/path"}}'
+        # "data" and ALLOW_JOB_DATA are checked where they are used (a missing data object, only true opts in)
+        schema = readback.obj(optional={"model": readback.STR, "dp_sgd": readback.OBJECT,
+                                        "distributed": readback.OBJECT, "policy": readback.OBJECT})
+        return cls(path, readback.check(readback.load_json(path, DataError, fix=fix), schema, str(path), DataError, fix))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return (self.content or {}).get(key, default)
+
+
+def site_index_from_name(site_name: str, sites: list[str] | None) -> int:
+    """Position of a site in the job's site list (used to pick its simulated partition)."""
+    if sites:
+        if site_name not in sites:
+            raise ConfigError(f"site '{site_name}' is not in the job's site list {sites}")
+        return sites.index(site_name)
+    digits = "".join(ch for ch in site_name.rsplit("-", 1)[-1] if ch.isdigit())
+    if not digits:
+        raise ConfigError(f"cannot derive a partition index from site name '{site_name}'; list the sites in the job")
+    return int(digits) - 1
