@@ -36,8 +36,8 @@ from benchmarking import mean_std, run_cell
 
 from medflare.data.checksums import verify_medmnist_file
 from medflare.evaluation import personalization_figures
+from medflare.processes import stop_on_signals
 from medflare.run_config import RunConfig, merge_sections
-from medflare.runner import stop_on_signals
 from medflare.scenarios import load_scenario
 
 RETINA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "medmnist" / "retinamnist.npz"

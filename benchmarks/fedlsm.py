@@ -32,9 +32,9 @@ from typing import Any
 from benchmarking import mean_std, run_cell
 
 from medflare.data.checksums import verify_medmnist_file
+from medflare.processes import stop_on_signals
 from medflare.registry import get_method
 from medflare.run_config import RunConfig, merge_sections
-from medflare.runner import stop_on_signals
 
 RETINA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "medmnist" / "retinamnist.npz"
 IDENTIFIED_RETINA = [[0, 1], [1, 2, 3], [3, 4], [0, 2, 4], [2, 3]]  # 2-3 grades per site, every grade somewhere

@@ -24,10 +24,10 @@ from medflare.flare.aggregator import RoundAggregation
 from medflare.flare.models import build_global_model
 from medflare.flare.tasks import TASK_VALIDATE, round_context, round_meta
 from medflare.job_export import aggregation_args, global_model_args
+from medflare.launch import plan_job
 from medflare.methods.base import AggregateResult, PerSite, RoundContext, SiteUpdate
 from medflare.plan import RunPlan
 from medflare.run_config import RunConfig
-from medflare.runner import plan_job
 from medflare.server_setup import round_plan
 from medflare.site_config import SiteFile
 from medflare.site_runtime import SiteRuntime

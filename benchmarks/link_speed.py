@@ -213,7 +213,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     from medflare.errors import MedflareError
-    from medflare.runner import Interrupted, stop_on_signals
+    from medflare.processes import Interrupted, stop_on_signals
 
     args = parse_args(argv)
     rows = []

@@ -169,7 +169,7 @@ def planned_steps(run: RunConfig) -> dict[StepKey, int]:
     """Optimizer steps the run's sites take, by what a step costs: per site and round, local epochs x full
     batches (capped by max_steps), FedLSM's T iterations, MDH-FL/FedMD's local epochs plus one KL step per
     public batch; SSL-FL stage by stage with each stage's batch."""
-    from medflare.runner import describe_sites
+    from medflare.launch import describe_sites
 
     spec, task = get_method(run.method), run.task_spec()
     sites, _ = describe_sites(run)
@@ -406,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from medflare.runner import stop_on_signals
+    from medflare.processes import stop_on_signals
 
     with stop_on_signals():
         sys.exit(main())

@@ -536,7 +536,7 @@ def write_results(out: Path, config: dict[str, Any], cells: dict[str, dict[str, 
 
 
 if __name__ == "__main__":
-    from medflare.runner import stop_on_signals
+    from medflare.processes import stop_on_signals
 
     with stop_on_signals():
         main()

@@ -540,7 +540,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    from medflare.runner import stop_on_signals
+    from medflare.processes import stop_on_signals
 
     with stop_on_signals():
         main()

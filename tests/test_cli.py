@@ -14,8 +14,8 @@ from PIL import Image
 
 from medflare.cli import main
 from medflare.job_export import export_job
+from medflare.launch import report_from_results
 from medflare.run_config import DEPLOY_ROBUST, ROBUST_OFF, RunConfig
-from medflare.runner import report_from_results
 
 from .test_job_export import written_robust
 
@@ -263,15 +263,15 @@ class JobWritten(Exception):
 
 
 def job_written_by(monkeypatch, export_function: str) -> dict:
-    """Replace ``export_function`` (a module's name for runner.export_run_job) by one that writes the job, records
+    """Replace ``export_function`` (a module's name for launch.export_run_job) by one that writes the job, records
     what its robust settings are, and stops the command."""
-    from medflare import runner
+    from medflare import launch
 
     written: dict = {}
 
     def export_then_stop(run, out_dir, mode, *args, **kwargs):
         written["robust"], written["record"] = written_robust(
-            runner.export_run_job(run, out_dir, mode, *args, **kwargs))
+            launch.export_run_job(run, out_dir, mode, *args, **kwargs))
         raise JobWritten
 
     monkeypatch.setattr(export_function, export_then_stop)
@@ -312,7 +312,7 @@ def test_a_job_submitted_to_a_poc_gets_the_deployment_defences(tmp_path: Path, m
 
 def test_flags_merge_with_the_defaults_not_replace_them() -> None:
     from medflare.cli import make_parser
-    from medflare.runner import build_run_config
+    from medflare.run_options import build_run_config
 
     run = build_run_config(make_parser().parse_args(["run", "fedavg", "--partition", "dirichlet:0.5", "--lr", "0.1"]))
     assert run.data == {"source": RunConfig().data["source"], "partition": "dirichlet:0.5"}
@@ -322,7 +322,7 @@ def test_flags_merge_with_the_defaults_not_replace_them() -> None:
 @pytest.mark.parametrize("method,model", [("fed-mae", "vit_tiny"), ("fca", "efficientnet_lite0"), ("fedavg", "cnn")])
 def test_without_model_a_command_trains_the_methods_default_model(method: str, model: str) -> None:
     from medflare.cli import make_parser
-    from medflare.runner import build_run_config
+    from medflare.run_options import build_run_config
 
     assert build_run_config(make_parser().parse_args(["run", method])).model == model
     chosen = build_run_config(make_parser().parse_args(["run", method, "--model", "vit_micro"]))
@@ -427,7 +427,7 @@ def test_results_from_before_the_server_recorded_its_plan_are_reported_unchecked
 
 
 def test_a_run_whose_server_ran_another_plan_keeps_its_outputs_and_says_so(tmp_path: Path) -> None:
-    from medflare.runner import plan_job, results_text, write_job_outputs
+    from medflare.launch import plan_job, results_text, write_job_outputs
 
     run = RunConfig(method="fedavg", rounds=2, data={"source": "synthetic:n=200"})
     run.validate()
@@ -448,7 +448,7 @@ def test_report_on_a_missing_file_is_one_line(tmp_path: Path, capsys) -> None:
 
 
 def test_job_config_reads_back_the_run_it_was_built_from(tmp_path: Path) -> None:
-    from medflare.outputs import job_run_config
+    from medflare.launch import job_run_config
 
     run = RunConfig(method="fedprox", rounds=4, clients=3, min_clients=2, seed=5, name="x1",
                     data={"source": "synthetic:n=200", "partition": "iid", "label_noise": 0.1},
@@ -459,7 +459,7 @@ def test_job_config_reads_back_the_run_it_was_built_from(tmp_path: Path) -> None
 
 
 def test_job_config_reads_back_each_sites_architecture(tmp_path: Path) -> None:
-    from medflare.outputs import job_run_config
+    from medflare.launch import job_run_config
 
     run = RunConfig(method="local-only", clients=2, data={"source": "synthetic:n=200"},
                     site_model={"site-1": "resnet10"})

@@ -13,7 +13,7 @@ import tomllib
 from medflare.cli import main, make_parser
 from medflare.methods.base import TrainConfig
 from medflare.run_config import RunConfig
-from medflare.runner import build_run_config
+from medflare.run_options import build_run_config
 
 LINE = re.compile(r"^(?:# )?(\w+) = (.*?)  # (.+); default (.+); from (.+)$")
 

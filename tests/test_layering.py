@@ -18,8 +18,11 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "custom" / "medflare"
 LOWER_FLOORS = ("methods", "losses", "metrics", "ops", "models", "data", "flare", "job_export")
-LAUNCH_AND_REPORT = ("medflare.cli", "medflare.simulate", "medflare.deploy", "medflare.runner", "medflare.outputs",
+LAUNCH_AND_REPORT = ("medflare.cli", "medflare.simulate", "medflare.deploy", "medflare.launch", "medflare.run_options",
                      "medflare.report")
+# issue 50: what the command line and the deployment tools both need, in a layer below both
+BELOW_THE_LAUNCHERS = ("medflare.launch", "medflare.run_options", "medflare.processes", "medflare.files")
+LAUNCHERS = ("medflare.cli", "medflare.simulate", "medflare.deploy")
 RUN_LAYER = ("medflare.config", "medflare.run_config", "medflare.effective_config", "medflare.registry",
              "medflare.scenarios", "medflare.site_config", "medflare.server_setup", "medflare.resume",
              "medflare.plan")
@@ -96,6 +99,12 @@ def lower_floor_imports_launching_or_reporting(source: str, target: str, names: 
     return lower and any(under(target, upper) for upper in LAUNCH_AND_REPORT)
 
 
+def shared_launching_imports_a_launcher(source: str, target: str, names: list[str]) -> bool:
+    """The layer the command line and the deployment tools both launch through imports neither of them."""
+    shared = any(under(source, module) for module in BELOW_THE_LAUNCHERS)
+    return shared and any(under(target, module) for module in LAUNCHERS)
+
+
 def deployment_borrows_the_simulator(source: str, target: str, names: list[str]) -> bool:
     return under(source, "medflare.deploy") and under(target, "medflare.simulate")
 
@@ -133,7 +142,8 @@ def deployment_imports_reporting(source: str, target: str, names: list[str]) -> 
     return under(source, "medflare.deploy") and any(under(target, module) for module in REPORTING)
 
 
-RULES = [imports_the_command_line, lower_floor_imports_launching_or_reporting, deployment_borrows_the_simulator,
+RULES = [imports_the_command_line, lower_floor_imports_launching_or_reporting, shared_launching_imports_a_launcher,
+         deployment_borrows_the_simulator,
          takes_private_names_of_another_package, what_flare_builds_on_imports_flare, run_layer_imports_flare,
          run_layer_imports_the_site_runtime, deployment_imports_reporting]
 
@@ -155,7 +165,10 @@ FORBIDDEN = [
     (imports_the_command_line, "medflare.deploy.poc", "def f():\n    from medflare.cli import build_run_config\n"),
     (lower_floor_imports_launching_or_reporting, "medflare.methods.fed_mas.plots",
      "from medflare.report import integer_ticks, pyplot\n"),
-    (lower_floor_imports_launching_or_reporting, "medflare.job_export", "import medflare.outputs\n"),
+    (lower_floor_imports_launching_or_reporting, "medflare.job_export", "import medflare.launch\n"),
+    # issue 50: the layer both launch through borrows from neither
+    (shared_launching_imports_a_launcher, "medflare.launch", "def f():\n    from medflare.deploy.poc import PocSession\n"),
+    (shared_launching_imports_a_launcher, "medflare.run_options", "from medflare.cli import make_parser\n"),
     (deployment_borrows_the_simulator, "medflare.deploy.poc", "from medflare.simulate import describe_sites\n"),
     (takes_private_names_of_another_package, "medflare.deploy.poc", "from medflare.cli import _add_run_options\n"),
     (takes_private_names_of_another_package, "medflare.deploy.poc", "from ..report import _fmt\n"),

@@ -106,7 +106,7 @@ def test_medflare_config_plan_prints_the_plan_export_writes(tmp_path: Path, caps
 def test_a_resolved_task_is_handed_down_instead_of_read_again(tmp_path: Path, monkeypatch) -> None:
     """The runners read the data for the task once: given the task, the sites' description, the job and the
     summary's configuration never read it again."""
-    from medflare import runner
+    from medflare import launch
 
     run = RunConfig(method="fedavg", data={"source": SIMULATED}, shot_thresholds=[30, 10])
     run.validate(check_files=False)
@@ -116,11 +116,11 @@ def test_a_resolved_task_is_handed_down_instead_of_read_again(tmp_path: Path, mo
         raise AssertionError("the task was read from the data again")
 
     monkeypatch.setattr(RunConfig, "task_spec", read_again)
-    sites, counts = runner.describe_sites(run, task)
-    job = runner.export_run_job(run, tmp_path, "byoc", task=task)
+    sites, counts = launch.describe_sites(run, task)
+    job = launch.export_run_job(run, tmp_path, "byoc", task=task)
     assert set(sites) == {"site-1", "site-2"} and len(counts) == task.num_classes
     assert plan_from_job(job).task == task
-    assert runner.summary_config(runner.plan_job(run, "byoc", task), run)["task"]["num_classes"] == task.num_classes
+    assert launch.summary_config(launch.plan_job(run, "byoc", task), run)["task"]["num_classes"] == task.num_classes
 
 
 def deployed_to(job: Path, participant: str, root: Path) -> FLContext:

@@ -13,7 +13,7 @@ from medflare.errors import ConfigError
 from medflare.methods.presets import PAPER, PRESET_KEYS, Preset
 from medflare.registry import get_method, list_methods
 from medflare.run_config import merge_run_config, preset_layer
-from medflare.runner import build_run_config
+from medflare.run_options import build_run_config
 
 SEED_METHODS = ("fedmas", "mdhfl", "fed-mae", "fed-beit", "fedlsm", "fca")
 # What a simulation must add that a preset leaves to the data (MDH-FL's public set)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from medflare import plotting, report as report_module
+from medflare.launch import results_text
 from medflare.report import build_summary, comparison_table, startup_text, verdicts, write_outputs
-from medflare.runner import results_text
 
 SITES = ("site-1", "site-2")
 

@@ -5,7 +5,7 @@ A block runs when the line right above its opening fence is the marker ``<!-- ru
 one that needs a live deployment); every PREFIX must match a command, so a skip cannot outlive its command. A marked
 block runs in bash, command after command, from the root of a copy of the repository with ``../shared`` beside it,
 as CI's clone has, and with this environment's ``medflare`` on PATH; it must exit 0. ``MEDFLARE_SMOKE=1`` caps each
-run the block builds (``medflare.runner.SMOKE_CAPS``), so the commands stay exactly as written but run in seconds;
+run the block builds (``medflare.run_options.SMOKE_CAPS``), so the commands stay exactly as written but run in seconds;
 each capped run says so in its output.
 
 Every other ``medflare`` command of a bash block must at least parse: the command line accepts its options, so an
@@ -192,18 +192,18 @@ def test_runnable_block_runs_as_written(block: ShellBlock, tmp_path: Path) -> No
 
 
 def test_smoke_caps_each_run_and_says_so(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from medflare import runner
+    from medflare import run_options
     from medflare.cli import make_parser
 
     args = make_parser().parse_args(["run", "fedavg", "--rounds", "30", "--set", "train.max_steps=0",
                                      "--set", "train.local_epochs=1"])
-    monkeypatch.delenv(runner.SMOKE_ENV, raising=False)
-    assert runner.build_run_config(args).rounds == 30  # without the variable nothing changes
-    runner._note_once.cache_clear()
-    monkeypatch.setenv(runner.SMOKE_ENV, "1")
-    run = runner.build_run_config(args)
+    monkeypatch.delenv(run_options.SMOKE_ENV, raising=False)
+    assert run_options.build_run_config(args).rounds == 30  # without the variable nothing changes
+    run_options._note_once.cache_clear()
+    monkeypatch.setenv(run_options.SMOKE_ENV, "1")
+    run = run_options.build_run_config(args)
     assert (run.rounds, int(run.train["max_steps"]), int(run.train["local_epochs"])) == (2, 2, 1)
     assert "a smoke-size run, not a result (rounds=2, train.max_steps=2)" in capsys.readouterr().err
     small = make_parser().parse_args(["run", "fedavg", "--rounds", "1", "--max-steps", "1", "--local-epochs", "1"])
-    assert runner.build_run_config(small).rounds == 1  # already within the caps: kept, and no note
+    assert run_options.build_run_config(small).rounds == 1  # already within the caps: kept, and no note
     assert capsys.readouterr().err == ""

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from medflare.launch import describe_sites, task_lines
 from medflare.run_config import RunConfig
-from medflare.runner import describe_sites, task_lines
 
 
 def folder(root: Path, shapes: list[tuple[int, int]]) -> Path:

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from medflare.runner import start_process
+from medflare.processes import start_process
 from medflare.simulate import LOST_SITE, SimulatorWatch, lost_site
 
 # The line FLARE 2.9's simulator wrote when site-1's worker never connected (seen in a benchmark run).

@@ -123,7 +123,7 @@ def short_count(count: int) -> str:
 def cmd_config(args: argparse.Namespace) -> int:
     """``medflare config``: the effective configuration of a run as TOML, or its resolved plan (``--plan``)."""
     from medflare.effective_config import config_toml
-    from medflare.runner import build_run_config, option_layers
+    from medflare.run_options import build_run_config, option_layers
 
     run = build_run_config(args)
     run.validate(check_files=False)  # typed and checked as 'run' checks it; the data is not read
@@ -147,7 +147,8 @@ def checked_run(args: argparse.Namespace, method: str | None = None, seed: int |
         seed: replaces the run's seed (``compare --seeds``).
         data_defaults: protocol data options instead of the method's own (``compare``: the same for every method).
     """
-    from medflare.runner import build_run_config, describe_sites
+    from medflare.launch import describe_sites
+    from medflare.run_options import build_run_config
 
     run = build_run_config(args, method)
     if seed is not None:
@@ -158,10 +159,10 @@ def checked_run(args: argparse.Namespace, method: str | None = None, seed: int |
 
 
 def show_task(run: Any) -> None:
-    """Print the task a checked run trains and each site's images (``runner.task_lines``), once every check has
+    """Print the task a checked run trains and each site's images (``launch.task_lines``), once every check has
     passed (a refused run prints its one error line only). The data was read when the run was checked: the same
     cached source."""
-    from medflare.runner import describe_sites, task_lines
+    from medflare.launch import describe_sites, task_lines
 
     task = run.task_spec()
     for line in task_lines(run, task, describe_sites(run, task)[0]):
@@ -181,8 +182,8 @@ def run_in_env(args: argparse.Namespace, run: Any, out: Path, overwrite: bool = 
 
 def cmd_run(args: argparse.Namespace) -> int:
     """``medflare run``: one method's job in the simulator, a POC or production, and its outputs."""
-    from medflare.outputs import OutputTarget
-    from medflare.runner import results_text
+    from medflare.files import OutputTarget
+    from medflare.launch import results_text
 
     if args.resume:  # checked with everything else: same method, model and stages, more rounds
         if args.env == "poc":
@@ -229,10 +230,11 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """``medflare compare``: several methods (and seeds) on the same data, with a comparison table and plots."""
-    from medflare.outputs import OutputTarget
+    from medflare.files import OutputTarget
+    from medflare.launch import results_text
     from medflare.report import comparison_outputs
     from medflare.run_config import shared_data_defaults
-    from medflare.runner import build_run_config, results_text
+    from medflare.run_options import build_run_config
 
     seeds = list(dict.fromkeys(args.seeds or [None]))
     methods = list(dict.fromkeys(args.methods))
@@ -278,9 +280,10 @@ def _compare_failure_log(staging: Path, finished: list[str], exc: BaseException)
 
 def cmd_export(args: argparse.Namespace) -> int:
     """``medflare export``: the run's FLARE job folder, to submit with FLARE's own tools."""
-    from medflare.outputs import OutputTarget
+    from medflare.files import OutputTarget
+    from medflare.launch import export_run_job
     from medflare.plan import plan_from_job
-    from medflare.runner import build_run_config, data_was_chosen, export_run_job
+    from medflare.run_options import build_run_config, data_was_chosen
 
     run = build_run_config(args)
     if not data_was_chosen(args):
@@ -327,8 +330,8 @@ def robust_note(run: Any, mode: str) -> str:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """``medflare report``: a run's outputs rebuilt from a downloaded job's results."""
-    from medflare.outputs import OutputTarget
-    from medflare.runner import report_from_results, results_text
+    from medflare.files import OutputTarget
+    from medflare.launch import report_from_results, results_text
 
     results = Path(args.results)
     beside = results if results.is_dir() else results.parent
@@ -400,7 +403,7 @@ def add_env_options(parser: argparse.ArgumentParser) -> None:
 
 def make_parser() -> argparse.ArgumentParser:
     """The ``medflare`` command line: one subcommand per ``cmd_*`` function."""
-    from medflare.runner import add_run_options
+    from medflare.run_options import add_run_options
 
     parser = OneLineParser(
         prog="medflare", description=__doc__, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -508,7 +511,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """The ``medflare`` console script: parse, run the subcommand, and turn a medflare error into one line."""
-    from medflare.runner import Interrupted, stop_on_signals
+    from medflare.processes import Interrupted, stop_on_signals
 
     args = make_parser().parse_args(argv)
     try:

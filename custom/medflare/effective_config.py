@@ -1,6 +1,6 @@
 """``medflare config``: a run's effective configuration as TOML, every option with its type, default and source.
 
-The configuration is the one ``run`` builds (``runner.build_run_config``: defaults < --preset < --scenario <
+The configuration is the one ``run`` builds (``run_options.build_run_config``: defaults < --preset < --scenario <
 --config < flags < --set) and validates; nothing here merges layers again. The text is a ``--config`` file: the
 top-level options and every section option the run holds are written as values, the section options left at their
 defaults as comments, so ``medflare run METHOD --config FILE`` runs the same configuration.
@@ -37,7 +37,7 @@ class Option(NamedTuple):
 
 def config_toml(run: RunConfig, layers: Sequence[tuple[str, set[str]]]) -> str:
     """The annotated TOML of a validated ``run``; ``layers`` say which options each layer set (lowest first,
-    ``runner.option_layers``)."""
+    ``run_options.option_layers``)."""
     sections = set(SECTIONS.values())
     top = [_top_option(run, f, layers) for f in dataclasses.fields(RunConfig) if f.name not in sections]
     lines = [*_header(run), *(_line(option) for option in top)]

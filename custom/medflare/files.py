@@ -18,11 +18,11 @@ import os
 import shutil
 import tempfile
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from medflare import readback
-from medflare.errors import MedflareError
+from medflare.errors import ConfigError, MedflareError
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 LOCK_OWNER = "medflare process"  # the start of every lock file's text
@@ -250,6 +250,8 @@ def read_marker(folder: Path) -> list[str]:
 def read_record(folder: Path) -> dict[str, str]:
     """relative file -> the SHA-256 medflare recorded for it ("" when the marker recorded none: an older marker,
     which vouches for the name only and so for nothing that may be deleted)."""
+    from medflare import readback  # imports numpy: only where a marker is read, never for `medflare methods`
+
     path = folder / MARKER
     if not path.is_file():
         return {}
@@ -284,7 +286,7 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def digests(folder: Path, files: list[str]) -> dict[str, str]:
+def file_digests(folder: Path, files: list[str]) -> dict[str, str]:
     """relative file -> its SHA-256, for ``files`` below ``folder``."""
     return {relative: file_digest(folder / relative) for relative in files}
 
@@ -372,3 +374,160 @@ def write_recorded(out_dir: Path, name: str, write: Callable[[Path], Any]) -> Pa
     record_files(out_dir, written)
     return target
 
+
+# ----- a result folder medflare may create, fill and replace ----------------------------------------------------
+@dataclass
+class OutputTarget:
+    """A result folder (``unit`` inside ``root``) that medflare may create, fill and replace.
+
+    Attributes:
+        root: the folder whose marker records every file medflare wrote into it.
+        unit: the subfolder one command replaces as a whole ("" = ``root`` itself; ``export`` writes one job
+            folder per call into a shared ``-o`` folder).
+        overwrite: replace medflare's earlier files in a non-empty target (never anyone else's).
+        merge: add the results beside what the target holds, replacing only medflare's files of the same name
+            (``report`` writes into a downloaded job's folder); otherwise all of medflare's earlier files go.
+        option: how the user named the folder, for messages (``--out``, ``-o``).
+    """
+
+    root: Path
+    unit: str = ""
+    overwrite: bool = False
+    merge: bool = False
+    option: str = "--out"
+
+    def __post_init__(self) -> None:
+        if self.unit and (Path(self.unit).name != self.unit or self.unit in (".", "..")):
+            raise ConfigError(f"'{self.unit}' must be one folder name inside {self.option} (no '/', '.' or '..')")
+        self.root = Path(self.root).resolve()
+        if not self.root.name:
+            raise ConfigError(f"{self.option} {self.root} is the top of the file system; medflare stages results "
+                              f"beside the folder it writes, so choose a named folder (e.g. {self.option} results)")
+        self._keep_staging = False  # set when publishing refused: the finished results must not be lost
+        self._lock = FolderLock(self.root, self.option)  # the root: units share its marker
+
+    @property
+    def target(self) -> Path:
+        return self.root / self.unit if self.unit else self.root
+
+    @property
+    def staging(self) -> Path:
+        return self.target.with_name(self.target.name + ".partial")
+
+    @property
+    def failed_log(self) -> Path:
+        return self.target.with_name(self.target.name + ".failed.log")
+
+    def check(self) -> None:
+        """Refuse, before anything starts, a target that is a file or already holds something (without
+        ``--overwrite``), and a staging folder medflare did not make. Writes nothing."""
+        for folder in (self.root, self.target):
+            if folder.exists() and not folder.is_dir():
+                raise ConfigError(f"{self.option} {folder} is a file, not a folder; choose a folder path")
+        blocker = next((p for p in self.root.parents if p.exists() or p.is_symlink()), None)
+        if blocker is not None and not blocker.is_dir():
+            raise ConfigError(f"{self.option} {self.root} lies below {blocker}, which is a file, not a folder; "
+                              f"choose a folder path")
+        if _has_content(self.target) and not (self.overwrite or self.merge):
+            what = "already exists" if self.unit else "is not empty"
+            raise ConfigError(
+                f"{self.option} {self.target} {what}; choose a new folder, or add --overwrite to replace "
+                f"medflare's earlier results there (files medflare did not write are kept)"
+            )
+        if self.staging.is_symlink() or (self.staging.exists() and not (self.staging / MARKER).is_file()):
+            raise ConfigError(f"{self.staging} exists and was not made by medflare; move it away or choose "
+                              f"another {self.option}")
+        read_marker(self.root)  # a marker naming a path outside the folder is refused before anything runs
+
+    def begin(self) -> Path:
+        """Lock the folder for this command, then a fresh staging folder, marked as medflare's (a leftover of a
+        killed medflare run is replaced). The lock is held until :meth:`publish` or :meth:`abandon`.
+
+        Raises:
+            OutputError: another command writes the folder (the message names its process).
+        """
+        self.check()  # a refusal creates nothing, not even the lock's folder
+        self._lock.acquire()
+        try:
+            self.check()  # again, now that no other medflare command can change the folder
+            shutil.rmtree(self.staging, ignore_errors=True)  # check() proved it is medflare's, and no one uses it
+            self.staging.mkdir(parents=True)
+            write_marker(self.staging, [])
+        except BaseException:
+            self._lock.release()
+            raise
+        return self.staging
+
+    def publish(self, source: Path | None = None) -> Path:
+        """Move the staged results into the target and record them in the root's marker; return the target.
+
+        Args:
+            source: the folder inside the staging folder that holds the results (default: the staging folder).
+
+        Raises:
+            OutputError: a result would replace a file medflare did not write; the results stay staged.
+        """
+        source = source or self.staging
+        new_files = files_under(source)
+        if not self.target.exists():
+            if self.unit:
+                (self.staging / MARKER).unlink(missing_ok=True)  # the root's marker records a unit's files
+            else:
+                write_marker(source, new_files, file_digests(source, new_files))
+            source.rename(self.target)
+            shutil.rmtree(self.staging, ignore_errors=True)
+            if self.unit:
+                self._record(new_files)
+            self._lock.release()
+            return self.target
+        prefix = f"{self.unit}/" if self.unit else ""
+        ours = {f[len(prefix):] for f in unchanged_files(self.root) if f.startswith(prefix)}
+        clashes = sorted(set(new_files) & (set(files_under(self.target)) - ours))
+        if clashes:
+            self._keep_staging = True
+            raise OutputError(
+                f"{self.target / clashes[0]} was not written by medflare (or changed since it was) and would be "
+                f"replaced; the results are kept in {self.staging}. Move that file away, or choose another "
+                f"{self.option}"
+            )
+        replaced = ours & set(new_files) if self.merge else ours
+        destinations = [confined(self.target, relative, f"the result {relative}") for relative in new_files]
+        # first: a result moved in below is medflare's even if the move stops half-way
+        self._record(new_files, digests=file_digests(source, new_files))
+        remove_files(self.target, sorted(replaced))
+        for relative, destination in zip(new_files, destinations):
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(source / relative, destination)
+        shutil.rmtree(self.staging)
+        self._record(new_files, replaced={prefix + f for f in replaced})
+        self._lock.release()
+        return self.target
+
+    def abandon(self, log: str | None = None) -> Path | None:
+        """Remove the staging folder (medflare's); keep ``log`` as ``<target>.failed.log`` and return its path
+        (None when even the log cannot be written: the error that ended the run is the one to report)."""
+        try:
+            if (self.staging / MARKER).is_file() and not self._keep_staging:
+                shutil.rmtree(self.staging, ignore_errors=True)  # first: on a full disk it frees room for the log
+            return self._keep_log(log) if log else None
+        finally:
+            self._lock.release()
+
+    def _keep_log(self, log: str) -> Path | None:
+        try:
+            self.failed_log.parent.mkdir(parents=True, exist_ok=True)
+            return atomic_write_text(self.failed_log, log)
+        except (OSError, OutputError):
+            return None
+
+    def _record(self, new_files: list[str], replaced: set[str] | None = None,
+                digests: dict[str, str] | None = None) -> None:
+        """Add ``new_files`` (relative to the unit) to the root's marker, with ``digests`` (default: read from
+        where they now lie); ``replaced`` leaves the marker."""
+        prefix = f"{self.unit}/" if self.unit else ""
+        digests = digests if digests is not None else file_digests(self.target, new_files)
+        record_files(self.root, {prefix + f: digest for f, digest in digests.items()}, replaced or set())
+
+
+def _has_content(folder: Path) -> bool:
+    return folder.is_dir() and any(folder.iterdir())

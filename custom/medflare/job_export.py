@@ -302,7 +302,7 @@ def write_job(plan: RunPlan, out_dir: str | Path, mode: str = "byoc", shot_group
               plugin_files: list | tuple = ()) -> Path:
     """Write the job of ``plan`` to ``out_dir/<job name>/`` and return its path. An existing folder of that name is
     replaced only once the new one is complete, and only where it holds what medflare recorded writing there
-    (``out_dir``'s marker, :mod:`medflare.outputs`: each file's SHA-256); anything else in it refuses the job.
+    (``out_dir``'s marker, :mod:`medflare.files`: each file's SHA-256); anything else in it refuses the job.
 
     Args:
         plugin_files: the files of the plan's plugin modules (``RunConfig.plugins``), copied into a BYOC job.

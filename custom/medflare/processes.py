@@ -14,6 +14,7 @@ on ``sys.path``), so the environment it hands to FLARE is exactly medflare's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import os
 import select
@@ -21,8 +22,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping
 
 import psutil
 
@@ -194,6 +197,136 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     return Keeper(args.parent, args.stay, args.report_fd).run(command)
+
+# ----- the nvflare command and FLARE's admin side ------------------------------------------------------------------
+def nvflare_command() -> list[str]:
+    """The nvflare CLI of *this* interpreter's environment (never whatever is first on PATH)."""
+    candidate = Path(sys.executable).with_name("nvflare")
+    return [str(candidate)] if candidate.exists() else [sys.executable, "-m", "nvflare.cli"]
+
+
+# FLARE's admin side (the ``nvflare`` command, the Session API) looks for its optional comm_config.json in
+# ConfigService's config path, which FLARE sets for its server and sites only; elsewhere it walks the whole working
+# directory for it, once per file extension. From a source checkout with its .venv that cost ~3 CPU-s per command
+# (2026-11-28), from a hospital's data share it could take minutes, and a stray comm_config.json anywhere below would
+# configure FLARE's connections. medflare therefore runs those commands in a folder of its own
+# (:func:`flare_admin_popen_args`) and gives its own admin sessions a config path (:func:`confine_flare_config_search`).
+def flare_admin_popen_args(folder: Path, env: Mapping[str, str]) -> dict[str, Any]:
+    """``cwd`` and ``env`` for an ``nvflare`` admin command run in ``folder`` (created if missing): the environment's
+    relative PYTHONPATH entries made absolute first, so the command imports what this process would."""
+    folder.mkdir(parents=True, exist_ok=True)
+    env = dict(env)
+    if env.get("PYTHONPATH"):
+        env["PYTHONPATH"] = os.pathsep.join(str(Path(entry).resolve()) if entry else entry
+                                            for entry in env["PYTHONPATH"].split(os.pathsep))
+    return {"cwd": str(folder), "env": env}
+
+
+def confine_flare_config_search(folder: Path) -> None:
+    """Make this process's FLARE look for its config files in ``folder`` (an admin kit) rather than walk the working
+    directory (see :func:`flare_admin_popen_args`). A missing folder is left to the session to report."""
+    from nvflare.fuel.utils.config_service import ConfigService
+
+    if folder.is_dir():
+        ConfigService.initialize(section_files={}, config_path=[str(folder)])
+
+
+# ----- interruption ------------------------------------------------------------------------------------
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGINT arrived: every ``except BaseException`` clean-up path runs, as for Ctrl-C.
+
+    Attributes:
+        signum: the signal received.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """Within this block SIGTERM/SIGINT raise :class:`Interrupted` once; repeats are ignored so clean-up finishes.
+
+    Only the main thread can own signal handlers; elsewhere the block changes nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        if not received:
+            received.append(signum)
+            raise Interrupted(signum)
+
+    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Within this block SIGTERM/SIGINT are ignored (main thread only): the clean-up of a run that already failed
+    (say its output pipe closed) must finish even when a stop request arrives meanwhile, or the processes it was
+    about to stop stay running. The previous handlers come back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def quiet_on_closed_output(echo: Callable[[str], None]) -> Callable[[str], None]:
+    """``echo`` that stays silent once its output is gone (a closed terminal or pipe), so clean-up runs on."""
+
+    def write(line: str) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            echo(line)
+
+    return write
+
+
+def start_process(command: list[str], **popen_args: Any) -> subprocess.Popen:
+    """Start a child in its own process group, so a terminal's Ctrl-C reaches medflare only and medflare
+    stops the child's whole tree itself (:func:`stop_process_tree`)."""
+    return subprocess.Popen(command, start_new_session=True, **popen_args)
+
+
+def stop_process_tree(proc: subprocess.Popen, grace_seconds: float = 10.0) -> None:
+    """Terminate ``proc`` and every process below it (FLARE's simulator starts each site in a new session, so
+    its process group alone is not enough); kill whatever outlives ``grace_seconds``."""
+    import psutil
+
+    try:
+        root = psutil.Process(proc.pid)
+        tree = root.children(recursive=True) + [root]
+    except psutil.NoSuchProcess:
+        tree = []
+    for process in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.terminate()
+    _, alive = psutil.wait_procs(tree, timeout=grace_seconds)
+    for process in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(alive, timeout=grace_seconds)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace_seconds)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ Example (a ``job.py`` in FLARE 2.9's style)::
     job.execute(SimEnv(num_clients=3))   # `python job.py --export --export-dir jobs/` writes the job instead
 
 A recipe writes its job with exactly the builder ``medflare export`` and ``medflare run`` use
-(:func:`medflare.runner.export_run_job`, i.e. ``job_export.py``'s ``server_config`` and ``client_config``), so a
+(:func:`medflare.launch.export_run_job`, i.e. ``job_export.py``'s ``server_config`` and ``client_config``), so a
 recipe's job and an exported one cannot drift apart. Options are ``medflare run``'s (:class:`RunConfig` fields) and
 are checked the same way before anything is written.
 
@@ -67,7 +67,7 @@ class _MedflareJobConfig(FedJobConfig):
     def generate_job_config(self, job_root: str) -> None:
         """Write ``job_root/<job name>/`` from the job's plan (FLARE calls this for export, the simulator, POC and
         production)."""
-        from medflare.runner import export_run_job
+        from medflare.launch import export_run_job
 
         run = self.run
         if self.deployed:  # whatever its mode and data (a POC may run simulated data): defences on

@@ -317,7 +317,7 @@ def _header(summary: Mapping[str, Any]) -> list[str]:
 
 
 def _plan_check_text(summary: Mapping[str, Any]) -> str:
-    """What the job config this report describes is to the plan the server ran (``runner.plan_check``)."""
+    """What the job config this report describes is to the plan the server ran (``launch.plan_check``)."""
     check = summary.get("plan_check")
     if check == "matches":
         return "; the configuration below resolves to the same plan"

@@ -13,22 +13,22 @@ from pathlib import Path
 from typing import Any, Callable
 
 from medflare.errors import ConfigError, MedflareError
+from medflare.files import OutputTarget
 from medflare.flare.controller import RESULTS_FILE
 from medflare.flare.memory import with_allocator_settings
 from medflare.flare.tracking import keep_server_records
-from medflare.outputs import OutputTarget, failure_note, first_site_said, keep_site_logs
-from medflare.processes import start_kept
-from medflare.registry import get_method
-from medflare.run_config import RunConfig
-from medflare.runner import (
+from medflare.launch import (
     describe_sites,
     export_run_job,
-    nvflare_command,
+    failure_note,
+    first_site_said,
+    keep_site_logs,
     plan_job,
-    signals_held,
-    stop_process_tree,
     write_job_outputs,
 )
+from medflare.processes import nvflare_command, signals_held, start_kept, stop_process_tree
+from medflare.registry import get_method
+from medflare.run_config import RunConfig
 from medflare.site_runtime import SITE_LOG_FILE
 
 __all__ = ["SimulationError", "nvflare_command", "run_simulation"]
@@ -65,7 +65,7 @@ def run_simulation(
     """Export the job, run ``nvflare simulator`` with one thread per site, and write the run's outputs.
 
     Everything is staged in ``<out>.partial`` and moved to ``out`` only after success (see
-    :class:`medflare.outputs.OutputTarget`: a non-empty ``out`` needs ``overwrite``, and only medflare's own
+    :class:`medflare.files.OutputTarget`: a non-empty ``out`` needs ``overwrite``, and only medflare's own
     files are ever replaced). On failure or interruption the simulator and its site processes are stopped and
     the simulator log, with the rounds that finished, is kept as ``<out>.failed.log``.
 

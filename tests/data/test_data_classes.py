@@ -15,8 +15,8 @@ from medflare.data import load_source
 from medflare.data.classes import align_to_job
 from medflare.data.types import UNLABELED, DataSplits, ImageSet
 from medflare.errors import DataError
+from medflare.launch import plan_job
 from medflare.run_config import RunConfig
-from medflare.runner import plan_job
 from medflare.site_config import SiteFile, TaskSpec
 from medflare.site_runtime import SiteRuntime
 

@@ -22,8 +22,8 @@ import pytest
 
 import medflare.deploy.poc as poc_module
 from medflare.deploy.poc import PocError, PocSession
+from medflare.processes import Interrupted, signals_held, stop_on_signals
 from medflare.run_config import merge_run_config
-from medflare.runner import Interrupted, signals_held, stop_on_signals
 
 from .._processes import kill_all, left_after, processes_naming
 

@@ -17,9 +17,9 @@ from pyhocon import ConfigFactory
 from job_templates import EXAMPLE_SOURCE, TEMPLATES_DIR, example_command, stale_templates, template_run
 from medflare.deploy.apps import DEPLOY_TASK
 from medflare.job_export import client_config, job_plan, server_config
+from medflare.processes import nvflare_command
 from medflare.registry import list_methods
 from medflare.run_config import DEPLOY_ROBUST
-from medflare.runner import nvflare_command
 from medflare.site_config import TaskSpec
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from medflare.launch import plan_job
 from medflare.registry import get_method, list_methods
-from medflare.runner import plan_job
 from tests.benchmarks.conftest import load_benchmark
 
 from ._smoke import check_audit, smoke_run

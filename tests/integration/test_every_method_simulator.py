@@ -18,10 +18,10 @@ from nvflare.recipe import SimEnv
 
 from medflare.flare.audit import AUDIT_FILE
 from medflare.flare.controller import RESULTS_FILE
+from medflare.launch import describe_sites, plan_job, write_job_outputs
 from medflare.recipes import MedflareRecipe
 from medflare.registry import get_method, list_methods
 from medflare.run_config import RunConfig
-from medflare.runner import describe_sites, plan_job, write_job_outputs
 
 from ._rescoring import rescore_global_model
 from ._smoke import check_audit, smoke_run

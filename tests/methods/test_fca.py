@@ -212,7 +212,7 @@ def test_bad_config_is_refused_with_the_field_name(field: str, value) -> None:
                                           (["--model", "cnn"], "cnn")])
 def test_the_command_line_trains_the_papers_backbone_unless_told_otherwise(extra: list[str], model: str) -> None:
     from medflare.cli import make_parser
-    from medflare.runner import build_run_config
+    from medflare.run_options import build_run_config
 
     assert build_run_config(make_parser().parse_args(["run", "fca", *extra])).model == model
 

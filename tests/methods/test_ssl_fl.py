@@ -198,7 +198,7 @@ def test_a_job_that_names_no_model_gets_a_vit_and_a_stage_plan_that_fits_two_rou
     """``medflare run fed-mae --rounds 2 --set train.max_steps=1``: the method's default_model (not fedavg's cnn,
     the RunConfig defaults' own method), and default budgets of 1 pre-training + 1 fine-tuning round."""
     from medflare.cli import make_parser
-    from medflare.runner import build_run_config
+    from medflare.run_options import build_run_config
 
     parser = make_parser()
     for method, rounds in (("fed-mae", 2), ("fed-beit", 3)):

@@ -1,7 +1,7 @@
 """Run medflare jobs in a real FLARE POC (provisioned mTLS kits, separate server/site processes) on one machine.
 
 Everything a POC touches lives under one root folder: its own ``HOME`` (FLARE's startup-kit registry, and the
-working folder of the ``nvflare`` commands: medflare/runner.py says why) and its
+working folder of the ``nvflare`` commands: medflare/processes.py says why) and its
 own ``NVFLARE_POC_WORKSPACE``, so nothing leaks into the user's ``~/.nvflare`` and re-running is safe. One medflare
 process at a time works on a root (a lock file in it names the owner's PID). A POC that ``run`` (or ``medflare run
 --env poc``) starts dies with it, even when it is SIGKILLed; one started step by step lives until ``stop``. The POC is
@@ -48,24 +48,30 @@ from medflare.deploy.provision import (
 )
 from medflare.deploy.watch import KIT_ENV, WatchError, kit_username, watch
 from medflare.errors import ConfigError, MedflareError
+from medflare.files import OutputTarget
 from medflare.flare.memory import with_allocator_settings
 from medflare.flare.tracking import keep_server_records
-from medflare.outputs import OutputTarget, failure_note, first_site_said, job_run_and_plan, keep_site_logs
-from medflare.processes import end_processes, run_kept
-from medflare.run_config import deployment_robust
-from medflare.runner import (
-    add_run_options,
-    build_run_config,
+from medflare.launch import (
     describe_sites,
     export_run_job,
-    flare_admin_popen_args,
-    nvflare_command,
+    failure_note,
+    first_site_said,
+    job_run_and_plan,
+    keep_site_logs,
     plan_job,
-    quiet_on_closed_output,
     results_text,
-    signals_held,
     write_job_outputs,
 )
+from medflare.processes import (
+    end_processes,
+    flare_admin_popen_args,
+    nvflare_command,
+    quiet_on_closed_output,
+    run_kept,
+    signals_held,
+)
+from medflare.run_config import deployment_robust
+from medflare.run_options import add_run_options, build_run_config
 
 REPO_DIR = Path(__file__).resolve().parents[3]
 DEFAULT_PROJECT = REPO_DIR / "provisioning" / "project.yml"
@@ -222,7 +228,7 @@ class PocSession:
         ``starts``: the command starts POC processes; in a ``tied`` session they run under a keeper.
         """
         command = nvflare_command() + list(args) + ["--format", "json"]
-        popen_args = flare_admin_popen_args(self.home, self.env())  # not the user's folder: runner.py says why
+        popen_args = flare_admin_popen_args(self.home, self.env())  # not the user's folder: processes.py says why
         try:
             if starts and self.tied:
                 proc, keeper = run_kept(command, timeout, **popen_args)
@@ -512,7 +518,7 @@ def find_results(download_dir: str | Path) -> Path:
 def write_run_outputs(run: Any, download_dir: Path, out: Path, launched_at: float | None, extra: dict,
                       plan: Any = None) -> dict:
     """summary.json / rounds.csv / report.md / plots (as ``medflare run`` writes them) from a downloaded job;
-    ``plan``: the job's plan (``runner.plan_job``; when not given, the one the downloaded job's config resolves to,
+    ``plan``: the job's plan (``launch.plan_job``; when not given, the one the downloaded job's config resolves to,
     as its server rebuilt it)."""
     results_path = find_results(download_dir)
     plan = plan or job_run_and_plan(results_path.parent)[1]
@@ -577,7 +583,7 @@ def run_poc(
 
     Everything is staged in ``<out>.partial`` (including the POC itself, unless ``root`` or ``$MEDFLARE_POC_ROOT``
     says where the POC goes: then there, replacing a POC left in it as ``prepare`` does) and moved to ``out`` only
-    after success (:class:`medflare.outputs.OutputTarget` rules: a non-empty ``out`` needs ``overwrite``). On failure or
+    after success (:class:`medflare.files.OutputTarget` rules: a non-empty ``out`` needs ``overwrite``). On failure or
     interruption (SIGTERM/SIGINT) the POC's processes are stopped and removed and its server log, with the
     rounds that finished, is kept as ``<out>.failed.log``.
 
@@ -788,7 +794,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m medflare.deploy.poc``: one POC step (prepare, start, submit, wait, download, stop, clean)."""
     import sys
 
-    from medflare.runner import Interrupted, stop_on_signals
+    from medflare.processes import Interrupted, stop_on_signals
 
     args = make_parser().parse_args(argv)
     try:

@@ -23,7 +23,7 @@ from typing import Any, Mapping
 import yaml
 
 from medflare.deploy.policies import SITE_MODES, install_site_policies, is_site_kit
-from medflare.runner import nvflare_command
+from medflare.processes import nvflare_command
 from medflare.site_config import SITE_CONFIG_FILE
 
 STATE_DIR = "state"  # <workspace>/<project>/state/cert.json: the root CA and every participant's private key

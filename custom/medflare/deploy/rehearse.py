@@ -284,14 +284,14 @@ class Stage:
             raise RehearseError(f"{participant}'s startup/start.sh failed ({done.returncode}): {done.stderr[-500:]}")
 
     def in_ns(self, participant: str, command: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-        from medflare.runner import flare_admin_popen_args  # in the rehearsal's home: runner.py says why
+        from medflare.processes import flare_admin_popen_args  # in the rehearsal's home: processes.py says why
 
         return subprocess.run([*self.wan.exec_prefix(participant), *command], capture_output=True, text=True,
                               timeout=timeout, **flare_admin_popen_args(self.work / "home", self.env()))
 
     def nvflare(self, participant: str, admin: str, *args: str, timeout: float = 300) -> dict[str, Any]:
         """``nvflare ... --startup-kit <admin's kit> --format json`` run in ``participant``'s namespace."""
-        from medflare.runner import nvflare_command
+        from medflare.processes import nvflare_command
 
         command = [*nvflare_command(), *args, "--startup-kit", str(self.kit(admin)), "--format", "json"]
         done = self.in_ns(participant, command, timeout)
@@ -340,7 +340,7 @@ class Stage:
             transfer_dtype=plan.transfer_dtype, download_dtype=plan.download_dtype, name=f"rehearse-{plan.method}")
 
     def export(self) -> Path:
-        from medflare.runner import export_run_job
+        from medflare.launch import export_run_job
 
         run = self.run_config()
         run.validate(check_files=False)
@@ -697,7 +697,7 @@ def rehearse(plan: Rehearsal, out_dir: str | Path, echo: Echo = print, overwrite
             checks fail still returns its record (``ok`` false) and keeps its outputs.
     """
     from medflare.deploy.policies import SITE_HEARTBEAT_TIMEOUT
-    from medflare.outputs import OutputTarget
+    from medflare.files import OutputTarget
 
     reason = unavailable_reason()
     if reason:
@@ -760,7 +760,7 @@ def rehearse(plan: Rehearsal, out_dir: str | Path, echo: Echo = print, overwrite
         shutil.copy(results_path, staging / results_path.name)  # the lead's download: per-round bytes and timings
         stage.keep_logs(staging)
     except BaseException as exc:
-        from medflare.runner import quiet_on_closed_output, signals_held
+        from medflare.processes import quiet_on_closed_output, signals_held
 
         with signals_held():  # a second Ctrl-C must not stop the clean-up half-way
             stage.echo = quiet_on_closed_output(echo)
@@ -911,7 +911,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m medflare.deploy.rehearse``: a rehearsal, or its fault matrix (``faults``)."""
     import argparse
 
-    from medflare.runner import Interrupted, stop_on_signals
+    from medflare.processes import Interrupted, stop_on_signals
 
     parser = argparse.ArgumentParser(prog="python -m medflare.deploy.rehearse", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -18,8 +18,9 @@ import pytest
 import medflare.simulate as simulate_module
 from medflare.cli import main
 from medflare.errors import ConfigError
+from medflare.files import MARKER, OutputTarget
 from medflare.flare.controller import RESULTS_FILE
-from medflare.outputs import MARKER, OutputTarget, first_site_error
+from medflare.launch import first_site_error
 
 QUICK = ["--data", "synthetic:n=200", "--rounds", "2"]
 TASK = ["--set", "task.num_classes=2", "--set", "task.in_channels=1", "--set", "task.image_size=28"]
@@ -258,7 +259,7 @@ def test_unreadable_marker_vouches_for_nothing(tmp_path: Path) -> None:
 
 
 def test_a_poc_run_keeps_its_own_jobs_site_logs_only(tmp_path: Path) -> None:
-    from medflare.outputs import SITE_FLARE_LOG, keep_site_logs
+    from medflare.launch import SITE_FLARE_LOG, keep_site_logs
 
     kits = tmp_path / "prod_00"
     for job, text in (("job-a", "this job"), ("job-b", "an earlier job")):
@@ -384,7 +385,7 @@ def test_a_really_full_disk_during_a_run_leaves_only_the_log(tiny_disk: Path, fa
 def test_a_marker_nested_too_deep_vouches_for_nothing(tmp_path: Path) -> None:
     """A crafted `.medflare-outputs.json` nested 100,000 deep was an uncaught RecursionError under --overwrite; it
     now vouches for nothing, so nothing is removed."""
-    from medflare.outputs import MARKER, _read_marker
+    from medflare.files import MARKER, read_marker as _read_marker
 
     (tmp_path / MARKER).write_text("[" * 100_000 + "]" * 100_000)
     assert _read_marker(tmp_path) == []
