@@ -96,8 +96,9 @@ class RobustConfig:
         largest = self.kept(max(sites or 0, self.sites_needed(), min_clients))
         if self.selects and largest < min_clients:
             raise ConfigError(f"robust.rule={self.rule} keeps {largest} site(s) per round and the job needs "
-                              f"min_clients={min_clients}: no round could be aggregated (use multi_krum with "
-                              f"krum_keep >= {min_clients}, or lower min_clients)")
+                              f"min_clients={min_clients}: no round could be aggregated; a rule that leaves out the "
+                              f"hostile sites needs min_clients at most what it keeps (--set min_clients={largest}"
+                              f"{'' if self.rule != 'krum' else ', or use multi_krum'})")
 
     def record(self) -> dict[str, Any]:
         """Whether the defences are on, and with which values (0 = that defence is off): ``meta.json``'s
