@@ -364,3 +364,15 @@ def test_moco_checkpoint_layout_loads(tmp_path: Path) -> None:
     prior = build_prior(f"moco:{tmp_path / 'moco.pth.tar'}", 0, input_size=32)
     assert prior(torch.zeros(2, 1, 28, 28)).shape == (2, 2048)
     torch.testing.assert_close(prior.encoder.conv1.weight, network.conv1.weight)
+
+
+# ----- the paper's defaults (issue 51, item 3) --------------------------------------------------------------------
+def test_defaults_are_the_papers_and_the_codes_where_the_card_says_so() -> None:
+    """spec §2(c): λ_f = 3 in every setting (ablation 0, 1, 3; 7 hurts); the auxiliary head's BSM at weight 1 and
+    clipping at 5.0 are the code's (spec §2(e)1, §2(e)6); MAS weighting by RF with no share cap is the paper's rule
+    (Eq. 5); BSM's prior floor 1e-12 (spec §1.1); the teacher-BN bug off (spec §2(e)5)."""
+    cfg = FedMasConfig()
+    assert (cfg.lambda_f, cfg.aux_head_weight, cfg.aggregation, cfg.max_share) == (3.0, 1.0, "mas", 0.0)
+    assert (cfg.eps, cfg.repo_compat_teacher_bn) == (1e-12, False)
+    assert (cfg.drw_start, cfg.drw_beta) == (0.8, 0.9999)  # mas_drw: the code's 80 % and effective-number β
+    assert get_method("fedmas").train_defaults == {"grad_clip": 5.0}

@@ -403,3 +403,17 @@ def test_the_setup_reports_the_digest_and_size_of_the_public_copy() -> None:
     arrays, meta = trainer.run_phase(SETUP_PHASE, {}, RoundContext(0, 2))
     assert arrays == {} and meta == {PUBLIC_DIGEST: public_digest(trainer.data.public.images),
                                      PUBLIC_SIZE: len(trainer.data.public)}
+
+
+# ----- the paper's defaults (issue 51, item 3) --------------------------------------------------------------------
+def test_defaults_are_the_papers_and_the_codes_where_the_card_says_so() -> None:
+    """spec §3: SCE with α (the paper's λ, CE's weight) 0.1 and β 1.0; CCR with β 0.5 (the code's RHFL weighting);
+    KL toward the other sites (not a site's own predictions); one exchange a round over the whole public set by
+    default (FedMD-like, spec §3 staleness); no warm-up (MDH-FL has none); Adam 1e-3, batch 16, a new Adam per KL
+    step (the code's)."""
+    cfg = MdhflConfig()
+    assert (cfg.loss, cfg.sce_alpha, cfg.sce_beta, cfg.distill) == ("sce", 0.1, 1.0, True)
+    assert (cfg.weighting, cfg.ccr_beta, cfg.include_self) == ("ccr", 0.5, False)
+    assert (cfg.chunks, cfg.public_per_round, cfg.pretrain_epochs, cfg.kl_optimizer) == (1, 0, 0, "step")
+    train = get_method("mdhfl").train_defaults
+    assert (train["optimizer"], train["lr"], train["batch_size"]) == ("adam", 1e-3, 16)
