@@ -1,7 +1,7 @@
 """The in-process engine: a job's rounds through the site and server code FLARE runs, without FLARE (saves FLARE's
-start-up per job on a small machine). It runs the job's own plan (``runner.plan_job``, as ``medflare run`` writes it
+start-up per job on a small machine). It runs the job's own plan (``launch.plan_job``, as ``medflare run`` writes it
 for the simulator), builds each site as the executor does (``RunPlan.localise``) and aggregates with the round core
-FLARE's aggregator drives, built from the arguments the job gives it (``job_export.aggregation_args``).
+FLARE's aggregator drives, built from the same plan (``RoundAggregation.of_plan``).
 
 ``make test`` runs every registered method through it (tests/integration/test_every_method_inprocess.py);
 ``mdhfl.py`` and ``ssl_fl.py`` import it by name, and their ``--parity`` and ``--check-simulator`` compare it with
@@ -21,9 +21,8 @@ import torch
 from medflare import contracts
 from medflare.evaluation import SiteEvaluation, site_evaluation
 from medflare.flare.aggregator import RoundAggregation
-from medflare.flare.models import build_global_model
+from medflare.flare.models import global_model_of
 from medflare.flare.tasks import TASK_VALIDATE, round_context, round_meta
-from medflare.job_export import aggregation_args, global_model_args
 from medflare.launch import plan_job
 from medflare.methods.base import AggregateResult, PerSite, RoundContext, SiteUpdate
 from medflare.plan import RunPlan
@@ -106,8 +105,8 @@ def run_rounds(job: RunPlan | RunConfig, deliver: Deliver = run_at_site,
     result as it arrives, ``on_round`` each round once the server aggregated it.
     """
     plan = plan_of(job)
-    core = RoundAggregation(**aggregation_args(plan))
-    network = build_global_model(**global_model_args(plan))
+    core = RoundAggregation.of_plan(plan)
+    network = global_model_of(plan)
     params = {k: v.detach().cpu().numpy() for k, v in network.state_dict().items()}
     sites = InProcessSites(plan)
     last = None

@@ -170,6 +170,7 @@ def planned_steps(run: RunConfig) -> dict[StepKey, int]:
     batches (capped by max_steps), FedLSM's T iterations, MDH-FL/FedMD's local epochs plus one KL step per
     public batch; SSL-FL stage by stage with each stage's batch."""
     from medflare.launch import describe_sites
+    from medflare.site_config import resolve_train_config
 
     spec, task = get_method(run.method), run.task_spec()
     sites, _ = describe_sites(run)
@@ -183,7 +184,7 @@ def planned_steps(run: RunConfig) -> dict[StepKey, int]:
     for site, facts in sites.items():
         model = run.site_model.get(site, run.model)
         for stage, rounds in stage_rounds:
-            train = run.train_config().for_stage(stage)
+            train = resolve_train_config(spec, run.train).for_stage(stage)
             n, batch = facts["n_train"], train.batch_size
             batches = n // batch if n > batch else 1
             per_round = train.local_epochs * batches

@@ -26,7 +26,8 @@ def save_global_model(path: Path, run: RunConfig, seed: int = 3) -> Path:
     task = run.task_spec()
     model = build_global_model(run.method, run.model, task.num_classes, task.in_channels, task.image_size,
                                method_args=run.method_args, seed=seed)
-    persistor = MedflareModelPersistor(model=model, facts=checkpoint_facts(job_plan(run, task)))
+    persistor = MedflareModelPersistor()
+    persistor.model, persistor.facts = model, checkpoint_facts(job_plan(run, task))
     persistor.load_model(FLContext())
     persistor.save_model_file(str(path))
     return path

@@ -3,7 +3,6 @@ what the user sets reaches the job typed; flags merge with the defaults; ``repor
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import subprocess
 from pathlib import Path
@@ -15,6 +14,7 @@ from PIL import Image
 from medflare.cli import main
 from medflare.job_export import export_job
 from medflare.launch import report_from_results
+from medflare.plan import PLAN_FILE, plan_from_job
 from medflare.run_config import DEPLOY_ROBUST, ROBUST_OFF, RunConfig
 
 from .test_job_export import written_robust
@@ -198,9 +198,6 @@ def test_corrupt_image_names_the_file(tmp_path: Path, capsys) -> None:
 
 
 # ----- what the user sets reaches the job, typed --------------------------------------------------------
-def exported_client_args(job: Path) -> dict:
-    client = json.loads((job / "app" / "config" / "config_fed_client.json").read_text())
-    return client["executors"][0]["executor"]["args"]
 
 
 def test_set_values_reach_the_job_typed(tmp_path: Path, capsys) -> None:
@@ -209,27 +206,24 @@ def test_set_values_reach_the_job_typed(tmp_path: Path, capsys) -> None:
                             "--set", "stream_aggregation=true",
                             "--data", "synthetic:classes=2,channels=1", "-o", str(tmp_path)], capsys)
     assert code == 0, err
-    args = exported_client_args(tmp_path / "fedprox")
-    assert args["train"] == {"lr": 0.01, "nesterov": True}
-    assert args["method_args"] == {"mu": 0.1}
-    assert args["data"]["label_noise"] == 0.2 and isinstance(args["data"]["label_noise"], float)
-    server = json.loads((tmp_path / "fedprox" / "app" / "config" / "config_fed_server.json").read_text())
-    assert server["workflows"][0]["args"]["num_rounds"] == 4
-    (aggregator,) = [c for c in server["components"] if c["id"] == "aggregator"]
-    assert aggregator["args"]["stream_aggregation"] is True
+    plan = plan_from_job(tmp_path / "fedprox")
+    assert all((site.train.lr, site.train.nesterov) == (0.01, True) for site in plan.sites)
+    assert plan.method_args["mu"] == 0.1
+    assert plan.data["label_noise"] == 0.2 and isinstance(plan.data["label_noise"], float)
+    assert len(plan.rounds) == 4 and plan.stream_aggregation is True
 
 
 def test_export_defaults_to_site_local_data(tmp_path: Path, capsys) -> None:
     code, out, _ = run_cli(["export", "fedavg", "-o", str(tmp_path), *TASK], capsys)
     assert code == 0 and "medflare_site.json" in out
-    assert exported_client_args(tmp_path / "fedavg")["data"] == {"source": "site"}
+    assert plan_from_job(tmp_path / "fedavg").data == {"source": "site"}
 
 
 def test_partition_alone_keeps_the_default_data_source(tmp_path: Path, capsys) -> None:
     code, _, err = run_cli(["export", "fedavg", "--partition", "dirichlet:0.5", "--set", "data.seed=3",
                             "--set", "data.source=synthetic", "-o", str(tmp_path)], capsys)
     assert code == 0, err
-    data = exported_client_args(tmp_path / "fedavg")["data"]
+    data = plan_from_job(tmp_path / "fedavg").data
     assert (data["source"], data["partition"], data["seed"]) == ("synthetic", "dirichlet:0.5", 3)
 
 
@@ -347,7 +341,7 @@ def downloaded_job(tmp_path: Path, run: RunConfig) -> Path:
     job = export_job(run, tmp_path / "export", run.task_spec(), mode="preinstalled")
     app_server = tmp_path / "download" / "job-id" / "workspace" / "app_server"
     (app_server / "config").mkdir(parents=True)
-    for name in ("config_fed_server.json", "config_fed_client.json"):
+    for name in ("config_fed_server.json", "config_fed_client.json", PLAN_FILE):
         (app_server / "config" / name).write_text((job / "app" / "config" / name).read_text())
     (app_server.parent / "meta.json").write_text((job / "meta.json").read_text())
     (app_server / "medflare_results.json").write_text(json.dumps(fake_results(run.method, run.rounds)))
@@ -365,7 +359,7 @@ def test_report_on_a_downloaded_job_reads_its_config(tmp_path: Path, capsys) -> 
     config = json.loads((app_server / "summary.json").read_text())["config"]
     assert (config["data"]["source"], config["data"]["partition"]) == ("synthetic:n=200", "dirichlet:0.5")
     assert (config["seed"], config["clients"], config["rounds"], config["name"]) == (7, 2, 2, "trial-7")
-    assert config["method_args"] == {"mu": 0.1} and config["train_resolved"]["lr"] == 0.01
+    assert config["method_args"]["mu"] == 0.1 and config["train_resolved"]["lr"] == 0.01
     report = (app_server / "report.md").read_text()
     assert "`synthetic:n=200` partition `dirichlet:0.5`" in report and "seed 7" in report
     assert "start-up 10.0 s" in report and "start-up 10.0 s" in out  # first round start - server app start
@@ -394,7 +388,7 @@ def with_server_plan(app_server: Path, plan: str) -> None:
 def test_a_report_checks_the_job_config_beside_the_results_against_the_plan_the_server_ran(
     tmp_path: Path, capsys
 ) -> None:
-    from medflare.plan import plan_from_job
+
 
     run = RunConfig(method="fedprox", rounds=2, data={"source": "synthetic:n=200"}, train={"lr": 0.01})
     app_server = downloaded_job(tmp_path, run)
@@ -405,11 +399,10 @@ def test_a_report_checks_the_job_config_beside_the_results_against_the_plan_the_
     assert (summary["plan"], summary["plan_check"]) == (ran.digest(), "matches")
     assert "resolves to the same plan" in (tmp_path / "r" / "report.md").read_text()
 
-    server = app_server / "config" / "config_fed_server.json"  # edited after the run: 5 rounds, not 2
-    config = json.loads(server.read_text())
-    config["workflows"][0]["args"]["num_rounds"] = 5
-    next(c for c in config["components"] if c["id"] == "aggregator")["args"]["num_rounds"] = 5
-    server.write_text(json.dumps(config))
+    plan_file = app_server / "config" / PLAN_FILE  # edited after the run: another patience
+    record = json.loads(plan_file.read_text())
+    record["plan"]["patience"] = 5
+    plan_file.write_text(json.dumps(record))
     code, out, err = run_cli(["report", str(app_server), "-o", str(tmp_path / "r2")], capsys)
     assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1, err
     assert f"the server ran plan {ran.digest()}" in err and "changed after the run?" in err
@@ -433,7 +426,7 @@ def test_a_run_whose_server_ran_another_plan_keeps_its_outputs_and_says_so(tmp_p
     run.validate()
     app_server = downloaded_job(tmp_path, run)
     with_server_plan(app_server, "0123456789ab")
-    summary = write_job_outputs(plan_job(run, "byoc"), run, app_server / "medflare_results.json",
+    summary = write_job_outputs(plan_job(run, "byoc"), app_server / "medflare_results.json",
                                 tmp_path / "out", {}, None)
     assert summary["plan_check"].startswith("differs: the server ran plan 0123456789ab")
     assert (tmp_path / "out" / "summary.json").is_file()  # nothing of a finished run is lost
@@ -447,23 +440,25 @@ def test_report_on_a_missing_file_is_one_line(tmp_path: Path, capsys) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-def test_job_config_reads_back_the_run_it_was_built_from(tmp_path: Path) -> None:
-    from medflare.launch import job_run_config
+def test_a_downloaded_job_reads_back_the_plan_it_was_written_with(tmp_path: Path) -> None:
+    from medflare.launch import job_plan_in
 
     run = RunConfig(method="fedprox", rounds=4, clients=3, min_clients=2, seed=5, name="x1",
                     data={"source": "synthetic:n=200", "partition": "iid", "label_noise": 0.1},
                     train={"lr": 0.02}, method_args={"mu": 0.3}, site_train={"site-2": {"batch_size": 16}},
                     site_evaluation="final", straggler_seconds=30, task_timeout=60, task_request_interval=0.5)
     app_server = downloaded_job(tmp_path, run)
-    assert job_run_config(app_server) == dataclasses.replace(run, task=vars(run.task_spec()))
+    assert job_plan_in(app_server) == plan_from_job(tmp_path / "export" / "x1")
+    assert job_plan_in(app_server).site("site-2").train.batch_size == 16
 
 
-def test_job_config_reads_back_each_sites_architecture(tmp_path: Path) -> None:
-    from medflare.launch import job_run_config
+def test_a_downloaded_job_reads_back_each_sites_architecture(tmp_path: Path) -> None:
+    from medflare.launch import job_plan_in
 
     run = RunConfig(method="local-only", clients=2, data={"source": "synthetic:n=200"},
                     site_model={"site-1": "resnet10"})
-    assert job_run_config(downloaded_job(tmp_path, run)).site_model == {"site-1": "resnet10"}
+    plan = job_plan_in(downloaded_job(tmp_path, run))
+    assert (plan.site("site-1").model, plan.site("site-2").model) == ("resnet10", plan.model)
 
 
 def test_report_reads_a_run_folders_own_job(tmp_path: Path, capsys) -> None:

@@ -15,6 +15,8 @@ from medflare.registry import get_method, list_methods
 from medflare.run_config import RunConfig
 from medflare.site_config import TaskSpec
 
+from ._plans import run_plan
+
 
 @dataclass
 class Inner:
@@ -127,8 +129,8 @@ def test_fedlsm_pool_rows_are_checked_per_site_before_anything_starts() -> None:
     """Each site's trainer refused batch_size <= mix_batch only at its first task."""
     short = {"site-2": {"batch_size": 4}}
     with pytest.raises(ConfigError, match="method 'fedlsm': train.batch_size at site-2 leaves no pseudo-pool rows"):
-        RunConfig(method="fedlsm", site_train=short).validate()
-    RunConfig(method="fedlsm", site_train=short, method_args={"ude": False}).validate()  # no MixUp rows taken
+        run_plan(RunConfig(method="fedlsm", site_train=short))
+    run_plan(RunConfig(method="fedlsm", site_train=short, method_args={"ude": False}))  # no MixUp rows taken
 
 
 def test_fedmas_prior_cache_with_a_drawing_augmentation_is_refused_before_anything_starts() -> None:
@@ -136,9 +138,10 @@ def test_fedmas_prior_cache_with_a_drawing_augmentation_is_refused_before_anythi
     cached = {"cache_prior_features": True}
     for method in ("fedmas", "bsm-kd"):
         with pytest.raises(ConfigError, match=f"method '{method}': .*data.augment=basic"):
-            RunConfig(method=method, method_args=cached).validate()
-    RunConfig(method="fedmas", method_args=cached, data={"source": "synthetic", "augment": "weak"}).validate()
-    RunConfig(method="fedmas", method_args=cached, data={"source": "site"}).validate()  # the site checks its own
+            run_plan(RunConfig(method=method, method_args=cached))
+    run_plan(RunConfig(method="fedmas", method_args=cached, data={"source": "synthetic", "augment": "weak"}))
+    site_task = {"num_classes": 2, "in_channels": 1, "image_size": 28}
+    run_plan(RunConfig(method="fedmas", method_args=cached, data={"source": "site"}, task=site_task))  # its own check
 
 
 # ----- absurd numbers in a site's file or a job: one line each (issue 49, item 7) ---------------------------------

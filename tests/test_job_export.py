@@ -1,14 +1,15 @@
 """The FLARE job folder every environment gets: defaults that keep a dead site from hanging a job or one site from
 taking over the aggregate, and resuming."""
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
 from medflare.deploy.apps import deployment_run
-from medflare.job_export import export_job, job_plan, server_config, set_resume
-from medflare.plan import DEFAULT_TASK_TIMEOUT
+from medflare.job_export import export_job, job_plan, set_resume
+from medflare.plan import APP_NAME, DEFAULT_TASK_TIMEOUT, PLAN_FILE, plan_from_job, read_plan
 from medflare.run_config import DEPLOY_ROBUST, ROBUST_OFF, RunConfig
 from medflare.site_config import TaskSpec
 
@@ -17,43 +18,34 @@ SITE_DATA = {"source": "site"}
 SIMULATED = {"source": "synthetic:n=200"}
 
 
-def controller_args(run: RunConfig) -> dict:
-    return server_config(job_plan(run, TASK))["workflows"][0]["args"]
-
-
-def aggregator_args(run: RunConfig) -> dict:
-    (aggregator,) = [c for c in server_config(job_plan(run, TASK))["components"] if c["id"] == "aggregator"]
-    return aggregator["args"]
-
-
 def test_stream_aggregation_is_off_unless_the_run_turns_it_on() -> None:
-    assert aggregator_args(RunConfig())["stream_aggregation"] is False
-    assert aggregator_args(RunConfig(stream_aggregation=True))["stream_aggregation"] is True
+    assert job_plan(RunConfig(), TASK).stream_aggregation is False
+    assert job_plan(RunConfig(stream_aggregation=True), TASK).stream_aggregation is True
 
 
 def test_every_task_has_a_timeout_unless_the_run_sets_one() -> None:
     assert DEFAULT_TASK_TIMEOUT > 0
-    assert controller_args(RunConfig())["train_timeout"] == DEFAULT_TASK_TIMEOUT
-    assert controller_args(RunConfig(task_timeout=120))["train_timeout"] == 120
+    assert job_plan(RunConfig(), TASK).task_timeout == DEFAULT_TASK_TIMEOUT
+    assert job_plan(RunConfig(task_timeout=120), TASK).task_timeout == 120
 
 
 def test_deployment_jobs_go_on_without_one_site() -> None:
     run = deployment_run("fedavg")
-    assert 2 <= controller_args(run)["min_clients"] < run.clients  # never one hospital's update alone
+    assert 2 <= job_plan(run, TASK).min_clients < run.clients  # never one hospital's update alone
 
 
-def test_set_resume_names_the_crashed_job_in_the_controller(tmp_path: Path) -> None:
+def test_set_resume_names_the_crashed_job_in_the_plan(tmp_path: Path) -> None:
     job = export_job(RunConfig(data={"source": "site"}, task=dict(vars(TASK))), tmp_path, TASK, mode="preinstalled")
+    before = plan_from_job(job)
     set_resume(job, "0b6e1c4e-4a0e-4d43-9a53-7f0f3c7c1e11")
-    config = json.loads((job / "app" / "config" / "config_fed_server.json").read_text())
-    assert config["workflows"][0]["args"]["resume_from"] == "0b6e1c4e-4a0e-4d43-9a53-7f0f3c7c1e11"
+    assert plan_from_job(job) == dataclasses.replace(before, resume_from="0b6e1c4e-4a0e-4d43-9a53-7f0f3c7c1e11")
+    loaded, written = read_plan(job / APP_NAME / "config" / PLAN_FILE)
+    assert written == loaded.digest()  # rewritten by medflare: not an edit
 
 
 def written_robust(job: Path) -> tuple[dict, dict]:
-    """(the aggregator's robust args in config_fed_server.json, meta.json's robust record or None) of a written job."""
-    server = json.loads((job / "app" / "config" / "config_fed_server.json").read_text())
-    (aggregator,) = [c for c in server["components"] if c["id"] == "aggregator"]
-    return aggregator["args"]["robust"], json.loads((job / "meta.json").read_text()).get("robust_aggregation")
+    """(the robust settings of a written job's plan, meta.json's robust record or None)."""
+    return plan_from_job(job).robust, json.loads((job / "meta.json").read_text()).get("robust_aggregation")
 
 
 @pytest.mark.parametrize("mode, data, deployed", [

@@ -1,5 +1,6 @@
-"""The run plan: resolved once from the layered options, and carried by the job so that whoever reads the job (the
-server, each site, a reviewer) rebuilds the very plan the command line built, for every registered method."""
+"""The run plan: resolved once from the layered options, and carried by the job (``app/config/medflare_plan.json``)
+so that whoever reads the job (the server, each site, a reviewer) loads the very plan the command line built, for
+every registered method; the FLARE components take that file and nothing else."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable
 
 import pytest
 from nvflare.apis.fl_constant import ReservedKey
 from nvflare.apis.fl_context import FLContext
 from nvflare.apis.workspace import Workspace
+from nvflare.fuel.utils.class_utils import instantiate_class
 from nvflare.fuel.utils.zip_utils import zip_directory_to_bytes
 from nvflare.private.fed.utils.app_deployer import AppDeployer
 
@@ -20,7 +23,7 @@ from medflare.deploy.apps import deployment_run
 from medflare.errors import ConfigError
 from medflare.flare.tasks import deployed_plan
 from medflare.job_export import export_job, job_robust
-from medflare.plan import APP_NAME, DEFAULT_TASK_TIMEOUT, RunPlan, build_plan, plan_from_job
+from medflare.plan import APP_NAME, DEFAULT_TASK_TIMEOUT, PLAN_FILE, RunPlan, build_plan, plan_from_job, read_plan
 from medflare.registry import list_methods
 from medflare.run_config import RunConfig
 
@@ -54,22 +57,82 @@ def test_a_simulator_job_with_every_option_set_rebuilds_the_same_plan(tmp_path: 
                     tracking="both", patience=2)
     plan, job = planned_and_written(run, tmp_path, "byoc")
     assert plan_from_job(job) == plan
-    assert (plan.site("site-1").train["train"].lr, plan.site("site-2").train["train"].lr) == (0.01, 0.5)
-    assert plan.site("site-3").train["train"].batch_size == 8 and plan.method_args["mu"] == 0.1
+    assert (plan.site("site-1").train.lr, plan.site("site-2").train.lr) == (0.01, 0.5)
+    assert plan.site("site-3").train.batch_size == 8 and plan.method_args["mu"] == 0.1
     assert (plan.min_clients, plan.task_timeout, plan.robust["max_share"]) == (2, 90, 0.4)
     assert plan.data["num_sites"] == 3 and plan.data["seed"] == 5
 
 
-def test_a_changed_job_config_gives_another_plan(tmp_path: Path) -> None:
-    """The rebuilt plan reads every option from the job: one edited argument shows as a different plan."""
+def edit_plan(job: Path, edit: Callable[[dict], None]) -> tuple[dict, dict]:
+    """Apply ``edit`` to the plan in ``job``'s medflare_plan.json, as a reviewer with an editor would: (the file's
+    record before, after)."""
+    path = job / APP_NAME / "config" / PLAN_FILE
+    before = json.loads(path.read_text())
+    after = json.loads(path.read_text())
+    edit(after["plan"])
+    path.write_text(json.dumps(after, indent=2))
+    return before, after
+
+
+def test_an_edited_plan_is_what_the_job_runs_and_its_fingerprint_says_so(tmp_path: Path) -> None:
+    """The job's one plan file decides: an edited value is what every reader loads, and the fingerprint it was
+    written with no longer matches, which the server and the sites log."""
     plan, job = planned_and_written(RunConfig(method="fedavg", data={"source": SIMULATED}), tmp_path, "byoc")
-    server = job / "app" / "config" / "config_fed_server.json"
-    config = json.loads(server.read_text())
-    (aggregator,) = [c for c in config["components"] if c["id"] == "aggregator"]
-    aggregator["args"]["transfer_dtype"] = "float16"
-    server.write_text(json.dumps(config))
-    rebuilt = plan_from_job(job)
-    assert rebuilt != plan and rebuilt.transfer_dtype == "float16"
+    before, _ = edit_plan(job, lambda record: record.update(transfer_dtype="float16"))
+    loaded, written = read_plan(job / APP_NAME / "config" / PLAN_FILE)
+    assert loaded == dataclasses.replace(plan, transfer_dtype="float16")
+    assert written == before["fingerprint"] == plan.digest() != loaded.digest()
+
+
+@pytest.mark.parametrize(("edit", "refusal"), [
+    (lambda plan: plan["sites"][0]["train"].update(lr="fast"), r"sites\[0\]\.train\.lr must be a finite number"),
+    (lambda plan: plan["method_args"].update(mu=-1), "mu"),
+    (lambda plan: plan.update(method="no-such-method"), "no-such-method"),
+    (lambda plan: plan.update(min_clients=9), "min_clients must be between 1 and the plan's 2 sites"),
+    (lambda plan: plan.update(extra=1), "unknown option"),
+])
+def test_an_edited_plan_value_that_does_not_fit_is_refused_naming_it(edit: Callable, refusal: str,
+                                                                     tmp_path: Path) -> None:
+    """Every reader types and checks the plan again, so an edit cannot make a site train on a value no command
+    would have accepted."""
+    _, job = planned_and_written(RunConfig(method="fedprox", data={"source": SIMULATED}), tmp_path, "byoc")
+    edit_plan(job, edit)
+    with pytest.raises(ConfigError, match=refusal):
+        plan_from_job(job)
+
+
+def test_the_components_take_the_plan_file_and_refuse_their_old_arguments(tmp_path: Path) -> None:
+    """Each medflare component of a job is built by FLARE's own class loader from the plan file's name alone (at
+    most 3 arguments, FLARE's component ids among them); a job that still passes one of the settings the plan
+    holds (an edited or old job config) is refused when FLARE builds it, instead of being silently ignored."""
+    _, job = planned_and_written(RunConfig(method="fedavg", data={"source": SIMULATED}, dp={
+        "filter": "percentile", "args": {"percentile": 10, "gamma": 0.01}}, transfer_kind="diff"), tmp_path, "byoc")
+    configs = [json.loads((job / APP_NAME / "config" / f"config_fed_{side}.json").read_text())
+               for side in ("server", "client")]
+    components = [c for c in _components(configs) if c["path"].startswith("medflare.") and
+                  c["path"] != "medflare.flare.tracking.SiteMetricsToServer" and not c["path"].endswith("Receiver")]
+    assert {c["path"].rsplit(".", 1)[1] for c in components} == {
+        "MedflareModelPersistor", "MedflareAggregator", "MedflareController", "MedflareExecutor", "UpdatePrivacy"}
+    for component in components:
+        assert component["args"]["plan_file"] == PLAN_FILE and len(component["args"]) <= 3
+        instantiate_class(component["path"], dict(component["args"]))
+        for old in ({"num_rounds": 3}, {"train": {"lr": 0.9}}, {"method": "fedprox"}):
+            with pytest.raises(ValueError, match="unexpected keyword argument"):
+                instantiate_class(component["path"], {**component["args"], **old})
+
+
+def _components(configs: list) -> list[dict]:
+    """Every component a FLARE config names (executors, workflows, components and filters)."""
+    found, pending = [], list(configs)
+    while pending:
+        value = pending.pop()
+        if isinstance(value, dict):
+            if isinstance(value.get("path"), str):
+                found.append(value)
+            pending.extend(value.values())
+        elif isinstance(value, list):
+            pending.extend(value)
+    return found
 
 
 def test_each_site_trains_each_stage_with_its_resolved_settings(tmp_path: Path) -> None:
@@ -77,11 +140,11 @@ def test_each_site_trains_each_stage_with_its_resolved_settings(tmp_path: Path) 
     otherwise for every stage (site-2: lr 0.01); the stages run in order, pre-training unscored."""
     run = deployment_run("fed-mae", site_train={"site-2": {"lr": 0.01}})
     plan, _ = planned_and_written(run, tmp_path, "preinstalled")
-    assert list(plan.site("site-1").train) == ["pretrain", "finetune"]
-    assert plan.site("site-1").train["pretrain"].lr == pytest.approx(2e-3)
-    assert plan.site("site-1").train["finetune"].lr == pytest.approx(3e-3)
-    assert plan.site("site-2").train["finetune"].lr == pytest.approx(0.01)
-    assert plan.site("site-2").train["pretrain"].lr == pytest.approx(2e-3)  # the stage's own value wins
+    assert list(dict.fromkeys(r.stage for r in plan.rounds)) == ["pretrain", "finetune"]
+    assert plan.site("site-1").train.for_stage("pretrain").lr == pytest.approx(2e-3)
+    assert plan.site("site-1").train.for_stage("finetune").lr == pytest.approx(3e-3)
+    assert plan.site("site-2").train.for_stage("finetune").lr == pytest.approx(0.01)
+    assert plan.site("site-2").train.for_stage("pretrain").lr == pytest.approx(2e-3)  # the stage's own value wins
     assert not plan.rounds[0].scored and plan.rounds[-1].scored and plan.task_timeout == DEFAULT_TASK_TIMEOUT
 
 
@@ -99,7 +162,7 @@ def test_medflare_config_plan_prints_the_plan_export_writes(tmp_path: Path, caps
     printed = RunPlan.from_dict(json.loads(out))
     assert f"plan {printed.digest()}:" in err  # the fingerprint the server and the sites log
     assert main(["export", "fedavg", *options, "-o", str(tmp_path)]) == 0
-    assert plan_from_job(tmp_path / "fedavg") == printed and printed.site("site-1").train["train"].lr == 0.02
+    assert plan_from_job(tmp_path / "fedavg") == printed and printed.site("site-1").train.lr == 0.02
     assert f"plan {printed.digest()}:" in capsys.readouterr().out  # export names the plan of the job it wrote
 
 
@@ -120,7 +183,7 @@ def test_a_resolved_task_is_handed_down_instead_of_read_again(tmp_path: Path, mo
     job = launch.export_run_job(run, tmp_path, "byoc", task=task)
     assert set(sites) == {"site-1", "site-2"} and len(counts) == task.num_classes
     assert plan_from_job(job).task == task
-    assert launch.summary_config(launch.plan_job(run, "byoc", task), run)["task"]["num_classes"] == task.num_classes
+    assert launch.summary_config(launch.plan_job(run, "byoc", task, counts))["task"]["num_classes"] == task.num_classes
 
 
 def deployed_to(job: Path, participant: str, root: Path) -> FLContext:
@@ -146,21 +209,10 @@ def test_the_server_and_every_site_rebuild_the_plan_the_command_line_built(metho
     plan, job = planned_and_written(deployment_run(method, name=f"{method}-at-hospitals"), tmp_path / "jobs",
                                     "preinstalled")
     for participant in ("server", "site-1", "hospital-b"):
-        rebuilt = deployed_plan(deployed_to(job, participant, tmp_path / "workspaces"))
+        rebuilt, loaded = deployed_plan(deployed_to(job, participant, tmp_path / "workspaces"))
+        assert loaded == f"runs plan {plan.digest()} (medflare config --plan prints it)"
         assert {field: getattr(rebuilt, field) for field in FIELDS} == {field: getattr(plan, field) for field in FIELDS}
         assert rebuilt.digest() == plan.digest()
-
-
-def test_a_job_whose_server_and_site_configs_disagree_makes_no_plan(tmp_path: Path) -> None:
-    """A job edited on one side only (here the sites' method options) is refused by whoever rebuilds it, with
-    the option named, instead of sites training one thing and the server aggregating another."""
-    _, job = planned_and_written(RunConfig(method="fedprox", data={"source": SIMULATED}), tmp_path, "byoc")
-    client = job / "app" / "config" / "config_fed_client.json"
-    config = json.loads(client.read_text())
-    config["executors"][0]["executor"]["args"]["method_args"] = {"mu": 0.5}
-    client.write_text(json.dumps(config))
-    with pytest.raises(ConfigError, match="disagree on method_args"):
-        plan_from_job(job)
 
 
 def test_a_site_data_job_hands_its_own_data_options_to_the_sites(tmp_path: Path) -> None:
@@ -169,7 +221,4 @@ def test_a_site_data_job_hands_its_own_data_options_to_the_sites(tmp_path: Path)
     run = RunConfig(method="fedavg", data={"source": "site", "augment": "none", "image_size": 32, "seed": 0},
                     task={"num_classes": 2, "in_channels": 1, "image_size": 32})
     plan, job = planned_and_written(run, tmp_path, "preinstalled")
-    client = json.loads((job / "app" / "config" / "config_fed_client.json").read_text())
-    sent = client["executors"][0]["executor"]["args"]["data"]
-    assert sent == {"source": "site", "augment": "none", "image_size": 32, "seed": 0} == plan.data
-    assert plan_from_job(job) == plan
+    assert plan_from_job(job).data == {"source": "site", "augment": "none", "image_size": 32, "seed": 0} == plan.data

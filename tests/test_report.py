@@ -105,7 +105,7 @@ def test_untrained_best_model_is_warned_about(tmp_path: Path) -> None:
 
 
 def test_a_method_without_a_server_model_is_reported_as_the_sites_own_models(tmp_path: Path) -> None:
-    run = config(method="local-only", model="cnn", site_model={"site-2": "resnet10"})
+    run = config(method="local-only", model="cnn", site_model={"site-2": "resnet10"}, server_model=False)
     summary = build_summary({**results(best_version=0), "method": "local-only"}, run, CLIENTS)
     write_outputs(summary, tmp_path)
 

@@ -16,6 +16,7 @@ import medflare.simulate as simulate_module
 from medflare.cli import main
 from medflare.data import DataConfig, make_site_data
 from medflare.errors import DataError, MedflareError
+from medflare.plan import PLAN_FILE
 from medflare.run_config import RunConfig
 
 from .conftest import SHARED_DATA
@@ -124,8 +125,8 @@ def test_site_data_keeps_no_path_in_the_job(user_folder: Path) -> None:
 
 def test_an_exported_job_carries_the_absolute_path(user_folder: Path, tmp_path: Path) -> None:
     assert main(["export", "fedavg", "--data", "medmnist:../data/tiny.npz", "-o", str(tmp_path / "jobs")]) == 0
-    configs = "".join(p.read_text() for p in (tmp_path / "jobs" / "fedavg").rglob("config_fed_client.json"))
-    assert f"medmnist:{tmp_path / 'data' / 'tiny.npz'}" in configs and "../data" not in configs
+    plan = (tmp_path / "jobs" / "fedavg" / "app" / "config" / PLAN_FILE).read_text()
+    assert f"medmnist:{tmp_path / 'data' / 'tiny.npz'}" in plan and "../data" not in plan
 
 
 def test_the_readme_command_gives_the_sites_an_absolute_path(monkeypatch) -> None:

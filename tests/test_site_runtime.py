@@ -98,11 +98,11 @@ def test_the_sites_own_public_source_is_used_and_wins_over_the_jobs(tmp_path: Pa
 
 
 def test_job_settable_keys_and_what_job_templates_send_pass_through(tmp_path: Path) -> None:
-    from job_templates import template_data, template_run
+    from job_templates import template_plan
 
     site_file = tmp_path / "medflare_site.json"
     site_file.write_text(json.dumps({"data": {"source": "folder:/data/xray"}}))
-    template = template_data(template_run("fedavg"))  # source site, partition, num_sites, seed
+    template = template_plan("fedavg").data  # what a job made from a template sends: {"source": "site"}
     assert read_site_data_config(tmp_path, template) == {**template, "source": "folder:/data/xray", "local": True,
                                                           "num_sites": 1}
     site_file.write_text(json.dumps({"data": {"source": "folder:/data/xray", "seed": 4}}))

@@ -42,16 +42,14 @@ def checkpoint_facts(plan: Any) -> dict[str, Any]:
     """The facts a job's global model carries (plain JSON types, safe for ``torch.load(weights_only=True)``), from
     its :class:`~medflare.plan.RunPlan` (the task with class names when the data or ``task.class_names`` gave
     them)."""
-    from medflare.registry import get_method
-
-    spec = get_method(plan.method)
+    spec = plan.spec
     task = plan.task
     return {
         "format": FACTS_FORMAT,
         "medflare_version": medflare.__version__,
         "job": plan.job_name,
         "method": plan.method,
-        "method_args": dict(plan.method_options),
+        "method_args": dict(plan.method_args),
         "model": plan.model,
         "task": {"num_classes": task.num_classes, "in_channels": task.in_channels, "image_size": task.image_size,
                  "class_names": list(task.class_names) if task.class_names else None,

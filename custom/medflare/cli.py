@@ -140,22 +140,28 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def checked_run(args: argparse.Namespace, method: str | None = None, seed: int | None = None,
-                data_defaults: dict[str, Any] | None = None) -> Any:
-    """The run configuration of ``args``, validated and with its data read (nothing started or written).
+                data_defaults: dict[str, Any] | None = None) -> tuple[Any, Any]:
+    """The run configuration of ``args``, validated, with its data read, and the plan of the job ``--env`` gets:
+    every check before anything is started or written, and the plan the runner then carries out.
 
     Args:
         seed: replaces the run's seed (``compare --seeds``).
         data_defaults: protocol data options instead of the method's own (``compare``: the same for every method).
     """
-    from medflare.launch import describe_sites
+    from medflare.launch import describe_sites, plan_job
     from medflare.run_options import build_run_config
 
     run = build_run_config(args, method)
     if seed is not None:
         run.seed = seed
+    if args.env == "poc":
+        from medflare.deploy.poc import as_deployed
+
+        as_deployed(run)
     run.validate(data_defaults=data_defaults)
-    describe_sites(run)  # reads and partitions the data: a missing file or a too-small site fails here
-    return run
+    task = run.task_spec()
+    _, counts = describe_sites(run, task)  # reads and partitions the data: a missing file or a too-small site fails here
+    return run, plan_job(run, args.mode if args.env == "poc" else "byoc", task, counts)
 
 
 def show_task(run: Any) -> None:
@@ -169,15 +175,16 @@ def show_task(run: Any) -> None:
         print(line)
 
 
-def run_in_env(args: argparse.Namespace, run: Any, out: Path, overwrite: bool = False) -> dict[str, Any]:
-    """Run one job where ``--env`` says (simulator or POC) and write its outputs to ``out``; its summary."""
+def run_in_env(args: argparse.Namespace, run: Any, plan: Any, out: Path, overwrite: bool = False) -> dict[str, Any]:
+    """Run the job of ``plan`` (:func:`checked_run`'s) where ``--env`` says (simulator or POC) and write its outputs
+    to ``out``; its summary."""
     if args.env == "poc":
         from medflare.deploy.poc import run_poc
 
-        return run_poc(run, out, mode=args.mode, overwrite=overwrite)
+        return run_poc(run, out, mode=args.mode, overwrite=overwrite, plan=plan)
     from medflare.simulate import run_simulation
 
-    return run_simulation(run, out, overwrite=overwrite)
+    return run_simulation(run, out, overwrite=overwrite, plan=plan)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -190,7 +197,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise ConfigError("--resume RUN_DIR works with the simulator only (a POC or production server never "
                               "reads a folder a job names); resubmit the job with resume_from=<earlier job id>")
         args.set = [*args.set, f"resume_from={args.resume}"]
-    run = checked_run(args)
+    run, plan = checked_run(args)
     for line in preset_notes(args, [run.method]):
         print(line)
     _tracking_note(run)
@@ -199,7 +206,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     where = f"a {run.clients}-site FLARE POC" if args.env == "poc" else f"{run.clients} simulated sites"
     show_task(run)
     print(f"medflare: running {run.method} on {where} for {run.rounds} rounds -> {out}")
-    summary = run_in_env(args, run, out, overwrite=args.overwrite)
+    summary = run_in_env(args, run, plan, out, overwrite=args.overwrite)
     if summary.get("stopped_early"):
         print(f"medflare: stopped early after round {summary['stopped_early']['after_round']}: "
               f"{summary['stopped_early']['reason']}")
@@ -242,7 +249,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     # one evaluation protocol for all: a method's data defaults (FCA's like_train test slices) apply to every method
     protocol = shared_data_defaults(methods, given=build_run_config(args, methods[0]).data)
     # every run is checked before any starts
-    runs = [checked_run(args, method, seed, protocol) for method in methods for seed in seeds]
+    checked = [checked_run(args, method, seed, protocol) for method in methods for seed in seeds]
+    runs = [run for run, _ in checked]
     for line in preset_notes(args, methods):
         print(line)
     _tracking_note(runs[0])
@@ -252,12 +260,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
     show_task(runs[0])  # one data protocol: the same task for every run
     summaries: list[dict[str, Any]] = []
     try:
-        for run in runs:
+        for run, plan in checked:
             step = f"[{len(summaries) + 1}/{len(runs)}]"
             seed = f" seed {run.seed}" if len(seeds) > 1 else ""
             print(f"medflare: {step} {run.method}{seed} on {run.clients} sites, {run.rounds} rounds ({args.env})")
             folder = staging / run.method / f"seed{run.seed}" if len(seeds) > 1 else staging / run.method
-            summaries.append(run_in_env(args, run, folder))
+            summaries.append(run_in_env(args, run, plan, folder))
         comparison_outputs(summaries, staging)
         target.publish()
     except BaseException as exc:
@@ -281,15 +289,14 @@ def _compare_failure_log(staging: Path, finished: list[str], exc: BaseException)
 def cmd_export(args: argparse.Namespace) -> int:
     """``medflare export``: the run's FLARE job folder, to submit with FLARE's own tools."""
     from medflare.files import OutputTarget
-    from medflare.launch import export_run_job
-    from medflare.plan import plan_from_job
+    from medflare.launch import export_run_job, plan_job
     from medflare.run_options import build_run_config, data_was_chosen
 
     run = build_run_config(args)
     if not data_was_chosen(args):
         run.data["source"] = "site"  # an exported job is for POC/production: each hospital reads its own data
     run.validate(check_files=False)  # a weights file is read by the server, which may be another machine
-    run.task_spec()
+    plan = plan_job(run, args.mode)  # every check before anything is written
     for line in preset_notes(args, [run.method]):
         print(line)
     if run.pretrained not in (None, "imagenet") and not Path(run.pretrained).is_file():
@@ -297,7 +304,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     target = OutputTarget(Path(args.output), unit=run.job_name, overwrite=args.overwrite, option="-o")
     staging = target.begin()
     try:
-        export_run_job(run, staging, args.mode)
+        export_run_job(run, staging, args.mode, plan=plan)
         job_dir = target.publish(source=staging / run.job_name)
     except BaseException:
         target.abandon()
@@ -310,7 +317,7 @@ def cmd_export(args: argparse.Namespace) -> int:
               f"run it with: nvflare simulator {job_dir} -n {run.clients} -t {run.clients}")
     show_task(run)
     print(robust_note(run, args.mode))
-    print(f"plan {plan_from_job(job_dir).digest()}: the server and every site log this fingerprint once they run it")
+    print(f"plan {plan.digest()}: the server and every site log this fingerprint once they run it")
     return 0
 
 

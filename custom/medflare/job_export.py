@@ -22,16 +22,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from medflare.checkpoint import checkpoint_facts
 from medflare.contracts import TRAIN_PHASE as TASK_TRAIN, privacy_scope
 from medflare.errors import ConfigError
-from medflare.evaluation import headline_metric
 from medflare.files import write_recorded
 from medflare.flare import tracking
-from medflare.plan import APP_NAME, ENCRYPTED_AGGREGATOR, RunPlan, build_plan
-from medflare.registry import get_method
+from medflare.plan import APP_NAME, ENCRYPTED_AGGREGATOR, PLAN_FILE, RunPlan, build_plan, set_plan_resume, write_plan
 from medflare.run_config import ROBUST_OFF, RunConfig, deployment_robust, typed_robust
-from medflare.site_config import TaskSpec, resolve_train_config
+from medflare.site_config import TaskSpec
 
 PACKAGE_DIR = Path(__file__).resolve().parent  # .../custom/medflare
 MODES = ("byoc", "preinstalled")
@@ -42,59 +39,22 @@ PLAIN_AGGREGATOR = "medflare.flare.aggregator.MedflareAggregator"
 DOWNLOAD_CHUNK = {"np_download_chunk_size": 16 * 1024 * 1024}
 
 
-def multi_label_args(task: TaskSpec) -> dict[str, Any]:
-    """{"multi_label": True} for a multi-label task, else nothing (single-label job configs stay as they were)."""
-    return {"multi_label": True} if task.multi_label else {}
-
-
-def job_plan(run: RunConfig, task: TaskSpec, mode: str | None = None) -> RunPlan:
+def job_plan(run: RunConfig, task: TaskSpec, mode: str | None = None,
+             shot_groups: dict[str, list[int]] | None = None) -> RunPlan:
     """The plan a job written in ``mode`` carries: its robust settings :func:`job_robust`'s; without a mode, the
     run's own (a config written straight from ``run``)."""
-    return build_plan(run, task, typed_robust(run.robust) if mode is None else job_robust(run, mode))
+    robust = typed_robust(run.robust) if mode is None else job_robust(run, mode)
+    return build_plan(run, task, robust, shot_groups=shot_groups)
 
 
-def global_model_args(plan: RunPlan) -> dict[str, Any]:
-    """The arguments of ``flare.models.build_global_model`` that the job's persistor builds the initial model with
-    (the in-process loop of ``benchmarks/inprocess.py`` builds it from the same)."""
-    task = plan.task
-    return {
-        "method": plan.method,
-        "model": plan.model,
-        "num_classes": task.num_classes,
-        "in_channels": task.in_channels,
-        "image_size": task.image_size,
-        "pretrained": plan.pretrained,
-        "method_args": plan.method_options,
-        "seed": plan.seed,
-        "plugins": list(plan.plugins),
-        **({"dp_sgd": True} if plan.dp_sgd else {}),  # the sites' DP-compatible architecture
-    }
+def plan_args() -> dict[str, Any]:
+    """What every medflare component of a job takes: the job's plan file, and nothing it could derive from it."""
+    return {"plan_file": PLAN_FILE}
 
 
-def aggregation_args(plan: RunPlan) -> dict[str, Any]:
-    """The arguments of the round core (``flare.aggregator.RoundAggregation``) that the job's aggregator drives;
-    the aggregator's own arguments are these and the plan's plugins (the in-process loop builds the core from the
-    same)."""
-    return {
-        "method": plan.method,
-        "num_classes": plan.task.num_classes,
-        "num_rounds": len(plan.rounds),
-        "method_args": plan.method_options,
-        "robust": dict(plan.robust),
-        "transfer_dtype": plan.transfer_dtype,
-        "transfer_kind": plan.transfer_kind,
-        "stream_aggregation": plan.stream_aggregation,
-        "min_clients": plan.min_clients,
-        **multi_label_args(plan.task),
-        # a job that keeps the default download writes the configuration it always did
-        **({"download_dtype": plan.download_dtype} if plan.download_dtype != "float32" else {}),
-    }
-
-
-def server_config(plan: RunPlan, shot_groups: dict | None = None) -> dict[str, Any]:
+def server_config(plan: RunPlan) -> dict[str, Any]:
     """config_fed_server.json: the (FLARE PT) model persistor, the medflare aggregator and controller, and the
-    experiment-tracking receivers."""
-    task = plan.task
+    experiment-tracking receivers; the medflare components read the plan file."""
     config: dict[str, Any] = {
         "format_version": 2,
         # FLARE's default 2 s polling interval dominates short rounds; 0.1 s is safe on loopback and LAN.
@@ -106,15 +66,12 @@ def server_config(plan: RunPlan, shot_groups: dict | None = None) -> dict[str, A
             {
                 "id": "persistor",
                 "path": "medflare.flare.persistor.MedflareModelPersistor",
-                "args": {
-                    "model": {"path": "medflare.flare.models.build_global_model", "args": global_model_args(plan)},
-                    "facts": checkpoint_facts(plan),  # saved inside every global model file
-                },
+                "args": plan_args(),
             },
             {
                 "id": "aggregator",
                 "path": ENCRYPTED_AGGREGATOR if plan.secure_aggregation == "he" else PLAIN_AGGREGATOR,
-                "args": {**aggregation_args(plan), "plugins": list(plan.plugins)},
+                "args": plan_args(),
             },
             *tracking.server_components(plan.tracking, mlflow_args(plan)),
         ],
@@ -122,22 +79,10 @@ def server_config(plan: RunPlan, shot_groups: dict | None = None) -> dict[str, A
             {
                 "id": "controller",
                 "path": "medflare.flare.controller.MedflareController",
-                "args": {
-                    "num_rounds": len(plan.rounds),
-                    "min_clients": plan.min_clients,
-                    "persistor_id": "persistor",
-                    "aggregator_id": "aggregator",
-                    "shot_groups": shot_groups,
-                    "wait_time_after_min_received": plan.straggler_seconds,
-                    "train_timeout": plan.task_timeout,
-                    "patience": plan.patience,
-                    **({"key_metric": headline_metric(True)} if task.multi_label else {}),
-                },
+                "args": {**plan_args(), "persistor_id": "persistor", "aggregator_id": "aggregator"},
             }
         ],
     }
-    if plan.resume_from:  # the controller reads the model and history (a folder in the simulator, else a job id)
-        config["workflows"][0]["args"]["resume_from"] = plan.resume_from
     return config
 
 
@@ -148,7 +93,7 @@ def mlflow_args(plan: RunPlan) -> dict[str, Any] | None:
     ``data.*``: the data options the sites receive)."""
     if "mlflow" not in tracking.TRACKERS[plan.tracking]:
         return None
-    train = resolve_train_config(get_method(plan.method), plan.train)
+    train = plan.train  # a site's own options (site_train) are in the plan, not in these params
     params = {
         **{key: getattr(plan, key) for key in ("method", "model", "pretrained", "seed")},
         "rounds": len(plan.rounds), "clients": len(plan.sites), "min_clients": plan.min_clients,
@@ -165,8 +110,7 @@ def mlflow_args(plan: RunPlan) -> dict[str, Any] | None:
 
 
 def client_config(plan: RunPlan) -> dict[str, Any]:
-    """config_fed_client.json: the medflare executor for every task."""
-    task = plan.task
+    """config_fed_client.json: the medflare executor for every task (it reads the plan file)."""
     return {
         "format_version": 2,
         **DOWNLOAD_CHUNK,
@@ -176,27 +120,7 @@ def client_config(plan: RunPlan) -> dict[str, Any]:
                 "executor": {
                     "id": "executor",
                     "path": "medflare.flare.executor.MedflareExecutor",
-                    "args": {
-                        "method": plan.method,
-                        "task": {
-                            "num_classes": task.num_classes,
-                            "in_channels": task.in_channels,
-                            "image_size": task.image_size,
-                            **multi_label_args(task),
-                        },
-                        "model": plan.model,
-                        "method_args": plan.method_options,
-                        "train": plan.train,
-                        "data": plan.data,
-                        "sites": [site.name for site in plan.sites],
-                        "seed": plan.seed,
-                        "site_train": plan.site_train,
-                        "evaluation": plan.evaluation,
-                        "site_model": {site.name: site.model for site in plan.sites if site.model != plan.model},
-                        "plugins": list(plan.plugins),
-                        "stream_metrics": bool(tracking.TRACKERS[plan.tracking]),
-                        **({"dp_sgd": plan.dp_sgd} if plan.dp_sgd else {}),
-                    },
+                    "args": plan_args(),
                 },
             }
         ],
@@ -222,8 +146,8 @@ def _result_filters(plan: RunPlan) -> list[dict[str, Any]]:
     """
     from medflare.flare.tasks import TASK_SUBMIT_MODEL
 
-    dp = {"path": "medflare.flare.privacy.UpdatePrivacy", "args": plan.dp} if plan.dp else None
-    seal = _encryption_filter(plan.method) if plan.secure_aggregation == "he" else None
+    dp = {"path": "medflare.flare.privacy.UpdatePrivacy", "args": plan_args()} if plan.dp else None
+    seal = {"path": "medflare.flare.he.EncryptResult", "args": plan_args()} if plan.secure_aggregation == "he" else None
     chains = []
     for name in task_names(plan):
         filters = ([dp] if dp and name == TASK_TRAIN else []) + \
@@ -232,14 +156,6 @@ def _result_filters(plan: RunPlan) -> list[dict[str, Any]]:
         if filters:
             chains.append({"tasks": [name], "filters": filters})
     return chains
-
-
-def _encryption_filter(method: str) -> dict[str, Any]:
-    """The site filter that encrypts a result's model arrays: the method's declared arrays (its rule weighs sites by
-    them) and frozen parts (sent back as received) stay in plaintext."""
-    payload = get_method(method).payload
-    return {"path": "medflare.flare.he.EncryptResult",
-            "args": {"plain": sorted(payload.arrays_for(TASK_TRAIN)), "plain_keys": payload.frozen_keys or ""}}
 
 
 def _data_filters(plan: RunPlan) -> list[dict[str, Any]]:
@@ -295,11 +211,10 @@ def export_job(
 ) -> Path:
     """Write ``out_dir/<job name>/`` for ``run`` (its plan: :func:`job_plan`) and return its path; see
     :func:`write_job`. The job's robust settings are :func:`job_robust`'s (``run`` itself is not changed)."""
-    return write_job(job_plan(run, task, mode), out_dir, mode, shot_groups, run.plugins)
+    return write_job(job_plan(run, task, mode, shot_groups), out_dir, mode, run.plugins)
 
 
-def write_job(plan: RunPlan, out_dir: str | Path, mode: str = "byoc", shot_groups: dict | None = None,
-              plugin_files: list | tuple = ()) -> Path:
+def write_job(plan: RunPlan, out_dir: str | Path, mode: str = "byoc", plugin_files: list | tuple = ()) -> Path:
     """Write the job of ``plan`` to ``out_dir/<job name>/`` and return its path. An existing folder of that name is
     replaced only once the new one is complete, and only where it holds what medflare recorded writing there
     (``out_dir``'s marker, :mod:`medflare.files`: each file's SHA-256); anything else in it refuses the job.
@@ -318,15 +233,17 @@ def write_job(plan: RunPlan, out_dir: str | Path, mode: str = "byoc", shot_group
         raise ConfigError(f"plugin files ship inside the job ({named}), so they need --mode byoc; for a "
                           "pre-installed site, install them as a package (docs/own-model-and-data.md)")
     return write_recorded(Path(out_dir), plan.job_name,
-                          lambda staging: _write_job(plan, staging, mode, shot_groups, list(plugin_files)))
+                          lambda staging: _write_job(plan, staging, mode, list(plugin_files)))
 
 
-def _write_job(plan: RunPlan, staging: Path, mode: str, shot_groups: dict | None, plugin_files: list) -> None:
-    """The job's files (meta, server and client configs, and for BYOC the code) into the empty ``staging``."""
+def _write_job(plan: RunPlan, staging: Path, mode: str, plugin_files: list) -> None:
+    """The job's files (meta, plan, server and client configs, and for BYOC the code) into the empty
+    ``staging``."""
     config_dir = staging / APP_NAME / "config"
     config_dir.mkdir(parents=True)
     _write_json(staging / "meta.json", meta_config(plan))
-    _write_json(config_dir / "config_fed_server.json", server_config(plan, shot_groups))
+    write_plan(plan, config_dir)
+    _write_json(config_dir / "config_fed_server.json", server_config(plan))
     _write_json(config_dir / "config_fed_client.json", client_config(plan))
     if mode == "byoc":
         shutil.copytree(PACKAGE_DIR, staging / APP_NAME / "custom" / "medflare", ignore=_ignore_caches)
@@ -348,11 +265,8 @@ def _copy_plugins(files: list, modules: list[str], custom_dir: Path) -> None:
 
 def set_resume(job_dir: str | Path, previous_job_id: str) -> Path:
     """Make the job at ``job_dir`` continue from the last round an earlier run of it (``previous_job_id``, on the
-    same server) completed, e.g. after the server crashed. Returns ``job_dir``."""
-    path = Path(job_dir) / APP_NAME / "config" / "config_fed_server.json"
-    config = json.loads(path.read_text())
-    config["workflows"][0]["args"]["resume_from"] = previous_job_id
-    _write_json(path, config)
+    same server) completed, e.g. after the server crashed: its plan's ``resume_from``. Returns ``job_dir``."""
+    set_plan_resume(job_dir, previous_job_id)
     return Path(job_dir)
 
 

@@ -10,6 +10,7 @@ interrupted run leaves ``<target>.failed.log`` instead.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -92,13 +93,18 @@ def image_size_notes(run: RunConfig, task: TaskSpec) -> list[str]:
     return notes
 
 
-def plan_job(run: RunConfig, mode: str, task: TaskSpec | None = None) -> RunPlan:
+def plan_job(run: RunConfig, mode: str, task: TaskSpec | None = None,
+             class_counts: list[int] | None = None) -> RunPlan:
     """What the job of ``run`` written in ``mode`` will do (``job_export.job_plan``), resolved once: a runner hands
     it to :func:`export_run_job` and :func:`write_job_outputs`. ``task``: the run's resolved task (read from the
-    data when not given)."""
+    data when not given); ``class_counts``: the global training class counts the long-tail groups come from
+    (:func:`describe_sites`; read from the data when the run asks for the groups and does not give them)."""
     from medflare.job_export import job_plan
 
-    return job_plan(run, task or run.task_spec(), mode)
+    task = task or run.task_spec()
+    if class_counts is None and run.shot_thresholds:
+        _, class_counts = describe_sites(run, task)
+    return job_plan(run, task, mode, shot_groups_for(run, class_counts))
 
 
 def export_run_job(run: RunConfig, out_dir: str | Path, mode: str, class_counts: list[int] | None = None,
@@ -109,22 +115,18 @@ def export_run_job(run: RunConfig, out_dir: str | Path, mode: str, class_counts:
         run: the validated run.
         out_dir: folder the job folder ``<job name>/`` is written into.
         mode: ``byoc`` (the job carries medflare) or ``preinstalled``.
-        class_counts: global training class counts from :func:`describe_sites` (computed when not given).
+        class_counts: global training class counts from :func:`describe_sites` (read when needed, not given).
         task: the run's resolved task (read from the data when neither it nor ``plan`` is given).
         plan: the job's plan from :func:`plan_job` (built here from ``task`` when not given).
     """
     from medflare.job_export import write_job
 
-    plan = plan or plan_job(run, mode, task)
-    if class_counts is None:
-        _, class_counts = describe_sites(run, plan.task)
-    return write_job(plan, out_dir, mode, shot_groups_for(run, class_counts), run.plugins)
+    return write_job(plan or plan_job(run, mode, task, class_counts), out_dir, mode, run.plugins)
 
 
 # ----- outputs -----------------------------------------------------------------------------------------
 def write_job_outputs(
     plan: RunPlan,
-    run: RunConfig,
     results_file: Path,
     out: Path,
     clients: Mapping[str, Any],
@@ -137,14 +139,13 @@ def write_job_outputs(
     Shared by the simulator and POC runners, so ``medflare run`` writes the same outputs in every environment.
 
     Args:
-        plan: the job's plan: the task, the training settings and the fingerprint the summary records.
-        run: the run the plan was resolved from, as the summary records its configuration.
+        plan: the job's plan: the configuration, task, training settings and fingerprint the summary records.
         copy_models: copy the global models found beside the results (off when the outputs go beside them).
     """
     from medflare.report import build_summary, write_outputs
 
     results = json.loads(results_file.read_text())
-    config = {**summary_config(plan, run), **(deployment or {})}
+    config = {**summary_config(plan), **(deployment or {})}
     summary = build_summary(results, config, clients, launched_at)
     summary["plan_check"] = plan_check(results.get("plan"), plan)
     if deployment:
@@ -156,10 +157,18 @@ def write_job_outputs(
     return summary
 
 
-def summary_config(plan: RunPlan, run: RunConfig) -> dict[str, Any]:
-    """The run's configuration as summaries record it: the options of ``run``, with the task and the full
-    training settings its plan resolved."""
-    return {**vars(run), "task": vars(plan.task), "train_resolved": vars(plan.train_resolved)}
+def summary_config(plan: RunPlan) -> dict[str, Any]:
+    """The run's configuration as summaries record it, read off its plan alone (so a report on a downloaded job
+    says what one of a local run says): the plan's options, its rounds and sites counted, whether the server holds a
+    model, the sites' own models,
+    the job's training settings (``train_resolved``) and each named site's where they differ."""
+    record = {key: value for key, value in plan.to_dict().items() if key not in ("sites", "rounds", "train")}
+    return {**record, "name": plan.job_name, "rounds": len(plan.rounds), "clients": len(plan.sites),
+            "site_evaluation": plan.evaluation, "server_model": plan.spec.server_model,
+            "site_model": {site.name: site.model for site in plan.sites if site.model != plan.model},
+            "train_resolved": dataclasses.asdict(plan.train),
+            "site_train_resolved": {site.name: dataclasses.asdict(site.train) for site in plan.sites
+                                    if site.train != plan.train}}
 
 
 def plan_check(server_plan: str | None, plan: RunPlan) -> str:
@@ -193,12 +202,11 @@ def results_text(summaries: list[Mapping[str, Any]], out: Path, seeds: int = 1) 
 
 
 def report_from_results(results_file: Path, out: Path, copy_models: bool = True) -> dict[str, Any]:
-    """The usual run outputs from a job's ``medflare_results.json`` and the job config that sits beside it.
+    """The usual run outputs from a job's ``medflare_results.json`` and the job's plan beside it.
 
-    FLARE deploys the whole app to the server, so ``app_server/config/`` holds both the server and the client
-    config in a downloaded job and in a simulator workspace alike; the run and its plan are rebuilt from them as
-    the server rebuilt its own, and the report says the same (data, sites, seed, model, training settings) as the
-    simulator run's.
+    FLARE deploys the whole app to the server, so ``app_server/config/`` holds the job's plan in a downloaded job
+    and in a simulator workspace alike; the report reads the configuration off it, as a simulator run's does
+    (data, sites, seed, model, training settings).
 
     Args:
         results_file: the results file, or the folder holding it (``.../app_server``).
@@ -206,8 +214,8 @@ def report_from_results(results_file: Path, out: Path, copy_models: bool = True)
         copy_models: also copy the global models there (pointless when the report goes beside them).
 
     Raises:
-        ConfigError: the file is missing, or it or the job config beside it is unreadable, or that config is not
-            the one the server ran (its plan's fingerprint differs from the one the results record).
+        ConfigError: the file is missing, or it or the plan beside it is unreadable, or that plan is not the one
+            the server ran (its fingerprint differs from the one the results record).
     """
     from medflare.flare.controller import RESULTS_FILE
     from medflare.report import read_results
@@ -216,12 +224,12 @@ def report_from_results(results_file: Path, out: Path, copy_models: bool = True)
     if not results_file.is_file():
         raise ConfigError(f"results file not found: {results_file}; give a run's {RESULTS_FILE} (a downloaded job "
                           f"has it in <job id>/workspace/app_server/)")
-    run, plan = job_run_and_plan(results_file.parent)
+    plan = job_plan_in(results_file.parent)
     check = plan_check(read_results(results_file).get("plan"), plan)  # depth-limited, held to the results schema
     if check.startswith("differs"):
         raise ConfigError(f"{results_file}: {check}; report on the job as it was downloaded")
     launched_at = recorded_launch(results_file.parent)
-    return write_job_outputs(plan, run, results_file, out, {}, launched_at, copy_models=copy_models)
+    return write_job_outputs(plan, results_file, out, {}, launched_at, copy_models=copy_models)
 
 
 SITE_FLARE_LOG = "flare_job_log.txt"  # a POC site's FLARE log of the job, kept beside its medflare log
@@ -311,22 +319,17 @@ def _app_dir_of(results_dir: Path) -> Path:
     return apps[0] if len(apps) == 1 and (apps[0] / "config").is_dir() else results_dir
 
 
-def job_run_config(folder: Path) -> Any:
-    """The RunConfig a job was built from, read back from its app config (``config_fed_server/client``) in
-    ``folder`` (``app_server/``) or in the one job of the medflare run folder ``folder``."""
-    return job_run_and_plan(folder)[0]
+def job_plan_in(folder: Path) -> RunPlan:
+    """The plan of the job whose app is in ``folder`` (``app_server/``, whose ``config/`` FLARE deployed) or in
+    the one job of the medflare run folder ``folder``.
 
+    Raises:
+        ConfigError: there is no readable plan there (one line naming the file).
+    """
+    from medflare.plan import PLAN_FILE, read_plan
 
-def job_run_and_plan(folder: Path) -> tuple[Any, Any]:
-    """The RunConfig and the RunPlan of the job whose app config is in ``folder`` (see :func:`job_run_config`),
-    rebuilt as the server rebuilt its own (``plan.job_from_app``)."""
-    from medflare.plan import job_from_app
-
-    app_dir = _app_dir_of(folder)
-    meta_path = next((p for p in (app_dir.parent / "meta.json", app_dir.parent.parent / "meta.json") if p.is_file()),
-                     None)
+    config_dir = _app_dir_of(folder) / "config"
     try:
-        return job_from_app(app_dir / "config", meta_path)
+        return read_plan(config_dir / PLAN_FILE)[0]
     except ConfigError as exc:
-        raise ConfigError(f"{app_dir / 'config'}: {exc}; a report needs the job config FLARE keeps in "
-                          "app_server/config/") from exc
+        raise ConfigError(f"{exc}; a report needs the job's plan, which FLARE keeps in app_server/config/") from exc

@@ -1,12 +1,12 @@
 """The run plan: what one job will do, resolved once from a validated :class:`RunConfig` and its task.
 
 ``RunConfig`` is layered user input; a :class:`RunPlan` is its resolution, typed and complete: the method's full
-hyperparameters (defaults filled in), each site's model and training settings per stage, every round's stage and
-phases, the robust, wire and privacy options the job carries, its timing and tracking. ``medflare config --plan``
-prints it. The job folder is its serialisation: :func:`plan_from_job` reads a job's configs back into the plan,
-and :func:`plan_from_app` is how the server and every site rebuild it from the app FLARE deployed to them; a test
-checks, for every registered method, that each equals the plan the command line built. Nothing here imports
-FLARE's glue (``medflare.flare``).
+hyperparameters (defaults filled in), each site's model and training settings, every round's stage and phases,
+the robust, wire and privacy options the job carries, its timing and tracking. ``medflare config --plan`` prints
+it. A job carries it as ``app/config/medflare_plan.json`` (:func:`write_plan`), and every medflare component of the
+job (persistor, aggregator, controller, executor, filters) takes that file and nothing else it could derive from
+it: the server and each site load it with :func:`read_plan`; a site then localises it with its own
+``medflare_site.json`` (:meth:`RunPlan.localise`). Nothing here imports FLARE's glue (``medflare.flare``).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any, Mapping
 
 from medflare.config import from_dict
 from medflare.errors import ConfigError
-from medflare.methods.base import TrainConfig
+from medflare.methods.base import MethodSpec, TrainConfig
 from medflare.registry import get_method, load_plugins
-from medflare.run_config import RECEIVERS, TRACKERS, RunConfig
+from medflare.run_config import RunConfig
 from medflare.server_setup import round_plan, server_rule
 from medflare.site_config import (
     SiteFile,
@@ -40,16 +40,18 @@ from medflare.site_config import (
 DEFAULT_TASK_TIMEOUT = 3600
 APP_NAME = "app"  # the one app of a job, deployed to every participant
 ENCRYPTED_AGGREGATOR = "medflare.flare.he.EncryptedAggregator"  # the aggregator of secure_aggregation=he
+PLAN_FILE = "medflare_plan.json"  # in the app's config folder: the job's plan, what every component reads
+PLAN_SCHEMA = 1  # of PLAN_FILE; a plan of another schema is refused with the reason
 
 
 @dataclass(frozen=True)
 class SitePlan:
-    """One site: its architecture and its training settings in each stage (job's, the site's own override, the
-    stage's on top)."""
+    """One site: its architecture and its training settings (the method's defaults, the job's options, the site's
+    own override on top; ``train.for_stage(stage)`` in each stage)."""
 
     name: str
     model: str
-    train: dict[str, TrainConfig]  # stage -> settings
+    train: TrainConfig
 
 
 @dataclass(frozen=True)
@@ -69,16 +71,13 @@ class RunPlan:
     job_name: str
     method: str
     method_args: dict[str, Any]  # every hyperparameter of the method, typed, defaults filled in
-    method_options: dict[str, Any]  # the ones the run set: what the job's configs and its model's facts carry
-    model: str
+    model: str  # the server's (global) model; each site's is in ``sites``
     pretrained: str | None
     seed: int
     task: TaskSpec
     data: dict[str, Any]  # what the sites receive ({"source": "site"}: each reads its own)
-    train: dict[str, Any]  # the job's own training options (typed), under which each site's and stage's merge
-    train_resolved: TrainConfig  # the job's options over the method's defaults (what summaries record)
-    site_train: dict[str, dict[str, Any]]  # a site's own options over the job's
-    sites: tuple[SitePlan, ...]
+    train: TrainConfig  # the method's defaults under the job's options: a site the plan does not name trains so
+    sites: tuple[SitePlan, ...]  # the named sites, each with its own options over the job's
     min_clients: int  # valid updates a round needs
     rounds: tuple[RoundPlan, ...]
     evaluation: str
@@ -87,7 +86,7 @@ class RunPlan:
     task_timeout: int  # effective: DEFAULT_TASK_TIMEOUT when the run sets none
     task_request_interval: float
     resume_from: str
-    robust: dict[str, float]  # as the job carries it (deployment defaults under the run's own in a deployed job)
+    robust: dict[str, Any]  # as the job carries it (deployment defaults under the run's own in a deployed job)
     transfer_dtype: str
     download_dtype: str
     transfer_kind: str
@@ -98,6 +97,21 @@ class RunPlan:
     audit: bool
     tracking: str
     plugins: tuple[str, ...]  # module names inside the job
+    shot_groups: dict[str, list[int]] | None = None  # head/medium/tail class ids for long-tail metrics
+
+    def __post_init__(self) -> None:
+        if not self.sites:
+            raise ConfigError("the plan names no site")
+        if not 1 <= self.min_clients <= len(self.sites):
+            raise ConfigError(f"min_clients must be between 1 and the plan's {len(self.sites)} sites, got "
+                              f"{self.min_clients}")
+        if not self.rounds or [r.round for r in self.rounds] != list(range(len(self.rounds))):
+            raise ConfigError("the plan's rounds must be numbered 0, 1, ... in order")
+
+    @property
+    def spec(self) -> MethodSpec:
+        """The registered method this plan runs."""
+        return get_method(self.method)
 
     def site(self, name: str) -> SitePlan:
         for site in self.sites:
@@ -109,7 +123,7 @@ class RunPlan:
         """What ``site`` runs of this plan, with what only the site decides: the data it reads, its DP-SGD and its
         architecture (``site_runtime``'s ``read_site_data_config``, ``resolve_site_dp``, ``resolve_site_model``)."""
         return SiteSettings(method=self.method, task=self.task, data=data, model=model,
-                            method_args=self.method_args, train={**self.train, **self.site_train.get(site, {})},
+                            method_args=self.method_args, train=dataclasses.asdict(self.site_train(site)),
                             seed=self.seed, evaluation=self.evaluation, dp_sgd=dp_sgd)
 
     def localise(self, site: str, site_file: SiteFile, simulated: bool) -> tuple[SiteSettings, int]:
@@ -125,6 +139,10 @@ class RunPlan:
         index = 0 if settings.data.get("local") else site_index_from_name(site, [s.name for s in self.sites])
         return settings, index
 
+    def site_train(self, site: str) -> TrainConfig:
+        """The training settings of ``site``: its own in the plan, else the job's (a hospital's own name)."""
+        return next((named.train for named in self.sites if named.name == site), self.train)
+
     def site_models(self) -> dict[str, str]:
         return {site.name: site.model for site in self.sites}
 
@@ -138,197 +156,115 @@ class RunPlan:
         return json.loads(json.dumps(dataclasses.asdict(self)))
 
     @classmethod
-    def from_dict(cls, record: Mapping[str, Any]) -> RunPlan:
-        """The plan :meth:`to_dict` wrote."""
-        fields = dict(record)
-        fields["task"] = TaskSpec(**fields["task"])
-        fields["train_resolved"] = TrainConfig(**fields["train_resolved"])
-        fields["sites"] = tuple(SitePlan(s["name"], s["model"], {stage: TrainConfig(**train) for stage, train
-                                                                 in s["train"].items()}) for s in fields["sites"])
-        fields["rounds"] = tuple(RoundPlan(r["round"], r["stage"], r["scored"], tuple(r["phases"]))
-                                 for r in fields["rounds"])
-        fields["plugins"] = tuple(fields["plugins"])
-        return cls(**fields)
+    def from_dict(cls, record: Mapping[str, Any], where: str = PLAN_FILE) -> RunPlan:
+        """The plan :meth:`to_dict` wrote, every value typed against its field (the method's arguments against
+        the method's own config class, which fills in none: a plan lists them all).
+
+        Raises:
+            ConfigError: an unknown or ill-typed option, or a method that is not registered (one line).
+        """
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in record
+                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise ConfigError(f"{where}: the plan lacks {', '.join(missing)} (export the job again)")
+        plan = from_dict(cls, dict(record), where)
+        spec = get_method(plan.method)
+        typed = dataclasses.asdict(from_dict(spec.config_cls, plan.method_args, f"{where}: method '{plan.method}'"))
+        return dataclasses.replace(plan, method_args=typed)
 
     def describe(self) -> str:
         """The plan as indented JSON (``medflare config --plan``)."""
         return json.dumps(self.to_dict(), indent=2) + "\n"
 
 
-def build_plan(run: RunConfig, task: TaskSpec, robust: Mapping[str, float],
-               plugins: list[str] | None = None) -> RunPlan:
-    """The plan of a validated ``run`` on ``task``; ``robust`` is what the job carries (``job_export.job_robust``),
-    ``plugins`` the job's plugin modules when ``run`` does not name their files.
+def build_plan(run: RunConfig, task: TaskSpec, robust: Mapping[str, Any],
+               plugins: list[str] | None = None, shot_groups: dict[str, list[int]] | None = None) -> RunPlan:
+    """The plan of a validated ``run`` on ``task``: the one place the method's server rule and each site's training
+    settings are built and checked; ``robust`` is what the job carries (``job_export.job_robust``), ``plugins`` the
+    job's plugin modules when ``run`` does not name their files, ``shot_groups`` the classes of the long-tail
+    metrics (``launch.shot_groups_for``).
 
     Raises:
-        ConfigError: the method's stages do not add up to the rounds (as :meth:`RunConfig.validate` says).
+        ConfigError: the method's stages do not add up to the rounds, a robust or wire option is out of range or
+            a robust rule cannot keep ``min_clients`` sites, a site's training settings do not combine, or the
+            method's own pre-launch check (``MethodSpec.check_run``) refuses the run (one line naming the option).
     """
-    spec = get_method(run.method)
+    spec, rule, stages, defences = server_rule(run.method, run.method_args, run.rounds, robust, run.transfer_dtype,
+                                               run.transfer_kind, run.download_dtype, task.multi_label)
+    defences.check_quorum(run.required_clients, run.clients)
     method_cfg = spec.config_cls(**run.method_args)
-    rounds = round_steps(run.method, run.method_args, run.rounds, task.multi_label)
-    stages = list(dict.fromkeys(r.stage for r in rounds))  # in the order they run
-    sites = tuple(
-        SitePlan(site, run.site_model.get(site, run.model),
-                 {stage: resolve_train_config(spec, {**run.train, **run.site_train.get(site, {})}).for_stage(stage)
-                  for stage in stages})
-        for site in run.site_names
-    )
+    train = resolve_train_config(spec, run.train)
+    sites = tuple(SitePlan(site, run.site_model.get(site, run.model),  # a site's own options make its own settings
+                           resolve_train_config(spec, {**run.train, **run.site_train[site]})
+                           if run.site_train.get(site) else train)
+                  for site in run.site_names)
+    _check_method_run(spec, method_cfg, sites, run)
     return RunPlan(
-        job_name=run.job_name, method=run.method, method_args=dataclasses.asdict(method_cfg),
-        method_options=dict(run.method_args), model=run.model,
-        pretrained=run.pretrained, seed=run.seed, task=task, data=run.site_data(), train=dict(run.train),
-        train_resolved=resolve_train_config(spec, run.train),
-        site_train={site: dict(options) for site, options in run.site_train.items()}, sites=sites,
-        min_clients=run.required_clients, rounds=rounds, evaluation=run.site_evaluation, patience=run.patience,
+        job_name=run.job_name, method=run.method, method_args=dataclasses.asdict(method_cfg), model=run.model,
+        pretrained=run.pretrained, seed=run.seed, task=task, data=run.site_data(),
+        train=train, sites=sites, min_clients=run.required_clients,
+        rounds=tuple(RoundPlan(ctx.round, ctx.stage, ctx.scored, tuple(rule.phases(ctx)))
+                     for ctx in round_plan(stages, run.rounds)),
+        evaluation=run.site_evaluation, patience=run.patience,
         straggler_seconds=run.straggler_seconds, task_timeout=run.task_timeout or DEFAULT_TASK_TIMEOUT,
         task_request_interval=run.task_request_interval, resume_from=run.resume_from, robust=dict(robust),
         transfer_dtype=run.transfer_dtype, download_dtype=run.download_dtype, transfer_kind=run.transfer_kind,
         stream_aggregation=run.stream_aggregation, dp=dict(run.dp), dp_sgd=dict(run.dp_sgd),
         secure_aggregation=run.secure_aggregation, audit=run.audit, tracking=run.tracking,
-        plugins=tuple(run.plugin_modules() if plugins is None else plugins),
+        plugins=tuple(run.plugin_modules() if plugins is None else plugins), shot_groups=shot_groups,
     )
 
 
-def round_steps(method: str, method_args: Mapping[str, Any], num_rounds: int,
-                multi_label: bool) -> tuple[RoundPlan, ...]:
-    """Every round's stage and phases, from the method's server rule (the stages must add up to the rounds)."""
-    _, rule, stages, _ = server_rule(method, method_args, num_rounds, multi_label=multi_label)
-    return tuple(RoundPlan(ctx.round, ctx.stage, ctx.scored, tuple(rule.phases(ctx)))
-                 for ctx in round_plan(stages, num_rounds))
+def _check_method_run(spec: MethodSpec, method_cfg: Any, sites: tuple[SitePlan, ...], run: RunConfig) -> None:
+    """The method's own pre-launch checks (``MethodSpec.check_run``) of each site's settings and, in a simulation,
+    the job's data (None when each site reads its own), so a job never fails at its first task over options
+    known here."""
+    if spec.check_run is None:
+        return
+    problems = spec.check_run(method_cfg, {site.name: site.train for site in sites},
+                              run.data_config() if run.simulated else None)
+    if problems:
+        raise ConfigError(f"method '{run.method}': " + "; ".join(problems))
 
 
-# ----- the job read back: the plan it carries ----------------------------------------------------------------
-def plan_from_job(job_dir: str | Path) -> RunPlan:
-    """The plan a written job carries, read back from its ``meta.json`` and the app's server and site configs (what
-    the server and every site read: one app deployed to all)."""
-    job = Path(job_dir)
-    return plan_from_app(job / APP_NAME / "config", job / "meta.json")
+# ----- the plan in the job: app/config/medflare_plan.json ------------------------------------------------------
+def plan_record(plan: RunPlan) -> dict[str, Any]:
+    """What ``medflare_plan.json`` holds: the schema it is written in, the plan's fingerprint when it was written
+    (an edit since shows as a different fingerprint at the server and every site) and the plan."""
+    return {"schema": PLAN_SCHEMA, "fingerprint": plan.digest(), "plan": plan.to_dict()}
 
 
-def plan_from_app(config_dir: str | Path, meta_path: str | Path | None = None) -> RunPlan:
-    """The plan of a deployed app: its ``config_fed_server.json`` and ``config_fed_client.json`` in ``config_dir``
-    and the job's meta (FLARE writes it beside every participant's app; absent: the job's name stays unknown).
-    The server and each site rebuild their job's plan with this, as :func:`plan_from_job` does from a job folder.
-
-    Raises:
-        ConfigError: a config that is missing, not JSON or not a medflare job, or server and site configs that
-            disagree about what the sites build (:func:`run_from_job`).
-    """
-    return job_from_app(config_dir, meta_path)[1]
+def write_plan(plan: RunPlan, config_dir: Path) -> None:
+    """``config_dir/medflare_plan.json``: the one file every medflare component of the job reads."""
+    (config_dir / PLAN_FILE).write_text(json.dumps(plan_record(plan), indent=2) + "\n")
 
 
-def job_from_app(config_dir: str | Path, meta_path: str | Path | None = None) -> tuple[RunConfig, RunPlan]:
-    """The run a deployed app records (:func:`run_from_job`) and the plan it resolves to (:func:`plan_from_app`):
-    a report describes the first as the run's configuration and checks the second against the server's."""
-    meta, server, client = app_configs(Path(config_dir), meta_path)
-    try:
-        plugins = _executor(client)["args"].get("plugins", [])
-        robust = next(c for c in server["components"] if c["id"] == "aggregator")["args"].get("robust", {})
-    except (KeyError, TypeError, IndexError, StopIteration) as exc:
-        raise ConfigError(f"the job config lacks {exc or 'its aggregator'}: not a medflare job") from exc
-    load_plugins(plugins)  # the job's own methods, before they are looked up
-    run = run_from_job(meta, server, client)
-    return run, build_plan(run, TaskSpec(**run.task), robust, plugins=plugins)
-
-
-def read_app_config(config_dir: Path, side: str) -> dict[str, Any]:
-    """``config_fed_<side>.json`` in an app's ``config_dir`` (exported jobs), or ``.conf`` (jobs made from
-    ``job_templates/``, HOCON).
+def read_plan(path: str | Path) -> tuple[RunPlan, str]:
+    """The plan a ``medflare_plan.json`` holds, every value typed and range-checked again (the file may have been
+    edited), and the fingerprint it was written with. The job's plugins are imported first: their methods are
+    looked up here.
 
     Raises:
-        ConfigError: neither is there, or the one there does not parse (one line naming it).
+        ConfigError: a missing or unreadable file, another schema, or a value that does not fit (one line naming
+            the file and the option).
     """
-    for suffix in (".json", ".conf"):
-        path = config_dir / f"config_fed_{side}{suffix}"
-        if path.is_file():
-            try:
-                if suffix == ".json":
-                    return json.loads(path.read_text())
-                from pyhocon import ConfigFactory  # FLARE's own reader of HOCON configs
-
-                return json.loads(json.dumps(ConfigFactory.parse_file(str(path)).as_plain_ordered_dict()))
-            except Exception as exc:  # noqa: BLE001 - any parse failure means the same to the user
-                raise ConfigError(f"cannot read the job config {path}: {' '.join(str(exc).split())}") from exc
-    raise ConfigError(f"no config_fed_{side}.json (or .conf) in {config_dir}: not a job's app")
-
-
-def app_configs(config_dir: Path, meta_path: str | Path | None) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """The job's meta (``{}`` where there is none), server and site configs of an app's ``config_dir``."""
     from medflare import readback  # local: the one reader of depth-limited JSON
 
-    meta = readback.load_json(Path(meta_path), ConfigError) if meta_path and Path(meta_path).is_file() else {}
-    server, client = (read_app_config(config_dir, side) for side in ("server", "client"))
-    return (meta if isinstance(meta, dict) else {}), server, client
+    record = readback.load_json(Path(path), ConfigError)
+    if not isinstance(record, dict) or record.get("schema") != PLAN_SCHEMA or not isinstance(record.get("plan"), dict):
+        raise ConfigError(f"{path}: not a medflare plan of schema {PLAN_SCHEMA} (export the job again with this "
+                          "medflare)")
+    plugins = record["plan"].get("plugins") or []
+    load_plugins([str(name) for name in plugins] if isinstance(plugins, list) else [])
+    return RunPlan.from_dict(record["plan"], where=Path(path).name), str(record.get("fingerprint", ""))
 
 
-def run_from_job(meta: Mapping[str, Any], server: Mapping[str, Any], client: Mapping[str, Any]) -> RunConfig:
-    """The RunConfig a job's configs record (its task declared), from the parsed ``meta.json`` (``{}`` where there
-    is none, e.g. beside a server's results) and the app's configs. Options a job made from a template may leave
-    out take their defaults. ``robust`` stays the run's own: the job carries the deployment's defences under it
-    (:func:`job_robust`), which cannot be told apart from settings the run made.
-
-    Raises:
-        ConfigError: a component or argument medflare writes is missing: not a medflare job.
-    """
-    try:
-        components = {c["id"]: c for c in server["components"]}
-        persistor, aggregator = components["persistor"]["args"], components["aggregator"]
-        model, controller = persistor["model"]["args"], server["workflows"][0]["args"]
-        executor = _executor(client)["args"]
-        class_names = (persistor.get("facts") or {}).get("task", {}).get("class_names")
-        result_filters = [f for chain in client.get("task_result_filters", []) for f in chain["filters"]]
-        wire = aggregator["args"]
-        shape = ("num_classes", "in_channels", "image_size")
-        _agree(executor, {**model, "task": {k: model[k] for k in shape}}, ("method", "model", "seed", "method_args"))
-        _agree(executor, {**wire, "task": {k: wire[k] for k in shape[:1]}}, ("method", "method_args"))
-        fields = {
-            "method": executor["method"], "model": executor["model"], "pretrained": model.get("pretrained"),
-            "seed": executor["seed"], "method_args": executor["method_args"], "rounds": controller["num_rounds"],
-            "min_clients": controller["min_clients"], "clients": len(executor["sites"]),
-            "task": vars(TaskSpec(**{**executor["task"], **({"class_names": class_names} if class_names else {})})),
-            # the seed the sites get: left out where it is the run's own (RunConfig.site_data adds that one back)
-            # simulated data: without what RunConfig.site_data adds back (the sites' count, the run's own seed)
-            "data": {k: v for k, v in executor["data"].items() if executor["data"].get("source", "site") == "site"
-                     or (k != "num_sites" and not (k == "seed" and v == model["seed"]))},
-            "train": executor["train"], "site_train": executor.get("site_train", {}),
-            "site_model": executor.get("site_model") or {}, "site_evaluation": executor.get("evaluation", "every_round"),
-            "dp_sgd": executor.get("dp_sgd") or {},
-            "straggler_seconds": controller.get("wait_time_after_min_received", 600),
-            "task_timeout": controller.get("train_timeout", 0), "patience": controller.get("patience", 0),
-            "resume_from": controller.get("resume_from", ""),
-            "task_request_interval": server.get("server", {}).get("task_request_interval", 0.1),
-            "name": meta.get("name", ""),
-            "transfer_dtype": wire.get("transfer_dtype", "float32"), "download_dtype": wire.get("download_dtype", "float32"),
-            "transfer_kind": wire.get("transfer_kind", "weights"),
-            "stream_aggregation": wire.get("stream_aggregation", False),
-            "secure_aggregation": "he" if aggregator["path"] == ENCRYPTED_AGGREGATOR else "off",
-            "dp": next((f["args"] for f in result_filters if f["path"].endswith(".UpdatePrivacy")), {}),
-            "audit": any(f["path"].endswith(".PayloadRecorder") for f in result_filters),
-            "tracking": tracking_of(server["components"]),
-        }
-    except (KeyError, TypeError, IndexError) as exc:
-        raise ConfigError(f"the job config lacks {exc}: not a medflare job") from exc
-    return from_dict(RunConfig, fields, "job config")
+def plan_from_job(job_dir: str | Path) -> RunPlan:
+    """The plan a written job carries (``app/config/medflare_plan.json``): the job folder's one reader."""
+    return read_plan(Path(job_dir) / APP_NAME / "config" / PLAN_FILE)[0]
 
 
-def _agree(site: Mapping[str, Any], server: Mapping[str, Any], keys: tuple[str, ...]) -> None:
-    """The sites' executor and a server component say the same of what both build (the task's shape included).
-
-    Raises:
-        ConfigError: naming the first option they disagree on (a job edited on one side only).
-    """
-    for key in (*keys, "task"):
-        theirs = {k: site[key][k] for k in server[key]} if key == "task" else site.get(key)
-        if theirs != server.get(key):
-            raise ConfigError(f"the job's site and server configs disagree on {key}: {theirs!r} at the sites, "
-                              f"{server.get(key)!r} at the server; edit both (or export the job again)")
-
-
-def _executor(client: Mapping[str, Any]) -> Mapping[str, Any]:
-    return client["executors"][0]["executor"]
-
-
-def tracking_of(components: list[Mapping[str, Any]]) -> str:
-    """The ``tracking`` choice whose receivers a server config lists."""
-    listed = tuple(name for name, (_, path) in RECEIVERS.items() if any(c["path"] == path for c in components))
-    return next(choice for choice, receivers in TRACKERS.items() if set(receivers) == set(listed))
+def set_plan_resume(job_dir: str | Path, resume_from: str) -> None:
+    """Rewrite a job's plan with ``resume_from`` (an earlier job id on the same server), as if exported so."""
+    config_dir = Path(job_dir) / APP_NAME / "config"
+    write_plan(dataclasses.replace(read_plan(config_dir / PLAN_FILE)[0], resume_from=resume_from), config_dir)

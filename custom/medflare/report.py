@@ -58,7 +58,7 @@ def build_summary(
     multi_label = bool((config.get("task") or {}).get("multi_label"))
     return {
         "method": method,
-        "server_model": _method_keeps_server_model(method),
+        "server_model": bool(config.get("server_model", True)),
         "headline_metric": selection_metric(results, multi_label),
         "config": dict(config),
         "rounds_completed": len(rounds),
@@ -329,17 +329,6 @@ def _headline_text(summary: Mapping[str, Any]) -> str:
     return f"{metric_name(metric)} (`{metric}`)"
 
 
-def _method_keeps_server_model(method: str | None) -> bool:
-    """Whether ``method`` keeps a global model at the server (not ``local-only``, MDH-FL, FedMD); a method this
-    process does not know (a plugin that is not loaded) is taken to keep one."""
-    from medflare.registry import get_method
-
-    try:
-        return get_method(str(method)).server_model
-    except ConfigError:
-        return True
-
-
 def server_holds_model(summary: Mapping[str, Any]) -> bool:
     """Whether the run's server held a global model (``summary["server_model"]``, :func:`build_summary`)."""
     return bool(summary.get("server_model", True))
@@ -452,14 +441,15 @@ def _training_counts(summary: Mapping[str, Any]) -> list[int] | None:
 
 
 def _shot_group_names(summary: Mapping[str, Any], train: list[int] | None) -> dict[int, str]:
-    """Head/medium/tail of each class from ``shot_thresholds`` and the training counts (see ``--help``)."""
+    """Head/medium/tail of each class: the plan's ``shot_groups`` (from ``shot_thresholds`` and the training counts,
+    see ``--help``), or in a summary written before plans carried them, its thresholds over ``train``."""
+    groups = summary["config"].get("shot_groups")
     thresholds = summary["config"].get("shot_thresholds")
-    if not thresholds or not train:
-        return {}
-    from medflare.metrics import shot_groups_from_counts
+    if not groups and thresholds and train:
+        from medflare.metrics import shot_groups_from_counts
 
-    groups = shot_groups_from_counts(train, head_min=thresholds[0], tail_max=thresholds[1])
-    return {k: group for group, members in groups.items() for k in members}
+        groups = shot_groups_from_counts(train, head_min=thresholds[0], tail_max=thresholds[1])
+    return {k: group for group, members in (groups or {}).items() for k in members}
 
 
 def _sites_section(summary: Mapping[str, Any]) -> list[str]:

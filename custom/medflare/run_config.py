@@ -20,8 +20,8 @@ from medflare.errors import ConfigError
 from medflare.methods.base import MethodSpec, TrainConfig
 from medflare.methods.presets import Preset
 from medflare.registry import get_method
-from medflare.server_setup import RULE_OPTION_NAMES, RULE_OPTIONS, RobustConfig, server_rule
-from medflare.site_config import TaskSpec, check_dp_filter, check_multi_label_support, resolve_train_config
+from medflare.server_setup import RULE_OPTION_NAMES, RULE_OPTIONS, RobustConfig
+from medflare.site_config import TaskSpec, check_dp_filter, check_multi_label_support
 
 if TYPE_CHECKING:
     from medflare.data import DataConfig
@@ -204,10 +204,12 @@ class RunConfig:
         """Check every option against its type and range, and normalise the sections to typed values.
 
         The one validation ``run``, ``compare``, ``export`` and the POC runner share; it starts nothing and
-        writes nothing. Data sources are read later, by :meth:`task_spec`. The method's own checks of what the
-        options alone decide (``MethodSpec.check_run``, e.g. MDH-FL's public set in a simulation) run here too.
-        The method's protocol data options (``MethodSpec.data_defaults``, e.g. FCA's ``eval_split=like_train``)
-        go into ``data`` here, under the job's own (see :meth:`_with_data_defaults`), so the run records them.
+        writes nothing. Data sources are read later, by :meth:`task_spec`. What needs the method's server rule
+        or each site's training settings (the stages add up to the rounds, a robust rule keeps enough sites, the
+        method's own ``MethodSpec.check_run``) is checked where those are built, once: :func:`medflare.plan.
+        build_plan`, before anything is launched or written. The method's protocol data options
+        (``MethodSpec.data_defaults``, e.g. FCA's ``eval_split=like_train``) go into ``data`` here, under the
+        job's own (see :meth:`_with_data_defaults`), so the run records them.
 
         Args:
             check_files: also require the job's data files and folders and a ``pretrained`` weights file to
@@ -225,11 +227,6 @@ class RunConfig:
         spec.config_cls(**self.method_args)  # the method's own range checks
         self.train = fields_typed(TrainConfig, self.train, "train")
         self.robust = typed_robust(self.robust)  # before the aggregator sees it: it knows no "off"
-        _, _, _, defences = server_rule(  # stages must add up to the rounds; robust and wire options must be valid
-            self.method, self.method_args, self.rounds, self.robust, self.transfer_dtype, self.transfer_kind,
-            self.download_dtype,
-        )
-        defences.check_quorum(self.required_clients, self.clients)
         if self.secure_aggregation == "he":  # what the server can no longer do with encrypted updates
             from medflare.ops.he_aggregate import check_encrypted_run
 
@@ -246,17 +243,11 @@ class RunConfig:
             if site not in self.site_names:
                 raise ConfigError(f"site_train names '{site}', which is not one of {', '.join(self.site_names)}")
             self.site_train[site] = fields_typed(TrainConfig, overrides, f"site_train.{site}")
-        # every site's settings resolved once: a bad combination fails here, naming the option
-        trains = {site: resolve_train_config(spec, {**self.train, **self.site_train.get(site, {})})
-                  for site in self.site_names}
         self.task = _typed_task(self.task)
         self.data = fields_typed(_data_config_cls(), self.data, "data")
         self.data = self._with_data_defaults(spec.data_defaults if data_defaults is None else data_defaults)
         self._resolve_paths(check_files)
-        simulated = self.data.get("source", "site") != "site"
-        data = from_dict(_data_config_cls(), self.site_data() if simulated else self.data,
-                         "data")  # the partition scheme, noise rate, ... ranges
-        self._check_method_run(spec, data if simulated else None, trains)
+        self.data_config()  # the partition scheme, noise rate, ... ranges
         self._validate_model(check_files)
         if self.resume_from and check_files:  # the server reads it; export leaves it to the server
             from medflare.resume import check_resumable
@@ -321,14 +312,14 @@ class RunConfig:
             return False  # task_spec refuses a multi-label task for this method before anything starts
         return infer_task(self).multi_label
 
-    def _check_method_run(self, spec: MethodSpec, data: DataConfig | None, trains: dict[str, TrainConfig]) -> None:
-        """The method's own pre-launch checks (``MethodSpec.check_run``), so a job never fails at its first task
-        over options known here; ``data`` is the simulated DataConfig, None when each site reads its own data."""
-        if spec.check_run is None:
-            return
-        problems = spec.check_run(spec.config_cls(**self.method_args), trains, data)
-        if problems:
-            raise ConfigError(f"method '{self.method}': " + "; ".join(problems))
+    def data_config(self) -> DataConfig:
+        """The data the sites receive (:meth:`site_data`), typed and range-checked."""
+        return from_dict(_data_config_cls(), self.site_data() if self.simulated else self.data, "data")
+
+    @property
+    def simulated(self) -> bool:
+        """Whether the job brings its own (simulated) data instead of each site reading its own."""
+        return self.data.get("source", "site") != "site"
 
     def _validate_model(self, check_files: bool) -> None:
         from medflare.models import get_model_info, list_models
@@ -375,8 +366,6 @@ class RunConfig:
         check_multi_label_support(get_method(self.method), task)  # before anything is exported or launched
         return task
 
-    def train_config(self) -> TrainConfig:
-        return resolve_train_config(get_method(self.method), self.train)
 
 
 def shared_data_defaults(methods: list[str], given: Mapping[str, Any] | None = None) -> dict[str, Any]:

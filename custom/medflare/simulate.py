@@ -26,8 +26,8 @@ from medflare.launch import (
     plan_job,
     write_job_outputs,
 )
+from medflare.plan import RunPlan
 from medflare.processes import nvflare_command, signals_held, start_kept, stop_process_tree
-from medflare.registry import get_method
 from medflare.run_config import RunConfig
 from medflare.site_runtime import SITE_LOG_FILE
 
@@ -60,9 +60,13 @@ class SimulationError(MedflareError, RuntimeError):
 
 
 def run_simulation(
-    run: RunConfig, out_dir: str | Path, echo: Callable[[str], None] = print, overwrite: bool = False
+    run: RunConfig, out_dir: str | Path, echo: Callable[[str], None] = print, overwrite: bool = False,
+    plan: RunPlan | None = None,
 ) -> dict[str, Any]:
     """Export the job, run ``nvflare simulator`` with one thread per site, and write the run's outputs.
+
+    ``plan``: the job's plan when the caller validated ``run`` and resolved it (``launch.plan_job(run, "byoc",
+    ...)``, as ``medflare run`` does before anything starts); else ``run`` is validated and resolved here.
 
     Everything is staged in ``<out>.partial`` and moved to ``out`` only after success (see
     :class:`medflare.files.OutputTarget`: a non-empty ``out`` needs ``overwrite``, and only medflare's own
@@ -74,12 +78,14 @@ def run_simulation(
     """
     if run.secure_aggregation == "he":
         raise ConfigError(SIMULATOR_HAS_NO_HE)
-    run.validate()
+    if plan is None:
+        run.validate()
     target = OutputTarget(Path(out_dir), overwrite=overwrite)
     target.check()
-    task = run.task_spec()  # the data is read for the task once and the result handed down
+    task = plan.task if plan is not None else run.task_spec()  # the data is read for the task once, handed down
     clients, class_counts = describe_sites(run, task)  # bad data fails before anything is written
-    plan = plan_job(run, "byoc", task)  # what the job does, resolved once: the job and the summary are written from it
+    # what the job does, resolved once: the job and the summary are written from it
+    plan = plan or plan_job(run, "byoc", task, class_counts)
     staging = target.begin()
     workspace = staging / "workspace"
     try:
@@ -90,8 +96,8 @@ def run_simulation(
         _launch(run, job_dir, workspace, staging / SIMULATOR_LOG, echo)
         keep_site_logs(workspace, staging)
         keep_server_records(_server_app_dir(workspace).parent, staging)  # TensorBoard / MLflow records
-        _plot_site_logs(run, staging)  # before the report, which shows every plot of the run
-        summary = write_job_outputs(plan, run, _results_file(workspace), staging, clients, launched_at)
+        _plot_site_logs(plan, staging)  # before the report, which shows every plot of the run
+        summary = write_job_outputs(plan, _results_file(workspace), staging, clients, launched_at)
         if summary.get("error"):
             raise SimulationError(f"the job stopped early: {summary['error']}{first_site_said(workspace)}")
         finished = run.rounds == summary["rounds_completed"] or summary.get("stopped_early")
@@ -227,9 +233,9 @@ def _shorten(line: str) -> str:
     return "  " + (line[match.start():] if match else line[-200:])
 
 
-def _plot_site_logs(run: RunConfig, out: Path) -> None:
+def _plot_site_logs(plan: RunPlan, out: Path) -> None:
     """Draw each simulated site's local diagnostics with the method's own plot, if it has one."""
-    plot = get_method(run.method).site_log_plot
+    plot = plan.spec.site_log_plot
     for log in sorted(out.glob(f"sites/*/{SITE_LOG_FILE}")) if plot else []:
         records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
         plot(records, log.with_name("diagnostics.png"))

@@ -36,37 +36,26 @@ from medflare.site_config import TaskSpec
 
 TASK = TaskSpec(num_classes=2, in_channels=1, image_size=28)
 # Every argument a job can pass to an allow-listed component, reviewed for what a job could do with it. A new
-# argument fails the test until someone has. Known file names among them: `pretrained` (a weights file on the
-# server, read with weights_only=True), `data` (refused at a real site unless it opted in) and `resume_from` (a
-# job id outside the simulator) and `plugins` (module names, imported only from the `medflare_plugins` package).
-# The persistor deliberately takes none of FLARE's PT persistor's file arguments, and the tracking receivers
-# neither a folder nor a tracking URI.
+# argument fails the test until someone has. medflare's components take the job's plan file (`plan_file`: a plain
+# file name in the job's own app/config, refused otherwise) and FLARE's component ids; what the plan may name is
+# checked where it is used: `pretrained` (a weights file on the server, read with weights_only=True), `data`
+# (refused at a real site unless it opted in), `resume_from` (a job id outside the simulator) and `plugins`
+# (module names, imported only from the `medflare_plugins` package). The persistor deliberately takes none of
+# FLARE's PT persistor's file arguments, and the tracking receivers neither a folder nor a tracking URI.
 REVIEWED_ARGS = {
-    "medflare.flare.persistor.MedflareModelPersistor": ["model", "facts"],  # facts: plain values saved beside
-    "medflare.flare.models.build_global_model": [
-        "method", "model", "num_classes", "in_channels", "image_size", "pretrained", "method_args", "seed", "plugins",
-        "dp_sgd"],  # a flag: the DP-compatible twin of the same network (GroupNorm for BatchNorm)
-    "medflare.flare.aggregator.MedflareAggregator": [
-        "method", "num_classes", "num_rounds", "method_args", "robust", "transfer_dtype", "transfer_kind", "plugins",
-        "multi_label", "stream_aggregation", "download_dtype",
-        "min_clients"],  # the controller's: no robust rejection may leave fewer sites
-    "medflare.flare.controller.MedflareController": [
-        "num_rounds", "min_clients", "persistor_id", "aggregator_id", "wait_time_after_min_received", "train_timeout",
-        "shot_groups", "key_metric", "patience", "resume_from"],
+    "medflare.flare.persistor.MedflareModelPersistor": ["plan_file"],
+    "medflare.flare.aggregator.MedflareAggregator": ["plan_file"],
+    "medflare.flare.controller.MedflareController": ["plan_file", "persistor_id", "aggregator_id"],
     "medflare.flare.tb_receiver.TensorBoardReceiver": ["events"],
     # kw_args: FLARE's experiment/run names and tags; params: text values; deployed_env: a tag (no URI, no path)
     "medflare.flare.mlflow_receiver.MlflowReceiver": ["events", "kw_args", "params", "deployed_env"],
-    "medflare.flare.executor.MedflareExecutor": [
-        "method", "task", "model", "method_args", "train", "data", "sites", "seed", "site_train", "evaluation",
-        "site_model", "plugins", "stream_metrics",
-        "dp_sgd"],  # checked against the site's own dp_sgd policy in local/medflare_site.json, which wins
+    "medflare.flare.executor.MedflareExecutor": ["plan_file"],
     "medflare.flare.tracking.SiteMetricsToServer": ["events_to_convert", "fed_event_prefix"],
     "medflare.flare.audit.PayloadRecorder": ["direction"],
-    "medflare.flare.privacy.UpdatePrivacy": ["filter", "args"],
-    "medflare.flare.he.EncryptedAggregator": [  # MedflareAggregator's; the TenSEAL context is the kit's own
-        "method", "num_classes", "num_rounds", "method_args", "robust", "transfer_dtype", "transfer_kind", "plugins",
-        "multi_label", "stream_aggregation", "download_dtype", "min_clients"],
-    "medflare.flare.he.EncryptResult": ["plain", "plain_keys"],  # names of arrays left in plaintext
+    # filter/args: a site's own privacy.json names FLARE's DP filter; a job names its plan (whose dp section says)
+    "medflare.flare.privacy.UpdatePrivacy": ["filter", "args", "plan_file"],
+    "medflare.flare.he.EncryptedAggregator": ["plan_file"],  # the TenSEAL context is the kit's own
+    "medflare.flare.he.EncryptResult": ["plan_file"],  # the plan's method declares what stays in plaintext
     "medflare.flare.he.DecryptTask": [],
 }
 KITS = {
@@ -148,7 +137,7 @@ def test_components_live_in_one_namespace_and_building_them_writes_nothing(
     config = server_config(job_plan(run, TASK))
     built = [_build(c) for c in config["components"] + config["workflows"]]
     built.append(_build(client_config(job_plan(run, TASK))["executors"][0]["executor"]))
-    assert len(built) >= 4  # persistor (the model is built inside it), aggregator, controller, executor
+    assert len(built) >= 4  # persistor, aggregator, controller, executor: each reads the plan once the job runs
     assert list(cwd.iterdir()) == [] and list(home.iterdir()) == []
 
 
@@ -164,7 +153,7 @@ def test_every_argument_a_job_can_pass_was_reviewed() -> None:
 ])
 def test_the_persistor_takes_no_file_argument(argument: dict) -> None:
     with pytest.raises(TypeError):
-        load_class("medflare.flare.persistor.MedflareModelPersistor")(model=None, **argument)
+        load_class("medflare.flare.persistor.MedflareModelPersistor")(**argument)
 
 
 def _build(config: dict[str, Any]) -> Any:

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from medflare.deploy.apps import APPS_DIR, add_code, stale_apps, write_app
+from medflare.plan import plan_from_job
 from medflare.registry import list_methods
 from medflare.run_config import DEPLOY_ROBUST
 
@@ -22,9 +23,8 @@ def test_every_registered_method_has_a_preinstalled_app() -> None:
         meta = json.loads((app / "meta.json").read_text())
         assert meta["scope"] == f"medflare-{method}" and meta["deploy_map"] == {"app": ["@ALL"]}
         assert not (app / "app" / "custom").exists()  # pre-installed: configs only
-        client = json.loads((app / "app" / "config" / "config_fed_client.json").read_text())
-        args = client["executors"][0]["executor"]["args"]
-        assert args["method"] == method and args["data"] == {"source": "site"}  # no data path in the job
+        plan = plan_from_job(app)
+        assert plan.method == method and plan.data == {"source": "site"}  # no data path in the job
         server = (app / "app" / "config" / "config_fed_server.json").read_text()
         assert '"path": "medflare.' in server and '"path": "nvflare.' not in server
 
@@ -60,11 +60,10 @@ def test_production_jobs_turn_the_robust_aggregation_on() -> None:
     the sites a round needs could not meet would only relax (max_share * min_clients >= 1). Issue 26: they are the
     defaults every deployment gets, and meta.json tells a reviewer so."""
     for method in list_methods():
-        server = json.loads((APPS_DIR / method / "app" / "config" / "config_fed_server.json").read_text())
-        aggregator = next(c for c in server["components"] if c["id"] == "aggregator")
-        robust = aggregator["args"]["robust"]
+        plan = plan_from_job(APPS_DIR / method)
+        robust = plan.robust
         assert robust == DEPLOY_ROBUST, method
         assert robust["max_norm_ratio"] > 1 and 0 < robust["max_share"] < 1, method
-        assert robust["max_share"] * server["workflows"][0]["args"]["min_clients"] >= 1, method
+        assert robust["max_share"] * plan.min_clients >= 1, method
         meta = json.loads((APPS_DIR / method / "meta.json").read_text())
         assert meta["robust_aggregation"] == {"on": True, **DEPLOY_ROBUST}, method

@@ -23,7 +23,7 @@ def poc_steps(monkeypatch) -> list[dict]:
     """Stands in for the POC's steps: records the session's root and port and the run's staging folder."""
     seen: list[dict] = []
 
-    def record(run, session, target, staging, mode, timeout):
+    def record(run, plan, session, target, staging, mode, timeout):
         seen.append({"root": session.root, "port": session.port, "staging": staging})
         return build_summary({"method": run.method, "rounds": []}, {"method": run.method}, {})
 

@@ -7,7 +7,6 @@ real result, then the guard with the job's real client config, the task's name a
 
 from __future__ import annotations
 
-import json
 import runpy
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,14 +19,16 @@ from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable
 from nvflare.apis.signal import Signal
 
-from medflare.deploy.filters import CLIENT_CONFIG, PayloadGuard
+from medflare.deploy.filters import PayloadGuard
 from medflare.errors import PayloadError
 from medflare.flare.executor import MedflareExecutor
 from medflare.flare.tasks import TASK_SUBMIT_MODEL
-from medflare.job_export import client_config, job_plan, task_names
+from medflare.job_export import job_plan, task_names
 from medflare.methods.mdhfl.protocol import PROBS, PROBS_PHASE
 from medflare.run_config import RunConfig
 from medflare.site_runtime import SiteRuntime
+
+from .._plans import deploy_plan, run_plan
 
 BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "mdhfl.py"
 SITE_MODELS = {"site-1": "cnn", "site-2": "shufflenet", "site-3": "cnn"}  # two architectures, kept small
@@ -54,11 +55,8 @@ class GuardedSite:
     """Delivers tasks the way FLARE does: task shareable -> executor -> the site's PayloadGuard -> the server."""
 
     def __init__(self, run: RunConfig, app: Path) -> None:
-        (app / "config").mkdir(parents=True)
-        config = client_config(job_plan(run, run.task_spec()))
-        (app / "config" / CLIENT_CONFIG).write_text(json.dumps(config))
-        self.app = app
-        self.executor = MedflareExecutor(**config["executors"][0]["executor"]["args"])
+        self.app = deploy_plan(app, run_plan(run))
+        self.executor = MedflareExecutor()
         self.guard = PayloadGuard()  # the default scope's guard: reads the method from the job's config
         self.guarded: dict[str, set[str]] = {}  # task name -> dtypes of the arrays that passed
         self.tamper = False  # add an array the server never sent to every result

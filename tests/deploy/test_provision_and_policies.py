@@ -36,6 +36,8 @@ from medflare.deploy.provision import ProvisionError, load_project, main, partic
 from medflare.errors import PayloadError
 from medflare.registry import get_method, list_methods
 
+from .._plans import app_context, deploy_plan, site_data_plan
+
 REPO = Path(__file__).resolve().parents[2]
 PROJECT = REPO / "provisioning" / "project.yml"
 SERVER = "fl-server.medflare.example.org"
@@ -268,11 +270,7 @@ def guard_context(
 ) -> FLContext:
     """What FLARE gives a site's result filter: the job's folder, the task's name and the task's data (whose meta
     is ``task_meta``, by default array dimensions only)."""
-    (app / "config").mkdir(parents=True, exist_ok=True)
-    args = {"method": method, "task": {"num_classes": K, "in_channels": 1, "image_size": 28}}
-    (app / "config" / "config_fed_client.json").write_text(json.dumps({"executors": [{"executor": {"args": args}}]}))
-    ctx = FLContext()
-    ctx.set_prop(FLContextKey.APP_ROOT, str(app), private=True, sticky=False)
+    ctx = app_context(deploy_plan(app, site_data_plan(method, K)))
     ctx.set_prop(FLContextKey.TASK_NAME, task_name, private=True, sticky=False)
     meta = {contracts.ARRAY_DIMS: {"rows": 4}} if task_meta is None else task_meta
     task = DXO(DataKind.WEIGHTS, data=task_arrays or {}, meta=meta)

@@ -1,5 +1,5 @@
 """job_templates/: generated from the export builders, every key commented, and `nvflare job create` with each
-template yields a job that runs in FLARE's simulator."""
+template yields the exported job, whose plan, edited as the card says, runs in FLARE's simulator."""
 
 from __future__ import annotations
 
@@ -14,16 +14,17 @@ from pathlib import Path
 import pytest
 from pyhocon import ConfigFactory
 
-from job_templates import EXAMPLE_SOURCE, TEMPLATES_DIR, example_command, stale_templates, template_run
+from job_templates import TEMPLATES_DIR, example_command, stale_templates, template_plan
 from medflare.deploy.apps import DEPLOY_TASK
-from medflare.job_export import client_config, job_plan, server_config
+from medflare.job_export import client_config, server_config
+from medflare.plan import APP_NAME, PLAN_FILE, plan_from_job, read_plan
 from medflare.processes import nvflare_command
 from medflare.registry import list_methods
 from medflare.run_config import DEPLOY_ROBUST
-from medflare.site_config import TaskSpec
 
 REPO = Path(__file__).resolve().parents[2]
-TEMPLATE_FILES = ("info.conf", "info.md", "meta.conf", "config_fed_client.conf", "config_fed_server.conf")
+TEMPLATE_FILES = ("info.conf", "info.md", "meta.conf", "config_fed_client.conf", "config_fed_server.conf", PLAN_FILE)
+EXAMPLE_SOURCE = "synthetic:n=400,classes={num_classes},channels={in_channels}".format(**DEPLOY_TASK)
 
 
 def test_templates_are_up_to_date() -> None:
@@ -116,9 +117,8 @@ def parsed(path: Path) -> dict:
 
 def test_every_template_has_the_deployment_defences_and_says_so_in_its_meta() -> None:
     for method in list_methods():
-        server = parsed(TEMPLATES_DIR / method / "config_fed_server.conf")
-        (aggregator,) = [c for c in server["components"] if c["id"] == "aggregator"]
-        assert aggregator["args"]["robust"] == DEPLOY_ROBUST, method
+        plan, written = read_plan(TEMPLATES_DIR / method / PLAN_FILE)
+        assert plan.robust == DEPLOY_ROBUST and written == plan.digest(), method
         assert parsed(TEMPLATES_DIR / method / "meta.conf")["robust_aggregation"] == {"on": True, **DEPLOY_ROBUST}
 
 
@@ -128,23 +128,29 @@ def test_job_create_yields_exactly_the_exported_job(method: str, created_jobs: P
     wherever `medflare export` jobs run (tests/integration/test_every_method_simulator.py runs every method)."""
     job = created_jobs / method
     assert (job / "app" / "custom" / "medflare" / "flare" / "executor.py").is_file()
-    run = template_run(method)
-    run.rounds = 3
-    run.data = {"source": EXAMPLE_SOURCE, "partition": "iid"}
-    run.train = {**run.train, "max_steps": 5}
-    task = TaskSpec(**DEPLOY_TASK)
-    assert parsed(job / "app" / "config" / "config_fed_server.conf") == json.loads(json.dumps(server_config(job_plan(run, task))))
-    assert parsed(job / "app" / "config" / "config_fed_client.conf") == json.loads(json.dumps(client_config(job_plan(run, task))))
+    plan = template_plan(method)
+    assert plan_from_job(job) == plan and plan.data == {"source": "site"}
+    assert parsed(job / "app" / "config" / "config_fed_server.conf") == json.loads(json.dumps(server_config(plan)))
+    assert parsed(job / "app" / "config" / "config_fed_client.conf") == json.loads(json.dumps(client_config(plan)))
     assert parsed(job / "meta.conf")["scope"] == f"medflare-{method}"
 
 
 @pytest.mark.slow
 @pytest.mark.heavy  # make test-heavy
-def test_documented_job_runs_in_the_simulator(tmp_path: Path) -> None:
-    """The default task and the documented data agree: the job made verbatim from the docs trains."""
-    job = create_job(list_methods()[0], tmp_path)
+def test_documented_job_with_its_plan_edited_runs_in_the_simulator(tmp_path: Path) -> None:
+    """The job made verbatim from the docs, its plan edited by hand as a user would to try it (simulated images
+    shaped like the declared task, 3 rounds, 5 steps a round), trains in FLARE's simulator."""
+    job = create_job("fedavg", tmp_path)
+    path = job / APP_NAME / "config" / PLAN_FILE
+    record = json.loads(path.read_text())
+    plan = record["plan"]
+    plan["data"] = {"source": EXAMPLE_SOURCE, "partition": "iid", "num_sites": len(plan["sites"]), "seed": 0}
+    plan["rounds"] = plan["rounds"][:3]
+    for train in (plan["train"], *(site["train"] for site in plan["sites"])):
+        train["max_steps"] = 5
+    path.write_text(json.dumps(record, indent=2))
     sim = subprocess.run(
-        nvflare_command() + ["simulator", str(job), "-w", str(tmp_path / "ws"), "-n", "2", "-t", "2"],
+        nvflare_command() + ["simulator", str(job), "-w", str(tmp_path / "ws"), "-n", "3", "-t", "3"],
         capture_output=True, text=True, timeout=600,
     )
     results = list((tmp_path / "ws").glob("**/app_server/medflare_results.json"))

@@ -9,6 +9,8 @@ import pytest
 from medflare.flare.aggregator import RoundAggregation
 from medflare.methods.base import RoundContext
 
+from .._plans import run_plan, site_data_plan
+
 GLOBAL = {"w": np.zeros((2, 3), np.float32), "bn.num_batches_tracked": np.array(0, np.int64)}
 
 
@@ -284,7 +286,7 @@ def test_rules_that_cannot_compose_are_refused_with_the_reason() -> None:
     with pytest.raises(ConfigError, match="robust.rule=krum keeps one on"):
         typed_robust({"off": True, "rule": "krum"})
     with pytest.raises(ConfigError, match="needs at least 7 sites; the job has 3"):
-        RunConfig(method="fedavg", clients=3, robust={"rule": "bulyan"}).validate()
+        run_plan(RunConfig(method="fedavg", clients=3, robust={"rule": "bulyan"}))
     core = robust_core(rule="trimmed_mean", max_share=0.2)
     core.stream_aggregation = True
     assert "robust.rule=trimmed_mean" in core.batch_reason()
@@ -443,8 +445,8 @@ def test_the_flare_aggregator_learns_the_sites_from_flares_client_list() -> None
 
     from medflare.flare.aggregator import MedflareAggregator
 
-    aggregator = MedflareAggregator("fedavg", num_classes=3, num_rounds=2, stream_aggregation=True)
-    assert aggregator.stream_aggregation is True
+    aggregator = MedflareAggregator().use_plan(site_data_plan("fedavg", 3, rounds=2, stream_aggregation=True))
+    assert aggregator.core.stream_aggregation is True
     aggregator.start_round(STREAM_GLOBAL, RoundContext(0, 2))
     aggregator.start_phase("train")
     clients = [SimpleNamespace(name=name) for name in ("site-1", "site-2", "site-3")]

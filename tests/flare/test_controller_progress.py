@@ -18,9 +18,11 @@ from medflare.flare.controller import MedflareController
 from medflare.flare.progress import STATS_GROUP, entries_from_results, format_progress
 from medflare.methods.base import RoundContext
 
+from .._plans import site_data_plan
+
 
 def controller_with_best(patience: int, best_version: int) -> MedflareController:
-    controller = MedflareController(num_rounds=10, patience=patience, key_metric="balanced_accuracy")
+    controller = MedflareController().use_plan(site_data_plan(rounds=10, patience=patience))
     controller._results = {"rounds": [], "evaluations": {},
                            "best": {"model_version": best_version, "balanced_accuracy": 0.625}}
     return controller
@@ -49,7 +51,7 @@ def test_an_unscored_round_never_stops_the_job() -> None:
 
 
 def test_show_stats_carries_the_progress_entries() -> None:
-    controller = MedflareController(num_rounds=3)
+    controller = MedflareController().use_plan(site_data_plan(rounds=3))
     controller._report({"kind": "round", "round": 1, "rounds": 3, "seconds": 1.5, "accepted": ["site-1"],
                         "rejected": []}, FLContext())
     fl_ctx = FLContext()
@@ -105,9 +107,10 @@ def started(multi_label: bool, tmp_path: Path, monkeypatch, robust: dict | None 
     from medflare.flare.aggregator import MedflareAggregator
 
     monkeypatch.setattr(controller_module, "freeze_startup_objects", lambda: None)  # no gc.freeze in the test run
-    aggregator = MedflareAggregator("fedavg", num_classes=3, num_rounds=2, multi_label=multi_label, robust=robust)
+    plan = site_data_plan("fedavg", 3, rounds=2, multi_label=multi_label, robust=robust or {})
+    aggregator = MedflareAggregator().use_plan(plan)
     persistor = SimpleNamespace(load=lambda fl_ctx: {ModelLearnableKey.WEIGHTS: {"w": np.zeros(2, np.float32)}})
-    controller = MedflareController(num_rounds=2)
+    controller = MedflareController().use_plan(plan)
     controller._engine = SimpleNamespace(get_component={"aggregator": aggregator, "persistor": persistor}.get)
     fl_ctx = FLContext()
     fl_ctx.set_prop(FLContextKey.APP_ROOT, str(tmp_path), private=True, sticky=False)

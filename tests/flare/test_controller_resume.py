@@ -3,6 +3,7 @@ round, what it restores, which rounds it then skips, and which checkpoints it re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from pathlib import Path
@@ -17,14 +18,16 @@ from nvflare.apis.signal import Signal
 from medflare.flare.controller import CHECKPOINT_FILE, RESULTS_FILE, MedflareController
 from medflare.methods.base import Stage
 
+from .._plans import site_data_plan
+
 ROUNDS = 4
 LEAD = "lead@hospital-a.example.org"
 
 
 def controller(app_dir: Path, method: str = "fedavg", rounds: int = ROUNDS) -> MedflareController:
     """A controller as start_controller leaves it (persistor and aggregator stubbed: no FLARE engine)."""
-    ctl = MedflareController(num_rounds=rounds, min_clients=1)
-    ctl.aggregator = SimpleNamespace(method=method, holds_plaintext=True, core=SimpleNamespace(
+    ctl = MedflareController().use_plan(site_data_plan(method, rounds=rounds, min_clients=1))
+    ctl.aggregator = SimpleNamespace(holds_plaintext=True, core=SimpleNamespace(
         stages=[Stage("warmup", 1), Stage("train", rounds - 1)]))
     ctl.persistor = SimpleNamespace(saved=[], save=lambda learnable, fl_ctx: ctl.persistor.saved.append(learnable))
     ctl.global_params = {"w": np.zeros((2, 3), np.float32)}
@@ -91,7 +94,7 @@ def test_a_checkpoint_of_another_job_is_refused(tmp_path: Path, change: str) -> 
     job_id, _ = crashed_job(tmp_path)
     ctl, ctx = new_job(tmp_path, job_id)
     if change == "method":
-        ctl.aggregator.method = "fedprox"
+        ctl.plan = dataclasses.replace(ctl.plan, method="fedprox")
     elif change == "rounds":
         ctl.num_rounds = 5
     else:

@@ -19,6 +19,8 @@ from nvflare.apis.signal import Signal
 from medflare.flare.controller import MedflareController, NextTaskHold, PhaseAnswers
 from medflare.methods.base import PerSite, RoundContext, Stage
 
+from .._plans import site_data_plan
+
 # Every wait below ends on an event; its bound is half the time the wait would last without that event (the poll
 # period, a hold's limit, a straggler's deadline), far from it on a machine busy with other work.
 SLOW_POLL = 10.0  # a poll period far longer than any wait below: only the result callback's event can be in time
@@ -26,7 +28,9 @@ HOLD_LIMIT = 10.0  # a hold's limit far longer than any wait below: only the nex
 
 
 def controller(min_clients: int = 2, wait_after_min: int = 600) -> MedflareController:
-    ctl = MedflareController(num_rounds=2, min_clients=min_clients, wait_time_after_min_received=wait_after_min)
+    plan = site_data_plan(rounds=2, clients=max(min_clients, 2), min_clients=min_clients,
+                          straggler_seconds=wait_after_min)
+    ctl = MedflareController().use_plan(plan)
     ctl._task_check_period = SLOW_POLL
     # what FLARE's WFCommServer.cancel_task does (no engine here): mark the task; its monitor drops it later
     ctl.cancel_task = lambda task, completion_status, fl_ctx: setattr(task, "completion_status", completion_status)

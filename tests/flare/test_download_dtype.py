@@ -26,6 +26,8 @@ from medflare.registry import get_method
 from medflare.site_config import SiteSettings, TaskSpec
 from medflare.site_runtime import SiteRuntime
 
+from .._plans import site_data_plan
+
 K = 5
 TASK = TaskSpec(num_classes=K, in_channels=3, image_size=28)
 DATA = {"source": "synthetic:n=200", "partition": "iid", "num_sites": 2}
@@ -51,7 +53,7 @@ def core(download_dtype: str, method: str = "fedavg", **options) -> RoundAggrega
 def sent_task(download_dtype: str) -> tuple[dict, dict]:
     """(the train task's arrays as FLARE would carry them, the round's record) from the controller's _send_phase."""
     aggregation, tasks, record = core(download_dtype), [], {}
-    ctl = MedflareController(num_rounds=2)
+    ctl = MedflareController().use_plan(site_data_plan(rounds=2))
     ctl.aggregator = SimpleNamespace(core=aggregation)
     ctl.broadcast = lambda task, fl_ctx, **kw: tasks.append(task)
     ctl._wait_for_answers = lambda tasks, answers, abort, fl_ctx: None

@@ -1,5 +1,5 @@
-"""The site's executor starts from the job's plan, rebuilt from what FLARE deployed, and from the hospital's own
-``local/medflare_site.json``, read once."""
+"""The site's executor starts from the job's plan (``app/config/medflare_plan.json`` as FLARE deployed it) and from
+the hospital's own ``local/medflare_site.json``, read once."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from medflare import readback
 from medflare.errors import DataError
 from medflare.flare.executor import MedflareExecutor
 from medflare.job_export import export_job, job_robust
-from medflare.plan import build_plan
+from medflare.methods.base import RoundContext
+from medflare.plan import APP_NAME, PLAN_FILE, build_plan
 from medflare.run_config import RunConfig
 from medflare.site_config import SITE_CONFIG_FILE
 
@@ -37,14 +38,37 @@ def test_a_site_trains_what_the_plan_says_with_the_data_and_model_its_own_file_n
     load_json = readback.load_json
     monkeypatch.setattr(readback, "load_json", lambda path, *args, **kw: reads.append(path) or load_json(path, *args, **kw))
 
-    args = json.loads((job / "app" / "config" / "config_fed_client.json").read_text())["executors"][0]["executor"]
-    runtime = MedflareExecutor(**args["args"])._get_runtime(fl_ctx)
+    runtime = MedflareExecutor()._get_runtime(fl_ctx)
     try:
         # one parse serves data, model, DP-SGD and processes
         assert [Path(p) for p in reads if Path(p).name == SITE_CONFIG_FILE] == [site_file]
-        assert runtime.train_cfg == plan.site("site-2").train["train"] and runtime.train_cfg.lr == 0.5
+        assert runtime.train_cfg == plan.site("site-2").train and runtime.train_cfg.lr == 0.5
         assert runtime.settings.data == {**SITE_DATA, "local": True, "num_sites": 1}
         assert (runtime.settings.model, runtime.settings.method_args) == (plan.model, plan.method_args)
+    finally:
+        runtime.close()
+
+
+def test_a_site_trains_with_a_value_edited_in_the_jobs_plan_file(tmp_path: Path) -> None:
+    """Issue 50: one training option edited in the job's medflare_plan.json, and nothing else, is what the site's
+    optimizer steps with (the plan is the only place the site reads it from)."""
+    run = RunConfig(method="fedavg", clients=2, data={"source": "site"}, train={"lr": 0.02, "max_steps": 1,
+                    "batch_size": 8}, task={"num_classes": 2, "in_channels": 1, "image_size": 28})
+    run.validate(check_files=False)
+    job = export_job(run, tmp_path / "jobs", run.task_spec(), mode="preinstalled")
+    plan_file = job / APP_NAME / "config" / PLAN_FILE
+    record = json.loads(plan_file.read_text())
+    assert record["plan"]["sites"][1]["name"] == "site-2" and record["plan"]["sites"][1]["train"]["lr"] == 0.02
+    record["plan"]["sites"][1]["train"]["lr"] = 0.0123
+    plan_file.write_text(json.dumps(record))
+    fl_ctx = deployed_to(job, "site-2", tmp_path / "workspaces")
+    (tmp_path / "workspaces" / "site-2" / "local" / SITE_CONFIG_FILE).write_text(json.dumps({"data": SITE_DATA}))
+    fl_ctx.set_prop(ReservedKey.IDENTITY_NAME, "site-2", private=True, sticky=False)
+    runtime = MedflareExecutor()._get_runtime(fl_ctx)
+    try:
+        runtime.train(runtime.shared_weights(), RoundContext(0, len(record["plan"]["rounds"])))
+        assert [group["lr"] for group in runtime.trainer.optimizer.param_groups] == [0.0123] * len(
+            runtime.trainer.optimizer.param_groups)
     finally:
         runtime.close()
 
@@ -56,9 +80,8 @@ def test_a_site_without_its_data_file_says_so_before_anything_trains(tmp_path: P
     job = export_job(run, tmp_path / "jobs", run.task_spec(), mode="preinstalled")
     fl_ctx = deployed_to(job, "site-1", tmp_path / "workspaces")
     fl_ctx.set_prop(ReservedKey.IDENTITY_NAME, "site-1", private=True, sticky=False)
-    args = json.loads((job / "app" / "config" / "config_fed_client.json").read_text())["executors"][0]["executor"]
     with pytest.raises(DataError, match="this site has no data configured"):
-        MedflareExecutor(**args["args"])._get_runtime(fl_ctx)
+        MedflareExecutor()._get_runtime(fl_ctx)
 
 
 # ----- the hospital's policy and its audit log (issue 48, item 5) -------------------------------------------------
@@ -73,8 +96,7 @@ def site_executor(tmp_path: Path, site_content: dict, **run_options) -> tuple[Me
     local = tmp_path / "workspaces" / "site-1" / "local"
     (local / SITE_CONFIG_FILE).write_text(json.dumps(site_content))
     fl_ctx.set_prop(ReservedKey.IDENTITY_NAME, "site-1", private=True, sticky=False)
-    args = json.loads((job / "app" / "config" / "config_fed_client.json").read_text())["executors"][0]["executor"]
-    return MedflareExecutor(**args["args"]), fl_ctx, local
+    return MedflareExecutor(), fl_ctx, local
 
 
 def audit_lines(local: Path) -> list[dict]:

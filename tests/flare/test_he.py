@@ -28,6 +28,8 @@ from medflare.ops import he_aggregate  # noqa: E402
 from medflare.ops.he_aggregate import EncryptedArray  # noqa: E402
 from medflare.registry import get_method  # noqa: E402
 
+from .._plans import app_context, deploy_plan, site_data_plan
+
 CKKS_TOLERANCE = 1e-4  # |decrypted − plaintext| for weights of magnitude ≤ 3 at scale 2**40
 GLOBAL = {
     "features.weight": np.zeros((4, 2, 3), np.float32),
@@ -144,20 +146,21 @@ def test_the_next_round_sends_ciphertexts_the_sites_decrypt(contexts) -> None:
     assert_close(received.data, plain.params)
 
 
-def test_encrypt_result_seals_model_arrays_and_leaves_declared_and_frozen_ones(contexts) -> None:
+def test_encrypt_result_seals_model_arrays_and_leaves_the_frozen_ones(contexts, tmp_path) -> None:
+    """What the job's plan names decides: FedBABU's frozen head (``Payload.frozen_keys``) travels in plaintext."""
+    ctx = app_context(deploy_plan(tmp_path / "app", site_data_plan("fedbabu", 5)))
     arrays, meta = site_update(1, 10)
-    arrays["q"] = np.array([1.0, 2.0, 3.0])
-    encrypt = EncryptResult(plain=["q"], plain_keys=r"^head\.bias$")
+    encrypt = EncryptResult()
     encrypt._context = contexts[0]
-    dxo = from_shareable(encrypt.process(DXO(DataKind.WEIGHTS, data=dict(arrays), meta=meta).to_shareable(), None))
+    dxo = from_shareable(encrypt.process(DXO(DataKind.WEIGHTS, data=dict(arrays), meta=meta).to_shareable(), ctx))
     declared = dxo.meta[contracts.ENCRYPTED_ARRAYS]
-    assert set(declared) == {"features.weight", "features.bn.num_batches_tracked", "head.weight"}
+    assert set(declared) == {"features.weight", "features.bn.num_batches_tracked"}
     assert all(isinstance(dxo.data[k], bytes) for k in declared)
-    np.testing.assert_array_equal(dxo.data["q"], arrays["q"])
-    np.testing.assert_array_equal(dxo.data["head.bias"], arrays["head.bias"])
-    arrays["head.weight"][0, 0] = np.nan
+    for key in ("head.weight", "head.bias"):
+        np.testing.assert_array_equal(dxo.data[key], arrays[key])
+    arrays["features.weight"][0] = np.nan
     with pytest.raises(Exception, match="NaN"):
-        encrypt.process(DXO(DataKind.WEIGHTS, data=dict(arrays), meta=meta).to_shareable(), None)
+        encrypt.process(DXO(DataKind.WEIGHTS, data=dict(arrays), meta=meta).to_shareable(), ctx)
 
 
 @pytest.mark.parametrize("method", ["mdhfl", "fedmd", "local-only"])

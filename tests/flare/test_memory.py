@@ -128,7 +128,7 @@ def test_a_site_collects_its_upload_garbage_after_sending_not_when_the_next_task
     monkeypatch.setattr(site_executor.MedflareExecutor, "_get_runtime", lambda self, fl_ctx: object())
     monkeypatch.setattr(site_executor.MedflareExecutor, "_dispatch",
                         lambda self, *args: (_ for _ in ()).throw(RuntimeError("no training here")))
-    site = site_executor.MedflareExecutor(method="fedavg", task={"num_classes": 2})
+    site = site_executor.MedflareExecutor()
     site.execute("train", Shareable(), FLContext(), Signal())  # the task runs (and fails: answers an error)
     assert calls == []
     site.handle_event(EventType.AFTER_SEND_TASK_RESULT, FLContext())

@@ -15,6 +15,7 @@ from nvflare.apis.fl_context import FLContext
 from nvflare.apis.utils.analytix_utils import create_analytic_dxo
 
 from medflare.flare import tracking
+from medflare.flare.executor import MedflareExecutor
 from medflare.job_export import client_config, job_plan, server_config
 from medflare.run_config import RunConfig
 from medflare.site_config import TaskSpec
@@ -88,7 +89,7 @@ def test_job_names_receivers_and_site_converter_under_the_allow_listed_namespace
     assert named == receivers
     converters = [c["path"] for c in client["components"]]
     assert converters == (["medflare.flare.tracking.SiteMetricsToServer"] if receivers else [])
-    assert client["executors"][0]["executor"]["args"]["stream_metrics"] is bool(receivers)
+    assert MedflareExecutor().use_plan(job_plan(run, TASK)).stream_metrics is bool(receivers)
     for path in named + converters:  # pre-installed sites allow-list medflare.flare. only
         assert path.startswith("medflare.flare.")
 

@@ -4,7 +4,6 @@ store in a temporary folder), and the per-site training and validation series a 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,6 +28,8 @@ from medflare.methods.base import RoundContext
 from medflare.metrics import EvalStats, MultiLabelEvalStats, compute_metrics
 from medflare.run_config import RunConfig
 from medflare.site_config import TaskSpec
+
+from .._plans import site_data_plan
 
 TASK = TaskSpec(num_classes=3, in_channels=1, image_size=28)
 JOB_ID = "3f2a9c1e-0b7d-4c55-9d0e-5a6b7c8d9e0f"
@@ -81,7 +82,7 @@ def test_nested_settings_become_dotted_params_that_flares_configurator_leaves_al
     """FLARE reads a text in braces as a variable reference; a stage's overrides must arrive as written."""
     run = RunConfig(method="fed-mae", tracking="mlflow")
     params = receiver_args(run)["params"]
-    assert params["train.stages.pretrain.lr"] == str(run.train_config().stages["pretrain"]["lr"])
+    assert params["train.stages.pretrain.lr"] == str(job_plan(run, TASK).train.stages["pretrain"]["lr"])
     assert not any(key == "train.stages" for key in params)
     config = server_config(job_plan(run, TASK))
     resolve_var_refs(JsonScanner(config), {})  # what FLARE's job configurator does to every string
@@ -210,8 +211,8 @@ def site_executor(sent: list[tuple[dict[str, float], int]], monkeypatch, stream:
                   multi_label: bool = False) -> executor_module.MedflareExecutor:
     monkeypatch.setattr(executor_module, "send_scalars", lambda component, fl_ctx, scalars, step: sent.append(
         (dict(scalars), step)))
-    task = {**dataclasses.asdict(TASK), "multi_label": multi_label}
-    return executor_module.MedflareExecutor(method="fedavg", task=task, stream_metrics=stream)
+    plan = site_data_plan("fedavg", TASK.num_classes, multi_label=multi_label, tracking="tensorboard" if stream else "off")
+    return executor_module.MedflareExecutor().use_plan(plan)
 
 
 def task_and_result(round_: int, meta: dict[str, Any]) -> tuple[Any, Any]:

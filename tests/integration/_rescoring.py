@@ -41,6 +41,15 @@ def pooled_test_outputs(run_dir: Path, run: RunConfig) -> tuple[torch.Tensor, to
     return torch.cat(labels), torch.cat(logits)
 
 
+def run_of_summary(summary: dict) -> RunConfig:
+    """The run a summary's configuration (its plan's) describes, as far as rescoring its model needs: method,
+    model, seed, sites, rounds, the data the sites received, the method's and the job's training settings."""
+    config = summary["config"]
+    return RunConfig(method=config["method"], model=config["model"], seed=config["seed"], clients=config["clients"],
+                     rounds=config["rounds"], data=dict(config["data"]), method_args=dict(config["method_args"]),
+                     train=dict(config["train_resolved"]))
+
+
 def rescore_global_model(run_dir: Path, run: RunConfig) -> dict[str, float]:
     """Balanced accuracy, accuracy and mean cross-entropy of the run's final global model (raw model outputs)."""
     y, z = pooled_test_outputs(run_dir, run)

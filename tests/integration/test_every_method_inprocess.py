@@ -64,5 +64,5 @@ def test_methods_smoke_job_plays_its_plan_in_process_and_sends_exactly_its_decla
         trained = snapshot(runtimes[site])
         assert any(not torch.equal(first_state[site][k], trained[k]) for k in trained), f"{site}'s model never changed"
     if get_method(method).server_model:  # the server's model moved too
-        initial = engine.build_global_model(**engine.global_model_args(plan)).state_dict()
+        initial = engine.global_model_of(plan).state_dict()
         assert any(not np.array_equal(initial[k].numpy(), params[k]) for k in params if params[k].dtype.kind == "f")

@@ -43,7 +43,7 @@ def run_recipe_in_simenv(run: RunConfig, tmp_path: Path) -> tuple[Path, dict, di
     out = tmp_path / "run"
     out.mkdir()
     plan = plan_job(run, "byoc")
-    summary = write_job_outputs(plan, run, results_file, out, describe_sites(run)[0], launched_at=None)
+    summary = write_job_outputs(plan, results_file, out, describe_sites(run)[0], launched_at=None)
     for audit in workspace.glob(f"site-*/**/{AUDIT_FILE}"):
         site = audit.relative_to(workspace).parts[0]
         (out / "sites" / site).mkdir(parents=True)

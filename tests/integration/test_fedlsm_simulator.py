@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 
 from medflare.cli import main
-from medflare.run_config import RunConfig
 
-from ._rescoring import rescore_global_model, rescore_multi_label_model
+from ._rescoring import rescore_global_model, rescore_multi_label_model, run_of_summary
 from ._smoke import check_audit
 from .test_every_method_simulator import audit_records
 
@@ -29,7 +28,7 @@ def test_multi_label_fedlsm_sets_up_pos_weight_once_and_reports_per_class_auroc(
                  "--set", "method.local_iterations=3"])
     assert code == 0
     summary = json.loads((out / "summary.json").read_text())
-    run = RunConfig(**{k: v for k, v in summary["config"].items() if k not in ("task", "train_resolved")})
+    run = run_of_summary(summary)
     assert summary["config"]["task"]["multi_label"] is True
 
     for site in run.site_names:  # the set-up phase ran in round 0 only; pos_weight came with every train task
@@ -64,7 +63,7 @@ def test_fedlsm_on_retinamnist_with_two_or_three_identified_grades_per_site(
                  "--set", f"data.identified={json.dumps(identified)}", "--set", "method.local_iterations=2"])
     assert code == 0
     summary = json.loads((out / "summary.json").read_text())
-    run = RunConfig(**{k: v for k, v in summary["config"].items() if k not in ("task", "train_resolved")})
+    run = run_of_summary(summary)
     for index, site in enumerate(run.site_names):
         facts = summary["clients"][site]
         assert facts["identified"] == [k in identified[index] for k in range(5)]

@@ -337,7 +337,7 @@ def test_outgoing_shareable_carries_weights_and_rf_only(runtime: SiteRuntime) ->
     from nvflare.apis.dxo import DXO, DataKind
 
     task = DXO(DataKind.WEIGHTS, data=runtime.shared_weights(), meta={"round": 0, "total_rounds": 2}).to_shareable()
-    result = MedflareExecutor(method="fedmas", task={})._dispatch(runtime, "train", task, Signal())
+    result = MedflareExecutor()._dispatch(runtime, "train", task, Signal())
     dxo = from_shareable(result)
     assert set(dxo.data) == set(runtime.model.state_dict())  # the model's own keys: no prior, no w, no ŵ
     assert not any(k.startswith(("prior", "encoder")) for k in dxo.data)

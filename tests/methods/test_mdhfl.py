@@ -33,6 +33,8 @@ from medflare.models import create_model
 from medflare.registry import get_method
 from medflare.run_config import RunConfig
 
+from .._plans import run_plan
+
 K = 3
 DIGEST = "ab" * 32
 
@@ -271,11 +273,12 @@ def simulated_run(method: str, **changes) -> RunConfig:
 def test_a_simulation_without_a_public_set_is_refused_before_anything_starts(method: str) -> None:
     """Issue 27: `medflare run mdhfl --data synthetic` launched FLARE and failed at the sites' first task."""
     with pytest.raises(ConfigError, match=f"method '{method}': .*set data.public_fraction"):
-        simulated_run(method).validate()
-    simulated_run(method, data={"public_fraction": 0.2}).validate()
-    simulated_run(method, data={"public_source": "synthetic:n=40"}).validate()
-    simulated_run(method, method_args={"distill": False}).validate()  # the "w/o KL" ablation exchanges nothing
-    RunConfig(method=method, data={"source": "site"}).validate()  # each site names its own public_source
+        run_plan(simulated_run(method))
+    run_plan(simulated_run(method, data={"public_fraction": 0.2}))
+    run_plan(simulated_run(method, data={"public_source": "synthetic:n=40"}))
+    run_plan(simulated_run(method, method_args={"distill": False}))  # the "w/o KL" ablation exchanges nothing
+    site_task = {"num_classes": 2, "in_channels": 1, "image_size": 28}
+    run_plan(RunConfig(method=method, data={"source": "site"}, task=site_task))  # each site names its public_source
 
 
 @pytest.mark.parametrize(

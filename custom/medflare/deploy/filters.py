@@ -15,8 +15,6 @@ a task result filter it compares the result with that record. Without a record i
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping
 
@@ -32,8 +30,8 @@ from medflare.contracts import ContractContext, Expected, Payload
 from medflare.errors import MedflareError, PayloadError
 from medflare.ops import wire
 from medflare.ops.he_aggregate import declared_encrypted, stand_in
+from medflare.plan import RunPlan
 
-CLIENT_CONFIG = "config_fed_client.json"
 SUBMIT_MODEL = "submit_model"
 DEFAULT_TRANSFER_DTYPE, DEFAULT_TRANSFER_KIND = wire.DTYPES[0], wire.KINDS[0]  # what a task without wire meta asks
 
@@ -102,12 +100,13 @@ class PayloadGuard(Filter):
         """Raise PayloadError unless the result's names, arrays (shapes, dtypes, values) and meta are allowed."""
         dxo = from_shareable(shareable)
         arrays, meta = dict(dxo.data or {}), dict(dxo.meta or {})
-        args = job_executor_args(fl_ctx)
-        payload = _payload(self.method or str(args.get("method", "")))
+        plan = job_plan(fl_ctx)
+        payload = _payload(self.method or plan.method)
         check_result_keys(payload, list(arrays), list(meta))
         phase = contracts.TRAIN_PHASE if task_name == SUBMIT_MODEL else task_name  # both carry the weights
         sent = self.sent_with(fl_ctx, task_name, payload.is_frozen)
-        contract = _contract(args, sent.dims if sent is not None else {})
+        contract = ContractContext(plan.task.num_classes, dims=dict(sent.dims if sent is not None else {}),
+                                   multi_label=plan.task.multi_label)
         check_result_arrays(payload, arrays, sent, phase, contract)
         check_frozen_parts(payload, arrays, sent)
         contracts.check_result_values(payload, arrays, meta, contract, phase)
@@ -116,7 +115,7 @@ class PayloadGuard(Filter):
         """Which task arrays to record by value: the method's frozen parts (none when the job's method is unknown;
         its results are then refused at :func:`check_frozen_parts` if they carry a frozen part)."""
         try:
-            return _payload(self.method or str(job_executor_args(fl_ctx).get("method", ""))).is_frozen
+            return _payload(self.method or job_plan(fl_ctx).method).is_frozen
         except (PayloadError, MedflareError):
             return lambda name: False
 
@@ -265,36 +264,23 @@ def returned_weights(payload: Payload, sent: ReceivedTask | None, phase: str) ->
     return contracts.weight_expectations(sent.arrays, keys, sent.transfer_dtype, sent.transfer_kind)
 
 
-def job_method(fl_ctx: FLContext) -> str:
-    """The method named by the running job's client config (``executors[0].executor.args.method``)."""
-    return str(job_executor_args(fl_ctx)["method"])
+def job_plan(fl_ctx: FLContext) -> RunPlan:
+    """The running job's plan (``medflare_plan.json`` in its app/config folder): its method and task.
 
+    Raises:
+        PayloadError: the job carries no readable plan (the site cannot tell what it may let leave).
+    """
+    from medflare.flare.tasks import deployed_plan  # local: a guard pinned to a method reads no job
 
-def job_executor_args(fl_ctx: FLContext) -> dict[str, Any]:
-    """The medflare executor's args in the running job's client config (method, task, ...)."""
-    app_root = fl_ctx.get_prop(FLContextKey.APP_ROOT) or ""
-    path = os.path.join(app_root, "config", CLIENT_CONFIG)
     try:
-        with open(path) as f:
-            config: dict[str, Any] = json.load(f)
-        args = config["executors"][0]["executor"]["args"]
-        str(args["method"])
-        int(args["task"]["num_classes"])
-        return dict(args)
-    except (OSError, KeyError, IndexError, TypeError, ValueError, json.JSONDecodeError) as exc:
-        raise PayloadError(f"site privacy policy: cannot tell which method and task this job runs ({path}: "
-                           f"{exc!r})") from exc
+        return deployed_plan(fl_ctx)[0]
+    except MedflareError as exc:
+        raise PayloadError(f"site privacy policy: cannot tell which method and task this job runs: {exc}") from exc
 
 
 def _task_key(fl_ctx: FLContext, task_name: str) -> tuple[str, str, str]:
     """Where a task's record is kept: per job and site (a simulator runs several in one process), per task name."""
     return str(fl_ctx.get_job_id() or ""), str(fl_ctx.get_identity_name() or ""), task_name
-
-
-def _contract(args: dict[str, Any], dims: Mapping[str, int]) -> ContractContext:
-    """The task's K and multi-label flag from the job, and the array dimensions the server's task declared."""
-    task = args["task"]
-    return ContractContext(int(task["num_classes"]), dims=dict(dims), multi_label=bool(task.get("multi_label", False)))
 
 
 def _payload(method: str) -> Payload:

@@ -56,7 +56,7 @@ from medflare.launch import (
     export_run_job,
     failure_note,
     first_site_said,
-    job_run_and_plan,
+    job_plan_in,
     keep_site_logs,
     plan_job,
     results_text,
@@ -518,12 +518,11 @@ def find_results(download_dir: str | Path) -> Path:
 def write_run_outputs(run: Any, download_dir: Path, out: Path, launched_at: float | None, extra: dict,
                       plan: Any = None) -> dict:
     """summary.json / rounds.csv / report.md / plots (as ``medflare run`` writes them) from a downloaded job;
-    ``plan``: the job's plan (``launch.plan_job``; when not given, the one the downloaded job's config resolves to,
-    as its server rebuilt it)."""
+    ``plan``: the job's plan (``launch.plan_job``; when not given, the one the downloaded job carries)."""
     results_path = find_results(download_dir)
-    plan = plan or job_run_and_plan(results_path.parent)[1]
+    plan = plan or job_plan_in(results_path.parent)
     clients, _ = describe_sites(run, plan.task)
-    summary = write_job_outputs(plan, run, results_path, out, clients, launched_at, deployment=extra)
+    summary = write_job_outputs(plan, results_path, out, clients, launched_at, deployment=extra)
     keep_server_records(results_path.parent.parent, out)  # TensorBoard / MLflow records of the job
     server_log = results_path.parent.parent / "log.txt"
     if server_log.exists():
@@ -568,6 +567,13 @@ def follow_job(session: PocSession, job_id: str, echo: Echo, timeout: float) -> 
         echo(f"poc: no round-by-round progress ({exc}); waiting for the job to end")
 
 
+def as_deployed(run: Any) -> Any:
+    """``run`` as a POC deploys it (in place): a POC is a real deployment, so its job gets the robust defences
+    (:func:`medflare.run_config.deployment_robust` under the run's own), simulated data or not. Returns ``run``."""
+    run.robust = deployment_robust(run.robust, encrypted=run.secure_aggregation == "he")
+    return run
+
+
 def run_poc(
     run: Any,
     out_dir: str | Path,
@@ -577,6 +583,7 @@ def run_poc(
     timeout: float = 1800,
     overwrite: bool = False,
     root: Path | None = None,
+    plan: Any = None,
 ) -> dict[str, Any]:
     """The POC twin of ``run_simulation``: prepare and start a POC, submit the job as the lead, wait,
     download, write the run's outputs, stop and clean.
@@ -599,9 +606,13 @@ def run_poc(
         timeout: seconds the job may take.
         overwrite: replace medflare's earlier results in a non-empty ``out_dir``.
         root: the POC's folder (default ``$MEDFLARE_POC_ROOT``, read now, else ``<out>.partial/poc``).
+        plan: the job's plan when the caller validated ``run`` as deployed (:func:`as_deployed`) and resolved it
+            (``launch.plan_job(run, mode, ...)``, as ``medflare run --env poc`` does); else both happen here.
     """
-    run.robust = deployment_robust(run.robust, encrypted=run.secure_aggregation == "he")
-    run.validate()
+    as_deployed(run)
+    if plan is None:
+        run.validate()
+        plan = plan_job(run, mode)  # the data is read for the task once; the job and its outputs come from the plan
     target = OutputTarget(Path(out_dir), overwrite=overwrite)
     staging = target.begin()
     poc_root = root or env_root() or staging / "poc"
@@ -612,10 +623,10 @@ def run_poc(
         except PocError:
             target.abandon()
             raise
-        return _run_in_poc(run, session, target, staging, mode, timeout)
+        return _run_in_poc(run, plan, session, target, staging, mode, timeout)
 
 
-def _run_in_poc(run: Any, session: PocSession, target: OutputTarget, staging: Path, mode: str,
+def _run_in_poc(run: Any, plan: Any, session: PocSession, target: OutputTarget, staging: Path, mode: str,
                 timeout: float) -> dict[str, Any]:
     """:func:`run_poc`'s steps in the session's POC, writing into ``staging``; on failure the cause is printed first,
     then the POC is ended and its server log kept as ``<out>.failed.log``."""
@@ -623,7 +634,6 @@ def _run_in_poc(run: Any, session: PocSession, target: OutputTarget, staging: Pa
     try:
         session.prepare(run.clients, allow_job_data=run.data.get("source", "site") != "site",
                         he=run.secure_aggregation == "he")
-        plan = plan_job(run, mode)  # the data is read for the task once; the job and its outputs come from the plan
         job_dir = export_run_job(run, staging / "job", mode, plan=plan)
         launched_at = time.time()
         session.start()

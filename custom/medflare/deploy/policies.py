@@ -34,7 +34,6 @@ SITE_MODES = ("byoc", "preinstalled")
 COMPONENT_NAMESPACE = "medflare.flare."
 SERVER_COMPONENTS = (
     "medflare.flare.persistor.MedflareModelPersistor",
-    "medflare.flare.models.build_global_model",
     "medflare.flare.aggregator.MedflareAggregator",
     "medflare.flare.controller.MedflareController",
     "medflare.flare.tb_receiver.TensorBoardReceiver",

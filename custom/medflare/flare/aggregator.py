@@ -7,6 +7,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 from nvflare.apis.dxo import DXO, DataKind, from_shareable
+from nvflare.apis.event_type import EventType
 from nvflare.apis.fl_constant import ReservedKey
 from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable
@@ -15,6 +16,7 @@ from nvflare.app_common.abstract.aggregator import Aggregator
 from medflare import contracts
 from medflare.contracts import ContractContext, Expected, validate_update
 from medflare.errors import MedflareError, PayloadError
+from medflare.flare.tasks import deployed_plan
 from medflare.methods.base import LARGEST_SHARE, AggregateResult, PerSite, RoundContext, SiteUpdate, aggregate_updates
 from medflare.ops import normalise_weights, wire
 from medflare.ops.aggregate import SiteOrderedSum
@@ -30,7 +32,7 @@ from medflare.ops.robust_rules import (
     weighted_trimmed_mean,
 )
 from medflare.ops.wire import decode_weights
-from medflare.registry import load_plugins
+from medflare.plan import PLAN_FILE, RunPlan
 from medflare.server_setup import server_rule
 
 SHARES = "shares"
@@ -96,6 +98,13 @@ class RoundAggregation:
         self.stream_aggregation = stream_aggregation
         self.stream: SiteOrderedSum | None = None  # the train phase's running sum while it streams
         self.norms: dict[str, float] = {}  # site -> its update's norm, taken as it arrives (the norm bound's input)
+
+    @classmethod
+    def of_plan(cls, plan: RunPlan) -> RoundAggregation:
+        """The round core a job of ``plan`` runs (the FLARE aggregator's, and the in-process loop's)."""
+        return cls(plan.method, plan.method_args, plan.task.num_classes, len(plan.rounds), plan.robust,
+                   plan.transfer_dtype, plan.transfer_kind, plan.task.multi_label, plan.stream_aggregation,
+                   plan.download_dtype, plan.min_clients)
 
     def start_round(self, global_params: Mapping[str, np.ndarray], ctx: RoundContext) -> None:
         """Forget the previous round."""
@@ -377,60 +386,37 @@ class MedflareAggregator(Aggregator):
     """FLARE Aggregator adapter over :class:`RoundAggregation`; one instance serves every method.
 
     Args:
-        method: registered method name.
-        num_classes: class count declared by the job (validates per-class vectors).
-        num_rounds: total rounds (some server rules schedule by round).
-        method_args: the method's hyperparameters (the server rule reads its own).
-        robust: :class:`medflare.server_setup.RobustConfig` fields (update-norm bound, share cap); off when empty.
-        transfer_dtype: dtype float weights travel in ("float32", or "float16" for half the bytes).
-        transfer_kind: "weights", or "diff" (sites send θ_local − θ_global, float keys only; for DP filters).
-        plugins: ``medflare_plugins.*`` modules the job carries that register its own methods.
-        multi_label: whether the task is multi-label.
-        stream_aggregation: sum train results in site order as they arrive instead of holding every site's update
-            (linear rules only; the others fall back to one batch and their round records say why). The result
-            differs from the batch path in the last bits (Σw·a/Σw vs Σ(w/Σw)·a) and repeats bit for bit.
-        download_dtype: dtype the global model's float weights travel to the sites in ("float32", or "float16"
-            for half the bytes; the server aggregates and persists in the model's own precision).
-        min_clients: the valid results a round needs (the controller's); no robust rejection may leave fewer.
+        plan_file: the job's plan in its ``app/config`` folder (``medflare_plan.json``, :mod:`medflare.plan`):
+            the method and its arguments, the task, the rounds, the robust defences, the wire options and the
+            valid results a round needs. The round core is built from it when the job starts.
     """
 
     holds_plaintext = True  # the server can read and save the global model (False: flare.he.EncryptedAggregator)
     core_cls: type[RoundAggregation] = RoundAggregation  # the FLARE-free round it drives
 
-    def __init__(
-        self,
-        method: str,
-        num_classes: int,
-        num_rounds: int,
-        method_args: dict | None = None,
-        robust: dict | None = None,
-        transfer_dtype: str = "float32",
-        transfer_kind: str = "weights",
-        plugins: list | None = None,
-        multi_label: bool = False,
-        stream_aggregation: bool = False,
-        download_dtype: str = "float32",
-        min_clients: int = 1,
-    ) -> None:
+    def __init__(self, plan_file: str = PLAN_FILE) -> None:
         super().__init__()
-        self.plugins = plugins or []
-        load_plugins(self.plugins)
-        self.method = method
-        self.num_classes = num_classes
-        self.num_rounds = num_rounds
-        self.method_args = method_args or {}
-        self.robust = robust or {}
-        self.transfer_dtype = transfer_dtype
-        self.transfer_kind = transfer_kind
-        self.multi_label = multi_label
-        self.stream_aggregation = stream_aggregation
-        self.download_dtype = download_dtype
-        self.min_clients = min_clients
-        self.core = self.core_cls(
-            method, self.method_args, num_classes, num_rounds, self.robust, transfer_dtype, transfer_kind, multi_label,
-            stream_aggregation, download_dtype, min_clients,
-        )
+        self.plan_file = plan_file
+        self._core: RoundAggregation | None = None
         self._fallback_logged = False
+
+    def use_plan(self, plan: RunPlan) -> MedflareAggregator:
+        """Build the round core of ``plan`` (at START_RUN from the job's plan file; a test may hand one in)."""
+        self._core = self.core_cls.of_plan(plan)
+        return self
+
+    @property
+    def core(self) -> RoundAggregation:
+        if self._core is None:
+            raise MedflareError("the aggregator has no plan yet (it loads the job's plan when the job starts)")
+        return self._core
+
+    def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
+        if event_type == EventType.START_RUN and self._core is None:
+            try:
+                self.use_plan(deployed_plan(fl_ctx, self.plan_file)[0])
+            except MedflareError as exc:
+                self.system_panic(f"medflare: the aggregator cannot load the job's plan: {exc}", fl_ctx)
 
     def start_round(self, global_params: Mapping[str, np.ndarray], ctx: RoundContext) -> None:
         """Called by the controller before it sends the round's first task."""

@@ -57,6 +57,7 @@ from medflare.methods.base import PerSite, RoundContext
 from medflare.ops.background import BackgroundWrite
 from medflare.ops.checkpoint import load_checkpoint, save_checkpoint
 from medflare.ops.timing import timed
+from medflare.plan import PLAN_FILE, RunPlan
 from medflare.server_setup import round_plan
 
 RESULTS_FILE = "medflare_results.json"
@@ -140,52 +141,29 @@ class MedflareController(Controller):
     """Round loop shared by all methods.
 
     Args:
-        num_rounds: federated rounds.
-        min_clients: sites whose valid update a round needs; fewer stops the job with a clear error.
-        persistor_id: component id of the model persistor (FLARE's PTFileModelPersistor).
+        plan_file: the job's plan in its ``app/config`` folder (``medflare_plan.json``, :mod:`medflare.plan`), read
+            when the job starts. The controller runs its rounds, the valid results each needs (``min_clients``),
+            how long stragglers may take once those answered (``straggler_seconds``: a failed site counts as an
+            answer, so a fast failure does not cut a round short), each task's time limit (``task_timeout``), the
+            long-tail metrics' classes (``shot_groups``), early stopping (``patience``: scored rounds without a
+            better headline metric, :func:`medflare.evaluation.headline_metric`, than the best model's, which is
+            saved as best_FL_global_model.pt) and ``resume_from``: in POC and production the *id* of an earlier
+            job of this server (same submitter) whose last checkpoint this job continues from, e.g. after a server
+            crash (FLARE 2.9 itself cannot resume a job); in FLARE's simulator only, a folder holding a previous
+            run's ``medflare_results.json`` and ``FL_global_model.pt`` (``medflare run --resume``). A job never
+            makes a deployed server read a path it names.
+        persistor_id: component id of the model persistor (:class:`medflare.flare.persistor.MedflareModelPersistor`).
         aggregator_id: component id of the MedflareAggregator.
-        wait_time_after_min_received: once ``min_clients`` sites answered, how long the others may still take
-            before the round goes on without them. A failed site counts as an answer, so this is what keeps a
-            fast failure from cutting a round short.
-        train_timeout: seconds a site may take for one task (0 = no limit).
-        shot_groups: optional {"head": [...], "medium": [...], "tail": [...]} class ids for long-tail metrics.
-        key_metric: validation metric that selects the best model (saved as best_FL_global_model.pt); "" (the
-            default) is the task's headline metric, :func:`medflare.evaluation.headline_metric` (balanced accuracy,
-            or the mean per-class AUROC "auc_macro_ovr" for multi-label tasks). The results file records it.
-        patience: stop after this many scored rounds without a better ``key_metric`` than the best model's
-            (0 = never stop early); the final validation still runs, and ``stopped_early`` records why.
-        resume_from: continue an earlier job: in POC and production the *id* of an earlier job of this server
-            (same submitter) whose last checkpoint this job continues from, e.g. after a server crash (FLARE 2.9
-            itself cannot resume a job); in FLARE's simulator only, a folder holding a previous run's
-            ``medflare_results.json`` and ``FL_global_model.pt`` (``medflare run --resume``). A job never makes a
-            deployed server read a path it names.
     """
 
-    def __init__(
-        self,
-        num_rounds: int = 5,
-        min_clients: int = 2,
-        persistor_id: str = "persistor",
-        aggregator_id: str = "aggregator",
-        wait_time_after_min_received: int = 600,
-        train_timeout: int = 0,
-        shot_groups: dict | None = None,
-        key_metric: str = "",
-        patience: int = 0,
-        resume_from: str = "",
-    ) -> None:
+    def __init__(self, plan_file: str = PLAN_FILE, persistor_id: str = "persistor",
+                 aggregator_id: str = "aggregator") -> None:
         super().__init__(task_check_period=0.05)
-        self.num_rounds = num_rounds
-        self.min_clients = min_clients
+        self.plan_file = plan_file
         self.persistor_id = persistor_id
         self.aggregator_id = aggregator_id
-        self.wait_time_after_min_received = wait_time_after_min_received
-        self.train_timeout = train_timeout
-        self.shot_groups = shot_groups
+        self.plan: RunPlan | None = None  # the job's, loaded at START_RUN (before start_controller)
         self._declared_counts = DeclaredCounts()  # each site's evaluation split sizes, as it first reported them
-        self.key_metric = key_metric
-        self.patience = patience
-        self.resume_from = resume_from
         self._results: dict[str, Any] = {}
         self._best: float = -np.inf
         self._next_round = 0  # rounds before it are done (a resumed job skips them)
@@ -194,16 +172,28 @@ class MedflareController(Controller):
         self._housekeeping: Callable[[], None] | None = None  # the last round's _close_round, until it ran
         self._best_unsaved: dict[str, np.ndarray] | None = None  # scored best, saved by the next housekeeping
         self._next_task = NextTaskHold()
-        self._plan_digest = ""  # the fingerprint of the job's plan, rebuilt at START_RUN (before start_controller)
+        self._plan_digest = ""  # the fingerprint of the job's plan
+
+    def use_plan(self, plan: RunPlan) -> MedflareController:
+        """Run ``plan`` (at START_RUN from the job's plan file; a test may hand one in)."""
+        self.plan = plan
+        self.num_rounds, self.min_clients = len(plan.rounds), plan.min_clients
+        self.wait_time_after_min_received, self.train_timeout = plan.straggler_seconds, plan.task_timeout
+        self.shot_groups, self.patience, self.resume_from = plan.shot_groups, plan.patience, plan.resume_from
+        self.key_metric = headline_metric(plan.task.multi_label)
+        self._plan_digest = plan.digest()
+        return self
 
     # ----- FLARE lifecycle ------------------------------------------------------------------------
     def start_controller(self, fl_ctx: FLContext) -> None:
+        if self.plan is None:  # START_RUN could not load it, and said why
+            self.system_panic("medflare: the controller has no plan to run", fl_ctx)
+            return
         self.persistor = self._engine.get_component(self.persistor_id)
         self.aggregator = self._engine.get_component(self.aggregator_id)
         if not isinstance(self.aggregator, MedflareAggregator):
             self.system_panic(f"component '{self.aggregator_id}' must be a MedflareAggregator", fl_ctx)
             return
-        self.key_metric = self.key_metric or headline_metric(self.aggregator.multi_label)
         learnable = self.persistor.load(fl_ctx)
         self.global_params = {k: np.asarray(v) for k, v in learnable[ModelLearnableKey.WEIGHTS].items()}
         self.results_path = os.path.join(fl_ctx.get_prop(FLContextKey.APP_ROOT), RESULTS_FILE)
@@ -216,7 +206,7 @@ class MedflareController(Controller):
                 self.system_panic(f"medflare: cannot resume from '{self.resume_from}': {exc}", fl_ctx)
 
     def _fresh_header(self) -> dict[str, Any]:
-        return {"method": self.aggregator.method, "num_rounds": self.num_rounds, "key_metric": self.key_metric,
+        return {"method": self.plan.method, "num_rounds": self.num_rounds, "key_metric": self.key_metric,
                 **({"plan": self._plan_digest} if self._plan_digest else {}),
                 "controller_started_at": time.time(),
                 # the defences this server runs with, read from its own aggregator: an edited job records the truth
@@ -226,8 +216,8 @@ class MedflareController(Controller):
                    {"secure_aggregation": self.aggregator.encryption_record()})}
 
     def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
-        if event_type == EventType.START_RUN:
-            self._rebuild_plan(fl_ctx)
+        if event_type == EventType.START_RUN and self.plan is None:
+            self._load_plan(fl_ctx)
         elif event_type == InfoCollector.EVENT_TYPE_GET_STATS:  # FLARE's show_stats: progress for medflare watch
             collector = fl_ctx.get_prop(InfoCollector.CTX_KEY_STATS_COLLECTOR, None)
             if isinstance(collector, GroupInfoCollector):
@@ -237,16 +227,16 @@ class MedflareController(Controller):
             self._next_task.hold(peer.get_identity_name() if peer is not None else None)
         super().handle_event(event_type, fl_ctx)
 
-    def _rebuild_plan(self, fl_ctx: FLContext) -> None:
-        """The job's plan, rebuilt from the configs FLARE deployed as every site and the command line rebuild it;
-        its fingerprint goes into the results and the log, beside each site's."""
+    def _load_plan(self, fl_ctx: FLContext) -> None:
+        """The job's plan as FLARE deployed it; its fingerprint goes into the results and the log, beside each
+        site's."""
         try:
-            plan = deployed_plan(fl_ctx)
+            plan, loaded = deployed_plan(fl_ctx, self.plan_file)
         except MedflareError as exc:
-            self.system_panic(f"medflare: this job's configs do not make one plan: {exc}", fl_ctx)
+            self.system_panic(f"medflare: cannot load this job's plan: {exc}", fl_ctx)
             return
-        self._plan_digest = plan.digest()
-        self.log_info(fl_ctx, f"medflare: runs plan {self._plan_digest} (medflare config --plan prints it)")
+        self.use_plan(plan)
+        self.log_info(fl_ctx, f"medflare: {loaded}")
 
     def stop_controller(self, fl_ctx: FLContext) -> None:
         self._next_task.task_out()
@@ -483,7 +473,7 @@ class MedflareController(Controller):
         if facts:
             record["sites"].setdefault(site, {}).update(facts)
         try:
-            evaluation = site_evaluation(meta, self.aggregator.num_classes, self.aggregator.multi_label)
+            evaluation = site_evaluation(meta, self.plan.task.num_classes, self.plan.task.multi_label)
         except Exception as exc:
             self.log_warning(fl_ctx, f"ignoring malformed evaluation statistics from {site}: {exc}")
             return
@@ -589,7 +579,7 @@ class MedflareController(Controller):
             raise ValueError(f"the checkpoint's model differs from this job's model in {differ[:5]}")
         keys = ("method", "num_rounds") if same_rounds else ("method",)
         job = {k: state_data["results"].get(k) for k in keys}
-        if job != {k: {"method": self.aggregator.method, "num_rounds": self.num_rounds}[k] for k in keys}:
+        if job != {k: {"method": self.plan.method, "num_rounds": self.num_rounds}[k] for k in keys}:
             raise ValueError(f"the checkpoint is of another job ({job}); resume with the same method and rounds")
         self.global_params = params
         self._next_round = int(state_data["next_round"])

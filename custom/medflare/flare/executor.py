@@ -19,8 +19,8 @@ from medflare.flare.memory import collect_round_garbage, freeze_startup_objects
 from medflare.flare.tasks import TASK_SUBMIT_MODEL, TASK_TRAIN, TASK_VALIDATE, deployed_plan, round_context
 from medflare.flare.tracking import EPOCH_LOSS, send_scalars, site_training_scalars, site_validation_scalars
 from medflare.methods.base import LocalTrainer
-from medflare.plan import RunPlan
-from medflare.registry import load_plugins
+from medflare.plan import PLAN_FILE, RunPlan
+from medflare.run_config import TRACKERS
 from medflare.site_config import SiteFile
 from medflare.site_policy import AuditLog, SitePolicy, site_policy
 from medflare.site_runtime import SiteRuntime
@@ -32,70 +32,33 @@ class MedflareExecutor(Executor):
     Handles ``train`` (score the received global model, train, return the declared payload), ``validate``
     (score only), ``submit_model``, and any method-specific phase (handed to the trainer's ``run_phase``).
     A site whose ``local/medflare_site.json`` asks for several processes trains data-parallel
-    (:mod:`medflare.distributed`) and still sends one update. Every constructor argument is kept as a same-named attribute so FLARE's
-    job tooling can rebuild the component from its config.
+    (:mod:`medflare.distributed`) and still sends one update.
 
     Args:
-        method: registered method name.
-        task: {"num_classes", "in_channels", "image_size"} shared with the server.
-        model: model factory name.
-        method_args: the method's hyperparameters.
-        train: TrainConfig overrides.
-        data: simulation data spec (partitioned), or None / {"source": "site"} to read the site's own
-            ``local/medflare_site.json`` in POC and production.
-        sites: the job's site names in order (decides each simulated site's partition).
-        seed: job seed.
-        site_train: per-site TrainConfig overrides, e.g. {"site-2": {"batch_size": 16}} for a smaller GPU.
-        evaluation: when the site sends evaluation counts of the received model: every_round, final, off.
-        site_model: per-site architectures, e.g. {"site-1": "resnet10"} (methods that send no weights only); a
-            site's own ``local/medflare_site.json`` "model" overrides it.
-        plugins: ``medflare_plugins.*`` modules the job carries that register its own methods (BYOC only).
-        stream_metrics: fire FLARE analytics events with the training loss of every local epoch and, per task,
-            the round's training loss, seconds and lr and the received model's validation metrics (the job's
-            experiment tracking; :mod:`medflare.flare.tracking` declares what a site streams).
-        dp_sgd: the job's DP-SGD settings (:class:`medflare.dp_sgd.DPSGDConfig`), checked against the site's own
-            ``dp_sgd`` policy in ``local/medflare_site.json``; a site that declines answers every task with its
-            reason (:data:`medflare.contracts.DECLINED_HEADER`).
+        plan_file: the job's plan in its ``app/config`` folder (``medflare_plan.json``, :mod:`medflare.plan`):
+            the method, task, training, data and tracking this site runs, localised by the site's own
+            ``local/medflare_site.json`` (its data, DP-SGD and architecture). The executor takes nothing else.
     """
 
-    def __init__(
-        self,
-        method: str,
-        task: dict,
-        model: str = "cnn",
-        method_args: dict | None = None,
-        train: dict | None = None,
-        data: dict | None = None,
-        sites: list | None = None,
-        seed: int = 0,
-        site_train: dict | None = None,
-        evaluation: str = "every_round",
-        site_model: dict | None = None,
-        plugins: list | None = None,
-        stream_metrics: bool = False,
-        dp_sgd: dict | None = None,
-    ) -> None:
+    def __init__(self, plan_file: str = PLAN_FILE) -> None:
         super().__init__()
-        self.plugins = plugins or []
-        load_plugins(self.plugins)
-        self.method = method
-        self.task = task
-        self.model = model
-        self.method_args = method_args or {}
-        self.train = train or {}
-        self.data = data
-        self.sites = sites
-        self.seed = seed
-        self.site_train = site_train or {}
-        self.evaluation = evaluation
-        self.site_model = site_model or {}
-        self.stream_metrics = stream_metrics
-        self.dp_sgd = dp_sgd or {}
+        self.plan_file = plan_file
+        self._plan: RunPlan | None = None  # loaded at the first task
         self._runtime: SiteRuntime | DataParallelSite | None = None
         self._declined = ""  # the site policy's reason, once it declined this job (every task gets it)
         self._audit: AuditLog | None = None  # the site's audit record of this job (a site with its own file)
         # the last task whose curves wait for its filtered result (FLARE's AFTER_TASK_RESULT_FILTER event)
         self._unstreamed_task: tuple[SiteRuntime | DataParallelSite, str, Shareable] | None = None
+
+    def use_plan(self, plan: RunPlan) -> MedflareExecutor:
+        """Run ``plan`` (at the first task from the job's plan file; a test may hand one in)."""
+        self._plan = plan
+        return self
+
+    @property
+    def stream_metrics(self) -> bool:
+        """Whether the job tracks experiments: the site then streams its curves (:mod:`medflare.flare.tracking`)."""
+        return self._plan is not None and bool(TRACKERS[self._plan.tracking])
 
     def _get_runtime(self, fl_ctx: FLContext) -> SiteRuntime | DataParallelSite:
         if self._declined:
@@ -104,10 +67,11 @@ class MedflareExecutor(Executor):
             site = fl_ctx.get_identity_name()
             workspace = fl_ctx.get_engine().get_workspace()
             site_file = SiteFile.of(workspace.get_site_config_dir())  # the hospital's own settings, read once
-            # the job's plan, rebuilt from the configs FLARE deployed (this executor's among them), as the server
-            # and the command line rebuild it; the site's own file decides its data, DP-SGD and architecture
-            plan = deployed_plan(fl_ctx)
-            self.log_info(fl_ctx, f"{site}: runs plan {plan.digest()} (medflare config --plan prints it)")
+            # the job's plan as FLARE deployed it; the site's own file decides its data, DP-SGD and architecture
+            if self._plan is None:
+                self._plan, loaded = deployed_plan(fl_ctx, self.plan_file)
+                self.log_info(fl_ctx, f"{site}: {loaded}")
+            plan = self._plan
             policy = self._check_policy(site, site_file, plan, fl_ctx.get_job_id())
             # FLARE's simulator sets SIMULATE_MODE (private, sticky); a job's configuration cannot.
             settings, index = plan.localise(site, site_file, fl_ctx.get_prop(FLContextKey.SIMULATE_MODE, False))
@@ -219,16 +183,16 @@ class MedflareExecutor(Executor):
         never the task's failure.
         """
         done = result.get_return_code(ReturnCode.OK) == ReturnCode.OK
-        if not self.stream_metrics or not done or task_name not in (TASK_TRAIN, TASK_VALIDATE):
+        if not self.stream_metrics or not done or task_name not in (TASK_TRAIN, TASK_VALIDATE) or self._plan is None:
             return
         try:
             ctx, meta = round_context(from_shareable(task).meta), from_shareable(result).meta
         except ValueError as exc:  # a site filter made the result something other than a DXO: nothing to read
             self.log_warning(fl_ctx, f"site curves not streamed: {exc}")
             return
-        multi_label = bool(self.task.get("multi_label", False))
+        task = self._plan.task
         try:
-            send_scalars(self, fl_ctx, site_validation_scalars(meta, self.task["num_classes"], multi_label), ctx.round)
+            send_scalars(self, fl_ctx, site_validation_scalars(meta, task.num_classes, task.multi_label), ctx.round)
         except MedflareError as exc:
             self.log_warning(fl_ctx, f"validation metrics not streamed: {exc}")
         if task_name == TASK_TRAIN:

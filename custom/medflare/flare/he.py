@@ -42,6 +42,7 @@ from nvflare.apis.shareable import Shareable
 from medflare import contracts
 from medflare.errors import ConfigError, PayloadError
 from medflare.flare.aggregator import MedflareAggregator, RoundAggregation
+from medflare.flare.tasks import deployed_plan
 from medflare.methods.base import AggregateResult, PerSite, aggregate_updates
 from medflare.ops import he_aggregate
 from medflare.ops.he_aggregate import (  # noqa: F401  (the run checks: re-exported for the FLARE side)
@@ -54,6 +55,7 @@ from medflare.ops.he_aggregate import (  # noqa: F401  (the run checks: re-expor
     stand_in,
 )
 from medflare.ops.influence import Shares, combine
+from medflare.plan import PLAN_FILE
 
 MODE = "he"  # RunConfig.secure_aggregation's value that turns it on
 SERVER_CONTEXT_FILE = "server_context.tenseal"  # FLARE's ProvFileName.SERVER_CONTEXT_TENSEAL (HEBuilder)
@@ -226,12 +228,12 @@ class EncryptedAggregator(MedflareAggregator):
     core_cls = EncryptedRoundAggregation
 
     def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
-        if event_type == EventType.START_RUN:
+        super().handle_event(event_type, fl_ctx)  # the round core, from the job's plan
+        if event_type == EventType.START_RUN and self._core is not None:
             try:
                 self.core.use_context(load_workspace_context(SERVER_CONTEXT_FILE, fl_ctx))
             except ConfigError as exc:
                 self.system_panic(str(exc), fl_ctx)
-        super().handle_event(event_type, fl_ctx)
 
     def encryption_record(self) -> dict[str, Any]:
         """What the results file says about the job's encryption and what the server did not write."""
@@ -370,26 +372,27 @@ class DecryptTask(_SiteContext):
 
 
 class EncryptResult(_SiteContext):
-    """Site task-result filter: encrypts every array of a result except the method's declared arrays (``plain``)
-    and frozen parts (``plain_keys``, a regex), and declares them in the result's meta. It runs after the site's
-    own filters, so the site has checked the plaintext update; a NaN/Inf array is refused here too.
+    """Site task-result filter: encrypts every array of a result except the method's declared arrays, which the
+    server's rule reads in plaintext, and its frozen parts (``Payload.frozen_keys``), and declares them in the
+    result's meta. It runs after the site's own filters, so the site has checked the plaintext update; a NaN/Inf
+    array is refused here too.
 
     Args:
-        plain: names of the declared (non-model) arrays the server's rule reads in plaintext.
-        plain_keys: regex of the model keys that travel in plaintext (the method's frozen parts), "" for none.
+        plan_file: the job's plan (``medflare_plan.json`` in its ``app/config``), which names the method.
     """
 
-    def __init__(self, plain: list | None = None, plain_keys: str = "") -> None:
+    def __init__(self, plan_file: str = PLAN_FILE) -> None:
         super().__init__()
-        self.plain = list(plain or [])
-        self.plain_keys = plain_keys
+        self.plan_file = plan_file
 
     def process(self, shareable: Shareable, fl_ctx: FLContext) -> Shareable:
         if shareable.get_return_code() not in (None, ReturnCode.OK):
             return shareable
         dxo = from_shareable(shareable)
         data = dict(dxo.data or {})
-        sealed = [k for k in data if k not in self.plain and not (self.plain_keys and re.search(self.plain_keys, k))]
+        payload = deployed_plan(fl_ctx, self.plan_file)[0].spec.payload
+        plain, frozen = payload.arrays_for(contracts.TRAIN_PHASE), payload.frozen_keys
+        sealed = [k for k in data if k not in plain and not (frozen and re.search(frozen, k))]
         if not sealed:
             return shareable
         context = self.context(fl_ctx)

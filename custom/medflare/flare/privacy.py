@@ -4,7 +4,8 @@ FLARE's ``PercentilePrivacy`` and ``SVTPrivacy`` sparsify, clip and noise *weigh
 absolute weights they would silently destroy the model, and integer buffers trip them up. ``UpdatePrivacy``
 applies the chosen FLARE filter only to a result that carries differences (``transfer_kind=diff``; integer
 buffers then stay at the site) and refuses any other weight result with a message saying what to change. A
-site names it in its privacy policy (``local/privacy.json``), or a job in its client config.
+site names it in its privacy policy (``local/privacy.json``) with the FLARE filter's arguments; a job names it
+with its plan file, whose ``dp`` section holds them.
 """
 
 from __future__ import annotations
@@ -29,17 +30,26 @@ class UpdatePrivacy(Filter):
         filter: "percentile" (Shokri & Shmatikov: share only the largest differences, clipped to gamma) or "svt"
             (sparse vector technique).
         args: the FLARE filter's own arguments, e.g. {"percentile": 10, "gamma": 0.01}.
+        plan_file: a job's plan (``medflare_plan.json`` in its ``app/config``), whose ``dp`` section gives the
+            filter and its arguments instead (a job's filter takes nothing else).
     """
 
-    def __init__(self, filter: str = "percentile", args: dict | None = None) -> None:  # noqa: A002 (config key)
+    def __init__(self, filter: str = "percentile", args: dict | None = None,  # noqa: A002 (config key)
+                 plan_file: str = "") -> None:
         super().__init__()
-        if filter not in FILTERS:
-            raise ValueError(f"UpdatePrivacy filter must be one of {sorted(FILTERS)}, got '{filter}'")
-        self.filter = filter
-        self.args = args or {}
-        self._dp = FILTERS[filter](**{**self.args, "data_kinds": [DataKind.WEIGHT_DIFF]})
+        self.plan_file = plan_file
+        self._dp: Filter | None = None if plan_file else _flare_filter(filter, args or {})
 
     def process(self, shareable: Shareable, fl_ctx: FLContext) -> Shareable:
+        if self._dp is None:
+            from medflare.flare.tasks import deployed_plan  # local: a site's own filter needs no plan
+
+            dp = deployed_plan(fl_ctx, self.plan_file)[0].dp
+            self._dp = _flare_filter(dp.get("filter", "percentile"), dp.get("args") or {})
+        return self._filtered(shareable, fl_ctx, self._dp)
+
+    @staticmethod
+    def _filtered(shareable: Shareable, fl_ctx: FLContext, dp: Filter) -> Shareable:
         if shareable.get_return_code() not in (None, ReturnCode.OK):
             return shareable
         kind = from_shareable(shareable).data_kind
@@ -48,5 +58,12 @@ class UpdatePrivacy(Filter):
                 "this site's privacy policy applies a differential-privacy filter, which needs updates sent as "
                 "differences: run the job with transfer_kind=diff (--set transfer_kind=diff)"
             )
-        return self._dp.process(shareable, fl_ctx) if kind == DataKind.WEIGHT_DIFF else shareable
+        return dp.process(shareable, fl_ctx) if kind == DataKind.WEIGHT_DIFF else shareable
+
+
+def _flare_filter(name: str, args: dict) -> Filter:
+    """FLARE's DP filter ``name`` with its ``args``, acting on weight differences only."""
+    if name not in FILTERS:
+        raise ValueError(f"UpdatePrivacy filter must be one of {sorted(FILTERS)}, got '{name}'")
+    return FILTERS[name](**{**args, "data_kinds": [DataKind.WEIGHT_DIFF]})
 

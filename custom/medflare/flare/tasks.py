@@ -1,15 +1,19 @@
 """Task names, the round header the server puts into every task (the round plan: ``server_setup.round_plan``), and
-the job's plan as a participant rebuilds it."""
+the job's plan as a participant loads it."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any, Mapping
 
+from nvflare.apis.fl_constant import FLContextKey
 from nvflare.apis.fl_context import FLContext
 
 from medflare import contracts
+from medflare.errors import ConfigError
 from medflare.methods.base import RoundContext
-from medflare.plan import RunPlan, plan_from_app
+from medflare.plan import PLAN_FILE, RunPlan, read_plan
 
 TASK_TRAIN = contracts.TRAIN_PHASE
 TASK_VALIDATE = "validate"
@@ -49,12 +53,36 @@ def round_context(meta: Mapping[str, Any]) -> RoundContext:
     )
 
 
-def deployed_plan(fl_ctx: FLContext) -> RunPlan:
-    """The running job's plan, rebuilt from the app and meta FLARE deployed to this participant (the server and
-    every site alike), as the command line and ``medflare config --plan`` built it.
+# plan file (path, mtime, size) -> its plan and the fingerprint it was written with: the server's components
+# and a site's executor and filters load it once per process
+_LOADED: dict[tuple[str, int, int], tuple[RunPlan, str]] = {}
+
+
+def deployed_plan(fl_ctx: FLContext, plan_file: str = PLAN_FILE) -> tuple[RunPlan, str]:
+    """The running job's plan, from the ``plan_file`` FLARE deployed in this participant's app config folder (the
+    server and every site alike), and a line for the log: its fingerprint, and whether it was edited since it was
+    written.
 
     Raises:
-        ConfigError: the job's configs are unreadable, not a medflare job, or disagree between server and sites.
+        ConfigError: ``plan_file`` is not a plain file name, or the file is missing, unreadable or invalid.
     """
-    workspace, job_id = fl_ctx.get_engine().get_workspace(), fl_ctx.get_job_id()
-    return plan_from_app(workspace.get_app_config_dir(job_id), workspace.get_job_meta_path(job_id))
+    if not plan_file or os.path.basename(plan_file) != plan_file or plan_file in (".", ".."):
+        raise ConfigError(f"plan_file must name a file in the job's app/config folder, got '{plan_file}'")
+    app_root = fl_ctx.get_prop(FLContextKey.APP_ROOT)  # the participant's deployed app (its config folder inside)
+    engine = fl_ctx.get_engine()
+    if not app_root and engine is not None:
+        app_root = engine.get_workspace().get_app_dir(fl_ctx.get_job_id())
+    if not app_root:
+        raise ConfigError("this FLARE context names no deployed app, so no job plan")
+    path = Path(app_root) / "config" / plan_file
+    try:
+        stat = path.stat()
+    except OSError as exc:
+        raise ConfigError(f"the job has no plan: {path} ({exc.strerror}); export it with medflare") from exc
+    key = (str(path), stat.st_mtime_ns, stat.st_size)
+    if key not in _LOADED:
+        _LOADED[key] = read_plan(path)
+    plan, written = _LOADED[key]
+    digest = plan.digest()
+    edited = f" (edited since it was written as {written})" if written != digest else ""
+    return plan, f"runs plan {digest}{edited} (medflare config --plan prints it)"
