@@ -13,7 +13,10 @@ import torch
 from medflare import resume
 from medflare.errors import ConfigError
 from medflare.flare.models import build_global_model
+from medflare.plan import RunPlan
 from medflare.run_config import RunConfig
+
+from ._plans import run_plan
 
 TASK = {"num_classes": 3, "in_channels": 1, "image_size": 28}
 
@@ -31,8 +34,9 @@ def previous_run(folder: Path, rounds: int = 2, stage: str = "train", method: st
     return folder
 
 
-def run_with(rounds: int, method: str = "fedavg") -> RunConfig:
-    return RunConfig(method=method, rounds=rounds, task=dict(TASK))
+def run_with(rounds: int, method: str = "fedavg") -> RunPlan:
+    """The plan of a resumed run of ``rounds`` rounds in all."""
+    return run_plan(RunConfig(method=method, rounds=rounds, task=dict(TASK)))
 
 
 def test_a_matching_run_with_more_rounds_resumes_from_the_absolute_folder(tmp_path: Path, monkeypatch) -> None:
@@ -61,11 +65,14 @@ def test_what_cannot_be_resumed_is_refused_in_one_line(tmp_path: Path, case: str
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
-def test_run_config_validation_checks_the_resume_folder(tmp_path: Path) -> None:
-    run = run_with(2)
-    run.resume_from = str(previous_run(tmp_path / "prev"))
+def test_a_simulation_checks_the_resume_folder_before_anything_is_written(tmp_path: Path) -> None:
+    from medflare.simulate import run_simulation
+
+    run = RunConfig(method="fedavg", rounds=2, task=dict(TASK), data={"source": "synthetic:classes=3,channels=1"},
+                    resume_from=str(previous_run(tmp_path / "prev")))
     with pytest.raises(ConfigError, match="already has 2 round"):
-        run.validate()
+        run_simulation(run, tmp_path / "out", echo=lambda line: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prev"]
 
 
 def test_the_resumed_history_keeps_rounds_and_best_and_drops_the_old_ending() -> None:

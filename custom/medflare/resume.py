@@ -103,14 +103,14 @@ def start_record(folder: str | Path, start_round: int, params: Mapping[str, Any]
             "initial_model_digest": model_digest(params)}
 
 
-def check_resumable(run: Any, folder: str | Path) -> Path:
-    """Check, before anything starts, that ``run`` can continue the job recorded in ``folder``.
+def check_resumable(plan: Any, folder: str | Path) -> Path:
+    """Check, before anything starts, that the job of ``plan`` can continue the one recorded in ``folder``.
 
     The previous job must be of the same method, with a global model of the same keys and shapes (same model
-    and task), fewer rounds than ``run.rounds``, and the same stage for every round it completed.
+    and task), fewer rounds than the plan's, and the same stage for every round it completed.
 
     Args:
-        run: the validated RunConfig of the resumed run (``rounds`` is the total, old rounds included).
+        plan: the resumed run's :class:`~medflare.plan.RunPlan` (its rounds are the total, old rounds included).
         folder: the previous run folder.
 
     Returns:
@@ -119,47 +119,36 @@ def check_resumable(run: Any, folder: str | Path) -> Path:
     Raises:
         ConfigError: one line saying what does not match and what to do.
     """
-    from medflare.registry import get_method
-
     folder = Path(folder).resolve()
     history = read_history(folder)
-    if not get_method(run.method).server_model:
-        raise ConfigError(f"--resume: '{run.method}' keeps no global model on the server, so there is nothing to "
+    if not plan.spec.server_model:
+        raise ConfigError(f"--resume: '{plan.method}' keeps no global model on the server, so there is nothing to "
                           "resume from; start a new run")
-    if history.get("method") != run.method:
-        raise ConfigError(f"--resume: {folder} is a '{history.get('method')}' run, not '{run.method}'")
-    done = len(history["rounds"])
-    if run.rounds <= done:
+    if history.get("method") != plan.method:
+        raise ConfigError(f"--resume: {folder} is a '{history.get('method')}' run, not '{plan.method}'")
+    done, total = len(history["rounds"]), len(plan.rounds)
+    if total <= done:
         raise ConfigError(f"--resume: {folder} already has {done} round(s); --rounds is the total, so give more "
-                          f"than {done} (e.g. --rounds {done + max(run.rounds, 1)})")
-    _check_stages(run, history, folder)
-    _check_model(run, folder / MODEL_FILE)
+                          f"than {done} (e.g. --rounds {done + max(total, 1)})")
+    for record, planned in zip(history["rounds"], plan.rounds):
+        if record.get("stage", planned.stage) != planned.stage:
+            raise ConfigError(f"--resume: round {record['round'] + 1} of {folder} was stage '{record['stage']}', but "
+                              f"with {total} rounds it would be '{planned.stage}'; keep the stage lengths unchanged")
+    _check_model(plan, folder / MODEL_FILE)
     return folder
 
 
-def _check_stages(run: Any, history: Mapping[str, Any], folder: Path) -> None:
-    from medflare.server_setup import server_rule
-
-    _, _, stages, _ = server_rule(run.method, run.method_args, run.rounds, run.robust, run.transfer_dtype,
-                                  run.transfer_kind)
-    plan = [stage.name for stage in stages for _ in range(stage.rounds)]
-    for record, stage in zip(history["rounds"], plan):
-        if record.get("stage", stage) != stage:
-            raise ConfigError(f"--resume: round {record['round'] + 1} of {folder} was stage '{record['stage']}', but "
-                              f"with {run.rounds} rounds it would be '{stage}'; keep the stage lengths unchanged")
-
-
-def _check_model(run: Any, checkpoint: Path) -> None:
+def _check_model(plan: Any, checkpoint: Path) -> None:
     """The checkpoint must hold exactly the keys and shapes of this run's global model."""
     from medflare.server_setup import global_model
 
-    task = run.task_spec()
-    expected = global_model(run.method, run.model, task.num_classes, task.in_channels, task.image_size, None,
-                            run.method_args, run.seed, run.plugin_modules()).state_dict()
+    task = plan.task
+    expected = global_model(plan.method, plan.model, task.num_classes, task.in_channels, task.image_size, None,
+                            plan.method_args, plan.seed, list(plan.plugins)).state_dict()
     saved = read_model(checkpoint.parent)
     shapes = {k: tuple(np.shape(v)) for k, v in saved.items()}
     wanted = {k: tuple(v.shape) for k, v in expected.items()}
     if shapes != wanted:
         differing = sorted(set(shapes.items()) ^ set(wanted.items()))[:3]
-        raise ConfigError(f"--resume: {checkpoint} does not hold this run's '{run.model}' model for this task "
+        raise ConfigError(f"--resume: {checkpoint} does not hold this run's '{plan.model}' model for this task "
                           f"(differs in {differing}); resume with the model and data of the previous run")

@@ -249,10 +249,8 @@ class RunConfig:
         self._resolve_paths(check_files)
         self.data_config()  # the partition scheme, noise rate, ... ranges
         self._validate_model(check_files)
-        if self.resume_from and check_files:  # the server reads it; export leaves it to the server
-            from medflare.resume import check_resumable
-
-            self.resume_from = str(check_resumable(self, self.resume_from))
+        if self.resume_from and check_files:  # a folder the simulator's server reads: checked with the plan
+            self.resume_from = str(Path(self.resume_from).resolve())
 
     def _validate_dp_sgd(self, spec: MethodSpec) -> None:
         """The dp_sgd section typed and in range, a method whose update can be DP-SGD, and a model Opacus can train

@@ -28,6 +28,7 @@ from medflare.launch import (
 )
 from medflare.plan import RunPlan
 from medflare.processes import nvflare_command, signals_held, start_kept, stop_process_tree
+from medflare.resume import check_resumable
 from medflare.run_config import RunConfig
 from medflare.site_runtime import SITE_LOG_FILE
 
@@ -86,6 +87,8 @@ def run_simulation(
     clients, class_counts = describe_sites(run, task)  # bad data fails before anything is written
     # what the job does, resolved once: the job and the summary are written from it
     plan = plan or plan_job(run, "byoc", task, class_counts)
+    if plan.resume_from:  # same method, model and stages, more rounds: before anything is written
+        check_resumable(plan, plan.resume_from)
     staging = target.begin()
     workspace = staging / "workspace"
     try:

@@ -339,6 +339,10 @@ def test_guard_refuses_private_keys_and_reads_the_method_from_the_job(tmp_path: 
     assert PayloadGuard("").process(failed, ctx) is failed
     with pytest.raises(PayloadError, match="cannot tell"):
         PayloadGuard("fedavg").process(DXO(DataKind.WEIGHTS, data={}, meta={}).to_shareable(), FLContext())
+    other = "fedprox" if list_methods()[0] != "fedprox" else "fedavg"  # a scope's guard for another method
+    with pytest.raises(PayloadError, match=f"guard is for '{other}' results and the job's plan runs"):
+        PayloadGuard(other).process(DXO(DataKind.WEIGHTS, data={"w": np.ones(1, np.float32)}, meta={}).to_shareable(),
+                                    ctx)
 
 
 def _names(folder: Path) -> set[str]:

@@ -115,10 +115,11 @@ def add_code(job_dir: str | Path) -> Path:
 
 def apps_readme(methods: list[str]) -> str:
     """The apps/ folder's README (regenerated with the apps)."""
+    from medflare.catalog import method_entries
     from medflare.plan import DEFAULT_TASK_TIMEOUT
-    from medflare.registry import get_method
 
-    rows = "\n".join(f"| `{m}` | {get_method(m).summary} |" for m in methods)
+    summaries = {entry["name"]: entry["summary"] for entry in method_entries()}
+    rows = "\n".join(f"| `{m}` | {summaries[m]} |" for m in methods)
     task = ", ".join(f"{k}={v}" for k, v in DEPLOY_TASK.items())
     return f"""# apps: ready-to-submit FLARE jobs, one per registered method
 

@@ -73,8 +73,9 @@ class PayloadGuard(Filter):
     cannot vouch for reaches the server.
 
     Args:
-        method: the registered method whose declaration applies; "" reads it from the job's client config
-            (used by the default scope, so a job that names no scope is still checked).
+        method: the method a privacy scope's guard is for (``medflare-<method>``): a job whose plan runs another
+            method has its results refused; "" takes the plan's method (the default scope, so a job that names
+            no scope is still checked). Either way the declaration is the one of the job's plan.
     """
 
     # FLARE builds one filter object per privacy.json entry, so the guard that records a task and the guard that
@@ -101,7 +102,7 @@ class PayloadGuard(Filter):
         dxo = from_shareable(shareable)
         arrays, meta = dict(dxo.data or {}), dict(dxo.meta or {})
         plan = job_plan(fl_ctx)
-        payload = _payload(self.method or plan.method)
+        payload = self.payload_of(plan)
         check_result_keys(payload, list(arrays), list(meta))
         phase = contracts.TRAIN_PHASE if task_name == SUBMIT_MODEL else task_name  # both carry the weights
         sent = self.sent_with(fl_ctx, task_name, payload.is_frozen)
@@ -115,9 +116,20 @@ class PayloadGuard(Filter):
         """Which task arrays to record by value: the method's frozen parts (none when the job's method is unknown;
         its results are then refused at :func:`check_frozen_parts` if they carry a frozen part)."""
         try:
-            return _payload(self.method or job_plan(fl_ctx).method).is_frozen
+            return self.payload_of(job_plan(fl_ctx)).is_frozen
         except (PayloadError, MedflareError):
             return lambda name: False
+
+    def payload_of(self, plan: RunPlan) -> Payload:
+        """The declaration of the method the job's ``plan`` runs, which must be this guard's (when it names one).
+
+        Raises:
+            PayloadError: the plan runs another method than the privacy scope this guard belongs to.
+        """
+        if self.method and self.method != plan.method:
+            raise PayloadError(f"site privacy policy: this scope's guard is for '{self.method}' results and the "
+                               f"job's plan runs '{plan.method}'; its results are refused")
+        return plan.spec.payload
 
     @classmethod
     def sent_with(
@@ -281,9 +293,3 @@ def job_plan(fl_ctx: FLContext) -> RunPlan:
 def _task_key(fl_ctx: FLContext, task_name: str) -> tuple[str, str, str]:
     """Where a task's record is kept: per job and site (a simulator runs several in one process), per task name."""
     return str(fl_ctx.get_job_id() or ""), str(fl_ctx.get_identity_name() or ""), task_name
-
-
-def _payload(method: str) -> Payload:
-    from medflare.registry import get_method
-
-    return get_method(method).payload
