@@ -168,8 +168,7 @@ class RunPlan:
         if missing:
             raise ConfigError(f"{where}: the plan lacks {', '.join(missing)} (export the job again)")
         plan = from_dict(cls, dict(record), where)
-        spec = get_method(plan.method)
-        typed = dataclasses.asdict(from_dict(spec.config_cls, plan.method_args, f"{where}: method '{plan.method}'"))
+        typed = dataclasses.asdict(from_dict(plan.spec.config_cls, plan.method_args, f"{where}: method '{plan.method}'"))
         return dataclasses.replace(plan, method_args=typed)
 
     def describe(self) -> str:

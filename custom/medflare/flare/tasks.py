@@ -53,8 +53,8 @@ def round_context(meta: Mapping[str, Any]) -> RoundContext:
     )
 
 
-# plan file (path, mtime, size) -> its plan and the fingerprint it was written with: the server's components
-# and a site's executor and filters load it once per process
+# plan file (path, mtime, size) -> its plan and its log line: the server's components and a site's executor and
+# filters (which ask on every result) load and fingerprint it once per process
 _LOADED: dict[tuple[str, int, int], tuple[RunPlan, str]] = {}
 
 
@@ -81,8 +81,8 @@ def deployed_plan(fl_ctx: FLContext, plan_file: str = PLAN_FILE) -> tuple[RunPla
         raise ConfigError(f"the job has no plan: {path} ({exc.strerror}); export it with medflare") from exc
     key = (str(path), stat.st_mtime_ns, stat.st_size)
     if key not in _LOADED:
-        _LOADED[key] = read_plan(path)
-    plan, written = _LOADED[key]
-    digest = plan.digest()
-    edited = f" (edited since it was written as {written})" if written != digest else ""
-    return plan, f"runs plan {digest}{edited} (medflare config --plan prints it)"
+        plan, written = read_plan(path)
+        digest = plan.digest()
+        edited = f" (edited since it was written as {written})" if written != digest else ""
+        _LOADED[key] = plan, f"runs plan {digest}{edited} (medflare config --plan prints it)"
+    return _LOADED[key]
