@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from medflare.plan import task_of
 from medflare.run_config import RunConfig
 
 
@@ -122,7 +123,7 @@ def model_fp32_bytes(run: RunConfig) -> int:
     wire carries per model when weights travel in float32."""
     from medflare.models import create_model  # torch is imported only when a size is asked for
 
-    task = run.task_spec()
+    task = task_of(run)
     state = create_model(run.model, task.num_classes, task.in_channels, image_size=task.image_size).state_dict()
     return int(sum(v.numel() * (4 if v.is_floating_point() else v.element_size()) for v in state.values()))
 

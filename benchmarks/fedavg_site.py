@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
+from medflare.plan import task_of
+
 EVAL_BATCH = 256
 ADAM_LR = 1e-3
 
@@ -51,7 +53,7 @@ class SiteSpec:
 
 def site_specs(run: Any, steps: int) -> list[SiteSpec]:
     """Each site's spec for a medflare RunConfig: the data config its sites receive, its model and batch size."""
-    task = run.task_spec()
+    task = task_of(run)
     data = {**run.site_data(), "num_classes": task.num_classes}
     batch = int(run.train.get("batch_size", 64))
     return [SiteSpec(index, name, data, run.model, task.num_classes, task.in_channels, task.image_size, run.seed,

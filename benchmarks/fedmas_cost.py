@@ -34,6 +34,9 @@ from typing import Any
 
 from benchmarking import mean_std, versus
 
+from medflare.plan import task_of
+from medflare.registry import get_method
+
 W_PASS_PER_CLASS = 32  # images per class in the shortcut's w pass
 SHORTCUTS = {"cache_prior_features": True, "prior_precision": "reduced", "w_pass_per_class": W_PASS_PER_CLASS}
 WEAK = {"augment": "weak"}
@@ -95,8 +98,8 @@ def site_round_parts(run: Any, rounds: int) -> dict[str, float]:
 
     sites, _ = describe_sites(run)
     index = max(range(run.clients), key=lambda i: sum(sites[run.site_names[i]]["class_counts"]))
-    task = run.task_spec()
-    settings = SiteSettings(run.method, task, run.site_data(), run.model, run.method_args, run.train, run.seed)
+    task = task_of(run)
+    settings = SiteSettings(get_method(run.method), task, run.site_data(), run.model, run.method_args, run.train, run.seed)
     runtime = SiteRuntime(settings, run.site_names[index], index, log=lambda message: None)
     trainer, records = runtime.trainer, []
     trainer.local_log = records.append

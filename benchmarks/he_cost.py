@@ -20,7 +20,9 @@ import time
 from pathlib import Path
 
 from medflare.deploy.poc import PocSession, export_poc_job, find_results
-from medflare.run_config import RunConfig, deployment_robust
+from medflare.plan import validated
+from medflare.run_config import RunConfig
+from medflare.server_setup import deployment_robust
 
 DATA = {"source": "synthetic:n=400", "partition": "iid"}
 TRAIN = {"max_steps": 5, "batch_size": 32}
@@ -37,7 +39,7 @@ def job_run(model: str, he: bool, rounds: int) -> RunConfig:
     run = RunConfig(method="fedavg", model=model, rounds=rounds, clients=2, data=dict(DATA), train=dict(TRAIN),
                     name=f"{model}-{'he' if he else 'plain'}", secure_aggregation="he" if he else "off")
     run.robust = deployment_robust(run.robust, encrypted=he)
-    run.validate()
+    run = validated(run)
     return run
 
 

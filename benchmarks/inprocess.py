@@ -25,7 +25,7 @@ from medflare.flare.models import global_model_of
 from medflare.flare.tasks import TASK_VALIDATE, round_context, round_meta
 from medflare.launch import plan_job
 from medflare.methods.base import AggregateResult, PerSite, RoundContext, SiteUpdate
-from medflare.plan import RunPlan
+from medflare.plan import RunPlan, validated
 from medflare.run_config import RunConfig
 from medflare.server_setup import round_plan
 from medflare.site_config import SiteFile
@@ -42,7 +42,7 @@ def plan_of(job: RunPlan | RunConfig) -> RunPlan:
     first, as ``simulate.run_simulation`` does)."""
     if isinstance(job, RunPlan):
         return job
-    job.validate()
+    job = validated(job)
     return plan_job(job, "byoc")
 
 

@@ -40,6 +40,8 @@ from typing import Any, Callable
 import numpy as np
 from benchmarking import goal_verdict, later_rounds, mean_later_rounds, model_fp32_bytes, trained_images
 
+from medflare.plan import task_of
+
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "medmnist" / "pneumoniamnist.npz"
 GOALS = {"ratio": 1.05, "overhead_seconds": 0.3, "throughput": 0.95, "first_round": 2.0, "bytes": 1.05}
 SITE_OVERHEAD_SPANS = ("receive", "encode", "save_state")  # a site's spans besides evaluation and training
@@ -79,7 +81,7 @@ def bare_run(run: Any, steps: int) -> dict[str, Any]:
             pipes.append(ours)
             processes.append(process)
         sizes = [pipe.recv()[1] for pipe in pipes]
-        task = run.task_spec()
+        task = task_of(run)
         torch.manual_seed(run.seed)
         global_model = create_model(run.model, task.num_classes, task.in_channels, image_size=task.image_size)
         params = {k: v.detach().numpy().copy() for k, v in global_model.state_dict().items()}

@@ -42,8 +42,9 @@ from benchmarking import cpu_model, mean_std, run_cell, versus
 
 from medflare.errors import ConfigError
 from medflare.methods.presets import PAPER
+from medflare.plan import preset_layer, task_of, validated
 from medflare.registry import get_method
-from medflare.run_config import RunConfig, merge_run_config, preset_layer
+from medflare.run_config import RunConfig, merge_run_config
 
 MEDMNIST = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "medmnist"
 GPU_MINUTES_PER_METHOD = 40  # the budget for one method's arms and seeds on one modern GPU
@@ -172,7 +173,7 @@ def planned_steps(run: RunConfig) -> dict[StepKey, int]:
     from medflare.launch import describe_sites
     from medflare.site_config import resolve_train_config
 
-    spec, task = get_method(run.method), run.task_spec()
+    spec, task = get_method(run.method), task_of(run)
     sites, _ = describe_sites(run)
     cfg = spec.config_cls(**run.method_args)
     stages = cfg.stage_plan(run.rounds) if hasattr(cfg, "stage_plan") else []
@@ -298,7 +299,7 @@ def build_runs(methods: list[str], seeds: list[int]) -> dict[str, list[RunConfig
         for arm in plan.arms:
             for seed in seeds:
                 run = arm_config(plan, arm, seed)
-                run.validate()
+                run = validated(run)
                 runs[method].append(run)
     return runs
 
@@ -387,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         for arm in plan.arms:
             for seed in args.seeds:
                 run = arm_config(plan, arm, seed)
-                run.validate()
+                run = validated(run)
                 print(f"[{time.time() - started:6.0f}s] {method}: {arm.name} seed {seed} ...", flush=True)
                 summary, _ = run_cell(run, out / method / f"{re.sub(r'[^a-z0-9]+', '-', arm.name)}-seed{seed}",
                                       reuse=not args.fresh)

@@ -53,6 +53,7 @@ from medflare.data.checksums import verify_medmnist_file
 from medflare.evaluation import summarize
 from medflare.methods.ssl_fl.export import ENCODER_FORMAT, export_global_model
 from medflare.metrics import shot_groups_from_counts
+from medflare.plan import task_of
 from medflare.plotting import legend_outside, pyplot, save
 from medflare.registry import get_method
 from medflare.run_config import RunConfig
@@ -244,9 +245,10 @@ class Grid:
         file = self.out / run.name / "encoder.pt"
         result = self.job(run)  # cached when finished with this configuration; refused when run with another
         if not file.is_file() or torch.load(file, weights_only=True).get("format") != ENCODER_FORMAT:
-            spec = get_method(method)
-            method_cfg = from_dict(spec.config_cls, run.method_args, method)
-            export_global_model(method, MODEL, vars(run.task_spec()), method_cfg, result["model_file"], file)
+            task, spec = task_of(run), get_method(method)
+            network = spec.build_model(MODEL, task.num_classes, task.in_channels, task.image_size, None,
+                                       from_dict(spec.config_cls, run.method_args, method))
+            export_global_model(network, method, MODEL, result["model_file"], file)
         return str(file)
 
     def finetune(self, method: str, dataset: str, alpha: float, seed: int, fraction: float = 1.0) -> dict[str, Any]:

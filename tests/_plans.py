@@ -11,7 +11,7 @@ from typing import Any
 from nvflare.apis.fl_constant import FLContextKey
 from nvflare.apis.fl_context import FLContext
 
-from medflare.plan import RunPlan, build_plan, write_plan
+from medflare.plan import RunPlan, build_plan, task_of, validated, write_plan
 from medflare.run_config import RunConfig
 
 
@@ -27,14 +27,14 @@ def site_data_plan(method: str = "fedavg", num_classes: int = 2, rounds: int = 3
 def _site_data_plan(method: str, num_classes: int, rounds: int, multi_label: bool, clients: int) -> RunPlan:
     task = {"num_classes": num_classes, "in_channels": 1, "image_size": 28, "multi_label": multi_label}
     run = RunConfig(method=method, data={"source": "site"}, task=task, rounds=rounds, clients=clients)
-    run.validate(check_files=False)
-    return build_plan(run, run.task_spec(), {})
+    run = validated(run, check_files=False)
+    return build_plan(run, task_of(run), {})
 
 
 def run_plan(run: RunConfig) -> RunPlan:
     """The plan of a validated (or valid) ``run``, with the run's own robust settings."""
-    run.validate(check_files=False)
-    return build_plan(run, run.task_spec(), run.robust)
+    run = validated(run, check_files=False)
+    return build_plan(run, task_of(run), run.robust)
 
 
 def deploy_plan(app: Path, plan: RunPlan) -> Path:

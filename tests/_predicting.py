@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 
 from medflare.checkpoint import checkpoint_facts, read_checkpoint
-from medflare.flare.models import build_global_model
 from medflare.job_export import job_plan
+from medflare.plan import build_global_model, task_of, validated
+from medflare.registry import get_method
 from medflare.run_config import RunConfig
 from medflare.site_config import SiteSettings, TaskSpec
 from medflare.site_runtime import SiteRuntime
@@ -22,8 +23,8 @@ def save_global_model(path: Path, run: RunConfig, seed: int = 3) -> Path:
 
     from medflare.flare.persistor import MedflareModelPersistor
 
-    run.validate()
-    task = run.task_spec()
+    run = validated(run)
+    task = task_of(run)
     model = build_global_model(run.method, run.model, task.num_classes, task.in_channels, task.image_size,
                                method_args=run.method_args, seed=seed)
     persistor = MedflareModelPersistor()
@@ -60,8 +61,9 @@ def read_probabilities(path: Path) -> tuple[list[str], np.ndarray]:
 
 def site_probabilities(run: RunConfig, npz: Path, model_file: Path) -> np.ndarray:
     """What a site computes: its runtime loads the global weights and scores its test split."""
-    task = run.task_spec()
-    settings = SiteSettings(method=run.method, task=TaskSpec(task.num_classes, task.in_channels, task.image_size,
+    run = validated(run)
+    task = task_of(run)
+    settings = SiteSettings(spec=get_method(run.method), task=TaskSpec(task.num_classes, task.in_channels, task.image_size,
                                                              multi_label=task.multi_label),
                             data={"source": f"medmnist:{npz}", "local": True, "min_size": 1}, model=run.model,
                             method_args=run.method_args)

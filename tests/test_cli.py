@@ -14,8 +14,9 @@ from PIL import Image
 from medflare.cli import main
 from medflare.job_export import export_job
 from medflare.launch import report_from_results
-from medflare.plan import PLAN_FILE, plan_from_job
-from medflare.run_config import DEPLOY_ROBUST, ROBUST_OFF, RunConfig
+from medflare.plan import PLAN_FILE, plan_from_job, task_of, validated
+from medflare.run_config import RunConfig
+from medflare.server_setup import DEPLOY_ROBUST, ROBUST_OFF
 
 from .test_job_export import written_robust
 
@@ -318,8 +319,9 @@ def test_without_model_a_command_trains_the_methods_default_model(method: str, m
     from medflare.cli import make_parser
     from medflare.run_options import build_run_config
 
-    assert build_run_config(make_parser().parse_args(["run", method])).model == model
-    chosen = build_run_config(make_parser().parse_args(["run", method, "--model", "vit_micro"]))
+    assert validated(build_run_config(make_parser().parse_args(["run", method])), check_files=False).model == model
+    chosen = validated(build_run_config(make_parser().parse_args(["run", method, "--model", "vit_micro"])),
+                       check_files=False)
     assert chosen.model == "vit_micro"
 
 
@@ -337,8 +339,8 @@ def fake_results(method: str, rounds: int) -> dict:
 
 def downloaded_job(tmp_path: Path, run: RunConfig) -> Path:
     """A job laid out as `nvflare job download` leaves it: <id>/workspace/app_server/{config,results}."""
-    run.validate()
-    job = export_job(run, tmp_path / "export", run.task_spec(), mode="preinstalled")
+    run = validated(run)
+    job = export_job(run, tmp_path / "export", task_of(run), mode="preinstalled")
     app_server = tmp_path / "download" / "job-id" / "workspace" / "app_server"
     (app_server / "config").mkdir(parents=True)
     for name in ("config_fed_server.json", "config_fed_client.json", PLAN_FILE):
@@ -423,7 +425,7 @@ def test_a_run_whose_server_ran_another_plan_keeps_its_outputs_and_says_so(tmp_p
     from medflare.launch import plan_job, results_text, write_job_outputs
 
     run = RunConfig(method="fedavg", rounds=2, data={"source": "synthetic:n=200"})
-    run.validate()
+    run = validated(run)
     app_server = downloaded_job(tmp_path, run)
     with_server_plan(app_server, "0123456789ab")
     summary = write_job_outputs(plan_job(run, "byoc"), app_server / "medflare_results.json",

@@ -12,6 +12,7 @@ import tomllib
 
 from medflare.cli import main, make_parser
 from medflare.methods.base import TrainConfig
+from medflare.plan import validated
 from medflare.run_config import RunConfig
 from medflare.run_options import build_run_config
 
@@ -37,10 +38,8 @@ def options_by_section(text: str) -> dict[str, dict[str, tuple[str, str, str, bo
     return sections
 
 
-def validated(argv: list[str]) -> RunConfig:
-    run = build_run_config(make_parser().parse_args(["config", *argv]))
-    run.validate(check_files=False)
-    return run
+def checked(argv: list[str]) -> RunConfig:
+    return validated(build_run_config(make_parser().parse_args(["config", *argv])), check_files=False)
 
 
 CASES = [
@@ -57,9 +56,9 @@ def test_the_printed_file_runs_the_same_configuration(argv: list[str], tmp_path:
     (tmp_path / "run.toml").write_text(text)
 
     tomllib.loads(text)  # a valid TOML file
-    reloaded = validated([argv[0], "--config", str(tmp_path / "run.toml")])
+    reloaded = checked([argv[0], "--config", str(tmp_path / "run.toml")])
 
-    assert dataclasses.asdict(reloaded) == dataclasses.asdict(validated(argv))
+    assert dataclasses.asdict(reloaded) == dataclasses.asdict(checked(argv))
 
 
 def test_each_option_names_its_default_and_the_layer_it_came_from(tmp_path: Path, capsys) -> None:

@@ -12,6 +12,7 @@ import pytest
 from medflare.distributed import DataParallelSite, DistributedConfig, site_distributed_config
 from medflare.errors import ConfigError
 from medflare.methods.base import RoundContext
+from medflare.registry import get_method
 from medflare.site_config import SiteSettings, TaskSpec
 
 TRAIN = {"optimizer": "sgd", "momentum": 0.0, "lr": 0.05, "batch_size": 16, "max_steps": 4, "local_epochs": 1}
@@ -19,7 +20,7 @@ TRAIN = {"optimizer": "sgd", "momentum": 0.0, "lr": 0.05, "batch_size": 16, "max
 
 def settings() -> SiteSettings:
     return SiteSettings(
-        method="fedavg",
+        spec=get_method("fedavg"),
         task=TaskSpec(num_classes=5, in_channels=3, image_size=28),
         data={"source": "synthetic:n=200", "partition": "iid", "num_sites": 1, "seed": 0,
               "augment": "none"},  # random augmentation would differ between ranks

@@ -15,8 +15,8 @@ from torch import nn
 
 from medflare.dp_sgd import DPSGDConfig, PrivateTraining, epsilon_of, site_dp_settings
 from medflare.errors import ConfigError, SiteDeclined
-from medflare.flare.models import build_global_model
 from medflare.methods.base import RoundContext
+from medflare.plan import build_global_model, validated
 from medflare.registry import get_method, list_methods
 from medflare.report import build_summary, markdown_report
 from medflare.run_config import RunConfig
@@ -153,16 +153,16 @@ def test_methods_declare_whether_their_update_can_be_dp() -> None:
 def test_a_method_whose_update_cannot_be_dp_is_refused_with_its_reason(method: str) -> None:
     run = RunConfig(method=method, dp_sgd={"noise_multiplier": 1.0}, data={"source": "synthetic:n=60"})
     with pytest.raises(ConfigError, match=f"method '{method}' cannot train with DP-SGD: "):
-        run.validate(check_files=False)
+        run = validated(run, check_files=False)
 
 
 def test_the_run_config_writes_out_every_dp_setting() -> None:
     run = RunConfig(method="fedavg", dp_sgd={"noise_multiplier": "1.5"}, data={"source": "synthetic:n=60"})
-    run.validate(check_files=False)
+    run = validated(run, check_files=False)
     assert run.dp_sgd == {"noise_multiplier": 1.5, "max_grad_norm": 1.0, "delta": DELTA, "max_epsilon": 0.0,
                           "accountant": "rdp"}
     with pytest.raises(ConfigError, match="dp_sgd.delta must be in"):
-        RunConfig(method="fedavg", dp_sgd={"delta": 2}).validate(check_files=False)
+        validated(RunConfig(method="fedavg", dp_sgd={"delta": 2}), check_files=False)
 
 
 # ----- the site's policy and budget ------------------------------------------------------------------------------
@@ -202,7 +202,7 @@ def test_a_site_takes_the_lower_budget_and_a_site_without_policy_takes_the_job(t
 
 
 def site_settings(dp_sgd: dict) -> SiteSettings:
-    return SiteSettings(method="fedavg", task=TaskSpec(num_classes=3, in_channels=1, image_size=16), data=SYNTHETIC,
+    return SiteSettings(spec=get_method("fedavg"), task=TaskSpec(num_classes=3, in_channels=1, image_size=16), data=SYNTHETIC,
                         train={"batch_size": 16, "max_steps": 3}, dp_sgd=dp_sgd, evaluation="off")
 
 

@@ -10,7 +10,8 @@ import pytest
 from medflare.deploy.apps import deployment_run
 from medflare.job_export import export_job, job_plan, set_resume
 from medflare.plan import APP_NAME, DEFAULT_TASK_TIMEOUT, PLAN_FILE, plan_from_job, read_plan
-from medflare.run_config import DEPLOY_ROBUST, ROBUST_OFF, RunConfig
+from medflare.run_config import RunConfig
+from medflare.server_setup import DEPLOY_ROBUST, ROBUST_OFF
 from medflare.site_config import TaskSpec
 
 TASK = TaskSpec(num_classes=2, in_channels=1, image_size=28)

@@ -10,6 +10,7 @@ import numpy as np
 from PIL import Image
 
 from medflare.launch import describe_sites, task_lines
+from medflare.plan import task_of, validated
 from medflare.run_config import RunConfig
 
 
@@ -24,8 +25,8 @@ def folder(root: Path, shapes: list[tuple[int, int]]) -> Path:
 
 
 def lines_for(run: RunConfig) -> list[str]:
-    run.validate()
-    task = run.task_spec()
+    run = validated(run)
+    task = task_of(run)
     return task_lines(run, task, describe_sites(run, task)[0])
 
 
@@ -69,6 +70,6 @@ def test_a_window_the_images_cannot_take_is_refused_before_launch(tmp_path: Path
             for i in range(30):
                 Image.fromarray(np.full(shape, i, np.uint8)).save(root / name / f"{i}.png")
         run = RunConfig(method="fedavg", data={"source": f"folder:{root}", "window": window})
-        run.validate()
+        run = validated(run)
         with pytest.raises(DataError, match=expected):
-            run.task_spec()
+            task_of(run)

@@ -18,12 +18,23 @@ from nvflare.fuel.utils.class_utils import instantiate_class
 from nvflare.fuel.utils.zip_utils import zip_directory_to_bytes
 from nvflare.private.fed.utils.app_deployer import AppDeployer
 
+from medflare import plan as plan_module
 from medflare.cli import main
 from medflare.deploy.apps import deployment_run
 from medflare.errors import ConfigError
 from medflare.flare.tasks import deployed_plan
 from medflare.job_export import export_job, job_robust
-from medflare.plan import APP_NAME, DEFAULT_TASK_TIMEOUT, PLAN_FILE, RunPlan, build_plan, plan_from_job, read_plan
+from medflare.plan import (
+    APP_NAME,
+    DEFAULT_TASK_TIMEOUT,
+    PLAN_FILE,
+    RunPlan,
+    build_plan,
+    plan_from_job,
+    read_plan,
+    task_of,
+    validated,
+)
 from medflare.registry import list_methods
 from medflare.run_config import RunConfig
 
@@ -34,8 +45,8 @@ FIELDS = [field.name for field in dataclasses.fields(RunPlan)]
 
 
 def planned_and_written(run: RunConfig, out: Path, mode: str) -> tuple[RunPlan, Path]:
-    run.validate(check_files=False)
-    task = run.task_spec()
+    run = validated(run, check_files=False)
+    task = task_of(run)
     return build_plan(run, task, job_robust(run, mode)), export_job(run, out, task, mode=mode)
 
 
@@ -150,8 +161,8 @@ def test_each_site_trains_each_stage_with_its_resolved_settings(tmp_path: Path) 
 
 def test_logit_exchange_rounds_plan_their_phases() -> None:
     run = RunConfig(method="fedmd", rounds=2, data={"source": SIMULATED, "public_fraction": 0.2})
-    run.validate(check_files=False)
-    plan = build_plan(run, run.task_spec(), {})
+    run = validated(run, check_files=False)
+    plan = build_plan(run, task_of(run), {})
     assert [r.phases for r in plan.rounds] == [("public_setup", "public_probs", "train"), ("public_probs", "train")]
 
 
@@ -172,13 +183,14 @@ def test_a_resolved_task_is_handed_down_instead_of_read_again(tmp_path: Path, mo
     from medflare import launch
 
     run = RunConfig(method="fedavg", data={"source": SIMULATED}, shot_thresholds=[30, 10])
-    run.validate(check_files=False)
-    task = run.task_spec()
+    run = validated(run, check_files=False)
+    task = task_of(run)
 
-    def read_again(self) -> None:
+    def read_again(run: RunConfig) -> None:
         raise AssertionError("the task was read from the data again")
 
-    monkeypatch.setattr(RunConfig, "task_spec", read_again)
+    monkeypatch.setattr(plan_module, "task_of", read_again)
+    monkeypatch.setattr(plan_module, "_inferred_task", read_again)
     sites, counts = launch.describe_sites(run, task)
     job = launch.export_run_job(run, tmp_path, "byoc", task=task)
     assert set(sites) == {"site-1", "site-2"} and len(counts) == task.num_classes

@@ -11,8 +11,9 @@ import pytest
 from medflare.cli import main, make_parser
 from medflare.errors import ConfigError
 from medflare.methods.presets import PAPER, PRESET_KEYS, Preset
+from medflare.plan import preset_layer, validated
 from medflare.registry import get_method, list_methods
-from medflare.run_config import merge_run_config, preset_layer
+from medflare.run_config import merge_run_config
 from medflare.run_options import build_run_config
 
 SEED_METHODS = ("fedmas", "mdhfl", "fed-mae", "fed-beit", "fedlsm", "fca")
@@ -29,7 +30,7 @@ def test_the_paper_preset_resolves_to_a_valid_run(method: str) -> None:
     preset = get_method(method).presets[PAPER]
     assert set(preset.overrides) <= set(PRESET_KEYS) and preset.differs and "§" in preset.source
     run = merge_run_config(preset_layer(PAPER, method), {"method": method}, DATA_NEEDS.get(method, {}))
-    run.validate()  # the one typed validation every command runs, the method's own checks included
+    run = validated(run)  # the one typed validation every command runs, the method's own checks included
     for key, value in preset.overrides.items():  # every value arrives, typed (tuples and lists compare as JSON)
         got = getattr(run, key)
         if isinstance(value, dict):
@@ -46,7 +47,7 @@ def test_the_preset_is_the_lowest_layer(tmp_path: Path) -> None:
     assert (run.rounds, run.clients, run.train["batch_size"], run.train["lr"]) == (7, 3, 32, "0.01")
     assert run.model == "efficientnet_b0" and run.train["milestones"] == [60, 70]  # the rest stays the preset's
     assert run.data["image_size"] == 224 and run.method_args["lambda_personal"] == 3.0
-    run.validate()
+    run = validated(run)
     assert run.train["lr"] == 0.01
 
 
@@ -56,7 +57,7 @@ def test_a_compared_baseline_takes_the_shared_settings_not_the_method_options() 
     run = build_run_config(args, "bsm-fl")
     assert (run.model, run.rounds, run.clients, run.train["optimizer"]) == ("resnet18", 200, 8, "sgd")
     assert run.method_args == {}
-    run.validate()
+    run = validated(run)
 
 
 def test_a_preset_declares_its_source_and_differences() -> None:

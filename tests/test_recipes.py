@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 from nvflare.recipe import PocEnv, ProdEnv, SimEnv
 
+from medflare import plan as plan_module
 from medflare.cli import main
 from medflare.errors import ConfigError
+from medflare.plan import task_of
 from medflare.recipes import (
     CONSOLE_FILTER,
     CONSOLE_LOG_FILE,
@@ -24,7 +26,7 @@ from medflare.recipes import (
     recipe,
 )
 from medflare.registry import list_methods
-from medflare.run_config import DEPLOY_ROBUST, ROBUST_OFF
+from medflare.server_setup import DEPLOY_ROBUST, ROBUST_OFF
 
 from .integration._smoke import smoke_run
 from .test_job_export import written_robust
@@ -54,12 +56,13 @@ def test_a_recipe_reads_the_data_for_its_task_once_and_writes_every_job_from_tha
     from medflare.run_config import RunConfig
 
     job = recipe("fedavg", rounds=1, data="synthetic:n=200")
-    task = job.run_config.task_spec()
+    task = task_of(job.run_config)
 
-    def read_again(self) -> None:
+    def read_again(run: RunConfig) -> None:
         raise AssertionError("the task was read from the data again")
 
-    monkeypatch.setattr(RunConfig, "task_spec", read_again)
+    monkeypatch.setattr(plan_module, "task_of", read_again)
+    monkeypatch.setattr(plan_module, "_inferred_task", read_again)
     job.export(str(tmp_path / "sim"))
     job.export(str(tmp_path / "poc"), env=PocEnv(num_clients=2))
     assert plan_from_job(tmp_path / "sim" / "fedavg").task == plan_from_job(tmp_path / "poc" / "fedavg").task == task

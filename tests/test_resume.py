@@ -12,8 +12,7 @@ import torch
 
 from medflare import resume
 from medflare.errors import ConfigError
-from medflare.flare.models import build_global_model
-from medflare.plan import RunPlan
+from medflare.plan import RunPlan, build_global_model
 from medflare.run_config import RunConfig
 
 from ._plans import run_plan

@@ -16,7 +16,7 @@ import medflare.simulate as simulate_module
 from medflare.cli import main
 from medflare.data import DataConfig, make_site_data
 from medflare.errors import DataError, MedflareError
-from medflare.plan import PLAN_FILE
+from medflare.plan import PLAN_FILE, validated
 from medflare.run_config import RunConfig
 
 from .conftest import SHARED_DATA
@@ -48,7 +48,7 @@ def test_a_relative_medmnist_path_reaches_the_sites_absolute_and_they_read_it_fr
     user_folder: Path, tmp_path: Path, monkeypatch
 ) -> None:
     run = RunConfig(method="fedavg", data={"source": "medmnist:../data/tiny.npz", "min_size": 1})
-    run.validate()
+    run = validated(run)
     expected = f"medmnist:{tmp_path / 'data' / 'tiny.npz'}"
     assert run.data["source"] == expected
     assert run.site_data()["source"] == expected  # what the job carries to every site
@@ -67,7 +67,7 @@ def test_a_relative_medmnist_path_reaches_the_sites_absolute_and_they_read_it_fr
 def test_relative_folder_and_csv_sources_become_absolute(spec: str, make, user_folder: Path) -> None:
     make(user_folder)
     run = RunConfig(method="fedavg", data={"source": spec})
-    run.validate(check_files=False)  # validation alone: the (empty) data is read later
+    run = validated(run, check_files=False)  # validation alone: the (empty) data is read later
     kind, _, path = spec.partition(":")
     assert run.data["source"] == f"{kind}:{user_folder / path}"
 
@@ -77,7 +77,7 @@ def test_a_relative_public_set_and_weights_file_become_absolute(user_folder: Pat
     (user_folder / "weights.pt").write_bytes(b"")
     run = RunConfig(method="fedavg", pretrained="weights.pt",
                     data={"source": "synthetic:n=200", "public_source": "images:public"})
-    run.validate()
+    run = validated(run)
     assert run.data["public_source"] == f"images:{user_folder / 'public'}"
     assert run.pretrained == str(user_folder / "weights.pt")
 
@@ -101,17 +101,17 @@ def test_a_missing_relative_path_is_refused_before_launch_in_one_line_naming_it(
 ])
 def test_every_path_option_is_checked_here(data: dict, option: str, user_folder: Path) -> None:
     with pytest.raises(DataError, match=option):
-        RunConfig(method="fedavg", data=data).validate()
+        validated(RunConfig(method="fedavg", data=data))
 
 
 def test_a_missing_weights_file_names_where_it_was_looked_for(user_folder: Path) -> None:
     with pytest.raises(MedflareError, match=f"weights file '{user_folder / 'absent.pt'}' not found"):
-        RunConfig(method="fedavg", pretrained="absent.pt", data={"source": "synthetic:n=200"}).validate()
+        validated(RunConfig(method="fedavg", pretrained="absent.pt", data={"source": "synthetic:n=200"}))
 
 
 def test_export_makes_paths_absolute_without_requiring_them_here(user_folder: Path) -> None:
     run = RunConfig(method="fedavg", pretrained="server-only.pt", data={"source": "medmnist:elsewhere.npz"})
-    run.validate(check_files=False)  # export: the machines that read them may be others
+    run = validated(run, check_files=False)  # export: the machines that read them may be others
     assert run.data["source"] == f"medmnist:{user_folder / 'elsewhere.npz'}"
     assert run.pretrained == str(user_folder / "server-only.pt")
 
@@ -119,7 +119,7 @@ def test_export_makes_paths_absolute_without_requiring_them_here(user_folder: Pa
 def test_site_data_keeps_no_path_in_the_job(user_folder: Path) -> None:
     run = RunConfig(method="fedavg", data={"source": "site"},
                     task={"num_classes": 2, "in_channels": 1, "image_size": 28})
-    run.validate(check_files=False)
+    run = validated(run, check_files=False)
     assert run.data == {"source": "site"}  # each hospital names its own paths in local/medflare_site.json
 
 
@@ -135,7 +135,7 @@ def test_the_readme_command_gives_the_sites_an_absolute_path(monkeypatch) -> Non
         pytest.skip(f"{readme_file} is absent: the README's data lies in ../shared/data beside the repository")
     monkeypatch.chdir(Path(__file__).resolve().parents[1])  # the repository root, where the README's commands run
     run = RunConfig(method="fedprox", data={"source": "medmnist:../shared/data/medmnist/pneumoniamnist.npz"})
-    run.validate()
+    run = validated(run)
     assert run.site_data()["source"] == f"medmnist:{readme_file}"
 
 

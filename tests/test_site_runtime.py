@@ -11,6 +11,7 @@ import pytest
 from medflare.data import DataConfig
 from medflare.errors import ConfigError, DataError
 from medflare.methods.base import RoundContext
+from medflare.registry import get_method
 from medflare.site_config import (
     DP_FILTER_ARGS,
     JOB_SETTABLE_DATA_KEYS,
@@ -162,7 +163,7 @@ def test_site_index_from_job_list_or_name() -> None:
 
 @pytest.mark.parametrize("mode, in_train, in_validate", [("every_round", True, True), ("final", False, True), ("off", False, False)])
 def test_evaluation_modes(mode: str, in_train: bool, in_validate: bool) -> None:
-    settings = SiteSettings("fedavg", TASK, DATA, train={"max_steps": 1}, evaluation=mode)
+    settings = SiteSettings(get_method("fedavg"), TASK, DATA, train={"max_steps": 1}, evaluation=mode)
     runtime = SiteRuntime(settings, "site-1", 0, log=lambda m: None)
     _, train_meta = runtime.train({}, RoundContext(0, 1))
     assert (EVAL_KEYS <= set(train_meta)) is in_train and (not EVAL_KEYS & set(train_meta)) is not in_train
@@ -171,12 +172,12 @@ def test_evaluation_modes(mode: str, in_train: bool, in_validate: bool) -> None:
 
 def test_unknown_evaluation_mode_is_refused() -> None:
     with pytest.raises(ConfigError, match="evaluation"):
-        SiteSettings("fedavg", TASK, DATA, evaluation="sometimes")
+        SiteSettings(get_method("fedavg"), TASK, DATA, evaluation="sometimes")
 
 
 def test_channel_mismatch_names_the_site() -> None:
     with pytest.raises(DataError, match="site-1.*in_channels=1"):
-        SiteRuntime(SiteSettings("fedavg", TaskSpec(5, 1, 28), DATA), "site-1", 0, log=lambda m: None)
+        SiteRuntime(SiteSettings(get_method("fedavg"), TaskSpec(5, 1, 28), DATA), "site-1", 0, log=lambda m: None)
 
 
 def test_job_stage_overrides_merge_into_the_method_stage_defaults() -> None:
@@ -196,7 +197,7 @@ def test_a_train_task_records_where_its_time_went_in_the_site_log(tmp_path: Path
 
     from medflare.site_runtime import SITE_LOG_FILE, TASK_SECONDS_EVENT
 
-    runtime = SiteRuntime(SiteSettings("fedavg", TASK, DATA, train={"max_steps": 2}), "site-1", 0, log=lambda m: None,
+    runtime = SiteRuntime(SiteSettings(get_method("fedavg"), TASK, DATA, train={"max_steps": 2}), "site-1", 0, log=lambda m: None,
                           local_dir=tmp_path)
     started = time.perf_counter()
     _, meta = runtime.train({}, RoundContext(3, 5))
@@ -221,7 +222,7 @@ def test_the_site_state_is_written_while_the_result_travels(tmp_path: Path, monk
 
     release, real_save = threading.Event(), torch.save
     monkeypatch.setattr(site_runtime.torch, "save", lambda obj, path: (release.wait(timeout=10), real_save(obj, path)))
-    runtime = SiteRuntime(SiteSettings("fedavg", TASK, DATA, train={"max_steps": 1}), "site-1", 0, log=lambda m: None,
+    runtime = SiteRuntime(SiteSettings(get_method("fedavg"), TASK, DATA, train={"max_steps": 1}), "site-1", 0, log=lambda m: None,
                           local_dir=tmp_path)
     runtime.train({}, RoundContext(0, 2))  # returns although the write is blocked
     assert not (tmp_path / SITE_STATE_FILE).exists()

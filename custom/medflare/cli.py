@@ -1,7 +1,7 @@
 """The ``medflare`` command: list methods and models, print a run's configuration, run a method (FLARE simulator or
 POC), export a job, follow a running job, apply a trained model.
 
-Every command checks all of its input (one typed validation, ``RunConfig.validate``) before it starts or writes
+Every command checks all of its input (one typed validation, ``plan.validated``) before it starts or writes
 anything; bad input ends with one line naming the option and exit code 2. Result folders are never emptied:
 a non-empty ``--out`` needs ``--overwrite``, and even then only files medflare wrote are replaced.
 """
@@ -55,7 +55,7 @@ def cmd_methods(args: argparse.Namespace) -> int:
 def preset_notes(args: argparse.Namespace, methods: list[str]) -> list[str]:
     """What ``--preset`` sets and what still differs from its source, printed before anything starts (one block
     per preset used; a compared method without its own preset is named as taking the shared settings)."""
-    from medflare.run_config import find_preset
+    from medflare.plan import find_preset
 
     name = getattr(args, "preset", None)
     if not name:
@@ -73,9 +73,9 @@ def preset_notes(args: argparse.Namespace, methods: list[str]) -> list[str]:
 
 def preset_lead(name: str | None, methods: list[str]) -> str | None:
     """``compare --preset``: the first compared method with that preset (the others share its settings)."""
-    from medflare.registry import get_method
+    from medflare.plan import preset_lead as lead
 
-    return next((m for m in methods if name and name in get_method(m).presets), None)
+    return lead(name, methods)
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -123,14 +123,14 @@ def short_count(count: int) -> str:
 def cmd_config(args: argparse.Namespace) -> int:
     """``medflare config``: the effective configuration of a run as TOML, or its resolved plan (``--plan``)."""
     from medflare.effective_config import config_toml
+    from medflare.plan import task_of, validated
     from medflare.run_options import build_run_config, option_layers
 
-    run = build_run_config(args)
-    run.validate(check_files=False)  # typed and checked as 'run' checks it; the data is not read
+    run = validated(build_run_config(args), check_files=False)  # checked as 'run' checks it; the data is not read
     if args.plan:  # what the simulator job will do, resolved (this reads the data for the task's shape)
         from medflare.job_export import job_plan
 
-        plan = job_plan(run, run.task_spec(), "byoc")
+        plan = job_plan(run, task_of(run), "byoc")
         print(plan.describe(), end="")
         print(f"plan {plan.digest()}: the server and every site log this fingerprint of the plan they run",
               file=sys.stderr)
@@ -149,6 +149,7 @@ def checked_run(args: argparse.Namespace, method: str | None = None, seed: int |
         data_defaults: protocol data options instead of the method's own (``compare``: the same for every method).
     """
     from medflare.launch import describe_sites, plan_job
+    from medflare.plan import task_of, validated
     from medflare.run_options import build_run_config
 
     run = build_run_config(args, method)
@@ -158,8 +159,8 @@ def checked_run(args: argparse.Namespace, method: str | None = None, seed: int |
         from medflare.deploy.poc import as_deployed
 
         as_deployed(run)
-    run.validate(data_defaults=data_defaults)
-    task = run.task_spec()
+    run = validated(run, data_defaults=data_defaults)
+    task = task_of(run)
     _, counts = describe_sites(run, task)  # reads and partitions the data: a missing file or a too-small site fails here
     return run, plan_job(run, args.mode if args.env == "poc" else "byoc", task, counts)
 
@@ -169,8 +170,9 @@ def show_task(run: Any) -> None:
     passed (a refused run prints its one error line only). The data was read when the run was checked: the same
     cached source."""
     from medflare.launch import describe_sites, task_lines
+    from medflare.plan import task_of
 
-    task = run.task_spec()
+    task = task_of(run)
     for line in task_lines(run, task, describe_sites(run, task)[0]):
         print(line)
 
@@ -239,8 +241,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     """``medflare compare``: several methods (and seeds) on the same data, with a comparison table and plots."""
     from medflare.files import OutputTarget
     from medflare.launch import results_text
+    from medflare.plan import shared_data_defaults
     from medflare.report import comparison_outputs
-    from medflare.run_config import shared_data_defaults
     from medflare.run_options import build_run_config
 
     seeds = list(dict.fromkeys(args.seeds or [None]))
@@ -290,12 +292,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     """``medflare export``: the run's FLARE job folder, to submit with FLARE's own tools."""
     from medflare.files import OutputTarget
     from medflare.launch import export_run_job, plan_job
+    from medflare.plan import validated
     from medflare.run_options import build_run_config, data_was_chosen
 
     run = build_run_config(args)
     if not data_was_chosen(args):
         run.data["source"] = "site"  # an exported job is for POC/production: each hospital reads its own data
-    run.validate(check_files=False)  # a weights file is read by the server, which may be another machine
+    run = validated(run, check_files=False)  # a weights file is read by the server, which may be another machine
     plan = plan_job(run, args.mode)  # every check before anything is written
     for line in preset_notes(args, [run.method]):
         print(line)
@@ -324,7 +327,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def robust_note(run: Any, mode: str) -> str:
     """One line saying which of the server's robust defences the exported job has on (meta.json records them)."""
     from medflare.job_export import job_robust, robust_record
-    from medflare.run_config import DEPLOY_ROBUST
+    from medflare.server_setup import DEPLOY_ROBUST
 
     record = robust_record(job_robust(run, mode))
     if not record["on"]:

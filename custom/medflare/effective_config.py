@@ -15,8 +15,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, get_type_hints
 
 from medflare.config import describe_type, option_source
-from medflare.registry import get_method
-from medflare.run_config import DEPLOY_ROBUST, ROBUST_OFF_KEY, SECTIONS, RunConfig
+from medflare.plan import method_of
+from medflare.run_config import SECTIONS, RunConfig
+from medflare.server_setup import DEPLOY_ROBUST, ROBUST_OFF_KEY
 
 DEFAULT_SOURCE = "default"
 METHOD_DEFAULT_SOURCE = "method default"  # MethodSpec.train_defaults / data_defaults / default_model
@@ -71,7 +72,7 @@ def _top_option(run: RunConfig, field: dataclasses.Field, layers: Sequence[tuple
     default = _field_defaults(RunConfig)[field.name]
     source = option_source(field.name, layers)
     if field.name == "model":  # "" stands for the method's default network
-        default, source = get_method(run.method).default_model, source or METHOD_DEFAULT_SOURCE
+        default, source = method_of(run).default_model, source or METHOD_DEFAULT_SOURCE
     value = getattr(run, field.name)
     hint = _field_hints(RunConfig)[field.name]
     return Option(field.name, value, hint, default, source or DEFAULT_SOURCE, written=value is not None)
@@ -93,7 +94,7 @@ def _sections(run: RunConfig) -> dict[str, Section]:
     from medflare.server_setup import RobustConfig
     from medflare.site_config import TaskSpec, resolve_train_config
 
-    spec = get_method(run.method)
+    spec = method_of(run)
     return {
         "train": Section(_field_hints(TrainConfig), dataclasses.asdict(resolve_train_config(spec, {})),
                          frozenset(spec.train_defaults)),

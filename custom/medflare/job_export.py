@@ -6,7 +6,7 @@ Two deployment modes:
   exactly the ``medflare.flare.`` components named here in their ``local/resources.json``
   (:mod:`medflare.deploy.policies`).
 
-Every job for a real deployment gets the server's robust defences (``run_config.DEPLOY_ROBUST`` under the run's own
+Every job for a real deployment gets the server's robust defences (``server_setup.DEPLOY_ROBUST`` under the run's own
 ``robust`` settings); only a BYOC job with simulated data, the kind FLARE's simulator runs, keeps the run's settings
 as they are. meta.json records which defences are on.
 
@@ -27,7 +27,8 @@ from medflare.errors import ConfigError
 from medflare.files import write_recorded
 from medflare.flare import tracking
 from medflare.plan import APP_NAME, ENCRYPTED_AGGREGATOR, PLAN_FILE, RunPlan, build_plan, set_plan_resume, write_plan
-from medflare.run_config import ROBUST_OFF, RunConfig, deployment_robust, typed_robust
+from medflare.run_config import RunConfig
+from medflare.server_setup import ROBUST_OFF, deployment_robust, typed_robust
 from medflare.site_config import TaskSpec
 
 PACKAGE_DIR = Path(__file__).resolve().parent  # .../custom/medflare

@@ -44,11 +44,12 @@ def describe_sites(run: RunConfig, task: TaskSpec | None = None) -> tuple[dict[s
     resolved task, read from the data when not given."""
     if run.data.get("source", "site") == "site":
         return {}, None
-    from medflare.config import from_dict
-    from medflare.data import DataConfig, describe_partition
+    from medflare.data import describe_partition
+    from medflare.plan import task_of
+    from medflare.site_config import typed_data_config
 
-    num_classes = (task or run.task_spec()).num_classes
-    data_cfg = from_dict(DataConfig, {**run.site_data(), "num_classes": num_classes}, "data")
+    num_classes = (task or task_of(run)).num_classes
+    data_cfg = typed_data_config({**run.site_data(), "num_classes": num_classes})
     facts = describe_partition(data_cfg)
     sites = {name: facts[i] for i, name in enumerate(run.site_names)}
     totals = [sum(int(f["class_counts"][k]) for f in facts) for k in range(len(facts[0]["class_counts"]))]
@@ -100,8 +101,9 @@ def plan_job(run: RunConfig, mode: str, task: TaskSpec | None = None,
     data when not given); ``class_counts``: the global training class counts the long-tail groups come from
     (:func:`describe_sites`; read from the data when the run asks for the groups and does not give them)."""
     from medflare.job_export import job_plan
+    from medflare.plan import task_of
 
-    task = task or run.task_spec()
+    task = task or task_of(run)
     if class_counts is None and run.shot_thresholds:
         _, class_counts = describe_sites(run, task)
     return job_plan(run, task, mode, shot_groups_for(run, class_counts))

@@ -25,13 +25,13 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Mapping
 
 import torch
 from torch import nn
 
-from medflare.config import from_dict
+from medflare.config import fields_typed
 from medflare.errors import ConfigError
 
 __all__ = [
@@ -100,8 +100,10 @@ class TrainConfig:
             raise ConfigError(f"train.lr must be > 0, got {self.lr}")
         if self.max_steps < 0:
             raise ConfigError(f"train.max_steps must be >= 0 (0 = no cap), got {self.max_steps}")
+        # each stage's overrides typed once, here, so a stage's settings are checked before any round needs them
+        self.stages = {stage: self._typed_stage(stage, overrides) for stage, overrides in self.stages.items()}
         for stage in self.stages:
-            self.for_stage(stage)  # fail early on a bad stage override
+            self.for_stage(stage)  # the ranges of each stage's settings
 
     def for_stage(self, stage: str | None) -> TrainConfig:
         """The settings in ``stage``: these options with the stage's overrides (``stages[stage]``) on top.
@@ -110,12 +112,13 @@ class TrainConfig:
             ConfigError: a stage override that is not a TrainConfig option (or is a nested ``stages``).
         """
         overrides = self.stages.get(stage or "")
-        if not overrides:
-            return self
+        return replace(self, stages={}, **overrides) if overrides else self
+
+    @staticmethod
+    def _typed_stage(stage: str, overrides: Any) -> dict[str, Any]:
         if not isinstance(overrides, Mapping) or "stages" in overrides:
             raise ConfigError(f"train.stages.{stage} must map TrainConfig options to values, got {overrides!r}")
-        base = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "stages"}
-        return from_dict(TrainConfig, {**base, **overrides}, f"train.stages.{stage}")
+        return fields_typed(TrainConfig, dict(overrides), f"train.stages.{stage}")
 
 
 def check_train_options(cfg: TrainConfig) -> None:

@@ -1,6 +1,9 @@
-"""The run plan: what one job will do, resolved once from a validated :class:`RunConfig` and its task.
+"""The run plan: what one job will do, resolved once from the layered :class:`RunConfig` and its task.
 
-``RunConfig`` is layered user input; a :class:`RunPlan` is its resolution, typed and complete: the method's full
+The one resolver of a run: the only module that looks a method up by name (besides the listings), types the
+method's arguments, checks a run against its method (:func:`validated`), reads its task (:func:`task_of`) and builds
+the plan (:func:`build_plan`). ``RunConfig`` is layered user input; a :class:`RunPlan` is its resolution, typed and
+complete: the method's full
 hyperparameters (defaults filled in), each site's model and training settings, every round's stage and phases,
 the robust, wire and privacy options the job carries, its timing and tracking. ``medflare config --plan`` prints
 it. A job carries it as ``app/config/medflare_plan.json`` (:func:`write_plan`), and every medflare component of the
@@ -11,29 +14,38 @@ it: the server and each site load it with :func:`read_plan`; a site then localis
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
-from medflare.config import from_dict
+from medflare.config import fields_typed, from_dict
 from medflare.errors import ConfigError
 from medflare.methods.base import MethodSpec, TrainConfig
-from medflare.registry import get_method, load_plugins
-from medflare.run_config import RunConfig
-from medflare.server_setup import round_plan, server_rule
+from medflare.registry import get_method, list_methods, load_plugins
+from medflare.run_config import IMAGENET, TASK_BOUNDS, TASK_SHAPE, RunConfig, load_plugin_files
+from medflare.server_setup import global_model, round_plan, server_rule, typed_robust
 from medflare.site_config import (
     SiteFile,
     SiteSettings,
     TaskSpec,
+    check_dp_filter,
+    check_multi_label_support,
     read_site_data_config,
     resolve_site_dp,
     resolve_site_model,
     resolve_train_config,
     site_index_from_name,
 )
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from medflare.methods.presets import Preset
 
 # Seconds a site may take for one task when the run sets no task_timeout. FLARE's own default (no limit) let
 # one dead site keep a job RUNNING forever; with a limit the site counts as failed for that round.
@@ -107,6 +119,7 @@ class RunPlan:
                               f"{self.min_clients}")
         if not self.rounds or [r.round for r in self.rounds] != list(range(len(self.rounds))):
             raise ConfigError("the plan's rounds must be numbered 0, 1, ... in order")
+        check_multi_label_support(self.spec, self.task, multi_label_methods())
 
     @property
     def spec(self) -> MethodSpec:
@@ -122,7 +135,7 @@ class RunPlan:
     def site_settings(self, site: str, data: dict[str, Any], dp_sgd: dict[str, Any], model: str) -> SiteSettings:
         """What ``site`` runs of this plan, with what only the site decides: the data it reads, its DP-SGD and its
         architecture (``site_runtime``'s ``read_site_data_config``, ``resolve_site_dp``, ``resolve_site_model``)."""
-        return SiteSettings(method=self.method, task=self.task, data=data, model=model,
+        return SiteSettings(spec=self.spec, task=self.task, data=data, model=model,
                             method_args=self.method_args, train=dataclasses.asdict(self.site_train(site)),
                             seed=self.seed, evaluation=self.evaluation, dp_sgd=dp_sgd)
 
@@ -134,7 +147,7 @@ class RunPlan:
             site,
             data=read_site_data_config(site_file, self.data, simulated),
             dp_sgd=resolve_site_dp(self.dp_sgd, site, site_file),
-            model=resolve_site_model(self.method, self.model, self.site_models(), site, site_file),
+            model=resolve_site_model(self.spec, self.model, self.site_models(), site, site_file),
         )
         index = 0 if settings.data.get("local") else site_index_from_name(site, [s.name for s in self.sites])
         return settings, index
@@ -169,11 +182,303 @@ class RunPlan:
             raise ConfigError(f"{where}: the plan lacks {', '.join(missing)} (export the job again)")
         plan = from_dict(cls, dict(record), where)
         typed = dataclasses.asdict(from_dict(plan.spec.config_cls, plan.method_args, f"{where}: method '{plan.method}'"))
-        return dataclasses.replace(plan, method_args=typed)
+        return dataclasses.replace(plan, method_args=typed, robust={**typed_robust(plan.robust)})
 
     def describe(self) -> str:
         """The plan as indented JSON (``medflare config --plan``)."""
         return json.dumps(self.to_dict(), indent=2) + "\n"
+
+
+# ----- the resolver: a layered run checked against its method, its task, the plan ---------------------------------
+def method_of(run: RunConfig | str, plugins: list[str] | None = None) -> MethodSpec:
+    """The registered method a run (or a name) names, the run's plugin files imported first: a plugin's method is
+    looked up like a built-in one."""
+    if isinstance(run, RunConfig):
+        load_plugin_files(run.plugins)
+        return get_method(run.method)
+    load_plugins(plugins or [])
+    return get_method(run)
+
+
+def multi_label_methods() -> list[str]:
+    """The registered methods that train multi-label tasks (named when a method cannot)."""
+    return [name for name in list_methods() if get_method(name).multi_label]
+
+
+def validated(run: RunConfig, check_files: bool = True, data_defaults: Mapping[str, Any] | None = None) -> RunConfig:
+    """``run`` with every option checked against its type, range and method, and every section typed (a copy:
+    ``run`` is not changed). What ``run``, ``compare``, ``export`` and the POC runner check before anything is
+    started or written; what needs the server rule or each site's settings is checked by :func:`build_plan`.
+
+    Args:
+        check_files: also require the job's data files and folders and a ``pretrained`` weights file to exist here
+            (off for ``export``: the machines that read them may be others). Either way they become absolute paths.
+        data_defaults: the protocol data options to apply instead of the method's own (``MethodSpec.data_defaults``,
+            e.g. FCA's ``eval_split=like_train``; ``compare`` gives every method the same,
+            :func:`shared_data_defaults`); the job's own options win, and the run records them.
+
+    Raises:
+        ConfigError: the first problem, in one line naming the option (DataError for a missing data path).
+    """
+    run = copy.deepcopy(run)
+    spec = method_of(run)
+    run.model = run.model or spec.default_model
+    run.method_args = fields_typed(spec.config_cls, run.method_args, "method", f"method '{run.method}'")
+    spec.config_cls(**run.method_args)  # the method's own range checks
+    run.train = fields_typed(TrainConfig, run.train, "train")
+    run.robust = typed_robust(run.robust)  # before the aggregator sees it: it knows no "off"
+    _check_privacy(run, spec)
+    for site, overrides in run.site_train.items():
+        if site not in run.site_names:
+            raise ConfigError(f"site_train names '{site}', which is not one of {', '.join(run.site_names)}")
+        run.site_train[site] = fields_typed(TrainConfig, overrides, f"site_train.{site}")
+    run.task = _typed_task(run.task)
+    run.data = fields_typed(_data_config_cls(), run.data, "data")
+    run.data = _with_data_defaults(run, spec, spec.data_defaults if data_defaults is None else data_defaults)
+    _resolve_paths(run, check_files)
+    run.data_config()  # the partition scheme, noise rate, ... ranges
+    _check_models(run, spec, check_files)
+    if run.resume_from and check_files:  # a folder the simulator's server reads: checked with the plan
+        run.resume_from = str(Path(run.resume_from).resolve())
+    return run
+
+
+def _check_privacy(run: RunConfig, spec: MethodSpec) -> None:
+    """Encrypted aggregation, the dp result filter and DP-SGD against what the run and its method allow."""
+    if run.secure_aggregation == "he":  # what the server can no longer do with encrypted updates
+        from medflare.ops.he_aggregate import check_encrypted_run
+
+        check_encrypted_run(spec, stream_aggregation=run.stream_aggregation, transfer_kind=run.transfer_kind,
+                            transfer_dtype=run.transfer_dtype, download_dtype=run.download_dtype,
+                            max_norm_ratio=run.robust.get("max_norm_ratio", 0.0), resume=bool(run.resume_from),
+                            robust_rule=run.robust.get("rule", "mean"))
+    if run.dp:
+        if run.transfer_kind != "diff":
+            raise ConfigError("dp filters act on weight differences: add --set transfer_kind=diff")
+        check_dp_filter(run.dp)
+    if not run.dp_sgd:
+        return
+    from medflare.dp_sgd import DPSGDConfig, check_method_supports_dp, dp_compatible_model
+
+    # every setting written out (δ and the accountant included), so the job and its records say what ran
+    run.dp_sgd = dataclasses.asdict(DPSGDConfig(**fields_typed(DPSGDConfig, run.dp_sgd, "dp_sgd")))
+    check_method_supports_dp(run.method, spec.dp_sgd_blocker)
+    if spec.server_model:  # sites of a method without a server model may train their own architectures
+        channels, size = int(run.task.get("in_channels", 1)), int(run.task.get("image_size", 32))
+        # built here once, at a small size, so a layer Opacus cannot train is refused before launch
+        dp_compatible_model(spec.build_model(run.model, 2, channels, size, None, spec.config_cls(**run.method_args)))
+
+
+def _resolve_paths(run: RunConfig, check_files: bool) -> None:
+    """Make every file or folder the job names absolute, against the folder medflare runs in.
+
+    FLARE starts the simulator's server and sites (and a POC's) in workspace folders of their own, so a relative
+    ``medmnist:``/``folder:``/``csv:`` source, public set or weights file would pass here and fail at every site
+    minutes later. Paths a hospital gives in its own ``local/medflare_site.json`` (``source: site``) are never in
+    the job, so they stay as the site wrote them.
+
+    Raises:
+        DataError, ConfigError: ``check_files`` and a path names nothing here; one line naming the path.
+    """
+    from medflare.data.public import absolute_public_source
+    from medflare.data.sources import absolute_source
+
+    if run.simulated:
+        run.data["source"] = absolute_source(run.data["source"], "data.source", check_files)
+    if run.data.get("public_source"):
+        run.data["public_source"] = absolute_public_source(run.data["public_source"], check=check_files)
+    if run.pretrained not in (None, IMAGENET):
+        run.pretrained = os.path.abspath(os.path.expanduser(run.pretrained))
+
+
+def _with_data_defaults(run: RunConfig, spec: MethodSpec, defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The run's data options with a method's protocol options under them (simulated data only).
+
+    ``eval_split=like_train`` follows single class ids, so it is not applied to a multi-label task (the slices stay
+    pooled); a method that trains only single-label tasks refuses a multi-label one in :func:`task_of`.
+    """
+    missing = {key: value for key, value in defaults.items() if key not in run.data}
+    if not missing or not run.simulated:
+        return run.data
+    if missing.get("eval_split") == "like_train" and _multi_label_task(run, spec):
+        missing.pop("eval_split")
+    return {**run.data, **fields_typed(_data_config_cls(), missing, "data")}
+
+
+def _multi_label_task(run: RunConfig, spec: MethodSpec) -> bool:
+    """Whether the task is multi-label: as declared, else (a method that can train one) read off the data."""
+    if set(TASK_SHAPE) <= set(run.task) or "multi_label" in run.task:
+        return bool(run.task.get("multi_label", False))
+    return spec.multi_label and _inferred_task(run).multi_label
+
+
+def _check_models(run: RunConfig, spec: MethodSpec, check_files: bool) -> None:
+    from medflare.models import get_model_info, list_models
+
+    for site, model in {"": run.model, **run.site_model}.items():
+        get_model_info(model)  # unknown, or an installed package's model that cannot load: refused before launch
+        if site and site not in run.site_names:
+            raise ConfigError(f"site_model names '{site}', which is not one of {', '.join(run.site_names)}")
+    if spec.server_model and any(model != run.model for model in run.site_model.values()):
+        raise ConfigError(
+            f"'{run.method}' averages weights, so every site trains model '{run.model}'; per-site models "
+            "(site_model) need a method that sends no weights"
+        )
+    if run.pretrained == IMAGENET and get_model_info(run.model).imagenet_weights is None:
+        offline = [m for m in list_models() if get_model_info(m).imagenet_weights is not None]
+        raise ConfigError(f"pretrained=imagenet: model '{run.model}' has no offline ImageNet weights "
+                          f"(only {', '.join(offline)}); use --model {offline[0]} or a weights file")
+    if check_files and run.pretrained not in (None, IMAGENET) and not Path(run.pretrained).is_file():
+        raise ConfigError(f"--pretrained: weights file '{run.pretrained}' not found (relative paths are read "
+                          "from the folder medflare runs in); give an existing file or 'imagenet'")
+
+
+def task_of(run: RunConfig) -> TaskSpec:
+    """The declared task of a validated run; missing fields are read off the data (simulation) or must be given
+    (site data).
+
+    Raises:
+        ConfigError: also when the method cannot train the task (a multi-label task needs a method whose
+            MethodSpec says ``multi_label``), so nothing is exported or launched for it.
+    """
+    task = TaskSpec(**run.task) if set(TASK_SHAPE) <= set(run.task) else _inferred_task(run)
+    check_multi_label_support(method_of(run), task, multi_label_methods())  # before anything is exported or launched
+    return task
+
+
+def _data_config_cls() -> type:
+    from medflare.data import DataConfig
+
+    return DataConfig
+
+
+def _typed_task(task: Mapping[str, Any]) -> dict[str, Any]:
+    """The declared task fields, typed, with their ranges checked."""
+    typed = fields_typed(TaskSpec, dict(task), "task")
+    for key, (low, high) in TASK_BOUNDS.items():
+        if key in typed and not low <= typed[key] <= high:
+            raise ConfigError(f"task.{key} must be between {low} and {high}, got {typed[key]}")
+    names = typed.get("class_names")
+    if names is not None and "num_classes" in typed and len(names) != typed["num_classes"]:
+        raise ConfigError(f"task.class_names lists {len(names)} names for task.num_classes={typed['num_classes']}; "
+                          "give one name per class")
+    if names is not None and len(set(names)) != len(names):
+        raise ConfigError(f"task.class_names has a repeated name: {names}; give each class its own name")
+    return typed
+
+
+def _inferred_task(run: RunConfig) -> TaskSpec:
+    """Class count, channels and image size of the (simulation) data source; declared fields must agree."""
+    if run.data.get("source", "site") == "site":
+        raise ConfigError(
+            "with site-local data the job must declare task.num_classes, task.in_channels and task.image_size "
+            "(e.g. --set task.num_classes=2 --set task.in_channels=1 --set task.image_size=28)"
+        )
+    from medflare.data import load_source
+    from medflare.data.readers import parse_window
+
+    splits = load_source(run.data["source"], seed=run.seed, num_classes=run.task.get("num_classes"))
+    sample = splits.train.get_image(0)
+    if run.data.get("window") and not splits.train.in_memory:  # before launch, not inside the job at every site
+        dataclasses.replace(splits.train, window=parse_window(run.data["window"])).get_image(0)
+    size = run.data.get("image_size") or int(sample.shape[0])
+    inferred = {"num_classes": splits.train.num_classes, "in_channels": splits.train.channels, "image_size": size,
+                "multi_label": splits.train.multi_label}
+    for key, declared in run.task.items():
+        if key in inferred and declared != inferred[key]:
+            fix = "data.image_size" if key == "image_size" else "the data source"
+            raise ConfigError(f"task.{key}={declared} but the data '{run.data['source']}' gives {key}={inferred[key]}; "
+                              f"fix task.{key} or {fix}")
+    named = splits.info["class_names"] if splits.info.get("named_classes") else None
+    declared_names = run.task.get("class_names")
+    if declared_names is not None and named is not None and list(declared_names) != list(named):
+        raise ConfigError(f"task.class_names={list(declared_names)} but the data '{run.data['source']}' names its "
+                          f"classes {named} (in label order); drop task.class_names or fix it")
+    if declared_names is not None and len(declared_names) != inferred["num_classes"]:
+        raise ConfigError(f"task.class_names lists {len(declared_names)} names but the data has "
+                          f"{inferred['num_classes']} classes; give one name per class")
+    return TaskSpec(**inferred, class_names=list(declared_names or splits.info["class_names"]))
+
+
+def shared_data_defaults(methods: list[str], given: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The protocol data options of methods compared on identical data (``compare``): the union of their
+    ``MethodSpec.data_defaults``, so e.g. FedAvg beside FCA is scored on FCA's like_train test slices too.
+
+    Args:
+        methods: the compared methods.
+        given: the job's own data options; these win, so a method's default for one of them is not needed.
+
+    Raises:
+        ConfigError: two methods ask for different values of an option the job leaves open.
+    """
+    shared: dict[str, Any] = {}
+    owners: dict[str, str] = {}
+    for method in methods:
+        for key, value in get_method(method).data_defaults.items():
+            if key in (given or {}):
+                continue
+            if key in shared and shared[key] != value:
+                raise ConfigError(f"'{owners[key]}' evaluates with data.{key}={shared[key]} and '{method}' with "
+                                  f"{value}; choose one for every method with --set data.{key}=...")
+            shared.setdefault(key, value)
+            owners.setdefault(key, method)
+    return shared
+
+
+def find_preset(name: str, method: str, lead: str | None = None) -> tuple[str, Preset, bool]:
+    """The preset ``name`` a run of ``method`` takes: its own, else (``compare``) that of ``lead``, a compared method
+    that has one, without ``lead``'s own hyperparameters.
+
+    Returns:
+        (the method whose preset it is, the preset, whether ``method`` takes only its shared part).
+
+    Raises:
+        ConfigError: neither has a preset of that name; one line naming the methods that do.
+    """
+    for owner in (method, lead):
+        if owner and name in get_method(owner).presets:
+            return owner, get_method(owner).presets[name], owner != method
+    having = [m for m in list_methods() if name in get_method(m).presets]
+    known = sorted({p for m in list_methods() for p in get_method(m).presets})
+    offer = f"methods with a '{name}' preset: {', '.join(having)}" if having else \
+        f"known presets: {', '.join(known) or 'none'}"
+    raise ConfigError(f"--preset {name}: method '{method}' has no preset '{name}'; {offer}")
+
+
+def preset_layer(name: str | None, method: str, lead: str | None = None) -> dict[str, Any]:
+    """The run-config layer of ``--preset name`` for ``method`` (empty without one): the lowest layer, under the
+    scenario, the config file, the flags and ``--set``, so every value it sets can still be changed.
+
+    A method compared with ``lead`` (``compare fedmas bsm-fl --preset paper``) that has no preset of its own takes
+    ``lead``'s shared settings (model, resolution, rounds, clients, training), not ``lead``'s hyperparameters.
+    """
+    if not name:
+        return {}
+    _, preset, shared_only = find_preset(name, method, lead)
+    layer = preset.shared() if shared_only else dict(preset.overrides)
+    return copy.deepcopy(layer)
+
+
+def preset_lead(name: str | None, methods: list[str]) -> str | None:
+    """``compare --preset``: the first compared method with that preset (the others share its settings)."""
+    return next((m for m in methods if name and name in get_method(m).presets), None)
+
+
+def build_global_model(method: str, model: str, num_classes: int, in_channels: int, image_size: int,
+                       pretrained: str | None = None, method_args: Mapping[str, Any] | None = None, seed: int = 0,
+                       plugins: list[str] | None = None, dp_sgd: bool = False) -> nn.Module:
+    """The initial global network of ``method`` by its name (``method_args`` given as a run or a checkpoint holds
+    them: typed here; :func:`medflare.flare.models.global_model_of` is a job's, from its plan)."""
+    spec = method_of(method, plugins)
+    args = dataclasses.asdict(from_dict(spec.config_cls, dict(method_args or {}), f"method '{method}'"))
+    return global_model(spec, args, model, num_classes, in_channels, image_size, pretrained, seed, dp_sgd)
+
+
+def checkpoint_method(facts: Mapping[str, Any]) -> tuple[MethodSpec, Any]:
+    """The method a saved model's facts name (``checkpoint.checkpoint_facts`` wrote them from the plan) and its
+    configuration, typed (``medflare predict``)."""
+    spec = method_of(str(facts["method"]))
+    return spec, from_dict(spec.config_cls, dict(facts.get("method_args") or {}), f"method '{spec.name}'")
 
 
 def build_plan(run: RunConfig, task: TaskSpec, robust: Mapping[str, Any],
@@ -188,8 +493,9 @@ def build_plan(run: RunConfig, task: TaskSpec, robust: Mapping[str, Any],
             a robust rule cannot keep ``min_clients`` sites, a site's training settings do not combine, or the
             method's own pre-launch check (``MethodSpec.check_run``) refuses the run (one line naming the option).
     """
-    spec, rule, stages, defences = server_rule(run.method, run.method_args, run.rounds, robust, run.transfer_dtype,
-                                               run.transfer_kind, run.download_dtype, task.multi_label)
+    spec = get_method(run.method)
+    rule, stages, defences = server_rule(spec, run.method_args, run.rounds, robust, run.transfer_dtype,
+                                         run.transfer_kind, run.download_dtype, task.multi_label)
     defences.check_quorum(run.required_clients, run.clients)
     method_cfg = spec.config_cls(**run.method_args)
     train = resolve_train_config(spec, run.train)

@@ -25,7 +25,7 @@ import contextlib
 import csv
 import io
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -176,10 +176,9 @@ def scorer(checkpoint: Checkpoint, device: Any) -> Callable[[Any], Any]:
     """
     import torch
 
-    from medflare.config import from_dict
-    from medflare.flare.models import build_global_model
     from medflare.methods.base import LocalTrainer
-    from medflare.registry import get_method
+    from medflare.plan import checkpoint_method
+    from medflare.server_setup import global_model
 
     facts, where = checkpoint.facts, checkpoint.path
     if not facts.get("server_model", True) or not checkpoint.weights:
@@ -189,11 +188,10 @@ def scorer(checkpoint: Checkpoint, device: Any) -> Callable[[Any], Any]:
     if facts.get("normalization") != normalization():
         raise ConfigError(f"{where} normalises images as {facts.get('normalization')}, this medflare as "
                           f"{normalization()}; use the medflare version {facts.get('medflare_version')} that trained it")
-    spec = get_method(facts["method"])
+    spec, method_cfg = checkpoint_method(facts)
     task = facts["task"]
-    network = build_global_model(facts["method"], facts["model"], int(task["num_classes"]), int(task["in_channels"]),
-                                 int(task["image_size"]), method_args=facts.get("method_args") or {},
-                                 dp_sgd=bool(facts.get("dp_sgd"))).network
+    network = global_model(spec, asdict(method_cfg), facts["model"], int(task["num_classes"]),
+                           int(task["in_channels"]), int(task["image_size"]), dp_sgd=bool(facts.get("dp_sgd"))).network
     missing, unexpected = network.load_state_dict(dict(checkpoint.weights), strict=False)
     private = [k for k in missing if spec.payload.is_private(k)]
     if private:
@@ -205,7 +203,6 @@ def scorer(checkpoint: Checkpoint, device: Any) -> Callable[[Any], Any]:
                           f"(missing {missing[:3]}, unexpected {unexpected[:3]}); the file was changed or saved by "
                           "another medflare version")
     network.to(device).eval()
-    method_cfg = from_dict(spec.config_cls, facts.get("method_args") or {}, f"method '{facts['method']}'")
     hook = spec.trainer_cls.predict_logits
     if hook is LocalTrainer.predict_logits:
         return lambda images: network(images.to(device))

@@ -15,7 +15,7 @@ recipe's job and an exported one cannot drift apart. Options are ``medflare run`
 are checked the same way before anything is written.
 
 Run with ``PocEnv`` or ``ProdEnv`` (or exported with ``env=`` one of them), the job gets the server's robust
-defences (``run_config.DEPLOY_ROBUST`` under the recipe's own ``robust`` option); with ``SimEnv`` it keeps the
+defences (``server_setup.DEPLOY_ROBUST`` under the recipe's own ``robust`` option); with ``SimEnv`` it keeps the
 recipe's settings as they are (none by default). Exported without an environment, the job decides as ``medflare
 export`` does: a BYOC job with simulated data is a simulator job, any other (``mode="preinstalled"``,
 ``data="site"``) gets the defences.
@@ -43,7 +43,9 @@ from nvflare.recipe.sim_env import SimEnv
 from nvflare.recipe.spec import ExecEnv, Recipe
 
 from medflare.errors import ConfigError
-from medflare.run_config import RunConfig, deployment_robust, merge_run_config
+from medflare.plan import task_of, validated
+from medflare.run_config import RunConfig, merge_run_config
+from medflare.server_setup import deployment_robust
 from medflare.site_config import TaskSpec
 
 __all__ = ["MedflareRecipe", "recipe"]
@@ -102,8 +104,8 @@ class MedflareRecipe(Recipe):
     def __init__(self, run: RunConfig, mode: str = "byoc") -> None:
         if mode not in MODES:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}, got '{mode}'")
-        run.validate()
-        task = run.task_spec()  # reads the data once: a missing file or an impossible partition fails here
+        run = validated(run)
+        task = task_of(run)  # reads the data once: a missing file or an impossible partition fails here
         self.run_config = run
         self.mode = mode
         super().__init__(_MedflareJob(run, mode, task))

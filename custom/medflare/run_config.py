@@ -1,27 +1,18 @@
-"""The user-facing run configuration: defaults <- --preset <- scenario <- --config file <- command-line flags <- --set.
-
-``RunConfig.validate`` is the one typed validation every command runs (``run``, ``compare``, ``export`` and the
-POC runner) before anything is started or written: every section is checked against its dataclass's
-annotations and ranges, and normalised to typed values, so a job never carries ``"0.1"`` where 0.1 is meant.
+"""The user-facing run configuration, as layered: defaults <- --preset <- scenario <- --config file <- command-line
+flags <- --set. Plain input (no torch, no method looked up): :func:`medflare.plan.validated` checks it against the
+method and types every section, once, and :func:`medflare.plan.build_plan` resolves it into the job's plan.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Mapping
 
-from medflare.config import MAX_IMAGE_SIZE, check_value, fields_typed, from_dict
+from medflare.config import MAX_IMAGE_SIZE, from_dict
 from medflare.errors import ConfigError
-from medflare.methods.base import MethodSpec, TrainConfig
-from medflare.methods.presets import Preset
-from medflare.registry import get_method
-from medflare.server_setup import RULE_OPTION_NAMES, RULE_OPTIONS, RobustConfig
-from medflare.site_config import TaskSpec, check_dp_filter, check_multi_label_support
 
 if TYPE_CHECKING:
     from medflare.data import DataConfig
@@ -41,14 +32,6 @@ MAX_SEED = 2**31 - 1
 MAX_SECONDS = 7 * 24 * 3600  # a week: straggler and task limits
 TASK_BOUNDS = {"num_classes": (2, 100_000), "in_channels": (1, 16), "image_size": (8, MAX_IMAGE_SIZE)}
 IMAGENET = "imagenet"  # the `pretrained` value naming a model's offline ImageNet weights
-# The server's defences in every job for a real deployment (POC, production; issue 26), under the run's own robust
-# settings. One hospital can neither take over nor break the aggregate: an update more than 10x the other sites'
-# median norm is rejected, and no site weighs more than 60 % (feasible with the 2 sites a round needs). Honest sites
-# of very different sizes stay well inside both; a forged x1e30 update or n_samples=1e8 does not.
-DEPLOY_ROBUST = {"max_norm_ratio": 10.0, "max_share": 0.6}
-# Both defences off, as `robust.off=true` writes it: explicit zeros, so a job says "off" instead of omitting it
-ROBUST_OFF = {"max_norm_ratio": 0.0, "max_share": 0.0}
-ROBUST_OFF_KEY = "off"
 
 # run option ``tracking`` -> the receivers it puts on the server (:mod:`medflare.flare.tracking`)
 TRACKERS = {"tensorboard": ("tensorboard",), "mlflow": ("mlflow",), "both": ("tensorboard", "mlflow"), "off": ()}
@@ -90,8 +73,9 @@ class RunConfig:
             no model (no weights travel).
         robust: the server's defences, e.g. {"max_norm_ratio": 10, "max_share": 0.5} (server_setup.RobustConfig),
             or {"off": true} for none. A job for a real deployment (POC, production, a pre-installed or site-data
-            export) gets DEPLOY_ROBUST under these settings, which win key by key; the simulator takes them as they
-            are, none by default, so research runs aggregate as the papers do (:func:`deployment_robust`).
+            export) gets server_setup.DEPLOY_ROBUST under these settings, which win key by key; the simulator takes
+            them as they are, none by default, so research runs aggregate as the papers do
+            (server_setup.deployment_robust).
         transfer_dtype: float32 (default) or float16: how float weights travel from the sites (the server
             aggregates in float64 and keeps the global model in its own precision).
         download_dtype: float32 (default) or float16: how the global model's float weights travel to the sites
@@ -125,7 +109,8 @@ class RunConfig:
     """
 
     method: str = "fedavg"
-    model: str = ""  # "" = the method's default (MethodSpec.default_model: cnn, a ViT for SSL-FL, ...)
+    model: str = ""  # "" = the method's default (MethodSpec.default_model: cnn, a ViT for SSL-FL, ...), filled in by
+    # medflare.plan.validated
     pretrained: str | None = None
     rounds: int = 3
     clients: int = 2
@@ -158,9 +143,6 @@ class RunConfig:
     secure_aggregation: Literal["off", "he"] = "off"
 
     def __post_init__(self) -> None:
-        if not self.model:
-            load_plugin_files(self.plugins)  # a plugin's method names its default model too
-            self.model = get_method(self.method).default_model
         checks = [
             (1 <= self.rounds <= MAX_ROUNDS, f"rounds must be between 1 and {MAX_ROUNDS}, got {self.rounds}"),
             (1 <= self.clients <= MAX_CLIENTS, f"clients must be between 1 and {MAX_CLIENTS}, got {self.clients}"),
@@ -200,145 +182,6 @@ class RunConfig:
     def site_names(self) -> list[str]:
         return [f"site-{i + 1}" for i in range(self.clients)]
 
-    def validate(self, check_files: bool = True, data_defaults: Mapping[str, Any] | None = None) -> None:
-        """Check every option against its type and range, and normalise the sections to typed values.
-
-        The one validation ``run``, ``compare``, ``export`` and the POC runner share; it starts nothing and
-        writes nothing. Data sources are read later, by :meth:`task_spec`. What needs the method's server rule
-        or each site's training settings (the stages add up to the rounds, a robust rule keeps enough sites, the
-        method's own ``MethodSpec.check_run``) is checked where those are built, once: :func:`medflare.plan.
-        build_plan`, before anything is launched or written. The method's protocol data options
-        (``MethodSpec.data_defaults``, e.g. FCA's ``eval_split=like_train``) go into ``data`` here, under the
-        job's own (see :meth:`_with_data_defaults`), so the run records them.
-
-        Args:
-            check_files: also require the job's data files and folders and a ``pretrained`` weights file to
-                exist here (off for ``export``: the machines that read them may be others). Either way they
-                become absolute paths (:meth:`_resolve_paths`).
-            data_defaults: the protocol data options to apply instead of the method's own (``compare`` gives
-                every method the same, :func:`shared_data_defaults`).
-
-        Raises:
-            ConfigError: the first problem, in one line naming the option (DataError for a missing data path).
-        """
-        load_plugin_files(self.plugins)
-        spec = get_method(self.method)
-        self.method_args = fields_typed(spec.config_cls, self.method_args, "method", f"method '{self.method}'")
-        spec.config_cls(**self.method_args)  # the method's own range checks
-        self.train = fields_typed(TrainConfig, self.train, "train")
-        self.robust = typed_robust(self.robust)  # before the aggregator sees it: it knows no "off"
-        if self.secure_aggregation == "he":  # what the server can no longer do with encrypted updates
-            from medflare.ops.he_aggregate import check_encrypted_run
-
-            check_encrypted_run(spec, stream_aggregation=self.stream_aggregation, transfer_kind=self.transfer_kind,
-                                transfer_dtype=self.transfer_dtype, download_dtype=self.download_dtype,
-                                max_norm_ratio=self.robust.get("max_norm_ratio", 0.0), resume=bool(self.resume_from),
-                                robust_rule=self.robust.get("rule", "mean"))
-        if self.dp:
-            if self.transfer_kind != "diff":
-                raise ConfigError("dp filters act on weight differences: add --set transfer_kind=diff")
-            check_dp_filter(self.dp)
-        self._validate_dp_sgd(spec)
-        for site, overrides in self.site_train.items():
-            if site not in self.site_names:
-                raise ConfigError(f"site_train names '{site}', which is not one of {', '.join(self.site_names)}")
-            self.site_train[site] = fields_typed(TrainConfig, overrides, f"site_train.{site}")
-        self.task = _typed_task(self.task)
-        self.data = fields_typed(_data_config_cls(), self.data, "data")
-        self.data = self._with_data_defaults(spec.data_defaults if data_defaults is None else data_defaults)
-        self._resolve_paths(check_files)
-        self.data_config()  # the partition scheme, noise rate, ... ranges
-        self._validate_model(check_files)
-        if self.resume_from and check_files:  # a folder the simulator's server reads: checked with the plan
-            self.resume_from = str(Path(self.resume_from).resolve())
-
-    def _validate_dp_sgd(self, spec: MethodSpec) -> None:
-        """The dp_sgd section typed and in range, a method whose update can be DP-SGD, and a model Opacus can train
-        (built here once, at a small size, so an unsupported layer is refused before launch)."""
-        if not self.dp_sgd:
-            return
-        from medflare.dp_sgd import DPSGDConfig, check_method_supports_dp, dp_compatible_model
-
-        # every setting written out (δ and the accountant included), so the job and its records say what ran
-        self.dp_sgd = dataclasses.asdict(DPSGDConfig(**fields_typed(DPSGDConfig, self.dp_sgd, "dp_sgd")))
-        check_method_supports_dp(self.method, spec.dp_sgd_blocker)
-        if spec.server_model:  # sites of a method without a server model may train their own architectures
-            channels, size = int(self.task.get("in_channels", 1)), int(self.task.get("image_size", 32))
-            method_cfg = spec.config_cls(**self.method_args)
-            dp_compatible_model(spec.build_model(self.model, 2, channels, size, None, method_cfg))
-
-    def _resolve_paths(self, check_files: bool) -> None:
-        """Make every file or folder the job names absolute, against the folder medflare runs in.
-
-        FLARE starts the simulator's server and sites (and a POC's) in workspace folders of their own, so a relative
-        ``medmnist:``/``folder:``/``csv:`` source, public set or weights file would pass here and fail at every site
-        minutes later. Paths a hospital gives in its own ``local/medflare_site.json`` (``source: site``) are never
-        in the job, so they stay as the site wrote them.
-
-        Raises:
-            DataError, ConfigError: ``check_files`` and a path names nothing here; one line naming the path.
-        """
-        from medflare.data.public import absolute_public_source
-        from medflare.data.sources import absolute_source
-
-        if self.data.get("source", "site") != "site":
-            self.data["source"] = absolute_source(self.data["source"], "data.source", check_files)
-        if self.data.get("public_source"):
-            self.data["public_source"] = absolute_public_source(self.data["public_source"], check=check_files)
-        if self.pretrained not in (None, IMAGENET):
-            self.pretrained = os.path.abspath(os.path.expanduser(self.pretrained))
-
-    def _with_data_defaults(self, defaults: Mapping[str, Any]) -> dict[str, Any]:
-        """The run's data options with a method's protocol options under them (simulated data only).
-
-        An option the job sets itself (scenario, file, flag or ``--set data.X``) wins. ``eval_split=like_train``
-        follows single class ids, so it is not applied to a multi-label task (the slices stay pooled); a method
-        that trains only single-label tasks refuses a multi-label one in :meth:`task_spec` with its own message.
-        """
-        missing = {key: value for key, value in defaults.items() if key not in self.data}
-        if not missing or self.data.get("source", "site") == "site":
-            return self.data
-        if missing.get("eval_split") == "like_train" and self._multi_label_task():
-            missing.pop("eval_split")
-        return {**self.data, **fields_typed(_data_config_cls(), missing, "data")}
-
-    def _multi_label_task(self) -> bool:
-        """Whether the task is multi-label: as declared, else (a method that can train one) read off the data."""
-        if set(TASK_SHAPE) <= set(self.task) or "multi_label" in self.task:
-            return bool(self.task.get("multi_label", False))
-        if not get_method(self.method).multi_label:
-            return False  # task_spec refuses a multi-label task for this method before anything starts
-        return infer_task(self).multi_label
-
-    def data_config(self) -> DataConfig:
-        """The data the sites receive (:meth:`site_data`), typed and range-checked."""
-        return from_dict(_data_config_cls(), self.site_data() if self.simulated else self.data, "data")
-
-    @property
-    def simulated(self) -> bool:
-        """Whether the job brings its own (simulated) data instead of each site reading its own."""
-        return self.data.get("source", "site") != "site"
-
-    def _validate_model(self, check_files: bool) -> None:
-        from medflare.models import get_model_info, list_models
-
-        for site, model in {"": self.model, **self.site_model}.items():
-            get_model_info(model)  # unknown, or an installed package's model that cannot load: refused before launch
-            if site and site not in self.site_names:
-                raise ConfigError(f"site_model names '{site}', which is not one of {', '.join(self.site_names)}")
-        if get_method(self.method).server_model and any(model != self.model for model in self.site_model.values()):
-            raise ConfigError(
-                f"'{self.method}' averages weights, so every site trains model '{self.model}'; per-site models "
-                "(site_model) need a method that sends no weights"
-            )
-        if self.pretrained == IMAGENET and get_model_info(self.model).imagenet_weights is None:
-            offline = [m for m in list_models() if get_model_info(m).imagenet_weights is not None]
-            raise ConfigError(f"pretrained=imagenet: model '{self.model}' has no offline ImageNet weights "
-                              f"(only {', '.join(offline)}); use --model {offline[0]} or a weights file")
-        if check_files and self.pretrained not in (None, IMAGENET) and not Path(self.pretrained).is_file():
-            raise ConfigError(f"--pretrained: weights file '{self.pretrained}' not found (relative paths are read "
-                              "from the folder medflare runs in); give an existing file or 'imagenet'")
-
     def plugin_modules(self) -> list[str]:
         """The module names the job's plugin files have inside the job (``medflare_plugins.<file stem>``)."""
         return [plugin_module_name(path) for path in self.plugins]
@@ -352,144 +195,23 @@ class RunConfig:
             return {"source": "site", **{key: value for key, value in self.data.items() if key != "partition"}}
         return {"seed": self.seed, **self.data, "num_sites": self.clients}
 
-    def task_spec(self) -> TaskSpec:
-        """The declared task; missing fields are read off the data (simulation) or must be given (site data).
+    def data_config(self) -> DataConfig:
+        """The data the sites receive (:meth:`site_data`), typed and range-checked."""
+        from medflare.site_config import typed_data_config
 
-        Raises:
-            ConfigError: also when the method cannot train the task (a multi-label task needs a method whose
-                MethodSpec says ``multi_label``), so nothing is exported or launched for it.
-        """
-        declared = set(TASK_SHAPE) <= set(self.task)
-        task = TaskSpec(**self.task) if declared else infer_task(self)
-        check_multi_label_support(get_method(self.method), task)  # before anything is exported or launched
-        return task
+        return typed_data_config(self.site_data() if self.simulated else self.data)
 
-
-
-def shared_data_defaults(methods: list[str], given: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The protocol data options of methods compared on identical data (``compare``): the union of their
-    ``MethodSpec.data_defaults``, so e.g. FedAvg beside FCA is scored on FCA's like_train test slices too.
-
-    Args:
-        methods: the compared methods.
-        given: the job's own data options; these win, so a method's default for one of them is not needed.
-
-    Raises:
-        ConfigError: two methods ask for different values of an option the job leaves open.
-    """
-    shared: dict[str, Any] = {}
-    owners: dict[str, str] = {}
-    for method in methods:
-        for key, value in get_method(method).data_defaults.items():
-            if key in (given or {}):
-                continue
-            if key in shared and shared[key] != value:
-                raise ConfigError(f"'{owners[key]}' evaluates with data.{key}={shared[key]} and '{method}' with "
-                                  f"{value}; choose one for every method with --set data.{key}=...")
-            shared.setdefault(key, value)
-            owners.setdefault(key, method)
-    return shared
-
-
-def typed_robust(robust: Mapping[str, Any]) -> dict[str, Any]:
-    """The run's own robust settings, typed and range-checked; ``off: true`` becomes both defences at 0.
-
-    Raises:
-        ConfigError: an unknown key, a value out of range, an option of a rule the run does not use, or ``off``
-            beside a defence it would silently drop.
-    """
-    settings = dict(robust)
-    valid = [field.name for field in dataclasses.fields(RobustConfig)]
-    unknown = sorted(set(settings) - {*valid, ROBUST_OFF_KEY})
-    if unknown:
-        raise ConfigError(f"robust: unknown option(s) {', '.join(unknown)}; valid options: "
-                          f"{', '.join([*valid, ROBUST_OFF_KEY])}")
-    off = check_value(settings.pop(ROBUST_OFF_KEY, False), bool, f"robust.{ROBUST_OFF_KEY}", True)
-    typed = fields_typed(RobustConfig, settings, "robust")
-    defences = RobustConfig(**typed)  # the ranges
-    unused = sorted(set(typed) & set(RULE_OPTION_NAMES) - set(RULE_OPTIONS.get(defences.rule, ())))
-    if unused:
-        raise ConfigError(f"robust.{unused[0]} is an option of another rule than robust.rule={defences.rule} "
-                          f"(it takes {', '.join(RULE_OPTIONS.get(defences.rule, ())) or 'no options'})")
-    kept_on = [f"robust.{key}={typed[key]:g}" for key in ROBUST_OFF if typed.get(key)]
-    kept_on += [f"robust.rule={defences.rule}"] if defences.rule != "mean" else []
-    if off and kept_on:
-        raise ConfigError(f"robust.off=true turns every defence off, but {' and '.join(kept_on)} keeps one on; "
-                          "drop one of the two")
-    return dict(ROBUST_OFF) if off else typed
-
-
-def deployment_robust(robust: Mapping[str, Any], encrypted: bool = False) -> dict[str, float]:
-    """The robust settings of a job for a real deployment: :data:`DEPLOY_ROBUST` under the run's own settings.
-
-    The run's keys win one by one (``robust.max_share=0.4`` keeps the norm bound), so a defence is off only where
-    the run says so (``robust.off=true``, or a key set to 0), never because a setting was left out. An
-    ``encrypted`` job (secure_aggregation=he) defaults the norm bound to off: the server cannot read the updates
-    (the share cap stays: it bounds the server's own plaintext weights).
-    """
-    defaults = {**DEPLOY_ROBUST, "max_norm_ratio": 0.0} if encrypted else DEPLOY_ROBUST
-    return {**defaults, **typed_robust(robust)}
-
-
-def _data_config_cls() -> type:
-    from medflare.data import DataConfig
-
-    return DataConfig
-
-
-def _typed_task(task: Mapping[str, Any]) -> dict[str, Any]:
-    """The declared task fields, typed, with their ranges checked."""
-    typed = fields_typed(TaskSpec, dict(task), "task")
-    for key, (low, high) in TASK_BOUNDS.items():
-        if key in typed and not low <= typed[key] <= high:
-            raise ConfigError(f"task.{key} must be between {low} and {high}, got {typed[key]}")
-    names = typed.get("class_names")
-    if names is not None and "num_classes" in typed and len(names) != typed["num_classes"]:
-        raise ConfigError(f"task.class_names lists {len(names)} names for task.num_classes={typed['num_classes']}; "
-                          "give one name per class")
-    if names is not None and len(set(names)) != len(names):
-        raise ConfigError(f"task.class_names has a repeated name: {names}; give each class its own name")
-    return typed
-
-
-def infer_task(run: RunConfig) -> TaskSpec:
-    """Class count, channels and image size of the (simulation) data source; declared fields must agree."""
-    if run.data.get("source", "site") == "site":
-        raise ConfigError(
-            "with site-local data the job must declare task.num_classes, task.in_channels and task.image_size "
-            "(e.g. --set task.num_classes=2 --set task.in_channels=1 --set task.image_size=28)"
-        )
-    from medflare.data import load_source
-    from medflare.data.readers import parse_window
-
-    splits = load_source(run.data["source"], seed=run.seed, num_classes=run.task.get("num_classes"))
-    sample = splits.train.get_image(0)
-    if run.data.get("window") and not splits.train.in_memory:  # before launch, not inside the job at every site
-        dataclasses.replace(splits.train, window=parse_window(run.data["window"])).get_image(0)
-    size = run.data.get("image_size") or int(sample.shape[0])
-    inferred = {"num_classes": splits.train.num_classes, "in_channels": splits.train.channels, "image_size": size,
-                "multi_label": splits.train.multi_label}
-    for key, declared in run.task.items():
-        if key in inferred and declared != inferred[key]:
-            fix = "data.image_size" if key == "image_size" else "the data source"
-            raise ConfigError(f"task.{key}={declared} but the data '{run.data['source']}' gives {key}={inferred[key]}; "
-                              f"fix task.{key} or {fix}")
-    named = splits.info["class_names"] if splits.info.get("named_classes") else None
-    declared_names = run.task.get("class_names")
-    if declared_names is not None and named is not None and list(declared_names) != list(named):
-        raise ConfigError(f"task.class_names={list(declared_names)} but the data '{run.data['source']}' names its "
-                          f"classes {named} (in label order); drop task.class_names or fix it")
-    if declared_names is not None and len(declared_names) != inferred["num_classes"]:
-        raise ConfigError(f"task.class_names lists {len(declared_names)} names but the data has "
-                          f"{inferred['num_classes']} classes; give one name per class")
-    return TaskSpec(**inferred, class_names=list(declared_names or splits.info["class_names"]))
+    @property
+    def simulated(self) -> bool:
+        """Whether the job brings its own (simulated) data instead of each site reading its own."""
+        return self.data.get("source", "site") != "site"
 
 
 def apply_overrides(run: RunConfig, overrides: list[str]) -> RunConfig:
     """Apply ``section.key=value`` overrides, e.g. ``method.mu=0.1``, ``train.lr=0.01``, ``rounds=5``.
 
     Values stay text here; each is parsed by its field's annotation (``from_dict`` for top-level options,
-    :meth:`RunConfig.validate` for the sections), so a value that does not fit fails with the option's name.
+    :func:`medflare.plan.validated` for the sections), so a value that does not fit fails with the option's name.
     """
     changes: dict[str, Any] = {}
     nested = {name: dict(getattr(run, name)) for name in SECTIONS.values()}
@@ -516,42 +238,6 @@ def merge_sections(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict
         if isinstance(base.get(key), Mapping) and isinstance(override.get(key), Mapping):
             merged[key] = {**base[key], **override[key]}
     return merged
-
-
-def find_preset(name: str, method: str, lead: str | None = None) -> tuple[str, Preset, bool]:
-    """The preset ``name`` a run of ``method`` takes: its own, else (``compare``) that of ``lead``, a compared method
-    that has one, without ``lead``'s own hyperparameters.
-
-    Returns:
-        (the method whose preset it is, the preset, whether ``method`` takes only its shared part).
-
-    Raises:
-        ConfigError: neither has a preset of that name; one line naming the methods that do.
-    """
-    from medflare.registry import list_methods
-
-    for owner in (method, lead):
-        if owner and name in get_method(owner).presets:
-            return owner, get_method(owner).presets[name], owner != method
-    having = [m for m in list_methods() if name in get_method(m).presets]
-    known = sorted({p for m in list_methods() for p in get_method(m).presets})
-    offer = f"methods with a '{name}' preset: {', '.join(having)}" if having else \
-        f"known presets: {', '.join(known) or 'none'}"
-    raise ConfigError(f"--preset {name}: method '{method}' has no preset '{name}'; {offer}")
-
-
-def preset_layer(name: str | None, method: str, lead: str | None = None) -> dict[str, Any]:
-    """The run-config layer of ``--preset name`` for ``method`` (empty without one): the lowest layer, under the
-    scenario, the config file, the flags and ``--set``, so every value it sets can still be changed.
-
-    A method compared with ``lead`` (``compare fedmas bsm-fl --preset paper``) that has no preset of its own takes
-    ``lead``'s shared settings (model, resolution, rounds, clients, training), not ``lead``'s hyperparameters.
-    """
-    if not name:
-        return {}
-    _, preset, shared_only = find_preset(name, method, lead)
-    layer = preset.shared() if shared_only else dict(preset.overrides)
-    return copy.deepcopy(layer)
 
 
 def merge_run_config(*layers: Mapping[str, Any]) -> RunConfig:

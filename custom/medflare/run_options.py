@@ -61,8 +61,8 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
 
 
 def build_run_config(args: argparse.Namespace, method: str | None = None) -> RunConfig:
-    """RunConfig defaults <- --preset <- --scenario <- --config <- flags <- --set (validate it with
-    ``RunConfig.validate``).
+    """RunConfig defaults <- --preset <- --scenario <- --config <- flags <- --set (check it with
+    :func:`medflare.plan.validated`).
 
     Args:
         args: parsed options of :func:`add_run_options` (and ``args.method``).
@@ -143,7 +143,7 @@ def option_layers(args: argparse.Namespace, method: str | None = None) -> list[t
 def run_layers(args: argparse.Namespace, method: str | None = None) -> list[tuple[str, dict[str, Any]]]:
     """The layers of a run's configuration under ``--set`` (applied as text by ``apply_overrides``), lowest first
     and named as the user gave them: --preset, --scenario, --config, then the flags."""
-    from medflare.run_config import preset_layer
+    from medflare.plan import preset_layer
     from medflare.scenarios import load_scenario
 
     # compare: a method without the preset takes the shared part of the first compared method's that has one

@@ -4,22 +4,30 @@ defences, the wire format and the initial global model. The FLARE glue (:mod:`me
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping, get_args, get_type_hints
 
 import torch
 from torch import nn
 
-from medflare.config import from_dict
+from medflare.config import check_value, fields_typed
 from medflare.errors import ConfigError
 from medflare.methods.base import MethodSpec, RoundContext, ServerRule, Stage
 from medflare.ops import wire
-from medflare.registry import get_method, load_plugins
 
 SELECTING_RULES = ("krum", "multi_krum", "bulyan")  # choose sites by Krum score before the method weighs them
 RULE_OPTIONS = {"trimmed_mean": ("trim_fraction",), "krum": ("hostile_sites",),
                 "multi_krum": ("hostile_sites", "krum_keep"), "bulyan": ("hostile_sites",)}
 RULE_OPTION_NAMES = ("hostile_sites", "krum_keep", "trim_fraction")  # options only some rules take
+# The server's defences in every job for a real deployment (POC, production; issue 26), under the run's own robust
+# settings. One hospital can neither take over nor break the aggregate: an update more than 10x the other sites'
+# median norm is rejected, and no site weighs more than 60 % (feasible with the 2 sites a round needs). Honest sites
+# of very different sizes stay well inside both; a forged x1e30 update or n_samples=1e8 does not.
+DEPLOY_ROBUST = {"max_norm_ratio": 10.0, "max_share": 0.6}
+# Both defences off, as `robust.off=true` writes it: explicit zeros, so a job says "off" instead of omitting it
+ROBUST_OFF = {"max_norm_ratio": 0.0, "max_share": 0.0}
+ROBUST_OFF_KEY = "off"
 
 
 @dataclass(frozen=True)
@@ -111,28 +119,28 @@ class RobustConfig:
 
 
 def server_rule(
-    method: str,
-    method_args: Mapping[str, Any] | None,
+    spec: MethodSpec,
+    method_args: Mapping[str, Any],
     num_rounds: int,
     robust: Mapping[str, Any] | None = None,
     transfer_dtype: str = "float32",
     transfer_kind: str = "weights",
     download_dtype: str = "float32",
     multi_label: bool = False,
-) -> tuple[MethodSpec, ServerRule, list[Stage], RobustConfig]:
-    """The method's spec, its server rule, the rule's stages and the defences for a job (the arguments are
-    :class:`medflare.flare.aggregator.RoundAggregation`'s), checked as the server checks them before the first round.
+) -> tuple[ServerRule, list[Stage], RobustConfig]:
+    """The method's server rule, its stages and the defences for a job (the arguments are
+    :class:`medflare.flare.aggregator.RoundAggregation`'s; ``method_args`` typed, as a plan holds them), checked as
+    the server checks them before the first round.
 
     Raises:
         ConfigError: stages that do not add up to ``num_rounds``, a defence out of range, an unknown wire option,
             or a rule that combines the sites' arrays itself.
     """
-    spec = get_method(method)
-    method_cfg = from_dict(spec.config_cls, dict(method_args or {}), f"method '{method}'")
-    rule = spec.server_rule_cls(method_cfg, num_rounds, spec.payload)
+    method = spec.name
+    rule = spec.server_rule_cls(spec.config_cls(**method_args), num_rounds, spec.payload)
     rule.multi_label = multi_label
     stages = checked_stages(rule.stages(), num_rounds, method)
-    defences = from_dict(RobustConfig, dict(robust or {}), "robust")
+    defences = RobustConfig(**typed_robust(robust or {}))
     rule.share_cap = defences.max_share
     if defences.rule != "mean" and not spec.server_model:
         raise ConfigError(f"robust.rule={defences.rule} combines the sites' models, and method '{method}' has no "
@@ -147,7 +155,47 @@ def server_rule(
             f"transfer_dtype and download_dtype must be one of {wire.DTYPES} and transfer_kind one of "
             f"{wire.KINDS}, got '{transfer_dtype}', '{download_dtype}', '{transfer_kind}'"
         )
-    return spec, rule, stages, defences
+    return rule, stages, defences
+
+
+def typed_robust(robust: Mapping[str, Any]) -> dict[str, Any]:
+    """The run's own robust settings, typed and range-checked; ``off: true`` becomes both defences at 0.
+
+    Raises:
+        ConfigError: an unknown key, a value out of range, an option of a rule the run does not use, or ``off``
+            beside a defence it would silently drop.
+    """
+    settings = dict(robust)
+    valid = [field.name for field in dataclasses.fields(RobustConfig)]
+    unknown = sorted(set(settings) - {*valid, ROBUST_OFF_KEY})
+    if unknown:
+        raise ConfigError(f"robust: unknown option(s) {', '.join(unknown)}; valid options: "
+                          f"{', '.join([*valid, ROBUST_OFF_KEY])}")
+    off = check_value(settings.pop(ROBUST_OFF_KEY, False), bool, f"robust.{ROBUST_OFF_KEY}", True)
+    typed = fields_typed(RobustConfig, settings, "robust")
+    defences = RobustConfig(**typed)  # the ranges
+    unused = sorted(set(typed) & set(RULE_OPTION_NAMES) - set(RULE_OPTIONS.get(defences.rule, ())))
+    if unused:
+        raise ConfigError(f"robust.{unused[0]} is an option of another rule than robust.rule={defences.rule} "
+                          f"(it takes {', '.join(RULE_OPTIONS.get(defences.rule, ())) or 'no options'})")
+    kept_on = [f"robust.{key}={typed[key]:g}" for key in ROBUST_OFF if typed.get(key)]
+    kept_on += [f"robust.rule={defences.rule}"] if defences.rule != "mean" else []
+    if off and kept_on:
+        raise ConfigError(f"robust.off=true turns every defence off, but {' and '.join(kept_on)} keeps one on; "
+                          "drop one of the two")
+    return dict(ROBUST_OFF) if off else typed
+
+
+def deployment_robust(robust: Mapping[str, Any], encrypted: bool = False) -> dict[str, float]:
+    """The robust settings of a job for a real deployment: :data:`DEPLOY_ROBUST` under the run's own settings.
+
+    The run's keys win one by one (``robust.max_share=0.4`` keeps the norm bound), so a defence is off only where
+    the run says so (``robust.off=true``, or a key set to 0), never because a setting was left out. An
+    ``encrypted`` job (secure_aggregation=he) defaults the norm bound to off: the server cannot read the updates
+    (the share cap stays: it bounds the server's own plaintext weights).
+    """
+    defaults = {**DEPLOY_ROBUST, "max_norm_ratio": 0.0} if encrypted else DEPLOY_ROBUST
+    return {**defaults, **typed_robust(robust)}
 
 
 def checked_stages(stages: list[Stage], num_rounds: int, method: str) -> list[Stage]:
@@ -199,31 +247,19 @@ def round_plan(stages: list[Stage], total_rounds: int) -> list[RoundContext]:
     return plan
 
 
-def global_model(
-    method: str,
-    model: str,
-    num_classes: int,
-    in_channels: int,
-    image_size: int,
-    pretrained: str | None = None,
-    method_args: dict | None = None,
-    seed: int = 0,
-    plugins: list | None = None,
-    dp_sgd: bool = False,
-) -> nn.Module:
-    """Initial global network (:func:`medflare.flare.models.build_global_model` is the path a job names).
+def global_model(spec: MethodSpec, method_args: Mapping[str, Any], model: str, num_classes: int, in_channels: int,
+                 image_size: int, pretrained: str | None = None, seed: int = 0, dp_sgd: bool = False) -> nn.Module:
+    """Initial global network of ``spec`` (``method_args`` typed; :func:`medflare.flare.models.global_model_of` is
+    a job's, :func:`medflare.plan.build_global_model` one by the method's name).
 
     Seeded so that the same job starts from the same weights in the simulator, POC and production. With
     ``dp_sgd`` the network is the DP-compatible one every site of the job builds
     (:func:`medflare.dp_sgd.dp_compatible_model`).
     """
-    load_plugins(plugins or [])
-    spec = get_method(method)
     if not spec.server_model:
         return ServerModel(None, None)
-    method_cfg = from_dict(spec.config_cls, method_args or {}, f"method '{method}'")
     torch.manual_seed(seed)
-    network = spec.build_model(model, num_classes, in_channels, image_size, pretrained, method_cfg)
+    network = spec.build_model(model, num_classes, in_channels, image_size, pretrained, spec.config_cls(**method_args))
     if dp_sgd:
         from medflare.dp_sgd import dp_compatible_model
 

@@ -26,7 +26,7 @@ from medflare.launch import (
     plan_job,
     write_job_outputs,
 )
-from medflare.plan import RunPlan
+from medflare.plan import RunPlan, task_of, validated
 from medflare.processes import nvflare_command, signals_held, start_kept, stop_process_tree
 from medflare.resume import check_resumable
 from medflare.run_config import RunConfig
@@ -80,10 +80,10 @@ def run_simulation(
     if run.secure_aggregation == "he":
         raise ConfigError(SIMULATOR_HAS_NO_HE)
     if plan is None:
-        run.validate()
+        run = validated(run)
     target = OutputTarget(Path(out_dir), overwrite=overwrite)
     target.check()
-    task = plan.task if plan is not None else run.task_spec()  # the data is read for the task once, handed down
+    task = plan.task if plan is not None else task_of(run)  # the data is read for the task once, handed down
     clients, class_counts = describe_sites(run, task)  # bad data fails before anything is written
     # what the job does, resolved once: the job and the summary are written from it
     plan = plan or plan_job(run, "byoc", task, class_counts)

@@ -7,12 +7,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from medflare.config import from_dict
 from medflare.errors import ConfigError, DataError
 from medflare.methods.base import MethodSpec, TrainConfig
-from medflare.registry import get_method
+
+if TYPE_CHECKING:
+    from medflare.data import DataConfig
 
 SITE_CONFIG_FILE = "medflare_site.json"  # in a site's local/ folder (POC and production)
 ALLOW_JOB_DATA = "allow_job_data"  # a site's opt-in (in that file): jobs may bring their own, e.g. simulated, data
@@ -37,9 +39,10 @@ class TaskSpec:
 
 @dataclass
 class SiteSettings:
-    """One site's full configuration, assembled from the job and (in POC/production) the site's own file."""
+    """One site's full configuration, assembled from the job and (in POC/production) the site's own file
+    (:meth:`medflare.plan.RunPlan.localise`); ``method_args`` typed, as the plan holds them."""
 
-    method: str
+    spec: MethodSpec
     task: TaskSpec
     data: dict[str, Any]
     model: str = "cnn"
@@ -53,18 +56,28 @@ class SiteSettings:
     def __post_init__(self) -> None:
         if self.evaluation not in EVALUATION_MODES:
             raise ConfigError(f"evaluation must be one of {EVALUATION_MODES}, got '{self.evaluation}'")
+        check_multi_label_support(self.spec, self.task)
+
+    @property
+    def method(self) -> str:
+        return self.spec.name
 
 
-def check_multi_label_support(spec: MethodSpec, task: TaskSpec) -> None:
-    """A multi-label task needs a method that declares it can train one (``MethodSpec.multi_label``)."""
+def check_multi_label_support(spec: MethodSpec, task: TaskSpec, able: list[str] | None = None) -> None:
+    """A multi-label task needs a method that declares it can train one (``MethodSpec.multi_label``); ``able``:
+    the methods that can, to name in the message (the plan names them)."""
     if task.multi_label and not spec.multi_label:
-        from medflare.registry import get_method, list_methods
+        offer = f"use one of {', '.join(able)}" if able else "use a method that trains multi-label tasks"
+        raise ConfigError(f"method '{spec.name}' trains single-label classifiers (softmax over classes) and cannot run "
+                          f"this multi-label task; {offer}")
 
-        able = [name for name in list_methods() if get_method(name).multi_label]
-        raise ConfigError(
-            f"method '{spec.name}' trains single-label classifiers (softmax over classes) and cannot run this "
-            f"multi-label task; use one of {', '.join(able)}"
-        )
+
+def typed_data_config(data: Mapping[str, Any], where: str = "data") -> DataConfig:
+    """A data section (the job's, or a site's with its own file) as :class:`medflare.data.DataConfig`, every value
+    typed and range-checked: what a site reads, ``preflight`` checks and the command line checks before launch."""
+    from medflare.data import DataConfig
+
+    return from_dict(DataConfig, dict(data), where)
 
 
 # The arguments of the FLARE filters :class:`medflare.flare.privacy.UpdatePrivacy` applies, by its filter names
@@ -208,7 +221,7 @@ def _refuse_site_only_keys(job_options: Mapping[str, Any], site_data: Mapping[st
 
 
 def resolve_site_model(
-    method: str, job_model: str, site_models: Mapping[str, str] | None, site: str,
+    spec: MethodSpec, job_model: str, site_models: Mapping[str, str] | None, site: str,
     site_config_dir: str | Path | SiteFile | None,
 ) -> str:
     """The architecture this site trains: its own ``local/medflare_site.json`` "model", else the job's per-site
@@ -219,7 +232,8 @@ def resolve_site_model(
     """
     local = SiteFile.of(site_config_dir).get("model")
     chosen = local or (site_models or {}).get(site) or job_model
-    if chosen != job_model and get_method(method).server_model:
+    method = spec.name
+    if chosen != job_model and spec.server_model:
         where = "its local medflare_site.json" if local else "the job's site_model"
         raise ConfigError(
             f"{site}: {where} asks for model '{chosen}', but '{method}' averages weights, so every site must train "

@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from medflare import contracts
-from medflare.config import from_dict
 from medflare.contracts import ContractContext
 from medflare.errors import DataError
 from medflare.methods.base import LocalTrainer, RoundContext, eval_stats
@@ -24,8 +23,7 @@ from medflare.models import get_device, place_model
 from medflare.ops.background import BackgroundWrite
 from medflare.ops.timing import timed
 from medflare.ops.wire import encode_weights
-from medflare.registry import get_method
-from medflare.site_config import SiteSettings, check_multi_label_support, resolve_train_config
+from medflare.site_config import SiteSettings, resolve_train_config, typed_data_config
 
 SITE_LOG_FILE = "medflare_site_log.jsonl"  # per-site diagnostics that never leave the site
 SITE_STATE_FILE = "medflare_site_state.pt"  # optimizer, private keys and method state of the running job
@@ -43,9 +41,9 @@ def load_site_data(settings: SiteSettings, site_index: int, site_name: str, pool
     Raises:
         DataError: the data cannot be read or does not fit the job's task (one line naming the site).
     """
-    from medflare.data import DataConfig, make_site_data
+    from medflare.data import make_site_data
 
-    cfg = from_dict(DataConfig, {**settings.data, "num_classes": settings.task.num_classes}, "data")
+    cfg = typed_data_config({**settings.data, "num_classes": settings.task.num_classes})
     data = make_site_data(cfg, site_index, site_name, pooled_test=pooled_test, class_names=settings.task.class_names)
     task = settings.task
     if data.channels != task.in_channels:
@@ -75,9 +73,8 @@ class SiteRuntime:
     ):
         self.settings = settings
         self.site_name = site_name
-        self.spec = get_method(settings.method)
-        check_multi_label_support(self.spec, settings.task)
-        self.method_cfg = from_dict(self.spec.config_cls, settings.method_args, f"method '{settings.method}'")
+        self.spec = settings.spec
+        self.method_cfg = self.spec.config_cls(**settings.method_args)
         self.train_cfg = resolve_train_config(self.spec, settings.train)
         self.log = log
         torch.manual_seed(settings.seed + site_index)
@@ -110,7 +107,7 @@ class SiteRuntime:
         model = self.spec.build_model(
             self.settings.model, task.num_classes, task.in_channels, task.image_size, None, self.method_cfg
         )
-        if self.settings.dp_sgd:  # the architecture the server built for this job (flare.models.build_global_model)
+        if self.settings.dp_sgd:  # the architecture the server built for this job (flare.models.global_model_of)
             from medflare.dp_sgd import check_method_supports_dp, dp_compatible_model
 
             check_method_supports_dp(self.settings.method, self.spec.dp_sgd_blocker)
@@ -121,7 +118,7 @@ class SiteRuntime:
         """Per-sample clipping, noise and this site's accountant for the whole job (kept in its state file)."""
         from medflare.dp_sgd import DPSGDConfig, PrivateTraining
 
-        cfg = from_dict(DPSGDConfig, self.settings.dp_sgd, "dp_sgd")
+        cfg = DPSGDConfig(**self.settings.dp_sgd)  # typed where the site resolved it (site_config.resolve_site_dp)
         self.trainer.enable_dp_sgd(PrivateTraining(cfg, self.model, len(self.trainer.train_dataset())))
         budget = f", budget ε ≤ {cfg.max_epsilon:g}" if cfg.max_epsilon > 0 else ""
         self.log(f"DP-SGD: σ = {cfg.noise_multiplier:g}, C = {cfg.max_grad_norm:g}, δ = {cfg.delta:g}, "

@@ -6,6 +6,7 @@ from types import ModuleType
 import pytest
 
 from medflare.config import from_dict
+from medflare.plan import validated
 from medflare.registry import get_method
 
 from .conftest import load_benchmark
@@ -34,7 +35,7 @@ def test_every_method_trains_the_same_network_data_and_schedule(bench: ModuleTyp
 def test_lr_milestones_scale_with_the_rounds_and_stay_valid(bench: ModuleType, rounds: int, milestones) -> None:
     run = bench.setting_config("synthetic", 0, rounds, "fca", 0)
     assert run.train["milestones"] == milestones
-    run.validate()  # a short smoke run is a valid job too
+    run = validated(run)  # a short smoke run is a valid job too
 
 
 def test_every_method_trains_with_balanced_softmax_at_fcas_prior_floor(bench: ModuleType) -> None:

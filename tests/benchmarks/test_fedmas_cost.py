@@ -7,6 +7,7 @@ from types import ModuleType
 import pytest
 
 from medflare.methods.fed_mas import FedMasConfig
+from medflare.plan import validated
 
 from .conftest import load_benchmark
 
@@ -20,7 +21,7 @@ def test_every_variant_is_a_valid_demo_job(bench: ModuleType) -> None:
     args = bench.parse_args([])
     for variant, (method, options, _data) in bench.VARIANTS.items():
         run = bench.run_config(args, variant, seed=1)
-        run.validate()
+        run = validated(run)
         assert (run.method, run.clients, run.rounds, run.model, run.seed) == (method, 4, 8, "cnn", 1)
         if options.get("cache_prior_features"):  # the cache needs images with fixed views
             assert run.data["augment"] == "weak"

@@ -16,6 +16,7 @@ from medflare.data.classes import align_to_job
 from medflare.data.types import UNLABELED, DataSplits, ImageSet
 from medflare.errors import DataError
 from medflare.launch import plan_job
+from medflare.plan import validated
 from medflare.run_config import RunConfig
 from medflare.site_config import SiteFile, TaskSpec
 from medflare.site_runtime import SiteRuntime
@@ -110,7 +111,7 @@ def test_a_deployed_site_refuses_the_job_or_trains_in_its_order_with_class_map(p
     """The site's runtime, built as the executor builds it from the job's plan and the hospital's own file."""
     task = {"num_classes": 3, "in_channels": 1, "image_size": 12, "class_names": JOB}
     run = RunConfig(method="fedavg", clients=1, data={"source": "site"}, task=task, train={"max_steps": 1})
-    run.validate()
+    run = validated(run)
     plan = plan_job(run, "preinstalled", TaskSpec(**task))
     source = hospital(png_class_folder, {"normal": "Normal"})
     site = plan.sites[0].name

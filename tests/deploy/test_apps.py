@@ -8,7 +8,7 @@ from pathlib import Path
 from medflare.deploy.apps import APPS_DIR, add_code, stale_apps, write_app
 from medflare.plan import plan_from_job
 from medflare.registry import list_methods
-from medflare.run_config import DEPLOY_ROBUST
+from medflare.server_setup import DEPLOY_ROBUST
 
 
 def test_apps_are_up_to_date() -> None:

@@ -27,9 +27,9 @@ from medflare.deploy.apps import deployment_run
 from medflare.deploy.poc import PocSession, export_poc_job, find_results, retarget_job
 from medflare.deploy.policies import SITE_HEARTBEAT_TIMEOUT
 from medflare.flare.controller import CHECKPOINT_FILE
-from medflare.flare.models import build_global_model
 from medflare.job_export import set_resume
 from medflare.ops.checkpoint import load_checkpoint
+from medflare.plan import build_global_model, task_of
 from medflare.run_config import RunConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # make test-heavy
@@ -188,7 +188,7 @@ def _wait_until_connected(session: PocSession, sites: list[str], timeout: float 
 def _assert_model_intact(path: Path, run: RunConfig) -> None:
     """The persisted global model loads, has exactly the method's keys and only finite values."""
     state = torch.load(path, map_location="cpu", weights_only=True)["model"]
-    task = run.task_spec()
+    task = task_of(run)
     expected = build_global_model(METHOD, run.model, task.num_classes, task.in_channels, task.image_size)
     assert set(state) == set(expected.state_dict())
     assert all(np.isfinite(np.asarray(value, dtype=np.float64)).all() for value in state.values())

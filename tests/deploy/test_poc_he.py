@@ -18,7 +18,9 @@ from medflare.checkpoint import read_checkpoint  # noqa: E402
 from medflare.deploy.poc import PocSession, export_poc_job, find_results  # noqa: E402
 from medflare.flare.he import CLIENT_CONTEXT_FILE, MODEL_FILE, read_encrypted_model  # noqa: E402
 from medflare.ops import he_aggregate  # noqa: E402
-from medflare.run_config import RunConfig, deployment_robust  # noqa: E402
+from medflare.plan import validated
+from medflare.run_config import RunConfig  # noqa: E402
+from medflare.server_setup import deployment_robust  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # make test-heavy
 
@@ -33,7 +35,7 @@ def job_run(method: str, he: bool) -> RunConfig:
     run = RunConfig(method=method, rounds=2, clients=2, data=dict(DATA), train=dict(TRAIN),
                     name=f"{method}-{'he' if he else 'plain'}", secure_aggregation="he" if he else "off")
     run.robust = deployment_robust(run.robust, encrypted=he)
-    run.validate()
+    run = validated(run)
     return run
 
 

@@ -15,6 +15,7 @@ from medflare.deploy.policies import flare_defaults
 from medflare.deploy.provision import COMMENT_PREFIX, SITE_CONFIG_EXAMPLE, install_policies, main, site_config_example
 from medflare.distributed import site_distributed_config
 from medflare.errors import ConfigError, DataError
+from medflare.registry import get_method
 from medflare.site_config import SITE_CONFIG_FILE, SITE_ONLY_DATA_KEYS, read_site_data_config, resolve_site_model
 
 
@@ -60,7 +61,7 @@ def test_the_copied_example_is_a_valid_site_file_for_the_site_loader(tmp_path: P
     assert data["source"] == site_config_example()["data"]["source"] and data["augment"] == "basic"
     from_dict(DataConfig, {**data, "num_classes": 2}, "data")  # every data key is a valid option
     assert site_distributed_config(local).processes == 1
-    assert resolve_site_model("fedavg", "cnn", None, "site-1", local) == "cnn"
+    assert resolve_site_model(get_method("fedavg"), "cnn", None, "site-1", local) == "cnn"
 
 
 def test_a_site_reads_its_images_through_the_example_once_it_names_them(tmp_path: Path) -> None:
@@ -77,8 +78,8 @@ def test_the_example_refuses_job_data_and_foreign_models_as_its_comments_say(tmp
     with_model = {**site_config_example(), "model": "resnet18"}
     (local / SITE_CONFIG_FILE).write_text(json.dumps(with_model))
     with pytest.raises(ConfigError, match="every site must train the job's model 'cnn'"):
-        resolve_site_model("fedavg", "cnn", None, "site-1", local)
-    assert resolve_site_model("local-only", "cnn", None, "site-1", local) == "resnet18"
+        resolve_site_model(get_method("fedavg"), "cnn", None, "site-1", local)
+    assert resolve_site_model(get_method("local-only"), "cnn", None, "site-1", local) == "resnet18"
 
 
 def test_every_setting_is_commented_and_the_data_block_sets_only_site_keys() -> None:

@@ -20,7 +20,7 @@ from medflare.job_export import client_config, server_config
 from medflare.plan import APP_NAME, PLAN_FILE, plan_from_job, read_plan
 from medflare.processes import nvflare_command
 from medflare.registry import list_methods
-from medflare.run_config import DEPLOY_ROBUST
+from medflare.server_setup import DEPLOY_ROBUST
 
 REPO = Path(__file__).resolve().parents[2]
 TEMPLATE_FILES = ("info.conf", "info.md", "meta.conf", "config_fed_client.conf", "config_fed_server.conf", PLAN_FILE)

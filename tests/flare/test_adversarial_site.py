@@ -31,9 +31,9 @@ from medflare.config import from_dict
 from medflare.contracts import ContractContext
 from medflare.errors import MedflareError
 from medflare.flare.aggregator import RoundAggregation
-from medflare.flare.models import build_global_model
 from medflare.flare.tasks import round_context, round_meta
 from medflare.methods.base import PerSite
+from medflare.plan import build_global_model, task_of
 from medflare.registry import get_method, list_methods
 from medflare.run_config import RunConfig, merge_sections
 from medflare.server_setup import round_plan
@@ -89,13 +89,13 @@ def smoke_run(method: str) -> RunConfig:
 def honest_job(method: str) -> tuple[RunConfig, list[Round]]:
     """Every round of the method's smoke job with three honest sites, recorded phase by phase."""
     run = smoke_run(method)
-    task = run.task_spec()
+    task = task_of(run)
     sites = {
-        name: SiteRuntime(SiteSettings(run.method, task, run.site_data(), run.model, run.method_args, run.train,
+        name: SiteRuntime(SiteSettings(get_method(run.method), task, run.site_data(), run.model, run.method_args, run.train,
                                        run.seed), name, index, log=lambda message: None)
         for index, name in enumerate(SITES)
     }
-    core = RoundAggregation(run.method, run.method_args, task.num_classes, run.rounds, ROBUST,
+    core = RoundAggregation(get_method(run.method), run.method_args, task.num_classes, run.rounds, ROBUST,
                             multi_label=task.multi_label)
     network = build_global_model(run.method, run.model, task.num_classes, task.in_channels, task.image_size,
                                  None, run.method_args, run.seed)
@@ -389,7 +389,7 @@ def test_every_robust_rule_composes_with_the_methods_weighting(job: tuple[str, l
     method, rounds = job
     if not get_method(method).server_model:
         with pytest.raises(ConfigError, match="has no global model"):
-            RoundAggregation(method, {}, rounds[0].start.num_classes, 2, {"rule": "median", "max_share": 0.45})
+            RoundAggregation(get_method(method), {}, rounds[0].start.num_classes, 2, {"rule": "median", "max_share": 0.45})
         return
     checked = 0
     for index, round_ in enumerate(rounds):

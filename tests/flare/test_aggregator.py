@@ -8,6 +8,7 @@ import pytest
 
 from medflare.flare.aggregator import RoundAggregation
 from medflare.methods.base import RoundContext
+from medflare.registry import get_method
 
 from .._plans import run_plan, site_data_plan
 
@@ -21,7 +22,7 @@ def update(value: float, n: int = 10) -> tuple[dict, dict]:
 
 @pytest.fixture
 def core() -> RoundAggregation:
-    aggregation = RoundAggregation("fedavg", {}, num_classes=3, num_rounds=2)
+    aggregation = RoundAggregation(get_method("fedavg"), {}, num_classes=3, num_rounds=2)
     aggregation.start_round(GLOBAL, RoundContext(0, 2))
     aggregation.start_phase("train")
     return aggregation
@@ -90,7 +91,7 @@ def test_two_phase_round_with_declared_arrays_and_per_site_targets() -> None:
             return PerSite({s: {"target": sum(v for o, v in sent.items() if o != s)} for s in sent})
 
     payload = Payload(sends_weights=False, arrays={"probs": probabilities(phase="share_probs")}, receives=("target",))
-    core = RoundAggregation("fedavg", {}, num_classes=3, num_rounds=1)
+    core = RoundAggregation(get_method("fedavg"), {}, num_classes=3, num_rounds=1)
     core.spec = type(core.spec)(**{**core.spec.__dict__, "payload": payload, "server_model": False})
     core.rule = ExchangeRule(None, 1, payload)
     core.start_round({}, RoundContext(0, 1))
@@ -134,7 +135,7 @@ def test_array_dims_may_come_from_an_earlier_phase() -> None:
 
     payload = Payload(sends_weights=False, arrays={"probs": probabilities(phase="share")},
                       meta={"size": non_negative_number("size")})
-    core = RoundAggregation("fedavg", {}, num_classes=3, num_rounds=1)
+    core = RoundAggregation(get_method("fedavg"), {}, num_classes=3, num_rounds=1)
     core.spec = type(core.spec)(**{**core.spec.__dict__, "payload": payload, "server_model": False})
     core.rule = SizedRule(None, 1, payload)
     core.start_round({}, RoundContext(0, 1))
@@ -161,7 +162,7 @@ def test_forged_sample_counts_are_rejected(core: RoundAggregation) -> None:
 
 
 def robust_core(min_clients: int = 1, **robust) -> RoundAggregation:
-    core = RoundAggregation("fedavg", {}, num_classes=3, num_rounds=2, robust=robust, min_clients=min_clients)
+    core = RoundAggregation(get_method("fedavg"), {}, num_classes=3, num_rounds=2, robust=robust, min_clients=min_clients)
     core.start_round(GLOBAL, RoundContext(0, 2))
     core.start_phase("train")
     return core
@@ -272,10 +273,11 @@ def test_rules_that_cannot_compose_are_refused_with_the_reason() -> None:
     from medflare.errors import ConfigError
     from medflare.ops.he_aggregate import encrypted_run_problems
     from medflare.registry import get_method
-    from medflare.run_config import RunConfig, typed_robust
+    from medflare.run_config import RunConfig
+    from medflare.server_setup import typed_robust
 
     with pytest.raises(ConfigError, match="method 'mdhfl' has no global model"):
-        RoundAggregation("mdhfl", {}, num_classes=3, num_rounds=2, robust={"rule": "median", "max_share": 0.45})
+        RoundAggregation(get_method("mdhfl"), {}, num_classes=3, num_rounds=2, robust={"rule": "median", "max_share": 0.45})
     with pytest.raises(ConfigError, match="set robust.max_share below 0.5"):
         typed_robust({"rule": "median", "max_share": 0.6})
     with pytest.raises(ConfigError, match="set robust.max_share at most trim_fraction=0.2"):
@@ -321,7 +323,7 @@ STREAM_GLOBAL = {"w": np.zeros(3, np.float64), "bn.num_batches_tracked": np.arra
 
 
 def streaming_core(method: str = "fedavg", sites=None, **options) -> RoundAggregation:
-    aggregation = RoundAggregation(method, options.pop("method_args", {}), num_classes=3, num_rounds=2,
+    aggregation = RoundAggregation(get_method(method), options.pop("method_args", {}), num_classes=3, num_rounds=2,
                                    stream_aggregation=True, **options)
     aggregation.start_round(STREAM_GLOBAL, RoundContext(0, 2))
     aggregation.start_phase("train")
@@ -349,7 +351,7 @@ def test_a_streamed_round_is_the_weighted_sum_over_the_weights_and_matches_the_b
     assert int(result.params["bn.num_batches_tracked"]) == 23
     assert result.shares == pytest.approx({"site-1": 0.1, "site-2": 0.3, "site-3": 0.6})
     assert result.info["stream_aggregation"] == {"mode": "streamed", "most_results_held": 1, "in_site_order": True}
-    batch = RoundAggregation("fedavg", {}, num_classes=3, num_rounds=2)
+    batch = RoundAggregation(get_method("fedavg"), {}, num_classes=3, num_rounds=2)
     batch.start_round(STREAM_GLOBAL, RoundContext(0, 2))
     batch.start_phase("train")
     for site, (values, n) in HAND.items():

@@ -19,9 +19,9 @@ from medflare.deploy.filters import check_result_arrays, received_task
 from medflare.errors import ConfigError, PayloadError
 from medflare.flare.aggregator import RoundAggregation
 from medflare.flare.controller import TASK_BYTES, MedflareController
-from medflare.flare.models import build_global_model
 from medflare.methods.base import PerSite, RoundContext
 from medflare.ops.wire import encode_download, encode_weights
+from medflare.plan import build_global_model
 from medflare.registry import get_method
 from medflare.site_config import SiteSettings, TaskSpec
 from medflare.site_runtime import SiteRuntime
@@ -45,7 +45,7 @@ def rounded(params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def core(download_dtype: str, method: str = "fedavg", **options) -> RoundAggregation:
-    aggregation = RoundAggregation(method, {}, K, 2, download_dtype=download_dtype, **options)
+    aggregation = RoundAggregation(get_method(method), {}, K, 2, download_dtype=download_dtype, **options)
     aggregation.start_round(global_model(method), CTX)
     return aggregation
 
@@ -81,7 +81,7 @@ def test_the_server_keeps_its_model_in_float32() -> None:
 
 
 def test_the_sites_model_is_the_float16_rounded_global_model() -> None:
-    runtime = SiteRuntime(SiteSettings("fedavg", TASK, DATA), "site-1", 0, log=lambda line: None)
+    runtime = SiteRuntime(SiteSettings(get_method("fedavg"), TASK, DATA), "site-1", 0, log=lambda line: None)
     half, _ = sent_task("float16")
     runtime.validate(half)
     loaded = {k: v.numpy() for k, v in runtime.trainer.model.state_dict().items()}
@@ -111,7 +111,7 @@ def test_per_site_tasks_are_narrowed_too() -> None:
 
 def test_an_unknown_download_dtype_is_refused() -> None:
     with pytest.raises(ConfigError, match="download_dtype"):
-        RoundAggregation("fedavg", {}, K, 2, download_dtype="bfloat16")
+        RoundAggregation(get_method("fedavg"), {}, K, 2, download_dtype="bfloat16")
 
 
 @pytest.mark.parametrize("transfer_dtype", ["float32", "float16"])

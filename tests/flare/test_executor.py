@@ -14,7 +14,7 @@ from medflare.errors import DataError
 from medflare.flare.executor import MedflareExecutor
 from medflare.job_export import export_job, job_robust
 from medflare.methods.base import RoundContext
-from medflare.plan import APP_NAME, PLAN_FILE, build_plan
+from medflare.plan import APP_NAME, PLAN_FILE, build_plan, task_of, validated
 from medflare.run_config import RunConfig
 from medflare.site_config import SITE_CONFIG_FILE
 
@@ -27,9 +27,9 @@ def test_a_site_trains_what_the_plan_says_with_the_data_and_model_its_own_file_n
                                                                                      monkeypatch) -> None:
     run = RunConfig(method="fedavg", clients=2, data={"source": "site"}, train={"lr": 0.02, "batch_size": 8},
                     site_train={"site-2": {"lr": 0.5}}, task={"num_classes": 2, "in_channels": 1, "image_size": 28})
-    run.validate(check_files=False)
-    plan = build_plan(run, run.task_spec(), job_robust(run, "preinstalled"))
-    job = export_job(run, tmp_path / "jobs", run.task_spec(), mode="preinstalled")
+    run = validated(run, check_files=False)
+    plan = build_plan(run, task_of(run), job_robust(run, "preinstalled"))
+    job = export_job(run, tmp_path / "jobs", task_of(run), mode="preinstalled")
     fl_ctx = deployed_to(job, "site-2", tmp_path / "workspaces")
     site_file = tmp_path / "workspaces" / "site-2" / "local" / SITE_CONFIG_FILE
     site_file.write_text(json.dumps({"data": SITE_DATA}))
@@ -54,8 +54,8 @@ def test_a_site_trains_with_a_value_edited_in_the_jobs_plan_file(tmp_path: Path)
     optimizer steps with (the plan is the only place the site reads it from)."""
     run = RunConfig(method="fedavg", clients=2, data={"source": "site"}, train={"lr": 0.02, "max_steps": 1,
                     "batch_size": 8}, task={"num_classes": 2, "in_channels": 1, "image_size": 28})
-    run.validate(check_files=False)
-    job = export_job(run, tmp_path / "jobs", run.task_spec(), mode="preinstalled")
+    run = validated(run, check_files=False)
+    job = export_job(run, tmp_path / "jobs", task_of(run), mode="preinstalled")
     plan_file = job / APP_NAME / "config" / PLAN_FILE
     record = json.loads(plan_file.read_text())
     assert record["plan"]["sites"][1]["name"] == "site-2" and record["plan"]["sites"][1]["train"]["lr"] == 0.02
@@ -76,8 +76,8 @@ def test_a_site_trains_with_a_value_edited_in_the_jobs_plan_file(tmp_path: Path)
 def test_a_site_without_its_data_file_says_so_before_anything_trains(tmp_path: Path) -> None:
     run = RunConfig(method="fedavg", data={"source": "site"}, task={"num_classes": 2, "in_channels": 1,
                                                                     "image_size": 28})
-    run.validate(check_files=False)
-    job = export_job(run, tmp_path / "jobs", run.task_spec(), mode="preinstalled")
+    run = validated(run, check_files=False)
+    job = export_job(run, tmp_path / "jobs", task_of(run), mode="preinstalled")
     fl_ctx = deployed_to(job, "site-1", tmp_path / "workspaces")
     fl_ctx.set_prop(ReservedKey.IDENTITY_NAME, "site-1", private=True, sticky=False)
     with pytest.raises(DataError, match="this site has no data configured"):
@@ -90,8 +90,8 @@ def site_executor(tmp_path: Path, site_content: dict, **run_options) -> tuple[Me
     ``local/medflare_site.json`` holds ``site_content``; with its FLContext and that file's folder."""
     task = {"num_classes": 2, "in_channels": 1, "image_size": 28}
     run = RunConfig(**{"method": "fedavg", "data": {"source": "site"}, "task": task, **run_options})
-    run.validate(check_files=False)
-    job = export_job(run, tmp_path / "jobs", run.task_spec(), mode="preinstalled")
+    run = validated(run, check_files=False)
+    job = export_job(run, tmp_path / "jobs", task_of(run), mode="preinstalled")
     fl_ctx = deployed_to(job, "site-1", tmp_path / "workspaces")
     local = tmp_path / "workspaces" / "site-1" / "local"
     (local / SITE_CONFIG_FILE).write_text(json.dumps(site_content))

@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 import torch
 
+from medflare.plan import task_of, validated
+from medflare.registry import get_method
 from medflare.run_config import RunConfig
 from medflare.simulate import nvflare_command, run_simulation
 
@@ -109,8 +111,8 @@ def test_site_state_survives_a_restart_bit_for_bit(tmp_path: Path) -> None:
         method="test-staged", rounds=3, clients=2, data=SMALL_DATA, train={"max_steps": 2, "batch_size": 16},
         plugins=[str(PLUGINS / "staged.py")],
     )
-    run.validate()
-    task = run.task_spec()
+    run = validated(run)
+    task = task_of(run)
     job = export_job(run, tmp_path / "jobs", task)
     workspace = tmp_path / "ws"
     subprocess.run(
@@ -122,7 +124,7 @@ def test_site_state_survives_a_restart_bit_for_bit(tmp_path: Path) -> None:
     saved = torch.load(state_files[0], weights_only=False)
     assert saved["optimizer"]["state"] and set(saved["private"]) == {"head.weight", "head.bias"}
     settings = SiteSettings(
-        method=run.method, task=task, data=run.site_data(), model=run.model, train=run.train, seed=run.seed
+        spec=get_method(run.method), task=task, data=run.site_data(), model=run.model, train=run.train, seed=run.seed
     )
     fresh = SiteRuntime(settings, "site-1", 0, log=lambda m: None, local_dir=state_files[0].parent)
     restored = fresh.trainer.state_dict()

@@ -26,6 +26,7 @@ from medflare.flare.he import (  # noqa: E402
 from medflare.methods.base import RoundContext  # noqa: E402
 from medflare.ops import he_aggregate  # noqa: E402
 from medflare.ops.he_aggregate import EncryptedArray  # noqa: E402
+from medflare.plan import validated
 from medflare.registry import get_method  # noqa: E402
 
 from .._plans import app_context, deploy_plan, site_data_plan
@@ -62,8 +63,8 @@ def encrypted(site_context, arrays: dict, meta: dict, plain: tuple[str, ...] = (
 
 def rounds(method: str, contexts, updates: dict, method_args=None, robust=None, num_rounds: int = 2):
     """(plaintext aggregate, encrypted core after aggregating the same updates) of round 1."""
-    plain = RoundAggregation(method, method_args, 3, num_rounds, robust)
-    sealed = EncryptedRoundAggregation(method, method_args, 3, num_rounds, robust)
+    plain = RoundAggregation(get_method(method), method_args, 3, num_rounds, robust)
+    sealed = EncryptedRoundAggregation(get_method(method), method_args, 3, num_rounds, robust)
     sealed.use_context(contexts[1])
     for core in (plain, sealed):
         core.start_round(GLOBAL, RoundContext(0, num_rounds))
@@ -117,7 +118,7 @@ def test_the_server_holds_only_ciphertexts_it_cannot_decrypt(contexts) -> None:
 
 
 def test_a_plaintext_model_array_is_refused(contexts) -> None:
-    sealed = EncryptedRoundAggregation("fedavg", None, 3, 2)
+    sealed = EncryptedRoundAggregation(get_method("fedavg"), None, 3, 2)
     sealed.use_context(contexts[1])
     sealed.start_round(GLOBAL, RoundContext(0, 2))
     sealed.start_phase("train")
@@ -168,7 +169,7 @@ def test_methods_whose_aggregate_is_no_weighted_sum_of_models_are_refused(method
     reason = encryption_refusal(get_method(method))
     assert reason.startswith(f"method '{method}' cannot aggregate encrypted: ") and "\n" not in reason
     with pytest.raises(ConfigError, match="cannot aggregate encrypted"):
-        EncryptedRoundAggregation(method, None, 3, 2)
+        EncryptedRoundAggregation(get_method(method), None, 3, 2)
 
 
 @pytest.mark.parametrize("method", ["fedavg", "fedmas", "fedlsm", "fedavg-masked", "fedprox", "fedbabu"])
@@ -184,7 +185,7 @@ def test_weighted_sum_methods_are_accepted(method: str) -> None:
 ])
 def test_what_the_server_can_no_longer_do_is_refused(options: dict, refused: str) -> None:
     with pytest.raises(ConfigError, match=refused):
-        EncryptedRoundAggregation("fedavg", None, 3, 2, **options)
+        EncryptedRoundAggregation(get_method("fedavg"), None, 3, 2, **options)
 
 
 def test_the_saved_model_is_encrypted_and_a_site_decrypts_it(contexts, tmp_path) -> None:
@@ -203,9 +204,9 @@ def test_the_simulator_refuses_and_a_run_refuses_what_the_server_cannot_do(tmp_p
         run_simulation(RunConfig(secure_aggregation="he"), tmp_path / "out")
     assert not (tmp_path / "out").exists()
     with pytest.raises(ConfigError, match="max_norm_ratio"):
-        RunConfig(secure_aggregation="he", robust={"max_norm_ratio": 10}).validate(check_files=False)
+        validated(RunConfig(secure_aggregation="he", robust={"max_norm_ratio": 10}), check_files=False)
     with pytest.raises(ConfigError, match="cannot aggregate encrypted"):
-        RunConfig(method="local-only", secure_aggregation="he").validate(check_files=False)
+        validated(RunConfig(method="local-only", secure_aggregation="he"), check_files=False)
 
 
 def test_a_site_refuses_a_decrypted_model_that_is_garbage_or_far_out_of_range(contexts) -> None:

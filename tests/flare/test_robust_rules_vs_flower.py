@@ -18,6 +18,7 @@ import pytest
 
 from medflare.flare.aggregator import RoundAggregation
 from medflare.methods.base import RoundContext
+from medflare.registry import get_method
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORDED = ROOT / "benchmarks" / "results" / "robust_rules_flower.json"
@@ -29,7 +30,7 @@ KEYS = ("layer.weight", "layer.bias")
 def medflare_aggregate(case: dict) -> list[np.ndarray]:
     """The case's updates through RoundAggregation: FedAvg weighting, the case's robust rule."""
     updates = [[np.asarray(layer, dtype=np.float32) for layer in update] for update in case["updates"]]
-    core = RoundAggregation("fedavg", {}, num_classes=3, num_rounds=1, robust=case["robust"])
+    core = RoundAggregation(get_method("fedavg"), {}, num_classes=3, num_rounds=1, robust=case["robust"])
     core.start_round({key: np.zeros_like(layer) for key, layer in zip(KEYS, updates[0])}, RoundContext(0, 1))
     core.start_phase("train")
     for index, (update, count) in enumerate(zip(updates, case["counts"])):

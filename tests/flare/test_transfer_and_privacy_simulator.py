@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from medflare.flare.models import build_global_model
+from medflare.plan import build_global_model
 from medflare.run_config import RunConfig
 from medflare.simulate import run_simulation
 

@@ -38,7 +38,7 @@ def weights(value: float, counter: int = 2) -> dict[str, np.ndarray]:
 
 
 def train_core(method: str, robust: dict | None, method_args: dict | None = None, multi_label: bool = False):
-    core = RoundAggregation(method, method_args or {}, num_classes=K, num_rounds=2, robust=robust,
+    core = RoundAggregation(get_method(method), method_args or {}, num_classes=K, num_rounds=2, robust=robust,
                             multi_label=multi_label)
     core.start_round(GLOBAL, RoundContext(0, 2))
     return core
@@ -157,7 +157,7 @@ def one_hot_probs(rows: int, column: int) -> np.ndarray:
 def mdhfl_targets(robust: dict | None, losses: dict[str, tuple[float, float]], **method_args) -> dict[str, np.ndarray]:
     """Two rounds of the exchange (the CCR needs a previous loss), each site sending a one-hot column of its own;
     each site's target of the second round."""
-    core = RoundAggregation("mdhfl", {"public_per_round": 4, **method_args}, num_classes=K, num_rounds=3,
+    core = RoundAggregation(get_method("mdhfl"), {"public_per_round": 4, **method_args}, num_classes=K, num_rounds=3,
                             robust=robust)
     for round_index in (0, 1):
         core.start_round({}, RoundContext(round_index, 3))
@@ -200,7 +200,7 @@ def test_the_share_cap_bounds_a_mix_the_ccr_alone_would_allow() -> None:
 def test_fedbabu_a_changed_frozen_head_is_refused(transfer_dtype: str, kind: str) -> None:
     """The probe: the frozen head came back as −3x the global and was averaged in."""
     start = {**GLOBAL, "head.weight": np.full((K, 2), 0.37, np.float32), "head.bias": np.full(K, 0.11, np.float32)}
-    core = RoundAggregation("fedbabu", {}, num_classes=K, num_rounds=2, transfer_dtype=transfer_dtype,
+    core = RoundAggregation(get_method("fedbabu"), {}, num_classes=K, num_rounds=2, transfer_dtype=transfer_dtype,
                             transfer_kind=kind)
     core.start_round(start, RoundContext(0, 2))
     core.start_phase("train")
@@ -272,4 +272,4 @@ def test_a_rule_returning_raw_row_weights_is_still_capped(raw_rules: None) -> No
 
 def test_a_rule_that_overrides_aggregate_is_refused(raw_rules: None) -> None:
     with pytest.raises(ConfigError, match="overrides aggregate"):
-        RoundAggregation("test-own-aggregate", {}, num_classes=K, num_rounds=2)
+        RoundAggregation(get_method("test-own-aggregate"), {}, num_classes=K, num_rounds=2)

@@ -15,14 +15,14 @@ from torch.utils.data import DataLoader
 
 from medflare.config import from_dict
 from medflare.data import DataConfig, make_site_data
-from medflare.flare.models import build_global_model
+from medflare.plan import build_global_model, task_of
 from medflare.registry import get_method
 from medflare.run_config import RunConfig
 
 
 def pooled_test_outputs(run_dir: Path, run: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """(labels, float64 logits) of the run's saved final global model on every simulated site's test split."""
-    task = run.task_spec()
+    task = task_of(run)
     model = build_global_model(run.method, run.model, task.num_classes, task.in_channels, task.image_size,
                                method_args=run.method_args).network  # the full network; the server keeps no private keys
     missing, unexpected = model.load_state_dict(

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from medflare.evaluation import SPECIALIZATION
+from medflare.plan import task_of, validated
+from medflare.registry import get_method
 from medflare.run_config import RunConfig
 
 from .test_every_method_simulator import run_recipe_in_simenv
@@ -44,7 +46,7 @@ class FcaJob(NamedTuple):
 @pytest.fixture(scope="module")
 def fca_job(tmp_path_factory: pytest.TempPathFactory) -> FcaJob:
     run = fca_run(audit=True)
-    run.validate()
+    run = validated(run)
     out, summary, results, workspace = run_recipe_in_simenv(run, tmp_path_factory.mktemp("fca"))
     assert "error" not in results, results.get("error")
     return FcaJob(run, out, summary, workspace)
@@ -84,8 +86,8 @@ def test_a_restarted_site_reloads_its_personal_head_bit_for_bit(fca_job: FcaJob,
     from medflare.site_runtime import SITE_STATE_FILE, SiteRuntime
 
     run, workspace = fca_job.run, fca_job.workspace
-    task = run.task_spec()
-    settings = SiteSettings(method="fca", task=task, data=run.site_data(), model=run.model, train=run.train,
+    task = task_of(run)
+    settings = SiteSettings(spec=get_method("fca"), task=task, data=run.site_data(), model=run.model, train=run.train,
                             seed=run.seed)
     heads = {}
     for index, site in enumerate(run.site_names):

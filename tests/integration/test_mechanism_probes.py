@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from medflare.plan import validated
 from medflare.run_config import RunConfig
 from tests.benchmarks.conftest import load_benchmark
 
@@ -175,7 +176,7 @@ def test_fedlsm_pseudo_labels_fire_and_beat_chance_on_the_classes_a_site_does_no
     engine.run_rounds(run)
 
     checked = RunConfig(**{**run.__dict__})
-    checked.validate()
+    checked = validated(checked)
     unmasked = {key: value for key, value in checked.site_data().items() if key != "identified"}
     truth = [torch.as_tensor(make_site_data(from_dict(DataConfig, {**unmasked, "num_classes": 4}, "data"), site)
                              .train.labels) for site in range(2)]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from medflare.job_export import job_robust
-from medflare.plan import build_plan
+from medflare.plan import build_plan, task_of, validated
 from medflare.run_config import RunConfig
 from medflare.simulate import nvflare_command, run_simulation
 
@@ -50,8 +50,8 @@ def test_the_server_and_both_sites_ran_the_plan_the_command_line_built(fedavg_ru
     logs: each rebuilt it from the job FLARE deployed (tests/test_plan.py compares the plans field by field)."""
     out, _ = fedavg_run
     run = dataclasses.replace(FEDAVG, data=dict(DATA), train=dict(QUICK))
-    run.validate(check_files=False)
-    digest = build_plan(run, run.task_spec(), job_robust(run, "byoc")).digest()
+    run = validated(run, check_files=False)
+    digest = build_plan(run, task_of(run), job_robust(run, "byoc")).digest()
     assert json.loads((out / "medflare_results.json").read_text())["plan"] == digest
     assert json.loads((out / "summary.json").read_text())["plan_check"] == "matches"  # the run checked it too
     logged = re.findall(r"(site-\d): runs plan (\w+)", (out / "simulator.log").read_text())

@@ -22,7 +22,7 @@ DATA = {"source": "synthetic:n=150,classes=3", "num_sites": 2, "partition": "dir
 
 def trained_sites(method: str) -> list[SiteRuntime]:
     """Two simulated sites of ``method``, each after one local round (cnn, one step of batch 8)."""
-    settings = SiteSettings(method=method, task=TaskSpec(num_classes=CLASSES, in_channels=3, image_size=28),
+    settings = SiteSettings(spec=get_method(method), task=TaskSpec(num_classes=CLASSES, in_channels=3, image_size=28),
                             data=DATA, model="cnn", train={"max_steps": 1, "batch_size": 8},
                             method_args={"head_epochs": 1} if method == "fedrep" else {})
     sites = [SiteRuntime(settings, f"site-{i + 1}", i, log=lambda message: None) for i in range(2)]

@@ -12,13 +12,13 @@ import torch
 from medflare.contracts import ContractContext
 from medflare.errors import ConfigError, PayloadError
 from medflare.evaluation import SPECIALIZATION
-from medflare.flare.models import build_global_model
 from medflare.losses import balanced_softmax_loss
 from medflare.methods.base import RoundContext
 from medflare.methods.fca import FcaConfig, build_fca_model
 from medflare.methods.fca.loss import REPO_INPUT_EPS, consistency_loss, fca_loss
 from medflare.methods.fca.model import FcaNet
 from medflare.ops import model_params
+from medflare.plan import build_global_model
 from medflare.registry import get_method
 
 from ._trainers import make_trainer, tiny_classifier

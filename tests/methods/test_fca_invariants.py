@@ -10,9 +10,9 @@ import torch
 
 from medflare import contracts
 from medflare.evaluation import SPECIALIZATION
-from medflare.flare.models import build_global_model
 from medflare.methods.base import RoundContext, SiteUpdate
 from medflare.methods.fca import FcaConfig
+from medflare.plan import build_global_model
 from medflare.registry import get_method
 from medflare.site_config import SiteSettings, TaskSpec
 from medflare.site_runtime import SiteRuntime
@@ -23,7 +23,7 @@ QUICK = {"max_steps": 1, "batch_size": 8, "eval_batch_size": 64}
 
 
 def fca_site(index: int = 0, seed: int = 0) -> SiteRuntime:
-    settings = SiteSettings(method="fca", task=TASK, data=DATA, model="cnn", train=QUICK, seed=seed)
+    settings = SiteSettings(spec=get_method("fca"), task=TASK, data=DATA, model="cnn", train=QUICK, seed=seed)
     return SiteRuntime(settings, f"site-{index + 1}", index, log=lambda message: None)
 
 
@@ -121,7 +121,7 @@ def test_the_server_refuses_a_result_that_carries_a_personal_head(key: str) -> N
     from medflare.flare.aggregator import RoundAggregation
 
     start = global_weights(seed=0)
-    core = RoundAggregation("fca", {}, num_classes=TASK.num_classes, num_rounds=2)
+    core = RoundAggregation(get_method("fca"), {}, num_classes=TASK.num_classes, num_rounds=2)
     core.start_round(start, RoundContext(0, 2))
     core.start_phase(contracts.TRAIN_PHASE)
     site = fca_site()

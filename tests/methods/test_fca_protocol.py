@@ -8,11 +8,12 @@ import dataclasses
 
 import pytest
 
-from medflare import run_config
+from medflare import plan as plan_module
 from medflare.errors import ConfigError
 from medflare.evaluation import FCA_PROTOCOL_DATA
+from medflare.plan import shared_data_defaults, task_of, validated
 from medflare.registry import get_method
-from medflare.run_config import apply_overrides, merge_run_config, shared_data_defaults
+from medflare.run_config import apply_overrides, merge_run_config
 
 ML_SOURCE = "synthetic:multilabel=1,classes=6,n=600,size=12"
 
@@ -20,7 +21,7 @@ ML_SOURCE = "synthetic:multilabel=1,classes=6,n=600,size=12"
 def _validated(method: str, *overrides: str, data: dict | None = None):
     run = merge_run_config({"method": method, "model": "cnn", **({"data": data} if data else {})})
     run = apply_overrides(run, list(overrides))
-    run.validate(check_files=False)
+    run = validated(run, check_files=False)
     return run
 
 
@@ -53,7 +54,7 @@ def test_site_local_data_gets_no_simulation_default() -> None:
 def test_like_train_is_not_applied_to_a_multi_label_task(monkeypatch: pytest.MonkeyPatch) -> None:
     """A multi-label method with FCA's protocol keeps pooled slices on multi-label data (like_train needs class ids)."""
     spec = dataclasses.replace(get_method("fedavg"), data_defaults=FCA_PROTOCOL_DATA)
-    monkeypatch.setattr(run_config, "get_method", lambda name: spec)
+    monkeypatch.setattr(plan_module, "get_method", lambda name: spec)
     assert "eval_split" not in _validated("fedavg", data={"source": ML_SOURCE}).data
     assert _validated("fedavg", data={"source": "synthetic:n=60,classes=3"}).data["eval_split"] == "like_train"
 
@@ -61,7 +62,7 @@ def test_like_train_is_not_applied_to_a_multi_label_task(monkeypatch: pytest.Mon
 def test_fca_on_multi_label_data_is_refused_by_the_method_not_by_the_split() -> None:
     run = _validated("fca", data={"source": ML_SOURCE})
     with pytest.raises(ConfigError, match="trains single-label classifiers"):
-        run.task_spec()
+        task_of(run)
 
 
 def test_compare_scores_every_method_under_one_protocol() -> None:
@@ -69,5 +70,5 @@ def test_compare_scores_every_method_under_one_protocol() -> None:
     assert shared_data_defaults(["fedavg", "fca"], given={"eval_split": "pooled"}) == {}
     assert shared_data_defaults(["fedavg", "local-only"]) == {}
     run = merge_run_config({"method": "fedavg"})
-    run.validate(check_files=False, data_defaults=shared_data_defaults(["fedavg", "fca"]))
+    run = validated(run, check_files=False, data_defaults=shared_data_defaults(["fedavg", "fca"]))
     assert run.data["eval_split"] == "like_train"

@@ -61,7 +61,7 @@ GLOBAL = {"w": np.zeros(2, np.float32)}
 
 
 def fedmas_round(**method_args) -> RoundAggregation:
-    core = RoundAggregation("fedmas", method_args, num_classes=2, num_rounds=10)
+    core = RoundAggregation(get_method("fedmas"), method_args, num_classes=2, num_rounds=10)
     core.start_round(GLOBAL, RoundContext(0, 10))
     core.start_phase("train")
     return core
@@ -87,7 +87,7 @@ def test_bad_rf_is_excluded(rf) -> None:
 
 
 def test_bsm_kd_weighs_sites_by_sample_count_without_any_rf() -> None:
-    core = RoundAggregation("bsm-kd", {}, num_classes=2, num_rounds=10)
+    core = RoundAggregation(get_method("bsm-kd"), {}, num_classes=2, num_rounds=10)
     core.start_round(GLOBAL, RoundContext(0, 10))
     core.start_phase("train")
     assert core.accept("a", {"w": np.array([1.0, 0.0], np.float32)}, {"n_samples": 30}) is None
@@ -99,7 +99,7 @@ def test_bsm_kd_weighs_sites_by_sample_count_without_any_rf() -> None:
 
 def mas_drw_share_of_a(round_index: int, total_rounds: int, stream: bool = False, **method_args) -> float:
     """Site a's share under mas_drw; a: n = 30, RF = 0.5; b: n = 10, RF = 0.25."""
-    core = RoundAggregation("fedmas", {"aggregation": "mas_drw", **method_args}, num_classes=2, num_rounds=total_rounds,
+    core = RoundAggregation(get_method("fedmas"), {"aggregation": "mas_drw", **method_args}, num_classes=2, num_rounds=total_rounds,
                             stream_aggregation=stream)
     core.start_round(GLOBAL, RoundContext(round_index, total_rounds))
     core.start_phase("train")
@@ -297,7 +297,7 @@ def test_a_mas_inv_site_sends_the_rf_of_its_inverted_training_distances(tmp_path
 # ----- site side: frozen prior and payload ------------------------------------------------------------
 
 SETTINGS = SiteSettings(
-    method="fedmas",
+    spec=get_method("fedmas"),
     task=TaskSpec(num_classes=5, in_channels=3, image_size=28),
     data={"source": "synthetic:n=300", "partition": "iid", "num_sites": 2},
     method_args={"prior_input_size": 32},
@@ -348,7 +348,7 @@ def test_outgoing_shareable_carries_weights_and_rf_only(runtime: SiteRuntime) ->
 
 
 def test_bsm_kd_sends_no_rf() -> None:
-    settings = SiteSettings(**{**SETTINGS.__dict__, "method": "bsm-kd"})
+    settings = SiteSettings(**{**SETTINGS.__dict__, "spec": get_method("bsm-kd")})
     _, meta = SiteRuntime(settings, "site-1", 0, log=lambda m: None).train({}, RoundContext(0, 1))
     assert "rf" not in meta
 

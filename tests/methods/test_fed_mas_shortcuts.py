@@ -16,6 +16,7 @@ from medflare.methods.fed_mas.rescue import (
     rescue_factor,
     stratified_subsample,
 )
+from medflare.registry import get_method
 from medflare.site_config import SiteSettings, TaskSpec
 from medflare.site_runtime import SiteRuntime
 
@@ -29,7 +30,7 @@ W_RELATIVE_TOLERANCE = 0.05  # each class's w with the prior in bf16 against fp3
 
 def fedmas_site(augment: str = "none", **method_args) -> SiteRuntime:
     data = {"source": "synthetic:n=150,classes=3", "partition": "iid", "num_sites": 1, "augment": augment}
-    settings = SiteSettings("fedmas", TASK, data, method_args=method_args, train={"batch_size": 16})
+    settings = SiteSettings(get_method("fedmas"), TASK, data, method_args=method_args, train={"batch_size": 16})
     return SiteRuntime(settings, "site-1", 0, log=lambda m: None)
 
 

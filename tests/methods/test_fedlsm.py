@@ -35,6 +35,7 @@ from medflare.methods.fedlsm.pseudo import (
 )
 from medflare.methods.fedlsm.server import LABEL_COUNTS, POS_WEIGHT, FedLsmRule
 from medflare.models import Classifier, EmaTeacher
+from medflare.registry import get_method
 
 # ----- server: AWPA, masked rows, fallback ------------------------------------------------------------
 
@@ -77,7 +78,7 @@ def test_masked_rows_average_over_the_sites_that_annotate_each_class() -> None:
 
 
 def test_baseline_fedavg_masked_uses_the_same_rows() -> None:
-    core = RoundAggregation("fedavg-masked", {}, num_classes=3, num_rounds=2)
+    core = RoundAggregation(get_method("fedavg-masked"), {}, num_classes=3, num_rounds=2)
     global_params = {"backbone.w": np.zeros(2), **HEAD}
     result = core.rule.aggregate(global_params, UPDATES, RoundContext(0, 2))
     np.testing.assert_allclose(result.params["head.bias"], aggregate("masked")["head.bias"])
@@ -99,7 +100,7 @@ def test_pos_weight_is_negatives_over_positives_summed_over_sites() -> None:
 
 
 def test_multi_label_rule_runs_label_counts_first_and_sends_pos_weight_every_round() -> None:
-    core = RoundAggregation("fedlsm", {}, num_classes=3, num_rounds=3, multi_label=True)
+    core = RoundAggregation(get_method("fedlsm"), {}, num_classes=3, num_rounds=3, multi_label=True)
     global_params = {"head.bias": np.zeros(3, np.float32)}
     assert core.rule.phases(RoundContext(0, 3)) == [LABEL_COUNTS, "train"]
     core.start_round(global_params, RoundContext(0, 3))
@@ -113,14 +114,14 @@ def test_multi_label_rule_runs_label_counts_first_and_sends_pos_weight_every_rou
     assert core.rule.phases(RoundContext(1, 3)) == ["train"]  # kept for the job
     later = core.rule.phase_arrays("train", RoundContext(1, 3), global_params, {})
     np.testing.assert_array_equal(later[POS_WEIGHT], sent[POS_WEIGHT])
-    restarted = RoundAggregation("fedlsm", {}, num_classes=3, num_rounds=3, multi_label=True)
+    restarted = RoundAggregation(get_method("fedlsm"), {}, num_classes=3, num_rounds=3, multi_label=True)
     assert restarted.rule.phases(RoundContext(2, 3)) == [LABEL_COUNTS, "train"]  # no pos_weight: ask again
-    single = RoundAggregation("fedlsm", {}, num_classes=3, num_rounds=3)
+    single = RoundAggregation(get_method("fedlsm"), {}, num_classes=3, num_rounds=3)
     assert single.rule.phases(RoundContext(0, 3)) == ["train"]
 
 
 def test_negative_or_fractional_counts_are_refused() -> None:
-    core = RoundAggregation("fedlsm", {}, num_classes=3, num_rounds=3, multi_label=True)
+    core = RoundAggregation(get_method("fedlsm"), {}, num_classes=3, num_rounds=3, multi_label=True)
     core.start_round({"head.bias": np.zeros(3, np.float32)}, RoundContext(0, 3))
     core.start_phase(LABEL_COUNTS)
     assert "below 0" in core.accept("a", {"positives": np.array([-1, 0, 0]), "negatives": np.zeros(3, np.int64)}, {})

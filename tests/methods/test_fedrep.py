@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from medflare.evaluation import SPECIALIZATION
-from medflare.flare.models import build_global_model
 from medflare.methods.base import RoundContext
 from medflare.methods.fedrep import FedRepConfig
 from medflare.ops import model_params
+from medflare.plan import build_global_model
 from medflare.registry import get_method
 
 from ._generalization import check_generalization_by_hand

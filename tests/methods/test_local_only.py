@@ -12,10 +12,10 @@ import torch.nn.functional as F
 
 from medflare import contracts
 from medflare.evaluation import GENERALIZATION
-from medflare.flare.models import build_global_model
 from medflare.methods.base import RoundContext
 from medflare.methods.local_only import LocalOnlyConfig
 from medflare.ops import model_params
+from medflare.plan import build_global_model
 from medflare.registry import get_method
 from medflare.site_config import SiteSettings, TaskSpec, resolve_site_model
 from medflare.site_runtime import SiteRuntime
@@ -48,11 +48,11 @@ def test_weights_a_server_sends_never_replace_the_sites_model() -> None:
 
 def test_the_server_holds_no_model_so_each_site_may_run_its_own_architecture() -> None:
     assert build_global_model("local-only", "cnn", 3, 1, 28).state_dict() == {}
-    assert resolve_site_model("local-only", "cnn", {"site-2": "vit_micro"}, "site-2", None) == "vit_micro"
+    assert resolve_site_model(get_method("local-only"), "cnn", {"site-2": "vit_micro"}, "site-2", None) == "vit_micro"
 
 
 def test_only_the_common_meta_leaves_a_site_and_it_scores_the_sites_own_model() -> None:
-    settings = SiteSettings(method="local-only", task=TaskSpec(num_classes=3, in_channels=3, image_size=28),
+    settings = SiteSettings(spec=get_method("local-only"), task=TaskSpec(num_classes=3, in_channels=3, image_size=28),
                             data={"source": "synthetic:n=120,classes=3", "num_sites": 2, "partition": "iid"},
                             model="cnn", train={"max_steps": 1, "batch_size": 8})
     site = SiteRuntime(settings, "site-1", 0, log=lambda message: None)

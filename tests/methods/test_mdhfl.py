@@ -30,6 +30,7 @@ from medflare.methods.mdhfl.protocol import (
 from medflare.methods.mdhfl.server import PublicSetMismatch, chunk_bounds
 from medflare.methods.mdhfl.targets import ccr_weights, mean_weights, mixed_target_loss, mixed_targets
 from medflare.models import create_model
+from medflare.plan import validated
 from medflare.registry import get_method
 from medflare.run_config import RunConfig
 
@@ -125,7 +126,7 @@ def test_chunks_cover_the_rows_of_a_round_once_and_rounds_rotate() -> None:
 
 # ----- the server's side of the exchange -------------------------------------------------------------------
 def server(method: str = "mdhfl", **method_args) -> RoundAggregation:
-    return RoundAggregation(method, {"public_per_round": 8, **method_args}, num_classes=K, num_rounds=3)
+    return RoundAggregation(get_method(method), {"public_per_round": 8, **method_args}, num_classes=K, num_rounds=3)
 
 
 def set_up(core: RoundAggregation, sites: dict[str, str], size: int = 20, round_index: int = 0) -> np.ndarray:
@@ -394,9 +395,9 @@ def test_the_noisy_heterogeneous_scenario_runs_only_methods_that_send_no_weights
 
     scenario = load_scenario("noisy-heterogeneous")
     for method in ("mdhfl", "fedmd", "local-only"):
-        RunConfig(**merge_sections(scenario, {"method": method})).validate()
+        validated(RunConfig(**merge_sections(scenario, {"method": method})))
     with pytest.raises(ConfigError, match="per-site models"):
-        RunConfig(**merge_sections(scenario, {"method": "fedavg"})).validate()
+        validated(RunConfig(**merge_sections(scenario, {"method": "fedavg"})))
 
 
 def test_the_setup_reports_the_digest_and_size_of_the_public_copy() -> None:

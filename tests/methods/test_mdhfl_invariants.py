@@ -141,7 +141,7 @@ def test_ccr_drops_are_relative_to_the_current_loss() -> None:
 # ----- the server's targets: MDH-FL against FedMD -------------------------------------------------------------------
 def first_targets(method: str) -> dict[str, np.ndarray]:
     """Round 0 of the exchange, three sites each sending a one-hot column of its own: each site's target."""
-    core = RoundAggregation(method, {"public_per_round": 4}, num_classes=K, num_rounds=2)
+    core = RoundAggregation(get_method(method), {"public_per_round": 4}, num_classes=K, num_rounds=2)
     core.start_round({}, RoundContext(0, 2))
     core.start_phase(SETUP_PHASE)
     sites = ("site-1", "site-2", "site-3")

@@ -15,6 +15,7 @@ from torch.utils.data import TensorDataset
 from medflare.errors import ConfigError, DataError
 from medflare.losses import masked_bce, weighted_bce
 from medflare.metrics import MultiLabelEvalStats
+from medflare.plan import multi_label_methods, task_of
 from medflare.registry import get_method, list_methods
 from medflare.run_config import RunConfig
 from medflare.site_config import SiteSettings, TaskSpec, check_multi_label_support
@@ -80,15 +81,15 @@ def test_scores_are_sigmoids_and_evaluation_is_multi_label(linear: torch.nn.Modu
 def test_single_label_methods_refuse_multi_label_tasks_before_launch() -> None:
     task = TaskSpec(num_classes=4, in_channels=3, image_size=8, multi_label=True)
     with pytest.raises(ConfigError, match=r"'bsm-fl' trains single-label classifiers .* use one of .*fedavg"):
-        check_multi_label_support(get_method("bsm-fl"), task)
+        check_multi_label_support(get_method("bsm-fl"), task, multi_label_methods())
     check_multi_label_support(get_method("fedprox"), task)
     with pytest.raises(ConfigError, match="'ldam-drw' trains single-label"):  # every launcher reads the task first
-        RunConfig(method="ldam-drw", data=ML_DATA).task_spec()
-    assert RunConfig(method="fedavg", data=ML_DATA).task_spec().multi_label
+        task_of(RunConfig(method="ldam-drw", data=ML_DATA))
+    assert task_of(RunConfig(method="fedavg", data=ML_DATA)).multi_label
 
 
 def test_a_site_whose_data_disagrees_with_the_task_kind_fails_clearly() -> None:
-    settings = SiteSettings(method="fedavg", task=TaskSpec(4, 3, 8), data={**ML_DATA, "seed": 0})
+    settings = SiteSettings(spec=get_method("fedavg"), task=TaskSpec(4, 3, 8), data={**ML_DATA, "seed": 0})
     with pytest.raises(DataError, match="site's data is multi-label but the job declares a single-label task"):
         SiteRuntime(settings, "site-1", 0, log=lambda m: None)
 

@@ -15,7 +15,6 @@ from timm.layers import PatchEmbed
 from medflare import contracts
 from medflare.errors import ConfigError, DataError, PayloadError
 from medflare.flare.aggregator import RoundAggregation
-from medflare.flare.models import build_global_model
 from medflare.methods.base import RoundContext, SiteUpdate, Stage, TrainConfig
 from medflare.methods.fed_mas.prior import build_prior
 from medflare.methods.ssl_fl import (
@@ -33,6 +32,8 @@ from medflare.methods.ssl_fl.model import masked_patch_loss, patchify
 from medflare.methods.ssl_fl.server import SslFlRule
 from medflare.methods.ssl_fl.tokenizer import DalleEncoder, DalleTokenizer, DiscreteVae, code_usage, load_dalle_encoder
 from medflare.optim import lr_at, set_step_lr
+from medflare.plan import build_global_model
+from medflare.registry import get_method
 from medflare.site_config import SiteSettings, TaskSpec
 from medflare.site_runtime import SiteRuntime
 
@@ -46,7 +47,7 @@ def _site(
     method: str, index: int = 0, method_args: dict | None = None, data: dict | None = None, **train: object
 ) -> SiteRuntime:
     settings = SiteSettings(
-        method=method, task=TASK, data={**DATA, **(data or {})}, model=MODEL, method_args=method_args or {},
+        spec=get_method(method), task=TASK, data={**DATA, **(data or {})}, model=MODEL, method_args=method_args or {},
         train={**QUICK, **train}, evaluation="off",
     )
     return SiteRuntime(settings, f"site-{index + 1}", index, log=lambda message: None)
@@ -191,7 +192,7 @@ def test_stage_plans_add_up_and_name_the_options_when_they_do_not() -> None:
     with pytest.raises(ConfigError, match="leave none for fine-tuning"):
         FedMaeConfig(pretrain_rounds=3).stage_plan(3)
     with pytest.raises(ConfigError, match="rounds=5"):  # explicit budgets that do not add up: refused before launch
-        RoundAggregation("fed-mae", {"pretrain_rounds": 2, "finetune_rounds": 2}, 3, 5)
+        RoundAggregation(get_method("fed-mae"), {"pretrain_rounds": 2, "finetune_rounds": 2}, 3, 5)
 
 
 def test_a_job_that_names_no_model_gets_a_vit_and_a_stage_plan_that_fits_two_rounds() -> None:
@@ -243,7 +244,7 @@ def test_stage_handoff_carries_the_encoder_bit_identically_and_drops_the_decoder
     """Through the server's own round code: the last pre-training aggregate's encoder is exactly what the first
     fine-tuning task carries and what a site's model then holds; decoder keys travel in neither direction."""
     args = {"pretrain_rounds": 1}
-    core = RoundAggregation("fed-mae", args, TASK.num_classes, 2)
+    core = RoundAggregation(get_method("fed-mae"), args, TASK.num_classes, 2)
     sites = [_site("fed-mae", i, args) for i in range(2)]
     global_params = _global("fed-mae", args)
     for ctx in (RoundContext(0, 2, "pretrain", stage_round=0, stage_rounds=1, scored=False),):
@@ -289,7 +290,7 @@ def test_the_site_privacy_filter_passes_every_stage_because_sites_send_back_only
 
     from ..deploy.test_provision_and_policies import guard_context
 
-    core = RoundAggregation(method, method_args, TASK.num_classes, len(other_stage_key))
+    core = RoundAggregation(get_method(method), method_args, TASK.num_classes, len(other_stage_key))
     site = _site(method, 0, method_args)
     global_params = _global(method, method_args)
     for ctx in round_plan(core.stages, len(other_stage_key)):
@@ -565,7 +566,7 @@ def test_fed_mas_runs_on_a_fed_mae_encoder_as_its_frozen_prior(tmp_path: Path) -
     images = torch.rand(2, 1, 28, 28) * 2 - 1
     torch.testing.assert_close(prior(images), network.decoder.encoder_norm(network.backbone.forward_features(images))[:, 1:].mean(1))
     settings = SiteSettings(
-        method="fedmas", task=TaskSpec(2, 1, 28), data={"source": "synthetic:n=80,classes=2,channels=1", "num_sites": 1},
+        spec=get_method("fedmas"), task=TaskSpec(2, 1, 28), data={"source": "synthetic:n=80,classes=2,channels=1", "num_sites": 1},
         model="cnn", method_args={"prior": prior_spec, "prior_dim": 96}, train=QUICK, evaluation="off",
     )
     site = SiteRuntime(settings, "site-1", 0, log=lambda m: None)

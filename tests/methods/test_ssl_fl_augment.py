@@ -9,6 +9,7 @@ import torch
 from medflare.data import build_transform
 from medflare.errors import ConfigError
 from medflare.methods.ssl_fl import FedBeitConfig, FedMaeConfig
+from medflare.registry import get_method
 from medflare.site_config import SiteSettings, TaskSpec
 from medflare.site_runtime import SiteRuntime
 
@@ -17,7 +18,7 @@ DATA = {"source": "synthetic:n=60,classes=3", "num_sites": 2, "partition": "iid"
 
 
 def _trainer(method: str, method_args: dict | None = None):
-    settings = SiteSettings(method=method, task=TASK, data=DATA, model="vit_micro", method_args=method_args or {},
+    settings = SiteSettings(spec=get_method(method), task=TASK, data=DATA, model="vit_micro", method_args=method_args or {},
                             train={"max_steps": 1, "batch_size": 8}, evaluation="off")
     return SiteRuntime(settings, "site-1", 0, log=lambda message: None).trainer
 

@@ -12,13 +12,14 @@ import torch
 
 from medflare import contracts
 from medflare.flare.aggregator import RoundAggregation
-from medflare.flare.models import build_global_model
 from medflare.methods.base import MethodSpec, RoundContext
 from medflare.methods.ssl_fl import FED_BEIT, FED_MAE, FedBeitConfig, FedMaeConfig, build_fed_beit, build_fed_mae
 from medflare.methods.ssl_fl.client import N_IMAGES
 from medflare.methods.ssl_fl.export import export_run, load_encoder
 from medflare.methods.ssl_fl.masking import BlockMaskGenerator, random_mask
 from medflare.methods.ssl_fl.model import patchify
+from medflare.plan import build_global_model
+from medflare.registry import get_method
 from medflare.site_config import SiteSettings, TaskSpec
 from medflare.site_runtime import SiteRuntime
 
@@ -37,7 +38,7 @@ JOBS = {
 
 def _site(method: str, data: dict | None = None, **train: object) -> SiteRuntime:
     settings = SiteSettings(
-        method=method, task=TASK, data={**DATA, **(data or {})}, model=MODEL, method_args=JOBS[method][0],
+        spec=get_method(method), task=TASK, data={**DATA, **(data or {})}, model=MODEL, method_args=JOBS[method][0],
         train={**QUICK, **train}, evaluation="off",
     )
     return SiteRuntime(settings, "site-1", 0, log=lambda message: None)
@@ -71,7 +72,7 @@ def test_a_pretraining_round_averages_every_encoder_block_by_image_count(method:
     """Two sites shift every weight by 1 and by 5; with 100 and 300 images (10 and 90 labels) the pre-training
     aggregate is shifted by 0.25 * 1 + 0.75 * 5 = 4 on every encoder key (by labels it would be 4.6)."""
     args, rounds, ctx = JOBS[method]
-    core = RoundAggregation(method, args, TASK.num_classes, rounds)
+    core = RoundAggregation(get_method(method), args, TASK.num_classes, rounds)
     global_params = _global(method)
     core.start_round(global_params, ctx)
     task = core.start_phase(contracts.TRAIN_PHASE)
@@ -159,7 +160,8 @@ def test_the_exported_prior_gives_the_trained_encoders_normalised_features(metho
     model_file = tmp_path / "FL_global_model.pt"
     torch.save({"model": network.state_dict()}, model_file)
     spec = FED_MAE if method == "fed-mae" else FED_BEIT
-    out = export_global_model(method, MODEL, vars(TASK), spec.config_cls(**args), model_file, tmp_path / "encoder.pt")
+    fresh = spec.build_model(MODEL, TASK.num_classes, TASK.in_channels, TASK.image_size, None, spec.config_cls(**args))
+    out = export_global_model(fresh, method, MODEL, model_file, tmp_path / "encoder.pt")
     prior = build_prior(f"fed-mae:{out}", 96, input_size=28)
     images = torch.rand(4, 3, 28, 28) * 2 - 1
     torch.testing.assert_close(prior(images), _trained_features(network, images), rtol=1e-4, atol=1e-4)

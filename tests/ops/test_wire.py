@@ -7,6 +7,7 @@ from medflare.errors import PayloadError
 from medflare.flare.aggregator import RoundAggregation
 from medflare.methods.base import RoundContext
 from medflare.ops.wire import decode_weights, encode_weights
+from medflare.registry import get_method
 
 GLOBAL = {"w": np.full((2, 3), 1.0, np.float32), "bn.num_batches_tracked": np.array(5, np.int64)}
 LOCAL = {"w": np.full((2, 3), 1.25, np.float32), "bn.num_batches_tracked": np.array(9, np.int64)}
@@ -29,7 +30,7 @@ def test_differences_leave_integer_buffers_home_and_decode_exactly() -> None:
 
 
 def core(kind: str, dtype: str = "float32") -> RoundAggregation:
-    aggregation = RoundAggregation("fedavg", {}, 3, 2, transfer_dtype=dtype, transfer_kind=kind)
+    aggregation = RoundAggregation(get_method("fedavg"), {}, 3, 2, transfer_dtype=dtype, transfer_kind=kind)
     aggregation.start_round(GLOBAL, RoundContext(0, 2))
     aggregation.start_phase("train")
     return aggregation

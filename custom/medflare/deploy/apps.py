@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from medflare.files import OutputError
-from medflare.run_config import DEPLOY_ROBUST, RunConfig, deployment_robust
+from medflare.run_config import RunConfig
+from medflare.server_setup import DEPLOY_ROBUST, deployment_robust
 
 REPO_DIR = Path(__file__).resolve().parents[3]
 APPS_DIR = REPO_DIR / "apps"

@@ -62,6 +62,7 @@ from medflare.launch import (
     results_text,
     write_job_outputs,
 )
+from medflare.plan import validated
 from medflare.processes import (
     end_processes,
     flare_admin_popen_args,
@@ -70,8 +71,8 @@ from medflare.processes import (
     run_kept,
     signals_held,
 )
-from medflare.run_config import deployment_robust
 from medflare.run_options import add_run_options, build_run_config
+from medflare.server_setup import deployment_robust
 
 REPO_DIR = Path(__file__).resolve().parents[3]
 DEFAULT_PROJECT = REPO_DIR / "provisioning" / "project.yml"
@@ -569,7 +570,7 @@ def follow_job(session: PocSession, job_id: str, echo: Echo, timeout: float) -> 
 
 def as_deployed(run: Any) -> Any:
     """``run`` as a POC deploys it (in place): a POC is a real deployment, so its job gets the robust defences
-    (:func:`medflare.run_config.deployment_robust` under the run's own), simulated data or not. Returns ``run``."""
+    (:func:`medflare.server_setup.deployment_robust` under the run's own), simulated data or not. Returns ``run``."""
     run.robust = deployment_robust(run.robust, encrypted=run.secure_aggregation == "he")
     return run
 
@@ -595,7 +596,7 @@ def run_poc(
     rounds that finished, is kept as ``<out>.failed.log``.
 
     A POC is a real deployment, so its job gets the robust defences (``run.robust`` becomes
-    :func:`medflare.run_config.deployment_robust`'s, which summary.json then records), simulated data or not.
+    :func:`medflare.server_setup.deployment_robust`'s, which summary.json then records), simulated data or not.
 
     Args:
         run: the RunConfig (``clients`` decides the number of POC sites).
@@ -611,7 +612,7 @@ def run_poc(
     """
     as_deployed(run)
     if plan is None:
-        run.validate()
+        run = validated(run)
         plan = plan_job(run, mode)  # the data is read for the task once; the job and its outputs come from the plan
     target = OutputTarget(Path(out_dir), overwrite=overwrite)
     staging = target.begin()
@@ -669,8 +670,7 @@ def _run_in_poc(run: Any, plan: Any, session: PocSession, target: OutputTarget, 
 def _run_config_from_args(args: Any) -> Any:
     run = build_run_config(args)
     run.robust = deployment_robust(run.robust, encrypted=run.secure_aggregation == "he")  # a deployment's job
-    run.validate()
-    return run
+    return validated(run)
 
 
 def _cmd_prepare(session: PocSession, args: Any) -> int:
@@ -703,14 +703,13 @@ def _cmd_wait(session: PocSession, args: Any) -> int:
 
 
 def _cmd_download(session: PocSession, args: Any) -> int:
-    from medflare.config import from_dict
-    from medflare.run_config import RunConfig
+    from medflare.run_config import merge_run_config
 
     job_id = args.job_id or session.state.get("last_job")
     if not job_id:
         raise PocError("no job submitted in this POC")
     job = session.state["jobs"][job_id]
-    run = from_dict(RunConfig, job["run"], "run config")
+    run = merge_run_config(job["run"])  # as the POC stored it, typed again
     out = Path(args.output or f"runs/poc-{run.job_name}-{job_id[:8]}")
     target = OutputTarget(out, overwrite=args.overwrite, option="-o")
     target.check()

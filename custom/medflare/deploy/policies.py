@@ -152,19 +152,19 @@ def privacy_policy(methods: Iterable[str]) -> dict[str, Any]:
     server sent with each task (names, shapes, dtypes, array dimensions); as a task result filter, after FLARE's
     ExcludeVars has stripped the method's private keys (when it declares any), it refuses any result with
     undeclared, reshaped or retyped arrays, bad values or undeclared meta. The default scope applies the guard
-    for whatever method the job's config names.
+    for whatever method the job's plan names (its medflare_plan.json).
     """
-    from medflare.registry import get_method
+    from medflare.plan import method_of
 
     scopes = []
     for method in methods:
         result_filters: list[dict[str, Any]] = []
-        private_keys = get_method(method).payload.private_keys
+        private_keys = method_of(method).payload.private_keys
         if private_keys:
             result_filters.append({"path": "nvflare.app_common.filters.exclude_vars.ExcludeVars",
                                    "args": {"exclude_vars": private_keys}})
         scopes.append(_guarded_scope(scope_name(method), method, method, result_filters))
-    scopes.append(_guarded_scope(DEFAULT_SCOPE, "read from the job's client config", "", []))
+    scopes.append(_guarded_scope(DEFAULT_SCOPE, "read from the job's plan", "", []))
     return {"format_version": "1.0", "scopes": scopes, "default_scope": DEFAULT_SCOPE}
 
 

@@ -233,12 +233,11 @@ def _policy(site_file: Any) -> tuple[Any, str, str]:
 
 def _site_data(site: str, site_file: Any) -> tuple[Any, str, str]:
     """The site's own data as it reads it for any job (its class_map and window applied, no job's task)."""
-    from medflare.config import from_dict
-    from medflare.data import DataConfig, make_site_data
-    from medflare.site_config import read_site_data_config
+    from medflare.data import make_site_data
+    from medflare.site_config import read_site_data_config, typed_data_config
 
     data_config = {**read_site_data_config(site_file, None), "local": True, "num_sites": 1}
-    data = make_site_data(from_dict(DataConfig, data_config, "data"), 0, site)
+    data = make_site_data(typed_data_config(data_config), 0, site)
     names = list(_source_info(data_config)["class_names"])  # the site's own (before any job's class_map)
     return (data, names), PASS, f"{data_config['source']}: {len(data.train)} train / {len(data.val)} val / " \
                        f"{len(data.test)} test images"

@@ -341,9 +341,9 @@ class Stage:
 
     def export(self) -> Path:
         from medflare.launch import export_run_job
+        from medflare.plan import validated
 
-        run = self.run_config()
-        run.validate(check_files=False)
+        run = validated(self.run_config(), check_files=False)
         self.run = run
         return export_run_job(run, self.work / "jobs", "preinstalled")  # what `medflare export` writes
 
@@ -561,13 +561,13 @@ def model_is_finite(path: Path, run: Any) -> str | None:
     import numpy as np
     import torch
 
-    from medflare.flare.models import build_global_model
+    from medflare.plan import build_global_model, task_of
 
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)["model"]
     except Exception as exc:  # noqa: BLE001 - any failure to load is the finding
         return f"{path.name} does not load: {exc}"
-    task = run.task_spec()
+    task = task_of(run)
     expected = build_global_model(run.method, run.model, task.num_classes, task.in_channels, task.image_size)
     if set(state) != set(expected.state_dict()):
         return f"{path.name} has keys {sorted(set(state) ^ set(expected.state_dict()))} the method's model has not"

@@ -17,7 +17,15 @@ from medflare import contracts
 from medflare.contracts import ContractContext, Expected, validate_update
 from medflare.errors import MedflareError, PayloadError
 from medflare.flare.tasks import deployed_plan
-from medflare.methods.base import LARGEST_SHARE, AggregateResult, PerSite, RoundContext, SiteUpdate, aggregate_updates
+from medflare.methods.base import (
+    LARGEST_SHARE,
+    AggregateResult,
+    MethodSpec,
+    PerSite,
+    RoundContext,
+    SiteUpdate,
+    aggregate_updates,
+)
 from medflare.ops import normalise_weights, wire
 from medflare.ops.aggregate import SiteOrderedSum
 from medflare.ops.influence import Mixture, combine, mix
@@ -47,8 +55,8 @@ class RoundAggregation:
     """FLARE-free core of one round: accept (validate) results phase by phase, then aggregate.
 
     Args:
-        method: registered method name.
-        method_args: the method's hyperparameters.
+        spec: the registered method (a plan's ``spec``).
+        method_args: the method's hyperparameters, typed (as a plan holds them).
         num_classes: K of the task.
         num_rounds: the job's rounds; the rule's stages must add up to it.
         robust: :class:`medflare.server_setup.RobustConfig` fields.
@@ -66,8 +74,8 @@ class RoundAggregation:
 
     def __init__(
         self,
-        method: str,
-        method_args: Mapping[str, Any] | None,
+        spec: MethodSpec,
+        method_args: Mapping[str, Any],
         num_classes: int,
         num_rounds: int,
         robust: Mapping[str, Any] | None = None,
@@ -79,8 +87,9 @@ class RoundAggregation:
         min_clients: int = 1,
     ):
         self.min_clients = min_clients
-        self.spec, self.rule, self.stages, self.robust = server_rule(
-            method, method_args, num_rounds, robust, transfer_dtype, transfer_kind, download_dtype, multi_label
+        self.spec = spec
+        self.rule, self.stages, self.robust = server_rule(
+            spec, method_args, num_rounds, robust, transfer_dtype, transfer_kind, download_dtype, multi_label
         )
         self.robust.check_quorum(min_clients)
         self.multi_label = multi_label
@@ -102,7 +111,7 @@ class RoundAggregation:
     @classmethod
     def of_plan(cls, plan: RunPlan) -> RoundAggregation:
         """The round core a job of ``plan`` runs (the FLARE aggregator's, and the in-process loop's)."""
-        return cls(plan.method, plan.method_args, plan.task.num_classes, len(plan.rounds), plan.robust,
+        return cls(plan.spec, plan.method_args, plan.task.num_classes, len(plan.rounds), plan.robust,
                    plan.transfer_dtype, plan.transfer_kind, plan.task.multi_label, plan.stream_aggregation,
                    plan.download_dtype, plan.min_clients)
 

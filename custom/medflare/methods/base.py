@@ -698,12 +698,12 @@ class MethodSpec:
         multi_label: whether the method trains multi-label tasks (sigmoid per class); a method that is not
             marked is refused for multi-label data before anything is launched.
         check_run: the method's pre-launch checks of what the run's options alone decide, called by
-            ``RunConfig.validate`` before anything starts: ``(method config, {site: resolved TrainConfig},
+            ``plan.build_plan`` before anything starts: ``(method config, {site: resolved TrainConfig},
             simulated DataConfig or None when each site reads its own data) -> problems``, one sentence each
             naming the option to change. What only loaded data decides stays in the trainer.
         data_defaults: DataConfig options of the paper's evaluation protocol for simulated data, e.g. FCA's
             ``{"eval_split": "like_train"}`` (each site's test split follows its training class mix). Applied by
-            ``RunConfig.validate`` under the job's own data options (``--set data.eval_split=pooled`` wins), never
+            ``plan.validated`` under the job's own data options (``--set data.eval_split=pooled`` wins), never
             for site-local data, and ``like_train`` not for a multi-label task; the run's config records them.
         presets: named run-config presets (``--preset NAME``), e.g. ``{"paper": Preset(...)}`` with the paper's
             headline configuration and what still differs from it (:mod:`medflare.methods.presets`).

@@ -155,45 +155,31 @@ def export_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         ConfigError: the run is not an SSL-FL run, or it ended with fine-tuning (its encoder is then no longer
             the self-supervised one).
     """
-    from medflare.config import from_dict
-    from medflare.registry import get_method
+    from medflare.methods.ssl_fl import FED_BEIT, FED_MAE
 
     run = Path(run_dir)
     config = json.loads((run / "summary.json").read_text())["config"]
-    spec = get_method(config["method"])
-    method_cfg = from_dict(spec.config_cls, config.get("method_args") or {}, f"method '{spec.name}'")
-    if not hasattr(method_cfg, "stage_plan"):
-        raise ConfigError(f"{run} is a '{spec.name}' run; only fed-mae and fed-beit runs have an SSL encoder")
+    spec = {FED_MAE.name: FED_MAE, FED_BEIT.name: FED_BEIT}.get(config["method"])
+    if spec is None:
+        raise ConfigError(f"{run} is a '{config['method']}' run; only fed-mae and fed-beit runs have an SSL encoder")
+    method_cfg = spec.config_cls(**config["method_args"])  # every argument, typed: the summary holds the job's plan's
     last = method_cfg.stage_plan(int(config["rounds"]))[-1].name
     if last != "pretrain":
         raise ConfigError(
             f"{run} ends with stage '{last}', so its encoder is fine-tuned; export from a pre-training-only run "
             "(--set method.finetune_rounds=0)"
         )
-    return export_global_model(
-        spec.name, config["model"], config["task"], method_cfg, run / "FL_global_model.pt", out or run / DEFAULT_FILE
-    )
+    network = spec.build_model(config["model"], config["task"]["num_classes"], config["task"]["in_channels"],
+                               config["task"]["image_size"], None, method_cfg)
+    return export_global_model(network, spec.name, config["model"], run / "FL_global_model.pt", out or run / DEFAULT_FILE)
 
 
-def export_global_model(
-    method: str, model: str, task: dict[str, int], method_cfg: Any, model_file: str | Path, out: str | Path
-) -> Path:
-    """Write the encoder of a saved global model (FLARE's ``FL_global_model.pt`` layout, ``{"model": state}``).
-
-    Args:
-        method: the SSL-FL method that trained it.
-        model: its ``vit_*`` model name.
-        task: ``{"num_classes", "in_channels", "image_size"}`` of the job.
-        method_cfg: the job's method configuration (decides the network's modules).
-        model_file: the saved global model.
-        out: the encoder file to write.
-    """
+def export_global_model(network: VitClassifier, method: str, model: str, model_file: str | Path,
+                        out: str | Path) -> Path:
+    """Write the encoder of a saved global model (FLARE's ``FL_global_model.pt`` layout, ``{"model": state}``) of the
+    SSL-FL ``method`` whose ``network`` (``model``, built with the job's task and method configuration) trained it."""
     from medflare.models import read_state_dict_file
-    from medflare.registry import get_method
 
-    network = get_method(method).build_model(
-        model, task["num_classes"], task["in_channels"], task["image_size"], None, method_cfg
-    )
     network.load_state_dict(read_state_dict_file(model_file))
     return save_encoder(network, out, method, model)
 
