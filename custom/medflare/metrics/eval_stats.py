@@ -29,15 +29,9 @@ _PROB_TOLERANCE = 1e-4
 
 @dataclass
 class EvalStats:
-    """Sufficient statistics of one evaluation, closed under addition.
-
-    Attributes:
-        confusion: int64 ``[K, K]`` counts; rows are true classes, columns predicted (argmax) classes.
-        pos_hist: int64 ``[K, bins]``; row k histograms the score of class k over samples whose true class is k.
-        neg_hist: int64 ``[K, bins]``; row k histograms the score of class k over samples of every other class.
-        loss_sum: sum of the per-sample losses (the caller's loss, e.g. cross-entropy).
-        count: number of samples.
-    """
+    """Sufficient statistics of one evaluation, closed under addition: int64 ``confusion`` ``[K, K]`` (rows true,
+    columns predicted), and ``pos_hist``/``neg_hist`` ``[K, bins]`` (row k: class k's score over samples of class
+    k / of every other class), the summed per-sample loss and the sample count."""
 
     confusion: np.ndarray
     pos_hist: np.ndarray
@@ -76,15 +70,7 @@ class EvalStats:
         bins: int = DEFAULT_BINS,
         loss_sum: float = 0.0,
     ) -> EvalStats:
-        """Statistics of a batch (or a whole split) of predictions.
-
-        Args:
-            y_true: true class indices ``[N]``.
-            probs: class probabilities ``[N, K]`` (softmax outputs; the prediction is their argmax). Torch tensors
-                are accepted and copied to the CPU.
-            num_classes: K.
-            bins: number of score bins (see :func:`score_bins`).
-            loss_sum: summed per-sample loss of these predictions.
+        """Statistics of predictions: true classes ``[N]`` and softmax probabilities ``[N, K]`` (numpy or torch).
 
         Raises:
             DataError: for mismatched shapes, labels outside [0, K), or scores that are not probabilities.
@@ -143,17 +129,8 @@ class EvalStats:
 
     @classmethod
     def from_dict(cls, data: Any, num_classes: int | None = None, bins: int | None = None) -> EvalStats:
-        """Rebuild statistics received from another party, validating them.
-
-        Args:
-            data: a dict as produced by :meth:`to_dict`.
-            num_classes: expected K, if known.
-            bins: expected number of bins, if known.
-
-        Raises:
-            PayloadError: for missing fields, wrong shapes, negative or non-integer counts, inconsistent totals,
-                or a K / bins other than the expected ones.
-        """
+        """Rebuild :meth:`to_dict`'s output received from another party; PayloadError for missing fields, wrong
+        shapes, bad or inconsistent counts, or a K / bins other than the expected ones."""
         if not isinstance(data, dict):
             raise PayloadError(f"EvalStats payload must be a dict, got {type(data).__name__}")
         missing = {"confusion", "pos_hist", "neg_hist", "loss_sum", "count"} - set(data)
@@ -174,21 +151,11 @@ class EvalStats:
 
 
 def score_bins(scores: np.ndarray, bins: int) -> np.ndarray:
-    """Histogram bin of each probability: bins are equally spaced in ``u = ½·p + ½·(logit p − a)/(b − a)``.
+    """int64 histogram bin of each probability, bins equally spaced in ``u = ½·p + ½·(logit p − a)/(b − a)``.
 
-    Equal-width bins on p merge every saturated score of a confident model (p < 1e-3 or p > 0.999) into the
-    end bins, where a positive and a negative count as a tie; AUC then reads 0.005 and more too low. Half of
-    the resolution here is linear in p (fine in the middle, width 2/bins) and half linear in logit p over
-    [a, b] = [−110, 40] (about 0.3 in logit per bin at 1000 bins, so scores 35 % apart are told apart however
-    close to 0 or 1 they are). ``u`` is strictly increasing, so the bins keep the scores' order and the ROC
-    curve through the bin edges is exact.
-
-    Args:
-        scores: probabilities in [0, 1], any shape.
-        bins: number of bins.
-
-    Returns:
-        int64 bin indices in [0, bins), same shape as ``scores``.
+    Equal-width bins on p merge every saturated score of a confident model into the end bins, as ties (AUC read
+    0.005 and more too low). Half the resolution here is linear in p and half in logit p over [a, b] = [−110, 40]
+    (about 0.3 in logit per bin at 1000 bins). ``u`` is strictly increasing, so the bins keep the scores' order.
     """
     low, high = _LOGIT_RANGE
     p = np.clip(scores, 0.0, 1.0)

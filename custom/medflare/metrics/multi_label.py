@@ -1,10 +1,6 @@
-"""Summable evaluation statistics of multi-label classification (several findings per image).
-
-Each class is its own binary problem: a site sends per-class 2×2 confusion counts at threshold 0.5 and per-class
-score histograms of positives and negatives (the bins of :func:`~medflare.metrics.eval_stats.score_bins`), so
-per-class AUROC, its mean (FedLSM's chest X-ray metric) and macro F1 pool exactly or within
-:func:`~medflare.metrics.roc.binned_auc_error_bound`. Unknown label entries (-1, partial labels) are left out of
-their class's counts; nothing per-sample leaves a site.
+"""Summable evaluation statistics of multi-label classification (several findings per image): per class, 2×2
+confusion counts at threshold 0.5 and score histograms of positives and negatives, so per-class AUROC and macro F1
+pool exactly or within :func:`~medflare.metrics.roc.binned_auc_error_bound`. Unknown entries (-1) count nowhere.
 """
 
 from __future__ import annotations
@@ -26,17 +22,10 @@ FIELDS = ("confusion", "pos_hist", "neg_hist", "exact", "loss_sum", "count")
 
 @dataclass
 class MultiLabelEvalStats:
-    """Sufficient statistics of one multi-label evaluation, closed under addition.
-
-    Attributes:
-        confusion: int64 ``[K, 2, 2]``; ``confusion[k, t, p]`` counts the known entries of class k with truth t and
-            prediction p (1 = present, score >= 0.5).
-        pos_hist: int64 ``[K, bins]``; row k histograms class k's score over the samples where k is present.
-        neg_hist: int64 ``[K, bins]``; the same over the samples where k is known to be absent.
-        exact: samples whose every known entry is predicted right (subset accuracy's numerator).
-        loss_sum: sum over samples of the mean binary cross-entropy over their known entries.
-        count: samples with at least one known entry.
-    """
+    """Sufficient statistics of one multi-label evaluation, closed under addition: ``confusion[k, t, p]`` counts
+    class k's known entries with truth t and prediction p; ``pos_hist``/``neg_hist`` ``[K, bins]`` histogram class
+    k's score where it is present / known absent; ``exact``: samples with every known entry right; ``loss_sum``:
+    their mean BCE over known entries, summed; ``count``: samples with at least one known entry."""
 
     confusion: np.ndarray
     pos_hist: np.ndarray
@@ -69,9 +58,8 @@ class MultiLabelEvalStats:
         cls, y_true: npt.ArrayLike, probs: npt.ArrayLike, num_classes: int, bins: int = DEFAULT_BINS,
         loss_sum: float = 0.0,
     ) -> MultiLabelEvalStats:
-        """Statistics of multi-hot labels ``[N, K]`` (1, 0, -1 unknown) and sigmoid scores ``[N, K]``.
-
-        Rows without any known entry are left out (they count in nothing).
+        """Statistics of multi-hot labels ``[N, K]`` (1, 0, -1 unknown; a row with none known counts nowhere) and
+        sigmoid scores ``[N, K]``.
 
         Raises:
             DataError: for mismatched shapes, entries other than 1/0/-1, or scores that are not in [0, 1].
