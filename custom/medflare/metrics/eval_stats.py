@@ -7,8 +7,8 @@ Nothing per-sample leaves a site.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -25,10 +25,54 @@ DEFAULT_BINS = 1000
 _LOGIT_RANGE = (-110.0, 40.0)
 # Softmax outputs may overshoot [0, 1] by rounding; anything further out is not a probability.
 _PROB_TOLERANCE = 1e-4
+Stats = TypeVar("Stats", bound="SummableStats")
+
+
+class SummableStats:
+    """What single- and multi-label statistics share: arrays and counts that add field by field."""
+
+    KIND = "EvalStats"  # how messages name the kind
+    confusion: np.ndarray
+    pos_hist: np.ndarray
+
+    @property
+    def num_classes(self) -> int:
+        """K."""
+        return int(self.confusion.shape[0])
+
+    @property
+    def bins(self) -> int:
+        """Number of score bins (see :func:`score_bins`)."""
+        return int(self.pos_hist.shape[1])
+
+    def __add__(self: Stats, other: Stats) -> Stats:
+        """Statistics of the union of both evaluations."""
+        if not isinstance(other, type(self)):
+            return NotImplemented
+        if (self.num_classes, self.bins) != (other.num_classes, other.bins):
+            raise DataError(f"cannot add {self.KIND} with K={self.num_classes}, bins={self.bins} and "
+                            f"K={other.num_classes}, bins={other.bins}")
+        return type(self)(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+    def __radd__(self: Stats, other: Any) -> Stats:
+        """Lets ``sum(list_of_stats)`` start from 0."""
+        if isinstance(other, int) and other == 0:
+            return self
+        return NotImplemented
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain lists and numbers (JSON/msgpack-serialisable) for a FLARE message."""
+        return {f.name: _plain(f.name, getattr(self, f.name)) for f in fields(self)}
+
+
+def _plain(name: str, value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return float(value) if name == "loss_sum" else int(value)
 
 
 @dataclass
-class EvalStats:
+class EvalStats(SummableStats):
     """Sufficient statistics of one evaluation, closed under addition: int64 ``confusion`` ``[K, K]`` (rows true,
     columns predicted), and ``pos_hist``/``neg_hist`` ``[K, bins]`` (row k: class k's score over samples of class
     k / of every other class), the summed per-sample loss and the sample count."""
@@ -41,16 +85,6 @@ class EvalStats:
 
     def __post_init__(self) -> None:
         _check_consistent(self.confusion, self.pos_hist, self.neg_hist, self.count, DataError)
-
-    @property
-    def num_classes(self) -> int:
-        """K."""
-        return int(self.confusion.shape[0])
-
-    @property
-    def bins(self) -> int:
-        """Number of score bins (see :func:`score_bins`)."""
-        return int(self.pos_hist.shape[1])
 
     @classmethod
     def zeros(cls, num_classes: int, bins: int = DEFAULT_BINS) -> EvalStats:
@@ -93,39 +127,6 @@ class EvalStats:
             loss_sum=float(loss_sum),
             count=int(n),
         )
-
-    def __add__(self, other: EvalStats) -> EvalStats:
-        """Statistics of the union of both evaluations."""
-        if not isinstance(other, EvalStats):
-            return NotImplemented
-        if (self.num_classes, self.bins) != (other.num_classes, other.bins):
-            raise DataError(
-                f"cannot add EvalStats with K={self.num_classes}, bins={self.bins} "
-                f"and K={other.num_classes}, bins={other.bins}"
-            )
-        return EvalStats(
-            confusion=self.confusion + other.confusion,
-            pos_hist=self.pos_hist + other.pos_hist,
-            neg_hist=self.neg_hist + other.neg_hist,
-            loss_sum=self.loss_sum + other.loss_sum,
-            count=self.count + other.count,
-        )
-
-    def __radd__(self, other: Any) -> EvalStats:
-        """Lets ``sum(list_of_stats)`` start from 0."""
-        if isinstance(other, int) and other == 0:
-            return self
-        return NotImplemented
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain lists and numbers (JSON/msgpack-serialisable) for a FLARE message."""
-        return {
-            "confusion": self.confusion.tolist(),
-            "pos_hist": self.pos_hist.tolist(),
-            "neg_hist": self.neg_hist.tolist(),
-            "loss_sum": float(self.loss_sum),
-            "count": int(self.count),
-        }
 
     @classmethod
     def from_dict(cls, data: Any, num_classes: int | None = None, bins: int | None = None) -> EvalStats:
