@@ -1,11 +1,8 @@
 """What a saved global model carries besides its weights: the facts inference needs.
 
-FLARE's persistor saves ``{"model": state_dict, "train_conf": ..., "meta_props": ...}`` and keeps any other
-top-level entry of a checkpoint; medflare adds one, ``"medflare"`` (:data:`FACTS_KEY`), written by
-``flare.persistor.MedflareModelPersistor`` from the job's config. So ``FL_global_model.pt`` and
-``best_FL_global_model.pt`` name their method, model, task (class count and names, channels, image size),
-the input normalisation, the intensity window of DICOM/NIfTI data and the medflare version, wherever they are
-copied. ``medflare predict`` reads them back (:func:`read_checkpoint`).
+FLARE's persistor keeps any top-level entry of a checkpoint besides ``"model"``; medflare adds ``"medflare"``
+(:data:`FACTS_KEY`: method, model, task, normalisation, window, version), so a copied ``FL_global_model.pt`` still
+says what it is. ``medflare predict`` reads them back (:func:`read_checkpoint`).
 """
 
 from __future__ import annotations
@@ -64,13 +61,7 @@ def checkpoint_facts(plan: Any) -> dict[str, Any]:
 
 @dataclass
 class Checkpoint:
-    """A global model file read back: its weights and its facts.
-
-    Attributes:
-        path: the file.
-        weights: the state dict (tensors) FLARE saved.
-        facts: :func:`checkpoint_facts` as saved.
-    """
+    """A global model file read back: the state dict FLARE saved and :func:`checkpoint_facts` as saved."""
 
     path: Path
     weights: Mapping[str, Any]
@@ -84,10 +75,8 @@ class Checkpoint:
 
 
 def read_checkpoint(path: str | Path) -> Checkpoint:
-    """Load a ``FL_global_model.pt`` / ``best_FL_global_model.pt`` with its facts (tensors only, no pickled code).
-
-    The facts are held to :data:`FACTS` and :data:`readback.TASK_BOUNDS` and every float weight must be finite,
-    before any model is built or any image is resized to the facts' size.
+    """Load a ``FL_global_model.pt`` / ``best_FL_global_model.pt`` with its facts (tensors only, no pickled code),
+    held to :data:`FACTS` and :data:`readback.TASK_BOUNDS` with finite weights before anything is built.
 
     Raises:
         ConfigError: the file is missing, pickled or not a torch file, carries no medflare facts, or its facts or

@@ -1,11 +1,9 @@
-"""The wire contract: what may leave a site, declared once per method, and checked on both ends.
+"""The wire contract: what may leave a site, declared once per method (:class:`Payload`), checked on both ends.
 
-A method declares a :class:`Payload`. The site-side runtime calls :meth:`Payload.check_outgoing` on every
-result before it is sent, so a method that tries to send an undeclared meta key, a private parameter, a
-non-finite number or an out-of-range array fails loudly at the site. The server calls :func:`validate_update`
-on every incoming result, so a malformed, oversized, tampered or numerically broken update is rejected with a
-reason instead of poisoning the global model. A site's own privacy filter (``deploy/filters.py``) applies
-:func:`check_result_values`, the part of the same checks that needs no knowledge of the server's model.
+The site checks every result before sending (:meth:`Payload.check_outgoing`: no undeclared key, private
+parameter, non-finite or out-of-range value); the server rejects a malformed, oversized or tampered one with a
+reason (:func:`validate_update`). A site's privacy filter applies :func:`check_result_values`, the part that needs
+no knowledge of the server's model.
 """
 
 from __future__ import annotations
@@ -74,13 +72,8 @@ MetaValidator = Callable[[Any, "ContractContext"], Any]
 
 @dataclass(frozen=True)
 class ContractContext:
-    """What a validator may need to know about the task (never about a site's data).
-
-    Attributes:
-        num_classes: K of the task.
-        dims: named array dimensions of the current task (see :class:`ArraySpec`).
-        multi_label: whether the task is multi-label (evaluation statistics must then be multi-label ones).
-    """
+    """What a validator may need to know about the task (never about a site's data): K, the task's named array
+    dimensions (:class:`ArraySpec`) and whether it is multi-label."""
 
     num_classes: int
     dims: Mapping[str, int] = field(default_factory=dict)
@@ -151,31 +144,28 @@ def class_vector(name: str) -> MetaValidator:
     return check
 
 
-def class_counts(name: str, upper: float = MAX_SAMPLES) -> MetaValidator:
-    """Validator for a length-K vector of whole, non-negative counts no larger than ``upper`` (the consortium's
-    limit), e.g. FedLSM's q: a count that is fractional, negative or huge is a forged aggregation weight."""
+def _class_vector_of(name: str, allowed: Callable[[float], bool], rule: str) -> MetaValidator:
+    """:func:`class_vector` whose every entry must also be ``allowed`` (``rule`` says what is)."""
     check_vector = class_vector(name)
 
     def check(value: Any, ctx: ContractContext) -> list[float]:
         values = check_vector(value, ctx)
-        if any(v != round(v) or v > upper for v in values):
-            raise PayloadError(f"'{name}' must hold whole counts <= {upper:g}, got {values[:8]}")
+        if not all(allowed(v) for v in values):
+            raise PayloadError(f"'{name}' must hold {rule}, got {values[:8]}")
         return values
 
     return check
+
+
+def class_counts(name: str, upper: float = MAX_SAMPLES) -> MetaValidator:
+    """Validator for a length-K vector of whole counts <= ``upper`` (e.g. FedLSM's q: a fractional or huge count
+    is a forged aggregation weight)."""
+    return _class_vector_of(name, lambda v: v == round(v) and v <= upper, f"whole counts <= {upper:g}")
 
 
 def class_mask(name: str) -> MetaValidator:
     """Validator for a length-K 0/1 vector (e.g. the classes a site annotates)."""
-    check_vector = class_vector(name)
-
-    def check(value: Any, ctx: ContractContext) -> list[float]:
-        values = check_vector(value, ctx)
-        if any(v not in (0.0, 1.0) for v in values):
-            raise PayloadError(f"'{name}' must hold only 0 and 1, got {values}")
-        return values
-
-    return check
+    return _class_vector_of(name, lambda v: v in (0.0, 1.0), "only 0 and 1")
 
 
 def short_names(name: str, max_items: int = 16, max_length: int = 200) -> MetaValidator:
@@ -258,13 +248,9 @@ COMMON_META: dict[str, MetaValidator] = {
 class ArraySpec:
     """Shape, dtype and value rules of one named non-parameter array (e.g. public-set probabilities).
 
-    Attributes:
-        shape: ints, "num_classes", or names the server fills in per task (``ARRAY_DIMS``), e.g. ("rows", "num_classes").
-        dtypes: allowed dtype names; the first is the default a site sends.
-        low, high: inclusive value range, None = unbounded.
-        row_sum: every row (last axis) must sum to this within ``row_sum_tol`` (probability rows: 1.0).
-        integral: values must be whole numbers (counts).
-        phase: the task whose result carries the array (site -> server); ignored for server -> site arrays.
+    ``shape`` holds ints, "num_classes" or names the server fills in per task (``ARRAY_DIMS``); the first of
+    ``dtypes`` is what a site sends; ``low``/``high`` are inclusive; each row (last axis) sums to ``row_sum``
+    within ``row_sum_tol``; ``phase`` is the task whose result carries it (site -> server arrays only).
     """
 
     shape: tuple[int | str, ...]
@@ -368,14 +354,8 @@ def check_frozen_unchanged(
     arrays: Mapping[str, np.ndarray], global_params: Mapping[str, np.ndarray], payload: Payload,
     transfer_dtype: str = "float32", kind: str = "weights",
 ) -> None:
-    """A part the method keeps frozen (``Payload.frozen_keys``) must come back exactly as the server sent it.
-
-    The site trains under the server's values, so an honest result carries them unchanged: the server's values in
-    the transfer dtype when weights travel, zero differences when differences do.
-
-    Raises:
-        PayloadError: naming the first frozen array that changed, and by how much.
-    """
+    """Raise PayloadError when a frozen part (``Payload.frozen_keys``) comes back other than the server sent it
+    (its values in the transfer dtype, or zero differences when differences travel)."""
     for key, value in arrays.items():
         if not payload.is_frozen(key) or key not in global_params:
             continue
@@ -409,13 +389,10 @@ class Payload:
     Attributes:
         sends_weights: whether model parameters leave the site at all (False for logit-exchange methods).
         private_keys: regex of state-dict keys that never leave the site (e.g. a personalized head).
-        stage_excluded_keys: stage -> regex of state-dict keys that do not travel in that stage (e.g. the
-            pre-training decoder during fine-tuning).
-        arrays: extra named arrays a site sends, with their rules and the phase that carries them.
-        receives: names of non-parameter arrays the server may send (e.g. a per-site distillation target).
+        stage_excluded_keys: stage -> regex of keys that do not travel in that stage (a pre-training decoder).
+        arrays: extra named arrays a site sends; receives: those the server may send (a distillation target).
         meta: method-specific meta keys and their validators, on top of :data:`COMMON_META`.
-        frozen_keys: regex of shared state-dict keys the site trains under but never changes (FedBABU's random
-            head): the server refuses a result in which one of them changed.
+        frozen_keys: regex of shared keys the site trains under but never changes (FedBABU's random head).
     """
 
     sends_weights: bool = True
@@ -460,10 +437,7 @@ class Payload:
         phase: str = TRAIN_PHASE,
         stage: str = TRAIN_PHASE,
     ) -> None:
-        """Raise PayloadError if a site result carries anything the method did not declare, or a bad value.
-
-        Called at the site on every result, just before it is handed to FLARE.
-        """
+        """At the site, before FLARE gets a result: PayloadError if it carries anything undeclared or a bad value."""
         weights = set(self.shared_keys(model_keys, stage)) if phase == TRAIN_PHASE else set()
         declared = self.arrays_for(phase)
         leaked = sorted(set(arrays) - weights - set(declared))
@@ -478,11 +452,8 @@ class Payload:
 def check_result_values(
     payload: Payload, arrays: Mapping[str, Any], meta: Mapping[str, Any], ctx: ContractContext, phase: str
 ) -> dict[str, Any]:
-    """The checks a site can make without the server's model: privacy, array types and rules, and meta.
-
-    Shared by the site runtime (before sending) and the site's privacy filter, so a site's policy never
-    depends on the server's honesty. Returns the validated meta.
-    """
+    """The checks a site can make without the server's model (privacy, array rules, meta); returns the validated
+    meta. Shared by the site runtime and its privacy filter, so a site's policy never trusts the server."""
     private = sorted(k for k in arrays if payload.is_private(k))
     if private:
         raise PayloadError(f"refusing to send private arrays {private[:5]}")
@@ -535,19 +506,12 @@ def validate_update(
     ctx: ContractContext,
     size_factor: float = 1.5,
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Server-side check of one site's result; returns the arrays and the validated (canonical) meta.
-
-    Args:
-        arrays: what the site sent (weights and/or declared arrays).
-        meta: the site's meta.
-        expected: key -> :class:`Expected` for this task (see :func:`weight_expectations`, :func:`array_expectations`).
-        payload: the method's declaration.
-        ctx: task facts (class count, array dimensions).
-        size_factor: a result larger than this times the declared size is refused before anything else.
+    """Server-side check of one site's result against ``expected`` (:func:`weight_expectations`,
+    :func:`array_expectations`); returns the arrays and the canonical meta. A result over ``size_factor`` times
+    the declared size is refused before anything else.
 
     Raises:
-        PayloadError: naming the first problem (size, missing/extra key, shape, dtype, value rule, non-finite
-            value, bad meta).
+        PayloadError: naming the first problem (size, missing/extra key, shape, dtype, value rule, bad meta).
     """
     declared_bytes = sum(e.nbytes for e in expected.values())
     sent_bytes = result_nbytes(arrays)

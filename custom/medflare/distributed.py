@@ -1,27 +1,12 @@
 """Data-parallel local training for a site with several GPUs: N processes, one update.
 
-The FLARE executor's own process is rank 0; it starts ranks 1..N-1 once per job (``torch.multiprocessing``,
-spawn) and they live until the job ends, so each rank keeps its optimizer state across rounds exactly like a
-single-process site. Every round each rank loads the received global model, trains on its
-``DistributedSampler`` shard of the same global batch, and gradients are averaged across ranks with
-``torch.distributed.all_reduce`` before every optimizer step (the DDP algorithm; gloo on CPU, nccl on GPU).
-Rank 0's weights - identical on every rank - are the site's one update.
-
-Gradient averaging is attached to the parameters (hooks) instead of wrapping the model in
-``DistributedDataParallel``: methods call submodules such as ``model.forward_features`` that would bypass
-the DDP wrapper's reducer, and the state-dict keys must stay those of the shared model. The global batch per
-step is ``train.batch_size`` at any process count (each rank takes ``batch_size / N``), so the number of
-processes changes speed, not the optimisation (BatchNorm layers see per-rank batch statistics, as in plain DDP
-without SyncBatchNorm, so models with BatchNorm match single-process training only approximately).
-
-Configured per site:
-- ``local/medflare_site.json``: ``{"data": {...}, "distributed": {"processes": 2, "backend": "auto"}}``
-- ``local/resources.json``: the GPUs the site offers (``GPUResourceManager.num_of_gpus``), and the job's
-  ``resource_spec`` (``{"hospital-a": {"num_of_gpus": 2}}``) reserves them; FLARE then sets
-  ``CUDA_VISIBLE_DEVICES`` for the job, and on GPU the process count is capped by the visible GPUs.
-
-The medflare executor switches to it by itself when the site's config asks for more than one process; jobs
-need no change.
+The executor's process is rank 0; it spawns ranks 1..N-1 once per job, so each keeps its optimizer state across
+rounds. Each rank trains on its ``DistributedSampler`` shard of the same global batch (``train.batch_size`` at any
+process count: speed changes, not the optimisation, up to per-rank BatchNorm statistics), gradients all-reduced
+before every step; rank 0's weights are the site's update. Averaging hooks sit on the parameters instead of a
+``DistributedDataParallel`` wrapper, which calls such as ``model.forward_features`` would bypass and which would
+rename the state-dict keys. A site asks for it in ``local/medflare_site.json`` (``"distributed": {"processes":
+2}``); on GPU the count is capped by the GPUs FLARE made visible to the job (its ``resource_spec``).
 """
 
 from __future__ import annotations
@@ -49,13 +34,8 @@ Log = Callable[[str], None]
 
 @dataclass
 class DistributedConfig:
-    """How many local processes a site trains with.
-
-    Attributes:
-        processes: data-parallel processes (1 = ordinary single-process training).
-        backend: "auto" (nccl on GPU, gloo on CPU), "gloo" or "nccl".
-        shuffle_seed: seed of the shared shuffling order (same on every rank).
-    """
+    """How many local processes a site trains with (1 = single-process), the backend ("auto": nccl on GPU,
+    gloo on CPU) and the seed of the shuffling order every rank shares."""
 
     processes: int = 1
     backend: str = "auto"
@@ -74,11 +54,8 @@ class DistributedConfig:
 
 
 def site_distributed_config(site_config_dir: str | Path | SiteFile) -> DistributedConfig:
-    """The site's ``distributed`` block from ``local/medflare_site.json``, capped by the GPUs FLARE gave the job.
-
-    On a GPU site FLARE's GPUResourceConsumer exposes only the GPUs the job's ``resource_spec`` reserved
-    (CUDA_VISIBLE_DEVICES), so one process per visible GPU at most.
-    """
+    """The site's ``distributed`` block from ``local/medflare_site.json``, at most one process per GPU FLARE made
+    visible to the job (CUDA_VISIBLE_DEVICES, from its ``resource_spec``)."""
     config = DistributedConfig(**SiteFile.of(site_config_dir).get("distributed", {}))
     if torch.cuda.is_available() and config.processes > torch.cuda.device_count():
         config.processes = max(1, torch.cuda.device_count())
@@ -86,12 +63,8 @@ def site_distributed_config(site_config_dir: str | Path | SiteFile) -> Distribut
 
 
 def enable_data_parallel(runtime: SiteRuntime, rank: int, world_size: int, shuffle_seed: int) -> None:
-    """Make one rank's trainer train on its shard with gradients averaged across ranks.
-
-    The trainer's loop is untouched: its ``train_loader`` is replaced (on this instance) by a sharded loader
-    with ``batch_size / world_size`` per rank, and every trainable parameter gets a hook that all-reduces its
-    gradient and divides by the world size during ``backward()``.
-    """
+    """Make one rank's trainer train on its shard (``train_loader`` replaced on this instance, ``batch_size /
+    world_size`` per rank) with every trainable gradient all-reduced and averaged by a hook during ``backward()``."""
     trainer = runtime.trainer
     batch_size = trainer.train_cfg.batch_size
     if batch_size % world_size:
@@ -149,16 +122,8 @@ def _helper_rank(rank: int, world_size: int, init_method: str, backend: str, set
 
 
 class DataParallelSite:
-    """A site that trains with ``config.processes`` processes and answers like a SiteRuntime.
-
-    Args:
-        settings: the site's settings (same on every rank).
-        site_name: FLARE site name.
-        site_index: the site's partition index (simulated data) or 0 (site-local data).
-        config: process count and backend.
-        log: progress sink (rank 0 only).
-        local_dir: where rank 0 keeps the site's local log.
-    """
+    """A site that trains with ``config.processes`` processes and answers like a SiteRuntime (rank 0 logs and
+    keeps the site's local log in ``local_dir``)."""
 
     def __init__(self, settings: SiteSettings, site_name: str, site_index: int, config: DistributedConfig,
                  log: Log = print, local_dir: str | Path | None = None) -> None:

@@ -1,21 +1,11 @@
 """DP-SGD at a site: per-sample clipping and Gaussian noise from Opacus, and one privacy accountant per site.
 
-Pure PyTorch + Opacus, below the FLARE layer. The trainer (``methods.base.LocalTrainer``) asks four things of a
-:class:`PrivateTraining`: a Poisson-sampled loader (:meth:`~PrivateTraining.loader`), its optimizer wrapped in
-Opacus's ``DPOptimizer`` (:meth:`~PrivateTraining.wrap`), whether one more round stays within the site's budget
-(:meth:`~PrivateTraining.check_budget`) and the ε spent so far (:meth:`~PrivateTraining.epsilon`).
-
-The guarantee: each site's released models are (ε, δ)-DP with respect to adding or removing one of its training
-samples (sample-level DP), ε from the accountant over every optimizer step the site took in the job. Sampling is
-Poisson with rate ``batch_size / N`` (Opacus's ``DPDataLoader``; batches vary in size, an empty one is still a
-noised step), which is what the RDP and PRV accountants assume. Opacus's ``GradSampleModule`` hooks compute each
-sample's gradient, ``DPOptimizer`` clips each to ``max_grad_norm``, sums them, adds N(0, (σ·C)²) per coordinate
-and divides by the expected batch size. What is *not* covered (class counts a method's loss reads, evaluation
-counts, values computed outside the noised steps) is listed per method in ``docs/privacy.md``.
-
-Models are made DP-compatible by Opacus's ``ModuleValidator.fix`` (BatchNorm, which mixes samples, becomes
-GroupNorm) wherever the run config has a ``dp_sgd`` section, on the server and at every site alike
-(:func:`dp_compatible_model`), so every party builds the same architecture.
+Each site's released models are (ε, δ)-DP with respect to one of its training samples, ε from the accountant
+over every step the site took in the job. Sampling is Poisson with rate ``batch_size / N`` (an empty batch is
+still a noised step), as the RDP and PRV accountants assume; ``DPOptimizer`` clips each sample's gradient to C,
+sums, adds N(0, (σ·C)²) and divides by the expected batch size. What is *not* covered is listed per method in
+``docs/privacy.md``. With ``dp_sgd``, the server and every site build the same DP-compatible model
+(:func:`dp_compatible_model`).
 """
 
 from __future__ import annotations
@@ -45,20 +35,15 @@ SITE_POLICY_KEY = "dp_sgd"  # the object in a site's medflare_site.json
 
 @dataclass
 class DPSGDConfig:
-    """A job's DP-SGD settings (``--set dp_sgd.noise_multiplier=1.1``; an empty section = DP-SGD off).
-
-    Recipe (docs/privacy.md, measured on PneumoniaMNIST): ``train.optimizer=sgd`` with momentum, C about the median
-    per-sample gradient norm (8 for ``cnn`` at initialisation), lr about 0.5 / C, a large expected batch (256).
-    When every sample is clipped, the step is lr·C times the mean gradient direction, so lr and C trade off.
+    """A job's DP-SGD settings (``--set dp_sgd.noise_multiplier=1.1``; an empty section = DP-SGD off); the tested
+    recipe is in docs/privacy.md.
 
     Attributes:
-        noise_multiplier: σ: the noise's standard deviation over the clipping bound.
-        max_grad_norm: C: every sample's gradient is clipped to this L2 norm.
+        noise_multiplier: σ, the noise's standard deviation over the clipping bound C (``max_grad_norm``, L2).
         delta: δ of the reported (ε, δ); keep it below 1 / (a site's training samples).
-        max_epsilon: the job's own budget per site (0 = none): a site whose next round would take its ε above it
-            stops contributing. A site's own ``max_epsilon`` wins when it is lower.
-        accountant: "rdp" (Rényi DP, Mironov 2017; Opacus's default) or "prv" (privacy random variables,
-            Gopi et al. 2021; tighter).
+        max_epsilon: the job's budget per site (0 = none; a site's own lower one wins): a site whose next round
+            would take its ε above it stops contributing.
+        accountant: "rdp" (Rényi DP, Mironov 2017) or "prv" (privacy random variables, Gopi et al. 2021; tighter).
     """
 
     noise_multiplier: float = 1.0
@@ -82,17 +67,9 @@ class DPSGDConfig:
 
 @dataclass
 class SiteDPPolicy:
-    """What a hospital demands of DP-SGD, in its own ``local/medflare_site.json`` (``"dp_sgd": {...}``).
-
-    Attributes:
-        required: every job must train with DP-SGD at this site (so must it when any bound below is set: a job
-            without DP-SGD is declined then too).
-        max_epsilon: this site's budget for one job (0 = none): it stops contributing before a round that would
-            take its ε above it, and refuses a job whose own budget is higher.
-        min_noise_multiplier: the lowest σ it accepts.
-        max_grad_norm: the largest clipping bound it accepts (0 = any).
-        max_delta: the largest δ it accepts.
-    """
+    """What a hospital demands of DP-SGD, in its ``local/medflare_site.json`` (``"dp_sgd": {...}``): DP-SGD
+    ``required`` (implied by any bound), its budget ``max_epsilon`` per job (0 = none; a job with a higher one is
+    refused), the lowest σ, the largest clipping bound (0 = any) and the largest δ it accepts."""
 
     required: bool = False
     max_epsilon: float = 0.0
@@ -107,9 +84,8 @@ class SiteDPPolicy:
 
 
 def site_dp_settings(job: Mapping[str, Any] | None, policy: Mapping[str, Any] | None, site: str) -> DPSGDConfig | None:
-    """The DP-SGD settings this site trains with: the job's, checked against the site's policy; None = off.
-
-    The job's ``max_epsilon`` becomes the site's when the site's is lower or the job sets none.
+    """The DP-SGD settings this site trains with: the job's, checked against the site's policy (whose lower
+    ``max_epsilon`` wins); None = off.
 
     Raises:
         SiteDeclined: one line naming what the job asks for and what the site demands (before any training).
@@ -145,11 +121,7 @@ def site_dp_settings(job: Mapping[str, Any] | None, policy: Mapping[str, Any] | 
 
 
 def check_method_supports_dp(method: str, blocker: str) -> None:
-    """Refuse DP-SGD for a method whose local update cannot be made DP (its MethodSpec's ``dp_sgd_blocker``).
-
-    Raises:
-        ConfigError: one line with the method's reason.
-    """
+    """ConfigError for a method whose local update cannot be made DP (its MethodSpec's ``dp_sgd_blocker``)."""
     if blocker:
         raise ConfigError(f"dp_sgd: method '{method}' cannot train with DP-SGD: {blocker}")
 
@@ -208,14 +180,8 @@ def noise_for_epsilon(target_epsilon: float, delta: float, sample_rate: float, s
 
 
 class PrivateTraining:
-    """One site's DP-SGD for a whole job: the per-sample gradient hooks on its model, its accountant and budget.
-
-    Args:
-        cfg: the settings this site trains with (:func:`site_dp_settings`).
-        model: the site's (DP-compatible) network; hooks are added to its layers, so the trainer keeps calling
-            the model itself and its state dict keeps its own key names.
-        num_samples: the site's training-set size N (the sample rate is ``batch_size / N``).
-    """
+    """One site's DP-SGD for a whole job: the per-sample gradient hooks on its (DP-compatible) model's layers (so
+    the trainer calls the model itself and its keys stay), its accountant and budget; N = ``num_samples``."""
 
     def __init__(self, cfg: DPSGDConfig, model: nn.Module, num_samples: int) -> None:
         if num_samples < 1:
@@ -267,12 +233,8 @@ class PrivateTraining:
         return epsilon_of([*self.accountant.history, planned], self.cfg.delta, self.cfg.accountant)
 
     def check_budget(self, steps: int, batch_size: int) -> None:
-        """Refuse a round whose ``steps`` would take ε above the budget: the site stops contributing *before*
-        it would overspend.
-
-        Raises:
-            SiteDeclined: naming the ε spent, the ε the round would reach and the budget.
-        """
+        """SiteDeclined (naming ε spent, ε after and the budget) when ``steps`` more would take ε above the budget:
+        the site stops contributing *before* it would overspend."""
         budget = self.cfg.max_epsilon
         if budget <= 0:
             return
@@ -289,11 +251,7 @@ class PrivateTraining:
         return {"history": [list(entry) for entry in self.accountant.history], "accountant": self.cfg.accountant}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`.
-
-        Raises:
-            ConfigError: the saved history was kept by another accountant than this job's.
-        """
+        """Restore :meth:`state_dict`; ConfigError when another accountant than this job's kept it."""
         if state.get("accountant") != self.cfg.accountant:
             raise ConfigError(f"the site's saved DP-SGD state was kept by accountant '{state.get('accountant')}', "
                               f"this job uses '{self.cfg.accountant}'")

@@ -1,10 +1,5 @@
-"""Server-side federated evaluation: turn the sites' summable statistics into pooled and per-site metrics.
-
-Each site sends :class:`~medflare.metrics.EvalStats` of the model it evaluates (the received global model, and
-any method-declared evaluation of its own local model). Pooled metrics come from the *sum* of the statistics,
-so they equal the metrics of the pooled predictions; per-site metrics and their unweighted mean over sites
-(``site_mean``) are what personalized FL reports (e.g. FCA's specialization).
-"""
+"""Server-side federated evaluation: the sites' summable :class:`~medflare.metrics.EvalStats` as pooled metrics
+(from the *sum*, so equal to those of the pooled predictions), per-site metrics and their unweighted mean."""
 
 from __future__ import annotations
 
@@ -21,11 +16,9 @@ SPLIT_KEYS = (("val", contracts.EVAL_VAL), ("test", contracts.EVAL_TEST))
 
 SiteEvaluation = dict[str, Any]  # {"val": EvalStats, "test": EvalStats, "test_by_attribute": {...}, "extra": {...}}
 
-# The one metric a task is judged by: the controller selects the best model by its validation value, the console's
-# progress lines and the plots show it, report.md names it and compare judges methods by it. Balanced accuracy for
-# single-label tasks (the class imbalance of medical data); for multi-label tasks the mean per-finding AUROC,
-# because their balanced accuracy at the fixed 0.5 threshold stays at 0.5 while a model scores rare findings below
-# it, however well it ranks them.
+# The one metric a task is judged by (best model, console, plots, report, compare): balanced accuracy, or for
+# multi-label tasks the mean per-finding AUROC (their balanced accuracy at the fixed 0.5 threshold stays at 0.5
+# while a model scores rare findings below it, however well it ranks them).
 HEADLINE_METRICS = {False: "balanced_accuracy", True: "auc_macro_ovr"}
 METRIC_NAMES = {"balanced_accuracy": "balanced accuracy", "auc_macro_ovr": "macro AUROC"}  # as the console says it
 
@@ -48,11 +41,7 @@ def metric_name(metric: str) -> str:
 
 
 def site_evaluation(meta: Mapping[str, Any], num_classes: int, multi_label: bool = False) -> SiteEvaluation | None:
-    """One site's statistics from its result meta, or None when it sent none.
-
-    Raises:
-        PayloadError: when a statistics dictionary is malformed or not of the task's kind (multi-label or not).
-    """
+    """One site's statistics from its result meta, or None when it sent none (PayloadError when malformed)."""
     if not any(key in meta for key in (contracts.EVAL_TEST, contracts.EVAL_EXTRA)):
         return None
 
@@ -74,15 +63,9 @@ def summarize(
     evaluations: Mapping[str, SiteEvaluation], shot_groups: Mapping[str, Sequence[int]] | None = None,
     share_cap: float = 0.0,
 ) -> dict[str, Any]:
-    """Pooled, per-site and site-mean metrics of one model version from every site's statistics.
-
-    Returns a dict with ``sites``; ``val``/``test`` (pooled metrics) and ``val_stats``/``test_stats`` (the sums);
-    ``test_by_attribute``; ``by_site`` (site -> test metrics) and ``site_mean`` (unweighted mean over sites of
-    each scalar test metric); and ``extra`` (evaluation name -> the same pooled/by_site/site_mean block).
-
-    ``share_cap`` (the job's robust.max_share; 0: none): no site's images weigh more than that in a pooled metric,
-    as in the model's aggregate, so one site's counts cannot decide the consortium's metrics, its best model or its
-    early stop. A split where a site was capped records the capped shares as ``<split>_capped``.
+    """Pooled (``val``/``test``, sums in ``*_stats``), per-site (``by_site``), ``site_mean``, per-attribute and
+    ``extra`` (per declared evaluation) metrics of one model version. With ``share_cap`` (robust.max_share) no
+    site's images weigh more than that in a pooled metric, as in the aggregate (capped shares: ``<split>_capped``).
     """
     evaluations = dict(sorted(evaluations.items()))  # sum in site order, not arrival order: reproducible bits
     summary: dict[str, Any] = {"sites": list(evaluations)}
@@ -105,12 +88,8 @@ def summarize(
 
 
 class DeclaredCounts:
-    """Each site's evaluation counts per split as it first reported them in the job: its split sizes, declared once.
-
-    A site's validation and test splits do not change during a job, so a later report with other counts is forged
-    (or the site's data changed under the job) and its statistics are refused; an attribute group cannot hold more
-    images than the test split they divide.
-    """
+    """Each site's evaluation counts per split as first reported: its splits do not change during a job, so a
+    later report with other counts (or attribute groups larger than the test split) is refused."""
 
     def __init__(self) -> None:
         self.counts: dict[str, dict[str, int]] = {}
@@ -135,12 +114,8 @@ HISTOGRAM_KEYS = ("pos_hist", "neg_hist")  # the score histograms behind AUROC: 
 
 
 def without_histograms(summary: Mapping[str, Any]) -> dict[str, Any]:
-    """``summary`` with its pooled ``*_stats`` cut to the confusion matrix, loss and count.
-
-    The per-round history keeps this: the full histograms (2 x K x 1000 counts per split, about 160 KiB of
-    Python lists a round for K = 5) grew the server's memory and its per-round results file and checkpoint
-    with every round, and their metrics are already computed. The final evaluation keeps them whole.
-    """
+    """``summary`` with its pooled ``*_stats`` cut to the confusion matrix, loss and count, for the per-round
+    history (the histograms, ~160 KiB a round for K = 5, grew memory, results file and checkpoint every round)."""
     compact = dict(summary)
     for split in ("val", "test"):
         stats = summary.get(f"{split}_stats")
@@ -192,13 +167,8 @@ CAP_RESOLUTION = 1000  # the capped pool weighs sites by whole multiples: shares
 
 
 def capped_pool(parts: Mapping[str, EvalStats], cap: float) -> tuple[EvalStats, dict[str, float]]:
-    """The sites' statistics pooled with no site's images above ``cap`` of the pool, and the capped shares (empty
-    when no site was over the cap: the plain sum, exactly).
-
-    Over the cap, each site's statistics count as if each of its images were seen a whole number of times in
-    proportion to its capped share over its count (``ops.influence.cap_shares``, the model's water-filling), so
-    every metric of the pool (accuracy, balanced accuracy, AUROC, loss) is the share-weighted one.
-    """
+    """The sites' statistics pooled with no site's images above ``cap`` (each image counted a whole number of
+    times in proportion to its capped share, as ``cap_shares`` gives), and the capped shares (empty: plain sum)."""
     counts = {site: float(stats.count) for site, stats in parts.items() if stats.count > 0}
     if cap <= 0 or len(counts) < 2:
         return _sum(list(parts.values())), {}
@@ -223,12 +193,8 @@ SPECIALIZATION = "specialization"  # name of the method-declared evaluation of e
 # name of the method-declared evaluation of each site's own model on the pooled test set (methods without a global
 # classifier: FedRep, local-only); simulation only, where a site can build the pooled test set
 GENERALIZATION = "generalization"
-# The data of FCA's protocol (paper §4.2, spec §6(d)): each client's test set D_test^k follows its own class mix
-# (FLamby's per-centre test split, the ICH split files' per-client test lists); specialization is 1/K Σ_k
-# bACC(D_test^k) and generalization scores their union. Simulated sites get it with like_train slices (which still
-# tile the pooled test set); the methods FCA's paper evaluates this way declare it (``MethodSpec.data_defaults``).
-# A plain dict, not a MappingProxyType: specs are deep-copied (simulator job configs) and a proxy cannot be; the
-# run config copies it into its own data options, so nothing writes through it.
+# FCA's protocol (paper §4.2, spec §6(d)): each client's test set follows its own class mix, so simulated sites
+# use like_train slices. A plain dict, not a MappingProxyType: specs are deep-copied and a proxy cannot be.
 FCA_PROTOCOL_DATA: Mapping[str, Any] = {"eval_split": "like_train"}
 _FIGURES = (("balanced_accuracy", "bacc"), ("bauc", "bauc"))
 
@@ -237,26 +203,14 @@ def personalization_figures(
     final: Mapping[str, Any], *, global_classifier: bool, specialization: str | None = SPECIALIZATION,
     generalization: str | None = None,
 ) -> dict[str, Any]:
-    """FCA's figures from a run's final evaluation: generalization, specialization and their mean, in bACC and bAUC.
+    """FCA's figures from :func:`summarize`'s final evaluation, in bACC and bAUC, with per-site ones.
 
-    * Generalization: the global model on the pooled test splits of all sites (``final["test"]``, from summed
-      statistics). A method without a global classifier (local-only, FedRep's private heads) has no such model:
-      its generalization is each site's own model on the pooled test set, averaged over sites (the site mean of
-      the method-declared evaluation ``generalization``; ``generalization_by_site`` lists each site's), and None
-      where no site could score the pooled test set (a site reading its own data holds only its own split).
-    * Specialization: each site's own model on its own test split, averaged over sites (1/K Σ_k): the site mean
-      of the method-declared evaluation ``specialization``, or of the main evaluation (``final["site_mean"]``)
-      when ``specialization`` is None (single-model methods, whose sites keep the global model; local-only,
-      whose main evaluation already scores each site's own model).
+    * Generalization: the global model on the pooled test splits (``final["test"]``); without a global classifier
+      (local-only, FedRep), each site's own model on the pooled test set, averaged (the declared evaluation
+      ``generalization``; None when no site could build the pooled test set).
+    * Specialization: each site's own model on its own test split, averaged over sites: the declared evaluation
+      ``specialization``, or the main evaluation's ``site_mean`` when None (sites keep the global model).
     * ``gs_mean_*``: the mean of the two (the paper's "Average of G&S"), None if either is missing.
-    * ``specialization_by_site``: each site's specialization bACC and bAUC.
-
-    Args:
-        final: the final evaluation as :func:`summarize` builds it.
-        global_classifier: whether ``final["test"]`` scores one global classifier.
-        specialization: the evaluation holding each site's own model, or None (see above).
-        generalization: without a global classifier, the evaluation holding each site's own model on the pooled
-            test set, or None (then there is no generalization figure).
 
     References:
         Wicaksana, Yan and Cheng, FCA: Taming Long-tailed Federated Medical Image Classification by Classifier
@@ -272,13 +226,10 @@ def personalization_figures(
         figures[f"generalization_{short}"] = g
         figures[f"specialization_{short}"] = s
         figures[f"gs_mean_{short}"] = (g + s) / 2 if g is not None and s is not None else None
-    figures["specialization_by_site"] = {
-        site: {short: metrics.get(metric) for metric, short in _FIGURES}
-        for site, metrics in block.get("by_site", {}).items()
-    }
+    def by_site(scored: Mapping[str, Any]) -> dict[str, Any]:
+        return {site: {short: m.get(metric) for metric, short in _FIGURES} for site, m in scored.get("by_site", {}).items()}
+
+    figures["specialization_by_site"] = by_site(block)
     if general_block:
-        figures["generalization_by_site"] = {
-            site: {short: metrics.get(metric) for metric, short in _FIGURES}
-            for site, metrics in general_block.get("by_site", {}).items()
-        }
+        figures["generalization_by_site"] = by_site(general_block)
     return figures

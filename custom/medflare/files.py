@@ -1,12 +1,6 @@
-"""Writing result files safely: atomic writes, paths confined to the folder medflare owns, and a folder lock.
-
-* A result appears complete or not at all: :func:`atomic_write_bytes` writes a new temporary file beside it
-  (created exclusively, so neither a planted symlink nor a user's file of that name is ever written through),
-  syncs it to disk, then renames it into place. On any failure the temporary file is removed.
-* A full disk is one line (:func:`disk_full_message`), never a traceback and never a half-written file.
-* :func:`confined` refuses a path that leaves the folder medflare owns (absolute, ``..``, or through a symlink).
-* :class:`FolderLock` keeps two commands from writing the same result folder at once.
-"""
+"""Writing result files safely: atomic writes (an exclusively created temporary file beside the target, synced,
+then renamed: never written through a planted symlink), a full disk as one line, paths confined to the folder
+medflare owns (:func:`confined`), and a lock so two commands never write one result folder at once."""
 
 from __future__ import annotations
 
@@ -60,11 +54,8 @@ def disk_full_is_one_line(path: Path) -> Iterator[None]:
 
 
 def atomic_write_bytes(path: Path, data: bytes, *, replace: bool = True) -> Path:
-    """Write ``data`` as ``path`` all at once (temporary file beside it, fsync, rename); return ``path``.
-
-    Args:
-        replace: replace an existing ``path`` (a file medflare wrote); otherwise an existing ``path`` is refused,
-            atomically: the file is linked into place, which fails if anything took the name meanwhile.
+    """Write ``data`` as ``path`` all at once (temporary file beside it, fsync, rename); return ``path``. Without
+    ``replace`` an existing ``path`` is refused atomically (the file is linked into place).
 
     Raises:
         OutputError: the disk is full, or ``path`` exists and ``replace`` is off; ``path`` is left as it was.
@@ -129,17 +120,8 @@ def _sync_folder(folder: Path) -> None:
 
 
 def confined(root: Path, relative: str, named_by: str) -> Path:
-    """``root / relative``, refused unless it stays inside ``root``.
-
-    ``relative`` must be relative, without ``..``, and its folders no symlinks that lead out of ``root``. Its last
-    part is not resolved: a symlink there is the file itself, so deleting or replacing it never touches its target.
-
-    Args:
-        named_by: what gave the name (e.g. the marker file), for the message.
-
-    Raises:
-        OutputError: the path leaves ``root``; nothing has been touched.
-    """
+    """``root / relative``, refused (OutputError naming ``named_by``) if it is absolute, has ``..`` or its folders
+    are symlinks out of ``root``. The last part is not resolved: a symlink there is the file itself."""
     root = Path(root).resolve()
     parts = Path(relative).parts
     if not relative or Path(relative).is_absolute():
@@ -155,12 +137,8 @@ def confined(root: Path, relative: str, named_by: str) -> Path:
 
 
 class FolderLock:
-    """An exclusive lock on a result folder for as long as one command writes it.
-
-    ``fcntl.flock`` on ``<folder>.lock`` beside the folder (inside it would make a new folder non-empty); the file
-    names the owner's PID. The kernel drops the lock when its process ends, so a killed run's leftover lock file
-    never blocks the next run; a released lock's file is removed.
-    """
+    """An exclusive ``fcntl.flock`` on ``<folder>.lock`` beside the folder (inside would make it non-empty), naming
+    the owner's PID. The kernel drops it when the process ends, so a killed run's leftover never blocks."""
 
     def __init__(self, folder: Path, option: str = "--out") -> None:
         self.folder = Path(folder)
@@ -169,11 +147,7 @@ class FolderLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        """Take the lock, or refuse with one line naming the process that holds it.
-
-        Raises:
-            OutputError: another process holds it, or the lock file is not medflare's.
-        """
+        """Take the lock; OutputError naming the holder when another process has it or the file is not ours."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with disk_full_is_one_line(self.path):
             while self._fd is None:
@@ -242,11 +216,6 @@ def files_under(folder: Path) -> list[str]:
     return sorted(f for f in files if f != MARKER)
 
 
-def read_marker(folder: Path) -> list[str]:
-    """The files ``folder``'s marker lists."""
-    return list(read_record(folder))
-
-
 def read_record(folder: Path) -> dict[str, str]:
     """relative file -> the SHA-256 medflare recorded for it ("" when the marker recorded none: an older marker,
     which vouches for the name only and so for nothing that may be deleted)."""
@@ -267,6 +236,11 @@ def read_record(folder: Path) -> dict[str, str]:
     return {relative: digests.get(relative, "") for relative in files}
 
 
+def read_marker(folder: Path) -> list[str]:
+    """The files ``folder``'s marker lists."""
+    return list(read_record(folder))
+
+
 def write_marker(folder: Path, files: list[str], digests: dict[str, str] | None = None) -> None:
     """Write ``folder``'s marker: ``files`` and the SHA-256 of each (relative path -> hex)."""
     content = {"written_by": "medflare", "note": "files medflare wrote here, with the SHA-256 of what it wrote; "
@@ -284,11 +258,6 @@ def file_digest(path: Path) -> str:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def file_digests(folder: Path, files: list[str]) -> dict[str, str]:
-    """relative file -> its SHA-256, for ``files`` below ``folder``."""
-    return {relative: file_digest(folder / relative) for relative in files}
 
 
 def unchanged_files(folder: Path) -> list[str]:
@@ -324,10 +293,8 @@ def remove_recorded(folder: Path, unit: str) -> list[str]:
 
 
 def remove_files(folder: Path, files: list[str]) -> None:
-    """Delete the listed files (only files, never a folder with other content), then folders left empty.
-
-    Every path is confined to ``folder`` first (see :func:`medflare.files.confined`): one outside deletes nothing.
-    """
+    """Delete the listed files, then folders left empty; every path is confined first (one outside deletes
+    nothing)."""
     folder = folder.resolve()
     paths = [confined(folder, relative, str(folder / MARKER)) for relative in files]
     parents: set[Path] = set()
@@ -341,12 +308,9 @@ def remove_files(folder: Path, files: list[str]) -> None:
 
 
 def write_recorded(out_dir: Path, name: str, write: Callable[[Path], Any]) -> Path:
-    """``out_dir/name`` as ``write`` fills it, recorded in ``out_dir``'s marker (each file's SHA-256), and return it.
-
-    ``write`` fills a new folder medflare makes exclusively beside the target (a planted ``.partial`` or a link of
-    the target's name is never written through); the result appears under its real name only once complete. An
-    existing folder of that name is replaced only when it holds nothing but what medflare recorded writing there,
-    unchanged (:func:`remove_recorded`); a link of that name is replaced itself, never what it points to.
+    """``out_dir/name`` as ``write`` fills it (in an exclusively made folder beside it, renamed once complete),
+    recorded in ``out_dir``'s marker. An existing folder is replaced only when it holds nothing but medflare's
+    unchanged files (:func:`remove_recorded`); a link of that name is replaced itself.
 
     Raises:
         OutputError: the existing folder holds other files, or a file has that name (all kept; nothing written).
@@ -378,17 +342,10 @@ def write_recorded(out_dir: Path, name: str, write: Callable[[Path], Any]) -> Pa
 # ----- a result folder medflare may create, fill and replace ----------------------------------------------------
 @dataclass
 class OutputTarget:
-    """A result folder (``unit`` inside ``root``) that medflare may create, fill and replace.
-
-    Attributes:
-        root: the folder whose marker records every file medflare wrote into it.
-        unit: the subfolder one command replaces as a whole ("" = ``root`` itself; ``export`` writes one job
-            folder per call into a shared ``-o`` folder).
-        overwrite: replace medflare's earlier files in a non-empty target (never anyone else's).
-        merge: add the results beside what the target holds, replacing only medflare's files of the same name
-            (``report`` writes into a downloaded job's folder); otherwise all of medflare's earlier files go.
-        option: how the user named the folder, for messages (``--out``, ``-o``).
-    """
+    """A result folder (``unit`` inside ``root``, whose marker records every file medflare wrote; "" = ``root``)
+    that medflare may create, fill and replace. ``overwrite`` replaces medflare's earlier files (never anyone
+    else's); ``merge`` keeps them beside the results, replacing only same-named ones (``report`` into a
+    downloaded job). ``option`` names the folder's flag in messages."""
 
     root: Path
     unit: str = ""
@@ -428,7 +385,7 @@ class OutputTarget:
         if blocker is not None and not blocker.is_dir():
             raise ConfigError(f"{self.option} {self.root} lies below {blocker}, which is a file, not a folder; "
                               f"choose a folder path")
-        if _has_content(self.target) and not (self.overwrite or self.merge):
+        if self.target.is_dir() and any(self.target.iterdir()) and not (self.overwrite or self.merge):
             what = "already exists" if self.unit else "is not empty"
             raise ConfigError(
                 f"{self.option} {self.target} {what}; choose a new folder, or add --overwrite to replace "
@@ -437,15 +394,11 @@ class OutputTarget:
         if self.staging.is_symlink() or (self.staging.exists() and not (self.staging / MARKER).is_file()):
             raise ConfigError(f"{self.staging} exists and was not made by medflare; move it away or choose "
                               f"another {self.option}")
-        read_marker(self.root)  # a marker naming a path outside the folder is refused before anything runs
+        read_record(self.root)  # a marker naming a path outside the folder is refused before anything runs
 
     def begin(self) -> Path:
-        """Lock the folder for this command, then a fresh staging folder, marked as medflare's (a leftover of a
-        killed medflare run is replaced). The lock is held until :meth:`publish` or :meth:`abandon`.
-
-        Raises:
-            OutputError: another command writes the folder (the message names its process).
-        """
+        """Lock the folder (until :meth:`publish` or :meth:`abandon`; OutputError when another command holds it),
+        then make a fresh staging folder marked as medflare's."""
         self.check()  # a refusal creates nothing, not even the lock's folder
         self._lock.acquire()
         try:
@@ -459,21 +412,15 @@ class OutputTarget:
         return self.staging
 
     def publish(self, source: Path | None = None) -> Path:
-        """Move the staged results into the target and record them in the root's marker; return the target.
-
-        Args:
-            source: the folder inside the staging folder that holds the results (default: the staging folder).
-
-        Raises:
-            OutputError: a result would replace a file medflare did not write; the results stay staged.
-        """
+        """Move the staged results (``source``, default the staging folder) into the target and record them in
+        the root's marker. OutputError, results kept staged, when one would replace a file medflare did not write."""
         source = source or self.staging
         new_files = files_under(source)
         if not self.target.exists():
             if self.unit:
                 (self.staging / MARKER).unlink(missing_ok=True)  # the root's marker records a unit's files
             else:
-                write_marker(source, new_files, file_digests(source, new_files))
+                write_marker(source, new_files, {f: file_digest(source / f) for f in new_files})
             source.rename(self.target)
             shutil.rmtree(self.staging, ignore_errors=True)
             if self.unit:
@@ -493,7 +440,7 @@ class OutputTarget:
         replaced = ours & set(new_files) if self.merge else ours
         destinations = [confined(self.target, relative, f"the result {relative}") for relative in new_files]
         # first: a result moved in below is medflare's even if the move stops half-way
-        self._record(new_files, digests=file_digests(source, new_files))
+        self._record(new_files, digests={f: file_digest(source / f) for f in new_files})
         remove_files(self.target, sorted(replaced))
         for relative, destination in zip(new_files, destinations):
             destination.parent.mkdir(parents=True, exist_ok=True)
@@ -509,25 +456,20 @@ class OutputTarget:
         try:
             if (self.staging / MARKER).is_file() and not self._keep_staging:
                 shutil.rmtree(self.staging, ignore_errors=True)  # first: on a full disk it frees room for the log
-            return self._keep_log(log) if log else None
+            if log:
+                self.failed_log.parent.mkdir(parents=True, exist_ok=True)
+                return atomic_write_text(self.failed_log, log)
+        except (OSError, OutputError):
+            pass
         finally:
             self._lock.release()
-
-    def _keep_log(self, log: str) -> Path | None:
-        try:
-            self.failed_log.parent.mkdir(parents=True, exist_ok=True)
-            return atomic_write_text(self.failed_log, log)
-        except (OSError, OutputError):
-            return None
+        return None
 
     def _record(self, new_files: list[str], replaced: set[str] | None = None,
                 digests: dict[str, str] | None = None) -> None:
         """Add ``new_files`` (relative to the unit) to the root's marker, with ``digests`` (default: read from
         where they now lie); ``replaced`` leaves the marker."""
         prefix = f"{self.unit}/" if self.unit else ""
-        digests = digests if digests is not None else file_digests(self.target, new_files)
+        digests = digests if digests is not None else {f: file_digest(self.target / f) for f in new_files}
         record_files(self.root, {prefix + f: digest for f, digest in digests.items()}, replaced or set())
 
-
-def _has_content(folder: Path) -> bool:
-    return folder.is_dir() and any(folder.iterdir())

@@ -30,16 +30,8 @@ def forget_installed() -> None:
 
 
 def load_entry_point(entry: EntryPoint, what: str, signature: str) -> Callable[..., Any]:
-    """Import the function an entry point names.
-
-    Args:
-        entry: the entry point.
-        what: what it provides, for messages (e.g. ``model 'tiny_net'``).
-        signature: the function it must be, for messages.
-
-    Raises:
-        ConfigError: it cannot be imported (the package's own error, in one line) or is not callable.
-    """
+    """Import the function an entry point names; ConfigError, naming ``what`` it provides and the ``signature``
+    it must have, when it cannot be imported or is not callable."""
     origin = f"entry point '{entry.name} = {entry.value}' of {describe_origin(entry)}"
     try:
         target = entry.load()

@@ -1,11 +1,5 @@
-"""Local training settings, optimizers and learning-rate schedules of every method (pure torch; timm builds the
-parameter groups).
-
-The trainer asks two things of this module: :func:`build_optimizer` (the optimizer named in the TrainConfig,
-with no-decay and layer-wise lr-decay parameter groups when asked) and, before every optimizer step,
-:func:`set_step_lr` (each group's lr for that step). Whether the optimizer is rebuilt before a step is
-:func:`rebuild_due`. Schedules are pure functions of a fractional position ``t`` in the current stage
-(:func:`lr_at`), so tests check them against the formulas directly.
+"""Local training settings, optimizers (:func:`build_optimizer`) and learning-rate schedules (:func:`set_step_lr`
+before every step) of every method; schedules are pure functions of the position ``t`` in the stage (:func:`lr_at`).
 
 Schedules (``TrainConfig.lr_schedule``), with ``t = stage_round + step_in_round / steps_per_round``:
     constant        ``lr``
@@ -106,11 +100,7 @@ class TrainConfig:
             self.for_stage(stage)  # the ranges of each stage's settings
 
     def for_stage(self, stage: str | None) -> TrainConfig:
-        """The settings in ``stage``: these options with the stage's overrides (``stages[stage]``) on top.
-
-        Raises:
-            ConfigError: a stage override that is not a TrainConfig option (or is a nested ``stages``).
-        """
+        """The settings in ``stage``: these options with ``stages[stage]`` on top (ConfigError for a non-option)."""
         overrides = self.stages.get(stage or "")
         return replace(self, stages={}, **overrides) if overrides else self
 
@@ -122,11 +112,7 @@ class TrainConfig:
 
 
 def check_train_options(cfg: TrainConfig) -> None:
-    """Fail early on an optimizer or schedule setting that cannot work.
-
-    Raises:
-        ConfigError: naming the ``train.*`` option, its value and what is allowed.
-    """
+    """ConfigError naming the ``train.*`` option, its value and what is allowed, for a setting that cannot work."""
     choices = (("optimizer", OPTIMIZERS), ("lr_schedule", LR_SCHEDULES), ("fresh_optimizer", FRESH_OPTIMIZER))
     for name, allowed in choices:
         if getattr(cfg, name) not in allowed:
@@ -148,13 +134,7 @@ def check_train_options(cfg: TrainConfig) -> None:
 
 
 def lr_at(cfg: TrainConfig, t: float, stage_rounds: int) -> float:
-    """The scheduled (unscaled) learning rate at fractional position ``t`` of a stage of ``stage_rounds`` rounds.
-
-    Args:
-        cfg: training settings (``lr``, ``lr_schedule``, ``min_lr``, ``warmup_rounds``, ``milestones``, ``gamma``).
-        t: ``stage_round + step_in_round / steps_per_round``, in ``[0, stage_rounds)``.
-        stage_rounds: rounds of the current stage.
-    """
+    """The scheduled (unscaled) lr at ``t = stage_round + step_in_round / steps_per_round`` of a stage."""
     peak = peak_lr(cfg)
     if cfg.lr_schedule == "constant" or stage_rounds <= 0:
         return peak
@@ -187,19 +167,8 @@ def set_step_lr(
     step_in_round: int,
     steps_per_round: int,
 ) -> float:
-    """Set every group's lr for one optimizer step: the scheduled lr times the group's ``lr_scale``.
-
-    Args:
-        optimizer: the trainer's optimizer.
-        cfg: training settings.
-        stage_round: 0-based round within the current stage.
-        stage_rounds: rounds of the current stage.
-        step_in_round: 0-based optimizer step within this round (across its local epochs).
-        steps_per_round: optimizer steps planned for this round (at least 1).
-
-    Returns:
-        The unscaled scheduled lr.
-    """
+    """Set every group's lr for one optimizer step (0-based ``step_in_round``, across local epochs): the scheduled
+    lr times the group's ``lr_scale``; returns the unscaled scheduled lr."""
     lr = lr_at(cfg, stage_round + step_in_round / max(steps_per_round, 1), stage_rounds)
     for group in optimizer.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)
@@ -207,14 +176,8 @@ def set_step_lr(
 
 
 def rebuild_due(fresh_optimizer: str, previous: OptimizerKey | None, current: OptimizerKey) -> bool:
-    """Whether to build a new optimizer (dropping its state) before the step at ``current``.
-
-    Args:
-        fresh_optimizer: ``never`` (state kept for the whole job), ``stage`` (new at a stage change), ``round``
-            (new every round) or ``step`` (new every step, as MDH-FL's code does).
-        previous: key of the step the current optimizer last served, or None if there is none yet.
-        current: key of the step about to run.
-    """
+    """Whether to build a new optimizer (dropping its state) before the step at ``current``, given the step the
+    current one last served (``previous``, None at first) and ``fresh_optimizer`` (see :class:`TrainConfig`)."""
     if previous is None:
         return True
     changed_upto = {"never": 0, "stage": 1, "round": 2, "step": 3}[fresh_optimizer]
@@ -222,19 +185,12 @@ def rebuild_due(fresh_optimizer: str, previous: OptimizerKey | None, current: Op
 
 
 def param_groups(model: nn.Module, cfg: TrainConfig, trainable: Iterable[nn.Parameter] | None = None) -> list[dict]:
-    """Parameter groups, each with ``weight_decay`` and ``lr_scale``.
+    """Parameter groups, each with ``weight_decay`` and ``lr_scale``; one group by default.
 
-    One group by default. ``no_decay_norm_bias`` moves 1-D tensors (norm weights, biases) and the model's
-    ``no_weight_decay()`` names (e.g. a ViT's ``pos_embed``, ``cls_token``) to a group without weight decay
-    (timm ``param_groups_weight_decay``). ``layer_decay < 1`` gives layer ``i`` of ``L + 2`` the lr scale
-    ``layer_decay ** (L + 1 - i)`` (timm ``param_groups_layer_decay``, BEiT/MAE fine-tuning); the model must
-    declare its layers through timm's ``group_matcher`` (the ``vit_*`` models do).
-
-    Args:
-        model: the network whose named parameters are grouped.
-        cfg: training settings.
-        trainable: the parameters to optimize (default: the model's parameters that require grad); those not in
-            ``model`` join a group of their own.
+    ``no_decay_norm_bias`` moves 1-D tensors and the model's ``no_weight_decay()`` names (a ViT's ``pos_embed``)
+    to a group without weight decay; ``layer_decay < 1`` gives layer ``i`` of ``L + 2`` the lr scale
+    ``layer_decay ** (L + 1 - i)`` (timm, BEiT/MAE fine-tuning; needs timm's ``group_matcher``, as ``vit_*``).
+    ``trainable`` defaults to the parameters that require grad; those not in ``model`` get a group of their own.
 
     Raises:
         ConfigError: ``layer_decay < 1`` on a model without ``group_matcher``.

@@ -1,16 +1,8 @@
 """Reading back what medflare wrote: depth-limited JSON/TOML, small declarative schemas, model file checks.
 
-A file medflare reads back (a run's ``medflare_results.json``, a site's ``medflare_site.json``, a global model
-``FL_global_model.pt`` and the facts it carries, a ``--pretrained`` weights file) may have been changed, cut short
-or crafted since medflare wrote it. Each reader checks it here, before anything is built, allocated or launched,
-and a bad file becomes ONE line (a :mod:`medflare.errors` error) naming the file, the field and what to do:
-
-- :func:`load_json` parses with a nesting limit (:data:`MAX_DEPTH`): a 100,000-deep array is refused, not a
-  ``RecursionError``.
-- :func:`check` holds a value to a :class:`Spec`: required and optional keys with their types, and the items of a
-  list or the values of an object (:data:`RESULTS` is the controller's results file).
-- :func:`load_torch_weights` reads a ``.pt`` with ``torch.load(weights_only=True)`` and says what a refused file is.
-- :func:`check_finite` and :func:`check_task_facts`: finite weights, and a task within :data:`TASK_BOUNDS`.
+A file medflare reads back (results, a site's ``medflare_site.json``, a model file, ``--pretrained`` weights) may
+have been changed, cut short or crafted since. Each reader checks it here before anything is built, allocated or
+launched, and a bad file becomes ONE line naming the file, the field and what to do.
 """
 
 from __future__ import annotations
@@ -40,14 +32,8 @@ CHANGED = "it was changed or cut short after medflare wrote it"
 
 @dataclass(frozen=True)
 class Spec:
-    """What one value must be.
-
-    Attributes:
-        types: the accepted Python types (``bool`` is never taken for ``int``).
-        required: keys an object must have, each with its own spec.
-        optional: keys an object may have.
-        each: the spec of every list item, or of every object value not named in ``required``/``optional``.
-    """
+    """What one value must be: its accepted types (``bool`` is never taken for ``int``), the keys an object must
+    and may have, and (``each``) the spec of every list item or of every object value not named."""
 
     types: tuple[type, ...]
     required: Mapping[str, Spec] = field(default_factory=dict)
@@ -94,17 +80,8 @@ RESULTS = obj(required={"method": STR, "rounds": list_of(_ROUND)},
 
 
 def load_json(path: Path, error: type[MedflareError] = DataError, where: str = "", fix: str = "") -> Any:
-    """The JSON (or, for a ``.toml`` file, TOML) content of ``path``, nested at most :data:`MAX_DEPTH` deep.
-
-    Args:
-        path: the file.
-        error: the error class to raise.
-        where: what to put before the file name (e.g. ``"--resume: "``).
-        fix: why and what to do, appended to every message (e.g. ``CHANGED`` and how to get a good copy).
-
-    Raises:
-        error: the file is unreadable, not JSON/TOML, or nested deeper than MAX_DEPTH.
-    """
+    """The JSON (or, for a ``.toml`` file, TOML) content of ``path``, nested at most :data:`MAX_DEPTH` deep, else
+    ``error`` (``where`` before the file name, ``fix`` appended: why and what to do)."""
     name = f"{where}{path}"
     try:
         text = path.read_text(encoding="utf-8")
@@ -113,7 +90,8 @@ def load_json(path: Path, error: type[MedflareError] = DataError, where: str = "
     except (OSError, UnicodeDecodeError) as exc:
         raise error(_line(f"{name} cannot be read ({exc})", fix)) from exc
     except (ValueError, tomllib.TOMLDecodeError) as exc:  # JSONDecodeError is a ValueError
-        raise error(_line(f"{name} is not valid {_format(path)} ({exc})", fix)) from exc
+        kind = "TOML" if path.suffix == ".toml" else "JSON"
+        raise error(_line(f"{name} is not valid {kind} ({exc})", fix)) from exc
     except RecursionError:
         raise error(_line(f"{name} nests deeper than {MAX_DEPTH} levels", fix)) from None
     if nesting_depth(content) > MAX_DEPTH:
@@ -135,15 +113,7 @@ def nesting_depth(value: Any) -> int:
 
 
 def check(value: Any, spec: Spec, name: str, error: type[MedflareError] = DataError, fix: str = "") -> Any:
-    """``value`` if it holds to ``spec``; the first field that does not is named in one line.
-
-    Args:
-        value: what was read (nested at most MAX_DEPTH deep: :func:`load_json` makes sure).
-        spec: what it must be.
-        name: the file (and any prefix) the message names.
-        error: the error class to raise.
-        fix: why and what to do, appended to the message.
-    """
+    """``value`` if it holds to ``spec``; else ``error`` naming ``name`` and the first field that does not."""
     if nesting_depth(value) > MAX_DEPTH:
         raise error(_line(f"{name} nests deeper than {MAX_DEPTH} levels", fix))
     pending: deque[tuple[Any, Spec, str]] = deque([(value, spec, "")])  # breadth first: fields in file order
@@ -188,10 +158,6 @@ def _kinds(spec: Spec) -> str:
     return "a number" if set(spec.types) == {int, float} else " or ".join(kinds)
 
 
-def _format(path: Path) -> str:
-    return "TOML" if path.suffix == ".toml" else "JSON"
-
-
 def _line(message: str, fix: str) -> str:
     """One line: the problem, then what to do."""
     return " ".join(f"{message}; {fix}".split()) if fix else " ".join(message.split())
@@ -199,14 +165,8 @@ def _line(message: str, fix: str) -> str:
 
 # ----- model files ---------------------------------------------------------------------------------------------
 def load_torch_weights(path: Path, error: type[MedflareError] = DataError, where: str = "") -> Any:
-    """``torch.load(path, weights_only=True)`` on the CPU: tensors and plain containers, never code.
-
-    A refused file is described, never how to unpickle it: a file of pickled objects (a whole ``nn.Module``, an
-    optimizer, classes) can run code when it is loaded, so medflare does not load it.
-
-    Raises:
-        error: the file is missing, pickled, damaged or not a PyTorch file.
-    """
+    """``torch.load(path, weights_only=True)`` on the CPU: tensors and plain containers, never code (a pickled
+    file is described, never how to unpickle it); ``error`` when it is missing, pickled or damaged."""
     import torch
 
     name = f"{where}{path}"
@@ -226,11 +186,7 @@ def load_torch_weights(path: Path, error: type[MedflareError] = DataError, where
 
 
 def check_finite(weights: Mapping[str, Any], name: str, error: type[MedflareError] = DataError) -> None:
-    """Every float tensor/array of ``weights`` is finite (no NaN or infinity).
-
-    Raises:
-        error: naming the first key that holds a NaN or an infinity.
-    """
+    """``error`` naming the first float tensor/array of ``weights`` that holds a NaN or an infinity."""
     for key, value in weights.items():
         array = value.detach().cpu().numpy() if hasattr(value, "detach") else np.asarray(value)
         if np.issubdtype(array.dtype, np.floating) or np.issubdtype(array.dtype, np.complexfloating):
@@ -241,11 +197,8 @@ def check_finite(weights: Mapping[str, Any], name: str, error: type[MedflareErro
 
 
 def check_task_facts(task: Mapping[str, Any], name: str, error: type[MedflareError] = DataError) -> None:
-    """The task facts a model is built from lie within :data:`TASK_BOUNDS` (checked before anything is allocated).
-
-    Raises:
-        error: naming the field, its value and the accepted range.
-    """
+    """``error`` naming the field, value and range when a task fact a model is built from is outside
+    :data:`TASK_BOUNDS` (checked before anything is allocated)."""
     for key, (lowest, highest) in TASK_BOUNDS.items():
         value = task.get(key)
         if not _is_a(value, (int,)) or not lowest <= value <= highest:

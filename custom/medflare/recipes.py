@@ -9,21 +9,12 @@ Example (a ``job.py`` in FLARE 2.9's style)::
     job = recipe("fedmas", rounds=5, clients=3, data="synthetic:imbalance=20", partition="dirichlet:0.5")
     job.execute(SimEnv(num_clients=3))   # `python job.py --export --export-dir jobs/` writes the job instead
 
-A recipe writes its job with exactly the builder ``medflare export`` and ``medflare run`` use
-(:func:`medflare.launch.export_run_job`, i.e. ``job_export.py``'s ``server_config`` and ``client_config``), so a
-recipe's job and an exported one cannot drift apart. Options are ``medflare run``'s (:class:`RunConfig` fields) and
-are checked the same way before anything is written.
-
-Run with ``PocEnv`` or ``ProdEnv`` (or exported with ``env=`` one of them), the job gets the server's robust
-defences (``server_setup.DEPLOY_ROBUST`` under the recipe's own ``robust`` option); with ``SimEnv`` it keeps the
-recipe's settings as they are (none by default). Exported without an environment, the job decides as ``medflare
-export`` does: a BYOC job with simulated data is a simulator job, any other (``mode="preinstalled"``,
-``data="site"``) gets the defences.
-
-In ``SimEnv`` the console shows what ``medflare run`` shows: medflare's own lines (rounds, per-site epochs, scores)
-and every warning and error; FLARE's INFO log goes only to the simulator's log files (``<workspace_root>/<job>/
-server/log.txt`` and ``site-N/log.txt``). For FLARE's whole log on the console, choose FLARE's own log setting:
-``SimEnv(log_config="concise")`` (or ``"full"``, ``"verbose"``) or the environment variable ``FL_LOG_LEVEL``.
+A recipe writes its job with the builder ``medflare export`` and ``medflare run`` use
+(:func:`medflare.launch.export_run_job`), so the two cannot drift apart; options are ``medflare run``'s, checked
+the same way. With ``PocEnv`` or ``ProdEnv`` the job gets the server's robust defences (``server_setup.DEPLOY_ROBUST`` under
+the recipe's own ``robust``); with ``SimEnv`` it keeps the recipe's settings; exported without an environment it
+decides as ``medflare export`` does. In ``SimEnv`` the console shows medflare's lines and every warning and error
+(FLARE's INFO log goes to the simulator's log files) unless you choose FLARE's ``log_config`` or ``FL_LOG_LEVEL``.
 """
 
 from __future__ import annotations
@@ -87,19 +78,9 @@ class _MedflareJob(FedJob):
 
 
 class MedflareRecipe(Recipe):
-    """A medflare method's job as a FLARE 2.9 Recipe.
-
-    Args:
-        run: the run configuration (validated here).
-        mode: ``byoc`` (the job carries medflare; needed by the simulator) or ``preinstalled`` (sites run their
-            own installed medflare; their ``local/resources.json`` allow-lists medflare's job components by their
-            exact paths, as ``medflare.deploy.policies`` writes it, never a package prefix: through ``medflare.`` a
-            job without code could call any medflare function, among them one that rewrites a site's policies, and
-            even ``medflare.flare.`` opens hundreds; docs/deploy.md §3).
-
-    Raises:
-        ConfigError: an invalid option or mode, in one line.
-    """
+    """A medflare method's job as a FLARE 2.9 Recipe (ConfigError for an invalid option or mode). ``mode``:
+    ``byoc`` (the job carries medflare; needed by the simulator) or ``preinstalled`` (sites run their installed
+    medflare and allow-list its job components by exact path, never a package prefix: docs/deploy.md §3)."""
 
     def __init__(self, run: RunConfig, mode: str = "byoc") -> None:
         if mode not in MODES:
@@ -166,22 +147,10 @@ def quiet_simulator_console(env: SimEnv) -> None:
 
 def recipe(method: str, *, data: str | dict[str, Any] | None = None, partition: str | None = None,
            mode: str = "byoc", **options: Any) -> MedflareRecipe:
-    """The FLARE 2.9 Recipe of a registered method.
-
-    Args:
-        method: registered method name (``medflare methods``).
-        data: data source as ``medflare run --data`` takes it (e.g. ``synthetic:n=300``, ``medmnist:FILE.npz``,
-            ``site`` for each site's own ``local/medflare_site.json``), or the whole data section as a dict
-            (``{"source": ..., "label_noise": 0.2}``).
-        partition: how simulated data is split across sites (``iid``, ``dirichlet:0.5``, ...).
-        mode: ``byoc`` or ``preinstalled`` (see :class:`MedflareRecipe`).
-        **options: any ``medflare run`` option by its RunConfig name: ``rounds``, ``clients``, ``model``,
-            ``train`` (dict), ``method_args`` (dict), ``seed``, ``tracking``, ``patience``, ``task``, ``robust``
-            (dict; ``{"off": True}`` turns the deployment defences off, module docstring) ...
-
-    Raises:
-        ConfigError: an unknown option or a value out of range, in one line.
-    """
+    """The FLARE 2.9 Recipe of a registered method. ``data``: as ``medflare run --data`` takes it (``site``: each
+    site's own data) or the whole data section as a dict; ``**options``: any ``medflare run`` option by its
+    RunConfig name (``rounds``, ``clients``, ``train``, ``robust`` with ``{"off": True}`` ...). ConfigError for an
+    unknown option or a value out of range."""
     section = dict(data) if isinstance(data, dict) else {"source": data}
     section.setdefault("partition", partition)
     layer = {"method": method, **options, "data": {k: v for k, v in section.items() if v is not None}}

@@ -1,16 +1,15 @@
 """Turn the controller's results file into summary.json, a per-round CSV, a markdown report and plots.
 
-Rounds are counted one way everywhere (console, rounds.csv, report.md, plots): round r is the global model after
-r rounds of training, round 0 the initial, untrained model (a row and a point of every curve when the sites
-scored it). The headline metric is the task's (:func:`medflare.evaluation.headline_metric`), the one the controller
-selected the best model by. Start-up is one figure everywhere: seconds from the run's launch to the start of its
-first round (:func:`_timing`).
+Everywhere, round r is the global model after r rounds (round 0: the initial model, when the sites scored it),
+the headline metric is the one the controller selected the best model by, and start-up is seconds from the run's
+launch to the start of its first round (:func:`_timing`).
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import statistics
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
@@ -42,14 +41,8 @@ def build_summary(
     launched_at: float | None = None,
 ) -> dict[str, Any]:
     """The run summary: config, final test metrics, per-round history, per-site facts, payload and timing.
-
-    Args:
-        results: the controller's ``medflare_results.json``.
-        config: the resolved run configuration.
-        clients: per-site facts known to the launcher (simulation: partition sizes and class counts).
-        launched_at: epoch seconds when medflare launched FLARE for this run (see :func:`_timing`), or None when
-            the job was launched elsewhere.
-    """
+    ``clients``: per-site facts the launcher knows (simulation: partition sizes, class counts); ``launched_at``:
+    epoch seconds when medflare launched FLARE (None: launched elsewhere)."""
     rounds = list(results.get("rounds", []))
     evaluations = results.get("evaluations", {})
     per_round = [_round_entry(record, evaluations.get(str(record["round"] + 1), {})) for record in rounds]
@@ -156,14 +149,9 @@ def _payload_entries(rounds: list[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def _timing(results: Mapping[str, Any], rounds: list[Mapping[str, Any]], launched_at: float | None) -> dict[str, Any]:
-    """Round walls, and the start-up: seconds from the run's launch to the start of its first round.
-
-    The launch is when medflare started FLARE for the run (the simulator; the POC, then the job's submission),
-    recorded as ``launched_at`` so that ``medflare report`` on the run folder gives the same figure. For a job
-    launched elsewhere it is unknown; the start-up then counts from the server app's start (``startup_from``
-    "server"), which leaves out FLARE's own launch, and the report says so. A resumed job's first round is the
-    first one it ran.
-    """
+    """Round walls, and the start-up: seconds from the run's launch (``launched_at``, when medflare started FLARE;
+    for a job launched elsewhere the server app's start, ``startup_from`` "server") to its first round (a resumed
+    job's: the first one it ran)."""
     per_round = [r.get("wall_seconds") for r in rounds]
     resumed_at = ((results.get("resumed") or [{}])[-1]).get("start_round", 0)  # the round this job began with
     resumed_at = resumed_at if isinstance(resumed_at, int) and resumed_at >= 0 else 0
@@ -284,12 +272,8 @@ def class_names(summary: Mapping[str, Any]) -> list[str]:
 
 # ----- report.md -----------------------------------------------------------------------------------------
 def markdown_report(summary: Mapping[str, Any], plots: list[str] | None = None) -> str:
-    """A human-readable report of one run: set-up, final metrics, best model, per site, per class, plots.
-
-    Args:
-        summary: :func:`build_summary`'s result.
-        plots: the run's image files, relative to the report (each is shown).
-    """
+    """A human-readable report of :func:`build_summary`'s result: set-up, final metrics, best model, per site,
+    per class, and ``plots`` (the run's image files, relative to the report)."""
     sections = [_header(summary), ["## Final test metrics", "", results_table([summary]), "", *best_model_lines(summary)],
                 _per_site_section(summary), *_extra_sections(summary), _per_class_section(summary),
                 _sites_section(summary), _plots_section(plots or [])]
@@ -299,8 +283,9 @@ def markdown_report(summary: Mapping[str, Any], plots: list[str] | None = None) 
 
 
 def _header(summary: Mapping[str, Any]) -> list[str]:
-    cfg, timing = summary["config"], summary["timing"]
+    cfg, timing, metric = summary["config"], summary["timing"], plotting.headline(summary)
     data = cfg.get("data", {})
+    scored = "the global model" if server_holds_model(summary) else "each site's own model (the server holds none)"
     return [
         f"# medflare run: {summary['method']}",
         "",
@@ -310,8 +295,8 @@ def _header(summary: Mapping[str, Any]) -> list[str]:
         *([f"- plan `{summary['plan']}` (the server's; every site logs the one it runs, `medflare config --plan` "
            f"prints the plan){_plan_check_text(summary)}"] if summary.get("plan") else []),
         f"- mean round wall time {format_seconds(timing.get('mean_round_seconds'), 2)}; {startup_text(timing)}",
-        f"- metrics are of {_scored_models(summary)} on the sites' held-out test splits, summed as confusion counts "
-        f"(exact pooled values); the headline metric is {_headline_text(summary)}, and the best model is chosen by "
+        f"- metrics are of {scored} on the sites' held-out test splits, summed as confusion counts "
+        f"(exact pooled values); the headline metric is {metric_name(metric)} (`{metric}`), and the best model is chosen by "
         "its value on validation only; round r is the model after r rounds (round 0: the initial model)",
     ]
 
@@ -324,19 +309,9 @@ def _plan_check_text(summary: Mapping[str, Any]) -> str:
     return f"; **warning:** the configuration below {check}" if check and check != "unknown" else ""
 
 
-def _headline_text(summary: Mapping[str, Any]) -> str:
-    metric = plotting.headline(summary)
-    return f"{metric_name(metric)} (`{metric}`)"
-
-
 def server_holds_model(summary: Mapping[str, Any]) -> bool:
     """Whether the run's server held a global model (``summary["server_model"]``, :func:`build_summary`)."""
     return bool(summary.get("server_model", True))
-
-
-def _scored_models(summary: Mapping[str, Any]) -> str:
-    """What the sites scored: the global model, or each site's own model when the server holds none."""
-    return "the global model" if server_holds_model(summary) else "each site's own model (the server holds none)"
 
 
 def _models_text(cfg: Mapping[str, Any]) -> str:
@@ -384,23 +359,17 @@ def untrained_best_warning(summary: Mapping[str, Any]) -> str | None:
             "or check the learning rate and the labels")
 
 
-def _site_rows(block: Mapping[str, Any], columns: list[str], test_images: Mapping[str, Any]) -> list[str]:
-    """Rows of a per-site table: each site, the pooled value and the unweighted mean over sites."""
-    rows = [f"| {site} | {test_images.get(site, '-')} | " + " | ".join(_cell(m.get(c)) for c in columns) + " |"
-            for site, m in block.get("by_site", {}).items()]
-    pooled = block.get("test", block)
-    rows.append("| **pooled** | - | " + " | ".join(_cell(pooled.get(c)) for c in columns) + " |")
-    rows.append("| **mean over sites** | - | " + " | ".join(_cell(block["site_mean"].get(c)) for c in columns) + " |")
-    return rows
-
-
 def _per_site_table(title: str, note: str, block: Mapping[str, Any], summary: Mapping[str, Any]) -> list[str]:
+    """Each site's row, the pooled value and the unweighted mean over sites."""
     if not block.get("by_site"):
         return []
     columns = metric_columns(*block["by_site"].values())
-    test_images = {site: facts.get("n_test", "-") for site, facts in summary.get("clients", {}).items()}
+    clients = summary.get("clients", {})
+    rows = [(site, clients.get(site, {}).get("n_test", "-"), m) for site, m in block["by_site"].items()]
+    rows += [("**pooled**", "-", block.get("test", block)), ("**mean over sites**", "-", block["site_mean"])]
     return [title, "", note, "", "| site | test images | " + " | ".join(columns) + " |",
-            "|---" * (len(columns) + 2) + "|", *_site_rows(block, columns, test_images)]
+            "|---" * (len(columns) + 2) + "|",
+            *(f"| {name} | {images} | " + " | ".join(_cell(m.get(c)) for c in columns) + " |" for name, images, m in rows)]
 
 
 def _per_site_section(summary: Mapping[str, Any]) -> list[str]:
@@ -408,8 +377,6 @@ def _per_site_section(summary: Mapping[str, Any]) -> list[str]:
               else "Each site's own final model on its own test split")
     return _per_site_table(
         "## Per site", f"{scored}; the pooled row sums every site's counts, the mean is unweighted (the personalized-FL convention).", summary["final"], summary)
-
-
 
 
 def _extra_sections(summary: Mapping[str, Any]) -> list[list[str]]:
@@ -424,7 +391,8 @@ def _per_class_section(summary: Mapping[str, Any]) -> list[str]:
     recall, auc = final.get("per_class_recall"), final.get("per_class_auc") or []
     if not recall:
         return []
-    train = _training_counts(summary)
+    counts = [facts["class_counts"] for facts in summary.get("clients", {}).values() if facts.get("class_counts")]
+    train = [int(sum(column)) for column in zip(*counts)] if counts else None
     groups = _shot_group_names(summary, train)
     scored = "The final global model" if server_holds_model(summary) else "The sites' own final models"
     lines = ["## Per class", "", f"{scored} on the pooled test split; the confusion matrix is `confusion.png`.", "", "| class | name | training images | group | recall | AUC |", "|---|---|---|---|---|---|"]
@@ -433,11 +401,6 @@ def _per_class_section(summary: Mapping[str, Any]) -> list[str]:
                      f"{_cell(recall[k] if k < len(recall) else None)} | "
                      f"{_cell(auc[k] if k < len(auc) else None)} |")
     return lines
-
-
-def _training_counts(summary: Mapping[str, Any]) -> list[int] | None:
-    counts = [facts["class_counts"] for facts in summary.get("clients", {}).values() if facts.get("class_counts")]
-    return [int(sum(column)) for column in zip(*counts)] if counts else None
 
 
 def _shot_group_names(summary: Mapping[str, Any], train: list[int] | None) -> dict[int, str]:
@@ -535,11 +498,8 @@ def per_site_scores(summary: Mapping[str, Any]) -> dict[str, dict[str, float | N
 
 
 def site_valued_keys(per_round: list[Mapping[str, Any]], sites: Iterable[str]) -> list[str]:
-    """Per-round entries that map sites to numbers (shares, RF, ...), in first-seen order.
-
-    Only entries keyed by the run's sites count: ``server_seconds`` maps span names to numbers, and plotting it per
-    site drew an empty figure.
-    """
+    """Per-round entries that map the run's sites to numbers (shares, RF, ...), in first-seen order (not
+    ``server_seconds``, which maps span names to numbers: plotted per site it drew an empty figure)."""
     known, keys = set(sites), []
     for entry in per_round:
         for key, value in entry.items():
@@ -560,8 +520,6 @@ def by_method(summaries: list[Mapping[str, Any]]) -> dict[str, list[Mapping[str,
 
 def mean_std(values: list[float]) -> tuple[float, float]:
     """Mean and sample standard deviation (0 for a single value)."""
-    import statistics
-
     return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 

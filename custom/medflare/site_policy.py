@@ -1,12 +1,9 @@
 """A hospital's policy over the jobs it runs, in its own ``local/medflare_site.json`` (``"policy": {...}``), and
 its audit log.
 
-The policy says which methods the site accepts and which defences every job must have (DP-SGD, the server's robust
-aggregation, encrypted aggregation). The executor checks a job against it from the job's plan, before it reads an
-image, and declines a job the policy refuses with the reason, once (every task of that job gets the same answer).
-The audit log (``local/medflare_audit.jsonl`` unless the policy names another file) gets one JSON line per job: its
-id, plan fingerprint and method, the decision and its reason, and for an accepted job what left the site in each
-task (array names and bytes, meta keys, as the site's own filters let them out) and the DP-SGD budget spent.
+The executor checks a job's plan against it before it reads an image and declines a refused job with the reason.
+The audit log gets one JSON line per job: id, plan fingerprint, method, the decision and its reason, and what left
+the site in each task (array bytes, meta keys) and the DP-SGD budget spent.
 """
 
 from __future__ import annotations
@@ -33,17 +30,9 @@ REQUIREMENTS: dict[str, Callable[[RunPlan], bool]] = {
 
 @dataclass(frozen=True)
 class SitePolicy:
-    """What a hospital accepts of a job.
-
-    Attributes:
-        methods: the methods it runs (None: any registered method).
-        require: what every job must have, from :data:`REQUIREMENTS` (DP-SGD at the sites, the server's update-norm
-            bound and share cap, encrypted aggregation).
-        audit_log: the audit file, absolute or relative to the site's ``local/`` folder.
-        min_class_samples: a class the site has fewer samples of (in the split or group a statistic describes) is
-            left out of every statistic it sends: evaluation counts and histograms, and per-class counts a method
-            aggregates with (FedLSM's q and label counts). 0: no floor.
-    """
+    """What a hospital accepts of a job: its ``methods`` (None: any), what every job must have (:data:`REQUIREMENTS`),
+    its audit file (relative to ``local/``), and ``min_class_samples``: a class with fewer samples in what a
+    statistic describes is left out of every statistic the site sends (evaluation and per-class counts; 0: none)."""
 
     methods: list[str] | None = None
     require: list[str] = field(default_factory=list)
@@ -67,11 +56,8 @@ class SitePolicy:
 
 
 def site_policy(content: Mapping[str, Any] | None) -> SitePolicy:
-    """The ``policy`` object of a site's ``medflare_site.json`` content (the default policy when there is none).
-
-    Raises:
-        ConfigError: a field that does not fit, in one line naming it.
-    """
+    """The ``policy`` object of a site's ``medflare_site.json`` content (default: none); ConfigError for a bad
+    field."""
     return from_dict(SitePolicy, dict((content or {}).get("policy") or {}), "medflare_site.json policy")
 
 

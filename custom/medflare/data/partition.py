@@ -13,10 +13,8 @@ Schemes (the string forms accepted by `partition`):
     class-dirichlet:A1/.../AK[:P]  per-class Dirichlet concentration A_k, and each site drops each class with
                               probability P (default 0): FCA's RSNA-ICH splits (spec §6(d))
 
-Multi-label labels (`[N, K]` multi-hot rows) support the schemes that do not deal classes to sites (iid,
-quantity, attribute, labelset); iid stratifies on each sample's first positive finding (`multi_label_strata`).
-
-`partition_like` splits an evaluation set so each site's class mix follows its training mix.
+Multi-label labels (`[N, K]` multi-hot rows) support the schemes that do not deal classes to sites; iid
+stratifies on each sample's first positive finding. `partition_like` splits an evaluation set like training.
 """
 
 from __future__ import annotations
@@ -44,12 +42,8 @@ MULTI_LABEL_SCHEMES = ("iid", "quantity", "attribute", "labelset")
 
 @dataclass
 class Partition:
-    """Per-site sample indices of one split.
-
-    Attributes:
-        indices: Per site, sorted int64 indices into the partitioned `labels` array; sites are disjoint.
-        identified: Per site, bool `[K]` mask of the classes that site annotates (`labelset` only), else None.
-    """
+    """Per site, sorted disjoint int64 indices into the partitioned `labels`, and (`labelset` only) the bool
+    `[K]` mask of the classes that site annotates."""
 
     indices: list[np.ndarray]
     identified: list[np.ndarray] | None = None
@@ -61,17 +55,7 @@ class Partition:
 
 @dataclass(frozen=True)
 class PartitionScheme:
-    """A parsed scheme string.
-
-    Attributes:
-        kind: Scheme name, e.g. "dirichlet".
-        alpha: Dirichlet concentration (`dirichlet`, `quantity`, `longtail-missing`).
-        fractions: Per-site share of attribute-1 samples (`attribute`).
-        classes_per_site: Classes each site annotates (`labelset`).
-        missing_per_site: Classes each site lacks entirely (`longtail-missing`).
-        class_alphas: Dirichlet concentration per class (`class-dirichlet`).
-        drop_prob: Probability that a site lacks a class entirely (`class-dirichlet`).
-    """
+    """A parsed scheme string: its kind and the parameters that kind takes (see the module docstring)."""
 
     kind: str
     alpha: float | None = None
@@ -83,11 +67,7 @@ class PartitionScheme:
 
 
 def parse_scheme(scheme: str) -> PartitionScheme:
-    """Parses a scheme string such as "dirichlet:0.5" or "attribute:0.1/0.9".
-
-    Raises:
-        ConfigError: Unknown scheme name or malformed/out-of-range parameters; the message lists valid forms.
-    """
+    """Parses a scheme string such as "dirichlet:0.5"; ConfigError listing the valid forms when it is bad."""
     kind, _, rest = scheme.strip().partition(":")
     args = rest.split(":") if rest else []
     forms = ", ".join(SCHEME_FORMS)
@@ -134,19 +114,10 @@ def parse_scheme(scheme: str) -> PartitionScheme:
 
 def partition(labels: np.ndarray, num_sites: int, scheme: str, *, seed: int, min_size: int = 10,
               attributes: np.ndarray | None = None, num_classes: int | None = None) -> Partition:
-    """Splits sample indices of `labels` into `num_sites` disjoint sites.
+    """Splits sample indices of `labels` (in a deterministic order) into `num_sites` disjoint sites by `scheme`.
 
-    Args:
-        labels: Integer class per sample, in a deterministic order (sort file lists before building it).
-        num_sites: Number of sites.
-        scheme: One of `SCHEME_FORMS` (see the module docstring).
-        seed: Seed of the only RNG used.
-        min_size: Smallest allowed site; random schemes redraw (up to `MAX_REDRAWS` times) to reach it.
-        attributes: Binary per-sample attribute, needed by `attribute:`.
-        num_classes: Number of classes K (length of the `identified` masks); default `labels.max() + 1`.
-
-    Returns:
-        The per-site indices, plus identified-class masks for `labelset:`.
+    Random schemes redraw (up to `MAX_REDRAWS` times) until every site has `min_size`; `attributes` (binary, per
+    sample) feed `attribute:`; `num_classes` defaults to `labels.max() + 1`.
 
     Raises:
         ConfigError: Bad scheme string or parameters that cannot fit `num_sites` / the class count.
@@ -166,13 +137,11 @@ def partition(labels: np.ndarray, num_sites: int, scheme: str, *, seed: int, min
         labels = labels.reshape(-1)
         num_classes = _checked_class_count(labels, num_classes, scheme)
     rng = np.random.default_rng(seed)
-    identified = None
+    identified, allowed = None, None
     if parsed.kind == "iid":
         sites = _stratified_round_robin(labels, num_sites, rng)
     elif parsed.kind == "dirichlet":
         allowed = np.ones((num_classes, num_sites), dtype=bool)
-        alphas = np.full(num_classes, parsed.alpha)
-        sites = _redraw(lambda: _dirichlet_label_skew(labels, alphas, allowed, rng), scheme, min_size)
     elif parsed.kind == "quantity":
         sites = _redraw(lambda: _quantity_skew(len(labels), num_sites, parsed.alpha, rng), scheme, min_size)
     elif parsed.kind == "attribute":
@@ -181,16 +150,15 @@ def partition(labels: np.ndarray, num_sites: int, scheme: str, *, seed: int, min
         sites = _stratified_round_robin(labels, num_sites, rng)
         identified = _identified_classes(num_classes, num_sites, parsed.classes_per_site, scheme, rng)
     elif parsed.kind == "longtail-missing":
-        present = _kept_classes(num_classes, num_sites, scheme, rng, missing=parsed.missing_per_site)
-        alphas = np.full(num_classes, parsed.alpha)
-        sites = _redraw(lambda: _dirichlet_label_skew(labels, alphas, present.T, rng), scheme, min_size)
+        allowed = _kept_classes(num_classes, num_sites, scheme, rng, missing=parsed.missing_per_site).T
     else:  # class-dirichlet
         if len(parsed.class_alphas) != num_classes:
             raise ConfigError(f"Partition '{scheme}' gives {len(parsed.class_alphas)} alphas for {num_classes} "
                               "classes; give one alpha per class.")
-        present = _kept_classes(num_classes, num_sites, scheme, rng, drop_prob=parsed.drop_prob)
-        alphas = np.asarray(parsed.class_alphas)
-        sites = _redraw(lambda: _dirichlet_label_skew(labels, alphas, present.T, rng), scheme, min_size)
+        allowed = _kept_classes(num_classes, num_sites, scheme, rng, drop_prob=parsed.drop_prob).T
+    if allowed is not None:  # the Dirichlet label-skew schemes
+        alphas = np.asarray(parsed.class_alphas or np.full(num_classes, parsed.alpha))
+        sites = _redraw(lambda: _dirichlet_label_skew(labels, alphas, allowed, rng), scheme, min_size)
     _check_min_size(sites, min_size, scheme, tries=1)
     return Partition(indices=[np.sort(np.asarray(site, dtype=np.int64)) for site in sites], identified=identified)
 
@@ -208,30 +176,19 @@ def _checked_class_count(labels: np.ndarray, num_classes: int | None, scheme: st
 
 
 def multi_label_strata(labels: np.ndarray) -> np.ndarray:
-    """One stratum per multi-hot row: its first positive finding, or K when it has none ("no finding").
-
-    Stratifying on it keeps every finding's prevalence about equal across sites in an iid split. Unknown
-    entries (-1) count as not positive.
-    """
+    """One stratum per multi-hot row: its first positive finding (unknown -1 is not positive), or K when it has
+    none; stratifying on it keeps every finding's prevalence about equal across sites in an iid split."""
     labels = np.asarray(labels)
     positive = labels == 1
     return np.where(positive.any(axis=1), positive.argmax(axis=1), labels.shape[1]).astype(np.int64)
 
 
 def partition_like(labels: np.ndarray, site_class_counts: np.ndarray, *, seed: int) -> Partition:
-    """Splits an evaluation set over sites so that each site's class mix follows its own training mix.
+    """Splits clean evaluation `labels` over sites so each site's class mix follows its training mix.
 
-    Class k's samples are shuffled and cut among the sites in proportion to `site_class_counts[:, k]`, so a
-    site that trains on no sample of k gets none of k, and a Dirichlet-skewed site gets the same skew. A class no
-    site trains on is spread evenly. The sites are disjoint and together hold every sample.
-
-    Args:
-        labels: Clean integer class per evaluation sample (>= 0), in a deterministic order.
-        site_class_counts: `[num_sites, K]` training samples per site and class (before label masks and noise).
-        seed: Seed of the only RNG used.
-
-    Raises:
-        DataError: A label is negative or not below K.
+    Class k's samples are shuffled and cut in proportion to `site_class_counts[:, k]` (`[num_sites, K]`, before
+    label masks and noise): a site that trains on no k gets no k; a class no site trains on is spread evenly.
+    DataError when a label is negative or not below K.
     """
     labels = np.asarray(labels).reshape(-1)
     counts = np.asarray(site_class_counts, dtype=float)
@@ -248,11 +205,8 @@ def partition_like(labels: np.ndarray, site_class_counts: np.ndarray, *, seed: i
 
 
 def apply_label_mask(labels: np.ndarray, identified: np.ndarray) -> np.ndarray:
-    """Returns a copy of `labels` with every class outside the bool mask `identified` set to `UNLABELED` (-1).
-
-    Single-label: a sample of an unidentified class becomes unlabelled. Multi-label: the entries of the
-    unidentified classes become unknown, the others keep their value.
-    """
+    """A copy of `labels` with every class outside the bool mask `identified` set to `UNLABELED` (-1): the
+    sample (single-label) or that class's entry (multi-label)."""
     labels = np.asarray(labels, dtype=np.int64)
     masked = labels.copy()
     if labels.ndim == 2:
@@ -274,12 +228,8 @@ def _stratified_round_robin(labels: np.ndarray, num_sites: int, rng: np.random.G
 
 def _dirichlet_label_skew(labels: np.ndarray, alphas: np.ndarray, allowed: np.ndarray,
                           rng: np.random.Generator) -> list[np.ndarray]:
-    """One draw of the FedML Dirichlet partitioner (spec §1.2), restricted to `allowed[class, site]`.
-
-    Per class k: shuffle its samples, draw p ~ Dir(alphas[k] * 1), zero the share of sites already holding
-    >= N/C samples (and of sites not allowed to hold this class), renormalise and cut at the cumulative
-    proportions.
-    """
+    """One draw of the FedML Dirichlet partitioner (spec §1.2), restricted to `allowed[class, site]`: per class k,
+    p ~ Dir(alphas[k]), zeroed for sites already holding >= N/C samples or not allowed k, cut cumulatively."""
     num_sites = allowed.shape[1]
     cap = len(labels) / num_sites
     sites: list[list[int]] = [[] for _ in range(num_sites)]
@@ -312,11 +262,8 @@ def _quantity_skew(num_samples: int, num_sites: int, alpha: float, rng: np.rando
 
 def _attribute_mix(attributes: np.ndarray | None, fractions: tuple[float, ...], num_sites: int, scheme: str,
                    rng: np.random.Generator) -> list[np.ndarray]:
-    """Equal-size sites where site i holds a share `fractions[i]` of attribute-1 samples.
-
-    The common site size is the largest one for which both attribute pools suffice, so some samples may
-    stay unused when the requested mix differs from the data's.
-    """
+    """Equal-size sites where site i holds a share `fractions[i]` of attribute-1 samples; the size is the largest
+    both attribute pools suffice for (some samples stay unused when the mix differs from the data's)."""
     if attributes is None:
         raise DataError(
             f"Partition '{scheme}' needs a per-sample attribute; use a source with an attribute column "
@@ -360,11 +307,8 @@ def _identified_classes(num_classes: int, num_sites: int, per_site: int, scheme:
 
 def _kept_classes(num_classes: int, num_sites: int, scheme: str, rng: np.random.Generator, *, missing: int = 0,
                   drop_prob: float = 0.0) -> np.ndarray:
-    """bool `[site, class]` of the classes each site may hold; redrawn until every class stays somewhere.
-
-    Each site lacks `missing` random classes, or (with `drop_prob` > 0) each site lacks each class with
-    probability `drop_prob`, keeping at least one.
-    """
+    """bool `[site, class]` of the classes each site may hold (each lacks `missing` random classes, or each class
+    with probability `drop_prob`), redrawn until every class stays somewhere and every site keeps one."""
     if missing >= num_classes or (missing > 0 and num_sites == 1):
         raise ConfigError(
             f"Partition '{scheme}': dropping {missing} of {num_classes} classes per site over {num_sites} site(s) "

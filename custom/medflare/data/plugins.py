@@ -1,19 +1,10 @@
 """Data sources from outside medflare: ``--data KIND:ARGUMENT`` for a kind that a plugin or a package adds.
 
-A data-source plugin is a function ``(argument, seed) -> DataSplits`` registered under a kind, the part of the
-spec before the first ``:`` (``lesions:/data/lesions`` calls the ``lesions`` plugin with ``/data/lesions``):
-
-- in a job's plugin file (BYOC; ``--set plugins='["my_data.py"]'``): ``@register_source("lesions")``;
-- in an installed package (what a pre-installed site runs): an entry point in the ``medflare.data_sources``
-  group, ``lesions = "my_package.data:load_lesions"``, imported the first time the kind is used.
-
-Your own ``torch.utils.data.Dataset`` (a MONAI ``Dataset`` with its transforms, say) becomes the three splits with
-:func:`splits_from_datasets`. Each item is ``(image, label)`` or MONAI's ``{"image": ..., "label": ...}``; the
-image is channel-first ``[C, H, W]`` (C 1 or 3) or ``[H, W]``, uint8 or floats in [0, 1] (e.g. after
-``monai.transforms.ScaleIntensity``), one size for all. The dataset is read once, when the source loads, and held
-in memory as uint8 (N x H x W x C bytes per split), so its transforms should be the deterministic ones (load,
-orient, scale, resize); medflare's per-epoch augmentation (``data.augment``) and normalisation come after.
-See ``docs/own-model-and-data.md`` and ``examples/own_dataset/``.
+A plugin is a function ``(argument, seed) -> DataSplits`` registered under a kind (``lesions:/data/lesions``
+calls ``lesions`` with ``/data/lesions``): ``@register_source`` in a job's plugin file, or an entry point in the
+``medflare.data_sources`` group of an installed package, imported when the kind is first used.
+:func:`splits_from_datasets` turns your own datasets (e.g. MONAI's, with their deterministic transforms) into
+in-memory uint8 splits, read once; medflare's augmentation comes after. See ``docs/own-model-and-data.md``.
 """
 
 from __future__ import annotations
@@ -59,11 +50,8 @@ _SOURCES: dict[str, SourcePlugin] = {}
 
 
 def register_source(kind: str) -> Callable[[SourcePlugin], SourcePlugin]:
-    """Decorator that registers a data-source plugin for specs ``KIND:ARGUMENT``.
-
-    Raises:
-        ConfigError: if ``kind`` is not a plain name, is one of medflare's own, or is registered twice.
-    """
+    """Decorator that registers a data-source plugin for specs ``KIND:ARGUMENT``; ConfigError when ``kind`` is
+    not a plain name, is one of medflare's own, or is registered twice."""
 
     def decorate(plugin: SourcePlugin) -> SourcePlugin:
         if not kind.isidentifier() or kind in RESERVED_KINDS:
@@ -84,11 +72,7 @@ def source_kinds() -> list[str]:
 
 
 def find_source(kind: str) -> SourcePlugin | None:
-    """The plugin for ``kind`` (an installed one is imported here), or None when nothing provides it.
-
-    Raises:
-        ConfigError: an installed entry point that cannot be imported or is not a function.
-    """
+    """The plugin for ``kind`` (an installed one is imported here, ConfigError when it cannot be), or None."""
     if kind in _SOURCES or kind in RESERVED_KINDS:
         return _SOURCES.get(kind)
     entry = installed_entry_points(ENTRY_POINT_GROUP).get(kind)
@@ -122,13 +106,9 @@ def plugin_loader(kind: str) -> Callable[[str, int, int | None], DataSplits] | N
 def splits_from_datasets(
     train: MapDataset, val: MapDataset, test: MapDataset, *, class_names: Sequence[str]
 ) -> DataSplits:
-    """Three datasets (your own, with your transforms) as medflare's in-memory splits.
-
-    Args:
-        train, val, test: map-style datasets; items as the module docstring says. Validation picks the best
-            model; test only reports it.
-        class_names: one name per class, in label order (single-label: labels are ids in [0, K); multi-label:
-            labels are K-long 0/1 vectors, -1 for "not annotated").
+    """Three map-style datasets as medflare's in-memory splits. Items are ``(image, label)`` or MONAI's
+    ``{"image": ..., "label": ...}``; images ``[C, H, W]`` (C 1 or 3) or ``[H, W]``, uint8 or floats in [0, 1],
+    one size for all; labels class ids in label order of ``class_names``, or K-long 0/1/-1 vectors.
 
     Raises:
         DataError: an empty split, an item that is not an image and a label, an image of another shape or
@@ -147,11 +127,7 @@ def splits_from_datasets(
 
 
 def image_set_from_dataset(dataset: MapDataset, *, num_classes: int, name: str = "") -> ImageSet:
-    """Read every item of ``dataset`` once into an in-memory :class:`ImageSet` (uint8 ``[N, H, W, C]``).
-
-    Raises:
-        DataError: as :func:`splits_from_datasets`.
-    """
+    """Read every item of ``dataset`` once into an in-memory :class:`ImageSet` (uint8 ``[N, H, W, C]``)."""
     if len(dataset) == 0:
         raise DataError(f"dataset '{name}' is empty; every split needs at least one image")
     images, labels = [], []

@@ -1,16 +1,9 @@
 """The unlabelled public image set of public-set distillation methods (MDH-FL, FedMD).
 
-Every site reads the same public images, in the same order, and never their labels. Two ways to get one:
-
-* simulation (`DataConfig.public_fraction`): a seeded random share of the source's training split is held out
-  before the split is partitioned, so the public set is disjoint from every site's data. The share is drawn
-  without looking at the labels;
-* a separate set every site holds a copy of (`DataConfig.public_source`; in deployment a local path in each
-  site's `local/medflare_site.json`): ``images:DIR`` (every image file under DIR, sorted by relative path) or any
-  `load_source` spec (its train, val and test images in that order).
-
-Labels are replaced by `UNLABELED` as soon as the set is built, so no code downstream can use them.
-`public_digest` fingerprints a copy (exact pixel arrays and order), so sites can prove they read the same set.
+Every site reads the same public images in the same order, never their labels (`UNLABELED` from the start):
+in simulation a seeded share of the training split held out before partitioning (`public_fraction`), or a set
+every site holds a copy of (`public_source`: ``images:DIR``, sorted, or a `load_source` spec's train, val and test
+images). `public_digest` fingerprints a copy, so sites can prove they read the same set.
 """
 
 from __future__ import annotations
@@ -31,16 +24,8 @@ _PUBLIC_STREAM = 11  # keeps the public draw independent of the partition's and 
 
 
 def hold_out_public(train: ImageSet, fraction: float, seed: int) -> tuple[ImageSet | None, ImageSet]:
-    """Splits a training split into (public set without labels, private pool) at a seeded random share.
-
-    Args:
-        train: The source's training split.
-        fraction: Share of it held out as the public set; 0 = no public set (the pool is `train` itself).
-        seed: Seed of the draw (the job's data seed).
-
-    Raises:
-        DataError: The share leaves no public image or no private image.
-    """
+    """Splits a training split into (public set without labels, private pool) at a seeded random share (0: no
+    public set); DataError when the share leaves either side empty."""
     if fraction <= 0:
         return None, train
     count = int(round(fraction * len(train)))
@@ -56,13 +41,8 @@ def hold_out_public(train: ImageSet, fraction: float, seed: int) -> tuple[ImageS
 
 
 def load_public_source(spec: str, num_classes: int, channels: int, seed: int) -> ImageSet:
-    """The public set a site holds a copy of, without labels, in a fixed order.
-
-    Args:
-        spec: ``images:DIR`` or a `load_source` spec.
-        num_classes: The task's class count (the set carries no labels, but the type needs K).
-        channels: The task's channels; ``images:DIR`` files are converted, other sources must match.
-        seed: Seed of `load_source`'s automatic split (it only fixes the order of folder/CSV sources).
+    """The public set a site holds a copy of (``images:DIR``, converted to the task's `channels`, or a
+    `load_source` spec, which must match them), without labels, in a fixed order.
 
     Raises:
         DataError: The folder holds no image, or the source's channels differ from the task's.
@@ -86,12 +66,8 @@ def load_public_source(spec: str, num_classes: int, channels: int, seed: int) ->
 
 
 def absolute_public_source(spec: str, option: str = "data.public_source", check: bool = True) -> str:
-    """``spec`` (``images:DIR`` or a `load_source` spec) with the folder or file it names made absolute against
-    the current folder, as :func:`medflare.data.sources.absolute_source` does for a data source.
-
-    Raises:
-        DataError: ``check`` and the path does not exist here.
-    """
+    """``spec`` (``images:DIR`` or a `load_source` spec) with the path it names made absolute, as
+    :func:`medflare.data.sources.absolute_source` does (DataError with ``check`` when it does not exist here)."""
     if spec.startswith(IMAGES_PREFIX) and spec[len(IMAGES_PREFIX):]:
         return IMAGES_PREFIX + absolute_path(spec[len(IMAGES_PREFIX):], "dir", option, check)
     return absolute_source(spec, option, check)
@@ -104,12 +80,8 @@ def unlabelled(image_set: ImageSet) -> ImageSet:
 
 
 def public_digest(image_set: ImageSet) -> str:
-    """SHA-256 hex digest of a set's images in order: the count, then per image its dtype, shape and exact bytes.
-
-    Two copies have the same digest only if they hold the same arrays (values, dtype and shape) in the same order,
-    whatever their file names or storage; labels do not enter it. Pixels are hashed in their own dtype, never
-    cast, so 16-bit PNG, DICOM or NIfTI sets that differ beyond 8-bit precision give different digests.
-    """
+    """SHA-256 hex digest of a set's images in order: the count, then per image its dtype, shape and exact bytes
+    (never cast, so sets that differ beyond 8-bit precision differ), whatever the file names; labels do not enter."""
     digest = hashlib.sha256()
     digest.update(np.int64(len(image_set)).tobytes())
     for index in range(len(image_set)):

@@ -1,17 +1,11 @@
 """Decoding of single image files into `[H, W, C]` arrays, without losing bit depth.
 
-An 8-bit image (PNG/JPEG/TIFF) comes back as uint8 (its display levels, which the transform scales by 1/255).
-Anything deeper, a 16-bit PNG or TIFF, a DICOM or a NIfTI slice, comes back as float32 in [0, 1], so a 12-bit
-X-ray keeps its 4096 levels instead of being cut to 256; the transform (`medflare.data.transforms`) takes either.
-
-Deeper values are scaled the same way whatever the format: without a window each image is min-max scaled to
-[0, 1] (a 12-bit X-ray stored as 16-bit PNG, values 125-3540, reaches [0, 1] as its DICOM does, not the
-[0.002, 0.054] of a division by 65535); with one (:func:`parse_window`: `data.window=40,80`, a preset such as
-`brain`, or `file` for the DICOM's own WindowCenter/WindowWidth) values are clipped to
-[center - width/2, center + width/2] and scaled to [0, 1], the same for every image, as radiologists read CT. A
-window applies to an 8-bit grayscale image's levels too; colour images are never windowed. DICOM values are in the
-file's own units after the modality rescale (Hounsfield units for CT), MONOCHROME1 inverted to MONOCHROME2.
-DICOM (pydicom) and NIfTI (nibabel) are optional: `pip install medflare[dicom]` on a site that holds such files.
+An 8-bit image (PNG/JPEG/TIFF) comes back as uint8; anything deeper (16-bit PNG/TIFF, DICOM, NIfTI) as float32
+in [0, 1], so a 12-bit X-ray keeps its 4096 levels. Deeper values are min-max scaled per image (a 16-bit PNG
+reaches [0, 1] as its DICOM does), or with a window (:func:`parse_window`) clipped to [center - width/2,
+center + width/2] and scaled, the same for every image, as radiologists read CT; colour images are never windowed.
+DICOM values are in the file's units after the modality rescale (HU for CT), MONOCHROME1 inverted. DICOM (pydicom)
+and NIfTI (nibabel) need `pip install medflare[dicom]`.
 """
 
 from __future__ import annotations
@@ -51,12 +45,8 @@ FILE_WINDOW = "file"
 
 @dataclass(frozen=True)
 class Window:
-    """An intensity window: values in [center - width/2, center + width/2] map linearly to [0, 1].
-
-    Attributes:
-        center: window level, in the image's units (Hounsfield units for CT).
-        width: window width (> 0).
-    """
+    """An intensity window (in the image's units, e.g. HU; width > 0): values in [center - width/2,
+    center + width/2] map linearly to [0, 1]."""
 
     center: float
     width: float
@@ -71,13 +61,8 @@ WindowSpec = Window | str | None  # a Window, FILE_WINDOW, or None (min-max per 
 
 
 def parse_window(text: str | None) -> WindowSpec:
-    """`data.window` as a :class:`Window`, :data:`FILE_WINDOW` or None.
-
-    Accepted: "" (no window), "CENTER,WIDTH" (e.g. "40,80"), a preset name (:data:`WINDOW_PRESETS`) or "file".
-
-    Raises:
-        ConfigError: anything else, naming the forms.
-    """
+    """`data.window` ("" none, "CENTER,WIDTH", a :data:`WINDOW_PRESETS` name or "file") as a :class:`Window`,
+    :data:`FILE_WINDOW` or None; ConfigError naming the forms for anything else."""
     text = (text or "").strip().lower()
     if not text:
         return None
@@ -103,15 +88,7 @@ def is_image_file(path: str) -> bool:
 
 def read_image(path: str, channels: int | None = None, window: WindowSpec = None) -> np.ndarray:
     """Decodes one image file into `[H, W, channels]`: uint8 for 8-bit files, float32 in [0, 1] for deeper ones.
-
-    Grayscale is repeated to 3 channels and RGB is reduced to luma when `channels` asks for it; an alpha channel
-    is dropped. `channels=None` keeps the file's own channel count (1 or 3).
-
-    Args:
-        path: the image file.
-        channels: 1, 3 or None.
-        window: intensity window of a grayscale image (see :func:`parse_window`); None = min-max per image for
-            images deeper than 8 bits, the display levels of 8-bit ones.
+    Grayscale is repeated or RGB reduced to luma as `channels` asks (None: the file's own); alpha is dropped.
 
     Raises:
         DataError: The file is missing, unreadable or not a 2-D image, its reader package is not installed, a

@@ -1,24 +1,14 @@
 """Per-site data: the torch `ImageDataset`, the `DataConfig` of a job, and `make_site_data` for one site.
 
-Simulation (`local=False`): every site loads the same source with the same seed and keeps only its own slice,
-so no data, paths or labels ever travel between sites or to the server. The training split is partitioned
-with `DataConfig.partition`; val and test are split IID (stratified, `eval_split="pooled"`) or with each
-site's own training class mix (`eval_split="like_train"`). Either way the per-site slices tile the pooled
-val/test sets, so summing per-site confusion counts gives exactly the pooled metric. POC/production
-(`local=True`): the source is the site's own data and is used whole.
+Simulation: every site loads the same source with the same seed and keeps only its own slice, so no data ever
+travels. Val/test are split IID (`eval_split="pooled"`) or with each site's training class mix ("like_train");
+either way the slices tile the pooled splits, so summed per-site confusion counts give the pooled metric.
+POC/production (`local=True`): the source is the site's own data, used whole.
 
-Order of the training-label pipeline: long-tail cut (`imbalance`, any source) → public hold-out
-(`public_fraction`) → partition →
-label-set mask (-1 for classes the site does not annotate) → label noise on the remaining labels → label
-fraction (only that share of each class keeps its label; the rest become -1, unlabelled images that
-self-supervised stages still use). Val and test labels always stay clean; the public set
-(`medflare.data.public`) has no labels at all.
-
-The classes a site annotates ("identified") come from the `labelset:K` partition, from the job's explicit
-`identified` lists (one per simulated site), or, in POC/production, from the site's own
-`local/medflare_site.json` (`{"data": {..., "identified": [0, 3]}}`). Multi-label data (`[N, K]` multi-hot
-labels) flows through the same pipeline; only label noise, label fractions and `eval_split="like_train"` need
-single labels.
+Training labels: long-tail cut (`imbalance`) → public hold-out → partition → label-set mask (-1 for classes the
+site does not annotate: `labelset:K`, the job's `identified` lists, or the site's `local/medflare_site.json`)
+→ label noise → label fraction (the rest -1, unlabelled). Val/test labels stay clean; the public set has none.
+Multi-label data takes the same path; only label noise, label fractions and "like_train" need single labels.
 """
 
 from __future__ import annotations
@@ -51,12 +41,8 @@ EVAL_SPLITS = ("pooled", "like_train")
 
 
 class ImageDataset(Dataset):
-    """Torch dataset over an `ImageSet`: item i is (transformed float32 `[C, H, W]` tensor, int64 label).
-
-    Single-label labels are returned as Python ints (the default collate makes them an int64 tensor); -1 marks
-    an unlabeled sample under label-set mismatch. Multi-label labels are int64 `[K]` tensors (collated to
-    `[B, K]`) with -1 for unknown entries.
-    """
+    """Torch dataset over an `ImageSet`: item i is (transformed float32 `[C, H, W]` tensor, label): an int
+    (-1 = unlabelled), or for multi-label sets an int64 `[K]` tensor with -1 for unknown entries."""
 
     def __init__(self, images: ImageSet, transform: Callable[[np.ndarray], torch.Tensor]) -> None:
         self.images = images
@@ -80,11 +66,8 @@ class ImageDataset(Dataset):
 
 
 class MultiViewDataset(Dataset):
-    """Several transforms of the same image: item i is (float32 `[V, C, H, W]` views, label).
-
-    FixMatch-style methods draw a weak and a strong view of one sample (FedLSM's teacher sees the weak view,
-    the student the strong one); every view of an item comes from the same decoded image.
-    """
+    """Several transforms of one decoded image: item i is (float32 `[V, C, H, W]` views, label), e.g. FedLSM's
+    weak (teacher) and strong (student) views."""
 
     def __init__(self, base: ImageDataset, transforms: list[Callable[[np.ndarray], torch.Tensor]]) -> None:
         if not transforms:
@@ -105,35 +88,22 @@ class DataConfig:
     """Data settings of a job, identical on every site (simulation) or site-specific (local).
 
     Attributes:
-        source: `load_source` spec.
-        partition: Scheme for the TRAIN split (see `medflare.data.partition`).
-        eval_split: How val/test are split over simulated sites: "pooled" (stratified IID) or "like_train"
-            (each site's class mix follows its own training split, e.g. its missing classes stay missing).
-        num_sites: Number of simulated sites.
-        seed: Seed of the source, the partition and the label noise.
-        image_size: Model input size; None = the source's native size.
-        label_noise: Flip rate μ of training labels (0 = clean), or one rate per site (a list of `num_sites`).
-        noise_kind: "symmetric" or "pairflip".
-        site_shift: Acquisition-shift strength per site (in-memory sources only), 0 = none.
-        local: True in POC/production: the source is this site's own data, used whole, no partitioning.
-        min_size: Smallest allowed training slice per site.
-        num_classes: Declared class count, checked against the data.
-        augment: Training augmentation recipe of `build_transform` (one of `transforms.AUGMENTATIONS`).
-        public_fraction: Simulation: share of the source's training split held out (seeded, labels unseen) as
-            the unlabelled public set of public-set distillation methods; 0 = none.
-        public_source: The public set every site holds a copy of: "images:DIR" or a `load_source` spec (a
-            real site names its local copy in its medflare_site.json); "" = none.
-        label_fraction: Share of each class's training labels a site keeps (SSL-FL's 10/30/70/100 %), or one
-            share per site (a list of `num_sites`); the other training images stay, unlabelled (-1).
-        identified: Classes each site annotates; the others are masked to unknown in its training labels.
-            Simulation: one list of class ids per site (not with a `labelset` partition, which draws them).
-            Local: this site's list, e.g. from its `local/medflare_site.json`. None = every class.
-        imbalance: Ratio of the largest to the smallest training class after a seeded long-tail cut of the
-            training split (1 = keep everything); any source (`medflare.data.longtail`).
-        window: Intensity window of DICOM/NIfTI files: "CENTER,WIDTH" (e.g. "40,80"), a CT preset ("brain",
-            "subdural", "lung", "bone", ...), "file" (each DICOM's own window) or "" (min-max per image).
-        class_map: This site's own class names -> the job's, for those it spells differently (only the site's
-            `local/medflare_site.json` sets it; `medflare.data.classes`).
+        source: `load_source` spec. partition: scheme of the TRAIN split (`medflare.data.partition`).
+        eval_split: "pooled" (stratified IID val/test) or "like_train" (each site's training class mix).
+        seed: seed of the source, the partition and the label noise. image_size: None = the source's own.
+        label_noise: flip rate μ of training labels ("symmetric" or "pairflip" `noise_kind`), or one per site.
+        site_shift: acquisition-shift strength per site (in-memory sources only), 0 = none.
+        local: POC/production: the source is this site's own data, used whole, no partitioning.
+        min_size: smallest allowed training slice per site. num_classes: declared, checked against the data.
+        public_fraction: simulation: seeded share of the training split held out, unlabelled, as the public set
+            of public-set distillation methods. public_source: "images:DIR" or a `load_source` spec instead.
+        label_fraction: share of each class's training labels a site keeps (SSL-FL), or one share per site.
+        identified: classes each site annotates (simulation: one list per site, not with `labelset`; local:
+            this site's list). None = every class.
+        imbalance: largest/smallest training class ratio after a seeded long-tail cut (1 = keep everything).
+        window: DICOM/NIfTI intensity window: "CENTER,WIDTH", a CT preset ("brain", "lung", ...), "file" (each
+            DICOM's own) or "" (min-max per image).
+        class_map: this site's class names -> the job's (its `local/medflare_site.json`; `data.classes`).
     """
 
     source: str = "synthetic"
@@ -190,25 +160,11 @@ class DataConfig:
 
 @dataclass
 class SiteData:
-    """Everything a site trains and evaluates on.
-
-    Attributes:
-        train: Training dataset (augmented; labels masked and noised as configured).
-        val: Validation dataset (clean labels, deterministic transform).
-        test: Test dataset (clean labels, deterministic transform).
-        num_classes: Number of classes K.
-        channels: Input channels (1 or 3).
-        image_size: Model input height and width.
-        class_counts: int64 `[K]` counts of labelled training samples (after noise, -1 excluded); multi-label:
-            known positives per class.
-        identified: bool `[K]` classes this site annotates (label-set mismatch), else None.
-        attributes_test: Attribute per test sample (for per-attribute metrics), else None.
-        site_name: Name of the site, e.g. "site-1".
-        public: The unlabelled public set (deterministic transform, every label -1), or None when not configured.
-        multi_label: Whether labels are multi-hot rows (several findings per image).
-        pooled_test: Simulation, when asked for: every site's test slice as that site sees it, together (the
-            pooled test set FCA's generalization scores a site's own model on); None otherwise.
-    """
+    """Everything a site trains and evaluates on. Train is augmented with its labels masked and noised; val,
+    test and the unlabelled public set use the deterministic transform. `class_counts`: int64 `[K]` labelled
+    training samples (multi-label: known positives); `identified`: bool `[K]` annotated classes, or None;
+    `pooled_test` (simulation, on request): every site's test slice as that site sees it (FCA's
+    generalization)."""
 
     train: ImageDataset
     val: ImageDataset
@@ -227,20 +183,12 @@ class SiteData:
 
 def make_site_data(cfg: DataConfig, site_index: int, site_name: str = "", pooled_test: bool = False,
                    class_names: Sequence[str] | None = None) -> SiteData:
-    """Builds the datasets of one site.
-
-    Args:
-        cfg: Data config (the same on every simulated site).
-        site_index: 0-based index of this site among `cfg.num_sites` (ignored for the partition when local).
-        site_name: Name used in messages and `SiteData.site_name`; default "site-<index+1>".
-        pooled_test: Also build `SiteData.pooled_test` (simulation only; a local site holds only its own data).
-        class_names: The job's class names in label order (its task's); data that names its classes must name
-            these (`medflare.data.classes.align_to_job`, with the site's `cfg.class_map`).
+    """The datasets of site `site_index` (0-based; ignored when local). `class_names`: the job's, in label order;
+    data that names its classes must name these (`align_to_job`, with `cfg.class_map`).
 
     Raises:
-        ConfigError: Site index out of range, or a site shift on a file-based source.
-        DataError: The source cannot be loaded, its class names are not the job's, or this site's training split
-            is empty.
+        ConfigError: site index out of range, or a site shift on a file-based source.
+        DataError: the source cannot be loaded, its class names are not the job's, or the training split is empty.
     """
     site_name = site_name or f"site-{site_index + 1}"
     splits = load_source(cfg.source, seed=cfg.seed, num_classes=cfg.num_classes)
@@ -278,8 +226,7 @@ def _as_seen(image_set: ImageSet, cfg: DataConfig, site_index: int) -> ImageSet:
 
 
 def _pooled_test(cfg: DataConfig, splits: DataSplits, channels: int, image_size: int) -> Dataset:
-    """Every simulated site's test slice as that site sees it, in site order: the pooled test set (the slices tile
-    the source's test split, so this is that split, each image shifted as its own site's)."""
+    """Every simulated site's test slice as that site sees it, in site order (together the source's test split)."""
     transform = build_transform(channels, image_size, train=False)
     slices = [_as_seen(_site_sets(cfg, splits, index, f"site-{index + 1}")[2], cfg, index)
               for index in range(cfg.num_sites)]
@@ -287,11 +234,7 @@ def _pooled_test(cfg: DataConfig, splits: DataSplits, channels: int, image_size:
 
 
 def describe_partition(cfg: DataConfig) -> list[dict]:
-    """Per-site summary of a simulated split (for run summaries and reports; simulation only).
-
-    Returns:
-        One dict per site: site, site_index, n_train, n_unlabeled, n_val, n_test, class_counts (list of K
-        ints over labelled training samples) and identified (list of K bools, or None).
+    """Per-site sizes, labelled training class counts and identified classes of a simulated split.
 
     Raises:
         ConfigError: `cfg.local` is True (a real site's data is not visible to whoever calls this).
@@ -343,13 +286,13 @@ def _site_sets(cfg: DataConfig, splits: DataSplits, site_index: int,
     if cfg.identified is not None:
         identified = explicit_identified(cfg, site_index, num_classes)
     labels = train.labels if identified is None else apply_label_mask(train.labels, identified)
-    rate = site_noise_rate(cfg, site_index)
+    rate = _per_site(cfg.label_noise, site_index)
     if rate > 0 and train.multi_label:
         raise ConfigError("label_noise flips class ids and needs single-label data; set label_noise to 0 for "
                           "multi-label data.")
     if rate > 0:
         labels = inject_label_noise(labels, num_classes, rate, cfg.noise_kind, seed=cfg.seed)
-    fraction = site_label_fraction(cfg, site_index)
+    fraction = _per_site(cfg.label_fraction, site_index)
     if fraction < 1.0 and train.multi_label:
         raise ConfigError("label_fraction keeps a share of each class's labels and needs single-label data; set "
                           "label_fraction to 1 for multi-label data (data.identified hides whole classes instead).")
@@ -414,29 +357,15 @@ def _identified_problems(cfg: DataConfig) -> list[str]:
     return problems
 
 
-def site_noise_rate(cfg: DataConfig, site_index: int) -> float:
-    """The training-label flip rate of site `site_index`: the one rate, or that site's entry of the list."""
-    return float(cfg.label_noise[site_index] if isinstance(cfg.label_noise, list) else cfg.label_noise)
-
-
-def site_label_fraction(cfg: DataConfig, site_index: int) -> float:
-    """The share of training labels site `site_index` keeps: the one share, or that site's entry of the list."""
-    return float(cfg.label_fraction[site_index] if isinstance(cfg.label_fraction, list) else cfg.label_fraction)
+def _per_site(setting: float | list[float], site_index: int) -> float:
+    """A setting given once or per site (a list): site `site_index`'s value."""
+    return float(setting[site_index] if isinstance(setting, list) else setting)
 
 
 def keep_label_fraction(labels: np.ndarray, fraction: float, seed: int) -> np.ndarray:
-    """A copy of `labels` where each class keeps round(fraction x its count) labels (at least one) and the
-    others become `UNLABELED`.
-
-    Stratified per class, as SSL-FL's label-efficiency runs take about 10/30/70 % "from each class". One seeded
-    permutation per class decides the order, so a smaller fraction keeps a subset of a larger one's labels
-    (the 10 % labels are among the 30 % labels).
-
-    Args:
-        labels: int64 `[N]` training labels; `UNLABELED` entries stay unlabelled.
-        fraction: share in (0, 1] of each class's labels to keep.
-        seed: seed of the per-class permutations (the data seed plus the site index).
-    """
+    """A copy of `labels` where each class keeps round(fraction x its count) labels (at least one), the others
+    `UNLABELED`: stratified, as SSL-FL's 10/30/70 % runs. One seeded permutation per class, so a smaller
+    fraction keeps a subset of a larger one's labels."""
     kept = np.full_like(labels, UNLABELED)
     rng = np.random.default_rng(seed)
     for label in np.unique(labels[labels != UNLABELED]):

@@ -10,11 +10,8 @@ Spec forms:
                               manifest has one column per class, label_<name>, holding 1, 0, or -1 / empty
                               for "not annotated", instead of `label`
 
-Without explicit splits (folder without split folders, CSV without a `split` column) a seeded stratified
-70/15/15 train/val/test split is made. Class names come from the data where it has them (folder names, a CSV's
-`class_name` column; `info["named_classes"]` is then True), else they are `class_<k>`. Results are cached
-in-process per (spec, seed, num_classes), with read-only arrays: treat a returned `DataSplits` as immutable
-(`ImageSet.subset` returns copies).
+Without explicit splits a seeded stratified 70/15/15 split is made. Class names come from the data where it has
+them (`info["named_classes"]`), else `class_<k>`. Results are cached in-process with read-only arrays.
 """
 
 from __future__ import annotations
@@ -51,16 +48,9 @@ _LOAD_LOCK = threading.Lock()
 
 
 def load_source(spec: str, *, seed: int = 0, num_classes: int | None = None) -> DataSplits:
-    """Loads (or generates) a data source as train/val/test splits.
-
-    Args:
-        spec: Source spec; see the module docstring for the forms.
-        seed: Seed of the synthetic generator and of the automatic stratified split.
-        num_classes: Declared class count; checked against the data when given.
-
-    Returns:
-        The splits plus `info` (source, kind, class_names, num_classes, channels, image_size, counts). The
-        same object is returned for repeated calls with the same arguments in one process.
+    """Loads (or generates) a data source as train/val/test splits plus `info` (class_names, channels,
+    image_size, counts, ...); the same object for repeated calls in one process. `seed` seeds the synthetic
+    generator and the automatic split; `num_classes` is checked against the data.
 
     Raises:
         ConfigError: Unknown spec form or bad synthetic options.
@@ -72,21 +62,9 @@ def load_source(spec: str, *, seed: int = 0, num_classes: int | None = None) -> 
 
 
 def absolute_source(spec: str, option: str = "data.source", check: bool = True) -> str:
-    """``spec`` with the file or folder it names made absolute against the current folder; other specs unchanged.
-    A plugin source's argument (``lesions:data/lesions``) is made absolute when it names a file or folder here.
-
-    FLARE starts the simulator's server and every site in a workspace folder of its own, so a relative path in a
-    job would be read from there: the job would start and then fail at every site. A job therefore only ever
-    carries absolute paths, resolved where the user typed them.
-
-    Args:
-        spec: a `load_source` spec, e.g. ``medmnist:../data/pneumoniamnist.npz``.
-        option: the option's name for the error message.
-        check: also require the file or folder to exist here.
-
-    Raises:
-        DataError: ``check`` and the path names no file (folder) here; one line naming the path.
-    """
+    """``spec`` with the file or folder it names (also a plugin's argument that names one here) made absolute
+    against the current folder: FLARE runs every party in a workspace of its own, where a relative path would
+    fail at every site. With ``check``, DataError (naming ``option``) when it names nothing here."""
     kind, _, path = spec.strip().partition(":")
     if kind not in PATH_SOURCES and path and not os.path.isabs(path) and os.path.exists(os.path.expanduser(path)):
         # a plugin's argument that names a file or folder here: the plugin reads it from the site's folder
@@ -97,17 +75,8 @@ def absolute_source(spec: str, option: str = "data.source", check: bool = True) 
 
 
 def absolute_path(path: str, kind: str, option: str, check: bool = True) -> str:
-    """``path`` (``~`` expanded) made absolute against the current folder.
-
-    Args:
-        path: a file or folder path as the user gave it.
-        kind: "file" or "dir": what the path must name when ``check``.
-        option: the option's name for the error message.
-        check: also require it to exist here.
-
-    Raises:
-        DataError: ``check`` and the path names no ``kind`` here.
-    """
+    """``path`` (``~`` expanded) made absolute against the current folder; with ``check``, DataError when it
+    names no ``kind`` ("file" or "dir") here."""
     absolute = os.path.abspath(os.path.expanduser(path))
     exists = os.path.isdir(absolute) if kind == "dir" else os.path.isfile(absolute)
     if check and not exists:
@@ -344,7 +313,6 @@ def _load_csv(manifest: str, seed: int, num_classes: int | None) -> DataSplits:
     return DataSplits(**sets, info=info)
 
 
-
 def class_columns(header: list[str]) -> list[str]:
     """The `label_<class>` columns of a multi-label manifest header, in header order."""
     return [name for name in header if name.startswith(CSV_CLASS_PREFIX) and len(name) > len(CSV_CLASS_PREFIX)]
@@ -375,7 +343,6 @@ def _check_multi_hot(labels: dict[str, np.ndarray], num_classes: int | None,
     return found
 
 
-
 def _csv_class_names(rows: list[tuple[dict[str, str], int]], labels: np.ndarray, num_classes: int,
                      at: Callable[[int], str]) -> list[str]:
     """One name per label id from the `class_name` column; a label with two names, or a name on two labels, fails."""
@@ -396,11 +363,8 @@ def _csv_class_names(rows: list[tuple[dict[str, str], int]], labels: np.ndarray,
 
 
 def stratified_split(labels: np.ndarray, fractions: tuple[float, ...], seed: int) -> list[np.ndarray]:
-    """Seeded stratified split of sample indices into len(fractions) sorted parts.
-
-    Per class, the samples are shuffled and cut at the rounded cumulative fractions, so every part gets its
-    share of every class (a class with a single sample goes to the first part).
-    """
+    """Seeded stratified split of sample indices into len(fractions) sorted parts: per class, shuffled and cut at
+    the rounded cumulative fractions (a class with a single sample goes to the first part)."""
     rng = np.random.default_rng([seed, 7])
     edges = np.cumsum(fractions)[:-1] / np.sum(fractions)
     parts: list[list[np.ndarray]] = [[] for _ in fractions]
@@ -445,11 +409,8 @@ def _file_splits(files: dict[str, tuple[list[str], np.ndarray]], num_classes: in
 
 
 def _probe_first_image(paths: list[str]) -> tuple[int, int]:
-    """Channels (1 or 3) and height of the first image: they define the source's native format.
-
-    Later images with another channel count are converted on access, and other sizes are resized by the
-    transform, so a mixed folder still works.
-    """
+    """Channels (1 or 3) and height of the first image, the source's native format (others are converted and
+    resized on access)."""
     pixels = read_image(paths[0])
     return (1 if pixels.shape[-1] == 1 else 3), int(pixels.shape[0])
 
@@ -474,10 +435,7 @@ def probe_shapes(paths: list[str], most: int = SHAPE_PROBES) -> list[tuple[int, 
 
 def _describe(splits: DataSplits, spec: str, kind: str) -> dict:
     train = splits.train
-    if "image_size" in splits.info:
-        image_size = splits.info["image_size"]
-    else:
-        image_size = int(train.images.shape[1])
+    image_size = splits.info["image_size"] if "image_size" in splits.info else int(train.images.shape[1])
     return {
         "source": spec,
         "kind": kind,

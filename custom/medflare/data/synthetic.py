@@ -1,25 +1,15 @@
 """Embedded synthetic "skin lesion" data set: deterministic, class-conditioned, long-tail and attribute aware.
 
-Every image shows one lesion on a textured skin background. A class is a point in a 7-D space of lesion
-features (eccentricity, border irregularity, satellite spots, texture frequency, stripe-vs-dot texture, hue,
-darkness). Class points form a maximin Latin hypercube, so every feature separates the classes a little and
-no single feature separates them fully; each image jitters its class point by `overlap` (Gaussian, in units
-of the feature range), which gives the task a real Bayes error. Position, size, orientation, lobe count,
-illumination and pixel noise are nuisances independent of the class.
+A class is a point in a 7-D space of lesion features (eccentricity, border irregularity, satellite spots,
+texture frequency and kind, hue, darkness), the points a maximin Latin hypercube, so no single feature separates
+the classes; each image jitters its point by `overlap`, a real Bayes error. Position, size, orientation, lobes,
+illumination and noise are class-independent nuisances. The attribute is the skin tone (0 light, 1 dark: lower
+lesion contrast). The seed only draws samples, from independent streams per split; val and test are
+class-balanced (the usual long-tail protocol), train follows `imbalance`.
 
-The per-image binary attribute is the background tone (0 light, 1 dark, "skin tone"). Lesions on dark skin
-have lower contrast, so per-attribute metrics differ as they do on real dermoscopy data.
-
-Class definitions do not depend on the seed: the seed only draws samples. Train, val and test use independent
-streams derived from the seed; val and test are class-balanced (documented choice: balanced accuracy on a
-balanced set is the usual long-tail protocol), train follows `imbalance`.
-
-Multi-label mode (`multilabel=1`, e.g. `synthetic:multilabel=1,classes=6`): a chest-X-ray-like screening task.
-Each image shows a grey, mottled field with zero or more "findings"; finding k is a blob with its own place,
-size, elongation and tint, so it can be recognised whatever else is present. Labels are multi-hot rows. Finding
-k's prevalence falls from 30 % (k = 0) to 30 % / `imbalance` (k = K-1), and findings co-occur in pairs
-(0 with 1, 2 with 3, ...): the labels are thresholded correlated Gaussians (a Gaussian copula) whose pairs
-correlate with `cooccurrence`. The attribute darkens the background. All splits follow the same prevalence.
+Multi-label mode (`multilabel=1`): zero or more "findings" on a grey mottled field, each a blob with its own
+place, size, elongation and tint. Prevalence falls from 30 % (k = 0) to 30 % / `imbalance`; pairs (0, 1),
+(2, 3), ... co-occur through a Gaussian copula with correlation `cooccurrence`. The attribute darkens the field.
 """
 
 from __future__ import annotations
@@ -53,22 +43,10 @@ _BLUE_GREY_LESION = np.array([0.28, 0.32, 0.55])
 
 @dataclass(frozen=True)
 class SyntheticConfig:
-    """Parameters of the synthetic source; `synthetic:key=val,...` sets any of them.
-
-    Attributes:
-        n: Number of training images.
-        classes: Number of classes K.
-        size: Image height and width in pixels.
-        channels: 3 (RGB) or 1 (luma of the RGB rendering).
-        imbalance: Ratio of the largest to the smallest training class (1 = balanced); exponential profile.
-        dark_fraction: Probability that an image has the dark-skin attribute.
-        overlap: Std of the per-image jitter of the class features (larger = harder, more Bayes error).
-        pixel_noise: Std of additive pixel noise, in [0, 1] intensity units.
-        n_val: Validation images (class-balanced); None = max(300, n // 4).
-        n_test: Test images (class-balanced); None = max(300, n // 4).
-        multilabel: 1 = multi-label mode (findings on a grey field, multi-hot labels), 0 = one lesion per image.
-        cooccurrence: Multi-label mode: latent correlation of the paired findings (0, 1), (2, 3), ... in [0, 1).
-    """
+    """Parameters of the synthetic source; `synthetic:key=val,...` sets any of them. `n`: training images;
+    `channels` 1 is the luma of the RGB rendering; `imbalance`: largest/smallest training class (exponential);
+    `overlap`: std of the per-image feature jitter; `pixel_noise` in [0, 1] intensity units; `n_val`, `n_test`:
+    None = max(300, n // 4)."""
 
     n: int = 2400
     classes: int = 5
@@ -102,18 +80,14 @@ class SyntheticConfig:
         if problems:
             raise ConfigError("Invalid synthetic source: " + "; ".join(problems) + ".")
 
-    @property
-    def eval_size(self) -> int:
-        """Default size of the val and test splits."""
-        return max(300, self.n // 4)
+    def split_size(self, split: str) -> int:
+        """Images in `split`: `n`, `n_val` or `n_test` (val and test default to max(300, n // 4))."""
+        given = {"train": self.n, "val": self.n_val, "test": self.n_test}[split]
+        return max(300, self.n // 4) if given is None else given
 
     @classmethod
     def from_spec(cls, options: str) -> SyntheticConfig:
-        """Parses the `key=val,key=val` part of a `synthetic:` spec.
-
-        Raises:
-            ConfigError: Unknown key, malformed pair or a value of the wrong type.
-        """
+        """Parses the `key=val,key=val` part of a `synthetic:` spec (ConfigError for a bad pair)."""
         floats = ("imbalance", "dark_fraction", "overlap", "pixel_noise", "cooccurrence")
         types = {f.name: (float if f.name in floats else int) for f in fields(cls)}
         values: dict[str, float | int] = {}
@@ -171,13 +145,14 @@ def class_prototypes(num_classes: int) -> np.ndarray:
 
 def make_synthetic(config: SyntheticConfig, seed: int) -> DataSplits:
     """Generates the train/val/test splits of the synthetic source (byte-identical for the same seed)."""
+    if seed < 0:
+        raise ConfigError(f"Seed must be >= 0 for the synthetic source, got {seed}.")
     if config.multilabel:
         return _make_findings(config, seed)
-    eval_size = config.eval_size
     split_counts = {
         "train": long_tail_counts(config.n, config.classes, config.imbalance),
-        "val": balanced_counts(eval_size if config.n_val is None else config.n_val, config.classes),
-        "test": balanced_counts(eval_size if config.n_test is None else config.n_test, config.classes),
+        "val": balanced_counts(config.split_size("val"), config.classes),
+        "test": balanced_counts(config.split_size("test"), config.classes),
     }
     sets = {split: _make_split(config, counts, seed, split) for split, counts in split_counts.items()}
     info = {
@@ -199,19 +174,20 @@ def generate_images(labels: np.ndarray, attributes: np.ndarray, config: Syntheti
     chunk = max(16, (1 << 20) // (config.size * config.size))
     for start in range(0, len(labels), chunk):
         part = slice(start, start + chunk)
-        rgb = _render(params, part, config, rng)
-        if config.channels == 1:
-            rgb = rgb @ np.array([0.299, 0.587, 0.114], dtype=np.float32)[:, None]
-        images[part] = np.clip(np.rint(rgb * 255.0), 0, 255).astype(np.uint8)
+        images[part] = _to_uint8(_render(params, part, config, rng), config.channels)
     return images
 
 
-def apply_site_shift(images: np.ndarray, site_index: int, strength: float, seed: int) -> np.ndarray:
-    """Applies a site's acquisition shift (gain, contrast, gamma, colour cast) to uint8 `[N, H, W, C]` images.
+def _to_uint8(rgb: np.ndarray, channels: int) -> np.ndarray:
+    """float RGB in [0, 1] as uint8 with ``channels`` (1: its luma)."""
+    if channels == 1:
+        rgb = rgb @ np.array([0.299, 0.587, 0.114], dtype=np.float32)[:, None]
+    return np.clip(np.rint(rgb * 255.0), 0, 255).astype(np.uint8)
 
-    The shift parameters depend only on (`seed`, `site_index`), so a site looks the same in every split and
-    every run; `strength` scales all of them (0 returns an unchanged copy).
-    """
+
+def apply_site_shift(images: np.ndarray, site_index: int, strength: float, seed: int) -> np.ndarray:
+    """Applies a site's acquisition shift (gain, contrast, gamma, colour cast) to uint8 `[N, H, W, C]` images,
+    drawn from (`seed`, `site_index`) only and scaled by `strength` (0: an unchanged copy)."""
     if strength < 0:
         raise ConfigError(f"site_shift strength must be >= 0, got {strength}.")
     if site_index < 0 or seed < 0:
@@ -232,8 +208,6 @@ def apply_site_shift(images: np.ndarray, site_index: int, strength: float, seed:
 
 
 def _make_split(config: SyntheticConfig, counts: np.ndarray, seed: int, split: str) -> ImageSet:
-    if seed < 0:
-        raise ConfigError(f"Seed must be >= 0 for the synthetic source, got {seed}.")
     rng = np.random.default_rng([seed, _SPLIT_STREAMS[split]])
     labels = rng.permutation(np.repeat(np.arange(config.classes, dtype=np.int64), counts))
     attributes = (rng.random(len(labels)) < config.dark_fraction).astype(np.int64)
@@ -264,19 +238,13 @@ def draw_findings(n: int, config: SyntheticConfig, rng: np.random.Generator) -> 
 
 def _make_findings(config: SyntheticConfig, seed: int) -> DataSplits:
     """The multi-label splits: every split draws its own findings from the same prevalence and co-occurrence."""
-    if seed < 0:
-        raise ConfigError(f"Seed must be >= 0 for the synthetic source, got {seed}.")
-    sizes = {"train": config.n, "val": config.eval_size if config.n_val is None else config.n_val,
-             "test": config.eval_size if config.n_test is None else config.n_test}
     sets = {}
-    for split, n in sizes.items():
-        rng = np.random.default_rng([seed, _SPLIT_STREAMS[split], 1])
+    for split, stream in _SPLIT_STREAMS.items():
+        n = config.split_size(split)
+        rng = np.random.default_rng([seed, stream, 1])
         labels = draw_findings(n, config, rng)
         attributes = (rng.random(n) < config.dark_fraction).astype(np.int64)
-        pixels = _render_findings(labels, attributes, config, rng)
-        if config.channels == 1:
-            pixels = pixels @ np.array([0.299, 0.587, 0.114], dtype=np.float32)[:, None]
-        images = np.clip(np.rint(pixels * 255.0), 0, 255).astype(np.uint8)
+        images = _to_uint8(_render_findings(labels, attributes, config, rng), config.channels)
         sets[split] = ImageSet(labels=labels, num_classes=config.classes, channels=config.channels, images=images,
                                attributes=attributes, name=f"synthetic-multilabel[{split}]")
     info = {
@@ -304,11 +272,8 @@ def _finding_looks(num_classes: int) -> dict[str, np.ndarray]:
 
 def _render_findings(labels: np.ndarray, attributes: np.ndarray, config: SyntheticConfig,
                      rng: np.random.Generator) -> np.ndarray:
-    """float32 RGB `[n, size, size, 3]` in about [0, 1]: a mottled grey field plus one blob per positive finding.
-
-    Each blob's place jitters by `overlap` × 0.15 of the image and its strength varies, so a finding is a visual
-    pattern, not a fixed pixel.
-    """
+    """float32 RGB `[n, size, size, 3]` in about [0, 1]: a mottled grey field plus one blob per positive finding,
+    its place jittered by `overlap` × 0.15 of the image and its strength varied (a pattern, not a fixed pixel)."""
     n, size = labels.shape[0], config.size
     looks = _finding_looks(config.classes)
     coords = (np.arange(size, dtype=np.float32) + 0.5) / size

@@ -1,13 +1,7 @@
-"""Image transforms: `[H, W, C]` numpy arrays (uint8, or float32 in [0, 1] for deeper images) to normalised
-float32 `[C, S, S]` tensors.
-
-Normalisation is mean 0.5 / std 0.5 per channel, i.e. pixels end up in [-1, 1]. It is data-set agnostic, so
-every site normalises identically without sharing statistics; ImageNet-pretrained backbones cope with it when
-fine-tuned (methods that need exact ImageNet statistics can build their own transform).
-
-Training augmentations (``augment``) are named recipes; the method-specific ones follow the papers' code
-(spec §4(c) for SSL-FL, §5(c) for FedLSM) at the job's image size. Every random draw comes from torch's global
-generator, so a site's seed (and a DataLoader worker's) fixes the views.
+"""Image transforms: `[H, W, C]` numpy arrays (uint8, or float32 in [0, 1]) to float32 `[C, S, S]` tensors
+normalised to [-1, 1] (mean = std = 0.5: data-set agnostic, so sites share no statistics). Training augmentations
+are named recipes (the method-specific ones follow the papers' code, spec §4(c), §5(c)); every draw comes from
+torch's global generator, so a site's (and a DataLoader worker's) seed fixes the views.
 """
 
 from __future__ import annotations
@@ -45,22 +39,9 @@ class ImageTransform:
 
 
 def build_transform(channels: int, image_size: int, train: bool, augment: str = "basic") -> ImageTransform:
-    """Builds the per-sample transform.
-
-    Args:
-        channels: Expected channels of the input (1 or 3); the output has the same number.
-        image_size: Output height and width; inputs of another size are resized (bilinear, antialiased) or, in
-            the random-resized-crop recipes, cropped and resized to it.
-        train: Whether to add random augmentation; evaluation transforms are deterministic.
-        augment: Training augmentation, one of :data:`AUGMENTATIONS` (see :func:`augmentation_steps`).
-
-    Returns:
-        A callable mapping uint8 or float32 `[H, W, C]` (or `[H, W]` grayscale) to float32
-        `[C, image_size, image_size]`; uint8 is scaled by 1/255, float32 is taken as already in [0, 1].
-
-    Raises:
-        ConfigError: Unknown `augment`, or bad `channels`/`image_size`.
-    """
+    """The per-sample transform: uint8 (scaled by 1/255) or [0, 1] float32 `[H, W, C]` (or `[H, W]`) images with
+    `channels` (1 or 3) to float32 `[C, image_size, image_size]`, with the `augment` recipe when `train` (see
+    :func:`augmentation_steps`); ConfigError for an unknown recipe or bad sizes."""
     from torchvision.transforms import v2  # here: torchvision pulls in torch._dynamo, seconds of CPU per process
 
     if augment not in AUGMENTATIONS:

@@ -16,25 +16,13 @@ UNLABELED = -1
 
 @dataclass
 class ImageSet:
-    """One split of a classification data set, held in memory or as a list of files decoded on access.
+    """One split of a classification data set: exactly one of uint8 `[N, H, W, C]` `images` in memory or N
+    `paths` decoded on access (with the DICOM/NIfTI intensity `window`; None = min-max).
 
-    Exactly one of `images` (uint8 `[N, H, W, C]`) and `paths` (N file names) is set.
-
-    Labels are single-label (int64 `[N]` class ids) or multi-label (int64 `[N, K]` multi-hot rows). Unknown is
-    the same integer in both: `UNLABELED` (-1) for a whole sample (single-label) or for one entry (multi-label),
-    so masks are `labels >= 0` either way and no float/NaN handling is needed anywhere.
-
-    Attributes:
-        labels: int64 `[N]` class ids in `[0, num_classes)`, or int64 `[N, num_classes]` entries in {1 positive,
-            0 negative, -1 unknown}; `UNLABELED` (-1) marks what this site does not annotate (label-set mismatch).
-        num_classes: Number of classes of the task (not only those present in this split).
-        channels: 1 (grayscale) or 3 (RGB); `get_image` always returns this many channels.
-        images: uint8 `[N, H, W, C]` pixels when the set is in memory.
-        paths: Image files (PNG/JPEG/DICOM/NIfTI) decoded lazily by `get_image`.
-        attributes: Optional int64 `[N]` binary attribute, e.g. 0 light / 1 dark skin tone.
-        groups: Optional object `[N]` site/group column of a CSV manifest.
-        name: Where the set comes from, used in error messages (e.g. "csv:/data/manifest.csv[train]").
-        window: Intensity window for DICOM/NIfTI files (`medflare.data.readers.parse_window`), None = min-max.
+    Labels are int64 `[N]` class ids or `[N, K]` multi-hot rows (1, 0); unknown is `UNLABELED` (-1) in both, for
+    a whole sample or one entry, so masks are `labels >= 0` either way and no NaN handling is needed anywhere.
+    `num_classes` is the task's; `attributes` an optional int64 `[N]` binary attribute (0 light / 1 dark skin);
+    `groups` a CSV manifest's site column; `name` where the set comes from, for messages.
     """
 
     labels: np.ndarray
@@ -109,11 +97,7 @@ class ImageSet:
 
     def get_image(self, i: int) -> np.ndarray:
         """Returns sample `i` as a fresh `[H, W, channels]` array: uint8, or float32 in [0, 1] for a file deeper
-        than 8 bits (16-bit PNG, DICOM, NIfTI).
-
-        Raises:
-            DataError: The file of sample `i` is missing, corrupt or in an unsupported format.
-        """
+        than 8 bits; DataError when its file is missing, corrupt or unsupported."""
         if self.images is not None:
             # A copy, so callers can never write into a cached source.
             return np.array(self.images[i])
@@ -152,15 +136,8 @@ def labelled_rows(labels: np.ndarray) -> np.ndarray:
 
 @dataclass
 class DataSplits:
-    """Train/val/test splits of one source plus a description.
-
-    Attributes:
-        train: Training split.
-        val: Validation split (model selection only).
-        test: Test split (reporting only; never used for selection).
-        info: Description: `source`, `kind`, `class_names`, `num_classes`, `channels`, `image_size` and
-            per-split `counts` (class histograms), plus source-specific keys.
-    """
+    """Train/val (model selection only)/test (reporting only) splits of one source, and its `info`: `source`,
+    `kind`, `class_names`, `num_classes`, `channels`, `image_size`, per-split `counts` and source-specific keys."""
 
     train: ImageSet
     val: ImageSet

@@ -18,16 +18,8 @@ CountsLike = torch.Tensor | np.ndarray | Sequence[float]
 def as_class_counts(
     class_counts: CountsLike, num_classes: int | None = None, device: torch.device | None = None
 ) -> torch.Tensor:
-    """The counts as a float64 tensor of shape ``[K]``, checked to be finite and non-negative.
-
-    Args:
-        class_counts: per-class counts as a tensor, NumPy array or sequence.
-        num_classes: expected K (e.g. the logits' width), or None to accept any length.
-        device: where the result lives; defaults to the input tensor's device or the CPU.
-
-    Raises:
-        DataError: for a wrong shape, negative or non-finite entries.
-    """
+    """The counts as a float64 ``[K]`` tensor (on ``device``, default the input's or the CPU); DataError unless it
+    has ``num_classes`` entries (None: any), all finite and non-negative."""
     counts = torch.as_tensor(
         np.asarray(class_counts) if not isinstance(class_counts, torch.Tensor) else class_counts.detach(),
         dtype=torch.float64,

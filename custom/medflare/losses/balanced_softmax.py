@@ -16,18 +16,9 @@ def balanced_softmax_loss(
 ) -> torch.Tensor:
     """``CE(z + log(π + eps), y)`` with π = class_counts / sum(class_counts), mean over the batch.
 
-    The shift is used only inside the loss: predict and evaluate with the raw logits. A class absent from the
-    counts gets the offset log(eps) (about -27.6 for 1e-12, -20.7 for 1e-9), so the site does not push down
-    the logits of classes it never sees.
-
-    Args:
-        logits: raw logits ``[B, K]``.
-        targets: class indices ``[B]``.
-        class_counts: the site's training-set count per class ``[K]`` (tensor, array or sequence).
-        eps: added to π before the log; Fed-MAS uses 1e-12, FCA 1e-9.
-
-    Raises:
-        DataError: if the counts have the wrong shape, are negative, or are all zero.
+    The shift is used only inside the loss (predict with the raw logits). A class absent from the counts gets
+    log(eps) (Fed-MAS's 1e-12: -27.6; FCA's 1e-9: -20.7), so the site does not push down classes it never sees.
+    DataError for counts of the wrong shape, negative or all zero.
 
     References:
         Ren et al., Balanced Meta-Softmax for Long-Tailed Visual Recognition, NeurIPS 2020.

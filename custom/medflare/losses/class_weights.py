@@ -18,15 +18,8 @@ Amounts = TypeVar("Amounts", np.ndarray, torch.Tensor)
 def inverse_effective_number(amounts: Amounts, beta: float) -> Amounts:
     """Element-wise ``(1 − β) / (1 − β^n)``, one over Cui et al.'s effective number of n samples.
 
-    1 everywhere for β = 0; about 1/n as β → 1. ``n`` need not be an integer (Fed-MAS's ``mas_drw`` feeds it
-    normalised inverse rescue factors in (0, 1)). Every amount must be > 0.
-
-    Args:
-        amounts: positive amounts n (a NumPy array or a torch tensor; the result has the same type).
-        beta: effective-number hyperparameter in [0, 1).
-
-    Raises:
-        ConfigError: if β is outside [0, 1).
+    1 everywhere for β = 0; about 1/n as β → 1. The positive amounts n (array or tensor, kept) need not be whole
+    (Fed-MAS's ``mas_drw`` feeds normalised inverse rescue factors). ConfigError for β outside [0, 1).
 
     References:
         Cui et al., Class-Balanced Loss Based on Effective Number of Samples, CVPR 2019.
@@ -39,16 +32,8 @@ def inverse_effective_number(amounts: Amounts, beta: float) -> Amounts:
 def class_balanced_weights(class_counts: CountsLike, beta: float = 0.9999) -> torch.Tensor:
     """Weights ``(1 − β) / (1 − β^n_k)`` normalised to sum to K (float32, CPU).
 
-    β = 0 gives uniform weights; β → 1 approaches inverse frequency. A class with zero local samples is treated
-    as having one (its weight is irrelevant to the loss, which only weighs classes present in the batch, but it
-    must stay finite for the normalisation).
-
-    Args:
-        class_counts: training count per class ``[K]``.
-        beta: effective-number hyperparameter in [0, 1).
-
-    Raises:
-        ConfigError: if β is outside [0, 1).
+    β = 0 gives uniform weights; β → 1 approaches inverse frequency. A class with no local sample counts as one (its
+    weight never matters to the loss, but must stay finite for the normalisation).
 
     References:
         Cui et al., Class-Balanced Loss Based on Effective Number of Samples, CVPR 2019.
@@ -65,14 +50,8 @@ def drw_class_weights(
     beta: float = 0.9999,
     start_fraction: float = 0.8,
 ) -> torch.Tensor:
-    """Deferred re-weighting: uniform weights before ``start_fraction · total_rounds``, class-balanced after.
-
-    Args:
-        class_counts: training count per class ``[K]``.
-        current_round: zero-based round index.
-        total_rounds: number of rounds in the run.
-        beta: effective-number hyperparameter once re-weighting is on.
-        start_fraction: fraction of the rounds after which re-weighting switches on (0.8 in Fed-MAS / LDAM-DRW).
+    """Deferred re-weighting: uniform weights before round ``start_fraction · total_rounds`` (zero-based; 0.8 in
+    Fed-MAS / LDAM-DRW), class-balanced after.
 
     References:
         Cao et al., Learning Imbalanced Datasets with Label-Distribution-Aware Margin Loss, NeurIPS 2019.

@@ -13,14 +13,8 @@ def focal_loss(
 ) -> torch.Tensor:
     """``mean_i[(1 − p_{y_i})^γ · w_{y_i} · CE_i]``, with p the unweighted softmax probability.
 
-    With class weights this is the plain mean of the weighted per-sample terms (not divided by the sum of the
-    weights as ``F.cross_entropy(weight=...)`` does), as in the FCA and LDAM-DRW reference code.
-
-    Args:
-        logits: raw logits ``[B, K]``.
-        targets: class indices ``[B]``.
-        gamma: focusing parameter; 0 gives plain cross-entropy.
-        class_weights: optional per-class weights ``[K]`` (e.g. :func:`class_balanced_weights`).
+    γ = 0 gives plain cross-entropy. With class weights it is the plain mean of the weighted terms (not divided by
+    the weights' sum as ``F.cross_entropy(weight=...)`` does), as in the FCA and LDAM-DRW reference code.
 
     References:
         Lin et al., Focal Loss for Dense Object Detection, ICCV 2017.

@@ -13,17 +13,8 @@ __all__ = ["kl_to_teacher"]
 def kl_to_teacher(student_logits: torch.Tensor, teacher_probs: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """``KL(teacher ‖ student)`` averaged over the batch: ``kl_div(log_softmax(z/T), q, 'batchmean')``.
 
-    The gradient flows into the student only if ``teacher_probs`` is detached by the caller (or has no graph).
-    No T² factor is applied: MDH-FL and FCA use T = 1. ``teacher_probs`` are used as given (already softened if
-    the caller wants a temperature on the teacher too).
-
-    Args:
-        student_logits: raw student logits ``[B, K]``.
-        teacher_probs: teacher probabilities ``[B, K]``, rows summing to 1.
-        temperature: divides the student logits.
-
-    Raises:
-        DataError: if the shapes differ.
+    The caller detaches ``teacher_probs`` (used as given, rows summing to 1); ``temperature`` divides the student
+    logits only, with no T² factor (MDH-FL and FCA use T = 1). DataError when the shapes differ.
 
     References:
         Hinton et al., Distilling the Knowledge in a Neural Network, 2015.

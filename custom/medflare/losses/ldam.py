@@ -12,15 +12,8 @@ __all__ = ["LDAMLoss", "ldam_margins"]
 
 
 def ldam_margins(class_counts: CountsLike, max_margin: float) -> torch.Tensor:
-    """Per-class margins ``m_k ∝ n_k^(−1/4)`` over present classes, largest = ``max_margin``; 0 where n_k = 0.
-
-    Args:
-        class_counts: training count per class ``[K]``.
-        max_margin: margin of the rarest present class.
-
-    Returns:
-        float32 ``[K]`` margins on the CPU (all zero when the site has no labelled sample).
-    """
+    """float32 ``[K]`` per-class margins ``m_k ∝ n_k^(−1/4)`` over present classes, largest = ``max_margin``; 0
+    where n_k = 0 (all zero when the site has no labelled sample)."""
     counts = as_class_counts(class_counts, device=torch.device("cpu"))
     present = counts > 0
     margins = torch.zeros_like(counts)
@@ -33,20 +26,11 @@ def ldam_margins(class_counts: CountsLike, max_margin: float) -> torch.Tensor:
 class LDAMLoss(nn.Module):
     """Label-distribution-aware margin loss ``CE(s · (z − m_y · onehot(y)), y)``.
 
-    The margins are ``m_k ∝ n_k^(−1/4)`` over the classes the site has, rescaled so the largest (rarest present
-    class) is ``max_margin``. A class with zero local samples gets margin 0 and takes no part in the rescaling, as
-    in Fed-MAS's LDAM baseline: under label skew sites often lack classes, and treating them as the rarest class
-    would shrink every present class's margin (counts [500, 100, 0] give [0.334, 0.5, 0], not
-    [0.106, 0.158, 0.5]). Its margin never matters to the loss, which only shifts the true class's logit.
-
-    LDAM expects cosine logits in [−1, 1] (L2-normalised features and classifier rows, e.g.
-    :class:`medflare.models.CosineLinear` as the head); the scale s then sets the softmax temperature. Combine
-    with :func:`drw_class_weights` for LDAM-DRW.
-
-    Attributes:
-        margins: per-class margins ``[K]`` (a buffer, so it follows the module's device).
-        max_margin: margin of the rarest class.
-        scale: logit scale s.
+    Margins are :func:`ldam_margins` (a buffer). A class the site lacks gets margin 0 and takes no part in the
+    rescaling, as in Fed-MAS's LDAM baseline: treating it as the rarest would shrink every present class's margin
+    (counts [500, 100, 0] give [0.334, 0.5, 0], not [0.106, 0.158, 0.5]). LDAM expects cosine logits in [−1, 1]
+    (e.g. a :class:`medflare.models.CosineLinear` head), the scale s setting the softmax temperature; with
+    :func:`drw_class_weights` it is LDAM-DRW.
 
     References:
         Cao et al., Learning Imbalanced Datasets with Label-Distribution-Aware Margin Loss, NeurIPS 2019.
@@ -55,13 +39,6 @@ class LDAMLoss(nn.Module):
     margins: torch.Tensor
 
     def __init__(self, class_counts: CountsLike, max_margin: float = 0.5, scale: float = 30.0) -> None:
-        """Compute the margins from the training counts.
-
-        Args:
-            class_counts: training count per class ``[K]``.
-            max_margin: margin of the rarest class.
-            scale: logit scale s.
-        """
         super().__init__()
         self.register_buffer("margins", ldam_margins(class_counts, max_margin))
         self.max_margin = max_margin

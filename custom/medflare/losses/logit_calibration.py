@@ -18,12 +18,6 @@ def logit_calibrated_ce(
 ) -> torch.Tensor:
     """``CE(z − τ · n^(−1/4), y)`` with the site's class counts n floored at 1e-8, mean over the batch.
 
-    Args:
-        logits: raw logits ``[B, K]``.
-        targets: class indices ``[B]``.
-        class_counts: the site's training-set count per class ``[K]``.
-        tau: calibration strength.
-
     References:
         Zhang et al., Federated Learning with Label Distribution Skew via Logits Calibration, ICML 2022.
     """

@@ -18,20 +18,8 @@ def proximal_term(
 ) -> torch.Tensor:
     """``(μ/2) · Σ ||w − w_g||²`` over the model's trainable parameters, matched by name.
 
-    Buffers (BatchNorm statistics) and frozen parameters are not penalised. The global values are treated as
-    constants (no gradient flows into them).
-
-    Args:
-        model: the local model being trained.
-        global_params: the global model received this round, parameter name -> tensor or array.
-        mu: penalty strength μ >= 0.
-
-    Returns:
-        A scalar tensor on the model's device.
-
-    Raises:
-        ConfigError: if μ is negative.
-        PayloadError: if a trainable parameter is missing from ``global_params`` or has another shape.
+    Buffers and frozen parameters are not penalised; the global values are constants. ConfigError for μ < 0,
+    PayloadError when a trainable parameter is missing from ``global_params`` or has another shape.
 
     References:
         Li et al., Federated Optimization in Heterogeneous Networks, MLSys 2020.

@@ -22,17 +22,8 @@ def restriction_scales(
     ``hard`` (FedRS paper, Eq. 4): 1 for a class the site has (count > 0), ``alpha`` for a class it lacks, so the
     site's softmax stops pulling the missing classes' weight vectors towards its own features. ``soft`` (the
     authors' released code): ``alpha + (1 − alpha) · n_c / max_j n_j``, which also restricts rare classes.
-    A label-set mask (1 = the site annotates the class) works as ``class_counts`` in hard mode.
-
-    Args:
-        class_counts: the site's training count per class (or a 0/1 mask of its classes).
-        alpha: the restriction factor in [0, 1]; 1 = plain softmax.
-        mode: ``hard`` or ``soft``.
-        device: where the result lives.
-
-    Raises:
-        ConfigError: for alpha outside [0, 1] or an unknown mode.
-        DataError: for invalid counts, or all-zero counts.
+    A label-set mask (1 = annotated) works as ``class_counts`` in hard mode; ``alpha`` = 1 is plain softmax.
+    ConfigError for alpha outside [0, 1] or an unknown mode, DataError for invalid or all-zero counts.
 
     References:
         Li and Zhan, FedRS: Federated Learning with Restricted Softmax for Label Distribution Non-IID Data, KDD 2021.

@@ -17,13 +17,8 @@ def symmetric_cross_entropy(
 ) -> torch.Tensor:
     """``α · CE(z, y) + β · mean_i[−Σ_k clamp(p_k, 1e-7, 1) · log(clamp(onehot(y)_k, 1e-4, 1))]``.
 
-    The reverse term equals ``−log(1e-4) · (1 − p_y) ≈ 9.21 · (1 − p_y)`` up to the clamping of p.
-
-    Args:
-        logits: raw logits ``[B, K]``.
-        targets: class indices ``[B]``.
-        alpha: weight of the cross-entropy (0.1 in RHFL/MDH-FL).
-        beta: weight of the reverse cross-entropy (1.0 in RHFL/MDH-FL).
+    The reverse term equals ``−log(1e-4) · (1 − p_y) ≈ 9.21 · (1 − p_y)`` up to the clamping of p; RHFL/MDH-FL use
+    α = 0.1, β = 1.
 
     References:
         Wang et al., Symmetric Cross Entropy for Robust Learning with Noisy Labels, ICCV 2019.

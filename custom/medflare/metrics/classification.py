@@ -27,36 +27,17 @@ def stats_from_dict(
 def compute_metrics(
     stats: EvalStats | MultiLabelEvalStats, shot_groups: Mapping[str, Sequence[int]] | None = None
 ) -> dict[str, MetricValue]:
-    """Metrics of the pooled predictions summarised by ``stats``; binary (K = 2) is handled like any K.
+    """Metrics of the pooled predictions summarised by ``stats`` (multi-label: :func:`multi_label_metrics`); an
+    undefined value is None, not NaN, so it serialises to JSON. As sklearn computes them:
 
-    Multi-label statistics give :func:`multi_label_metrics` (``shot_groups`` do not apply to them).
-
-    Returned keys (an undefined value, e.g. on an empty set, is None rather than NaN so it serialises to JSON):
-
-    * ``accuracy``: top-1 accuracy.
-    * ``balanced_accuracy``: mean recall over the classes present in y_true (sklearn ``balanced_accuracy_score``).
-    * ``macro_f1``, ``macro_precision``, ``macro_recall``: unweighted means over the classes present in y_true or
-      in the predictions, with 0 for an undefined ratio (sklearn ``f1_score`` / ``precision_score`` /
-      ``recall_score`` with ``average="macro"``; the "macro avg" row of ``classification_report``).
-    * ``auc_macro_ovr``: mean one-vs-rest ROC AUC over the classes with both positives and negatives, from the
-      score histograms: sklearn ``roc_auc_score(multi_class="ovr", average="macro")`` up to ties inside a bin,
-      at most :func:`~medflare.metrics.roc.binned_auc_error_bound` per class (below 1e-3 in the tests, also
-      for saturated softmax outputs).
-    * ``bauc``: FCA's balanced AUC, the same mean with each class's ROC read on a 1000-point FPR grid.
-    * ``per_class_recall``, ``per_class_auc``: lists of length K, None where undefined.
-    * ``loss``: ``loss_sum / count``.
-    * With ``shot_groups``: ``<group>_accuracy`` for each group (e.g. ``head_accuracy``) and ``hmt_mean``.
-
-    Assumption (spec §1.5): a group's accuracy is the mean per-class recall over the group's classes present in
-    the test set, the long-tail convention; Fed-MAS's code does not define it. ``hmt_mean`` is the plain mean of
-    the group accuracies (Fed-MAS's "All") and is None if any group is undefined.
-
-    Args:
-        stats: summed statistics of the evaluation.
-        shot_groups: group name -> class indices, e.g. from :func:`shot_groups_from_counts`.
-
-    Raises:
-        ConfigError: if a shot group names a class outside [0, K).
+    * ``balanced_accuracy``: mean recall over the classes present in y_true.
+    * ``macro_f1``/``_precision``/``_recall``: means over the classes present in y_true or the predictions, 0 for
+      an undefined ratio (``average="macro"``).
+    * ``auc_macro_ovr``: mean one-vs-rest ROC AUC over classes with positives and negatives, from the histograms
+      (up to :func:`~medflare.metrics.roc.binned_auc_error_bound` per class); ``bauc``: FCA's, on a 1000-point
+      FPR grid; ``per_class_recall``/``_auc`` (None where undefined); ``loss``: ``loss_sum / count``.
+    * With ``shot_groups`` (ConfigError for a class outside [0, K)): ``<group>_accuracy``, the mean recall over the
+      group's classes present in the test set (spec §1.5), and ``hmt_mean``, their plain mean (Fed-MAS's "All").
     """
     if isinstance(stats, MultiLabelEvalStats):
         return multi_label_metrics(stats)
@@ -66,41 +47,19 @@ def compute_metrics(
     labelled_or_predicted = present | (predicted_counts > 0)
 
     recall = _ratio(hits, true_counts)
-    precision = _ratio(hits, predicted_counts)
-    f1 = _ratio(2 * hits, true_counts + predicted_counts)
-    auc, fca_auc = _per_class_aucs(stats)
-
-    metrics: dict[str, MetricValue] = {
-        "accuracy": _scalar(hits.sum() / stats.count) if stats.count else None,
-        "balanced_accuracy": _mean(recall[present]),
-        "macro_f1": _mean(np.nan_to_num(f1[labelled_or_predicted])),
-        "macro_precision": _mean(np.nan_to_num(precision[labelled_or_predicted])),
-        "macro_recall": _mean(np.nan_to_num(recall[labelled_or_predicted])),
-        "auc_macro_ovr": _mean(auc[~np.isnan(auc)]),
-        "bauc": _mean(fca_auc[~np.isnan(fca_auc)]),
-        "per_class_recall": _list(recall),
-        "per_class_auc": _list(auc),
-        "loss": _scalar(stats.loss_sum / stats.count) if stats.count else None,
-    }
+    f1 = _ratio(2 * hits, true_counts + predicted_counts)[labelled_or_predicted]
+    metrics = _metric_table(stats, hits.sum(), recall[present], f1, _ratio(hits, predicted_counts)[labelled_or_predicted],
+                            recall[labelled_or_predicted], recall)
     if shot_groups is not None:
         metrics.update(_group_accuracies(recall, shot_groups))
     return metrics
 
 
 def multi_label_metrics(stats: MultiLabelEvalStats) -> dict[str, MetricValue]:
-    """Metrics of pooled multi-label predictions (threshold 0.5); each class is scored as its own binary task.
-
-    * ``auc_macro_ovr``: the mean of the per-class AUROCs over classes with known positives and negatives
-      (FedLSM's "Average AUC", sklearn ``roc_auc_score(average="macro")`` on the indicator matrix), up to
-      :func:`~medflare.metrics.roc.binned_auc_error_bound` per class; ``per_class_auc`` lists them.
-    * ``macro_f1``, ``macro_precision``, ``macro_recall``: unweighted means over all K classes, 0 where a
-      class's ratio is undefined (sklearn ``average="macro"``, ``zero_division=0``).
-    * ``accuracy``: subset accuracy, the share of samples whose every known entry is right (sklearn
-      ``accuracy_score`` on fully labelled rows).
-    * ``balanced_accuracy``: the mean over classes with known positives and negatives of ½(sensitivity +
-      specificity); ``per_class_recall``: each class's sensitivity.
-    * ``bauc`` (FCA's grid-interpolated AUC) and ``loss`` (mean BCE) as for single-label statistics.
-    """
+    """Metrics of pooled multi-label predictions (threshold 0.5), each class its own binary task: the keys of
+    :func:`compute_metrics`, with ``auc_macro_ovr`` FedLSM's "Average AUC", macro means over all K classes,
+    ``accuracy`` the subset accuracy (every known entry right), ``balanced_accuracy`` the mean over classes with
+    known positives and negatives of ½(sensitivity + specificity) and ``loss`` the mean BCE."""
     hits = stats.confusion[:, 1, 1].astype(np.float64)
     positives = stats.confusion[:, 1].sum(axis=1).astype(np.float64)
     negatives = stats.confusion[:, 0].sum(axis=1).astype(np.float64)
@@ -108,13 +67,22 @@ def multi_label_metrics(stats: MultiLabelEvalStats) -> dict[str, MetricValue]:
     recall = _ratio(hits, positives)
     specificity = _ratio(stats.confusion[:, 0, 0].astype(np.float64), negatives)
     both = (positives > 0) & (negatives > 0)
-    auc, fca_auc = _per_class_aucs(stats)
+    return _metric_table(stats, stats.exact, 0.5 * (recall[both] + specificity[both]),
+                         _ratio(2 * hits, positives + predicted), _ratio(hits, predicted), recall, recall)
+
+
+def _metric_table(stats: EvalStats | MultiLabelEvalStats, correct: float, balanced: np.ndarray, f1: np.ndarray,
+                  precision: np.ndarray, macro_recall: np.ndarray, recall: np.ndarray) -> dict[str, MetricValue]:
+    """The metrics both kinds report, from the per-class ratios each defines (macro means: 0 where undefined)."""
+    pairs = list(zip(stats.pos_hist, stats.neg_hist))
+    auc = np.array([binned_auc(p, n) for p, n in pairs])
+    fca_auc = np.array([interpolated_auc(p, n) for p, n in pairs])  # NaN where a class lacks positives or negatives
     return {
-        "accuracy": _scalar(stats.exact / stats.count) if stats.count else None,
-        "balanced_accuracy": _mean(0.5 * (recall[both] + specificity[both])),
-        "macro_f1": _mean(np.nan_to_num(_ratio(2 * hits, positives + predicted))),
-        "macro_precision": _mean(np.nan_to_num(_ratio(hits, predicted))),
-        "macro_recall": _mean(np.nan_to_num(recall)),
+        "accuracy": _scalar(correct / stats.count) if stats.count else None,
+        "balanced_accuracy": _mean(balanced),
+        "macro_f1": _mean(np.nan_to_num(f1)),
+        "macro_precision": _mean(np.nan_to_num(precision)),
+        "macro_recall": _mean(np.nan_to_num(macro_recall)),
         "auc_macro_ovr": _mean(auc[~np.isnan(auc)]),
         "bauc": _mean(fca_auc[~np.isnan(fca_auc)]),
         "per_class_recall": _list(recall),
@@ -123,20 +91,9 @@ def multi_label_metrics(stats: MultiLabelEvalStats) -> dict[str, MetricValue]:
     }
 
 
-def _per_class_aucs(stats: EvalStats | MultiLabelEvalStats) -> tuple[np.ndarray, np.ndarray]:
-    """Each class's binned AUC and FCA's grid-interpolated AUC (NaN where a class lacks positives or negatives)."""
-    pairs = list(zip(stats.pos_hist, stats.neg_hist))
-    return np.array([binned_auc(p, n) for p, n in pairs]), np.array([interpolated_auc(p, n) for p, n in pairs])
-
-
 def shot_groups_from_counts(class_counts: npt.ArrayLike, head_min: int, tail_max: int) -> dict[str, list[int]]:
-    """Split classes by training count: head if count > head_min, tail if count < tail_max, medium otherwise.
-
-    Fed-MAS on HyperKvasir uses the total training counts with head_min = 700 and tail_max = 70 (spec §2(d)).
-
-    Raises:
-        ConfigError: if tail_max > head_min + 1, which would put a class in both head and tail.
-    """
+    """Split classes by training count: head if count > head_min, tail if count < tail_max, medium otherwise
+    (Fed-MAS on HyperKvasir: 700 and 70, spec §2(d)); ConfigError when the groups would overlap."""
     if tail_max > head_min + 1:
         raise ConfigError(f"tail_max ({tail_max}) must be <= head_min + 1 ({head_min + 1}) so groups do not overlap")
     counts = np.asarray(class_counts).reshape(-1)

@@ -7,8 +7,8 @@ Nothing per-sample leaves a site.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -25,28 +25,15 @@ DEFAULT_BINS = 1000
 _LOGIT_RANGE = (-110.0, 40.0)
 # Softmax outputs may overshoot [0, 1] by rounding; anything further out is not a probability.
 _PROB_TOLERANCE = 1e-4
+Stats = TypeVar("Stats", bound="SummableStats")
 
 
-@dataclass
-class EvalStats:
-    """Sufficient statistics of one evaluation, closed under addition.
+class SummableStats:
+    """What single- and multi-label statistics share: arrays and counts that add field by field."""
 
-    Attributes:
-        confusion: int64 ``[K, K]`` counts; rows are true classes, columns predicted (argmax) classes.
-        pos_hist: int64 ``[K, bins]``; row k histograms the score of class k over samples whose true class is k.
-        neg_hist: int64 ``[K, bins]``; row k histograms the score of class k over samples of every other class.
-        loss_sum: sum of the per-sample losses (the caller's loss, e.g. cross-entropy).
-        count: number of samples.
-    """
-
+    KIND = "EvalStats"  # how messages name the kind
     confusion: np.ndarray
     pos_hist: np.ndarray
-    neg_hist: np.ndarray
-    loss_sum: float = 0.0
-    count: int = 0
-
-    def __post_init__(self) -> None:
-        _check_consistent(self.confusion, self.pos_hist, self.neg_hist, self.count, DataError)
 
     @property
     def num_classes(self) -> int:
@@ -57,6 +44,47 @@ class EvalStats:
     def bins(self) -> int:
         """Number of score bins (see :func:`score_bins`)."""
         return int(self.pos_hist.shape[1])
+
+    def __add__(self: Stats, other: Stats) -> Stats:
+        """Statistics of the union of both evaluations."""
+        if not isinstance(other, type(self)):
+            return NotImplemented
+        if (self.num_classes, self.bins) != (other.num_classes, other.bins):
+            raise DataError(f"cannot add {self.KIND} with K={self.num_classes}, bins={self.bins} and "
+                            f"K={other.num_classes}, bins={other.bins}")
+        return type(self)(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+    def __radd__(self: Stats, other: Any) -> Stats:
+        """Lets ``sum(list_of_stats)`` start from 0."""
+        if isinstance(other, int) and other == 0:
+            return self
+        return NotImplemented
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain lists and numbers (JSON/msgpack-serialisable) for a FLARE message."""
+        return {f.name: _plain(f.name, getattr(self, f.name)) for f in fields(self)}
+
+
+def _plain(name: str, value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return float(value) if name == "loss_sum" else int(value)
+
+
+@dataclass
+class EvalStats(SummableStats):
+    """Sufficient statistics of one evaluation, closed under addition: int64 ``confusion`` ``[K, K]`` (rows true,
+    columns predicted), and ``pos_hist``/``neg_hist`` ``[K, bins]`` (row k: class k's score over samples of class
+    k / of every other class), the summed per-sample loss and the sample count."""
+
+    confusion: np.ndarray
+    pos_hist: np.ndarray
+    neg_hist: np.ndarray
+    loss_sum: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        _check_consistent(self.confusion, self.pos_hist, self.neg_hist, self.count, DataError)
 
     @classmethod
     def zeros(cls, num_classes: int, bins: int = DEFAULT_BINS) -> EvalStats:
@@ -76,15 +104,7 @@ class EvalStats:
         bins: int = DEFAULT_BINS,
         loss_sum: float = 0.0,
     ) -> EvalStats:
-        """Statistics of a batch (or a whole split) of predictions.
-
-        Args:
-            y_true: true class indices ``[N]``.
-            probs: class probabilities ``[N, K]`` (softmax outputs; the prediction is their argmax). Torch tensors
-                are accepted and copied to the CPU.
-            num_classes: K.
-            bins: number of score bins (see :func:`score_bins`).
-            loss_sum: summed per-sample loss of these predictions.
+        """Statistics of predictions: true classes ``[N]`` and softmax probabilities ``[N, K]`` (numpy or torch).
 
         Raises:
             DataError: for mismatched shapes, labels outside [0, K), or scores that are not probabilities.
@@ -108,52 +128,10 @@ class EvalStats:
             count=int(n),
         )
 
-    def __add__(self, other: EvalStats) -> EvalStats:
-        """Statistics of the union of both evaluations."""
-        if not isinstance(other, EvalStats):
-            return NotImplemented
-        if (self.num_classes, self.bins) != (other.num_classes, other.bins):
-            raise DataError(
-                f"cannot add EvalStats with K={self.num_classes}, bins={self.bins} "
-                f"and K={other.num_classes}, bins={other.bins}"
-            )
-        return EvalStats(
-            confusion=self.confusion + other.confusion,
-            pos_hist=self.pos_hist + other.pos_hist,
-            neg_hist=self.neg_hist + other.neg_hist,
-            loss_sum=self.loss_sum + other.loss_sum,
-            count=self.count + other.count,
-        )
-
-    def __radd__(self, other: Any) -> EvalStats:
-        """Lets ``sum(list_of_stats)`` start from 0."""
-        if isinstance(other, int) and other == 0:
-            return self
-        return NotImplemented
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain lists and numbers (JSON/msgpack-serialisable) for a FLARE message."""
-        return {
-            "confusion": self.confusion.tolist(),
-            "pos_hist": self.pos_hist.tolist(),
-            "neg_hist": self.neg_hist.tolist(),
-            "loss_sum": float(self.loss_sum),
-            "count": int(self.count),
-        }
-
     @classmethod
     def from_dict(cls, data: Any, num_classes: int | None = None, bins: int | None = None) -> EvalStats:
-        """Rebuild statistics received from another party, validating them.
-
-        Args:
-            data: a dict as produced by :meth:`to_dict`.
-            num_classes: expected K, if known.
-            bins: expected number of bins, if known.
-
-        Raises:
-            PayloadError: for missing fields, wrong shapes, negative or non-integer counts, inconsistent totals,
-                or a K / bins other than the expected ones.
-        """
+        """Rebuild :meth:`to_dict`'s output received from another party; PayloadError for missing fields, wrong
+        shapes, bad or inconsistent counts, or a K / bins other than the expected ones."""
         if not isinstance(data, dict):
             raise PayloadError(f"EvalStats payload must be a dict, got {type(data).__name__}")
         missing = {"confusion", "pos_hist", "neg_hist", "loss_sum", "count"} - set(data)
@@ -174,21 +152,11 @@ class EvalStats:
 
 
 def score_bins(scores: np.ndarray, bins: int) -> np.ndarray:
-    """Histogram bin of each probability: bins are equally spaced in ``u = ½·p + ½·(logit p − a)/(b − a)``.
+    """int64 histogram bin of each probability, bins equally spaced in ``u = ½·p + ½·(logit p − a)/(b − a)``.
 
-    Equal-width bins on p merge every saturated score of a confident model (p < 1e-3 or p > 0.999) into the
-    end bins, where a positive and a negative count as a tie; AUC then reads 0.005 and more too low. Half of
-    the resolution here is linear in p (fine in the middle, width 2/bins) and half linear in logit p over
-    [a, b] = [−110, 40] (about 0.3 in logit per bin at 1000 bins, so scores 35 % apart are told apart however
-    close to 0 or 1 they are). ``u`` is strictly increasing, so the bins keep the scores' order and the ROC
-    curve through the bin edges is exact.
-
-    Args:
-        scores: probabilities in [0, 1], any shape.
-        bins: number of bins.
-
-    Returns:
-        int64 bin indices in [0, bins), same shape as ``scores``.
+    Equal-width bins on p merge every saturated score of a confident model into the end bins, as ties (AUC read
+    0.005 and more too low). Half the resolution here is linear in p and half in logit p over [a, b] = [−110, 40]
+    (about 0.3 in logit per bin at 1000 bins). ``u`` is strictly increasing, so the bins keep the scores' order.
     """
     low, high = _LOGIT_RANGE
     p = np.clip(scores, 0.0, 1.0)

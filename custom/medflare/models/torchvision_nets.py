@@ -1,19 +1,14 @@
-"""torchvision classification networks behind the Classifier interface.
-
-Each network is built by torchvision with ``weights=None`` (nothing is downloaded) and with the requested number
-of classes, so the library's own head initialisation is kept; that linear layer becomes ``Classifier.head`` and
-the library's classifier slot becomes an identity, so the backbone returns pooled features. The dropout of the
-library's classifier (0.2 for MobileNetV2 and EfficientNet-B0) becomes ``Classifier.head_dropout``.
-
-For ``in_channels != 3`` the stem convolution is replaced by a freshly initialised one with the same geometry.
-All networks accept 28x28 inputs; DenseNet-121 needs one change for that, see :func:`densenet121`.
+"""torchvision classification networks behind the Classifier interface, built with ``weights=None`` (nothing
+is downloaded) and the requested class count: the library's final Linear (and its dropout) becomes the head, its
+classifier slot an identity. For ``in_channels != 3`` the stem is a freshly initialised convolution of the same
+geometry. All accept 28x28 inputs (DenseNet-121 with one change, see :func:`densenet121`).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from medflare.models._registry import register_model
+from medflare.models._registry import ModelEntrypoint, register_model
 from medflare.models.classifier import Classifier
 
 __all__ = ["densenet121", "efficientnet_b0", "mobilenet_v2", "resnet18", "resnet50", "shufflenet"]
@@ -53,67 +48,33 @@ def _build(factory: str, classifier_slot: str, num_classes: int, in_channels: in
     return _to_classifier(network, classifier_slot, in_channels)
 
 
-@register_model("resnet18")
-def resnet18(*, num_classes: int, in_channels: int, image_size: int) -> Classifier:
-    """ResNet-18, 512 features.
+def _register(name: str, factory: str, classifier_slot: str, summary: str) -> ModelEntrypoint:
+    """Register ``name``: torchvision's ``models.<factory>`` with its classifier at ``classifier_slot``."""
 
-    References:
-        He et al., Deep Residual Learning for Image Recognition, CVPR 2016.
-    """
-    return _build("resnet18", "fc", num_classes, in_channels)
+    def build(*, num_classes: int, in_channels: int, image_size: int) -> Classifier:
+        return _build(factory, classifier_slot, num_classes, in_channels)
 
-
-@register_model("resnet50")
-def resnet50(*, num_classes: int, in_channels: int, image_size: int) -> Classifier:
-    """ResNet-50, 2048 features.
-
-    References:
-        He et al., Deep Residual Learning for Image Recognition, CVPR 2016.
-    """
-    return _build("resnet50", "fc", num_classes, in_channels)
+    build.__name__ = build.__qualname__ = name
+    build.__doc__ = summary
+    return register_model(name)(build)
 
 
-@register_model("mobilenet_v2")
-def mobilenet_v2(*, num_classes: int, in_channels: int, image_size: int) -> Classifier:
-    """MobileNetV2 (width 1.0), 1280 features, dropout 0.2 before the head.
-
-    References:
-        Sandler et al., MobileNetV2: Inverted Residuals and Linear Bottlenecks, CVPR 2018.
-    """
-    return _build("mobilenet_v2", "classifier", num_classes, in_channels)
-
-
-@register_model("shufflenet")
-def shufflenet(*, num_classes: int, in_channels: int, image_size: int) -> Classifier:
-    """ShuffleNetV2 x1.0, 1024 features (MDH-FL's ShuffleNetG2 stand-in: a V2 network, global pooling).
-
-    References:
-        Ma et al., ShuffleNet V2: Practical Guidelines for Efficient CNN Architecture Design, ECCV 2018.
-    """
-    return _build("shufflenet_v2_x1_0", "fc", num_classes, in_channels)
-
-
-@register_model("efficientnet_b0")
-def efficientnet_b0(*, num_classes: int, in_channels: int, image_size: int) -> Classifier:
-    """EfficientNet-B0 in torchvision's layout (the one FCA uses), 1280 features, dropout 0.2 before the head.
-
-    References:
-        Tan and Le, EfficientNet: Rethinking Model Scaling for Convolutional Neural Networks, ICML 2019.
-    """
-    return _build("efficientnet_b0", "classifier", num_classes, in_channels)
+# He et al., CVPR 2016; Sandler et al., CVPR 2018; Ma et al., ECCV 2018; Tan and Le, ICML 2019
+resnet18 = _register("resnet18", "resnet18", "fc", "ResNet-18, 512 features.")
+resnet50 = _register("resnet50", "resnet50", "fc", "ResNet-50, 2048 features.")
+mobilenet_v2 = _register("mobilenet_v2", "mobilenet_v2", "classifier",
+                         "MobileNetV2 (width 1.0), 1280 features, dropout 0.2 before the head.")
+shufflenet = _register("shufflenet", "shufflenet_v2_x1_0", "fc",
+                       "ShuffleNetV2 x1.0, 1024 features (MDH-FL's ShuffleNetG2 stand-in: a V2 network).")
+efficientnet_b0 = _register("efficientnet_b0", "efficientnet_b0", "classifier",
+                            "EfficientNet-B0 in torchvision's layout (FCA's), 1280 features, dropout 0.2.")
 
 
 @register_model("densenet121")
 def densenet121(*, num_classes: int, in_channels: int, image_size: int) -> Classifier:
-    """DenseNet-121 in torchvision's layout (the one FedLSM uses), 1024 features.
-
-    The 2x2 average pools of the three transition layers use ``ceil_mode=True``. With even feature maps (any
-    input whose side is a multiple of 32, e.g. 224) the output is identical to torchvision's; with 28x28 inputs
-    the last transition would otherwise receive a 1x1 map and fail.
-
-    References:
-        Huang et al., Densely Connected Convolutional Networks, CVPR 2017.
-    """
+    """DenseNet-121 in torchvision's layout (FedLSM's; Huang et al., CVPR 2017), 1024 features. The transition
+    pools use ``ceil_mode=True``: identical output for sides that are multiples of 32, and 28x28 inputs no longer
+    hand the last transition a 1x1 map."""
     model = _build("densenet121", "classifier", num_classes, in_channels)
     for module in model.backbone.modules():
         if isinstance(module, nn.AvgPool2d):

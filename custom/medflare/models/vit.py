@@ -8,7 +8,7 @@ chosen from the image size so small images still give a 7x7 grid or finer. Nothi
 from __future__ import annotations
 
 from medflare.errors import ConfigError
-from medflare.models._registry import register_model
+from medflare.models._registry import ModelEntrypoint, register_model
 from medflare.models.classifier import Classifier
 
 __all__ = [
@@ -24,11 +24,7 @@ _MIN_PATCHES_PER_SIDE = 7
 
 
 def vit_size(model: str) -> str:
-    """The :data:`VIT_SIZES` key of a ViT model name ("vit_tiny" -> "tiny").
-
-    Raises:
-        ConfigError: a name that is not one of the ``vit_*`` models.
-    """
+    """The :data:`VIT_SIZES` key of a ViT model name ("vit_tiny" -> "tiny"); ConfigError for another name."""
     size = model.removeprefix("vit_")
     if not model.startswith("vit_") or size not in VIT_SIZES:
         raise ConfigError(f"'{model}' is not a ViT; choose one of {', '.join('vit_' + s for s in VIT_SIZES)}")
@@ -36,13 +32,8 @@ def vit_size(model: str) -> str:
 
 
 def vit_patch_size(image_size: int) -> int:
-    """Largest patch size in (16, 8, 4, 2) that divides ``image_size`` into at least 7 patches per side.
-
-    224 px gives 16 (the standard 14x14 grid), 64 px gives 8, 28 and 32 px give 4.
-
-    Raises:
-        ConfigError: if no patch size fits.
-    """
+    """Largest patch size in (16, 8, 4, 2) that divides ``image_size`` into at least 7 patches per side (224 px:
+    16, 64 px: 8, 28 and 32 px: 4); ConfigError if none fits."""
     for patch in _PATCH_SIZES:
         if image_size % patch == 0 and image_size // patch >= _MIN_PATCHES_PER_SIDE:
             return patch
@@ -53,11 +44,8 @@ def vit_patch_size(image_size: int) -> int:
 
 
 class VitClassifier(Classifier):
-    """A Classifier over a timm VisionTransformer that declares its layers for layer-wise lr decay.
-
-    timm's ``param_groups_layer_decay`` reads :meth:`group_matcher`: patch embedding, class token and position
-    embedding form layer 0, block ``i`` is layer ``i + 1``, and ``fc_norm`` and the head the last layer.
-    """
+    """A Classifier over a timm VisionTransformer that declares its layers for layer-wise lr decay (timm reads
+    :meth:`group_matcher`: the stem is layer 0, block ``i`` layer ``i + 1``, ``fc_norm`` and the head the last)."""
 
     def group_matcher(self, coarse: bool = False) -> dict:
         """Regexes over this model's parameter names, in timm's ``group_matcher`` format."""
@@ -81,20 +69,9 @@ def build_vit(
     drop_path_rate: float = 0.0,
     layer_scale: float | None = None,
 ) -> VitClassifier:
-    """A randomly initialised ViT of a standard size for ``image_size`` x ``image_size`` inputs only.
-
-    Args:
-        size: a key of :data:`VIT_SIZES`.
-        num_classes: width of the head.
-        in_channels: image channels.
-        image_size: input side; the position embeddings are sized for its patch grid.
-        patch_size: patch side; default :func:`vit_patch_size` of ``image_size``.
-        drop_path_rate: stochastic depth rate (MAE fine-tuning uses 0.1, BEiT 0.2).
-        layer_scale: initial value of per-channel residual scales (BEiT: 0.1); None = no layer scale.
-
-    Raises:
-        ConfigError: unknown size, or a patch size that does not tile the image.
-    """
+    """A randomly initialised ViT of a :data:`VIT_SIZES` size for ``image_size`` x ``image_size`` inputs only;
+    ``drop_path_rate``: stochastic depth (MAE fine-tuning 0.1, BEiT 0.2); ``layer_scale``: initial per-channel
+    residual scale (BEiT: 0.1; None = none). ConfigError for an unknown size or a patch that does not tile."""
     if size not in VIT_SIZES:
         raise ConfigError(f"unknown ViT size '{size}'; choose one of {', '.join(VIT_SIZES)}")
     patch = patch_size or vit_patch_size(image_size)
@@ -121,43 +98,21 @@ def build_vit(
     return VitClassifier(network, head)
 
 
-@register_model("vit_micro")
-def vit_micro(*, num_classes: int, in_channels: int, image_size: int) -> Classifier:
-    """ViT-Micro (96-d, depth 6, 3 heads, about 0.7M parameters): ViT-Tiny's heads at half the width and depth, for
-    CPU benchmarks at 28 px (about 8x cheaper per step than ViT-Tiny).
+def _register_vit(size: str, summary: str) -> ModelEntrypoint:
+    """Register ``vit_<size>``: :func:`build_vit` of that size, described by ``summary``."""
 
-    References:
-        Dosovitskiy et al., An Image is Worth 16x16 Words: Transformers for Image Recognition at Scale, ICLR 2021.
-    """
-    return build_vit("micro", num_classes=num_classes, in_channels=in_channels, image_size=image_size)
+    def build(*, num_classes: int, in_channels: int, image_size: int) -> Classifier:
+        return build_vit(size, num_classes=num_classes, in_channels=in_channels, image_size=image_size)
 
-
-@register_model("vit_tiny")
-def vit_tiny(*, num_classes: int, in_channels: int, image_size: int) -> Classifier:
-    """ViT-Tiny (192-d, depth 12, 3 heads, about 5.5M parameters): the CPU-sized ViT, e.g. 4-px patches at 28 px.
-
-    References:
-        Dosovitskiy et al., An Image is Worth 16x16 Words: Transformers for Image Recognition at Scale, ICLR 2021;
-        Touvron et al., Training data-efficient image transformers & distillation through attention, ICML 2021.
-    """
-    return build_vit("tiny", num_classes=num_classes, in_channels=in_channels, image_size=image_size)
+    build.__name__ = build.__qualname__ = f"vit_{size}"
+    build.__doc__ = summary
+    return register_model(f"vit_{size}")(build)
 
 
-@register_model("vit_small")
-def vit_small(*, num_classes: int, in_channels: int, image_size: int) -> Classifier:
-    """ViT-Small (384-d, depth 12, 6 heads, about 22M parameters).
-
-    References:
-        Touvron et al., Training data-efficient image transformers & distillation through attention, ICML 2021.
-    """
-    return build_vit("small", num_classes=num_classes, in_channels=in_channels, image_size=image_size)
-
-
-@register_model("vit_base")
-def vit_base(*, num_classes: int, in_channels: int, image_size: int) -> Classifier:
-    """ViT-Base (768-d, depth 12, 12 heads, about 86M parameters): ViT-B/16 at 224 px, the SSL-FL encoder.
-
-    References:
-        Dosovitskiy et al., An Image is Worth 16x16 Words: Transformers for Image Recognition at Scale, ICLR 2021.
-    """
-    return build_vit("base", num_classes=num_classes, in_channels=in_channels, image_size=image_size)
+# Dosovitskiy et al., An Image is Worth 16x16 Words, ICLR 2021; Touvron et al. (DeiT), ICML 2021
+vit_micro = _register_vit("micro", "ViT-Micro (96-d, depth 6, 3 heads, ~0.7M parameters): ViT-Tiny's heads at half "
+                                   "the width and depth, for CPU benchmarks at 28 px (~8x cheaper per step).")
+vit_tiny = _register_vit("tiny", "ViT-Tiny (192-d, depth 12, 3 heads, ~5.5M parameters): the CPU-sized ViT.")
+vit_small = _register_vit("small", "ViT-Small (384-d, depth 12, 6 heads, ~22M parameters).")
+vit_base = _register_vit("base", "ViT-Base (768-d, depth 12, 12 heads, ~86M parameters): ViT-B/16 at 224 px, "
+                                 "the SSL-FL encoder.")

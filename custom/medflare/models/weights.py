@@ -1,7 +1,5 @@
-"""Loading weights into a model: local files or in-memory state dicts, with a report of what matched.
-
-No function here downloads anything: weights come from a local file or from a locally installed package.
-"""
+"""Loading weights into a model from a local file or an in-memory state dict (never a download), with a report
+of what matched."""
 
 from __future__ import annotations
 
@@ -31,17 +29,9 @@ _MAX_KEYS_SHOWN = 8
 
 @dataclass
 class WeightsReport:
-    """What happened to each key when weights were loaded.
-
-    Attributes:
-        source: where the weights came from (a path or a description).
-        loaded: model keys that received a tensor from the source.
-        missing: model keys the source did not provide; they keep their initialisation.
-        unexpected: source keys the model does not have; they are ignored.
-        shape_mismatched: ``"key: source shape vs model shape"`` for keys present in both with different shapes;
-            they keep their initialisation.
-        adapted: keys loaded after adapting the input convolution to the model's input channels.
-    """
+    """What happened to each key when weights were loaded: ``loaded``, ``missing`` (kept their initialisation),
+    ``unexpected`` (ignored), ``shape_mismatched`` (``"key: source shape vs model shape"``, kept their
+    initialisation) and ``adapted`` (the input convolution, to the model's input channels)."""
 
     source: str
     loaded: list[str] = field(default_factory=list)
@@ -71,13 +61,8 @@ class WeightsReport:
 
 
 def read_state_dict_file(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """Read a state dict from a local file, unwrapping a checkpoint and a DataParallel ``module.`` prefix.
-
-    The file is read with ``torch.load(weights_only=True)`` on the CPU, so it cannot execute code.
-
-    Args:
-        path: a ``.pt``/``.pth`` file holding a state dict, or a checkpoint dict with the state dict under
-            ``"model"`` or ``"state_dict"``.
+    """Read a state dict from a local ``.pt``/``.pth`` file (``weights_only``: it cannot execute code), unwrapping
+    a checkpoint (under ``"model"`` or ``"state_dict"``) and a DataParallel ``module.`` prefix.
 
     Raises:
         DataError: if the file does not exist, is pickled or unreadable, holds no state dict, or holds NaN or
@@ -110,27 +95,12 @@ def load_weights(
     *,
     source: str | None = None,
 ) -> WeightsReport:
-    """Load weights into a Classifier-layout model and report what matched.
+    """Load weights (a file or a state dict) into a Classifier-layout model in place; return (and log) the report.
 
-    Accepted layouts: a Classifier state dict (``backbone.*``, ``head.*``, and any sibling modules), or a bare
-    backbone state dict in the underlying library's own layout (e.g. a torchvision ``resnet18`` file), whose
-    keys are then prefixed with ``backbone.``; the library's own classifier keys (``fc.*``) are then reported
-    as unexpected and the head keeps its initialisation.
-
-    Keys outside ``backbone.*`` (the head, projectors) may be missing or have another shape, e.g. when the
-    number of classes differs: they keep their initialisation and are reported. When the source's input
-    convolution has 3 channels and the model another number, the weights are adapted with timm's
-    ``adapt_input_conv``: for 1 channel the RGB kernels are summed (a grey image copied to RGB gives the same
-    response); for other counts the RGB kernels are tiled and scaled by 3 / in_channels so activations keep
-    their magnitude.
-
-    Args:
-        model: the model to load into (modified in place).
-        weights: a local file path or an in-memory state dict.
-        source: description for the report and log; defaults to the path.
-
-    Returns:
-        The report, also logged (at WARNING level when it is not complete).
+    A bare backbone state dict in its library's own layout (a torchvision ``resnet18`` file) is prefixed with
+    ``backbone.`` (its ``fc.*`` then unexpected). Keys outside ``backbone.*`` may be missing or of another shape
+    (another class count): they keep their initialisation. A 3-channel input convolution is adapted to the model's
+    channels by timm's ``adapt_input_conv`` (1 channel: the RGB kernels summed).
 
     Raises:
         DataError: if the file is unusable, nothing matches, or a backbone tensor is missing or has another shape

@@ -1,18 +1,10 @@
 """Encrypted aggregation: the server weighs and adds CKKS ciphertexts of the sites' arrays with plaintext shares.
 
-A site encrypts each model array as one flat TenSEAL ``CKKSVector`` (:func:`encrypt_array`) under the context its
-startup kit holds (FLARE's ``HEBuilder`` writes it, with the secret key; every site of a project shares it). The
-server's context has no secret key, so it can multiply a ciphertext by a plaintext number or vector and add
-ciphertexts, but never read one. :func:`combine_encrypted` is :func:`medflare.ops.influence.combine` over
-ciphertexts: the shares are the server's own, bounded in plaintext (:func:`~medflare.ops.influence.bound`, the
-share cap included) before any ciphertext is touched; a row-weighted array (a classifier weighted per class) is
-multiplied elementwise by each site's share of every row, repeated over the row's entries. The sites decrypt the
-result (:func:`decrypt_array`).
-
-CKKS is approximate: with FLARE's default parameters (poly_modulus_degree 8192, coefficient moduli [60, 40, 40],
-scale 2**40) a decrypted average is within about 1e-5 of the plaintext one for weights of magnitude 1; one
-plaintext multiplication per round uses the one level those moduli leave, which is all a weighted sum needs.
-TenSEAL is imported on first use (the ``medflare[he]`` extra), so jobs without encryption never need it.
+Each site encrypts every model array as one flat TenSEAL ``CKKSVector`` under the project's context from its kit
+(FLARE's ``HEBuilder``, with the secret key). The server's context has none: it multiplies ciphertexts by its own
+plaintext shares, bounded before any ciphertext is touched, and adds them (:func:`combine_encrypted`), but never
+reads one. With FLARE's default parameters a decrypted average is within about 1e-5 of the plaintext one for
+weights of magnitude 1; the one plaintext multiplication per round uses the one level the moduli leave.
 """
 
 from __future__ import annotations
@@ -46,13 +38,8 @@ def tenseal() -> Any:
 
 @dataclass(frozen=True)
 class EncryptedArray:
-    """One array as a CKKS ciphertext: what the server holds of a site's update and of the global model.
-
-    Attributes:
-        vector: the TenSEAL ``CKKSVector`` of the array's values, flattened in C order.
-        shape: the array's shape (the ciphertext holds ``prod(shape)`` values).
-        dtype: the array's dtype name; decrypted values are cast back to it (integers rounded).
-    """
+    """One array as a CKKS ciphertext (``vector``, flattened in C order; None when empty) with the shape and the
+    dtype name it decrypts back to (integers rounded)."""
 
     vector: Any
     shape: tuple[int, ...]
@@ -85,11 +72,7 @@ def server_copy(context: Any) -> bytes:
 
 
 def server_context(data: bytes) -> Any:
-    """The server's context from its serialized form; refused when it holds a secret key.
-
-    Raises:
-        ConfigError: the context can decrypt (a site's context in the server kit).
-    """
+    """The server's context from its serialized form; ConfigError when it holds a secret key (a site's)."""
     context = tenseal().context_from(data)
     if context.is_private():
         raise ConfigError("the server's TenSEAL context holds a secret key, so the server could decrypt every "
@@ -98,11 +81,8 @@ def server_context(data: bytes) -> Any:
 
 
 def encrypt_array(context: Any, array: np.ndarray) -> bytes:
-    """A site's array as a serialized CKKS ciphertext (values in float64, flattened in C order).
-
-    Raises:
-        PayloadError: the array holds NaN or Inf (a ciphertext would hide them from every check).
-    """
+    """A site's array as a serialized CKKS ciphertext (float64, C order); PayloadError for NaN or Inf, which a
+    ciphertext would hide from every check."""
     values = np.asarray(array, dtype=np.float64).ravel()
     if not np.all(np.isfinite(values)):
         raise PayloadError("refusing to encrypt an array with NaN or Inf: the server could not see it")
@@ -110,11 +90,8 @@ def encrypt_array(context: Any, array: np.ndarray) -> bytes:
 
 
 def read_ciphertext(context: Any, name: str, data: Any, shape: tuple[int, ...], dtype: str) -> EncryptedArray:
-    """A received ciphertext under ``context``, checked to hold ``prod(shape)`` values.
-
-    Raises:
-        PayloadError: not a serialized CKKS vector of this context, or of the wrong length.
-    """
+    """A received ciphertext under ``context``; PayloadError unless it is one of this context holding
+    ``prod(shape)`` values."""
     size = int(np.prod(shape, dtype=np.int64))
     if not isinstance(data, (bytes, bytearray)):
         raise PayloadError(f"'{name}' must arrive encrypted (serialized CKKS bytes), got {type(data).__name__}")
@@ -142,16 +119,9 @@ def decrypt_array(context: Any, data: bytes, shape: tuple[int, ...], dtype: str)
 
 def combine_encrypted(updates: Mapping[str, Mapping[str, Any]], shares: Shares,
                       dtypes: Mapping[str, np.dtype] | None = None) -> dict[str, EncryptedArray]:
-    """key -> Σ_site share · ciphertext for every encrypted array (row-wise where ``shares.rows`` says so).
-
-    The ciphertext twin of :func:`medflare.ops.influence.combine`: ``shares`` come bounded from ``bound``, so a
-    share cap holds before any ciphertext is multiplied. A site whose share of an array is zero everywhere adds
-    nothing (CKKS cannot multiply by an all-zero plaintext).
-
-    Args:
-        updates: site -> {key: EncryptedArray}; every site carries the same keys and shapes.
-        shares: bounded shares from ``bound`` (the sites of ``updates``).
-        dtypes: unused (the result keeps each array's dtype); the signature is ``combine``'s.
+    """key -> Σ_site share · ciphertext (row-wise where ``shares.rows`` says so): the ciphertext twin of
+    :func:`medflare.ops.influence.combine` (``dtypes`` unused: each array keeps its own). A site whose share is
+    zero everywhere adds nothing (CKKS cannot multiply by an all-zero plaintext).
 
     Raises:
         PayloadError: nothing to aggregate, or an array that is not encrypted.
@@ -205,12 +175,8 @@ def stand_in(shape: tuple[int, ...], dtype: str) -> np.ndarray:
 
 
 def declared_encrypted(meta: Mapping[str, Any], key: str) -> dict[str, tuple[tuple[int, ...], str]]:
-    """name -> (shape, dtype) of the ciphertexts a message declares under ``meta[key]`` ({} when none).
-
-    Raises:
-        PayloadError: a declaration that is not {name: [shape, dtype]} with a whole, non-negative shape and a
-            numeric dtype.
-    """
+    """name -> (shape, dtype) of the ciphertexts a message declares under ``meta[key]`` ({} when none);
+    PayloadError unless it is {name: [shape, dtype]} with a whole, non-negative shape and a numeric dtype."""
     declared = meta.get(key)
     if declared is None:
         return {}

@@ -1,18 +1,10 @@
 """The one place that bounds every site's influence on every aggregate.
 
-A server rule says *what* it combines as raw per-site weights, never how much a site may count:
-
-- a :class:`Weighting` for the next global model: one scalar weight per site for every array, and per-row
-  weights for the arrays a rule weighs row by row (a classifier weighted per class: FedLSM's q, FedAvg*'s masks);
-- a :class:`Mixture` for arrays the server builds for each site out of arrays the sites sent (MDH-FL's teacher
-  mix T_p = Σ_i w_i·t_i).
-
-This module turns those raw weights into shares and bounds them, whatever rule produced them: every weight is
-finite and non-negative, the shares of one part sum to one, and with a cap no site's share of any part (the
-scalar share, every row of every row-weighted array, every receiver's mix) exceeds it. A cap that this round's
-sites cannot meet (fewer sites than 1/cap) relaxes to equal shares instead of stopping the round. The server
-(``flare.aggregator.RoundAggregation``) applies it with the job's ``robust.max_share``; a rule cannot skip it,
-because it only returns weights and the server does the combining.
+A server rule only returns raw per-site weights: a :class:`Weighting` for the next global model (a scalar per
+site, and per-row weights for arrays weighed row by row: FedLSM's q, FedAvg*'s masks) or a :class:`Mixture` for
+arrays built for each site from the sites' arrays (MDH-FL's teacher mix). Here they become shares: finite,
+non-negative, summing to one per part, and with the job's ``robust.max_share`` no site's share of any part (scalar,
+every row, every receiver's mix) above it; a cap this round's sites cannot meet relaxes to equal shares.
 """
 
 from __future__ import annotations
@@ -30,15 +22,9 @@ _SLACK = 1e-12  # a share this far above the cap counts as at the cap (float sum
 
 @dataclass(frozen=True)
 class Weighting:
-    """Raw, unnormalised per-site weights a rule wants the next global model combined with.
-
-    Attributes:
-        sites: site -> scalar weight, used for every array without row weights (e.g. n_k, RF).
-        rows: key -> site -> per-row weights over the first axis of that array (a classifier's rows per class);
-            a row whose weights sum to zero over the sites falls back to the scalar shares.
-        cap: the rule's own cap on a site's share (e.g. Fed-MAS's ``max_share`` option), 0 = none; the tighter
-            of this and the job's cap applies.
-    """
+    """Raw per-site weights for the next global model: ``sites`` (scalar, e.g. n_k or RF), ``rows`` (key -> site
+    -> weights over the array's first axis; a row weighing zero in all falls back to the scalar shares) and the
+    rule's own ``cap`` (0 = none; the tighter of it and the job's applies)."""
 
     sites: Mapping[str, float]
     rows: Mapping[str, Mapping[str, np.ndarray]] = field(default_factory=dict)
@@ -47,13 +33,8 @@ class Weighting:
 
 @dataclass(frozen=True)
 class Shares:
-    """What each site really weighs in each part of an aggregate, after the bounds.
-
-    Attributes:
-        sites: site -> share of every array without row weights (sums to 1).
-        rows: key -> ``[S, R]`` shares of each row of that array, sites in the order of ``order`` (columns sum to 1).
-        order: the sites, in the order the row matrices use.
-    """
+    """What each site really weighs after the bounds: ``sites`` (scalar shares, sum 1) and ``rows`` (key -> ``[S, R]``
+    shares, sites in ``order``, columns summing to 1)."""
 
     sites: dict[str, float]
     rows: dict[str, np.ndarray]
@@ -71,18 +52,9 @@ class Shares:
 
 @dataclass(frozen=True)
 class Mixture:
-    """Arrays the server builds for each receiving site from arrays the sites sent, under one key.
-
-    Receiver p gets ``Σ_i w_p,i · sources[i]`` over its weights ``weights[p]``; the total weight Σ_i w_p,i is kept
-    (it may be meaningful, e.g. MDH-FL's target row sum s_p), while each source's share of it is bounded.
-
-    Attributes:
-        key: the name the mixed array travels under.
-        sources: site -> the array it sent (all the same shape).
-        weights: receiver -> source site -> raw weight; a receiver with no weights gets no array (an empty task).
-        low, high: the mixed values are clipped to this range (float rounding), and cast to the receiver's own
-            source dtype when it sent one, else the first source's dtype.
-    """
+    """Arrays built for each receiving site under ``key``: receiver p gets ``Σ_i w_p,i · sources[i]`` (its total
+    weight is kept, e.g. MDH-FL's row sum s_p; each source's share is bounded; no weights: no array), clipped to
+    [low, high] and cast to the receiver's own source dtype (else the first source's)."""
 
     key: str
     sources: Mapping[str, np.ndarray]
@@ -92,11 +64,7 @@ class Mixture:
 
 
 def check_weight(site: str, weight: float) -> float:
-    """A site's aggregation weight as a float.
-
-    Raises:
-        PayloadError: when it is negative or not finite.
-    """
+    """A site's aggregation weight as a float; PayloadError when it is negative or not finite."""
     weight = float(weight)
     if not np.isfinite(weight) or weight < 0:
         raise PayloadError(f"aggregation weight of {site} must be finite and >= 0, got {weight}")
@@ -104,11 +72,7 @@ def check_weight(site: str, weight: float) -> float:
 
 
 def normalise_weights(weights: Mapping[str, float]) -> dict[str, float]:
-    """Scale non-negative site weights to sum to one.
-
-    Raises:
-        PayloadError: when a weight is negative or not finite, or all weights are zero.
-    """
+    """Scale site weights to sum to one; PayloadError for a negative or non-finite weight, or all zero."""
     checked = {site: check_weight(site, weight) for site, weight in weights.items()}
     total = float(sum(checked.values()))
     if not total > 0 or not np.isfinite(total):
@@ -117,11 +81,8 @@ def normalise_weights(weights: Mapping[str, float]) -> dict[str, float]:
 
 
 def cap_vector(shares: np.ndarray, cap: float) -> np.ndarray:
-    """Shares (summing to 1) with none above ``cap``; the excess goes to the others in proportion (water-filling).
-
-    A cap below 1/len(shares) relaxes to 1/len(shares): equal shares. When every uncapped share is zero, the excess
-    is spread equally over those sites (they get a say, however little they asked for).
-    """
+    """Shares (summing to 1) with none above ``cap`` (at least 1/len), the excess going to the others in
+    proportion (water-filling), or equally when every uncapped share is zero."""
     result = np.asarray(shares, dtype=np.float64).copy()
     if cap <= 0 or result.size == 0:
         return result
@@ -147,12 +108,8 @@ def cap_shares(shares: Mapping[str, float], cap: float) -> dict[str, float]:
 
 
 def bound(weighting: Weighting, cap: float = 0.0) -> Shares:
-    """The shares a :class:`Weighting` gives, with no site above ``cap`` (or the rule's tighter cap) in any part.
-
-    Raises:
-        PayloadError: a weight that is negative or not finite, no positive scalar weight, or row weights of the
-            wrong length.
-    """
+    """The shares a :class:`Weighting` gives, with no site above ``cap`` (or the rule's tighter cap) in any part;
+    PayloadError for a bad weight or no positive scalar weight."""
     cap = _tighter(cap, weighting.cap)
     order = tuple(weighting.sites)
     scalar = cap_shares(normalise_weights(weighting.sites), cap)
@@ -162,14 +119,8 @@ def bound(weighting: Weighting, cap: float = 0.0) -> Shares:
 
 
 def combine(updates: Mapping[str, Params], shares: Shares, dtypes: Mapping[str, np.dtype] | None = None) -> dict:
-    """key -> Σ_site share·array for every array the sites sent (row-wise where ``shares.rows`` says so).
-
-    Args:
-        updates: site -> {key: array}; every site carries the same keys and shapes.
-        shares: bounded shares from :func:`bound` (the sites of ``updates``).
-        dtypes: key -> dtype of the result (the global model's), default: the first site's dtype. Integer results
-            are rounded and clipped to their dtype's range, so no average can wrap around.
-    """
+    """key -> Σ_site share·array for every array the sites sent (row-wise where ``shares.rows`` says so), in
+    ``dtypes`` (default: the first site's; integers rounded and clipped, so no average wraps around)."""
     if not updates:
         raise PayloadError("nothing to aggregate: no site update was accepted")
     sites = list(updates)
@@ -187,11 +138,8 @@ def combine(updates: Mapping[str, Params], shares: Shares, dtypes: Mapping[str, 
 
 
 def mix(mixture: Mixture, cap: float = 0.0) -> dict[str, dict[str, np.ndarray]]:
-    """receiver -> {key: its mixed array}, each source's share of a receiver's weight capped at ``cap``.
-
-    Raises:
-        PayloadError: a weight that is negative or not finite, or a source that sent nothing.
-    """
+    """receiver -> {key: its mixed array}, each source's share capped at ``cap``; PayloadError for a bad weight
+    or a source that sent nothing."""
     result: dict[str, dict[str, np.ndarray]] = {}
     for receiver, weights in mixture.weights.items():
         total = sum(check_weight(site, w) for site, w in weights.items())
@@ -211,12 +159,8 @@ def mix(mixture: Mixture, cap: float = 0.0) -> dict[str, dict[str, np.ndarray]]:
 
 
 def weighted_sum(arrays: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
-    """Σ_i w_i·a_i in float64, one term at a time.
-
-    Each product is taken in float64 (a float16 or float32 input is never multiplied at its own precision),
-    and at most the sum and one term exist in float64: no stack of every site's float64 copy, which for a
-    ResNet-18 and two sites was also ten times slower than this loop.
-    """
+    """Σ_i w_i·a_i, each product in float64, one term at a time (a stack of every site's float64 copy was also
+    ten times slower for a ResNet-18 and two sites)."""
     total = np.multiply(arrays[0], weights[0], dtype=np.float64)
     term = np.empty_like(total)
     for array, weight in zip(arrays[1:], weights[1:]):

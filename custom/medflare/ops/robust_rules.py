@@ -1,28 +1,13 @@
-"""Byzantine-robust aggregation rules over the sites' updates, pure numpy (issue 49, item 3).
+"""Byzantine-robust aggregation rules over the sites' updates, pure numpy (issue 49, item 3), as their papers
+define them: coordinate median and trimmed mean (Yin et al., ICML 2018, Definitions 1 and 2); Krum and
+Multi-Krum (Blanchard et al., NeurIPS 2017, §4: the sum of squared distances to the n − f − 2 closest others);
+Bulyan (El Mhamdi et al., ICML 2018, Algorithm 1; where the shrinking pool holds fewer than f + 3 updates a Krum
+score sums over the one nearest neighbour, as Flower does).
 
-Each rule is defined as its paper defines it:
-
-- :func:`coordinate_median` and :func:`trimmed_mean`: Yin et al., "Byzantine-Robust Distributed Learning: Towards
-  Optimal Statistical Rates", ICML 2018 (Definitions 1 and 2: per coordinate, the median; the mean after removing
-  the β fraction of largest and of smallest values).
-- :func:`krum_scores`, :func:`krum` and :func:`multi_krum`: Blanchard et al., "Machine Learning with Adversaries:
-  Byzantine Tolerant Gradient Descent", NeurIPS 2017 (§4: a vector's score is the sum of squared distances to its
-  n − f − 2 closest other vectors; Krum picks the lowest score, Multi-Krum averages the m lowest).
-- :func:`bulyan`: El Mhamdi et al., "The Hidden Vulnerability of Distributed Learning in Byzantium", ICML 2018
-  (Algorithm 1: θ = n − 2f vectors chosen by Krum one at a time, each removed from the pool; then per coordinate
-  the mean of the β = θ − 2f values closest to the median of the chosen ones; n ≥ 4f + 3). Where the shrinking
-  pool holds fewer than f + 3 updates, a Krum score sums over the one nearest neighbour (the paper leaves it open;
-  Flower does the same).
-
-How they compose with a method's own weighting (``robust.rule``, applied by the server's aggregation core): the
-selecting rules (Krum, Multi-Krum, Bulyan's Krum picks) choose sites, which the core then treats like sites the
-norm bound rejected; the coordinate rules (median, trimmed mean, Bulyan's last step) weigh each site by the share
-the method's weighting gives it after the share cap (:func:`robust_combiner`): a weighted median, a mean over the
-middle 1 − 2β of the share mass, the share-weighted mean of the values closest to the median. With equal shares
-each is the paper's rule and Flower's (FedMedian, FedTrimmedAvg and Bulyan ignore example counts; MultiKrum weighs
-its picks by them as FedAvg's shares do), the trimmed mean where β·n is a whole number of sites (Flower floors it;
-medflare cuts β of the share mass). The guarantees carry over while one site's share stays below what the rule
-tolerates: under one half for the median, at most β for the trimmed mean (``RobustConfig`` requires such a cap).
+Under ``robust.rule`` the selecting rules choose sites (treated like sites the norm bound rejected); the
+coordinate rules weigh each site by its capped share (:func:`robust_combiner`). With equal shares each is the
+paper's rule (the trimmed mean where β·n is a whole number of sites: medflare cuts β of the share mass). The
+guarantees hold while one site's share stays below what the rule tolerates (``RobustConfig`` requires such a cap).
 """
 
 from __future__ import annotations
@@ -63,10 +48,8 @@ def _column(weights: np.ndarray, ndim: int) -> np.ndarray:
 
 
 def weighted_median(updates: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """Per coordinate, the value where the sites' cumulative weight passes one half; where it reaches one half
-    exactly, the mean of that value and the next with weight (equal weights: the ordinary median).
-
-    ``weights``: ``[S]``, or ``[S, R]`` for weights per row of the first array axis."""
+    """Per coordinate, the value where the sites' cumulative weight (``[S]`` or ``[S, R]``) passes one half, or
+    the mean of it and the next where it reaches one half exactly (equal weights: the ordinary median)."""
     values, shares = _sorted_with_weights(_stacked(updates), weights)
     cumulative = np.cumsum(shares, axis=0)
     upper = np.argmax(cumulative > 0.5 + _TIE, axis=0)[None]
@@ -78,9 +61,7 @@ def weighted_median(updates: np.ndarray, weights: np.ndarray) -> np.ndarray:
 
 def weighted_trimmed_mean(updates: np.ndarray, weights: np.ndarray, cut: float) -> np.ndarray:
     """Per coordinate, the weighted mean of the middle of the sites' share mass, ``cut`` of it removed from each
-    end (a site straddling a cut counts with the part inside). A site whose share is at most ``cut`` and whose value
-    is the most extreme is removed whole; with equal shares and a whole number ``cut``·n of sites this is the
-    paper's trimmed mean."""
+    end (a site straddling a cut counts with the part inside)."""
     stacked = _stacked(updates)
     if not 0 <= cut < 0.5:
         raise ConfigError(f"trimmed mean: trim_fraction must be in [0, 0.5), got {cut}")
@@ -173,8 +154,7 @@ def _row_distances(stacked: np.ndarray) -> np.ndarray:
 
 def krum_scores(updates: np.ndarray, f: int, neighbours: int | None = None) -> np.ndarray:
     """Each site's Krum score over ``[sites, values]`` rows."""
-    stacked = _stacked(updates)
-    return krum_scores_of(_row_distances(stacked), f, neighbours)
+    return krum_scores_of(_row_distances(_stacked(updates)), f, neighbours)
 
 
 def krum(updates: np.ndarray, f: int) -> np.ndarray:
