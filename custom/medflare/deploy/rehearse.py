@@ -291,15 +291,10 @@ class Stage:
 
     def nvflare(self, participant: str, admin: str, *args: str, timeout: float = 300) -> dict[str, Any]:
         """``nvflare ... --startup-kit <admin's kit> --format json`` run in ``participant``'s namespace."""
-        from medflare.processes import nvflare_command
+        from medflare.processes import nvflare_command, nvflare_reply
 
         command = [*nvflare_command(), *args, "--startup-kit", str(self.kit(admin)), "--format", "json"]
-        done = self.in_ns(participant, command, timeout)
-        for line in reversed(done.stdout.strip().splitlines()):
-            if line.strip().startswith("{"):
-                with contextlib.suppress(json.JSONDecodeError):
-                    return {**json.loads(line), "exit_code": done.returncode}
-        return {"status": "error", "message": (done.stderr or done.stdout)[-1000:], "exit_code": done.returncode}
+        return nvflare_reply(self.in_ns(participant, command, timeout))
 
     def connected(self) -> list[str]:
         """Hospitals the server lists as connected, as the coordinating centre sees it (its admin kit, from the
