@@ -1,23 +1,19 @@
 r"""Rehearse a cross-hospital deployment on one machine: ``medflare rehearse`` (needs root).
 
-The consortium is provisioned with the project's normal flow (:func:`medflare.deploy.provision.provision`: FLARE's
-``nvflare provision`` plus medflare's site policies) from ``provisioning/project.yml``, cut to the server, N
-hospitals and the people. Every participant then runs from its own startup kit (``startup/start.sh``, as a
-hospital's IT starts it) in its own network namespace with its own address; the server's FQDN (and its certificate's
-other names) resolve to the server's address inside every namespace through ``/etc/netns/<ns>/hosts``, and a bridge
-in a namespace of its own joins them (:mod:`medflare.deploy.netns`). Each hospital reads its own data from its
-kit's ``local/medflare_site.json`` (synthetic images, a different seed per hospital). The lead, in its own
-namespace, submits a pre-installed job with its admin kit (``nvflare job submit``, as ``docs/deploy-lead.md`` says),
-follows it with ``medflare watch``, downloads it (``nvflare job download``) and builds the report
-(``medflare report``). Meanwhile the rehearsal shapes each hospital's link (``tc tbf``), takes links down and
-back, and kills and restarts hospitals or the server, as scripted; after a server crash the lead submits the job
-again with ``resume_from`` (the recovery ``docs/deploy.md`` documents), and that job is followed to the end. At
-the end it checks what the deployment promises and writes ``rehearsal.json`` (timings, rounds, faults, checks)
-beside the report.
+The consortium is provisioned with the normal flow (:func:`medflare.deploy.provision.provision`) from
+``provisioning/project.yml``, cut to the server, N hospitals and the people. Every participant runs from its own
+startup kit (``startup/start.sh``) in its own network namespace and address, joined by a bridge
+(:mod:`medflare.deploy.netns`); the server's names resolve through ``/etc/netns/<ns>/hosts``. Each hospital reads
+its own synthetic images from its kit's ``local/medflare_site.json``. The lead, in its namespace, submits a
+pre-installed job (``nvflare job submit``, as ``docs/deploy-lead.md`` says), follows it with ``medflare watch``,
+downloads it and builds the report (``medflare report``). Meanwhile links are shaped (``tc tbf``), taken down and
+back, and hospitals or the server killed and restarted, as scripted; after a server crash the lead resubmits the job
+with ``resume_from`` (``docs/deploy.md``). At the end the deployment's promises are checked and ``rehearsal.json``
+(timings, rounds, faults, checks) written beside the report.
 
-Everything it made (namespaces, qdiscs, hosts files, processes, kits) is removed at the end, also on failure,
-SIGTERM or Ctrl-C; the server and sites run under medflare's process keeper (:mod:`medflare.processes`), so they
-die with the rehearsal even when it is SIGKILLed, and its namespaces are swept by the next rehearsal.
+Everything it made is removed at the end, also on failure, SIGTERM or Ctrl-C; the server and sites run under
+medflare's process keeper (:mod:`medflare.processes`), so they die with it even when it is SIGKILLed, and its
+namespaces are swept by the next rehearsal.
 
 Command line::
 
@@ -69,23 +65,14 @@ class RehearseError(MedflareError, RuntimeError):
 # ----- what to rehearse ------------------------------------------------------------------------------------------
 @dataclass
 class Fault:
-    """One scripted fault at one hospital or at the server.
+    """One scripted fault at one hospital or at the server (``site`` :data:`SERVER`), ``duration`` seconds long."""
 
-    Attributes:
-        kind: "outage" (its link down, then back), "kill" (every process of the hospital SIGKILLed, then its kit
-            started again with ``startup/start.sh``) or "server" (the same for the server; once the hospitals are
-            connected to it again, the lead submits the job again with ``resume_from`` = the crashed job's id).
-        site: the hospital (:data:`SERVER` for a server fault).
-        round: strike when this round (1-based) has started, plus :data:`MID_ROUND_DELAY`; or None.
-        seconds: strike this many seconds after submission (when ``round`` is None).
-        duration: seconds until the link comes back / the kit is started again.
-    """
-
-    kind: str
+    kind: str  # "outage" (link down, then back), "kill" (every process SIGKILLed, then the kit started again) or
+    # "server" (the same for the server; once the hospitals are back, the lead resubmits with resume_from)
     site: str
-    round: int | None
-    seconds: float
-    duration: float
+    round: int | None  # strike when this round (1-based) has started, plus MID_ROUND_DELAY (None: at seconds)
+    seconds: float  # after submission
+    duration: float  # seconds until the link comes back / the kit is started again
 
     @classmethod
     def parse(cls, kind: str, text: str) -> Fault:
@@ -115,34 +102,20 @@ class Fault:
 
 @dataclass
 class Rehearsal:
-    """A rehearsal's settings (``medflare rehearse``'s options).
+    """A rehearsal's settings (``medflare rehearse``'s options)."""
 
-    Attributes:
-        hospitals: number of hospitals (named as in project.yml, then hospital-d, -e, ...).
-        method, model, rounds: the job.
-        min_clients: sites each round needs (0 = every hospital).
-        straggler_seconds: how long a round waits for the others once ``min_clients`` answered.
-        task_timeout: seconds a site may take per task (0 = medflare's default, 3600).
-        max_steps, batch_size: local work per round.
-        images: synthetic training images per hospital.
-        rates: Mbit/s per hospital (``tc tbf`` both ways); others are unshaped.
-        faults: scripted outages and kills (at most one of the server).
-        job_timeout: seconds the job may take.
-        transfer_dtype, download_dtype: how float weights travel up and down (float32 or float16).
-    """
-
-    hospitals: int = 2
+    hospitals: int = 2  # named as in project.yml, then hospital-d, -e, ...
     method: str = "fedavg"
     model: str = "cnn"
     rounds: int = 2
-    min_clients: int = 0
-    straggler_seconds: int = 10
-    task_timeout: int = 0
+    min_clients: int = 0  # sites each round needs (0 = every hospital)
+    straggler_seconds: int = 10  # how long a round waits for the others once min_clients answered
+    task_timeout: int = 0  # seconds a site may take per task (0 = medflare's default, 3600)
     max_steps: int = 5
     batch_size: int = 32
-    images: int = 200
-    rates: dict[str, float] = field(default_factory=dict)
-    faults: list[Fault] = field(default_factory=list)
+    images: int = 200  # synthetic training images per hospital
+    rates: dict[str, float] = field(default_factory=dict)  # Mbit/s per hospital (tc tbf both ways); others unshaped
+    faults: list[Fault] = field(default_factory=list)  # at most one of the server
     job_timeout: float = 900
     project_file: Path = DEFAULT_PROJECT
     transfer_dtype: str = "float32"
@@ -152,24 +125,25 @@ class Rehearsal:
         """Every hospital must answer each round (``min_clients`` 0 or the number of hospitals)."""
         return self.min_clients == 0 or self.min_clients >= self.hospitals
 
+    def awaited_fault(self) -> float | None:
+        """The longest hospital fault's duration when every round waits for the faulted hospital, else None."""
+        durations = [f.duration for f in self.faults if f.kind != "server"]
+        return max(durations) if durations and self.all_required() else None
+
     def round_bound(self) -> float:
-        """The longest a round may take, never more than the task timeout; the healthy sites' work and transfers
-        get :data:`WORK_ALLOWANCE`. When fewer than every hospital is required, a dead or cut-off site costs at most
-        the straggler wait once ``min_clients`` answered. When every hospital is required, the round waits for the
-        faulted one: the longest hospital fault's duration and :data:`RECONNECT_ALLOWANCE` are added."""
-        task_timeout = self.task_timeout or 3600
-        wait = float(self.straggler_seconds)
-        hospital_faults = [f.duration for f in self.faults if f.kind != "server"]
-        if self.all_required() and hospital_faults:
-            wait += max(hospital_faults) + RECONNECT_ALLOWANCE
-        return min(task_timeout, WORK_ALLOWANCE + wait) + 5.0
+        """The longest a round may take, never more than the task timeout: the healthy sites' work and transfers
+        (:data:`WORK_ALLOWANCE`) and the straggler wait, which is all a dead or cut-off site costs once
+        ``min_clients`` answered; when every hospital is required, the round also waits out the longest hospital
+        fault and :data:`RECONNECT_ALLOWANCE`."""
+        awaited = self.awaited_fault()
+        wait = self.straggler_seconds + (awaited + RECONNECT_ALLOWANCE if awaited is not None else 0.0)
+        return min(self.task_timeout or 3600, WORK_ALLOWANCE + wait) + 5.0
 
     def bound_text(self) -> str:
         """How :meth:`round_bound` is made up, for the check's expected column."""
         parts = f"straggler {self.straggler_seconds} s + {WORK_ALLOWANCE:.0f} s work"
-        if self.all_required() and any(f.kind != "server" for f in self.faults):
-            longest = max(f.duration for f in self.faults if f.kind != "server")
-            parts += f" + the longest fault {longest:g} s + {RECONNECT_ALLOWANCE:.0f} s to reconnect (every hospital " \
+        if (awaited := self.awaited_fault()) is not None:
+            parts += f" + the longest fault {awaited:g} s + {RECONNECT_ALLOWANCE:.0f} s to reconnect (every hospital " \
                      "required)"
         return f"<= {self.round_bound():.0f} s ({parts}, capped by the task timeout)"
 
@@ -225,7 +199,6 @@ class Stage:
         self.hospitals = [c["name"] for c in participants(project, "client")]
         self.lead = admin_with_role(project, "lead")
         self.project_admin = admin_with_role(project, "project_admin")
-        self.port = int(self.server.get("fed_learn_port", 8002))
         for name in self.plan.rates:
             if name not in self.hospitals:
                 raise ConfigError(f"--rate names '{name}', not one of the hospitals {self.hospitals}")
@@ -247,6 +220,10 @@ class Stage:
 
     def kit(self, participant: str) -> Path:
         return self.prod / participant
+
+    def server_log(self) -> str:
+        log = self.kit(self.server["name"]) / "log.txt"
+        return log.read_text(errors="replace") if log.is_file() else ""
 
     def network(self) -> None:
         names = [self.server["name"], *self.hospitals, self.lead]
@@ -313,12 +290,10 @@ class Stage:
                             f"see their kits' log.txt")
 
     def start_all(self) -> None:
-        started = time.time()
-        self.start(self.server["name"])
-        for site in self.hospitals:
-            self.start(site)
-        self.wait_connected(self.hospitals, timeout=180)
-        self.timings["start_and_connect"] = time.time() - started
+        with self.timed("start_and_connect"):
+            for participant in [self.server["name"], *self.hospitals]:
+                self.start(participant)
+            self.wait_connected(self.hospitals, timeout=180)
         self.echo(f"rehearse: server and {len(self.hospitals)} hospitals started from their kits and connected "
                   f"({self.timings['start_and_connect']:.0f} s)")
 
@@ -708,7 +683,7 @@ def rehearse(plan: Rehearsal, out_dir: str | Path, echo: Echo = print, overwrite
     # (whose folder the next one sweeps) never leaves them open to others in the meantime
     stage.work.mkdir(mode=0o700)
     stage.work.chmod(0o700)
-    record: dict[str, Any] = {"plan": _plain(plan)}
+    record: dict[str, Any] = {"plan": {**asdict(plan), "project_file": str(plan.project_file)}}
     try:
         stage.provision()
         stage.network()
@@ -738,9 +713,8 @@ def rehearse(plan: Rehearsal, out_dir: str | Path, echo: Echo = print, overwrite
             results_path = stage.download_and_report(job_id)
         results = json.loads(results_path.read_text())
         model_problem = model_is_finite(results_path.parent / "FL_global_model.pt", stage.run)
-        server_log = (stage.kit(stage.server["name"]) / "log.txt").read_text(errors="replace")
         checks = check_outcome(plan, status, results, model_problem, stage.hospitals, stage.events, rejoined,
-                               server_log, job_id)
+                               stage.server_log(), job_id)
         record["stalled_rounds"] = stalled_rounds(plan, results.get("rounds", []), stage.events, stage.submitted_at)
         for stalled in record["stalled_rounds"]:
             stage.echo(f"rehearse: round {stalled['round']} took {stalled['wall_seconds']} s: {stalled['cause']}")
@@ -762,9 +736,7 @@ def rehearse(plan: Rehearsal, out_dir: str | Path, echo: Echo = print, overwrite
             stage.echo(f"rehearse: stopped ({exc or type(exc).__name__}); removing namespaces, processes and kits")
             logs = ""
             with contextlib.suppress(Exception):
-                if hasattr(stage, "prod"):
-                    log = stage.kit(stage.server["name"]) / "log.txt"
-                    logs = log.read_text(errors="replace")[-20000:] if log.is_file() else ""
+                logs = stage.server_log()[-20000:] if hasattr(stage, "prod") else ""
             stage.close()
             target.abandon(logs + f"\nrehearse: stopped: {exc or type(exc).__name__}\n")
         raise
@@ -782,17 +754,17 @@ def rehearse(plan: Rehearsal, out_dir: str | Path, echo: Echo = print, overwrite
     return record
 
 
+def markdown_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    """``rows`` as a Markdown table of ``columns``, the last one (``ok``) as yes/NO."""
+    lines = [f"| {' | '.join(c.replace('_', ' ') for c in columns)} |", "|---" * len(columns) + "|"]
+    lines += ["| " + " | ".join([*(str(r[c]) for c in columns[:-1]), "yes" if r[columns[-1]] else "NO"]) + " |"
+              for r in rows]
+    return "\n".join(lines)
+
+
 def checks_table(checks: list[dict[str, Any]]) -> str:
     """The rehearsal's checks as a Markdown table (check, expected, observed, ok)."""
-    rows = ["| check | expected | observed | ok |", "|---|---|---|---|"]
-    rows += [f"| {c['check']} | {c['expected']} | {c['observed']} | {'yes' if c['ok'] else 'NO'} |" for c in checks]
-    return "\n".join(rows)
-
-
-def _plain(plan: Rehearsal) -> dict[str, Any]:
-    data = asdict(plan)
-    data["project_file"] = str(plan.project_file)
-    return data
+    return markdown_table(checks, ["check", "expected", "observed", "ok"])
 
 
 # ----- the fault matrix ------------------------------------------------------------------------------------------
@@ -839,12 +811,10 @@ def run_fault_matrix(out_dir: str | Path, echo: Echo = print, overwrite: bool = 
             f"; FAILED: {', '.join(c['check'] for c in failed)}" if failed else "")
         rows.append({"fault": name, "expected": expected, "observed": observed,
                      "longest_round": f"{longest:.1f} s (bound {plan.round_bound():.0f} s)", "ok": record["ok"]})
-    table = ["| fault | expected | observed | longest round | ok |", "|---|---|---|---|---|"]
-    table += [f"| {r['fault']} | {r['expected']} | {r['observed']} | {r['longest_round']} | "
-              f"{'yes' if r['ok'] else 'NO'} |" for r in rows]
+    table = markdown_table(rows, ["fault", "expected", "observed", "longest_round", "ok"])
     out.mkdir(parents=True, exist_ok=True)
-    (out / "faults.md").write_text("\n".join(table) + "\n")
-    echo("\n".join(table))
+    (out / "faults.md").write_text(table + "\n")
+    echo(table)
     return rows
 
 
