@@ -559,53 +559,47 @@ def check_outcome(plan: Rehearsal, status: str, results: dict[str, Any], model_p
     status_ok = status == "FINISHED:COMPLETED" or (
         status == "FINISHED:ABNORMAL" and bool(killed) and f"Failing job {job_id}: {dead_site_report}" in server_log)
     checks = [
-        {"check": "job status", "expected": "FINISHED:COMPLETED" + (
-            " (or FINISHED:ABNORMAL naming the killed site as dead)" if killed else ""),
-         "observed": status, "ok": status_ok},
-        {"check": "rounds", "expected": f"all {plan.rounds}, no error",
-         "observed": f"{len(rounds)}" + (f", error: {results['error']}" if results.get("error") else ""),
-         "ok": len(rounds) == plan.rounds and not results.get("error")},
-        {"check": "model", "expected": "FL_global_model.pt loads, finite, the method's keys",
-         "observed": model_problem or "ok", "ok": model_problem is None},
-        {"check": "longest round", "expected": plan.bound_text(),
-         "observed": f"{max(walls, default=0):.1f} s", "ok": bool(walls) and max(walls) <= plan.round_bound()},
+        _check("job status", "FINISHED:COMPLETED" + (
+            " (or FINISHED:ABNORMAL naming the killed site as dead)" if killed else ""), status, status_ok),
+        _check("rounds", f"all {plan.rounds}, no error",
+               f"{len(rounds)}" + (f", error: {results['error']}" if results.get("error") else ""),
+               len(rounds) == plan.rounds and not results.get("error")),
+        _check("model", "FL_global_model.pt loads, finite, the method's keys", model_problem or "ok",
+               model_problem is None),
+        _check("longest round", plan.bound_text(), f"{max(walls, default=0):.1f} s",
+               bool(walls) and max(walls) <= plan.round_bound()),
     ]
     waits = [r.get("wall_seconds", 0.0) - max((v.get("result_at", 0.0) for v in r.get("sites", {}).values()),
-                                                  default=0.0)
+                                              default=0.0)
              for r in rounds if set(hospitals) - set(r.get("share", {}))]
     if waits:  # a round short of a site: once the others answered, it waits the straggler time, not more
-        checks.append({"check": "straggler wait", "expected": f"rounds short of a site end <= {plan.straggler_seconds}"
-                                                              f" + {STRAGGLER_SLACK:.0f} s after the last result",
-                       "observed": f"longest {max(waits):.1f} s over {len(waits)} round(s)",
-                       "ok": max(waits) <= plan.straggler_seconds + STRAGGLER_SLACK})
+        checks.append(_check("straggler wait", f"rounds short of a site end <= {plan.straggler_seconds} + "
+                                               f"{STRAGGLER_SLACK:.0f} s after the last result",
+                             f"longest {max(waits):.1f} s over {len(waits)} round(s)",
+                             max(waits) <= plan.straggler_seconds + STRAGGLER_SLACK))
     healthy = [s for s in hospitals if s not in faulted]
     in_every = all(set(healthy) <= set(r.get("share", {})) for r in rounds)
-    checks.append({"check": "healthy hospitals", "expected": f"{healthy} in every round's aggregate",
-                   "observed": "yes" if in_every else "missing from some round", "ok": in_every})
+    checks.append(_check("healthy hospitals", f"{healthy} in every round's aggregate",
+                         "yes" if in_every else "missing from some round", in_every))
     for site in sorted(faulted):
         missed = [r["round"] + 1 for r in rounds if site not in r.get("share", {})]
-        checks.append({"check": f"{site} rejoined", "expected": "connected to the server again after its fault",
-                       "observed": "connected" if rejoined.get(site) else "not connected",
-                       "ok": bool(rejoined.get(site))})
+        checks.append(_check(f"{site} rejoined", "connected to the server again after its fault",
+                             "connected" if rejoined.get(site) else "not connected", bool(rejoined.get(site))))
         outage = [f for f in plan.faults if f.site == site and f.kind == "outage"]
         if outage and plan.all_required():  # each round waited for it: it is in every round's aggregate
-            checks.append({"check": f"{site} in every round", "expected": "every hospital required: each round "
-                                                                          "waits for it through the outage",
-                           "observed": f"missed rounds {missed}", "ok": not missed})
+            checks.append(_check(f"{site} in every round", "every hospital required: each round waits for it "
+                                 "through the outage", f"missed rounds {missed}", not missed))
         elif outage and outage[0].duration < SITE_HEARTBEAT_TIMEOUT:
             back = bool(missed) and any(site in r.get("share", {}) for r in rounds if r["round"] + 1 > missed[0])
-            checks.append({"check": f"{site} back in the job",
-                           "expected": "misses the cut-off round(s), in a later round's aggregate again",
-                           "observed": f"missed rounds {missed}" + ("; back afterwards" if back else "; not back"),
-                           "ok": back})
+            checks.append(_check(f"{site} back in the job", "misses the cut-off round(s), in a later round's "
+                                 "aggregate again",
+                                 f"missed rounds {missed}" + ("; back afterwards" if back else "; not back"), back))
         else:
-            checks.append({"check": f"{site} rounds missed", "expected": "recorded",
-                           "observed": f"{missed}", "ok": True})
+            checks.append(_check(f"{site} rounds missed", "recorded", f"{missed}", True))
     for event in events:
         played = (f"struck at {event.get('struck_at', 0):.1f} s, recovered at {event.get('recovered_at', 0):.1f} s"
                   if "struck_at" in event else f"not played: {event.get('not_played', 'unknown')}")
-        checks.append({"check": "fault played", "expected": event["fault"], "observed": played,
-                       "ok": "struck_at" in event})
+        checks.append(_check("fault played", event["fault"], played, "struck_at" in event))
     crashes = [e for e in events if "crashed_job" in e]
     return checks + (server_crash_checks(plan, results, crashes[0]) if crashes else [])
 
@@ -638,24 +632,26 @@ def server_crash_checks(plan: Rehearsal, results: dict[str, Any], crash: dict[st
     resumed_at = start["start_round"] + 1 if isinstance(start.get("start_round"), int) else "-"
     played = [r.get("round") for r in results.get("rounds", [])]
     reconnected = crash.get("reconnected_after")
+    same_model = start.get("initial_model_digest") == checkpoint.get("model_digest")
+    model = "the checkpoint's" if same_model else "another"
     return [
-        {"check": "server restarted", "expected": "every hospital connected to the restarted server",
-         "observed": f"after {reconnected:.0f} s" if reconnected is not None else "not connected",
-         "ok": reconnected is not None},
-        {"check": "resumed from the checkpoint",
-         "expected": f"job {crash.get('resumed_job')} resumes job {crash['crashed_job']} after its checkpointed "
-                     f"round with its model: rounds {done + 1}-{plan.rounds}",
-         "observed": f"checkpoint after round {done}; resumed at round {resumed_at} from "
-                     f"{start.get('from_job', 'nothing')}; model " + (
-                         "the checkpoint's" if start.get("initial_model_digest") == checkpoint.get("model_digest")
-                         else "another"),
-         "ok": 1 <= done < plan.rounds and start.get("from_job") == crash["crashed_job"]
-               and start.get("start_round") == done
-               and start.get("initial_model_digest") == checkpoint.get("model_digest")},
-        {"check": "every round once", "expected": f"rounds 1-{plan.rounds} in order, none repeated",
-         "observed": ", ".join(str(r + 1) for r in played if isinstance(r, int)) or "none",
-         "ok": played == list(range(plan.rounds))},
+        _check("server restarted", "every hospital connected to the restarted server",
+               f"after {reconnected:.0f} s" if reconnected is not None else "not connected", reconnected is not None),
+        _check("resumed from the checkpoint", f"job {crash.get('resumed_job')} resumes job {crash['crashed_job']} "
+               f"after its checkpointed round with its model: rounds {done + 1}-{plan.rounds}",
+               f"checkpoint after round {done}; resumed at round {resumed_at} from {start.get('from_job', 'nothing')}"
+               f"; model {model}",
+               1 <= done < plan.rounds and start.get("from_job") == crash["crashed_job"]
+               and start.get("start_round") == done and same_model),
+        _check("every round once", f"rounds 1-{plan.rounds} in order, none repeated",
+               ", ".join(str(r + 1) for r in played if isinstance(r, int)) or "none",
+               played == list(range(plan.rounds))),
     ]
+
+
+def _check(check: str, expected: str, observed: str, ok: bool) -> dict[str, Any]:
+    """One of the rehearsal's checks, as ``rehearsal.json`` and the checks table hold it."""
+    return {"check": check, "expected": expected, "observed": observed, "ok": ok}
 
 
 # ----- entry point -----------------------------------------------------------------------------------------------
