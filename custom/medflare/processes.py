@@ -82,15 +82,16 @@ def run_kept(
         return subprocess.CompletedProcess(command, int(code), out.read(), err.read()), keeper
 
 
-def end_processes(processes: list[subprocess.Popen | psutil.Process], grace_seconds: float = GRACE_SECONDS) -> None:
-    """SIGTERM every process, SIGKILL those still alive after ``grace_seconds``, and reap our own children."""
+def end_processes(processes: list[subprocess.Popen | psutil.Process], grace_seconds: float = GRACE_SECONDS,
+                  first: int = signal.SIGTERM) -> None:
+    """Signal every process (``first``), SIGKILL those still alive after ``grace_seconds``, reap our own children."""
     targets = []
     for process in processes:
         with contextlib.suppress(psutil.NoSuchProcess):
             targets.append(process if isinstance(process, psutil.Process) else psutil.Process(process.pid))
     for process in targets:
         with contextlib.suppress(psutil.NoSuchProcess):
-            process.terminate()
+            process.send_signal(first)
     _, alive = psutil.wait_procs(targets, timeout=grace_seconds)
     for process in alive:
         with contextlib.suppress(psutil.NoSuchProcess):

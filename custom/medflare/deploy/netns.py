@@ -25,6 +25,8 @@ from pathlib import Path
 
 import psutil
 
+from medflare.processes import end_processes
+
 PREFIX = "mfr"  # every namespace this module makes is mfr-<pid>-<role>
 NETNS_ETC = Path("/etc/netns")
 NAME = re.compile(rf"^{PREFIX}-(\d+)-[a-z0-9]+$")
@@ -72,22 +74,16 @@ def namespace_pids(ns: str) -> list[int]:
     return [int(pid) for pid in out.split() if pid.isdigit()]
 
 
-def end_namespace_processes(namespaces: list[str], grace_seconds: float = 5.0, sig: int = signal.SIGTERM) -> list[int]:
-    """End every process inside ``namespaces`` (SIGTERM, then SIGKILL after ``grace_seconds``, all namespaces at
-    once: one grace period, not one per namespace); only processes in a namespace this module made are ever
-    signalled. Returns their pids."""
+def end_namespace_processes(namespaces: list[str], sig: int = signal.SIGTERM) -> list[int]:
+    """End every process inside ``namespaces`` (``sig``, then SIGKILL after 5 s, all namespaces at once: one grace
+    period, not one per namespace); only processes in a namespace this module made are ever signalled. Returns
+    their pids."""
     pids = [pid for ns in namespaces for pid in namespace_pids(ns)]
     processes = []
     for pid in pids:
         with contextlib.suppress(psutil.Error):
-            process = psutil.Process(pid)
-            process.send_signal(sig)
-            processes.append(process)
-    _, alive = psutil.wait_procs(processes, timeout=grace_seconds if sig != signal.SIGKILL else 5)
-    for process in alive:
-        with contextlib.suppress(psutil.Error):
-            process.kill()
-    psutil.wait_procs(alive, timeout=5)
+            processes.append(psutil.Process(pid))
+    end_processes(processes, grace_seconds=5.0, first=sig)
     return pids
 
 

@@ -319,11 +319,8 @@ class Stage:
 
     def preflight(self, job_dir: Path) -> dict[str, str]:
         """``medflare preflight KIT --job JOB`` for each hospital, in its namespace, as its admin runs it before
-        the job (the server up, reached by its name). Returns each hospital's overall result.
-
-        Raises:
-            RehearseError: a hospital's preflight failed (its failing checks, one line each).
-        """
+        the job (the server up, reached by its name); each hospital's overall result, or RehearseError naming the
+        failing checks."""
         results = {}
         for site in self.hospitals:
             done = self.in_ns(site, [sys.executable, "-m", "medflare.cli", "preflight", str(self.kit(site)),
@@ -371,19 +368,17 @@ class Stage:
             return json.loads(path.read_text())
         return None
 
-    def follow(self, job_id: str) -> tuple[int, list[str]]:
+    def follow(self, job_id: str) -> int:
         """``medflare watch`` in the lead's namespace until the job ends, while the scripted faults play out;
-        returns watch's exit code and its lines."""
+        returns watch's exit code."""
         command = [*self.wan.exec_prefix(self.lead), sys.executable, "-m", "medflare.cli", "watch", job_id,
                    "--startup-kit", str(self.kit(self.lead)), "--interval", "1",
                    "--timeout", str(int(self.plan.job_timeout))]
         watcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                    env=self.env(), start_new_session=True)
-        lines: list[str] = []
 
         def read() -> None:
             for line in watcher.stdout:
-                lines.append(line.rstrip())
                 self.echo(f"  lead> {line.rstrip()}")
 
         reader = threading.Thread(target=read, daemon=True)
@@ -399,14 +394,14 @@ class Stage:
                 for item in self.pending:
                     self._advance(item, rounds_started)
                 if self.resume_from == job_id:  # its server is back: the job stays RUNNING for good (FLARE 2.9)
-                    return watcher.poll() or 0, lines
+                    return watcher.poll() or 0
                 time.sleep(0.5)
             self._finish_pending()
         finally:
             if watcher.poll() is None:
                 end_processes([watcher])
             reader.join(timeout=10)
-        return watcher.returncode, lines
+        return watcher.returncode
 
     def _job_running(self, job_id: str) -> bool:
         return (self.kit(self.server["name"]) / job_id / "app_server").is_dir()
@@ -656,12 +651,8 @@ def _check(check: str, expected: str, observed: str, ok: bool) -> dict[str, Any]
 
 # ----- entry point -----------------------------------------------------------------------------------------------
 def rehearse(plan: Rehearsal, out_dir: str | Path, echo: Echo = print, overwrite: bool = False) -> dict[str, Any]:
-    """Run one rehearsal; write report, logs and ``rehearsal.json`` into ``out_dir``; return the record.
-
-    Raises:
-        RehearseError: namespaces are unavailable (one line why), or the rehearsal could not run. A run whose
-            checks fail still returns its record (``ok`` false) and keeps its outputs.
-    """
+    """Run one rehearsal; write report, logs and ``rehearsal.json`` into ``out_dir``; return the record (``ok``
+    false when a check failed). RehearseError: namespaces are unavailable (one line why), or it could not run."""
     from medflare.deploy.policies import SITE_HEARTBEAT_TIMEOUT
     from medflare.files import OutputTarget
 
@@ -690,10 +681,10 @@ def rehearse(plan: Rehearsal, out_dir: str | Path, echo: Echo = print, overwrite
             record["preflight"] = stage.preflight(job_dir)
         with stage.timed("submit"):
             job_id = stage.submit(job_dir)
-        code, _ = stage.follow(job_id)
+        code = stage.follow(job_id)
         if stage.resume_from:  # the server crashed and is back: the lead resubmits the job to resume it
             job_id = stage.resubmit(job_dir)
-            code, _ = stage.follow(job_id)
+            code = stage.follow(job_id)
         stage.timings["job"] = time.time() - stage.submitted_at
         with stage.timed("status"):
             status = stage.job_status(job_id)
