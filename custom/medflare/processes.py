@@ -55,15 +55,10 @@ def start_kept(command: list[str], **popen_args: Any) -> subprocess.Popen:
 def run_kept(
     command: list[str], timeout: float, **popen_args: Any
 ) -> tuple[subprocess.CompletedProcess, subprocess.Popen]:
-    """Run ``command`` to its end through a keeper that stays with whatever the command leaves running.
-
-    Returns the command's result (text output) and the keeper, which lives on while those processes do: end it
-    (:func:`end_processes`) to end them. Output goes through files, not pipes: a daemon the command leaves behind
-    could hold a pipe open forever.
-
-    Raises:
-        subprocess.TimeoutExpired: the command did not end within ``timeout``; the keeper and all below it are ended.
-    """
+    """Run ``command`` to its end through a keeper that stays with whatever the command leaves running; return the
+    command's result (text output) and the keeper, which lives on while those processes do (end it to end them).
+    Output goes through files, not pipes: a daemon the command leaves behind could hold a pipe open forever. After
+    ``timeout`` the keeper and all below it are ended and ``subprocess.TimeoutExpired`` raised."""
     read_fd, write_fd = os.pipe()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err, os.fdopen(read_fd) as report:
         try:

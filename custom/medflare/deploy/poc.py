@@ -676,8 +676,7 @@ def make_parser() -> Any:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--root", help="folder for this POC (HOME, workspace, jobs); default $MEDFLARE_POC_ROOT or "
                                        "runs/poc ('run': or inside its result folder's staging)")
-    parser.add_argument("--port", type=int,
-                        help="server port (default $MEDFLARE_POC_PORT or 8002)")
+    parser.add_argument("--port", type=int, help="server port (default $MEDFLARE_POC_PORT or 8002)")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="provision a fresh POC (removes any previous one in --root)")
     p.add_argument("--sites", type=int, default=2, help="number of sites site-1..N (default 2)")

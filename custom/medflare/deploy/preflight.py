@@ -49,11 +49,9 @@ class Failed(Exception):
 
 def preflight(kit: str | Path, job: str | Path | None = None, max_images: int = 0, server: bool = True,
               progress: Progress = lambda line: print(line, file=sys.stderr, flush=True)) -> list[Check]:
-    """Every check of the site whose kit is ``kit`` (and, with ``job``, of that job at this site).
-
-    ``max_images``: read at most this many images per split (0: every image). ``server``: False leaves the server
-    unchecked (a WARN line), for a site set up before the consortium's server runs.
-    """
+    """Every check of the site whose kit is ``kit`` (and, with ``job``, of that job at this site). ``max_images``:
+    read at most this many images per split (0: every image). ``server``: False leaves the server unchecked (a WARN
+    line), for a site set up before the consortium's server runs."""
     kit = Path(kit).resolve()
     checks: list[Check] = []
     for name, check in (("kit files", _kit_files), ("certificate", _certificate), ("server", _server),

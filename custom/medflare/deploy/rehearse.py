@@ -153,14 +153,12 @@ def consortium(project: dict[str, Any], hospitals: int) -> dict[str, Any]:
     likewise) and the project's people."""
     from medflare.deploy.provision import participants
 
-    clients = participants(project, "client")
-    chosen = [dict(c) for c in clients[:hospitals]]
+    chosen = [dict(c) for c in participants(project, "client")[:hospitals]]
     for index in range(len(chosen), hospitals):
         letter = chr(ord("a") + index) if index < 26 else str(index)
         chosen.append({"name": f"hospital-{letter}", "type": "client", "org": f"hospital_{letter}"})
-    others = [p for p in project["participants"] if p.get("type") != "client"]
-    server = [p for p in others if p.get("type") == "server"]
-    return {**project, "participants": [*server, *chosen, *[p for p in others if p.get("type") != "server"]]}
+    people = [p for p in project["participants"] if p.get("type") not in ("server", "client")]
+    return {**project, "participants": [*participants(project, "server"), *chosen, *people]}
 
 
 # ----- the rehearsal ---------------------------------------------------------------------------------------------
@@ -389,8 +387,7 @@ class Stage:
                 rounds_started = None
                 if any(p["state"] != "done" for p in self.pending):
                     results = self.server_results(job_id)
-                    rounds_started = len(results["rounds"]) + 1 if results else (1 if self._job_running(job_id)
-                                                                                 else 0)
+                    rounds_started = len(results["rounds"]) + 1 if results else int(self._job_running(job_id))
                 for item in self.pending:
                     self._advance(item, rounds_started)
                 if self.resume_from == job_id:  # its server is back: the job stays RUNNING for good (FLARE 2.9)
