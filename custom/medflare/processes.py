@@ -1,14 +1,11 @@
 """Child processes that die with medflare, even when medflare itself is SIGKILLed.
 
 medflare starts FLARE's simulator and a POC's server and sites through a keeper: this file, run as a script. The
-keeper makes itself a child subreaper (``PR_SET_CHILD_SUBREAPER``), so every process below it stays below it even
-when its own parent exits or it starts a new session (FLARE's simulator workers call ``setsid``; a POC's
-``start.sh`` leaves its ``sub_start.sh`` loops behind). It asks the kernel for a signal when medflare dies
-(``PR_SET_PDEATHSIG``, checked against its parent pid, which it also polls) and then ends everything below it.
-Only the keeper's own descendants are ever signalled, never a process medflare did not start.
-
-This module imports nothing from medflare: the keeper runs it with ``python -I`` (no PYTHONPATH, no script folder
-on ``sys.path``), so the environment it hands to FLARE is exactly medflare's.
+keeper is a child subreaper (``PR_SET_CHILD_SUBREAPER``), so every process below it stays below it even when it
+starts a new session (FLARE's simulator workers call ``setsid``; a POC's ``start.sh`` leaves ``sub_start.sh`` loops
+behind); when medflare dies (``PR_SET_PDEATHSIG``, checked against the parent pid, which it also polls) it ends
+everything below it, and only that. This module imports nothing from medflare: the keeper runs it with ``python -I``
+(no PYTHONPATH), so the environment it hands to FLARE is exactly medflare's.
 """
 
 from __future__ import annotations
@@ -16,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import json
 import os
 import select
 import signal
@@ -38,14 +36,9 @@ GRACE_SECONDS = 10.0
 
 
 def keeper_command(command: list[str], stay: bool = False, report_fd: int | None = None) -> list[str]:
-    """``command`` run by a keeper that ends it, and all it started, when this process dies.
-
-    Args:
-        command: what to run.
-        stay: keep what the command leaves running after it exits (a POC's server and sites); by default the
-            keeper ends the command's leftovers and exits with the command's code.
-        report_fd: a file descriptor (pass it in ``pass_fds``) the keeper writes the command's exit code to.
-    """
+    """``command`` run by a keeper that ends it, and all it started, when this process dies. ``stay``: keep what
+    the command leaves running after it exits (a POC's server and sites; by default the keeper ends the leftovers
+    and exits with the command's code). ``report_fd``: a descriptor (in ``pass_fds``) it writes the exit code to."""
     options = ["--parent", str(os.getpid())] + (["--stay"] if stay else [])
     options += ["--report-fd", str(report_fd)] if report_fd is not None else []
     return [sys.executable, "-I", KEEPER_SCRIPT, *options, "--", *command]
@@ -62,15 +55,10 @@ def start_kept(command: list[str], **popen_args: Any) -> subprocess.Popen:
 def run_kept(
     command: list[str], timeout: float, **popen_args: Any
 ) -> tuple[subprocess.CompletedProcess, subprocess.Popen]:
-    """Run ``command`` to its end through a keeper that stays with whatever the command leaves running.
-
-    Returns the command's result (text output) and the keeper, which lives on while those processes do: end it
-    (:func:`end_processes`) to end them. Output goes through files, not pipes: a daemon the command leaves behind
-    could hold a pipe open forever.
-
-    Raises:
-        subprocess.TimeoutExpired: the command did not end within ``timeout``; the keeper and all below it are ended.
-    """
+    """Run ``command`` to its end through a keeper that stays with whatever the command leaves running; return the
+    command's result (text output) and the keeper, which lives on while those processes do (end it to end them).
+    Output goes through files, not pipes: a daemon the command leaves behind could hold a pipe open forever. After
+    ``timeout`` the keeper and all below it are ended and ``subprocess.TimeoutExpired`` raised."""
     read_fd, write_fd = os.pipe()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err, os.fdopen(read_fd) as report:
         try:
@@ -89,30 +77,24 @@ def run_kept(
         return subprocess.CompletedProcess(command, int(code), out.read(), err.read()), keeper
 
 
-def end_processes(processes: list[subprocess.Popen | psutil.Process], grace_seconds: float = GRACE_SECONDS) -> None:
-    """SIGTERM every process, SIGKILL those still alive after ``grace_seconds``, and reap our own children."""
+def end_processes(processes: list[subprocess.Popen | psutil.Process], grace_seconds: float = GRACE_SECONDS,
+                  first: int = signal.SIGTERM) -> None:
+    """Signal every process (``first``), SIGKILL those still alive after ``grace_seconds``, reap our own children."""
     targets = []
     for process in processes:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             targets.append(process if isinstance(process, psutil.Process) else psutil.Process(process.pid))
-        except psutil.NoSuchProcess:
-            continue
     for process in targets:
-        _signal(process, signal.SIGTERM)
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.send_signal(first)
     _, alive = psutil.wait_procs(targets, timeout=grace_seconds)
     for process in alive:
-        _signal(process, signal.SIGKILL)
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
     psutil.wait_procs(alive, timeout=grace_seconds)
     for process in processes:
         if isinstance(process, subprocess.Popen):
             process.poll()  # reaped above by psutil; let Popen know
-
-
-def _signal(process: psutil.Process, signum: int) -> None:
-    try:
-        process.send_signal(signum)
-    except psutil.NoSuchProcess:
-        pass
 
 
 # ----- the keeper (this file run as a script) ---------------------------------------------------------------
@@ -205,6 +187,16 @@ def nvflare_command() -> list[str]:
     return [str(candidate)] if candidate.exists() else [sys.executable, "-m", "nvflare.cli"]
 
 
+def nvflare_reply(done: subprocess.CompletedProcess) -> dict[str, Any]:
+    """An ``nvflare ... --format json`` command's reply with its ``exit_code``: the last JSON object it printed (FLARE
+    may print warnings before it), else an error with the end of its output."""
+    for text in [*reversed(done.stdout.strip().splitlines()), done.stdout]:
+        if text.strip().startswith("{"):
+            with contextlib.suppress(json.JSONDecodeError):
+                return {**json.loads(text), "exit_code": done.returncode}
+    return {"status": "error", "message": (done.stderr or done.stdout)[-2000:], "exit_code": done.returncode}
+
+
 # FLARE's admin side (the ``nvflare`` command, the Session API) looks for its optional comm_config.json in
 # ConfigService's config path, which FLARE sets for its server and sites only; elsewhere it walks the whole working
 # directory for it, once per file extension. From a source checkout with its .venv that cost ~3 CPU-s per command
@@ -236,11 +228,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class Interrupted(KeyboardInterrupt):
-    """SIGTERM or SIGINT arrived: every ``except BaseException`` clean-up path runs, as for Ctrl-C.
-
-    Attributes:
-        signum: the signal received.
-    """
+    """SIGTERM or SIGINT (``signum``) arrived: every ``except BaseException`` clean-up path runs, as for Ctrl-C."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
@@ -252,21 +240,12 @@ class Interrupted(KeyboardInterrupt):
 
 
 @contextlib.contextmanager
-def stop_on_signals() -> Iterator[None]:
-    """Within this block SIGTERM/SIGINT raise :class:`Interrupted` once; repeats are ignored so clean-up finishes.
-
-    Only the main thread can own signal handlers; elsewhere the block changes nothing.
-    """
+def _stop_signals_handled_by(handler: Any) -> Iterator[None]:
+    """SIGTERM/SIGINT go to ``handler`` within the block, the previous handlers after it. Only the main thread can
+    own signal handlers; elsewhere the block changes nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    received: list[int] = []
-
-    def handler(signum: int, frame: Any) -> None:
-        if not received:
-            received.append(signum)
-            raise Interrupted(signum)
-
     previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
     try:
         yield
@@ -275,20 +254,23 @@ def stop_on_signals() -> Iterator[None]:
             signal.signal(sig, old)
 
 
-@contextlib.contextmanager
-def signals_held() -> Iterator[None]:
-    """Within this block SIGTERM/SIGINT are ignored (main thread only): the clean-up of a run that already failed
-    (say its output pipe closed) must finish even when a stop request arrives meanwhile, or the processes it was
-    about to stop stay running. The previous handlers come back afterwards."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {s: signal.signal(s, signal.SIG_IGN) for s in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
+def stop_on_signals() -> contextlib.AbstractContextManager[None]:
+    """Within this block SIGTERM/SIGINT raise :class:`Interrupted` once; repeats are ignored so clean-up finishes."""
+    received: list[int] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        if not received:
+            received.append(signum)
+            raise Interrupted(signum)
+
+    return _stop_signals_handled_by(handler)
+
+
+def signals_held() -> contextlib.AbstractContextManager[None]:
+    """Within this block SIGTERM/SIGINT are ignored: the clean-up of a run that already failed (say its output pipe
+    closed) must finish even when a stop request arrives meanwhile, or the processes it was about to stop stay
+    running."""
+    return _stop_signals_handled_by(signal.SIG_IGN)
 
 
 def quiet_on_closed_output(echo: Callable[[str], None]) -> Callable[[str], None]:
@@ -310,21 +292,11 @@ def start_process(command: list[str], **popen_args: Any) -> subprocess.Popen:
 def stop_process_tree(proc: subprocess.Popen, grace_seconds: float = 10.0) -> None:
     """Terminate ``proc`` and every process below it (FLARE's simulator starts each site in a new session, so
     its process group alone is not enough); kill whatever outlives ``grace_seconds``."""
-    import psutil
-
-    try:
+    tree: list[psutil.Process] = []
+    with contextlib.suppress(psutil.NoSuchProcess):
         root = psutil.Process(proc.pid)
         tree = root.children(recursive=True) + [root]
-    except psutil.NoSuchProcess:
-        tree = []
-    for process in tree:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.terminate()
-    _, alive = psutil.wait_procs(tree, timeout=grace_seconds)
-    for process in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.kill()
-    psutil.wait_procs(alive, timeout=grace_seconds)
+    end_processes(tree, grace_seconds)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=grace_seconds)
 

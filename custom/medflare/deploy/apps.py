@@ -1,9 +1,6 @@
 """The ready-to-submit job folder of every registered method (``apps/<method>/``), from the same builders as
-``medflare export``, so the committed copies never drift from the code.
-
-Apps are written in **pre-installed** mode (configs only: the code a site runs is the wheel it reviewed and
-installed) with ``"data": {"source": "site"}`` (each hospital reads its own ``local/medflare_site.json``) and
-the method's privacy scope. :func:`add_code` turns one into a BYOC job for sites that accept code.
+``medflare export``, so the committed copies never drift from the code: pre-installed mode (configs only: a site
+runs the wheel it reviewed), site-local data and the method's privacy scope. :func:`add_code` makes one a BYOC job.
 
 Command line::
 
@@ -43,15 +40,8 @@ def deployment_run(method: str, **overrides: Any) -> RunConfig:
     """The run configuration behind a method's app and job template: site-local data, declared task, and the
     deployment's robust defences under any ``robust`` of ``overrides``."""
     fields: dict[str, Any] = {
-        "method": method,
-        "rounds": DEPLOY_ROUNDS,
-        "clients": DEPLOY_SITES,
-        "min_clients": DEPLOY_MIN_SITES,
-        "data": {"source": "site"},
-        "task": dict(DEPLOY_TASK),
-        "straggler_seconds": 600,
-    }
-    fields.update(overrides)
+        "method": method, "rounds": DEPLOY_ROUNDS, "clients": DEPLOY_SITES, "min_clients": DEPLOY_MIN_SITES,
+        "data": {"source": "site"}, "task": dict(DEPLOY_TASK), "straggler_seconds": 600, **overrides}
     fields["robust"] = deployment_robust(fields.get("robust", {}), fields.get("secure_aggregation") == "he")
     return RunConfig(**fields)
 
@@ -73,9 +63,7 @@ def write_apps(out_dir: str | Path = APPS_DIR, methods: list[str] | None = None)
     return written
 
 
-def write_per_method(
-    out_dir: str | Path, methods: list[str], write_one: Callable[[str, Path], Path]
-) -> list[Path]:
+def write_per_method(out_dir: str | Path, methods: list[str], write_one: Callable[[str, Path], Path]) -> list[Path]:
     """One generated folder per method under ``out_dir``; the folder of a method no longer registered is removed
     when it holds only what medflare recorded writing there (else it is kept and named)."""
     from medflare.files import remove_recorded

@@ -1,16 +1,15 @@
 """Site-enforced privacy filters: what a site lets leave it, decided by the site's own ``local/privacy.json``.
 
-The method's code already refuses to send undeclared keys (``Payload.check_outgoing``). These filters repeat
-the check *outside* the job, as FLARE filters configured by the hospital, so a pre-installed site enforces the
-reviewed declaration even if a job's configuration asks for something else: names, the shape and dtype of every
-array against what the server sent or the method declares, and the same value checks the server applies
-(``contracts.check_result_values``: array rules and ranges, typed meta, the schema of evaluation statistics), so
-a site's policy never depends on the server's honesty.
+The method's code already refuses undeclared keys (``Payload.check_outgoing``); these FLARE filters, configured by
+the hospital, repeat the check *outside* the job, so a pre-installed site enforces the reviewed declaration whatever
+a job's configuration asks: names, every array's shape and dtype against what the server sent or the method
+declares, and the server's own value checks (``contracts.check_result_values``), so a site's policy never depends
+on the server's honesty.
 
-FLARE 2.9's client runner clears ``FLContextKey.TASK_DATA`` before it runs the task result filters, so a result
-filter alone never sees what the server sent. The guard is therefore bound on both sides: as a task data filter it
-records the names, shapes and dtypes (never the values) of each task it lets in, per job, site and task name; as
-a task result filter it compares the result with that record. Without a record it fails closed.
+FLARE 2.9's client runner clears ``FLContextKey.TASK_DATA`` before the task result filters run, so the guard is
+bound on both sides: as a task data filter it records the names, shapes and dtypes (never the values) of each task
+it lets in, per job, site and task name; as a task result filter it compares the result with that record. Without
+a record it fails closed.
 """
 
 from __future__ import annotations
@@ -38,21 +37,14 @@ DEFAULT_TRANSFER_DTYPE, DEFAULT_TRANSFER_KIND = wire.DTYPES[0], wire.KINDS[0]  #
 
 @dataclass(frozen=True)
 class ReceivedTask:
-    """What the server sent with one task, as far as checking its result needs: no values are kept.
+    """What the server sent with one task, as far as checking its result needs (task meta ``array_dims``,
+    ``transfer_dtype``, ``transfer_kind``). Only the arrays the method keeps frozen (``Payload.frozen_keys``, e.g.
+    FedBABU's random head) are copied by value, so the result can be checked to carry them unchanged."""
 
-    Attributes:
-        arrays: name -> a zero-stride stand-in with the shape and dtype of the array the server sent.
-        dims: the task's named array dimensions (task meta ``array_dims``), e.g. {"rows": 512}.
-        transfer_dtype: how float weights travel back (task meta ``transfer_dtype``).
-        transfer_kind: "weights" or "diff" (task meta ``transfer_kind``).
-        frozen: name -> a copy of each array the method keeps frozen (``Payload.frozen_keys``, e.g. FedBABU's random
-            head): the only values recorded, so the result can be checked to carry them unchanged.
-    """
-
-    arrays: Mapping[str, np.ndarray] = field(default_factory=dict)
-    dims: Mapping[str, int] = field(default_factory=dict)
-    transfer_dtype: str = DEFAULT_TRANSFER_DTYPE
-    transfer_kind: str = DEFAULT_TRANSFER_KIND
+    arrays: Mapping[str, np.ndarray] = field(default_factory=dict)  # zero-stride stand-ins: shape and dtype only
+    dims: Mapping[str, int] = field(default_factory=dict)  # the task's named array dimensions, e.g. {"rows": 512}
+    transfer_dtype: str = DEFAULT_TRANSFER_DTYPE  # how float weights travel back
+    transfer_kind: str = DEFAULT_TRANSFER_KIND  # "weights" or "diff"
     frozen: Mapping[str, np.ndarray] = field(default_factory=dict)
 
     def as_submitted(self) -> ReceivedTask:
@@ -65,17 +57,12 @@ class PayloadGuard(Filter):
     """Refuses any task result that carries an array or meta entry the site cannot vouch for: an undeclared or
     private key, a weight in a shape or dtype the server did not send (an image batch under a weight's name), a
     declared array whose dimensions the task did not fix, or a value that breaks the method's contract (a 20 KB
-    string as ``n_samples``, nested extras in an evaluation, a probability matrix of 5.0, NaN weights).
+    string as ``n_samples``, a probability matrix of 5.0, NaN weights).
 
-    Bound by the site (``local/privacy.json``) as a task data filter, it records each incoming task (see
-    :class:`ReceivedTask`); as a task result filter it checks every result, including results with no arrays (a
-    DXOFilter would skip those). Raising makes FLARE replace the result with an error reply, so nothing the site
-    cannot vouch for reaches the server.
-
-    Args:
-        method: the method a privacy scope's guard is for (``medflare-<method>``): a job whose plan runs another
-            method has its results refused; "" takes the plan's method (the default scope, so a job that names
-            no scope is still checked). Either way the declaration is the one of the job's plan.
+    Bound by the site (``local/privacy.json``) as a task data filter, it records each incoming task; as a task result
+    filter it checks every result, also one with no arrays (a DXOFilter would skip it). Raising makes FLARE replace
+    the result with an error reply. ``method``: the method of the privacy scope (``medflare-<method>``) the guard is
+    for; a job whose plan runs another has its results refused; "" (the default scope) takes the plan's method.
     """
 
     # FLARE builds one filter object per privacy.json entry, so the guard that records a task and the guard that
@@ -87,8 +74,8 @@ class PayloadGuard(Filter):
         self.method = method
 
     def process(self, shareable: Shareable, fl_ctx: FLContext) -> Shareable:
-        """Record an incoming task (task data chain) or check an outgoing result (any other chain); the shareable
-        is returned unchanged, this filter only records, allows or refuses."""
+        """Record an incoming task (task data chain) or check an outgoing result; the shareable is returned as it
+        came."""
         task_name = str(fl_ctx.get_prop(FLContextKey.TASK_NAME) or contracts.TRAIN_PHASE)
         if self.get_prop(FilterContextKey.CHAIN_TYPE) == FilterChainType.TASK_DATA_CHAIN:
             if self.get_prop(FilterContextKey.SOURCE) == FilterSource.SITE:  # a job's own filter cannot vouch
@@ -121,11 +108,8 @@ class PayloadGuard(Filter):
             return lambda name: False
 
     def payload_of(self, plan: RunPlan) -> Payload:
-        """The declaration of the method the job's ``plan`` runs, which must be this guard's (when it names one).
-
-        Raises:
-            PayloadError: the plan runs another method than the privacy scope this guard belongs to.
-        """
+        """The declaration of the method the job's ``plan`` runs; PayloadError when it is not this guard's method
+        (when it names one)."""
         if self.method and self.method != plan.method:
             raise PayloadError(f"site privacy policy: this scope's guard is for '{self.method}' results and the "
                                f"job's plan runs '{plan.method}'; its results are refused")
@@ -136,9 +120,8 @@ class PayloadGuard(Filter):
         cls, fl_ctx: FLContext, task_name: str, frozen: Callable[[str], bool] = lambda name: False
     ) -> ReceivedTask | None:
         """What the server sent with the task a result answers: the site guard's record of it, else FLARE's task
-        data when the context still holds it, else None (unknown).
-
-        A ``submit_model`` answer is compared with the last ``train`` task: the server sends no weights with it."""
+        data when the context still holds it, else None (unknown). A ``submit_model`` answer is compared with the
+        last ``train`` task: the server sends no weights with it."""
         if task_name == SUBMIT_MODEL:
             train = cls._received.get(_task_key(fl_ctx, contracts.TRAIN_PHASE))
             return train.as_submitted() if train is not None else None
@@ -147,10 +130,8 @@ class PayloadGuard(Filter):
 
 
 def received_task(task: Any, frozen: Callable[[str], bool] = lambda name: False) -> ReceivedTask | None:
-    """The record of a task's data (None when it is not a DXO: nothing can be known about it).
-
-    Only numeric arrays are recorded, as zero-stride stand-ins, so the record costs no memory per parameter; the
-    arrays ``frozen`` names are also copied by value (small: e.g. a classifier head)."""
+    """The record of a task's data (None when it is not a DXO): numeric arrays as zero-stride stand-ins, so it
+    costs no memory per parameter, and the arrays ``frozen`` names by value (small: e.g. a classifier head)."""
     if not isinstance(task, Shareable):
         return None
     try:
@@ -198,13 +179,7 @@ def _array_dims(value: Any) -> dict[str, int]:
 
 
 def check_result_keys(payload: Payload, array_keys: list[str], meta_keys: list[str]) -> None:
-    """Raise PayloadError if a result would send a private array, an undeclared array or undeclared meta.
-
-    Args:
-        payload: the method's declaration.
-        array_keys: names of the arrays in the result.
-        meta_keys: names of the meta entries in the result.
-    """
+    """Raise PayloadError if a result would send a private array, an undeclared array or undeclared meta."""
     private = sorted(k for k in array_keys if payload.is_private(k))
     if private:
         raise PayloadError(f"site privacy policy: refusing to send private arrays {private[:5]}")
@@ -217,20 +192,12 @@ def check_result_keys(payload: Payload, array_keys: list[str], meta_keys: list[s
         raise PayloadError(f"site privacy policy: undeclared meta keys {extra_meta}")
 
 
-def check_result_arrays(
-    payload: Payload, arrays: Mapping[str, Any], sent: ReceivedTask | None, phase: str, ctx: ContractContext
-) -> None:
+def check_result_arrays(payload: Payload, arrays: Mapping[str, Any], sent: ReceivedTask | None, phase: str,
+                        ctx: ContractContext) -> None:
     """Raise PayloadError unless every array of a result is one the site can vouch for, in its exact shape and
-    dtype, with valid values: a weight the server sent in this task (see :func:`returned_weights`) or an array
-    the method declares for ``phase`` with every dimension known.
-
-    Args:
-        payload: the method's declaration.
-        arrays: the result's arrays.
-        sent: what the server sent with the task; None = unknown, and then only declared arrays may leave.
-        phase: the task the result answers (``submit_model`` counts as ``train``).
-        ctx: the task's class count and array dimensions.
-    """
+    dtype, with valid values: a weight the server sent in this task (:func:`returned_weights`) or an array the
+    method declares for ``phase`` (``submit_model`` counts as ``train``) with every dimension known. ``sent``: None
+    = unknown, and then only declared arrays may leave."""
     expected = expected_arrays(payload, list(arrays), sent, phase, ctx)
     unexpected = sorted(set(arrays) - set(expected))
     if unexpected and sent is None:
@@ -245,15 +212,10 @@ def check_result_arrays(
         expected[key].check(key, value, ctx)
 
 
-def expected_arrays(
-    payload: Payload, array_keys: list[str], sent: ReceivedTask | None, phase: str, ctx: ContractContext
-) -> dict[str, Expected]:
-    """key -> what may leave under it: the returnable weights, and the declared arrays among ``array_keys``.
-
-    Raises:
-        PayloadError: when a declared array in the result has a dimension the task did not fix (its shape, and
-            so its size, could not be checked).
-    """
+def expected_arrays(payload: Payload, array_keys: list[str], sent: ReceivedTask | None, phase: str,
+                    ctx: ContractContext) -> dict[str, Expected]:
+    """key -> what may leave under it: the returnable weights, and the declared arrays among ``array_keys``
+    (PayloadError when one has a dimension the task did not fix: its shape, and so its size, is unchecked)."""
     declared = {name: spec for name, spec in payload.arrays_for(phase).items() if name in array_keys}
     unresolved = sorted(name for name, spec in declared.items() if None in spec.resolved_shape(ctx))
     if unresolved:
@@ -277,11 +239,8 @@ def returned_weights(payload: Payload, sent: ReceivedTask | None, phase: str) ->
 
 
 def job_plan(fl_ctx: FLContext) -> RunPlan:
-    """The running job's plan (``medflare_plan.json`` in its app/config folder): its method and task.
-
-    Raises:
-        PayloadError: the job carries no readable plan (the site cannot tell what it may let leave).
-    """
+    """The running job's plan (``medflare_plan.json`` in its app/config folder): its method and task
+    (PayloadError when it carries none readable: the site cannot tell what it may let leave)."""
     from medflare.flare.tasks import deployed_plan  # local: a guard pinned to a method reads no job
 
     try:

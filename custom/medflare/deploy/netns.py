@@ -1,16 +1,14 @@
 """A private wide-area network on one machine: one Linux network namespace per participant, joined by a bridge
 that lives in a namespace of its own (``medflare rehearse``; needs root).
 
-Every namespace, veth pair, qdisc and ``/etc/netns/<ns>/hosts`` file is created here, named
-``mfr-<owner pid>-<role>``, recorded, and removed by :meth:`Wan.teardown` (also after a failure); namespaces left by
-a rehearsal whose process died (SIGKILL) are swept by :func:`sweep_stale` the next time one starts. Nothing is
-added to the machine's own (root) network namespace: the veth pairs are created inside the bridge's namespace and
-their far ends moved into the participants' namespaces, so all traffic stays on interfaces inside namespaces this
-module made.
+Every namespace (``mfr-<owner pid>-<role>``), veth pair, qdisc and ``/etc/netns/<ns>/hosts`` file made here is
+removed by :meth:`Wan.teardown`, also after a failure; those of a rehearsal that was SIGKILLed are swept by
+:func:`sweep_stale` the next time one starts. Nothing is added to the root network namespace: the veth pairs are
+made inside the bridge's namespace and their far ends moved into the participants'.
 
-Per participant the link can be shaped (``tc tbf``, both directions: the participant's ``eth0`` egress is its
-upload, the bridge port's egress its download) and taken down and brought back (the bridge port: the participant
-sees its carrier go). The kernel here has no ``netem``: latency and random loss cannot be emulated.
+Per participant the link can be shaped (``tc tbf`` both ways: ``eth0``'s egress is its upload, the bridge port's
+its download) and taken down and back (the bridge port: the participant loses carrier). The kernel here has no
+``netem``: latency and random loss cannot be emulated.
 """
 
 from __future__ import annotations
@@ -26,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+
+from medflare.processes import end_processes
 
 PREFIX = "mfr"  # every namespace this module makes is mfr-<pid>-<role>
 NETNS_ETC = Path("/etc/netns")
@@ -74,22 +74,16 @@ def namespace_pids(ns: str) -> list[int]:
     return [int(pid) for pid in out.split() if pid.isdigit()]
 
 
-def end_namespace_processes(namespaces: list[str], grace_seconds: float = 5.0, sig: int = signal.SIGTERM) -> list[int]:
-    """End every process inside ``namespaces`` (SIGTERM, then SIGKILL after ``grace_seconds``, all namespaces at
-    once: one grace period, not one per namespace); only processes in a namespace this module made are ever
-    signalled. Returns their pids."""
+def end_namespace_processes(namespaces: list[str], sig: int = signal.SIGTERM) -> list[int]:
+    """End every process inside ``namespaces`` (``sig``, then SIGKILL after 5 s, all namespaces at once: one grace
+    period, not one per namespace); only processes in a namespace this module made are ever signalled. Returns
+    their pids."""
     pids = [pid for ns in namespaces for pid in namespace_pids(ns)]
     processes = []
     for pid in pids:
         with contextlib.suppress(psutil.Error):
-            process = psutil.Process(pid)
-            process.send_signal(sig)
-            processes.append(process)
-    _, alive = psutil.wait_procs(processes, timeout=grace_seconds if sig != signal.SIGKILL else 5)
-    for process in alive:
-        with contextlib.suppress(psutil.Error):
-            process.kill()
-    psutil.wait_procs(alive, timeout=5)
+            processes.append(psutil.Process(pid))
+    end_processes(processes, grace_seconds=5.0, first=sig)
     return pids
 
 
@@ -117,39 +111,24 @@ def sweep_stale() -> list[str]:
 
 @dataclass
 class Host:
-    """One participant's namespace on the WAN.
-
-    Attributes:
-        name: the participant (e.g. ``hospital-a``).
-        ns: its namespace.
-        address: its IPv4 address on the bridge.
-        port: the bridge-side end of its veth pair (in the bridge's namespace).
-        rate_mbit: its link's rate (None: unshaped).
-        up: whether its link is up.
-    """
+    """One participant (e.g. ``hospital-a``) on the WAN: its namespace and IPv4 address on the bridge."""
 
     name: str
     ns: str
     address: str
-    port: str
-    rate_mbit: float | None = None
+    port: str  # the bridge-side end of its veth pair (in the bridge's namespace)
+    rate_mbit: float | None = None  # None: unshaped
     up: bool = True
 
 
 @dataclass
 class Wan:
-    """The rehearsal's network: a bridge namespace and one namespace per participant.
+    """The rehearsal's network: a bridge namespace and one namespace per participant."""
 
-    Args:
-        names: participant names in order of their addresses (``<SUBNET>.<10 + index>``).
-        hosts_entries: host names every participant resolves, name -> participant (its address); written to every
-            namespace's ``/etc/netns/<ns>/hosts``.
-        owner: the pid the names carry (this process by default): a sweep deletes them once it is gone.
-    """
-
-    names: list[str]
+    names: list[str]  # in order of their addresses, <SUBNET>.<10 + index>
+    # host name -> the participant whose address it resolves to, in every namespace's /etc/netns/<ns>/hosts
     hosts_entries: dict[str, str] = field(default_factory=dict)
-    owner: int = field(default_factory=os.getpid)
+    owner: int = field(default_factory=os.getpid)  # the pid the names carry: a sweep deletes them once it is gone
     hosts: dict[str, Host] = field(default_factory=dict)
     made: list[str] = field(default_factory=list)
 
@@ -172,9 +151,7 @@ class Wan:
             _run("ip", "-n", host.ns, "addr", "add", f"{host.address}/24", "dev", "eth0")
             _run("ip", "-n", host.ns, "link", "set", "eth0", "up")
             self.hosts[name] = host
-        lines = ["127.0.0.1 localhost"]
-        for hostname, participant in self.hosts_entries.items():
-            lines.append(f"{self.hosts[participant].address} {hostname}")
+        lines = ["127.0.0.1 localhost", *(f"{self.hosts[p].address} {h}" for h, p in self.hosts_entries.items())]
         for host in self.hosts.values():
             folder = NETNS_ETC / host.ns
             folder.mkdir(parents=True, exist_ok=True)
@@ -191,21 +168,24 @@ class Wan:
 
     def set_rate(self, name: str, mbit: float | None) -> None:
         """Shape ``name``'s link to ``mbit`` Mbit/s each way with ``tc tbf`` (None removes the shaping)."""
-        host = self.hosts[name]
-        for ns, dev in ((host.ns, "eth0"), (self.bridge_ns, host.port)):
+        for ns, dev in self._link_ends(name):
             _run("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
             if mbit is not None:
                 rate_bits = mbit * 1e6
                 burst = max(32_000, int(rate_bits / 8 / 100))  # 10 ms worth of bytes, at least 32 kB
                 _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
                      "rate", f"{int(rate_bits)}bit", "burst", str(burst), "latency", "100ms")
-        host.rate_mbit = mbit
+        self.hosts[name].rate_mbit = mbit
 
     def qdiscs(self, name: str) -> str:
         """``tc qdisc show`` of both ends of ``name``'s link."""
-        host = self.hosts[name]
         return "".join(_run("ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", dev, check=False).stdout
-                       for ns, dev in ((host.ns, "eth0"), (self.bridge_ns, host.port)))
+                       for ns, dev in self._link_ends(name))
+
+    def _link_ends(self, name: str) -> tuple[tuple[str, str], ...]:
+        """(namespace, device) of both ends of ``name``'s link: its ``eth0`` and its bridge port."""
+        host = self.hosts[name]
+        return (host.ns, "eth0"), (self.bridge_ns, host.port)
 
     def set_link(self, name: str, up: bool) -> None:
         """Take ``name``'s link down (its bridge port; the participant loses carrier) or bring it back."""

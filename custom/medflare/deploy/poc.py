@@ -1,12 +1,11 @@
 """Run medflare jobs in a real FLARE POC (provisioned mTLS kits, separate server/site processes) on one machine.
 
 Everything a POC touches lives under one root folder: its own ``HOME`` (FLARE's startup-kit registry, and the
-working folder of the ``nvflare`` commands: medflare/processes.py says why) and its
-own ``NVFLARE_POC_WORKSPACE``, so nothing leaks into the user's ``~/.nvflare`` and re-running is safe. One medflare
-process at a time works on a root (a lock file in it names the owner's PID). A POC that ``run`` (or ``medflare run
---env poc``) starts dies with it, even when it is SIGKILLed; one started step by step lives until ``stop``. The POC is
-prepared from ``provisioning/project.yml`` (same server, orgs and admin roles; clients renamed ``site-1..N``),
-and jobs are submitted as that project's ``lead``, exactly as in production.
+working folder of the ``nvflare`` commands: medflare/processes.py says why) and ``NVFLARE_POC_WORKSPACE``, so nothing
+leaks into ``~/.nvflare`` and re-running is safe. One medflare process at a time works on a root (a lock file names
+the owner's PID). A POC that ``run`` (or ``medflare run --env poc``) starts dies with it, even when it is SIGKILLed;
+one started step by step lives until ``stop``. The POC is prepared from ``provisioning/project.yml`` (same server,
+orgs and admin roles; clients renamed ``site-1..N``), and jobs are submitted as its ``lead``, as in production.
 
 Command line (what the ``poc/*.sh`` scripts run)::
 
@@ -67,6 +66,7 @@ from medflare.processes import (
     end_processes,
     flare_admin_popen_args,
     nvflare_command,
+    nvflare_reply,
     quiet_on_closed_output,
     run_kept,
     signals_held,
@@ -97,11 +97,7 @@ def env_root() -> Path | None:
 
 
 def env_port() -> int:
-    """The POC server port: ``$MEDFLARE_POC_PORT`` now, else 8002.
-
-    Raises:
-        ConfigError: the variable is not a port number.
-    """
+    """The POC server port: ``$MEDFLARE_POC_PORT`` now, else 8002 (ConfigError when it is not a port number)."""
     value = os.environ.get(PORT_ENV, "").strip() or str(DEFAULT_PORT)
     if not value.isdigit() or not 0 < int(value) < 65536:
         raise ConfigError(f"{PORT_ENV}={value} is not a port number (1-65535)")
@@ -109,12 +105,9 @@ def env_port() -> int:
 
 
 def poc_project(project: Mapping[str, Any], sites: list[str], port: int) -> dict[str, Any]:
-    """The consortium's project.yml turned into a one-machine POC project.
-
-    Keeps the server, the admins and their roles; replaces the hospitals by ``sites`` (orgs reused in turn,
-    so authorization rules such as ``o:site`` still mean something); puts the server on ``port``. FLARE's
-    ``poc prepare -i`` then points every participant at localhost.
-    """
+    """The consortium's project.yml as a one-machine POC project: the server (on ``port``), the admins and their
+    roles kept; the hospitals replaced by ``sites`` (orgs reused in turn, so authorization rules such as ``o:site``
+    still mean something). FLARE's ``poc prepare -i`` then points every participant at localhost."""
     hospitals = participants(project, "client")
     orgs = [h["org"] for h in hospitals] or ["poc"]
     server = {k: v for k, v in participants(project, "server")[0].items() if k != "host_names"}
@@ -127,12 +120,10 @@ def poc_project(project: Mapping[str, Any], sites: list[str], port: int) -> dict
 def bind_to_loopback(server_kit: Path, signing_key: Any = None) -> None:
     """Make a POC server listen on 127.0.0.1 only.
 
-    FLARE's server binds to loopback exactly when the host in its service target (``startup/fed_server.json``,
-    ``servers[].service.target``) is a loopback address; otherwise it listens on every interface (0.0.0.0).
-    A POC kit names the consortium's server FQDN there (its sites connect to ``localhost`` anyway), so a POC
-    would be reachable from the network. POC kits are unsigned (mTLS is their trust anchor), so the file may
-    be edited; a signed kit (one with TenSEAL contexts, which FLARE signs) is signed again with ``signing_key``,
-    the POC's own root CA key, and refused without it rather than broken.
+    FLARE's server binds to loopback exactly when the host of ``startup/fed_server.json``'s
+    ``servers[].service.target`` is a loopback address, else to 0.0.0.0; a POC kit names the consortium's FQDN there.
+    POC kits are unsigned (mTLS is their trust anchor), so the file may be edited; a signed kit (with TenSEAL
+    contexts, which FLARE signs) is signed again with ``signing_key``, the POC's own root CA key, or refused.
     """
     startup = server_kit / "startup"
     signed = (startup / "signature.json").exists()
@@ -171,17 +162,12 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
 
 @dataclass
 class PocSession:
-    """One isolated POC: its root folder, port and the FLARE CLI calls that drive it.
+    """One isolated POC: its root folder (``home/``, ``poc/``: FLARE's POC workspace, ``medflare_poc.json``), the
+    server's single FL/admin ``port`` on loopback, and the FLARE CLI calls that drive it.
 
-    Attributes:
-        root: folder holding ``home/``, ``poc/`` (the FLARE POC workspace) and ``medflare_poc.json``.
-        port: the server's single FL/admin port on loopback.
-        project_file: the consortium project.yml the POC is derived from.
-        echo: progress sink.
-        tied: the server and sites die with this process (through keepers, :mod:`medflare.processes`), as in
-            :func:`run_poc`; otherwise they outlive it (the step-by-step command line's next step uses them).
-        stop_timeout: seconds ``nvflare poc stop`` may take (it hangs while the network is down) before the POC's
-            processes are ended directly.
+    ``tied``: the server and sites die with this process (through keepers, :mod:`medflare.processes`), as in
+    :func:`run_poc`; otherwise they outlive it, for the step-by-step command line's next step. ``stop_timeout``:
+    seconds ``nvflare poc stop`` may take (it hangs while the network is down) before the processes are ended.
     """
 
     root: Path
@@ -225,9 +211,7 @@ class PocSession:
 
     def nvflare(self, *args: str, timeout: float = 300, check: bool = True, starts: bool = False) -> dict[str, Any]:
         """Run one ``nvflare ... --format json`` command in this POC's environment; return its JSON reply.
-
-        ``starts``: the command starts POC processes; in a ``tied`` session they run under a keeper.
-        """
+        ``starts``: the command starts POC processes; in a ``tied`` session they run under a keeper."""
         command = nvflare_command() + list(args) + ["--format", "json"]
         popen_args = flare_admin_popen_args(self.home, self.env())  # not the user's folder: processes.py says why
         try:
@@ -238,8 +222,7 @@ class PocSession:
                 proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, **popen_args)
         except subprocess.TimeoutExpired as exc:
             raise PocError(f"'nvflare {' '.join(args)}' did not finish within {timeout:.0f} s") from exc
-        reply = _last_json(proc.stdout) or {"status": "error", "message": (proc.stderr or proc.stdout)[-2000:]}
-        reply["exit_code"] = proc.returncode
+        reply = nvflare_reply(proc)
         if check and proc.returncode != 0:
             raise PocError(f"'nvflare {' '.join(args)}' failed (exit {proc.returncode}): {reply.get('message', reply)}")
         return reply
@@ -267,26 +250,15 @@ class PocSession:
         (self.root / STATE_FILE).write_text(json.dumps(self.state, indent=2) + "\n")
 
     # ----- lifecycle --------------------------------------------------------------------------------
-    def prepare(
-        self,
-        n_sites: int = 2,
-        site_modes: Mapping[str, str] | None = None,
-        default_mode: str = "byoc",
-        allow_job_data: bool = False,
-        he: bool = False,
-    ) -> None:
-        """Provision a fresh POC with ``n_sites`` sites and install medflare's site policies in every kit.
+    def prepare(self, n_sites: int = 2, site_modes: Mapping[str, str] | None = None, default_mode: str = "byoc",
+                allow_job_data: bool = False, he: bool = False) -> None:
+        """Provision a fresh POC with sites site-1..``n_sites`` and install medflare's site policies in every kit.
 
-        A POC left over in this root is stopped and removed first (safe to re-run). A port held by anything
-        else is refused with a clear message: FLARE POCs on one host must not share a port.
-
-        Args:
-            n_sites: number of sites, named site-1..N.
-            site_modes: per-site mode override, e.g. {"site-3": "preinstalled"}.
-            default_mode: mode of the other sites ("byoc" sites accept both BYOC and pre-installed jobs).
-            allow_job_data: write each site's opt-in to jobs that bring their own (e.g. simulated) data into its
-                ``local/medflare_site.json``; without it such jobs are refused, as at a hospital.
-            he: the kits also get FLARE's TenSEAL contexts (HEBuilder), for secure_aggregation=he jobs.
+        A POC left over in this root is removed first (safe to re-run); a port held by anything else is refused
+        (FLARE POCs on one host must not share a port). ``site_modes``: per-site override of ``default_mode``
+        ("byoc" sites accept both BYOC and pre-installed jobs), e.g. {"site-3": "preinstalled"}.
+        ``allow_job_data``: each site's ``local/medflare_site.json`` opts in to jobs that bring their own (e.g.
+        simulated) data; else they are refused, as at a hospital. ``he``: the kits also get FLARE's TenSEAL contexts.
         """
         site_modes = dict(site_modes or {})
         sites = [f"{SITE_PREFIX}{i + 1}" for i in range(n_sites)]
@@ -294,10 +266,8 @@ class PocSession:
             raise PocError(f"site modes {site_modes} must name sites among {sites} and modes among {SITE_MODES}")
         self.discard()
         if port_in_use(self.port):
-            raise PocError(
-                f"port {self.port} is in use by another process (another FLARE POC or server?). Stop it, or "
-                f"choose another port with --port / MEDFLARE_POC_PORT."
-            )
+            raise PocError(f"port {self.port} is in use by another process (another FLARE POC or server?). Stop it, "
+                           f"or choose another port with --port / MEDFLARE_POC_PORT.")
         project = poc_project(load_project(self.project_file), sites, self.port)
         project = with_he_builder(project) if he else project
         self.root.mkdir(parents=True, exist_ok=True)
@@ -307,15 +277,11 @@ class PocSession:
         self.nvflare("poc", "prepare", "-i", str(project_file), "--force")
         protect_secrets(self.workspace / project["name"])
         self.state = {
-            "project": project["name"],
-            "port": self.port,
-            "sites": sites,
+            "project": project["name"], "port": self.port, "sites": sites,
             "site_modes": {site: site_modes.get(site, default_mode) for site in sites},
-            "server": participants(project, "server")[0]["name"],
-            "lead": admin_with_role(project, "lead"),
+            "server": participants(project, "server")[0]["name"], "lead": admin_with_role(project, "lead"),
             "project_admin": admin_with_role(project, "project_admin"),
-            "admins": {a["name"]: a.get("role") for a in participants(project, "admin")},
-            "jobs": {},
+            "admins": {a["name"]: a.get("role") for a in participants(project, "admin")}, "jobs": {},
         }
         opt_in = site_data_config(allow_job_data=True) if allow_job_data else None
         for site in [self.state["server"], *sites]:
@@ -360,9 +326,7 @@ class PocSession:
                 self.nvflare("poc", "stop", check=False, timeout=self.stop_timeout)
             except PocError as exc:
                 self.echo(f"poc: {exc}; ending the POC's processes directly")
-        # the keepers end all the POC processes they adopted; the rest name this POC's workspace in their commands
-        end_processes([*self.keepers, *self._own_processes()])
-        self.keepers = []
+        self._end_processes()
 
     def clean(self) -> None:
         """Delete the POC workspace (FLARE refuses right after stop while processes exit: retry, then force)."""
@@ -382,14 +346,12 @@ class PocSession:
         self.state = {}
 
     def discard(self) -> None:
-        """Stop and remove whatever POC this root holds (used before prepare, after a test and after failures).
-
-        Its processes are ended directly (SIGTERM, then SIGKILL): FLARE's orderly ``poc stop`` (8 s with 2 sites)
-        keeps a workspace consistent, and this one is deleted right after."""
+        """Stop and remove whatever POC this root holds (before prepare, after a test and after failures). Its
+        processes are ended directly: FLARE's orderly ``poc stop`` (8 s with 2 sites) keeps a workspace consistent,
+        and this one is deleted right after."""
         if self.workspace.exists() or self._own_processes() or self.keepers:
             self.echo(f"poc: stopping and removing the previous POC in {self.root}")
-            end_processes([*self.keepers, *self._own_processes()])
-            self.keepers = []
+            self._end_processes()
             self.clean()
 
     # ----- jobs -------------------------------------------------------------------------------------
@@ -422,9 +384,8 @@ class PocSession:
     def wait(self, job_id: str | None = None, timeout: float = 600) -> str:
         """Wait for a job to end; return its final status (e.g. FINISHED:COMPLETED). Never raises on failure."""
         job_id = job_id or self._last_job()
-        user = self.state["jobs"].get(job_id, {}).get("user", self.state["lead"])
         reply = self.nvflare("job", "wait", job_id, "--timeout", str(int(timeout)), "--interval", "0.5",
-                             "--startup-kit", str(self.kit(user)), check=False, timeout=timeout + 60)
+                             "--startup-kit", self._submitter_kit(job_id), check=False, timeout=timeout + 60)
         status = reply.get("data", {}).get("status") or reply.get("error_code") or "UNKNOWN"
         self.state["jobs"].setdefault(job_id, {})["status"] = status
         self._save_state()
@@ -433,9 +394,8 @@ class PocSession:
     def download(self, job_id: str | None, out_dir: str | Path) -> Path:
         """Download a finished job's workspace; return the folder holding ``workspace/app_server``."""
         job_id = job_id or self._last_job()
-        user = self.state["jobs"].get(job_id, {}).get("user", self.state["lead"])
         reply = self.nvflare("job", "download", job_id, "-o", str(Path(out_dir).resolve()), "--force",
-                             "--startup-kit", str(self.kit(user)))
+                             "--startup-kit", self._submitter_kit(job_id))
         return Path(reply["data"]["download_path"])
 
     def server_log(self) -> str:
@@ -443,6 +403,10 @@ class PocSession:
         return self._log(self.state["server"])
 
     # ----- internals --------------------------------------------------------------------------------
+    def _submitter_kit(self, job_id: str) -> str:
+        """The kit of the admin who submitted ``job_id`` (the lead for a job this POC did not record)."""
+        return str(self.kit(self.state["jobs"].get(job_id, {}).get("user", self.state["lead"])))
+
     def _log(self, participant: str) -> str:
         path = self.kit(participant) / "log.txt"
         return path.read_text(errors="replace") if path.is_file() else ""
@@ -467,6 +431,11 @@ class PocSession:
         if not self.state:
             raise PocError(f"no POC is prepared in {self.root}; run 'prepare' first")
 
+    def _end_processes(self) -> None:
+        """The keepers end all the POC processes they adopted; the rest name this POC's workspace in their commands."""
+        end_processes([*self.keepers, *self._own_processes()])
+        self.keepers = []
+
     def _own_processes(self) -> list[psutil.Process]:
         """Processes whose command line names this POC's workspace (its server, sites, their jobs and loops)."""
         marker = str(self.workspace)
@@ -476,21 +445,6 @@ class PocSession:
                 if process.pid != os.getpid() and marker in " ".join(process.info["cmdline"] or []):
                     found.append(process)
         return found
-
-
-def _last_json(text: str) -> dict[str, Any] | None:
-    """The last JSON object printed on stdout (FLARE may print warnings before it)."""
-    for line in reversed(text.strip().splitlines()):
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                return json.loads(line)
-            except json.JSONDecodeError:
-                continue
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return None
 
 
 # ----- jobs for POC ---------------------------------------------------------------------------------
@@ -532,15 +486,9 @@ def write_run_outputs(run: Any, download_dir: Path, out: Path, launched_at: floa
 
 
 def admin_kit(startup_kit: str | None = None, poc_root: str | None = None) -> tuple[Path, str]:
-    """The admin startup kit to watch with, and its user name.
-
-    Order: ``startup_kit``; the ``NVFLARE_STARTUP_KIT_DIR`` environment variable; the lead's kit of the medflare
-    POC in ``poc_root`` (what ``python -m medflare.deploy.poc`` prepared; default ``$MEDFLARE_POC_ROOT``, read
-    now, else runs/poc, as the POC scripts use).
-
-    Raises:
-        ConfigError: no kit found, or the folder is not an admin startup kit.
-    """
+    """The admin startup kit to watch with, and its user name: ``startup_kit``, else ``$NVFLARE_STARTUP_KIT_DIR``,
+    else the lead's kit of the medflare POC in ``poc_root`` (default ``$MEDFLARE_POC_ROOT``, read now, else runs/poc,
+    as the POC scripts use). ConfigError when there is none, or the folder is not an admin startup kit."""
     if startup_kit or os.environ.get(KIT_ENV):
         kit = Path(startup_kit or os.environ[KIT_ENV]).expanduser()
     else:
@@ -557,10 +505,8 @@ def admin_kit(startup_kit: str | None = None, poc_root: str | None = None) -> tu
 
 
 def follow_job(session: PocSession, job_id: str, echo: Echo, timeout: float) -> None:
-    """Print the job's per-round progress as the lead sees it (``medflare watch``) until the job ends.
-
-    Progress is a convenience: when it cannot be followed, one line says so and the run waits as before.
-    """
+    """Print the job's per-round progress as the lead sees it (``medflare watch``) until the job ends. Progress is
+    a convenience: when it cannot be followed, one line says so and the run waits as before."""
     try:
         kit, user = admin_kit(startup_kit=str(session.kit(session.state["lead"])))
         watch(job_id, kit, user, echo, timeout=timeout)
@@ -575,40 +521,18 @@ def as_deployed(run: Any) -> Any:
     return run
 
 
-def run_poc(
-    run: Any,
-    out_dir: str | Path,
-    echo: Echo = print,
-    mode: str = "byoc",
-    port: int | None = None,
-    timeout: float = 1800,
-    overwrite: bool = False,
-    root: Path | None = None,
-    plan: Any = None,
-) -> dict[str, Any]:
-    """The POC twin of ``run_simulation``: prepare and start a POC, submit the job as the lead, wait,
-    download, write the run's outputs, stop and clean.
+def run_poc(run: Any, out_dir: str | Path, echo: Echo = print, mode: str = "byoc", port: int | None = None,
+            timeout: float = 1800, overwrite: bool = False, root: Path | None = None, plan: Any = None) -> dict[str, Any]:
+    """The POC twin of ``run_simulation``: prepare and start a POC (``run.clients`` sites), submit the job as the
+    lead, wait, download, write the run's outputs, stop and clean.
 
-    Everything is staged in ``<out>.partial`` (including the POC itself, unless ``root`` or ``$MEDFLARE_POC_ROOT``
-    says where the POC goes: then there, replacing a POC left in it as ``prepare`` does) and moved to ``out`` only
-    after success (:class:`medflare.files.OutputTarget` rules: a non-empty ``out`` needs ``overwrite``). On failure or
-    interruption (SIGTERM/SIGINT) the POC's processes are stopped and removed and its server log, with the
-    rounds that finished, is kept as ``<out>.failed.log``.
-
-    A POC is a real deployment, so its job gets the robust defences (``run.robust`` becomes
-    :func:`medflare.server_setup.deployment_robust`'s, which summary.json then records), simulated data or not.
-
-    Args:
-        run: the RunConfig (``clients`` decides the number of POC sites).
-        out_dir: result folder.
-        echo: progress sink.
-        mode: "byoc" (the job carries medflare) or "preinstalled" (sites use their installed medflare).
-        port: the POC server port on loopback (default ``$MEDFLARE_POC_PORT`` or 8002, read now).
-        timeout: seconds the job may take.
-        overwrite: replace medflare's earlier results in a non-empty ``out_dir``.
-        root: the POC's folder (default ``$MEDFLARE_POC_ROOT``, read now, else ``<out>.partial/poc``).
-        plan: the job's plan when the caller validated ``run`` as deployed (:func:`as_deployed`) and resolved it
-            (``launch.plan_job(run, mode, ...)``, as ``medflare run --env poc`` does); else both happen here.
+    Everything is staged in ``<out>.partial`` (the POC too, unless ``root`` or ``$MEDFLARE_POC_ROOT`` says where it
+    goes: then there, replacing a POC left in it) and moved to ``out`` only after success (``OutputTarget`` rules: a
+    non-empty ``out`` needs ``overwrite``). On failure or SIGTERM/SIGINT the POC is stopped and removed and its server
+    log, with the rounds that finished, kept as ``<out>.failed.log``. The job gets the robust defences of a
+    deployment (:func:`as_deployed`). ``mode``: "byoc" (the job carries medflare) or "preinstalled". ``port``:
+    default ``$MEDFLARE_POC_PORT`` or 8002, read now. ``plan``: the job's plan when the caller validated ``run`` as
+    deployed and resolved it (``launch.plan_job``, as ``medflare run --env poc`` does); else both happen here.
     """
     as_deployed(run)
     if plan is None:
@@ -668,9 +592,7 @@ def _run_in_poc(run: Any, plan: Any, session: PocSession, target: OutputTarget, 
 
 # ----- command line ---------------------------------------------------------------------------------
 def _run_config_from_args(args: Any) -> Any:
-    run = build_run_config(args)
-    run.robust = deployment_robust(run.robust, encrypted=run.secure_aggregation == "he")  # a deployment's job
-    return validated(run)
+    return validated(as_deployed(build_run_config(args)))
 
 
 def _cmd_prepare(session: PocSession, args: Any) -> int:
@@ -729,12 +651,8 @@ def _cmd_download(session: PocSession, args: Any) -> int:
 
 def _cmd_stop(session: PocSession, args: Any) -> int:
     session.stop()
-    return 0
-
-
-def _cmd_clean(session: PocSession, args: Any) -> int:
-    session.stop()
-    session.clean()
+    if args.command == "clean":
+        session.clean()
     return 0
 
 
@@ -756,8 +674,7 @@ def make_parser() -> Any:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--root", help="folder for this POC (HOME, workspace, jobs); default $MEDFLARE_POC_ROOT or "
                                        "runs/poc ('run': or inside its result folder's staging)")
-    parser.add_argument("--port", type=int,
-                        help="server port (default $MEDFLARE_POC_PORT or 8002)")
+    parser.add_argument("--port", type=int, help="server port (default $MEDFLARE_POC_PORT or 8002)")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="provision a fresh POC (removes any previous one in --root)")
     p.add_argument("--sites", type=int, default=2, help="number of sites site-1..N (default 2)")
@@ -795,7 +712,7 @@ def make_parser() -> Any:
     p.add_argument("--overwrite", action="store_true", help="replace medflare's earlier results there")
     p.set_defaults(func=_cmd_download)
     sub.add_parser("stop", help="stop every process of this POC").set_defaults(func=_cmd_stop)
-    sub.add_parser("clean", help="stop (if needed) and delete this POC").set_defaults(func=_cmd_clean)
+    sub.add_parser("clean", help="stop (if needed) and delete this POC").set_defaults(func=_cmd_stop)
     return parser
 
 

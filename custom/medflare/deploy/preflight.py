@@ -1,13 +1,11 @@
 """``medflare preflight``: a hospital admin's check of a site, on the site machine, before a job arrives.
 
-It checks the kit (its files, the certificate's chain and dates, the server's name resolving and answering through
-FLARE's own connectivity check), the site's ``local/medflare_site.json`` (schema, policy, every path readable), the
-images (each one read: corrupt files, counts per class and their names, sizes, intensity ranges), disk space,
-devices, the installed medflare and FLARE against the kit's versions, and the DP-SGD budget. With ``--job`` it also
-checks the site's data and policy against that job, as the site will when the job arrives (the same functions:
-:meth:`medflare.plan.RunPlan.localise`, :func:`medflare.site_runtime.load_site_data`,
-:meth:`medflare.site_policy.SitePolicy.refusal`). Every check gives PASS, WARN or FAIL with one line of detail;
-nothing is written but the report (stdout).
+It checks the kit (files, the certificate's chain and dates, the server's name resolving and answering FLARE's own
+connectivity check), ``local/medflare_site.json`` (schema, policy, paths), every image (corrupt files, counts per
+class, sizes, intensity ranges), disk space, devices, the installed versions against the kit's, and the DP-SGD
+budget; with ``--job``, the site's data and policy against that job, with the functions the site runs when the job
+arrives (``RunPlan.localise``, ``site_runtime.load_site_data``, ``SitePolicy.refusal``). Every check gives PASS,
+WARN or FAIL with one line of detail; nothing is written but the report (stdout).
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ import shutil
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,47 +49,46 @@ class Failed(Exception):
 
 def preflight(kit: str | Path, job: str | Path | None = None, max_images: int = 0, server: bool = True,
               progress: Progress = lambda line: print(line, file=sys.stderr, flush=True)) -> list[Check]:
-    """Every check of the site whose kit is ``kit`` (and, with ``job``, of that job at this site).
-
-    ``max_images``: read at most this many images per split (0: every image). ``server``: False leaves the server
-    unchecked (a WARN line), for a site set up before the consortium's server runs.
-    """
+    """Every check of the site whose kit is ``kit`` (and, with ``job``, of that job at this site). ``max_images``:
+    read at most this many images per split (0: every image). ``server``: False leaves the server unchecked (a WARN
+    line), for a site set up before the consortium's server runs."""
     kit = Path(kit).resolve()
     checks: list[Check] = []
-    for name, check in _kit_checks(kit):
+    for name, check in (("kit files", _kit_files), ("certificate", _certificate), ("server", _server),
+                        ("versions", _versions), ("disk", _disk)):
         unchecked = name == "server" and not server
-        checks.append(Check(name, WARN, "not checked (--no-server)") if unchecked else _run(name, check))
-    if any(c.status == FAIL for c in checks[:1]):  # no kit: nothing else can be found
+        checks.append(Check(name, WARN, "not checked (--no-server)") if unchecked else _run(name, check, kit))
+    if checks[0].status == FAIL:  # no kit: nothing else can be found
         return checks
     site = _site_name(kit)
-    site_file = _run_value(checks, "site file", lambda: _site_file(kit))
-    policy = _run_value(checks, "policy", lambda: _policy(site_file)) if site_file is not None else None
+    site_file = _run_value(checks, "site file", _site_file, kit)
+    policy = _run_value(checks, "policy", _policy, site_file) if site_file is not None else None
     if policy is not None:
-        found = _run_value(checks, "data", lambda: _site_data(site, site_file))
+        found = _run_value(checks, "data", _site_data, site, site_file)
         if found is not None:
             checks += _image_checks(*found, policy.min_class_samples, max_images, progress)
-        checks.append(_run("DP-SGD", lambda: _dp_budget(site_file, policy)))
-        checks.append(_run("devices", lambda: _devices(site_file)))
+        checks.append(_run("DP-SGD", _dp_budget, site_file, policy))
+        checks.append(_run("devices", _devices, site_file))
         if job is not None:
             checks += _job_checks(Path(job), site, site_file, policy)
     return checks
 
 
-def _run(name: str, check: Callable[[], tuple[str, str]]) -> Check:
-    """``check`` returns (status, detail); a medflare error or :class:`Failed` is its FAIL line."""
+def _run(name: str, check: Callable[..., tuple[str, str]], *args: Any) -> Check:
+    """``check(*args)`` returns (status, detail); a medflare error or :class:`Failed` is its FAIL line."""
     try:
-        status, detail = check()
+        status, detail = check(*args)
     except (Failed, MedflareError, OSError, ValueError) as exc:
         return Check(name, FAIL, _one_line(exc))
     return Check(name, status, detail)
 
 
-def _run_value(checks: list[Check], name: str, build: Callable[[], tuple[Any, str, str]]) -> Any:
+def _run_value(checks: list[Check], name: str, build: Callable[..., tuple[Any, str, str]], *args: Any) -> Any:
     """A check that also yields a value the later checks need (None when it failed)."""
     found: list[Any] = []
 
     def check() -> tuple[str, str]:
-        value, status, detail = build()
+        value, status, detail = build(*args)
         found.append(value)
         return status, detail
 
@@ -104,14 +101,6 @@ def _one_line(exc: BaseException) -> str:
 
 
 # ----- the kit ---------------------------------------------------------------------------------------------------
-def _kit_checks(kit: Path) -> Iterator[tuple[str, Callable[[], tuple[str, str]]]]:
-    yield "kit files", lambda: _kit_files(kit)
-    yield "certificate", lambda: _certificate(kit)
-    yield "server", lambda: _server(kit)
-    yield "versions", lambda: _versions(kit)
-    yield "disk", lambda: _disk(kit)
-
-
 def _kit_files(kit: Path) -> tuple[str, str]:
     missing = [name for name in KIT_FILES if not (kit / name).exists()]
     if missing:
@@ -251,8 +240,6 @@ def _image_checks(data: Any, names: list[str], floor: int, max_images: int, prog
 
 @dataclass
 class _Scan:
-    """What reading the images found."""
-
     read: int = 0
     total: int = 0
     corrupt: list[str] = field(default_factory=list)
@@ -361,10 +348,10 @@ def _epsilon_spent(audit: Path) -> float:
 # ----- a job at this site ---------------------------------------------------------------------------------------
 def _job_checks(job: Path, site: str, site_file: Any, policy: Any) -> list[Check]:
     checks: list[Check] = []
-    plan = _run_value(checks, "job", lambda: _job_plan(job))
+    plan = _run_value(checks, "job", _job_plan, job)
     if plan is not None:
-        checks.append(_run("job policy", lambda: _job_policy(plan, policy)))
-        checks.append(_run("job data", lambda: _job_data(plan, site, site_file)))
+        checks.append(_run("job policy", _job_policy, plan, policy))
+        checks.append(_run("job data", _job_data, plan, site, site_file))
     return checks
 
 

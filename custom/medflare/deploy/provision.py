@@ -66,9 +66,8 @@ def check_folder_names(project: Mapping[str, Any], path: str | Path) -> None:
     """Refuse a project or participant name that is not one plain folder name (FLARE makes folders of them, so
     ``name: ../../x`` would write kits and the CA's keys outside the workspace)."""
     named = [("name", project.get("name"))]
-    for index, participant in enumerate(project["participants"]):
-        name = participant.get("name") if isinstance(participant, dict) else None
-        named.append((f"participants[{index}].name", name))
+    named += [(f"participants[{i}].name", p.get("name") if isinstance(p, dict) else None)
+              for i, p in enumerate(project["participants"])]
     for field, value in named:
         if not isinstance(value, str) or PLAIN_NAME.fullmatch(value) is None:
             raise ProvisionError(f"{path}: {field} must be {PLAIN_NAME_RULE}, got {value!r}")
@@ -183,35 +182,20 @@ def install_kit(kit: str | Path, mode: str, num_gpus: int = 0, site_config: dict
     return written
 
 
-def install_policies(
-    prod_dir: str | Path,
-    default_mode: str = "byoc",
-    site_modes: Mapping[str, str] | None = None,
-    site_gpus: Mapping[str, int] | None = None,
-    site_configs: Mapping[str, dict] | None = None,
-) -> dict[str, list[Path]]:
+def install_policies(prod_dir: str | Path, default_mode: str = "byoc", site_modes: Mapping[str, str] | None = None,
+                     site_gpus: Mapping[str, int] | None = None,
+                     site_configs: Mapping[str, dict] | None = None) -> dict[str, list[Path]]:
     """Write site-local policies (and each hospital's site-file example) into every server and client kit of
     ``prod_dir``; returns files per kit."""
     site_modes, site_gpus, site_configs = site_modes or {}, site_gpus or {}, site_configs or {}
-    written = {}
-    for kit in sorted(p for p in Path(prod_dir).iterdir() if p.is_dir() and is_site_kit(p)):
-        written[kit.name] = install_kit(
-            kit,
-            site_modes.get(kit.name, default_mode),
-            num_gpus=site_gpus.get(kit.name, 0),
-            site_config=site_configs.get(kit.name),
-        )
-    return written
+    return {kit.name: install_kit(kit, site_modes.get(kit.name, default_mode), num_gpus=site_gpus.get(kit.name, 0),
+                                  site_config=site_configs.get(kit.name))
+            for kit in sorted(p for p in Path(prod_dir).iterdir() if p.is_dir() and is_site_kit(p))}
 
 
-def provision(
-    project_yml: str | Path,
-    workspace: str | Path,
-    default_mode: str = "byoc",
-    site_modes: Mapping[str, str] | None = None,
-    site_gpus: Mapping[str, int] | None = None,
-    he: bool = False,
-) -> Path:
+def provision(project_yml: str | Path, workspace: str | Path, default_mode: str = "byoc",
+              site_modes: Mapping[str, str] | None = None, site_gpus: Mapping[str, int] | None = None,
+              he: bool = False) -> Path:
     """Run ``nvflare provision`` and install medflare's site policies; return the new ``prod_NN`` folder.
 
     ``he``: the kits also get the TenSEAL contexts of encrypted aggregation (:func:`with_he_builder`; the project
@@ -227,10 +211,8 @@ def provision(
     if he:
         project_yml = Path(workspace) / f"{project['name']}.he.yml"
         project_yml.write_text(yaml.safe_dump(with_he_builder(project), sort_keys=False))
-    proc = subprocess.run(
-        nvflare_command() + ["provision", "-p", str(project_yml), "-w", str(workspace)],
-        capture_output=True, text=True,
-    )
+    proc = subprocess.run(nvflare_command() + ["provision", "-p", str(project_yml), "-w", str(workspace)],
+                          capture_output=True, text=True)
     if proc.returncode != 0:
         raise ProvisionError(f"nvflare provision failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
     check_inside(workspace, [project_dir, *project_dir.rglob("*")])  # before chmod and the policies write
@@ -241,11 +223,8 @@ def provision(
 
 
 def protect_secrets(project_dir: str | Path) -> list[Path]:
-    """Make what ``nvflare provision`` wrote readable by its owner only; return the CA state files.
-
-    FLARE writes ``state/cert.json`` (the root CA's private key and every participant's key) world-readable
-    (0644) and the kits' folders 0755. The project folder becomes 0700, ``state/`` 0700 and its files 0600.
-    """
+    """Make what ``nvflare provision`` wrote readable by its owner only (the project folder and ``state/`` 0700, its
+    files 0600: FLARE writes ``state/cert.json``, the root CA's and every participant's key, 0644); return those."""
     project = Path(project_dir)
     project.chmod(0o700)
     state = project / STATE_DIR

@@ -1,23 +1,19 @@
 r"""Rehearse a cross-hospital deployment on one machine: ``medflare rehearse`` (needs root).
 
-The consortium is provisioned with the project's normal flow (:func:`medflare.deploy.provision.provision`: FLARE's
-``nvflare provision`` plus medflare's site policies) from ``provisioning/project.yml``, cut to the server, N
-hospitals and the people. Every participant then runs from its own startup kit (``startup/start.sh``, as a
-hospital's IT starts it) in its own network namespace with its own address; the server's FQDN (and its certificate's
-other names) resolve to the server's address inside every namespace through ``/etc/netns/<ns>/hosts``, and a bridge
-in a namespace of its own joins them (:mod:`medflare.deploy.netns`). Each hospital reads its own data from its
-kit's ``local/medflare_site.json`` (synthetic images, a different seed per hospital). The lead, in its own
-namespace, submits a pre-installed job with its admin kit (``nvflare job submit``, as ``docs/deploy-lead.md`` says),
-follows it with ``medflare watch``, downloads it (``nvflare job download``) and builds the report
-(``medflare report``). Meanwhile the rehearsal shapes each hospital's link (``tc tbf``), takes links down and
-back, and kills and restarts hospitals or the server, as scripted; after a server crash the lead submits the job
-again with ``resume_from`` (the recovery ``docs/deploy.md`` documents), and that job is followed to the end. At
-the end it checks what the deployment promises and writes ``rehearsal.json`` (timings, rounds, faults, checks)
-beside the report.
+The consortium is provisioned with the normal flow (:func:`medflare.deploy.provision.provision`) from
+``provisioning/project.yml``, cut to the server, N hospitals and the people. Every participant runs from its own
+startup kit (``startup/start.sh``) in its own network namespace and address, joined by a bridge
+(:mod:`medflare.deploy.netns`); the server's names resolve through ``/etc/netns/<ns>/hosts``. Each hospital reads
+its own synthetic images from its kit's ``local/medflare_site.json``. The lead, in its namespace, submits a
+pre-installed job (``nvflare job submit``, as ``docs/deploy-lead.md`` says), follows it with ``medflare watch``,
+downloads it and builds the report (``medflare report``). Meanwhile links are shaped (``tc tbf``), taken down and
+back, and hospitals or the server killed and restarted, as scripted; after a server crash the lead resubmits the job
+with ``resume_from`` (``docs/deploy.md``). At the end the deployment's promises are checked and ``rehearsal.json``
+(timings, rounds, faults, checks) written beside the report.
 
-Everything it made (namespaces, qdiscs, hosts files, processes, kits) is removed at the end, also on failure,
-SIGTERM or Ctrl-C; the server and sites run under medflare's process keeper (:mod:`medflare.processes`), so they
-die with the rehearsal even when it is SIGKILLed, and its namespaces are swept by the next rehearsal.
+Everything it made is removed at the end, also on failure, SIGTERM or Ctrl-C; the server and sites run under
+medflare's process keeper (:mod:`medflare.processes`), so they die with it even when it is SIGKILLed, and its
+namespaces are swept by the next rehearsal.
 
 Command line::
 
@@ -69,23 +65,14 @@ class RehearseError(MedflareError, RuntimeError):
 # ----- what to rehearse ------------------------------------------------------------------------------------------
 @dataclass
 class Fault:
-    """One scripted fault at one hospital or at the server.
+    """One scripted fault at one hospital or at the server (``site`` :data:`SERVER`), ``duration`` seconds long."""
 
-    Attributes:
-        kind: "outage" (its link down, then back), "kill" (every process of the hospital SIGKILLed, then its kit
-            started again with ``startup/start.sh``) or "server" (the same for the server; once the hospitals are
-            connected to it again, the lead submits the job again with ``resume_from`` = the crashed job's id).
-        site: the hospital (:data:`SERVER` for a server fault).
-        round: strike when this round (1-based) has started, plus :data:`MID_ROUND_DELAY`; or None.
-        seconds: strike this many seconds after submission (when ``round`` is None).
-        duration: seconds until the link comes back / the kit is started again.
-    """
-
-    kind: str
+    kind: str  # "outage" (link down, then back), "kill" (every process SIGKILLed, then the kit started again) or
+    # "server" (the same for the server; once the hospitals are back, the lead resubmits with resume_from)
     site: str
-    round: int | None
-    seconds: float
-    duration: float
+    round: int | None  # strike when this round (1-based) has started, plus MID_ROUND_DELAY (None: at seconds)
+    seconds: float  # after submission
+    duration: float  # seconds until the link comes back / the kit is started again
 
     @classmethod
     def parse(cls, kind: str, text: str) -> Fault:
@@ -115,34 +102,20 @@ class Fault:
 
 @dataclass
 class Rehearsal:
-    """A rehearsal's settings (``medflare rehearse``'s options).
+    """A rehearsal's settings (``medflare rehearse``'s options)."""
 
-    Attributes:
-        hospitals: number of hospitals (named as in project.yml, then hospital-d, -e, ...).
-        method, model, rounds: the job.
-        min_clients: sites each round needs (0 = every hospital).
-        straggler_seconds: how long a round waits for the others once ``min_clients`` answered.
-        task_timeout: seconds a site may take per task (0 = medflare's default, 3600).
-        max_steps, batch_size: local work per round.
-        images: synthetic training images per hospital.
-        rates: Mbit/s per hospital (``tc tbf`` both ways); others are unshaped.
-        faults: scripted outages and kills (at most one of the server).
-        job_timeout: seconds the job may take.
-        transfer_dtype, download_dtype: how float weights travel up and down (float32 or float16).
-    """
-
-    hospitals: int = 2
+    hospitals: int = 2  # named as in project.yml, then hospital-d, -e, ...
     method: str = "fedavg"
     model: str = "cnn"
     rounds: int = 2
-    min_clients: int = 0
-    straggler_seconds: int = 10
-    task_timeout: int = 0
+    min_clients: int = 0  # sites each round needs (0 = every hospital)
+    straggler_seconds: int = 10  # how long a round waits for the others once min_clients answered
+    task_timeout: int = 0  # seconds a site may take per task (0 = medflare's default, 3600)
     max_steps: int = 5
     batch_size: int = 32
-    images: int = 200
-    rates: dict[str, float] = field(default_factory=dict)
-    faults: list[Fault] = field(default_factory=list)
+    images: int = 200  # synthetic training images per hospital
+    rates: dict[str, float] = field(default_factory=dict)  # Mbit/s per hospital (tc tbf both ways); others unshaped
+    faults: list[Fault] = field(default_factory=list)  # at most one of the server
     job_timeout: float = 900
     project_file: Path = DEFAULT_PROJECT
     transfer_dtype: str = "float32"
@@ -152,24 +125,25 @@ class Rehearsal:
         """Every hospital must answer each round (``min_clients`` 0 or the number of hospitals)."""
         return self.min_clients == 0 or self.min_clients >= self.hospitals
 
+    def awaited_fault(self) -> float | None:
+        """The longest hospital fault's duration when every round waits for the faulted hospital, else None."""
+        durations = [f.duration for f in self.faults if f.kind != "server"]
+        return max(durations) if durations and self.all_required() else None
+
     def round_bound(self) -> float:
-        """The longest a round may take, never more than the task timeout; the healthy sites' work and transfers
-        get :data:`WORK_ALLOWANCE`. When fewer than every hospital is required, a dead or cut-off site costs at most
-        the straggler wait once ``min_clients`` answered. When every hospital is required, the round waits for the
-        faulted one: the longest hospital fault's duration and :data:`RECONNECT_ALLOWANCE` are added."""
-        task_timeout = self.task_timeout or 3600
-        wait = float(self.straggler_seconds)
-        hospital_faults = [f.duration for f in self.faults if f.kind != "server"]
-        if self.all_required() and hospital_faults:
-            wait += max(hospital_faults) + RECONNECT_ALLOWANCE
-        return min(task_timeout, WORK_ALLOWANCE + wait) + 5.0
+        """The longest a round may take, never more than the task timeout: the healthy sites' work and transfers
+        (:data:`WORK_ALLOWANCE`) and the straggler wait, which is all a dead or cut-off site costs once
+        ``min_clients`` answered; when every hospital is required, the round also waits out the longest hospital
+        fault and :data:`RECONNECT_ALLOWANCE`."""
+        awaited = self.awaited_fault()
+        wait = self.straggler_seconds + (awaited + RECONNECT_ALLOWANCE if awaited is not None else 0.0)
+        return min(self.task_timeout or 3600, WORK_ALLOWANCE + wait) + 5.0
 
     def bound_text(self) -> str:
         """How :meth:`round_bound` is made up, for the check's expected column."""
         parts = f"straggler {self.straggler_seconds} s + {WORK_ALLOWANCE:.0f} s work"
-        if self.all_required() and any(f.kind != "server" for f in self.faults):
-            longest = max(f.duration for f in self.faults if f.kind != "server")
-            parts += f" + the longest fault {longest:g} s + {RECONNECT_ALLOWANCE:.0f} s to reconnect (every hospital " \
+        if (awaited := self.awaited_fault()) is not None:
+            parts += f" + the longest fault {awaited:g} s + {RECONNECT_ALLOWANCE:.0f} s to reconnect (every hospital " \
                      "required)"
         return f"<= {self.round_bound():.0f} s ({parts}, capped by the task timeout)"
 
@@ -179,14 +153,12 @@ def consortium(project: dict[str, Any], hospitals: int) -> dict[str, Any]:
     likewise) and the project's people."""
     from medflare.deploy.provision import participants
 
-    clients = participants(project, "client")
-    chosen = [dict(c) for c in clients[:hospitals]]
+    chosen = [dict(c) for c in participants(project, "client")[:hospitals]]
     for index in range(len(chosen), hospitals):
         letter = chr(ord("a") + index) if index < 26 else str(index)
         chosen.append({"name": f"hospital-{letter}", "type": "client", "org": f"hospital_{letter}"})
-    others = [p for p in project["participants"] if p.get("type") != "client"]
-    server = [p for p in others if p.get("type") == "server"]
-    return {**project, "participants": [*server, *chosen, *[p for p in others if p.get("type") != "server"]]}
+    people = [p for p in project["participants"] if p.get("type") not in ("server", "client")]
+    return {**project, "participants": [*participants(project, "server"), *chosen, *people]}
 
 
 # ----- the rehearsal ---------------------------------------------------------------------------------------------
@@ -225,7 +197,6 @@ class Stage:
         self.hospitals = [c["name"] for c in participants(project, "client")]
         self.lead = admin_with_role(project, "lead")
         self.project_admin = admin_with_role(project, "project_admin")
-        self.port = int(self.server.get("fed_learn_port", 8002))
         for name in self.plan.rates:
             if name not in self.hospitals:
                 raise ConfigError(f"--rate names '{name}', not one of the hospitals {self.hospitals}")
@@ -247,6 +218,10 @@ class Stage:
 
     def kit(self, participant: str) -> Path:
         return self.prod / participant
+
+    def server_log(self) -> str:
+        log = self.kit(self.server["name"]) / "log.txt"
+        return log.read_text(errors="replace") if log.is_file() else ""
 
     def network(self) -> None:
         names = [self.server["name"], *self.hospitals, self.lead]
@@ -291,15 +266,10 @@ class Stage:
 
     def nvflare(self, participant: str, admin: str, *args: str, timeout: float = 300) -> dict[str, Any]:
         """``nvflare ... --startup-kit <admin's kit> --format json`` run in ``participant``'s namespace."""
-        from medflare.processes import nvflare_command
+        from medflare.processes import nvflare_command, nvflare_reply
 
         command = [*nvflare_command(), *args, "--startup-kit", str(self.kit(admin)), "--format", "json"]
-        done = self.in_ns(participant, command, timeout)
-        for line in reversed(done.stdout.strip().splitlines()):
-            if line.strip().startswith("{"):
-                with contextlib.suppress(json.JSONDecodeError):
-                    return {**json.loads(line), "exit_code": done.returncode}
-        return {"status": "error", "message": (done.stderr or done.stdout)[-1000:], "exit_code": done.returncode}
+        return nvflare_reply(self.in_ns(participant, command, timeout))
 
     def connected(self) -> list[str]:
         """Hospitals the server lists as connected, as the coordinating centre sees it (its admin kit, from the
@@ -318,12 +288,10 @@ class Stage:
                             f"see their kits' log.txt")
 
     def start_all(self) -> None:
-        started = time.time()
-        self.start(self.server["name"])
-        for site in self.hospitals:
-            self.start(site)
-        self.wait_connected(self.hospitals, timeout=180)
-        self.timings["start_and_connect"] = time.time() - started
+        with self.timed("start_and_connect"):
+            for participant in [self.server["name"], *self.hospitals]:
+                self.start(participant)
+            self.wait_connected(self.hospitals, timeout=180)
         self.echo(f"rehearse: server and {len(self.hospitals)} hospitals started from their kits and connected "
                   f"({self.timings['start_and_connect']:.0f} s)")
 
@@ -349,11 +317,8 @@ class Stage:
 
     def preflight(self, job_dir: Path) -> dict[str, str]:
         """``medflare preflight KIT --job JOB`` for each hospital, in its namespace, as its admin runs it before
-        the job (the server up, reached by its name). Returns each hospital's overall result.
-
-        Raises:
-            RehearseError: a hospital's preflight failed (its failing checks, one line each).
-        """
+        the job (the server up, reached by its name); each hospital's overall result, or RehearseError naming the
+        failing checks."""
         results = {}
         for site in self.hospitals:
             done = self.in_ns(site, [sys.executable, "-m", "medflare.cli", "preflight", str(self.kit(site)),
@@ -401,19 +366,17 @@ class Stage:
             return json.loads(path.read_text())
         return None
 
-    def follow(self, job_id: str) -> tuple[int, list[str]]:
+    def follow(self, job_id: str) -> int:
         """``medflare watch`` in the lead's namespace until the job ends, while the scripted faults play out;
-        returns watch's exit code and its lines."""
+        returns watch's exit code."""
         command = [*self.wan.exec_prefix(self.lead), sys.executable, "-m", "medflare.cli", "watch", job_id,
                    "--startup-kit", str(self.kit(self.lead)), "--interval", "1",
                    "--timeout", str(int(self.plan.job_timeout))]
         watcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                    env=self.env(), start_new_session=True)
-        lines: list[str] = []
 
         def read() -> None:
             for line in watcher.stdout:
-                lines.append(line.rstrip())
                 self.echo(f"  lead> {line.rstrip()}")
 
         reader = threading.Thread(target=read, daemon=True)
@@ -424,19 +387,18 @@ class Stage:
                 rounds_started = None
                 if any(p["state"] != "done" for p in self.pending):
                     results = self.server_results(job_id)
-                    rounds_started = len(results["rounds"]) + 1 if results else (1 if self._job_running(job_id)
-                                                                                 else 0)
+                    rounds_started = len(results["rounds"]) + 1 if results else int(self._job_running(job_id))
                 for item in self.pending:
                     self._advance(item, rounds_started)
                 if self.resume_from == job_id:  # its server is back: the job stays RUNNING for good (FLARE 2.9)
-                    return watcher.poll() or 0, lines
+                    return watcher.poll() or 0
                 time.sleep(0.5)
             self._finish_pending()
         finally:
             if watcher.poll() is None:
                 end_processes([watcher])
             reader.join(timeout=10)
-        return watcher.returncode, lines
+        return watcher.returncode
 
     def _job_running(self, job_id: str) -> bool:
         return (self.kit(self.server["name"]) / job_id / "app_server").is_dir()
@@ -589,53 +551,47 @@ def check_outcome(plan: Rehearsal, status: str, results: dict[str, Any], model_p
     status_ok = status == "FINISHED:COMPLETED" or (
         status == "FINISHED:ABNORMAL" and bool(killed) and f"Failing job {job_id}: {dead_site_report}" in server_log)
     checks = [
-        {"check": "job status", "expected": "FINISHED:COMPLETED" + (
-            " (or FINISHED:ABNORMAL naming the killed site as dead)" if killed else ""),
-         "observed": status, "ok": status_ok},
-        {"check": "rounds", "expected": f"all {plan.rounds}, no error",
-         "observed": f"{len(rounds)}" + (f", error: {results['error']}" if results.get("error") else ""),
-         "ok": len(rounds) == plan.rounds and not results.get("error")},
-        {"check": "model", "expected": "FL_global_model.pt loads, finite, the method's keys",
-         "observed": model_problem or "ok", "ok": model_problem is None},
-        {"check": "longest round", "expected": plan.bound_text(),
-         "observed": f"{max(walls, default=0):.1f} s", "ok": bool(walls) and max(walls) <= plan.round_bound()},
+        _check("job status", "FINISHED:COMPLETED" + (
+            " (or FINISHED:ABNORMAL naming the killed site as dead)" if killed else ""), status, status_ok),
+        _check("rounds", f"all {plan.rounds}, no error",
+               f"{len(rounds)}" + (f", error: {results['error']}" if results.get("error") else ""),
+               len(rounds) == plan.rounds and not results.get("error")),
+        _check("model", "FL_global_model.pt loads, finite, the method's keys", model_problem or "ok",
+               model_problem is None),
+        _check("longest round", plan.bound_text(), f"{max(walls, default=0):.1f} s",
+               bool(walls) and max(walls) <= plan.round_bound()),
     ]
     waits = [r.get("wall_seconds", 0.0) - max((v.get("result_at", 0.0) for v in r.get("sites", {}).values()),
-                                                  default=0.0)
+                                              default=0.0)
              for r in rounds if set(hospitals) - set(r.get("share", {}))]
     if waits:  # a round short of a site: once the others answered, it waits the straggler time, not more
-        checks.append({"check": "straggler wait", "expected": f"rounds short of a site end <= {plan.straggler_seconds}"
-                                                              f" + {STRAGGLER_SLACK:.0f} s after the last result",
-                       "observed": f"longest {max(waits):.1f} s over {len(waits)} round(s)",
-                       "ok": max(waits) <= plan.straggler_seconds + STRAGGLER_SLACK})
+        checks.append(_check("straggler wait", f"rounds short of a site end <= {plan.straggler_seconds} + "
+                                               f"{STRAGGLER_SLACK:.0f} s after the last result",
+                             f"longest {max(waits):.1f} s over {len(waits)} round(s)",
+                             max(waits) <= plan.straggler_seconds + STRAGGLER_SLACK))
     healthy = [s for s in hospitals if s not in faulted]
     in_every = all(set(healthy) <= set(r.get("share", {})) for r in rounds)
-    checks.append({"check": "healthy hospitals", "expected": f"{healthy} in every round's aggregate",
-                   "observed": "yes" if in_every else "missing from some round", "ok": in_every})
+    checks.append(_check("healthy hospitals", f"{healthy} in every round's aggregate",
+                         "yes" if in_every else "missing from some round", in_every))
     for site in sorted(faulted):
         missed = [r["round"] + 1 for r in rounds if site not in r.get("share", {})]
-        checks.append({"check": f"{site} rejoined", "expected": "connected to the server again after its fault",
-                       "observed": "connected" if rejoined.get(site) else "not connected",
-                       "ok": bool(rejoined.get(site))})
+        checks.append(_check(f"{site} rejoined", "connected to the server again after its fault",
+                             "connected" if rejoined.get(site) else "not connected", bool(rejoined.get(site))))
         outage = [f for f in plan.faults if f.site == site and f.kind == "outage"]
         if outage and plan.all_required():  # each round waited for it: it is in every round's aggregate
-            checks.append({"check": f"{site} in every round", "expected": "every hospital required: each round "
-                                                                          "waits for it through the outage",
-                           "observed": f"missed rounds {missed}", "ok": not missed})
+            checks.append(_check(f"{site} in every round", "every hospital required: each round waits for it "
+                                 "through the outage", f"missed rounds {missed}", not missed))
         elif outage and outage[0].duration < SITE_HEARTBEAT_TIMEOUT:
             back = bool(missed) and any(site in r.get("share", {}) for r in rounds if r["round"] + 1 > missed[0])
-            checks.append({"check": f"{site} back in the job",
-                           "expected": "misses the cut-off round(s), in a later round's aggregate again",
-                           "observed": f"missed rounds {missed}" + ("; back afterwards" if back else "; not back"),
-                           "ok": back})
+            checks.append(_check(f"{site} back in the job", "misses the cut-off round(s), in a later round's "
+                                 "aggregate again",
+                                 f"missed rounds {missed}" + ("; back afterwards" if back else "; not back"), back))
         else:
-            checks.append({"check": f"{site} rounds missed", "expected": "recorded",
-                           "observed": f"{missed}", "ok": True})
+            checks.append(_check(f"{site} rounds missed", "recorded", f"{missed}", True))
     for event in events:
         played = (f"struck at {event.get('struck_at', 0):.1f} s, recovered at {event.get('recovered_at', 0):.1f} s"
                   if "struck_at" in event else f"not played: {event.get('not_played', 'unknown')}")
-        checks.append({"check": "fault played", "expected": event["fault"], "observed": played,
-                       "ok": "struck_at" in event})
+        checks.append(_check("fault played", event["fault"], played, "struck_at" in event))
     crashes = [e for e in events if "crashed_job" in e]
     return checks + (server_crash_checks(plan, results, crashes[0]) if crashes else [])
 
@@ -668,34 +624,32 @@ def server_crash_checks(plan: Rehearsal, results: dict[str, Any], crash: dict[st
     resumed_at = start["start_round"] + 1 if isinstance(start.get("start_round"), int) else "-"
     played = [r.get("round") for r in results.get("rounds", [])]
     reconnected = crash.get("reconnected_after")
+    same_model = start.get("initial_model_digest") == checkpoint.get("model_digest")
+    model = "the checkpoint's" if same_model else "another"
     return [
-        {"check": "server restarted", "expected": "every hospital connected to the restarted server",
-         "observed": f"after {reconnected:.0f} s" if reconnected is not None else "not connected",
-         "ok": reconnected is not None},
-        {"check": "resumed from the checkpoint",
-         "expected": f"job {crash.get('resumed_job')} resumes job {crash['crashed_job']} after its checkpointed "
-                     f"round with its model: rounds {done + 1}-{plan.rounds}",
-         "observed": f"checkpoint after round {done}; resumed at round {resumed_at} from "
-                     f"{start.get('from_job', 'nothing')}; model " + (
-                         "the checkpoint's" if start.get("initial_model_digest") == checkpoint.get("model_digest")
-                         else "another"),
-         "ok": 1 <= done < plan.rounds and start.get("from_job") == crash["crashed_job"]
-               and start.get("start_round") == done
-               and start.get("initial_model_digest") == checkpoint.get("model_digest")},
-        {"check": "every round once", "expected": f"rounds 1-{plan.rounds} in order, none repeated",
-         "observed": ", ".join(str(r + 1) for r in played if isinstance(r, int)) or "none",
-         "ok": played == list(range(plan.rounds))},
+        _check("server restarted", "every hospital connected to the restarted server",
+               f"after {reconnected:.0f} s" if reconnected is not None else "not connected", reconnected is not None),
+        _check("resumed from the checkpoint", f"job {crash.get('resumed_job')} resumes job {crash['crashed_job']} "
+               f"after its checkpointed round with its model: rounds {done + 1}-{plan.rounds}",
+               f"checkpoint after round {done}; resumed at round {resumed_at} from {start.get('from_job', 'nothing')}"
+               f"; model {model}",
+               1 <= done < plan.rounds and start.get("from_job") == crash["crashed_job"]
+               and start.get("start_round") == done and same_model),
+        _check("every round once", f"rounds 1-{plan.rounds} in order, none repeated",
+               ", ".join(str(r + 1) for r in played if isinstance(r, int)) or "none",
+               played == list(range(plan.rounds))),
     ]
+
+
+def _check(check: str, expected: str, observed: str, ok: bool) -> dict[str, Any]:
+    """One of the rehearsal's checks, as ``rehearsal.json`` and the checks table hold it."""
+    return {"check": check, "expected": expected, "observed": observed, "ok": ok}
 
 
 # ----- entry point -----------------------------------------------------------------------------------------------
 def rehearse(plan: Rehearsal, out_dir: str | Path, echo: Echo = print, overwrite: bool = False) -> dict[str, Any]:
-    """Run one rehearsal; write report, logs and ``rehearsal.json`` into ``out_dir``; return the record.
-
-    Raises:
-        RehearseError: namespaces are unavailable (one line why), or the rehearsal could not run. A run whose
-            checks fail still returns its record (``ok`` false) and keeps its outputs.
-    """
+    """Run one rehearsal; write report, logs and ``rehearsal.json`` into ``out_dir``; return the record (``ok``
+    false when a check failed). RehearseError: namespaces are unavailable (one line why), or it could not run."""
     from medflare.deploy.policies import SITE_HEARTBEAT_TIMEOUT
     from medflare.files import OutputTarget
 
@@ -713,7 +667,7 @@ def rehearse(plan: Rehearsal, out_dir: str | Path, echo: Echo = print, overwrite
     # (whose folder the next one sweeps) never leaves them open to others in the meantime
     stage.work.mkdir(mode=0o700)
     stage.work.chmod(0o700)
-    record: dict[str, Any] = {"plan": _plain(plan)}
+    record: dict[str, Any] = {"plan": {**asdict(plan), "project_file": str(plan.project_file)}}
     try:
         stage.provision()
         stage.network()
@@ -724,10 +678,10 @@ def rehearse(plan: Rehearsal, out_dir: str | Path, echo: Echo = print, overwrite
             record["preflight"] = stage.preflight(job_dir)
         with stage.timed("submit"):
             job_id = stage.submit(job_dir)
-        code, _ = stage.follow(job_id)
+        code = stage.follow(job_id)
         if stage.resume_from:  # the server crashed and is back: the lead resubmits the job to resume it
             job_id = stage.resubmit(job_dir)
-            code, _ = stage.follow(job_id)
+            code = stage.follow(job_id)
         stage.timings["job"] = time.time() - stage.submitted_at
         with stage.timed("status"):
             status = stage.job_status(job_id)
@@ -743,9 +697,8 @@ def rehearse(plan: Rehearsal, out_dir: str | Path, echo: Echo = print, overwrite
             results_path = stage.download_and_report(job_id)
         results = json.loads(results_path.read_text())
         model_problem = model_is_finite(results_path.parent / "FL_global_model.pt", stage.run)
-        server_log = (stage.kit(stage.server["name"]) / "log.txt").read_text(errors="replace")
         checks = check_outcome(plan, status, results, model_problem, stage.hospitals, stage.events, rejoined,
-                               server_log, job_id)
+                               stage.server_log(), job_id)
         record["stalled_rounds"] = stalled_rounds(plan, results.get("rounds", []), stage.events, stage.submitted_at)
         for stalled in record["stalled_rounds"]:
             stage.echo(f"rehearse: round {stalled['round']} took {stalled['wall_seconds']} s: {stalled['cause']}")
@@ -767,9 +720,7 @@ def rehearse(plan: Rehearsal, out_dir: str | Path, echo: Echo = print, overwrite
             stage.echo(f"rehearse: stopped ({exc or type(exc).__name__}); removing namespaces, processes and kits")
             logs = ""
             with contextlib.suppress(Exception):
-                if hasattr(stage, "prod"):
-                    log = stage.kit(stage.server["name"]) / "log.txt"
-                    logs = log.read_text(errors="replace")[-20000:] if log.is_file() else ""
+                logs = stage.server_log()[-20000:] if hasattr(stage, "prod") else ""
             stage.close()
             target.abandon(logs + f"\nrehearse: stopped: {exc or type(exc).__name__}\n")
         raise
@@ -787,17 +738,17 @@ def rehearse(plan: Rehearsal, out_dir: str | Path, echo: Echo = print, overwrite
     return record
 
 
+def markdown_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    """``rows`` as a Markdown table of ``columns``, the last one (``ok``) as yes/NO."""
+    lines = [f"| {' | '.join(c.replace('_', ' ') for c in columns)} |", "|---" * len(columns) + "|"]
+    lines += ["| " + " | ".join([*(str(r[c]) for c in columns[:-1]), "yes" if r[columns[-1]] else "NO"]) + " |"
+              for r in rows]
+    return "\n".join(lines)
+
+
 def checks_table(checks: list[dict[str, Any]]) -> str:
     """The rehearsal's checks as a Markdown table (check, expected, observed, ok)."""
-    rows = ["| check | expected | observed | ok |", "|---|---|---|---|"]
-    rows += [f"| {c['check']} | {c['expected']} | {c['observed']} | {'yes' if c['ok'] else 'NO'} |" for c in checks]
-    return "\n".join(rows)
-
-
-def _plain(plan: Rehearsal) -> dict[str, Any]:
-    data = asdict(plan)
-    data["project_file"] = str(plan.project_file)
-    return data
+    return markdown_table(checks, ["check", "expected", "observed", "ok"])
 
 
 # ----- the fault matrix ------------------------------------------------------------------------------------------
@@ -844,12 +795,10 @@ def run_fault_matrix(out_dir: str | Path, echo: Echo = print, overwrite: bool = 
             f"; FAILED: {', '.join(c['check'] for c in failed)}" if failed else "")
         rows.append({"fault": name, "expected": expected, "observed": observed,
                      "longest_round": f"{longest:.1f} s (bound {plan.round_bound():.0f} s)", "ok": record["ok"]})
-    table = ["| fault | expected | observed | longest round | ok |", "|---|---|---|---|---|"]
-    table += [f"| {r['fault']} | {r['expected']} | {r['observed']} | {r['longest_round']} | "
-              f"{'yes' if r['ok'] else 'NO'} |" for r in rows]
+    table = markdown_table(rows, ["fault", "expected", "observed", "longest_round", "ok"])
     out.mkdir(parents=True, exist_ok=True)
-    (out / "faults.md").write_text("\n".join(table) + "\n")
-    echo("\n".join(table))
+    (out / "faults.md").write_text(table + "\n")
+    echo(table)
     return rows
 
 

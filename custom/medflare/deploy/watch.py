@@ -1,10 +1,9 @@
 """Follow a POC or production job round by round: ``medflare watch JOB_ID`` (and ``medflare run --env poc``).
 
-An admin session (FLARE's Session API, ``new_secure_session``, with an admin startup kit) polls the job through
-FLARE's own ``monitor_job``; at every poll it reads the controller's progress entries from FLARE's
-``show_stats`` (any role with the ``view`` right may) and prints the new ones, in the same words the simulator
-shows. When the job has ended, rounds that finished between the last two polls are read from the job's results
-file, if the user may download the job.
+An admin session (FLARE's Session API, with an admin startup kit) polls the job through FLARE's ``monitor_job``;
+at every poll it prints the controller's new progress entries from ``show_stats`` (any role with the ``view`` right
+may read them), in the simulator's words. Rounds that finished between the last two polls are read from the ended
+job's results file, if the user may download the job.
 """
 
 from __future__ import annotations
@@ -49,11 +48,7 @@ def as_user(username: str) -> str:
 
 
 class ProgressPrinter:
-    """Prints each progress entry once, however often it is read again.
-
-    Args:
-        echo: where lines go.
-    """
+    """Prints each progress entry once to ``echo``, however often it is read again."""
 
     def __init__(self, echo: Echo = print) -> None:
         self.echo = echo
@@ -80,15 +75,8 @@ def progress_entries(session: Any, job_id: str) -> list[dict[str, Any]]:
 
 
 def watch_job(session: Any, job_id: str, echo: Echo = print, timeout: float = 0, poll_interval: float = 2.0) -> str:
-    """Print the job's per-round progress until it ends; return its final status (e.g. FINISHED:COMPLETED).
-
-    Args:
-        session: an open FLARE Session (``new_secure_session``).
-        job_id: the job to follow.
-        echo: where lines go.
-        timeout: seconds to follow at most (0 = until the job ends).
-        poll_interval: seconds between polls.
-    """
+    """Print the job's per-round progress until it ends (or ``timeout`` seconds, 0 = no limit, have passed: then
+    "RUNNING"); return its final status (e.g. FINISHED:COMPLETED). ``session``: an open FLARE Session."""
     printer = ProgressPrinter(echo)
 
     def on_poll(sess: Any, polled_job: str, job_meta: dict, *args: Any, **kwargs: Any) -> bool:
