@@ -13,9 +13,11 @@ paper's rounds, local epochs, optimizer, schedule and batch, and puts its networ
   fedlsm    torchvision DenseNet-121 as registered (ImageNet stem; ceil-mode transition pools reach the last block)
   fca       torchvision EfficientNet-B0 as registered (ImageNet stem)
 
-No CIFAR-stem ResNet-18, DenseNet-121 or EfficientNet-B0 is registered: with a stride-1 stem their steps cost 13 to
-16 times the FLOPs (FlopCounterMode) and the pack would not fit a lease at the papers' rounds. Where the budget
-still does not fit 10 minutes the pack runs fewer rounds, and the plan prints each cut (:data:`LEASE_ROUNDS`).
+No CIFAR-stem ResNet-18, DenseNet-121 or EfficientNet-B0 is registered: with a stride-1 stem and no max-pool every
+later map has 16 times the pixels (DenseNet-121's step counts 13 times the FLOPs), more than a lease holds at the
+papers' rounds. Where the budget still does not fit 10 minutes the pack runs fewer rounds (:data:`LEASE_ROUNDS`),
+and the plan prints each cut: Fed-MAS 50 of 200 rounds (its 224-px prior runs on every step), SSL-FL's pre-training
+100 of 1,600 (Fed-MAE) and 100 of 1,000 (Fed-BEiT) rounds.
 
 Every arm runs as its own OS process on the one GPU, through ``inprocess.run_rounds`` on the arm's plan (the same
 RunPlan, site runtime and round core as a FLARE job; FLARE itself is not started). Seed 0 runs first; further
@@ -35,7 +37,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import fcntl
 import json
@@ -50,7 +51,18 @@ from pathlib import Path
 from typing import Any
 
 from benchmarking import cpu_model, run_fingerprint
-from paper import METRICS, PLANS, Arm, Plan, StepKey, arm_config, device_name, measure_step_seconds, planned_steps
+from paper import (
+    CPU_PROBE_BATCH,
+    METRICS,
+    PLANS,
+    Arm,
+    Plan,
+    StepKey,
+    arm_config,
+    device_name,
+    measure_step_seconds,
+    planned_steps,
+)
 
 from medflare.errors import ConfigError
 from medflare.methods.presets import PAPER
@@ -63,13 +75,14 @@ IMAGE_SIZE = 28  # MedMNIST's own resolution
 LEASE_SECONDS = 600
 PAPER_METHODS = list(PLANS)
 
-# The pack's rounds: the paper's unless the lease cannot hold them (each cut is printed with the plan). SSL-FL's
-# pre-training is where the papers' budgets (1,600 / 1,000 rounds of ViT-B) are far above a lease.
+# The pack's rounds: the paper's unless the lease cannot hold them (each cut is printed with the plan). Fed-MAS's
+# ImageNet prior at 224 px on every step and SSL-FL's ViT-B rounds (5 sites' parameters through the host each) are
+# what the H100 estimate cannot fit at the papers' 200 / 1,600 / 1,000 rounds.
 LEASE_ROUNDS: dict[str, dict[str, int]] = {
-    "fedmas": {"rounds": 200},
+    "fedmas": {"rounds": 50},
     "mdhfl": {"rounds": 40},
     "fed-mae": {"pretrain_rounds": 100, "finetune_rounds": 100},
-    "fed-beit": {"tokenizer_rounds": 10, "pretrain_rounds": 60, "finetune_rounds": 100},
+    "fed-beit": {"tokenizer_rounds": 20, "pretrain_rounds": 100, "finetune_rounds": 100},
     "fedlsm": {"rounds": 50},
     "fca": {"rounds": 80},
 }
@@ -213,7 +226,8 @@ def extra_forwards(run: RunConfig, key: StepKey) -> list[StepKey]:
     size, FedLSM's EMA teacher (the same network)."""
     if run.method == "fedmas":
         cfg = get_method("fedmas").config_cls(**run.method_args)
-        return [replace(key, model=cfg.prior_model or "efficientnet_lite0", image_size=cfg.prior_input_size)]
+        prior = "efficientnet_lite0" if cfg.prior == "imagenet-lite0" else cfg.prior_model  # else a local checkpoint
+        return [replace(key, model=prior, image_size=cfg.prior_input_size)]
     if run.method == "fedlsm":
         return [key]
     return []
@@ -231,6 +245,9 @@ class CostModel:
       host, checked, aggregated, back) at ``host_bytes_per_s``;
     * the arms' processes share the GPU by time-slicing (no MPS): their GPU work adds up, only host work overlaps;
     * ``startup_s``: the processes' start, imports, CUDA context, data and models (in parallel), the wheels' install.
+
+    Optimistic where a step runs outside autocast (the timed steps ran under it): Fed-MAS's prior runs in fp32
+    (``prior_precision``), and evaluation is not counted (once per arm, a few hundred 28-px images).
     """
 
     rates: Mapping[str, float]
@@ -344,6 +361,10 @@ def plan_lines(methods: list[str], runs: dict[tuple[str, str], RunConfig], costs
                 f"{train.get('optimizer', 'adam')} lr {train.get('lr')} {train.get('lr_schedule', 'constant')}, "
                 f"{train.get('local_epochs', 1)} local epochs, batch {train.get('batch_size')}"
                 + (f", max {train['max_steps']} steps a round" if train.get("max_steps") else "")
+                + (f", {run.method_args['local_iterations']} iterations a round"
+                   if run.method_args.get("local_iterations") else "")
+                + "".join(f"; {stage} stage batch {values.get('batch_size')} lr {values.get('lr')}"
+                          for stage, values in train.get("stages", {}).items())
                 + f"; {sum(cost.steps.values())} steps; H100 model {cost.own_s:.0f} s alone, {cost.gpu_s:.0f} s "
                 f"of GPU; {device} {cost.measured_total_s / 60:.1f} min "
                 f"({', '.join(f'{cost.measured_s[k] * 1e3:.0f} ms/step {k.model} b{k.batch}' for k in cost.steps)})")
@@ -352,8 +373,8 @@ def plan_lines(methods: list[str], runs: dict[tuple[str, str], RunConfig], costs
               f"  H100 estimate: GPU-bound {gpu:.0f} s, longest arm {longest:.0f} s, total {total:.0f} s "
               f"= {total / 60:.1f} min with start-up: {'<=' if total <= LEASE_SECONDS else 'ABOVE'} "
               f"{LEASE_SECONDS // 60} min",
-              f"  measured here ({device}, one thread, steps only): "
-              f"{sum(c.measured_total_s for c in costs) / 3600:.1f} h of steps in all"]
+              f"  measured here ({device}, training steps only): "
+              f"{sum(c.measured_total_s for c in costs) / 3600:.2f} h of steps in all"]
     return lines
 
 
@@ -443,8 +464,8 @@ def run_arm(method: str, arm: Arm, seed: int, opts: RunOptions, log: Any = print
     """One arm's job through the in-process loop, resumed from its last save; 'finished', 'skipped' (finished
     before) or 'stopped' (--stop-after-rounds)."""
     import torch
-
     from inprocess import RoundDone, run_rounds
+
     from medflare.evaluation import summarize
 
     run = lease_run(method, arm, seed, opts.tiny)
@@ -478,9 +499,11 @@ def run_arm(method: str, arm: Arm, seed: int, opts: RunOptions, log: Any = print
         stop = opts.stop_after_rounds and rounds_done >= opts.stop_after_rounds
         due = time.perf_counter() - last_save[0] >= opts.checkpoint_seconds or rounds_done == run.rounds
         if stop or due:
-            save_state(folder, held["sites"], rounds_done, done.aggregate.params, fingerprint,
-                       wall_before + time.perf_counter() - started)
+            wall_s = wall_before + time.perf_counter() - started
+            save_state(folder, held["sites"], rounds_done, done.aggregate.params, fingerprint, wall_s)
             last_save[0] = time.perf_counter()
+            log(f"{method}/{arm.name} seed {seed}: saved after round {rounds_done} of {run.rounds} ({wall_s:.0f} s)",
+                flush=True)
         if stop and rounds_done < run.rounds:
             raise Stopped(rounds_done)
 
@@ -567,9 +590,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device, name = device_name()
     if args.dry_run:
+        label = f"{name}, full batch" if device == "cuda" else f"{cpu_model()}, one thread, batch {CPU_PROBE_BATCH} scaled"
         model = CostModel(calibrated_rates())
         costs = cost_arms(runs, model, measure_device=device)
-        print("\n".join(plan_lines(args.methods, runs, costs, name if device == "cuda" else cpu_model(), args.seeds,
+        print("\n".join(plan_lines(args.methods, runs, costs, label, args.seeds,
                                    model)))
         return 0
     print(f"bench-paper-lease: {len(jobs)} arms x seeds {args.seeds} on {name}, into {args.out}", flush=True)
