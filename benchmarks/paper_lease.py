@@ -22,8 +22,8 @@ and the plan prints each cut: Fed-MAS 50 of 200 rounds (its 224-px prior runs on
 Every arm runs as its own OS process on the one GPU, through ``inprocess.run_rounds`` on the arm's plan (the same
 RunPlan, site runtime and round core as a FLARE job; FLARE itself is not started). Seed 0 runs first; further
 seeds only with ``--seeds``. A job saves its global model, its round and every site's trainer state (what
-``SiteRuntime`` keeps in its state file) under ``--out`` at most every ``--checkpoint-seconds`` and at its last
-round; a rerun skips finished arms and resumes the others from their last save. Each finished arm appends one row
+``SiteRuntime`` keeps in its state file) under ``--out`` after the first round that ends ``--checkpoint-seconds``
+after the last save, and after its last round; a rerun skips finished arms and resumes the others from their last save. Each finished arm appends one row
 (device, commit, seed, metrics, wall time) to ``benchmarks/results/paper_lease.md``.
 
 ``--dry-run`` prints the plan, this machine's measured time per step of every arm's network, and the H100 cost
@@ -575,6 +575,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sites", type=int, default=0, help="smoke runs: this many sites")
     parser.add_argument("--worker", nargs=3, metavar=("METHOD", "ARM", "SEED"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.seeds = sorted(dict.fromkeys(args.seeds), key=lambda seed: seed != 0)  # seed 0 first, the rest as given
     opts = RunOptions(args.out, args.results, Tiny(args.rounds, args.max_steps, args.sites), args.stop_after_rounds,
                       args.checkpoint_seconds)
     if args.worker:
