@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.medflare-installed
 DEMO_OUT ?= runs/demo
 
-.PHONY: install demo test test-heavy test-fast lint mutants bench-overhead bench-scaling bench-peer bench-transfer flower-robust-reference bench-robust bench-fedmas bench-fedmas-cost bench-fca bench-mdhfl bench-mdhfl-cpu60 bench-ssl-fl bench-fedlsm bench-dp bench-he bench-paper bench-fixed clean
+.PHONY: install demo test test-heavy test-fast lint mutants bench-overhead bench-scaling bench-peer bench-transfer flower-robust-reference bench-robust bench-fedmas bench-fedmas-cost bench-fca bench-mdhfl bench-mdhfl-cpu60 bench-ssl-fl bench-fedlsm bench-dp bench-he bench-paper bench-paper-lease bench-fixed clean
 
 # pip (not uv/poetry) so torch==2.14.1 / torchvision==0.29.1 come from this machine's local wheel store. pip
 # byte-compiles what it installs one file at a time; compileall does the same on every core (a fresh install took
@@ -143,6 +143,14 @@ bench-fixed: install
 BENCH_PAPER_ARGS ?=
 bench-paper: install
 	$(PY) benchmarks/paper.py --out runs/bench-paper $(BENCH_PAPER_ARGS)
+
+# The lease-sized paper pack (issue 51): every seed method against its paper's baselines at MedMNIST's own 28 px, the
+# papers' rounds (cuts stated in the plan), all arms side by side on one GPU within a 10-minute lease; a stopped pack
+# resumes from its saves; rows append to benchmarks/results/paper_lease.md. BENCH_PAPER_LEASE_ARGS=--dry-run prints the
+# plan, the steps timed here and the H100 estimate. On a lent GPU machine: benchmarks/paper_lease_on_gpu.sh.
+BENCH_PAPER_LEASE_ARGS ?=
+bench-paper-lease: install
+	$(PY) benchmarks/paper_lease.py --out runs/bench-paper-lease $(BENCH_PAPER_LEASE_ARGS)
 
 # make test: the fast tests and a smoke set (tests marked smoke: one FLARE simulator run per control pattern, one POC;
 # every registered method through the in-process loop with the job's plan and aggregation), within 10 minutes on a

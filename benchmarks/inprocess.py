@@ -95,22 +95,31 @@ class RoundDone:
 
 def run_rounds(job: RunPlan | RunConfig, deliver: Deliver = run_at_site,
                on_result: Callable[..., None] = lambda *result: None,
-               on_round: Callable[[RoundDone], None] = lambda done: None) -> tuple[dict, dict[str, SiteEvaluation]]:
+               on_round: Callable[[RoundDone], None] = lambda done: None,
+               on_sites: Callable[[InProcessSites], None] = lambda sites: None,
+               start: tuple[int, dict] | None = None) -> tuple[dict, dict[str, SiteEvaluation]]:
     """The controller's loop over ``job`` (a plan, or a run: :func:`plan_of`): the seeded global model, round by
     round each phase's task to every site in turn (a refused result raises RuntimeError), then every site's
     evaluation of the last model, which is returned too.
 
     ``deliver`` hands a site one task (name, arrays, header meta) and returns its (arrays, meta): tests pass one
     through the FLARE executor and the site's privacy filter. ``on_result(plan, site, result)`` sees each accepted
-    result as it arrives, ``on_round`` each round once the server aggregated it.
+    result as it arrives, ``on_round`` each round once the server aggregated it, ``on_sites`` the sites once built
+    (a resumed job restores their state there). ``start`` = (rounds done, the global model after them) resumes a
+    stopped job: the rounds before it are skipped, as FLARE's controller continues a resumed job's round counter.
     """
     plan = plan_of(job)
     core = RoundAggregation.of_plan(plan)
     network = global_model_of(plan)
     params = {k: v.detach().cpu().numpy() for k, v in network.state_dict().items()}
     sites = InProcessSites(plan)
+    on_sites(sites)
+    done_rounds, params = start if start is not None else (0, params)
     last = None
     for ctx in round_plan(core.stages, len(plan.rounds)):
+        last = ctx
+        if ctx.round < done_rounds:
+            continue
         started = time.perf_counter()
         core.start_round(params, dataclasses.replace(ctx, server_meta=core.rule.server_meta(ctx)))
         for phase in core.rule.phases(core.ctx):
@@ -118,7 +127,7 @@ def run_rounds(job: RunPlan | RunConfig, deliver: Deliver = run_at_site,
             tasks = outgoing.arrays if isinstance(outgoing, PerSite) else {site: outgoing for site in sites.sites}
             _send(sites, core, phase, tasks, deliver, on_result)
         aggregate = core.aggregate()
-        params, last = aggregate.params, ctx
+        params = aggregate.params
         on_round(RoundDone(ctx, aggregate, core.accepted(), time.perf_counter() - started))
     return params, _final_validation(sites, core, params, last, deliver)
 

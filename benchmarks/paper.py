@@ -33,7 +33,7 @@ import math
 import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -138,8 +138,9 @@ def dataset_path(dataset: str) -> Path:
     return path
 
 
-def arm_config(plan: Plan, arm: Arm, seed: int) -> RunConfig:
-    """An arm's run: the seed method's paper preset (a baseline: its shared part), the data, the plan's budget."""
+def arm_config(plan: Plan, arm: Arm, seed: int, *layers: Mapping[str, Any]) -> RunConfig:
+    """An arm's run: the seed method's paper preset (a baseline: its shared part), the data, the plan's budget, then
+    ``layers`` on top (``paper_lease.py`` puts the networks at the data's own resolution there)."""
     own = arm.method == plan.method
     layer = {
         "method": arm.method, "seed": seed, "name": f"{re.sub(r'[^a-z0-9]+', '-', arm.name)}-s{seed}",
@@ -151,7 +152,7 @@ def arm_config(plan: Plan, arm: Arm, seed: int) -> RunConfig:
     }
     if plan.method == "fedlsm" and own:
         layer["method_args"]["local_iterations"] = FEDLSM_ITERATIONS
-    return merge_run_config(preset_layer(PAPER, arm.method, lead=plan.method), layer)
+    return merge_run_config(preset_layer(PAPER, arm.method, lead=plan.method), layer, *layers)
 
 
 # ----- the estimate ----------------------------------------------------------------------------------------
