@@ -66,6 +66,7 @@ from paper import (
 
 from medflare.errors import ConfigError
 from medflare.methods.presets import PAPER
+from medflare.plan import validated
 from medflare.registry import get_method
 from medflare.run_config import RunConfig
 
@@ -135,7 +136,7 @@ def lease_run(method: str, arm: Arm, seed: int, tiny: Tiny = Tiny()) -> RunConfi
     """The arm's run at 28 px, validated."""
     plan = lease_plan(method)
     run = arm_config(plan, arm, seed, {"data": {"image_size": IMAGE_SIZE}}, tiny.layer())
-    run.validate()
+    run = validated(run)
     return run
 
 
