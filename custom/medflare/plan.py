@@ -112,8 +112,8 @@ class RunPlan:
     shot_groups: dict[str, list[int]] | None = None  # head/medium/tail class ids for long-tail metrics
 
     def __post_init__(self) -> None:
-        if not self.sites:
-            raise ConfigError("the plan names no site")
+        if not self.sites or not self.model:
+            raise ConfigError(f"the plan names no {'model' if self.sites else 'site'} (build it from plan.validated)")
         if not 1 <= self.min_clients <= len(self.sites):
             raise ConfigError(f"min_clients must be between 1 and the plan's {len(self.sites)} sites, got "
                               f"{self.min_clients}")

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from medflare.files import OutputError
+from medflare.plan import validated
 from medflare.run_config import RunConfig
 from medflare.server_setup import DEPLOY_ROBUST, deployment_robust
 
@@ -43,7 +44,7 @@ def deployment_run(method: str, **overrides: Any) -> RunConfig:
         "method": method, "rounds": DEPLOY_ROUNDS, "clients": DEPLOY_SITES, "min_clients": DEPLOY_MIN_SITES,
         "data": {"source": "site"}, "task": dict(DEPLOY_TASK), "straggler_seconds": 600, **overrides}
     fields["robust"] = deployment_robust(fields.get("robust", {}), fields.get("secure_aggregation") == "he")
-    return RunConfig(**fields)
+    return validated(RunConfig(**fields), check_files=False)
 
 
 def write_app(method: str, out_dir: str | Path) -> Path:
