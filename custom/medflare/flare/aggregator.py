@@ -18,19 +18,9 @@ from medflare.contracts import ContractContext, Expected, validate_update
 from medflare.errors import MedflareError, PayloadError
 from medflare.flare.tasks import deployed_plan
 from medflare.methods.base import LARGEST_SHARE, AggregateResult, PerSite, RoundContext, SiteUpdate, aggregate_updates
-from medflare.ops import normalise_weights, wire
+from medflare.ops import normalise_weights, robust_rules, wire
 from medflare.ops.aggregate import SiteOrderedSum
 from medflare.ops.influence import Mixture, combine, mix
-from medflare.ops.robust_rules import (
-    bulyan_picks,
-    closest_to_median_mean,
-    krum_scores_of,
-    multi_krum_picks,
-    robust_combiner,
-    squared_distances,
-    weighted_median,
-    weighted_trimmed_mean,
-)
 from medflare.ops.wire import decode_weights
 from medflare.plan import PLAN_FILE, RunPlan
 from medflare.server_setup import server_rule
@@ -47,37 +37,22 @@ class RoundAggregation:
     """FLARE-free core of one round: accept (validate) results phase by phase, then aggregate.
 
     Args:
-        method: registered method name.
-        method_args: the method's hyperparameters.
-        num_classes: K of the task.
-        num_rounds: the job's rounds; the rule's stages must add up to it.
+        method, method_args, num_classes, num_rounds, multi_label: the method, its hyperparameters, K, the job's
+            rounds (the rule's stages must add up to it) and whether the task is multi-label.
         robust: :class:`medflare.server_setup.RobustConfig` fields.
-        transfer_dtype: dtype float weights travel in ("float32" or "float16").
-        transfer_kind: "weights", or "diff" (updates as differences, e.g. for a site's DP filter).
-        multi_label: whether the task is multi-label (the rule and the evaluation checks need to know).
+        transfer_dtype, transfer_kind: how float weights travel ("float32"/"float16"), as "weights" or "diff".
         stream_aggregation: add each accepted train result to one float64 running sum, in site-name order, instead
-            of holding every site's update until the end (when the rule is linear; else the round is aggregated
-            in one batch and its record says why). Needs :meth:`expect_sites` to free results early.
-        download_dtype: dtype the global model's float weights travel to the sites in ("float32", or "float16"
-            for half the bytes; :func:`medflare.ops.wire.encode_download`); the server keeps its own precision.
-        min_clients: the valid results a round needs (the job's); no robust decision may leave fewer, the round
-            then fails naming every site involved.
+            of holding every update until the end (when the rule is linear; else the round's record says why it
+            ran in one batch). Needs :meth:`expect_sites` to free results early.
+        download_dtype: dtype the global model's float weights travel to the sites in (float16: half the bytes);
+            the server keeps its own precision.
+        min_clients: the valid results a round needs; no robust decision may leave fewer (the round fails instead).
     """
 
-    def __init__(
-        self,
-        method: str,
-        method_args: Mapping[str, Any] | None,
-        num_classes: int,
-        num_rounds: int,
-        robust: Mapping[str, Any] | None = None,
-        transfer_dtype: str = "float32",
-        transfer_kind: str = "weights",
-        multi_label: bool = False,
-        stream_aggregation: bool = False,
-        download_dtype: str = "float32",
-        min_clients: int = 1,
-    ):
+    def __init__(self, method: str, method_args: Mapping[str, Any] | None, num_classes: int, num_rounds: int,
+                 robust: Mapping[str, Any] | None = None, transfer_dtype: str = "float32",
+                 transfer_kind: str = "weights", multi_label: bool = False, stream_aggregation: bool = False,
+                 download_dtype: str = "float32", min_clients: int = 1):
         self.min_clients = min_clients
         self.spec, self.rule, self.stages, self.robust = server_rule(
             method, method_args, num_rounds, robust, transfer_dtype, transfer_kind, download_dtype, multi_label
@@ -113,11 +88,8 @@ class RoundAggregation:
         self.earlier, self.updates, self.rejected, self.phase, self.stream = {}, {}, {}, "", None
 
     def start_phase(self, phase: str) -> dict[str, np.ndarray] | PerSite:
-        """Begin a phase of the round: returns what to send, and fixes what valid results look like.
-
-        The rule builds the phase's task first, so the phase's array dimensions may depend on what it learnt
-        from earlier phases.
-        """
+        """Begin a phase of the round: returns what to send, and fixes what valid results look like (after the
+        task is built, so the phase's array dimensions may depend on what the rule learnt in earlier phases)."""
         if self.phase:
             self.earlier[self.phase] = self.accepted()
         self.phase = phase
@@ -176,14 +148,8 @@ class RoundAggregation:
         return [self.updates[site] for site in sorted(self.updates)]
 
     def accept(self, site: str, arrays: Mapping[str, Any], meta: Mapping[str, Any], kind: str = "weights") -> str | None:
-        """Validate and keep one site's result. Returns None when accepted, else the rejection reason.
-
-        Args:
-            site: the sender.
-            arrays: its arrays (weights or weight differences, plus declared arrays).
-            meta: its meta.
-            kind: "weights" or "diff", what the result says it carries; it must be what the job asked for.
-        """
+        """Validate and keep ``site``'s result (``kind``: "weights" or "diff", what it says it carries, which must
+        be what the job asked for). Returns None when accepted, else the rejection reason."""
         expected_kind = self.transfer_kind if self.phase == contracts.TRAIN_PHASE else "weights"
         if site in self.updates:
             reason = "a second update in the same round"
@@ -238,8 +204,7 @@ class RoundAggregation:
         """The next global model from the last phase's accepted updates, after the robust checks.
 
         Raises:
-            PayloadError: when nothing is left to aggregate, or the aggregate is not finite (the previous global
-                model is then kept; nothing is persisted).
+            PayloadError: nothing is left to aggregate, or the aggregate is not finite (the previous model is kept).
         """
         if self.stream is not None:
             result = self._streamed_aggregate(self.stream)
@@ -255,10 +220,7 @@ class RoundAggregation:
                 result = dataclasses.replace(result, info={**result.info, RULE_INFO: self._rule_facts(result)})
         if self.stream_aggregation:
             result = dataclasses.replace(result, info={**result.info, STREAM_INFO: self._stream_facts()})
-        broken = sorted(k for k, v in result.params.items() if np.asarray(v).dtype.kind == "f" and not np.all(np.isfinite(v)))
-        if broken:
-            raise PayloadError(f"the aggregate has NaN/Inf in {broken[:5]}; the previous global model is kept")
-        return result
+        return require_finite(result)
 
     def _streamed_aggregate(self, stream: SiteOrderedSum) -> AggregateResult:
         """What ``ServerRule.aggregate`` gives for a linear rule, from the running sum."""
@@ -312,17 +274,16 @@ class RoundAggregation:
             )
         keys = [k for k, v in self.global_params.items()
                 if np.asarray(v).dtype.kind == "f" and all(k in u.arrays for u in updates)]
-        distances = squared_distances([u.arrays for u in updates], keys)
+        distances = robust_rules.squared_distances([u.arrays for u in updates], keys)
         f = robust.hostile_sites
-        picks = bulyan_picks(distances, f) if robust.rule == "bulyan" else multi_krum_picks(distances, f, keep)
-        scores = krum_scores_of(distances, f, max(answered - f - 2, 1))
+        picks = (robust_rules.bulyan_picks(distances, f) if robust.rule == "bulyan"
+                 else robust_rules.multi_krum_picks(distances, f, keep))
+        scores = robust_rules.krum_scores_of(distances, f, max(answered - f - 2, 1))
         for index, update in enumerate(updates):
             if index not in picks:
-                self.rejected[update.site] = (
-                    f"not among the {len(picks)} of {answered} sites robust.rule={robust.rule} keeps (Krum score "
-                    f"{scores[index]:.4g}; the highest kept {max(scores[i] for i in picks):.4g})"
-                )
-                self.updates.pop(update.site, None)
+                highest = max(scores[i] for i in picks)
+                self._reject(update.site, f"not among the {len(picks)} of {answered} sites robust.rule={robust.rule} "
+                                          f"keeps (Krum score {scores[index]:.4g}; the highest kept {highest:.4g})")
         return [updates[index] for index in sorted(picks)]
 
     def _rule_facts(self, result: AggregateResult) -> dict[str, Any]:
@@ -338,12 +299,12 @@ class RoundAggregation:
         """How the kept sites' model arrays are combined under their bounded shares."""
         robust = self.robust
         if robust.rule == "median":
-            return robust_combiner(weighted_median)
+            return robust_rules.robust_combiner(robust_rules.weighted_median)
         if robust.rule == "trimmed_mean":
-            return robust_combiner(lambda values, weights: weighted_trimmed_mean(values, weights,
-                                                                                 robust.trim_fraction))
+            return robust_rules.robust_combiner(
+                lambda values, weights: robust_rules.weighted_trimmed_mean(values, weights, robust.trim_fraction))
         if robust.rule == "bulyan":
-            return robust_combiner(lambda values, weights: closest_to_median_mean(
+            return robust_rules.robust_combiner(lambda values, weights: robust_rules.closest_to_median_mean(
                 values, weights, values.shape[0] - 2 * robust.hostile_sites))
         return combine
 
@@ -362,13 +323,24 @@ class RoundAggregation:
         for update in updates:
             others = float(np.median([n for s, n in norms.items() if s != update.site]))
             if others > 0 and norms[update.site] > ratio * others:
-                self.rejected[update.site] = (
-                    f"update norm {norms[update.site]:.4g} exceeds {ratio:g} x the other sites' median {others:.4g}"
-                )
-                self.updates.pop(update.site, None)
+                self._reject(update.site, f"update norm {norms[update.site]:.4g} exceeds {ratio:g} x the other "
+                                          f"sites' median {others:.4g}")
             else:
                 kept.append(update)
         return kept, ""
+
+    def _reject(self, site: str, reason: str) -> None:
+        """A robust decision drops ``site``'s accepted update."""
+        self.rejected[site] = reason
+        self.updates.pop(site, None)
+
+
+def require_finite(result: AggregateResult) -> AggregateResult:
+    """``result``, unless a float array of it holds NaN/Inf (a ciphertext is no float array: it is not read)."""
+    broken = sorted(k for k, v in result.params.items() if np.asarray(v).dtype.kind == "f" and not np.all(np.isfinite(v)))
+    if broken:
+        raise PayloadError(f"the aggregate has NaN/Inf in {broken[:5]}; the previous global model is kept")
+    return result
 
 
 def update_norm(arrays: Mapping[str, np.ndarray], global_params: Mapping[str, np.ndarray]) -> float:
@@ -418,14 +390,6 @@ class MedflareAggregator(Aggregator):
             except MedflareError as exc:
                 self.system_panic(f"medflare: the aggregator cannot load the job's plan: {exc}", fl_ctx)
 
-    def start_round(self, global_params: Mapping[str, np.ndarray], ctx: RoundContext) -> None:
-        """Called by the controller before it sends the round's first task."""
-        self.core.start_round(global_params, ctx)
-
-    def start_phase(self, phase: str) -> dict[str, np.ndarray] | PerSite:
-        """Called by the controller before each phase; returns what to send (one dict, or per site)."""
-        return self.core.start_phase(phase)
-
     def accept(self, shareable: Shareable, fl_ctx: FLContext) -> bool:
         site = shareable.get_peer_prop(ReservedKey.IDENTITY_NAME, default="?")
         if self.core.awaits_site_list():
@@ -466,6 +430,3 @@ class MedflareAggregator(Aggregator):
             self.log_warning(fl_ctx, f"round {self.core.ctx.round + 1}: a site outside the task's targets was "
                                      "added out of site order; this round's aggregate may not repeat bit for bit")
         return DXO(DataKind.WEIGHTS, data=result.params, meta={SHARES: result.shares, INFO: result.info}).to_shareable()
-
-    def reset(self, fl_ctx: FLContext) -> None:
-        self.core.start_round(self.core.global_params, self.core.ctx)

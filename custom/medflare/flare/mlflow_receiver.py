@@ -19,7 +19,7 @@ from nvflare.apis.analytix import ANALYTIC_EVENT_TYPE, AnalyticsData, AnalyticsD
 from nvflare.apis.fl_context import FLContext
 
 import medflare
-from medflare.flare.tracking import job_env, receiver_base
+from medflare.flare.tracking import SIMULATOR_JOB_ID, receiver_base
 
 PARAMS_PER_BATCH = 100  # MLflow takes at most this many params in one log_batch call
 SHARED_STORE_VARIABLE = "MEDFLARE_MLFLOW_URI"  # e.g. sqlite:////abs/runs/mlflow.db: every job of a server in one store
@@ -61,7 +61,7 @@ class MlflowReceiver(
         from mlflow.entities import Param  # mlflow is there: FLARE's receiver, the base class, imports it
 
         self._server_name = fl_ctx.get_identity_name()
-        env = job_env(fl_ctx.get_job_id(), self.deployed_env)
+        env = "simulator" if fl_ctx.get_job_id() == SIMULATOR_JOB_ID else self.deployed_env
         tags = {**(self.kw_args.get(TrackConst.RUN_TAGS) or {}), "env": env, "medflare_version": medflare.__version__}
         self.kw_args[TrackConst.RUN_TAGS] = tags  # FLARE adds job_id and run_name
         super()._mlflow_setup(art_full_path, experiment_name, experiment_tags, [self._server_name], fl_ctx)
