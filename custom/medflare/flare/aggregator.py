@@ -201,11 +201,8 @@ class RoundAggregation:
             raise PayloadError(f"n_samples={n:g} is implausible: this site reported {first:g} in its first round")
 
     def aggregate(self) -> AggregateResult:
-        """The next global model from the last phase's accepted updates, after the robust checks.
-
-        Raises:
-            PayloadError: nothing is left to aggregate, or the aggregate is not finite (the previous model is kept).
-        """
+        """The next global model from the last phase's accepted updates, after the robust checks; a
+        :class:`PayloadError` when nothing is left to aggregate or the aggregate is not finite."""
         if self.stream is not None:
             result = self._streamed_aggregate(self.stream)
         else:
@@ -240,11 +237,8 @@ class RoundAggregation:
                 "in_site_order": not self.stream.out_of_order}
 
     def _require_quorum(self, updates: list[SiteUpdate]) -> None:
-        """No robust decision leaves fewer than ``min_clients`` sites: the round fails instead, naming them all.
-
-        Raises:
-            PayloadError: the robust rules left fewer sites than the job needs (the previous model is kept).
-        """
+        """No robust decision leaves fewer than ``min_clients`` sites: the round fails instead (a
+        :class:`PayloadError` naming them all; the previous model is kept)."""
         if len(updates) >= self.min_clients or not self.rejected:
             return
         kept = sorted(update.site for update in updates)
@@ -255,12 +249,9 @@ class RoundAggregation:
         )
 
     def _select(self, updates: list[SiteUpdate]) -> list[SiteUpdate]:
-        """The sites a selecting ``robust.rule`` (Krum, Multi-Krum, Bulyan) keeps, by the distances between the
-        model arrays every site sent; the others are rejected with their score, like the norm bound's outliers.
-
-        Raises:
-            PayloadError: fewer sites answered than the rule is defined for (the previous model is kept).
-        """
+        """The sites a selecting ``robust.rule`` (Krum, Multi-Krum, Bulyan) keeps, by the distances between their
+        model arrays; the others are rejected with their score (a :class:`PayloadError` when fewer sites answered
+        than the rule is defined for)."""
         robust = self.robust
         if not robust.selects or not updates:
             return updates
@@ -355,13 +346,8 @@ def update_norm(arrays: Mapping[str, np.ndarray], global_params: Mapping[str, np
 
 
 class MedflareAggregator(Aggregator):
-    """FLARE Aggregator adapter over :class:`RoundAggregation`; one instance serves every method.
-
-    Args:
-        plan_file: the job's plan in its ``app/config`` folder (``medflare_plan.json``, :mod:`medflare.plan`):
-            the method and its arguments, the task, the rounds, the robust defences, the wire options and the
-            valid results a round needs. The round core is built from it when the job starts.
-    """
+    """FLARE Aggregator adapter over :class:`RoundAggregation`, built when the job starts from ``plan_file`` (the
+    job's plan in its ``app/config`` folder, :mod:`medflare.plan`); one instance serves every method."""
 
     holds_plaintext = True  # the server can read and save the global model (False: flare.he.EncryptedAggregator)
     core_cls: type[RoundAggregation] = RoundAggregation  # the FLARE-free round it drives

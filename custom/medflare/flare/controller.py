@@ -45,9 +45,8 @@ from medflare.ops.timing import timed
 from medflare.plan import PLAN_FILE, RunPlan
 from medflare.server_setup import round_plan
 
-# The longest a site's request for its next task is held while the server works between two phases; past it the
-# site hears "try again" as before. Longer than the server's usual turn (0.1-0.3 s, docs/benchmarks.md), short
-# enough that FLARE's heartbeats, which wait for the same lock, stay far inside their timeouts.
+# The longest a site's request for its next task is held between two phases (then it hears "try again"): longer than
+# the server's usual turn (0.1-0.3 s), short enough for FLARE's heartbeats, waiting for the same lock, to stay in time.
 TASK_HOLD_SECONDS = 1.0
 
 
@@ -170,8 +169,7 @@ class MedflareController(Controller):
         super().handle_event(event_type, fl_ctx)
 
     def _load_plan(self, fl_ctx: FLContext) -> None:
-        """The job's plan as FLARE deployed it; its fingerprint goes into the results and the log, beside each
-        site's."""
+        """The job's plan as FLARE deployed it; its fingerprint goes into the log, beside each site's."""
         try:
             plan, loaded = deployed_plan(fl_ctx, self.plan_file)
         except MedflareError as exc:
@@ -260,9 +258,8 @@ class MedflareController(Controller):
         self._track(progress.round_entry(record, self.num_rounds), fl_ctx, record_scalars(record), ctx.round + 1)
 
     def _close_round(self, record: dict, fl_ctx: FLContext) -> None:
-        """The round's checkpoint and garbage collection: off the critical path, because the sites already train
-        on the next round's task while it runs (they poll for that task, and a server still busy with
-        bookkeeping when a site asks costs it a whole poll interval)."""
+        """The round's best model, checkpoint and garbage collection, run once the next task is out: a server busy
+        with them when a site polls for that task would cost it a whole poll interval."""
         spans = record["server_seconds"]
         with timed(spans, "best_model"):  # before the checkpoint, which names the best model version
             self._save_best_model(fl_ctx)
@@ -404,9 +401,8 @@ class MedflareController(Controller):
         fl_ctx.set_prop(AppConstants.GLOBAL_MODEL, make_model_learnable(self.global_params, {}), private=True, sticky=True)
 
     def _persist_global_model(self, fl_ctx: FLContext) -> None:
-        """FL_global_model.pt of the last round played, written once: every round's model is already in the
-        round checkpoint (for a resumed job), so a per-round copy (fsync'ed, 45 MB for a ResNet-18) only
-        lengthened each round. An encrypted job's server writes the model as it holds it, encrypted."""
+        """FL_global_model.pt of the last round played, written once (each round's model is in its checkpoint); an
+        encrypted job's server writes the model as it holds it, encrypted."""
         if not self.aggregator.holds_plaintext:
             self.aggregator.save_model(self.global_params, os.path.dirname(self.results_path))
             return
@@ -439,13 +435,10 @@ class MedflareController(Controller):
             fl_ctx.set_prop(AppConstants.GLOBAL_MODEL, current, private=True, sticky=True)
 
     def _final_validation(self, last: RoundContext, abort_signal: Signal, fl_ctx: FLContext) -> None:
-        """Score the final global model (after the last round played) at every site; its metrics land in
-        ``results["final"]``."""
+        """Score the last round's model at every site (``results["final"]``)."""
         version = last.round + 1
-        ctx = RoundContext(
-            version, self.num_rounds, stage=last.stage, stage_round=last.stage_round + 1,
-            stage_rounds=last.stage_rounds, scored=True,
-        )
+        ctx = RoundContext(version, self.num_rounds, stage=last.stage, stage_round=last.stage_round + 1,
+                           stage_rounds=last.stage_rounds, scored=True)
         record = run_results.new_record(version, time.time())
         core = self.aggregator.core
         core.start_round(self.global_params, ctx)
@@ -455,8 +448,7 @@ class MedflareController(Controller):
         self._send_phase(TASK_VALIDATE, arrays, ctx, record, evaluations, abort_signal, fl_ctx)
         final = self._record_evaluation(version, evaluations, fl_ctx)
         self._save_best_model(fl_ctx)
-        method_metrics = core.rule.final_metrics(final)
-        self.run.data["final"] = {"model_version": version, **final, "method_metrics": method_metrics}
+        self.run.data["final"] = {"model_version": version, **final, "method_metrics": core.rule.final_metrics(final)}
         self.run.data["final_validation"] = {"wall_seconds": time.time() - record["started_at"],
                                              "failed": record["failed"]}
 

@@ -132,7 +132,9 @@ class MedflareExecutor(Executor):
             if refused:  # a task filter of this site refused what the task carries (e.g. he.DecryptTask)
                 raise SiteDeclined(f"{site} refuses the task: {refused}", reason="implausible_model")
             runtime = self._get_runtime(fl_ctx)
-            self._stream_epochs(runtime, fl_ctx)
+            if self.stream_metrics:  # the trainer's per-epoch report, as FLARE analytics events of this task
+                _trainer(runtime).epoch_listener = (
+                    lambda epoch, loss: send_scalars(self, fl_ctx, {EPOCH_LOSS: loss}, epoch))
             result = self._dispatch(runtime, task_name, shareable, abort_signal)
             self._unstreamed_task = (runtime, task_name, shareable)  # streamed once FLARE has filtered the result
             return result
@@ -163,11 +165,6 @@ class MedflareExecutor(Executor):
         except ValueError:  # a filter made it something other than a DXO: nothing medflare can name
             return
         self._audit.task(task_name, round_context(received.meta).round, sent.data or {}, sent.meta or {})
-
-    def _stream_epochs(self, runtime: SiteRuntime | DataParallelSite, fl_ctx: FLContext) -> None:
-        """Point the trainer's per-epoch report at FLARE's analytics events of this task (when tracking)."""
-        if self.stream_metrics:
-            _trainer(runtime).epoch_listener = lambda epoch, loss: send_scalars(self, fl_ctx, {EPOCH_LOSS: loss}, epoch)
 
     def _stream_task(self, runtime: SiteRuntime | DataParallelSite, task_name: str, task: Shareable,
                      result: Shareable, fl_ctx: FLContext) -> None:

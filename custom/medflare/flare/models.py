@@ -7,14 +7,7 @@ from torch import nn
 from medflare.plan import RunPlan
 from medflare.server_setup import global_model
 
-
-def build_global_model(method: str, model: str, num_classes: int, in_channels: int, image_size: int,
-                       pretrained: str | None = None, method_args: dict | None = None, seed: int = 0,
-                       plugins: list | None = None, dp_sgd: bool = False) -> nn.Module:
-    """Initial global network; FLARE's PTFileModelPersistor instantiates it from the job config
-    (:func:`medflare.server_setup.global_model`)."""
-    return global_model(method, model, num_classes, in_channels, image_size, pretrained, method_args, seed, plugins,
-                        dp_sgd)
+build_global_model = global_model  # the initial global network, by the name callers import
 
 
 def global_model_of(plan: RunPlan) -> nn.Module:

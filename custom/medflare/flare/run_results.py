@@ -75,13 +75,9 @@ def json_default(value: Any) -> Any:
 
 
 class RunResults:
-    """What a run has done: ``data`` (what ``medflare_results.json`` holds), the next round to run, the best
-    validation score, and the model that scored it until it is saved (``best_unsaved``).
-
-    Args:
-        key_metric: the validation metric that selects the best model (the task's headline metric).
-        patience: scored model versions in a row without a better one before the run stops (0: never).
-    """
+    """What a run has done: ``data`` (what ``medflare_results.json`` holds), the next round, the best validation
+    score of ``key_metric`` (the task's headline metric) and the model that scored it until it is saved
+    (``best_unsaved``). ``patience``: scored model versions in a row without a better one before the run stops."""
 
     def __init__(self, key_metric: str, patience: int = 0) -> None:
         self.key_metric, self.patience = key_metric, patience
@@ -93,12 +89,9 @@ class RunResults:
 
     def accept_site_result(self, record: dict, evaluations: dict, site: str, meta: Mapping[str, Any],
                            num_classes: int, multi_label: bool) -> str:
-        """An accepted result's facts into the round's record, and its evaluation statistics into ``evaluations``
-        unless their counts contradict what the site declared first: that refusal is recorded and returned.
-
-        Raises:
-            Exception: the evaluation statistics are malformed (:func:`medflare.evaluation.site_evaluation`).
-        """
+        """An accepted result's facts into the round's record, and its (well-formed, or this raises) evaluation
+        statistics into ``evaluations`` unless their counts contradict what the site declared first: that refusal
+        is recorded and returned."""
         record["sites"].setdefault(site, {}).update({k: meta[k] for k in SITE_FACTS if k in meta})
         evaluation = site_evaluation(meta, num_classes, multi_label)
         refusal = self.declared_counts.refusal(site, evaluation) if evaluation else ""

@@ -20,37 +20,23 @@ TASK_VALIDATE = "validate"
 TASK_SUBMIT_MODEL = "submit_model"
 
 
+# RoundContext field -> (its key in a task's meta, its type, its value when a task does not carry it)
+HEADER = {"round": (contracts.ROUND, int, 0), "total_rounds": (contracts.TOTAL_ROUNDS, int, 1),
+          "stage": (contracts.STAGE, str, contracts.TRAIN_PHASE), "stage_round": (contracts.STAGE_ROUND, int, -1),
+          "stage_rounds": (contracts.STAGE_ROUNDS, int, 0), "scored": (contracts.SCORED, bool, True)}
+
+
 def round_meta(ctx: RoundContext) -> dict[str, Any]:
     """Server -> site meta for a task."""
-    return {
-        **dict(ctx.server_meta),
-        contracts.ROUND: ctx.round,
-        contracts.TOTAL_ROUNDS: ctx.total_rounds,
-        contracts.STAGE: ctx.stage,
-        contracts.STAGE_ROUND: ctx.stage_round,
-        contracts.STAGE_ROUNDS: ctx.stage_rounds,
-        contracts.SCORED: ctx.scored,
-    }
-
-
-HEADER_KEYS = (
-    contracts.ROUND, contracts.TOTAL_ROUNDS, contracts.STAGE, contracts.STAGE_ROUND, contracts.STAGE_ROUNDS,
-    contracts.SCORED,
-)
+    return {**dict(ctx.server_meta), **{key: getattr(ctx, field) for field, (key, _, _) in HEADER.items()}}
 
 
 def round_context(meta: Mapping[str, Any]) -> RoundContext:
     """Site-side decode of :func:`round_meta`; every other key (array dims, transfer dtype, rule meta) is
     kept in ``server_meta``."""
-    return RoundContext(
-        round=int(meta.get(contracts.ROUND, 0)),
-        total_rounds=int(meta.get(contracts.TOTAL_ROUNDS, 1)),
-        stage=str(meta.get(contracts.STAGE, contracts.TRAIN_PHASE)),
-        stage_round=int(meta.get(contracts.STAGE_ROUND, -1)),
-        stage_rounds=int(meta.get(contracts.STAGE_ROUNDS, 0)),
-        scored=bool(meta.get(contracts.SCORED, True)),
-        server_meta={k: v for k, v in meta.items() if k not in HEADER_KEYS},
-    )
+    keys = {key for key, _, _ in HEADER.values()}
+    return RoundContext(**{field: kind(meta.get(key, default)) for field, (key, kind, default) in HEADER.items()},
+                        server_meta={k: v for k, v in meta.items() if k not in keys})
 
 
 # plan file (path, mtime, size) -> its plan and its log line: the server's components and a site's executor and

@@ -186,16 +186,13 @@ class SiteMetricsToServer(ConvertToFedEvent):
         super().__init__(events_to_convert or [ANALYTIC_EVENT_TYPE], fed_event_prefix)
 
     def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
-        if event_type in self.events_to_convert and not _is_federated(fl_ctx):
+        federated = fl_ctx.get_prop(FLContextKey.EVENT_SCOPE, EventScope.LOCAL) == EventScope.FEDERATION
+        if event_type in self.events_to_convert and not federated:
             refusal = undeclared_stream(fl_ctx.get_prop(FLContextKey.EVENT_DATA, None))
             if refusal:
                 self.log_warning(fl_ctx, f"not streamed to the server: {refusal}", fire_event=False)
                 return
         super().handle_event(event_type, fl_ctx)
-
-
-def _is_federated(fl_ctx: FLContext) -> bool:
-    return fl_ctx.get_prop(FLContextKey.EVENT_SCOPE, EventScope.LOCAL) == EventScope.FEDERATION
 
 
 def undeclared_stream(data: Any) -> str | None:
