@@ -111,10 +111,8 @@ class RoundAggregation:
         return wire.encode_download(arrays, self.global_params, self.download_dtype)
 
     def batch_reason(self) -> str:
-        """Why this round's results are aggregated in one batch despite ``stream_aggregation`` ("" = they stream).
-
-        Only a linear rule (Σ weight·arrays / Σ weight) can add results one at a time; the update-norm bound and a
-        share cap compare every site with the others, so they need all updates at once."""
+        """Why this round's results are aggregated in one batch despite ``stream_aggregation`` ("" = they stream):
+        only a linear rule (Σ weight·arrays / Σ weight) can add results one at a time."""
         if self.robust.rule != "mean":
             return f"robust.rule={self.robust.rule} compares every site's update with the others'"
         if self.robust.max_norm_ratio > 0:

@@ -50,11 +50,7 @@ _HEADER = "__medflare_he__"  # MODEL_FILE's entry naming each array's shape, dty
 
 def load_workspace_context(file_name: str, fl_ctx: FLContext) -> Any:
     """A TenSEAL context from this participant's startup kit, through FLARE's loader (which refuses an unsigned or
-    tampered context in secure mode).
-
-    Raises:
-        ConfigError: TenSEAL is missing, or the kit has no such context (not provisioned with HEBuilder).
-    """
+    tampered context in secure mode); a :class:`ConfigError` without TenSEAL or without the kit's context."""
     he_aggregate.tenseal()
     from nvflare.app_opt.he.homomorphic_encrypt import load_tenseal_context_from_workspace
 
@@ -125,9 +121,7 @@ class EncryptedRoundAggregation(RoundAggregation):
         """The arrays a train result must carry encrypted: the shared model arrays, frozen parts excepted."""
         return sorted(k for k in self.expected if k in self.global_params and not self.spec.payload.is_frozen(k))
 
-    def accept(
-        self, site: str, arrays: Mapping[str, Any], meta: Mapping[str, Any], kind: str = "weights"
-    ) -> str | None:
+    def accept(self, site: str, arrays: Mapping[str, Any], meta: Mapping[str, Any], kind: str = "weights") -> str | None:
         """Read the ciphertexts, then run every plaintext check on stand-ins of them (shapes, meta, declared
         arrays, the rule's checks, the weight); keep the ciphertexts for the aggregate."""
         if self.phase != contracts.TRAIN_PHASE:
@@ -137,23 +131,17 @@ class EncryptedRoundAggregation(RoundAggregation):
         except PayloadError as exc:
             self.rejected[site] = str(exc)
             return str(exc)
-        plain = {k: self._stand_in(k) if k in ciphertexts else v for k, v in arrays.items()}
+        plain = {k: stand_in(np.shape(self.global_params[k]), np.asarray(self.global_params[k]).dtype.name)
+                 if k in ciphertexts else v for k, v in arrays.items()}
         reason = super().accept(site, plain, {k: v for k, v in meta.items() if k != contracts.ENCRYPTED_ARRAYS}, kind)
         if reason is None:
             self.updates[site].arrays.update(ciphertexts)
         return reason
 
-    def _stand_in(self, key: str) -> np.ndarray:
-        value = np.asarray(self.global_params[key])
-        return stand_in(value.shape, value.dtype.name)
-
     def _ciphertexts(self, arrays: Mapping[str, Any], meta: Mapping[str, Any]) -> dict[str, EncryptedArray]:
-        """key -> the site's ciphertext of that model array, read under the server's context.
-
-        Raises:
-            PayloadError: a model array in plaintext or missing, a declaration that does not match the model, or
-                bytes that are not a ciphertext of this project's context.
-        """
+        """key -> the site's ciphertext of that model array, read under the server's context; a
+        :class:`PayloadError` for a model array in plaintext or missing, a declaration that does not match the
+        model, or bytes that are not a ciphertext of this project's context."""
         if self.context is None:
             raise PayloadError("the server has no TenSEAL context: this server kit was not provisioned for "
                                "encrypted aggregation")
@@ -246,11 +234,8 @@ def save_encrypted_model(path: str | Path, params: Mapping[str, Any]) -> Path:
 
 
 def read_encrypted_model(path: str | Path, context: Any) -> dict[str, np.ndarray]:
-    """The plaintext model from :func:`save_encrypted_model`'s file, decrypted with a site's context.
-
-    Raises:
-        ConfigError: ``context`` has no secret key (the server's cannot decrypt).
-    """
+    """The plaintext model from :func:`save_encrypted_model`'s file, decrypted with a site's context (one with the
+    secret key, or a :class:`ConfigError`)."""
     if not context.is_private():
         raise ConfigError(f"{path} is encrypted: decrypt it with a site's client_context.tenseal (the server's "
                           "context has no secret key)")

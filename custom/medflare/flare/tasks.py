@@ -45,13 +45,9 @@ _LOADED: dict[tuple[str, int, int], tuple[RunPlan, str]] = {}
 
 
 def deployed_plan(fl_ctx: FLContext, plan_file: str = PLAN_FILE) -> tuple[RunPlan, str]:
-    """The running job's plan, from the ``plan_file`` FLARE deployed in this participant's app config folder (the
-    server and every site alike), and a line for the log: its fingerprint, and whether it was edited since it was
-    written.
-
-    Raises:
-        ConfigError: ``plan_file`` is not a plain file name, or the file is missing, unreadable or invalid.
-    """
+    """The running job's plan, from the ``plan_file`` FLARE deployed in this participant's app config folder, and
+    a line for the log: its fingerprint, and whether it was edited since it was written. A :class:`ConfigError`
+    when ``plan_file`` is not a plain file name, or the file is missing, unreadable or invalid."""
     if not plan_file or os.path.basename(plan_file) != plan_file or plan_file in (".", ".."):
         raise ConfigError(f"plan_file must name a file in the job's app/config folder, got '{plan_file}'")
     app_root = fl_ctx.get_prop(FLContextKey.APP_ROOT)  # the participant's deployed app (its config folder inside)

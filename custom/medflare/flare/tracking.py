@@ -72,18 +72,13 @@ def server_components(tracking: str, mlflow_args: Mapping[str, Any] | None = Non
             for name in TRACKERS[tracking]]
 
 
-def mlflow_receiver_args(
-    params: Mapping[str, Any], run_name: str, tags: Mapping[str, str], deployed_env: str, experiment: str = ""
-) -> dict[str, Any]:
+def mlflow_receiver_args(params: Mapping[str, Any], run_name: str, tags: Mapping[str, str], deployed_env: str,
+                         experiment: str = "") -> dict[str, Any]:
     """The MLflow receiver's arguments: FLARE's ``kw_args`` (``experiment``, ``run_name``, to which the receiver
     appends the short job id, and the run ``tags`` known when the job is written), the job's settings ``params``
     (:func:`flat_params`) and the ``env`` tag outside FLARE's simulator (``deployed_env``: poc or prod)."""
-    kw_args = {
-        TrackConst.EXPERIMENT_NAME: experiment or DEFAULT_EXPERIMENT,
-        TrackConst.RUN_NAME: run_name,
-        TrackConst.EXPERIMENT_TAGS: {},
-        TrackConst.RUN_TAGS: dict(tags),
-    }
+    kw_args = {TrackConst.EXPERIMENT_NAME: experiment or DEFAULT_EXPERIMENT, TrackConst.RUN_NAME: run_name,
+               TrackConst.EXPERIMENT_TAGS: {}, TrackConst.RUN_TAGS: dict(tags)}
     return {"kw_args": kw_args, "params": flat_params(params), "deployed_env": deployed_env}
 
 
@@ -118,10 +113,8 @@ def send_scalars(component: FLComponent, fl_ctx: FLContext, scalars: Mapping[str
     fresh context from the engine, so the caller's (a task's, the controller's) is never touched."""
     engine = fl_ctx.get_engine()
     for tag, value in scalars.items():
-        dxo = create_analytic_dxo(
-            tag=tag, value=float(value), data_type=AnalyticsDataType.SCALAR, writer=LogWriterName.TORCH_TB,
-            global_step=int(step),
-        )
+        dxo = create_analytic_dxo(tag=tag, value=float(value), data_type=AnalyticsDataType.SCALAR,
+                                  writer=LogWriterName.TORCH_TB, global_step=int(step))
         with engine.new_context() as event_ctx:
             send_analytic_dxo(component, dxo=dxo, fl_ctx=event_ctx, event_type=ANALYTIC_EVENT_TYPE)
 
