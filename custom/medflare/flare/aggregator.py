@@ -326,7 +326,8 @@ class RoundAggregation:
 
 def require_finite(result: AggregateResult) -> AggregateResult:
     """``result``, unless a float array of it holds NaN/Inf (a ciphertext is no float array: it is not read)."""
-    broken = sorted(k for k, v in result.params.items() if np.asarray(v).dtype.kind == "f" and not np.all(np.isfinite(v)))
+    broken = sorted(k for k, v in result.params.items()
+                    if np.asarray(v).dtype.kind == "f" and not np.all(np.isfinite(v)))
     if broken:
         raise PayloadError(f"the aggregate has NaN/Inf in {broken[:5]}; the previous global model is kept")
     return result

@@ -119,7 +119,7 @@ class MedflareController(Controller):
         self.persistor_id = persistor_id
         self.aggregator_id = aggregator_id
         self.plan: RunPlan | None = None  # the job's, loaded at START_RUN (before start_controller)
-        self.run = RunResults("")  # the run's record, made for the plan by use_plan
+        self.results = RunResults("")  # the run's record, made for the plan by use_plan
         self._progress: list[dict[str, Any]] = []  # what show_stats serves to `medflare watch`
         self._checkpoint_write = BackgroundWrite("medflare-checkpoint")  # written while the sites train
         self._housekeeping: Callable[[], None] | None = None  # the last round's _close_round, until it ran
@@ -131,7 +131,7 @@ class MedflareController(Controller):
         self.num_rounds, self.min_clients = len(plan.rounds), plan.min_clients
         self.wait_time_after_min_received, self.train_timeout = plan.straggler_seconds, plan.task_timeout
         self.shot_groups, self.resume_from = plan.shot_groups, plan.resume_from
-        self.run = RunResults(headline_metric(plan.task.multi_label), plan.patience)
+        self.results = RunResults(headline_metric(plan.task.multi_label), plan.patience)
         return self
 
     # ----- FLARE lifecycle ------------------------------------------------------------------------
@@ -147,7 +147,7 @@ class MedflareController(Controller):
         learnable = self.persistor.load(fl_ctx)
         self.global_params = {k: np.asarray(v) for k, v in learnable[ModelLearnableKey.WEIGHTS].items()}
         self.results_path = os.path.join(fl_ctx.get_prop(FLContextKey.APP_ROOT), RESULTS_FILE)
-        self.run.data = run_results.results_header(self.plan, self.aggregator)
+        self.results.data = run_results.results_header(self.plan, self.aggregator)
         freeze_startup_objects()
         if self.resume_from:
             try:
@@ -189,12 +189,12 @@ class MedflareController(Controller):
         self.log_warning(fl_ctx, f"ignoring a late '{task_name}' result from {client.name}")
 
     def control_flow(self, abort_signal: Signal, fl_ctx: FLContext) -> None:
-        results = self.run.data
+        results = self.results.data
         try:
             stages = self.aggregator.core.stages
             results["stages"] = [dataclasses.asdict(stage) for stage in stages]
             last = None
-            for ctx in round_plan(stages, self.num_rounds)[self.run.next_round:]:  # a resumed job skips done rounds
+            for ctx in round_plan(stages, self.num_rounds)[self.results.next_round:]:  # a resumed job skips some
                 if abort_signal.triggered:
                     break
                 self._run_round(ctx, abort_signal, fl_ctx)
@@ -250,7 +250,7 @@ class MedflareController(Controller):
         with timed(spans, "aggregate"):
             self._aggregate(record, fl_ctx)
         record["wall_seconds"] = time.time() - started
-        self.run.finish_round(record)
+        self.results.finish_round(record)
         with timed(spans, "results_file"):  # before the next round: a crash or SIGTERM still finds this round
             self._write_results()
         self.fire_event(AppEventType.ROUND_DONE, fl_ctx)
@@ -265,8 +265,8 @@ class MedflareController(Controller):
             self._save_best_model(fl_ctx)
         with timed(spans, "checkpoint"):  # recorded in the next write (the last round's: in the final one)
             if self.aggregator.holds_plaintext:  # an encrypted job's server holds ciphertexts: no resume point
-                resume_state.save_round_checkpoint(os.path.dirname(self.results_path), self.run, self.global_params,
-                                                   self._checkpoint_write)
+                resume_state.save_round_checkpoint(os.path.dirname(self.results_path), self.results,
+                                                   self.global_params, self._checkpoint_write)
         with timed(spans, "gc"):  # FLARE's transfers of this round sit in reference cycles (flare/memory.py)
             record["gc_objects_freed"] = collect_round_garbage()
 
@@ -285,7 +285,7 @@ class MedflareController(Controller):
             self.log_info(fl_ctx, f"medflare: {progress.format_progress(entry)}")
 
     def _stopping_early(self, ctx: RoundContext, fl_ctx: FLContext) -> bool:
-        stopped = self.run.stop_early(ctx)
+        stopped = self.results.stop_early(ctx)
         if stopped is not None:
             self._track(progress.stop_entry(stopped), fl_ctx)
         return stopped is not None
@@ -377,7 +377,7 @@ class MedflareController(Controller):
             return  # a rejected result contributes nothing, its evaluation included
         task = self.plan.task
         try:
-            refusal = self.run.accept_site_result(record, evaluations, site, dxo.meta or {}, task.num_classes,
+            refusal = self.results.accept_site_result(record, evaluations, site, dxo.meta or {}, task.num_classes,
                                                   task.multi_label)
         except Exception as exc:
             self.log_warning(fl_ctx, f"ignoring malformed evaluation statistics from {site}: {exc}")
@@ -413,9 +413,9 @@ class MedflareController(Controller):
         """Sum the sites' statistics of model ``model_version`` and keep the best model by validation."""
         summary = summarize(evaluations, self.shot_groups, share_cap=self.aggregator.core.robust.max_share)
         # the persistor saves the scored model (aggregation replaces the dict); an encrypted job's server cannot
-        self.run.record_evaluation(model_version, summary, self.global_params if self.aggregator.holds_plaintext
-                                   else None)
-        entry = progress.evaluation_entry(model_version, summary, self.run.key_metric)
+        self.results.record_evaluation(model_version, summary,
+                                       self.global_params if self.aggregator.holds_plaintext else None)
+        entry = progress.evaluation_entry(model_version, summary, self.results.key_metric)
         self._track(entry, fl_ctx, round_scalars(summary), model_version)
         return summary
 
@@ -424,7 +424,7 @@ class MedflareController(Controller):
 
         Deferred to the round's housekeeping, so the write (~0.1 s, ResNet-18) overlaps the sites' work; by then the
         context's GLOBAL_MODEL, which the persistor saves, is the next round's, so the scored one is put there."""
-        params, self.run.best_unsaved = self.run.best_unsaved, None
+        params, self.results.best_unsaved = self.results.best_unsaved, None
         if params is None:
             return
         current = fl_ctx.get_prop(AppConstants.GLOBAL_MODEL)
@@ -448,8 +448,9 @@ class MedflareController(Controller):
         self._send_phase(TASK_VALIDATE, arrays, ctx, record, evaluations, abort_signal, fl_ctx)
         final = self._record_evaluation(version, evaluations, fl_ctx)
         self._save_best_model(fl_ctx)
-        self.run.data["final"] = {"model_version": version, **final, "method_metrics": core.rule.final_metrics(final)}
-        self.run.data["final_validation"] = {"wall_seconds": time.time() - record["started_at"],
+        self.results.data["final"] = {"model_version": version, **final,
+                                      "method_metrics": core.rule.final_metrics(final)}
+        self.results.data["final_validation"] = {"wall_seconds": time.time() - record["started_at"],
                                              "failed": record["failed"]}
 
     # ----- a resumed job (medflare.flare.resume_state) -----------------------------------------------
@@ -462,18 +463,18 @@ class MedflareController(Controller):
             self._resume_folder(fl_ctx)
             previous_app = self.resume_from
         else:
-            self.global_params, previous_app = resume_state.resume_job(self.run, job_id, app_root, self.global_params,
-                                                                       self.plan.method, self.num_rounds)
+            self.global_params, previous_app = resume_state.resume_job(
+                self.results, job_id, app_root, self.global_params, self.plan.method, self.num_rounds)
         self.persistor.save(make_model_learnable(self.global_params, {}), fl_ctx)
         resume_state.carry_best_model(previous_app, app_root)
-        self._progress = progress.entries_from_results(self.run.data)  # watchers see the whole history
-        self.log_info(fl_ctx, f"medflare: resuming at round {self.run.next_round + 1}/{self.num_rounds} "
+        self._progress = progress.entries_from_results(self.results.data)  # watchers see the whole history
+        self.log_info(fl_ctx, f"medflare: resuming at round {self.results.next_round + 1}/{self.num_rounds} "
                               f"from {self.resume_from}")
 
     def _resume_folder(self, fl_ctx: FLContext) -> None:
         """Continue a previous run's history and model (``medflare run --resume``; the simulator only)."""
         header = run_results.results_header(self.plan, self.aggregator)
-        self.global_params = resume_state.resume_folder(self.run, self.resume_from, self.global_params, header)
+        self.global_params = resume_state.resume_folder(self.results, self.resume_from, self.global_params, header)
 
     def _write_results(self) -> None:
-        self.run.write(self.results_path)
+        self.results.write(self.results_path)

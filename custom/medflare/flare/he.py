@@ -121,7 +121,8 @@ class EncryptedRoundAggregation(RoundAggregation):
         """The arrays a train result must carry encrypted: the shared model arrays, frozen parts excepted."""
         return sorted(k for k in self.expected if k in self.global_params and not self.spec.payload.is_frozen(k))
 
-    def accept(self, site: str, arrays: Mapping[str, Any], meta: Mapping[str, Any], kind: str = "weights") -> str | None:
+    def accept(self, site: str, arrays: Mapping[str, Any], meta: Mapping[str, Any],
+               kind: str = "weights") -> str | None:
         """Read the ciphertexts, then run every plaintext check on stand-ins of them (shapes, meta, declared
         arrays, the rule's checks, the weight); keep the ciphertexts for the aggregate."""
         if self.phase != contracts.TRAIN_PHASE:

@@ -57,7 +57,8 @@ SIMULATOR_JOB_ID = "simulate_job"  # every job FLARE's simulator runs has this i
 
 def missing_notice(tracking: str) -> str | None:
     """One line saying which trackers record nothing here because their package is missing, or None."""
-    missing = [RECEIVERS[name][0] for name in TRACKERS[tracking] if importlib.util.find_spec(RECEIVERS[name][0]) is None]
+    missing = [package for package, _ in (RECEIVERS[name] for name in TRACKERS[tracking])
+               if importlib.util.find_spec(package) is None]
     if not missing:
         return None
     return (f"{' and '.join(missing)} not installed here, so this run records no {' or '.join(missing)} metrics "
