@@ -36,16 +36,12 @@ MIN_SITES_FOR_OUTLIER = 3  # with two sites each one's reference median is the o
 class RoundAggregation:
     """FLARE-free core of one round: accept (validate) results phase by phase, then aggregate.
 
-    Args:
-        method, method_args, num_classes, num_rounds, multi_label: the method, its hyperparameters, K, the job's
-            rounds (the rule's stages must add up to it) and whether the task is multi-label.
+    Args (a :class:`~medflare.plan.RunPlan`'s, :meth:`of_plan`):
         robust: :class:`medflare.server_setup.RobustConfig` fields.
-        transfer_dtype, transfer_kind: how float weights travel ("float32"/"float16"), as "weights" or "diff".
+        transfer_dtype, transfer_kind, download_dtype: how float weights travel ("float32"/"float16"), up as
+            "weights" or "diff"; the server keeps its own precision.
         stream_aggregation: add each accepted train result to one float64 running sum, in site-name order, instead
-            of holding every update until the end (when the rule is linear; else the round's record says why it
-            ran in one batch). Needs :meth:`expect_sites` to free results early.
-        download_dtype: dtype the global model's float weights travel to the sites in (float16: half the bytes);
-            the server keeps its own precision.
+            of holding every update (when the rule is linear); :meth:`expect_sites` lets it free results early.
         min_clients: the valid results a round needs; no robust decision may leave fewer (the round fails instead).
     """
 

@@ -22,11 +22,8 @@ DIRECTIONS = ("task", "result")
 
 
 class PayloadRecorder(Filter):
-    """Records the structure of every message it filters; the message itself passes unchanged.
-
-    Args:
-        direction: "task" (server -> site, as a task-data filter) or "result" (site -> server).
-    """
+    """Records the structure of every message it filters, which passes unchanged; ``direction``: "task" (server ->
+    site, as a task-data filter) or "result" (site -> server)."""
 
     def __init__(self, direction: str = "result") -> None:
         super().__init__()

@@ -88,11 +88,8 @@ class MedflareExecutor(Executor):
 
     def _check_policy(self, site: str, site_file: SiteFile, plan: RunPlan, job_id: str) -> SitePolicy:
         """The hospital's policy (``medflare.site_policy``; the default one in FLARE's simulator) against the job,
-        before any image is read; a site with its own file keeps an audit record of the job.
-
-        Raises:
-            SiteDeclined: the policy refuses the job (also recorded in the audit log).
-        """
+        before any image is read, raising :class:`SiteDeclined` when it refuses; a site with its own file keeps an
+        audit record of the job (its refusal included)."""
         policy = site_policy(site_file.content)
         if site_file.content is None:  # FLARE's simulator: no hospital, no policy
             return policy

@@ -1,19 +1,15 @@
 """Encrypted aggregation in FLARE (``secure_aggregation=he``): sites encrypt, the server weighs ciphertexts it
 cannot read, sites decrypt.
 
-Built on the TenSEAL CKKS contexts FLARE's ``HEBuilder`` writes into provisioned kits (``client_context.tenseal``
-with the secret key at every site, ``server_context.tenseal`` without it; ``SignatureBuilder`` signs both) and
-FLARE's loader, which checks that signature. FLARE's ``HEModelEncryptor``/``HEInTimeAccumulateWeightedAggregator``
-are not used: they weigh each site at the site by its step count and serialize the context (~660 KB) with every
-array, while medflare's rules weigh sites on the server under a share cap.
+Built on the TenSEAL CKKS contexts FLARE's ``HEBuilder`` writes into provisioned kits (the secret key at every site,
+none on the server), loaded through FLARE's signature-checking loader. FLARE's ``HEModelEncryptor`` and HE aggregator
+are not used: they weigh each site at the site by its step count and send the context (~660 KB) with every array,
+while medflare's rules weigh sites on the server under a share cap.
 
-At a site, :class:`DecryptTask` decrypts a task's global model and :class:`EncryptResult` encrypts the result's
-model arrays after the site's own filters and checks have seen them in plaintext. On the server,
-:class:`EncryptedRoundAggregation` runs every check that needs only shapes, meta and declared arrays on zero-stride
-stand-ins, bounds the rule's plaintext weights by the share cap, and only then weighs and adds the ciphertexts.
-What the server can no longer do is refused or recorded (docs/privacy.md): the norm bound, streaming, differences,
-float16 transfers and resuming; no plaintext model, best-model or checkpoint file is written (:data:`MODEL_FILE`
-holds the final model, encrypted). The simulator has no provisioned contexts, so it refuses the option.
+At a site, :class:`DecryptTask` decrypts a task's model and :class:`EncryptResult` encrypts the result after the
+site's own filters have seen it in plaintext. The server (:class:`EncryptedRoundAggregation`) checks shapes, meta and
+declared arrays on zero-stride stand-ins and bounds the rule's plaintext weights before it weighs the ciphertexts.
+What it can no longer do is refused or recorded (docs/privacy.md); the simulator, without contexts, refuses the option.
 """
 
 from __future__ import annotations

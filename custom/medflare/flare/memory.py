@@ -28,10 +28,8 @@ def with_allocator_settings(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def freeze_startup_objects() -> None:
-    """Exempt everything alive now (modules, the model, FLARE's engine) from later collections.
-
-    Call once, after start-up: objects frozen here are never collected, so a cycle among them that dies later
-    stays allocated. Start-up objects live for the whole job, which is what makes that safe."""
+    """Exempt everything alive now (modules, the model, FLARE's engine) from later collections. Call once, after
+    start-up: a frozen cycle that dies later stays allocated, which start-up objects, alive all job long, never do."""
     gc.collect()
     gc.freeze()
 

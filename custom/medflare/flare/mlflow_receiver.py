@@ -24,10 +24,8 @@ SHARED_STORE_VARIABLE = "MEDFLARE_MLFLOW_URI"  # e.g. sqlite:////abs/runs/mlflow
 class MlflowReceiver(
     receiver_base("nvflare.app_opt.tracking.mlflow.mlflow_receiver", "MLflowReceiver", "mlflow")  # type: ignore[misc]
 ):
-    """FLARE's ``MLflowReceiver`` writing one run per job, with the job's params, and the server's metrics too.
-
-    It takes no tracking URI: a job may not choose where the server writes (FLARE's SQLite file in the job folder,
-    unless whoever starts the server sets ``MEDFLARE_MLFLOW_URI``).
+    """FLARE's ``MLflowReceiver`` writing one run per job, with the job's params, and the server's metrics too. It
+    takes no tracking URI: a job may not choose where the server writes (``MEDFLARE_MLFLOW_URI`` may).
 
     Args:
         events: events to record (default: the server's own and the sites' federated analytics events).

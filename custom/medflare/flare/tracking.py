@@ -1,11 +1,9 @@
 """Experiment tracking through FLARE's own analytics events.
 
-Sites fire FLARE's ``analytix_log_stats`` event per local epoch and per task; :class:`SiteMetricsToServer` (FLARE's
-``ConvertToFedEvent``) forwards it to the server, where the controller fires the same event for every round's pooled,
-per-site and site-mean metrics. FLARE's TensorBoard receiver (:mod:`medflare.flare.tb_receiver`) writes them, one
-folder per sender, and its MLflow receiver (:mod:`medflare.flare.mlflow_receiver`) one MLflow run per job, with the
-job's settings as params. Without ``tensorboard`` or ``mlflow`` on the server a receiver logs one line and records
-nothing (:class:`MissingTrackerReceiver`).
+Sites fire FLARE's ``analytix_log_stats`` event per local epoch and per task; :class:`SiteMetricsToServer` forwards it
+to the server, where the controller fires the same event for every round's metrics. FLARE's TensorBoard and MLflow
+receivers (:mod:`~medflare.flare.tb_receiver`, :mod:`~medflare.flare.mlflow_receiver`) record them, or, without their
+package on the server, log one line (:class:`MissingTrackerReceiver`).
 
 These events travel beside the task results, past a method's Payload and the site's privacy filters, so what a site
 may stream is declared here, once (:data:`SITE_STREAMED_TAGS`): only values its result carries anyway
