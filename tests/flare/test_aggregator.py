@@ -449,8 +449,8 @@ def test_the_flare_aggregator_learns_the_sites_from_flares_client_list() -> None
 
     aggregator = MedflareAggregator().use_plan(site_data_plan("fedavg", 3, rounds=2, stream_aggregation=True))
     assert aggregator.core.stream_aggregation is True
-    aggregator.start_round(STREAM_GLOBAL, RoundContext(0, 2))
-    aggregator.start_phase("train")
+    aggregator.core.start_round(STREAM_GLOBAL, RoundContext(0, 2))  # as the controller starts a round
+    aggregator.core.start_phase("train")
     clients = [SimpleNamespace(name=name) for name in ("site-1", "site-2", "site-3")]
     fl_ctx = SimpleNamespace(get_engine=lambda: SimpleNamespace(get_clients=lambda: clients))
 

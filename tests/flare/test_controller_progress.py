@@ -23,7 +23,7 @@ from .._plans import site_data_plan
 
 def controller_with_best(patience: int, best_version: int) -> MedflareController:
     controller = MedflareController().use_plan(site_data_plan(rounds=10, patience=patience))
-    controller._results = {"rounds": [], "evaluations": {},
+    controller.results.data = {"rounds": [], "evaluations": {},
                            "best": {"model_version": best_version, "balanced_accuracy": 0.625}}
     return controller
 
@@ -37,7 +37,7 @@ def controller_with_best(patience: int, best_version: int) -> MedflareController
 def test_stops_after_patience_scored_rounds_without_improvement(patience, best, round_index, stops) -> None:
     controller = controller_with_best(patience, best)
     assert controller._stopping_early(RoundContext(round_index, 10), FLContext()) is stops
-    stopped = controller._results.get("stopped_early")
+    stopped = controller.results.data.get("stopped_early")
     assert (stopped is not None) is stops
     if stops:
         assert stopped["after_round"] == round_index + 1 and stopped["best_model_version"] == best
@@ -52,7 +52,7 @@ def test_an_unscored_round_never_stops_the_job() -> None:
 
 def test_show_stats_carries_the_progress_entries() -> None:
     controller = MedflareController().use_plan(site_data_plan(rounds=3))
-    controller._report({"kind": "round", "round": 1, "rounds": 3, "seconds": 1.5, "accepted": ["site-1"],
+    controller._track({"kind": "round", "round": 1, "rounds": 3, "seconds": 1.5, "accepted": ["site-1"],
                         "rejected": []}, FLContext())
     fl_ctx = FLContext()
     fl_ctx.set_prop(InfoCollector.CTX_KEY_STATS_COLLECTOR, GroupInfoCollector(), private=True, sticky=False)
@@ -125,7 +125,8 @@ def test_the_best_model_is_selected_by_the_tasks_headline_metric(multi_label, me
     from medflare.flare import controller as controller_module
 
     controller = started(multi_label, tmp_path, monkeypatch)
-    assert controller.key_metric == metric and controller._results["key_metric"] == metric  # report reads it back
+    assert controller.results.key_metric == metric
+    assert controller.results.data["key_metric"] == metric  # report reads it back
     scores = iter([(0.6, 0.9), (0.8, 0.5), (0.7, 0.95)])  # (headline, the other metric) of models 0, 1, 2
 
     def summarize(evaluations: dict, shot_groups: dict | None, share_cap: float = 0.0) -> dict:  # the sites' pooled scores of each model
@@ -139,7 +140,7 @@ def test_the_best_model_is_selected_by_the_tasks_headline_metric(multi_label, me
     monkeypatch.setattr(controller, "log_info", lambda fl_ctx, line: lines.append(line))
     for version in range(3):
         controller._record_evaluation(version, {}, FLContext())
-    assert controller._results["best"] == {"model_version": 1, metric: 0.8}
+    assert controller.results.data["best"] == {"model_version": 1, metric: 0.8}
     assert lines[1] == f"medflare: model 1 test {metric_name(metric)} 0.8000, val 0.8000 (1 sites)"
 
 
@@ -195,4 +196,4 @@ def test_a_declining_sites_reason_is_recorded_only_from_the_closed_vocabulary() 
 def test_the_results_record_the_defences_the_server_ran_with(robust: dict, record: dict, tmp_path: Path,
                                                                monkeypatch) -> None:
     """Issue 49, item 5: the server's record comes from its own aggregator, not from what meta.json says."""
-    assert started(False, tmp_path, monkeypatch, robust)._results["robust_aggregation"] == record
+    assert started(False, tmp_path, monkeypatch, robust).results.data["robust_aggregation"] == record

@@ -16,6 +16,7 @@ from nvflare.apis.fl_context import FLContext
 from nvflare.apis.signal import Signal
 
 from medflare.flare.controller import CHECKPOINT_FILE, RESULTS_FILE, MedflareController
+from medflare.flare.resume_state import save_round_checkpoint
 from medflare.methods.base import Stage
 
 from .._plans import site_data_plan
@@ -32,7 +33,7 @@ def controller(app_dir: Path, method: str = "fedavg", rounds: int = ROUNDS) -> M
     ctl.persistor = SimpleNamespace(saved=[], save=lambda learnable, fl_ctx: ctl.persistor.saved.append(learnable))
     ctl.global_params = {"w": np.zeros((2, 3), np.float32)}
     ctl.results_path = str(app_dir / RESULTS_FILE)
-    ctl._results = {"method": method, "num_rounds": rounds, "rounds": [], "evaluations": {}}
+    ctl.results.data = {"method": method, "num_rounds": rounds, "rounds": [], "evaluations": {}}
     return ctl
 
 
@@ -44,10 +45,10 @@ def crashed_job(root: Path) -> tuple[str, MedflareController]:
     _write_meta(app.parent, LEAD)
     ctl = controller(app)
     ctl.global_params = {"w": np.full((2, 3), 3.0, np.float32)}
-    ctl._results["rounds"] = [{"round": 0, "share": {"site-1": 1.0}}, {"round": 1, "share": {"site-1": 1.0}}]
-    ctl._best = 0.7
-    ctl._next_round = 2  # set by _run_round once round 2 of 4 is aggregated
-    ctl._save_checkpoint(FLContext())
+    ctl.results.data["rounds"] = [{"round": 0, "share": {"site-1": 1.0}}, {"round": 1, "share": {"site-1": 1.0}}]
+    ctl.results.best = 0.7
+    ctl.results.next_round = 2  # set by _run_round once round 2 of 4 is aggregated
+    save_round_checkpoint(str(app), ctl.results, ctl.global_params, ctl._checkpoint_write)
     ctl._checkpoint_write.wait()  # written in the background while the next round's sites train
     return job_id, ctl
 
@@ -68,9 +69,9 @@ def test_a_resumed_job_continues_where_the_crashed_one_stopped(tmp_path: Path) -
     assert (tmp_path / job_id / "app_server" / CHECKPOINT_FILE).is_file()
     ctl, ctx = new_job(tmp_path, job_id)
     ctl._resume(ctx)
-    assert ctl._next_round == 2 and ctl._best == 0.7
-    assert ctl._results["rounds"] == crashed._results["rounds"]
-    assert ctl._results["resumed"][-1]["from_job"] == job_id and ctl._results["resumed"][-1]["start_round"] == 2
+    assert ctl.results.next_round == 2 and ctl.results.best == 0.7
+    assert ctl.results.data["rounds"] == crashed.results.data["rounds"]
+    assert ctl.results.data["resumed"][-1]["from_job"] == job_id and ctl.results.data["resumed"][-1]["start_round"] == 2
     np.testing.assert_array_equal(ctl.global_params["w"], np.full((2, 3), 3.0))
     assert len(ctl.persistor.saved) == 1  # the restored model is this job's model from the start
     ran = []
@@ -167,6 +168,6 @@ def test_a_failed_job_keeps_its_last_good_model(tmp_path: Path) -> None:
 
     ctl._run_round = play
     ctl.control_flow(Signal(), FLContext())
-    assert "only 0 site(s)" in ctl._results["error"]
+    assert "only 0 site(s)" in ctl.results.data["error"]
     assert len(ctl.persistor.saved) == 1
     np.testing.assert_array_equal(ctl.persistor.saved[0]["weights"]["w"], np.full((2, 3), 1.0))

@@ -103,7 +103,7 @@ def test_the_previous_rounds_bookkeeping_runs_after_the_next_task_is_sent_and_on
 def test_the_last_rounds_bookkeeping_runs_before_the_job_ends() -> None:
     ctl, done = controller(), []
     ctl.aggregator = SimpleNamespace(method="fedavg", holds_plaintext=True, core=SimpleNamespace(stages=[]))
-    ctl._results = {"rounds": []}
+    ctl.results.data = {"rounds": []}
     ctl.persistor = SimpleNamespace(save=lambda learnable, fl_ctx: done.append("model"))
     ctl.global_params = {}
 
@@ -196,7 +196,7 @@ def test_an_aborted_phase_holds_nobody() -> None:
 def test_the_end_of_the_job_releases_a_held_request() -> None:
     ctl = controller()
     ctl.aggregator = SimpleNamespace(method="fedavg", holds_plaintext=True, core=SimpleNamespace(stages=[]))
-    ctl._results = {"rounds": []}
+    ctl.results.data = {"rounds": []}
     ctl.persistor = SimpleNamespace(save=lambda learnable, fl_ctx: None)
     ctl.global_params = {}
     ctl._run_round = lambda ctx, abort, fl_ctx: ctl._next_task.between_phases({"site-1"})

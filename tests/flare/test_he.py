@@ -19,14 +19,13 @@ from medflare.flare.he import (  # noqa: E402
     DecryptTask,
     EncryptedRoundAggregation,
     EncryptResult,
-    encryption_refusal,
     read_encrypted_model,
     save_encrypted_model,
 )
 from medflare.methods.base import RoundContext  # noqa: E402
 from medflare.ops import he_aggregate  # noqa: E402
-from medflare.ops.he_aggregate import EncryptedArray  # noqa: E402
-from medflare.plan import validated
+from medflare.ops.he_aggregate import EncryptedArray, encryption_refusal  # noqa: E402
+from medflare.plan import validated  # noqa: E402
 from medflare.registry import get_method  # noqa: E402
 
 from .._plans import app_context, deploy_plan, site_data_plan

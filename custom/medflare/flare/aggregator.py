@@ -26,19 +26,9 @@ from medflare.methods.base import (
     SiteUpdate,
     aggregate_updates,
 )
-from medflare.ops import normalise_weights, wire
+from medflare.ops import normalise_weights, robust_rules, wire
 from medflare.ops.aggregate import SiteOrderedSum
 from medflare.ops.influence import Mixture, combine, mix
-from medflare.ops.robust_rules import (
-    bulyan_picks,
-    closest_to_median_mean,
-    krum_scores_of,
-    multi_krum_picks,
-    robust_combiner,
-    squared_distances,
-    weighted_median,
-    weighted_trimmed_mean,
-)
 from medflare.ops.wire import decode_weights
 from medflare.plan import PLAN_FILE, RunPlan
 from medflare.server_setup import server_rule
@@ -54,38 +44,20 @@ MIN_SITES_FOR_OUTLIER = 3  # with two sites each one's reference median is the o
 class RoundAggregation:
     """FLARE-free core of one round: accept (validate) results phase by phase, then aggregate.
 
-    Args:
-        spec: the registered method (a plan's ``spec``).
-        method_args: the method's hyperparameters, typed (as a plan holds them).
-        num_classes: K of the task.
-        num_rounds: the job's rounds; the rule's stages must add up to it.
+    Args (a :class:`~medflare.plan.RunPlan`'s, :meth:`of_plan`):
+        spec, method_args: the registered method and its arguments, typed.
         robust: :class:`medflare.server_setup.RobustConfig` fields.
-        transfer_dtype: dtype float weights travel in ("float32" or "float16").
-        transfer_kind: "weights", or "diff" (updates as differences, e.g. for a site's DP filter).
-        multi_label: whether the task is multi-label (the rule and the evaluation checks need to know).
+        transfer_dtype, transfer_kind, download_dtype: how float weights travel ("float32"/"float16"), up as
+            "weights" or "diff"; the server keeps its own precision.
         stream_aggregation: add each accepted train result to one float64 running sum, in site-name order, instead
-            of holding every site's update until the end (when the rule is linear; else the round is aggregated
-            in one batch and its record says why). Needs :meth:`expect_sites` to free results early.
-        download_dtype: dtype the global model's float weights travel to the sites in ("float32", or "float16"
-            for half the bytes; :func:`medflare.ops.wire.encode_download`); the server keeps its own precision.
-        min_clients: the valid results a round needs (the job's); no robust decision may leave fewer, the round
-            then fails naming every site involved.
+            of holding every update (when the rule is linear); :meth:`expect_sites` lets it free results early.
+        min_clients: the valid results a round needs; no robust decision may leave fewer (the round fails instead).
     """
 
-    def __init__(
-        self,
-        spec: MethodSpec,
-        method_args: Mapping[str, Any],
-        num_classes: int,
-        num_rounds: int,
-        robust: Mapping[str, Any] | None = None,
-        transfer_dtype: str = "float32",
-        transfer_kind: str = "weights",
-        multi_label: bool = False,
-        stream_aggregation: bool = False,
-        download_dtype: str = "float32",
-        min_clients: int = 1,
-    ):
+    def __init__(self, spec: MethodSpec, method_args: Mapping[str, Any], num_classes: int, num_rounds: int,
+                 robust: Mapping[str, Any] | None = None, transfer_dtype: str = "float32",
+                 transfer_kind: str = "weights", multi_label: bool = False, stream_aggregation: bool = False,
+                 download_dtype: str = "float32", min_clients: int = 1):
         self.min_clients = min_clients
         self.spec = spec
         self.rule, self.stages, self.robust = server_rule(
@@ -122,11 +94,8 @@ class RoundAggregation:
         self.earlier, self.updates, self.rejected, self.phase, self.stream = {}, {}, {}, "", None
 
     def start_phase(self, phase: str) -> dict[str, np.ndarray] | PerSite:
-        """Begin a phase of the round: returns what to send, and fixes what valid results look like.
-
-        The rule builds the phase's task first, so the phase's array dimensions may depend on what it learnt
-        from earlier phases.
-        """
+        """Begin a phase of the round: returns what to send, and fixes what valid results look like (after the
+        task is built, so the phase's array dimensions may depend on what the rule learnt in earlier phases)."""
         if self.phase:
             self.earlier[self.phase] = self.accepted()
         self.phase = phase
@@ -148,10 +117,8 @@ class RoundAggregation:
         return wire.encode_download(arrays, self.global_params, self.download_dtype)
 
     def batch_reason(self) -> str:
-        """Why this round's results are aggregated in one batch despite ``stream_aggregation`` ("" = they stream).
-
-        Only a linear rule (Σ weight·arrays / Σ weight) can add results one at a time; the update-norm bound and a
-        share cap compare every site with the others, so they need all updates at once."""
+        """Why this round's results are aggregated in one batch despite ``stream_aggregation`` ("" = they stream):
+        only a linear rule (Σ weight·arrays / Σ weight) can add results one at a time."""
         if self.robust.rule != "mean":
             return f"robust.rule={self.robust.rule} compares every site's update with the others'"
         if self.robust.max_norm_ratio > 0:
@@ -185,14 +152,8 @@ class RoundAggregation:
         return [self.updates[site] for site in sorted(self.updates)]
 
     def accept(self, site: str, arrays: Mapping[str, Any], meta: Mapping[str, Any], kind: str = "weights") -> str | None:
-        """Validate and keep one site's result. Returns None when accepted, else the rejection reason.
-
-        Args:
-            site: the sender.
-            arrays: its arrays (weights or weight differences, plus declared arrays).
-            meta: its meta.
-            kind: "weights" or "diff", what the result says it carries; it must be what the job asked for.
-        """
+        """Validate and keep ``site``'s result (``kind``: "weights" or "diff", what it says it carries, which must
+        be what the job asked for). Returns None when accepted, else the rejection reason."""
         expected_kind = self.transfer_kind if self.phase == contracts.TRAIN_PHASE else "weights"
         if site in self.updates:
             reason = "a second update in the same round"
@@ -244,12 +205,8 @@ class RoundAggregation:
             raise PayloadError(f"n_samples={n:g} is implausible: this site reported {first:g} in its first round")
 
     def aggregate(self) -> AggregateResult:
-        """The next global model from the last phase's accepted updates, after the robust checks.
-
-        Raises:
-            PayloadError: when nothing is left to aggregate, or the aggregate is not finite (the previous global
-                model is then kept; nothing is persisted).
-        """
+        """The next global model from the last phase's accepted updates, after the robust checks; a
+        :class:`PayloadError` when nothing is left to aggregate or the aggregate is not finite."""
         if self.stream is not None:
             result = self._streamed_aggregate(self.stream)
         else:
@@ -264,10 +221,7 @@ class RoundAggregation:
                 result = dataclasses.replace(result, info={**result.info, RULE_INFO: self._rule_facts(result)})
         if self.stream_aggregation:
             result = dataclasses.replace(result, info={**result.info, STREAM_INFO: self._stream_facts()})
-        broken = sorted(k for k, v in result.params.items() if np.asarray(v).dtype.kind == "f" and not np.all(np.isfinite(v)))
-        if broken:
-            raise PayloadError(f"the aggregate has NaN/Inf in {broken[:5]}; the previous global model is kept")
-        return result
+        return require_finite(result)
 
     def _streamed_aggregate(self, stream: SiteOrderedSum) -> AggregateResult:
         """What ``ServerRule.aggregate`` gives for a linear rule, from the running sum."""
@@ -287,11 +241,8 @@ class RoundAggregation:
                 "in_site_order": not self.stream.out_of_order}
 
     def _require_quorum(self, updates: list[SiteUpdate]) -> None:
-        """No robust decision leaves fewer than ``min_clients`` sites: the round fails instead, naming them all.
-
-        Raises:
-            PayloadError: the robust rules left fewer sites than the job needs (the previous model is kept).
-        """
+        """No robust decision leaves fewer than ``min_clients`` sites: the round fails instead (a
+        :class:`PayloadError` naming them all; the previous model is kept)."""
         if len(updates) >= self.min_clients or not self.rejected:
             return
         kept = sorted(update.site for update in updates)
@@ -302,12 +253,9 @@ class RoundAggregation:
         )
 
     def _select(self, updates: list[SiteUpdate]) -> list[SiteUpdate]:
-        """The sites a selecting ``robust.rule`` (Krum, Multi-Krum, Bulyan) keeps, by the distances between the
-        model arrays every site sent; the others are rejected with their score, like the norm bound's outliers.
-
-        Raises:
-            PayloadError: fewer sites answered than the rule is defined for (the previous model is kept).
-        """
+        """The sites a selecting ``robust.rule`` (Krum, Multi-Krum, Bulyan) keeps, by the distances between their
+        model arrays; the others are rejected with their score (a :class:`PayloadError` when fewer sites answered
+        than the rule is defined for)."""
         robust = self.robust
         if not robust.selects or not updates:
             return updates
@@ -321,17 +269,16 @@ class RoundAggregation:
             )
         keys = [k for k, v in self.global_params.items()
                 if np.asarray(v).dtype.kind == "f" and all(k in u.arrays for u in updates)]
-        distances = squared_distances([u.arrays for u in updates], keys)
+        distances = robust_rules.squared_distances([u.arrays for u in updates], keys)
         f = robust.hostile_sites
-        picks = bulyan_picks(distances, f) if robust.rule == "bulyan" else multi_krum_picks(distances, f, keep)
-        scores = krum_scores_of(distances, f, max(answered - f - 2, 1))
+        picks = (robust_rules.bulyan_picks(distances, f) if robust.rule == "bulyan"
+                 else robust_rules.multi_krum_picks(distances, f, keep))
+        scores = robust_rules.krum_scores_of(distances, f, max(answered - f - 2, 1))
         for index, update in enumerate(updates):
             if index not in picks:
-                self.rejected[update.site] = (
-                    f"not among the {len(picks)} of {answered} sites robust.rule={robust.rule} keeps (Krum score "
-                    f"{scores[index]:.4g}; the highest kept {max(scores[i] for i in picks):.4g})"
-                )
-                self.updates.pop(update.site, None)
+                highest = max(scores[i] for i in picks)
+                self._reject(update.site, f"not among the {len(picks)} of {answered} sites robust.rule={robust.rule} "
+                                          f"keeps (Krum score {scores[index]:.4g}; the highest kept {highest:.4g})")
         return [updates[index] for index in sorted(picks)]
 
     def _rule_facts(self, result: AggregateResult) -> dict[str, Any]:
@@ -347,12 +294,12 @@ class RoundAggregation:
         """How the kept sites' model arrays are combined under their bounded shares."""
         robust = self.robust
         if robust.rule == "median":
-            return robust_combiner(weighted_median)
+            return robust_rules.robust_combiner(robust_rules.weighted_median)
         if robust.rule == "trimmed_mean":
-            return robust_combiner(lambda values, weights: weighted_trimmed_mean(values, weights,
-                                                                                 robust.trim_fraction))
+            return robust_rules.robust_combiner(
+                lambda values, weights: robust_rules.weighted_trimmed_mean(values, weights, robust.trim_fraction))
         if robust.rule == "bulyan":
-            return robust_combiner(lambda values, weights: closest_to_median_mean(
+            return robust_rules.robust_combiner(lambda values, weights: robust_rules.closest_to_median_mean(
                 values, weights, values.shape[0] - 2 * robust.hostile_sites))
         return combine
 
@@ -371,13 +318,25 @@ class RoundAggregation:
         for update in updates:
             others = float(np.median([n for s, n in norms.items() if s != update.site]))
             if others > 0 and norms[update.site] > ratio * others:
-                self.rejected[update.site] = (
-                    f"update norm {norms[update.site]:.4g} exceeds {ratio:g} x the other sites' median {others:.4g}"
-                )
-                self.updates.pop(update.site, None)
+                self._reject(update.site, f"update norm {norms[update.site]:.4g} exceeds {ratio:g} x the other "
+                                          f"sites' median {others:.4g}")
             else:
                 kept.append(update)
         return kept, ""
+
+    def _reject(self, site: str, reason: str) -> None:
+        """A robust decision drops ``site``'s accepted update."""
+        self.rejected[site] = reason
+        self.updates.pop(site, None)
+
+
+def require_finite(result: AggregateResult) -> AggregateResult:
+    """``result``, unless a float array of it holds NaN/Inf (a ciphertext is no float array: it is not read)."""
+    broken = sorted(k for k, v in result.params.items()
+                    if np.asarray(v).dtype.kind == "f" and not np.all(np.isfinite(v)))
+    if broken:
+        raise PayloadError(f"the aggregate has NaN/Inf in {broken[:5]}; the previous global model is kept")
+    return result
 
 
 def update_norm(arrays: Mapping[str, np.ndarray], global_params: Mapping[str, np.ndarray]) -> float:
@@ -392,13 +351,8 @@ def update_norm(arrays: Mapping[str, np.ndarray], global_params: Mapping[str, np
 
 
 class MedflareAggregator(Aggregator):
-    """FLARE Aggregator adapter over :class:`RoundAggregation`; one instance serves every method.
-
-    Args:
-        plan_file: the job's plan in its ``app/config`` folder (``medflare_plan.json``, :mod:`medflare.plan`):
-            the method and its arguments, the task, the rounds, the robust defences, the wire options and the
-            valid results a round needs. The round core is built from it when the job starts.
-    """
+    """FLARE Aggregator adapter over :class:`RoundAggregation`, built when the job starts from ``plan_file`` (the
+    job's plan in its ``app/config`` folder, :mod:`medflare.plan`); one instance serves every method."""
 
     holds_plaintext = True  # the server can read and save the global model (False: flare.he.EncryptedAggregator)
     core_cls: type[RoundAggregation] = RoundAggregation  # the FLARE-free round it drives
@@ -426,14 +380,6 @@ class MedflareAggregator(Aggregator):
                 self.use_plan(deployed_plan(fl_ctx, self.plan_file)[0])
             except MedflareError as exc:
                 self.system_panic(f"medflare: the aggregator cannot load the job's plan: {exc}", fl_ctx)
-
-    def start_round(self, global_params: Mapping[str, np.ndarray], ctx: RoundContext) -> None:
-        """Called by the controller before it sends the round's first task."""
-        self.core.start_round(global_params, ctx)
-
-    def start_phase(self, phase: str) -> dict[str, np.ndarray] | PerSite:
-        """Called by the controller before each phase; returns what to send (one dict, or per site)."""
-        return self.core.start_phase(phase)
 
     def accept(self, shareable: Shareable, fl_ctx: FLContext) -> bool:
         site = shareable.get_peer_prop(ReservedKey.IDENTITY_NAME, default="?")
@@ -475,6 +421,3 @@ class MedflareAggregator(Aggregator):
             self.log_warning(fl_ctx, f"round {self.core.ctx.round + 1}: a site outside the task's targets was "
                                      "added out of site order; this round's aggregate may not repeat bit for bit")
         return DXO(DataKind.WEIGHTS, data=result.params, meta={SHARES: result.shares, INFO: result.info}).to_shareable()
-
-    def reset(self, fl_ctx: FLContext) -> None:
-        self.core.start_round(self.core.global_params, self.core.ctx)

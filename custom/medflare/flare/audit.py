@@ -1,9 +1,8 @@
 """What really crossed the wire at a site: a FLARE filter that records every task and result it sees.
 
-Used as the last task-data filter and the last task-result filter of a site (``export_job(..., audit=True)``),
-it writes one JSON line per message into the site's own job folder: the array names with dtype and shape, the
-meta keys, and the bytes. Tests compare these records with each method's declared payload, so a declaration
-that drifts from what is sent fails. Only names and sizes are recorded, never values.
+As a site's last task-data and task-result filter (``export_job(..., audit=True)``) it writes one JSON line per
+message into the site's job folder: array names with dtype and shape, meta keys and bytes, never values. Tests
+compare these with each method's declared payload, so a declaration that drifts from what is sent fails.
 """
 
 from __future__ import annotations
@@ -23,11 +22,8 @@ DIRECTIONS = ("task", "result")
 
 
 class PayloadRecorder(Filter):
-    """Records the structure of every message it filters; the message itself passes unchanged.
-
-    Args:
-        direction: "task" (server -> site, as a task-data filter) or "result" (site -> server).
-    """
+    """Records the structure of every message it filters, which passes unchanged; ``direction``: "task" (server ->
+    site, as a task-data filter) or "result" (site -> server)."""
 
     def __init__(self, direction: str = "result") -> None:
         super().__init__()

@@ -27,16 +27,13 @@ from medflare.site_runtime import SiteRuntime
 
 
 class MedflareExecutor(Executor):
-    """Runs any registered method's local work at a site (GPU when present, else CPU).
-
-    Handles ``train`` (score the received global model, train, return the declared payload), ``validate``
-    (score only), ``submit_model``, and any method-specific phase (handed to the trainer's ``run_phase``).
-    A site whose ``local/medflare_site.json`` asks for several processes trains data-parallel
-    (:mod:`medflare.distributed`) and still sends one update.
+    """Runs any registered method's local work at a site (GPU when present, else CPU): ``train`` (score the received
+    model, train, return the declared payload), ``validate`` (score only), ``submit_model`` and any method-specific
+    phase (the trainer's ``run_phase``). A site whose ``local/medflare_site.json`` asks for several processes
+    trains data-parallel (:mod:`medflare.distributed`) and still sends one update.
 
     Args:
-        plan_file: the job's plan in its ``app/config`` folder (``medflare_plan.json``, :mod:`medflare.plan`):
-            the method, task, training, data and tracking this site runs, localised by the site's own
+        plan_file: the job's plan in its ``app/config`` folder (:mod:`medflare.plan`), localised by the site's own
             ``local/medflare_site.json`` (its data, DP-SGD and architecture). The executor takes nothing else.
     """
 
@@ -90,12 +87,9 @@ class MedflareExecutor(Executor):
         return self._runtime
 
     def _check_policy(self, site: str, site_file: SiteFile, plan: RunPlan, job_id: str) -> SitePolicy:
-        """The hospital's policy (``medflare.site_policy``) against the job, before any image is read; a site with
-        its own file keeps an audit record of the job. Returns the policy (the default one in FLARE's simulator).
-
-        Raises:
-            SiteDeclined: the policy refuses the job (also recorded in the audit log).
-        """
+        """The hospital's policy (``medflare.site_policy``; the default one in FLARE's simulator) against the job,
+        before any image is read, raising :class:`SiteDeclined` when it refuses; a site with its own file keeps an
+        audit record of the job (its refusal included)."""
         policy = site_policy(site_file.content)
         if site_file.content is None:  # FLARE's simulator: no hospital, no policy
             return policy
@@ -109,11 +103,12 @@ class MedflareExecutor(Executor):
         return policy
 
     def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
-        if event_type == EventType.END_RUN and self._audit is not None:
-            self._audit.close("accepted")
-            self._audit = None
-        if event_type == EventType.END_RUN and self._runtime is not None:
-            self._runtime.close()
+        if event_type == EventType.END_RUN:
+            if self._audit is not None:
+                self._audit.close("accepted")
+                self._audit = None
+            if self._runtime is not None:
+                self._runtime.close()
         if event_type == EventType.AFTER_SEND_TASK_RESULT:
             # the upload left FLARE's stream objects in reference cycles; collected while the site waits for its
             # next task, not at the start of it, where it delayed every round by ~0.15 s (ResNet-18, 2 sites)
@@ -134,7 +129,9 @@ class MedflareExecutor(Executor):
             if refused:  # a task filter of this site refused what the task carries (e.g. he.DecryptTask)
                 raise SiteDeclined(f"{site} refuses the task: {refused}", reason="implausible_model")
             runtime = self._get_runtime(fl_ctx)
-            self._stream_epochs(runtime, fl_ctx)
+            if self.stream_metrics:  # the trainer's per-epoch report, as FLARE analytics events of this task
+                _trainer(runtime).epoch_listener = (
+                    lambda epoch, loss: send_scalars(self, fl_ctx, {EPOCH_LOSS: loss}, epoch))
             result = self._dispatch(runtime, task_name, shareable, abort_signal)
             self._unstreamed_task = (runtime, task_name, shareable)  # streamed once FLARE has filtered the result
             return result
@@ -166,22 +163,12 @@ class MedflareExecutor(Executor):
             return
         self._audit.task(task_name, round_context(received.meta).round, sent.data or {}, sent.meta or {})
 
-    def _stream_epochs(self, runtime: SiteRuntime | DataParallelSite, fl_ctx: FLContext) -> None:
-        """Point the trainer's per-epoch report at FLARE's analytics events of this task (when tracking)."""
-        if self.stream_metrics:
-            _trainer(runtime).epoch_listener = lambda epoch, loss: send_scalars(self, fl_ctx, {EPOCH_LOSS: loss}, epoch)
-
-    def _stream_task(
-        self, runtime: SiteRuntime | DataParallelSite, task_name: str, task: Shareable, result: Shareable,
-        fl_ctx: FLContext,
-    ) -> None:
+    def _stream_task(self, runtime: SiteRuntime | DataParallelSite, task_name: str, task: Shareable,
+                     result: Shareable, fl_ctx: FLContext) -> None:
         """The site's curves from a finished train or validate task (when tracking): the received model's
-        validation metrics at its version, and the round's training loss, seconds and lr at the round (from 1).
-
-        Every value comes from the result as the site's result filters left it (or the job's lr schedule), so a
-        site filter that strips a value from results strips it from the stream; a tracking problem is logged,
-        never the task's failure.
-        """
+        validation metrics at its version, the round's training loss, seconds and lr at the round (from 1). Every
+        value comes from the result as the site's filters left it (a filter that strips a value strips it from the
+        stream); a tracking problem is logged, never the task's failure."""
         done = result.get_return_code(ReturnCode.OK) == ReturnCode.OK
         if not self.stream_metrics or not done or task_name not in (TASK_TRAIN, TASK_VALIDATE) or self._plan is None:
             return
@@ -199,9 +186,8 @@ class MedflareExecutor(Executor):
             scalars = site_training_scalars(meta, _learning_rate(_trainer(runtime)))
             send_scalars(self, fl_ctx, scalars, ctx.round + 1)
 
-    def _dispatch(
-        self, runtime: SiteRuntime | DataParallelSite, task_name: str, shareable: Shareable, abort_signal: Signal
-    ) -> Shareable:
+    def _dispatch(self, runtime: SiteRuntime | DataParallelSite, task_name: str, shareable: Shareable,
+                  abort_signal: Signal) -> Shareable:
         dxo = from_shareable(shareable)
         ctx = round_context(dxo.meta)
         if task_name == TASK_VALIDATE:

@@ -1,27 +1,15 @@
 """Encrypted aggregation in FLARE (``secure_aggregation=he``): sites encrypt, the server weighs ciphertexts it
 cannot read, sites decrypt.
 
-Built from FLARE's homomorphic-encryption pieces: the TenSEAL CKKS contexts FLARE's ``HEBuilder`` writes into
-provisioned kits (``client_context.tenseal`` with the secret key at every site, ``server_context.tenseal`` without
-it on the server; ``SignatureBuilder`` signs both) and FLARE's loader, which checks that signature
-(``load_tenseal_context_from_workspace``). FLARE's own ``HEModelEncryptor``/``HEInTimeAccumulateWeightedAggregator``
-are not used: they weigh each site at the site by its step count and send ``CKKSVector`` objects whose FLARE
-serialization carries the context (about 660 KB) with every array, while medflare's rules weigh sites on the server
-(sample counts, Fed-MAS's rescue factors, per-class rows) under a share cap.
+Built on the TenSEAL CKKS contexts FLARE's ``HEBuilder`` writes into provisioned kits (the secret key at every site,
+none on the server), loaded through FLARE's signature-checking loader. FLARE's ``HEModelEncryptor`` and HE aggregator
+are not used: they weigh each site at the site by its step count and send the context (~660 KB) with every array,
+while medflare's rules weigh sites on the server under a share cap.
 
-- At a site, :class:`DecryptTask` (a job task-data filter) decrypts the global model a task carries, and
-  :class:`EncryptResult` (a job task-result filter on ``train`` and ``submit_model``) encrypts every model array
-  of the result. FLARE runs a site's own privacy filters first, so the site's ``PayloadGuard`` and the trainer's
-  own checks (NaN/Inf, the method's contract, frozen parts) see the plaintext update before it is encrypted.
-- On the server, :class:`EncryptedAggregator` runs :class:`EncryptedRoundAggregation`: every check that needs only
-  shapes, meta and declared arrays runs as before (on zero-stride stand-ins of the ciphertexts), the rule computes
-  its weights in plaintext, the share cap bounds them, and only then are the ciphertexts weighed and added
-  (:func:`medflare.ops.he_aggregate.combine_encrypted`).
-
-What the server can no longer do is refused or recorded: the update-norm bound (``robust.max_norm_ratio``), stream
-aggregation, differences (``transfer_kind=diff``), half-precision transfers and resuming are refused; no plaintext
-model file, best-model file or round checkpoint is written (the final model is saved encrypted,
-:data:`MODEL_FILE`). FLARE's simulator has no provisioned contexts, so the simulator refuses the option.
+At a site, :class:`DecryptTask` decrypts a task's model and :class:`EncryptResult` encrypts the result after the
+site's own filters have seen it in plaintext. The server (:class:`EncryptedRoundAggregation`) checks shapes, meta and
+declared arrays on zero-stride stand-ins and bounds the rule's plaintext weights before it weighs the ciphertexts.
+What it can no longer do is refused or recorded (docs/privacy.md); the simulator, without contexts, refuses the option.
 """
 
 from __future__ import annotations
@@ -41,19 +29,11 @@ from nvflare.apis.shareable import Shareable
 
 from medflare import contracts
 from medflare.errors import ConfigError, PayloadError
-from medflare.flare.aggregator import MedflareAggregator, RoundAggregation
+from medflare.flare.aggregator import MedflareAggregator, RoundAggregation, require_finite
 from medflare.flare.tasks import deployed_plan
 from medflare.methods.base import AggregateResult, PerSite, aggregate_updates
 from medflare.ops import he_aggregate
-from medflare.ops.he_aggregate import (  # noqa: F401  (the run checks: re-exported for the FLARE side)
-    EncryptedArray,
-    check_encrypted_run,
-    combine_encrypted,
-    declared_encrypted,
-    encrypted_run_problems,
-    encryption_refusal,
-    stand_in,
-)
+from medflare.ops.he_aggregate import EncryptedArray, stand_in
 from medflare.ops.influence import Shares, combine
 from medflare.plan import PLAN_FILE
 
@@ -66,11 +46,7 @@ _HEADER = "__medflare_he__"  # MODEL_FILE's entry naming each array's shape, dty
 
 def load_workspace_context(file_name: str, fl_ctx: FLContext) -> Any:
     """A TenSEAL context from this participant's startup kit, through FLARE's loader (which refuses an unsigned or
-    tampered context in secure mode).
-
-    Raises:
-        ConfigError: TenSEAL is missing, or the kit has no such context (not provisioned with HEBuilder).
-    """
+    tampered context in secure mode); a :class:`ConfigError` without TenSEAL or without the kit's context."""
     he_aggregate.tenseal()
     from nvflare.app_opt.he.homomorphic_encrypt import load_tenseal_context_from_workspace
 
@@ -84,18 +60,18 @@ def load_workspace_context(file_name: str, fl_ctx: FLContext) -> Any:
 class EncryptedRoundAggregation(RoundAggregation):
     """:class:`RoundAggregation` over encrypted train results: the server never holds a decryptable model array.
 
-    The global model's arrays that have been aggregated are :class:`EncryptedArray` s (kept in ``encrypted``); the
-    rule and every shape check see zero-stride stand-ins of them. Train results must carry every shared model
-    array encrypted, except the method's frozen parts, which every site sends back exactly as the server sent them
-    and so travel in plaintext (the server still checks them). The server context (no secret key) is set with
-    :meth:`use_context` before the first result arrives.
+    The aggregated global arrays are :class:`EncryptedArray` s (``encrypted``); the rule and every shape check see
+    zero-stride stand-ins of them. Train results carry every shared model array encrypted except the frozen parts,
+    which travel in plaintext as the server sent them (and are checked). :meth:`use_context` sets the server's
+    context (no secret key) before the first result arrives.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        check_encrypted_run(self.spec, stream_aggregation=self.stream_aggregation, transfer_kind=self.transfer_kind,
-                            transfer_dtype=self.transfer_dtype, download_dtype=self.download_dtype,
-                            max_norm_ratio=self.robust.max_norm_ratio, robust_rule=self.robust.rule)
+        he_aggregate.check_encrypted_run(
+            self.spec, stream_aggregation=self.stream_aggregation, transfer_kind=self.transfer_kind,
+            transfer_dtype=self.transfer_dtype, download_dtype=self.download_dtype,
+            max_norm_ratio=self.robust.max_norm_ratio, robust_rule=self.robust.rule)
         self.context: Any = None
         self.encrypted: dict[str, EncryptedArray] = {}  # the global model's aggregated arrays
         self.stand_ins: dict[str, np.ndarray] = {}
@@ -109,8 +85,6 @@ class EncryptedRoundAggregation(RoundAggregation):
         self.context = context
 
     def start_round(self, global_params: Mapping[str, Any], ctx: Any) -> None:
-        global_params = {k: self.encrypted[k] if v is self.stand_ins.get(k) else v  # reset() hands back stand-ins
-                         for k, v in global_params.items()}
         self.encrypted = {k: v for k, v in global_params.items() if isinstance(v, EncryptedArray)}
         self.stand_ins = {k: stand_in(v.shape, v.dtype) for k, v in self.encrypted.items()}
         plain = {k: v for k, v in global_params.items() if k not in self.encrypted}
@@ -143,9 +117,8 @@ class EncryptedRoundAggregation(RoundAggregation):
         """The arrays a train result must carry encrypted: the shared model arrays, frozen parts excepted."""
         return sorted(k for k in self.expected if k in self.global_params and not self.spec.payload.is_frozen(k))
 
-    def accept(
-        self, site: str, arrays: Mapping[str, Any], meta: Mapping[str, Any], kind: str = "weights"
-    ) -> str | None:
+    def accept(self, site: str, arrays: Mapping[str, Any], meta: Mapping[str, Any],
+               kind: str = "weights") -> str | None:
         """Read the ciphertexts, then run every plaintext check on stand-ins of them (shapes, meta, declared
         arrays, the rule's checks, the weight); keep the ciphertexts for the aggregate."""
         if self.phase != contracts.TRAIN_PHASE:
@@ -155,28 +128,22 @@ class EncryptedRoundAggregation(RoundAggregation):
         except PayloadError as exc:
             self.rejected[site] = str(exc)
             return str(exc)
-        plain = {k: self._stand_in(k) if k in ciphertexts else v for k, v in arrays.items()}
+        plain = {k: stand_in(np.shape(self.global_params[k]), np.asarray(self.global_params[k]).dtype.name)
+                 if k in ciphertexts else v for k, v in arrays.items()}
         reason = super().accept(site, plain, {k: v for k, v in meta.items() if k != contracts.ENCRYPTED_ARRAYS}, kind)
         if reason is None:
             self.updates[site].arrays.update(ciphertexts)
         return reason
 
-    def _stand_in(self, key: str) -> np.ndarray:
-        value = np.asarray(self.global_params[key])
-        return stand_in(value.shape, value.dtype.name)
-
     def _ciphertexts(self, arrays: Mapping[str, Any], meta: Mapping[str, Any]) -> dict[str, EncryptedArray]:
-        """key -> the site's ciphertext of that model array, read under the server's context.
-
-        Raises:
-            PayloadError: a model array in plaintext or missing, a declaration that does not match the model, or
-                bytes that are not a ciphertext of this project's context.
-        """
+        """key -> the site's ciphertext of that model array, read under the server's context; a
+        :class:`PayloadError` for a model array in plaintext or missing, a declaration that does not match the
+        model, or bytes that are not a ciphertext of this project's context."""
         if self.context is None:
             raise PayloadError("the server has no TenSEAL context: this server kit was not provisioned for "
                                "encrypted aggregation")
         wanted = self.encrypted_keys()
-        declared = declared_encrypted(meta, contracts.ENCRYPTED_ARRAYS)
+        declared = he_aggregate.declared_encrypted(meta, contracts.ENCRYPTED_ARRAYS)
         if sorted(declared) != wanted:
             plain = sorted(set(wanted) - set(declared))
             raise PayloadError(f"the job aggregates encrypted updates, but {plain[:5] or sorted(declared)[:5]} "
@@ -200,11 +167,7 @@ class EncryptedRoundAggregation(RoundAggregation):
         result = aggregate_updates(self.rule, self.global_params, self.accepted(), self.ctx, self.robust.max_share,
                                    combiner=combine_sealed)
         params = {k: self.encrypted[k] if v is self.stand_ins.get(k) else v for k, v in result.params.items()}
-        broken = sorted(k for k, v in params.items()
-                        if isinstance(v, np.ndarray) and v.dtype.kind == "f" and not np.all(np.isfinite(v)))
-        if broken:
-            raise PayloadError(f"the aggregate has NaN/Inf in {broken[:5]}; the previous global model is kept")
-        return AggregateResult(params=params, shares=result.shares, info=result.info)
+        return require_finite(AggregateResult(params=params, shares=result.shares, info=result.info))
 
 
 def combine_sealed(updates: Mapping[str, Mapping[str, Any]], shares: Shares,
@@ -214,15 +177,15 @@ def combine_sealed(updates: Mapping[str, Mapping[str, Any]], shares: Shares,
     sealed = {k for k, v in updates[sites[0]].items() if isinstance(v, EncryptedArray)} if sites else set()
     parts = [{site: {k: v for k, v in arrays.items() if (k in sealed) == encrypted} for site, arrays in updates.items()}
              for encrypted in (True, False)]
-    combined = combine_encrypted(parts[0], shares) if sealed else {}
+    combined = he_aggregate.combine_encrypted(parts[0], shares) if sealed else {}
     if any(parts[1].values()):
         combined.update(combine(parts[1], shares, dtypes))
     return combined
 
 
 class EncryptedAggregator(MedflareAggregator):
-    """:class:`MedflareAggregator` whose rounds aggregate ciphertexts (:class:`EncryptedRoundAggregation`); it
-    takes the same arguments and loads the server kit's TenSEAL context (no secret key) when the job starts."""
+    """:class:`MedflareAggregator` over ciphertexts (:class:`EncryptedRoundAggregation`), with the server kit's
+    TenSEAL context (no secret key), loaded when the job starts."""
 
     holds_plaintext = False
     core_cls = EncryptedRoundAggregation
@@ -256,27 +219,20 @@ def save_encrypted_model(path: str | Path, params: Mapping[str, Any]) -> Path:
     JSON header with every array's shape and dtype. No pickle, no key."""
     header, entries = {}, {}
     for index, (key, value) in enumerate(params.items()):
-        name = f"a{index}"
-        if isinstance(value, EncryptedArray):
-            entries[name] = np.frombuffer(value.serialize(), dtype=np.uint8)
-            header[key] = {"entry": name, "shape": list(value.shape), "dtype": value.dtype, "encrypted": True}
-        else:
-            array = np.asarray(value)
-            entries[name] = array
-            header[key] = {"entry": name, "shape": list(array.shape), "dtype": array.dtype.name, "encrypted": False}
+        name, sealed = f"a{index}", isinstance(value, EncryptedArray)
+        array = value if sealed else np.asarray(value)
+        entries[name] = np.frombuffer(value.serialize(), dtype=np.uint8) if sealed else array
+        header[key] = {"entry": name, "shape": list(array.shape), "dtype": value.dtype if sealed else array.dtype.name,
+                       "encrypted": sealed}
     entries[_HEADER] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
-    path = Path(path)
-    with path.open("wb") as f:
+    with Path(path).open("wb") as f:
         np.savez(f, **entries)
-    return path
+    return Path(path)
 
 
 def read_encrypted_model(path: str | Path, context: Any) -> dict[str, np.ndarray]:
-    """The plaintext model from :func:`save_encrypted_model`'s file, decrypted with a site's context.
-
-    Raises:
-        ConfigError: ``context`` has no secret key (the server's cannot decrypt).
-    """
+    """The plaintext model from :func:`save_encrypted_model`'s file, decrypted with a site's context (one with the
+    secret key, or a :class:`ConfigError`)."""
     if not context.is_private():
         raise ConfigError(f"{path} is encrypted: decrypt it with a site's client_context.tenseal (the server's "
                           "context has no secret key)")
@@ -336,12 +292,9 @@ def implausible(arrays: Mapping[str, np.ndarray], last: Mapping[str, np.ndarray]
 
 class DecryptTask(_SiteContext):
     """Site task-data filter: decrypts the arrays a task declares encrypted (``contracts.ENCRYPTED_ARRAYS``) into
-    the shapes and dtypes it declares; a task without encrypted arrays passes unchanged.
-
-    The site checks what it decrypted (:func:`implausible`) against the last model it received, which the server
-    could not: a task with an implausible model gets :data:`contracts.REFUSED_TASK_HEADER` with the cause, and the
-    executor declines it with that line (the round's record names it) instead of training on garbage.
-    """
+    the shapes and dtypes it declares; a task without encrypted arrays passes unchanged. A decrypted model the
+    site finds :func:`implausible` (the server could not look) gets :data:`contracts.REFUSED_TASK_HEADER` with the
+    cause, and the executor declines the task with that line instead of training on garbage."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -352,7 +305,7 @@ class DecryptTask(_SiteContext):
             dxo = from_shareable(shareable)
         except (ValueError, TypeError):
             return shareable
-        declared = declared_encrypted(dxo.meta or {}, contracts.ENCRYPTED_ARRAYS)
+        declared = he_aggregate.declared_encrypted(dxo.meta or {}, contracts.ENCRYPTED_ARRAYS)
         if not declared:
             return shareable
         context = self.context(fl_ctx)
@@ -372,10 +325,8 @@ class DecryptTask(_SiteContext):
 
 
 class EncryptResult(_SiteContext):
-    """Site task-result filter: encrypts every array of a result except the method's declared arrays, which the
-    server's rule reads in plaintext, and its frozen parts (``Payload.frozen_keys``), and declares them in the
-    result's meta. It runs after the site's own filters, so the site has checked the plaintext update; a NaN/Inf
-    array is refused here too.
+    """Site task-result filter: encrypts and declares every array of a result except the method's declared
+    arrays (the server's rule reads them) and its frozen parts, after the site's own filters have checked it.
 
     Args:
         plan_file: the job's plan (``medflare_plan.json`` in its ``app/config``), which names the method.

@@ -1,15 +1,11 @@
 """Keep a long FLARE job's memory flat: free each round's reference cycles and free heap when the round ends.
 
-FLARE's streaming layer (``nvflare.fuel.f3.streaming``: ``TxTask``, ``BlobStream``, ``BufferList``) keeps the
-serialized model of every transfer (task down, result up) in reference cycles. Python frees cycles only in a
-generation-2 collection, which a process with millions of long-lived objects (torch, FLARE) runs rarely, so
-the server's peak RSS grew by about one model per round for ten rounds or more before a collection caught up
-(ResNet-18, 2 sites, 15 rounds: 1003 -> 1672 MiB). Collecting once per round frees them at once; handing glibc's
-free heap pages back (``malloc_trim``) keeps the next round from growing the heap around the holes
-(same run: 1004 -> 1276 MiB, flat from round 5; docs/benchmarks.md).
-
-A full collection scans every tracked object: 0.16-0.23 s per round in that server. Moving the objects alive
-after start-up to the permanent generation (``gc.freeze``) leaves only what the rounds create to scan (6-26 ms).
+FLARE's streaming layer (``nvflare.fuel.f3.streaming``) keeps the serialized model of every transfer in reference
+cycles, which only a generation-2 collection frees, and a process with millions of long-lived objects (torch,
+FLARE) runs those rarely: the server's peak RSS grew by about one model per round (ResNet-18, 2 sites, 15 rounds:
+1003 -> 1672 MiB). Collecting once per round, then handing glibc's free heap pages back (``malloc_trim``), kept it
+flat from round 5 (1004 -> 1276 MiB); moving the objects alive after start-up to the permanent generation
+(``gc.freeze``) cut that collection from 0.16-0.23 s to 6-26 ms.
 """
 
 from __future__ import annotations
@@ -19,11 +15,10 @@ import functools
 import gc
 from collections.abc import Mapping
 
-# glibc gives each thread that allocates its own arena (up to 8 per core), and every arena keeps its own free holes,
-# which FLARE's many messaging threads leave with each round's transfers. One arena for the whole process cut the
-# server's peak RSS over 30 rounds from 1514 to 1276 MiB and its growth after round 3 from +21 % to +8 %, at no
-# measured cost in transfer or training time (docs/benchmarks.md). glibc reads it only when a process starts, so
-# the launchers put it in the environment of FLARE's processes; a value already set there is kept.
+# glibc gives each allocating thread its own arena (up to 8 per core), each keeping its own free holes, which FLARE's
+# many messaging threads leave with every transfer; one arena cut the server's peak RSS over 30 rounds from 1514 to
+# 1276 MiB at no measured cost. glibc reads it only at a process's start: the launchers put it in the environment of
+# FLARE's processes (a value already set there is kept).
 ALLOCATOR_ENV = {"MALLOC_ARENA_MAX": "1"}
 
 
@@ -33,10 +28,8 @@ def with_allocator_settings(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def freeze_startup_objects() -> None:
-    """Exempt everything alive now (modules, the model, FLARE's engine) from later collections.
-
-    Call once, after start-up: objects frozen here are never collected, so a cycle among them that dies later
-    stays allocated. Start-up objects live for the whole job, which is what makes that safe."""
+    """Exempt everything alive now (modules, the model, FLARE's engine) from later collections. Call once, after
+    start-up: a frozen cycle that dies later stays allocated, which start-up objects, alive all job long, never do."""
     gc.collect()
     gc.freeze()
 
@@ -44,15 +37,10 @@ def freeze_startup_objects() -> None:
 def collect_round_garbage() -> int:
     """Run a full collection, then return free heap pages to the OS; returns the unreachable objects found."""
     freed = gc.collect()
-    _trim_heap()
-    return freed
-
-
-def _trim_heap() -> None:
-    """glibc's ``malloc_trim(0)``; a no-op where there is no glibc (macOS, musl, Windows)."""
     trim = _malloc_trim()
-    if trim is not None:
+    if trim is not None:  # no glibc (macOS, musl, Windows): nothing to hand back
         trim(0)
+    return freed
 
 
 @functools.cache

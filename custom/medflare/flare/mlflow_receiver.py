@@ -1,13 +1,9 @@
 """FLARE's MLflow receiver, published under a ``medflare.flare.`` class path: one named MLflow run per job.
 
-FLARE's receiver opens one MLflow run per client site, named ``<site>-<job>-FLARE FL Run`` in the experiment "FLARE
-FL Experiment", and logs no parameters. This one writes the whole job into one run of a named experiment (FLARE's
-``kw_args``: ``experiment_name``, ``run_name``, ``run_tags``), named ``<run_name>-<short job id>``, with the job's
-settings as MLflow params and ``env``, ``job_id`` and ``medflare_version`` tags, so runs can be searched and compared
-by method, model, lr or seed. The server's own metrics keep their names; a site's are prefixed with the site
-(``site-1/train/loss``). Metrics go to FLARE's default store, ``mlflow.db`` (SQLite) in the server's job folder, or,
-when the server's environment sets ``MEDFLARE_MLFLOW_URI``, to that store, so runs can be compared in one place.
-Without ``mlflow`` on the server the job still runs: one log line, no records.
+FLARE's receiver opens one run per client site and logs no parameters. This one writes the whole job into one run,
+``<run_name>-<short job id>``, with the job's settings as params and ``env``, ``job_id`` and ``medflare_version``
+tags, so runs can be compared by method, model, lr or seed; a site's metrics are prefixed with the site
+(``site-1/train/loss``). Without ``mlflow`` on the server the job still runs: one log line, no records.
 """
 
 from __future__ import annotations
@@ -19,7 +15,7 @@ from nvflare.apis.analytix import ANALYTIC_EVENT_TYPE, AnalyticsData, AnalyticsD
 from nvflare.apis.fl_context import FLContext
 
 import medflare
-from medflare.flare.tracking import job_env, receiver_base
+from medflare.flare.tracking import SIMULATOR_JOB_ID, receiver_base
 
 PARAMS_PER_BATCH = 100  # MLflow takes at most this many params in one log_batch call
 SHARED_STORE_VARIABLE = "MEDFLARE_MLFLOW_URI"  # e.g. sqlite:////abs/runs/mlflow.db: every job of a server in one store
@@ -28,26 +24,18 @@ SHARED_STORE_VARIABLE = "MEDFLARE_MLFLOW_URI"  # e.g. sqlite:////abs/runs/mlflow
 class MlflowReceiver(
     receiver_base("nvflare.app_opt.tracking.mlflow.mlflow_receiver", "MLflowReceiver", "mlflow")  # type: ignore[misc]
 ):
-    """FLARE's ``MLflowReceiver`` writing one run per job, with the job's params, and the server's metrics too.
-
-    It takes no tracking URI: a job may not choose where, or to which remote server, the server writes (FLARE's
-    SQLite file in the job folder, unless whoever starts the server sets ``MEDFLARE_MLFLOW_URI``).
+    """FLARE's ``MLflowReceiver`` writing one run per job, with the job's params, and the server's metrics too. It
+    takes no tracking URI: a job may not choose where the server writes (``MEDFLARE_MLFLOW_URI`` may).
 
     Args:
         events: events to record (default: the server's own and the sites' federated analytics events).
-        kw_args: FLARE's ``experiment_name``, ``run_name`` (the run's name before the short job id),
-            ``experiment_tags`` and ``run_tags``.
+        kw_args: FLARE's ``experiment_name``, ``run_name``, ``experiment_tags`` and ``run_tags``.
         params: the job's settings, logged once as MLflow params (text values).
         deployed_env: the ``env`` tag outside FLARE's simulator (``poc`` or ``prod``).
     """
 
-    def __init__(
-        self,
-        events: list[str] | None = None,
-        kw_args: dict[str, Any] | None = None,
-        params: dict[str, str] | None = None,
-        deployed_env: str = "prod",
-    ) -> None:
+    def __init__(self, events: list[str] | None = None, kw_args: dict[str, Any] | None = None,
+                 params: dict[str, str] | None = None, deployed_env: str = "prod") -> None:
         super().__init__(tracking_uri=None, kw_args=kw_args,
                          events=events or [ANALYTIC_EVENT_TYPE, f"fed.{ANALYTIC_EVENT_TYPE}"])
         self.params = params or {}
@@ -55,13 +43,12 @@ class MlflowReceiver(
         self._server_name = ""
 
     # FLARE's receiver opens a run for each connected client; here one run, the server's, serves every sender.
-    def _mlflow_setup(
-        self, art_full_path: str, experiment_name: str, experiment_tags: dict, site_names: list[str], fl_ctx: FLContext
-    ) -> None:
+    def _mlflow_setup(self, art_full_path: str, experiment_name: str, experiment_tags: dict, site_names: list[str],
+                      fl_ctx: FLContext) -> None:
         from mlflow.entities import Param  # mlflow is there: FLARE's receiver, the base class, imports it
 
         self._server_name = fl_ctx.get_identity_name()
-        env = job_env(fl_ctx.get_job_id(), self.deployed_env)
+        env = "simulator" if fl_ctx.get_job_id() == SIMULATOR_JOB_ID else self.deployed_env
         tags = {**(self.kw_args.get(TrackConst.RUN_TAGS) or {}), "env": env, "medflare_version": medflare.__version__}
         self.kw_args[TrackConst.RUN_TAGS] = tags  # FLARE adds job_id and run_name
         super()._mlflow_setup(art_full_path, experiment_name, experiment_tags, [self._server_name], fl_ctx)
@@ -94,14 +81,9 @@ class MlflowReceiver(
         if record_origin not in self.buffer:  # a site that joined after the job started
             self._share_run(record_origin)
             super()._init_buffer([record_origin])
-        if record_origin != self._server_name:
-            _prefix_metric_names(data, f"{record_origin}/")
+        prefix = f"{record_origin}/" if record_origin != self._server_name else ""  # data: the receiver's own copy
+        if prefix and data.data_type == AnalyticsDataType.METRIC:
+            data.tag = prefix + data.tag
+        elif prefix and data.data_type == AnalyticsDataType.METRICS:
+            data.value = {prefix + key: value for key, value in data.value.items()}
         super().buffer_data(data, record_origin)
-
-
-def _prefix_metric_names(data: AnalyticsData, prefix: str) -> None:
-    """Prefix the metric names of ``data`` (the receiver's own copy of one event), in place; other kinds stay."""
-    if data.data_type == AnalyticsDataType.METRIC:
-        data.tag = prefix + data.tag
-    elif data.data_type == AnalyticsDataType.METRICS:
-        data.value = {prefix + key: value for key, value in data.value.items()}

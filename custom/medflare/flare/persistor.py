@@ -1,5 +1,4 @@
-"""FLARE's own PyTorch model persistor, published under a ``medflare.flare.`` class path, building the job's initial
-model from its plan and saving the model's facts with every file."""
+"""FLARE's own PyTorch model persistor under a ``medflare.flare.`` class path, its initial model from the job's plan."""
 
 from __future__ import annotations
 
@@ -15,16 +14,13 @@ from medflare.plan import PLAN_FILE
 
 
 class MedflareModelPersistor(PTFileModelPersistor):
-    """FLARE's PTFileModelPersistor (saves FL_global_model.pt and best_FL_global_model.pt in the job's folder),
-    whose initial model and facts come from the job's plan.
+    """FLARE's PTFileModelPersistor (FL_global_model.pt and best_FL_global_model.pt in the job's folder), whose
+    initial model and facts come from the job's plan.
 
-    It exists so that a pre-installed site allow-lists only medflare's own job components (one namespace,
-    ``medflare.flare.``) instead of FLARE's PT persistor, which FLARE keeps off its default list: that one takes
-    a checkpoint path to read (``source_ckpt_file_full_name``, optionally with ``load_weights_only=False``, i.e.
-    pickle) and file names to write (``global_model_file_name``, absolute paths included). A job naming any of
-    those here fails to build instead. Every file it saves also carries the plan's facts
-    (``medflare.checkpoint.checkpoint_facts``: method, model, task, normalisation, version) as a top-level
-    ``"medflare"`` entry, which FLARE's format manager keeps beside the weights.
+    Sites then allow-list only ``medflare.flare.`` components, not FLARE's PT persistor, which takes a checkpoint
+    path to read (``source_ckpt_file_full_name``, possibly pickled) and file names to write (absolute paths too): a
+    job naming those here fails to build. Every file it saves carries the plan's facts
+    (``medflare.checkpoint.checkpoint_facts``) as a top-level ``"medflare"`` entry beside the weights.
 
     Args:
         plan_file: the job's plan in its ``app/config`` folder (``medflare_plan.json``, :mod:`medflare.plan`).

@@ -1,11 +1,8 @@
 """FLARE's differential-privacy result filters, made safe for medflare's updates.
 
-FLARE's ``PercentilePrivacy`` and ``SVTPrivacy`` sparsify, clip and noise *weight differences*. Applied to
-absolute weights they would silently destroy the model, and integer buffers trip them up. ``UpdatePrivacy``
-applies the chosen FLARE filter only to a result that carries differences (``transfer_kind=diff``; integer
-buffers then stay at the site) and refuses any other weight result with a message saying what to change. A
-site names it in its privacy policy (``local/privacy.json``) with the FLARE filter's arguments; a job names it
-with its plan file, whose ``dp`` section holds them.
+FLARE's ``PercentilePrivacy`` and ``SVTPrivacy`` sparsify, clip and noise *weight differences*: applied to absolute
+weights they would silently destroy the model, and integer buffers trip them up. ``UpdatePrivacy`` applies one only
+to a result of differences (``transfer_kind=diff``) and refuses any other weight result, saying what to change.
 """
 
 from __future__ import annotations
@@ -27,11 +24,9 @@ class UpdatePrivacy(Filter):
     """Applies FLARE's ``PercentilePrivacy`` or ``SVTPrivacy`` to weight differences, and only to them.
 
     Args:
-        filter: "percentile" (Shokri & Shmatikov: share only the largest differences, clipped to gamma) or "svt"
-            (sparse vector technique).
-        args: the FLARE filter's own arguments, e.g. {"percentile": 10, "gamma": 0.01}.
-        plan_file: a job's plan (``medflare_plan.json`` in its ``app/config``), whose ``dp`` section gives the
-            filter and its arguments instead (a job's filter takes nothing else).
+        filter: "percentile" (Shokri & Shmatikov: only the largest differences, clipped to gamma) or "svt".
+        args: the FLARE filter's own arguments, e.g. {"percentile": 10, "gamma": 0.01} (a site's privacy policy).
+        plan_file: a job's plan, whose ``dp`` section gives both instead (a job's filter takes nothing else).
     """
 
     def __init__(self, filter: str = "percentile", args: dict | None = None,  # noqa: A002 (config key)
@@ -46,10 +41,6 @@ class UpdatePrivacy(Filter):
 
             dp = deployed_plan(fl_ctx, self.plan_file)[0].dp
             self._dp = _flare_filter(dp.get("filter", "percentile"), dp.get("args") or {})
-        return self._filtered(shareable, fl_ctx, self._dp)
-
-    @staticmethod
-    def _filtered(shareable: Shareable, fl_ctx: FLContext, dp: Filter) -> Shareable:
         if shareable.get_return_code() not in (None, ReturnCode.OK):
             return shareable
         kind = from_shareable(shareable).data_kind
@@ -58,7 +49,7 @@ class UpdatePrivacy(Filter):
                 "this site's privacy policy applies a differential-privacy filter, which needs updates sent as "
                 "differences: run the job with transfer_kind=diff (--set transfer_kind=diff)"
             )
-        return dp.process(shareable, fl_ctx) if kind == DataKind.WEIGHT_DIFF else shareable
+        return self._dp.process(shareable, fl_ctx) if kind == DataKind.WEIGHT_DIFF else shareable
 
 
 def _flare_filter(name: str, args: dict) -> Filter:

@@ -1,8 +1,5 @@
-"""Per-round progress: one wording for the server's log (which the simulator shows live) and ``medflare watch``.
-
-The controller keeps a list of progress entries and serves it through FLARE's ``show_stats`` (its
-``InfoCollector`` event), so any admin with the ``view`` right can follow a POC or production job round by round.
-"""
+"""Per-round progress: one wording for the server's log (which the simulator shows live) and ``medflare watch``,
+which reads the controller's entries through FLARE's ``show_stats`` (any admin with the ``view`` right)."""
 
 from __future__ import annotations
 
@@ -15,11 +12,9 @@ STATS_GROUP = "medflare"  # the group name in FLARE's show_stats reply
 
 def round_entry(record: Mapping[str, Any], num_rounds: int) -> dict[str, Any]:
     """A finished round: its 1-based number, wall time, and the sites accepted and rejected."""
-    return {
-        "kind": "round", "round": record["round"] + 1, "rounds": num_rounds, "stage": record.get("stage"),
-        "seconds": record.get("wall_seconds"), "accepted": sorted(record.get("share", {})),
-        "rejected": sorted(record.get("rejected", {})),
-    }
+    return {"kind": "round", "round": record["round"] + 1, "rounds": num_rounds, "stage": record.get("stage"),
+            "seconds": record.get("wall_seconds"), "accepted": sorted(record.get("share", {})),
+            "rejected": sorted(record.get("rejected", {}))}
 
 
 def evaluation_entry(model_version: int, summary: Mapping[str, Any], key_metric: str) -> dict[str, Any] | None:
@@ -27,11 +22,9 @@ def evaluation_entry(model_version: int, summary: Mapping[str, Any], key_metric:
     which selects the best model), or None when the sites sent no test statistics."""
     if not summary.get("test"):
         return None
-    return {
-        "kind": "evaluation", "model": model_version, "sites": len(summary.get("sites", [])), "metric": key_metric,
-        "test": {key_metric: summary["test"].get(key_metric)},
-        "val": {key_metric: summary.get("val", {}).get(key_metric)},
-    }
+    return {"kind": "evaluation", "model": model_version, "sites": len(summary.get("sites", [])), "metric": key_metric,
+            "test": {key_metric: summary["test"].get(key_metric)},
+            "val": {key_metric: summary.get("val", {}).get(key_metric)}}
 
 
 def stop_entry(stopped: Mapping[str, Any]) -> dict[str, Any]:

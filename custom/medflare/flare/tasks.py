@@ -20,37 +20,23 @@ TASK_VALIDATE = "validate"
 TASK_SUBMIT_MODEL = "submit_model"
 
 
+# RoundContext field -> (its key in a task's meta, its type, its value when a task does not carry it)
+HEADER = {"round": (contracts.ROUND, int, 0), "total_rounds": (contracts.TOTAL_ROUNDS, int, 1),
+          "stage": (contracts.STAGE, str, contracts.TRAIN_PHASE), "stage_round": (contracts.STAGE_ROUND, int, -1),
+          "stage_rounds": (contracts.STAGE_ROUNDS, int, 0), "scored": (contracts.SCORED, bool, True)}
+
+
 def round_meta(ctx: RoundContext) -> dict[str, Any]:
     """Server -> site meta for a task."""
-    return {
-        **dict(ctx.server_meta),
-        contracts.ROUND: ctx.round,
-        contracts.TOTAL_ROUNDS: ctx.total_rounds,
-        contracts.STAGE: ctx.stage,
-        contracts.STAGE_ROUND: ctx.stage_round,
-        contracts.STAGE_ROUNDS: ctx.stage_rounds,
-        contracts.SCORED: ctx.scored,
-    }
-
-
-HEADER_KEYS = (
-    contracts.ROUND, contracts.TOTAL_ROUNDS, contracts.STAGE, contracts.STAGE_ROUND, contracts.STAGE_ROUNDS,
-    contracts.SCORED,
-)
+    return {**dict(ctx.server_meta), **{key: getattr(ctx, field) for field, (key, _, _) in HEADER.items()}}
 
 
 def round_context(meta: Mapping[str, Any]) -> RoundContext:
     """Site-side decode of :func:`round_meta`; every other key (array dims, transfer dtype, rule meta) is
     kept in ``server_meta``."""
-    return RoundContext(
-        round=int(meta.get(contracts.ROUND, 0)),
-        total_rounds=int(meta.get(contracts.TOTAL_ROUNDS, 1)),
-        stage=str(meta.get(contracts.STAGE, contracts.TRAIN_PHASE)),
-        stage_round=int(meta.get(contracts.STAGE_ROUND, -1)),
-        stage_rounds=int(meta.get(contracts.STAGE_ROUNDS, 0)),
-        scored=bool(meta.get(contracts.SCORED, True)),
-        server_meta={k: v for k, v in meta.items() if k not in HEADER_KEYS},
-    )
+    keys = {key for key, _, _ in HEADER.values()}
+    return RoundContext(**{field: kind(meta.get(key, default)) for field, (key, kind, default) in HEADER.items()},
+                        server_meta={k: v for k, v in meta.items() if k not in keys})
 
 
 # plan file (path, mtime, size) -> its plan and its log line: the server's components and a site's executor and
@@ -59,13 +45,9 @@ _LOADED: dict[tuple[str, int, int], tuple[RunPlan, str]] = {}
 
 
 def deployed_plan(fl_ctx: FLContext, plan_file: str = PLAN_FILE) -> tuple[RunPlan, str]:
-    """The running job's plan, from the ``plan_file`` FLARE deployed in this participant's app config folder (the
-    server and every site alike), and a line for the log: its fingerprint, and whether it was edited since it was
-    written.
-
-    Raises:
-        ConfigError: ``plan_file`` is not a plain file name, or the file is missing, unreadable or invalid.
-    """
+    """The running job's plan, from the ``plan_file`` FLARE deployed in this participant's app config folder, and
+    a line for the log: its fingerprint, and whether it was edited since it was written. A :class:`ConfigError`
+    when ``plan_file`` is not a plain file name, or the file is missing, unreadable or invalid."""
     if not plan_file or os.path.basename(plan_file) != plan_file or plan_file in (".", ".."):
         raise ConfigError(f"plan_file must name a file in the job's app/config folder, got '{plan_file}'")
     app_root = fl_ctx.get_prop(FLContextKey.APP_ROOT)  # the participant's deployed app (its config folder inside)

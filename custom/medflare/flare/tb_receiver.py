@@ -1,8 +1,4 @@
-"""FLARE's TensorBoard receiver, published under a ``medflare.flare.`` class path.
-
-Pre-installed sites allow-list only ``medflare.flare.`` classes, so a job names this class rather than FLARE's.
-Without ``tensorboard`` on the server the job still runs: the receiver logs one line and records nothing.
-"""
+"""FLARE's TensorBoard receiver under a ``medflare.flare.`` class path (the only ones pre-installed sites allow)."""
 
 from __future__ import annotations
 
@@ -12,13 +8,9 @@ from medflare.flare.tracking import TB_FOLDER, receiver_base
 class TensorBoardReceiver(
     receiver_base("nvflare.app_opt.tracking.tb.tb_receiver", "TBAnalyticsReceiver", "tensorboard")  # type: ignore[misc]
 ):
-    """FLARE's ``TBAnalyticsReceiver``: one TensorBoard folder per sender under the server's ``tb_events/``.
-
-    The server's folder holds the global curves (pooled, per-site and site-mean validation and test metrics, shares,
-    round times); each site's folder its own: training loss per local epoch and per round, training seconds, lr and
-    the validation metrics of each model it received (:data:`medflare.flare.tracking.SITE_STREAMED_TAGS`).
-
-    It takes no folder: a job may not choose where the server writes (always ``tb_events/`` in the job folder).
+    """FLARE's ``TBAnalyticsReceiver``: one TensorBoard folder per sender under the server's ``tb_events/`` (a job
+    may not choose where the server writes), the server's with the global curves, each site's with what it streams
+    (:data:`medflare.flare.tracking.SITE_STREAMED_TAGS`). Without ``tensorboard`` it logs one line, records nothing.
 
     Args:
         events: the analytics events to record (FLARE's default: local and federated).

@@ -1,22 +1,13 @@
 """Experiment tracking through FLARE's own analytics events.
 
-Sites fire FLARE's ``analytix_log_stats`` event for each local epoch and each task; :class:`SiteMetricsToServer`
-(FLARE's ``ConvertToFedEvent``) turns it into a federated event, which reaches the server. The controller fires
-the same event for every round's pooled, per-site and site-mean metrics. On the server, FLARE's TensorBoard
-receiver (:mod:`medflare.flare.tb_receiver`) writes them, one folder per sender, and, when asked, its MLflow
-receiver (:mod:`medflare.flare.mlflow_receiver`) writes them into one MLflow run per job, with the job's
-settings as params (:func:`mlflow_receiver_args`).
+Sites fire FLARE's ``analytix_log_stats`` event per local epoch and per task; :class:`SiteMetricsToServer` forwards it
+to the server, where the controller fires the same event for every round's metrics. FLARE's TensorBoard and MLflow
+receivers (:mod:`~medflare.flare.tb_receiver`, :mod:`~medflare.flare.mlflow_receiver`) record them, or, without their
+package on the server, log one line (:class:`MissingTrackerReceiver`).
 
-These events travel beside the task results, so neither a method's Payload nor a site's privacy filters see
-them. What a site may stream is therefore declared here, once (:data:`SITE_STREAMED_TAGS`): its training loss
-per local epoch, and per round its mean training loss, training seconds, learning rate, ε spent (DP-SGD only)
-and the validation metrics of the received model. Each is a value its result carries anyway (``train_loss``,
-``train_seconds``, ``dp_epsilon``, the ``eval_val`` counts the metrics are computed from) or the job's own schedule
-(the learning rate). The
-site-side converter forwards nothing else.
-
-The receivers are optional: when ``tensorboard`` or ``mlflow`` is not installed on the server, the job still
-loads and runs; the receiver logs one line and records nothing (:class:`MissingTrackerReceiver`).
+These events travel beside the task results, past a method's Payload and the site's privacy filters, so what a site
+may stream is declared here, once (:data:`SITE_STREAMED_TAGS`): only values its result carries anyway
+(``train_loss``, ``train_seconds``, ``dp_epsilon``, the ``eval_val`` counts) or the job's own lr schedule.
 """
 
 from __future__ import annotations
@@ -27,7 +18,7 @@ import json
 import math
 import shutil
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 from nvflare.apis.analytix import ANALYTIC_EVENT_TYPE, AnalyticsDataType, LogWriterName, TrackConst
 from nvflare.apis.dxo import from_shareable
@@ -62,14 +53,10 @@ MAX_PARAM_CHARS = 500  # MLflow params are short strings (older MLflow servers r
 SIMULATOR_JOB_ID = "simulate_job"  # every job FLARE's simulator runs has this id
 
 
-def missing_packages(tracking: str) -> list[str]:
-    """The packages the chosen trackers need that this Python environment lacks."""
-    return [RECEIVERS[name][0] for name in TRACKERS[tracking] if importlib.util.find_spec(RECEIVERS[name][0]) is None]
-
-
 def missing_notice(tracking: str) -> str | None:
     """One line saying which trackers record nothing here because their package is missing, or None."""
-    missing = missing_packages(tracking)
+    missing = [package for package, _ in (RECEIVERS[name] for name in TRACKERS[tracking])
+               if importlib.util.find_spec(package) is None]
     if not missing:
         return None
     return (f"{' and '.join(missing)} not installed here, so this run records no {' or '.join(missing)} metrics "
@@ -77,45 +64,26 @@ def missing_notice(tracking: str) -> str | None:
 
 
 def server_components(tracking: str, mlflow_args: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
-    """The receivers a job's server config lists for the chosen trackers.
-
-    Args:
-        tracking: a :data:`TRACKERS` choice.
-        mlflow_args: the MLflow receiver's arguments (:func:`mlflow_receiver_args`).
-    """
+    """The receivers a job's server config lists for a :data:`TRACKERS` choice (``mlflow_args``: the MLflow
+    receiver's, :func:`mlflow_receiver_args`)."""
     args = {"mlflow": dict(mlflow_args or {})}
     return [{"id": f"{name}_receiver", "path": RECEIVERS[name][1], "args": args.get(name, {})}
             for name in TRACKERS[tracking]]
 
 
-def mlflow_receiver_args(
-    params: Mapping[str, Any], run_name: str, tags: Mapping[str, str], deployed_env: str, experiment: str = ""
-) -> dict[str, Any]:
-    """The MLflow receiver's arguments: FLARE's ``kw_args`` (experiment, run name prefix, run tags) and the params.
-
-    Args:
-        params: the job's settings, logged once as MLflow params (:func:`flat_params`; values as text, at most
-            :data:`MAX_PARAM_CHARS` characters).
-        run_name: the run's name; the receiver appends the short job id.
-        tags: run tags known when the job is written (the receiver adds env, job id and medflare's version).
-        deployed_env: the ``env`` tag outside FLARE's simulator (``poc`` or ``prod``).
-        experiment: the MLflow experiment (default :data:`DEFAULT_EXPERIMENT`).
-    """
-    kw_args = {
-        TrackConst.EXPERIMENT_NAME: experiment or DEFAULT_EXPERIMENT,
-        TrackConst.RUN_NAME: run_name,
-        TrackConst.EXPERIMENT_TAGS: {},
-        TrackConst.RUN_TAGS: dict(tags),
-    }
+def mlflow_receiver_args(params: Mapping[str, Any], run_name: str, tags: Mapping[str, str], deployed_env: str,
+                         experiment: str = "") -> dict[str, Any]:
+    """The MLflow receiver's arguments: FLARE's ``kw_args`` (``experiment``, ``run_name``, to which the receiver
+    appends the short job id, and the run ``tags`` known when the job is written), the job's settings ``params``
+    (:func:`flat_params`) and the ``env`` tag outside FLARE's simulator (``deployed_env``: poc or prod)."""
+    kw_args = {TrackConst.EXPERIMENT_NAME: experiment or DEFAULT_EXPERIMENT, TrackConst.RUN_NAME: run_name,
+               TrackConst.EXPERIMENT_TAGS: {}, TrackConst.RUN_TAGS: dict(tags)}
     return {"kw_args": kw_args, "params": flat_params(params), "deployed_env": deployed_env}
 
 
 def flat_params(settings: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
-    """Settings as MLflow params: a nested mapping's entries under dotted keys (``train.stages.finetune.lr``).
-
-    Flattened rather than written as JSON: FLARE's job configurator reads a text in braces as a variable
-    reference and replaces it (``"{}"`` would load as None).
-    """
+    """Settings as MLflow params: a nested mapping's entries under dotted keys (``train.stages.finetune.lr``), not
+    JSON: FLARE's job configurator reads a text in braces as a variable reference (``"{}"`` would load as None)."""
     params: dict[str, str] = {}
     for key, value in settings.items():
         if isinstance(value, Mapping):
@@ -131,11 +99,6 @@ def param_text(value: Any) -> str:
     return text if len(text) <= MAX_PARAM_CHARS else text[:MAX_PARAM_CHARS - 1] + "…"
 
 
-def job_env(job_id: str, deployed_env: str) -> str:
-    """``simulator`` for a job FLARE's simulator runs, else the environment the job was written for."""
-    return "simulator" if job_id == SIMULATOR_JOB_ID else deployed_env
-
-
 def client_components(tracking: str) -> list[dict[str, Any]]:
     """The site-side converter that forwards the declared metrics to the server (none when tracking is off)."""
     if not TRACKERS[tracking]:
@@ -145,28 +108,20 @@ def client_components(tracking: str) -> list[dict[str, Any]]:
 
 # ----- sending ------------------------------------------------------------------------------------------
 def send_scalars(component: FLComponent, fl_ctx: FLContext, scalars: Mapping[str, float], step: int) -> None:
-    """Fire one FLARE analytics event per scalar (TensorBoard syntax; MLflow's receiver converts it).
-
-    Each event gets a fresh context from the engine, so the caller's context (a task's, the controller's) is
-    never touched.
-    """
+    """Fire one FLARE analytics event per scalar (TensorBoard syntax; MLflow's receiver converts it), each in a
+    fresh context from the engine, so the caller's (a task's, the controller's) is never touched."""
     engine = fl_ctx.get_engine()
     for tag, value in scalars.items():
-        dxo = create_analytic_dxo(
-            tag=tag, value=float(value), data_type=AnalyticsDataType.SCALAR, writer=LogWriterName.TORCH_TB,
-            global_step=int(step),
-        )
+        dxo = create_analytic_dxo(tag=tag, value=float(value), data_type=AnalyticsDataType.SCALAR,
+                                  writer=LogWriterName.TORCH_TB, global_step=int(step))
         with engine.new_context() as event_ctx:
             send_analytic_dxo(component, dxo=dxo, fl_ctx=event_ctx, event_type=ANALYTIC_EVENT_TYPE)
 
 
 def round_scalars(evaluation: Mapping[str, Any]) -> dict[str, float]:
-    """The scalar metrics of one model version, as TensorBoard tags.
-
-    ``val/<metric>`` and ``test/<metric>`` are pooled over sites, ``site_mean/<metric>`` is the unweighted mean
-    of the sites' test metrics and ``<site>/test_<metric>`` each site's own; method-declared evaluations add
-    ``<name>/...`` the same way.
-    """
+    """The scalar metrics of one model version as TensorBoard tags: ``val/`` and ``test/<metric>`` pooled over
+    sites, ``site_mean/<metric>`` the unweighted mean of the sites' test metrics, ``<site>/test_<metric>`` each
+    site's own, and ``<name>/...`` of each method-declared evaluation."""
     scalars: dict[str, float] = {}
     for split in ("val", "test"):
         scalars.update(_prefixed(f"{split}/", evaluation.get(split, {})))
@@ -189,11 +144,8 @@ def record_scalars(record: Mapping[str, Any]) -> dict[str, float]:
 
 
 def site_validation_scalars(meta: Mapping[str, Any], num_classes: int, multi_label: bool = False) -> dict[str, float]:
-    """A site's ``val/<metric>`` of the model it received, from the ``eval_val`` counts its result carries.
-
-    Empty when the result carries no counts: ``site_evaluation=off``, every task but the final validation with
-    ``final``, an unscored stage.
-    """
+    """A site's ``val/<metric>`` of the model it received, from the ``eval_val`` counts its result carries (none:
+    ``site_evaluation=off``, every task but the final validation with ``final``, an unscored stage)."""
     if contracts.EVAL_VAL not in meta:
         return {}
     metrics = compute_metrics(stats_from_dict(meta[contracts.EVAL_VAL], num_classes, multi_label))
@@ -218,30 +170,21 @@ def _is_number(value: Any) -> bool:
 
 # ----- the site's side ------------------------------------------------------------------------------------
 class SiteMetricsToServer(ConvertToFedEvent):
-    """FLARE's ``ConvertToFedEvent`` that forwards only the metrics a site declares it streams.
-
-    A local analytics event whose tag is not in :data:`SITE_STREAMED_TAGS`, or whose value is not a finite
-    number, stays at the site (and is logged as refused).
-
-    Args:
-        events_to_convert: local events to forward (FLARE's analytics event).
-        fed_event_prefix: FLARE's prefix of the federated event.
-    """
+    """FLARE's ``ConvertToFedEvent`` (same arguments) forwarding only the metrics a site declares it streams: an
+    analytics event whose tag is not in :data:`SITE_STREAMED_TAGS`, or whose value is not a finite number, stays
+    at the site (and is logged as refused)."""
 
     def __init__(self, events_to_convert: list[str] | None = None, fed_event_prefix: str = "fed.") -> None:
         super().__init__(events_to_convert or [ANALYTIC_EVENT_TYPE], fed_event_prefix)
 
     def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
-        if event_type in self.events_to_convert and not _is_federated(fl_ctx):
+        federated = fl_ctx.get_prop(FLContextKey.EVENT_SCOPE, EventScope.LOCAL) == EventScope.FEDERATION
+        if event_type in self.events_to_convert and not federated:
             refusal = undeclared_stream(fl_ctx.get_prop(FLContextKey.EVENT_DATA, None))
             if refusal:
                 self.log_warning(fl_ctx, f"not streamed to the server: {refusal}", fire_event=False)
                 return
         super().handle_event(event_type, fl_ctx)
-
-
-def _is_federated(fl_ctx: FLContext) -> bool:
-    return fl_ctx.get_prop(FLContextKey.EVENT_SCOPE, EventScope.LOCAL) == EventScope.FEDERATION
 
 
 def undeclared_stream(data: Any) -> str | None:
@@ -262,11 +205,8 @@ def undeclared_stream(data: Any) -> str | None:
 
 # ----- the server's side ----------------------------------------------------------------------------------
 class MissingTrackerReceiver(AnalyticsReceiver):
-    """Stands in for a receiver whose package the server lacks: one log line, then nothing is recorded.
-
-    Args:
-        options: the real receiver's arguments (kept, so the job config reads the same either way).
-    """
+    """Stands in for a receiver whose package the server lacks: one log line, then nothing is recorded. It takes
+    the real receiver's arguments, so the job config reads the same either way."""
 
     package = ""
 
@@ -286,10 +226,8 @@ class MissingTrackerReceiver(AnalyticsReceiver):
 
 
 def receiver_base(module: str, name: str, package: str) -> type:
-    """FLARE's receiver class ``module.name``, or, on a server without ``package``, a stand-in that logs one line.
-
-    The medflare receivers subclass what this returns, so a job naming them loads either way.
-    """
+    """FLARE's receiver class ``module.name``, or, on a server without ``package``, a stand-in that logs one line
+    (the medflare receivers subclass what this returns, so a job naming them loads either way)."""
     try:
         return getattr(importlib.import_module(module), name)
     except ImportError:  # tensorboard and mlflow are optional extras (medflare[tracking])
@@ -297,17 +235,10 @@ def receiver_base(module: str, name: str, package: str) -> type:
 
 
 def keep_server_records(run_dir: Path, out: Path) -> list[Path]:
-    """Copy the job's tracking records (TensorBoard folders, MLflow store) from the server's job folder.
-
-    Args:
-        run_dir: the server's job folder (a simulator's ``server/simulate_job``, a downloaded ``workspace``).
-        out: the run's result folder.
-
-    Returns:
-        What was copied, as paths inside ``out``.
-    """
+    """Copy the job's tracking records (TensorBoard folders, MLflow store) from the server's job folder ``run_dir``
+    (a simulator's ``server/simulate_job``, a downloaded ``workspace``) into ``out``; the copies' paths."""
     kept = []
-    for found in _tracking_records(run_dir):
+    for found in [path for name in (TB_FOLDER, MLFLOW_DB) for path in sorted(run_dir.glob(f"**/{name}"))[:1]]:
         target = out / found.name
         if found.is_dir():
             shutil.copytree(found, target, dirs_exist_ok=True)
@@ -315,8 +246,3 @@ def keep_server_records(run_dir: Path, out: Path) -> list[Path]:
             shutil.copy(found, target)
         kept.append(target)
     return kept
-
-
-def _tracking_records(run_dir: Path) -> Iterator[Path]:
-    for name in (TB_FOLDER, MLFLOW_DB):
-        yield from sorted(run_dir.glob(f"**/{name}"))[:1]
