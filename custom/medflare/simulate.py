@@ -64,19 +64,9 @@ def run_simulation(
     run: RunConfig, out_dir: str | Path, echo: Callable[[str], None] = print, overwrite: bool = False,
     plan: RunPlan | None = None,
 ) -> dict[str, Any]:
-    """Export the job, run ``nvflare simulator`` with one thread per site, and write the run's outputs.
-
-    ``plan``: the job's plan when the caller validated ``run`` and resolved it (``launch.plan_job(run, "byoc",
-    ...)``, as ``medflare run`` does before anything starts); else ``run`` is validated and resolved here.
-
-    Everything is staged in ``<out>.partial`` and moved to ``out`` only after success (see
-    :class:`medflare.files.OutputTarget`: a non-empty ``out`` needs ``overwrite``, and only medflare's own
-    files are ever replaced). On failure or interruption the simulator and its site processes are stopped and
-    the simulator log, with the rounds that finished, is kept as ``<out>.failed.log``.
-
-    Raises:
-        ConfigError: also for ``secure_aggregation=he``, which FLARE's simulator cannot run.
-    """
+    """Export the job, run ``nvflare simulator`` with one thread per site, and write the run's outputs through
+    :class:`medflare.files.OutputTarget` (a failure stops every process and leaves ``<out>.failed.log``).
+    ``plan``: ``launch.plan_job(run, "byoc")`` when the caller validated ``run``; else resolved here."""
     if run.secure_aggregation == "he":
         raise ConfigError(SIMULATOR_HAS_NO_HE)
     if plan is None:
@@ -137,15 +127,9 @@ class LogTail:
 
 
 class SimulatorWatch(threading.Thread):
-    """Follows FLARE's simulator from its workspace logs and stops it in two cases.
-
-    - A lost site (:data:`LOST_SITE` in the server's error log, kept as ``reason``): the run can no longer finish,
-      so it ends with a clear error instead of waiting out the task timeout.
-    - The job is over: the server's runner has finished (after END_RUN, so every server component has written its
-      files) and every site has fired END_RUN (its state is saved). What the simulator does after that is FLARE's
-      shutdown grace: about 5 s of sleeps a run (MPM's 3 s, the workers' 2 s) with nothing left to write, which
-      medflare ends instead (``ended_job``). The run's outcome is then medflare's results, not the exit code.
-    """
+    """Follows FLARE's simulator's workspace logs and stops it on a lost site (:data:`LOST_SITE`, kept as
+    ``reason``: it could never finish) or once the server runner and every site have ended the run: what follows is
+    FLARE's ~5 s shutdown grace with nothing left to write (``ended_job``; the outcome is then medflare's results)."""
 
     def __init__(self, workspace: Path, proc: subprocess.Popen, sites: int, period_seconds: float = 0.2) -> None:
         super().__init__(name="medflare-simulator-watch", daemon=True)
