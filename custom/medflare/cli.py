@@ -391,9 +391,8 @@ def make_parser() -> argparse.ArgumentParser:
     """The ``medflare`` command line: one subcommand per ``cmd_*`` function."""
     from medflare.run_options import add_run_options
 
-    parser = OneLineParser(
-        prog="medflare", description=__doc__, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = OneLineParser(prog="medflare", description=__doc__, epilog=EXAMPLES,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("methods", help="list registered methods").set_defaults(func=cmd_methods)
     sub.add_parser("models", help="list models: parameters, input, offline ImageNet weights").set_defaults(
@@ -428,9 +427,8 @@ def make_parser() -> argparse.ArgumentParser:
     compare.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     add_env_options(compare)
     compare.set_defaults(func=cmd_compare)
-    export = sub.add_parser(
-        "export", help="write a FLARE job folder (site-local data unless --data is given) for nvflare job submit"
-    )
+    export = sub.add_parser("export",
+                            help="write a FLARE job folder (site-local data unless --data is given) for nvflare job submit")
     export.add_argument("method", help="registered method (see 'medflare methods')")
     add_run_options(export)
     export.add_argument("-o", "--output", required=True, help="folder to write the job folder <name>/ into")

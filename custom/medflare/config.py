@@ -62,8 +62,7 @@ class _Mismatch(Exception):
 
     def __init__(self, where: tuple[str, Any, Any] | None = None, why: str = "") -> None:
         super().__init__()
-        self.where = where
-        self.why = why
+        self.where, self.why = where, why
 
 
 def _convert(value: Any, hint: Any, option: str) -> Any:

@@ -137,13 +137,9 @@ def _field_hints(cls: type) -> dict[str, Any]:
 
 def _field_defaults(cls: type) -> dict[str, Any]:
     """A dataclass's field defaults (fields without one are left out)."""
-    defaults = {}
-    for f in dataclasses.fields(cls):
-        if f.default_factory is not dataclasses.MISSING:
-            defaults[f.name] = f.default_factory()
-        elif f.default is not dataclasses.MISSING:
-            defaults[f.name] = f.default
-    return defaults
+    missing = dataclasses.MISSING
+    given = [f for f in dataclasses.fields(cls) if f.default is not missing or f.default_factory is not missing]
+    return {f.name: f.default if f.default_factory is missing else f.default_factory() for f in given}
 
 
 def _line(option: Option) -> str:

@@ -159,22 +159,16 @@ def robust_record(robust: dict[str, Any]) -> dict[str, Any]:
     return RobustConfig(**{**ROBUST_OFF, **typed_robust(robust)}).record()
 
 
-def simulator_job(run: RunConfig, mode: str) -> bool:
-    """A BYOC job with simulated data is what FLARE's simulator runs; any other job can only be deployed (a
-    pre-installed job needs sites that allow-listed medflare, site data needs a hospital's own config)."""
-    return mode == "byoc" and run.data.get("source", "site") != "site"
-
-
 def job_robust(run: RunConfig, mode: str) -> dict[str, float]:
-    """The robust settings a job written in ``mode`` carries: the run's own in a simulator job, else the deployment
-    defaults under them (a POC run with simulated data is a deployment too: ``deploy.poc`` says so first)."""
-    encrypted = run.secure_aggregation == "he"
-    return typed_robust(run.robust) if simulator_job(run, mode) else deployment_robust(run.robust, encrypted)
+    """The robust settings a job written in ``mode`` carries: the run's own in a BYOC job with simulated data (what
+    FLARE's simulator runs), else the deployment defaults under them (a POC run with simulated data is deployed)."""
+    if mode == "byoc" and run.data.get("source", "site") != "site":
+        return typed_robust(run.robust)
+    return deployment_robust(run.robust, run.secure_aggregation == "he")
 
 
-def export_job(
-    run: RunConfig, out_dir: str | Path, task: TaskSpec, mode: str = "byoc", shot_groups: dict | None = None
-) -> Path:
+def export_job(run: RunConfig, out_dir: str | Path, task: TaskSpec, mode: str = "byoc",
+               shot_groups: dict | None = None) -> Path:
     """Write ``out_dir/<job name>/`` for ``run`` (its plan: :func:`job_plan`) with :func:`write_job`."""
     return write_job(job_plan(run, task, mode, shot_groups), out_dir, mode, run.plugins)
 

@@ -38,9 +38,8 @@ __all__ = ["SimulationError", "nvflare_command", "run_simulation"]
 PROGRESS = re.compile(r"medflare:|round \d+/\d+ epoch|REJECTED|ERROR|Error:")
 MESSAGE_START = re.compile(r"medflare:|[\w.-]+: round \d+/|round \d+: REJECTED")
 SIMULATOR_LOG = "simulator.log"
-# What FLARE's simulator logs (server/error_log.txt) when a site's worker process is gone: it died, or it never
-# connected because another simulator starting at the same moment took the free port it was given. The simulator
-# never restarts that site, so the job would wait for it until the task timeout (an hour by default).
+# FLARE's simulator's line (server/error_log.txt) for a site's worker gone (died, or lost its port to a simulator
+# started at the same moment): never restarted, the job would wait out the task timeout (an hour by default).
 LOST_SITE = re.compile(r"(?:Communication error with|Subprocess died for) client ([\w.-]+)")
 SERVER_ERROR_LOG = Path("server") / "error_log.txt"
 # What FLARE 2.9 logs once a participant's run is over: the server's runner after END_RUN and its cleanup
@@ -49,8 +48,7 @@ SERVER_RUN_ENDED = re.compile(r"ServerRunner - INFO - .*Server runner finished\.
 SITE_RUN_ENDED = re.compile(r"ClientRunner - INFO - .*END_RUN fired")
 
 
-# FLARE's simulator has no startup kits, so no provisioned TenSEAL contexts (FLARE's FedAvgRecipeWithHE refuses
-# SimEnv for the same reason): secure_aggregation=he runs in a POC and in production only
+# no startup kits, so no provisioned TenSEAL contexts (FLARE's FedAvgRecipeWithHE refuses SimEnv likewise)
 SIMULATOR_HAS_NO_HE = ("secure_aggregation=he needs the TenSEAL contexts FLARE's HEBuilder provisions into startup "
                        "kits, which the simulator has none of; run it in a POC (medflare run --env poc, or "
                        "python -m medflare.deploy.poc run) or in production")

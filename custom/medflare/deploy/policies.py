@@ -62,7 +62,8 @@ def scope_name(method: str) -> str:
 def authorization_policy(default: dict[str, Any], mode: str) -> dict[str, Any]:
     """``local/authorization.json`` from the kit's default: as is for "byoc"; "preinstalled" sets ``byoc`` to
     "none" for every role (a role's blanket "any" is expanded right by right)."""
-    _check_mode(mode)
+    if mode not in SITE_MODES:
+        raise ValueError(f"site mode must be one of {SITE_MODES}, got '{mode}'")
     policy = copy.deepcopy(default)
     if mode == "byoc":
         return policy
@@ -155,14 +156,8 @@ def site_data_config(source: str | None = None, allow_job_data: bool = False, **
 KIT_VERSIONS_FILE = "medflare_kit.json"  # in a kit's local/: the versions it was set up with
 
 
-def install_site_policies(
-    kit_dir: str | Path,
-    mode: str,
-    methods: Iterable[str] | None = None,
-    num_gpus: int = 0,
-    mem_per_gpu_gib: int = 0,
-    site_config: dict[str, Any] | None = None,
-) -> list[Path]:
+def install_site_policies(kit_dir: str | Path, mode: str, methods: Iterable[str] | None = None, num_gpus: int = 0,
+                          mem_per_gpu_gib: int = 0, site_config: dict[str, Any] | None = None) -> list[Path]:
     """Write the policy files into one participant's kit and return their paths: authorization and resources (the
     server's job store and snapshot folders created owner-only in the kit: rerun after moving it), and for a
     client privacy scopes for ``methods`` (default: all) and ``site_config`` (its ``medflare_site.json``)."""
@@ -205,11 +200,6 @@ def is_site_kit(kit_dir: Path) -> bool:
     """True for a server or client kit (admins' kits hold no site policy)."""
     startup = kit_dir / "startup"
     return (startup / "fed_client.json").is_file() or (startup / "fed_server.json").is_file()
-
-
-def _check_mode(mode: str) -> None:
-    if mode not in SITE_MODES:
-        raise ValueError(f"site mode must be one of {SITE_MODES}, got '{mode}'")
 
 
 def _read(path: Path) -> dict[str, Any]:
