@@ -71,13 +71,6 @@ def preset_notes(args: argparse.Namespace, methods: list[str]) -> list[str]:
     return lines
 
 
-def preset_lead(name: str | None, methods: list[str]) -> str | None:
-    """``compare --preset``: the first compared method with that preset (the others share its settings)."""
-    from medflare.plan import preset_lead as lead
-
-    return lead(name, methods)
-
-
 def cmd_models(args: argparse.Namespace) -> int:
     """``medflare models``: every model factory with its parameter count, input and offline ImageNet weights."""
     from medflare.catalog import COUNTED_SIZES, COUNTED_TASK, installed_models, load_catalog
@@ -141,13 +134,8 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def checked_run(args: argparse.Namespace, method: str | None = None, seed: int | None = None,
                 data_defaults: dict[str, Any] | None = None) -> tuple[Any, Any]:
-    """The run configuration of ``args``, validated, with its data read, and the plan of the job ``--env`` gets:
-    every check before anything is started or written, and the plan the runner then carries out.
-
-    Args:
-        seed: replaces the run's seed (``compare --seeds``).
-        data_defaults: protocol data options instead of the method's own (``compare``: the same for every method).
-    """
+    """The validated run of ``args`` (its data read) and the plan of the job ``--env`` gets: every check before
+    anything starts. ``compare`` passes each ``seed`` and one protocol's ``data_defaults`` for every method."""
     from medflare.launch import describe_sites, plan_job
     from medflare.plan import task_of, validated
     from medflare.run_options import build_run_config
@@ -166,9 +154,7 @@ def checked_run(args: argparse.Namespace, method: str | None = None, seed: int |
 
 
 def show_task(run: Any) -> None:
-    """Print the task a checked run trains and each site's images (``launch.task_lines``), once every check has
-    passed (a refused run prints its one error line only). The data was read when the run was checked: the same
-    cached source."""
+    """Print the task a checked run trains and each site's images (``launch.task_lines``, from the cached data)."""
     from medflare.launch import describe_sites, task_lines
     from medflare.plan import task_of
 
@@ -178,8 +164,7 @@ def show_task(run: Any) -> None:
 
 
 def run_in_env(args: argparse.Namespace, run: Any, plan: Any, out: Path, overwrite: bool = False) -> dict[str, Any]:
-    """Run the job of ``plan`` (:func:`checked_run`'s) where ``--env`` says (simulator or POC) and write its outputs
-    to ``out``; its summary."""
+    """Run the job of ``plan`` (:func:`checked_run`'s) where ``--env`` says, outputs in ``out``; its summary."""
     if args.env == "poc":
         from medflare.deploy.poc import run_poc
 
@@ -241,7 +226,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     """``medflare compare``: several methods (and seeds) on the same data, with a comparison table and plots."""
     from medflare.files import OutputTarget
     from medflare.launch import results_text
-    from medflare.plan import shared_data_defaults
+    from medflare.plan import preset_lead, shared_data_defaults
     from medflare.report import comparison_outputs
     from medflare.run_options import build_run_config
 
@@ -374,8 +359,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 
 def metrics_text(metrics: dict[str, float | None], labelled: int) -> str:
-    """``on N labelled images: balanced accuracy 0.8125, ...`` (n/a where a metric is undefined, e.g. AUROC
-    without both classes)."""
+    """``on N labelled images: balanced accuracy 0.8125, ...`` (n/a where a metric is undefined)."""
     from medflare.evaluation import metric_name
 
     if not labelled:
@@ -385,16 +369,8 @@ def metrics_text(metrics: dict[str, float | None], labelled: int) -> str:
     return f"on {labelled} labelled images: {values}"
 
 
-def cmd_rehearse(args: argparse.Namespace) -> int:
-    """``medflare rehearse``: a provisioned deployment rehearsed on this machine (``deploy.rehearse``)."""
-    from medflare.deploy.rehearse import cmd_rehearse as rehearse
-
-    return rehearse(args)
-
-
 def cmd_preflight(args: argparse.Namespace) -> int:
-    """``medflare preflight``: a site's kit, file, images and devices checked before a job (``deploy.preflight``);
-    exit 1 when a check fails."""
+    """``medflare preflight``: a site checked before a job (``deploy.preflight``); exit 1 when a check fails."""
     from medflare.deploy.preflight import FAIL, as_json, overall, preflight, table
 
     checks = preflight(args.kit, job=args.job, max_images=args.max_images, server=not args.no_server)
@@ -415,9 +391,8 @@ def make_parser() -> argparse.ArgumentParser:
     """The ``medflare`` command line: one subcommand per ``cmd_*`` function."""
     from medflare.run_options import add_run_options
 
-    parser = OneLineParser(
-        prog="medflare", description=__doc__, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = OneLineParser(prog="medflare", description=__doc__, epilog=EXAMPLES,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("methods", help="list registered methods").set_defaults(func=cmd_methods)
     sub.add_parser("models", help="list models: parameters, input, offline ImageNet weights").set_defaults(
@@ -452,9 +427,8 @@ def make_parser() -> argparse.ArgumentParser:
     compare.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     add_env_options(compare)
     compare.set_defaults(func=cmd_compare)
-    export = sub.add_parser(
-        "export", help="write a FLARE job folder (site-local data unless --data is given) for nvflare job submit"
-    )
+    export = sub.add_parser("export",
+                            help="write a FLARE job folder (site-local data unless --data is given) for nvflare job submit")
     export.add_argument("method", help="registered method (see 'medflare methods')")
     add_run_options(export)
     export.add_argument("-o", "--output", required=True, help="folder to write the job folder <name>/ into")
@@ -500,7 +474,7 @@ def make_parser() -> argparse.ArgumentParser:
     rehearse = sub.add_parser(
         "rehearse", help="rehearse a deployment on this machine (root): provisioned kits, one network namespace per "
                          "participant, the lead's job over a shaped WAN, scripted faults; all removed afterwards")
-    from medflare.deploy.rehearse import add_rehearse_options
+    from medflare.deploy.rehearse import add_rehearse_options, cmd_rehearse
 
     add_rehearse_options(rehearse)
     rehearse.set_defaults(func=cmd_rehearse)

@@ -1,9 +1,6 @@
-"""Typed configuration: dataclasses built from plain dicts, every field checked against its annotation.
-
-One checker serves every config dataclass (RunConfig, TrainConfig, DataConfig, TaskSpec, method configs), so a
-field added anywhere is type-checked without new code. Values may arrive typed (TOML, JSON, Python) or as text
-(``--set key=value``); text is parsed by the field's annotation, so ``--set train.lr=abc`` fails here, with one
-line naming the option, and never reaches a site.
+"""Typed configuration: dataclasses built from plain dicts, every field checked against its annotation (one
+checker for every config dataclass). Text (``--set key=value``) is parsed by the annotation, so ``--set
+train.lr=abc`` fails here, with one line naming the option, and never reaches a site.
 """
 
 from __future__ import annotations
@@ -28,34 +25,14 @@ MAX_IMAGE_SIZE = 4096  # px: a task's or a data config's image size (every image
 
 
 def from_dict(cls: type[T], values: dict[str, Any] | None, where: str) -> T:
-    """Build dataclass ``cls`` from ``values``, checking every value against its field's annotation.
-
-    Args:
-        cls: the config dataclass.
-        values: field values; missing fields keep their defaults.
-        where: how the user names this section in messages (e.g. ``train``, ``method 'fedprox'``, ``run config``).
-
-    Raises:
-        ConfigError: an unknown key, or a value that does not fit its field's type (one line, naming
-            ``where.key``, the value and an example of a valid one).
-    """
+    """Build dataclass ``cls`` from ``values`` (missing fields keep their defaults), each checked against its
+    annotation; ``where`` names the section in messages. ConfigError: an unknown key or a misfit (one line)."""
     return cls(**fields_typed(cls, values, where))
 
 
 def fields_typed(cls: type, values: dict[str, Any] | None, where: str, owner: str = "") -> dict[str, Any]:
-    """``values`` checked and converted by the annotations of dataclass ``cls`` (no defaults, no construction).
-
-    For partial sections (``--set train.lr=...``) whose dataclass is built later, elsewhere (e.g. at the site).
-
-    Args:
-        cls: the config dataclass.
-        values: the given fields.
-        where: the section prefix of option names in messages (``train`` -> ``train.lr``).
-        owner: who the options belong to in the unknown-option message (default ``where``).
-
-    Raises:
-        ConfigError: as :func:`from_dict`.
-    """
+    """``values`` checked and converted by ``cls``'s annotations, nothing constructed: a partial section whose
+    dataclass is built later (at the site). ``owner`` names who the options belong to (default ``where``)."""
     values = dict(values or {})
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - set(fields))
@@ -63,20 +40,14 @@ def fields_typed(cls: type, values: dict[str, Any] | None, where: str, owner: st
         valid = f"valid options: {', '.join(sorted(fields))}" if fields else "it takes no options"
         raise ConfigError(f"{owner or where or 'run options'}: unknown option(s) {', '.join(unknown)}; {valid}")
     hints = get_type_hints(cls)
-    return {
-        key: check_value(value, hints[key], _option(where, key), _example(fields[key])) for key, value in values.items()
-    }
+    examples = {key: None if f.default is dataclasses.MISSING else f.default for key, f in fields.items()}
+    return {key: check_value(value, hints[key], f"{where}.{key}" if where else key, examples[key])
+            for key, value in values.items()}
 
 
 def check_value(value: Any, hint: Any, option: str, example: Any = None) -> Any:
-    """``value`` as the type ``hint`` describes; text is parsed (``"0.1"`` -> 0.1, ``"true"`` -> True).
-
-    Supports int, float (finite only), bool, str, list[X], tuple, dict[K, V], Literal, X | None, unions and nested
-    dataclasses; ``Any`` and unknown hints pass the value through.
-
-    Raises:
-        ConfigError: ``"<option> must be <kind>, got <value>; e.g. <option>=<example>"``.
-    """
+    """``value`` as the type ``hint`` describes, text parsed (``"0.1"`` -> 0.1); ``Any`` and unknown hints pass
+    through. ConfigError: ``"<option> must be <kind>, got <value>; e.g. <option>=<example>"``."""
     try:
         return _convert(value, hint, option)
     except _Mismatch as exc:
@@ -91,8 +62,7 @@ class _Mismatch(Exception):
 
     def __init__(self, where: tuple[str, Any, Any] | None = None, why: str = "") -> None:
         super().__init__()
-        self.where = where
-        self.why = why
+        self.where, self.why = where, why
 
 
 def _convert(value: Any, hint: Any, option: str) -> Any:
@@ -245,16 +215,6 @@ def describe_type(hint: Any) -> str:
     return getattr(hint, "__name__", str(hint))
 
 
-def _option(where: str, key: str) -> str:
-    return f"{where}.{key}" if where else key
-
-
-def _example(field: dataclasses.Field) -> Any:
-    if field.default is not dataclasses.MISSING and field.default is not None:
-        return field.default
-    return None
-
-
 def _render(value: Any) -> str:
     """``value`` as a message shows it, cut to :data:`SHOWN_CHARACTERS` (a message stays one readable line)."""
     if isinstance(value, str):
@@ -285,11 +245,8 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
 
 # ----- where an option came from (``medflare config``) ----------------------------------------------------
 def layer_options(layer: Mapping[str, Any], sections: Collection[str]) -> set[str]:
-    """The options one configuration layer sets, as dotted names (``rounds``, ``train.lr``).
-
-    Mirrors how layers merge: a top-level None means "not given"; a section given as a table merges key by key,
-    so it names each of its keys; any other value (a section given whole, e.g. as JSON text) names itself.
-    """
+    """The options one layer sets, as dotted names, as layers merge: None is not given, a section table names each
+    of its keys, any other value (a section given whole, as JSON text) names itself."""
     names: set[str] = set()
     for key, value in layer.items():
         if value is None:
@@ -321,10 +278,7 @@ def option_source(option: str, layers: Sequence[tuple[str, set[str]]]) -> str | 
 
 
 def parse_value(text: str) -> Any:
-    """Parse free-form override text: JSON when it parses (numbers, true/false, lists), else the text itself.
-
-    Only for values without a declared type; typed fields parse their text in :func:`check_value`.
-    """
+    """Untyped override text: JSON when it parses, else the text itself (typed fields: :func:`check_value`)."""
     try:
         return json.loads(text)
     except json.JSONDecodeError:

@@ -1,9 +1,7 @@
 """``medflare config``: a run's effective configuration as TOML, every option with its type, default and source.
 
-The configuration is the one ``run`` builds (``run_options.build_run_config``: defaults < --preset < --scenario <
---config < flags < --set) and validates; nothing here merges layers again. The text is a ``--config`` file: the
-top-level options and every section option the run holds are written as values, the section options left at their
-defaults as comments, so ``medflare run METHOD --config FILE`` runs the same configuration.
+The run is the one ``run`` builds and validates (nothing here merges layers again); the text is a ``--config`` file
+that runs the same configuration, with options left at their defaults as comments.
 """
 
 from __future__ import annotations
@@ -37,8 +35,7 @@ class Option(NamedTuple):
 
 
 def config_toml(run: RunConfig, layers: Sequence[tuple[str, set[str]]]) -> str:
-    """The annotated TOML of a validated ``run``; ``layers`` say which options each layer set (lowest first,
-    ``run_options.option_layers``)."""
+    """The annotated TOML of a validated ``run``; ``layers``: ``run_options.option_layers``."""
     sections = set(SECTIONS.values())
     top = [_top_option(run, f, layers) for f in dataclasses.fields(RunConfig) if f.name not in sections]
     lines = [*_header(run), *(_line(option) for option in top)]
@@ -110,8 +107,7 @@ def _sections(run: RunConfig) -> dict[str, Section]:
 
 
 def _section_options(run: RunConfig, layers: Sequence[tuple[str, set[str]]]) -> dict[str, list[Option]]:
-    """Every option of every section, in field order: a value line where the run holds the option, else a comment
-    with the default the run uses."""
+    """Every option of every section in field order: a value where the run holds it, else the default (comment)."""
     options: dict[str, list[Option]] = {}
     for name, section in _sections(run).items():
         given = getattr(run, name)
@@ -141,13 +137,9 @@ def _field_hints(cls: type) -> dict[str, Any]:
 
 def _field_defaults(cls: type) -> dict[str, Any]:
     """A dataclass's field defaults (fields without one are left out)."""
-    defaults = {}
-    for f in dataclasses.fields(cls):
-        if f.default_factory is not dataclasses.MISSING:
-            defaults[f.name] = f.default_factory()
-        elif f.default is not dataclasses.MISSING:
-            defaults[f.name] = f.default
-    return defaults
+    missing = dataclasses.MISSING
+    given = [f for f in dataclasses.fields(cls) if f.default is not missing or f.default_factory is not missing]
+    return {f.name: f.default if f.default_factory is missing else f.default_factory() for f in given}
 
 
 def _line(option: Option) -> str:
@@ -160,12 +152,8 @@ def _line(option: Option) -> str:
 
 
 def toml_value(value: Any, none: str | None = None) -> str:
-    """``value`` as a TOML value (strings, numbers, booleans, lists, inline tables); ``none`` stands for None,
-    which TOML cannot hold (only in comments).
-
-    Raises:
-        ValueError: a None without ``none``, or a value TOML has no form for.
-    """
+    """``value`` as a TOML value; ``none`` stands for None, which TOML cannot hold (comments only); else
+    ValueError, as for a value TOML has no form for."""
     if value is None:
         if none is None:
             raise ValueError("TOML has no null")

@@ -1,16 +1,9 @@
 """Write a FLARE job folder for any registered method: one builder for every method and every environment.
 
-Two deployment modes:
-- ``byoc``: the job carries the medflare package in ``app/custom/`` (needs the submitter's BYOC right).
-- ``preinstalled``: the job carries configs only; sites run a reviewed, pip-installed medflare and allow-list
-  exactly the ``medflare.flare.`` components named here in their ``local/resources.json``
-  (:mod:`medflare.deploy.policies`).
-
-Every job for a real deployment gets the server's robust defences (``server_setup.DEPLOY_ROBUST`` under the run's own
-``robust`` settings); only a BYOC job with simulated data, the kind FLARE's simulator runs, keeps the run's settings
-as they are. meta.json records which defences are on.
-
-This module writes files, so it lives outside ``medflare.flare``: nothing a job can name may have side effects.
+Modes: ``byoc`` carries the medflare package in ``app/custom/``; ``preinstalled`` carries configs only, for sites
+that allow-list exactly these ``medflare.flare.`` components (:mod:`medflare.deploy.policies`). Every job but a
+BYOC one with simulated data (what the simulator runs) gets the server's robust defences
+(``server_setup.DEPLOY_ROBUST``). Outside ``medflare.flare``: nothing a job can name may write files.
 """
 
 from __future__ import annotations
@@ -42,8 +35,7 @@ DOWNLOAD_CHUNK = {"np_download_chunk_size": 16 * 1024 * 1024}
 
 def job_plan(run: RunConfig, task: TaskSpec, mode: str | None = None,
              shot_groups: dict[str, list[int]] | None = None) -> RunPlan:
-    """The plan a job written in ``mode`` carries: its robust settings :func:`job_robust`'s; without a mode, the
-    run's own (a config written straight from ``run``)."""
+    """The plan a job written in ``mode`` carries (robust settings: :func:`job_robust`'s; no mode: the run's)."""
     robust = typed_robust(run.robust) if mode is None else job_robust(run, mode)
     return build_plan(run, task, robust, shot_groups=shot_groups)
 
@@ -54,9 +46,8 @@ def plan_args() -> dict[str, Any]:
 
 
 def server_config(plan: RunPlan) -> dict[str, Any]:
-    """config_fed_server.json: the (FLARE PT) model persistor, the medflare aggregator and controller, and the
-    experiment-tracking receivers; the medflare components read the plan file."""
-    config: dict[str, Any] = {
+    """config_fed_server.json: medflare's persistor, aggregator and controller, and the tracking receivers."""
+    return {
         "format_version": 2,
         # FLARE's default 2 s polling interval dominates short rounds; 0.1 s is safe on loopback and LAN.
         "server": {"heart_beat_timeout": 600, "task_request_interval": plan.task_request_interval},
@@ -64,34 +55,19 @@ def server_config(plan: RunPlan) -> dict[str, Any]:
         "task_data_filters": [],
         "task_result_filters": [],
         "components": [
-            {
-                "id": "persistor",
-                "path": "medflare.flare.persistor.MedflareModelPersistor",
-                "args": plan_args(),
-            },
-            {
-                "id": "aggregator",
-                "path": ENCRYPTED_AGGREGATOR if plan.secure_aggregation == "he" else PLAIN_AGGREGATOR,
-                "args": plan_args(),
-            },
+            {"id": "persistor", "path": "medflare.flare.persistor.MedflareModelPersistor", "args": plan_args()},
+            {"id": "aggregator",
+             "path": ENCRYPTED_AGGREGATOR if plan.secure_aggregation == "he" else PLAIN_AGGREGATOR, "args": plan_args()},
             *tracking.server_components(plan.tracking, mlflow_args(plan)),
         ],
-        "workflows": [
-            {
-                "id": "controller",
-                "path": "medflare.flare.controller.MedflareController",
-                "args": {**plan_args(), "persistor_id": "persistor", "aggregator_id": "aggregator"},
-            }
-        ],
+        "workflows": [{"id": "controller", "path": "medflare.flare.controller.MedflareController",
+                       "args": {**plan_args(), "persistor_id": "persistor", "aggregator_id": "aggregator"}}],
     }
-    return config
 
 
 def mlflow_args(plan: RunPlan) -> dict[str, Any] | None:
-    """What the MLflow receiver records of the job (None without it): the experiment (``MLFLOW_EXPERIMENT_NAME``,
-    MLflow's own variable, where the job is written, else "medflare"), the run's name ``<method>-<model>-s<seed>``
-    and the job's effective settings as params, each named as its ``--set`` key (``train.lr``, ``method.mu``;
-    ``data.*``: the data options the sites receive)."""
+    """The MLflow receiver's arguments (None without it): the experiment (``$MLFLOW_EXPERIMENT_NAME`` where the job
+    is written), the run's name ``<method>-<model>-s<seed>`` and the settings as params named as ``--set`` keys."""
     if "mlflow" not in tracking.TRACKERS[plan.tracking]:
         return None
     train = plan.train  # a site's own options (site_train) are in the plan, not in these params
@@ -115,16 +91,9 @@ def client_config(plan: RunPlan) -> dict[str, Any]:
     return {
         "format_version": 2,
         **DOWNLOAD_CHUNK,
-        "executors": [
-            {
-                "tasks": ["*"],  # train, validate, submit_model and any method-specific phase
-                "executor": {
-                    "id": "executor",
-                    "path": "medflare.flare.executor.MedflareExecutor",
-                    "args": plan_args(),
-                },
-            }
-        ],
+        "executors": [{"tasks": ["*"],  # train, validate, submit_model and any method-specific phase
+                       "executor": {"id": "executor", "path": "medflare.flare.executor.MedflareExecutor",
+                                    "args": plan_args()}}],
         "task_result_filters": _result_filters(plan),
         "task_data_filters": _data_filters(plan),
         "components": tracking.client_components(plan.tracking),
@@ -139,12 +108,8 @@ def task_names(plan: RunPlan) -> list[str]:
 
 
 def _result_filters(plan: RunPlan) -> list[dict[str, Any]]:
-    """The job's DP filter on train results (if asked), the encryption of the results that carry the model
-    (secure_aggregation=he), then the audit recorder, so it records what really leaves.
-
-    FLARE allows one filter chain per task, so each task's filters form one chain, in order (a site's own privacy
-    filters run before them: the site checks its plaintext update before it is encrypted).
-    """
+    """Per task one chain (FLARE allows one): the DP filter on train results, the encryption of the model-carrying
+    results (HE), then the audit recorder, so it records what really leaves (a site's privacy filters run first)."""
     from medflare.flare.tasks import TASK_SUBMIT_MODEL
 
     dp = {"path": "medflare.flare.privacy.UpdatePrivacy", "args": plan_args()} if plan.dp else None
@@ -194,39 +159,24 @@ def robust_record(robust: dict[str, Any]) -> dict[str, Any]:
     return RobustConfig(**{**ROBUST_OFF, **typed_robust(robust)}).record()
 
 
-def simulator_job(run: RunConfig, mode: str) -> bool:
-    """A BYOC job with simulated data is what FLARE's simulator runs; any other job can only be deployed (a
-    pre-installed job needs sites that allow-listed medflare, site data needs a hospital's own config)."""
-    return mode == "byoc" and run.data.get("source", "site") != "site"
-
-
 def job_robust(run: RunConfig, mode: str) -> dict[str, float]:
-    """The robust settings a job written in ``mode`` carries: the run's own in a simulator job, else the deployment
-    defaults under them (a POC run with simulated data is a deployment too: ``deploy.poc`` says so first)."""
-    encrypted = run.secure_aggregation == "he"
-    return typed_robust(run.robust) if simulator_job(run, mode) else deployment_robust(run.robust, encrypted)
+    """The robust settings a job written in ``mode`` carries: the run's own in a BYOC job with simulated data (what
+    FLARE's simulator runs), else the deployment defaults under them (a POC run with simulated data is deployed)."""
+    if mode == "byoc" and run.data.get("source", "site") != "site":
+        return typed_robust(run.robust)
+    return deployment_robust(run.robust, run.secure_aggregation == "he")
 
 
-def export_job(
-    run: RunConfig, out_dir: str | Path, task: TaskSpec, mode: str = "byoc", shot_groups: dict | None = None
-) -> Path:
-    """Write ``out_dir/<job name>/`` for ``run`` (its plan: :func:`job_plan`) and return its path; see
-    :func:`write_job`. The job's robust settings are :func:`job_robust`'s (``run`` itself is not changed)."""
+def export_job(run: RunConfig, out_dir: str | Path, task: TaskSpec, mode: str = "byoc",
+               shot_groups: dict | None = None) -> Path:
+    """Write ``out_dir/<job name>/`` for ``run`` (its plan: :func:`job_plan`) with :func:`write_job`."""
     return write_job(job_plan(run, task, mode, shot_groups), out_dir, mode, run.plugins)
 
 
 def write_job(plan: RunPlan, out_dir: str | Path, mode: str = "byoc", plugin_files: list | tuple = ()) -> Path:
-    """Write the job of ``plan`` to ``out_dir/<job name>/`` and return its path. An existing folder of that name is
-    replaced only once the new one is complete, and only where it holds what medflare recorded writing there
-    (``out_dir``'s marker, :mod:`medflare.files`: each file's SHA-256); anything else in it refuses the job.
-
-    Args:
-        plugin_files: the files of the plan's plugin modules (``RunConfig.plugins``), copied into a BYOC job.
-
-    Raises:
-        ConfigError: the plan brings plugins and ``mode`` is not ``byoc`` (nothing is written).
-        OutputError: the existing folder holds files medflare did not write, or changed since (they are kept).
-    """
+    """Write the job of ``plan`` (BYOC: with ``plugin_files``) to ``out_dir/<job name>/`` and return its path. An
+    existing folder is replaced once the new one is complete, and only if it holds just what medflare recorded
+    writing there (:func:`medflare.files.write_recorded`; else OutputError)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got '{mode}'")
     if plan.plugins and mode != "byoc":  # refused before anything is written
@@ -238,8 +188,7 @@ def write_job(plan: RunPlan, out_dir: str | Path, mode: str = "byoc", plugin_fil
 
 
 def _write_job(plan: RunPlan, staging: Path, mode: str, plugin_files: list) -> None:
-    """The job's files (meta, plan, server and client configs, and for BYOC the code) into the empty
-    ``staging``."""
+    """The job's files (meta, plan, configs, and for BYOC the code) into the empty ``staging``."""
     config_dir = staging / APP_NAME / "config"
     config_dir.mkdir(parents=True)
     _write_json(staging / "meta.json", meta_config(plan))
@@ -265,8 +214,7 @@ def _copy_plugins(files: list, modules: list[str], custom_dir: Path) -> None:
 
 
 def set_resume(job_dir: str | Path, previous_job_id: str) -> Path:
-    """Make the job at ``job_dir`` continue from the last round an earlier run of it (``previous_job_id``, on the
-    same server) completed, e.g. after the server crashed: its plan's ``resume_from``. Returns ``job_dir``."""
+    """Make the job at ``job_dir`` continue from the last round ``previous_job_id`` (same server) completed."""
     set_plan_resume(job_dir, previous_job_id)
     return Path(job_dir)
 

@@ -1,11 +1,7 @@
-"""Running a job in any environment (simulator, POC, rehearsal): describing its sites, writing its FLARE job,
-writing its outputs and reading back what a job that ran elsewhere was built from. The layer below the command line
-(``medflare.cli``) and the deployment tools (``medflare.deploy``): both launch through it, neither borrows the
-other's internals, and it imports neither (``tests/test_layering.py``). The one door to :mod:`medflare.report`.
-
-Where results go is :class:`medflare.files.OutputTarget`'s: nothing is deleted that medflare did not write (its
-marker records each file's SHA-256), results appear under their real name only when complete, and a failed or
-interrupted run leaves ``<target>.failed.log`` instead.
+"""Running a job in any environment (simulator, POC, rehearsal): its sites, its FLARE job, its outputs, and what a job
+that ran elsewhere was built from. The layer below ``medflare.cli`` and ``medflare.deploy``, importing neither
+(``tests/test_layering.py``); the one door to :mod:`medflare.report`. Outputs go through
+:class:`medflare.files.OutputTarget` (never deletes what medflare did not write; a failure leaves ``.failed.log``).
 """
 
 from __future__ import annotations
@@ -60,9 +56,8 @@ LARGE_IMAGES = 512  # px: above this, an image size nobody chose gets a note (sl
 
 
 def task_lines(run: RunConfig, task: TaskSpec, sites: Mapping[str, Any]) -> list[str]:
-    """What the run will train, shown before anything starts: the task (classes with their names, channels, image
-    size), each simulated site's images per split (``sites``: :func:`describe_sites`'), and a note when the image
-    size was read off the data and is large, or the images are not all that one square size."""
+    """What the run will train, shown before anything starts: the task, each simulated site's images per split
+    (``sites``: :func:`describe_sites`'), and :func:`image_size_notes`."""
     kind = "findings" if task.multi_label else "classes"
     names = f" ({', '.join(task.class_names)})" if task.class_names else " (unnamed: the job names none)"
     lines = [f"medflare: task: {task.num_classes} {kind}{names}, {task.in_channels} channel(s), "
@@ -96,10 +91,8 @@ def image_size_notes(run: RunConfig, task: TaskSpec) -> list[str]:
 
 def plan_job(run: RunConfig, mode: str, task: TaskSpec | None = None,
              class_counts: list[int] | None = None) -> RunPlan:
-    """What the job of ``run`` written in ``mode`` will do (``job_export.job_plan``), resolved once: a runner hands
-    it to :func:`export_run_job` and :func:`write_job_outputs`. ``task``: the run's resolved task (read from the
-    data when not given); ``class_counts``: the global training class counts the long-tail groups come from
-    (:func:`describe_sites`; read from the data when the run asks for the groups and does not give them)."""
+    """The plan of ``run``'s job in ``mode`` (``job_export.job_plan``), resolved once for :func:`export_run_job`
+    and :func:`write_job_outputs`; ``task`` and ``class_counts`` (:func:`describe_sites`) are read when needed."""
     from medflare.job_export import job_plan
     from medflare.plan import task_of
 
@@ -111,39 +104,19 @@ def plan_job(run: RunConfig, mode: str, task: TaskSpec | None = None,
 
 def export_run_job(run: RunConfig, out_dir: str | Path, mode: str, class_counts: list[int] | None = None,
                    task: TaskSpec | None = None, plan: RunPlan | None = None) -> Path:
-    """The run's FLARE job (``byoc`` or ``preinstalled``), as the simulator, POC and production get it.
-
-    Args:
-        run: the validated run.
-        out_dir: folder the job folder ``<job name>/`` is written into.
-        mode: ``byoc`` (the job carries medflare) or ``preinstalled``.
-        class_counts: global training class counts from :func:`describe_sites` (read when needed, not given).
-        task: the run's resolved task (read from the data when neither it nor ``plan`` is given).
-        plan: the job's plan from :func:`plan_job` (built here from ``task`` when not given).
-    """
+    """The validated run's FLARE job (``byoc`` or ``preinstalled``) in ``out_dir/<job name>/``, as every environment
+    gets it; ``plan`` (:func:`plan_job`) is built here when not given."""
     from medflare.job_export import write_job
 
     return write_job(plan or plan_job(run, mode, task, class_counts), out_dir, mode, run.plugins)
 
 
 # ----- outputs -----------------------------------------------------------------------------------------
-def write_job_outputs(
-    plan: RunPlan,
-    results_file: Path,
-    out: Path,
-    clients: Mapping[str, Any],
-    launched_at: float | None,
-    deployment: dict[str, Any] | None = None,
-    copy_models: bool = True,
-) -> dict[str, Any]:
-    """summary.json, rounds.csv, report.md, plots and the global models, from the controller's results file.
-
-    Shared by the simulator and POC runners, so ``medflare run`` writes the same outputs in every environment.
-
-    Args:
-        plan: the job's plan: the configuration, task, training settings and fingerprint the summary records.
-        copy_models: copy the global models found beside the results (off when the outputs go beside them).
-    """
+def write_job_outputs(plan: RunPlan, results_file: Path, out: Path, clients: Mapping[str, Any],
+                      launched_at: float | None, deployment: dict[str, Any] | None = None,
+                      copy_models: bool = True) -> dict[str, Any]:
+    """summary.json, rounds.csv, report.md, plots and (``copy_models``) the global models, from the controller's
+    results file: the same outputs in every environment."""
     from medflare.report import build_summary, write_outputs
 
     results = json.loads(results_file.read_text())
@@ -161,9 +134,7 @@ def write_job_outputs(
 
 def summary_config(plan: RunPlan) -> dict[str, Any]:
     """The run's configuration as summaries record it, read off its plan alone (so a report on a downloaded job
-    says what one of a local run says): the plan's options, its rounds and sites counted, whether the server holds a
-    model, the sites' own models,
-    the job's training settings (``train_resolved``) and each named site's where they differ."""
+    says what one of a local run says), with the training settings and each site's where they differ."""
     record = {key: value for key, value in plan.to_dict().items() if key not in ("sites", "rounds", "train")}
     return {**record, "name": plan.job_name, "rounds": len(plan.rounds), "clients": len(plan.sites),
             "site_evaluation": plan.evaluation, "server_model": plan.spec.server_model,
@@ -185,8 +156,8 @@ def plan_check(server_plan: str | None, plan: RunPlan) -> str:
 
 
 def results_text(summaries: list[Mapping[str, Any]], out: Path, seeds: int = 1) -> str:
-    """What a finished command prints: the results table (mean ± std over seeds when there are several), timing
-    of a single run, a warning for each run whose best model is the untrained one, and where the files are."""
+    """What a finished command prints: the results table (mean ± std over several seeds), a single run's timing,
+    warnings (untrained best model, a differing plan) and where the files are."""
     from medflare.report import comparison_table, format_seconds, results_table, startup_text, untrained_best_warning
 
     lines = ["", comparison_table(summaries) if seeds > 1 else results_table(summaries)]
@@ -204,21 +175,9 @@ def results_text(summaries: list[Mapping[str, Any]], out: Path, seeds: int = 1) 
 
 
 def report_from_results(results_file: Path, out: Path, copy_models: bool = True) -> dict[str, Any]:
-    """The usual run outputs from a job's ``medflare_results.json`` and the job's plan beside it.
-
-    FLARE deploys the whole app to the server, so ``app_server/config/`` holds the job's plan in a downloaded job
-    and in a simulator workspace alike; the report reads the configuration off it, as a simulator run's does
-    (data, sites, seed, model, training settings).
-
-    Args:
-        results_file: the results file, or the folder holding it (``.../app_server``).
-        out: folder to write summary.json, rounds.csv, report.md and plots into.
-        copy_models: also copy the global models there (pointless when the report goes beside them).
-
-    Raises:
-        ConfigError: the file is missing, or it or the plan beside it is unreadable, or that plan is not the one
-            the server ran (its fingerprint differs from the one the results record).
-    """
+    """The usual run outputs in ``out`` from a job's ``medflare_results.json`` (or its folder) and the plan FLARE
+    deployed beside it (``app_server/config/``). ConfigError: a missing or unreadable file or plan, or a plan
+    whose fingerprint differs from the one the server ran."""
     from medflare.flare.controller import RESULTS_FILE
     from medflare.report import read_results
 
@@ -238,10 +197,8 @@ SITE_FLARE_LOG = "flare_job_log.txt"  # a POC site's FLARE log of the job, kept 
 
 
 def keep_site_logs(root: Path, out: Path, job_id: str | None = None) -> None:
-    """Copy each site's local medflare log and payload audit from a run's workspace on this machine into
-    ``out/sites/<site>/`` (in production those stay at the site). ``root`` holds one ``site-*`` folder per site
-    (a simulator workspace, or a POC's startup kits); with ``job_id`` (POC) FLARE's own log of that job at each
-    site comes too, as ``flare_job_log.txt`` (``benchmarks/round_timeline.py`` reads it)."""
+    """Copy each site's medflare log and payload audit from ``root/site-*`` (a simulator workspace or a POC's kits)
+    into ``out/sites/<site>/``; with ``job_id`` (POC) also FLARE's log of that job (``SITE_FLARE_LOG``)."""
     from medflare.flare.audit import AUDIT_FILE
     from medflare.site_runtime import SITE_LOG_FILE  # imports torch: only when a run has finished
 
@@ -261,9 +218,8 @@ SITE_TASK_ERROR = re.compile(r"(?P<site>[\w.-]+): task '[^']+' (?:failed|crashed
 
 
 def first_site_error(root: Path) -> str | None:
-    """The earliest line, over every site's FLARE log below ``root`` (``site-*/**/log.txt``: a simulator
-    workspace), in which a site says why it could not do a task: that line from the site's name on, whole (FLARE's
-    timestamps order the sites' logs); None when no site said so."""
+    """The earliest line (by FLARE's timestamps) of any ``root/site-*/**/log.txt`` in which a site says why it
+    could not do a task, from the site's name on; None when no site said so."""
     found: list[tuple[str, str]] = []
     for log in sorted(root.glob("site-*/**/log.txt")):
         for line in log.read_text(errors="replace").splitlines():
@@ -281,13 +237,8 @@ def first_site_said(root: Path) -> str:
 
 
 def failure_note(rounds: int, search_root: Path, exc: BaseException) -> str:
-    """The closing line of a failure log: why the run ended and how many rounds the server finished.
-
-    Args:
-        rounds: the rounds the run was to have.
-        search_root: folder holding the server's workspace (the controller writes its results every round).
-        exc: what ended the run.
-    """
+    """The closing line of a failure log: why the run ended (``exc``) and how many of ``rounds`` the server's
+    results below ``search_root`` record as finished."""
     from medflare.flare.controller import RESULTS_FILE
 
     finished = 0
@@ -302,8 +253,7 @@ def failure_note(rounds: int, search_root: Path, exc: BaseException) -> str:
 
 # ----- results of a job that ran elsewhere (downloaded from POC/production, or a simulator workspace) -------
 def recorded_launch(folder: Path) -> float | None:
-    """When medflare launched the run whose outputs ``folder`` holds (``summary.json``'s ``timing.launched_at``),
-    so that a report on a run folder gives the run's own start-up; None for a job launched elsewhere."""
+    """``summary.json``'s ``timing.launched_at`` in ``folder``; None for a job launched elsewhere."""
     path = folder / "summary.json"
     try:
         launched_at = readback.load_json(path, ConfigError).get("timing", {}).get("launched_at")
@@ -313,8 +263,7 @@ def recorded_launch(folder: Path) -> float | None:
 
 
 def _app_dir_of(results_dir: Path) -> Path:
-    """Where the job config of these results is: beside them (``app_server/``), or in a medflare run folder the
-    app of the one job it ran (``job/<name>/app/``)."""
+    """Where these results' job config is: beside them (``app_server/``), or a run folder's ``job/<name>/app/``."""
     if (results_dir / "config").is_dir():
         return results_dir
     apps = sorted(results_dir.glob("job/*/app"))
@@ -322,12 +271,7 @@ def _app_dir_of(results_dir: Path) -> Path:
 
 
 def job_plan_in(folder: Path) -> RunPlan:
-    """The plan of the job whose app is in ``folder`` (``app_server/``, whose ``config/`` FLARE deployed) or in
-    the one job of the medflare run folder ``folder``.
-
-    Raises:
-        ConfigError: there is no readable plan there (one line naming the file).
-    """
+    """The plan of the job whose app is in ``folder`` (see :func:`_app_dir_of`); ConfigError when unreadable."""
     from medflare.plan import PLAN_FILE, read_plan
 
     config_dir = _app_dir_of(folder) / "config"

@@ -1,22 +1,11 @@
 """``medflare predict``: apply a run's global model to new images and write a CSV of class probabilities.
 
-The model file (``FL_global_model.pt`` or ``best_FL_global_model.pt``) carries what inference needs
-(``medflare.checkpoint``): the method and model to rebuild, the task (classes, their names, channels, image
-size), the normalisation and the intensity window of DICOM/NIfTI data. Images go through the same reader and
-evaluation transform as at the sites, and the model scores them with the method's own ``predict_logits`` hook,
-so the probabilities are those a site's evaluation computes: a softmax over the classes, or for a multi-label
-model (several findings per image) a sigmoid per finding, with the findings scored at least
-:data:`~medflare.metrics.multi_label.THRESHOLD` (0.5, the threshold of the sites' metrics) as ``predicted``.
-
-What is refused, with one line saying why: a file without medflare facts; a method whose server holds no model
-(``local-only``, MDH-FL: each site keeps its own); a method that keeps part of the model at the sites (a personal
-head, FCA): the global file lacks it, and the model the sites score includes it; and input from another task
-(another channel count, or labels and class names the model does not know).
-
-Inputs: a folder (every image below it; images in first-level folders named like the model's classes are
-labelled by them, single-label models only), a CSV (``path`` column, relative to the CSV; optional ``label`` or
-``class_name``, or for a multi-label model one ``label_<class>`` column per class holding 1, 0 or -1 / empty), or
-an npz (``images``, or MedMNIST's ``<split>_images``; optional labels, ``[N, K]`` 1/0/-1 rows for multi-label).
+The model file carries what inference needs (``medflare.checkpoint``: method, model, task, normalisation, intensity
+window). Images go through the sites' reader and evaluation transform and the method's own ``predict_logits``, so
+the probabilities are a site evaluation's (softmax, or a sigmoid per finding for a multi-label model, ``predicted``
+= the findings scored >= :data:`~medflare.metrics.multi_label.THRESHOLD`). Refused, with one line: a file without
+medflare facts, a method whose server holds no model or that keeps part of it at the sites (its global file
+lacks that part), and input from another task (channels, labels or class names the model does not know).
 """
 
 from __future__ import annotations
@@ -48,13 +37,7 @@ FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")  # a spreadsheet evaluates a c
 
 @dataclass
 class PredictInput:
-    """Images to score, with an identifier per image and, when the input says so, their labels.
-
-    Attributes:
-        images: the images (files or in memory), labels -1 where unknown (multi-label: ``[N, K]`` rows).
-        ids: one identifier per image (relative path, or ``<file>[<row>]`` for an npz).
-        labelled: whether the input gave labels.
-    """
+    """Images to score (labels -1 where unknown), one id each (relative path, or ``<file>[<row>]`` for an npz)."""
 
     images: ImageSet
     ids: list[str]
@@ -64,23 +47,9 @@ class PredictInput:
 def predict_file(checkpoint_path: str | Path, input_path: str | Path, output: str | Path, *, split: str = "test",
                  window: str | None = None, batch_size: int = 64, device: str = "auto",
                  threads: int | None = None) -> dict[str, Any]:
-    """Score every image of ``input_path`` with the checkpoint and write ``output`` (CSV); return a summary, with the
-    metrics of the labelled images when the input gives labels (:func:`label_metrics`).
-
-    Args:
-        checkpoint_path: a run's FL_global_model.pt or best_FL_global_model.pt.
-        input_path: a folder, a .csv manifest or an .npz.
-        output: the CSV to write; it must not exist (medflare never replaces a file it did not write).
-        split: which ``<split>_images`` of a MedMNIST-layout npz.
-        window: intensity window of DICOM/NIfTI input (default: the one the model was trained with).
-        batch_size: images per forward pass.
-        device: one of :data:`DEVICES`.
-        threads: CPU threads of the forward passes (default: a site trainer's, ``train.torch_threads``).
-
-    Raises:
-        ConfigError: the checkpoint, the input, the output or the device is unusable (one line saying why and what
-            to do).
-    """
+    """Score every image of ``input_path`` (a folder, a .csv manifest or an .npz) and write ``output``, a CSV that
+    must not exist yet; a summary, with :func:`label_metrics` when the input gives labels. ``window``: default the
+    one the model was trained with. ConfigError (one line) for an unusable checkpoint, input, output or device."""
     output = Path(output)
     if output.exists() or output.is_symlink():
         raise ConfigError(f"{output} exists; medflare does not replace files: choose a new output file")
@@ -107,11 +76,7 @@ def predict_file(checkpoint_path: str | Path, input_path: str | Path, output: st
 
 
 def choose_device(name: str) -> Any:
-    """The torch device of ``--device``: auto (CUDA when torch sees a GPU, else the CPU), cpu or cuda.
-
-    Raises:
-        ConfigError: an unknown name, or cuda where torch sees no GPU.
-    """
+    """The torch device of ``--device`` (one of :data:`DEVICES`); ConfigError for cuda where torch sees no GPU."""
     import torch
 
     from medflare.models import get_device
@@ -126,12 +91,8 @@ def choose_device(name: str) -> Any:
 
 @contextlib.contextmanager
 def torch_threads(threads: int | None) -> Iterator[None]:
-    """Within this block torch computes with ``threads`` CPU threads (default: a site trainer's), as before after.
-
-    Why a site trainer's count and not torch's (one per core): on a machine where other work holds the cores, more
-    threads than free cores make every batch wait for the slowest thread (on 2 busy cores, 4000 28-px images took
-    4x longer with torch's 2 threads than with 1).
-    """
+    """Within this block torch computes with ``threads`` CPU threads (default: a site trainer's, not torch's one per
+    core: on busy cores every batch would wait for the slowest thread, 4x slower measured on 2 busy cores)."""
     import torch
 
     from medflare.methods.base import TrainConfig
@@ -148,9 +109,8 @@ def torch_threads(threads: int | None) -> Iterator[None]:
 
 
 def label_metrics(inputs: PredictInput, probabilities: np.ndarray, multi_label: bool) -> dict[str, Any]:
-    """``labelled`` (images with a label; multi-label: with a known finding) and ``metrics`` (None without labels):
-    :data:`REPORTED_METRICS`, the task's headline metric first, computed by the sites' own evaluation code from the
-    same probabilities the CSV holds."""
+    """``labelled`` (images with a label) and ``metrics`` (None without labels): :data:`REPORTED_METRICS`, headline
+    first, computed by the sites' evaluation code from the probabilities the CSV holds."""
     if not inputs.labelled:
         return {"labelled": 0, "metrics": None}
     from medflare.evaluation import headline_metric
@@ -167,13 +127,8 @@ def label_metrics(inputs: PredictInput, probabilities: np.ndarray, multi_label: 
 
 # ----- the model ---------------------------------------------------------------------------------------
 def scorer(checkpoint: Checkpoint, device: Any) -> Callable[[Any], Any]:
-    """The model rebuilt from the checkpoint on ``device``, as a function images -> logits (the method's
-    ``predict_logits``).
-
-    Raises:
-        ConfigError: no global model, part of the model kept at the sites, another architecture, or another
-            normalisation than this medflare's.
-    """
+    """The checkpoint's model on ``device`` as images -> logits (the method's ``predict_logits``); ConfigError for
+    no global model, a part kept at the sites, another architecture or another normalisation."""
     import torch
 
     from medflare.methods.base import LocalTrainer
@@ -223,10 +178,7 @@ def scorer(checkpoint: Checkpoint, device: Any) -> Callable[[Any], Any]:
 
 def class_probabilities(logits_of: Callable[[Any], Any], images: ImageSet, image_size: int, batch_size: int, *,
                         multi_label: bool = False) -> np.ndarray:
-    """Scores of every image, ``[N, K]`` float64, in input order (the sites' evaluation transform).
-
-    A softmax over the classes, or for a multi-label model a sigmoid per class, as a site's evaluation scores.
-    """
+    """Scores ``[N, K]`` float64 in input order, as a site's evaluation computes them (softmax, or sigmoids)."""
     import torch
     from torch.utils.data import DataLoader
 
@@ -245,11 +197,7 @@ def class_probabilities(logits_of: Callable[[Any], Any], images: ImageSet, image
 # ----- the input ---------------------------------------------------------------------------------------
 def read_input(path: Path, channels: int, class_names: list[str], split: str, window: str, *,
                multi_label: bool = False) -> PredictInput:
-    """The images of a folder, CSV or npz, checked against the model's task (channels, class labels).
-
-    Raises:
-        ConfigError: the input is missing or empty, or belongs to another task.
-    """
+    """The images of a folder, CSV or npz; ConfigError when missing, empty or of another task (channels, labels)."""
     if path.is_dir():
         ids, paths, labels = _folder_images(path, class_names, multi_label)
     elif path.suffix.lower() == ".csv" and path.is_file():
@@ -286,11 +234,8 @@ def _check_channels(found: int, channels: int, where: object) -> None:
 def _folder_images(root: Path, class_names: list[str],
                    multi_label: bool = False) -> tuple[list[str], list[str], np.ndarray | None]:
     """Every image below ``root`` (sorted); labels when every image sits in a first-level folder named like a class.
-
-    First-level folders of which some are named like the model's classes and some are not are refused (another
-    task's classes); folders named like none of them (e.g. one per patient) carry no labels. A folder cannot say
-    which findings an image lacks, so a multi-label model's folder input carries no labels.
-    """
+    A mix of class-named and other folders is refused (another task); a multi-label input carries no labels (a
+    folder cannot say which findings an image lacks)."""
     files = sorted(p for p in root.rglob("*") if p.is_file() and is_image_file(p.name))
     ids = [p.relative_to(root).as_posix() for p in files]
     if multi_label:
@@ -307,10 +252,8 @@ def _folder_images(root: Path, class_names: list[str],
 
 def _manifest_images(manifest: Path, class_names: list[str],
                      multi_label: bool = False) -> tuple[list[str], list[str], np.ndarray | None]:
-    """A CSV with a ``path`` column (relative to the CSV); ``label`` or ``class_name`` columns are checked.
-
-    A multi-label model reads ``label_<class>`` columns instead (1, 0, or -1 / empty), all of its classes or none.
-    """
+    """A CSV with a ``path`` column (relative to the CSV) and optional ``label``, ``class_name`` or, multi-label,
+    ``label_<class>`` columns (1, 0, or -1 / empty; all of the classes or none)."""
     rows = list(manifest_rows(manifest))
     if not rows or "path" not in rows[0]:
         raise ConfigError(f"{manifest} needs a header with a 'path' column and at least one row")
@@ -399,16 +342,9 @@ def _checked_labels(values: list[Any], num_classes: int, where: Path) -> np.ndar
 # ----- the output --------------------------------------------------------------------------------------
 def write_predictions(output: Path, inputs: PredictInput, probabilities: np.ndarray, class_names: list[str], *,
                       multi_label: bool = False) -> None:
-    """``image[,label],predicted,p_<class>...``, written atomically (:func:`medflare.files.atomic_write_text`):
-    complete or not at all, never through a symlink, never over a file that appeared meanwhile.
-
-    Multi-label: ``image[,label_<class>...],predicted,p_<class>...``, the label columns as a multi-label manifest
-    holds them (1, 0, empty for not annotated) and ``predicted`` the findings scored at least THRESHOLD, joined
-    by ``;`` (empty when none is). Image and class names are :func:`spreadsheet_text`; the numbers are as computed.
-
-    Raises:
-        OutputError: the disk is full, or ``output`` appeared meanwhile; nothing is left behind.
-    """
+    """``image[,label],predicted,p_<class>...`` (multi-label: ``label_<class>`` columns as a manifest holds them,
+    ``predicted`` the ``;``-joined findings), written atomically (:func:`medflare.files.atomic_write_text`); names
+    pass :func:`spreadsheet_text`. OutputError: disk full or ``output`` appeared meanwhile (nothing is left)."""
     names = [spreadsheet_text(n) for n in class_names]  # file and class names come from the input: untrusted
     label_header = [CSV_CLASS_PREFIX + n for n in names] if multi_label else ["label"]
     header = ["image"] + (label_header if inputs.labelled else []) + ["predicted"] + [f"p_{n}" for n in names]

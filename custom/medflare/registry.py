@@ -47,14 +47,8 @@ PLUGIN_PACKAGE = "medflare_plugins"  # a job's own methods ship as app/custom/me
 
 
 def load_plugins(modules: list[str]) -> None:
-    """Import a job's plugin modules, each of which registers its own methods with :func:`register_method`.
-
-    Only modules of the ``medflare_plugins`` package are accepted: it is never installed, so plugins exist only
-    in a job that carries its own code (BYOC), which a pre-installed site refuses.
-
-    Raises:
-        ConfigError: for a module outside that package or one that cannot be imported.
-    """
+    """Import a job's plugin modules (each registers its methods with :func:`register_method`); ConfigError for
+    a module outside ``medflare_plugins``, which is never installed, so plugins exist only in a BYOC job."""
     import importlib
 
     for module in modules:

@@ -1,13 +1,9 @@
 """Resuming a run: continue a stopped or finished job from its last global model and its round counter.
 
-A resumable folder holds the server's ``medflare_results.json`` and ``FL_global_model.pt`` (every ``medflare run``
-folder does, and so does a downloaded job's ``workspace/app_server``). The new job's controller reads the
-history from it and continues the round counter, and FLARE's model persistor loads the model from it, so the
-resumed run's results cover every round. The folder is read by the *server*: a path on this machine serves the
-simulator and a local POC; in production it must be a folder on the server machine.
-
-What stays at the sites (optimizer state, personal heads, method state) lives in each site's job folder and
-starts afresh in the new job.
+A resumable folder (any ``medflare run`` folder, or a downloaded job's ``workspace/app_server``) holds
+``medflare_results.json`` and ``FL_global_model.pt``; the new job's controller continues the history and the
+persistor loads the model, so the results cover every round. The *server* reads the folder (in production: a path
+on the server machine). What stays at the sites (optimizer state, personal heads) starts afresh.
 """
 
 from __future__ import annotations
@@ -32,13 +28,8 @@ UNUSABLE = f"{readback.CHANGED}; resume from the folder as medflare wrote it (or
 
 
 def read_history(folder: str | Path) -> dict[str, Any]:
-    """The previous job's results (the controller's ``medflare_results.json``) in ``folder``, held to
-    :data:`readback.RESULTS`.
-
-    Raises:
-        ConfigError: the folder, its results file or its global model is missing, or the file is unreadable,
-            nested too deep, or lacks a field or has one of the wrong type.
-    """
+    """The previous job's ``medflare_results.json`` in ``folder``, held to :data:`readback.RESULTS`; ConfigError
+    when it or the global model is missing, or it is unreadable or off the schema."""
     folder = Path(folder)
     results, model = folder / RESULTS_FILE, folder / MODEL_FILE
     for path in (results, model):
@@ -50,12 +41,8 @@ def read_history(folder: str | Path) -> dict[str, Any]:
 
 
 def read_model(folder: str | Path) -> dict[str, np.ndarray]:
-    """The global model FLARE's persistor saved in ``folder`` (tensors only: never unpickles code), every
-    float weight finite.
-
-    Raises:
-        ConfigError: the file is missing, pickled or unreadable, holds no tensors, or holds NaN/infinite weights.
-    """
+    """The global model FLARE's persistor saved in ``folder`` (tensors only: never unpickles code); ConfigError
+    when it is missing, unreadable, holds no tensors or non-finite weights."""
     path = Path(folder) / MODEL_FILE
     saved = readback.load_torch_weights(path, ConfigError, "--resume: ")
     saved = saved.get("model", saved) if isinstance(saved, dict) else None
@@ -66,14 +53,8 @@ def read_model(folder: str | Path) -> dict[str, np.ndarray]:
 
 
 def continued_results(history: Mapping[str, Any], fresh: Mapping[str, Any], start: Mapping[str, Any]) -> dict[str, Any]:
-    """The results a resumed job starts from: the previous rounds, evaluations and best model, with the new
-    job's header (``fresh``: method, num_rounds, start time), and ``start`` appended to ``resumed``.
-
-    Args:
-        history: the previous job's results.
-        fresh: the new controller's own results header.
-        start: what the resumed job starts from (folder, round, model digest).
-    """
+    """The results a resumed job starts from: ``history``'s rounds, evaluations and best model under the new
+    controller's header (``fresh``), with ``start`` (:func:`start_record`) appended to ``resumed``."""
     carried = {key: value for key, value in history.items() if key not in ENDING_KEYS}
     header = {key: value for key, value in fresh.items() if key not in HISTORY_KEYS}
     return {**carried, **header, "resumed": [*history.get("resumed", []), dict(start)]}
@@ -104,21 +85,9 @@ def start_record(folder: str | Path, start_round: int, params: Mapping[str, Any]
 
 
 def check_resumable(plan: Any, folder: str | Path) -> Path:
-    """Check, before anything starts, that the job of ``plan`` can continue the one recorded in ``folder``.
-
-    The previous job must be of the same method, with a global model of the same keys and shapes (same model
-    and task), fewer rounds than the plan's, and the same stage for every round it completed.
-
-    Args:
-        plan: the resumed run's :class:`~medflare.plan.RunPlan` (its rounds are the total, old rounds included).
-        folder: the previous run folder.
-
-    Returns:
-        The folder as an absolute path (what the server is told to read).
-
-    Raises:
-        ConfigError: one line saying what does not match and what to do.
-    """
+    """Check, before anything starts, that ``plan`` (its rounds the total) can continue the job in ``folder``: same
+    method, a global model of the same keys and shapes, fewer rounds done, the same stage for each. Returns the
+    absolute folder (what the server reads); ConfigError: one line saying what does not match."""
     folder = Path(folder).resolve()
     history = read_history(folder)
     if not plan.spec.server_model:
@@ -143,8 +112,8 @@ def _check_model(plan: Any, checkpoint: Path) -> None:
     from medflare.server_setup import global_model
 
     task = plan.task
-    expected = global_model(plan.method, plan.model, task.num_classes, task.in_channels, task.image_size, None,
-                            plan.method_args, plan.seed, list(plan.plugins)).state_dict()
+    expected = global_model(plan.spec, plan.method_args, plan.model, task.num_classes, task.in_channels,
+                            task.image_size, None, plan.seed, bool(plan.dp_sgd)).state_dict()
     saved = read_model(checkpoint.parent)
     shapes = {k: tuple(np.shape(v)) for k, v in saved.items()}
     wanted = {k: tuple(v.shape) for k, v in expected.items()}

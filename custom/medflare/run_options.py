@@ -1,7 +1,5 @@
-"""A run's configuration from the command line's options: the layers (defaults, preset, scenario, config file,
-flags, ``--set``) every command that builds a run parses the same way (``medflare`` and the deployment tools' own
-commands), and the smoke caps the runnable-docs test sets.
-"""
+"""A run's configuration from the command line's layers (defaults, preset, scenario, config file, flags, ``--set``),
+parsed alike by every command that builds a run, and the smoke caps the runnable-docs test sets."""
 
 from __future__ import annotations
 
@@ -24,7 +22,7 @@ SMOKE_CAPS = {"rounds": 2, "train.local_epochs": 1, "train.max_steps": 2}
 
 def add_run_options(parser: argparse.ArgumentParser) -> None:
     """The options every command that builds a job takes (``run``, ``compare``, ``export``, ``config``, POC
-    ``submit``); the scenarios and partition schemes they list come from their registries."""
+    ``submit``)."""
     from medflare.catalog import load_catalog  # not the partition module itself: that imports torch
     from medflare.scenarios import list_scenarios
 
@@ -61,35 +59,23 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
 
 
 def build_run_config(args: argparse.Namespace, method: str | None = None) -> RunConfig:
-    """RunConfig defaults <- --preset <- --scenario <- --config <- flags <- --set (check it with
-    :func:`medflare.plan.validated`).
+    """RunConfig defaults <- --preset <- --scenario <- --config <- flags <- --set, for ``method`` (default
+    ``args.method``), unchecked (:func:`medflare.plan.validated`); within :data:`SMOKE_CAPS` when
+    ``$MEDFLARE_SMOKE`` asks, saying so on stderr (a smoke-size run must never pass for a result)."""
+    from medflare.run_config import apply_overrides
 
-    Args:
-        args: parsed options of :func:`add_run_options` (and ``args.method``).
-        method: the method to build for (default ``args.method``; ``compare`` builds one per method).
-    """
-    return smoke_sized(_layered_run(args, method))
+    run = _layered_run(args, method)
+    capped = smoke_caps(run)
+    if capped:
+        _note_once(f"medflare: note: {SMOKE_ENV}={os.environ[SMOKE_ENV]}: a smoke-size run, not a result "
+                   f"({', '.join(capped)})")
+    return apply_overrides(run, capped) if capped else run
 
 
 def _layered_run(args: argparse.Namespace, method: str | None) -> RunConfig:
     from medflare.run_config import apply_overrides, merge_run_config
 
     return apply_overrides(merge_run_config(*(layer for _, layer in run_layers(args, method))), args.set)
-
-
-def smoke_sized(run: RunConfig) -> RunConfig:
-    """``run`` within :data:`SMOKE_CAPS` when ``$MEDFLARE_SMOKE`` is set (and not ``0``), else ``run`` itself.
-
-    A capped run says so on stderr: a smoke-size run must never pass for a result (its summary records the caps too,
-    as the run's rounds and train settings).
-    """
-    from medflare.run_config import apply_overrides
-
-    capped = smoke_caps(run)
-    if capped:
-        _note_once(f"medflare: note: {SMOKE_ENV}={os.environ[SMOKE_ENV]}: a smoke-size run, not a result "
-                   f"({', '.join(capped)})")
-    return apply_overrides(run, capped) if capped else run
 
 
 def smoke_caps(run: RunConfig) -> list[str]:
@@ -113,8 +99,7 @@ def _option_value(run: RunConfig, key: str) -> Any:
 
 
 def _within(value: Any, cap: int) -> bool:
-    """Whether a count option (text until validated) is already set to 1..cap; a value that is no integer is left
-    for validation to refuse, with the option's name."""
+    """Whether a count option (text until validated) is set to 1..cap; a non-integer is left for validation."""
     try:
         return value is not None and 0 < int(str(value)) <= cap
     except ValueError:
@@ -127,8 +112,8 @@ def _note_once(text: str) -> None:
 
 
 def option_layers(args: argparse.Namespace, method: str | None = None) -> list[tuple[str, set[str]]]:
-    """Which options each layer of :func:`build_run_config` sets (dotted names), lowest first, ``--set`` last
-    (then ``$MEDFLARE_SMOKE``'s caps, when set): what ``medflare config`` reports as each option's source."""
+    """Which options each layer of :func:`build_run_config` sets (dotted names), lowest first: the sources
+    ``medflare config`` reports."""
     from medflare.config import layer_options, override_options
     from medflare.run_config import SECTIONS
 
@@ -141,8 +126,7 @@ def option_layers(args: argparse.Namespace, method: str | None = None) -> list[t
 
 
 def run_layers(args: argparse.Namespace, method: str | None = None) -> list[tuple[str, dict[str, Any]]]:
-    """The layers of a run's configuration under ``--set`` (applied as text by ``apply_overrides``), lowest first
-    and named as the user gave them: --preset, --scenario, --config, then the flags."""
+    """The layers under ``--set``, lowest first, named as the user gave them: --preset, --scenario, --config, flags."""
     from medflare.plan import preset_layer
     from medflare.scenarios import load_scenario
 
@@ -169,6 +153,3 @@ def data_was_chosen(args: argparse.Namespace) -> bool:
     from_file = bool(args.config) and "source" in load_config_file(args.config).get("data", {})
     from_set = any(item.partition("=")[0] == "data.source" for item in args.set)
     return args.data is not None or bool(args.scenario) or from_file or from_set
-
-
-# ----- the job of a run --------------------------------------------------------------------------------

@@ -38,9 +38,8 @@ __all__ = ["SimulationError", "nvflare_command", "run_simulation"]
 PROGRESS = re.compile(r"medflare:|round \d+/\d+ epoch|REJECTED|ERROR|Error:")
 MESSAGE_START = re.compile(r"medflare:|[\w.-]+: round \d+/|round \d+: REJECTED")
 SIMULATOR_LOG = "simulator.log"
-# What FLARE's simulator logs (server/error_log.txt) when a site's worker process is gone: it died, or it never
-# connected because another simulator starting at the same moment took the free port it was given. The simulator
-# never restarts that site, so the job would wait for it until the task timeout (an hour by default).
+# FLARE's simulator's line (server/error_log.txt) for a site's worker gone (died, or lost its port to a simulator
+# started at the same moment): never restarted, the job would wait out the task timeout (an hour by default).
 LOST_SITE = re.compile(r"(?:Communication error with|Subprocess died for) client ([\w.-]+)")
 SERVER_ERROR_LOG = Path("server") / "error_log.txt"
 # What FLARE 2.9 logs once a participant's run is over: the server's runner after END_RUN and its cleanup
@@ -49,8 +48,7 @@ SERVER_RUN_ENDED = re.compile(r"ServerRunner - INFO - .*Server runner finished\.
 SITE_RUN_ENDED = re.compile(r"ClientRunner - INFO - .*END_RUN fired")
 
 
-# FLARE's simulator has no startup kits, so no provisioned TenSEAL contexts (FLARE's FedAvgRecipeWithHE refuses
-# SimEnv for the same reason): secure_aggregation=he runs in a POC and in production only
+# no startup kits, so no provisioned TenSEAL contexts (FLARE's FedAvgRecipeWithHE refuses SimEnv likewise)
 SIMULATOR_HAS_NO_HE = ("secure_aggregation=he needs the TenSEAL contexts FLARE's HEBuilder provisions into startup "
                        "kits, which the simulator has none of; run it in a POC (medflare run --env poc, or "
                        "python -m medflare.deploy.poc run) or in production")
@@ -64,19 +62,9 @@ def run_simulation(
     run: RunConfig, out_dir: str | Path, echo: Callable[[str], None] = print, overwrite: bool = False,
     plan: RunPlan | None = None,
 ) -> dict[str, Any]:
-    """Export the job, run ``nvflare simulator`` with one thread per site, and write the run's outputs.
-
-    ``plan``: the job's plan when the caller validated ``run`` and resolved it (``launch.plan_job(run, "byoc",
-    ...)``, as ``medflare run`` does before anything starts); else ``run`` is validated and resolved here.
-
-    Everything is staged in ``<out>.partial`` and moved to ``out`` only after success (see
-    :class:`medflare.files.OutputTarget`: a non-empty ``out`` needs ``overwrite``, and only medflare's own
-    files are ever replaced). On failure or interruption the simulator and its site processes are stopped and
-    the simulator log, with the rounds that finished, is kept as ``<out>.failed.log``.
-
-    Raises:
-        ConfigError: also for ``secure_aggregation=he``, which FLARE's simulator cannot run.
-    """
+    """Export the job, run ``nvflare simulator`` with one thread per site, and write the run's outputs through
+    :class:`medflare.files.OutputTarget` (a failure stops every process and leaves ``<out>.failed.log``).
+    ``plan``: ``launch.plan_job(run, "byoc")`` when the caller validated ``run``; else resolved here."""
     if run.secure_aggregation == "he":
         raise ConfigError(SIMULATOR_HAS_NO_HE)
     if plan is None:
@@ -137,15 +125,9 @@ class LogTail:
 
 
 class SimulatorWatch(threading.Thread):
-    """Follows FLARE's simulator from its workspace logs and stops it in two cases.
-
-    - A lost site (:data:`LOST_SITE` in the server's error log, kept as ``reason``): the run can no longer finish,
-      so it ends with a clear error instead of waiting out the task timeout.
-    - The job is over: the server's runner has finished (after END_RUN, so every server component has written its
-      files) and every site has fired END_RUN (its state is saved). What the simulator does after that is FLARE's
-      shutdown grace: about 5 s of sleeps a run (MPM's 3 s, the workers' 2 s) with nothing left to write, which
-      medflare ends instead (``ended_job``). The run's outcome is then medflare's results, not the exit code.
-    """
+    """Follows FLARE's simulator's workspace logs and stops it on a lost site (:data:`LOST_SITE`, kept as
+    ``reason``: it could never finish) or once the server runner and every site have ended the run: what follows is
+    FLARE's ~5 s shutdown grace with nothing left to write (``ended_job``; the outcome is then medflare's results)."""
 
     def __init__(self, workspace: Path, proc: subprocess.Popen, sites: int, period_seconds: float = 0.2) -> None:
         super().__init__(name="medflare-simulator-watch", daemon=True)

@@ -1,20 +1,11 @@
 """Site-local FLARE policies for a medflare consortium: who may do what, what may leave, what may run.
 
-A provisioned startup kit ships FLARE's defaults as ``local/*.default``. These helpers derive the files a
-hospital actually uses (``local/authorization.json``, ``local/privacy.json``, ``local/resources.json`` and
-medflare's own ``local/medflare_site.json``) from those defaults, so FLARE's own entries are kept and only
-medflare's additions are layered on top.
-
-Two site modes:
-- ``byoc``: the site accepts jobs that carry code (the submitter needs the ``byoc`` right) *and* pre-installed
-  jobs (medflare's job components are allow-listed).
-- ``preinstalled``: the site runs only the reviewed medflare wheel it installed itself: medflare's job
-  components are allow-listed and **no role** has the ``byoc`` right, so a job carrying ``custom/`` code is
-  refused at deploy.
-
-The class allow-list names medflare's job components by their exact paths, never a package prefix: FLARE's
-loader calls whatever a component path names with the job's arguments, so a prefix such as ``medflare.`` let a
-code-free job call any medflare function (one rewrote a site's ``authorization.json``).
+The files a hospital uses (``local/authorization.json``, ``privacy.json``, ``resources.json``,
+``medflare_site.json``) are derived from the kit's FLARE defaults (``local/*.default``), medflare's additions on
+top. Site modes: ``byoc`` accepts jobs carrying code (for the ``byoc`` right) and pre-installed jobs;
+``preinstalled`` allow-lists medflare's job components and gives **no role** the ``byoc`` right. The allow-list
+names exact component paths, never a package prefix: FLARE's loader calls whatever a path names with the job's
+arguments, so a ``medflare.`` prefix let a code-free job call any medflare function.
 """
 
 from __future__ import annotations
@@ -28,9 +19,7 @@ from medflare.contracts import privacy_scope
 from medflare.site_config import ALLOW_JOB_DATA, SITE_CONFIG_FILE
 
 SITE_MODES = ("byoc", "preinstalled")
-# The only medflare paths a job may name, all in one namespace, by kit kind: the classes (and the model factory)
-# the job builders of medflare.job_export write. A test fails if a builder names anything else, or if anything
-# else under medflare becomes reachable through the allow-list.
+# The only medflare paths a job may name, by kit kind: the classes medflare.job_export writes (tests check both ways)
 COMPONENT_NAMESPACE = "medflare.flare."
 SERVER_COMPONENTS = (
     "medflare.flare.persistor.MedflareModelPersistor",
@@ -71,14 +60,10 @@ def scope_name(method: str) -> str:
 
 
 def authorization_policy(default: dict[str, Any], mode: str) -> dict[str, Any]:
-    """``local/authorization.json``: FLARE's default roles, with BYOC switched off on pre-installed sites.
-
-    Args:
-        default: the kit's ``authorization.json.default``.
-        mode: "byoc" keeps FLARE's default (project_admin and lead may bring code); "preinstalled" sets
-            ``byoc`` to "none" for every role, including project_admin (whose "any" is expanded right by right).
-    """
-    _check_mode(mode)
+    """``local/authorization.json`` from the kit's default: as is for "byoc"; "preinstalled" sets ``byoc`` to
+    "none" for every role (a role's blanket "any" is expanded right by right)."""
+    if mode not in SITE_MODES:
+        raise ValueError(f"site mode must be one of {SITE_MODES}, got '{mode}'")
     policy = copy.deepcopy(default)
     if mode == "byoc":
         return policy
@@ -91,15 +76,8 @@ def authorization_policy(default: dict[str, Any], mode: str) -> dict[str, Any]:
 
 
 def client_resources_policy(default: dict[str, Any], num_gpus: int = 0, mem_per_gpu_gib: int = 0) -> dict[str, Any]:
-    """A site's ``local/resources.json``: FLARE's defaults, medflare's executor allow-listed, the site's GPUs,
-    and no upload of the site's logs to the server.
-
-    Args:
-        default: the kit's ``resources.json.default`` (keeps FLARE's own allow-list entries and components).
-        num_gpus: GPUs FLARE may hand to jobs on this site (its GPUResourceManager); jobs reserve them with
-            ``resource_spec`` in meta.json and FLARE sets CUDA_VISIBLE_DEVICES for the job process.
-        mem_per_gpu_gib: memory per GPU in GiB that jobs may request.
-    """
+    """A site's ``local/resources.json``: the kit's default, medflare's components allow-listed, the GPUs FLARE's
+    GPUResourceManager may hand to jobs (with GiB each), and no upload of the site's logs to the server."""
     policy = allow_components(default, CLIENT_COMPONENTS)
     # FLARE otherwise streams each job's log and uploads its error log (ERRORLOG_<site>) to the server, and an
     # exception message there can hold a local path (e.g. the data folder). Site logs stay at the site.
@@ -111,14 +89,9 @@ def client_resources_policy(default: dict[str, Any], num_gpus: int = 0, mem_per_
 
 
 def server_resources_policy(default: dict[str, Any], storage_root: str) -> dict[str, Any]:
-    """The server's ``local/resources.json``: FLARE's defaults, medflare's server components allow-listed, a
-    site that stops sending heartbeats counted as gone after ``SITE_HEARTBEAT_TIMEOUT`` s, and the job store and
-    snapshot storage inside ``storage_root`` (the server kit) instead of ``/tmp/nvflare``.
-
-    Args:
-        default: the kit's ``resources.json.default``.
-        storage_root: absolute path of the server kit (FLARE's storages need absolute paths).
-    """
+    """The server's ``local/resources.json``: the kit's default, medflare's server components allow-listed,
+    ``SITE_HEARTBEAT_TIMEOUT``, and the job store and snapshots inside ``storage_root`` (the server kit's absolute
+    path) instead of ``/tmp/nvflare``."""
     policy = allow_components(default, SERVER_COMPONENTS)
     for server in policy.get("servers", []):
         server["heart_beat_timeout"] = SITE_HEARTBEAT_TIMEOUT
@@ -132,11 +105,8 @@ def server_resources_policy(default: dict[str, Any], storage_root: str) -> dict[
 
 
 def allow_components(default: dict[str, Any], components: Iterable[str]) -> dict[str, Any]:
-    """A copy of ``default`` whose class allow-list holds FLARE's entries plus exactly ``components``.
-
-    Any other ``medflare`` entry (such as an old ``medflare.`` prefix) and ``"*"`` (allow everything) are
-    dropped, and the list is enforced, never "warn".
-    """
+    """A copy of ``default`` whose enforced class allow-list holds FLARE's entries plus exactly ``components`` (any
+    other ``medflare`` entry and ``"*"`` dropped)."""
     policy = copy.deepcopy(default)
     kept = [entry for entry in policy.get("class_allow_list", [])
             if entry != "*" and not entry.startswith("medflare")]
@@ -146,14 +116,9 @@ def allow_components(default: dict[str, Any], components: Iterable[str]) -> dict
 
 
 def privacy_policy(methods: Iterable[str]) -> dict[str, Any]:
-    """``local/privacy.json``: one scope per method whose filters enforce that method's Payload.
-
-    Each ``medflare-<method>`` scope binds PayloadGuard on both sides: as a task data filter it records what the
-    server sent with each task (names, shapes, dtypes, array dimensions); as a task result filter, after FLARE's
-    ExcludeVars has stripped the method's private keys (when it declares any), it refuses any result with
-    undeclared, reshaped or retyped arrays, bad values or undeclared meta. The default scope applies the guard
-    for whatever method the job's plan names (its medflare_plan.json).
-    """
+    """``local/privacy.json``: per method a scope binding PayloadGuard as task data filter (records what the server
+    sent) and as last task result filter (after ExcludeVars strips private keys; refuses anything undeclared);
+    the default scope guards whatever method the job's plan names."""
     from medflare.plan import method_of
 
     scopes = []
@@ -176,16 +141,9 @@ def _guarded_scope(name: str, described_method: str, method: str, result_filters
 
 
 def site_data_config(source: str | None = None, allow_job_data: bool = False, **options: Any) -> dict[str, Any]:
-    """``local/medflare_site.json``: where this hospital's images are (read by the site, never sent).
-
-    Args:
-        source: "folder:/path", "csv:/path/manifest.csv" or "medmnist:/path/file.npz" (or a synthetic spec
-            for a demo site); None writes no ``data`` block (a site that only runs jobs bringing their own data).
-        allow_job_data: the site's opt-in to jobs that bring their own data (e.g. simulated data in a POC).
-            Without it such a job is refused at this site; leave it off on a hospital site.
-        options: extra data options (e.g. ``val_fraction``), or ``distributed={"processes": 2}`` for a
-            multi-GPU site (see :mod:`medflare.distributed`).
-    """
+    """``local/medflare_site.json``: where this hospital's images are (read by the site, never sent). ``source``
+    None writes no ``data`` block; ``allow_job_data`` opts in to jobs bringing their own data (off on a hospital
+    site); ``options``: data options, or ``distributed={"processes": 2}`` (:mod:`medflare.distributed`)."""
     distributed = options.pop("distributed", None)
     config: dict[str, Any] = {"data": {"source": source, **options}} if source is not None else {}
     if allow_job_data:
@@ -198,31 +156,11 @@ def site_data_config(source: str | None = None, allow_job_data: bool = False, **
 KIT_VERSIONS_FILE = "medflare_kit.json"  # in a kit's local/: the versions it was set up with
 
 
-def install_site_policies(
-    kit_dir: str | Path,
-    mode: str,
-    methods: Iterable[str] | None = None,
-    num_gpus: int = 0,
-    mem_per_gpu_gib: int = 0,
-    site_config: dict[str, Any] | None = None,
-) -> list[Path]:
-    """Write the site-local policy files into one participant's startup kit and return their paths.
-
-    The server gets authorization and resources (it builds the medflare controller, aggregator and
-    persistor, so pre-installed jobs need them allow-listed there too; its job store and snapshot folders are
-    created inside the kit, readable by its owner only); a client gets authorization, resources (the executor
-    allow-listed, no log upload), privacy and, when given, its ``medflare_site.json``.
-
-    Run it again after moving a server kit: the server's storage paths are absolute.
-
-    Args:
-        kit_dir: the participant's kit folder (holding ``startup/`` and ``local/``).
-        mode: "byoc" or "preinstalled" (see the module docstring).
-        methods: methods to write privacy scopes for (default: every registered method).
-        num_gpus: GPUs this site offers to jobs.
-        mem_per_gpu_gib: memory per GPU in GiB.
-        site_config: the site's ``medflare_site.json`` content (clients only), e.g. from site_data_config().
-    """
+def install_site_policies(kit_dir: str | Path, mode: str, methods: Iterable[str] | None = None, num_gpus: int = 0,
+                          mem_per_gpu_gib: int = 0, site_config: dict[str, Any] | None = None) -> list[Path]:
+    """Write the policy files into one participant's kit and return their paths: authorization and resources (the
+    server's job store and snapshot folders created owner-only in the kit: rerun after moving it), and for a
+    client privacy scopes for ``methods`` (default: all) and ``site_config`` (its ``medflare_site.json``)."""
     from medflare.registry import list_methods
 
     kit = Path(kit_dir).resolve()
@@ -264,11 +202,6 @@ def is_site_kit(kit_dir: Path) -> bool:
     return (startup / "fed_client.json").is_file() or (startup / "fed_server.json").is_file()
 
 
-def _check_mode(mode: str) -> None:
-    if mode not in SITE_MODES:
-        raise ValueError(f"site mode must be one of {SITE_MODES}, got '{mode}'")
-
-
 def _read(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: is {path.parent.parent} a FLARE 2.9 startup kit?")
@@ -301,11 +234,8 @@ def flare_defaults(kind: str) -> dict[str, dict[str, Any]]:
 
 
 def write_policy_templates(out_dir: str | Path = POLICY_TEMPLATES_DIR) -> list[Path]:
-    """Write the reviewed policy files a hospital compares with (or copies into) its kit's ``local/``.
-
-    Layout: ``client/<mode>/{authorization,privacy,resources,medflare_site}.json`` and
-    ``server/{authorization,resources}.json``.
-    """
+    """Write the reviewed policy files a hospital compares with its kit's ``local/``:
+    ``client/<mode>/{authorization,privacy,resources,medflare_site}.json`` and ``server/{authorization,resources}.json``."""
     from medflare.registry import list_methods
 
     out = Path(out_dir)
