@@ -42,11 +42,17 @@ def build_catalog() -> dict[str, Any]:
 
 
 def method_entries() -> list[dict[str, Any]]:
-    """Every built-in method: name, one-line summary and preset names."""
+    """Every built-in method: name, one-line summary, preset names and default network."""
     from medflare.registry import get_method, list_methods
 
-    return [{"name": name, "summary": get_method(name).summary, "presets": list(get_method(name).presets)}
-            for name in list_methods()]
+    return [{"name": name, "summary": get_method(name).summary, "presets": list(get_method(name).presets),
+             "default_model": get_method(name).default_model} for name in list_methods()]
+
+
+def default_model(method: str) -> str:
+    """A built-in method's default network, read without importing torch ("" for another method: a plugin's is
+    filled in when the run is checked, :func:`medflare.plan.validated`)."""
+    return next((entry["default_model"] for entry in load_catalog()["methods"] if entry["name"] == method), "")
 
 
 def model_entries() -> list[dict[str, Any]]:

@@ -1,14 +1,11 @@
 """The run plan: what one job will do, resolved once from the layered :class:`RunConfig` and its task.
 
-The one resolver of a run: the only module that looks a method up by name (besides the listings), types the
-method's arguments, checks a run against its method (:func:`validated`), reads its task (:func:`task_of`) and builds
-the plan (:func:`build_plan`). ``RunConfig`` is layered user input; a :class:`RunPlan` is its resolution, typed and
-complete: the method's full
-hyperparameters (defaults filled in), each site's model and training settings, every round's stage and phases,
-the robust, wire and privacy options the job carries, its timing and tracking. ``medflare config --plan`` prints
-it. A job carries it as ``app/config/medflare_plan.json`` (:func:`write_plan`), and every medflare component of the
-job (persistor, aggregator, controller, executor, filters) takes that file and nothing else it could derive from
-it: the server and each site load it with :func:`read_plan`; a site then localises it with its own
+The one resolver of a run: the only module that looks a method up by name (besides the listings) and types its
+arguments; it checks a run against its method (:func:`validated`), reads its task (:func:`task_of`) and builds the
+:class:`RunPlan` (:func:`build_plan`): typed and complete, from the method's hyperparameters to each site's training
+and every round's phases (``medflare config --plan`` prints it). A job carries it as
+``app/config/medflare_plan.json`` (:func:`write_plan`); every medflare component of the job takes that file and
+nothing it could derive from it, loads it with :func:`read_plan`, and a site localises it with its own
 ``medflare_site.json`` (:meth:`RunPlan.localise`). Nothing here imports FLARE's glue (``medflare.flare``).
 """
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Mapping
 
+from medflare.catalog import default_model
 from medflare.config import MAX_IMAGE_SIZE, from_dict
 from medflare.errors import ConfigError
 
@@ -109,8 +110,7 @@ class RunConfig:
     """
 
     method: str = "fedavg"
-    model: str = ""  # "" = the method's default (MethodSpec.default_model: cnn, a ViT for SSL-FL, ...), filled in by
-    # medflare.plan.validated
+    model: str = ""  # "" = the method's default (MethodSpec.default_model: cnn, a ViT for SSL-FL, ...)
     pretrained: str | None = None
     rounds: int = 3
     clients: int = 2
@@ -143,6 +143,7 @@ class RunConfig:
     secure_aggregation: Literal["off", "he"] = "off"
 
     def __post_init__(self) -> None:
+        self.model = self.model or default_model(self.method)
         checks = [
             (1 <= self.rounds <= MAX_ROUNDS, f"rounds must be between 1 and {MAX_ROUNDS}, got {self.rounds}"),
             (1 <= self.clients <= MAX_CLIENTS, f"clients must be between 1 and {MAX_CLIENTS}, got {self.clients}"),

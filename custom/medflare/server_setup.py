@@ -137,7 +137,7 @@ def server_rule(
             or a rule that combines the sites' arrays itself.
     """
     method = spec.name
-    rule = spec.server_rule_cls(spec.config_cls(**method_args), num_rounds, spec.payload)
+    rule = spec.server_rule_cls(spec.config_cls(**(method_args or {})), num_rounds, spec.payload)
     rule.multi_label = multi_label
     stages = checked_stages(rule.stages(), num_rounds, method)
     defences = RobustConfig(**typed_robust(robust or {}))

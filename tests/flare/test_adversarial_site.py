@@ -33,7 +33,7 @@ from medflare.errors import MedflareError
 from medflare.flare.aggregator import RoundAggregation
 from medflare.flare.tasks import round_context, round_meta
 from medflare.methods.base import PerSite
-from medflare.plan import build_global_model, task_of
+from medflare.plan import build_global_model, task_of, validated
 from medflare.registry import get_method, list_methods
 from medflare.run_config import RunConfig, merge_sections
 from medflare.server_setup import round_plan
@@ -83,7 +83,7 @@ class Replay:
 def smoke_run(method: str) -> RunConfig:
     settings = merge_sections(DEFAULTS, dict(get_method(method).smoke))
     settings = {**settings, "clients": len(SITES), "robust": ROBUST}
-    return from_dict(RunConfig, {**settings, "method": method}, "smoke settings")
+    return validated(from_dict(RunConfig, {**settings, "method": method}, "smoke settings"), check_files=False)
 
 
 def honest_job(method: str) -> tuple[RunConfig, list[Round]]:

@@ -331,7 +331,7 @@ def test_each_stage_trains_only_its_modules_with_its_own_optimizer_settings() ->
 
 @pytest.mark.parametrize("stage", ["pretrain", "finetune"])
 def test_a_restarted_site_rebuilds_the_optimizer_of_its_stage(stage: str, tmp_path: Path) -> None:
-    settings = dict(method="fed-mae", task=TASK, data=DATA, model=MODEL, train=QUICK, evaluation="off")
+    settings = dict(spec=FED_MAE, task=TASK, data=DATA, model=MODEL, train=QUICK, evaluation="off")
     site = SiteRuntime(SiteSettings(**settings), "site-1", 0, log=lambda m: None, local_dir=tmp_path)
     params = _global("fed-mae", {})
     ctx = RoundContext(1, 3, stage, stage_round=0, stage_rounds=1, scored=stage == "finetune")
