@@ -40,7 +40,9 @@ class MdhflTrainer(LocalOnlyTrainer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.train_cfg = dataclasses.replace(self.train_cfg, local_epochs=self._local_epochs())
+        # E_l goes into the job's settings, which train_round starts every round from (set on train_cfg, it was lost)
+        self.job_train_cfg = dataclasses.replace(self.job_train_cfg, local_epochs=self._local_epochs())
+        self.train_cfg = self.job_train_cfg
         self.kl_optimizer: torch.optim.Optimizer | None = None  # kept only with method.kl_optimizer=persistent
         self.rows: tuple[int, int] | None = None  # (first row, count) of the chunk the last probabilities covered
         self.loss_round = -1  # the round whose private loss was last sent (once per round, first chunk)
@@ -189,9 +191,9 @@ class MdhflTrainer(LocalOnlyTrainer):
         """RHFL's warm-up: ``pretrain_epochs`` of the local loss before the first exchange (0 in MDH-FL)."""
         if self.cfg.pretrain_epochs <= 0:
             return
-        main = self.train_cfg
-        self.train_cfg = dataclasses.replace(main, local_epochs=self.cfg.pretrain_epochs)
+        main = self.job_train_cfg
+        self.job_train_cfg = dataclasses.replace(main, local_epochs=self.cfg.pretrain_epochs)
         try:
             self.train_round(dataclasses.replace(ctx, stage="pretrain"))
         finally:
-            self.train_cfg = main
+            self.job_train_cfg = self.train_cfg = main
