@@ -166,7 +166,7 @@ def test_a_site_distils_towards_the_other_sites_probabilities_of_the_same_public
     site 2 gets for a public image is site 1's probability of that very image."""
     sites = {"site-1": site(0, probs_dtype="float32"), "site-2": site(1, probs_dtype="float32")}
     ctx = RoundContext(0, 2)
-    core = RoundAggregation("mdhfl", {"public_per_round": 16, "probs_dtype": "float32"}, num_classes=K, num_rounds=2)
+    core = RoundAggregation(get_method("mdhfl"), {"public_per_round": 16, "probs_dtype": "float32"}, num_classes=K, num_rounds=2)
     core.start_round({}, ctx)
     core.start_phase(SETUP_PHASE)
     for name, trainer in sites.items():
