@@ -104,7 +104,7 @@ DATA = {"source": "synthetic:n=80,classes=3,imbalance=3", "num_sites": 2, "parti
 
 
 def _site() -> SiteRuntime:
-    settings = SiteSettings(method="fca", task=TASK, data=DATA, model="cnn", train={"max_steps": 2, "batch_size": 8},
+    settings = SiteSettings(spec=get_method("fca"), task=TASK, data=DATA, model="cnn", train={"max_steps": 2, "batch_size": 8},
                             evaluation="off")
     return SiteRuntime(settings, "site-1", 0, log=lambda message: None)
 

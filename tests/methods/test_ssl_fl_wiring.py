@@ -15,6 +15,7 @@ from medflare.methods.base import RoundContext
 from medflare.methods.ssl_fl import FED_BEIT, FED_MAE, FedBeitConfig, FedMaeConfig
 from medflare.methods.ssl_fl.masking import beit_mask_count
 from medflare.methods.ssl_fl.model import FINETUNE, PRETRAIN, TOKENIZER
+from medflare.registry import get_method
 from medflare.site_config import SiteSettings, TaskSpec, resolve_train_config
 from medflare.site_runtime import SiteRuntime
 
@@ -31,7 +32,7 @@ MAE_ARGS = {"pretrain_rounds": 2}
 
 def _site(method: str, method_args: dict, **train: object) -> SiteRuntime:
     settings = SiteSettings(
-        method=method, task=TASK, data=DATA, model=MODEL, method_args=method_args,
+        spec=get_method(method), task=TASK, data=DATA, model=MODEL, method_args=method_args,
         train={"max_steps": 1, "batch_size": BATCH, "eval_batch_size": 64, **train}, evaluation="off",
     )
     return SiteRuntime(settings, "site-1", 0, log=lambda message: None)
