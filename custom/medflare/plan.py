@@ -1,12 +1,10 @@
 """The run plan: what one job will do, resolved once from the layered :class:`RunConfig` and its task.
 
-The one resolver of a run: the only module that looks a method up by name (besides the listings) and types its
-arguments; it checks a run against its method (:func:`validated`), reads its task (:func:`task_of`) and builds the
-:class:`RunPlan` (:func:`build_plan`): typed and complete, from the method's hyperparameters to each site's training
-and every round's phases (``medflare config --plan`` prints it). A job carries it as
-``app/config/medflare_plan.json`` (:func:`write_plan`); every medflare component of the job takes that file and
-nothing it could derive from it, loads it with :func:`read_plan`, and a site localises it with its own
-``medflare_site.json`` (:meth:`RunPlan.localise`). Nothing here imports FLARE's glue (``medflare.flare``).
+The one resolver of a run (the only module that looks a method up by name and types its arguments): it checks a run
+(:func:`validated`), reads its task (:func:`task_of`) and builds the typed, complete :class:`RunPlan`
+(:func:`build_plan`). A job carries it as ``app/config/medflare_plan.json``; every medflare component reads only that
+file (:func:`read_plan`), and a site localises it with its ``medflare_site.json`` (:meth:`RunPlan.localise`).
+Nothing here imports FLARE's glue (``medflare.flare``).
 """
 
 from __future__ import annotations
@@ -55,8 +53,7 @@ PLAN_SCHEMA = 1  # of PLAN_FILE; a plan of another schema is refused with the re
 
 @dataclass(frozen=True)
 class SitePlan:
-    """One site: its architecture and its training settings (the method's defaults, the job's options, the site's
-    own override on top; ``train.for_stage(stage)`` in each stage)."""
+    """One site: its architecture and training settings (method defaults < job options < the site's override)."""
 
     name: str
     model: str
@@ -130,16 +127,14 @@ class RunPlan:
         raise KeyError(f"no site '{name}' in the plan; its sites: {', '.join(s.name for s in self.sites)}")
 
     def site_settings(self, site: str, data: dict[str, Any], dp_sgd: dict[str, Any], model: str) -> SiteSettings:
-        """What ``site`` runs of this plan, with what only the site decides: the data it reads, its DP-SGD and its
-        architecture (``site_runtime``'s ``read_site_data_config``, ``resolve_site_dp``, ``resolve_site_model``)."""
+        """What ``site`` runs of this plan, with what only the site decides: its data, DP-SGD and architecture."""
         return SiteSettings(spec=self.spec, task=self.task, data=data, model=model,
                             method_args=self.method_args, train=dataclasses.asdict(self.site_train(site)),
                             seed=self.seed, evaluation=self.evaluation, dp_sgd=dp_sgd)
 
     def localise(self, site: str, site_file: SiteFile, simulated: bool) -> tuple[SiteSettings, int]:
-        """What ``site`` runs of this plan with its own ``medflare_site.json`` (``site_file``: its data, DP-SGD and
-        architecture), and the index of its partition of the job's simulated data (0 when it reads its own).
-        ``simulated``: FLARE's simulator, whose sites have no file and take the job's data."""
+        """:meth:`site_settings` from the site's own ``medflare_site.json``, and the index of its partition of the
+        job's simulated data (0 when it reads its own). ``simulated``: the simulator's sites take the job's data."""
         settings = self.site_settings(
             site,
             data=read_site_data_config(site_file, self.data, simulated),
@@ -157,8 +152,7 @@ class RunPlan:
         return {site.name: site.model for site in self.sites}
 
     def digest(self) -> str:
-        """A short fingerprint of the whole plan: the server and every site log it, so one look shows they run
-        the same job as the command line built (``medflare config --plan`` prints the plan it stands for)."""
+        """A short fingerprint of the plan: the server and every site log it, so one look shows they run one job."""
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
 
     def to_dict(self) -> dict[str, Any]:
@@ -167,12 +161,9 @@ class RunPlan:
 
     @classmethod
     def from_dict(cls, record: Mapping[str, Any], where: str = PLAN_FILE) -> RunPlan:
-        """The plan :meth:`to_dict` wrote, every value typed against its field (the method's arguments against
-        the method's own config class, which fills in none: a plan lists them all).
-
-        Raises:
-            ConfigError: an unknown or ill-typed option, or a method that is not registered (one line).
-        """
+        """The plan :meth:`to_dict` wrote, every value typed (the method's arguments against its config class,
+        which fills in none: a plan lists them all). Raises ConfigError (one line) for an unknown or ill-typed
+        option or an unregistered method."""
         missing = [f.name for f in dataclasses.fields(cls) if f.name not in record
                    and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
         if missing:
@@ -188,8 +179,7 @@ class RunPlan:
 
 # ----- the resolver: a layered run checked against its method, its task, the plan ---------------------------------
 def method_of(run: RunConfig | str, plugins: list[str] | None = None) -> MethodSpec:
-    """The registered method a run (or a name) names, the run's plugin files imported first: a plugin's method is
-    looked up like a built-in one."""
+    """The registered method a run (or a name) names, its plugins imported first."""
     if isinstance(run, RunConfig):
         load_plugin_files(run.plugins)
         return get_method(run.method)
@@ -203,16 +193,14 @@ def multi_label_methods() -> list[str]:
 
 
 def validated(run: RunConfig, check_files: bool = True, data_defaults: Mapping[str, Any] | None = None) -> RunConfig:
-    """``run`` with every option checked against its type, range and method, and every section typed (a copy:
-    ``run`` is not changed). What ``run``, ``compare``, ``export`` and the POC runner check before anything is
-    started or written; what needs the server rule or each site's settings is checked by :func:`build_plan`.
+    """A copy of ``run`` with every option checked against its type, range and method, every section typed; what
+    needs the server rule or the sites' settings is checked by :func:`build_plan`.
 
     Args:
-        check_files: also require the job's data files and folders and a ``pretrained`` weights file to exist here
-            (off for ``export``: the machines that read them may be others). Either way they become absolute paths.
-        data_defaults: the protocol data options to apply instead of the method's own (``MethodSpec.data_defaults``,
-            e.g. FCA's ``eval_split=like_train``; ``compare`` gives every method the same,
-            :func:`shared_data_defaults`); the job's own options win, and the run records them.
+        check_files: also require the data paths and ``pretrained`` file to exist here (off for ``export``: other
+            machines may read them). Either way they become absolute paths.
+        data_defaults: protocol data options to use instead of ``MethodSpec.data_defaults`` (``compare`` gives
+            every method :func:`shared_data_defaults`); the job's own options win, and the run records them.
 
     Raises:
         ConfigError: the first problem, in one line naming the option (DataError for a missing data path).
@@ -267,16 +255,10 @@ def _check_privacy(run: RunConfig, spec: MethodSpec) -> None:
 
 
 def _resolve_paths(run: RunConfig, check_files: bool) -> None:
-    """Make every file or folder the job names absolute, against the folder medflare runs in.
-
-    FLARE starts the simulator's server and sites (and a POC's) in workspace folders of their own, so a relative
-    ``medmnist:``/``folder:``/``csv:`` source, public set or weights file would pass here and fail at every site
-    minutes later. Paths a hospital gives in its own ``local/medflare_site.json`` (``source: site``) are never in
-    the job, so they stay as the site wrote them.
-
-    Raises:
-        DataError, ConfigError: ``check_files`` and a path names nothing here; one line naming the path.
-    """
+    """Make every path the job names absolute, against the folder medflare runs in: FLARE starts the simulator's
+    (and a POC's) server and sites in workspace folders of their own, so a relative path would pass here and fail at
+    every site. A hospital's own ``medflare_site.json`` paths are not in the job and stay as written.
+    Raises DataError/ConfigError when ``check_files`` and a path names nothing here."""
     from medflare.data.public import absolute_public_source
     from medflare.data.sources import absolute_source
 
@@ -289,11 +271,8 @@ def _resolve_paths(run: RunConfig, check_files: bool) -> None:
 
 
 def _with_data_defaults(run: RunConfig, spec: MethodSpec, defaults: Mapping[str, Any]) -> dict[str, Any]:
-    """The run's data options with a method's protocol options under them (simulated data only).
-
-    ``eval_split=like_train`` follows single class ids, so it is not applied to a multi-label task (the slices stay
-    pooled); a method that trains only single-label tasks refuses a multi-label one in :func:`task_of`.
-    """
+    """The run's data options with a method's protocol options under them (simulated data only);
+    ``eval_split=like_train`` follows single class ids, so a multi-label task keeps its slices pooled."""
     missing = {key: value for key, value in defaults.items() if key not in run.data}
     if not missing or not run.simulated:
         return run.data
@@ -332,12 +311,8 @@ def _check_models(run: RunConfig, spec: MethodSpec, check_files: bool) -> None:
 
 def task_of(run: RunConfig) -> TaskSpec:
     """The declared task of a validated run; missing fields are read off the data (simulation) or must be given
-    (site data).
-
-    Raises:
-        ConfigError: also when the method cannot train the task (a multi-label task needs a method whose
-            MethodSpec says ``multi_label``), so nothing is exported or launched for it.
-    """
+    (site data). Raises ConfigError also when the method cannot train the task (multi-label needs
+    ``MethodSpec.multi_label``)."""
     task = TaskSpec(**run.task) if set(TASK_SHAPE) <= set(run.task) else _inferred_task(run)
     check_multi_label_support(method_of(run), task, multi_label_methods())  # before anything is exported or launched
     return task
@@ -398,16 +373,9 @@ def _inferred_task(run: RunConfig) -> TaskSpec:
 
 
 def shared_data_defaults(methods: list[str], given: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The protocol data options of methods compared on identical data (``compare``): the union of their
-    ``MethodSpec.data_defaults``, so e.g. FedAvg beside FCA is scored on FCA's like_train test slices too.
-
-    Args:
-        methods: the compared methods.
-        given: the job's own data options; these win, so a method's default for one of them is not needed.
-
-    Raises:
-        ConfigError: two methods ask for different values of an option the job leaves open.
-    """
+    """The protocol data options of methods compared on identical data: the union of their
+    ``MethodSpec.data_defaults`` (FedAvg beside FCA is scored on FCA's like_train slices too), minus those the job
+    ``given`` sets. Raises ConfigError when two methods want different values of an option the job leaves open."""
     shared: dict[str, Any] = {}
     owners: dict[str, str] = {}
     for method in methods:
@@ -423,15 +391,8 @@ def shared_data_defaults(methods: list[str], given: Mapping[str, Any] | None = N
 
 
 def find_preset(name: str, method: str, lead: str | None = None) -> tuple[str, Preset, bool]:
-    """The preset ``name`` a run of ``method`` takes: its own, else (``compare``) that of ``lead``, a compared method
-    that has one, without ``lead``'s own hyperparameters.
-
-    Returns:
-        (the method whose preset it is, the preset, whether ``method`` takes only its shared part).
-
-    Raises:
-        ConfigError: neither has a preset of that name; one line naming the methods that do.
-    """
+    """The preset ``name`` a run of ``method`` takes: its own, else (``compare``) ``lead``'s. Returns (its owner, the
+    preset, whether ``method`` takes only its shared part); raises ConfigError naming the methods that have one."""
     for owner in (method, lead):
         if owner and name in get_method(owner).presets:
             return owner, get_method(owner).presets[name], owner != method
@@ -443,17 +404,12 @@ def find_preset(name: str, method: str, lead: str | None = None) -> tuple[str, P
 
 
 def preset_layer(name: str | None, method: str, lead: str | None = None) -> dict[str, Any]:
-    """The run-config layer of ``--preset name`` for ``method`` (empty without one): the lowest layer, under the
-    scenario, the config file, the flags and ``--set``, so every value it sets can still be changed.
-
-    A method compared with ``lead`` (``compare fedmas bsm-fl --preset paper``) that has no preset of its own takes
-    ``lead``'s shared settings (model, resolution, rounds, clients, training), not ``lead``'s hyperparameters.
-    """
+    """The lowest run-config layer, of ``--preset name`` for ``method`` (empty without one). A method compared with
+    ``lead`` that has no preset of its own takes ``lead``'s shared settings, not its hyperparameters."""
     if not name:
         return {}
     _, preset, shared_only = find_preset(name, method, lead)
-    layer = preset.shared() if shared_only else dict(preset.overrides)
-    return copy.deepcopy(layer)
+    return copy.deepcopy(preset.shared() if shared_only else dict(preset.overrides))
 
 
 def preset_lead(name: str | None, methods: list[str]) -> str | None:
@@ -464,32 +420,25 @@ def preset_lead(name: str | None, methods: list[str]) -> str | None:
 def build_global_model(method: str, model: str, num_classes: int, in_channels: int, image_size: int,
                        pretrained: str | None = None, method_args: Mapping[str, Any] | None = None, seed: int = 0,
                        plugins: list[str] | None = None, dp_sgd: bool = False) -> nn.Module:
-    """The initial global network of ``method`` by its name (``method_args`` given as a run or a checkpoint holds
-    them: typed here; :func:`medflare.flare.models.global_model_of` is a job's, from its plan)."""
+    """The initial global network of ``method`` by name (``method_args`` typed here)."""
     spec = method_of(method, plugins)
     args = dataclasses.asdict(from_dict(spec.config_cls, dict(method_args or {}), f"method '{method}'"))
     return global_model(spec, args, model, num_classes, in_channels, image_size, pretrained, seed, dp_sgd)
 
 
 def checkpoint_method(facts: Mapping[str, Any]) -> tuple[MethodSpec, Any]:
-    """The method a saved model's facts name (``checkpoint.checkpoint_facts`` wrote them from the plan) and its
-    configuration, typed (``medflare predict``)."""
+    """The method a saved model's facts name and its typed configuration (``medflare predict``)."""
     spec = method_of(str(facts["method"]))
     return spec, from_dict(spec.config_cls, dict(facts.get("method_args") or {}), f"method '{spec.name}'")
 
 
 def build_plan(run: RunConfig, task: TaskSpec, robust: Mapping[str, Any],
                plugins: list[str] | None = None, shot_groups: dict[str, list[int]] | None = None) -> RunPlan:
-    """The plan of a validated ``run`` on ``task``: the one place the method's server rule and each site's training
-    settings are built and checked; ``robust`` is what the job carries (``job_export.job_robust``), ``plugins`` the
-    job's plugin modules when ``run`` does not name their files, ``shot_groups`` the classes of the long-tail
-    metrics (``launch.shot_groups_for``).
-
-    Raises:
-        ConfigError: the method's stages do not add up to the rounds, a robust or wire option is out of range or
-            a robust rule cannot keep ``min_clients`` sites, a site's training settings do not combine, or the
-            method's own pre-launch check (``MethodSpec.check_run``) refuses the run (one line naming the option).
-    """
+    """The plan of a validated ``run`` on ``task``: the one place the server rule and each site's training settings
+    are built and checked. ``robust``: what the job carries; ``plugins``: the job's plugin modules when ``run``
+    names no files. Raises ConfigError (one line) for stages that do not add up to the rounds, an out-of-range
+    robust or wire option, a robust rule that cannot keep ``min_clients``, site settings that do not combine, or
+    the method's own ``check_run``."""
     spec = get_method(run.method)
     rule, stages, defences = server_rule(spec, run.method_args, run.rounds, robust, run.transfer_dtype,
                                          run.transfer_kind, run.download_dtype, task.multi_label)
@@ -518,9 +467,7 @@ def build_plan(run: RunConfig, task: TaskSpec, robust: Mapping[str, Any],
 
 
 def _check_method_run(spec: MethodSpec, method_cfg: Any, sites: tuple[SitePlan, ...], run: RunConfig) -> None:
-    """The method's own pre-launch checks (``MethodSpec.check_run``) of each site's settings and, in a simulation,
-    the job's data (None when each site reads its own), so a job never fails at its first task over options
-    known here."""
+    """``MethodSpec.check_run`` on each site's settings and the simulated data (None for site data)."""
     if spec.check_run is None:
         return
     problems = spec.check_run(method_cfg, {site.name: site.train for site in sites},
@@ -531,8 +478,7 @@ def _check_method_run(spec: MethodSpec, method_cfg: Any, sites: tuple[SitePlan, 
 
 # ----- the plan in the job: app/config/medflare_plan.json ------------------------------------------------------
 def plan_record(plan: RunPlan) -> dict[str, Any]:
-    """What ``medflare_plan.json`` holds: the schema it is written in, the plan's fingerprint when it was written
-    (an edit since shows as a different fingerprint at the server and every site) and the plan."""
+    """``medflare_plan.json``: schema, fingerprint at writing (a later edit shows as a mismatch) and the plan."""
     return {"schema": PLAN_SCHEMA, "fingerprint": plan.digest(), "plan": plan.to_dict()}
 
 
@@ -542,14 +488,9 @@ def write_plan(plan: RunPlan, config_dir: Path) -> None:
 
 
 def read_plan(path: str | Path) -> tuple[RunPlan, str]:
-    """The plan a ``medflare_plan.json`` holds, every value typed and range-checked again (the file may have been
-    edited), and the fingerprint it was written with. The job's plugins are imported first: their methods are
-    looked up here.
-
-    Raises:
-        ConfigError: a missing or unreadable file, another schema, or a value that does not fit (one line naming
-            the file and the option).
-    """
+    """The plan a ``medflare_plan.json`` holds, typed and range-checked again (it may have been edited), and the
+    fingerprint it was written with; the job's plugins are imported first. Raises ConfigError (one line) for a
+    missing or unreadable file, another schema, or a value that does not fit."""
     from medflare import readback  # local: the one reader of depth-limited JSON
 
     record = readback.load_json(Path(path), ConfigError)

@@ -58,9 +58,8 @@ class RunConfig:
         data: DataConfig fields for simulated sites; {"source": "site"} makes each site read its own config.
         train: TrainConfig overrides.
         method_args: the method's hyperparameters.
-        task: {"num_classes", "in_channels", "image_size"[, "multi_label"]}, inferred from the data when not all
-            three are given (multi_label too: the data decides whether labels are multi-hot), and optionally
-            "class_names" (from the data's folder names or CSV class_name column when not given).
+        task: {"num_classes", "in_channels", "image_size"[, "multi_label", "class_names"]}, read off the data
+            when not all three are given (multi_label, and class_names from folder names or a CSV class_name column).
         shot_thresholds: [head_min, tail_max] for head/medium/tail metrics, by each class's total training count
             n: head if n > head_min, tail if n < tail_max (both exclusive), medium otherwise (inclusive), or None.
         site_train: per-site TrainConfig overrides, e.g. {"site-2": {"batch_size": 16}}.
@@ -73,28 +72,25 @@ class RunConfig:
         site_model: per-site architectures, e.g. {"site-1": "resnet10"}; only for methods whose server holds
             no model (no weights travel).
         robust: the server's defences, e.g. {"max_norm_ratio": 10, "max_share": 0.5} (server_setup.RobustConfig),
-            or {"off": true} for none. A job for a real deployment (POC, production, a pre-installed or site-data
-            export) gets server_setup.DEPLOY_ROBUST under these settings, which win key by key; the simulator takes
-            them as they are, none by default, so research runs aggregate as the papers do
-            (server_setup.deployment_robust).
-        transfer_dtype: float32 (default) or float16: how float weights travel from the sites (the server
-            aggregates in float64 and keeps the global model in its own precision).
-        download_dtype: float32 (default) or float16: how the global model's float weights travel to the sites
-            (each site loads them into its model's own dtype; integer buffers travel as they are).
-        stream_aggregation: the server adds each site's result to one float64 sum as it arrives (in site-name order,
-            so reruns repeat bit for bit) instead of holding every site's copy until the round ends; linear rules
-            only, the others aggregate in one batch and each round's record says why (docs/architecture.md).
-        plugins: Python files that register extra methods (``register_method``); they ship inside the job
-            (BYOC), so a researcher can run a method without changing medflare.
+            or {"off": true}. A deployed job (POC, production, pre-installed or site-data export) gets
+            server_setup.DEPLOY_ROBUST under these, key by key; the simulator takes them as given (none by
+            default), so research runs aggregate as the papers do.
+        transfer_dtype: float32 (default) or float16 for float weights sent by sites (the server aggregates in
+            float64 and keeps the global model in its own precision).
+        download_dtype: float32 (default) or float16 for the global model's float weights sent to sites (each
+            loads them into its model's dtype; integer buffers travel as they are).
+        stream_aggregation: the server adds each result to one float64 sum as it arrives (in site-name order, so
+            reruns repeat bit for bit) instead of holding every copy; linear rules only, the others aggregate in
+            one batch and each round's record says why (docs/architecture.md).
+        plugins: Python files that register extra methods (``register_method``), shipped inside the job (BYOC).
         transfer_kind: weights (default) or diff: sites send θ_local − θ_global for float keys (integer buffers
             stay at the site), which FLARE's differential-privacy filters need.
-        dp: a differential-privacy result filter the job asks every site to apply to its updates, e.g.
-            {"filter": "percentile", "args": {"percentile": 10, "gamma": 0.01}} (needs transfer_kind=diff). A
-            hospital can also impose one in its own privacy policy.
-        dp_sgd: DP-SGD at every site (:class:`medflare.dp_sgd.DPSGDConfig`: noise_multiplier, max_grad_norm, delta,
-            max_epsilon, accountant), e.g. ``--set dp_sgd.noise_multiplier=1.1``; empty = off. Each site clips and
-            noises every sample's gradient, accounts its ε and records it each round; a site's own
-            ``medflare_site.json`` may demand more (docs/privacy.md). Needs ``medflare[dp]``.
+        dp: a differential-privacy result filter every site applies to its updates, e.g. {"filter": "percentile",
+            "args": {"percentile": 10, "gamma": 0.01}} (needs transfer_kind=diff); a hospital's privacy policy may
+            also impose one.
+        dp_sgd: DP-SGD at every site (:class:`medflare.dp_sgd.DPSGDConfig`), e.g. ``--set
+            dp_sgd.noise_multiplier=1.1``; empty = off. Each site clips and noises per-sample gradients and records
+            its ε each round; its ``medflare_site.json`` may demand more (docs/privacy.md). Needs ``medflare[dp]``.
         audit: record the structure (names, dtypes, shapes, bytes; never values) of every task and result at each
             site into ``medflare_payload_audit.jsonl`` (a privacy review of what really travels).
         tracking: experiment tracking through FLARE's analytics events: tensorboard (default), mlflow, both, or
@@ -103,10 +99,9 @@ class RunConfig:
             model's (0 = never); the final validation still runs. Needs site_evaluation=every_round.
         resume_from: a previous run's folder (``medflare_results.json`` and ``FL_global_model.pt``), read by the
             server: the job continues its round counter, history and global model (``--resume``).
-        secure_aggregation: "off" (default) or "he": sites encrypt their model arrays with the TenSEAL CKKS
-            context of their kit (FLARE's HEBuilder), the server aggregates ciphertexts with its plaintext
-            weights and never reads an update, sites decrypt the global model (POC and production only;
-            :mod:`medflare.flare.he`, docs/privacy.md).
+        secure_aggregation: "off" (default) or "he": sites encrypt their arrays with their kit's TenSEAL CKKS
+            context (FLARE's HEBuilder); the server aggregates ciphertexts and never reads an update (POC and
+            production only; :mod:`medflare.flare.he`, docs/privacy.md).
     """
 
     method: str = "fedavg"
@@ -189,9 +184,7 @@ class RunConfig:
 
     def site_data(self) -> dict[str, Any]:
         """The data config the sites receive: num_sites and seed filled in for simulation; with site data, the
-        job's own data options (e.g. ``augment``), which each site takes or refuses
-        (``site_config.read_site_data_config``: the hospital's file decides), but not ``partition``, which only
-        splits simulated data."""
+        job's options (which each site's file takes or refuses) without ``partition``."""
         if self.data.get("source", "site") == "site":
             return {"source": "site", **{key: value for key, value in self.data.items() if key != "partition"}}
         return {"seed": self.seed, **self.data, "num_sites": self.clients}
@@ -209,11 +202,8 @@ class RunConfig:
 
 
 def apply_overrides(run: RunConfig, overrides: list[str]) -> RunConfig:
-    """Apply ``section.key=value`` overrides, e.g. ``method.mu=0.1``, ``train.lr=0.01``, ``rounds=5``.
-
-    Values stay text here; each is parsed by its field's annotation (``from_dict`` for top-level options,
-    :func:`medflare.plan.validated` for the sections), so a value that does not fit fails with the option's name.
-    """
+    """Apply ``section.key=value`` overrides, e.g. ``method.mu=0.1``, ``rounds=5``; values stay text, parsed by
+    their field's type (``from_dict`` here, :func:`medflare.plan.validated` for the sections)."""
     changes: dict[str, Any] = {}
     nested = {name: dict(getattr(run, name)) for name in SECTIONS.values()}
     for item in overrides:
@@ -232,8 +222,7 @@ def apply_overrides(run: RunConfig, overrides: list[str]) -> RunConfig:
 
 
 def merge_sections(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
-    """``override`` on top of ``base``; the nested sections (data, train, method_args, task, robust) merge key by
-    key."""
+    """``override`` on top of ``base``; the nested sections merge key by key."""
     merged = {**dict(base), **dict(override)}
     for key in SECTIONS.values():
         if isinstance(base.get(key), Mapping) and isinstance(override.get(key), Mapping):
@@ -242,10 +231,7 @@ def merge_sections(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict
 
 
 def merge_run_config(*layers: Mapping[str, Any]) -> RunConfig:
-    """RunConfig defaults <- each layer in turn (scenario, file, flags); ``None`` values mean 'not given'.
-
-    Sections merge key by key on top of the defaults, so ``--partition`` alone keeps the default data source.
-    """
+    """RunConfig defaults <- each layer in turn, sections key by key; ``None`` values mean 'not given'."""
     # model "" until the last layer has named the method, so the default is that method's (MethodSpec.default_model)
     merged: dict[str, Any] = {**dataclasses.asdict(RunConfig()), "model": ""}
     for layer in layers:

@@ -93,11 +93,7 @@ class RobustConfig:
             self.rule, answered)
 
     def check_quorum(self, min_clients: int, sites: int | None = None) -> None:
-        """Refuse a rule that can never keep ``min_clients`` sites, or not run with the job's ``sites``.
-
-        Raises:
-            ConfigError: naming the rule, its needs and the job's numbers.
-        """
+        """Refuse (ConfigError) a rule that can never keep ``min_clients`` sites, or not run with ``sites``."""
         if sites is not None and sites < self.sites_needed():
             raise ConfigError(f"robust.rule={self.rule} with hostile_sites={self.hostile_sites} needs at least "
                               f"{self.sites_needed()} sites; the job has {sites}")
@@ -109,8 +105,7 @@ class RobustConfig:
                               f"{'' if self.rule != 'krum' else ', or use multi_krum'})")
 
     def record(self) -> dict[str, Any]:
-        """Whether the defences are on, and with which values (0 = that defence is off): ``meta.json``'s
-        ``robust_aggregation`` as the job was written, and the server's results as it ran."""
+        """Whether the defences are on, and their values (0 = off): ``meta.json``'s ``robust_aggregation``."""
         settings: dict[str, Any] = {"max_norm_ratio": float(self.max_norm_ratio), "max_share": float(self.max_share)}
         if self.rule != "mean":  # the method's own weighted sum is recorded by its absence, as before rules existed
             settings["rule"] = self.rule
@@ -128,14 +123,9 @@ def server_rule(
     download_dtype: str = "float32",
     multi_label: bool = False,
 ) -> tuple[ServerRule, list[Stage], RobustConfig]:
-    """The method's server rule, its stages and the defences for a job (the arguments are
-    :class:`medflare.flare.aggregator.RoundAggregation`'s; ``method_args`` typed, as a plan holds them), checked as
-    the server checks them before the first round.
-
-    Raises:
-        ConfigError: stages that do not add up to ``num_rounds``, a defence out of range, an unknown wire option,
-            or a rule that combines the sites' arrays itself.
-    """
+    """The method's server rule, its stages and the job's defences, checked as the server does before round 0.
+    Raises ConfigError for stages that do not add up to ``num_rounds``, a defence out of range, an unknown wire
+    option, or a rule that combines the sites' arrays itself."""
     method = spec.name
     rule = spec.server_rule_cls(spec.config_cls(**(method_args or {})), num_rounds, spec.payload)
     rule.multi_label = multi_label
@@ -159,12 +149,8 @@ def server_rule(
 
 
 def typed_robust(robust: Mapping[str, Any]) -> dict[str, Any]:
-    """The run's own robust settings, typed and range-checked; ``off: true`` becomes both defences at 0.
-
-    Raises:
-        ConfigError: an unknown key, a value out of range, an option of a rule the run does not use, or ``off``
-            beside a defence it would silently drop.
-    """
+    """The run's own robust settings, typed and range-checked; ``off: true`` becomes both defences at 0 (refused
+    beside a defence it would silently drop)."""
     settings = dict(robust)
     valid = [field.name for field in dataclasses.fields(RobustConfig)]
     unknown = sorted(set(settings) - {*valid, ROBUST_OFF_KEY})
@@ -187,13 +173,9 @@ def typed_robust(robust: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def deployment_robust(robust: Mapping[str, Any], encrypted: bool = False) -> dict[str, float]:
-    """The robust settings of a job for a real deployment: :data:`DEPLOY_ROBUST` under the run's own settings.
-
-    The run's keys win one by one (``robust.max_share=0.4`` keeps the norm bound), so a defence is off only where
-    the run says so (``robust.off=true``, or a key set to 0), never because a setting was left out. An
-    ``encrypted`` job (secure_aggregation=he) defaults the norm bound to off: the server cannot read the updates
-    (the share cap stays: it bounds the server's own plaintext weights).
-    """
+    """:data:`DEPLOY_ROBUST` under the run's own settings, key by key: a defence is off only where the run says so,
+    never because a setting was left out. An ``encrypted`` job defaults the norm bound to off (the server cannot
+    read the updates); the share cap stays, as it bounds the server's own plaintext weights."""
     defaults = {**DEPLOY_ROBUST, "max_norm_ratio": 0.0} if encrypted else DEPLOY_ROBUST
     return {**defaults, **typed_robust(robust)}
 
@@ -211,12 +193,9 @@ def checked_stages(stages: list[Stage], num_rounds: int, method: str) -> list[St
 
 
 class ServerModel(nn.Module):
-    """The global network as the server keeps it: its state dict leaves out the method's private keys.
-
-    A personalized head never reaches the server, so the server neither stores nor broadcasts it. A method
-    whose server holds no model (no weights travel) gets an empty state dict: FLARE's persistor then stores
-    nothing to aggregate and the job still runs.
-    """
+    """The global network as the server keeps it: its state dict leaves out the method's private keys (a personal
+    head is neither stored nor broadcast). A method without a server model gets an empty state dict, so FLARE's
+    persistor stores nothing and the job still runs."""
 
     def __init__(self, network: nn.Module | None, private_keys: str | None) -> None:
         super().__init__()
@@ -234,28 +213,16 @@ class ServerModel(nn.Module):
 
 def round_plan(stages: list[Stage], total_rounds: int) -> list[RoundContext]:
     """One RoundContext per round, stage by stage, with job-level and in-stage counters."""
-    plan, index = [], 0
-    for stage in stages:
-        for stage_round in range(stage.rounds):
-            plan.append(
-                RoundContext(
-                    round=index, total_rounds=total_rounds, stage=stage.name, stage_round=stage_round,
-                    stage_rounds=stage.rounds, scored=stage.scored,
-                )
-            )
-            index += 1
-    return plan
+    per_stage = [(stage, stage_round) for stage in stages for stage_round in range(stage.rounds)]
+    return [RoundContext(round=index, total_rounds=total_rounds, stage=stage.name, stage_round=stage_round,
+                         stage_rounds=stage.rounds, scored=stage.scored)
+            for index, (stage, stage_round) in enumerate(per_stage)]
 
 
 def global_model(spec: MethodSpec, method_args: Mapping[str, Any], model: str, num_classes: int, in_channels: int,
                  image_size: int, pretrained: str | None = None, seed: int = 0, dp_sgd: bool = False) -> nn.Module:
-    """Initial global network of ``spec`` (``method_args`` typed; :func:`medflare.flare.models.global_model_of` is
-    a job's, :func:`medflare.plan.build_global_model` one by the method's name).
-
-    Seeded so that the same job starts from the same weights in the simulator, POC and production. With
-    ``dp_sgd`` the network is the DP-compatible one every site of the job builds
-    (:func:`medflare.dp_sgd.dp_compatible_model`).
-    """
+    """Initial global network of ``spec``, seeded so a job starts from the same weights in the simulator, POC and
+    production; with ``dp_sgd``, the DP-compatible one every site builds."""
     if not spec.server_model:
         return ServerModel(None, None)
     torch.manual_seed(seed)

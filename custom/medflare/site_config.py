@@ -23,12 +23,8 @@ EVALUATION_MODES = ("every_round", "final", "off")
 
 @dataclass
 class TaskSpec:
-    """Facts about the task that site and server must agree on (no data, no paths).
-
-    ``multi_label``: several findings per image (multi-hot labels, sigmoid scores, BCE); the data decides it in
-    simulation, a job on site-local data declares it.
-    ``class_names`` (optional, for reports and ``medflare predict``) come from the data or ``task.class_names``.
-    """
+    """Facts about the task that site and server must agree on (no data, no paths). ``multi_label``: multi-hot
+    labels, sigmoid scores, BCE (read off simulated data, declared for site data); ``class_names``: for reports."""
 
     num_classes: int
     in_channels: int
@@ -39,8 +35,7 @@ class TaskSpec:
 
 @dataclass
 class SiteSettings:
-    """One site's full configuration, assembled from the job and (in POC/production) the site's own file
-    (:meth:`medflare.plan.RunPlan.localise`); ``method_args`` typed, as the plan holds them."""
+    """One site's full configuration, from the job and the site's own file (:meth:`medflare.plan.RunPlan.localise`)."""
 
     spec: MethodSpec
     task: TaskSpec
@@ -64,8 +59,7 @@ class SiteSettings:
 
 
 def check_multi_label_support(spec: MethodSpec, task: TaskSpec, able: list[str] | None = None) -> None:
-    """A multi-label task needs a method that declares it can train one (``MethodSpec.multi_label``); ``able``:
-    the methods that can, to name in the message (the plan names them)."""
+    """A multi-label task needs a ``MethodSpec.multi_label`` method; ``able``: those to name in the message."""
     if task.multi_label and not spec.multi_label:
         offer = f"use one of {', '.join(able)}" if able else "use a method that trains multi-label tasks"
         raise ConfigError(f"method '{spec.name}' trains single-label classifiers (softmax over classes) and cannot run "
@@ -73,8 +67,7 @@ def check_multi_label_support(spec: MethodSpec, task: TaskSpec, able: list[str] 
 
 
 def typed_data_config(data: Mapping[str, Any], where: str = "data") -> DataConfig:
-    """A data section (the job's, or a site's with its own file) as :class:`medflare.data.DataConfig`, every value
-    typed and range-checked: what a site reads, ``preflight`` checks and the command line checks before launch."""
+    """A data section as :class:`medflare.data.DataConfig`, every value typed and range-checked."""
     from medflare.data import DataConfig
 
     return from_dict(DataConfig, dict(data), where)
@@ -89,8 +82,7 @@ DP_FILTER_ARGS = {
 
 
 def check_dp_filter(dp: Mapping[str, Any]) -> None:
-    """A job's dp result filter (``{"filter": ..., "args": {...}}``) as the sites' UpdatePrivacy takes it, checked
-    without FLARE (ConfigError: an unknown option, filter or filter argument)."""
+    """A job's dp result filter (``{"filter": ..., "args": {...}}``), checked without FLARE."""
     unknown = sorted(set(dp) - {"filter", "args"})
     name, args = dp.get("filter", "percentile"), dp.get("args") or {}
     if unknown:
@@ -104,11 +96,8 @@ def check_dp_filter(dp: Mapping[str, Any]) -> None:
 
 
 def resolve_train_config(spec: MethodSpec, overrides: Mapping[str, Any] | None) -> TrainConfig:
-    """TrainConfig = shared defaults <- the method's paper defaults <- the job's overrides.
-
-    Per-stage overrides (``stages``) merge stage by stage and option by option, so a job can change one
-    option of one stage and keep the method's other stage defaults.
-    """
+    """TrainConfig = shared defaults <- the method's paper defaults <- the job's overrides; ``stages`` merge stage
+    by stage and option by option, so a job can change one option of one stage."""
     defaults, job = dict(spec.train_defaults), dict(overrides or {})
     merged = {**defaults, **job}
     if isinstance(defaults.get("stages"), Mapping) and isinstance(job.get("stages"), Mapping):
@@ -153,13 +142,8 @@ def read_site_data_config(
     reads the file's ``data``, plus the job's options in :data:`JOB_SETTABLE_DATA_KEYS` the file does not set; a
     job that names its own source, or sets any other data key the file does not set (e.g. ``public_source``), is
     refused unless the file opts in with ``"allow_job_data": true`` (a test or POC site). Only FLARE's
-    simulator, whose sites have no such file, takes the job's partitioned data spec without an opt-in.
-
-    Args:
-        site_config_dir: the site's ``local/`` folder (or its file, read).
-        job_data: the data block of the job's executor config.
-        simulated: True in FLARE's simulator (its engine sets ``FLContextKey.SIMULATE_MODE``, which a job's
-            configuration cannot set); False in POC and production.
+    simulator, whose sites have no such file, takes the job's data without an opt-in: ``simulated`` comes from
+    its engine's ``FLContextKey.SIMULATE_MODE``, which a job's configuration cannot set.
 
     Raises:
         DataError: the job's data is refused, or the site's file is missing, not JSON or has no ``data`` object.
@@ -184,11 +168,7 @@ def read_site_data_config(
 
 def _site_data_block(path: Path, site_file: dict[str, Any] | None) -> dict[str, Any]:
     """The ``data`` object of the site's file, which must name its source (without one the data would default to
-    medflare's synthetic images, and a hospital would train on them without a word).
-
-    Raises:
-        DataError: the file is missing, has no ``data`` object, or that object names no ``source``.
-    """
+    medflare's synthetic images, and a hospital would train on them without a word)."""
     if site_file is None:
         raise DataError(
             f"this site has no data configured: {path} is missing. Create it with "
@@ -206,12 +186,7 @@ def _site_data_block(path: Path, site_file: dict[str, Any] | None) -> dict[str, 
 
 
 def _refuse_site_only_keys(job_options: Mapping[str, Any], site_data: Mapping[str, Any], path: Path) -> None:
-    """Refuse the job's data keys that only the site may set (and its file does not): refused, not dropped, so
-    the job's author learns the option had no effect.
-
-    Raises:
-        DataError: naming the refused keys and the keys a job may set.
-    """
+    """Refuse (not drop, so the job's author learns it had no effect) the job's data keys only the site may set."""
     refused = sorted(set(job_options) - JOB_SETTABLE_DATA_KEYS - set(SITE_FIXED_DATA) - set(site_data))
     if refused:
         raise DataError(
@@ -224,19 +199,14 @@ def resolve_site_model(
     spec: MethodSpec, job_model: str, site_models: Mapping[str, str] | None, site: str,
     site_config_dir: str | Path | SiteFile | None,
 ) -> str:
-    """The architecture this site trains: its own ``local/medflare_site.json`` "model", else the job's per-site
-    choice (``site_model``), else the job's model.
-
-    Only methods whose server holds no model (no weights travel) may mix architectures; for the others every
-    site must train the job's model, because the server averages weights key by key.
-    """
+    """The architecture this site trains: its file's "model", else the job's ``site_model``, else the job's model.
+    Only methods whose server holds no model may mix architectures (the server averages weights key by key)."""
     local = SiteFile.of(site_config_dir).get("model")
     chosen = local or (site_models or {}).get(site) or job_model
-    method = spec.name
     if chosen != job_model and spec.server_model:
         where = "its local medflare_site.json" if local else "the job's site_model"
         raise ConfigError(
-            f"{site}: {where} asks for model '{chosen}', but '{method}' averages weights, so every site must train "
+            f"{site}: {where} asks for model '{chosen}', but '{spec.name}' averages weights, so every site must train "
             f"the job's model '{job_model}'; per-site architectures need a method that sends no weights (e.g. mdhfl)"
         )
     return str(chosen)
@@ -245,13 +215,9 @@ def resolve_site_model(
 def resolve_site_dp(
     job_dp: Mapping[str, Any] | None, site: str, site_config_dir: str | Path | SiteFile | None
 ) -> dict[str, Any]:
-    """The DP-SGD settings this site trains with: the job's ``dp_sgd``, checked against the ``dp_sgd`` policy of
-    its own ``local/medflare_site.json`` (which may require DP-SGD, a σ floor, a clipping ceiling, a δ ceiling and
-    a budget); {} = off.
-
-    Raises:
-        SiteDeclined: the job asks for less than the site demands (one line, sent back to the server).
-    """
+    """The DP-SGD settings this site trains with ({} = off): the job's ``dp_sgd`` against its file's ``dp_sgd``
+    policy (DP-SGD required, a σ floor, clipping/δ ceilings, a budget). Raises SiteDeclined (one line, sent to the
+    server) when the job asks for less than the site demands."""
     policy = SiteFile.of(site_config_dir).get("dp_sgd")
     if not job_dp and not policy:
         return {}
@@ -263,22 +229,15 @@ def resolve_site_dp(
 
 @dataclass(frozen=True)
 class SiteFile:
-    """A site's ``local/medflare_site.json``, read once (the executor hands it to every resolver below).
-
-    ``content`` is None when the site has none (FLARE's simulator).
-    """
+    """A site's ``local/medflare_site.json``, read once; ``content`` is None when there is none (the simulator)."""
 
     path: Path
     content: dict[str, Any] | None
 
     @classmethod
     def of(cls, site: str | Path | SiteFile | None) -> SiteFile:
-        """``site`` itself, or the file in the site's ``local/`` folder ``site`` (None: no file).
-
-        Raises:
-            DataError: one line naming the file and the field that is not JSON, nested too deep, or of the wrong
-                type.
-        """
+        """``site`` itself, or the file in the ``local/`` folder ``site`` (None: no file). Raises DataError naming
+        the file and the field that is not JSON, nested too deep, or of the wrong type."""
         if isinstance(site, SiteFile):
             return site
         path = Path(site or ".") / SITE_CONFIG_FILE

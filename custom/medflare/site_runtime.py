@@ -1,8 +1,5 @@
-"""Everything a site does for a method, without FLARE: build data, model and trainer; train; evaluate.
-
-The FLARE executor is a thin shell around :class:`SiteRuntime`, so the whole site side can be tested (and
-benchmarked against a bare PyTorch loop) without starting FLARE.
-"""
+"""Everything a site does for a method, without FLARE: build data, model and trainer; train; evaluate. The FLARE
+executor is a thin shell around :class:`SiteRuntime`, so the site side is tested without starting FLARE."""
 
 from __future__ import annotations
 
@@ -31,16 +28,10 @@ TASK_SECONDS_EVENT = "task_seconds"  # site-log record: where a train task's tim
 
 
 def load_site_data(settings: SiteSettings, site_index: int, site_name: str, pooled_test: bool = False) -> Any:
-    """The site's data as the job's task needs it (``medflare.data.SiteData``): the job's class names (with the
-    site's ``class_map``), channels and single- or multi-label checked; what a site does when a job arrives and what
-    ``medflare preflight --job`` does before one does.
-
-    ``pooled_test``: a trainer that scores its own model on the pooled test set (FCA's generalization without a
-    global classifier).
-
-    Raises:
-        DataError: the data cannot be read or does not fit the job's task (one line naming the site).
-    """
+    """The site's data (``medflare.data.SiteData``) checked against the job's task: class names (with the site's
+    ``class_map``), channels, single- or multi-label; also what ``medflare preflight --job`` runs.
+    ``pooled_test``: the trainer scores its own model on the pooled test set (FCA). Raises DataError (one line
+    naming the site) when the data cannot be read or does not fit the task."""
     from medflare.data import make_site_data
 
     cfg = typed_data_config({**settings.data, "num_classes": settings.task.num_classes})
@@ -180,8 +171,7 @@ class SiteRuntime:
         weights = {k: v for k, v in arrays.items() if k in self.model_keys}
         dtype = str(ctx.server_meta.get(contracts.TRANSFER_DTYPE, "float32"))
         kind = str(ctx.server_meta.get(contracts.TRANSFER_KIND, "weights"))
-        others = {k: v for k, v in arrays.items() if k not in self.model_keys}
-        return {**encode_weights(weights, received, dtype, kind), **others}
+        return {**encode_weights(weights, received, dtype, kind), **{k: v for k, v in arrays.items() if k not in weights}}
 
     def _check_outgoing(self, arrays: Mapping[str, Any], meta: Mapping[str, Any], phase: str, ctx: RoundContext) -> None:
         task = self.settings.task
@@ -191,12 +181,9 @@ class SiteRuntime:
 
     # ----- state kept at the site ------------------------------------------------------------------
     def save_state(self) -> None:
-        """Write the trainer's state (optimizer, private keys, method state) into the site's job workspace.
-
-        The write runs in the background while the result travels (two model sizes of Adam state took up to a
-        second per round on a busy disk); every task waits for it before it touches the trainer, so the file
-        never mixes two rounds. A site killed within that moment restarts from the previous task's state.
-        """
+        """Write the trainer's state (optimizer, private keys, method state) into the site's job workspace, in the
+        background while the result travels (Adam state can take a second on a busy disk); every task waits for it
+        before touching the trainer, so the file never mixes two rounds."""
         if self.state_path is None:
             return
         path, state = self.state_path, self.trainer.state_dict()

@@ -12,12 +12,10 @@ Format (``torch.save`` of a dict, readable with ``torch.load(..., weights_only=T
      "state_dict": {"backbone.<name>": tensor, ...},   # the encoder only: no decoder, lm_head or head
      "encoder_norm": {"weight": tensor, "bias": tensor}}  # the encoder's final LayerNorm as pre-training trained it
 
-The features of the encoder are the mean over its patch tokens of that trained final norm (MAE's
-``decoder.encoder_norm``, BEiT's ``lm_head.norm``): what the pre-training head saw. ``backbone.fc_norm`` (the
-fine-tuning pooling norm, never trained in pre-training) is kept in ``state_dict`` for ``--pretrained`` but
-not used for the features. Format ``/1`` (before it) pooled through that untrained ``fc_norm``, dropping the
-trained norm; it is refused: export again. Usage on a finished pre-training-only run
-(``method.finetune_rounds=0``)::
+The features are the mean over patch tokens of that trained final norm (MAE's ``decoder.encoder_norm``, BEiT's
+``lm_head.norm``): what the pre-training head saw. ``backbone.fc_norm`` (never trained in pre-training) stays in
+``state_dict`` for ``--pretrained`` only. Format ``/1`` pooled through that untrained norm and is refused.
+Usage on a finished pre-training-only run (``method.finetune_rounds=0``)::
 
     python -m medflare.methods.ssl_fl.export RUN_DIR [-o RUN_DIR/encoder.pt]
 """
@@ -56,29 +54,15 @@ class EncoderInfo:
     layer_scale: bool
 
 
-def encoder_info(network: VitClassifier, method: str, model: str) -> EncoderInfo:
-    """The description of ``network``'s encoder for the file header."""
-    vit = network.backbone
-    return EncoderInfo(
-        method=method,
-        model=model,
-        in_channels=int(vit.patch_embed.proj.in_channels),
-        image_size=int(vit.patch_embed.img_size[0]),
-        patch_size=int(vit.patch_embed.patch_size[0]),
-        num_features=int(vit.embed_dim),
-        layer_scale=any(".ls1." in name for name, _ in vit.named_parameters()),
-    )
-
-
 def save_encoder(network: VitClassifier, path: str | Path, method: str, model: str) -> Path:
-    """Write ``network``'s encoder (``backbone.*``) and its trained final norm in the documented format.
-
-    Raises:
-        ConfigError: a network without a pre-trained encoder norm (not a Fed-MAE/Fed-BEiT network).
-    """
+    """Write ``network``'s encoder (``backbone.*``) and its trained final norm in the documented format."""
     if not hasattr(network, "encoder_norm"):
         raise ConfigError(f"{type(network).__name__} is not an SSL-FL network: it has no pre-trained encoder norm")
-    info = encoder_info(network, method, model)
+    vit = network.backbone
+    info = EncoderInfo(method=method, model=model, in_channels=int(vit.patch_embed.proj.in_channels),
+                       image_size=int(vit.patch_embed.img_size[0]), patch_size=int(vit.patch_embed.patch_size[0]),
+                       num_features=int(vit.embed_dim),
+                       layer_scale=any(".ls1." in name for name, _ in vit.named_parameters()))
     state = {k: v.detach().cpu().clone() for k, v in network.state_dict().items() if k.startswith(ENCODER_PREFIX)}
     norm = {k: v.detach().cpu().clone() for k, v in network.encoder_norm().state_dict().items()}
     file = Path(path)
@@ -89,11 +73,8 @@ def save_encoder(network: VitClassifier, path: str | Path, method: str, model: s
 
 class EncoderFeatures(nn.Module):
     """A loaded encoder as a feature extractor: ``[B, C, S, S]`` medflare-normalised images -> ``[B, D]``, the
-    mean over the patch tokens of the trained final norm (the ViT's ``norm``; its ``fc_norm`` is an identity).
-
-    It takes 3-channel input for a 1-channel encoder too (its first channel: Fed-MAS's prior copies grey
-    images to RGB, so that channel is the original image).
-    """
+    mean over the patch tokens of the trained final norm. A 1-channel encoder takes the first channel of 3-channel
+    input (Fed-MAS's prior copies grey images to RGB)."""
 
     def __init__(self, network: VitClassifier, info: EncoderInfo) -> None:
         super().__init__()
@@ -107,11 +88,7 @@ class EncoderFeatures(nn.Module):
 
 
 def load_encoder(path: str | Path) -> tuple[EncoderFeatures, EncoderInfo]:
-    """Rebuild the encoder of a file in :data:`ENCODER_FORMAT`.
-
-    Raises:
-        DataError: a missing file, another format, or weights that do not fit the described ViT.
-    """
+    """Rebuild the encoder of a file in :data:`ENCODER_FORMAT` (DataError: missing, another format, or unfit)."""
     file = Path(path).expanduser()
     if not file.is_file():
         raise DataError(f"encoder file not found: {file}. Every site must hold the same file at this path")
@@ -149,12 +126,8 @@ def load_encoder(path: str | Path) -> tuple[EncoderFeatures, EncoderInfo]:
 
 
 def export_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Write the encoder of a finished pre-training-only run (its ``FL_global_model.pt``) to ``out``.
-
-    Raises:
-        ConfigError: the run is not an SSL-FL run, or it ended with fine-tuning (its encoder is then no longer
-            the self-supervised one).
-    """
+    """Write the encoder of a finished pre-training-only run (its ``FL_global_model.pt``) to ``out``; a run that
+    ended with fine-tuning no longer has the self-supervised encoder and is refused."""
     from medflare.methods.ssl_fl import FED_BEIT, FED_MAE
 
     run = Path(run_dir)
@@ -176,8 +149,8 @@ def export_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
 def export_global_model(network: VitClassifier, method: str, model: str, model_file: str | Path,
                         out: str | Path) -> Path:
-    """Write the encoder of a saved global model (FLARE's ``FL_global_model.pt`` layout, ``{"model": state}``) of the
-    SSL-FL ``method`` whose ``network`` (``model``, built with the job's task and method configuration) trained it."""
+    """Write the encoder of a saved global model (FLARE's ``FL_global_model.pt``) into which ``network`` (built
+    with the job's task and method configuration) loads."""
     from medflare.models import read_state_dict_file
 
     network.load_state_dict(read_state_dict_file(model_file))
