@@ -26,10 +26,8 @@ HeadLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labe
 
 
 def frozen_features(model: Classifier, loader: DataLoader, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Features as the head sees them (after the classifier dropout, here off) and labels of the labelled samples.
-
-    The model is put in eval mode for the pass (BatchNorm uses its running statistics) and restored afterwards.
-    """
+    """Features as the head sees them (after the classifier dropout, here off) and labels of the labelled samples,
+    from one pass in eval mode (BatchNorm uses its running statistics; the mode is restored afterwards)."""
     was_training = model.training
     model.eval()
     features, labels = [], []
@@ -54,28 +52,10 @@ def head_optimizer(model: nn.Module, head: nn.Module, cfg: TrainConfig, ctx: Rou
     return optimizer
 
 
-def fit_head(
-    head: nn.Module,
-    features: torch.Tensor,
-    labels: torch.Tensor,
-    loss_fn: HeadLoss,
-    optimizer: torch.optim.Optimizer,
-    epochs: int,
-    batch_size: int,
-) -> float:
-    """``epochs`` passes of shuffled mini-batches over cached features, updating only ``head``.
-
-    Args:
-        head: the linear head (its parameters must be the optimizer's).
-        features: ``[N, F]`` cached features.
-        labels: ``[N]`` class indices.
-        loss_fn: the method's loss on (logits, labels), e.g. balanced softmax with the site's prior.
-        optimizer: optimizer over ``head``'s parameters.
-        epochs: passes over the data.
-        batch_size: samples per step.
-
-    Returns:
-        The mean loss over the steps taken (0.0 when there is nothing to fit).
+def fit_head(head: nn.Module, features: torch.Tensor, labels: torch.Tensor, loss_fn: HeadLoss,
+             optimizer: torch.optim.Optimizer, epochs: int, batch_size: int) -> float:
+    """``epochs`` passes of shuffled mini-batches over cached ``[N, F]`` features and ``[N]`` labels, updating only
+    ``head`` (the optimizer's parameters) with the method's ``loss_fn``; the mean loss over the steps (0.0 if none).
     """
     head.train()
     total, steps = 0.0, 0
@@ -93,10 +73,8 @@ def fit_head(
 
 def own_model_generalization(trainer: LocalTrainer, split: str) -> dict[str, Any]:
     """FCA's generalization of a method without a global classifier (FedRep, local-only): the site's own model on
-    the pooled test set, ``{GENERALIZATION: EvalStats}`` for the test split; the server averages it over sites.
-
-    The site must have the pooled test set (``data.pooled_test``: simulation, built when the trainer class sets
-    ``scores_pooled_test``); a site reading its own data holds only its own split, so it gives nothing.
+    the pooled test set, ``{GENERALIZATION: EvalStats}`` for the test split (the server averages it over sites).
+    Only a simulated site holds ``data.pooled_test`` (built when the trainer class sets ``scores_pooled_test``).
     """
     if split != "test" or getattr(trainer.data, "pooled_test", None) is None:
         return {}
@@ -104,13 +82,10 @@ def own_model_generalization(trainer: LocalTrainer, split: str) -> dict[str, Any
 
 
 class PersonalizedTrainer(LocalTrainer):
-    """A trainer whose site keeps a model of its own next to the global one.
-
-    * Its whole local model (not only the private keys) is part of the site state, so after a restart the
-      specialization evaluation, which runs before the received model is loaded, scores the model the site last
-      trained, not a freshly initialised extractor.
-    * :meth:`evaluate_with_head` scores the model's extractor with another head (FCA's personal head, FedBABU's
-      fine-tuned copy) through the shared evaluation code.
+    """A trainer whose site keeps a model of its own next to the global one. Its whole local model is part of the
+    site state, so after a restart the specialization evaluation (before the received model is loaded) scores the
+    model the site last trained; :meth:`evaluate_with_head` scores the extractor with another head (FCA's personal
+    head, FedBABU's fine-tuned copy) through the shared evaluation code.
     """
 
     _scoring_head: nn.Module | None = None  # set only while :meth:`evaluate_with_head` runs

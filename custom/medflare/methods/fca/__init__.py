@@ -1,6 +1,5 @@
 """FCA: federated classifier anchoring. A personal head at each site anchors the federated head through a
-consistency loss; the personal head never leaves its site.
-"""
+consistency loss; the personal head never leaves its site."""
 
 from __future__ import annotations
 
@@ -9,7 +8,7 @@ from dataclasses import dataclass
 from medflare.contracts import Payload
 from medflare.errors import ConfigError
 from medflare.evaluation import FCA_PROTOCOL_DATA
-from medflare.methods.base import MethodSpec, builtin_method
+from medflare.methods.base import COUNTS_UNCOVERED, MethodSpec, builtin_method, default_model_builder
 from medflare.methods.fca.client import FcaTrainer
 from medflare.methods.fca.loss import CONSISTENCY_MODES
 from medflare.methods.fca.model import PERSONAL_HEAD_KEYS, FcaNet
@@ -49,30 +48,18 @@ class FcaConfig:
 
 def build_fca_model(model: str, num_classes: int, in_channels: int, image_size: int, pretrained, cfg) -> FcaNet:
     """Any classifier from the factory with a parallel personal head on its pooled features."""
-    from medflare.models import create_model
-
-    return FcaNet(create_model(model, num_classes, in_channels, pretrained=pretrained, image_size=image_size))
+    return FcaNet(default_model_builder(model, num_classes, in_channels, image_size, pretrained))
 
 
 # Paper and notebook: Adam lr 1e-3, weight decay 5e-4 (L2), batch 64, one local epoch, 80 rounds with lr × 0.1
 # at rounds 60 and 70 (0-based stage rounds here, so from the 61st and 71st round; spec §6(a) "Schedule").
-TRAIN_DEFAULTS = {
-    "optimizer": "adam",
-    "lr": 1e-3,
-    "weight_decay": 5e-4,
-    "batch_size": 64,
-    "local_epochs": 1,
-    "lr_schedule": "multistep",
-    "milestones": (60, 70),
-    "gamma": 0.1,
-}
+TRAIN_DEFAULTS = {"optimizer": "adam", "lr": 1e-3, "weight_decay": 5e-4, "batch_size": 64, "local_epochs": 1,
+                  "lr_schedule": "multistep", "milestones": (60, 70), "gamma": 0.1}
 
 SPEC = builtin_method(
     MethodSpec(
         name="fca",
-        dp_sgd_uncovered=(
-            "the site's class counts its loss reads: ε covers the noised steps given those counts, not the counts"
-        ),
+        dp_sgd_uncovered=COUNTS_UNCOVERED,
         summary="FCA: personal head per site (never sent) anchors the federated head via KL; BSM on both heads",
         config_cls=FcaConfig,
         trainer_cls=FcaTrainer,

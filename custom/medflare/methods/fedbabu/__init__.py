@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from medflare.contracts import Payload
 from medflare.errors import ConfigError
 from medflare.evaluation import FCA_PROTOCOL_DATA
-from medflare.methods.base import MethodSpec, builtin_method
+from medflare.methods.base import MethodSpec, builtin_method, default_model_builder
 from medflare.methods.fedbabu.client import FedBabuTrainer
 from medflare.methods.fedbabu.server import FedBabuRule
 from medflare.models import Classifier
@@ -31,9 +31,7 @@ class FedBabuConfig:
 
 def build_fedbabu_model(model: str, num_classes: int, in_channels: int, image_size: int, pretrained, cfg) -> Classifier:
     """The factory's classifier with its head frozen at the random initialisation the server broadcasts."""
-    from medflare.models import create_model
-
-    network = create_model(model, num_classes, in_channels, pretrained=pretrained, image_size=image_size)
+    network = default_model_builder(model, num_classes, in_channels, image_size, pretrained)
     network.head.requires_grad_(False)
     return network
 

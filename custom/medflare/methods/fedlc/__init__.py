@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 
 from medflare.errors import ConfigError
-from medflare.methods.base import MethodSpec, builtin_method
+from medflare.methods.base import COUNTS_UNCOVERED, MethodSpec, builtin_method
 from medflare.methods.fedlc.client import FedLcTrainer
 
 __all__ = ["FedLcConfig", "SPEC"]
@@ -23,9 +23,7 @@ class FedLcConfig:
 SPEC = builtin_method(
     MethodSpec(
         name="fedlc",
-        dp_sgd_uncovered=(
-            "the site's class counts its loss reads: ε covers the noised steps given those counts, not the counts"
-        ),
+        dp_sgd_uncovered=COUNTS_UNCOVERED,
         summary="FedLC: local CE on logits minus tau * n_k^(-1/4) (site counts), sample-count-weighted average",
         config_cls=FedLcConfig,
         trainer_cls=FedLcTrainer,

@@ -1,8 +1,6 @@
 """FedLSM: federated learning when each site labels only some classes (label-set mismatch), single- or multi-label.
-
 The data decides which: class-id labels train with softmax and one-hot pseudo-labels, multi-hot labels with
-sigmoid, τ_p/τ_n pseudo-labels and a per-element weighted BCE using the server's global pos_weight.
-"""
+sigmoid, τ_p/τ_n pseudo-labels and a per-element weighted BCE using the server's global pos_weight."""
 
 from __future__ import annotations
 
@@ -80,8 +78,7 @@ class FedLsmConfig:
 
     def thresholds(self) -> tuple[float, ...]:
         """Every pseudo-label threshold (single- and multi-label)."""
-        return (self.tau, self.tau_uncertain, self.tau_pos, self.tau_neg, self.tau_uncertain_pos,
-                self.tau_uncertain_neg)
+        return self.tau, self.tau_uncertain, self.tau_pos, self.tau_neg, self.tau_uncertain_pos, self.tau_uncertain_neg
 
 
 def check_pool_rows(cfg: FedLsmConfig, trains: Mapping[str, TrainConfig], data: Any) -> list[str]:
@@ -103,10 +100,8 @@ PAYLOAD = Payload(
 SPEC = builtin_method(
     MethodSpec(
         name="fedlsm",
-        dp_sgd_blocker=(
-            "UDE MixUp blends pairs of private images into one training row and an EMA teacher trained on private data "
-            "pseudo-labels them, so no gradient belongs to one sample"
-        ),
+        dp_sgd_blocker=("UDE MixUp blends pairs of private images into one training row and an EMA teacher trained on "
+                        "private data pseudo-labels them, so no gradient belongs to one sample"),
         summary="FedLSM: UE pools, EMA-teacher pseudo-labels, UDE MixUp, classifier rows weighted by q (AWPA)",
         config_cls=FedLsmConfig,
         trainer_cls=FedLsmTrainer,

@@ -15,18 +15,8 @@ import torch.nn.functional as F
 
 from medflare.errors import PayloadError
 
-__all__ = [
-    "binary_entropy",
-    "element_weights",
-    "global_pos_weight",
-    "mixup",
-    "multi_label_targets",
-    "pool_size",
-    "sample_uncertainty",
-    "single_label_targets",
-    "soft_cross_entropy",
-    "split_pools",
-]
+__all__ = ["binary_entropy", "element_weights", "global_pos_weight", "mixup", "multi_label_targets", "pool_size",
+           "sample_uncertainty", "single_label_targets", "soft_cross_entropy", "split_pools"]
 
 
 def binary_entropy(p: torch.Tensor) -> torch.Tensor:
@@ -36,19 +26,14 @@ def binary_entropy(p: torch.Tensor) -> torch.Tensor:
 
 def sample_uncertainty(logits: torch.Tensor, labels: torch.Tensor, multi_label: bool,
                        repo_compat: bool = False) -> torch.Tensor:
-    """Each sample's uncertainty under the received model (UE, paper Eq. 3).
+    """Each sample's uncertainty (UE, paper Eq. 3) from the received model's ``[N, K]`` logits (eval mode,
+    non-augmented images).
 
     Single-label: the entropy of the softmax over all K classes (natural log), labelled or not.
     Multi-label: the binary entropy of each *unknown* entry (known entries are certain), divided by log 2 and
     averaged over the sample's unknown entries, so it lies in [0, 1] (the paper's "only U_k, normalised to
-    [0, 1]"); 0 for a fully labelled sample. ``repo_compat`` gives the authors' code instead: the mean over all
-    K entries of −p·log p with p zeroed on known entries.
-
-    Args:
-        logits: ``[N, K]`` of the received global model in eval mode, on non-augmented images.
-        labels: ``[N]`` or ``[N, K]`` labels (only their unknown entries matter, multi-label).
-        multi_label: which task.
-        repo_compat: multi-label only, see above.
+    [0, 1]"); 0 for a fully labelled sample. ``repo_compat`` (multi-label only) gives the authors' code instead:
+    the mean over all K entries of −p·log p with p zeroed on known entries.
     """
     if not multi_label:
         return torch.special.entr(torch.softmax(logits, dim=1)).sum(dim=1)
@@ -64,9 +49,7 @@ def pool_size(size: float, n: int) -> int:
     return max(1, min(n, int(size) if size >= 1 else int(round(size * n))))
 
 
-def split_pools(
-    uncertainty: torch.Tensor, n_uncertain: int, n_confident: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def split_pools(uncertainty: torch.Tensor, n_uncertain: int, n_confident: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(D^h, D^l, pseudo pool) sample indices: the n^h most and n^l least uncertain samples, and every sample
     except D^h (which includes D^l, i.e. D^l ∪ D^m). Ties keep dataset order (stable sort)."""
     order = np.argsort(uncertainty.detach().cpu().numpy(), kind="stable")
@@ -128,9 +111,7 @@ def soft_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     return -(targets * F.log_softmax(logits, dim=1)).sum(dim=1).mean()
 
 
-def global_pos_weight(
-    positives: np.ndarray, negatives: np.ndarray, shares: np.ndarray | None = None
-) -> np.ndarray:
+def global_pos_weight(positives: np.ndarray, negatives: np.ndarray, shares: np.ndarray | None = None) -> np.ndarray:
     """pos_weight_c = Σ_k negatives_c / Σ_k positives_c over the sites' counts ``[S, K]``; 1 for a class no site
     has a positive of (the authors divide by zero there).
 

@@ -22,18 +22,12 @@ IDENTIFIED_KEY = "identified"  # 0/1 per class: the classes the site annotates (
 CLASSIFIER_KEYS = r"^head\."  # every registered network's classifier (models.Classifier)
 
 
-def classifier_row_weights(
-    updates: list[SiteUpdate], classifier_keys: str, vectors: Mapping[str, np.ndarray]
-) -> dict[str, dict[str, np.ndarray]]:
-    r"""key -> site -> per-class weights for every classifier array (weight rows and bias entries alike).
-
+def classifier_row_weights(updates: list[SiteUpdate], classifier_keys: str,
+                           vectors: Mapping[str, np.ndarray]) -> dict[str, dict[str, np.ndarray]]:
+    r"""key -> site -> per-class weights (``vectors``: site -> length-K weights; AWPA: q^k, masked: n_k · 1[c ∈ I_k])
+    for every classifier array (weight rows and bias entries alike) whose key matches ``classifier_keys``.
     ``ops.weighted_average`` normalises each row over sites and falls back to the scalar (n_k) shares for a
     row whose weights sum to zero at every site.
-
-    Args:
-        updates: the accepted updates (their keys name the classifier arrays).
-        classifier_keys: regex of the classifier's state-dict keys, e.g. ``^head\.``.
-        vectors: site -> length-K weights (AWPA: q^k; masked aggregation: n_k · 1[c ∈ I_k]).
     """
     keys = [k for k in updates[0].arrays if re.search(classifier_keys, k)] if updates else []
     if updates and not keys:
@@ -57,10 +51,7 @@ class FedLsmRule(ServerRule):
 
     ``aggregation="masked"`` averages row c over the sites that annotate c, by n_k (FPSL's task-dependent
     aggregation as spec §5(e)8 infers it); ``"samples"`` is plain FedAvg. A row nobody has a count for falls back
-    to n_k.
-
-    n_k is the site's whole training set (``n_samples`` as FedLSM's sites send it): every image trains through
-    labels, pseudo-labels or MixUp, and it is the paper's n_k.
+    to n_k, the site's whole training set (every image trains through labels, pseudo-labels or MixUp).
 
     Multi-label jobs run a ``label_counts`` phase before the first train phase (and again whenever the rule has
     no pos_weight, e.g. after a server restart): every site sends its per-class positive and negative counts,
@@ -77,13 +68,8 @@ class FedLsmRule(ServerRule):
             return [LABEL_COUNTS, contracts.TRAIN_PHASE]
         return [contracts.TRAIN_PHASE]
 
-    def phase_arrays(
-        self,
-        phase: str,
-        ctx: RoundContext,
-        global_params: Mapping[str, np.ndarray],
-        earlier: Mapping[str, list[SiteUpdate]],
-    ) -> dict[str, np.ndarray] | PerSite:
+    def phase_arrays(self, phase: str, ctx: RoundContext, global_params: Mapping[str, np.ndarray],
+                     earlier: Mapping[str, list[SiteUpdate]]) -> dict[str, np.ndarray] | PerSite:
         arrays = super().phase_arrays(phase, ctx, global_params, earlier)
         if phase != contracts.TRAIN_PHASE or not self.multi_label:
             return arrays

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from medflare.errors import ConfigError
 from medflare.losses.restricted_softmax import RESTRICTION_MODES
-from medflare.methods.base import MethodSpec, builtin_method
+from medflare.methods.base import COUNTS_UNCOVERED, MethodSpec, builtin_method
 from medflare.methods.fedrs.client import FedRsTrainer
 from medflare.methods.fedrs.server import FedRsRule
 
@@ -40,9 +40,7 @@ class FedRsConfig:
 SPEC = builtin_method(
     MethodSpec(
         name="fedrs",
-        dp_sgd_uncovered=(
-            "the site's class counts its loss reads: ε covers the noised steps given those counts, not the counts"
-        ),
+        dp_sgd_uncovered=COUNTS_UNCOVERED,
         summary="FedRS: local (balanced) softmax with the logits of the site's missing classes scaled by alpha",
         config_cls=FedRsConfig,
         trainer_cls=FedRsTrainer,

@@ -19,9 +19,6 @@ class FedRsTrainer(LocalTrainer):
     A missing (or rare) class's weight vector is then pulled less towards the site's features. With balanced
     softmax the missing classes' logits already carry a log(eps) offset, so hard + BSM trains as BSM-FL (README).
     The class counts never leave the site.
-
-    References:
-        Li and Zhan, FedRS: Federated Learning with Restricted Softmax for Label Distribution Non-IID Data, KDD 2021.
     """
 
     def compute_loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 
 from medflare.errors import ConfigError
-from medflare.methods.base import MethodSpec, builtin_method
+from medflare.methods.base import COUNTS_UNCOVERED, MethodSpec, builtin_method
 from medflare.methods.ldam_drw.client import LdamDrwTrainer
 from medflare.methods.ldam_drw.model import build_cosine_head_model
 
@@ -33,9 +33,7 @@ class LdamDrwConfig:
 SPEC = builtin_method(
     MethodSpec(
         name="ldam-drw",
-        dp_sgd_uncovered=(
-            "the site's class counts its loss reads: ε covers the noised steps given those counts, not the counts"
-        ),
+        dp_sgd_uncovered=COUNTS_UNCOVERED,
         summary="LDAM-DRW-FL: local LDAM loss on a cosine head, class-balanced re-weighting from 80% of rounds",
         config_cls=LdamDrwConfig,
         trainer_cls=LdamDrwTrainer,

@@ -1,8 +1,6 @@
-"""Local-only training: every site trains its own model on its own data; nothing but evaluation leaves it.
-
-The reference point of personalized and model-heterogeneous FL (FCA's specialization reference, MDH-FL's
-lower bound): no weights travel, the server holds no model, and each site may run its own architecture.
-"""
+"""Local-only training: every site trains its own model on its own data; nothing but evaluation leaves it. The
+reference of personalized and model-heterogeneous FL (FCA's specialization reference, MDH-FL's lower bound): no
+weights travel, the server holds no model, and each site may run its own architecture."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """SSL-FL: federated masked-image pre-training (Fed-MAE, Fed-BEiT), then federated fine-tuning, in one job.
-
-Registers ``fed-mae`` and ``fed-beit``. The scratch baseline is ``fed-mae`` with ``pretrain_rounds=0``: the
-same network, initialisation and fine-tuning recipe, without pre-training.
-"""
+Registers ``fed-mae`` and ``fed-beit``; the scratch baseline is ``fed-mae`` with ``pretrain_rounds=0`` (same
+network, initialisation and fine-tuning recipe, without pre-training)."""
 
 from __future__ import annotations
 
@@ -68,21 +66,16 @@ class SslFlConfig:
         return [(PRETRAIN, self.pretrain_rounds)]
 
     def stage_plan(self, total_rounds: int) -> list[Stage]:
-        """The job's stages in order; unscored pre-training stages, then the scored fine-tuning stage.
-
-        Raises:
-            ConfigError: ``finetune_rounds=-1`` with no round left for it.
-        """
+        """The job's stages in order: unscored pre-training stages, then the scored fine-tuning stage (ConfigError
+        for ``finetune_rounds=-1`` with no round left for it)."""
         before = [(name, rounds) for name, rounds in self.pre_stages() if rounds > 0]
         finetune = self.finetune_rounds
         if finetune < 0:
             finetune = total_rounds - sum(rounds for _, rounds in before)
             if finetune < 1:
                 plan = ", ".join(f"{name}_rounds={rounds}" for name, rounds in self.pre_stages())
-                raise ConfigError(
-                    f"the job has rounds={total_rounds} but {plan} leave none for fine-tuning; raise rounds, or "
-                    "set method.finetune_rounds=0 for a pre-training-only job"
-                )
+                raise ConfigError(f"the job has rounds={total_rounds} but {plan} leave none for fine-tuning; raise "
+                                  "rounds, or set method.finetune_rounds=0 for a pre-training-only job")
         stages = [Stage(name, rounds, scored=False) for name, rounds in before]
         return stages + ([Stage(FINETUNE, finetune)] if finetune > 0 else [])
 
@@ -144,19 +137,14 @@ class FedBeitConfig(SslFlConfig):
         if self.tokenizer != DVAE and not self.tokenizer.startswith(DALLE_PREFIX):
             raise ConfigError(f"fed-beit tokenizer must be '{DVAE}' or '{DALLE_PREFIX}PATH', got '{self.tokenizer}'")
         if self.tokenizer_rounds < 0 or (self.tokenizer_rounds > 0 and (self.dalle_path or not self.pretrain_rounds)):
-            raise ConfigError(
-                "fed-beit tokenizer_rounds must be 0 with a DALL-E tokenizer or without pre-training (set "
-                f"method.tokenizer_rounds=0), and >= 0; got {self.tokenizer_rounds}"
-            )
+            raise ConfigError("fed-beit tokenizer_rounds must be 0 with a DALL-E tokenizer or without pre-training (set "
+                              f"method.tokenizer_rounds=0), and >= 0; got {self.tokenizer_rounds}")
         if self.tokenizer == DVAE and self.pretrain_rounds and not self.tokenizer_rounds:
             raise ConfigError("fed-beit with the federated dVAE needs tokenizer_rounds >= 1 before pre-training")
         if self.vocab_size < 2 or min(self.dvae_hidden, self.dvae_code_dim) < 1 or min(
-            self.dvae_kl_weight, self.dvae_usage_weight, self.min_code_perplexity
-        ) < 0:
-            raise ConfigError(
-                "fed-beit vocab_size must be >= 2, dvae sizes >= 1, dvae_kl_weight, dvae_usage_weight and "
-                "min_code_perplexity >= 0"
-            )
+                self.dvae_kl_weight, self.dvae_usage_weight, self.min_code_perplexity) < 0:
+            raise ConfigError("fed-beit vocab_size must be >= 2, dvae sizes >= 1, dvae_kl_weight, dvae_usage_weight and "
+                              "min_code_perplexity >= 0")
         if not 0 < self.tau_end <= self.tau_start or self.layer_scale <= 0:
             raise ConfigError("fed-beit needs 0 < tau_end <= tau_start and layer_scale > 0")
 
@@ -177,10 +165,8 @@ class FedBeitConfig(SslFlConfig):
 def _vit(model: str, num_classes: int, in_channels: int, image_size: int, cfg: SslFlConfig, layer_scale: float | None):
     from medflare.models.vit import build_vit, vit_size
 
-    return build_vit(
-        vit_size(model), num_classes=num_classes, in_channels=in_channels, image_size=image_size,
-        drop_path_rate=max(cfg.drop_path, cfg.pretrain_drop_path), layer_scale=layer_scale,
-    )
+    return build_vit(vit_size(model), num_classes=num_classes, in_channels=in_channels, image_size=image_size,
+                     drop_path_rate=max(cfg.drop_path, cfg.pretrain_drop_path), layer_scale=layer_scale)
 
 
 def _load_pretrained(network: Any, pretrained: str | None) -> Any:
