@@ -1,9 +1,7 @@
-"""What every method is made of: a site-side LocalTrainer, a server-side ServerRule and a MethodSpec.
-
-The trainer owns the one training loop all methods share (device, optimizer kept across rounds, AMP on
-GPU, gradient clipping, abort checks, progress). A method overrides narrow hooks only. The server rule is
-pure numpy: it turns accepted site updates into the next global model. Neither knows about FLARE.
-"""
+"""What every method is made of: a site-side LocalTrainer, a server-side ServerRule and a MethodSpec. The trainer owns
+the one training loop all methods share (device, optimizer kept across rounds, AMP on GPU, gradient clipping, abort
+checks, progress). A method overrides narrow hooks only. The server rule is pure numpy: it turns accepted site updates
+into the next global model. Neither knows about FLARE."""
 
 from __future__ import annotations
 
@@ -19,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from medflare import contracts
 from medflare.contracts import ContractContext, Payload
-from medflare.errors import PayloadError
+from medflare.errors import ConfigError, PayloadError
 from medflare.losses.multi_label import masked_bce
 from medflare.methods.presets import Preset
 from medflare.ops import load_params, model_params
@@ -44,9 +42,8 @@ class Stage:
 
 @dataclass(frozen=True)
 class RoundContext:
-    """Where in the job a task sits (sent by the server with every task). ``stage_round`` / ``stage_rounds`` index
-    the round inside the current stage (default: the job's counters), so per-stage schedules restart with each stage.
-    """
+    """Where in the job a task sits (sent by the server with every task). ``stage_round`` / ``stage_rounds`` index the
+    round inside the current stage (default: the job's counters), so per-stage schedules restart with each stage."""
 
     round: int
     total_rounds: int
@@ -217,14 +214,10 @@ class LocalTrainer:
                 self.epoch_listener(ctx.round * self.train_cfg.local_epochs + epoch, epoch_loss / epoch_steps)
             if self._step_cap_reached(steps) or should_abort():
                 break
-        meta = {
-            contracts.N_SAMPLES: self.labelled_samples(),
-            contracts.TRAIN_LOSS: loss_sum / max(steps, 1),
-            contracts.TRAIN_SECONDS: time.perf_counter() - start,
-            **({contracts.DP_EPSILON: self.dp.epsilon()} if self.dp is not None else {}),
-        }
-        meta.update(self.round_meta(ctx))
-        return meta
+        meta = {contracts.N_SAMPLES: self.labelled_samples(), contracts.TRAIN_LOSS: loss_sum / max(steps, 1),
+                contracts.TRAIN_SECONDS: time.perf_counter() - start,
+                **({contracts.DP_EPSILON: self.dp.epsilon()} if self.dp is not None else {})}
+        return {**meta, **self.round_meta(ctx)}
 
     @property
     def multi_label(self) -> bool:
@@ -412,9 +405,8 @@ def small_classes(counts: np.ndarray, minimum: int) -> np.ndarray:
 def eval_stats(labels: np.ndarray, probs: np.ndarray, losses: np.ndarray, num_classes: int, keep=None,
                min_class_samples: int = 0) -> Any:
     """EvalStats of the labelled rows (only rows where ``keep`` is true, if given); multi-hot ``labels`` give
-    MultiLabelEvalStats. A class with fewer than ``min_class_samples`` (the site policy's) among these rows is left
-    out with its samples (multi-label: its entries, when its positives or negatives are below the minimum).
-    """
+    MultiLabelEvalStats. A class with fewer than ``min_class_samples`` (the site policy's) among these rows is left out
+    with its samples (multi-label: its entries, when its positives or negatives are below the minimum)."""
     from medflare.data.types import labelled_rows
     from medflare.metrics import EvalStats, MultiLabelEvalStats
 
@@ -434,14 +426,12 @@ def eval_stats(labels: np.ndarray, probs: np.ndarray, losses: np.ndarray, num_cl
 
 
 class ServerRule:
-    """Server-side aggregation: sample-count-weighted average of every shared array (FedAvg).
-
-    Subclasses change :meth:`site_weight` (e.g. RF), :meth:`site_weights` (weights that need every site),
-    :meth:`row_weights` (per-class rows), or the shape of a round: :meth:`stages`, :meth:`phases`, what each phase
-    sends (:meth:`phase_arrays`, per site if needed) and expects back (:meth:`expected_arrays`). Keys a site
-    never sends (private keys) keep the server's value. Pure numpy: the FLARE layer calls these hooks. Takes the
-    method's config, the job's rounds (all stages together) and the method's Payload.
-    """
+    """Server-side aggregation: sample-count-weighted average of every shared array (FedAvg). Subclasses change
+    :meth:`site_weight` (e.g. RF), :meth:`site_weights` (weights that need every site), :meth:`row_weights` (per-class
+    rows), or the shape of a round: :meth:`stages`, :meth:`phases`, what each phase sends (:meth:`phase_arrays`, per
+    site if needed) and expects back (:meth:`expected_arrays`). Keys a site never sends (private keys) keep the server's
+    value. Pure numpy: the FLARE layer calls these hooks. Takes the method's config, the job's rounds (all stages
+    together) and the method's Payload."""
 
     # Why the server cannot aggregate this rule's results encrypted (``secure_aggregation=he``), "" when it can: it
     # weighs the ciphertexts with the bounded shares of :meth:`weighting`, so a rule qualifies when its weights,
@@ -552,12 +542,11 @@ def aggregate_updates(
     rule: ServerRule, global_params: Mapping[str, np.ndarray], updates: list[SiteUpdate], ctx: RoundContext,
     cap: float = 0.0, combiner: Callable[..., dict[str, Any]] = combine,
 ) -> AggregateResult:
-    """The next global model: the rule's raw :meth:`ServerRule.weighting`, bounded (no site above ``cap`` in any
-    part), then combined by ``combiner`` (``combine``, or with encrypted aggregation
-    ``ops.he_aggregate.combine_encrypted`` over ciphertexts: the bound always comes first, in plaintext). Keys a site
-    never sends (private keys) keep the server's value. The info holds the rule's round info and, with row weights,
-    ``largest_share`` (site -> its largest share of any row), so a round's record shows the bound held.
-    """
+    """The next global model: the rule's raw :meth:`ServerRule.weighting`, bounded (no site above ``cap`` in any part),
+    then combined by ``combiner`` (``combine``, or with encrypted aggregation ``ops.he_aggregate.combine_encrypted``
+    over ciphertexts: the bound always comes first, in plaintext). Keys a site never sends (private keys) keep the
+    server's value. The info holds the rule's round info and, with row weights, ``largest_share`` (site -> its largest
+    share of any row), so a round's record shows the bound held."""
     weighting = rule.weighting(updates, ctx)
     shares = bound(weighting, cap)
     arrays = {u.site: {k: v for k, v in u.arrays.items() if k in global_params} for u in updates}
@@ -567,6 +556,12 @@ def aggregate_updates(
     if shares.rows:
         info = {**info, LARGEST_SHARE: shares.largest()}
     return AggregateResult(params={**dict(global_params), **combined}, shares=shares.sites, info=info)
+
+
+def require(ok: bool, message: str) -> None:
+    """One check of a method's options: ConfigError(message) unless ``ok``."""
+    if not ok:
+        raise ConfigError(message)
 
 
 ModelBuilder = Callable[..., nn.Module]
@@ -632,7 +627,8 @@ class MethodSpec:
 
 
 # MethodSpec.dp_sgd_uncovered of a method whose loss reads the site's class counts (balanced softmax, calibration)
-COUNTS_UNCOVERED = "the site's class counts its loss reads: ε covers the noised steps given those counts, not the counts"
+COUNTS_UNCOVERED = ("the site's class counts its loss reads: ε covers the noised steps given those counts, not the "
+                    "counts")
 BUILTIN_METHODS: list[MethodSpec] = []  # medflare's own methods, in the order medflare.methods imports them
 
 

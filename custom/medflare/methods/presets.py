@@ -1,10 +1,8 @@
-"""Named run-configuration presets a method declares (``MethodSpec.presets``), e.g. ``--preset paper``.
-
-A preset is data only: a run-config layer (top-level options such as ``model``, ``rounds``, ``clients``, and the
-sections ``data``, ``train``, ``method_args``) plus the list of what still differs from its source. It sits at the
-bottom of the run configuration: RunConfig defaults <- preset <- --scenario <- --config <- flags <- --set, so
-every value a preset sets can still be changed (``medflare.run_config.preset_layer``).
-"""
+"""Named run-configuration presets a method declares (``MethodSpec.presets``), e.g. ``--preset paper``. A preset is data
+only: a run-config layer (top-level options such as ``model``, ``rounds``, ``clients``, and the sections ``data``,
+``train``, ``method_args``) plus the list of what still differs from its source. It sits at the bottom of the run
+configuration: RunConfig defaults <- preset <- --scenario <- --config <- flags <- --set, so every value a preset sets
+can still be changed (``medflare.run_config.preset_layer``)."""
 
 from __future__ import annotations
 

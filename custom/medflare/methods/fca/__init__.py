@@ -6,9 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from medflare.contracts import Payload
-from medflare.errors import ConfigError
 from medflare.evaluation import FCA_PROTOCOL_DATA
-from medflare.methods.base import COUNTS_UNCOVERED, MethodSpec, builtin_method, default_model_builder
+from medflare.methods.base import COUNTS_UNCOVERED, MethodSpec, builtin_method, default_model_builder, require
 from medflare.methods.fca.client import FcaTrainer
 from medflare.methods.fca.loss import CONSISTENCY_MODES
 from medflare.methods.fca.model import PERSONAL_HEAD_KEYS, FcaNet
@@ -35,15 +34,13 @@ class FcaConfig:
     eps: float = 1e-9  # BSM prior floor (FCA's value, spec §1.1)
 
     def __post_init__(self) -> None:
-        if self.consistency not in CONSISTENCY_MODES:
-            raise ConfigError(f"fca consistency must be one of {CONSISTENCY_MODES}, got '{self.consistency}'")
+        require(self.consistency in CONSISTENCY_MODES,
+                f"fca consistency must be one of {CONSISTENCY_MODES}, got '{self.consistency}'")
         weights = {"lambda_fed": self.lambda_fed, "lambda_personal": self.lambda_personal,
                    "consistency_weight": self.consistency_weight, "eps": self.eps}
         negative = [f"{name}={value}" for name, value in weights.items() if not value >= 0]
-        if negative:
-            raise ConfigError(f"fca {', '.join(negative)}: these weights must be >= 0")
-        if not self.temperature > 0:
-            raise ConfigError(f"fca temperature must be > 0, got {self.temperature}")
+        require(not negative, f"fca {', '.join(negative)}: these weights must be >= 0")
+        require(self.temperature > 0, f"fca temperature must be > 0, got {self.temperature}")
 
 
 def build_fca_model(model: str, num_classes: int, in_channels: int, image_size: int, pretrained, cfg) -> FcaNet:

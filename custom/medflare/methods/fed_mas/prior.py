@@ -22,10 +22,9 @@ class FrozenPrior(nn.Module):
     """Wraps an encoder ([B, 3, S, S] images, normalised by its own ``mean``/``std``, to [B, D]) into the teacher:
     resizes the input to ``input_size``, returns pooled features, never trains.
 
-    The authors' code computed the first global divergence with the teacher still in train mode, so its
-    BatchNorm statistics drifted to each site's data and the "shared" teacher became site-specific
-    (spec §2(e)5). Here ``train()`` is a no-op: the teacher stays in eval mode for good.
-    """
+    The authors' code computed the first global divergence with the teacher still in train mode, so its BatchNorm
+    statistics drifted to each site's data and the "shared" teacher became site-specific (spec §2(e)5). Here ``train()``
+    is a no-op: the teacher stays in eval mode for good."""
 
     def __init__(self, encoder: nn.Module, feature_dim: int, input_size: int, mean, std) -> None:
         super().__init__()
@@ -62,14 +61,12 @@ class FrozenPrior(nn.Module):
 
 
 class PriorFeatureCache:
-    """The prior's features per distinct input image, computed once by ``compute`` (``cache_prior_features``).
-
-    Keyed by the image's bytes as the model sees it, so a cached feature is only ever reused for the identical
-    input: exact by construction, whatever the batch. It pays off when every image has few views (no training
-    augmentation, or a flip only: at most two entries per image); :func:`check_finite_views` refuses the rest.
-    A feature may differ from a fresh forward of another batch in the last float bits (the kernels depend on the
-    batch size and thread count, measured up to 2.3e-5); the tests bound that at 1e-4.
-    """
+    """The prior's features per distinct input image, computed once by ``compute`` (``cache_prior_features``). Keyed by
+    the image's bytes as the model sees it, so a cached feature is only ever reused for the identical input: exact by
+    construction, whatever the batch. It pays off when every image has few views (no training augmentation, or a flip
+    only: at most two entries per image); :func:`check_finite_views` refuses the rest. A feature may differ from a fresh
+    forward of another batch in the last float bits (the kernels depend on the batch size and thread count, measured up
+    to 2.3e-5); the tests bound that at 1e-4."""
 
     def __init__(self, compute: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.compute = compute

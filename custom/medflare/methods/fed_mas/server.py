@@ -15,13 +15,11 @@ from medflare.ops.influence import Weighting
 
 
 class FedMasRule(ServerRule):
-    """θ_glob = Σ_c (RF_c / Σ_j RF_j) θ_c over every state-dict entry (paper Eq. 5).
-
-    ``mas_drw`` (the authors' code, not the paper) follows their server: n_c before round ⌊``drw_start`` · R⌋,
-    then :func:`mas_drw_weights`. ``max_share`` > 0 caps any one site's share and gives the excess to the others
-    (off by default, as in the paper); a cap this round's sites cannot meet (e.g. 0.3 after one of four sites was
-    rejected) relaxes to equal shares. A site with a missing, non-finite or non-positive RF is rejected earlier.
-    """
+    """θ_glob = Σ_c (RF_c / Σ_j RF_j) θ_c over every state-dict entry (paper Eq. 5). ``mas_drw`` (the authors' code, not
+    the paper) follows their server: n_c before round ⌊``drw_start`` · R⌋, then :func:`mas_drw_weights`. ``max_share`` >
+    0 caps any one site's share and gives the excess to the others (off by default, as in the paper); a cap this round's
+    sites cannot meet (e.g. 0.3 after one of four sites was rejected) relaxes to equal shares. A site with a missing,
+    non-finite or non-positive RF is rejected earlier."""
 
     def site_weight(self, update: SiteUpdate, ctx: RoundContext) -> float:
         if self.cfg.aggregation == "samples":
@@ -59,11 +57,10 @@ def drw_is_on(ctx: RoundContext, start_fraction: float) -> bool:
 
 
 def mas_drw_weights(sample_counts: dict[str, float], rescue_factors: dict[str, float], beta: float) -> dict[str, float]:
-    """The authors' deferred re-weighting of sites (site -> unnormalised weight): n_c · (1 − β)/(1 − β^ñ_c) with
-    ñ_c = (1/RF_c) / Σ_j (1/RF_j), the site's share of the inverse rescue factors, in (0, 1]; for β → 1 the
-    factor tends to 1/ñ_c ∝ RF_c, so the weight approaches n_c · RF_c. (The authors also rescale the factors to
-    sum to the number of sites; that cancels when the weights are normalised.)
-    """
+    """The authors' deferred re-weighting of sites (site -> unnormalised weight): n_c · (1 − β)/(1 − β^ñ_c) with ñ_c =
+    (1/RF_c) / Σ_j (1/RF_j), the site's share of the inverse rescue factors, in (0, 1]; for β → 1 the factor tends to
+    1/ñ_c ∝ RF_c, so the weight approaches n_c · RF_c. (The authors also rescale the factors to sum to the number of
+    sites; that cancels when the weights are normalised.)"""
     sites = list(sample_counts)
     inverse_rf = np.array([1.0 / rescue_factors[s] for s in sites])
     factors = inverse_effective_number(inverse_rf / inverse_rf.sum(), beta)

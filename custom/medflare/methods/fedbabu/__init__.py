@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from medflare.contracts import Payload
-from medflare.errors import ConfigError
 from medflare.evaluation import FCA_PROTOCOL_DATA
-from medflare.methods.base import MethodSpec, builtin_method, default_model_builder
+from medflare.methods.base import MethodSpec, builtin_method, default_model_builder, require
 from medflare.methods.fedbabu.client import FedBabuTrainer
 from medflare.methods.fedbabu.server import FedBabuRule
 from medflare.models import Classifier
@@ -23,10 +22,8 @@ class FedBabuConfig:
     eps: float = 1e-9  # balanced-softmax prior floor (FCA's baselines use BSM with FCA's 1e-9)
 
     def __post_init__(self) -> None:
-        if self.finetune_epochs < 0:
-            raise ConfigError(f"fedbabu finetune_epochs must be >= 0, got {self.finetune_epochs}")
-        if not self.eps >= 0:
-            raise ConfigError(f"fedbabu eps must be >= 0, got {self.eps}")
+        require(self.finetune_epochs >= 0, f"fedbabu finetune_epochs must be >= 0, got {self.finetune_epochs}")
+        require(self.eps >= 0, f"fedbabu eps must be >= 0, got {self.eps}")
 
 
 def build_fedbabu_model(model: str, num_classes: int, in_channels: int, image_size: int, pretrained, cfg) -> Classifier:

@@ -88,12 +88,11 @@ class _Batches:
 
 
 class FedLsmTrainer(LocalTrainer):
-    """The site side of FedLSM (single- and multi-label; the data decides). Per round: the received model scores
-    every training image (eval mode, no augmentation) and the most and least uncertain samples form D^h and D^l; a
-    fresh EMA teacher pseudo-labels weak views of the pseudo pool (all but D^h) and the student learns from strong
-    views; UDE mixes D^l with D^h rows, their targets labels or pseudo-labels at the looser thresholds. q^k counts
-    labels and positive pseudo-labels per draw and travels in the meta; teacher, pools and pseudo-labels stay here.
-    """
+    """The site side of FedLSM (single- and multi-label; the data decides). Per round: the received model scores every
+    training image (eval mode, no augmentation) and the most and least uncertain samples form D^h and D^l; a fresh EMA
+    teacher pseudo-labels weak views of the pseudo pool (all but D^h) and the student learns from strong views; UDE
+    mixes D^l with D^h rows, their targets labels or pseudo-labels at the looser thresholds. q^k counts labels and
+    positive pseudo-labels per draw and travels in the meta; teacher, pools and pseudo-labels stay here."""
 
     uses_unlabelled_samples = True
 

@@ -2,8 +2,7 @@
 
 from dataclasses import dataclass
 
-from medflare.errors import ConfigError
-from medflare.methods.base import MethodSpec, builtin_method
+from medflare.methods.base import MethodSpec, builtin_method, require
 from medflare.methods.fedprox.client import FedProxTrainer
 
 
@@ -14,8 +13,7 @@ class FedProxConfig:
     mu: float = 0.01  # proximal weight; the Fed-MAS appendix sweeps {0.1, 0.01, 0.001}
 
     def __post_init__(self) -> None:
-        if not self.mu >= 0:
-            raise ConfigError(f"fedprox mu must be >= 0, got {self.mu}")
+        require(self.mu >= 0, f"fedprox mu must be >= 0, got {self.mu}")
 
 
 SPEC = builtin_method(

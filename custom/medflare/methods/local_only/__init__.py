@@ -7,8 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from medflare.contracts import Payload
-from medflare.errors import ConfigError
-from medflare.methods.base import MethodSpec, builtin_method
+from medflare.methods.base import MethodSpec, builtin_method, require
 from medflare.methods.local_only.client import LOSSES, LocalOnlyReferenceTrainer
 from medflare.methods.local_only.server import LocalOnlyRule
 
@@ -23,8 +22,7 @@ class LocalOnlyConfig:
     sce_beta: float = 1.0  # sce: weight of reverse CE
 
     def __post_init__(self) -> None:
-        if self.loss not in LOSSES:
-            raise ConfigError(f"local-only loss must be one of {sorted(LOSSES)}, got '{self.loss}'")
+        require(self.loss in LOSSES, f"local-only loss must be one of {sorted(LOSSES)}, got '{self.loss}'")
 
 
 SPEC = builtin_method(

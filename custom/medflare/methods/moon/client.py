@@ -1,8 +1,6 @@
-"""MOON site update: cross-entropy plus a contrastive term over three models' pooled features.
-
-The two reference models are frozen copies held by the trainer (not submodules of the site's model), so they
-never enter the state dict, the optimizer or the payload.
-"""
+"""MOON site update: cross-entropy plus a contrastive term over three models' pooled features. The two reference models
+are frozen copies held by the trainer (not submodules of the site's model), so they never enter the state dict, the
+optimizer or the payload."""
 
 from __future__ import annotations
 
@@ -21,10 +19,9 @@ __all__ = ["MoonTrainer", "frozen_copy", "model_contrastive_loss"]
 def model_contrastive_loss(z: torch.Tensor, z_global: torch.Tensor, z_previous: torch.Tensor,
                            temperature: float) -> torch.Tensor:
     """MOON's ℓ_con (Eq. 3), mean over the batch, of the trained model's ``[B, D]`` representations z, the global
-    model's (the positive) and the site's previous model's (the negative):
-    ℓ_con = −log(exp(sim(z, z_glob)/τ) / (exp(sim(z, z_glob)/τ) + exp(sim(z, z_prev)/τ))) with cosine
-    similarity, computed as a 2-way cross-entropy whose target is the global model (numerically stable).
-    """
+    model's (the positive) and the site's previous model's (the negative): ℓ_con = −log(exp(sim(z, z_glob)/τ) /
+    (exp(sim(z, z_glob)/τ) + exp(sim(z, z_prev)/τ))) with cosine similarity, computed as a 2-way cross-entropy whose
+    target is the global model (numerically stable)."""
     similarities = torch.stack((F.cosine_similarity(z, z_global, dim=1), F.cosine_similarity(z, z_previous, dim=1)),
                                dim=1)
     positive_is_global = torch.zeros(z.shape[0], dtype=torch.long, device=z.device)
@@ -45,16 +42,15 @@ def frozen_copy(model: nn.Module, into: nn.Module | None = None) -> nn.Module:
 
 
 class MoonTrainer(LocalTrainer):
-    """CE over labelled samples (BCE over known entries for multi-label tasks) + μ · ℓ_con over every sample, on
-    the model's pooled features.
+    """CE over labelled samples (BCE over known entries for multi-label tasks) + μ · ℓ_con over every sample, on the
+    model's pooled features.
 
-    z is ``forward_features`` of the model being trained (no projection head: the network, and so the payload,
-    stay FedAvg's); z_glob comes from a frozen copy of the model received this round, z_prev from a frozen copy
-    of this site's model at the end of its previous round, which stays at the site (in its saved state) and is
-    never sent. Before a site has trained once there is no previous model and the term is skipped: MOON's code
-    uses the global model as z_prev then, making ℓ_con the constant log 2 with zero gradient. ℓ_con needs no
-    labels, so unlabelled samples (label −1) still contribute to it.
-    """
+    z is ``forward_features`` of the model being trained (no projection head: the network, and so the payload, stay
+    FedAvg's); z_glob comes from a frozen copy of the model received this round, z_prev from a frozen copy of this
+    site's model at the end of its previous round, which stays at the site (in its saved state) and is never sent.
+    Before a site has trained once there is no previous model and the term is skipped: MOON's code uses the global model
+    as z_prev then, making ℓ_con the constant log 2 with zero gradient. ℓ_con needs no labels, so unlabelled samples
+    (label −1) still contribute to it."""
 
     uses_unlabelled_samples = True  # the contrastive term needs no labels
 

@@ -137,14 +137,14 @@ class FedBeitConfig(SslFlConfig):
         if self.tokenizer != DVAE and not self.tokenizer.startswith(DALLE_PREFIX):
             raise ConfigError(f"fed-beit tokenizer must be '{DVAE}' or '{DALLE_PREFIX}PATH', got '{self.tokenizer}'")
         if self.tokenizer_rounds < 0 or (self.tokenizer_rounds > 0 and (self.dalle_path or not self.pretrain_rounds)):
-            raise ConfigError("fed-beit tokenizer_rounds must be 0 with a DALL-E tokenizer or without pre-training (set "
-                              f"method.tokenizer_rounds=0), and >= 0; got {self.tokenizer_rounds}")
+            raise ConfigError("fed-beit tokenizer_rounds must be 0 with a DALL-E tokenizer or without pre-training "
+                              f"(set method.tokenizer_rounds=0), and >= 0; got {self.tokenizer_rounds}")
         if self.tokenizer == DVAE and self.pretrain_rounds and not self.tokenizer_rounds:
             raise ConfigError("fed-beit with the federated dVAE needs tokenizer_rounds >= 1 before pre-training")
         if self.vocab_size < 2 or min(self.dvae_hidden, self.dvae_code_dim) < 1 or min(
                 self.dvae_kl_weight, self.dvae_usage_weight, self.min_code_perplexity) < 0:
-            raise ConfigError("fed-beit vocab_size must be >= 2, dvae sizes >= 1, dvae_kl_weight, dvae_usage_weight and "
-                              "min_code_perplexity >= 0")
+            raise ConfigError("fed-beit vocab_size must be >= 2, dvae sizes >= 1, dvae_kl_weight, dvae_usage_weight "
+                              "and min_code_perplexity >= 0")
         if not 0 < self.tau_end <= self.tau_start or self.layer_scale <= 0:
             raise ConfigError("fed-beit needs 0 < tau_end <= tau_start and layer_scale > 0")
 

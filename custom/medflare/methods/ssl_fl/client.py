@@ -111,9 +111,8 @@ class FedMaeTrainer(SslFlTrainer):
 
 
 class FedBeitTrainer(SslFlTrainer):
-    """Fed-BEiT: train the federated tokenizer (its own stage), then predict the visual tokens of block-masked
-    patches. With ``tokenizer=dall-e:PATH`` the frozen DALL-E encoder lives here, never in the model, so it
-    never travels."""
+    """Fed-BEiT: train the federated tokenizer (its own stage), then predict the visual tokens of block-masked patches.
+    With ``tokenizer=dall-e:PATH`` the frozen DALL-E encoder lives here, never in the model, so it never travels."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

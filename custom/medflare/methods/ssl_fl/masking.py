@@ -49,12 +49,11 @@ class BlockMaskGenerator:
     """BEiT's block-wise masking on a square ``grid``: rectangles of random area and aspect ratio until ``count``
     patches (:func:`beit_mask_count`) are masked.
 
-    Each block has a target area drawn uniformly between ``min_block`` (0 = 16 patches per 196, scaled to the
-    grid) and the patches still to mask, and an aspect ratio drawn log-uniformly in ``[min_aspect, 1/min_aspect]``;
-    it is placed at a random position and accepted when it masks at least one new patch without exceeding
-    ``count``. After ``BLOCK_ATTEMPTS`` failed placements in a row the mask is returned as it is (BEiT does the
-    same), so a mask never exceeds ``count``.
-    """
+    Each block has a target area drawn uniformly between ``min_block`` (0 = 16 patches per 196, scaled to the grid) and
+    the patches still to mask, and an aspect ratio drawn log-uniformly in ``[min_aspect, 1/min_aspect]``; it is placed
+    at a random position and accepted when it masks at least one new patch without exceeding ``count``. After
+    ``BLOCK_ATTEMPTS`` failed placements in a row the mask is returned as it is (BEiT does the same), so a mask never
+    exceeds ``count``."""
 
     def __init__(self, grid: int, count: int, min_block: int = 0, min_aspect: float = BEIT_MIN_ASPECT) -> None:
         if not 0 < count < grid * grid:

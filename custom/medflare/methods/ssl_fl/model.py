@@ -1,8 +1,7 @@
 """SSL-FL networks: the ViT classifier of the fine-tuning stage plus the modules only pre-training uses. One network
-holds everything a job's stages need, so the server keeps one global model and hands the encoder (``backbone.*``)
-from stage to stage. Fed-MAE adds ``decoder.*`` (MAE's light decoder, mask token, the encoder's final norm);
-Fed-BEiT adds ``lm_head.*`` (mask token, norm, token classifier) and, with the federated tokenizer, ``tokenizer.*``.
-"""
+holds everything a job's stages need, so the server keeps one global model and hands the encoder (``backbone.*``) from
+stage to stage. Fed-MAE adds ``decoder.*`` (MAE's light decoder, mask token, the encoder's final norm); Fed-BEiT adds
+``lm_head.*`` (mask token, norm, token classifier) and, with the federated tokenizer, ``tokenizer.*``."""
 
 from __future__ import annotations
 
@@ -91,8 +90,7 @@ class MaskedImageNet(VitClassifier):
 class MaeDecoder(nn.Module):
     """MAE's decoder: the encoder's final norm, a projection, mask tokens at the hidden positions, fixed sine-cosine
     positions, a few transformer blocks and a linear map to the ``patch_pixels`` values (patch^2 x channels) of each
-    patch. ``dim``, ``depth``, ``heads``: decoder width, blocks and attention heads (ViT-B MAE: 512, 8, 16).
-    """
+    patch. ``dim``, ``depth``, ``heads``: decoder width, blocks and attention heads (ViT-B MAE: 512, 8, 16)."""
 
     def __init__(self, width: int, grid: int, patch_pixels: int, dim: int, depth: int, heads: int) -> None:
         from timm.layers import trunc_normal_
@@ -139,10 +137,9 @@ def masked_patch_loss(pred: torch.Tensor, target: torch.Tensor, masked: torch.Te
 
 
 class FedMaeNet(MaskedImageNet):
-    """ViT classifier + MAE decoder. The encoder's ``pos_embed`` is overwritten with fixed sine-cosine positions,
-    frozen in pre-training and trainable in fine-tuning (MAE's fine-tuning model loads them into a learnable
-    embedding). ``mask_ratio``: share of patches hidden per image; ``norm_pix``: MAE's ``norm_pix_loss``.
-    """
+    """ViT classifier + MAE decoder. The encoder's ``pos_embed`` is overwritten with fixed sine-cosine positions, frozen
+    in pre-training and trainable in fine-tuning (MAE's fine-tuning model loads them into a learnable embedding).
+    ``mask_ratio``: share of patches hidden per image; ``norm_pix``: MAE's ``norm_pix_loss``."""
 
     NOT_SENT = {PRETRAIN: r"^(head|backbone\.fc_norm)\.", FINETUNE: r"^decoder\."}
     TRAINED = {PRETRAIN: r"^(backbone\.(?!fc_norm\.|pos_embed$)|decoder\.)", **MaskedImageNet.TRAINED}

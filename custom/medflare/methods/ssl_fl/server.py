@@ -15,11 +15,9 @@ MEAN_PERPLEXITY = "code_perplexity_mean"  # round record: the sites' perplexitie
 
 
 class SslFlRule(ServerRule):
-    """FedAvg over the shared weights of each stage (the Payload decides which keys travel when).
-
-    Pre-training learns from every image, labelled or not, so its sites are weighted by ``n_images`` (the
-    paper's n_c, all images of a site); fine-tuning learns from labels, so by ``n_samples`` (labelled images).
-    """
+    """FedAvg over the shared weights of each stage (the Payload decides which keys travel when). Pre-training learns
+    from every image, labelled or not, so its sites are weighted by ``n_images`` (the paper's n_c, all images of a
+    site); fine-tuning learns from labels, so by ``n_samples`` (labelled images)."""
 
     def stages(self) -> list[Stage]:
         return self.cfg.stage_plan(self.total_rounds)

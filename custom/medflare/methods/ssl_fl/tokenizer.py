@@ -21,22 +21,20 @@ DATA_MEAN, DATA_STD = 0.5, 0.5
 
 
 class DiscreteVae(nn.Module):
-    """A small discrete VAE: a convolutional encoder gives logits over ``vocab`` codes per patch, a Gumbel-softmax
-    picks (softly) codebook vectors, and a convolutional decoder reconstructs the image.
+    """A small discrete VAE: a convolutional encoder gives logits over ``vocab`` codes per patch, a Gumbel-softmax picks
+    (softly) codebook vectors, and a convolutional decoder reconstructs the image.
 
-    The role BEiT's "customized" dVAE plays (spec §4(a)), sized for CPU sites: the encoder halves the
-    resolution ``log2(patch)`` times, so one token covers exactly one ViT patch. Trained in the job's
-    "tokenizer" stage on every site's unlabelled images, then frozen.
+    The role BEiT's "customized" dVAE plays (spec §4(a)), sized for CPU sites: the encoder halves the resolution
+    ``log2(patch)`` times, so one token covers exactly one ViT patch. Trained in the job's "tokenizer" stage on every
+    site's unlabelled images, then frozen.
 
-    Two choices keep the codebook in use after a short stage (without them 10-14 of 512 codes carried every
-    patch of PneumoniaMNIST after 20 steps, perplexity 1.5-3): a channel LayerNorm (``GroupNorm(1, hidden)``)
-    before the code logits, so the logits follow what differs between patches rather than the features'
-    common all-positive part, and ``usage_weight`` x KL(batch-averaged q || uniform), the codebook-diversity
-    term of the VQ literature (wav2vec 2.0's diversity loss), which spreads the codes over a batch while each
-    patch may still pick one sharply. Both are FedAvg-safe: every site optimises the same loss, no code is
-    re-seeded from one site's data. ``patch`` (the ViT's) must be a power of two; ``hidden`` is the convolution
-    width, ``code_dim`` the codebook vector width.
-    """
+    Two choices keep the codebook in use after a short stage (without them 10-14 of 512 codes carried every patch of
+    PneumoniaMNIST after 20 steps, perplexity 1.5-3): a channel LayerNorm (``GroupNorm(1, hidden)``) before the code
+    logits, so the logits follow what differs between patches rather than the features' common all-positive part, and
+    ``usage_weight`` x KL(batch-averaged q || uniform), the codebook-diversity term of the VQ literature (wav2vec 2.0's
+    diversity loss), which spreads the codes over a batch while each patch may still pick one sharply. Both are
+    FedAvg-safe: every site optimises the same loss, no code is re-seeded from one site's data. ``patch`` (the ViT's)
+    must be a power of two; ``hidden`` is the convolution width, ``code_dim`` the codebook vector width."""
 
     def __init__(self, channels: int, patch: int, vocab: int, hidden: int, code_dim: int) -> None:
         super().__init__()
@@ -182,11 +180,10 @@ class DalleTokenizer(nn.Module):
 
 
 def load_dalle_encoder(path: str | Path) -> DalleEncoder:
-    """The DALL-E encoder from a local state-dict file (``weights_only=True``), width and vocabulary read off the
-    file; DataError for a missing file or one whose keys or shapes are not the encoder's. OpenAI publishes
-    ``encoder.pkl``, a pickled module that needs their ``dall_e`` package to unpickle. Convert it once where that
-    package is installed: ``torch.save(dall_e.load_model("encoder.pkl").state_dict(), "dalle_encoder.pt")``.
-    """
+    """The DALL-E encoder from a local state-dict file (``weights_only=True``), width and vocabulary read off the file;
+    DataError for a missing file or one whose keys or shapes are not the encoder's. OpenAI publishes ``encoder.pkl``, a
+    pickled module that needs their ``dall_e`` package to unpickle. Convert it once where that package is installed:
+    ``torch.save(dall_e.load_model("encoder.pkl").state_dict(), "dalle_encoder.pt")``."""
     from medflare.models import read_state_dict_file
 
     file = Path(path).expanduser()
