@@ -16,10 +16,8 @@ from medflare.methods.fca.server import FcaRule
 
 __all__ = ["FcaConfig", "SPEC", "build_fca_model"]
 
-REFERENCE = (
-    "Wicaksana, Yan and Cheng, FCA: Taming Long-tailed Federated Medical Image Classification by Classifier "
-    "Anchoring, 2023"
-)
+REFERENCE = ("Wicaksana, Yan and Cheng, FCA: Taming Long-tailed Federated Medical Image Classification by Classifier "
+             "Anchoring, 2023")
 
 
 @dataclass

@@ -21,10 +21,8 @@ AGGREGATIONS = ("mas", "mas_inv", "mas_drw", "samples")
 PRIOR_PRECISIONS = ("fp32", "reduced")
 # Training augmentations with at most two views of an image (none; weak = a flip), the only ones the prior cache fits
 FIXED_VIEW_AUGMENTATIONS = ("none", "weak")
-REFERENCE = (
-    "Elbatel, Wang, Martí, Fu and Li, Federated Model Aggregation via Self-Supervised Priors for Highly "
-    "Imbalanced Medical Image Classification, MICCAI 2023 workshops"
-)
+REFERENCE = ("Elbatel, Wang, Martí, Fu and Li, Federated Model Aggregation via Self-Supervised Priors for Highly "
+             "Imbalanced Medical Image Classification, MICCAI 2023 workshops")
 
 
 @dataclass
@@ -106,10 +104,8 @@ SPEC = builtin_method(
         site_log_plot=plot_divergence,
         check_run=check_prior_cache,
         presets={"paper": PAPER},
-        reveals=(
-            "RF, one number in (0, 1]: how much the site's class-wise distances to the prior changed during local "
-            "training; not the per-class distances w and ŵ, which stay in the site's own log"
-        ),
+        reveals=("RF, one number in (0, 1]: how much the site's class-wise distances to the prior changed during local "
+                 "training; not the per-class distances w and ŵ, which stay in the site's own log"),
     )
 )
 

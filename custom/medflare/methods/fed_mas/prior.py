@@ -109,11 +109,9 @@ def prior_feature_dim(prior: str, declared_dim: int) -> int:
         if declared_dim <= 0:
             raise ConfigError(f"prior '{prior}' needs method.prior_dim (its feature dimension)")
         return declared_dim
-    raise ConfigError(
-        f"unknown prior '{prior}'; use '{IMAGENET_LITE0}', 'moco:PATH', 'torchscript:PATH' or "
-        "'state_dict:PATH' (a medflare model checkpoint; set method.prior_model and method.prior_dim) or "
-        "'fed-mae:PATH' (an SSL-FL encoder file; set method.prior_dim)"
-    )
+    raise ConfigError(f"unknown prior '{prior}'; use '{IMAGENET_LITE0}', 'moco:PATH', 'torchscript:PATH' or "
+                      "'state_dict:PATH' (a medflare model checkpoint; set method.prior_model and method.prior_dim) or "
+                      "'fed-mae:PATH' (an SSL-FL encoder file; set method.prior_dim)")
 
 
 def build_prior(prior: str, declared_dim: int, input_size: int, prior_model: str = "resnet50") -> FrozenPrior:

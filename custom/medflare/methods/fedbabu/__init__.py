@@ -36,10 +36,8 @@ def build_fedbabu_model(model: str, num_classes: int, in_channels: int, image_si
 SPEC = builtin_method(
     MethodSpec(
         name="fedbabu",
-        dp_sgd_uncovered=(
-            "eval_extra: its specialization score comes from a head fine-tuned without noise on the site's training "
-            "images; the class counts its loss reads"
-        ),
+        dp_sgd_uncovered=("eval_extra: its specialization score comes from a head fine-tuned without noise on the "
+                          "site's training images; the class counts its loss reads"),
         summary="FedBABU: body trained and averaged under a frozen random head; head fine-tuned locally to evaluate",
         config_cls=FedBabuConfig,
         trainer_cls=FedBabuTrainer,

@@ -20,6 +20,11 @@ POS_WEIGHT = "pos_weight"  # server -> site with every multi-label train task
 Q_KEY = "q"  # per-class labels + pseudo-labels drawn this round (AWPA's q^k)
 IDENTIFIED_KEY = "identified"  # 0/1 per class: the classes the site annotates (masked aggregation)
 CLASSIFIER_KEYS = r"^head\."  # every registered network's classifier (models.Classifier)
+PAYLOAD = contracts.Payload(
+    arrays={POSITIVES: contracts.counts(phase=LABEL_COUNTS), NEGATIVES: contracts.counts(phase=LABEL_COUNTS)},
+    receives=(POS_WEIGHT,),
+    meta={Q_KEY: contracts.class_counts(Q_KEY), IDENTIFIED_KEY: contracts.class_mask(IDENTIFIED_KEY)},
+)
 
 
 def classifier_row_weights(updates: list[SiteUpdate], classifier_keys: str,

@@ -19,10 +19,8 @@ class FedProxConfig:
 SPEC = builtin_method(
     MethodSpec(
         name="fedprox",
-        dp_sgd_blocker=(
-            "its proximal term mu/2·||w - w_global||² has no per-sample gradient, and DP-SGD replaces the batch "
-            "gradient with the noised sum of per-sample ones, so the term would vanish"
-        ),
+        dp_sgd_blocker=("its proximal term mu/2·||w - w_global||² has no per-sample gradient, and DP-SGD replaces "
+                        "the batch gradient with the noised sum of per-sample ones, so the term would vanish"),
         summary="FedProx: cross-entropy + (mu/2)||w - w_global||^2, sample-count-weighted average",
         config_cls=FedProxConfig,
         trainer_cls=FedProxTrainer,

@@ -28,10 +28,8 @@ class FedRepConfig:
 SPEC = builtin_method(
     MethodSpec(
         name="fedrep",
-        dp_sgd_blocker=(
-            "its personal head trains on the site's features with a plain optimizer each round, and the shared body's "
-            "steps then depend on that head"
-        ),
+        dp_sgd_blocker=("its personal head trains on the site's features with a plain optimizer each round, and the "
+                        "shared body's steps then depend on that head"),
         summary="FedRep: shared body averaged; each site's head (BSM) trained first each round and never sent",
         config_cls=FedRepConfig,
         trainer_cls=FedRepTrainer,

@@ -20,18 +20,15 @@ LOCAL_LOSSES = ("sce", "ce")
 KL_OPTIMIZERS = ("step", "persistent")
 PROBS_DTYPES = ("float16", "float32")
 # What the exchange tells the server (fedmd sends the same, without private_loss).
-REVEALS = (
-    "no weights and no architecture; the site model's softmax on each public chunk (a model-inversion or "
-    "membership attack could use it), how fast its private loss falls (private_loss, for CCR), and the SHA-256 "
-    "digest and size of its public-set copy"
-)
+REVEALS = ("no weights and no architecture; the site model's softmax on each public chunk (a model-inversion or "
+           "membership attack could use it), how fast its private loss falls (private_loss, for CCR), and the SHA-256 "
+           "digest and size of its public-set copy")
 # Why neither exchange method (mdhfl, fedmd) trains with DP-SGD
 DP_BLOCKER = ("its distillation steps train the same model on public rows with a plain optimizer between its private "
               "steps, which Opacus's per-sample hooks and the accountant do not separate")
-REFERENCE = (
-    "Ahmad et al., Exploiting Model and Data Heterogeneity in FL (MDH-FL), 2023, with RHFL's client-confidence "
-    "re-weighting (Fang and Ye, Robust Federated Learning with Noisy and Heterogeneous Clients, CVPR 2022)"
-)
+REFERENCE = ("Ahmad et al., Exploiting Model and Data Heterogeneity in FL (MDH-FL), 2023, with RHFL's "
+             "client-confidence re-weighting (Fang and Ye, Robust Federated Learning with Noisy and Heterogeneous "
+             "Clients, CVPR 2022)")
 
 
 @dataclass

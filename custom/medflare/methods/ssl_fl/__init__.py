@@ -18,10 +18,8 @@ from medflare.methods.ssl_fl.paper import PRESETS as PAPER_PRESETS
 from medflare.methods.ssl_fl.server import SslFlRule
 from medflare.methods.ssl_fl.tokenizer import DiscreteVae
 
-REFERENCE = (
-    "Yan, Qu, Wei, Huang, Shen, Rubin, Xing and Zhou, Label-Efficient Self-Supervised Federated Learning for "
-    "Tackling Data Heterogeneity in Medical Imaging, IEEE TMI 2023 (code: rui-yan/SSL-FL)"
-)
+REFERENCE = ("Yan, Qu, Wei, Huang, Shen, Rubin, Xing and Zhou, Label-Efficient Self-Supervised Federated Learning for "
+             "Tackling Data Heterogeneity in Medical Imaging, IEEE TMI 2023 (code: rui-yan/SSL-FL)")
 DVAE = "dvae"
 AUTO = "auto"
 NORM_PIX_MIN_PATCH = 16  # MAE's patch size, where norm_pix_loss was validated
