@@ -91,18 +91,12 @@ class AggregateResult:
 
 
 class LocalTrainer:
-    """Runs one site's local update. Methods subclass it and override hooks, never the loop.
-
-    Batches without a single labelled sample are skipped unless ``uses_unlabelled_samples`` is true
-    (semi-supervised and contrastive methods), so a supervised loss never averages over nothing.
-    Single- and multi-label tasks share the loop; the data decides (``multi_label``). Multi-label labels are
-    ``[B, K]`` rows of 1/0/-1 (unknown); prediction is a sigmoid per class and the default loss a BCE over the
-    known entries. A method that runs multi-label says so in its MethodSpec (``multi_label=True``).
-
-    Args: the site's network (on ``device``), its SiteData, the job's TrainConfig (``for_stage`` gives each
-    stage's), the method's config dataclass, its Payload (which keys are loaded and sent), the device, and a
-    progress sink (the FLARE executor passes its logger).
-    """
+    """Runs one site's local update (the site's network on ``device``, its SiteData, the job's TrainConfig, the method's
+    config and Payload, a progress sink). Methods subclass it and override hooks, never the loop. Batches without a
+    single labelled sample are skipped unless ``uses_unlabelled_samples`` is true (semi-supervised and contrastive
+    methods), so a supervised loss never averages over nothing. Single- and multi-label tasks share the loop; the data
+    decides (``multi_label``). Multi-label labels are ``[B, K]`` rows of 1/0/-1 (unknown); prediction is a sigmoid per
+    class and the default loss a BCE over the known entries (``MethodSpec.multi_label``)."""
 
     uses_unlabelled_samples = False
     # the site policy's floor (SiteSettings.min_class_samples): statistics about a smaller class never leave
@@ -110,14 +104,9 @@ class LocalTrainer:
 
     def __init__(self, model: nn.Module, data: Any, train_cfg: TrainConfig, method_cfg: Any, payload: Payload,
                  device: torch.device, log: Log = print) -> None:
-        self.model = model
-        self.data = data
+        self.model, self.data, self.cfg, self.payload, self.device, self.log = model, data, method_cfg, payload, device, log
         self.job_train_cfg = train_cfg  # the job's settings, with their per-stage overrides
         self.train_cfg = train_cfg  # the settings of the current stage
-        self.cfg = method_cfg
-        self.payload = payload
-        self.device = device
-        self.log = log
         self.optimizer: torch.optim.Optimizer | None = None  # kept across rounds unless train.fresh_optimizer
         self._optimizer_key: OptimizerKey | None = None  # (stage, round, step) the optimizer last served
         self._round_ctx = RoundContext(0, 1)  # the round being trained and its planned optimizer steps
@@ -252,8 +241,7 @@ class LocalTrainer:
     def predictions(self, split: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(labels, class probabilities, per-sample loss) of the current model on ``split``, rows in the dataset's
         order (they line up with per-sample attributes); multi-label: ``[N, K]`` labels and sigmoid scores."""
-        dataset = getattr(self.data, split)
-        loader = DataLoader(dataset, batch_size=self.train_cfg.eval_batch_size, shuffle=False, num_workers=0)
+        loader = DataLoader(getattr(self.data, split), batch_size=self.train_cfg.eval_batch_size, shuffle=False)
         labels, probs, losses = [], [], []
         self.model.eval()
         with torch.no_grad():
@@ -440,9 +428,7 @@ class ServerRule:
     encrypted_aggregation_refusal: ClassVar[str] = ""
 
     def __init__(self, method_cfg: Any, total_rounds: int, payload: Payload = Payload()) -> None:
-        self.cfg = method_cfg
-        self.total_rounds = total_rounds
-        self.payload = payload
+        self.cfg, self.total_rounds, self.payload = method_cfg, total_rounds, payload
         self.multi_label = False  # set by the server from the job's task (multi-label rules may add a phase)
         # The job's robust.max_share, set by the server: a rule that derives a server-side array from site counts
         # bounds each site's say with it (ops.influence.bound); weights and mixtures the server bounds itself

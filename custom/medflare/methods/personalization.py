@@ -1,9 +1,8 @@
 """What the personalized methods (FCA, FedRep, FedBABU) share: a trainer that keeps its whole local model in the site
-state and can score it with another head, and training a linear head on a frozen extractor's features.
-
-Head training (FedRep's head phase, FedBABU's final fine-tune): the extractor is frozen while the head trains, so its
-features are computed once (one pass over the site's training batches, eval mode, no gradient) and the head then runs
-its epochs over the cached features. That keeps a 10-epoch head phase at the cost of one forward pass."""
+state and can score it with another head, and training a linear head on a frozen extractor's features. Head training
+(FedRep's head phase, FedBABU's final fine-tune): the extractor is frozen while the head trains, so its features are
+computed once (one pass over the site's training batches, eval mode, no gradient) and the head then runs its epochs over
+the cached features. That keeps a 10-epoch head phase at the cost of one forward pass."""
 
 from __future__ import annotations
 

@@ -15,9 +15,8 @@ __all__ = ["FcaTrainer"]
 
 class FcaTrainer(PersonalizedTrainer):
     """``λ₁·BSM(federated) + λ₂·BSM(personal) + KL(p_personal ‖ p_federated)`` with a stop-gradient into the personal
-    head; the global model is evaluated with the federated head, the specialization with the personal one.
-
-    The personal head is a private key: never overwritten by :meth:`receive`, never sent, and saved in the site's state
+    head; the global model is evaluated with the federated head, the specialization with the personal one. The
+    personal head is a private key: never overwritten by :meth:`receive`, never sent, and saved in the site's state
     after every task, so a restarted site continues with its own head."""
 
     def compute_loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

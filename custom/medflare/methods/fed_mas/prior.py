@@ -20,17 +20,13 @@ DATA_MEAN, DATA_STD = 0.5, 0.5
 
 class FrozenPrior(nn.Module):
     """Wraps an encoder ([B, 3, S, S] images, normalised by its own ``mean``/``std``, to [B, D]) into the teacher:
-    resizes the input to ``input_size``, returns pooled features, never trains.
-
-    The authors' code computed the first global divergence with the teacher still in train mode, so its BatchNorm
-    statistics drifted to each site's data and the "shared" teacher became site-specific (spec §2(e)5). Here ``train()``
-    is a no-op: the teacher stays in eval mode for good."""
+    resizes the input to ``input_size``, returns pooled features, never trains. The authors' code computed the first
+    global divergence with the teacher still in train mode, so its BatchNorm statistics drifted to each site's data
+    and the "shared" teacher became site-specific (spec §2(e)5); here ``train()`` is a no-op."""
 
     def __init__(self, encoder: nn.Module, feature_dim: int, input_size: int, mean, std) -> None:
         super().__init__()
-        self.encoder = encoder
-        self.feature_dim = feature_dim
-        self.input_size = input_size
+        self.encoder, self.feature_dim, self.input_size = encoder, feature_dim, input_size
         self.register_buffer("mean", torch.tensor(mean).view(1, 3, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(std).view(1, 3, 1, 1), persistent=False)
         for parameter in self.encoder.parameters():
@@ -92,11 +88,9 @@ def check_finite_views(dataset: Any, samples: int = 8, draws: int = 6) -> None:
         for index in range(min(samples, len(dataset))):
             views = {dataset[index][0].numpy().tobytes() for _ in range(draws)}
             if len(views) > 2:
-                raise ConfigError(
-                    "fedmas method.cache_prior_features=true needs training images with a fixed set of views, but "
-                    f"this site's augmentation drew {len(views)} different images from one in {draws} draws; set "
-                    "data.augment=none (or weak, a flip only), or turn the cache off"
-                )
+                raise ConfigError("fedmas method.cache_prior_features=true needs training images with a fixed set of "
+                                  f"views, but this site's augmentation drew {len(views)} different images from one in "
+                                  f"{draws} draws; set data.augment=none (or weak, a flip only), or turn the cache off")
 
 
 def prior_feature_dim(prior: str, declared_dim: int) -> int:

@@ -18,12 +18,11 @@ __all__ = ["FedBabuTrainer"]
 
 class FedBabuTrainer(PersonalizedTrainer):
     """Balanced softmax through the frozen head (only the body trains and is averaged); the specialization evaluation
-    fine-tunes a copy of the head on the site's training data for ``finetune_epochs`` and scores it.
-
-    The head stays the server's random initialisation for the whole job (the model builder freezes it), so the global
-    model is evaluated as the body with that head. The fine-tuned copy is never sent or kept: the final ``validate``
-    task is FedBABU's fine-tune-at-the-end, and every round's evaluation repeats it on the model of that moment (fitted
-    once per model, used for val and test)."""
+    fine-tunes a copy of the head on the site's training data for ``finetune_epochs`` and scores it. The head stays the
+    server's random initialisation for the whole job (the model builder freezes it), so the global model is evaluated as
+    the body with that head. The fine-tuned copy is never sent or kept: the final ``validate`` task is FedBABU's
+    fine-tune-at-the-end, and every round's evaluation repeats it on the model of that moment (fitted once per model,
+    used for val and test)."""
 
     _model_version = 0  # local rounds trained, so a fine-tuned head is reused only for the model it was fitted on
     _finetuned: tuple[int, nn.Module] | None = None

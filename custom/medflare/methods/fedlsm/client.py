@@ -83,8 +83,7 @@ class _Batches:
         return self.steps
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for _ in range(self.steps):
-            yield self.trainer.draw_batch()
+        return (self.trainer.draw_batch() for _ in range(self.steps))
 
 
 class FedLsmTrainer(LocalTrainer):

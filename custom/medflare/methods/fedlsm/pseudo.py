@@ -25,14 +25,11 @@ def binary_entropy(p: torch.Tensor) -> torch.Tensor:
 def sample_uncertainty(logits: torch.Tensor, labels: torch.Tensor, multi_label: bool,
                        repo_compat: bool = False) -> torch.Tensor:
     """Each sample's uncertainty (UE, paper Eq. 3) from the received model's ``[N, K]`` logits (eval mode,
-    non-augmented images).
-
-    Single-label: the entropy of the softmax over all K classes (natural log), labelled or not.
-    Multi-label: the binary entropy of each *unknown* entry (known entries are certain), divided by log 2 and
-    averaged over the sample's unknown entries, so it lies in [0, 1] (the paper's "only U_k, normalised to
-    [0, 1]"); 0 for a fully labelled sample. ``repo_compat`` (multi-label only) gives the authors' code instead:
-    the mean over all K entries of −p·log p with p zeroed on known entries.
-    """
+    non-augmented images). Single-label: the entropy of the softmax over all K classes (natural log), labelled or not.
+    Multi-label: the binary entropy of each *unknown* entry (known entries are certain), divided by log 2 and averaged
+    over the sample's unknown entries, so it lies in [0, 1] (the paper's "only U_k, normalised to [0, 1]"); 0 for a
+    fully labelled sample. ``repo_compat`` (multi-label only) gives the authors' code instead: the mean over all K
+    entries of −p·log p with p zeroed on known entries."""
     if not multi_label:
         return torch.special.entr(torch.softmax(logits, dim=1)).sum(dim=1)
     p, unknown = torch.sigmoid(logits), labels < 0
@@ -108,14 +105,11 @@ def soft_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
 
 def global_pos_weight(positives: np.ndarray, negatives: np.ndarray, shares: np.ndarray | None = None) -> np.ndarray:
     """pos_weight_c = Σ_k negatives_c / Σ_k positives_c over the sites' counts ``[S, K]``; 1 for a class no site has a
-    positive of (the authors divide by zero there).
-
-    With ``shares`` (one per site, e.g. bounded by the job's share cap) the sums weigh each site's own fractions: Σ_k
-    s_k·neg_c^k/n_k / Σ_k s_k·pos_c^k/n_k with n_k = pos_c^k + neg_c^k its image count. With s_k = n_k/Σ_j n_j that is
-    the plain ratio; a capped s_k keeps one site's counts from setting every site's pos_weight.
-
-    Counts are validated whole numbers in [0, MAX_SAMPLES], so the ratio is finite; a non-finite result (counts that
-    bypassed validation) is refused rather than sent to every site as a NaN loss."""
+    positive of (the authors divide by zero there). With ``shares`` (one per site, e.g. bounded by the job's share cap)
+    the sums weigh each site's own fractions: Σ_k s_k·neg_c^k/n_k / Σ_k s_k·pos_c^k/n_k with n_k = pos_c^k + neg_c^k its
+    image count. With s_k = n_k/Σ_j n_j that is the plain ratio; a capped s_k keeps one site's counts from setting every
+    site's pos_weight. Counts are validated whole numbers in [0, MAX_SAMPLES], so the ratio is finite; a non-finite
+    result (counts that bypassed validation) is refused rather than sent to every site as a NaN loss."""
     pos, neg = np.asarray(positives, np.float64), np.asarray(negatives, np.float64)
     if shares is None:
         numerator, denominator = neg.sum(axis=0), pos.sum(axis=0)

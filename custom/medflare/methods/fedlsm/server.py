@@ -54,11 +54,10 @@ class FedLsmRule(ServerRule):
     """θ ← Σ_k (n_k/n) θ_k for every key; classifier row c ← Σ_k (q_c^k / Σ_j q_c^j) ψ_{k,c} (``"awpa"``).
     ``aggregation="masked"`` averages row c over the sites that annotate c, by n_k (FPSL's task-dependent aggregation as
     spec §5(e)8 infers it); ``"samples"`` is plain FedAvg. A row nobody has a count for falls back to n_k, the site's
-    whole training set (every image trains through labels, pseudo-labels or MixUp).
-
-    Multi-label jobs run a ``label_counts`` phase before the first train phase (and again whenever the rule has no
-    pos_weight, e.g. after a server restart): every site sends its per-class positive and negative counts, the server
-    keeps pos_weight_c = Σ neg_c / Σ pos_c for the job and sends it with every train task."""
+    whole training set (every image trains through labels, pseudo-labels or MixUp). Multi-label jobs run a
+    ``label_counts`` phase before the first train phase (and again whenever the rule has no pos_weight, e.g. after a
+    server restart): every site sends its per-class positive and negative counts, the server keeps pos_weight_c = Σ
+    neg_c / Σ pos_c for the job and sends it with every train task."""
 
     def __init__(self, method_cfg: Any, total_rounds: int, payload: contracts.Payload = contracts.Payload()) -> None:
         super().__init__(method_cfg, total_rounds, payload)

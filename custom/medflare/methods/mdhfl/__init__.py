@@ -82,12 +82,8 @@ def check_public_set(cfg: MdhflConfig, trains: Mapping[str, TrainConfig], data: 
 # train.fresh_optimizer=never keeps it for the job instead.
 TRAIN_DEFAULTS = {"optimizer": "adam", "lr": 1e-3, "batch_size": 16, "fresh_optimizer": "round"}
 
-SMOKE = {
-    "model": "cnn",
-    "data": {"public_fraction": 0.2, "label_noise": 0.2, "noise_kind": "pairflip"},
-    "train": {"max_steps": 2, "batch_size": 16},
-    "method_args": {"public_per_round": 32, "chunks": 2},
-}
+SMOKE = {"model": "cnn", "data": {"public_fraction": 0.2, "label_noise": 0.2, "noise_kind": "pairflip"},
+         "train": {"max_steps": 2, "batch_size": 16}, "method_args": {"public_per_round": 32, "chunks": 2}}
 
 SPEC = builtin_method(
     MethodSpec(

@@ -59,10 +59,6 @@ PAYLOAD = Payload(
     sends_weights=False,
     arrays={PROBS: probabilities(phase=PROBS_PHASE)},  # float16 by default, float32 allowed; never float64
     receives=(TARGET, PUBLIC_ROWS),
-    meta={
-        PUBLIC_DIGEST: sha256_hex(PUBLIC_DIGEST),
-        PUBLIC_SIZE: image_count(PUBLIC_SIZE),
-        PRIVATE_LOSS: non_negative_number(PRIVATE_LOSS),
-        KL_LOSS: non_negative_number(KL_LOSS),
-    },
+    meta={PUBLIC_DIGEST: sha256_hex(PUBLIC_DIGEST), PUBLIC_SIZE: image_count(PUBLIC_SIZE),
+          PRIVATE_LOSS: non_negative_number(PRIVATE_LOSS), KL_LOSS: non_negative_number(KL_LOSS)},
 )

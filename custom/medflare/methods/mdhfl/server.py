@@ -47,11 +47,10 @@ def check_public_digests(setup: list[SiteUpdate]) -> tuple[str, int]:
     if odd:
         holders = sorted(site for site, copy in digests.items() if copy == reference)
         details = "; ".join(f"{s}: {digests[s][1]} images, sha256 {digests[s][0][:12]}…" for s in odd)
-        raise PublicSetMismatch(
-            f"public set mismatch: {', '.join(odd)} hold(s) a different copy of the public set ({details}) than "
-            f"{', '.join(holders)} ({reference[1]} images, sha256 {reference[0][:12]}…); every site must read the "
-            f"same public images in the same order: fix data.public_source at {', '.join(odd)}"
-        )
+        raise PublicSetMismatch(f"public set mismatch: {', '.join(odd)} hold(s) a different copy of the public set "
+                                f"({details}) than {', '.join(holders)} ({reference[1]} images, sha256 "
+                                f"{reference[0][:12]}…); every site must read the same public images in the same "
+                                f"order: fix data.public_source at {', '.join(odd)}")
     return reference
 
 

@@ -43,14 +43,12 @@ def frozen_copy(model: nn.Module, into: nn.Module | None = None) -> nn.Module:
 
 class MoonTrainer(LocalTrainer):
     """CE over labelled samples (BCE over known entries for multi-label tasks) + μ · ℓ_con over every sample, on the
-    model's pooled features.
-
-    z is ``forward_features`` of the model being trained (no projection head: the network, and so the payload, stay
-    FedAvg's); z_glob comes from a frozen copy of the model received this round, z_prev from a frozen copy of this
-    site's model at the end of its previous round, which stays at the site (in its saved state) and is never sent.
-    Before a site has trained once there is no previous model and the term is skipped: MOON's code uses the global model
-    as z_prev then, making ℓ_con the constant log 2 with zero gradient. ℓ_con needs no labels, so unlabelled samples
-    (label −1) still contribute to it."""
+    model's pooled features. z is ``forward_features`` of the model being trained (no projection head: the network, and
+    so the payload, stay FedAvg's); z_glob comes from a frozen copy of the model received this round, z_prev from a
+    frozen copy of this site's model at the end of its previous round, which stays at the site (in its saved state) and
+    is never sent. Before a site has trained once there is no previous model and the term is skipped: MOON's code uses
+    the global model as z_prev then, making ℓ_con the constant log 2 with zero gradient. ℓ_con needs no labels, so
+    unlabelled samples (label −1) still contribute to it."""
 
     uses_unlabelled_samples = True  # the contrastive term needs no labels
 
@@ -77,9 +75,8 @@ class MoonTrainer(LocalTrainer):
         return {}
 
     def extra_state(self) -> dict[str, Any]:
-        if self.previous_model is None:
-            return {}
-        return {"previous_model": {k: v.cpu() for k, v in self.previous_model.state_dict().items()}}
+        previous = self.previous_model
+        return {} if previous is None else {"previous_model": {k: v.cpu() for k, v in previous.state_dict().items()}}
 
     def load_extra_state(self, state: Mapping[str, Any]) -> None:
         if "previous_model" in state:

@@ -195,27 +195,20 @@ def build_fed_beit(model: str, num_classes: int, in_channels: int, image_size: i
 
 
 #: The CPU-sized default recipe: the flat options are the fine-tuning stage's, train.stages the others.
-_FINETUNE = {
-    "optimizer": "adamw", "weight_decay": 0.05, "no_decay_norm_bias": True, "layer_decay": 0.65,
-    "lr_schedule": "warmup_cosine", "warmup_rounds": 1.0, "min_lr": 1e-6, "fresh_optimizer": "stage",
-}
+_FINETUNE = {"optimizer": "adamw", "weight_decay": 0.05, "no_decay_norm_bias": True, "layer_decay": 0.65,
+             "lr_schedule": "warmup_cosine", "warmup_rounds": 1.0, "min_lr": 1e-6, "fresh_optimizer": "stage"}
 MAE_TRAIN_DEFAULTS = {
     **_FINETUNE, "lr": 3e-3, "base_batch": 256,  # MAE fine-tuning: blr 3e-3 x batch / 256
     "stages": {PRETRAIN: {"lr": 2e-3, "betas": [0.9, 0.95], "layer_decay": 1.0, "min_lr": 0.0}},  # blr (Retina)
 }
-BEIT_TRAIN_DEFAULTS = {
-    **_FINETUNE, "lr": 3e-3, "grad_clip": 3.0,  # BEiT: absolute lr, clip 3.0
-    "stages": {
-        PRETRAIN: {"lr": 1.5e-3, "layer_decay": 1.0, "min_lr": 1e-5},
-        TOKENIZER: {"lr": 1e-3, "weight_decay": 0.0, "layer_decay": 1.0, "warmup_rounds": 0.0, "min_lr": 1e-5,
-                    "grad_clip": 0.0},
-    },
-}
+BEIT_TRAIN_DEFAULTS = {**_FINETUNE, "lr": 3e-3, "grad_clip": 3.0,  # BEiT: absolute lr, clip 3.0
+                       "stages": {PRETRAIN: {"lr": 1.5e-3, "layer_decay": 1.0, "min_lr": 1e-5},
+                                  TOKENIZER: {"lr": 1e-3, "weight_decay": 0.0, "layer_decay": 1.0, "warmup_rounds": 0.0,
+                                              "min_lr": 1e-5, "grad_clip": 0.0}}}
 PAYLOAD_META = {N_IMAGES: non_negative_number(N_IMAGES, upper=MAX_SAMPLES)}
-BEIT_PAYLOAD_META = {  # the visual tokens' code statistics on the round's images (tokenizer and pre-training)
-    **PAYLOAD_META, CODES_USED: non_negative_number(CODES_USED, upper=MAX_SAMPLES),
-    CODE_PERPLEXITY: non_negative_number(CODE_PERPLEXITY, upper=MAX_SAMPLES),
-}
+# the visual tokens' code statistics on the round's images (tokenizer and pre-training)
+BEIT_PAYLOAD_META = {**PAYLOAD_META, CODES_USED: non_negative_number(CODES_USED, upper=MAX_SAMPLES),
+                     CODE_PERPLEXITY: non_negative_number(CODE_PERPLEXITY, upper=MAX_SAMPLES)}
 SMOKE_DATA = {"source": "synthetic:n=160,n_val=40,n_test=40,imbalance=2", "partition": "iid"}
 
 
@@ -227,16 +220,13 @@ SSL_DP_BLOCKER = ("its fine-tuning mixes pairs of images (MixUp/CutMix) into one
 def _register(name: str, summary: str, config_cls: type, trainer_cls: type, network_cls: type, build_model: Any,
               train_defaults: dict, smoke: dict, meta: dict = PAYLOAD_META, reveals: str = "") -> MethodSpec:
     """One SSL-FL method: its stages' wire declaration comes from the network's ``NOT_SENT`` table."""
-    return builtin_method(
-        MethodSpec(
-            name=name, summary=summary, config_cls=config_cls, trainer_cls=trainer_cls,
-            payload=Payload(stage_excluded_keys=network_cls.NOT_SENT, meta=meta), server_rule_cls=SslFlRule,
-            build_model=build_model, train_defaults=train_defaults, reference=REFERENCE,
-            smoke={"model": "vit_micro", "data": SMOKE_DATA, **smoke}, default_model="vit_tiny",
-            presets=PAPER_PRESETS.get(name, {}), **({"reveals": reveals} if reveals else {}),
-            dp_sgd_blocker=SSL_DP_BLOCKER,
-        )
-    )
+    return builtin_method(MethodSpec(
+        name=name, summary=summary, config_cls=config_cls, trainer_cls=trainer_cls,
+        payload=Payload(stage_excluded_keys=network_cls.NOT_SENT, meta=meta), server_rule_cls=SslFlRule,
+        build_model=build_model, train_defaults=train_defaults, reference=REFERENCE,
+        smoke={"model": "vit_micro", "data": SMOKE_DATA, **smoke}, default_model="vit_tiny",
+        presets=PAPER_PRESETS.get(name, {}), **({"reveals": reveals} if reveals else {}), dp_sgd_blocker=SSL_DP_BLOCKER,
+    ))
 
 
 FED_MAE = _register(

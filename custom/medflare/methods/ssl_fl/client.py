@@ -72,9 +72,7 @@ class SslFlTrainer(LocalTrainer):
 
     # ----- losses ---------------------------------------------------------------------------------
     def compute_loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if self.stage == FINETUNE:
-            return self.finetune_loss(images, labels)
-        return self.pretext_loss(images)
+        return self.finetune_loss(images, labels) if self.stage == FINETUNE else self.pretext_loss(images)
 
     def pretext_loss(self, images: torch.Tensor) -> torch.Tensor:
         """The masked-image-modelling loss of one batch (method-specific)."""

@@ -47,19 +47,16 @@ def beit_mask_count(num_patches: int, ratio: float) -> int:
 
 class BlockMaskGenerator:
     """BEiT's block-wise masking on a square ``grid``: rectangles of random area and aspect ratio until ``count``
-    patches (:func:`beit_mask_count`) are masked.
-
-    Each block has a target area drawn uniformly between ``min_block`` (0 = 16 patches per 196, scaled to the grid) and
-    the patches still to mask, and an aspect ratio drawn log-uniformly in ``[min_aspect, 1/min_aspect]``; it is placed
-    at a random position and accepted when it masks at least one new patch without exceeding ``count``. After
-    ``BLOCK_ATTEMPTS`` failed placements in a row the mask is returned as it is (BEiT does the same), so a mask never
-    exceeds ``count``."""
+    patches (:func:`beit_mask_count`) are masked. Each block has a target area drawn uniformly between ``min_block`` (0
+    = 16 patches per 196, scaled to the grid) and the patches still to mask, and an aspect ratio drawn log-uniformly in
+    ``[min_aspect, 1/min_aspect]``; it is placed at a random position and accepted when it masks at least one new patch
+    without exceeding ``count``. After ``BLOCK_ATTEMPTS`` failed placements in a row the mask is returned as it is (BEiT
+    does the same), so a mask never exceeds ``count``."""
 
     def __init__(self, grid: int, count: int, min_block: int = 0, min_aspect: float = BEIT_MIN_ASPECT) -> None:
         if not 0 < count < grid * grid:
             raise ConfigError(f"block masking of {count} patches on a {grid}x{grid} grid; mask between 1 and {grid * grid - 1}")
-        self.grid = grid
-        self.count = count
+        self.grid, self.count = grid, count
         self.min_block = min_block or max(1, round(BEIT_MIN_BLOCK_PER_196 * grid * grid / 196))
         self.log_aspect = (math.log(min_aspect), math.log(1.0 / min_aspect))
 

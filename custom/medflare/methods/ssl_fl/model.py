@@ -153,8 +153,7 @@ class FedMaeNet(MaskedImageNet):
         channels = vit.patch_embed.proj.in_channels
         self.decoder = MaeDecoder(vit.embed_dim, self.grid, self.patch**2 * channels, decoder_dim, decoder_depth,
                                   decoder_heads)
-        self.mask_ratio = mask_ratio
-        self.norm_pix = norm_pix
+        self.mask_ratio, self.norm_pix = mask_ratio, norm_pix
 
     def encoder_norm(self) -> nn.LayerNorm:
         return self.decoder.encoder_norm

@@ -50,10 +50,9 @@ class SslFlRule(ServerRule):
                 CODE_PERPLEXITY: {u.site: u.meta[CODE_PERPLEXITY] for u in reported}, MEAN_PERPLEXITY: mean}
         floor = float(getattr(self.cfg, "min_code_perplexity", 0.0))
         if ctx.stage == PRETRAIN and mean < floor:
-            raise ConfigError(
-                f"fed-beit: the tokenizer's visual tokens have perplexity {mean:.2f} on the sites' images (codes "
-                f"used per site: {sorted(info[CODES_USED].values())}), below method.min_code_perplexity={floor:g}; "
-                "train the tokenizer longer (method.tokenizer_rounds), raise method.dvae_usage_weight, or set "
-                "method.min_code_perplexity=0 to accept it"
-            )
+            raise ConfigError(f"fed-beit: the tokenizer's visual tokens have perplexity {mean:.2f} on the sites' images "
+                              f"(codes used per site: {sorted(info[CODES_USED].values())}), below "
+                              f"method.min_code_perplexity={floor:g}; train the tokenizer longer "
+                              "(method.tokenizer_rounds), raise method.dvae_usage_weight, or set "
+                              "method.min_code_perplexity=0 to accept it")
         return info

@@ -22,12 +22,9 @@ DATA_MEAN, DATA_STD = 0.5, 0.5
 
 class DiscreteVae(nn.Module):
     """A small discrete VAE: a convolutional encoder gives logits over ``vocab`` codes per patch, a Gumbel-softmax picks
-    (softly) codebook vectors, and a convolutional decoder reconstructs the image.
-
-    The role BEiT's "customized" dVAE plays (spec §4(a)), sized for CPU sites: the encoder halves the resolution
-    ``log2(patch)`` times, so one token covers exactly one ViT patch. Trained in the job's "tokenizer" stage on every
-    site's unlabelled images, then frozen.
-
+    (softly) codebook vectors, and a convolutional decoder reconstructs the image. The role BEiT's "customized" dVAE
+    plays (spec §4(a)), sized for CPU sites: the encoder halves the resolution ``log2(patch)`` times, so one token
+    covers exactly one ViT patch. Trained in the job's "tokenizer" stage on every site's unlabelled images, then frozen.
     Two choices keep the codebook in use after a short stage (without them 10-14 of 512 codes carried every patch of
     PneumoniaMNIST after 20 steps, perplexity 1.5-3): a channel LayerNorm (``GroupNorm(1, hidden)``) before the code
     logits, so the logits follow what differs between patches rather than the features' common all-positive part, and
