@@ -458,9 +458,8 @@ class ServerRule:
             return {}
         return {k: global_params[k] for k in self.payload.shared_keys(list(global_params), ctx.stage)}
 
-    def expected_arrays(
-        self, phase: str, ctx: RoundContext, global_params: Mapping[str, np.ndarray], contract: ContractContext
-    ) -> dict[str, contracts.Expected]:
+    def expected_arrays(self, phase: str, ctx: RoundContext, global_params: Mapping[str, np.ndarray],
+                        contract: ContractContext) -> dict[str, contracts.Expected]:
         """key -> what a valid result of ``phase`` carries: the stage's shared weights in "train", exact dtype,
         plus the arrays the payload declares for the phase."""
         expected = contracts.array_expectations(self.payload.arrays_for(phase), contract)
@@ -524,10 +523,9 @@ class ServerRule:
         return {}
 
 
-def aggregate_updates(
-    rule: ServerRule, global_params: Mapping[str, np.ndarray], updates: list[SiteUpdate], ctx: RoundContext,
-    cap: float = 0.0, combiner: Callable[..., dict[str, Any]] = combine,
-) -> AggregateResult:
+def aggregate_updates(rule: ServerRule, global_params: Mapping[str, np.ndarray], updates: list[SiteUpdate],
+                      ctx: RoundContext, cap: float = 0.0,
+                      combiner: Callable[..., dict[str, Any]] = combine) -> AggregateResult:
     """The next global model: the rule's raw :meth:`ServerRule.weighting`, bounded (no site above ``cap`` in any part),
     then combined by ``combiner`` (``combine``, or with encrypted aggregation ``ops.he_aggregate.combine_encrypted``
     over ciphertexts: the bound always comes first, in plaintext). Keys a site never sends (private keys) keep the
