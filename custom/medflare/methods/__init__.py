@@ -1,6 +1,6 @@
 """Built-in methods. Adding a method = one folder plus one import line here."""
 
-from medflare.methods import (  # noqa: F401  # noqa: F401  (FCA and its personalized baselines)  # noqa: F401  # noqa: F401
+from medflare.methods import (  # noqa: F401
     bsm_fl,
     fca,
     fed_mas,
@@ -17,5 +17,5 @@ from medflare.methods import (  # noqa: F401  # noqa: F401  (FCA and its persona
     local_only,
     mdhfl,
     moon,
-    ssl_fl,  # noqa: F401
+    ssl_fl,
 )

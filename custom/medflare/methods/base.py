@@ -1,9 +1,7 @@
-"""What every method is made of: a site-side LocalTrainer, a server-side ServerRule and a MethodSpec.
-
-The trainer owns the one training loop all methods share (device, optimizer kept across rounds, AMP on
-GPU, gradient clipping, abort checks, progress). A method overrides narrow hooks only. The server rule is
-pure numpy: it turns accepted site updates into the next global model. Neither knows about FLARE.
-"""
+"""What every method is made of: a site-side LocalTrainer, a server-side ServerRule and a MethodSpec. The trainer owns
+the one training loop all methods share (device, optimizer kept across rounds, AMP on GPU, gradient clipping, abort
+checks, progress). A method overrides narrow hooks only. The server rule is pure numpy: it turns accepted site updates
+into the next global model. Neither knows about FLARE."""
 
 from __future__ import annotations
 
@@ -19,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from medflare import contracts
 from medflare.contracts import ContractContext, Payload
-from medflare.errors import PayloadError
+from medflare.errors import ConfigError, PayloadError
 from medflare.losses.multi_label import masked_bce
 from medflare.methods.presets import Preset
 from medflare.ops import load_params, model_params
@@ -35,27 +33,17 @@ LARGEST_SHARE = "largest_share"  # a round's record: site -> its largest share o
 
 @dataclass(frozen=True)
 class Stage:
-    """One stage of a job: a named run of consecutive rounds (e.g. "pretrain", then "finetune").
+    """One stage of a job: a named run of consecutive rounds (e.g. "pretrain", then "finetune")."""
 
-    Attributes:
-        name: stage name; travels with every task (``RoundContext.stage``).
-        rounds: rounds in this stage; a rule's stages add up to the job's rounds.
-        scored: whether sites score the global model and the best model is selected (pre-training has no
-            classifier to score).
-    """
-
-    name: str
-    rounds: int
-    scored: bool = True
+    name: str  # travels with every task (RoundContext.stage)
+    rounds: int  # a rule's stages add up to the job's rounds
+    scored: bool = True  # sites score the global model and the best one is kept (pre-training has no classifier)
 
 
 @dataclass(frozen=True)
 class RoundContext:
-    """Where in the job a task sits (sent by the server with every task).
-
-    ``stage_round`` / ``stage_rounds`` index the round inside the current stage (they default to the job-level
-    counters for single-stage jobs), so per-stage schedules restart with each stage.
-    """
+    """Where in the job a task sits (sent by the server with every task). ``stage_round`` / ``stage_rounds`` index the
+    round inside the current stage (default: the job's counters), so per-stage schedules restart with each stage."""
 
     round: int
     total_rounds: int
@@ -103,47 +91,22 @@ class AggregateResult:
 
 
 class LocalTrainer:
-    """Runs one site's local update. Methods subclass it and override hooks, never the loop.
-
-    Batches without a single labelled sample are skipped unless ``uses_unlabelled_samples`` is true
-    (semi-supervised and contrastive methods), so a supervised loss never averages over nothing.
-
-    Single- and multi-label tasks share the loop; the data decides (``multi_label``). Multi-label labels are
-    ``[B, K]`` rows of 1/0/-1 (unknown); prediction is a sigmoid per class and the default loss a BCE over the
-    known entries. A method that runs multi-label says so in its MethodSpec (``multi_label=True``).
-
-    Args:
-        model: the site's network (already on ``device``).
-        data: the site's SiteData (train/val/test datasets, class counts).
-        train_cfg: shared local-training settings (``train_cfg.for_stage(stage)`` in each stage).
-        method_cfg: the method's own hyperparameters dataclass.
-        payload: the method's wire declaration (decides which keys are loaded and sent).
-        device: where to train.
-        log: progress sink (the FLARE executor passes its logger).
-    """
+    """Runs one site's local update (the site's network on ``device``, its SiteData, the job's TrainConfig, the method's
+    config and Payload, a progress sink). Methods subclass it and override hooks, never the loop. Batches without a
+    single labelled sample are skipped unless ``uses_unlabelled_samples`` is true (semi-supervised and contrastive
+    methods), so a supervised loss never averages over nothing. Single- and multi-label tasks share the loop; the data
+    decides (``multi_label``). Multi-label labels are ``[B, K]`` rows of 1/0/-1 (unknown); prediction is a sigmoid per
+    class and the default loss a BCE over the known entries (``MethodSpec.multi_label``)."""
 
     uses_unlabelled_samples = False
     # the site policy's floor (SiteSettings.min_class_samples): statistics about a smaller class never leave
     min_class_samples = 0
 
-    def __init__(
-        self,
-        model: nn.Module,
-        data: Any,
-        train_cfg: TrainConfig,
-        method_cfg: Any,
-        payload: Payload,
-        device: torch.device,
-        log: Log = print,
-    ) -> None:
-        self.model = model
-        self.data = data
+    def __init__(self, model: nn.Module, data: Any, train_cfg: TrainConfig, method_cfg: Any, payload: Payload,
+                 device: torch.device, log: Log = print) -> None:
+        self.model, self.data, self.cfg, self.payload, self.device, self.log = model, data, method_cfg, payload, device, log
         self.job_train_cfg = train_cfg  # the job's settings, with their per-stage overrides
         self.train_cfg = train_cfg  # the settings of the current stage
-        self.cfg = method_cfg
-        self.payload = payload
-        self.device = device
-        self.log = log
         self.optimizer: torch.optim.Optimizer | None = None  # kept across rounds unless train.fresh_optimizer
         self._optimizer_key: OptimizerKey | None = None  # (stage, round, step) the optimizer last served
         self._round_ctx = RoundContext(0, 1)  # the round being trained and its planned optimizer steps
@@ -160,11 +123,9 @@ class LocalTrainer:
         self.dp: PrivateTraining | None = None  # DP-SGD (the site runtime enables it when the job asks)
 
     def enable_dp_sgd(self, dp: PrivateTraining) -> None:
-        """Train with DP-SGD from now on: Poisson batches, per-sample clipping and noise, every step accounted.
-
-        AMP is off (Opacus's per-sample gradients and the loss scaler do not mix), and ``train.grad_clip`` is not
-        applied: each sample's gradient is clipped to ``dp_sgd.max_grad_norm`` instead.
-        """
+        """Train with DP-SGD from now on: Poisson batches, per-sample clipping and noise, every step accounted. AMP
+        is off (Opacus's per-sample gradients and the loss scaler do not mix); each sample's gradient is clipped to
+        ``dp_sgd.max_grad_norm`` instead of ``train.grad_clip``."""
         self.dp = dp
         self.use_amp, self.scaler = False, None
 
@@ -180,11 +141,8 @@ class LocalTrainer:
 
     # ----- lifecycle called by the site runtime -----------------------------------------------------
     def receive(self, arrays: Mapping[str, np.ndarray]) -> None:
-        """Load the received global weights and keep the declared non-parameter arrays for the trainer.
-
-        Private keys are never overwritten. A declared server array (``Payload.receives``) lands in
-        ``self.received``; anything else the model does not have is an error (server and site disagree).
-        """
+        """Load the received global weights (never the private keys); a declared server array
+        (``Payload.receives``) lands in ``self.received``, anything else the model lacks is an error."""
         declared = set(self.payload.receives)
         self.received = {k: np.asarray(v) for k, v in arrays.items() if k in declared}
         params = {k: v for k, v in arrays.items() if k not in declared}
@@ -198,18 +156,11 @@ class LocalTrainer:
         return model_params(self.model, keep=keys.__contains__) if keys else {}
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything this site must keep between rounds and across a restart of its process.
-
-        The optimizer state and the private parameters by default; methods add their own (``extra_state``).
-        """
-        private = model_params(self.model, keep=self.payload.is_private)
-        return {
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-            "private": private,
-            "stage": self._stage,
-            "extra": self.extra_state(),
-            "dp_sgd": self.dp.state_dict() if self.dp is not None else None,
-        }
+        """What this site keeps between rounds and across a restart: optimizer state, private parameters, stage,
+        the method's :meth:`extra_state` and the DP-SGD accountant."""
+        return {"optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+                "private": model_params(self.model, keep=self.payload.is_private), "stage": self._stage,
+                "extra": self.extra_state(), "dp_sgd": self.dp.state_dict() if self.dp is not None else None}
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` (called when a site restarts inside a running job)."""
@@ -225,11 +176,8 @@ class LocalTrainer:
             self.dp.load_state_dict(state["dp_sgd"])  # a restarted site keeps counting its ε
 
     def extra_evaluations(self, split: str) -> dict[str, Any]:
-        """Method-declared evaluations of the site's own local model on ``split``: {name: EvalStats}.
-
-        Called before the received model is loaded, i.e. on the model as the site's last local training left
-        it (e.g. FCA's personalized head). Summed and reported by the server like the standard evaluation.
-        """
+        """Method-declared evaluations {name: EvalStats} on ``split`` of the model as the site's last local training
+        left it (called before the received model is loaded, e.g. FCA's personal head); the server sums them."""
         return {}
 
     def train_round(self, ctx: RoundContext, should_abort: Callable[[], bool] = lambda: False) -> dict[str, Any]:
@@ -249,22 +197,16 @@ class LocalTrainer:
             self.model.train()
             epoch_loss, epoch_steps = self._train_epoch(should_abort, steps)
             loss_sum, steps = loss_sum + epoch_loss, steps + epoch_steps
-            self.log(
-                f"round {ctx.round + 1}/{ctx.total_rounds} epoch {epoch + 1}/{self.train_cfg.local_epochs}: "
-                f"loss {epoch_loss / max(epoch_steps, 1):.4f} over {epoch_steps} steps"
-            )
+            self.log(f"round {ctx.round + 1}/{ctx.total_rounds} epoch {epoch + 1}/{self.train_cfg.local_epochs}: "
+                     f"loss {epoch_loss / max(epoch_steps, 1):.4f} over {epoch_steps} steps")
             if self.epoch_listener is not None and epoch_steps:
                 self.epoch_listener(ctx.round * self.train_cfg.local_epochs + epoch, epoch_loss / epoch_steps)
             if self._step_cap_reached(steps) or should_abort():
                 break
-        meta = {
-            contracts.N_SAMPLES: self.labelled_samples(),
-            contracts.TRAIN_LOSS: loss_sum / max(steps, 1),
-            contracts.TRAIN_SECONDS: time.perf_counter() - start,
-            **({contracts.DP_EPSILON: self.dp.epsilon()} if self.dp is not None else {}),
-        }
-        meta.update(self.round_meta(ctx))
-        return meta
+        meta = {contracts.N_SAMPLES: self.labelled_samples(), contracts.TRAIN_LOSS: loss_sum / max(steps, 1),
+                contracts.TRAIN_SECONDS: time.perf_counter() - start,
+                **({contracts.DP_EPSILON: self.dp.epsilon()} if self.dp is not None else {})}
+        return {**meta, **self.round_meta(ctx)}
 
     @property
     def multi_label(self) -> bool:
@@ -278,10 +220,7 @@ class LocalTrainer:
         return int((np.asarray(self.data.train.labels) >= 0).any(axis=1).sum())
 
     def supervised_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean loss over the labelled samples (multi-label: known entries), 0 for a batch without any.
-
-        Cross-entropy for class ids (label -1 ignored); BCE per class for multi-hot rows (entry -1 ignored).
-        """
+        """Mean CE over the labelled samples (multi-label: BCE over known entries), 0 for a batch without any."""
         if self.multi_label:
             return masked_bce(logits, labels)
         # DP-SGD: a mean over the batch's rows, which Opacus's per-sample gradients undo exactly (a mean over the
@@ -290,10 +229,8 @@ class LocalTrainer:
         return F.cross_entropy(logits, labels, ignore_index=-1, reduction="sum") / rows.clamp(min=1)
 
     def scores_and_losses(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-sample scores (softmax, or sigmoid per class) and losses (CE, or mean BCE over known entries).
-
-        Unlabelled samples (rows without a known entry) get loss 0.
-        """
+        """Per-sample scores (softmax, or sigmoid per class) and losses (CE, or mean BCE over known entries); an
+        unlabelled sample (row without a known entry) has loss 0."""
         if self.multi_label:
             known = labels >= 0
             losses = F.binary_cross_entropy_with_logits(logits, labels.clamp(min=0).float(), reduction="none")
@@ -302,13 +239,9 @@ class LocalTrainer:
         return torch.softmax(logits, dim=1), losses
 
     def predictions(self, split: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(labels, class probabilities, per-sample loss) of the current model on ``split``.
-
-        Rows keep the dataset's order (so they line up with per-sample attributes); label -1 rows have loss 0.
-        Multi-label: labels ``[N, K]``, sigmoid scores and the mean BCE over each row's known entries.
-        """
-        dataset = getattr(self.data, split)
-        loader = DataLoader(dataset, batch_size=self.train_cfg.eval_batch_size, shuffle=False, num_workers=0)
+        """(labels, class probabilities, per-sample loss) of the current model on ``split``, rows in the dataset's
+        order (they line up with per-sample attributes); multi-label: ``[N, K]`` labels and sigmoid scores."""
+        loader = DataLoader(getattr(self.data, split), batch_size=self.train_cfg.eval_batch_size, shuffle=False)
         labels, probs, losses = [], [], []
         self.model.eval()
         with torch.no_grad():
@@ -354,9 +287,8 @@ class LocalTrainer:
         """Method-specific meta to send (must be declared in the method's Payload)."""
         return {}
 
-    def run_phase(
-        self, phase: str, arrays: Mapping[str, np.ndarray], ctx: RoundContext
-    ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    def run_phase(self, phase: str, arrays: Mapping[str, np.ndarray],
+                  ctx: RoundContext) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """Handle a method-specific task (a phase other than train/validate). Returns (arrays, meta)."""
         raise PayloadError(f"this method has no task '{phase}'; the server and site run different methods")
 
@@ -370,10 +302,8 @@ class LocalTrainer:
 
     # ----- internals ------------------------------------------------------------------------------
     def _get_optimizer(self, step_in_round: int) -> torch.optim.Optimizer:
-        """The optimizer for one step of the current round, with each group's lr set for that step.
-
-        It is rebuilt (state dropped) when ``train.fresh_optimizer`` asks: per stage, round or step.
-        """
+        """The optimizer for one step of the current round, each group's lr set for that step; rebuilt (state
+        dropped) when ``train.fresh_optimizer`` asks: per stage, round or step."""
         ctx = self._round_ctx
         key = (ctx.stage, ctx.round, step_in_round)
         if self.optimizer is None or rebuild_due(self.train_cfg.fresh_optimizer, self._optimizer_key, key):
@@ -448,15 +378,9 @@ class LocalTrainer:
         if self.dp is not None:  # Poisson sampling, as the accountant assumes
             return self.dp.loader(dataset, self.train_cfg.batch_size, self.train_cfg.num_workers,
                                   pin_memory=self.device.type == "cuda")
-        drop_last = len(dataset) > self.train_cfg.batch_size
-        return DataLoader(
-            dataset,
-            batch_size=self.train_cfg.batch_size,
-            shuffle=True,
-            drop_last=drop_last,
-            num_workers=self.train_cfg.num_workers,
-            pin_memory=self.device.type == "cuda",
-        )
+        return DataLoader(dataset, batch_size=self.train_cfg.batch_size, shuffle=True,
+                          drop_last=len(dataset) > self.train_cfg.batch_size, num_workers=self.train_cfg.num_workers,
+                          pin_memory=self.device.type == "cuda")
 
 
 def small_classes(counts: np.ndarray, minimum: int) -> np.ndarray:
@@ -468,12 +392,9 @@ def small_classes(counts: np.ndarray, minimum: int) -> np.ndarray:
 
 def eval_stats(labels: np.ndarray, probs: np.ndarray, losses: np.ndarray, num_classes: int, keep=None,
                min_class_samples: int = 0) -> Any:
-    """EvalStats of the labelled rows (optionally only rows where ``keep`` is true); multi-hot ``labels`` give
-    MultiLabelEvalStats over the rows with a known entry.
-
-    ``min_class_samples`` (the site policy's): a class with fewer samples than that among these rows is left out,
-    its samples (single-label) or its entries (multi-label: positives or negatives below the minimum) with it.
-    """
+    """EvalStats of the labelled rows (only rows where ``keep`` is true, if given); multi-hot ``labels`` give
+    MultiLabelEvalStats. A class with fewer than ``min_class_samples`` (the site policy's) among these rows is left out
+    with its samples (multi-label: its entries, when its positives or negatives are below the minimum)."""
     from medflare.data.types import labelled_rows
     from medflare.metrics import EvalStats, MultiLabelEvalStats
 
@@ -493,30 +414,21 @@ def eval_stats(labels: np.ndarray, probs: np.ndarray, losses: np.ndarray, num_cl
 
 
 class ServerRule:
-    """Server-side aggregation: sample-count-weighted average of every shared array (FedAvg).
+    """Server-side aggregation: sample-count-weighted average of every shared array (FedAvg). Subclasses change
+    :meth:`site_weight` (e.g. RF), :meth:`site_weights` (weights that need every site), :meth:`row_weights` (per-class
+    rows), or the shape of a round: :meth:`stages`, :meth:`phases`, what each phase sends (:meth:`phase_arrays`, per
+    site if needed) and expects back (:meth:`expected_arrays`). Keys a site never sends (private keys) keep the server's
+    value. Pure numpy: the FLARE layer calls these hooks. Takes the method's config, the job's rounds (all stages
+    together) and the method's Payload."""
 
-    Subclasses change :meth:`site_weight` (e.g. RF), :meth:`site_weights` (weights that need every site),
-    :meth:`row_weights` (per-class rows), or the shape of a round: :meth:`stages`, :meth:`phases`, what each phase
-    sends (:meth:`phase_arrays`, per site if needed) and expects back (:meth:`expected_arrays`). Keys a site
-    never sends (private keys) keep the server's value. Pure numpy: the FLARE layer calls these hooks.
-
-    Args:
-        method_cfg: the method's hyperparameters.
-        total_rounds: the job's rounds (all stages together).
-        payload: the method's wire declaration.
-    """
-
-    # Why the server cannot aggregate this rule's results encrypted (``secure_aggregation=he``), "" when it can.
-    # The server weighs the sites' ciphertexts with the bounded shares of :meth:`weighting`, so a rule qualifies when
-    # its weights, checks and round info read only the sites' meta and declared arrays, never their model weights
-    # (those arrive as ciphertexts; a rule that did read one fails loudly, it never sees plaintext). A rule whose
+    # Why the server cannot aggregate this rule's results encrypted (``secure_aggregation=he``), "" when it can: it
+    # weighs the ciphertexts with the bounded shares of :meth:`weighting`, so a rule qualifies when its weights,
+    # checks and round info read only meta and declared arrays (reading a model weight fails loudly). A rule whose
     # aggregate is not that weighted sum (a median, a clipped mix of predictions) says why here.
     encrypted_aggregation_refusal: ClassVar[str] = ""
 
     def __init__(self, method_cfg: Any, total_rounds: int, payload: Payload = Payload()) -> None:
-        self.cfg = method_cfg
-        self.total_rounds = total_rounds
-        self.payload = payload
+        self.cfg, self.total_rounds, self.payload = method_cfg, total_rounds, payload
         self.multi_label = False  # set by the server from the job's task (multi-label rules may add a phase)
         # The job's robust.max_share, set by the server: a rule that derives a server-side array from site counts
         # bounds each site's say with it (ops.influence.bound); weights and mixtures the server bounds itself
@@ -527,45 +439,27 @@ class ServerRule:
         return [Stage("train", self.total_rounds)]
 
     def phases(self, ctx: RoundContext) -> list[str]:
-        """Task names sent to the sites in one round, in order; the last phase's updates are aggregated.
-
-        One phase ("train") by default. A logit-exchange method returns e.g. ["public_probs", "train"].
-        """
+        """Task names sent to the sites in one round, in order; the last phase's updates are aggregated (a
+        logit-exchange method returns e.g. ["public_probs", "train"])."""
         return [contracts.TRAIN_PHASE]
 
     def array_dims(self, phase: str, ctx: RoundContext) -> dict[str, int]:
-        """Named dimensions of the arrays declared for ``phase`` (e.g. {"rows": public chunk size}).
-
-        Called after :meth:`phase_arrays` of the same phase, so it may use what that call learnt from earlier
-        phases (e.g. the public-set size the sites reported at set-up)."""
+        """Named dimensions of the arrays declared for ``phase`` (e.g. {"rows": public chunk size}); called after
+        :meth:`phase_arrays` of the same phase, so it may use what that call learnt from earlier phases."""
         return {}
 
-    def phase_arrays(
-        self,
-        phase: str,
-        ctx: RoundContext,
-        global_params: Mapping[str, np.ndarray],
-        earlier: Mapping[str, list[SiteUpdate]],
-    ) -> dict[str, np.ndarray] | PerSite | Mixture:
-        """What the server sends with a phase's task: one dict for every site, :class:`PerSite`, or a
-        :class:`~medflare.ops.influence.Mixture` of arrays the sites sent (the server bounds each source's share
-        and builds every receiver's array).
-
-        By default the "train" task carries the global weights that travel in this stage, other phases nothing.
-
-        Args:
-            phase: the task name about to be sent.
-            ctx: the round.
-            global_params: the current global model.
-            earlier: validated results of this round's earlier phases, by phase.
-        """
+    def phase_arrays(self, phase: str, ctx: RoundContext, global_params: Mapping[str, np.ndarray],
+                     earlier: Mapping[str, list[SiteUpdate]]) -> dict[str, np.ndarray] | PerSite | Mixture:
+        """What the server sends with ``phase``'s task, given this round's validated results of earlier phases: one
+        dict for every site, :class:`PerSite`, or a :class:`~medflare.ops.influence.Mixture` of arrays the sites sent
+        (the server bounds each source's share and builds every receiver's array). By default the "train" task
+        carries the global weights that travel in this stage, other phases nothing."""
         if phase != contracts.TRAIN_PHASE:
             return {}
         return {k: global_params[k] for k in self.payload.shared_keys(list(global_params), ctx.stage)}
 
-    def expected_arrays(
-        self, phase: str, ctx: RoundContext, global_params: Mapping[str, np.ndarray], contract: ContractContext
-    ) -> dict[str, contracts.Expected]:
+    def expected_arrays(self, phase: str, ctx: RoundContext, global_params: Mapping[str, np.ndarray],
+                        contract: ContractContext) -> dict[str, contracts.Expected]:
         """key -> what a valid result of ``phase`` carries: the stage's shared weights in "train", exact dtype,
         plus the arrays the payload declares for the phase."""
         expected = contracts.array_expectations(self.payload.arrays_for(phase), contract)
@@ -607,14 +501,10 @@ class ServerRule:
 
     def streams(self, ctx: RoundContext) -> bool:
         """Whether this round's aggregate is Σ site_weight·arrays / Σ site_weight, so the server may add each result
-        to a running sum as it arrives (``stream_aggregation``) and keep no site's model arrays.
-
-        True for a rule that changes only :meth:`site_weight`, :meth:`round_info`, the stages or what a phase
-        sends; one overriding :meth:`site_weights`, :meth:`row_weights`, :meth:`weighting` or :meth:`phases` is
-        aggregated in one batch unless it overrides this too. (A share cap, the server's, needs every site at once:
-        the server checks that itself.) A streamed round's :meth:`round_info` sees each update's meta and declared
-        arrays, not its model arrays.
-        """
+        to a running sum as it arrives (``stream_aggregation``) and keep no site's model arrays: true unless the rule
+        overrides :meth:`site_weights`, :meth:`row_weights`, :meth:`weighting` or :meth:`phases` (and not this). The
+        server checks a share cap (which needs every site at once) itself. A streamed round's :meth:`round_info`
+        sees each update's meta and declared arrays, not its model arrays."""
         hooks = ("site_weights", "row_weights", "weighting", "phases")  # overridden in a subclass or on the instance
         return all(getattr(getattr(self, name), "__func__", None) is getattr(ServerRule, name) for name in hooks)
 
@@ -622,9 +512,8 @@ class ServerRule:
         """Each site's bounded scalar share of the aggregate (its weight over the sum, capped at ``cap``)."""
         return bound(self.weighting(updates, ctx), cap).sites
 
-    def aggregate(
-        self, global_params: Mapping[str, np.ndarray], updates: list[SiteUpdate], ctx: RoundContext, cap: float = 0.0
-    ) -> AggregateResult:
+    def aggregate(self, global_params: Mapping[str, np.ndarray], updates: list[SiteUpdate], ctx: RoundContext,
+                  cap: float = 0.0) -> AggregateResult:
         """The next global model from this rule's :meth:`weighting`, bounded by ``cap`` (the server calls
         :func:`aggregate_updates` with the job's cap; a rule must not override this)."""
         return aggregate_updates(self, global_params, updates, ctx, cap)
@@ -634,20 +523,14 @@ class ServerRule:
         return {}
 
 
-def aggregate_updates(
-    rule: ServerRule, global_params: Mapping[str, np.ndarray], updates: list[SiteUpdate], ctx: RoundContext,
-    cap: float = 0.0, combiner: Callable[..., dict[str, Any]] = combine,
-) -> AggregateResult:
-    """The next global model: the rule's raw :meth:`ServerRule.weighting`, bounded (no site above ``cap`` in any
-    part), then combined. Keys a site never sends (private keys) keep the server's value.
-
-    ``combiner`` does the combining once the shares are bounded (``combine``, or with encrypted aggregation
-    ``ops.he_aggregate.combine_encrypted`` over ciphertexts: the bound always comes first, in plaintext).
-
-    Returns:
-        the params, each site's scalar share, and the rule's round info; with row weights also ``largest_share``
-        (site -> its largest share of any row) so a round's record shows the bound held.
-    """
+def aggregate_updates(rule: ServerRule, global_params: Mapping[str, np.ndarray], updates: list[SiteUpdate],
+                      ctx: RoundContext, cap: float = 0.0,
+                      combiner: Callable[..., dict[str, Any]] = combine) -> AggregateResult:
+    """The next global model: the rule's raw :meth:`ServerRule.weighting`, bounded (no site above ``cap`` in any part),
+    then combined by ``combiner`` (``combine``, or with encrypted aggregation ``ops.he_aggregate.combine_encrypted``
+    over ciphertexts: the bound always comes first, in plaintext). Keys a site never sends (private keys) keep the
+    server's value. The info holds the rule's round info and, with row weights, ``largest_share`` (site -> its largest
+    share of any row), so a round's record shows the bound held."""
     weighting = rule.weighting(updates, ctx)
     shares = bound(weighting, cap)
     arrays = {u.site: {k: v for k, v in u.arrays.items() if k in global_params} for u in updates}
@@ -659,12 +542,17 @@ def aggregate_updates(
     return AggregateResult(params={**dict(global_params), **combined}, shares=shares.sites, info=info)
 
 
+def require(ok: bool, message: str) -> None:
+    """One check of a method's options: ConfigError(message) unless ``ok``."""
+    if not ok:
+        raise ConfigError(message)
+
+
 ModelBuilder = Callable[..., nn.Module]
 
 
-def default_model_builder(
-    model: str, num_classes: int, in_channels: int, image_size: int, pretrained: str | None, method_cfg: Any
-) -> nn.Module:
+def default_model_builder(model: str, num_classes: int, in_channels: int, image_size: int, pretrained: str | None,
+                          method_cfg: Any = None) -> nn.Module:
     """The plain classifier from the model factory."""
     from medflare.models import create_model
 
@@ -673,68 +561,48 @@ def default_model_builder(
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """A registered method: everything the CLI, the FLARE layer and the contract tests need.
+    """A registered method: everything the CLI, the FLARE layer and the contract tests need."""
 
-    Attributes:
-        name: registry key used on the command line (e.g. ``bsm-fl``).
-        summary: one line for ``medflare methods``.
-        config_cls: dataclass of the method's hyperparameters.
-        trainer_cls: site-side LocalTrainer subclass.
-        payload: what leaves a site.
-        server_rule_cls: server-side aggregation rule.
-        build_model: network builder (method-specific heads go here).
-        train_defaults: TrainConfig overrides the method's paper uses.
-        reference: paper or source the method follows.
-        site_log_plot: optional picture of a site's local log records (simulation copies site logs out).
-        server_model: False when the server holds no model at all (no weights travel, e.g. MDH-FL); the
-            persisted global model is then empty and every site may run its own architecture.
-        default_model: the network a job trains when it names none (``--model``).
-        global_classifier: False when the global model has no classifier of its own (FedRep: every head is
-            private), so the final pooled test scores each site's own model, not the saved global model.
-        smoke: run-config overrides for the smallest meaningful job of this method (the every-method
-            simulator test runs it), e.g. {"model": "vit_tiny", "data": {...}}.
-        reveals: what the method's own messages (beyond the common meta) tell the server about a site's data,
-            for privacy reviewers; ``docs/privacy.md`` is generated from it and the Payload.
-        multi_label: whether the method trains multi-label tasks (sigmoid per class); a method that is not
-            marked is refused for multi-label data before anything is launched.
-        check_run: the method's pre-launch checks of what the run's options alone decide, called by
-            ``plan.build_plan`` before anything starts: ``(method config, {site: resolved TrainConfig},
-            simulated DataConfig or None when each site reads its own data) -> problems``, one sentence each
-            naming the option to change. What only loaded data decides stays in the trainer.
-        data_defaults: DataConfig options of the paper's evaluation protocol for simulated data, e.g. FCA's
-            ``{"eval_split": "like_train"}`` (each site's test split follows its training class mix). Applied by
-            ``plan.validated`` under the job's own data options (``--set data.eval_split=pooled`` wins), never
-            for site-local data, and ``like_train`` not for a multi-label task; the run's config records them.
-        presets: named run-config presets (``--preset NAME``), e.g. ``{"paper": Preset(...)}`` with the paper's
-            headline configuration and what still differs from it (:mod:`medflare.methods.presets`).
-        dp_sgd_blocker: why the method's local update cannot run as DP-SGD (:mod:`medflare.dp_sgd`), one line; ""
-            when it is a per-sample loss over the site's private samples, which Opacus clips and noises. A job with
-            ``dp_sgd`` is refused for a method that gives a reason.
-        dp_sgd_uncovered: what a site's ε does not cover besides the common meta (evaluation counts,
-            ``n_samples``), e.g. class counts its loss reads or values it sends that no noised step produced;
-            ``docs/privacy.md`` is generated from it.
-    """
-
-    name: str
-    summary: str
-    config_cls: type
+    name: str  # registry key used on the command line (e.g. ``bsm-fl``)
+    summary: str  # one line for ``medflare methods``
+    config_cls: type  # dataclass of the method's hyperparameters
     trainer_cls: type[LocalTrainer]
-    payload: Payload = Payload()
+    payload: Payload = Payload()  # what leaves a site
     server_rule_cls: type[ServerRule] = ServerRule
-    build_model: ModelBuilder = default_model_builder
-    train_defaults: Mapping[str, Any] = field(default_factory=dict)
-    reference: str = ""
+    build_model: ModelBuilder = default_model_builder  # network builder (method-specific heads go here)
+    train_defaults: Mapping[str, Any] = field(default_factory=dict)  # TrainConfig overrides the method's paper uses
+    reference: str = ""  # paper or source the method follows
+    # optional picture of a site's local log records (simulation copies site logs out)
     site_log_plot: Callable[[list[dict[str, Any]], Any], Any] | None = None
+    # False when the server holds no model at all (no weights travel, e.g. MDH-FL): the persisted global model is
+    # then empty and every site may run its own architecture
     server_model: bool = True
+    # run-config overrides for the smallest meaningful job (the every-method simulator test runs it)
     smoke: Mapping[str, Any] = field(default_factory=dict)
-    default_model: str = "cnn"
+    default_model: str = "cnn"  # the network a job trains when it names none (``--model``)
+    # False when the global model has no classifier of its own (FedRep: every head is private), so the final
+    # pooled test scores each site's own model, not the saved global model
     global_classifier: bool = True
+    # what the method's own messages (beyond the common meta) tell the server about a site's data, for privacy
+    # reviewers; docs/privacy.md is generated from it and the Payload
     reveals: str = "nothing beyond the model weights and the common meta"
+    # whether the method trains multi-label tasks (sigmoid per class); an unmarked one is refused for them
     multi_label: bool = False
+    # pre-launch checks of what the run's options alone decide, called by plan.build_plan: (method config,
+    # {site: resolved TrainConfig}, simulated DataConfig or None when each site reads its own data) -> problems,
+    # one sentence each naming the option to change. What only loaded data decides stays in the trainer.
     check_run: Callable[[Any, Mapping[str, TrainConfig], Any], list[str]] | None = None
+    # DataConfig options of the paper's evaluation protocol for simulated data, e.g. FCA's {"eval_split":
+    # "like_train"}; plan.validated applies them under the job's own data options (which win), never for
+    # site-local data, and like_train not for a multi-label task; the run's config records them
     data_defaults: Mapping[str, Any] = field(default_factory=dict)
+    # named run-config presets (``--preset NAME``), e.g. {"paper": Preset(...)} (medflare.methods.presets)
     presets: Mapping[str, Preset] = field(default_factory=dict)
+    # why the local update cannot run as DP-SGD (medflare.dp_sgd), one line; "" when it is a per-sample loss over
+    # the site's private samples, which Opacus clips and noises. A dp_sgd job is refused for a method with a reason.
     dp_sgd_blocker: str = ""
+    # what a site's ε does not cover besides the common meta (evaluation counts, n_samples), e.g. class counts its
+    # loss reads or values it sends that no noised step produced; docs/privacy.md is generated from it
     dp_sgd_uncovered: str = ""
 
     def __post_init__(self) -> None:
@@ -742,6 +610,9 @@ class MethodSpec:
             raise ValueError(f"method '{self.name}': a server without a model cannot receive weights")
 
 
+# MethodSpec.dp_sgd_uncovered of a method whose loss reads the site's class counts (balanced softmax, calibration)
+COUNTS_UNCOVERED = ("the site's class counts its loss reads: ε covers the noised steps given those counts, not the "
+                    "counts")
 BUILTIN_METHODS: list[MethodSpec] = []  # medflare's own methods, in the order medflare.methods imports them
 
 

@@ -1,10 +1,8 @@
-"""What the personalized methods (FCA, FedRep, FedBABU) share: a trainer that keeps its whole local model in the
-site state and can score it with another head, and training a linear head on a frozen extractor's features.
-
-Head training (FedRep's head phase, FedBABU's final fine-tune): the extractor is frozen while the head trains, so
-its features are computed once (one pass over the site's training batches, eval mode, no gradient) and the head
-then runs its epochs over the cached features. That keeps a 10-epoch head phase at the cost of one forward pass.
-"""
+"""What the personalized methods (FCA, FedRep, FedBABU) share: a trainer that keeps its whole local model in the site
+state and can score it with another head, and training a linear head on a frozen extractor's features. Head training
+(FedRep's head phase, FedBABU's final fine-tune): the extractor is frozen while the head trains, so its features are
+computed once (one pass over the site's training batches, eval mode, no gradient) and the head then runs its epochs over
+the cached features. That keeps a 10-epoch head phase at the cost of one forward pass."""
 
 from __future__ import annotations
 
@@ -14,22 +12,20 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from medflare.evaluation import GENERALIZATION
-from medflare.methods.base import LocalTrainer, RoundContext, TrainConfig
+from medflare.evaluation import GENERALIZATION, SPECIALIZATION, personalization_figures
+from medflare.methods.base import LocalTrainer, RoundContext, ServerRule, TrainConfig
 from medflare.models import Classifier
 from medflare.optim import build_optimizer, set_step_lr
 
-__all__ = ["HeadLoss", "PersonalizedTrainer", "fit_head", "frozen_features", "head_optimizer",
+__all__ = ["FiguresRule", "HeadLoss", "PersonalizedTrainer", "fit_head", "frozen_features", "head_optimizer",
            "own_model_generalization"]
 
 HeadLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> scalar loss
 
 
 def frozen_features(model: Classifier, loader: DataLoader, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Features as the head sees them (after the classifier dropout, here off) and labels of the labelled samples.
-
-    The model is put in eval mode for the pass (BatchNorm uses its running statistics) and restored afterwards.
-    """
+    """Features as the head sees them (after the classifier dropout, here off) and labels of the labelled samples,
+    from one pass in eval mode (BatchNorm uses its running statistics; the mode is restored afterwards)."""
     was_training = model.training
     model.eval()
     features, labels = [], []
@@ -54,29 +50,10 @@ def head_optimizer(model: nn.Module, head: nn.Module, cfg: TrainConfig, ctx: Rou
     return optimizer
 
 
-def fit_head(
-    head: nn.Module,
-    features: torch.Tensor,
-    labels: torch.Tensor,
-    loss_fn: HeadLoss,
-    optimizer: torch.optim.Optimizer,
-    epochs: int,
-    batch_size: int,
-) -> float:
-    """``epochs`` passes of shuffled mini-batches over cached features, updating only ``head``.
-
-    Args:
-        head: the linear head (its parameters must be the optimizer's).
-        features: ``[N, F]`` cached features.
-        labels: ``[N]`` class indices.
-        loss_fn: the method's loss on (logits, labels), e.g. balanced softmax with the site's prior.
-        optimizer: optimizer over ``head``'s parameters.
-        epochs: passes over the data.
-        batch_size: samples per step.
-
-    Returns:
-        The mean loss over the steps taken (0.0 when there is nothing to fit).
-    """
+def fit_head(head: nn.Module, features: torch.Tensor, labels: torch.Tensor, loss_fn: HeadLoss,
+             optimizer: torch.optim.Optimizer, epochs: int, batch_size: int) -> float:
+    """``epochs`` passes of shuffled mini-batches over cached ``[N, F]`` features and ``[N]`` labels, updating only
+    ``head`` (the optimizer's parameters) with the method's ``loss_fn``; the mean loss over the steps (0.0 if none)."""
     head.train()
     total, steps = 0.0, 0
     for _ in range(epochs):
@@ -92,26 +69,19 @@ def fit_head(
 
 
 def own_model_generalization(trainer: LocalTrainer, split: str) -> dict[str, Any]:
-    """FCA's generalization of a method without a global classifier (FedRep, local-only): the site's own model on
-    the pooled test set, ``{GENERALIZATION: EvalStats}`` for the test split; the server averages it over sites.
-
-    The site must have the pooled test set (``data.pooled_test``: simulation, built when the trainer class sets
-    ``scores_pooled_test``); a site reading its own data holds only its own split, so it gives nothing.
-    """
+    """FCA's generalization of a method without a global classifier (FedRep, local-only): the site's own model on the
+    pooled test set, ``{GENERALIZATION: EvalStats}`` for the test split (the server averages it over sites). Only a
+    simulated site holds ``data.pooled_test`` (built when the trainer class sets ``scores_pooled_test``)."""
     if split != "test" or getattr(trainer.data, "pooled_test", None) is None:
         return {}
     return {GENERALIZATION: trainer.evaluate("pooled_test")}
 
 
 class PersonalizedTrainer(LocalTrainer):
-    """A trainer whose site keeps a model of its own next to the global one.
-
-    * Its whole local model (not only the private keys) is part of the site state, so after a restart the
-      specialization evaluation, which runs before the received model is loaded, scores the model the site last
-      trained, not a freshly initialised extractor.
-    * :meth:`evaluate_with_head` scores the model's extractor with another head (FCA's personal head, FedBABU's
-      fine-tuned copy) through the shared evaluation code.
-    """
+    """A trainer whose site keeps a model of its own next to the global one. Its whole local model is part of the site
+    state, so after a restart the specialization evaluation (before the received model is loaded) scores the model the
+    site last trained; :meth:`evaluate_with_head` scores the extractor with another head (FCA's personal head, FedBABU's
+    fine-tuned copy) through the shared evaluation code."""
 
     _scoring_head: nn.Module | None = None  # set only while :meth:`evaluate_with_head` runs
 
@@ -134,3 +104,16 @@ class PersonalizedTrainer(LocalTrainer):
             return self.evaluate(split)
         finally:
             self._scoring_head = None
+
+
+class FiguresRule(ServerRule):
+    """FedAvg with FCA's named final figures (:func:`~medflare.evaluation.personalization_figures`): a subclass says
+    whether the global model has a classifier and which site evaluations score each site's own model."""
+
+    global_classifier = True
+    specialization: str | None = SPECIALIZATION  # None: the main evaluation (single-model methods)
+    generalization: str | None = None
+
+    def final_metrics(self, final: Mapping[str, Any]) -> dict[str, Any]:
+        return personalization_figures(final, global_classifier=self.global_classifier,
+                                       specialization=self.specialization, generalization=self.generalization)

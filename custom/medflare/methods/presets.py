@@ -1,10 +1,8 @@
-"""Named run-configuration presets a method declares (``MethodSpec.presets``), e.g. ``--preset paper``.
-
-A preset is data only: a run-config layer (top-level options such as ``model``, ``rounds``, ``clients``, and the
-sections ``data``, ``train``, ``method_args``) plus the list of what still differs from its source. It sits at the
-bottom of the run configuration: RunConfig defaults <- preset <- --scenario <- --config <- flags <- --set, so
-every value a preset sets can still be changed (``medflare.plan.preset_layer``).
-"""
+"""Named run-configuration presets a method declares (``MethodSpec.presets``), e.g. ``--preset paper``. A preset is data
+only: a run-config layer (top-level options such as ``model``, ``rounds``, ``clients``, and the sections ``data``,
+``train``, ``method_args``) plus the list of what still differs from its source. It sits at the bottom of the run
+configuration: RunConfig defaults <- preset <- --scenario <- --config <- flags <- --set, so every value a preset sets
+can still be changed (``medflare.plan.preset_layer``)."""
 
 from __future__ import annotations
 
@@ -21,20 +19,13 @@ SHARED_KEYS = tuple(key for key in PRESET_KEYS if key != "method_args")
 
 @dataclass(frozen=True)
 class Preset:
-    """One named configuration of a method.
+    """One named configuration of a method."""
 
-    Attributes:
-        overrides: the run-config layer (keys from :data:`PRESET_KEYS`; the sections merge key by key).
-        differs: what still differs from the source with this stack offline, one sentence each; the CLI prints it
-            before a run starts.
-        source: where the values come from (paper table, spec section).
-        setting: the paper's setting these values are the headline of (e.g. "HyperKvasir, 8 clients").
-    """
-
-    overrides: Mapping[str, Any]
+    overrides: Mapping[str, Any]  # the run-config layer (keys from PRESET_KEYS; the sections merge key by key)
+    # what still differs from the source with this stack offline, one sentence each (printed before a run starts)
     differs: tuple[str, ...]
-    source: str
-    setting: str = ""
+    source: str  # where the values come from (paper table, spec section)
+    setting: str = ""  # the paper's setting these values are the headline of (e.g. "HyperKvasir, 8 clients")
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.overrides) - set(PRESET_KEYS))

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from medflare.methods.base import MethodSpec, builtin_method
+from medflare.methods.base import COUNTS_UNCOVERED, MethodSpec, builtin_method
 from medflare.methods.bsm_fl.client import BalancedSoftmaxTrainer
 
 
@@ -16,9 +16,7 @@ class BsmFlConfig:
 SPEC = builtin_method(
     MethodSpec(
         name="bsm-fl",
-        dp_sgd_uncovered=(
-            "the site's class counts its loss reads: ε covers the noised steps given those counts, not the counts"
-        ),
+        dp_sgd_uncovered=COUNTS_UNCOVERED,
         summary="BSM-FL: FedAvg with local balanced-softmax loss (label-prior-adjusted logits)",
         config_cls=BsmFlConfig,
         trainer_cls=BalancedSoftmaxTrainer,

@@ -14,17 +14,10 @@ __all__ = ["FcaTrainer"]
 
 
 class FcaTrainer(PersonalizedTrainer):
-    """``λ₁·BSM(federated) + λ₂·BSM(personal) + KL(p_personal ‖ p_federated)`` with a stop-gradient into the
-    personal head; evaluation of the global model uses the federated head, the specialization evaluation the
-    personal head.
-
-    The personal head is a private key: :meth:`receive` never overwrites it, it is never sent, and it is saved
-    with the optimizer in the site's state after every task, so a restarted site continues with its own head.
-
-    References:
-        Wicaksana, Yan and Cheng, FCA: Taming Long-tailed Federated Medical Image Classification by Classifier
-        Anchoring, 2023.
-    """
+    """``λ₁·BSM(federated) + λ₂·BSM(personal) + KL(p_personal ‖ p_federated)`` with a stop-gradient into the personal
+    head; the global model is evaluated with the federated head, the specialization with the personal one. The
+    personal head is a private key: never overwritten by :meth:`receive`, never sent, and saved in the site's state
+    after every task, so a restarted site continues with its own head."""
 
     def compute_loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         labelled = labels >= 0

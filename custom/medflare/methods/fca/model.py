@@ -14,12 +14,9 @@ PERSONAL_HEAD_KEYS = r"^personal_head\."
 
 
 class FcaNet(Classifier):
-    """Classifier (``backbone.*``, federated ``head.*``) plus a parallel ``personal_head.*`` of the same shape.
-
-    Both heads read the same pooled features after the architecture's own classifier dropout (spec §6(a)).
-    ``forward`` and evaluation of the global model use the federated head; the personal head stays at its site.
-    It is initialised at the site (each site seeds its own), so it starts different at every site.
-    """
+    """Classifier (``backbone.*``, federated ``head.*``) plus a parallel ``personal_head.*`` of the same shape. Both
+    heads read the pooled features after the architecture's classifier dropout (spec §6(a)). ``forward`` uses the
+    federated head; the personal head, initialised by each site's own seed, stays at its site."""
 
     def __init__(self, classifier: Classifier) -> None:
         super().__init__(classifier.backbone, classifier.head, drop_rate=classifier.head_dropout.p)

@@ -1,7 +1,5 @@
-"""Fed-MAS: aggregation weighted by a per-site rescue factor from a frozen self-supervised prior.
-
-Also registers ``bsm-kd``, the paper's ablation (BSM + KD to the prior, sample-count aggregation, no RF).
-"""
+"""Fed-MAS: aggregation weighted by a per-site rescue factor from a frozen self-supervised prior. Also registers
+``bsm-kd``, the paper's ablation (BSM + KD to the prior, sample-count aggregation, no RF)."""
 
 from __future__ import annotations
 
@@ -11,7 +9,7 @@ from typing import Mapping
 from medflare.contracts import Payload, positive_number
 from medflare.data import DataConfig
 from medflare.errors import ConfigError
-from medflare.methods.base import MethodSpec, TrainConfig, builtin_method
+from medflare.methods.base import COUNTS_UNCOVERED, MethodSpec, TrainConfig, builtin_method, default_model_builder
 from medflare.methods.fed_mas.client import RF_KEY, FedMasTrainer
 from medflare.methods.fed_mas.model import FedMasNet
 from medflare.methods.fed_mas.paper import PAPER
@@ -23,10 +21,8 @@ AGGREGATIONS = ("mas", "mas_inv", "mas_drw", "samples")
 PRIOR_PRECISIONS = ("fp32", "reduced")
 # Training augmentations with at most two views of an image (none; weak = a flip), the only ones the prior cache fits
 FIXED_VIEW_AUGMENTATIONS = ("none", "weak")
-REFERENCE = (
-    "Elbatel, Wang, Martí, Fu and Li, Federated Model Aggregation via Self-Supervised Priors for Highly "
-    "Imbalanced Medical Image Classification, MICCAI 2023 workshops"
-)
+REFERENCE = ("Elbatel, Wang, Martí, Fu and Li, Federated Model Aggregation via Self-Supervised Priors for Highly "
+             "Imbalanced Medical Image Classification, MICCAI 2023 workshops")
 
 
 @dataclass
@@ -57,14 +53,11 @@ class FedMasConfig:
         if self.lambda_f < 0 or self.aux_head_weight < 0:
             raise ConfigError("fedmas lambda_f and aux_head_weight must be >= 0")
         if not 0 <= self.drw_start <= 1 or not 0 <= self.drw_beta < 1:
-            raise ConfigError(
-                f"fedmas drw_start must be in [0, 1] and drw_beta in [0, 1), got {self.drw_start}, {self.drw_beta}"
-            )
+            raise ConfigError(f"fedmas drw_start must be in [0, 1] and drw_beta in [0, 1), got {self.drw_start}, "
+                              f"{self.drw_beta}")
         if self.prior_precision not in PRIOR_PRECISIONS or self.w_pass_per_class < 0:
-            raise ConfigError(
-                f"fedmas prior_precision must be one of {PRIOR_PRECISIONS} and w_pass_per_class >= 0 (0 = every "
-                f"image), got '{self.prior_precision}', {self.w_pass_per_class}"
-            )
+            raise ConfigError(f"fedmas prior_precision must be one of {PRIOR_PRECISIONS} and w_pass_per_class >= 0 "
+                              f"(0 = every image), got '{self.prior_precision}', {self.w_pass_per_class}")
         if not 0 <= self.max_share <= 1:
             raise ConfigError(f"fedmas max_share must be in [0, 1], got {self.max_share}")
         prior_feature_dim(self.prior, self.prior_dim)  # fails early on an unknown prior
@@ -79,9 +72,7 @@ class BsmKdConfig(FedMasConfig):
 
 def build_fedmas_model(model: str, num_classes: int, in_channels: int, image_size: int, pretrained, cfg) -> FedMasNet:
     """Classifier from the factory plus projector and auxiliary head sized for the prior."""
-    from medflare.models import create_model
-
-    classifier = create_model(model, num_classes, in_channels, pretrained=pretrained, image_size=image_size)
+    classifier = default_model_builder(model, num_classes, in_channels, image_size, pretrained)
     return FedMasNet(classifier, prior_feature_dim(cfg.prior, cfg.prior_dim), cfg.projector_hidden)
 
 
@@ -100,10 +91,8 @@ TRAIN_DEFAULTS = {"grad_clip": 5.0}  # clipping at 5.0 is in the code, not the p
 SPEC = builtin_method(
     MethodSpec(
         name="fedmas",
-        dp_sgd_uncovered=(
-            "RF, computed from the site's private images outside the noised steps; the site's class counts its loss "
-            "reads"
-        ),
+        dp_sgd_uncovered="RF, computed from the site's private images outside the noised steps; the site's class "
+                         "counts its loss reads",
         summary="Fed-MAS: BSM + distillation to a frozen prior; sites weighted by rescue factor RF",
         config_cls=FedMasConfig,
         trainer_cls=FedMasTrainer,
@@ -115,19 +104,15 @@ SPEC = builtin_method(
         site_log_plot=plot_divergence,
         check_run=check_prior_cache,
         presets={"paper": PAPER},
-        reveals=(
-            "RF, one number in (0, 1]: how much the site's class-wise distances to the prior changed during local "
-            "training; not the per-class distances w and ŵ, which stay in the site's own log"
-        ),
+        reveals=("RF, one number in (0, 1]: how much the site's class-wise distances to the prior changed during local "
+                 "training; not the per-class distances w and ŵ, which stay in the site's own log"),
     )
 )
 
 BSM_KD_SPEC = builtin_method(
     MethodSpec(
         name="bsm-kd",
-        dp_sgd_uncovered=(
-            "the site's class counts its loss reads: ε covers the noised steps given those counts, not the counts"
-        ),
+        dp_sgd_uncovered=COUNTS_UNCOVERED,
         summary="BSM-FL w/ KD (Fed-MAS ablation): BSM + distillation to the prior, sample-count aggregation",
         config_cls=BsmKdConfig,
         trainer_cls=FedMasTrainer,

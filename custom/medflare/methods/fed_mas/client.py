@@ -22,11 +22,8 @@ RF_KEY = "rf"
 
 
 class FedMasTrainer(LocalTrainer):
-    """The site side of Fed-MAS (and of its ``bsm-kd`` ablation, which sends no RF).
-
-    The frozen prior lives here, not in the model, so it is never part of what the site sends.
-    w and ŵ stay at the site (they reveal the label distribution); they are logged locally only.
-    """
+    """The site side of Fed-MAS (and of its ``bsm-kd`` ablation, which sends no RF). The frozen prior lives here,
+    not in the model, so it is never sent; w and ŵ (they reveal the label distribution) are only logged locally."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -52,12 +49,9 @@ class FedMasTrainer(LocalTrainer):
 
     @torch.no_grad()
     def global_divergence(self, bug_compat: bool = False, round_index: int = 0) -> np.ndarray:
-        """w_k: mean distance of the received global model to the prior over class k's training images.
-
-        Eval mode, training augmentation, shuffled, drop_last, as the authors do (spec §2(e)10). With
-        ``w_pass_per_class`` = N, over a stratified draw of at most N images per class instead (every image of
-        a class with fewer), a new draw each round, each class's mean over its drawn images.
-        """
+        """w_k: mean distance of the received global model to the prior over class k's training images, in eval
+        mode with training augmentation, shuffled, drop_last, as the authors do (spec §2(e)10). With
+        ``w_pass_per_class`` = N, over a new stratified draw each round of at most N images per class."""
         accumulator = ClassMeanAccumulator(int(self.data.num_classes))
         self.model.eval()
         if bug_compat:

@@ -9,12 +9,9 @@ from medflare.models import Classifier
 
 
 class FedMasNet(Classifier):
-    """Classifier (``backbone.*``, ``head.*``) with ``projector.*`` and ``aux_head.*``.
-
-    Only ``head`` is used for prediction. The projector maps features to the prior's dimension D for the
-    distillation distance; the auxiliary head classifies projected features (in the authors' code, not the
-    paper; it balances projector training, spec §2(e)1). All four parts are aggregated like any weight.
-    """
+    """Classifier (``backbone.*``, ``head.*``, the one used for prediction) with ``projector.*`` (features to the
+    prior's dimension D, for the distillation distance) and ``aux_head.*`` (classifies projected features: the
+    authors' code, not the paper; it balances projector training, spec §2(e)1), all aggregated like any weight."""
 
     def __init__(self, classifier: Classifier, prior_dim: int, hidden_dim: int = 0) -> None:
         super().__init__(classifier.backbone, classifier.head, drop_rate=classifier.head_dropout.p)

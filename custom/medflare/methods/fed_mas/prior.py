@@ -19,24 +19,14 @@ DATA_MEAN, DATA_STD = 0.5, 0.5
 
 
 class FrozenPrior(nn.Module):
-    """Wraps an encoder into the teacher: adapts the input, returns pooled features [B, D], never trains.
-
-    The authors' code computed the first global divergence with the teacher still in train mode, so its
-    BatchNorm statistics drifted to each site's data and the "shared" teacher became site-specific
-    (spec §2(e)5). Here ``train()`` is a no-op: the teacher stays in eval mode for good.
-
-    Args:
-        encoder: maps [B, 3, S, S] normalised images to [B, D].
-        feature_dim: D.
-        input_size: side length the images are resized to before the encoder.
-        mean, std: the encoder's own per-channel input normalisation.
-    """
+    """Wraps an encoder ([B, 3, S, S] images, normalised by its own ``mean``/``std``, to [B, D]) into the teacher:
+    resizes the input to ``input_size``, returns pooled features, never trains. The authors' code computed the first
+    global divergence with the teacher still in train mode, so its BatchNorm statistics drifted to each site's data
+    and the "shared" teacher became site-specific (spec §2(e)5); here ``train()`` is a no-op."""
 
     def __init__(self, encoder: nn.Module, feature_dim: int, input_size: int, mean, std) -> None:
         super().__init__()
-        self.encoder = encoder
-        self.feature_dim = feature_dim
-        self.input_size = input_size
+        self.encoder, self.feature_dim, self.input_size = encoder, feature_dim, input_size
         self.register_buffer("mean", torch.tensor(mean).view(1, 3, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(std).view(1, 3, 1, 1), persistent=False)
         for parameter in self.encoder.parameters():
@@ -67,17 +57,12 @@ class FrozenPrior(nn.Module):
 
 
 class PriorFeatureCache:
-    """The prior's features per distinct input image, computed once (the ``cache_prior_features`` option).
-
-    Keyed by the image's bytes as the model sees it, so a cached feature is only ever reused for the identical
-    input: exact by construction, whatever the batch. It pays off when every image has few views (no training
-    augmentation, or a flip only: at most two entries per image); :func:`check_finite_views` refuses the rest.
-    A feature may differ from a fresh forward of another batch in the last float bits (the kernels depend on the
-    batch size and thread count, measured up to 2.3e-5); the tests bound that at 1e-4.
-
-    Args:
-        compute: the uncached prior forward, [B, C, H, W] -> [B, D].
-    """
+    """The prior's features per distinct input image, computed once by ``compute`` (``cache_prior_features``). Keyed by
+    the image's bytes as the model sees it, so a cached feature is only ever reused for the identical input: exact by
+    construction, whatever the batch. It pays off when every image has few views (no training augmentation, or a flip
+    only: at most two entries per image); :func:`check_finite_views` refuses the rest. A feature may differ from a fresh
+    forward of another batch in the last float bits (the kernels depend on the batch size and thread count, measured up
+    to 2.3e-5); the tests bound that at 1e-4."""
 
     def __init__(self, compute: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.compute = compute
@@ -96,24 +81,16 @@ class PriorFeatureCache:
 
 
 def check_finite_views(dataset: Any, samples: int = 8, draws: int = 6) -> None:
-    """Refuse a training set whose augmentation draws a new image every time (a feature cache would never hit).
-
-    Draws a few images several times each (with the random state restored afterwards, so training is unchanged):
-    more than two distinct views of one image means continuous augmentation (affine, jitter, blur), while none
-    or a horizontal flip give one or two.
-
-    Raises:
-        ConfigError: naming the option and what to change.
-    """
+    """Refuse (ConfigError) a training set whose augmentation draws a new image every time (a feature cache would
+    never hit): more than two distinct views of one image in a few draws (the random state is restored after) means
+    continuous augmentation (affine, jitter, blur); none or a horizontal flip give one or two."""
     with torch.random.fork_rng(devices=[]):
         for index in range(min(samples, len(dataset))):
             views = {dataset[index][0].numpy().tobytes() for _ in range(draws)}
             if len(views) > 2:
-                raise ConfigError(
-                    "fedmas method.cache_prior_features=true needs training images with a fixed set of views, but "
-                    f"this site's augmentation drew {len(views)} different images from one in {draws} draws; set "
-                    "data.augment=none (or weak, a flip only), or turn the cache off"
-                )
+                raise ConfigError("fedmas method.cache_prior_features=true needs training images with a fixed set of "
+                                  f"views, but this site's augmentation drew {len(views)} different images from one in "
+                                  f"{draws} draws; set data.augment=none (or weak, a flip only), or turn the cache off")
 
 
 def prior_feature_dim(prior: str, declared_dim: int) -> int:
@@ -126,11 +103,9 @@ def prior_feature_dim(prior: str, declared_dim: int) -> int:
         if declared_dim <= 0:
             raise ConfigError(f"prior '{prior}' needs method.prior_dim (its feature dimension)")
         return declared_dim
-    raise ConfigError(
-        f"unknown prior '{prior}'; use '{IMAGENET_LITE0}', 'moco:PATH', 'torchscript:PATH' or "
-        "'state_dict:PATH' (a medflare model checkpoint; set method.prior_model and method.prior_dim) or "
-        "'fed-mae:PATH' (an SSL-FL encoder file; set method.prior_dim)"
-    )
+    raise ConfigError(f"unknown prior '{prior}'; use '{IMAGENET_LITE0}', 'moco:PATH', 'torchscript:PATH' or "
+                      "'state_dict:PATH' (a medflare model checkpoint; set method.prior_model and method.prior_dim) or "
+                      "'fed-mae:PATH' (an SSL-FL encoder file; set method.prior_dim)")
 
 
 def build_prior(prior: str, declared_dim: int, input_size: int, prior_model: str = "resnet50") -> FrozenPrior:

@@ -1,9 +1,4 @@
-"""Fed-MAS's rescue factor, as pure tensor/numpy functions.
-
-References:
-    Elbatel, Wang, Martí, Fu and Li, Federated Model Aggregation via Self-Supervised Priors for Highly
-    Imbalanced Medical Image Classification, MICCAI 2023 workshops (Eq. 3 and 5; spec §2(a) steps 2-4).
-"""
+"""Fed-MAS's rescue factor, as pure tensor/numpy functions (paper Eq. 3 and 5; spec §2(a) steps 2-4)."""
 
 from __future__ import annotations
 
@@ -18,11 +13,9 @@ def distillation_distance(student: torch.Tensor, teacher: torch.Tensor) -> torch
 
 
 class ClassMeanAccumulator:
-    """Accumulates Σ_i L_f(x_i) per class and divides by the site's full class count M_k.
-
-    Summing per-batch class means weighted by count_k/M_k (the authors' code) is the same number, so a
-    pass over the data gives each class's mean distance, and E epochs give the sum of E per-epoch means.
-    """
+    """Accumulates Σ_i L_f(x_i) per class and divides by the site's full class count M_k. Summing per-batch class means
+    weighted by count_k/M_k (the authors' code) is the same number, so a pass over the data gives each class's mean
+    distance, and E epochs give the sum of E per-epoch means."""
 
     def __init__(self, num_classes: int) -> None:
         self.sums = torch.zeros(num_classes, dtype=torch.float64)
@@ -40,19 +33,10 @@ class ClassMeanAccumulator:
 
 
 def rescue_factor(w: np.ndarray, w_hat: np.ndarray, invert: bool = False) -> float:
-    """RF = Σ_{k: w_k ≠ 0} w̄_k ŵ̄_k with w̄, ŵ̄ normalised to sum 1 (the authors' normalisation, spec §2(e)2).
-
-    Args:
-        w: per-class distance of the received global model, before training (the global divergence).
-        w_hat: per-class distance accumulated during local training.
-        invert: the ``mas_inv`` option: use 1/ŵ_k (for ŵ_k > 0) before normalising.
-
-    Returns:
-        RF in (0, 1]: 1 for a one-class site, about 1/K_local for a site whose classes all look alike.
-
-    Raises:
-        ValueError: when no class has a positive distance (nothing to weigh the site by).
-    """
+    """RF = Σ_{k: w_k ≠ 0} w̄_k ŵ̄_k with w̄, ŵ̄ normalised to sum 1 (the authors' normalisation, spec §2(e)2). ``w`` is
+    the received global model's per-class distance before training, ``w_hat`` the one accumulated during local training
+    (``invert``, the ``mas_inv`` option: 1/ŵ_k for ŵ_k > 0). RF lies in (0, 1]: 1 for a one-class site, about 1/K_local
+    for a site whose classes all look alike; ValueError when no distance is positive."""
     w, w_hat = np.asarray(w, dtype=np.float64), np.asarray(w_hat, dtype=np.float64)
     if invert:
         w_hat = np.divide(1.0, w_hat, out=np.zeros_like(w_hat), where=w_hat > 0)
@@ -63,11 +47,8 @@ def rescue_factor(w: np.ndarray, w_hat: np.ndarray, invert: bool = False) -> flo
 
 
 def stratified_subsample(labels: np.ndarray, per_class: int, seed: int | tuple[int, ...]) -> np.ndarray:
-    """Sorted row indices of at most ``per_class`` labelled rows of each class, drawn without replacement.
-
-    A class with fewer rows keeps them all; unlabelled rows (-1) are never drawn. The same ``seed`` gives the
-    same rows (the ``w_pass_per_class`` option draws with (site seed, round)).
-    """
+    """Sorted row indices of at most ``per_class`` labelled rows of each class, drawn without replacement (a class
+    with fewer keeps them all); the same ``seed`` gives the same rows (``w_pass_per_class`` uses (site seed, round))."""
     labels = np.asarray(labels)
     rng = np.random.default_rng(seed)
     chosen = []

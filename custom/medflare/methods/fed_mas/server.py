@@ -15,15 +15,11 @@ from medflare.ops.influence import Weighting
 
 
 class FedMasRule(ServerRule):
-    """θ_glob = Σ_c (RF_c / Σ_j RF_j) θ_c over every state-dict entry (paper Eq. 5).
-
-    ``mas_drw`` (the authors' code, not the paper) follows their server: sample-count weights n_c before round
-    ⌊``drw_start`` · R⌋, then n_c · (1 − β)/(1 − β^ñ_c) with ñ_c = (1/RF_c) / Σ_j (1/RF_j), the site's share of
-    the inverse rescue factors (see :func:`mas_drw_weights`). ``max_share`` > 0 caps any one site's share and
-    gives the excess to the others (off by default, as in the paper); a cap this round's sites cannot meet
-    (e.g. 0.3 after one of four sites was rejected) relaxes to equal shares instead of stopping the round. A site with a missing, non-finite or
-    non-positive RF is rejected before it gets here.
-    """
+    """θ_glob = Σ_c (RF_c / Σ_j RF_j) θ_c over every state-dict entry (paper Eq. 5). ``mas_drw`` (the authors' code, not
+    the paper) follows their server: n_c before round ⌊``drw_start`` · R⌋, then :func:`mas_drw_weights`. ``max_share`` >
+    0 caps any one site's share and gives the excess to the others (off by default, as in the paper); a cap this round's
+    sites cannot meet (e.g. 0.3 after one of four sites was rejected) relaxes to equal shares. A site with a missing,
+    non-finite or non-positive RF is rejected earlier."""
 
     def site_weight(self, update: SiteUpdate, ctx: RoundContext) -> float:
         if self.cfg.aggregation == "samples":
@@ -55,28 +51,16 @@ class FedMasRule(ServerRule):
 
 
 def drw_is_on(ctx: RoundContext, start_fraction: float) -> bool:
-    """True from round ⌊f · R⌋ (0-based) on, the authors' ``round >= int(0.8 · comm_round)``.
-
-    The tiny slack keeps a product such as 0.29 · 100 = 28.999999999999996 from flooring one round early.
-    """
+    """True from round ⌊f · R⌋ (0-based) on, the authors' ``round >= int(0.8 · comm_round)``; the tiny slack keeps
+    a product such as 0.29 · 100 = 28.999999999999996 from flooring one round early."""
     return ctx.round >= math.floor(start_fraction * ctx.total_rounds + 1e-9)
 
 
 def mas_drw_weights(sample_counts: dict[str, float], rescue_factors: dict[str, float], beta: float) -> dict[str, float]:
-    """The authors' deferred re-weighting of sites: n_c · (1 − β)/(1 − β^ñ_c), ñ_c = (1/RF_c) / Σ_j (1/RF_j).
-
-    ñ is each site's share of the inverse rescue factors, so it lies in (0, 1]; for β → 1 the factor tends to
-    1/ñ_c ∝ RF_c, so the weight approaches n_c · RF_c. (The authors also rescale the factors to sum to the
-    number of sites; that cancels when the weights are normalised.)
-
-    Args:
-        sample_counts: site -> n_c.
-        rescue_factors: site -> RF_c > 0.
-        beta: effective-number β in [0, 1).
-
-    Returns:
-        site -> unnormalised weight.
-    """
+    """The authors' deferred re-weighting of sites (site -> unnormalised weight): n_c · (1 − β)/(1 − β^ñ_c) with ñ_c =
+    (1/RF_c) / Σ_j (1/RF_j), the site's share of the inverse rescue factors, in (0, 1]; for β → 1 the factor tends to
+    1/ñ_c ∝ RF_c, so the weight approaches n_c · RF_c. (The authors also rescale the factors to sum to the number of
+    sites; that cancels when the weights are normalised.)"""
     sites = list(sample_counts)
     inverse_rf = np.array([1.0 / rescue_factors[s] for s in sites])
     factors = inverse_effective_number(inverse_rf / inverse_rf.sum(), beta)

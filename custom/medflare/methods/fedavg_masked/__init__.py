@@ -26,10 +26,9 @@ SPEC = builtin_method(
         trainer_cls=FedAvgMaskedTrainer,
         payload=Payload(meta={IDENTIFIED_KEY: class_mask(IDENTIFIED_KEY)}),
         server_rule_cls=MaskedClassifierRule,
-        reference=(
-            "Dong, Kampffmeyer, Voiculescu and Xing, Federated Partially Supervised Learning with Limited "
-            "Decentralized Medical Images, IEEE TMI 2022 (as inferred in spec §5(e)8; used by FedLSM's baselines)"
-        ),
+        reference=("Dong, Kampffmeyer, Voiculescu and Xing, Federated Partially Supervised Learning with Limited "
+                   "Decentralized Medical Images, IEEE TMI 2022 (as inferred in spec §5(e)8; used by FedLSM's "
+                   "baselines)"),
         multi_label=True,
         smoke={"data": {"partition": "labelset:3"}},
         reveals="which classes the site annotates (one 0/1 per class)",

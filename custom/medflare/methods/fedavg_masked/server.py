@@ -10,11 +10,8 @@ from medflare.methods.fedlsm.server import CLASSIFIER_KEYS, IDENTIFIED_KEY, clas
 
 
 class MaskedClassifierRule(ServerRule):
-    """θ ← Σ_k (n_k/n) θ_k; classifier row c ← Σ_k n_k·1[c ∈ I_k] ψ_{k,c} / Σ_j n_j·1[c ∈ I_j].
-
-    Spec §5(e)8, inferred from FedLSM's ablation (FPSL's code was not found). A class no site annotates falls back
-    to n_k.
-    """
+    """θ ← Σ_k (n_k/n) θ_k; classifier row c ← Σ_k n_k·1[c ∈ I_k] ψ_{k,c} / Σ_j n_j·1[c ∈ I_j]. Spec §5(e)8, inferred
+    from FedLSM's ablation (FPSL's code was not found). A class no site annotates falls back to n_k."""
 
     def site_weight(self, update: SiteUpdate, ctx: RoundContext) -> float:
         if IDENTIFIED_KEY not in update.meta:

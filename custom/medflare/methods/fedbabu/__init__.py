@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from medflare.contracts import Payload
-from medflare.errors import ConfigError
 from medflare.evaluation import FCA_PROTOCOL_DATA
-from medflare.methods.base import MethodSpec, builtin_method
+from medflare.methods.base import MethodSpec, builtin_method, default_model_builder, require
 from medflare.methods.fedbabu.client import FedBabuTrainer
 from medflare.methods.fedbabu.server import FedBabuRule
 from medflare.models import Classifier
@@ -23,17 +22,13 @@ class FedBabuConfig:
     eps: float = 1e-9  # balanced-softmax prior floor (FCA's baselines use BSM with FCA's 1e-9)
 
     def __post_init__(self) -> None:
-        if self.finetune_epochs < 0:
-            raise ConfigError(f"fedbabu finetune_epochs must be >= 0, got {self.finetune_epochs}")
-        if not self.eps >= 0:
-            raise ConfigError(f"fedbabu eps must be >= 0, got {self.eps}")
+        require(self.finetune_epochs >= 0, f"fedbabu finetune_epochs must be >= 0, got {self.finetune_epochs}")
+        require(self.eps >= 0, f"fedbabu eps must be >= 0, got {self.eps}")
 
 
 def build_fedbabu_model(model: str, num_classes: int, in_channels: int, image_size: int, pretrained, cfg) -> Classifier:
     """The factory's classifier with its head frozen at the random initialisation the server broadcasts."""
-    from medflare.models import create_model
-
-    network = create_model(model, num_classes, in_channels, pretrained=pretrained, image_size=image_size)
+    network = default_model_builder(model, num_classes, in_channels, image_size, pretrained)
     network.head.requires_grad_(False)
     return network
 
@@ -41,10 +36,8 @@ def build_fedbabu_model(model: str, num_classes: int, in_channels: int, image_si
 SPEC = builtin_method(
     MethodSpec(
         name="fedbabu",
-        dp_sgd_uncovered=(
-            "eval_extra: its specialization score comes from a head fine-tuned without noise on the site's training "
-            "images; the class counts its loss reads"
-        ),
+        dp_sgd_uncovered=("eval_extra: its specialization score comes from a head fine-tuned without noise on the "
+                          "site's training images; the class counts its loss reads"),
         summary="FedBABU: body trained and averaged under a frozen random head; head fine-tuned locally to evaluate",
         config_cls=FedBabuConfig,
         trainer_cls=FedBabuTrainer,

@@ -17,17 +17,12 @@ __all__ = ["FedBabuTrainer"]
 
 
 class FedBabuTrainer(PersonalizedTrainer):
-    """Balanced softmax through the frozen head (only the body trains and is averaged); the specialization
-    evaluation fine-tunes a copy of the head on the site's training data for ``finetune_epochs`` and scores it.
-
-    The head's weights stay the server's random initialisation for the whole job (the model builder freezes
-    them), so the global model's own evaluation is the body with that random head. The fine-tuned copy is never
-    sent and never kept: the final ``validate`` task is FedBABU's fine-tune-at-the-end, and every round's
-    evaluation repeats it on the model of that moment (fitted once per model, used for val and test).
-
-    References:
-        Oh, Kim and Yun, FedBABU: Towards Enhanced Representation for Federated Image Classification, ICLR 2022.
-    """
+    """Balanced softmax through the frozen head (only the body trains and is averaged); the specialization evaluation
+    fine-tunes a copy of the head on the site's training data for ``finetune_epochs`` and scores it. The head stays the
+    server's random initialisation for the whole job (the model builder freezes it), so the global model is evaluated as
+    the body with that head. The fine-tuned copy is never sent or kept: the final ``validate`` task is FedBABU's
+    fine-tune-at-the-end, and every round's evaluation repeats it on the model of that moment (fitted once per model,
+    used for val and test)."""
 
     _model_version = 0  # local rounds trained, so a fine-tuned head is reused only for the model it was fitted on
     _finetuned: tuple[int, nn.Module] | None = None

@@ -2,8 +2,7 @@
 
 from dataclasses import dataclass
 
-from medflare.errors import ConfigError
-from medflare.methods.base import MethodSpec, builtin_method
+from medflare.methods.base import COUNTS_UNCOVERED, MethodSpec, builtin_method, require
 from medflare.methods.fedlc.client import FedLcTrainer
 
 __all__ = ["FedLcConfig", "SPEC"]
@@ -16,16 +15,13 @@ class FedLcConfig:
     tau: float = 0.5  # calibration strength τ: the loss sees z_k − τ · n_k^(-1/4) (spec §1.10); 0 = plain CE
 
     def __post_init__(self) -> None:
-        if not self.tau >= 0:
-            raise ConfigError(f"fedlc tau must be >= 0, got {self.tau}")
+        require(self.tau >= 0, f"fedlc tau must be >= 0, got {self.tau}")
 
 
 SPEC = builtin_method(
     MethodSpec(
         name="fedlc",
-        dp_sgd_uncovered=(
-            "the site's class counts its loss reads: ε covers the noised steps given those counts, not the counts"
-        ),
+        dp_sgd_uncovered=COUNTS_UNCOVERED,
         summary="FedLC: local CE on logits minus tau * n_k^(-1/4) (site counts), sample-count-weighted average",
         config_cls=FedLcConfig,
         trainer_cls=FedLcTrainer,

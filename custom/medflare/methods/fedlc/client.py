@@ -11,15 +11,10 @@ __all__ = ["FedLcTrainer"]
 
 
 class FedLcTrainer(LocalTrainer):
-    """CE(z − τ · n^(−1/4), y) over the site's labelled samples; evaluation uses the raw logits.
-
-    Subtracting the larger offset from a rarer class's logit makes the loss demand a larger raw margin for it,
-    so the site stops pushing rare (or absent: count floored at 1e-8, offset 100·τ) classes down. The counts
-    are this site's training counts and never leave the site.
-
-    References:
-        Zhang et al., Federated Learning with Label Distribution Skew via Logits Calibration, ICML 2022.
-    """
+    """CE(z − τ · n^(−1/4), y) over the site's labelled samples; evaluation uses the raw logits. Subtracting the larger
+    offset from a rarer class's logit makes the loss demand a larger raw margin for it, so the site stops pushing rare
+    (or absent: count floored at 1e-8, offset 100·τ) classes down. The counts are this site's training counts and never
+    leave the site."""
 
     def compute_loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         labelled = labels >= 0

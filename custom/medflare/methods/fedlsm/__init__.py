@@ -1,37 +1,23 @@
 """FedLSM: federated learning when each site labels only some classes (label-set mismatch), single- or multi-label.
-
 The data decides which: class-id labels train with softmax and one-hot pseudo-labels, multi-hot labels with
-sigmoid, τ_p/τ_n pseudo-labels and a per-element weighted BCE using the server's global pos_weight.
-"""
+sigmoid, τ_p/τ_n pseudo-labels and a per-element weighted BCE using the server's global pos_weight."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from medflare.contracts import Payload, class_counts, class_mask, counts
 from medflare.data.transforms import AUGMENTATIONS
 from medflare.errors import ConfigError
 from medflare.methods.base import MethodSpec, TrainConfig, builtin_method
 from medflare.methods.fedlsm.client import FedLsmTrainer
 from medflare.methods.fedlsm.paper import PAPER
-from medflare.methods.fedlsm.server import (
-    CLASSIFIER_KEYS,
-    IDENTIFIED_KEY,
-    LABEL_COUNTS,
-    NEGATIVES,
-    POS_WEIGHT,
-    POSITIVES,
-    Q_KEY,
-    FedLsmRule,
-)
+from medflare.methods.fedlsm.server import CLASSIFIER_KEYS, PAYLOAD, FedLsmRule
 
 AGGREGATIONS = ("awpa", "masked", "samples")
 POS_WEIGHT_MODES = ("element", "positive")
-REFERENCE = (
-    "Deng, Luo and Chen, Scale Federated Learning for Label Set Mismatch in Medical Image Classification, "
-    "MICCAI 2023"
-)
+REFERENCE = ("Deng, Luo and Chen, Scale Federated Learning for Label Set Mismatch in Medical Image Classification, "
+             "MICCAI 2023")
 
 
 @dataclass
@@ -80,8 +66,7 @@ class FedLsmConfig:
 
     def thresholds(self) -> tuple[float, ...]:
         """Every pseudo-label threshold (single- and multi-label)."""
-        return (self.tau, self.tau_uncertain, self.tau_pos, self.tau_neg, self.tau_uncertain_pos,
-                self.tau_uncertain_neg)
+        return self.tau, self.tau_uncertain, self.tau_pos, self.tau_neg, self.tau_uncertain_pos, self.tau_uncertain_neg
 
 
 def check_pool_rows(cfg: FedLsmConfig, trains: Mapping[str, TrainConfig], data: Any) -> list[str]:
@@ -94,19 +79,11 @@ def check_pool_rows(cfg: FedLsmConfig, trains: Mapping[str, TrainConfig], data: 
             f"{cfg.mix_batch}; raise train.batch_size above {cfg.mix_batch} or lower method.mix_batch"]
 
 
-PAYLOAD = Payload(
-    arrays={POSITIVES: counts(phase=LABEL_COUNTS), NEGATIVES: counts(phase=LABEL_COUNTS)},
-    receives=(POS_WEIGHT,),
-    meta={Q_KEY: class_counts(Q_KEY), IDENTIFIED_KEY: class_mask(IDENTIFIED_KEY)},
-)
-
 SPEC = builtin_method(
     MethodSpec(
         name="fedlsm",
-        dp_sgd_blocker=(
-            "UDE MixUp blends pairs of private images into one training row and an EMA teacher trained on private data "
-            "pseudo-labels them, so no gradient belongs to one sample"
-        ),
+        dp_sgd_blocker=("UDE MixUp blends pairs of private images into one training row and an EMA teacher trained on "
+                        "private data pseudo-labels them, so no gradient belongs to one sample"),
         summary="FedLSM: UE pools, EMA-teacher pseudo-labels, UDE MixUp, classifier rows weighted by q (AWPA)",
         config_cls=FedLsmConfig,
         trainer_cls=FedLsmTrainer,
@@ -118,10 +95,8 @@ SPEC = builtin_method(
         check_run=check_pool_rows,
         presets={"paper": PAPER},
         smoke={"data": {"partition": "labelset:3"}, "method_args": {"local_iterations": 2}},
-        reveals=(
-            "q: per class, how many labels and confident pseudo-labels the site drew this round (its estimated class "
-            "distribution; inherent to AWPA); multi-label jobs also send each class's positive and negative label "
-            "counts once; with aggregation=masked, which classes the site annotates"
-        ),
+        reveals=("q: per class, how many labels and confident pseudo-labels the site drew this round (its estimated "
+                 "class distribution; inherent to AWPA); multi-label jobs also send each class's positive and "
+                 "negative label counts once; with aggregation=masked, which classes the site annotates"),
     )
 )

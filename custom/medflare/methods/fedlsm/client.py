@@ -61,8 +61,8 @@ class _Stream:
 
 @dataclass
 class _Split:
-    """One batch taken apart: strong views of the pseudo pool, D^h and D^l images, and per part (pool, D^h, D^l)
-    the labels and the teacher's logits (of the weak view for the pool, the plain view for the partners)."""
+    """One batch taken apart: strong views of the pool, D^h and D^l images, and per part (pool, D^h, D^l) labels and
+    teacher logits (of the pool's weak view, the partners' plain one)."""
 
     strong: torch.Tensor
     x_h: torch.Tensor
@@ -83,19 +83,15 @@ class _Batches:
         return self.steps
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for _ in range(self.steps):
-            yield self.trainer.draw_batch()
+        return (self.trainer.draw_batch() for _ in range(self.steps))
 
 
 class FedLsmTrainer(LocalTrainer):
-    """The site side of FedLSM (single- and multi-label; the data decides).
-
-    Per round: the received model scores every training image (eval mode, no augmentation) and the most and
-    least uncertain samples form D^h and D^l; a fresh EMA teacher pseudo-labels weak views of the pseudo pool
-    (everything but D^h) and the student learns from strong views; UDE mixes D^l with D^h rows, their targets
-    being labels or pseudo-labels at the looser thresholds. q^k counts labels and positive pseudo-labels per
-    draw and travels in the meta; the teacher, pools and pseudo-labels stay at the site.
-    """
+    """The site side of FedLSM (single- and multi-label; the data decides). Per round: the received model scores every
+    training image (eval mode, no augmentation) and the most and least uncertain samples form D^h and D^l; a fresh EMA
+    teacher pseudo-labels weak views of the pseudo pool (all but D^h) and the student learns from strong views; UDE
+    mixes D^l with D^h rows, their targets labels or pseudo-labels at the looser thresholds. q^k counts labels and
+    positive pseudo-labels per draw and travels in the meta; teacher, pools and pseudo-labels stay here."""
 
     uses_unlabelled_samples = True
 
@@ -166,8 +162,7 @@ class FedLsmTrainer(LocalTrainer):
             for i in self.streams[pool].take(self.mix_rows):
                 image, label = self.plain[i]
                 items.append((image.expand(2, -1, -1, -1), label))
-        images, labels = default_collate(items)
-        return images, labels
+        return tuple(default_collate(items))
 
     # ----- the loss ----------------------------------------------------------------------------------
     def compute_loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -237,9 +232,8 @@ class FedLsmTrainer(LocalTrainer):
                             confident=len(self.confident), steps=len(self.batches))
         return meta
 
-    def run_phase(
-        self, phase: str, arrays: Mapping[str, np.ndarray], ctx: RoundContext
-    ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    def run_phase(self, phase: str, arrays: Mapping[str, np.ndarray],
+                  ctx: RoundContext) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """The multi-label set-up: per-class positives and negatives (unknown entries count as negatives, as the
         authors count them) of the site's training labels."""
         if phase != LABEL_COUNTS or not self.multi_label:

@@ -20,21 +20,19 @@ POS_WEIGHT = "pos_weight"  # server -> site with every multi-label train task
 Q_KEY = "q"  # per-class labels + pseudo-labels drawn this round (AWPA's q^k)
 IDENTIFIED_KEY = "identified"  # 0/1 per class: the classes the site annotates (masked aggregation)
 CLASSIFIER_KEYS = r"^head\."  # every registered network's classifier (models.Classifier)
+PAYLOAD = contracts.Payload(
+    arrays={POSITIVES: contracts.counts(phase=LABEL_COUNTS), NEGATIVES: contracts.counts(phase=LABEL_COUNTS)},
+    receives=(POS_WEIGHT,),
+    meta={Q_KEY: contracts.class_counts(Q_KEY), IDENTIFIED_KEY: contracts.class_mask(IDENTIFIED_KEY)},
+)
 
 
-def classifier_row_weights(
-    updates: list[SiteUpdate], classifier_keys: str, vectors: Mapping[str, np.ndarray]
-) -> dict[str, dict[str, np.ndarray]]:
-    r"""key -> site -> per-class weights for every classifier array (weight rows and bias entries alike).
-
-    ``ops.weighted_average`` normalises each row over sites and falls back to the scalar (n_k) shares for a
-    row whose weights sum to zero at every site.
-
-    Args:
-        updates: the accepted updates (their keys name the classifier arrays).
-        classifier_keys: regex of the classifier's state-dict keys, e.g. ``^head\.``.
-        vectors: site -> length-K weights (AWPA: q^k; masked aggregation: n_k · 1[c ∈ I_k]).
-    """
+def classifier_row_weights(updates: list[SiteUpdate], classifier_keys: str,
+                           vectors: Mapping[str, np.ndarray]) -> dict[str, dict[str, np.ndarray]]:
+    r"""key -> site -> per-class weights (``vectors``: site -> length-K weights; AWPA: q^k, masked: n_k · 1[c ∈ I_k])
+    for every classifier array (weight rows and bias entries alike) whose key matches ``classifier_keys``.
+    ``ops.weighted_average`` normalises each row over sites and falls back to the scalar (n_k) shares for a row whose
+    weights sum to zero at every site."""
     keys = [k for k in updates[0].arrays if re.search(classifier_keys, k)] if updates else []
     if updates and not keys:
         raise PayloadError(f"no classifier array matches '{classifier_keys}'; set method.classifier_keys")
@@ -54,18 +52,12 @@ def masked_vectors(updates: list[SiteUpdate]) -> dict[str, np.ndarray]:
 
 class FedLsmRule(ServerRule):
     """θ ← Σ_k (n_k/n) θ_k for every key; classifier row c ← Σ_k (q_c^k / Σ_j q_c^j) ψ_{k,c} (``"awpa"``).
-
-    ``aggregation="masked"`` averages row c over the sites that annotate c, by n_k (FPSL's task-dependent
-    aggregation as spec §5(e)8 infers it); ``"samples"`` is plain FedAvg. A row nobody has a count for falls back
-    to n_k.
-
-    n_k is the site's whole training set (``n_samples`` as FedLSM's sites send it): every image trains through
-    labels, pseudo-labels or MixUp, and it is the paper's n_k.
-
-    Multi-label jobs run a ``label_counts`` phase before the first train phase (and again whenever the rule has
-    no pos_weight, e.g. after a server restart): every site sends its per-class positive and negative counts,
-    the server keeps pos_weight_c = Σ neg_c / Σ pos_c for the job and sends it with every train task.
-    """
+    ``aggregation="masked"`` averages row c over the sites that annotate c, by n_k (FPSL's task-dependent aggregation as
+    spec §5(e)8 infers it); ``"samples"`` is plain FedAvg. A row nobody has a count for falls back to n_k, the site's
+    whole training set (every image trains through labels, pseudo-labels or MixUp). Multi-label jobs run a
+    ``label_counts`` phase before the first train phase (and again whenever the rule has no pos_weight, e.g. after a
+    server restart): every site sends its per-class positive and negative counts, the server keeps pos_weight_c = Σ
+    neg_c / Σ pos_c for the job and sends it with every train task."""
 
     def __init__(self, method_cfg: Any, total_rounds: int, payload: contracts.Payload = contracts.Payload()) -> None:
         super().__init__(method_cfg, total_rounds, payload)
@@ -77,13 +69,8 @@ class FedLsmRule(ServerRule):
             return [LABEL_COUNTS, contracts.TRAIN_PHASE]
         return [contracts.TRAIN_PHASE]
 
-    def phase_arrays(
-        self,
-        phase: str,
-        ctx: RoundContext,
-        global_params: Mapping[str, np.ndarray],
-        earlier: Mapping[str, list[SiteUpdate]],
-    ) -> dict[str, np.ndarray] | PerSite:
+    def phase_arrays(self, phase: str, ctx: RoundContext, global_params: Mapping[str, np.ndarray],
+                     earlier: Mapping[str, list[SiteUpdate]]) -> dict[str, np.ndarray] | PerSite:
         arrays = super().phase_arrays(phase, ctx, global_params, earlier)
         if phase != contracts.TRAIN_PHASE or not self.multi_label:
             return arrays

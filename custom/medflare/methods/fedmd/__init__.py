@@ -1,16 +1,13 @@
 """FedMD baseline: every site distils toward the consensus (mean) of all sites' predictions on public rows, then
-revisits its private data with cross-entropy. No client-confidence weights, no label-noise-robust loss.
-
-It runs the MDH-FL exchange (``medflare.methods.mdhfl``) with FedMD's choices; only probabilities and scalars
-leave a site, and the server holds no model.
-"""
+revisits its private data with cross-entropy (no client-confidence weights, no label-noise-robust loss). It runs
+the MDH-FL exchange with FedMD's choices: only probabilities and scalars leave a site; the server holds no model."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from medflare.methods.base import MethodSpec, builtin_method
-from medflare.methods.mdhfl import REVEALS, SMOKE, MdhflConfig, check_public_set
+from medflare.methods.mdhfl import DP_BLOCKER, REVEALS, SMOKE, MdhflConfig, check_public_set
 from medflare.methods.mdhfl.client import MdhflTrainer
 from medflare.methods.mdhfl.protocol import PAYLOAD
 from medflare.methods.mdhfl.server import MdhflRule
@@ -29,10 +26,7 @@ class FedMdConfig(MdhflConfig):
 SPEC = builtin_method(
     MethodSpec(
         name="fedmd",
-        dp_sgd_blocker=(
-            "its distillation steps train the same model on public rows with a plain optimizer between its private "
-            "steps, which Opacus's per-sample hooks and the accountant do not separate"
-        ),
+        dp_sgd_blocker=DP_BLOCKER,
         summary="FedMD: per-site architectures; KL to the mean of all sites' public-set predictions + local CE",
         config_cls=FedMdConfig,
         trainer_cls=MdhflTrainer,

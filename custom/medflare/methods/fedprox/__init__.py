@@ -2,8 +2,7 @@
 
 from dataclasses import dataclass
 
-from medflare.errors import ConfigError
-from medflare.methods.base import MethodSpec, builtin_method
+from medflare.methods.base import MethodSpec, builtin_method, require
 from medflare.methods.fedprox.client import FedProxTrainer
 
 
@@ -14,17 +13,14 @@ class FedProxConfig:
     mu: float = 0.01  # proximal weight; the Fed-MAS appendix sweeps {0.1, 0.01, 0.001}
 
     def __post_init__(self) -> None:
-        if not self.mu >= 0:
-            raise ConfigError(f"fedprox mu must be >= 0, got {self.mu}")
+        require(self.mu >= 0, f"fedprox mu must be >= 0, got {self.mu}")
 
 
 SPEC = builtin_method(
     MethodSpec(
         name="fedprox",
-        dp_sgd_blocker=(
-            "its proximal term mu/2·||w - w_global||² has no per-sample gradient, and DP-SGD replaces the batch "
-            "gradient with the noised sum of per-sample ones, so the term would vanish"
-        ),
+        dp_sgd_blocker=("its proximal term mu/2·||w - w_global||² has no per-sample gradient, and DP-SGD replaces "
+                        "the batch gradient with the noised sum of per-sample ones, so the term would vanish"),
         summary="FedProx: cross-entropy + (mu/2)||w - w_global||^2, sample-count-weighted average",
         config_cls=FedProxConfig,
         trainer_cls=FedProxTrainer,

@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from medflare.contracts import Payload
-from medflare.errors import ConfigError
 from medflare.evaluation import FCA_PROTOCOL_DATA
-from medflare.methods.base import MethodSpec, builtin_method
+from medflare.methods.base import MethodSpec, builtin_method, require
 from medflare.methods.fedrep.client import FedRepTrainer
 from medflare.methods.fedrep.server import FedRepRule
 
@@ -22,19 +21,15 @@ class FedRepConfig:
     eps: float = 1e-9  # balanced-softmax prior floor (FCA's baselines use BSM with FCA's 1e-9)
 
     def __post_init__(self) -> None:
-        if self.head_epochs < 0:
-            raise ConfigError(f"fedrep head_epochs must be >= 0, got {self.head_epochs}")
-        if not self.eps >= 0:
-            raise ConfigError(f"fedrep eps must be >= 0, got {self.eps}")
+        require(self.head_epochs >= 0, f"fedrep head_epochs must be >= 0, got {self.head_epochs}")
+        require(self.eps >= 0, f"fedrep eps must be >= 0, got {self.eps}")
 
 
 SPEC = builtin_method(
     MethodSpec(
         name="fedrep",
-        dp_sgd_blocker=(
-            "its personal head trains on the site's features with a plain optimizer each round, and the shared body's "
-            "steps then depend on that head"
-        ),
+        dp_sgd_blocker=("its personal head trains on the site's features with a plain optimizer each round, and the "
+                        "shared body's steps then depend on that head"),
         summary="FedRep: shared body averaged; each site's head (BSM) trained first each round and never sent",
         config_cls=FedRepConfig,
         trainer_cls=FedRepTrainer,

@@ -23,17 +23,9 @@ __all__ = ["FedRepTrainer"]
 
 class FedRepTrainer(PersonalizedTrainer):
     """Each round: (1) the personal head trains ``head_epochs`` epochs with the received body frozen; (2) the body
-    trains ``train.local_epochs`` epochs with the head frozen (the shared loop). Both use balanced softmax with
-    the site's prior, as FCA's baselines do.
-
-    The head is a private key: never sent, never received, kept in the site's state. Step (1) runs on features
-    cached in one pass (:mod:`medflare.methods.personalization`) with a fresh optimizer each round, as the authors'
-    code builds one per round.
-
-    References:
-        Collins, Hassani, Mokhtari and Shakkottai, Exploiting Shared Representations for Personalized Federated
-        Learning, ICML 2021.
-    """
+    trains ``train.local_epochs`` epochs with the head frozen (the shared loop). Both use balanced softmax with the
+    site's prior, as FCA's baselines do. The head is a private key (never sent or received, kept in the site's state);
+    step (1) runs on cached features with a fresh optimizer each round, as the authors' code does."""
 
     def on_round_start(self, ctx: RoundContext) -> None:
         head = self.model.head

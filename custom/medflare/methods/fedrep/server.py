@@ -11,13 +11,10 @@ __all__ = ["FedRepRule"]
 
 
 class FedRepRule(ServerRule):
-    """Sample-count-weighted average of the body.
-
-    FedRep has no global classifier: the server never holds a head (``final.test`` pools each site's own model on
-    its own test split). Generalization = each site's body and personal head on the pooled test set, averaged over
-    sites (FCA's "personalized classifier [...] on the generalized test set"; simulation only); specialization =
-    the same model on the site's own test split, averaged over sites.
-    """
+    """Sample-count-weighted average of the body. FedRep has no global classifier: the server never holds a head
+    (``final.test`` pools each site's own model on its own test split). Generalization = each site's body and personal
+    head on the pooled test set, averaged over sites (FCA's "personalized classifier [...] on the generalized test set";
+    simulation only); specialization = the same model on the site's own test split, averaged over sites."""
 
     def final_metrics(self, final: Mapping[str, Any]) -> dict[str, Any]:
         return personalization_figures(final, global_classifier=False, specialization=SPECIALIZATION,

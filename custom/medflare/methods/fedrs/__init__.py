@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from medflare.errors import ConfigError
 from medflare.losses.restricted_softmax import RESTRICTION_MODES
-from medflare.methods.base import MethodSpec, builtin_method
+from medflare.methods.base import COUNTS_UNCOVERED, MethodSpec, builtin_method, require
 from medflare.methods.fedrs.client import FedRsTrainer
 from medflare.methods.fedrs.server import FedRsRule
 
@@ -27,22 +26,17 @@ class FedRsConfig:
     eps: float = 1e-9  # bsm prior floor (FCA's value)
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ConfigError(f"fedrs alpha must be in [0, 1], got {self.alpha}")
-        if self.restriction not in RESTRICTION_MODES:
-            raise ConfigError(f"fedrs restriction must be one of {RESTRICTION_MODES}, got '{self.restriction}'")
-        if self.loss not in LOSSES:
-            raise ConfigError(f"fedrs loss must be one of {LOSSES}, got '{self.loss}'")
-        if not self.eps >= 0:
-            raise ConfigError(f"fedrs eps must be >= 0, got {self.eps}")
+        require(0.0 <= self.alpha <= 1.0, f"fedrs alpha must be in [0, 1], got {self.alpha}")
+        require(self.restriction in RESTRICTION_MODES,
+                f"fedrs restriction must be one of {RESTRICTION_MODES}, got '{self.restriction}'")
+        require(self.loss in LOSSES, f"fedrs loss must be one of {LOSSES}, got '{self.loss}'")
+        require(self.eps >= 0, f"fedrs eps must be >= 0, got {self.eps}")
 
 
 SPEC = builtin_method(
     MethodSpec(
         name="fedrs",
-        dp_sgd_uncovered=(
-            "the site's class counts its loss reads: ε covers the noised steps given those counts, not the counts"
-        ),
+        dp_sgd_uncovered=COUNTS_UNCOVERED,
         summary="FedRS: local (balanced) softmax with the logits of the site's missing classes scaled by alpha",
         config_cls=FedRsConfig,
         trainer_cls=FedRsTrainer,

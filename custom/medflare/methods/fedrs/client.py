@@ -12,17 +12,11 @@ __all__ = ["FedRsTrainer"]
 
 
 class FedRsTrainer(LocalTrainer):
-    """Loss = BSM (or CE) on ``α_c · z_c``: α_c = ``alpha + (1 − alpha)·n_c / max n`` (soft, the authors' code) or
-    1 for a class the site has and ``alpha`` for one it lacks (hard, the paper). Only the local loss sees the
-    restriction; prediction uses the raw logits.
-
-    A missing (or rare) class's weight vector is then pulled less towards the site's features. With balanced
-    softmax the missing classes' logits already carry a log(eps) offset, so hard + BSM trains as BSM-FL (README).
-    The class counts never leave the site.
-
-    References:
-        Li and Zhan, FedRS: Federated Learning with Restricted Softmax for Label Distribution Non-IID Data, KDD 2021.
-    """
+    """Loss = BSM (or CE) on ``α_c · z_c``: α_c = ``alpha + (1 − alpha)·n_c / max n`` (soft, the authors' code) or 1 for
+    a class the site has and ``alpha`` for one it lacks (hard, the paper). Only the local loss sees the restriction;
+    prediction uses the raw logits. A missing (or rare) class's weight vector is then pulled less towards the site's
+    features. With balanced softmax the missing classes' logits already carry a log(eps) offset, so hard + BSM trains as
+    BSM-FL (README). The class counts never leave the site."""
 
     def compute_loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         labelled = labels >= 0

@@ -2,8 +2,7 @@
 
 from dataclasses import dataclass
 
-from medflare.errors import ConfigError
-from medflare.methods.base import MethodSpec, builtin_method
+from medflare.methods.base import COUNTS_UNCOVERED, MethodSpec, builtin_method, require
 from medflare.methods.ldam_drw.client import LdamDrwTrainer
 from medflare.methods.ldam_drw.model import build_cosine_head_model
 
@@ -20,22 +19,17 @@ class LdamDrwConfig:
     drw_start_fraction: float = 0.8  # re-weighting is on from round ⌈f · total_rounds⌉ (0-based); 1.0 = never
 
     def __post_init__(self) -> None:
-        if not self.max_margin > 0:
-            raise ConfigError(f"ldam-drw max_margin must be > 0, got {self.max_margin}")
-        if not self.scale > 0:
-            raise ConfigError(f"ldam-drw scale must be > 0, got {self.scale}")
-        if not 0.0 <= self.drw_beta < 1.0:
-            raise ConfigError(f"ldam-drw drw_beta must be in [0, 1), got {self.drw_beta}")
-        if not 0.0 <= self.drw_start_fraction <= 1.0:
-            raise ConfigError(f"ldam-drw drw_start_fraction must be in [0, 1], got {self.drw_start_fraction}")
+        require(self.max_margin > 0, f"ldam-drw max_margin must be > 0, got {self.max_margin}")
+        require(self.scale > 0, f"ldam-drw scale must be > 0, got {self.scale}")
+        require(0.0 <= self.drw_beta < 1.0, f"ldam-drw drw_beta must be in [0, 1), got {self.drw_beta}")
+        require(0.0 <= self.drw_start_fraction <= 1.0,
+                f"ldam-drw drw_start_fraction must be in [0, 1], got {self.drw_start_fraction}")
 
 
 SPEC = builtin_method(
     MethodSpec(
         name="ldam-drw",
-        dp_sgd_uncovered=(
-            "the site's class counts its loss reads: ε covers the noised steps given those counts, not the counts"
-        ),
+        dp_sgd_uncovered=COUNTS_UNCOVERED,
         summary="LDAM-DRW-FL: local LDAM loss on a cosine head, class-balanced re-weighting from 80% of rounds",
         config_cls=LdamDrwConfig,
         trainer_cls=LdamDrwTrainer,

@@ -13,29 +13,12 @@ from medflare.models import Classifier, CosineLinear
 __all__ = ["build_cosine_head_model"]
 
 
-def build_cosine_head_model(
-    model: str, num_classes: int, in_channels: int, image_size: int, pretrained: str | None, method_cfg: Any
-) -> nn.Module:
-    """The registered model with ``head`` replaced by a :class:`CosineLinear` of the same shape.
-
-    Site and server both build the network through this function, so they agree on the keys: the head keeps
-    its name (``head.weight``) and has no bias, because LDAM's margins assume logits in [-1, 1]. Pretrained
-    weights, if any, are loaded before the swap, so only the backbone keeps them.
-
-    Args:
-        model: registered model name.
-        num_classes: number of classes K.
-        in_channels: image channels.
-        image_size: side of the square input images.
-        pretrained: None, ``"imagenet"`` or a local weights file.
-        method_cfg: the method's config (unused: the head has no options).
-
-    Raises:
-        ConfigError: if the factory returned something other than a :class:`Classifier`.
-
-    References:
-        Cao et al., Learning Imbalanced Datasets with Label-Distribution-Aware Margin Loss, NeurIPS 2019.
-    """
+def build_cosine_head_model(model: str, num_classes: int, in_channels: int, image_size: int, pretrained: str | None,
+                            method_cfg: Any) -> nn.Module:
+    """The registered model with ``head`` replaced by a :class:`CosineLinear` of the same shape. Site and server both
+    build the network here, so they agree on the keys: the head keeps its name (``head.weight``) and has no bias,
+    because LDAM's margins assume logits in [-1, 1]. Pretrained weights, if any, are loaded before the swap, so only the
+    backbone keeps them. A factory network that is not a :class:`Classifier` (no replaceable head) is refused."""
     classifier = default_model_builder(model, num_classes, in_channels, image_size, pretrained, method_cfg)
     if not isinstance(classifier, Classifier):
         raise ConfigError(f"ldam-drw needs a Classifier with a replaceable head; '{model}' is {type(classifier)}")

@@ -1,16 +1,13 @@
-"""Local-only training: every site trains its own model on its own data; nothing but evaluation leaves it.
-
-The reference point of personalized and model-heterogeneous FL (FCA's specialization reference, MDH-FL's
-lower bound): no weights travel, the server holds no model, and each site may run its own architecture.
-"""
+"""Local-only training: every site trains its own model on its own data; nothing but evaluation leaves it. The
+reference of personalized and model-heterogeneous FL (FCA's specialization reference, MDH-FL's lower bound): no
+weights travel, the server holds no model, and each site may run its own architecture."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from medflare.contracts import Payload
-from medflare.errors import ConfigError
-from medflare.methods.base import MethodSpec, builtin_method
+from medflare.methods.base import MethodSpec, builtin_method, require
 from medflare.methods.local_only.client import LOSSES, LocalOnlyReferenceTrainer
 from medflare.methods.local_only.server import LocalOnlyRule
 
@@ -25,8 +22,7 @@ class LocalOnlyConfig:
     sce_beta: float = 1.0  # sce: weight of reverse CE
 
     def __post_init__(self) -> None:
-        if self.loss not in LOSSES:
-            raise ConfigError(f"local-only loss must be one of {sorted(LOSSES)}, got '{self.loss}'")
+        require(self.loss in LOSSES, f"local-only loss must be one of {sorted(LOSSES)}, got '{self.loss}'")
 
 
 SPEC = builtin_method(

@@ -1,9 +1,6 @@
 """MDH-FL: sites with their own architectures align their predictions on a shared public set (KL to a
-confidence-weighted mix of the others') and train locally with symmetric cross-entropy against label noise.
-
-No weight and nothing about an architecture ever leaves a site, and the server holds no model. The machinery
-(protocol, targets, site trainer, server rule) also serves the ``fedmd`` baseline (its own folder).
-"""
+confidence-weighted mix of the others') and train locally with symmetric cross-entropy against label noise. No
+weight or architecture leaves a site and the server holds no model; the machinery also serves ``fedmd``."""
 
 from __future__ import annotations
 
@@ -23,15 +20,15 @@ LOCAL_LOSSES = ("sce", "ce")
 KL_OPTIMIZERS = ("step", "persistent")
 PROBS_DTYPES = ("float16", "float32")
 # What the exchange tells the server (fedmd sends the same, without private_loss).
-REVEALS = (
-    "no weights and no architecture; the site model's softmax on each public chunk (a model-inversion or "
-    "membership attack could use it), how fast its private loss falls (private_loss, for CCR), and the SHA-256 "
-    "digest and size of its public-set copy"
-)
-REFERENCE = (
-    "Ahmad et al., Exploiting Model and Data Heterogeneity in FL (MDH-FL), 2023, with RHFL's client-confidence "
-    "re-weighting (Fang and Ye, Robust Federated Learning with Noisy and Heterogeneous Clients, CVPR 2022)"
-)
+REVEALS = ("no weights and no architecture; the site model's softmax on each public chunk (a model-inversion or "
+           "membership attack could use it), how fast its private loss falls (private_loss, for CCR), and the SHA-256 "
+           "digest and size of its public-set copy")
+# Why neither exchange method (mdhfl, fedmd) trains with DP-SGD
+DP_BLOCKER = ("its distillation steps train the same model on public rows with a plain optimizer between its private "
+              "steps, which Opacus's per-sample hooks and the accountant do not separate")
+REFERENCE = ("Ahmad et al., Exploiting Model and Data Heterogeneity in FL (MDH-FL), 2023, with RHFL's "
+             "client-confidence re-weighting (Fang and Ye, Robust Federated Learning with Noisy and Heterogeneous "
+             "Clients, CVPR 2022)")
 
 
 @dataclass
@@ -73,11 +70,8 @@ class MdhflConfig:
 
 
 def check_public_set(cfg: MdhflConfig, trains: Mapping[str, TrainConfig], data: DataConfig | None) -> list[str]:
-    """MethodSpec.check_run: a simulation must hold out (or name) the public set every exchange starts from.
-
-    At a real site (``data`` None) the site's own ``medflare_site.json`` names it; that site checks it. The
-    "w/o KL" ablation (``distill=false``) exchanges nothing and needs none.
-    """
+    """MethodSpec.check_run: a simulation must hold out (or name) the public set every exchange starts from (a real
+    site's ``medflare_site.json`` names it and the site checks it; ``distill=false`` exchanges nothing)."""
     if data is None or not cfg.distill or data.public_fraction or data.public_source:
         return []
     return ["its sites distil on an unlabelled public set and this simulation has none; set data.public_fraction "
@@ -88,20 +82,13 @@ def check_public_set(cfg: MdhflConfig, trains: Mapping[str, TrainConfig], data: 
 # train.fresh_optimizer=never keeps it for the job instead.
 TRAIN_DEFAULTS = {"optimizer": "adam", "lr": 1e-3, "batch_size": 16, "fresh_optimizer": "round"}
 
-SMOKE = {
-    "model": "cnn",
-    "data": {"public_fraction": 0.2, "label_noise": 0.2, "noise_kind": "pairflip"},
-    "train": {"max_steps": 2, "batch_size": 16},
-    "method_args": {"public_per_round": 32, "chunks": 2},
-}
+SMOKE = {"model": "cnn", "data": {"public_fraction": 0.2, "label_noise": 0.2, "noise_kind": "pairflip"},
+         "train": {"max_steps": 2, "batch_size": 16}, "method_args": {"public_per_round": 32, "chunks": 2}}
 
 SPEC = builtin_method(
     MethodSpec(
         name="mdhfl",
-        dp_sgd_blocker=(
-            "its distillation steps train the same model on public rows with a plain optimizer between its private "
-            "steps, which Opacus's per-sample hooks and the accountant do not separate"
-        ),
+        dp_sgd_blocker=DP_BLOCKER,
         summary="MDH-FL: per-site architectures; KL to confidence-weighted public-set predictions + local SCE",
         config_cls=MdhflConfig,
         trainer_cls=MdhflTrainer,

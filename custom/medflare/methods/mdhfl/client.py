@@ -1,8 +1,6 @@
 """The site side of the exchange: probabilities on public rows, KL steps toward T_p, local SCE (or CE) epochs.
-
-The local epochs run in the shared training loop (``compute_loss`` of the local-only trainer: SCE or CE). The
-distillation steps on public rows are this method's own loop, built on the trainer's ``optimizer_step``.
-"""
+The local epochs run in the shared loop (the local-only trainer's loss); the distillation steps on public rows are
+this method's own loop, built on the trainer's ``optimizer_step``."""
 
 from __future__ import annotations
 
@@ -49,9 +47,8 @@ class MdhflTrainer(LocalOnlyTrainer):
         self.kl_loss: float | None = None  # of the current train task's KL steps
 
     # ----- the exchange's tasks -------------------------------------------------------------------
-    def run_phase(
-        self, phase: str, arrays: Mapping[str, np.ndarray], ctx: RoundContext
-    ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    def run_phase(self, phase: str, arrays: Mapping[str, np.ndarray],
+                  ctx: RoundContext) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         if phase == SETUP_PHASE:
             public = self._public()
             parameters = sum(p.numel() for p in self.model.parameters())
@@ -72,11 +69,8 @@ class MdhflTrainer(LocalOnlyTrainer):
         return {} if self.kl_loss is None else {KL_LOSS: self.kl_loss}
 
     def extra_state(self) -> dict[str, Any]:
-        return {
-            "rows": self.rows,
-            "loss_round": self.loss_round,
-            "kl_optimizer": None if self.kl_optimizer is None else self.kl_optimizer.state_dict(),
-        }
+        return {"rows": self.rows, "loss_round": self.loss_round,
+                "kl_optimizer": None if self.kl_optimizer is None else self.kl_optimizer.state_dict()}
 
     def load_extra_state(self, state: Mapping[str, Any]) -> None:
         self.rows = None if state.get("rows") is None else tuple(state["rows"])
@@ -86,9 +80,8 @@ class MdhflTrainer(LocalOnlyTrainer):
             self.kl_optimizer.load_state_dict(state["kl_optimizer"])
 
     # ----- internals ------------------------------------------------------------------------------
-    def _share_probabilities(
-        self, arrays: Mapping[str, np.ndarray], ctx: RoundContext
-    ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    def _share_probabilities(self, arrays: Mapping[str, np.ndarray],
+                             ctx: RoundContext) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """Softmax of the current model on the chunk's rows (eval mode), plus the private loss once a round."""
         self.rows = self._chunk_rows(arrays.get(PUBLIC_ROWS))
         self.model.eval()
@@ -169,10 +162,9 @@ class MdhflTrainer(LocalOnlyTrainer):
 
     def _public(self) -> Any:
         if self.data.public is None:
-            raise DataError(
-                f"{self.data.site_name}: this method needs the unlabelled public set; set data.public_fraction "
-                "(simulation) or data.public_source (a site's local copy, in its medflare_site.json)"
-            )
+            raise DataError(f"{self.data.site_name}: this method needs the unlabelled public set; set "
+                            "data.public_fraction (simulation) or data.public_source (a site's local copy, in its "
+                            "medflare_site.json)")
         return self.data.public
 
     def _local_epochs(self) -> int:

@@ -1,6 +1,5 @@
-"""What travels in a public-set logit exchange (MDH-FL, FedMD): task names, keys and the one Payload.
-
-A round of the exchange, with M chunks of public rows:
+"""What travels in a public-set logit exchange (MDH-FL, FedMD): task names, keys and the one Payload. A round of
+the exchange, with M chunks of public rows:
 
     [public_setup]            round 0 only: each site reports its public set's SHA-256 digest and size
     public_probs -> distill   chunks 1..M-1: probabilities up, each site's own mixed target T_p down, KL steps
@@ -15,14 +14,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from medflare.contracts import (
-    MAX_SAMPLES,
-    ContractContext,
-    MetaValidator,
-    Payload,
-    non_negative_number,
-    probabilities,
-)
+from medflare.contracts import MAX_SAMPLES, ContractContext, MetaValidator, Payload, non_negative_number, probabilities
 from medflare.errors import PayloadError
 
 SETUP_PHASE = "public_setup"
@@ -67,10 +59,6 @@ PAYLOAD = Payload(
     sends_weights=False,
     arrays={PROBS: probabilities(phase=PROBS_PHASE)},  # float16 by default, float32 allowed; never float64
     receives=(TARGET, PUBLIC_ROWS),
-    meta={
-        PUBLIC_DIGEST: sha256_hex(PUBLIC_DIGEST),
-        PUBLIC_SIZE: image_count(PUBLIC_SIZE),
-        PRIVATE_LOSS: non_negative_number(PRIVATE_LOSS),
-        KL_LOSS: non_negative_number(KL_LOSS),
-    },
+    meta={PUBLIC_DIGEST: sha256_hex(PUBLIC_DIGEST), PUBLIC_SIZE: image_count(PUBLIC_SIZE),
+          PRIVATE_LOSS: non_negative_number(PRIVATE_LOSS), KL_LOSS: non_negative_number(KL_LOSS)},
 )

@@ -1,7 +1,5 @@
-"""The server side of the exchange: it holds no model, checks the sites' public sets, and builds each site's T_p.
-
-Pure numpy, driven by the generic controller through the ServerRule hooks (phases, phase_arrays, array_dims).
-"""
+"""The server side of the exchange: it holds no model, checks the sites' public sets, and builds each site's T_p
+(pure numpy, driven by the generic controller through the ServerRule hooks)."""
 
 from __future__ import annotations
 
@@ -41,31 +39,24 @@ def chunk_bounds(round_index: int, chunk: int, public_size: int, per_round: int,
 
 
 def check_public_digests(setup: list[SiteUpdate]) -> tuple[str, int]:
-    """The public set every site must hold: the digest most sites report, and its size.
-
-    Raises:
-        PublicSetMismatch: naming every site whose copy differs from the others'.
-    """
+    """The public set every site must hold: the digest most sites report, and its size; PublicSetMismatch names
+    every site whose copy differs."""
     digests = {u.site: (u.meta[PUBLIC_DIGEST], int(u.meta[PUBLIC_SIZE])) for u in setup}
     reference, _ = Counter(digests.values()).most_common(1)[0]  # ties: the first site's copy, by name
     odd = sorted(site for site, copy in digests.items() if copy != reference)
     if odd:
         holders = sorted(site for site, copy in digests.items() if copy == reference)
         details = "; ".join(f"{s}: {digests[s][1]} images, sha256 {digests[s][0][:12]}…" for s in odd)
-        raise PublicSetMismatch(
-            f"public set mismatch: {', '.join(odd)} hold(s) a different copy of the public set ({details}) than "
-            f"{', '.join(holders)} ({reference[1]} images, sha256 {reference[0][:12]}…); every site must read the "
-            f"same public images in the same order: fix data.public_source at {', '.join(odd)}"
-        )
+        raise PublicSetMismatch(f"public set mismatch: {', '.join(odd)} hold(s) a different copy of the public set "
+                                f"({details}) than {', '.join(holders)} ({reference[1]} images, sha256 "
+                                f"{reference[0][:12]}…); every site must read the same public images in the same "
+                                f"order: fix data.public_source at {', '.join(odd)}")
     return reference
 
 
 class MdhflRule(ServerRule):
-    """Runs the exchange's phases and builds T_p per site; aggregates nothing (no weights travel).
-
-    State kept across rounds: the public set's digest and size (from the set-up), which sites were checked,
-    and each site's latest private loss (CCR needs the previous round's).
-    """
+    """Runs the exchange's phases and builds T_p per site; aggregates nothing (no weights travel). Keeps across
+    rounds the public set's size, which sites were checked, and each site's latest private loss (for CCR)."""
 
     encrypted_aggregation_refusal = ("it sends no weights: the server mixes the sites' public-set predictions per "
                                      "receiver and clips them, which it must read to do")
@@ -88,13 +79,8 @@ class MdhflRule(ServerRule):
     def array_dims(self, phase: str, ctx: RoundContext) -> dict[str, int]:
         return {"rows": self._rows[1]} if phase == PROBS_PHASE else {}
 
-    def phase_arrays(
-        self,
-        phase: str,
-        ctx: RoundContext,
-        global_params: Mapping[str, np.ndarray],
-        earlier: Mapping[str, list[SiteUpdate]],
-    ) -> dict[str, np.ndarray] | PerSite | Mixture:
+    def phase_arrays(self, phase: str, ctx: RoundContext, global_params: Mapping[str, np.ndarray],
+                     earlier: Mapping[str, list[SiteUpdate]]) -> dict[str, np.ndarray] | PerSite | Mixture:
         if phase == SETUP_PHASE or not self.cfg.distill:
             return {}
         if phase == PROBS_PHASE:
@@ -135,10 +121,9 @@ class MdhflRule(ServerRule):
         self.checked = {u.site for u in setup}
         per_round = min(self.cfg.public_per_round or self.public_size, self.public_size)
         if per_round < 2 * self.cfg.chunks:
-            raise ConfigError(
-                f"method.chunks={self.cfg.chunks} splits {per_round} public rows per round into chunks of fewer than "
-                "2 images; lower chunks or use more public images (data.public_fraction, method.public_per_round)"
-            )
+            raise ConfigError(f"method.chunks={self.cfg.chunks} splits {per_round} public rows per round into chunks "
+                              "of fewer than 2 images; lower chunks or use more public images (data.public_fraction, "
+                              "method.public_per_round)")
 
     def _targets(self, probs: list[SiteUpdate]) -> Mixture:
         """Every site's T_p as a :class:`Mixture` of the probabilities that arrived: the server bounds each teacher's

@@ -2,8 +2,7 @@
 
 from dataclasses import dataclass
 
-from medflare.errors import ConfigError
-from medflare.methods.base import MethodSpec, builtin_method
+from medflare.methods.base import MethodSpec, builtin_method, require
 from medflare.methods.moon.client import MoonTrainer
 
 __all__ = ["MoonConfig", "SPEC"]
@@ -17,10 +16,8 @@ class MoonConfig:
     temperature: float = 0.5  # τ dividing the cosine similarities (MOON and the Fed-MAS repo)
 
     def __post_init__(self) -> None:
-        if not self.mu >= 0:
-            raise ConfigError(f"moon mu must be >= 0, got {self.mu}")
-        if not self.temperature > 0:
-            raise ConfigError(f"moon temperature must be > 0, got {self.temperature}")
+        require(self.mu >= 0, f"moon mu must be >= 0, got {self.mu}")
+        require(self.temperature > 0, f"moon temperature must be > 0, got {self.temperature}")
 
 
 SPEC = builtin_method(

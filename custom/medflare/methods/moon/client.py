@@ -1,8 +1,6 @@
-"""MOON site update: cross-entropy plus a contrastive term over three models' pooled features.
-
-The two reference models are frozen copies held by the trainer (not submodules of the site's model), so they
-never enter the state dict, the optimizer or the payload.
-"""
+"""MOON site update: cross-entropy plus a contrastive term over three models' pooled features. The two reference models
+are frozen copies held by the trainer (not submodules of the site's model), so they never enter the state dict, the
+optimizer or the payload."""
 
 from __future__ import annotations
 
@@ -18,37 +16,21 @@ from medflare.methods.base import LocalTrainer, RoundContext
 __all__ = ["MoonTrainer", "frozen_copy", "model_contrastive_loss"]
 
 
-def model_contrastive_loss(
-    z: torch.Tensor, z_global: torch.Tensor, z_previous: torch.Tensor, temperature: float
-) -> torch.Tensor:
-    """MOON's ℓ_con, mean over the batch.
-
-    ℓ_con = −log(exp(sim(z, z_glob)/τ) / (exp(sim(z, z_glob)/τ) + exp(sim(z, z_prev)/τ))) with cosine
-    similarity, computed as a 2-way cross-entropy whose target is the global model (numerically stable).
-
-    Args:
-        z: representations of the model being trained ``[B, D]``.
-        z_global: representations of the round's global model ``[B, D]`` (the positive).
-        z_previous: representations of this site's previous local model ``[B, D]`` (the negative).
-        temperature: τ > 0.
-
-    References:
-        Li, He and Song, Model-Contrastive Federated Learning, CVPR 2021, Eq. 3.
-    """
-    similarities = torch.stack(
-        (F.cosine_similarity(z, z_global, dim=1), F.cosine_similarity(z, z_previous, dim=1)), dim=1
-    )
+def model_contrastive_loss(z: torch.Tensor, z_global: torch.Tensor, z_previous: torch.Tensor,
+                           temperature: float) -> torch.Tensor:
+    """MOON's ℓ_con (Eq. 3), mean over the batch, of the trained model's ``[B, D]`` representations z, the global
+    model's (the positive) and the site's previous model's (the negative): ℓ_con = −log(exp(sim(z, z_glob)/τ) /
+    (exp(sim(z, z_glob)/τ) + exp(sim(z, z_prev)/τ))) with cosine similarity, computed as a 2-way cross-entropy whose
+    target is the global model (numerically stable)."""
+    similarities = torch.stack((F.cosine_similarity(z, z_global, dim=1), F.cosine_similarity(z, z_previous, dim=1)),
+                               dim=1)
     positive_is_global = torch.zeros(z.shape[0], dtype=torch.long, device=z.device)
     return F.cross_entropy(similarities / temperature, positive_is_global)
 
 
 def frozen_copy(model: nn.Module, into: nn.Module | None = None) -> nn.Module:
-    """A gradient-free, eval-mode copy of ``model``'s current state (parameters and buffers).
-
-    Args:
-        model: the module to copy.
-        into: an earlier copy of the same architecture to overwrite in place (saves re-allocating every round).
-    """
+    """A gradient-free, eval-mode copy of ``model``'s current state (parameters and buffers), written ``into`` an
+    earlier copy of the same architecture when given (saves re-allocating every round)."""
     if into is None:
         into = copy.deepcopy(model)
         for param in into.parameters():
@@ -60,20 +42,13 @@ def frozen_copy(model: nn.Module, into: nn.Module | None = None) -> nn.Module:
 
 
 class MoonTrainer(LocalTrainer):
-    """CE over labelled samples (BCE over known entries for multi-label tasks) + μ · ℓ_con over every sample, on
-    the model's pooled features.
-
-    z is ``forward_features`` of the model being trained (no projection head: the network, and so the payload,
-    stay identical to FedAvg's). z_glob comes from a frozen copy of the model received this round, z_prev from a
-    frozen copy of this site's model at the end of its previous round. The previous model stays at the site for
-    the whole job and is never sent; it is part of the site's saved state, so a restarted site keeps it. Before a
-    site has trained once (round 0) there is no previous model and the term is skipped: MOON's reference code uses the global model as z_prev then, which
-    makes ℓ_con the constant log 2 with zero gradient, so the updates are the same. ℓ_con needs no labels, so
-    unlabelled samples (label −1) still contribute to it.
-
-    References:
-        Li, He and Song, Model-Contrastive Federated Learning, CVPR 2021.
-    """
+    """CE over labelled samples (BCE over known entries for multi-label tasks) + μ · ℓ_con over every sample, on the
+    model's pooled features. z is ``forward_features`` of the model being trained (no projection head: the network, and
+    so the payload, stay FedAvg's); z_glob comes from a frozen copy of the model received this round, z_prev from a
+    frozen copy of this site's model at the end of its previous round, which stays at the site (in its saved state) and
+    is never sent. Before a site has trained once there is no previous model and the term is skipped: MOON's code uses
+    the global model as z_prev then, making ℓ_con the constant log 2 with zero gradient. ℓ_con needs no labels, so
+    unlabelled samples (label −1) still contribute to it."""
 
     uses_unlabelled_samples = True  # the contrastive term needs no labels
 
@@ -100,9 +75,8 @@ class MoonTrainer(LocalTrainer):
         return {}
 
     def extra_state(self) -> dict[str, Any]:
-        if self.previous_model is None:
-            return {}
-        return {"previous_model": {k: v.cpu() for k, v in self.previous_model.state_dict().items()}}
+        previous = self.previous_model
+        return {} if previous is None else {"previous_model": {k: v.cpu() for k, v in previous.state_dict().items()}}
 
     def load_extra_state(self, state: Mapping[str, Any]) -> None:
         if "previous_model" in state:

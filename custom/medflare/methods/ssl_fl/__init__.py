@@ -1,8 +1,6 @@
 """SSL-FL: federated masked-image pre-training (Fed-MAE, Fed-BEiT), then federated fine-tuning, in one job.
-
-Registers ``fed-mae`` and ``fed-beit``. The scratch baseline is ``fed-mae`` with ``pretrain_rounds=0``: the
-same network, initialisation and fine-tuning recipe, without pre-training.
-"""
+Registers ``fed-mae`` and ``fed-beit``; the scratch baseline is ``fed-mae`` with ``pretrain_rounds=0`` (same
+network, initialisation and fine-tuning recipe, without pre-training)."""
 
 from __future__ import annotations
 
@@ -20,10 +18,8 @@ from medflare.methods.ssl_fl.paper import PRESETS as PAPER_PRESETS
 from medflare.methods.ssl_fl.server import SslFlRule
 from medflare.methods.ssl_fl.tokenizer import DiscreteVae
 
-REFERENCE = (
-    "Yan, Qu, Wei, Huang, Shen, Rubin, Xing and Zhou, Label-Efficient Self-Supervised Federated Learning for "
-    "Tackling Data Heterogeneity in Medical Imaging, IEEE TMI 2023 (code: rui-yan/SSL-FL)"
-)
+REFERENCE = ("Yan, Qu, Wei, Huang, Shen, Rubin, Xing and Zhou, Label-Efficient Self-Supervised Federated Learning for "
+             "Tackling Data Heterogeneity in Medical Imaging, IEEE TMI 2023 (code: rui-yan/SSL-FL)")
 DVAE = "dvae"
 AUTO = "auto"
 NORM_PIX_MIN_PATCH = 16  # MAE's patch size, where norm_pix_loss was validated
@@ -68,21 +64,16 @@ class SslFlConfig:
         return [(PRETRAIN, self.pretrain_rounds)]
 
     def stage_plan(self, total_rounds: int) -> list[Stage]:
-        """The job's stages in order; unscored pre-training stages, then the scored fine-tuning stage.
-
-        Raises:
-            ConfigError: ``finetune_rounds=-1`` with no round left for it.
-        """
+        """The job's stages in order: unscored pre-training stages, then the scored fine-tuning stage (ConfigError
+        for ``finetune_rounds=-1`` with no round left for it)."""
         before = [(name, rounds) for name, rounds in self.pre_stages() if rounds > 0]
         finetune = self.finetune_rounds
         if finetune < 0:
             finetune = total_rounds - sum(rounds for _, rounds in before)
             if finetune < 1:
                 plan = ", ".join(f"{name}_rounds={rounds}" for name, rounds in self.pre_stages())
-                raise ConfigError(
-                    f"the job has rounds={total_rounds} but {plan} leave none for fine-tuning; raise rounds, or "
-                    "set method.finetune_rounds=0 for a pre-training-only job"
-                )
+                raise ConfigError(f"the job has rounds={total_rounds} but {plan} leave none for fine-tuning; raise "
+                                  "rounds, or set method.finetune_rounds=0 for a pre-training-only job")
         stages = [Stage(name, rounds, scored=False) for name, rounds in before]
         return stages + ([Stage(FINETUNE, finetune)] if finetune > 0 else [])
 
@@ -144,19 +135,14 @@ class FedBeitConfig(SslFlConfig):
         if self.tokenizer != DVAE and not self.tokenizer.startswith(DALLE_PREFIX):
             raise ConfigError(f"fed-beit tokenizer must be '{DVAE}' or '{DALLE_PREFIX}PATH', got '{self.tokenizer}'")
         if self.tokenizer_rounds < 0 or (self.tokenizer_rounds > 0 and (self.dalle_path or not self.pretrain_rounds)):
-            raise ConfigError(
-                "fed-beit tokenizer_rounds must be 0 with a DALL-E tokenizer or without pre-training (set "
-                f"method.tokenizer_rounds=0), and >= 0; got {self.tokenizer_rounds}"
-            )
+            raise ConfigError("fed-beit tokenizer_rounds must be 0 with a DALL-E tokenizer or without pre-training "
+                              f"(set method.tokenizer_rounds=0), and >= 0; got {self.tokenizer_rounds}")
         if self.tokenizer == DVAE and self.pretrain_rounds and not self.tokenizer_rounds:
             raise ConfigError("fed-beit with the federated dVAE needs tokenizer_rounds >= 1 before pre-training")
         if self.vocab_size < 2 or min(self.dvae_hidden, self.dvae_code_dim) < 1 or min(
-            self.dvae_kl_weight, self.dvae_usage_weight, self.min_code_perplexity
-        ) < 0:
-            raise ConfigError(
-                "fed-beit vocab_size must be >= 2, dvae sizes >= 1, dvae_kl_weight, dvae_usage_weight and "
-                "min_code_perplexity >= 0"
-            )
+                self.dvae_kl_weight, self.dvae_usage_weight, self.min_code_perplexity) < 0:
+            raise ConfigError("fed-beit vocab_size must be >= 2, dvae sizes >= 1, dvae_kl_weight, dvae_usage_weight "
+                              "and min_code_perplexity >= 0")
         if not 0 < self.tau_end <= self.tau_start or self.layer_scale <= 0:
             raise ConfigError("fed-beit needs 0 < tau_end <= tau_start and layer_scale > 0")
 
@@ -177,10 +163,8 @@ class FedBeitConfig(SslFlConfig):
 def _vit(model: str, num_classes: int, in_channels: int, image_size: int, cfg: SslFlConfig, layer_scale: float | None):
     from medflare.models.vit import build_vit, vit_size
 
-    return build_vit(
-        vit_size(model), num_classes=num_classes, in_channels=in_channels, image_size=image_size,
-        drop_path_rate=max(cfg.drop_path, cfg.pretrain_drop_path), layer_scale=layer_scale,
-    )
+    return build_vit(vit_size(model), num_classes=num_classes, in_channels=in_channels, image_size=image_size,
+                     drop_path_rate=max(cfg.drop_path, cfg.pretrain_drop_path), layer_scale=layer_scale)
 
 
 def _load_pretrained(network: Any, pretrained: str | None) -> Any:
@@ -211,27 +195,20 @@ def build_fed_beit(model: str, num_classes: int, in_channels: int, image_size: i
 
 
 #: The CPU-sized default recipe: the flat options are the fine-tuning stage's, train.stages the others.
-_FINETUNE = {
-    "optimizer": "adamw", "weight_decay": 0.05, "no_decay_norm_bias": True, "layer_decay": 0.65,
-    "lr_schedule": "warmup_cosine", "warmup_rounds": 1.0, "min_lr": 1e-6, "fresh_optimizer": "stage",
-}
+_FINETUNE = {"optimizer": "adamw", "weight_decay": 0.05, "no_decay_norm_bias": True, "layer_decay": 0.65,
+             "lr_schedule": "warmup_cosine", "warmup_rounds": 1.0, "min_lr": 1e-6, "fresh_optimizer": "stage"}
 MAE_TRAIN_DEFAULTS = {
     **_FINETUNE, "lr": 3e-3, "base_batch": 256,  # MAE fine-tuning: blr 3e-3 x batch / 256
     "stages": {PRETRAIN: {"lr": 2e-3, "betas": [0.9, 0.95], "layer_decay": 1.0, "min_lr": 0.0}},  # blr (Retina)
 }
-BEIT_TRAIN_DEFAULTS = {
-    **_FINETUNE, "lr": 3e-3, "grad_clip": 3.0,  # BEiT: absolute lr, clip 3.0
-    "stages": {
-        PRETRAIN: {"lr": 1.5e-3, "layer_decay": 1.0, "min_lr": 1e-5},
-        TOKENIZER: {"lr": 1e-3, "weight_decay": 0.0, "layer_decay": 1.0, "warmup_rounds": 0.0, "min_lr": 1e-5,
-                    "grad_clip": 0.0},
-    },
-}
+BEIT_TRAIN_DEFAULTS = {**_FINETUNE, "lr": 3e-3, "grad_clip": 3.0,  # BEiT: absolute lr, clip 3.0
+                       "stages": {PRETRAIN: {"lr": 1.5e-3, "layer_decay": 1.0, "min_lr": 1e-5},
+                                  TOKENIZER: {"lr": 1e-3, "weight_decay": 0.0, "layer_decay": 1.0, "warmup_rounds": 0.0,
+                                              "min_lr": 1e-5, "grad_clip": 0.0}}}
 PAYLOAD_META = {N_IMAGES: non_negative_number(N_IMAGES, upper=MAX_SAMPLES)}
-BEIT_PAYLOAD_META = {  # the visual tokens' code statistics on the round's images (tokenizer and pre-training)
-    **PAYLOAD_META, CODES_USED: non_negative_number(CODES_USED, upper=MAX_SAMPLES),
-    CODE_PERPLEXITY: non_negative_number(CODE_PERPLEXITY, upper=MAX_SAMPLES),
-}
+# the visual tokens' code statistics on the round's images (tokenizer and pre-training)
+BEIT_PAYLOAD_META = {**PAYLOAD_META, CODES_USED: non_negative_number(CODES_USED, upper=MAX_SAMPLES),
+                     CODE_PERPLEXITY: non_negative_number(CODE_PERPLEXITY, upper=MAX_SAMPLES)}
 SMOKE_DATA = {"source": "synthetic:n=160,n_val=40,n_test=40,imbalance=2", "partition": "iid"}
 
 
@@ -243,16 +220,13 @@ SSL_DP_BLOCKER = ("its fine-tuning mixes pairs of images (MixUp/CutMix) into one
 def _register(name: str, summary: str, config_cls: type, trainer_cls: type, network_cls: type, build_model: Any,
               train_defaults: dict, smoke: dict, meta: dict = PAYLOAD_META, reveals: str = "") -> MethodSpec:
     """One SSL-FL method: its stages' wire declaration comes from the network's ``NOT_SENT`` table."""
-    return builtin_method(
-        MethodSpec(
-            name=name, summary=summary, config_cls=config_cls, trainer_cls=trainer_cls,
-            payload=Payload(stage_excluded_keys=network_cls.NOT_SENT, meta=meta), server_rule_cls=SslFlRule,
-            build_model=build_model, train_defaults=train_defaults, reference=REFERENCE,
-            smoke={"model": "vit_micro", "data": SMOKE_DATA, **smoke}, default_model="vit_tiny",
-            presets=PAPER_PRESETS.get(name, {}), **({"reveals": reveals} if reveals else {}),
-            dp_sgd_blocker=SSL_DP_BLOCKER,
-        )
-    )
+    return builtin_method(MethodSpec(
+        name=name, summary=summary, config_cls=config_cls, trainer_cls=trainer_cls,
+        payload=Payload(stage_excluded_keys=network_cls.NOT_SENT, meta=meta), server_rule_cls=SslFlRule,
+        build_model=build_model, train_defaults=train_defaults, reference=REFERENCE,
+        smoke={"model": "vit_micro", "data": SMOKE_DATA, **smoke}, default_model="vit_tiny",
+        presets=PAPER_PRESETS.get(name, {}), **({"reveals": reveals} if reveals else {}), dp_sgd_blocker=SSL_DP_BLOCKER,
+    ))
 
 
 FED_MAE = _register(

@@ -1,9 +1,6 @@
 """SSL-FL site update: masked-image pre-training on every local image, then supervised fine-tuning on the labels.
-
-The stage of each round (sent by the server) decides what a step does; the shared training loop, the
-optimizer kept across rounds within a stage, and the per-step warm-up + cosine schedule come from
-:class:`~medflare.methods.base.LocalTrainer` and the stage's train settings (``train.stages``).
-"""
+The stage of each round (sent by the server) decides what a step does; the loop, the optimizer kept within a stage
+and the per-step schedule come from :class:`~medflare.methods.base.LocalTrainer` and ``train.stages``."""
 
 from __future__ import annotations
 
@@ -32,10 +29,8 @@ CODES_USED, CODE_PERPLEXITY = "codes_used", "code_perplexity"
 
 class SslFlTrainer(LocalTrainer):
     """What Fed-MAE and Fed-BEiT sites share: stage switching, the data each stage learns from, fine-tuning.
-
-    Pre-training stages train on all local images (labels are ignored, unlabelled ones included); fine-tuning
-    trains on the labelled images only, with label smoothing and, when configured, Mixup/CutMix.
-    """
+    Pre-training stages train on all local images (labels ignored); fine-tuning on the labelled images only, with
+    label smoothing and, when configured, Mixup/CutMix."""
 
     uses_unlabelled_samples = True  # pre-training batches need no label
 
@@ -77,19 +72,15 @@ class SslFlTrainer(LocalTrainer):
 
     # ----- losses ---------------------------------------------------------------------------------
     def compute_loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if self.stage == FINETUNE:
-            return self.finetune_loss(images, labels)
-        return self.pretext_loss(images)
+        return self.finetune_loss(images, labels) if self.stage == FINETUNE else self.pretext_loss(images)
 
     def pretext_loss(self, images: torch.Tensor) -> torch.Tensor:
         """The masked-image-modelling loss of one batch (method-specific)."""
         raise NotImplementedError
 
     def finetune_loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy with label smoothing; with Mixup/CutMix, soft-target cross-entropy on mixed pairs.
-
-        Mixing pairs the batch with its reverse, so an odd last sample is left out of a mixed batch.
-        """
+        """Cross-entropy with label smoothing; with Mixup/CutMix, soft-target cross-entropy on mixed pairs (the batch
+        paired with its reverse, so an odd last sample is left out of a mixed batch)."""
         even = len(images) - len(images) % 2
         if self.mixup is None or even < 2:
             return F.cross_entropy(self.model(images), labels, label_smoothing=self.cfg.label_smoothing)
@@ -106,10 +97,8 @@ def _mixup(cfg: Any, num_classes: int) -> Mixup | None:
 
     if cfg.mixup <= 0 and cfg.cutmix <= 0:
         return None
-    return Mixup(
-        mixup_alpha=cfg.mixup, cutmix_alpha=cfg.cutmix, switch_prob=cfg.mixup_switch_prob, mode="batch",
-        label_smoothing=cfg.label_smoothing, num_classes=num_classes,
-    )
+    return Mixup(mixup_alpha=cfg.mixup, cutmix_alpha=cfg.cutmix, switch_prob=cfg.mixup_switch_prob, mode="batch",
+                 label_smoothing=cfg.label_smoothing, num_classes=num_classes)
 
 
 class FedMaeTrainer(SslFlTrainer):
@@ -120,9 +109,8 @@ class FedMaeTrainer(SslFlTrainer):
 
 
 class FedBeitTrainer(SslFlTrainer):
-    """Fed-BEiT: train the federated tokenizer (its own stage), then predict the visual tokens of block-masked
-    patches. With ``tokenizer=dall-e:PATH`` the frozen DALL-E encoder lives here, never in the model, so it
-    never travels."""
+    """Fed-BEiT: train the federated tokenizer (its own stage), then predict the visual tokens of block-masked patches.
+    With ``tokenizer=dall-e:PATH`` the frozen DALL-E encoder lives here, never in the model, so it never travels."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -132,9 +120,8 @@ class FedBeitTrainer(SslFlTrainer):
         self.dalle = DalleTokenizer(path, grid).to(self.device) if path else None
         self.code_counts = torch.zeros(self.cfg.vocab_size, dtype=torch.int64)  # this round's visual tokens
         if self.dalle is not None and self.dalle.vocab != self.cfg.vocab_size:
-            raise ConfigError(
-                f"the DALL-E encoder {path} has {self.dalle.vocab} codes; set method.vocab_size={self.dalle.vocab}"
-            )
+            raise ConfigError(f"the DALL-E encoder {path} has {self.dalle.vocab} codes; set method.vocab_size="
+                              f"{self.dalle.vocab}")
 
     def on_round_start(self, ctx: RoundContext) -> None:
         self.code_counts = torch.zeros(self.cfg.vocab_size, dtype=torch.int64)

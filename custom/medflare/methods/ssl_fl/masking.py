@@ -1,7 +1,5 @@
-"""Which patches a masked-image-modelling step hides: MAE's random masking and BEiT's block-wise masking.
-
-Pure torch/numpy. Patches are numbered row by row over the ViT's patch grid, the order of the patch tokens.
-"""
+"""Which patches a masked-image-modelling step hides: MAE's random masking and BEiT's block-wise masking (pure
+torch/numpy). Patches are numbered row by row over the ViT's patch grid, the order of the patch tokens."""
 
 from __future__ import annotations
 
@@ -21,27 +19,17 @@ BLOCK_ATTEMPTS = 10  # tries to place one block before giving up on the current 
 
 @dataclass(frozen=True)
 class RandomMask:
-    """A per-sample random mask of MAE.
+    """A per-sample random mask of MAE."""
 
-    Attributes:
-        keep: int64 ``[B, V]`` indices of the visible patches, in the order the encoder sees them.
-        restore: int64 ``[B, N]`` where patch ``j`` sits in ``[visible..., masked...]`` (unshuffles the decoder input).
-        masked: float ``[B, N]``, 1 for a masked patch and 0 for a visible one.
-    """
-
-    keep: torch.Tensor
-    restore: torch.Tensor
-    masked: torch.Tensor
+    keep: torch.Tensor  # int64 [B, V]: indices of the visible patches, in the order the encoder sees them
+    restore: torch.Tensor  # int64 [B, N]: where patch j sits in [visible..., masked...] (unshuffles the decoder input)
+    masked: torch.Tensor  # float [B, N]: 1 for a masked patch, 0 for a visible one
 
 
 def random_mask(batch: int, num_patches: int, ratio: float, device: torch.device | str = "cpu") -> RandomMask:
-    """Hide ``num_patches - int(num_patches * (1 - ratio))`` random patches of every sample independently.
-
-    Each sample draws uniform noise per patch; the patches with the smallest noise stay visible (MAE).
-
-    Raises:
-        ConfigError: a ratio that leaves no visible patch or masks nothing.
-    """
+    """Hide ``num_patches - int(num_patches * (1 - ratio))`` random patches of every sample independently: each
+    draws uniform noise per patch and the smallest stay visible (MAE). A ratio that leaves none or masks nothing
+    is refused."""
     visible = int(num_patches * (1.0 - ratio))
     if not 0 < visible < num_patches:
         raise ConfigError(f"mask_ratio {ratio} leaves {visible} of {num_patches} patches visible; use a ratio in (0, 1)")
@@ -58,25 +46,17 @@ def beit_mask_count(num_patches: int, ratio: float) -> int:
 
 
 class BlockMaskGenerator:
-    """BEiT's block-wise masking: rectangles of random area and aspect ratio until ``count`` patches are masked.
-
-    Each block has a target area drawn uniformly between ``min_block`` and the patches still to mask, and an
-    aspect ratio drawn log-uniformly in ``[min_aspect, 1/min_aspect]``; it is placed at a random position and
-    accepted when it masks at least one new patch without exceeding ``count``. After ``BLOCK_ATTEMPTS`` failed
-    placements in a row the mask is returned as it is (BEiT does the same), so a mask never exceeds ``count``.
-
-    Args:
-        grid: patches per side (the grid is square).
-        count: patches to mask per image (:func:`beit_mask_count`).
-        min_block: smallest target block area; 0 = 16 patches per 196, scaled to the grid.
-        min_aspect: smallest block aspect ratio (BEiT: 0.3).
-    """
+    """BEiT's block-wise masking on a square ``grid``: rectangles of random area and aspect ratio until ``count``
+    patches (:func:`beit_mask_count`) are masked. Each block has a target area drawn uniformly between ``min_block`` (0
+    = 16 patches per 196, scaled to the grid) and the patches still to mask, and an aspect ratio drawn log-uniformly in
+    ``[min_aspect, 1/min_aspect]``; it is placed at a random position and accepted when it masks at least one new patch
+    without exceeding ``count``. After ``BLOCK_ATTEMPTS`` failed placements in a row the mask is returned as it is (BEiT
+    does the same), so a mask never exceeds ``count``."""
 
     def __init__(self, grid: int, count: int, min_block: int = 0, min_aspect: float = BEIT_MIN_ASPECT) -> None:
         if not 0 < count < grid * grid:
             raise ConfigError(f"block masking of {count} patches on a {grid}x{grid} grid; mask between 1 and {grid * grid - 1}")
-        self.grid = grid
-        self.count = count
+        self.grid, self.count = grid, count
         self.min_block = min_block or max(1, round(BEIT_MIN_BLOCK_PER_196 * grid * grid / 196))
         self.log_aspect = (math.log(min_aspect), math.log(1.0 / min_aspect))
 

@@ -1,11 +1,7 @@
-"""SSL-FL networks: the ViT classifier of the fine-tuning stage plus the modules only pre-training uses.
-
-One network holds everything a job's stages need, so the server keeps one global model and hands the encoder
-(``backbone.*``) from stage to stage unchanged. Fed-MAE adds ``decoder.*`` (MAE's light decoder, mask token and
-the encoder's final norm); Fed-BEiT adds ``lm_head.*`` (mask token, norm, token classifier) and, with the
-federated tokenizer, ``tokenizer.*``. ``NOT_SENT`` says which keys do not travel in which stage and
-``TRAINED`` which parameters each stage trains; the Payload is built from ``NOT_SENT``.
-"""
+"""SSL-FL networks: the ViT classifier of the fine-tuning stage plus the modules only pre-training uses. One network
+holds everything a job's stages need, so the server keeps one global model and hands the encoder (``backbone.*``) from
+stage to stage. Fed-MAE adds ``decoder.*`` (MAE's light decoder, mask token, the encoder's final norm); Fed-BEiT adds
+``lm_head.*`` (mask token, norm, token classifier) and, with the federated tokenizer, ``tokenizer.*``."""
 
 from __future__ import annotations
 
@@ -35,11 +31,8 @@ def sincos_position_table(grid: int, dim: int) -> torch.Tensor:
 
 
 def set_drop_path(vit: nn.Module, rate: float) -> None:
-    """Stochastic depth ``rate * i / (depth - 1)`` in block ``i`` (timm's rule), changed in place between stages.
-
-    Raises:
-        ConfigError: a positive rate on a ViT built without stochastic depth (no DropPath modules to set).
-    """
+    """Stochastic depth ``rate * i / (depth - 1)`` in block ``i`` (timm's rule), changed in place between stages;
+    ConfigError for a positive rate on a ViT built without stochastic depth (no DropPath modules to set)."""
     from timm.layers import DropPath
 
     blocks = list(vit.blocks)
@@ -52,15 +45,10 @@ def set_drop_path(vit: nn.Module, rate: float) -> None:
 
 
 class MaskedImageNet(VitClassifier):
-    """A ViT classifier (``backbone``, ``head``) with pre-training modules; subclasses add them.
+    """A ViT classifier (``backbone``, ``head``) with pre-training modules; subclasses add them."""
 
-    Attributes:
-        NOT_SENT: stage -> regex of state-dict keys that do not travel in that stage.
-        TRAINED: stage -> regex of parameter names the stage trains (the rest are frozen in it).
-    """
-
-    NOT_SENT: dict[str, str] = {}
-    TRAINED: dict[str, str] = {FINETUNE: r"^(backbone|head)\."}
+    NOT_SENT: dict[str, str] = {}  # stage -> regex of state-dict keys that do not travel in it (builds the Payload)
+    TRAINED: dict[str, str] = {FINETUNE: r"^(backbone|head)\."}  # stage -> regex of the parameters it trains
 
     def __init__(self, classifier: VitClassifier) -> None:
         from timm.layers import trunc_normal_
@@ -101,14 +89,8 @@ class MaskedImageNet(VitClassifier):
 
 class MaeDecoder(nn.Module):
     """MAE's decoder: the encoder's final norm, a projection, mask tokens at the hidden positions, fixed sine-cosine
-    positions, a few transformer blocks and a linear map to the pixels of each patch.
-
-    Args:
-        width: encoder width.
-        grid: patches per side.
-        patch_pixels: values per patch (patch^2 x channels).
-        dim, depth, heads: decoder width, blocks and attention heads (ViT-B MAE: 512, 8, 16).
-    """
+    positions, a few transformer blocks and a linear map to the ``patch_pixels`` values (patch^2 x channels) of each
+    patch. ``dim``, ``depth``, ``heads``: decoder width, blocks and attention heads (ViT-B MAE: 512, 8, 16)."""
 
     def __init__(self, width: int, grid: int, patch_pixels: int, dim: int, depth: int, heads: int) -> None:
         from timm.layers import trunc_normal_
@@ -144,13 +126,9 @@ def patchify(images: torch.Tensor, patch: int) -> torch.Tensor:
 
 
 def masked_patch_loss(pred: torch.Tensor, target: torch.Tensor, masked: torch.Tensor, norm_pix: bool) -> torch.Tensor:
-    """MAE's loss: per-patch MSE averaged over pixels, then over the masked patches only.
-
-    Args:
-        pred, target: ``[B, N, P]`` predicted and true patch pixels.
-        masked: ``[B, N]``, 1 where the patch was hidden from the encoder.
-        norm_pix: standardise each target patch by its own mean and (unbiased) variance + 1e-6 first.
-    """
+    """MAE's loss on ``[B, N, P]`` patch pixels: per-patch MSE averaged over pixels, then over the ``masked``
+    (``[B, N]``, 1 = hidden from the encoder) patches only; ``norm_pix`` first standardises each target patch by its
+    own mean and (unbiased) variance + 1e-6."""
     if norm_pix:
         mean, var = target.mean(dim=-1, keepdim=True), target.var(dim=-1, keepdim=True)
         target = (target - mean) / (var + 1.0e-6) ** 0.5
@@ -159,33 +137,23 @@ def masked_patch_loss(pred: torch.Tensor, target: torch.Tensor, masked: torch.Te
 
 
 class FedMaeNet(MaskedImageNet):
-    """ViT classifier + MAE decoder. The encoder uses fixed sine-cosine positions in pre-training (frozen
-    there, trainable in fine-tuning, as MAE's fine-tuning model loads them into a learnable embedding).
-
-    Args:
-        classifier: the ViT classifier (its ``pos_embed`` is overwritten with the sine-cosine table).
-        decoder_dim, decoder_depth, decoder_heads: the decoder's size.
-        mask_ratio: share of patches hidden per image.
-        norm_pix: standardise target patches (MAE's ``norm_pix_loss``).
-    """
+    """ViT classifier + MAE decoder. The encoder's ``pos_embed`` is overwritten with fixed sine-cosine positions, frozen
+    in pre-training and trainable in fine-tuning (MAE's fine-tuning model loads them into a learnable embedding).
+    ``mask_ratio``: share of patches hidden per image; ``norm_pix``: MAE's ``norm_pix_loss``."""
 
     NOT_SENT = {PRETRAIN: r"^(head|backbone\.fc_norm)\.", FINETUNE: r"^decoder\."}
     TRAINED = {PRETRAIN: r"^(backbone\.(?!fc_norm\.|pos_embed$)|decoder\.)", **MaskedImageNet.TRAINED}
 
-    def __init__(
-        self, classifier: VitClassifier, decoder_dim: int, decoder_depth: int, decoder_heads: int, mask_ratio: float,
-        norm_pix: bool,
-    ) -> None:
+    def __init__(self, classifier: VitClassifier, decoder_dim: int, decoder_depth: int, decoder_heads: int,
+                 mask_ratio: float, norm_pix: bool) -> None:
         super().__init__(classifier)
         vit = self.backbone
         with torch.no_grad():
             vit.pos_embed.copy_(sincos_position_table(self.grid, vit.embed_dim))
         channels = vit.patch_embed.proj.in_channels
-        self.decoder = MaeDecoder(
-            vit.embed_dim, self.grid, self.patch**2 * channels, decoder_dim, decoder_depth, decoder_heads
-        )
-        self.mask_ratio = mask_ratio
-        self.norm_pix = norm_pix
+        self.decoder = MaeDecoder(vit.embed_dim, self.grid, self.patch**2 * channels, decoder_dim, decoder_depth,
+                                  decoder_heads)
+        self.mask_ratio, self.norm_pix = mask_ratio, norm_pix
 
     def encoder_norm(self) -> nn.LayerNorm:
         return self.decoder.encoder_norm
@@ -217,24 +185,15 @@ class BeitLmHead(nn.Module):
 
 
 class FedBeitNet(MaskedImageNet):
-    """ViT classifier + BEiT head, with the federated dVAE tokenizer when no DALL-E file is used.
-
-    Args:
-        classifier: the ViT classifier (built with layer scale, as BEiT).
-        vocab: visual-token vocabulary (8192 with DALL-E).
-        tokenizer: the federated dVAE (``tokenizer.*``), or None when every site reads a DALL-E encoder.
-    """
+    """ViT classifier (built with layer scale, as BEiT) + BEiT head over ``vocab`` visual tokens (8192 with DALL-E),
+    with the federated dVAE ``tokenizer`` (``tokenizer.*``), or None when every site reads a DALL-E encoder."""
 
     NOT_SENT = {
         TOKENIZER: r"^(?!tokenizer\.)",
         PRETRAIN: r"^(head\.|backbone\.fc_norm\.|tokenizer\.(?!encoder\.))",
         FINETUNE: r"^(lm_head|tokenizer)\.",
     }
-    TRAINED = {
-        TOKENIZER: r"^tokenizer\.",
-        PRETRAIN: r"^(backbone\.(?!fc_norm\.)|lm_head\.)",
-        **MaskedImageNet.TRAINED,
-    }
+    TRAINED = {TOKENIZER: r"^tokenizer\.", PRETRAIN: r"^(backbone\.(?!fc_norm\.)|lm_head\.)", **MaskedImageNet.TRAINED}
 
     def __init__(self, classifier: VitClassifier, vocab: int, tokenizer: DiscreteVae | None) -> None:
         super().__init__(classifier)
@@ -245,13 +204,8 @@ class FedBeitNet(MaskedImageNet):
         return self.lm_head.norm
 
     def pretext_loss(self, images: torch.Tensor, tokens: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy of the visual tokens of the masked patches, which the encoder sees as mask tokens.
-
-        Args:
-            images: ``[B, C, H, W]``.
-            tokens: int64 ``[B, N]`` visual tokens of the whole images.
-            masked: bool ``[B, N]`` masked patches.
-        """
+        """Cross-entropy of the visual tokens (int64 ``[B, N]``, of the whole images) of the ``masked`` (bool
+        ``[B, N]``) patches, which the encoder sees as mask tokens."""
         vit, head = self.backbone, self.lm_head
         patches = vit.patch_embed(images)
         weight = masked.unsqueeze(-1).to(patches.dtype)

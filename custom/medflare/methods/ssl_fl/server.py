@@ -15,11 +15,9 @@ MEAN_PERPLEXITY = "code_perplexity_mean"  # round record: the sites' perplexitie
 
 
 class SslFlRule(ServerRule):
-    """FedAvg over the shared weights of each stage (the Payload decides which keys travel when).
-
-    Pre-training learns from every image, labelled or not, so its sites are weighted by ``n_images`` (the
-    paper's n_c, all images of a site); fine-tuning learns from labels, so by ``n_samples`` (labelled images).
-    """
+    """FedAvg over the shared weights of each stage (the Payload decides which keys travel when). Pre-training learns
+    from every image, labelled or not, so its sites are weighted by ``n_images`` (the paper's n_c, all images of a
+    site); fine-tuning learns from labels, so by ``n_samples`` (labelled images)."""
 
     def stages(self) -> list[Stage]:
         return self.cfg.stage_plan(self.total_rounds)
@@ -38,12 +36,9 @@ class SslFlRule(ServerRule):
     def round_info(self, updates: list[SiteUpdate], ctx: RoundContext) -> dict[str, Any]:
         """Fed-BEiT: each site's codes used and code perplexity, and their image-weighted mean perplexity, each
         site's weight capped at the job's share cap (``robust.max_share``) as in the model's aggregate, so no one
-        site's image count stops a healthy job or passes a collapsed tokenizer.
-
-        Raises:
-            ConfigError: in pre-training (whose targets are the final tokenizer's tokens), a mean perplexity below
-                ``min_code_perplexity``: nearly constant targets teach the encoder nothing.
-        """
+        site's image count stops a healthy job or passes a collapsed tokenizer. ConfigError in pre-training (whose
+        targets are the final tokenizer's tokens) for a mean below ``min_code_perplexity``: nearly constant targets
+        teach the encoder nothing."""
         reported = [u for u in updates if CODE_PERPLEXITY in u.meta]
         if not reported:
             return {}
@@ -51,17 +46,13 @@ class SslFlRule(ServerRule):
         shares = bound(Weighting(weights), self.share_cap).sites if sum(weights.values()) > 0 else \
             dict.fromkeys(weights, 1.0 / len(weights))
         mean = sum(shares[u.site] * float(u.meta[CODE_PERPLEXITY]) for u in reported)
-        info = {
-            CODES_USED: {u.site: u.meta[CODES_USED] for u in reported},
-            CODE_PERPLEXITY: {u.site: u.meta[CODE_PERPLEXITY] for u in reported},
-            MEAN_PERPLEXITY: mean,
-        }
+        info = {CODES_USED: {u.site: u.meta[CODES_USED] for u in reported},
+                CODE_PERPLEXITY: {u.site: u.meta[CODE_PERPLEXITY] for u in reported}, MEAN_PERPLEXITY: mean}
         floor = float(getattr(self.cfg, "min_code_perplexity", 0.0))
         if ctx.stage == PRETRAIN and mean < floor:
-            raise ConfigError(
-                f"fed-beit: the tokenizer's visual tokens have perplexity {mean:.2f} on the sites' images (codes "
-                f"used per site: {sorted(info[CODES_USED].values())}), below method.min_code_perplexity={floor:g}; "
-                "train the tokenizer longer (method.tokenizer_rounds), raise method.dvae_usage_weight, or set "
-                "method.min_code_perplexity=0 to accept it"
-            )
+            raise ConfigError(f"fed-beit: the tokenizer's visual tokens have perplexity {mean:.2f} on the sites' images "
+                              f"(codes used per site: {sorted(info[CODES_USED].values())}), below "
+                              f"method.min_code_perplexity={floor:g}; train the tokenizer longer "
+                              "(method.tokenizer_rounds), raise method.dvae_usage_weight, or set "
+                              "method.min_code_perplexity=0 to accept it")
         return info

@@ -1,8 +1,5 @@
 """Visual tokenizers of Fed-BEiT: a discrete VAE trained federatedly (the offline default) and DALL-E's dVAE
-encoder read from a local file.
-
-Both map an image to one token id per ViT patch, row by row over the patch grid. Nothing is downloaded.
-"""
+encoder read from a local file. Both map an image to one token id per ViT patch, row by row over the patch grid."""
 
 from __future__ import annotations
 
@@ -24,28 +21,17 @@ DATA_MEAN, DATA_STD = 0.5, 0.5
 
 
 class DiscreteVae(nn.Module):
-    """A small discrete VAE: a convolutional encoder gives logits over ``vocab`` codes per patch, a Gumbel-softmax
-    picks (softly) codebook vectors, and a convolutional decoder reconstructs the image.
-
-    The role BEiT's "customized" dVAE plays (spec §4(a)), sized for CPU sites: the encoder halves the
-    resolution ``log2(patch)`` times, so one token covers exactly one ViT patch. Trained in the job's
-    "tokenizer" stage on every site's unlabelled images, then frozen.
-
-    Two choices keep the codebook in use after a short stage (without them 10-14 of 512 codes carried every
-    patch of PneumoniaMNIST after 20 steps, perplexity 1.5-3): a channel LayerNorm (``GroupNorm(1, hidden)``)
-    before the code logits, so the logits follow what differs between patches rather than the features'
-    common all-positive part, and ``usage_weight`` x KL(batch-averaged q || uniform), the codebook-diversity
-    term of the VQ literature (wav2vec 2.0's diversity loss), which spreads the codes over a batch while each
-    patch may still pick one sharply. Both are FedAvg-safe: every site optimises the same loss, no code is
-    re-seeded from one site's data.
-
-    Args:
-        channels: image channels.
-        patch: ViT patch size (a power of two).
-        vocab: number of codes.
-        hidden: convolution width.
-        code_dim: codebook vector width.
-    """
+    """A small discrete VAE: a convolutional encoder gives logits over ``vocab`` codes per patch, a Gumbel-softmax picks
+    (softly) codebook vectors, and a convolutional decoder reconstructs the image. The role BEiT's "customized" dVAE
+    plays (spec §4(a)), sized for CPU sites: the encoder halves the resolution ``log2(patch)`` times, so one token
+    covers exactly one ViT patch. Trained in the job's "tokenizer" stage on every site's unlabelled images, then frozen.
+    Two choices keep the codebook in use after a short stage (without them 10-14 of 512 codes carried every patch of
+    PneumoniaMNIST after 20 steps, perplexity 1.5-3): a channel LayerNorm (``GroupNorm(1, hidden)``) before the code
+    logits, so the logits follow what differs between patches rather than the features' common all-positive part, and
+    ``usage_weight`` x KL(batch-averaged q || uniform), the codebook-diversity term of the VQ literature (wav2vec 2.0's
+    diversity loss), which spreads the codes over a batch while each patch may still pick one sharply. Both are
+    FedAvg-safe: every site optimises the same loss, no code is re-seeded from one site's data. ``patch`` (the ViT's)
+    must be a power of two; ``hidden`` is the convolution width, ``code_dim`` the codebook vector width."""
 
     def __init__(self, channels: int, patch: int, vocab: int, hidden: int, code_dim: int) -> None:
         super().__init__()
@@ -63,10 +49,8 @@ class DiscreteVae(nn.Module):
         up: list[nn.Module] = []
         for _ in range(steps):
             up += [nn.ConvTranspose2d(hidden, hidden, 4, stride=2, padding=1), nn.ReLU()]
-        self.decoder = nn.Sequential(
-            nn.Conv2d(code_dim, hidden, 1), nn.ReLU(), nn.Conv2d(hidden, hidden, 3, padding=1), nn.ReLU(),
-            *up, nn.Conv2d(hidden, channels, 1),
-        )
+        self.decoder = nn.Sequential(nn.Conv2d(code_dim, hidden, 1), nn.ReLU(), nn.Conv2d(hidden, hidden, 3, padding=1),
+                                     nn.ReLU(), *up, nn.Conv2d(hidden, channels, 1))
         self.vocab = vocab
         self.temperature = 1.0  # Gumbel-softmax temperature; the trainer anneals it over the tokenizer stage
 
@@ -74,9 +58,8 @@ class DiscreteVae(nn.Module):
         """See :meth:`loss_and_codes`."""
         return self.loss_and_codes(images, kl_weight, usage_weight)[0]
 
-    def loss_and_codes(
-        self, images: torch.Tensor, kl_weight: float = 0.0, usage_weight: float = 0.0
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss_and_codes(self, images: torch.Tensor, kl_weight: float = 0.0,
+                       usage_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
         """Reconstruction MSE through a Gumbel-softmax code choice, plus ``kl_weight`` x the mean per-patch
         KL(q || uniform) (DALL-E's term) and ``usage_weight`` x KL(mean of q over the batch's patches || uniform)
         (codebook usage); and the hard codes ``[B, N]`` of the batch (what :meth:`tokens` would give)."""
@@ -144,11 +127,8 @@ class _DalleBlock(nn.Module):
 
 class DalleEncoder(nn.Module):
     """The architecture of OpenAI DALL-E's dVAE encoder (4 groups of 2 blocks, width 256, 8192 codes), with the
-    same state-dict keys as its published weights, so a converted ``encoder.pkl`` loads into it.
-
-    References:
-        Ramesh et al., Zero-Shot Text-to-Image Generation, ICML 2021 (https://github.com/openai/DALL-E, MIT).
-    """
+    state-dict keys of its published weights, so a converted ``encoder.pkl`` loads into it (Ramesh et al., ICML
+    2021, https://github.com/openai/DALL-E, MIT)."""
 
     def __init__(self, hidden: int = 256, groups: int = 4, blocks_per_group: int = 2, vocab: int = DALLE_VOCAB) -> None:
         super().__init__()
@@ -173,12 +153,8 @@ class DalleEncoder(nn.Module):
 
 
 class DalleTokenizer(nn.Module):
-    """Frozen DALL-E tokens for BEiT: images are resized so that one code covers one ViT patch.
-
-    Args:
-        path: a local state-dict file of the DALL-E encoder (see :func:`load_dalle_encoder`).
-        grid: ViT patches per side; the images are resized to ``8 * grid`` pixels (BEiT: 112 px for 14 x 14).
-    """
+    """Frozen DALL-E tokens for BEiT from a local encoder file (:func:`load_dalle_encoder`): images are resized to
+    ``8 * grid`` pixels so that one code covers one ViT patch (BEiT: 112 px for 14 x 14)."""
 
     def __init__(self, path: str | Path, grid: int) -> None:
         super().__init__()
@@ -201,16 +177,10 @@ class DalleTokenizer(nn.Module):
 
 
 def load_dalle_encoder(path: str | Path) -> DalleEncoder:
-    """The DALL-E encoder from a local state-dict file (read with ``weights_only=True``; nothing is downloaded).
-
-    Width and vocabulary are read off the file (the published encoder: 256 and 8192).
-
-    OpenAI publishes ``encoder.pkl``, a pickled module that needs their ``dall_e`` package to unpickle. Convert it
-    once where that package is installed: ``torch.save(dall_e.load_model("encoder.pkl").state_dict(), "dalle_encoder.pt")``.
-
-    Raises:
-        DataError: a missing file, or one whose keys or shapes are not those of the DALL-E encoder.
-    """
+    """The DALL-E encoder from a local state-dict file (``weights_only=True``), width and vocabulary read off the file;
+    DataError for a missing file or one whose keys or shapes are not the encoder's. OpenAI publishes ``encoder.pkl``, a
+    pickled module that needs their ``dall_e`` package to unpickle. Convert it once where that package is installed:
+    ``torch.save(dall_e.load_model("encoder.pkl").state_dict(), "dalle_encoder.pt")``."""
     from medflare.models import read_state_dict_file
 
     file = Path(path).expanduser()
@@ -222,10 +192,8 @@ def load_dalle_encoder(path: str | Path) -> DalleEncoder:
     expected = encoder.state_dict() if encoder is not None else {}
     wrong = sorted(set(expected) ^ set(state)) or [k for k in expected if expected[k].shape != state[k].shape]
     if wrong:
-        raise DataError(
-            f"{file} is not a DALL-E encoder state dict (first mismatching keys: {wrong[:3]}); convert encoder.pkl "
-            "with torch.save(dall_e.load_model('encoder.pkl').state_dict(), PATH)"
-        )
+        raise DataError(f"{file} is not a DALL-E encoder state dict (first mismatching keys: {wrong[:3]}); convert "
+                        "encoder.pkl with torch.save(dall_e.load_model('encoder.pkl').state_dict(), PATH)")
     assert encoder is not None
     encoder.load_state_dict(state)
     return encoder
