@@ -1,21 +1,17 @@
 """Encrypted aggregation in FLARE (``secure_aggregation=he``): sites encrypt, the server weighs ciphertexts it
-cannot read, sites decrypt.
+cannot read, sites decrypt. Built on the TenSEAL CKKS contexts FLARE's ``HEBuilder`` writes into provisioned kits
+(the secret key at every site, none on the server), loaded through FLARE's signature-checking loader. FLARE's
+``HEModelEncryptor`` and HE aggregator are not used: they weigh each site at the site by its step count and send the
+context (~660 KB) with every array, while medflare's rules weigh sites on the server under a share cap.
 
-Built on the TenSEAL CKKS contexts FLARE's ``HEBuilder`` writes into provisioned kits (the secret key at every site,
-none on the server), loaded through FLARE's signature-checking loader. FLARE's ``HEModelEncryptor`` and HE aggregator
-are not used: they weigh each site at the site by its step count and send the context (~660 KB) with every array,
-while medflare's rules weigh sites on the server under a share cap.
-
-At a site, :class:`DecryptTask` decrypts a task's model and :class:`EncryptResult` encrypts the result after the
-site's own filters have seen it in plaintext. The server (:class:`EncryptedRoundAggregation`) checks shapes, meta and
-declared arrays on zero-stride stand-ins and bounds the rule's plaintext weights before it weighs the ciphertexts.
-What it can no longer do is refused or recorded (docs/privacy.md); the simulator, without contexts, refuses the option.
+Sites encrypt after their own filters saw the result in plaintext; the server checks shapes, meta and declared arrays
+on zero-stride stand-ins and bounds the rule's plaintext weights before it weighs the ciphertexts. What it can no
+longer do is refused or recorded (docs/privacy.md); the simulator, without contexts, refuses the option.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -59,12 +55,9 @@ def load_workspace_context(file_name: str, fl_ctx: FLContext) -> Any:
 
 class EncryptedRoundAggregation(RoundAggregation):
     """:class:`RoundAggregation` over encrypted train results: the server never holds a decryptable model array.
-
-    The aggregated global arrays are :class:`EncryptedArray` s (``encrypted``); the rule and every shape check see
-    zero-stride stand-ins of them. Train results carry every shared model array encrypted except the frozen parts,
-    which travel in plaintext as the server sent them (and are checked). :meth:`use_context` sets the server's
-    context (no secret key) before the first result arrives.
-    """
+    The rule and every shape check see zero-stride stand-ins of the aggregated :class:`EncryptedArray` s; frozen
+    parts travel in plaintext as the server sent them (and are checked). :meth:`use_context` sets the server's
+    context (no secret key) before the first result arrives."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -327,10 +320,7 @@ class DecryptTask(_SiteContext):
 class EncryptResult(_SiteContext):
     """Site task-result filter: encrypts and declares every array of a result except the method's declared
     arrays (the server's rule reads them) and its frozen parts, after the site's own filters have checked it.
-
-    Args:
-        plan_file: the job's plan (``medflare_plan.json`` in its ``app/config``), which names the method.
-    """
+    ``plan_file``: the job's plan (``medflare_plan.json`` in its ``app/config``), which names the method."""
 
     def __init__(self, plan_file: str = PLAN_FILE) -> None:
         super().__init__()
@@ -342,8 +332,8 @@ class EncryptResult(_SiteContext):
         dxo = from_shareable(shareable)
         data = dict(dxo.data or {})
         payload = deployed_plan(fl_ctx, self.plan_file)[0].spec.payload
-        plain, frozen = payload.arrays_for(contracts.TRAIN_PHASE), payload.frozen_keys
-        sealed = [k for k in data if k not in plain and not (frozen and re.search(frozen, k))]
+        plain = payload.arrays_for(contracts.TRAIN_PHASE)
+        sealed = [k for k in data if k not in plain and not payload.is_frozen(k)]
         if not sealed:
             return shareable
         context = self.context(fl_ctx)
