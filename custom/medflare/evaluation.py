@@ -60,9 +60,8 @@ def summarize(
     share_cap: float = 0.0,
 ) -> dict[str, Any]:
     """Pooled (``val``/``test``, sums in ``*_stats``), per-site (``by_site``), ``site_mean``, per-attribute and
-    ``extra`` (per declared evaluation) metrics of one model version. With ``share_cap`` (robust.max_share) no
-    site's images weigh more than that in a pooled metric, as in the aggregate (capped shares: ``<split>_capped``).
-    """
+    ``extra`` (per declared evaluation) metrics of one model version. With ``share_cap`` (robust.max_share) no site's
+    images weigh more than that in a pooled metric, as in the aggregate (capped shares: ``<split>_capped``)."""
     evaluations = dict(sorted(evaluations.items()))  # sum in site order, not arrival order: reproducible bits
     summary: dict[str, Any] = {"sites": list(evaluations)}
     summary.update(_split_block(evaluations, shot_groups, with_stats=True, share_cap=share_cap))

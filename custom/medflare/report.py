@@ -1,7 +1,6 @@
-"""Turn the controller's results file into summary.json, a per-round CSV, a markdown report and plots. Round r is
-the global model after r rounds (round 0: the initial model, when the sites scored it); the headline metric is the
-one the controller selected the best model by; start-up is seconds from the launch to the first round (:func:`_timing`).
-"""
+"""Turn the controller's results file into summary.json, a per-round CSV, a markdown report and plots. Round r is the
+global model after r rounds (round 0: the initial model, when the sites scored it); the headline metric is the one the
+controller selected the best model by; start-up is seconds from the launch to the first round (:func:`_timing`)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""The server-side FLARE controller: one round loop for every method (send, accept validated results, aggregate,
-record and checkpoint). Sites score the model they receive before training, so round r's results carry the
-evaluation of model r; a final ``validate`` task scores the last model.
-"""
+"""The server-side FLARE controller: one round loop for every method (send, accept validated results, aggregate, record
+and checkpoint). Sites score the model they receive before training, so round r's results carry the evaluation of model
+r; a final ``validate`` task scores the last model."""
 
 from __future__ import annotations
 

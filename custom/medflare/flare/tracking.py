@@ -1,9 +1,8 @@
 """Experiment tracking through FLARE's analytics events: sites fire them per local epoch and task
-(:class:`SiteMetricsToServer` forwards them), the controller per round; FLARE's TensorBoard and MLflow receivers
-record them (:class:`MissingTrackerReceiver` without their package). These events travel beside the task results,
-past a method's Payload and the site's privacy filters, so what a site may stream is declared once
-(:data:`SITE_STREAMED_TAGS`): only values its result carries anyway, or the job's own lr schedule.
-"""
+(:class:`SiteMetricsToServer` forwards them), the controller per round; FLARE's TensorBoard and MLflow receivers record
+them (:class:`MissingTrackerReceiver` without their package). These events travel beside the task results, past a
+method's Payload and the site's privacy filters, so what a site may stream is declared once
+(:data:`SITE_STREAMED_TAGS`): only values its result carries anyway, or the job's own lr schedule."""
 
 from __future__ import annotations
 
