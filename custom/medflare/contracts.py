@@ -246,12 +246,10 @@ COMMON_META: dict[str, MetaValidator] = {
 # ----- arrays ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ArraySpec:
-    """Shape, dtype and value rules of one named non-parameter array (e.g. public-set probabilities).
-
-    ``shape`` holds ints, "num_classes" or names the server fills in per task (``ARRAY_DIMS``); the first of
-    ``dtypes`` is what a site sends; ``low``/``high`` are inclusive; each row (last axis) sums to ``row_sum``
-    within ``row_sum_tol``; ``phase`` is the task whose result carries it (site -> server arrays only).
-    """
+    """Shape, dtype and value rules of one named non-parameter array (e.g. public-set probabilities). ``shape``
+    holds ints, "num_classes" or names the server fills in per task (``ARRAY_DIMS``); the first of ``dtypes`` is what
+    a site sends; ``low``/``high`` are inclusive; each row (last axis) sums to ``row_sum`` within ``row_sum_tol``;
+    ``phase`` is the task whose result carries it (site -> server arrays only)."""
 
     shape: tuple[int | str, ...]
     dtypes: tuple[str, ...] = ("float32",)

@@ -190,9 +190,9 @@ def write_outputs(summary: Mapping[str, Any], out_dir: str | Path) -> list[Path]
 
 
 def _write_rounds_csv(summary: Mapping[str, Any], path: Path) -> None:
-    """One row per round r, the model after r rounds (round 0, the initial model, when the sites scored it): its
-    stage (staged methods), pooled test metrics (head/medium/tail and per-attribute ones when present), their
-    unweighted mean over sites (``test_site_mean_*``), pooled validation metrics, each site's share and loss."""
+    """One row per scored round: its stage (staged methods), pooled test metrics (head/medium/tail and per-attribute
+    ones when present), their unweighted mean over sites (``test_site_mean_*``), pooled validation metrics, each
+    site's share and loss."""
     sites = sorted(summary.get("clients", {}))
     rows = plotting.scored_rounds(summary)
     staged = any("stage" in entry for entry in rows)

@@ -224,9 +224,8 @@ class RoundAggregation:
                                shares=normalise_weights(total.weights), info=self.rule.round_info(self.accepted(), self.ctx))
 
     def _stream_facts(self) -> dict[str, Any]:
-        """What a round's record says about streaming: "batch" and why, or "streamed" with the most results held
-        at once and whether every addition came in site order (a "mode" text also keeps reports from taking it
-        for a per-site value)."""
+        """A round's record of streaming: "batch" and why, or "streamed" with the most results held at once and
+        whether every addition came in site order (a "mode" text keeps reports from taking it for a per-site value)."""
         if self.stream is None:
             return {"mode": "batch", "reason": self.batch_reason() or f"phase '{self.phase}' is not aggregated"}
         return {"mode": "streamed", "most_results_held": self.stream.most_waiting,
@@ -389,9 +388,8 @@ class MedflareAggregator(Aggregator):
         return True
 
     def _expect_registered_sites(self, fl_ctx: FLContext) -> None:
-        """The controller broadcasts the train task to every site registered when it sends it (FLARE's
-        ``targets=None``), so the sites registered at the first result are those its results can come from (a
-        site that registered in between only makes later results wait until the aggregation)."""
+        """The train task goes to every site registered when it is sent (FLARE's ``targets=None``), so those
+        registered at the first result are its senders (a later registration only delays results to aggregation)."""
         try:
             self.core.expect_sites(client.name for client in fl_ctx.get_engine().get_clients())
         except Exception as exc:  # noqa: BLE001 - the results then wait for the aggregation: more memory, same sum

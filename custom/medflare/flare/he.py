@@ -129,9 +129,8 @@ class EncryptedRoundAggregation(RoundAggregation):
         return reason
 
     def _ciphertexts(self, arrays: Mapping[str, Any], meta: Mapping[str, Any]) -> dict[str, EncryptedArray]:
-        """key -> the site's ciphertext of that model array, read under the server's context; a
-        :class:`PayloadError` for a model array in plaintext or missing, a declaration that does not match the
-        model, or bytes that are not a ciphertext of this project's context."""
+        """key -> the site's ciphertext of that model array, read under the server's context; PayloadError for a
+        model array in plaintext or missing, a declaration not matching the model, or bytes of no such ciphertext."""
         if self.context is None:
             raise PayloadError("the server has no TenSEAL context: this server kit was not provisioned for "
                                "encrypted aggregation")
@@ -285,9 +284,8 @@ def implausible(arrays: Mapping[str, np.ndarray], last: Mapping[str, np.ndarray]
 
 class DecryptTask(_SiteContext):
     """Site task-data filter: decrypts the arrays a task declares encrypted (``contracts.ENCRYPTED_ARRAYS``) into
-    the shapes and dtypes it declares; a task without encrypted arrays passes unchanged. A decrypted model the
-    site finds :func:`implausible` (the server could not look) gets :data:`contracts.REFUSED_TASK_HEADER` with the
-    cause, and the executor declines the task with that line instead of training on garbage."""
+    the shapes and dtypes it declares. A decrypted model the site finds :func:`implausible` (the server could not
+    look) gets :data:`contracts.REFUSED_TASK_HEADER`: the executor declines the task instead of training on garbage."""
 
     def __init__(self) -> None:
         super().__init__()
