@@ -191,11 +191,10 @@ def personalization_figures(
 ) -> dict[str, Any]:
     """FCA's figures from :func:`summarize`'s final evaluation, in bACC and bAUC, with per-site ones.
 
-    * Generalization: the global model on the pooled test splits (``final["test"]``); without a global classifier
-      (local-only, FedRep), each site's own model on the pooled test set, averaged (the declared evaluation
-      ``generalization``; None when no site could build the pooled test set).
-    * Specialization: each site's own model on its own test split, averaged over sites: the declared evaluation
-      ``specialization``, or the main evaluation's ``site_mean`` when None (sites keep the global model).
+    * Generalization: the global model on the pooled test splits; without a global classifier (local-only, FedRep)
+      the mean of each site's own model on the pooled test set (declared evaluation ``generalization``, or None).
+    * Specialization: the mean of each site's own model on its own test split (declared evaluation
+      ``specialization``, or the main evaluation's ``site_mean`` when None: sites keep the global model).
     * ``gs_mean_*``: the mean of the two (the paper's "Average of G&S"), None if either is missing.
 
     Reference: Wicaksana, Yan and Cheng, FCA: Taming Long-tailed Federated Medical Image Classification by

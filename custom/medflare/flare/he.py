@@ -335,11 +335,9 @@ class EncryptResult(_SiteContext):
         if not sealed:
             return shareable
         context = self.context(fl_ctx)
-        declared = {}
-        for key in sealed:
-            array = np.asarray(data[key])
-            data[key] = he_aggregate.encrypt_array(context, array)
-            declared[key] = [list(array.shape), array.dtype.name]
+        arrays = {key: np.asarray(data[key]) for key in sealed}
+        data.update({key: he_aggregate.encrypt_array(context, array) for key, array in arrays.items()})
+        declared = {key: [list(array.shape), array.dtype.name] for key, array in arrays.items()}
         dxo.data = data
         dxo.set_meta_prop(contracts.ENCRYPTED_ARRAYS, declared)
         dxo.update_shareable(shareable)
