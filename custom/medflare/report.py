@@ -42,14 +42,11 @@ def build_summary(
     epoch seconds when medflare launched FLARE (None: launched elsewhere)."""
     rounds = list(results.get("rounds", []))
     evaluations = results.get("evaluations", {})
-    per_round = [_round_entry(record, evaluations.get(str(record["round"] + 1), {})) for record in rounds]
     final_eval = results.get("final") or (evaluations.get(str(len(rounds)), {}) if rounds else {})
-    method = results.get("method", config.get("method"))
-    multi_label = bool((config.get("task") or {}).get("multi_label"))
     return {
-        "method": method,
+        "method": results.get("method", config.get("method")),
         "server_model": bool(config.get("server_model", True)),
-        "headline_metric": selection_metric(results, multi_label),
+        "headline_metric": selection_metric(results, bool((config.get("task") or {}).get("multi_label"))),
         "config": dict(config),
         "rounds_completed": len(rounds),
         "final": final_metrics(final_eval),
@@ -59,7 +56,7 @@ def build_summary(
         "initial": evaluations.get("0", {}).get("test", {}),
         **({"initial_round": _scored_entry(0, evaluations["0"])} if "0" in evaluations else {}),
         "best": results.get("best", {}),
-        "per_round": per_round,
+        "per_round": [_round_entry(record, evaluations.get(str(record["round"] + 1), {})) for record in rounds],
         "clients": _client_entries(clients, rounds),
         "payload": _payload_entries(rounds),
         "timing": _timing(results, rounds, launched_at),
