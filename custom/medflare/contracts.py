@@ -246,12 +246,10 @@ COMMON_META: dict[str, MetaValidator] = {
 # ----- arrays ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ArraySpec:
-    """Shape, dtype and value rules of one named non-parameter array (e.g. public-set probabilities).
-
-    ``shape`` holds ints, "num_classes" or names the server fills in per task (``ARRAY_DIMS``); the first of
-    ``dtypes`` is what a site sends; ``low``/``high`` are inclusive; each row (last axis) sums to ``row_sum``
-    within ``row_sum_tol``; ``phase`` is the task whose result carries it (site -> server arrays only).
-    """
+    """Shape, dtype and value rules of one named non-parameter array (e.g. public-set probabilities). ``shape``
+    holds ints, "num_classes" or names the server fills in per task (``ARRAY_DIMS``); the first of ``dtypes`` is what
+    a site sends; ``low``/``high`` are inclusive; each row (last axis) sums to ``row_sum`` within ``row_sum_tol``;
+    ``phase`` is the task whose result carries it (site -> server arrays only)."""
 
     shape: tuple[int | str, ...]
     dtypes: tuple[str, ...] = ("float32",)
@@ -340,12 +338,9 @@ def weight_expectations(
         value = np.asarray(global_params[key])
         if kind == "diff" and value.dtype.kind != "f":
             continue  # integer buffers stay at the site when differences travel
-        dtypes = (value.dtype.name,)
-        if value.dtype.kind == "f" and transfer_dtype != value.dtype.name:
-            dtypes = (transfer_dtype,)
-        rules = None
-        if value.dtype.kind in "iu":
-            rules = ArraySpec(tuple(value.shape), dtypes, low=0.0, high=MAX_INTEGER_BUFFER, integral=True)
+        dtypes = (transfer_dtype if value.dtype.kind == "f" else value.dtype.name,)
+        rules = (ArraySpec(tuple(value.shape), dtypes, low=0.0, high=MAX_INTEGER_BUFFER, integral=True)
+                 if value.dtype.kind in "iu" else None)
         expected[key] = Expected(tuple(value.shape), dtypes, rules)
     return expected
 
@@ -360,10 +355,8 @@ def check_frozen_unchanged(
         if not payload.is_frozen(key) or key not in global_params:
             continue
         sent = np.asarray(global_params[key])
-        if kind == "diff":
-            expected = np.zeros(sent.shape)
-        else:
-            expected = sent.astype(transfer_dtype) if sent.dtype.kind == "f" else sent
+        expected = (np.zeros(sent.shape) if kind == "diff"
+                    else sent.astype(transfer_dtype) if sent.dtype.kind == "f" else sent)
         change = np.abs(np.asarray(value, np.float64) - np.asarray(expected, np.float64))
         if change.size and not np.all(change == 0):
             raise PayloadError(f"'{key}' is frozen by the method but came back changed (max |change| "
@@ -420,23 +413,14 @@ class Payload:
         if not self.sends_weights:
             return []
         excluded = self.stage_excluded_keys.get(stage)
-        return [
-            k for k in model_keys if not self.is_private(k) and not (excluded and re.search(excluded, k))
-        ]
+        return [k for k in model_keys if not self.is_private(k) and not (excluded and re.search(excluded, k))]
 
     def arrays_for(self, phase: str) -> dict[str, ArraySpec]:
         """Declared arrays a result of ``phase`` carries."""
         return {name: spec for name, spec in self.arrays.items() if spec.phase == phase}
 
-    def check_outgoing(
-        self,
-        arrays: Mapping[str, Any],
-        meta: Mapping[str, Any],
-        model_keys: list[str],
-        ctx: ContractContext,
-        phase: str = TRAIN_PHASE,
-        stage: str = TRAIN_PHASE,
-    ) -> None:
+    def check_outgoing(self, arrays: Mapping[str, Any], meta: Mapping[str, Any], model_keys: list[str],
+                       ctx: ContractContext, phase: str = TRAIN_PHASE, stage: str = TRAIN_PHASE) -> None:
         """At the site, before FLARE gets a result: PayloadError if it carries anything undeclared or a bad value."""
         weights = set(self.shared_keys(model_keys, stage)) if phase == TRAIN_PHASE else set()
         declared = self.arrays_for(phase)
@@ -499,26 +483,17 @@ def result_nbytes(arrays: Mapping[str, Any]) -> int:
 
 
 def validate_update(
-    arrays: Mapping[str, Any],
-    meta: Mapping[str, Any],
-    expected: Mapping[str, Expected],
-    payload: Payload,
-    ctx: ContractContext,
-    size_factor: float = 1.5,
+    arrays: Mapping[str, Any], meta: Mapping[str, Any], expected: Mapping[str, Expected], payload: Payload,
+    ctx: ContractContext, size_factor: float = 1.5,
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Server-side check of one site's result against ``expected`` (:func:`weight_expectations`,
     :func:`array_expectations`); returns the arrays and the canonical meta. A result over ``size_factor`` times
-    the declared size is refused before anything else.
-
-    Raises:
-        PayloadError: naming the first problem (size, missing/extra key, shape, dtype, value rule, bad meta).
-    """
-    declared_bytes = sum(e.nbytes for e in expected.values())
-    sent_bytes = result_nbytes(arrays)
+    the declared size is refused before anything else. PayloadError names the first problem (size, missing/extra
+    key, shape, dtype, value rule, bad meta)."""
+    declared_bytes, sent_bytes = sum(e.nbytes for e in expected.values()), result_nbytes(arrays)
     if sent_bytes > size_factor * declared_bytes + 1024:
         raise PayloadError(f"result is {sent_bytes} bytes, the task declares at most {declared_bytes}")
-    missing = sorted(set(expected) - set(arrays))
-    extra = sorted(set(arrays) - set(expected))
+    missing, extra = sorted(set(expected) - set(arrays)), sorted(set(arrays) - set(expected))
     if missing:
         raise PayloadError(f"missing keys {missing[:5]} ({len(missing)} in all)")
     if extra:

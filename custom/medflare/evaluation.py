@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -44,14 +45,9 @@ def site_evaluation(meta: Mapping[str, Any], num_classes: int, multi_label: bool
     """One site's statistics from its result meta, or None when it sent none (PayloadError when malformed)."""
     if not any(key in meta for key in (contracts.EVAL_TEST, contracts.EVAL_EXTRA)):
         return None
-
-    def parse(value: Any) -> EvalStats:
-        return stats_from_dict(value, num_classes, multi_label)
-
+    parse = partial(stats_from_dict, num_classes=num_classes, multi_label=multi_label)
     evaluation: SiteEvaluation = {split: parse(meta[key]) for split, key in SPLIT_KEYS if key in meta}
-    evaluation["test_by_attribute"] = {
-        a: parse(d) for a, d in (meta.get(contracts.EVAL_TEST_BY_ATTRIBUTE) or {}).items()
-    }
+    evaluation["test_by_attribute"] = {a: parse(d) for a, d in (meta.get(contracts.EVAL_TEST_BY_ATTRIBUTE) or {}).items()}
     evaluation["extra"] = {
         name: {split: parse(d) for split, d in splits.items()}
         for name, splits in (meta.get(contracts.EVAL_EXTRA) or {}).items()
@@ -64,9 +60,8 @@ def summarize(
     share_cap: float = 0.0,
 ) -> dict[str, Any]:
     """Pooled (``val``/``test``, sums in ``*_stats``), per-site (``by_site``), ``site_mean``, per-attribute and
-    ``extra`` (per declared evaluation) metrics of one model version. With ``share_cap`` (robust.max_share) no
-    site's images weigh more than that in a pooled metric, as in the aggregate (capped shares: ``<split>_capped``).
-    """
+    ``extra`` (per declared evaluation) metrics of one model version. With ``share_cap`` (robust.max_share) no site's
+    images weigh more than that in a pooled metric, as in the aggregate (capped shares: ``<split>_capped``)."""
     evaluations = dict(sorted(evaluations.items()))  # sum in site order, not arrival order: reproducible bits
     summary: dict[str, Any] = {"sites": list(evaluations)}
     summary.update(_split_block(evaluations, shot_groups, with_stats=True, share_cap=share_cap))
@@ -78,12 +73,8 @@ def summarize(
         summary["test_by_attribute"] = {a: compute_metrics(_sum(parts)) for a, parts in sorted(by_attribute.items())}
     names = sorted({name for e in evaluations.values() for name in e.get("extra", {})})
     if names:
-        summary["extra"] = {
-            name: _split_block(
-                {site: e["extra"][name] for site, e in evaluations.items() if name in e.get("extra", {})}, shot_groups
-            )
-            for name in names
-        }
+        summary["extra"] = {name: _split_block({site: e["extra"][name] for site, e in evaluations.items()
+                                                if name in e.get("extra", {})}, shot_groups) for name in names}
     return summary
 
 
@@ -148,11 +139,8 @@ def _split_block(
 def site_mean(by_site: Mapping[str, Mapping[str, Any]]) -> dict[str, float | None]:
     """Unweighted mean over sites of every scalar metric (sites where it is undefined are left out)."""
     names = sorted({k for metrics in by_site.values() for k, v in metrics.items() if _is_number(v) or v is None})
-    mean: dict[str, float | None] = {}
-    for name in names:
-        values = [float(m[name]) for m in by_site.values() if _is_number(m.get(name))]
-        mean[name] = float(np.mean(values)) if values else None
-    return mean
+    values = {name: [float(m[name]) for m in by_site.values() if _is_number(m.get(name))] for name in names}
+    return {name: float(np.mean(scores)) if scores else None for name, scores in values.items()}
 
 
 def _is_number(value: Any) -> bool:
@@ -172,15 +160,13 @@ def capped_pool(parts: Mapping[str, EvalStats], cap: float) -> tuple[EvalStats, 
     counts = {site: float(stats.count) for site, stats in parts.items() if stats.count > 0}
     if cap <= 0 or len(counts) < 2:
         return _sum(list(parts.values())), {}
-    raw = normalise_weights(counts)
-    shares = cap_shares(raw, cap)
+    shares = cap_shares(raw := normalise_weights(counts), cap)
     capped = {site: shares[site] for site in counts if shares[site] < raw[site] - 1e-9}
     if not capped:
         return _sum(list(parts.values())), {}
     per_image = {site: shares[site] / counts[site] for site in counts}
     base = min(per_image.values())
-    times = {site: max(1, round(CAP_RESOLUTION * per_image[site] / base)) for site in counts}
-    return _sum([_repeated(parts[site], times[site]) for site in counts]), capped
+    return _sum([_repeated(parts[site], max(1, round(CAP_RESOLUTION * per_image[site] / base))) for site in counts]), capped
 
 
 def _repeated(stats: EvalStats, times: int) -> EvalStats:
@@ -205,16 +191,14 @@ def personalization_figures(
 ) -> dict[str, Any]:
     """FCA's figures from :func:`summarize`'s final evaluation, in bACC and bAUC, with per-site ones.
 
-    * Generalization: the global model on the pooled test splits (``final["test"]``); without a global classifier
-      (local-only, FedRep), each site's own model on the pooled test set, averaged (the declared evaluation
-      ``generalization``; None when no site could build the pooled test set).
-    * Specialization: each site's own model on its own test split, averaged over sites: the declared evaluation
-      ``specialization``, or the main evaluation's ``site_mean`` when None (sites keep the global model).
+    * Generalization: the global model on the pooled test splits; without a global classifier (local-only, FedRep)
+      the mean of each site's own model on the pooled test set (declared evaluation ``generalization``, or None).
+    * Specialization: the mean of each site's own model on its own test split (declared evaluation
+      ``specialization``, or the main evaluation's ``site_mean`` when None: sites keep the global model).
     * ``gs_mean_*``: the mean of the two (the paper's "Average of G&S"), None if either is missing.
 
-    References:
-        Wicaksana, Yan and Cheng, FCA: Taming Long-tailed Federated Medical Image Classification by Classifier
-        Anchoring, 2023, §4.2 (bAUC: spec §1.5).
+    Reference: Wicaksana, Yan and Cheng, FCA: Taming Long-tailed Federated Medical Image Classification by
+    Classifier Anchoring, 2023, §4.2 (bAUC: spec §1.5).
     """
     general_block = {} if global_classifier or not generalization else final.get("extra", {}).get(generalization, {})
     general = final.get("test", {}) if global_classifier else general_block.get("site_mean", {})
@@ -223,9 +207,9 @@ def personalization_figures(
     figures: dict[str, Any] = {}
     for metric, short in _FIGURES:
         g, s = general.get(metric), special.get(metric)
-        figures[f"generalization_{short}"] = g
-        figures[f"specialization_{short}"] = s
-        figures[f"gs_mean_{short}"] = (g + s) / 2 if g is not None and s is not None else None
+        figures.update({f"generalization_{short}": g, f"specialization_{short}": s,
+                        f"gs_mean_{short}": (g + s) / 2 if g is not None and s is not None else None})
+
     def by_site(scored: Mapping[str, Any]) -> dict[str, Any]:
         return {site: {short: m.get(metric) for metric, short in _FIGURES} for site, m in scored.get("by_site", {}).items()}
 

@@ -55,11 +55,8 @@ def disk_full_is_one_line(path: Path) -> Iterator[None]:
 
 def atomic_write_bytes(path: Path, data: bytes, *, replace: bool = True) -> Path:
     """Write ``data`` as ``path`` all at once (temporary file beside it, fsync, rename); return ``path``. Without
-    ``replace`` an existing ``path`` is refused atomically (the file is linked into place).
-
-    Raises:
-        OutputError: the disk is full, or ``path`` exists and ``replace`` is off; ``path`` is left as it was.
-    """
+    ``replace`` an existing ``path`` is refused atomically (the file is linked into place). OutputError when the
+    disk is full, or ``path`` exists and ``replace`` is off; ``path`` is left as it was."""
     path = Path(path)
     with disk_full_is_one_line(path):
         fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
@@ -185,10 +182,10 @@ class FolderLock:
             raise OutputError(f"{self.option} {self.folder} is in use by {owner} (lock {self.path}); wait for it "
                               f"to finish, or choose another {self.option}") from None
         try:
-            if os.fstat(fd).st_ino != os.stat(self.path, follow_symlinks=False).st_ino:
-                os.close(fd)
-                return None
+            still_ours = os.fstat(fd).st_ino == os.stat(self.path, follow_symlinks=False).st_ino
         except FileNotFoundError:
+            still_ours = False
+        if not still_ours:
             os.close(fd)
             return None
         text = _read(fd)
@@ -280,8 +277,7 @@ def record_files(folder: Path, digests: dict[str, str], dropped: set[str] = froz
 
 def remove_recorded(folder: Path, unit: str) -> list[str]:
     """Remove ``folder/unit`` when it holds only what medflare recorded writing there, each file still with that
-    content; else remove nothing and return what else is there (someone's files, or medflare's changed since),
-    relative to ``folder``."""
+    content; else remove nothing and return what else is there (relative to ``folder``)."""
     prefix = f"{unit}/"
     ours = {f for f in unchanged_files(folder) if f.startswith(prefix)}
     left = [f"{prefix}{f}" for f in files_under(folder / unit) if f"{prefix}{f}" not in ours]
@@ -293,8 +289,7 @@ def remove_recorded(folder: Path, unit: str) -> list[str]:
 
 
 def remove_files(folder: Path, files: list[str]) -> None:
-    """Delete the listed files, then folders left empty; every path is confined first (one outside deletes
-    nothing)."""
+    """Delete the listed files, then folders left empty; all confined first (one outside deletes nothing)."""
     folder = folder.resolve()
     paths = [confined(folder, relative, str(folder / MARKER)) for relative in files]
     parents: set[Path] = set()
@@ -310,11 +305,7 @@ def remove_files(folder: Path, files: list[str]) -> None:
 def write_recorded(out_dir: Path, name: str, write: Callable[[Path], Any]) -> Path:
     """``out_dir/name`` as ``write`` fills it (in an exclusively made folder beside it, renamed once complete),
     recorded in ``out_dir``'s marker. An existing folder is replaced only when it holds nothing but medflare's
-    unchanged files (:func:`remove_recorded`); a link of that name is replaced itself.
-
-    Raises:
-        OutputError: the existing folder holds other files, or a file has that name (all kept; nothing written).
-    """
+    unchanged files (:func:`remove_recorded`; else OutputError, all kept); a link of that name is replaced itself."""
     target = out_dir / name
     out_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out_dir, prefix=f".{name}.", suffix=".partial"))
@@ -387,10 +378,8 @@ class OutputTarget:
                               f"choose a folder path")
         if self.target.is_dir() and any(self.target.iterdir()) and not (self.overwrite or self.merge):
             what = "already exists" if self.unit else "is not empty"
-            raise ConfigError(
-                f"{self.option} {self.target} {what}; choose a new folder, or add --overwrite to replace "
-                f"medflare's earlier results there (files medflare did not write are kept)"
-            )
+            raise ConfigError(f"{self.option} {self.target} {what}; choose a new folder, or add --overwrite to "
+                              f"replace medflare's earlier results there (files medflare did not write are kept)")
         if self.staging.is_symlink() or (self.staging.exists() and not (self.staging / MARKER).is_file()):
             raise ConfigError(f"{self.staging} exists and was not made by medflare; move it away or choose "
                               f"another {self.option}")
@@ -435,8 +424,7 @@ class OutputTarget:
             raise OutputError(
                 f"{self.target / clashes[0]} was not written by medflare (or changed since it was) and would be "
                 f"replaced; the results are kept in {self.staging}. Move that file away, or choose another "
-                f"{self.option}"
-            )
+                f"{self.option}")
         replaced = ours & set(new_files) if self.merge else ours
         destinations = [confined(self.target, relative, f"the result {relative}") for relative in new_files]
         # first: a result moved in below is medflare's even if the move stops half-way

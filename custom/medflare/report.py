@@ -1,9 +1,6 @@
-"""Turn the controller's results file into summary.json, a per-round CSV, a markdown report and plots.
-
-Everywhere, round r is the global model after r rounds (round 0: the initial model, when the sites scored it),
-the headline metric is the one the controller selected the best model by, and start-up is seconds from the run's
-launch to the start of its first round (:func:`_timing`).
-"""
+"""Turn the controller's results file into summary.json, a per-round CSV, a markdown report and plots. Round r is the
+global model after r rounds (round 0: the initial model, when the sites scored it); the headline metric is the one the
+controller selected the best model by; start-up is seconds from the launch to the first round (:func:`_timing`)."""
 
 from __future__ import annotations
 
@@ -45,14 +42,11 @@ def build_summary(
     epoch seconds when medflare launched FLARE (None: launched elsewhere)."""
     rounds = list(results.get("rounds", []))
     evaluations = results.get("evaluations", {})
-    per_round = [_round_entry(record, evaluations.get(str(record["round"] + 1), {})) for record in rounds]
     final_eval = results.get("final") or (evaluations.get(str(len(rounds)), {}) if rounds else {})
-    method = results.get("method", config.get("method"))
-    multi_label = bool((config.get("task") or {}).get("multi_label"))
     return {
-        "method": method,
+        "method": results.get("method", config.get("method")),
         "server_model": bool(config.get("server_model", True)),
-        "headline_metric": selection_metric(results, multi_label),
+        "headline_metric": selection_metric(results, bool((config.get("task") or {}).get("multi_label"))),
         "config": dict(config),
         "rounds_completed": len(rounds),
         "final": final_metrics(final_eval),
@@ -62,7 +56,7 @@ def build_summary(
         "initial": evaluations.get("0", {}).get("test", {}),
         **({"initial_round": _scored_entry(0, evaluations["0"])} if "0" in evaluations else {}),
         "best": results.get("best", {}),
-        "per_round": per_round,
+        "per_round": [_round_entry(record, evaluations.get(str(record["round"] + 1), {})) for record in rounds],
         "clients": _client_entries(clients, rounds),
         "payload": _payload_entries(rounds),
         "timing": _timing(results, rounds, launched_at),
@@ -193,9 +187,9 @@ def write_outputs(summary: Mapping[str, Any], out_dir: str | Path) -> list[Path]
 
 
 def _write_rounds_csv(summary: Mapping[str, Any], path: Path) -> None:
-    """One row per round r, the model after r rounds (round 0, the initial model, when the sites scored it): its
-    stage (staged methods), pooled test metrics (head/medium/tail and per-attribute ones when present), their
-    unweighted mean over sites (``test_site_mean_*``), pooled validation metrics, each site's share and loss."""
+    """One row per scored round: its stage (staged methods), pooled test metrics (head/medium/tail and per-attribute
+    ones when present), their unweighted mean over sites (``test_site_mean_*``), pooled validation metrics, each
+    site's share and loss."""
     sites = sorted(summary.get("clients", {}))
     rows = plotting.scored_rounds(summary)
     staged = any("stage" in entry for entry in rows)
@@ -525,11 +519,9 @@ def mean_std(values: list[float]) -> tuple[float, float]:
 
 def seed_statistics(runs: list[Mapping[str, Any]], columns: list[str]) -> dict[str, tuple[float, float] | None]:
     """Mean and std over seeds of each final metric (None where a run lacks it)."""
-    stats: dict[str, tuple[float, float] | None] = {}
-    for column in columns:
-        values = [run["final"].get(column) for run in runs]
-        stats[column] = mean_std([float(v) for v in values]) if all(isinstance(v, (int, float)) for v in values) else None
-    return stats
+    values = {column: [run["final"].get(column) for run in runs] for column in columns}
+    return {column: mean_std([float(v) for v in vs]) if all(isinstance(v, (int, float)) for v in vs) else None
+            for column, vs in values.items()}
 
 
 def verdicts(stats: Mapping[str, Mapping[str, tuple[float, float] | None]], metric: str) -> dict[str, str]:
@@ -542,12 +534,8 @@ def verdicts(stats: Mapping[str, Mapping[str, tuple[float, float] | None]], metr
     out = {}
     for method, (mean, std) in known.items():
         gap, spread = known[best][0] - mean, max(std, known[best][1])
-        if method == best:
-            out[method] = "best"
-        elif gap <= spread:
-            out[method] = f"no difference (gap {gap:.4f} ≤ 1 std {spread:.4f})"
-        else:
-            out[method] = f"worse by {gap:.4f} (> 1 std {spread:.4f})"
+        out[method] = ("best" if method == best else f"no difference (gap {gap:.4f} ≤ 1 std {spread:.4f})"
+                       if gap <= spread else f"worse by {gap:.4f} (> 1 std {spread:.4f})")
     return out
 
 
@@ -558,8 +546,7 @@ def comparison_table(summaries: list[Mapping[str, Any]]) -> str:
     stats = {method: seed_statistics(runs, columns) for method, runs in groups.items()}
     metric = plotting.headline(summaries[0])  # one task for every run compared
     verdict = verdicts(stats, metric)
-    header = f"| method | seeds | rounds | {' | '.join(columns)} | vs best ({metric}) |"
-    lines = [header, "|---" * (len(columns) + 4) + "|"]
+    lines = [f"| method | seeds | rounds | {' | '.join(columns)} | vs best ({metric}) |", "|---" * (len(columns) + 4) + "|"]
     for method, runs in groups.items():
         cells = " | ".join("n/a" if stats[method][c] is None else f"{stats[method][c][0]:.4f} ± {stats[method][c][1]:.4f}"
                            for c in columns)

@@ -42,17 +42,12 @@ MIN_SITES_FOR_OUTLIER = 3  # with two sites each one's reference median is the o
 
 
 class RoundAggregation:
-    """FLARE-free core of one round: accept (validate) results phase by phase, then aggregate.
-
-    Args (a :class:`~medflare.plan.RunPlan`'s, :meth:`of_plan`):
-        spec, method_args: the registered method and its arguments, typed.
-        robust: :class:`medflare.server_setup.RobustConfig` fields.
-        transfer_dtype, transfer_kind, download_dtype: how float weights travel ("float32"/"float16"), up as
-            "weights" or "diff"; the server keeps its own precision.
-        stream_aggregation: add each accepted train result to one float64 running sum, in site-name order, instead
-            of holding every update (when the rule is linear); :meth:`expect_sites` lets it free results early.
-        min_clients: the valid results a round needs; no robust decision may leave fewer (the round fails instead).
-    """
+    """FLARE-free core of one round: accept (validate) results phase by phase, then aggregate. The arguments are a
+    :class:`~medflare.plan.RunPlan`'s (:meth:`of_plan`); ``robust``: :class:`medflare.server_setup.RobustConfig`
+    fields; float weights travel in ``transfer_dtype``/``download_dtype``, up as ``transfer_kind`` "weights" or
+    "diff" (the server keeps its own precision); ``stream_aggregation`` adds each accepted train result to one float64
+    running sum in site-name order instead of holding every update (linear rules; :meth:`expect_sites` frees results
+    early); ``min_clients``: no robust decision may leave fewer valid results (the round fails instead)."""
 
     def __init__(self, spec: MethodSpec, method_args: Mapping[str, Any], num_classes: int, num_rounds: int,
                  robust: Mapping[str, Any] | None = None, transfer_dtype: str = "float32",
@@ -60,9 +55,8 @@ class RoundAggregation:
                  download_dtype: str = "float32", min_clients: int = 1):
         self.min_clients = min_clients
         self.spec = spec
-        self.rule, self.stages, self.robust = server_rule(
-            spec, method_args, num_rounds, robust, transfer_dtype, transfer_kind, download_dtype, multi_label
-        )
+        self.rule, self.stages, self.robust = server_rule(spec, method_args, num_rounds, robust, transfer_dtype,
+                                                          transfer_kind, download_dtype, multi_label)
         self.robust.check_quorum(min_clients)
         self.multi_label = multi_label
         self.transfer_dtype, self.transfer_kind, self.download_dtype = transfer_dtype, transfer_kind, download_dtype
@@ -165,9 +159,8 @@ class RoundAggregation:
                 if self.phase == contracts.TRAIN_PHASE:  # against the frozen parts as the sites received them
                     frozen = {k: self.global_params[k] for k in clean
                               if self.spec.payload.is_frozen(k) and k in self.global_params}
-                    contracts.check_frozen_unchanged(
-                        clean, self.downloaded(frozen), self.spec.payload, self.transfer_dtype, kind
-                    )
+                    contracts.check_frozen_unchanged(clean, self.downloaded(frozen), self.spec.payload,
+                                                     self.transfer_dtype, kind)
                 update = SiteUpdate(site, decode_weights(clean, self.global_params, kind), clean_meta)
                 self.rule.check_update(self.phase, update, self.ctx)
                 if self.phase == contracts.TRAIN_PHASE:
@@ -227,14 +220,12 @@ class RoundAggregation:
         """What ``ServerRule.aggregate`` gives for a linear rule, from the running sum."""
         total = stream.finish()
         dtypes = {k: np.asarray(v).dtype for k, v in self.global_params.items()}
-        params = {**self.global_params, **total.average(dtypes)}
-        info = self.rule.round_info(self.accepted(), self.ctx)
-        return AggregateResult(params=params, shares=normalise_weights(total.weights), info=info)
+        return AggregateResult(params={**self.global_params, **total.average(dtypes)},
+                               shares=normalise_weights(total.weights), info=self.rule.round_info(self.accepted(), self.ctx))
 
     def _stream_facts(self) -> dict[str, Any]:
-        """What a round's record says about streaming: "batch" and why, or "streamed" with the most results held
-        at once and whether every addition came in site order (a "mode" text also keeps reports from taking it
-        for a per-site value)."""
+        """A round's record of streaming: "batch" and why, or "streamed" with the most results held at once and
+        whether every addition came in site order (a "mode" text keeps reports from taking it for a per-site value)."""
         if self.stream is None:
             return {"mode": "batch", "reason": self.batch_reason() or f"phase '{self.phase}' is not aggregated"}
         return {"mode": "streamed", "most_results_held": self.stream.most_waiting,
@@ -249,8 +240,7 @@ class RoundAggregation:
         raise PayloadError(
             f"the robust rules would leave {len(kept)} site(s) ({', '.join(kept) or 'none'}) after rejecting "
             f"{'; '.join(f'{site}: {why}' for site, why in sorted(self.rejected.items()))}; the job needs "
-            f"min_clients={self.min_clients}, so this round is not aggregated and the previous global model is kept"
-        )
+            f"min_clients={self.min_clients}, so this round is not aggregated and the previous global model is kept")
 
     def _select(self, updates: list[SiteUpdate]) -> list[SiteUpdate]:
         """The sites a selecting ``robust.rule`` (Krum, Multi-Krum, Bulyan) keeps, by the distances between their
@@ -265,8 +255,7 @@ class RoundAggregation:
                 f"robust.rule={robust.rule} with hostile_sites={robust.hostile_sites} needs at least "
                 f"{max(robust.sites_needed(), keep)} sites; {answered} answered "
                 f"({', '.join(u.site for u in updates)}), so this round is not aggregated and the previous "
-                "global model is kept"
-            )
+                "global model is kept")
         keys = [k for k, v in self.global_params.items()
                 if np.asarray(v).dtype.kind == "f" and all(k in u.arrays for u in updates)]
         distances = robust_rules.squared_distances([u.arrays for u in updates], keys)
@@ -393,17 +382,14 @@ class MedflareAggregator(Aggregator):
             reason = f"not a valid DXO: {exc}"
             self.core.rejected[site] = reason
         if reason:
-            self.log_warning(
-                fl_ctx, f"round {self.core.ctx.round + 1}: REJECTED update from {site}: {reason}. "
-                "The round goes on without it; check that site's log."
-            )
+            self.log_warning(fl_ctx, f"round {self.core.ctx.round + 1}: REJECTED update from {site}: {reason}. "
+                                     "The round goes on without it; check that site's log.")
             return False
         return True
 
     def _expect_registered_sites(self, fl_ctx: FLContext) -> None:
-        """The controller broadcasts the train task to every site registered when it sends it (FLARE's
-        ``targets=None``), so the sites registered at the first result are those its results can come from (a
-        site that registered in between only makes later results wait until the aggregation)."""
+        """The train task goes to every site registered when it is sent (FLARE's ``targets=None``), so those
+        registered at the first result are its senders (a later registration only delays results to aggregation)."""
         try:
             self.core.expect_sites(client.name for client in fl_ctx.get_engine().get_clients())
         except Exception as exc:  # noqa: BLE001 - the results then wait for the aggregation: more memory, same sum

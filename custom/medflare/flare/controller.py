@@ -1,10 +1,6 @@
-"""The server-side FLARE controller: one round loop for every method.
-
-Each round it sends the global model to the sites, accepts (validated) results as they arrive, aggregates with the
-method's rule, and records and checkpoints the round (:mod:`~medflare.flare.run_results`,
-:mod:`~medflare.flare.resume_state`). Sites score the model they receive before training, so round r's results
-carry the evaluation of model r; a final ``validate`` task scores the last model.
-"""
+"""The server-side FLARE controller: one round loop for every method (send, accept validated results, aggregate, record
+and checkpoint). Sites score the model they receive before training, so round r's results carry the evaluation of model
+r; a final ``validate`` task scores the last model."""
 
 from __future__ import annotations
 
@@ -69,11 +65,9 @@ class PhaseAnswers:
 
 
 class NextTaskHold:
-    """Holds a site's request for its next task while the server works between two phases.
-
-    Told "try again", a site waits a whole poll period before it asks again (0.5 s in FLARE's simulator,
-    ``task_request_interval`` in POC and production). Instead, a request of a site that answered the phase (FLARE's
-    ``BEFORE_PROCESS_TASK_REQUEST`` event) waits here until the next task is out, at most ``limit`` seconds. It runs
+    """Holds a site's request for its next task while the server works between two phases: told "try again", a site
+    waits a whole poll period (0.5 s in FLARE's simulator, ``task_request_interval`` in POC and production). A request
+    of a site that answered the phase (``BEFORE_PROCESS_TASK_REQUEST``) waits here instead, at most ``limit`` s. It runs
     under FLARE's workflow lock, which result submissions also take: only when no result of the phase is outstanding.
     """
 
@@ -102,15 +96,10 @@ class NextTaskHold:
 
 
 class MedflareController(Controller):
-    """Round loop shared by all methods.
-
-    Args:
-        plan_file: the job's plan in its ``app/config`` folder (:mod:`medflare.plan`), read when the job starts:
-            its rounds, ``min_clients``, ``straggler_seconds`` (once those answered; a failed site counts as an
-            answer), ``task_timeout``, ``shot_groups``, ``patience`` and ``resume_from``.
-        persistor_id: component id of the model persistor (:class:`medflare.flare.persistor.MedflareModelPersistor`).
-        aggregator_id: component id of the MedflareAggregator.
-    """
+    """Round loop shared by all methods. ``plan_file``: the job's plan in its ``app/config`` folder
+    (:mod:`medflare.plan`), read when the job starts (rounds, ``min_clients``, ``straggler_seconds`` once those
+    answered, a failed site counting as an answer, ``task_timeout``, ``shot_groups``, ``patience``, ``resume_from``);
+    ``persistor_id``/``aggregator_id``: component ids of the MedflareModelPersistor and the MedflareAggregator."""
 
     def __init__(self, plan_file: str = PLAN_FILE, persistor_id: str = "persistor",
                  aggregator_id: str = "aggregator") -> None:
@@ -298,8 +287,7 @@ class MedflareController(Controller):
             raise RuntimeError(
                 f"round {round_index + 1} ({phase}): only {accepted} site(s) sent a valid result, the job needs "
                 f"min_clients={self.min_clients}. Failed: {record['failed']}; rejected: {record['rejected']}. "
-                "Check those sites' logs, or lower min_clients."
-            )
+                "Check those sites' logs, or lower min_clients.")
 
     def _send_phase(self, phase: str, outgoing: dict | PerSite, ctx: RoundContext, record: dict,
                     evaluations: dict[str, dict], abort_signal: Signal, fl_ctx: FLContext) -> None:
@@ -420,10 +408,9 @@ class MedflareController(Controller):
         return summary
 
     def _save_best_model(self, fl_ctx: FLContext) -> None:
-        """Have FLARE's persistor write best_FL_global_model.pt of the model scored best and not yet saved.
-
-        Deferred to the round's housekeeping, so the write (~0.1 s, ResNet-18) overlaps the sites' work; by then the
-        context's GLOBAL_MODEL, which the persistor saves, is the next round's, so the scored one is put there."""
+        """Have FLARE's persistor write best_FL_global_model.pt of the model scored best and not yet saved. Deferred
+        to the round's housekeeping, so the write (~0.1 s, ResNet-18) overlaps the sites' work; by then the context's
+        GLOBAL_MODEL, which the persistor saves, is the next round's, so the scored one is put there."""
         params, self.results.best_unsaved = self.results.best_unsaved, None
         if params is None:
             return
@@ -473,8 +460,8 @@ class MedflareController(Controller):
 
     def _resume_folder(self, fl_ctx: FLContext) -> None:
         """Continue a previous run's history and model (``medflare run --resume``; the simulator only)."""
-        header = run_results.results_header(self.plan, self.aggregator)
-        self.global_params = resume_state.resume_folder(self.results, self.resume_from, self.global_params, header)
+        self.global_params = resume_state.resume_folder(self.results, self.resume_from, self.global_params,
+                                                        run_results.results_header(self.plan, self.aggregator))
 
     def _write_results(self) -> None:
         self.results.write(self.results_path)

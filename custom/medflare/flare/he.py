@@ -1,21 +1,17 @@
 """Encrypted aggregation in FLARE (``secure_aggregation=he``): sites encrypt, the server weighs ciphertexts it
-cannot read, sites decrypt.
+cannot read, sites decrypt. Built on the TenSEAL CKKS contexts FLARE's ``HEBuilder`` writes into provisioned kits
+(the secret key at every site, none on the server), loaded through FLARE's signature-checking loader. FLARE's
+``HEModelEncryptor`` and HE aggregator are not used: they weigh each site at the site by its step count and send the
+context (~660 KB) with every array, while medflare's rules weigh sites on the server under a share cap.
 
-Built on the TenSEAL CKKS contexts FLARE's ``HEBuilder`` writes into provisioned kits (the secret key at every site,
-none on the server), loaded through FLARE's signature-checking loader. FLARE's ``HEModelEncryptor`` and HE aggregator
-are not used: they weigh each site at the site by its step count and send the context (~660 KB) with every array,
-while medflare's rules weigh sites on the server under a share cap.
-
-At a site, :class:`DecryptTask` decrypts a task's model and :class:`EncryptResult` encrypts the result after the
-site's own filters have seen it in plaintext. The server (:class:`EncryptedRoundAggregation`) checks shapes, meta and
-declared arrays on zero-stride stand-ins and bounds the rule's plaintext weights before it weighs the ciphertexts.
-What it can no longer do is refused or recorded (docs/privacy.md); the simulator, without contexts, refuses the option.
+Sites encrypt after their own filters saw the result in plaintext; the server checks shapes, meta and declared arrays
+on zero-stride stand-ins and bounds the rule's plaintext weights before it weighs the ciphertexts. What it can no
+longer do is refused or recorded (docs/privacy.md); the simulator, without contexts, refuses the option.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -59,12 +55,9 @@ def load_workspace_context(file_name: str, fl_ctx: FLContext) -> Any:
 
 class EncryptedRoundAggregation(RoundAggregation):
     """:class:`RoundAggregation` over encrypted train results: the server never holds a decryptable model array.
-
-    The aggregated global arrays are :class:`EncryptedArray` s (``encrypted``); the rule and every shape check see
-    zero-stride stand-ins of them. Train results carry every shared model array encrypted except the frozen parts,
-    which travel in plaintext as the server sent them (and are checked). :meth:`use_context` sets the server's
-    context (no secret key) before the first result arrives.
-    """
+    The rule and every shape check see zero-stride stand-ins of the aggregated :class:`EncryptedArray` s; frozen
+    parts travel in plaintext as the server sent them (and are checked). :meth:`use_context` sets the server's
+    context (no secret key) before the first result arrives."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -136,9 +129,8 @@ class EncryptedRoundAggregation(RoundAggregation):
         return reason
 
     def _ciphertexts(self, arrays: Mapping[str, Any], meta: Mapping[str, Any]) -> dict[str, EncryptedArray]:
-        """key -> the site's ciphertext of that model array, read under the server's context; a
-        :class:`PayloadError` for a model array in plaintext or missing, a declaration that does not match the
-        model, or bytes that are not a ciphertext of this project's context."""
+        """key -> the site's ciphertext of that model array, read under the server's context; PayloadError for a
+        model array in plaintext or missing, a declaration not matching the model, or bytes of no such ciphertext."""
         if self.context is None:
             raise PayloadError("the server has no TenSEAL context: this server kit was not provisioned for "
                                "encrypted aggregation")
@@ -292,9 +284,8 @@ def implausible(arrays: Mapping[str, np.ndarray], last: Mapping[str, np.ndarray]
 
 class DecryptTask(_SiteContext):
     """Site task-data filter: decrypts the arrays a task declares encrypted (``contracts.ENCRYPTED_ARRAYS``) into
-    the shapes and dtypes it declares; a task without encrypted arrays passes unchanged. A decrypted model the
-    site finds :func:`implausible` (the server could not look) gets :data:`contracts.REFUSED_TASK_HEADER` with the
-    cause, and the executor declines the task with that line instead of training on garbage."""
+    the shapes and dtypes it declares. A decrypted model the site finds :func:`implausible` (the server could not
+    look) gets :data:`contracts.REFUSED_TASK_HEADER`: the executor declines the task instead of training on garbage."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -327,10 +318,7 @@ class DecryptTask(_SiteContext):
 class EncryptResult(_SiteContext):
     """Site task-result filter: encrypts and declares every array of a result except the method's declared
     arrays (the server's rule reads them) and its frozen parts, after the site's own filters have checked it.
-
-    Args:
-        plan_file: the job's plan (``medflare_plan.json`` in its ``app/config``), which names the method.
-    """
+    ``plan_file``: the job's plan (``medflare_plan.json`` in its ``app/config``), which names the method."""
 
     def __init__(self, plan_file: str = PLAN_FILE) -> None:
         super().__init__()
@@ -342,16 +330,14 @@ class EncryptResult(_SiteContext):
         dxo = from_shareable(shareable)
         data = dict(dxo.data or {})
         payload = deployed_plan(fl_ctx, self.plan_file)[0].spec.payload
-        plain, frozen = payload.arrays_for(contracts.TRAIN_PHASE), payload.frozen_keys
-        sealed = [k for k in data if k not in plain and not (frozen and re.search(frozen, k))]
+        plain = payload.arrays_for(contracts.TRAIN_PHASE)
+        sealed = [k for k in data if k not in plain and not payload.is_frozen(k)]
         if not sealed:
             return shareable
         context = self.context(fl_ctx)
-        declared = {}
-        for key in sealed:
-            array = np.asarray(data[key])
-            data[key] = he_aggregate.encrypt_array(context, array)
-            declared[key] = [list(array.shape), array.dtype.name]
+        arrays = {key: np.asarray(data[key]) for key in sealed}
+        data.update({key: he_aggregate.encrypt_array(context, array) for key, array in arrays.items()})
+        declared = {key: [list(array.shape), array.dtype.name] for key, array in arrays.items()}
         dxo.data = data
         dxo.set_meta_prop(contracts.ENCRYPTED_ARRAYS, declared)
         dxo.update_shareable(shareable)

@@ -1,14 +1,8 @@
-"""Experiment tracking through FLARE's own analytics events.
-
-Sites fire FLARE's ``analytix_log_stats`` event per local epoch and per task; :class:`SiteMetricsToServer` forwards it
-to the server, where the controller fires the same event for every round's metrics. FLARE's TensorBoard and MLflow
-receivers (:mod:`~medflare.flare.tb_receiver`, :mod:`~medflare.flare.mlflow_receiver`) record them, or, without their
-package on the server, log one line (:class:`MissingTrackerReceiver`).
-
-These events travel beside the task results, past a method's Payload and the site's privacy filters, so what a site
-may stream is declared here, once (:data:`SITE_STREAMED_TAGS`): only values its result carries anyway
-(``train_loss``, ``train_seconds``, ``dp_epsilon``, the ``eval_val`` counts) or the job's own lr schedule.
-"""
+"""Experiment tracking through FLARE's analytics events: sites fire them per local epoch and task
+(:class:`SiteMetricsToServer` forwards them), the controller per round; FLARE's TensorBoard and MLflow receivers record
+them (:class:`MissingTrackerReceiver` without their package). These events travel beside the task results, past a
+method's Payload and the site's privacy filters, so what a site may stream is declared once
+(:data:`SITE_STREAMED_TAGS`): only values its result carries anyway, or the job's own lr schedule."""
 
 from __future__ import annotations
 
@@ -57,10 +51,8 @@ def missing_notice(tracking: str) -> str | None:
     """One line saying which trackers record nothing here because their package is missing, or None."""
     missing = [package for package, _ in (RECEIVERS[name] for name in TRACKERS[tracking])
                if importlib.util.find_spec(package) is None]
-    if not missing:
-        return None
     return (f"{' and '.join(missing)} not installed here, so this run records no {' or '.join(missing)} metrics "
-            f"(the run itself is unaffected); {INSTALL_HINT} to record them")
+            f"(the run itself is unaffected); {INSTALL_HINT} to record them") if missing else None
 
 
 def server_components(tracking: str, mlflow_args: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -76,9 +68,9 @@ def mlflow_receiver_args(params: Mapping[str, Any], run_name: str, tags: Mapping
     """The MLflow receiver's arguments: FLARE's ``kw_args`` (``experiment``, ``run_name``, to which the receiver
     appends the short job id, and the run ``tags`` known when the job is written), the job's settings ``params``
     (:func:`flat_params`) and the ``env`` tag outside FLARE's simulator (``deployed_env``: poc or prod)."""
-    kw_args = {TrackConst.EXPERIMENT_NAME: experiment or DEFAULT_EXPERIMENT, TrackConst.RUN_NAME: run_name,
-               TrackConst.EXPERIMENT_TAGS: {}, TrackConst.RUN_TAGS: dict(tags)}
-    return {"kw_args": kw_args, "params": flat_params(params), "deployed_env": deployed_env}
+    return {"kw_args": {TrackConst.EXPERIMENT_NAME: experiment or DEFAULT_EXPERIMENT, TrackConst.RUN_NAME: run_name,
+                        TrackConst.EXPERIMENT_TAGS: {}, TrackConst.RUN_TAGS: dict(tags)},
+            "params": flat_params(params), "deployed_env": deployed_env}
 
 
 def flat_params(settings: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -101,9 +93,8 @@ def param_text(value: Any) -> str:
 
 def client_components(tracking: str) -> list[dict[str, Any]]:
     """The site-side converter that forwards the declared metrics to the server (none when tracking is off)."""
-    if not TRACKERS[tracking]:
-        return []
-    return [{"id": "metrics_to_server", "path": "medflare.flare.tracking.SiteMetricsToServer", "args": {}}]
+    forward = {"id": "metrics_to_server", "path": "medflare.flare.tracking.SiteMetricsToServer", "args": {}}
+    return [forward] if TRACKERS[tracking] else []
 
 
 # ----- sending ------------------------------------------------------------------------------------------
@@ -122,10 +113,8 @@ def round_scalars(evaluation: Mapping[str, Any]) -> dict[str, float]:
     """The scalar metrics of one model version as TensorBoard tags: ``val/`` and ``test/<metric>`` pooled over
     sites, ``site_mean/<metric>`` the unweighted mean of the sites' test metrics, ``<site>/test_<metric>`` each
     site's own, and ``<name>/...`` of each method-declared evaluation."""
-    scalars: dict[str, float] = {}
-    for split in ("val", "test"):
-        scalars.update(_prefixed(f"{split}/", evaluation.get(split, {})))
-    scalars.update(_prefixed("site_mean/", evaluation.get("site_mean", {})))
+    scalars = {tag: value for split in ("val", "test", "site_mean")
+               for tag, value in _prefixed(f"{split}/", evaluation.get(split, {})).items()}
     for site, metrics in evaluation.get("by_site", {}).items():
         scalars.update(_prefixed(f"{site}/test_", metrics))
     for name, block in evaluation.get("extra", {}).items():
@@ -237,12 +226,10 @@ def receiver_base(module: str, name: str, package: str) -> type:
 def keep_server_records(run_dir: Path, out: Path) -> list[Path]:
     """Copy the job's tracking records (TensorBoard folders, MLflow store) from the server's job folder ``run_dir``
     (a simulator's ``server/simulate_job``, a downloaded ``workspace``) into ``out``; the copies' paths."""
-    kept = []
-    for found in [path for name in (TB_FOLDER, MLFLOW_DB) for path in sorted(run_dir.glob(f"**/{name}"))[:1]]:
-        target = out / found.name
-        if found.is_dir():
-            shutil.copytree(found, target, dirs_exist_ok=True)
+    found = [path for name in (TB_FOLDER, MLFLOW_DB) for path in sorted(run_dir.glob(f"**/{name}"))[:1]]
+    for path in found:
+        if path.is_dir():
+            shutil.copytree(path, out / path.name, dirs_exist_ok=True)
         else:
-            shutil.copy(found, target)
-        kept.append(target)
-    return kept
+            shutil.copy(path, out / path.name)
+    return [out / path.name for path in found]
