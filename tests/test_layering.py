@@ -219,3 +219,20 @@ def test_the_cycle_check_catches_modules_that_import_each_other(files: dict[str,
     for module, code in files.items():
         modules[module].write_text(code)
     assert import_cycles(import_graph(modules)) == [cycle]
+
+
+def test_the_layered_run_input_imports_no_torch_and_looks_no_method_up() -> None:
+    """Issue 50: the raw layered input (RunConfig, its layers and --set) is plain and torch-free; what needs the
+    method (its defaults, its argument types) is resolved in medflare.plan only."""
+    import os
+    import subprocess
+    import sys
+
+    probe = ("import sys; from medflare.run_config import RunConfig, apply_overrides, merge_run_config; "
+             "run = apply_overrides(merge_run_config({'method': 'fca'}), ['train.lr=0.1', 'rounds=4']); "
+             "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'torchvision', 'nvflare') "
+             "or m in ('medflare.registry', 'medflare.plan', 'medflare.methods.base')); "
+             "print(run.model, run.rounds, run.train, heavy)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                          env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)})
+    assert done.stdout.split() == ["efficientnet_lite0", "4", "{'lr':", "'0.1'}", "[]"]
