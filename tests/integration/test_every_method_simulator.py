@@ -37,7 +37,9 @@ def run_recipe_in_simenv(run: RunConfig, tmp_path: Path) -> tuple[Path, dict, di
     """(run folder, summary, controller results, FLARE's workspace) of ``run``'s recipe executed in SimEnv, with
     the outputs ``medflare run`` writes (summary, global model) and each site's payload audit copied to
     ``sites/<site>/``."""
-    result = MedflareRecipe(run).execute(SimEnv(num_clients=run.clients, workspace_root=str(tmp_path / "ws")))
+    recipe = MedflareRecipe(run)
+    result = recipe.execute(SimEnv(num_clients=run.clients, workspace_root=str(tmp_path / "ws")))
+    run = recipe.run_config  # the run as the recipe checked it (its method's protocol data options filled in)
     workspace = Path(result.get_result())
     results_file = workspace / "server" / "simulate_job" / "app_server" / RESULTS_FILE
     out = tmp_path / "run"
