@@ -89,6 +89,7 @@ def test_a_stopped_job_resumes_from_its_saved_round_and_appends_one_row(lease: M
     rows = [line for line in results.read_text().splitlines() if line.startswith("| ") and "| fca | fca |" in line]
     assert len(rows) == 1 and "| 0 | fca | fca | 2 | 1 |" in rows[0]
     assert 0.0 <= result["metrics"]["balanced_accuracy"] <= 1.0
+    assert f"| {result['metrics']['balanced_accuracy']:.4f} |" in rows[0]  # the row records the arm's own score
 
     assert lease.main(args) == 0  # finished: skipped, no second row
     assert results.read_text().count("| fca | fca |") == 1

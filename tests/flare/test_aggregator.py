@@ -427,7 +427,7 @@ def test_a_rule_that_needs_every_update_falls_back_to_one_batch_and_says_why(met
                                                  ("bsm-fl", {}), ("fedprox", {})])
 def test_linear_rules_stream(method: str, method_args: dict) -> None:
     core = streaming_core(method, sites=["site-1", "site-2"], method_args=method_args)
-    assert core.stream is not None
+    assert core.stream is not None and core.stream_aggregation  # a linear rule sums results as they arrive
     meta = {"n_samples": 10, "rf": 1.0} if method == "fedmas" else {"n_samples": 10}
     core.accept("site-1", stream_update([1.0, 2.0, 3.0], 10)[0], meta)
     assert core.updates["site-1"].arrays == {}  # its model arrays went into the running sum, not the update
