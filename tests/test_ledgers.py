@@ -44,3 +44,11 @@ def test_each_mutant_applies_once_and_names_existing_tests(mutant: mutants.Mutan
         assert (ROOT / file).is_file(), f"{test}: no such file"
         function = re.sub(r"\[.*\]$", "", name.split("::")[-1])
         assert re.search(rf"^\s*def {re.escape(function)}\(", (ROOT / file).read_text(), re.M), f"{test}: not found"
+
+
+def test_an_invariant_filter_keeps_only_the_matching_invariants_and_drops_empty_ledgers() -> None:
+    every = mutants.ledgers()
+    picked = mutants.ledgers(invariant="token j")
+    assert list(picked) == ["ssl_fl"] and len(picked["ssl_fl"]) == 3
+    assert all("token j" in m.invariant for m in picked["ssl_fl"]) and len(every["ssl_fl"]) > 3
+    assert mutants.ledgers(["fedmd"], invariant="no such invariant") == {}

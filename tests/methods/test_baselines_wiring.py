@@ -3,6 +3,7 @@ contrastive term reaches, and every baseline's defaults against the spec (§1.1,
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import Any
 
@@ -113,6 +114,8 @@ DEFAULTS = {
     "fedbabu": {"finetune_epochs": 5, "eps": 1e-9},  # README: 5 head fine-tuning epochs; FCA's BSM floor
     "local-only": {"loss": "ce", "eps": 1e-9, "sce_alpha": 0.1, "sce_beta": 1.0},  # spec §1.4: α 0.1, β 1.0
     "fedmd": {"loss": "ce", "weighting": "mean", "include_self": True, "kl_optimizer": "persistent"},
+    "fedavg": {},  # McMahan et al. 2017: no option of its own; it trains on the comparison's shared TrainConfig
+    "fedavg-masked": {},  # FPSL's FedAvg*: FedAvg with a masked classifier average, no option of its own
 }
 TRAIN_DEFAULTS = {"fedmd": {"optimizer": "adam", "lr": 1e-3, "batch_size": 16, "fresh_optimizer": "never"}}
 
@@ -121,5 +124,6 @@ TRAIN_DEFAULTS = {"fedmd": {"optimizer": "adam", "lr": 1e-3, "batch_size": 16, "
 def test_each_baselines_defaults_are_its_papers_and_the_specs(method: str) -> None:
     spec = get_method(method)
     cfg = spec.config_cls()
+    assert DEFAULTS[method] or not dataclasses.fields(cfg)  # an option-free baseline really has none
     assert {name: getattr(cfg, name) for name in DEFAULTS[method]} == DEFAULTS[method]
     assert dict(spec.train_defaults) == TRAIN_DEFAULTS.get(method, {})

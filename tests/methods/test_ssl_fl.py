@@ -397,6 +397,28 @@ def test_dvae_gives_one_token_per_patch_and_learns() -> None:
     assert losses[-1] < 0.5 * losses[0]
 
 
+def test_token_j_is_the_code_of_vit_patch_j_row_by_row(tmp_path: Path) -> None:
+    """Token j of each tokenizer is the code its encoder gives at grid cell (j // grid, j % grid): the region of ViT
+    patch j, since patchify and timm's PatchEmbed also run row by row (test above). A transposed token grid would ask
+    the ViT to predict, at patch (r, c), the code of patch (c, r), and every other test would still pass."""
+    torch.manual_seed(0)
+    file = tmp_path / "dalle_encoder.pt"
+    torch.save(DalleEncoder(hidden=16, vocab=32).state_dict(), file)
+    vae = DiscreteVae(channels=1, patch=4, vocab=16, hidden=8, code_dim=4)
+    images = torch.randn(3, 1, 28, 28)
+    dalle = DalleTokenizer(file, grid=7)
+    for encoder, tokenize in ((vae.encoder, vae.tokens), (vae.encoder, lambda x: vae.loss_and_codes(x)[1]),
+                              (dalle.encoder, dalle.tokens)):
+        seen: list[torch.Tensor] = []
+        hook = encoder.register_forward_hook(lambda _m, _i, out, seen=seen: seen.append(out.detach().argmax(dim=1)))
+        tokens = tokenize(images)
+        hook.remove()
+        [by_cell] = seen  # [B, 7, 7]: the code at each grid cell
+        assert by_cell.shape == (3, 7, 7) and not torch.equal(by_cell, by_cell.transpose(1, 2))
+        assert [tokens[b, 7 * r + c] for b, r, c in [(0, 1, 5), (2, 6, 0)]] == [by_cell[0, 1, 5], by_cell[2, 6, 0]]
+        assert torch.equal(tokens, by_cell.reshape(3, 49))
+
+
 def _textured_images(count: int, generator: torch.Generator) -> torch.Tensor:
     """Grey 28-px images of smooth random blobs plus patch-level texture (no two patches alike)."""
     coarse = F.interpolate(torch.rand(count, 1, 4, 4, generator=generator), size=28, mode="bilinear", align_corners=False)
