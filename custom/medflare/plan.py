@@ -104,8 +104,13 @@ class RunPlan:
     tracking: str
     plugins: tuple[str, ...]  # module names inside the job
     shot_groups: dict[str, list[int]] | None = None  # head/medium/tail class ids for long-tail metrics
+    # method_args typed once (by build_plan, else here): what consumers take; method_args is its written record
+    method_cfg: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.method_cfg is None:
+            typed = from_dict(self.spec.config_cls, dict(self.method_args), f"{PLAN_FILE}: method '{self.method}'")
+            object.__setattr__(self, "method_cfg", typed)
         if not self.sites or not self.model:
             raise ConfigError(f"the plan names no {'model' if self.sites else 'site'} (build it from plan.validated)")
         if not 1 <= self.min_clients <= len(self.sites):
@@ -126,21 +131,15 @@ class RunPlan:
                 return site
         raise KeyError(f"no site '{name}' in the plan; its sites: {', '.join(s.name for s in self.sites)}")
 
-    def site_settings(self, site: str, data: dict[str, Any], dp_sgd: dict[str, Any], model: str) -> SiteSettings:
-        """What ``site`` runs of this plan, with what only the site decides: its data, DP-SGD and architecture."""
-        return SiteSettings(spec=self.spec, task=self.task, data=data, model=model,
-                            method_args=self.method_args, train=dataclasses.asdict(self.site_train(site)),
-                            seed=self.seed, evaluation=self.evaluation, dp_sgd=dp_sgd)
-
     def localise(self, site: str, site_file: SiteFile, simulated: bool) -> tuple[SiteSettings, int]:
-        """:meth:`site_settings` from the site's own ``medflare_site.json``, and the index of its partition of the
-        job's simulated data (0 when it reads its own). ``simulated``: the simulator's sites take the job's data."""
-        settings = self.site_settings(
-            site,
-            data=read_site_data_config(site_file, self.data, simulated),
-            dp_sgd=resolve_site_dp(self.dp_sgd, site, site_file),
-            model=resolve_site_model(self.spec, self.model, self.site_models(), site, site_file),
-        )
+        """What ``site`` runs of this plan, with what only its own ``medflare_site.json`` decides (data, DP-SGD,
+        architecture), and the index of its partition of the job's simulated data (0 when it reads its own).
+        ``simulated``: the simulator's sites take the job's data."""
+        settings = SiteSettings(
+            spec=self.spec, task=self.task, data=read_site_data_config(site_file, self.data, simulated),
+            model=resolve_site_model(self.spec, self.model, {s.name: s.model for s in self.sites}, site, site_file),
+            method_args=self.method_cfg, train=self.site_train(site), seed=self.seed, evaluation=self.evaluation,
+            dp_sgd=resolve_site_dp(self.dp_sgd, site, site_file))
         index = 0 if settings.data.get("local") else site_index_from_name(site, [s.name for s in self.sites])
         return settings, index
 
@@ -148,29 +147,28 @@ class RunPlan:
         """The training settings of ``site``: its own in the plan, else the job's (a hospital's own name)."""
         return next((named.train for named in self.sites if named.name == site), self.train)
 
-    def site_models(self) -> dict[str, str]:
-        return {site.name: site.model for site in self.sites}
-
     def digest(self) -> str:
         """A short fingerprint of the plan: the server and every site log it, so one look shows they run one job."""
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON types (the TrainConfigs as dicts)."""
-        return json.loads(json.dumps(dataclasses.asdict(self)))
+        """Plain JSON types (the TrainConfigs as dicts; the typed ``method_cfg`` is written as ``method_args``)."""
+        record = dataclasses.asdict(self)
+        del record["method_cfg"]
+        return json.loads(json.dumps(record))
 
     @classmethod
     def from_dict(cls, record: Mapping[str, Any], where: str = PLAN_FILE) -> RunPlan:
         """The plan :meth:`to_dict` wrote, every value typed (the method's arguments against its config class,
-        which fills in none: a plan lists them all). Raises ConfigError (one line) for an unknown or ill-typed
-        option or an unregistered method."""
+        which fills in none: a plan lists them all, and ``method_args`` is their typed record). Raises ConfigError
+        (one line) for an unknown or ill-typed option or an unregistered method."""
         missing = [f.name for f in dataclasses.fields(cls) if f.name not in record
                    and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
         if missing:
             raise ConfigError(f"{where}: the plan lacks {', '.join(missing)} (export the job again)")
-        plan = from_dict(cls, dict(record), where)
-        typed = dataclasses.asdict(from_dict(plan.spec.config_cls, plan.method_args, f"{where}: method '{plan.method}'"))
-        return dataclasses.replace(plan, method_args=typed, robust={**typed_robust(plan.robust)})
+        plan = from_dict(cls, {k: v for k, v in record.items() if k != "method_cfg"}, where)
+        return dataclasses.replace(plan, method_args=dataclasses.asdict(plan.method_cfg),
+                                   robust={**typed_robust(plan.robust)})
 
     def describe(self) -> str:
         """The plan as indented JSON (``medflare config --plan``)."""
@@ -193,18 +191,11 @@ def multi_label_methods() -> list[str]:
 
 
 def validated(run: RunConfig, check_files: bool = True, data_defaults: Mapping[str, Any] | None = None) -> RunConfig:
-    """A copy of ``run`` with every option checked against its type, range and method, every section typed; what
-    needs the server rule or the sites' settings is checked by :func:`build_plan`.
-
-    Args:
-        check_files: also require the data paths and ``pretrained`` file to exist here (off for ``export``: other
-            machines may read them). Either way they become absolute paths.
-        data_defaults: protocol data options to use instead of ``MethodSpec.data_defaults`` (``compare`` gives
-            every method :func:`shared_data_defaults`); the job's own options win, and the run records them.
-
-    Raises:
-        ConfigError: the first problem, in one line naming the option (DataError for a missing data path).
-    """
+    """A copy of ``run`` with every option checked against its type, range and method, every section typed (what
+    needs the server rule or the sites' settings: :func:`build_plan`). Raises ConfigError, one line naming the
+    option (DataError for a missing data path). ``check_files``: also require the data paths and ``pretrained``
+    file here (off for ``export``; either way they become absolute). ``data_defaults``: protocol data options
+    instead of ``MethodSpec.data_defaults`` (``compare``: :func:`shared_data_defaults`); the job's own win."""
     run = copy.deepcopy(run)
     spec = method_of(run)
     run.model = run.model or spec.default_model
@@ -418,11 +409,12 @@ def preset_lead(name: str | None, methods: list[str]) -> str | None:
 
 
 def build_global_model(method: str, model: str, num_classes: int, in_channels: int, image_size: int,
-                       pretrained: str | None = None, method_args: Mapping[str, Any] | None = None, seed: int = 0,
+                       pretrained: str | None = None, method_args: Any = None, seed: int = 0,
                        plugins: list[str] | None = None, dp_sgd: bool = False) -> nn.Module:
-    """The initial global network of ``method`` by name (``method_args`` typed here)."""
+    """The initial global network of ``method`` by name (``method_args``: its typed config, or options)."""
     spec = method_of(method, plugins)
-    args = dataclasses.asdict(from_dict(spec.config_cls, dict(method_args or {}), f"method '{method}'"))
+    args = method_args if isinstance(method_args, spec.config_cls) else \
+        from_dict(spec.config_cls, dict(method_args or {}), f"method '{method}'")
     return global_model(spec, args, model, num_classes, in_channels, image_size, pretrained, seed, dp_sgd)
 
 
@@ -440,10 +432,10 @@ def build_plan(run: RunConfig, task: TaskSpec, robust: Mapping[str, Any],
     robust or wire option, a robust rule that cannot keep ``min_clients``, site settings that do not combine, or
     the method's own ``check_run``."""
     spec = get_method(run.method)
-    rule, stages, defences = server_rule(spec, run.method_args, run.rounds, robust, run.transfer_dtype,
+    method_cfg = spec.config_cls(**run.method_args)
+    rule, stages, defences = server_rule(spec, method_cfg, run.rounds, robust, run.transfer_dtype,
                                          run.transfer_kind, run.download_dtype, task.multi_label)
     defences.check_quorum(run.required_clients, run.clients)
-    method_cfg = spec.config_cls(**run.method_args)
     train = resolve_train_config(spec, run.train)
     sites = tuple(SitePlan(site, run.site_model.get(site, run.model),  # a site's own options make its own settings
                            resolve_train_config(spec, {**run.train, **run.site_train[site]})
@@ -451,7 +443,8 @@ def build_plan(run: RunConfig, task: TaskSpec, robust: Mapping[str, Any],
                   for site in run.site_names)
     _check_method_run(spec, method_cfg, sites, run)
     return RunPlan(
-        job_name=run.job_name, method=run.method, method_args=dataclasses.asdict(method_cfg), model=run.model,
+        job_name=run.job_name, method=run.method, method_args=dataclasses.asdict(method_cfg), method_cfg=method_cfg,
+        model=run.model,
         pretrained=run.pretrained, seed=run.seed, task=task, data=run.site_data(),
         train=train, sites=sites, min_clients=run.required_clients,
         rounds=tuple(RoundPlan(ctx.round, ctx.stage, ctx.scored, tuple(rule.phases(ctx)))

@@ -112,7 +112,7 @@ def _check_model(plan: Any, checkpoint: Path) -> None:
     from medflare.server_setup import global_model
 
     task = plan.task
-    expected = global_model(plan.spec, plan.method_args, plan.model, task.num_classes, task.in_channels,
+    expected = global_model(plan.spec, plan.method_cfg, plan.model, task.num_classes, task.in_channels,
                             task.image_size, None, plan.seed, bool(plan.dp_sgd)).state_dict()
     saved = read_model(checkpoint.parent)
     shapes = {k: tuple(np.shape(v)) for k, v in saved.items()}

@@ -113,9 +113,14 @@ class RobustConfig:
         return {"on": any(settings.values()), **settings}
 
 
+def method_config(spec: MethodSpec, method_args: Any) -> Any:
+    """The method's typed configuration: a plan's (``RunPlan.method_cfg``) as it is, else options typed here."""
+    return method_args if isinstance(method_args, spec.config_cls) else spec.config_cls(**(method_args or {}))
+
+
 def server_rule(
     spec: MethodSpec,
-    method_args: Mapping[str, Any],
+    method_args: Any,
     num_rounds: int,
     robust: Mapping[str, Any] | None = None,
     transfer_dtype: str = "float32",
@@ -127,7 +132,7 @@ def server_rule(
     Raises ConfigError for stages that do not add up to ``num_rounds``, a defence out of range, an unknown wire
     option, or a rule that combines the sites' arrays itself."""
     method = spec.name
-    rule = spec.server_rule_cls(spec.config_cls(**(method_args or {})), num_rounds, spec.payload)
+    rule = spec.server_rule_cls(method_config(spec, method_args), num_rounds, spec.payload)
     rule.multi_label = multi_label
     stages = checked_stages(rule.stages(), num_rounds, method)
     defences = RobustConfig(**typed_robust(robust or {}))
@@ -219,14 +224,14 @@ def round_plan(stages: list[Stage], total_rounds: int) -> list[RoundContext]:
             for index, (stage, stage_round) in enumerate(per_stage)]
 
 
-def global_model(spec: MethodSpec, method_args: Mapping[str, Any], model: str, num_classes: int, in_channels: int,
+def global_model(spec: MethodSpec, method_args: Any, model: str, num_classes: int, in_channels: int,
                  image_size: int, pretrained: str | None = None, seed: int = 0, dp_sgd: bool = False) -> nn.Module:
     """Initial global network of ``spec``, seeded so a job starts from the same weights in the simulator, POC and
     production; with ``dp_sgd``, the DP-compatible one every site builds."""
     if not spec.server_model:
         return ServerModel(None, None)
     torch.manual_seed(seed)
-    network = spec.build_model(model, num_classes, in_channels, image_size, pretrained, spec.config_cls(**method_args))
+    network = spec.build_model(model, num_classes, in_channels, image_size, pretrained, method_config(spec, method_args))
     if dp_sgd:
         from medflare.dp_sgd import dp_compatible_model
 

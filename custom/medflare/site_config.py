@@ -41,8 +41,9 @@ class SiteSettings:
     task: TaskSpec
     data: dict[str, Any]
     model: str = "cnn"
-    method_args: dict[str, Any] = field(default_factory=dict)
-    train: dict[str, Any] = field(default_factory=dict)
+    # typed by the plan (RunPlan.method_cfg, the site's TrainConfig); options given by hand are typed here, once
+    method_args: Any = field(default_factory=dict)
+    train: TrainConfig | Mapping[str, Any] = field(default_factory=dict)
     seed: int = 0
     evaluation: str = "every_round"  # every_round | final | off: when the site sends evaluation counts
     dp_sgd: dict[str, Any] = field(default_factory=dict)  # DP-SGD as this site trains it (resolve_site_dp); {} = off
@@ -52,6 +53,10 @@ class SiteSettings:
         if self.evaluation not in EVALUATION_MODES:
             raise ConfigError(f"evaluation must be one of {EVALUATION_MODES}, got '{self.evaluation}'")
         check_multi_label_support(self.spec, self.task)
+        if not isinstance(self.method_args, self.spec.config_cls):
+            self.method_args = self.spec.config_cls(**dict(self.method_args or {}))
+        if not isinstance(self.train, TrainConfig):
+            self.train = resolve_train_config(self.spec, self.train)
 
     @property
     def method(self) -> str:

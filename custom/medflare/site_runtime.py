@@ -20,7 +20,7 @@ from medflare.models import get_device, place_model
 from medflare.ops.background import BackgroundWrite
 from medflare.ops.timing import timed
 from medflare.ops.wire import encode_weights
-from medflare.site_config import SiteSettings, resolve_train_config, typed_data_config
+from medflare.site_config import SiteSettings, typed_data_config
 
 SITE_LOG_FILE = "medflare_site_log.jsonl"  # per-site diagnostics that never leave the site
 SITE_STATE_FILE = "medflare_site_state.pt"  # optimizer, private keys and method state of the running job
@@ -65,8 +65,8 @@ class SiteRuntime:
         self.settings = settings
         self.site_name = site_name
         self.spec = settings.spec
-        self.method_cfg = self.spec.config_cls(**settings.method_args)
-        self.train_cfg = resolve_train_config(self.spec, settings.train)
+        self.method_cfg = settings.method_args  # typed once, by the plan (or SiteSettings for options by hand)
+        self.train_cfg = settings.train
         self.log = log
         torch.manual_seed(settings.seed + site_index)
         if self.train_cfg.torch_threads > 0:

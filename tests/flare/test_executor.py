@@ -44,7 +44,7 @@ def test_a_site_trains_what_the_plan_says_with_the_data_and_model_its_own_file_n
         assert [Path(p) for p in reads if Path(p).name == SITE_CONFIG_FILE] == [site_file]
         assert runtime.train_cfg == plan.site("site-2").train and runtime.train_cfg.lr == 0.5
         assert runtime.settings.data == {**SITE_DATA, "local": True, "num_sites": 1}
-        assert (runtime.settings.model, runtime.settings.method_args) == (plan.model, plan.method_args)
+        assert (runtime.settings.model, runtime.method_cfg) == (plan.model, plan.method_cfg)
     finally:
         runtime.close()
 

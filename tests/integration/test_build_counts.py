@@ -1,7 +1,8 @@
 """Issue 50: the plan is decided once and carried. In one 2-site run in FLARE's simulator, started as a user starts
 it (``medflare run``), every process builds the method's server rule at most once and each training setting it
-uses once: the command line resolves the plan, the server's aggregator builds its round core from the plan file,
-each site its own settings; nobody re-derives them."""
+uses once: the command line resolves the plan, the server and each site read the plan file once (the same plan),
+the server's aggregator builds its round core from it, each site takes its typed settings from it; nobody
+re-derives them."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.smoke]
 COUNTER = textwrap.dedent('''
     import hashlib, importlib.machinery, json, os, sys
 
-    TARGETS = {"medflare.server_setup": "server_rule", "medflare.site_config": "resolve_train_config"}
+    TARGETS = {"medflare.server_setup": "server_rule", "medflare.site_config": "resolve_train_config",
+               "medflare.plan": "read_plan"}
 
     def _counted(module_name, function):
         def counted(*args, **kwargs):
@@ -75,5 +77,7 @@ def test_one_simulator_run_builds_the_server_rule_and_each_sites_training_once_p
         assert all(n == 1 for n in counts.values()), (pid, counts)  # nothing built twice in one process
     trains = [n for counts in by_process.values() for (builder, _), n in counts.items()
               if builder == "resolve_train_config"]
-    assert sum(trains) == 1 + 2, by_process  # the command line: the job's (the sites set none of their own); each
-    # site process: its own
+    reads = {pid: built for pid, counts in by_process.items() for (builder, built) in counts if builder == "read_plan"}
+    assert len(reads) >= 3 and len(set(reads.values())) == 1, by_process  # the server and each site: one plan, once
+    assert sum(trains) == 1, by_process  # the command line resolves the job's (the sites set none of their own);
+    # each site takes its typed settings from the plan file and resolves nothing again

@@ -296,13 +296,14 @@ def test_a_mas_inv_site_sends_the_rf_of_its_inverted_training_distances(tmp_path
 
 # ----- site side: frozen prior and payload ------------------------------------------------------------
 
-SETTINGS = SiteSettings(
+SITE_OPTIONS = dict(
     spec=get_method("fedmas"),
     task=TaskSpec(num_classes=5, in_channels=3, image_size=28),
     data={"source": "synthetic:n=300", "partition": "iid", "num_sites": 2},
     method_args={"prior_input_size": 32},
     train={"max_steps": 2, "batch_size": 32},
 )
+SETTINGS = SiteSettings(**SITE_OPTIONS)
 
 
 @pytest.fixture(scope="module")
@@ -325,7 +326,7 @@ def test_prior_weights_and_bn_buffers_are_bit_identical_after_a_round(runtime: S
 
 
 def test_repo_compat_flag_reproduces_the_teacher_bn_drift() -> None:
-    settings = SiteSettings(**{**SETTINGS.__dict__, "method_args": {"prior_input_size": 32, "repo_compat_teacher_bn": True}})
+    settings = SiteSettings(**{**SITE_OPTIONS, "method_args": {"prior_input_size": 32, "repo_compat_teacher_bn": True}})
     runtime = SiteRuntime(settings, "site-1", 0, log=lambda m: None)
     before = prior_state(runtime)
     runtime.train(runtime.shared_weights(), RoundContext(0, 2))
@@ -348,7 +349,7 @@ def test_outgoing_shareable_carries_weights_and_rf_only(runtime: SiteRuntime) ->
 
 
 def test_bsm_kd_sends_no_rf() -> None:
-    settings = SiteSettings(**{**SETTINGS.__dict__, "spec": get_method("bsm-kd")})
+    settings = SiteSettings(**{**SITE_OPTIONS, "spec": get_method("bsm-kd")})
     _, meta = SiteRuntime(settings, "site-1", 0, log=lambda m: None).train({}, RoundContext(0, 1))
     assert "rf" not in meta
 

@@ -49,7 +49,7 @@ class RoundAggregation:
     running sum in site-name order instead of holding every update (linear rules; :meth:`expect_sites` frees results
     early); ``min_clients``: no robust decision may leave fewer valid results (the round fails instead)."""
 
-    def __init__(self, spec: MethodSpec, method_args: Mapping[str, Any], num_classes: int, num_rounds: int,
+    def __init__(self, spec: MethodSpec, method_args: Any, num_classes: int, num_rounds: int,
                  robust: Mapping[str, Any] | None = None, transfer_dtype: str = "float32",
                  transfer_kind: str = "weights", multi_label: bool = False, stream_aggregation: bool = False,
                  download_dtype: str = "float32", min_clients: int = 1):
@@ -77,7 +77,7 @@ class RoundAggregation:
     @classmethod
     def of_plan(cls, plan: RunPlan) -> RoundAggregation:
         """The round core a job of ``plan`` runs (the FLARE aggregator's, and the in-process loop's)."""
-        return cls(plan.spec, plan.method_args, plan.task.num_classes, len(plan.rounds), plan.robust,
+        return cls(plan.spec, plan.method_cfg, plan.task.num_classes, len(plan.rounds), plan.robust,
                    plan.transfer_dtype, plan.transfer_kind, plan.task.multi_label, plan.stream_aggregation,
                    plan.download_dtype, plan.min_clients)
 
