@@ -58,6 +58,28 @@ def test_every_method_s_job_carries_the_plan_the_command_line_built(method: str,
     assert len(plan.rounds) == deployment_run(method).rounds and all(r.phases for r in plan.rounds)
 
 
+def test_the_plan_types_its_method_and_defences_once_and_consumers_take_them_as_they_are() -> None:
+    """Issue 50: a consumer takes the plan's typed objects, not a dict it must type again: the server's round core
+    gets the plan's method config and defences, a site's settings the same config and its own TrainConfig. A
+    plan's record replaced in place is typed again (the views never go stale)."""
+    from medflare.flare.aggregator import RoundAggregation
+    from medflare.site_config import SiteFile
+
+    run = RunConfig(method="fedprox", method_args={"mu": 0.1}, robust={"max_share": 0.5}, data={"source": SIMULATED},
+                    site_train={"site-2": {"lr": 0.5}})
+    run = validated(run)
+    plan = build_plan(run, task_of(run), {"max_share": 0.5})
+    assert type(plan.method_cfg).__name__ == "FedProxConfig" and plan.method_cfg.mu == 0.1
+    assert plan.defences.max_share == 0.5 and plan.method_args == dataclasses.asdict(plan.method_cfg)
+    core = RoundAggregation.of_plan(plan)
+    assert core.robust is plan.defences and core.rule.cfg is plan.method_cfg
+    settings, _ = plan.localise("site-2", SiteFile(Path("."), None), simulated=True)
+    assert settings.method_args is plan.method_cfg and settings.train is plan.site("site-2").train
+    assert settings.train.lr == 0.5
+    edited = dataclasses.replace(plan, robust={"max_share": 0.3}, method_args={"mu": 0.2})
+    assert (edited.defences.max_share, edited.method_cfg.mu) == (0.3, 0.2)
+
+
 def test_a_simulator_job_with_every_option_set_rebuilds_the_same_plan(tmp_path: Path) -> None:
     run = RunConfig(method="fedprox", rounds=4, clients=3, min_clients=2, seed=5, data={"source": SIMULATED},
                     train={"lr": 0.01, "batch_size": 8}, method_args={"mu": 0.1}, site_train={"site-2": {"lr": 0.5}},

@@ -304,17 +304,16 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"wrote {job_dir} ({args.mode}) with simulated data '{run.data['source']}'; "
               f"run it with: nvflare simulator {job_dir} -n {run.clients} -t {run.clients}")
     show_task(run)
-    print(robust_note(run, args.mode))
+    print(robust_note(plan))
     print(f"plan {plan.digest()}: the server and every site log this fingerprint once they run it")
     return 0
 
 
-def robust_note(run: Any, mode: str) -> str:
+def robust_note(plan: Any) -> str:
     """One line saying which of the server's robust defences the exported job has on (meta.json records them)."""
-    from medflare.job_export import job_robust, robust_record
     from medflare.server_setup import DEPLOY_ROBUST
 
-    record = robust_record(job_robust(run, mode))
+    record = plan.defences.record()
     if not record["on"]:
         turn_on = " ".join(f"--set robust.{key}={value:g}" for key, value in DEPLOY_ROBUST.items())
         return f"robust aggregation: off (one site can take over the aggregate); on: {turn_on}"

@@ -21,7 +21,7 @@ from medflare.files import write_recorded
 from medflare.flare import tracking
 from medflare.plan import APP_NAME, ENCRYPTED_AGGREGATOR, PLAN_FILE, RunPlan, build_plan, set_plan_resume, write_plan
 from medflare.run_config import RunConfig
-from medflare.server_setup import ROBUST_OFF, deployment_robust, typed_robust
+from medflare.server_setup import deployment_robust, typed_robust
 from medflare.site_config import TaskSpec
 
 PACKAGE_DIR = Path(__file__).resolve().parent  # .../custom/medflare
@@ -147,16 +147,9 @@ def meta_config(plan: RunPlan) -> dict[str, Any]:
         "min_clients": plan.min_clients,
         "deploy_map": {APP_NAME: ["@ALL"]},
         # For whoever reviews the job: FLARE keeps unknown meta keys and ignores them
-        "robust_aggregation": robust_record(plan.robust),
+        "robust_aggregation": plan.defences.record(),
         **({"secure_aggregation": plan.secure_aggregation} if plan.secure_aggregation != "off" else {}),
     }
-
-
-def robust_record(robust: dict[str, Any]) -> dict[str, Any]:
-    """Whether the server's robust defences are on, and with which values (0 = that defence is off)."""
-    from medflare.server_setup import RobustConfig
-
-    return RobustConfig(**{**ROBUST_OFF, **typed_robust(robust)}).record()
 
 
 def job_robust(run: RunConfig, mode: str) -> dict[str, float]:

@@ -23,7 +23,7 @@ from medflare.errors import ConfigError
 from medflare.methods.base import MethodSpec, TrainConfig
 from medflare.registry import get_method, list_methods, load_plugins
 from medflare.run_config import IMAGENET, TASK_BOUNDS, TASK_SHAPE, RunConfig, load_plugin_files
-from medflare.server_setup import global_model, round_plan, server_rule, typed_robust
+from medflare.server_setup import RobustConfig, global_model, round_plan, server_rule, typed_robust
 from medflare.site_config import (
     SiteFile,
     SiteSettings,
@@ -104,13 +104,16 @@ class RunPlan:
     tracking: str
     plugins: tuple[str, ...]  # module names inside the job
     shot_groups: dict[str, list[int]] | None = None  # head/medium/tail class ids for long-tail metrics
-    # method_args typed once (by build_plan, else here): what consumers take; method_args is its written record
-    method_cfg: Any = dataclasses.field(default=None, repr=False, compare=False)
+    if TYPE_CHECKING:  # what consumers take, typed once per plan from its record (not fields: a replace re-types)
+        method_cfg: Any  # the method's config object (``method_args`` is its record)
+        defences: RobustConfig  # ``robust`` as the server's defences
 
     def __post_init__(self) -> None:
-        if self.method_cfg is None:
-            typed = from_dict(self.spec.config_cls, dict(self.method_args), f"{PLAN_FILE}: method '{self.method}'")
-            object.__setattr__(self, "method_cfg", typed)
+        method_cfg = from_dict(self.spec.config_cls, dict(self.method_args), f"{PLAN_FILE}: method '{self.method}'")
+        object.__setattr__(self, "method_cfg", method_cfg)
+        object.__setattr__(self, "method_args", dataclasses.asdict(method_cfg))
+        object.__setattr__(self, "robust", typed_robust(self.robust))
+        object.__setattr__(self, "defences", RobustConfig(**self.robust))
         if not self.sites or not self.model:
             raise ConfigError(f"the plan names no {'model' if self.sites else 'site'} (build it from plan.validated)")
         if not 1 <= self.min_clients <= len(self.sites):
@@ -152,10 +155,8 @@ class RunPlan:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON types (the TrainConfigs as dicts; the typed ``method_cfg`` is written as ``method_args``)."""
-        record = dataclasses.asdict(self)
-        del record["method_cfg"]
-        return json.loads(json.dumps(record))
+        """Plain JSON types (the TrainConfigs as dicts; ``method_cfg`` and ``defences`` are read off the record)."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
 
     @classmethod
     def from_dict(cls, record: Mapping[str, Any], where: str = PLAN_FILE) -> RunPlan:
@@ -166,9 +167,7 @@ class RunPlan:
                    and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
         if missing:
             raise ConfigError(f"{where}: the plan lacks {', '.join(missing)} (export the job again)")
-        plan = from_dict(cls, {k: v for k, v in record.items() if k != "method_cfg"}, where)
-        return dataclasses.replace(plan, method_args=dataclasses.asdict(plan.method_cfg),
-                                   robust={**typed_robust(plan.robust)})
+        return from_dict(cls, dict(record), where)
 
     def describe(self) -> str:
         """The plan as indented JSON (``medflare config --plan``)."""
@@ -443,7 +442,7 @@ def build_plan(run: RunConfig, task: TaskSpec, robust: Mapping[str, Any],
                   for site in run.site_names)
     _check_method_run(spec, method_cfg, sites, run)
     return RunPlan(
-        job_name=run.job_name, method=run.method, method_args=dataclasses.asdict(method_cfg), method_cfg=method_cfg,
+        job_name=run.job_name, method=run.method, method_args=dataclasses.asdict(method_cfg),
         model=run.model,
         pretrained=run.pretrained, seed=run.seed, task=task, data=run.site_data(),
         train=train, sites=sites, min_clients=run.required_clients,

@@ -135,7 +135,7 @@ def server_rule(
     rule = spec.server_rule_cls(method_config(spec, method_args), num_rounds, spec.payload)
     rule.multi_label = multi_label
     stages = checked_stages(rule.stages(), num_rounds, method)
-    defences = RobustConfig(**typed_robust(robust or {}))
+    defences = robust if isinstance(robust, RobustConfig) else RobustConfig(**typed_robust(robust or {}))
     rule.share_cap = defences.max_share
     if defences.rule != "mean" and not spec.server_model:
         raise ConfigError(f"robust.rule={defences.rule} combines the sites' models, and method '{method}' has no "

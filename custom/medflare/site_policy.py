@@ -23,7 +23,7 @@ AUDIT_FILE = "medflare_audit.jsonl"  # in the site's local/ folder, unless the p
 # what a policy may require of a job, and how the job's plan shows it
 REQUIREMENTS: dict[str, Callable[[RunPlan], bool]] = {
     "dp_sgd": lambda plan: bool(plan.dp_sgd),
-    "robust": lambda plan: plan.robust.get("max_norm_ratio", 0) > 0 and plan.robust.get("max_share", 0) > 0,
+    "robust": lambda plan: plan.defences.max_norm_ratio > 0 and plan.defences.max_share > 0,
     "secure_aggregation": lambda plan: plan.secure_aggregation == "he",
 }
 

@@ -77,7 +77,7 @@ class RoundAggregation:
     @classmethod
     def of_plan(cls, plan: RunPlan) -> RoundAggregation:
         """The round core a job of ``plan`` runs (the FLARE aggregator's, and the in-process loop's)."""
-        return cls(plan.spec, plan.method_cfg, plan.task.num_classes, len(plan.rounds), plan.robust,
+        return cls(plan.spec, plan.method_cfg, plan.task.num_classes, len(plan.rounds), plan.defences,
                    plan.transfer_dtype, plan.transfer_kind, plan.task.multi_label, plan.stream_aggregation,
                    plan.download_dtype, plan.min_clients)
 
