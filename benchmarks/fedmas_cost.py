@@ -91,8 +91,8 @@ def timed_calls(owner: Any, name: str, seconds: list[float], inner: list[float] 
 def site_round_parts(run: Any, rounds: int) -> dict[str, float]:
     """Mean seconds per round (rounds 2..R) of each part at the largest site, training on its own returned
     weights round after round (the site's work does not depend on what the others send)."""
-    from medflare.launch import describe_sites
     from medflare.methods.base import RoundContext
+    from medflare.plan import describe_sites
     from medflare.site_config import SiteSettings
     from medflare.site_runtime import SiteRuntime
 

@@ -1,5 +1,5 @@
 """The in-process engine: a job's rounds through the site and server code FLARE runs, without FLARE (saves FLARE's
-start-up per job on a small machine). It runs the job's own plan (``launch.plan_job``, as ``medflare run`` writes it
+start-up per job on a small machine). It runs the job's own plan (``plan.resolve``, as ``medflare run`` writes it
 for the simulator), builds each site as the executor does (``RunPlan.localise``) and aggregates with the round core
 FLARE's aggregator drives, built from the same plan (``RoundAggregation.of_plan``).
 
@@ -23,9 +23,8 @@ from medflare.evaluation import SiteEvaluation, site_evaluation
 from medflare.flare.aggregator import RoundAggregation
 from medflare.flare.models import global_model_of
 from medflare.flare.tasks import TASK_VALIDATE, round_context, round_meta
-from medflare.launch import plan_job
 from medflare.methods.base import AggregateResult, PerSite, RoundContext, SiteUpdate
-from medflare.plan import RunPlan, validated
+from medflare.plan import RunPlan, resolve, validated
 from medflare.run_config import RunConfig
 from medflare.server_setup import round_plan
 from medflare.site_config import SiteFile
@@ -43,7 +42,7 @@ def plan_of(job: RunPlan | RunConfig) -> RunPlan:
     if isinstance(job, RunPlan):
         return job
     job = validated(job)
-    return plan_job(job, "byoc")
+    return resolve(job, "byoc")
 
 
 class InProcessSites:

@@ -171,7 +171,7 @@ def planned_steps(run: RunConfig) -> dict[StepKey, int]:
     """Optimizer steps the run's sites take, by what a step costs: per site and round, local epochs x full
     batches (capped by max_steps), FedLSM's T iterations, MDH-FL/FedMD's local epochs plus one KL step per
     public batch; SSL-FL stage by stage with each stage's batch."""
-    from medflare.launch import describe_sites
+    from medflare.plan import describe_sites
     from medflare.site_config import resolve_train_config
 
     spec, task = get_method(run.method), task_of(run)

@@ -302,7 +302,7 @@ class ArmCost:
 
 def site_param_bytes(run: RunConfig, counts: Mapping[StepKey, StepCount]) -> int:
     """Parameter bytes of all of a round's sites (MDH-FL: each site its own network)."""
-    from medflare.launch import describe_sites
+    from medflare.plan import describe_sites
 
     sizes = {key.model: count.param_bytes for key, count in counts.items()}
     sites, _ = describe_sites(run)

@@ -53,11 +53,11 @@ from medflare.data.checksums import verify_medmnist_file
 from medflare.evaluation import summarize
 from medflare.methods.ssl_fl.export import ENCODER_FORMAT, export_global_model
 from medflare.metrics import shot_groups_from_counts
-from medflare.plan import task_of
+from medflare.plan import describe_sites, task_of
 from medflare.plotting import legend_outside, pyplot, save
 from medflare.registry import get_method
 from medflare.run_config import RunConfig
-from medflare.simulate import describe_sites, run_simulation
+from medflare.simulate import run_simulation
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:  # benchmarks/ is not a package: the sibling scripts are imported by name

@@ -9,8 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from medflare.checkpoint import checkpoint_facts, read_checkpoint
-from medflare.job_export import job_plan
-from medflare.plan import build_global_model, task_of, validated
+from medflare.plan import build_global_model, resolve, task_of, validated
 from medflare.registry import get_method
 from medflare.run_config import RunConfig
 from medflare.site_config import SiteSettings, TaskSpec
@@ -28,7 +27,7 @@ def save_global_model(path: Path, run: RunConfig, seed: int = 3) -> Path:
     model = build_global_model(run.method, run.model, task.num_classes, task.in_channels, task.image_size,
                                method_args=run.method_args, seed=seed)
     persistor = MedflareModelPersistor()
-    persistor.model, persistor.facts = model, checkpoint_facts(job_plan(run, task))
+    persistor.model, persistor.facts = model, checkpoint_facts(resolve(run, task=task))
     persistor.load_model(FLContext())
     persistor.save_model_file(str(path))
     return path

@@ -422,13 +422,14 @@ def test_results_from_before_the_server_recorded_its_plan_are_reported_unchecked
 
 
 def test_a_run_whose_server_ran_another_plan_keeps_its_outputs_and_says_so(tmp_path: Path) -> None:
-    from medflare.launch import plan_job, results_text, write_job_outputs
+    from medflare.launch import results_text, write_job_outputs
+    from medflare.plan import resolve
 
     run = RunConfig(method="fedavg", rounds=2, data={"source": "synthetic:n=200"})
     run = validated(run)
     app_server = downloaded_job(tmp_path, run)
     with_server_plan(app_server, "0123456789ab")
-    summary = write_job_outputs(plan_job(run, "byoc"), app_server / "medflare_results.json",
+    summary = write_job_outputs(resolve(run, "byoc"), app_server / "medflare_results.json",
                                 tmp_path / "out", {}, None)
     assert summary["plan_check"].startswith("differs: the server ran plan 0123456789ab")
     assert (tmp_path / "out" / "summary.json").is_file()  # nothing of a finished run is lost

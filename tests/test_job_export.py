@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from medflare.deploy.apps import deployment_run
-from medflare.job_export import export_job, job_plan, set_resume
-from medflare.plan import APP_NAME, DEFAULT_TASK_TIMEOUT, PLAN_FILE, plan_from_job, read_plan
+from medflare.job_export import export_job, set_resume
+from medflare.plan import APP_NAME, DEFAULT_TASK_TIMEOUT, PLAN_FILE, plan_from_job, read_plan, resolve
 from medflare.run_config import RunConfig
 from medflare.server_setup import DEPLOY_ROBUST, ROBUST_OFF
 from medflare.site_config import TaskSpec
@@ -20,19 +20,19 @@ SIMULATED = {"source": "synthetic:n=200"}
 
 
 def test_stream_aggregation_is_off_unless_the_run_turns_it_on() -> None:
-    assert job_plan(RunConfig(), TASK).stream_aggregation is False
-    assert job_plan(RunConfig(stream_aggregation=True), TASK).stream_aggregation is True
+    assert resolve(RunConfig(), task=TASK).stream_aggregation is False
+    assert resolve(RunConfig(stream_aggregation=True), task=TASK).stream_aggregation is True
 
 
 def test_every_task_has_a_timeout_unless_the_run_sets_one() -> None:
     assert DEFAULT_TASK_TIMEOUT > 0
-    assert job_plan(RunConfig(), TASK).task_timeout == DEFAULT_TASK_TIMEOUT
-    assert job_plan(RunConfig(task_timeout=120), TASK).task_timeout == 120
+    assert resolve(RunConfig(), task=TASK).task_timeout == DEFAULT_TASK_TIMEOUT
+    assert resolve(RunConfig(task_timeout=120), task=TASK).task_timeout == 120
 
 
 def test_deployment_jobs_go_on_without_one_site() -> None:
     run = deployment_run("fedavg")
-    assert 2 <= job_plan(run, TASK).min_clients < run.clients  # never one hospital's update alone
+    assert 2 <= resolve(run, task=TASK).min_clients < run.clients  # never one hospital's update alone
 
 
 def test_set_resume_names_the_crashed_job_in_the_plan(tmp_path: Path) -> None:

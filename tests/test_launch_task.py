@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from medflare.launch import describe_sites, task_lines
-from medflare.plan import task_of, validated
+from medflare.launch import task_lines
+from medflare.plan import describe_sites, task_of, validated
 from medflare.run_config import RunConfig
 
 

@@ -23,7 +23,7 @@ from medflare.cli import main
 from medflare.deploy.apps import deployment_run
 from medflare.errors import ConfigError
 from medflare.flare.tasks import deployed_plan
-from medflare.job_export import export_job, job_robust
+from medflare.job_export import export_job
 from medflare.plan import (
     APP_NAME,
     DEFAULT_TASK_TIMEOUT,
@@ -32,6 +32,7 @@ from medflare.plan import (
     build_plan,
     plan_from_job,
     read_plan,
+    resolve,
     task_of,
     validated,
 )
@@ -47,7 +48,7 @@ FIELDS = [field.name for field in dataclasses.fields(RunPlan)]
 def planned_and_written(run: RunConfig, out: Path, mode: str) -> tuple[RunPlan, Path]:
     run = validated(run, check_files=False)
     task = task_of(run)
-    return build_plan(run, task, job_robust(run, mode)), export_job(run, out, task, mode=mode)
+    return resolve(run, mode, task), export_job(run, out, task, mode=mode)
 
 
 @pytest.mark.parametrize("method", list_methods())
@@ -213,11 +214,11 @@ def test_a_resolved_task_is_handed_down_instead_of_read_again(tmp_path: Path, mo
 
     monkeypatch.setattr(plan_module, "task_of", read_again)
     monkeypatch.setattr(plan_module, "_inferred_task", read_again)
-    sites, counts = launch.describe_sites(run, task)
+    sites, counts = plan_module.describe_sites(run, task)
     job = launch.export_run_job(run, tmp_path, "byoc", task=task)
     assert set(sites) == {"site-1", "site-2"} and len(counts) == task.num_classes
     assert plan_from_job(job).task == task
-    assert launch.summary_config(launch.plan_job(run, "byoc", task, counts))["task"]["num_classes"] == task.num_classes
+    assert launch.summary_config(plan_module.resolve(run, "byoc", task, counts))["task"]["num_classes"] == task.num_classes
 
 
 def deployed_to(job: Path, participant: str, root: Path) -> FLContext:

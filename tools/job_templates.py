@@ -74,10 +74,10 @@ COMMENTS: dict[str, str] = {
 def template_plan(method: str) -> Any:
     """The plan a template is written for: :func:`medflare.deploy.apps.deployment_run`'s (site-local data, the
     declared task, the deployment's defences), as a pre-installed deployment's job carries it."""
-    from medflare.job_export import job_plan
+    from medflare.plan import resolve
     from medflare.site_config import TaskSpec
 
-    return job_plan(deployment_run(method), TaskSpec(**DEPLOY_TASK), "preinstalled")
+    return resolve(deployment_run(method), "preinstalled", TaskSpec(**DEPLOY_TASK))
 
 
 def write_template(method: str, out_dir: str | Path) -> Path:

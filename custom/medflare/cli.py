@@ -116,14 +116,12 @@ def short_count(count: int) -> str:
 def cmd_config(args: argparse.Namespace) -> int:
     """``medflare config``: the effective configuration of a run as TOML, or its resolved plan (``--plan``)."""
     from medflare.effective_config import config_toml
-    from medflare.plan import task_of, validated
+    from medflare.plan import resolve, validated
     from medflare.run_options import build_run_config, option_layers
 
     run = validated(build_run_config(args), check_files=False)  # checked as 'run' checks it; the data is not read
     if args.plan:  # what the simulator job will do, resolved (this reads the data for the task's shape)
-        from medflare.job_export import job_plan
-
-        plan = job_plan(run, task_of(run), "byoc")
+        plan = resolve(run, "byoc")
         print(plan.describe(), end="")
         print(f"plan {plan.digest()}: the server and every site log this fingerprint of the plan they run",
               file=sys.stderr)
@@ -136,8 +134,7 @@ def checked_run(args: argparse.Namespace, method: str | None = None, seed: int |
                 data_defaults: dict[str, Any] | None = None) -> tuple[Any, Any]:
     """The validated run of ``args`` (its data read) and the plan of the job ``--env`` gets: every check before
     anything starts. ``compare`` passes each ``seed`` and one protocol's ``data_defaults`` for every method."""
-    from medflare.launch import describe_sites, plan_job
-    from medflare.plan import task_of, validated
+    from medflare.plan import describe_sites, resolve, task_of, validated
     from medflare.run_options import build_run_config
 
     run = build_run_config(args, method)
@@ -150,13 +147,13 @@ def checked_run(args: argparse.Namespace, method: str | None = None, seed: int |
     run = validated(run, data_defaults=data_defaults)
     task = task_of(run)
     _, counts = describe_sites(run, task)  # reads and partitions the data: a missing file or a too-small site fails here
-    return run, plan_job(run, args.mode if args.env == "poc" else "byoc", task, counts)
+    return run, resolve(run, args.mode if args.env == "poc" else "byoc", task, counts)
 
 
 def show_task(run: Any) -> None:
     """Print the task a checked run trains and each site's images (``launch.task_lines``, from the cached data)."""
-    from medflare.launch import describe_sites, task_lines
-    from medflare.plan import task_of
+    from medflare.launch import task_lines
+    from medflare.plan import describe_sites, task_of
 
     task = task_of(run)
     for line in task_lines(run, task, describe_sites(run, task)[0]):
@@ -276,15 +273,15 @@ def _compare_failure_log(staging: Path, finished: list[str], exc: BaseException)
 def cmd_export(args: argparse.Namespace) -> int:
     """``medflare export``: the run's FLARE job folder, to submit with FLARE's own tools."""
     from medflare.files import OutputTarget
-    from medflare.launch import export_run_job, plan_job
-    from medflare.plan import validated
+    from medflare.launch import export_run_job
+    from medflare.plan import resolve, validated
     from medflare.run_options import build_run_config, data_was_chosen
 
     run = build_run_config(args)
     if not data_was_chosen(args):
         run.data["source"] = "site"  # an exported job is for POC/production: each hospital reads its own data
     run = validated(run, check_files=False)  # a weights file is read by the server, which may be another machine
-    plan = plan_job(run, args.mode)  # every check before anything is written
+    plan = resolve(run, args.mode)  # every check before anything is written
     for line in preset_notes(args, [run.method]):
         print(line)
     if run.pretrained not in (None, "imagenet") and not Path(run.pretrained).is_file():

@@ -19,9 +19,8 @@ from medflare.contracts import TRAIN_PHASE as TASK_TRAIN, privacy_scope
 from medflare.errors import ConfigError
 from medflare.files import write_recorded
 from medflare.flare import tracking
-from medflare.plan import APP_NAME, ENCRYPTED_AGGREGATOR, PLAN_FILE, RunPlan, build_plan, set_plan_resume, write_plan
+from medflare.plan import APP_NAME, ENCRYPTED_AGGREGATOR, PLAN_FILE, RunPlan, resolve, set_plan_resume, write_plan
 from medflare.run_config import RunConfig
-from medflare.server_setup import deployment_robust, typed_robust
 from medflare.site_config import TaskSpec
 
 PACKAGE_DIR = Path(__file__).resolve().parent  # .../custom/medflare
@@ -31,13 +30,6 @@ PLAIN_AGGREGATOR = "medflare.flare.aggregator.MedflareAggregator"
 # 16 MiB chunks brought a ResNet-18 round from 1.160x to 1.128x its floor (3 runs each, benchmarks/link_speed.py;
 # docs/benchmarks.md); 64 MiB did not help. The sender's job config decides: both sides write it.
 DOWNLOAD_CHUNK = {"np_download_chunk_size": 16 * 1024 * 1024}
-
-
-def job_plan(run: RunConfig, task: TaskSpec, mode: str | None = None,
-             shot_groups: dict[str, list[int]] | None = None) -> RunPlan:
-    """The plan a job written in ``mode`` carries (robust settings: :func:`job_robust`'s; no mode: the run's)."""
-    robust = typed_robust(run.robust) if mode is None else job_robust(run, mode)
-    return build_plan(run, task, robust, shot_groups=shot_groups)
 
 
 def plan_args() -> dict[str, Any]:
@@ -152,18 +144,9 @@ def meta_config(plan: RunPlan) -> dict[str, Any]:
     }
 
 
-def job_robust(run: RunConfig, mode: str) -> dict[str, float]:
-    """The robust settings a job written in ``mode`` carries: the run's own in a BYOC job with simulated data (what
-    FLARE's simulator runs), else the deployment defaults under them (a POC run with simulated data is deployed)."""
-    if mode == "byoc" and run.data.get("source", "site") != "site":
-        return typed_robust(run.robust)
-    return deployment_robust(run.robust, run.secure_aggregation == "he")
-
-
-def export_job(run: RunConfig, out_dir: str | Path, task: TaskSpec, mode: str = "byoc",
-               shot_groups: dict | None = None) -> Path:
-    """Write ``out_dir/<job name>/`` for ``run`` (its plan: :func:`job_plan`) with :func:`write_job`."""
-    return write_job(job_plan(run, task, mode, shot_groups), out_dir, mode, run.plugins)
+def export_job(run: RunConfig, out_dir: str | Path, task: TaskSpec, mode: str = "byoc") -> Path:
+    """Write ``out_dir/<job name>/`` for ``run`` (its plan: :func:`medflare.plan.resolve`) with :func:`write_job`."""
+    return write_job(resolve(run, mode, task), out_dir, mode, run.plugins)
 
 
 def write_job(plan: RunPlan, out_dir: str | Path, mode: str = "byoc", plugin_files: list | tuple = ()) -> Path:

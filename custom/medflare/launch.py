@@ -25,39 +25,12 @@ if TYPE_CHECKING:  # importing the run configuration pulls in torch: only the co
 MODEL_FILES = ("FL_global_model.pt", "best_FL_global_model.pt", "FL_global_model.ckks.npz")
 
 
-def shot_groups_for(run: RunConfig, class_counts: list[int] | None) -> dict | None:
-    """Head/medium/tail class ids from global training counts, when thresholds are configured."""
-    if not run.shot_thresholds or class_counts is None:
-        return None
-    from medflare.metrics import shot_groups_from_counts
-
-    head_min, tail_max = run.shot_thresholds
-    return shot_groups_from_counts(class_counts, head_min=head_min, tail_max=tail_max)
-
-
-def describe_sites(run: RunConfig, task: TaskSpec | None = None) -> tuple[dict[str, Any], list[int] | None]:
-    """Per-site partition facts (simulated data only) and global training class counts; ``task``: the run's
-    resolved task, read from the data when not given."""
-    if run.data.get("source", "site") == "site":
-        return {}, None
-    from medflare.data import describe_partition
-    from medflare.plan import task_of
-    from medflare.site_config import typed_data_config
-
-    num_classes = (task or task_of(run)).num_classes
-    data_cfg = typed_data_config({**run.site_data(), "num_classes": num_classes})
-    facts = describe_partition(data_cfg)
-    sites = {name: facts[i] for i, name in enumerate(run.site_names)}
-    totals = [sum(int(f["class_counts"][k]) for f in facts) for k in range(len(facts[0]["class_counts"]))]
-    return sites, totals
-
-
 LARGE_IMAGES = 512  # px: above this, an image size nobody chose gets a note (slow, and more than a CPU may hold)
 
 
 def task_lines(run: RunConfig, task: TaskSpec, sites: Mapping[str, Any]) -> list[str]:
     """What the run will train, shown before anything starts: the task, each simulated site's images per split
-    (``sites``: :func:`describe_sites`'), and :func:`image_size_notes`."""
+    (``sites``: :func:`medflare.plan.describe_sites`'), and :func:`image_size_notes`."""
     kind = "findings" if task.multi_label else "classes"
     names = f" ({', '.join(task.class_names)})" if task.class_names else " (unnamed: the job names none)"
     lines = [f"medflare: task: {task.num_classes} {kind}{names}, {task.in_channels} channel(s), "
@@ -89,26 +62,14 @@ def image_size_notes(run: RunConfig, task: TaskSpec) -> list[str]:
     return notes
 
 
-def plan_job(run: RunConfig, mode: str, task: TaskSpec | None = None,
-             class_counts: list[int] | None = None) -> RunPlan:
-    """The plan of ``run``'s job in ``mode`` (``job_export.job_plan``), resolved once for :func:`export_run_job`
-    and :func:`write_job_outputs`; ``task`` and ``class_counts`` (:func:`describe_sites`) are read when needed."""
-    from medflare.job_export import job_plan
-    from medflare.plan import task_of
-
-    task = task or task_of(run)
-    if class_counts is None and run.shot_thresholds:
-        _, class_counts = describe_sites(run, task)
-    return job_plan(run, task, mode, shot_groups_for(run, class_counts))
-
-
 def export_run_job(run: RunConfig, out_dir: str | Path, mode: str, class_counts: list[int] | None = None,
                    task: TaskSpec | None = None, plan: RunPlan | None = None) -> Path:
     """The validated run's FLARE job (``byoc`` or ``preinstalled``) in ``out_dir/<job name>/``, as every environment
-    gets it; ``plan`` (:func:`plan_job`) is built here when not given."""
+    gets it; ``plan`` (:func:`medflare.plan.resolve`) is built here when not given."""
     from medflare.job_export import write_job
+    from medflare.plan import resolve
 
-    return write_job(plan or plan_job(run, mode, task, class_counts), out_dir, mode, run.plugins)
+    return write_job(plan or resolve(run, mode, task, class_counts), out_dir, mode, run.plugins)
 
 
 # ----- outputs -----------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from medflare.errors import ConfigError
 from medflare.methods.base import MethodSpec, TrainConfig
 from medflare.registry import get_method, list_methods, load_plugins
 from medflare.run_config import IMAGENET, TASK_BOUNDS, TASK_SHAPE, RunConfig, load_plugin_files
-from medflare.server_setup import RobustConfig, global_model, round_plan, server_rule, typed_robust
+from medflare.server_setup import RobustConfig, deployment_robust, global_model, round_plan, server_rule, typed_robust
 from medflare.site_config import (
     SiteFile,
     SiteSettings,
@@ -456,6 +456,52 @@ def build_plan(run: RunConfig, task: TaskSpec, robust: Mapping[str, Any],
         secure_aggregation=run.secure_aggregation, audit=run.audit, tracking=run.tracking,
         plugins=tuple(run.plugin_modules() if plugins is None else plugins), shot_groups=shot_groups,
     )
+
+
+def resolve(run: RunConfig, mode: str | None = None, task: TaskSpec | None = None,
+            class_counts: list[int] | None = None) -> RunPlan:
+    """The plan of a validated ``run``, as a job written in ``mode`` carries it (robust settings: :func:`job_robust`'s;
+    no mode: the run's own): the one entry every runner, export and recipe takes. ``task`` (:func:`task_of`) and
+    ``class_counts`` (:func:`describe_sites`, for head/medium/tail groups) are read off the data when needed."""
+    task = task or task_of(run)
+    if class_counts is None and run.shot_thresholds:
+        _, class_counts = describe_sites(run, task)
+    robust = typed_robust(run.robust) if mode is None else job_robust(run, mode)
+    return build_plan(run, task, robust, shot_groups=shot_groups_for(run, class_counts))
+
+
+def job_robust(run: RunConfig, mode: str) -> dict[str, float]:
+    """The robust settings a job written in ``mode`` carries: the run's own in a BYOC job with simulated data (what
+    FLARE's simulator runs), else the deployment defaults under them (a POC run with simulated data is deployed)."""
+    if mode == "byoc" and run.data.get("source", "site") != "site":
+        return typed_robust(run.robust)
+    return deployment_robust(run.robust, run.secure_aggregation == "he")
+
+
+def shot_groups_for(run: RunConfig, class_counts: list[int] | None) -> dict | None:
+    """Head/medium/tail class ids from global training counts, when thresholds are configured."""
+    if not run.shot_thresholds or class_counts is None:
+        return None
+    from medflare.metrics import shot_groups_from_counts
+
+    head_min, tail_max = run.shot_thresholds
+    return shot_groups_from_counts(class_counts, head_min=head_min, tail_max=tail_max)
+
+
+def describe_sites(run: RunConfig, task: TaskSpec | None = None) -> tuple[dict[str, Any], list[int] | None]:
+    """Per-site partition facts (simulated data only) and global training class counts; ``task``: the run's
+    resolved task, read from the data when not given."""
+    if run.data.get("source", "site") == "site":
+        return {}, None
+    from medflare.data import describe_partition
+    from medflare.site_config import typed_data_config
+
+    num_classes = (task or task_of(run)).num_classes
+    data_cfg = typed_data_config({**run.site_data(), "num_classes": num_classes})
+    facts = describe_partition(data_cfg)
+    sites = {name: facts[i] for i, name in enumerate(run.site_names)}
+    totals = [sum(int(f["class_counts"][k]) for f in facts) for k in range(len(facts[0]["class_counts"]))]
+    return sites, totals
 
 
 def _check_method_run(spec: MethodSpec, method_cfg: Any, sites: tuple[SitePlan, ...], run: RunConfig) -> None:

@@ -17,16 +17,8 @@ from medflare.files import OutputTarget
 from medflare.flare.controller import RESULTS_FILE
 from medflare.flare.memory import with_allocator_settings
 from medflare.flare.tracking import keep_server_records
-from medflare.launch import (
-    describe_sites,
-    export_run_job,
-    failure_note,
-    first_site_said,
-    keep_site_logs,
-    plan_job,
-    write_job_outputs,
-)
-from medflare.plan import RunPlan, task_of, validated
+from medflare.launch import export_run_job, failure_note, first_site_said, keep_site_logs, write_job_outputs
+from medflare.plan import RunPlan, describe_sites, resolve, task_of, validated
 from medflare.processes import nvflare_command, signals_held, start_kept, stop_process_tree
 from medflare.resume import check_resumable
 from medflare.run_config import RunConfig
@@ -64,7 +56,7 @@ def run_simulation(
 ) -> dict[str, Any]:
     """Export the job, run ``nvflare simulator`` with one thread per site, and write the run's outputs through
     :class:`medflare.files.OutputTarget` (a failure stops every process and leaves ``<out>.failed.log``).
-    ``plan``: ``launch.plan_job(run, "byoc")`` when the caller validated ``run``; else resolved here."""
+    ``plan``: ``plan.resolve(run, "byoc")`` when the caller validated ``run``; else resolved here."""
     if run.secure_aggregation == "he":
         raise ConfigError(SIMULATOR_HAS_NO_HE)
     if plan is None:
@@ -74,7 +66,7 @@ def run_simulation(
     task = plan.task if plan is not None else task_of(run)  # the data is read for the task once, handed down
     clients, class_counts = describe_sites(run, task)  # bad data fails before anything is written
     # what the job does, resolved once: the job and the summary are written from it
-    plan = plan or plan_job(run, "byoc", task, class_counts)
+    plan = plan or resolve(run, "byoc", task, class_counts)
     if plan.resume_from:  # same method, model and stages, more rounds: before anything is written
         check_resumable(plan, plan.resume_from)
     staging = target.begin()

@@ -61,7 +61,7 @@ def test_the_cpu_refusal_multiplies_measured_step_times_by_planned_steps(paper: 
                    for key, n in paper.planned_steps(run).items())
     assert est.total_seconds == pytest.approx(expected)
     # FCA: 1 epoch of full batches of 64 per site and round
-    from medflare.launch import describe_sites
+    from medflare.plan import describe_sites
 
     fca = runs["fca"][0]
     sites, _ = describe_sites(fca)

@@ -30,7 +30,8 @@ from medflare.deploy.policies import (
     flare_defaults,
     server_resources_policy,
 )
-from medflare.job_export import client_config, job_plan, server_config
+from medflare.job_export import client_config, server_config
+from medflare.plan import resolve
 from medflare.registry import list_methods
 from medflare.site_config import TaskSpec
 
@@ -117,8 +118,8 @@ def test_job_builders_name_exactly_the_allow_listed_components() -> None:
         run = deployment_run(method, tracking="both", audit=True, transfer_kind="diff",
                              dp={"filter": "percentile", "args": {"percentile": 10, "gamma": 0.01}})
         sealed = deployment_run("fedavg", tracking="both", audit=True, secure_aggregation="he")
-        servers = _medflare_paths(server_config(job_plan(run, TASK))) | _medflare_paths(server_config(job_plan(sealed, TASK)))
-        clients = _medflare_paths(client_config(job_plan(run, TASK))) | _medflare_paths(client_config(job_plan(sealed, TASK)))
+        servers = _medflare_paths(server_config(resolve(run, task=TASK))) | _medflare_paths(server_config(resolve(sealed, task=TASK)))
+        clients = _medflare_paths(client_config(resolve(run, task=TASK))) | _medflare_paths(client_config(resolve(sealed, task=TASK)))
         assert servers == set(SERVER_COMPONENTS), method
         assert clients == set(CLIENT_COMPONENTS), method
 
@@ -134,9 +135,9 @@ def test_components_live_in_one_namespace_and_building_them_writes_nothing(
     monkeypatch.chdir(cwd)  # a job process runs in the kit: nothing may appear in it, nor in HOME
     monkeypatch.setenv("HOME", str(home))
     run = deployment_run(method)
-    config = server_config(job_plan(run, TASK))
+    config = server_config(resolve(run, task=TASK))
     built = [_build(c) for c in config["components"] + config["workflows"]]
-    built.append(_build(client_config(job_plan(run, TASK))["executors"][0]["executor"]))
+    built.append(_build(client_config(resolve(run, task=TASK))["executors"][0]["executor"]))
     assert len(built) >= 4  # persistor, aggregator, controller, executor: each reads the plan once the job runs
     assert list(cwd.iterdir()) == [] and list(home.iterdir()) == []
 

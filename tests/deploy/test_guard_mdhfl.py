@@ -23,9 +23,9 @@ from medflare.deploy.filters import PayloadGuard
 from medflare.errors import PayloadError
 from medflare.flare.executor import MedflareExecutor
 from medflare.flare.tasks import TASK_SUBMIT_MODEL
-from medflare.job_export import job_plan, task_names
+from medflare.job_export import task_names
 from medflare.methods.mdhfl.protocol import PROBS, PROBS_PHASE
-from medflare.plan import task_of
+from medflare.plan import resolve
 from medflare.run_config import RunConfig
 from medflare.site_runtime import SiteRuntime
 
@@ -92,7 +92,7 @@ def test_every_real_result_of_the_exchange_passes_the_site_guard(bench: SimpleNa
     site = GuardedSite(run, tmp_path / "app")
     summary = bench.run_in_process(run, deliver=site)
 
-    assert set(site.guarded) == set(task_names(job_plan(run, task_of(run)))) - {TASK_SUBMIT_MODEL}  # every task the job sends
+    assert set(site.guarded) == set(task_names(resolve(run))) - {TASK_SUBMIT_MODEL}  # every task the job sends
     assert site.guarded[PROBS_PHASE] == {probs_dtype}  # the probabilities passed the value checks
     assert all(not dtypes for name, dtypes in site.guarded.items() if name != PROBS_PHASE)
     assert set(summary["by_site"]) == set(SITE_MODELS)

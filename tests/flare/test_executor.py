@@ -12,9 +12,9 @@ from nvflare.apis.fl_constant import ReservedKey
 from medflare import readback
 from medflare.errors import DataError
 from medflare.flare.executor import MedflareExecutor
-from medflare.job_export import export_job, job_robust
+from medflare.job_export import export_job
 from medflare.methods.base import RoundContext
-from medflare.plan import APP_NAME, PLAN_FILE, build_plan, task_of, validated
+from medflare.plan import APP_NAME, PLAN_FILE, resolve, task_of, validated
 from medflare.run_config import RunConfig
 from medflare.site_config import SITE_CONFIG_FILE
 
@@ -28,7 +28,7 @@ def test_a_site_trains_what_the_plan_says_with_the_data_and_model_its_own_file_n
     run = RunConfig(method="fedavg", clients=2, data={"source": "site"}, train={"lr": 0.02, "batch_size": 8},
                     site_train={"site-2": {"lr": 0.5}}, task={"num_classes": 2, "in_channels": 1, "image_size": 28})
     run = validated(run, check_files=False)
-    plan = build_plan(run, task_of(run), job_robust(run, "preinstalled"))
+    plan = resolve(run, "preinstalled")
     job = export_job(run, tmp_path / "jobs", task_of(run), mode="preinstalled")
     fl_ctx = deployed_to(job, "site-2", tmp_path / "workspaces")
     site_file = tmp_path / "workspaces" / "site-2" / "local" / SITE_CONFIG_FILE

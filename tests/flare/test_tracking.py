@@ -16,7 +16,8 @@ from nvflare.apis.utils.analytix_utils import create_analytic_dxo
 
 from medflare.flare import tracking
 from medflare.flare.executor import MedflareExecutor
-from medflare.job_export import client_config, job_plan, server_config
+from medflare.job_export import client_config, server_config
+from medflare.plan import resolve
 from medflare.run_config import RunConfig
 from medflare.site_config import TaskSpec
 
@@ -84,12 +85,12 @@ def test_the_site_converter_forwards_declared_events_and_keeps_the_rest(monkeypa
 ])
 def test_job_names_receivers_and_site_converter_under_the_allow_listed_namespace(choice: str, receivers: list) -> None:
     run = RunConfig(tracking=choice)
-    server, client = server_config(job_plan(run, TASK)), client_config(job_plan(run, TASK))
+    server, client = server_config(resolve(run, task=TASK)), client_config(resolve(run, task=TASK))
     named = [c["path"] for c in server["components"] if "receiver" in c["id"]]
     assert named == receivers
     converters = [c["path"] for c in client["components"]]
     assert converters == (["medflare.flare.tracking.SiteMetricsToServer"] if receivers else [])
-    assert MedflareExecutor().use_plan(job_plan(run, TASK)).stream_metrics is bool(receivers)
+    assert MedflareExecutor().use_plan(resolve(run, task=TASK)).stream_metrics is bool(receivers)
     for path in named + converters:  # pre-installed sites allow-list medflare.flare. only
         assert path.startswith("medflare.flare.")
 

@@ -23,9 +23,10 @@ from nvflare.fuel.utils.wfconf import resolve_var_refs
 from medflare import contracts
 from medflare.flare import executor as executor_module, tracking
 from medflare.flare.tasks import TASK_TRAIN, TASK_VALIDATE, round_meta
-from medflare.job_export import job_plan, server_config
+from medflare.job_export import server_config
 from medflare.methods.base import RoundContext
 from medflare.metrics import EvalStats, MultiLabelEvalStats, compute_metrics
+from medflare.plan import resolve
 from medflare.run_config import RunConfig
 from medflare.site_config import TaskSpec
 
@@ -42,7 +43,7 @@ def fedprox_run(**changes: Any) -> RunConfig:
 
 
 def receiver_args(run: RunConfig) -> dict[str, Any]:
-    components = server_config(job_plan(run, TASK))["components"]
+    components = server_config(resolve(run, task=TASK))["components"]
     return next(c["args"] for c in components if c["id"] == "mlflow_receiver")
 
 
@@ -72,9 +73,9 @@ def test_the_experiment_is_mlflows_own_variable_where_the_job_is_written(monkeyp
 
 
 def test_only_the_mlflow_receiver_takes_arguments() -> None:
-    components = server_config(job_plan(fedprox_run(tracking="both"), TASK))["components"]
+    components = server_config(resolve(fedprox_run(tracking="both"), task=TASK))["components"]
     assert next(c for c in components if c["id"] == "tensorboard_receiver")["args"] == {}
-    assert "mlflow_receiver" not in [c["id"] for c in server_config(job_plan(fedprox_run(tracking="tensorboard"), TASK))
+    assert "mlflow_receiver" not in [c["id"] for c in server_config(resolve(fedprox_run(tracking="tensorboard"), task=TASK))
                                      ["components"]]
 
 
@@ -82,9 +83,9 @@ def test_nested_settings_become_dotted_params_that_flares_configurator_leaves_al
     """FLARE reads a text in braces as a variable reference; a stage's overrides must arrive as written."""
     run = RunConfig(method="fed-mae", tracking="mlflow")
     params = receiver_args(run)["params"]
-    assert params["train.stages.pretrain.lr"] == str(job_plan(run, TASK).train.stages["pretrain"]["lr"])
+    assert params["train.stages.pretrain.lr"] == str(resolve(run, task=TASK).train.stages["pretrain"]["lr"])
     assert not any(key == "train.stages" for key in params)
-    config = server_config(job_plan(run, TASK))
+    config = server_config(resolve(run, task=TASK))
     resolve_var_refs(JsonScanner(config), {})  # what FLARE's job configurator does to every string
     assert next(c["args"] for c in config["components"] if c["id"] == "mlflow_receiver")["params"] == params
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from medflare.launch import plan_job
+from medflare.plan import resolve
 from medflare.registry import get_method, list_methods
 from tests.benchmarks.conftest import load_benchmark
 
@@ -32,7 +32,7 @@ def test_methods_smoke_job_plays_its_plan_in_process_and_sends_exactly_its_decla
     method: str, engine: ModuleType
 ) -> None:
     run = smoke_run(method)
-    plan = plan_job(run, "byoc")
+    plan = resolve(run, "byoc")
     records: dict[str, list[dict]] = {site.name: [] for site in plan.sites}
     first_state: dict[str, dict[str, torch.Tensor]] = {}
     runtimes = {}

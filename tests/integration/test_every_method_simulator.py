@@ -18,7 +18,8 @@ from nvflare.recipe import SimEnv
 
 from medflare.flare.audit import AUDIT_FILE
 from medflare.flare.controller import RESULTS_FILE
-from medflare.launch import describe_sites, plan_job, write_job_outputs
+from medflare.launch import write_job_outputs
+from medflare.plan import describe_sites, resolve
 from medflare.recipes import MedflareRecipe
 from medflare.registry import get_method, list_methods
 from medflare.run_config import RunConfig
@@ -44,7 +45,7 @@ def run_recipe_in_simenv(run: RunConfig, tmp_path: Path) -> tuple[Path, dict, di
     results_file = workspace / "server" / "simulate_job" / "app_server" / RESULTS_FILE
     out = tmp_path / "run"
     out.mkdir()
-    plan = plan_job(run, "byoc")
+    plan = resolve(run, "byoc")
     summary = write_job_outputs(plan, results_file, out, describe_sites(run)[0], launched_at=None)
     for audit in workspace.glob(f"site-*/**/{AUDIT_FILE}"):
         site = audit.relative_to(workspace).parts[0]

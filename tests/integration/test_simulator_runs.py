@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from medflare.job_export import job_robust
-from medflare.plan import build_plan, task_of, validated
+from medflare.plan import resolve, validated
 from medflare.run_config import RunConfig
 from medflare.simulate import nvflare_command, run_simulation
 
@@ -51,7 +50,7 @@ def test_the_server_and_both_sites_ran_the_plan_the_command_line_built(fedavg_ru
     out, _ = fedavg_run
     run = dataclasses.replace(FEDAVG, data=dict(DATA), train=dict(QUICK))
     run = validated(run, check_files=False)
-    digest = build_plan(run, task_of(run), job_robust(run, "byoc")).digest()
+    digest = resolve(run, "byoc").digest()
     assert json.loads((out / "medflare_results.json").read_text())["plan"] == digest
     assert json.loads((out / "summary.json").read_text())["plan_check"] == "matches"  # the run checked it too
     logged = re.findall(r"(site-\d): runs plan (\w+)", (out / "simulator.log").read_text())

@@ -51,17 +51,15 @@ from medflare.files import OutputTarget
 from medflare.flare.memory import with_allocator_settings
 from medflare.flare.tracking import keep_server_records
 from medflare.launch import (
-    describe_sites,
     export_run_job,
     failure_note,
     first_site_said,
     job_plan_in,
     keep_site_logs,
-    plan_job,
     results_text,
     write_job_outputs,
 )
-from medflare.plan import validated
+from medflare.plan import describe_sites, resolve, validated
 from medflare.processes import (
     end_processes,
     flare_admin_popen_args,
@@ -473,7 +471,7 @@ def find_results(download_dir: str | Path) -> Path:
 def write_run_outputs(run: Any, download_dir: Path, out: Path, launched_at: float | None, extra: dict,
                       plan: Any = None) -> dict:
     """summary.json / rounds.csv / report.md / plots (as ``medflare run`` writes them) from a downloaded job;
-    ``plan``: the job's plan (``launch.plan_job``; when not given, the one the downloaded job carries)."""
+    ``plan``: the job's plan (``plan.resolve``; when not given, the one the downloaded job carries)."""
     results_path = find_results(download_dir)
     plan = plan or job_plan_in(results_path.parent)
     clients, _ = describe_sites(run, plan.task)
@@ -532,12 +530,12 @@ def run_poc(run: Any, out_dir: str | Path, echo: Echo = print, mode: str = "byoc
     log, with the rounds that finished, kept as ``<out>.failed.log``. The job gets the robust defences of a
     deployment (:func:`as_deployed`). ``mode``: "byoc" (the job carries medflare) or "preinstalled". ``port``:
     default ``$MEDFLARE_POC_PORT`` or 8002, read now. ``plan``: the job's plan when the caller validated ``run`` as
-    deployed and resolved it (``launch.plan_job``, as ``medflare run --env poc`` does); else both happen here.
+    deployed and resolved it (``plan.resolve``, as ``medflare run --env poc`` does); else both happen here.
     """
     as_deployed(run)
     if plan is None:
         run = validated(run)
-        plan = plan_job(run, mode)  # the data is read for the task once; the job and its outputs come from the plan
+        plan = resolve(run, mode)  # the data is read for the task once; the job and its outputs come from the plan
     target = OutputTarget(Path(out_dir), overwrite=overwrite)
     staging = target.begin()
     poc_root = root or env_root() or staging / "poc"
