@@ -52,3 +52,5 @@ def test_an_invariant_filter_keeps_only_the_matching_invariants_and_drops_empty_
     assert list(picked) == ["ssl_fl"] and len(picked["ssl_fl"]) == 3
     assert all("token j" in m.invariant for m in picked["ssl_fl"]) and len(every["ssl_fl"]) > 3
     assert mutants.ledgers(["fedmd"], invariant="no such invariant") == {}
+    plan = mutants.ledgers(files=["custom/medflare/plan.py"])
+    assert plan and all(m.file == "custom/medflare/plan.py" for ms in plan.values() for m in ms)

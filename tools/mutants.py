@@ -19,7 +19,7 @@ the ledger names the few changes that silently turn one method into another, say
 keeps the tests that guard it in one reviewed place. ``tests/test_ledgers.py`` keeps every ledger well formed in
 the default suite (each mutant's text occurs exactly once, each named test exists), so a ledger cannot rot.
 
-Usage: ``python tools/mutants.py [--method NAME ...] [--invariant TEXT] [--out runs/mutants]`` (``make mutants``). Exit code 1 when a
+Usage: ``python tools/mutants.py [--method NAME ...] [--invariant TEXT] [--file PATH ...] [--out runs/mutants]`` (``make mutants``). Exit code 1 when a
 mutant survives, or the unmutated tests fail.
 """
 
@@ -67,11 +67,13 @@ def read_ledger(folder: Path) -> list[Mutant]:
     return mutants
 
 
-def ledgers(methods: list[str] | None = None, invariant: str | None = None) -> dict[str, list[Mutant]]:
+def ledgers(methods: list[str] | None = None, invariant: str | None = None,
+            files: list[str] | None = None) -> dict[str, list[Mutant]]:
     """method folder -> its mutants (every folder under methods/ that has a ledger), only those of invariants whose
-    name contains ``invariant`` when it is given."""
+    name contains ``invariant`` and those that change one of ``files`` (paths from the root) when given."""
     folders = sorted(p.parent for p in METHODS.glob(f"*/{LEDGER}"))
-    found = {f.name: [m for m in read_ledger(f) if not invariant or invariant in m.invariant]
+    found = {f.name: [m for m in read_ledger(f) if (not invariant or invariant in m.invariant)
+                      and (not files or m.file in files)]
              for f in folders if not methods or f.name in methods}
     return {name: mutants for name, mutants in found.items() if mutants}
 
@@ -128,10 +130,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--method", action="append", help="only this method folder (repeatable), e.g. fedlsm")
     parser.add_argument("--invariant", help="only the invariants whose name contains this text")
+    parser.add_argument("--file", action="append", help="only the mutants of this file (repeatable), e.g. "
+                                                        "custom/medflare/plan.py after a change to it")
     parser.add_argument("--out", default=str(ROOT / "runs" / "mutants"), help="where the table is written")
     parser.add_argument("--timeout", type=int, default=600, help="seconds one mutant's tests may take")
     args = parser.parse_args()
-    found = ledgers(args.method, args.invariant)
+    found = ledgers(args.method, args.invariant, args.file)
     if not found:
         print("mutants: no ledger found" + (f" for {args.method}" if args.method else ""), file=sys.stderr)
         return 2
