@@ -442,8 +442,7 @@ def build_plan(run: RunConfig, task: TaskSpec, robust: Mapping[str, Any],
                   for site in run.site_names)
     _check_method_run(spec, method_cfg, sites, run)
     return RunPlan(
-        job_name=run.job_name, method=run.method, method_args=dataclasses.asdict(method_cfg),
-        model=run.model,
+        job_name=run.job_name, method=run.method, method_args=dataclasses.asdict(method_cfg), model=run.model,
         pretrained=run.pretrained, seed=run.seed, task=task, data=run.site_data(),
         train=train, sites=sites, min_clients=run.required_clients,
         rounds=tuple(RoundPlan(ctx.round, ctx.stage, ctx.scored, tuple(rule.phases(ctx)))

@@ -113,11 +113,6 @@ class RobustConfig:
         return {"on": any(settings.values()), **settings}
 
 
-def method_config(spec: MethodSpec, method_args: Any) -> Any:
-    """The method's typed configuration: a plan's (``RunPlan.method_cfg``) as it is, else options typed here."""
-    return method_args if isinstance(method_args, spec.config_cls) else spec.config_cls(**(method_args or {}))
-
-
 def server_rule(
     spec: MethodSpec,
     method_args: Any,
@@ -132,7 +127,7 @@ def server_rule(
     Raises ConfigError for stages that do not add up to ``num_rounds``, a defence out of range, an unknown wire
     option, or a rule that combines the sites' arrays itself."""
     method = spec.name
-    rule = spec.server_rule_cls(method_config(spec, method_args), num_rounds, spec.payload)
+    rule = spec.server_rule_cls(spec.config_of(method_args), num_rounds, spec.payload)
     rule.multi_label = multi_label
     stages = checked_stages(rule.stages(), num_rounds, method)
     defences = robust if isinstance(robust, RobustConfig) else RobustConfig(**typed_robust(robust or {}))
@@ -231,7 +226,7 @@ def global_model(spec: MethodSpec, method_args: Any, model: str, num_classes: in
     if not spec.server_model:
         return ServerModel(None, None)
     torch.manual_seed(seed)
-    network = spec.build_model(model, num_classes, in_channels, image_size, pretrained, method_config(spec, method_args))
+    network = spec.build_model(model, num_classes, in_channels, image_size, pretrained, spec.config_of(method_args))
     if dp_sgd:
         from medflare.dp_sgd import dp_compatible_model
 

@@ -53,8 +53,7 @@ class SiteSettings:
         if self.evaluation not in EVALUATION_MODES:
             raise ConfigError(f"evaluation must be one of {EVALUATION_MODES}, got '{self.evaluation}'")
         check_multi_label_support(self.spec, self.task)
-        if not isinstance(self.method_args, self.spec.config_cls):
-            self.method_args = self.spec.config_cls(**dict(self.method_args or {}))
+        self.method_args = self.spec.config_of(self.method_args)
         if not isinstance(self.train, TrainConfig):
             self.train = resolve_train_config(self.spec, self.train)
 

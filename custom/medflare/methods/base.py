@@ -609,6 +609,10 @@ class MethodSpec:
         if not self.server_model and self.payload.sends_weights:
             raise ValueError(f"method '{self.name}': a server without a model cannot receive weights")
 
+    def config_of(self, method_args: Any) -> Any:
+        """The method's typed configuration: a plan's (``RunPlan.method_cfg``) as it is, else options typed here."""
+        return method_args if isinstance(method_args, self.config_cls) else self.config_cls(**dict(method_args or {}))
+
 
 # MethodSpec.dp_sgd_uncovered of a method whose loss reads the site's class counts (balanced softmax, calibration)
 COUNTS_UNCOVERED = ("the site's class counts its loss reads: ε covers the noised steps given those counts, not the "
