@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from medflare.plan import task_of
+from medflare.plan import resolve, task_of
 from medflare.run_config import RunConfig
 
 
@@ -60,7 +60,7 @@ def run_cell(
     from medflare.simulate import run_simulation  # FLARE is imported only when something runs
 
     fingerprint_file(run_dir).unlink(missing_ok=True)  # a stopped rerun must not leave the old record valid
-    summary = run_simulation(run, run_dir, echo=lambda line: None, overwrite=True)
+    summary = run_simulation(resolve(run, "byoc"), run_dir, echo=lambda line: None, overwrite=True)
     fingerprint_file(run_dir).write_text(run_fingerprint(run))
     return summary, False
 

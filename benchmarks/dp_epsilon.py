@@ -34,6 +34,7 @@ from typing import Any
 
 from medflare.data.checksums import verify_medmnist_file
 from medflare.dp_sgd import noise_for_epsilon
+from medflare.plan import resolve
 from medflare.run_config import RunConfig
 from medflare.simulate import run_simulation
 
@@ -129,7 +130,7 @@ def main() -> None:
         for seed in args.seeds:
             config = run_config(arm, seed, args.rounds, args.steps)
             started = time.time()
-            summary = run_simulation(config, args.out / config.job_name, echo=lambda line: None, overwrite=True)
+            summary = run_simulation(resolve(config, "byoc"), args.out / config.job_name, echo=lambda line: None, overwrite=True)
             cells.append({"arm": arm, "seed": seed, "noise_multiplier": config.dp_sgd.get("noise_multiplier"),
                           "max_grad_norm": config.dp_sgd.get("max_grad_norm"), "epsilon": spent_epsilon(summary),
                           "accuracy": summary["final"]["accuracy"],

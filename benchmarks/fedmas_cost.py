@@ -92,13 +92,13 @@ def site_round_parts(run: Any, rounds: int) -> dict[str, float]:
     """Mean seconds per round (rounds 2..R) of each part at the largest site, training on its own returned
     weights round after round (the site's work does not depend on what the others send)."""
     from medflare.methods.base import RoundContext
-    from medflare.plan import describe_sites
+    from medflare.plan import describe_sites, resolve
     from medflare.site_config import SiteSettings
     from medflare.site_runtime import SiteRuntime
 
-    sites, _ = describe_sites(run)
-    index = max(range(run.clients), key=lambda i: sum(sites[run.site_names[i]]["class_counts"]))
     task = task_of(run)
+    sites, _ = describe_sites(resolve(run, "byoc", task=task))
+    index = max(range(run.clients), key=lambda i: sum(sites[run.site_names[i]]["class_counts"]))
     settings = SiteSettings(get_method(run.method), task, run.site_data(), run.model, run.method_args, run.train, run.seed)
     runtime = SiteRuntime(settings, run.site_names[index], index, log=lambda message: None)
     trainer, records = runtime.trainer, []

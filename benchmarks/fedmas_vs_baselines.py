@@ -24,6 +24,7 @@ from typing import Any
 
 from medflare.config import parse_value
 from medflare.data.checksums import verify_medmnist_file
+from medflare.plan import resolve
 from medflare.run_config import RunConfig, merge_sections
 from medflare.scenarios import load_scenario
 from medflare.simulate import run_simulation
@@ -83,7 +84,7 @@ def main() -> None:
         for method in args.methods:
             run = setting_config(args.setting, seed, args.rounds, method, extra_train, method_args)
             print(f"[{time.time() - started:6.0f}s] {args.setting} seed {seed} {method} ...", flush=True)
-            summary = run_simulation(run, out / f"{method}-seed{seed}", echo=lambda line: None, overwrite=True)
+            summary = run_simulation(resolve(run, "byoc"), out / f"{method}-seed{seed}", echo=lambda line: None, overwrite=True)
             final = summary["final"]
             rows[method].append({
                 "seed": seed,

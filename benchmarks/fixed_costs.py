@@ -32,6 +32,7 @@ from he_cost import free_port  # noqa: E402
 
 import medflare.simulate as simulate  # noqa: E402
 from medflare.deploy.poc import PocSession  # noqa: E402
+from medflare.plan import resolve  # noqa: E402
 from medflare.run_config import RunConfig  # noqa: E402
 
 
@@ -55,7 +56,7 @@ def timed_simulator_run(workdir: Path) -> dict[str, float]:
     try:
         started = time.monotonic()
         run = RunConfig(method="fedavg", rounds=2, clients=2, train={"max_steps": 2})
-        simulate.run_simulation(run, workdir / f"run-{started:.0f}", echo=echo)
+        simulate.run_simulation(resolve(run, "byoc"), workdir / f"run-{started:.0f}", echo=echo)
         whole = time.monotonic() - started
     finally:
         simulate._launch = launch

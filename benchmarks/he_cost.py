@@ -19,10 +19,10 @@ import sys
 import time
 from pathlib import Path
 
-from medflare.deploy.poc import PocSession, export_poc_job, find_results
-from medflare.plan import validated
+from medflare.deploy.poc import PocSession, find_results
+from medflare.job_export import write_job
+from medflare.plan import resolve
 from medflare.run_config import RunConfig
-from medflare.server_setup import deployment_robust
 
 DATA = {"source": "synthetic:n=400", "partition": "iid"}
 TRAIN = {"max_steps": 5, "batch_size": 32}
@@ -38,8 +38,6 @@ def free_port() -> int:
 def job_run(model: str, he: bool, rounds: int) -> RunConfig:
     run = RunConfig(method="fedavg", model=model, rounds=rounds, clients=2, data=dict(DATA), train=dict(TRAIN),
                     name=f"{model}-{'he' if he else 'plain'}", secure_aggregation="he" if he else "off")
-    run.robust = deployment_robust(run.robust, encrypted=he)
-    run = validated(run)
     return run
 
 
@@ -84,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             for model in args.models:
                 for he in (False, True):
                     run = job_run(model, he, args.rounds)
-                    job_id = session.submit(export_poc_job(run, out / "jobs", "byoc"))
+                    job_id = session.submit(write_job(resolve(run, "byoc", deployed=True), out / "jobs", "byoc"))
                     status = session.wait(job_id, timeout=args.timeout)
                     row = {"model": model, "aggregation": "he (CKKS)" if he else "plaintext", "status": status}
                     if status == "FINISHED:COMPLETED":

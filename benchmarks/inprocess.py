@@ -24,7 +24,7 @@ from medflare.flare.aggregator import RoundAggregation
 from medflare.flare.models import global_model_of
 from medflare.flare.tasks import TASK_VALIDATE, round_context, round_meta
 from medflare.methods.base import AggregateResult, PerSite, RoundContext, SiteUpdate
-from medflare.plan import RunPlan, resolve, validated
+from medflare.plan import RunPlan, resolve
 from medflare.run_config import RunConfig
 from medflare.server_setup import round_plan
 from medflare.site_config import SiteFile
@@ -37,12 +37,8 @@ GENERATORS = ((torch.get_rng_state, torch.set_rng_state), (np.random.get_state, 
 
 
 def plan_of(job: RunPlan | RunConfig) -> RunPlan:
-    """The plan itself, or the plan of the job ``medflare run`` writes for FLARE's simulator from a run (validated
-    first, as ``simulate.run_simulation`` does)."""
-    if isinstance(job, RunPlan):
-        return job
-    job = validated(job)
-    return resolve(job, "byoc")
+    """The plan itself, or the plan of the job ``medflare run`` writes for FLARE's simulator from a run."""
+    return job if isinstance(job, RunPlan) else resolve(job, "byoc")
 
 
 class InProcessSites:

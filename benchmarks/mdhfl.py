@@ -44,6 +44,7 @@ from medflare import contracts
 from medflare.data.checksums import verify_medmnist_file
 from medflare.evaluation import summarize
 from medflare.methods.base import RoundContext
+from medflare.plan import resolve
 from medflare.run_config import RunConfig
 from medflare.simulate import run_simulation
 
@@ -123,7 +124,7 @@ def run_cell(args: argparse.Namespace, variant: str, noise: str, seed: int, out:
         final = run_in_process(run)
         sent, payload = final["sent_bytes_per_round"], {}
     else:
-        summary = run_simulation(run, out / run.name, echo=lambda line: None)
+        summary = run_simulation(resolve(run, "byoc"), out / run.name, echo=lambda line: None)
         final, sent = summary["final"], sent_array_bytes(out / run.name)
         payload = {s: p["bytes_per_round"] for s, p in summary["payload"].items()}
     return {

@@ -40,7 +40,7 @@ from typing import Any, Callable
 import numpy as np
 from benchmarking import goal_verdict, later_rounds, mean_later_rounds, model_fp32_bytes, trained_images
 
-from medflare.plan import task_of
+from medflare.plan import resolve, task_of
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "medmnist" / "pneumoniamnist.npz"
 GOALS = {"ratio": 1.05, "overhead_seconds": 0.3, "throughput": 0.95, "first_round": 2.0, "bytes": 1.05}
@@ -133,13 +133,13 @@ def flare_run(run: Any, out: Path, env: str = "sim") -> dict[str, Any]:
     if env == "poc":
         from medflare.deploy.poc import run_poc
 
-        summary = run_poc(run, out, echo=print, overwrite=True)
+        summary = run_poc(resolve(run, "byoc", deployed=True), out, echo=print, overwrite=True)
         total, cpu = summary["timing"]["total_seconds"], None
     else:
         from medflare.simulate import run_simulation
 
         cpu, launched = cpu_seconds(), time.perf_counter()
-        summary = run_simulation(run, out, echo=print, overwrite=True)  # its progress lines only
+        summary = run_simulation(resolve(run, "byoc"), out, echo=print, overwrite=True)  # its progress lines only
         total, cpu = time.perf_counter() - launched, cpu_seconds() - cpu
     results = json.loads((out / "medflare_results.json").read_text())
     return {"total_seconds": total, "cpu_seconds": cpu, "summary": summary,

@@ -171,11 +171,11 @@ def planned_steps(run: RunConfig) -> dict[StepKey, int]:
     """Optimizer steps the run's sites take, by what a step costs: per site and round, local epochs x full
     batches (capped by max_steps), FedLSM's T iterations, MDH-FL/FedMD's local epochs plus one KL step per
     public batch; SSL-FL stage by stage with each stage's batch."""
-    from medflare.plan import describe_sites
+    from medflare.plan import describe_sites, resolve
     from medflare.site_config import resolve_train_config
 
     spec, task = get_method(run.method), task_of(run)
-    sites, _ = describe_sites(run)
+    sites, _ = describe_sites(resolve(run, "byoc", task=task))
     cfg = spec.config_cls(**run.method_args)
     stages = cfg.stage_plan(run.rounds) if hasattr(cfg, "stage_plan") else []
     stage_rounds = [(s.name, s.rounds) for s in stages] or [(None, run.rounds)]

@@ -302,10 +302,10 @@ class ArmCost:
 
 def site_param_bytes(run: RunConfig, counts: Mapping[StepKey, StepCount]) -> int:
     """Parameter bytes of all of a round's sites (MDH-FL: each site its own network)."""
-    from medflare.plan import describe_sites
+    from medflare.plan import describe_sites, resolve
 
     sizes = {key.model: count.param_bytes for key, count in counts.items()}
-    sites, _ = describe_sites(run)
+    sites, _ = describe_sites(resolve(run, "byoc"))
     return sum(sizes.get(run.site_model.get(site, run.model), 0) for site in sites)
 
 

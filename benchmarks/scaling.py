@@ -347,11 +347,12 @@ def measure_site_count(args: argparse.Namespace, clients: int) -> dict[str, Any]
     """One simulator job at ``clients`` sites, sampled throughout: its seconds, memory, bytes and device line."""
     import torch
 
+    from medflare.plan import resolve
     from medflare.simulate import run_simulation
 
     run, out = scaling_run(args, clients), args.out / f"sites-{clients}"
     with TreeSampler(args.sample_seconds, gpu_utilisation_reader()) as sampler:
-        summary = run_simulation(run, out, echo=print, overwrite=True)  # its progress lines only
+        summary = run_simulation(resolve(run, "byoc"), out, echo=print, overwrite=True)  # its progress lines only
     results = json.loads((out / "medflare_results.json").read_text())
     speed = images_per_second(summary, args.batch_size, args.steps)
     return {

@@ -53,7 +53,7 @@ from medflare.data.checksums import verify_medmnist_file
 from medflare.evaluation import summarize
 from medflare.methods.ssl_fl.export import ENCODER_FORMAT, export_global_model
 from medflare.metrics import shot_groups_from_counts
-from medflare.plan import describe_sites, task_of
+from medflare.plan import describe_sites, resolve, task_of
 from medflare.plotting import legend_outside, pyplot, save
 from medflare.registry import get_method
 from medflare.run_config import RunConfig
@@ -113,7 +113,7 @@ def run_in_process(run: RunConfig, log: Any = print) -> dict[str, Any]:
         log(f"    round {plan.round + 1}/{run.rounds} ({plan.stage}) loss {losses[-1]:.4f} {done.seconds:.1f}s")
 
     global_params, evaluations = run_rounds(run, on_round=record)
-    _, counts = describe_sites(run)
+    _, counts = describe_sites(resolve(run, "byoc"))
     groups = shot_groups_from_counts(counts, *run.shot_thresholds) if run.shot_thresholds and counts else None
     return {"final": summarize(evaluations, groups), "global_params": global_params, "train_loss": losses,
             "per_round": infos}
@@ -123,7 +123,7 @@ def run_job(run: RunConfig, runner: str, out: Path, log: Any = print) -> dict[st
     """Final test metrics of one job (``runner`` 'inprocess' or 'simulator'); the global model lands in ``out``."""
     started = time.perf_counter()
     if runner == "simulator":
-        summary = run_simulation(run, out, echo=lambda line: None)
+        summary = run_simulation(resolve(run, "byoc"), out, echo=lambda line: None)
         metrics = {k: v for k, v in summary["final"].items() if k not in ("by_site", "site_mean", "extra")}
         metrics.update(tokenizer_codes(summary["per_round"]))
         model_file = out / "FL_global_model.pt"

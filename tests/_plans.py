@@ -11,8 +11,10 @@ from typing import Any
 from nvflare.apis.fl_constant import FLContextKey
 from nvflare.apis.fl_context import FLContext
 
-from medflare.plan import RunPlan, build_plan, task_of, validated, write_plan
+from medflare.job_export import write_job
+from medflare.plan import RunPlan, build_plan, resolve, task_of, validated, write_plan
 from medflare.run_config import RunConfig
+from medflare.site_config import TaskSpec
 
 
 def site_data_plan(method: str = "fedavg", num_classes: int = 2, rounds: int = 3, multi_label: bool = False,
@@ -35,6 +37,12 @@ def run_plan(run: RunConfig) -> RunPlan:
     """The plan of a validated (or valid) ``run``, with the run's own robust settings."""
     run = validated(run, check_files=False)
     return build_plan(run, task_of(run), run.robust)
+
+
+def write_run_job(run: RunConfig, out_dir: Path, task: TaskSpec | None = None, mode: str = "byoc") -> Path:
+    """The job ``medflare export --mode MODE`` writes for the layered ``run`` (its plan: ``plan.resolve``, the
+    weights file unchecked as export leaves it), in ``out_dir/<job name>/``."""
+    return write_job(resolve(run, mode, task=task, check_files=False), out_dir, mode)
 
 
 def deploy_plan(app: Path, plan: RunPlan) -> Path:

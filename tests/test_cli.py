@@ -12,12 +12,12 @@ import pytest
 from PIL import Image
 
 from medflare.cli import main
-from medflare.job_export import export_job
 from medflare.launch import report_from_results
 from medflare.plan import PLAN_FILE, plan_from_job, task_of, validated
 from medflare.run_config import RunConfig
 from medflare.server_setup import DEPLOY_ROBUST, ROBUST_OFF
 
+from ._plans import write_run_job
 from .test_job_export import written_robust
 
 TASK = ["--set", "task.num_classes=2", "--set", "task.in_channels=1", "--set", "task.image_size=28"]
@@ -258,15 +258,14 @@ class JobWritten(Exception):
 
 
 def job_written_by(monkeypatch, export_function: str) -> dict:
-    """Replace ``export_function`` (a module's name for launch.export_run_job) by one that writes the job, records
+    """Replace ``export_function`` (a module's name for job_export.write_job) by one that writes the job, records
     what its robust settings are, and stops the command."""
-    from medflare import launch
+    from medflare import job_export
 
     written: dict = {}
 
-    def export_then_stop(run, out_dir, mode, *args, **kwargs):
-        written["robust"], written["record"] = written_robust(
-            launch.export_run_job(run, out_dir, mode, *args, **kwargs))
+    def export_then_stop(plan, out_dir, mode, *args, **kwargs):
+        written["robust"], written["record"] = written_robust(job_export.write_job(plan, out_dir, mode, *args, **kwargs))
         raise JobWritten
 
     monkeypatch.setattr(export_function, export_then_stop)
@@ -287,8 +286,8 @@ def test_run_turns_the_defences_on_in_a_poc_and_leaves_the_simulator_as_told(
     from medflare.deploy.poc import PocSession
 
     monkeypatch.setattr(PocSession, "prepare", lambda self, *args, **kwargs: None)  # no POC is provisioned
-    written = job_written_by(monkeypatch, "medflare.simulate.export_run_job" if env == "sim"
-                             else "medflare.deploy.poc.export_run_job")
+    written = job_written_by(monkeypatch, "medflare.simulate.write_job" if env == "sim"
+                             else "medflare.deploy.poc.write_job")
     with pytest.raises(JobWritten):
         main(["run", "fedavg", "--env", env, "--data", "synthetic:n=200", "--rounds", "1", *options,
               "--out", str(tmp_path / "out")])
@@ -299,7 +298,7 @@ def test_run_turns_the_defences_on_in_a_poc_and_leaves_the_simulator_as_told(
 def test_a_job_submitted_to_a_poc_gets_the_deployment_defences(tmp_path: Path, monkeypatch) -> None:
     from medflare.deploy.poc import main as poc_main
 
-    written = job_written_by(monkeypatch, "medflare.deploy.poc.export_poc_job")
+    written = job_written_by(monkeypatch, "medflare.deploy.poc.write_job")
     with pytest.raises(JobWritten):
         poc_main(["--root", str(tmp_path), "submit", "fedavg", "--data", "synthetic:n=200", "--rounds", "1"])
     assert written["robust"] == DEPLOY_ROBUST
@@ -340,7 +339,7 @@ def fake_results(method: str, rounds: int) -> dict:
 def downloaded_job(tmp_path: Path, run: RunConfig) -> Path:
     """A job laid out as `nvflare job download` leaves it: <id>/workspace/app_server/{config,results}."""
     run = validated(run)
-    job = export_job(run, tmp_path / "export", task_of(run), mode="preinstalled")
+    job = write_run_job(run, tmp_path / "export", task_of(run), mode="preinstalled")
     app_server = tmp_path / "download" / "job-id" / "workspace" / "app_server"
     (app_server / "config").mkdir(parents=True)
     for name in ("config_fed_server.json", "config_fed_client.json", PLAN_FILE):

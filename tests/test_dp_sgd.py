@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from medflare.dp_sgd import DPSGDConfig, PrivateTraining, epsilon_of, site_dp_settings
+from medflare.dp_sgd import DPSGDConfig, PrivateTraining, SiteDPPolicy, epsilon_of, site_dp_settings
 from medflare.errors import ConfigError, SiteDeclined
 from medflare.methods.base import RoundContext
 from medflare.plan import build_global_model, validated
@@ -195,8 +195,9 @@ def test_a_site_with_a_dp_bound_but_without_required_declines_a_job_without_dp_s
 
 
 def test_a_site_takes_the_lower_budget_and_a_site_without_policy_takes_the_job(tmp_path: Path) -> None:
-    assert site_dp_settings({"noise_multiplier": 1.2}, POLICY, "site-1").max_epsilon == 8
-    assert site_dp_settings({"noise_multiplier": 1.2, "max_epsilon": 3}, POLICY, "site-1").max_epsilon == 3
+    rules = SiteDPPolicy(**POLICY)
+    assert site_dp_settings(DPSGDConfig(noise_multiplier=1.2), rules, "site-1").max_epsilon == 8
+    assert site_dp_settings(DPSGDConfig(noise_multiplier=1.2, max_epsilon=3), rules, "site-1").max_epsilon == 3
     assert resolve_site_dp({"noise_multiplier": 1.2}, "site-1", tmp_path)["noise_multiplier"] == 1.2  # no file
     assert resolve_site_dp({}, "site-1", tmp_path) == {}
 

@@ -8,11 +8,13 @@ from pathlib import Path
 import pytest
 
 from medflare.deploy.apps import deployment_run
-from medflare.job_export import export_job, set_resume
+from medflare.job_export import set_resume
 from medflare.plan import APP_NAME, DEFAULT_TASK_TIMEOUT, PLAN_FILE, plan_from_job, read_plan, resolve
 from medflare.run_config import RunConfig
 from medflare.server_setup import DEPLOY_ROBUST, ROBUST_OFF
 from medflare.site_config import TaskSpec
+
+from ._plans import write_run_job
 
 TASK = TaskSpec(num_classes=2, in_channels=1, image_size=28)
 SITE_DATA = {"source": "site"}
@@ -36,7 +38,7 @@ def test_deployment_jobs_go_on_without_one_site() -> None:
 
 
 def test_set_resume_names_the_crashed_job_in_the_plan(tmp_path: Path) -> None:
-    job = export_job(RunConfig(data={"source": "site"}, task=dict(vars(TASK))), tmp_path, TASK, mode="preinstalled")
+    job = write_run_job(RunConfig(data={"source": "site"}, task=dict(vars(TASK))), tmp_path, TASK, mode="preinstalled")
     before = plan_from_job(job)
     set_resume(job, "0b6e1c4e-4a0e-4d43-9a53-7f0f3c7c1e11")
     assert plan_from_job(job) == dataclasses.replace(before, resume_from="0b6e1c4e-4a0e-4d43-9a53-7f0f3c7c1e11")
@@ -59,7 +61,7 @@ def test_every_job_but_a_simulator_job_gets_the_deployment_defences(
     mode: str, data: dict, deployed: bool, tmp_path: Path
 ) -> None:
     run = RunConfig(data=data)
-    robust, record = written_robust(export_job(run, tmp_path, TASK, mode=mode))
+    robust, record = written_robust(write_run_job(run, tmp_path, TASK, mode=mode))
     assert robust == (DEPLOY_ROBUST if deployed else {})
     assert record == {"on": deployed, **(DEPLOY_ROBUST if deployed else ROBUST_OFF)}
     assert run.robust == {}  # the caller's run is left as it was
@@ -73,14 +75,14 @@ def test_every_job_but_a_simulator_job_gets_the_deployment_defences(
 ])
 def test_the_runs_own_robust_settings_win_key_by_key(own: dict, expected: dict, tmp_path: Path) -> None:
     assert DEPLOY_ROBUST == {"max_norm_ratio": 10.0, "max_share": 0.6}
-    job = export_job(RunConfig(data=SITE_DATA, robust=own), tmp_path, TASK, mode="preinstalled")
+    job = write_run_job(RunConfig(data=SITE_DATA, robust=own), tmp_path, TASK, mode="preinstalled")
     assert written_robust(job) == (expected, {"on": True, **expected})
 
 
 @pytest.mark.parametrize("mode, data", [("preinstalled", SITE_DATA), ("byoc", SIMULATED)])
 @pytest.mark.parametrize("off", [{"off": True}, {"off": "true"}, {"max_norm_ratio": 0, "max_share": 0}])
 def test_a_job_without_defences_says_so_in_its_meta_json(off: dict, mode: str, data: dict, tmp_path: Path) -> None:
-    robust, record = written_robust(export_job(RunConfig(data=data, robust=off), tmp_path, TASK, mode=mode))
+    robust, record = written_robust(write_run_job(RunConfig(data=data, robust=off), tmp_path, TASK, mode=mode))
     assert robust == ROBUST_OFF  # explicit zeros: the aggregator knows no "off"
     assert record == {"on": False, **ROBUST_OFF}
 
@@ -96,7 +98,7 @@ def test_export_never_writes_through_a_planted_partial_or_job_symlink(tmp_path: 
     run = RunConfig(method="fedavg", data={"source": "site"})
     (out / "fedavg.partial").symlink_to(victim)
     (out / "fedavg").symlink_to(victim)
-    job = export_job(run, out, TaskSpec(2, 1, 28), "preinstalled")
+    job = write_run_job(run, out, TaskSpec(2, 1, 28), "preinstalled")
     assert sorted(p.name for p in victim.iterdir()) == ["thesis.tex"]
     assert (victim / "thesis.tex").read_text() == "keep me"
     assert not job.is_symlink() and (job / "meta.json").is_file()
@@ -110,24 +112,24 @@ def test_a_job_folder_is_replaced_only_where_it_holds_what_medflare_recorded_wri
     from medflare.files import MARKER, OutputError
 
     out, run, task = tmp_path / "jobs", RunConfig(method="fedavg", data={"source": "site"}), TaskSpec(2, 1, 28)
-    job = export_job(run, out, task, "preinstalled")
+    job = write_run_job(run, out, task, "preinstalled")
     recorded = json.loads((out / MARKER).read_text())["sha256"]
     assert "fedavg/meta.json" in recorded and not (job / MARKER).exists()  # the record lies beside the job
-    assert export_job(run, out, task, "preinstalled") == job  # medflare's own, unchanged: replaced
+    assert write_run_job(run, out, task, "preinstalled") == job  # medflare's own, unchanged: replaced
     (job / "notes.txt").write_text("mine")
     with pytest.raises(OutputError, match="notes.txt, which medflare did not write"):
-        export_job(run, out, task, "preinstalled")
+        write_run_job(run, out, task, "preinstalled")
     assert (job / "notes.txt").read_text() == "mine" and (job / "meta.json").is_file()
     (job / "notes.txt").unlink()
     (job / "meta.json").write_text('{"edited": true}')  # medflare's name, other content
     with pytest.raises(OutputError, match="meta.json, which medflare did not write"):
-        export_job(run, out, task, "preinstalled")
+        write_run_job(run, out, task, "preinstalled")
     assert (job / "meta.json").read_text() == '{"edited": true}'
     theirs = tmp_path / "other" / "fedavg"
     theirs.mkdir(parents=True)
     (theirs / "meta.json").write_text("theirs")  # a folder of the job's name, never recorded
     with pytest.raises(OutputError):
-        export_job(run, tmp_path / "other", task, "preinstalled")
+        write_run_job(run, tmp_path / "other", task, "preinstalled")
     assert (theirs / "meta.json").read_text() == "theirs"
     assert not [p for p in (tmp_path / "other").iterdir() if p.name.endswith(".partial")]
 
@@ -139,9 +141,9 @@ def test_a_job_with_plugin_files_is_refused_for_pre_installed_sites_before_anyth
     run = RunConfig(data=SIMULATED, plugins=[str(plugin)])
     out = tmp_path / "jobs"
     with pytest.raises(ConfigError, match="need --mode byoc"):
-        export_job(run, out, TASK, mode="preinstalled")
+        write_run_job(run, out, TASK, mode="preinstalled")
     assert not out.exists()  # no empty folder, no partial job
-    assert (export_job(run, out, TASK, mode="byoc") / "app" / "custom" / "medflare_plugins" / "exchange.py").is_file()
+    assert (write_run_job(run, out, TASK, mode="byoc") / "app" / "custom" / "medflare_plugins" / "exchange.py").is_file()
 
 
 def test_both_sides_pull_arrays_in_the_chunks_the_job_sets_under_the_name_flare_reads(tmp_path: Path) -> None:
@@ -150,7 +152,7 @@ def test_both_sides_pull_arrays_in_the_chunks_the_job_sets_under_the_name_flare_
     import subprocess
     import sys
 
-    job = export_job(RunConfig(data={"source": "site"}, task=dict(vars(TASK))), tmp_path, TASK, mode="preinstalled")
+    job = write_run_job(RunConfig(data={"source": "site"}, task=dict(vars(TASK))), tmp_path, TASK, mode="preinstalled")
     read = ("import json, sys\n"
             "from nvflare.apis.fl_constant import ConfigVarName, SystemConfigs\n"
             "from nvflare.app_common.decomposers.numpy_decomposers import NumpyArrayDecomposer\n"

@@ -21,6 +21,7 @@ from medflare.errors import ConfigError
 from medflare.files import MARKER, OutputTarget
 from medflare.flare.controller import RESULTS_FILE
 from medflare.launch import first_site_error
+from medflare.plan import plan_from_job
 
 QUICK = ["--data", "synthetic:n=200", "--rounds", "2"]
 TASK = ["--set", "task.num_classes=2", "--set", "task.in_channels=1", "--set", "task.image_size=28"]
@@ -48,11 +49,12 @@ def fake_simulator(monkeypatch):
     """Replace ``nvflare simulator``: write the server's results file (and a log) as FLARE would."""
     calls = {"extra_key": None, "fail": False}
 
-    def launch(run, job_dir, workspace, log_path, echo):
+    def launch(sites, job_dir, workspace, log_path, echo):
+        plan = plan_from_job(job_dir)  # what the simulator runs: the job
         log_path.write_text("simulator log: round 1 done\n")
         app = workspace / "server" / "simulate_job" / "app_server"
         app.mkdir(parents=True)
-        (app / RESULTS_FILE).write_text(json.dumps(results(run.rounds, calls["extra_key"], run.method)))
+        (app / RESULTS_FILE).write_text(json.dumps(results(len(plan.rounds), calls["extra_key"], plan.method)))
         (app / "FL_global_model.pt").write_bytes(b"model")
         if calls["fail"]:
             raise simulate_module.SimulationError("nvflare simulator exited with code 1")

@@ -10,7 +10,7 @@ import numpy as np
 from PIL import Image
 
 from medflare.launch import task_lines
-from medflare.plan import describe_sites, task_of, validated
+from medflare.plan import describe_sites, resolve, task_of, validated
 from medflare.run_config import RunConfig
 
 
@@ -25,9 +25,8 @@ def folder(root: Path, shapes: list[tuple[int, int]]) -> Path:
 
 
 def lines_for(run: RunConfig) -> list[str]:
-    run = validated(run)
-    task = task_of(run)
-    return task_lines(run, task, describe_sites(run, task)[0])
+    plan = resolve(run, "byoc")
+    return task_lines(plan, describe_sites(plan)[0], run)
 
 
 def test_the_task_and_each_sites_images_are_shown(tmp_path: Path) -> None:

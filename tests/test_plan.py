@@ -4,6 +4,7 @@ every registered method; the FLARE components take that file and nothing else.""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 from pathlib import Path
@@ -23,7 +24,7 @@ from medflare.cli import main
 from medflare.deploy.apps import deployment_run
 from medflare.errors import ConfigError
 from medflare.flare.tasks import deployed_plan
-from medflare.job_export import export_job
+from medflare.job_export import write_job
 from medflare.plan import (
     APP_NAME,
     DEFAULT_TASK_TIMEOUT,
@@ -39,6 +40,7 @@ from medflare.plan import (
 from medflare.registry import list_methods
 from medflare.run_config import RunConfig
 
+from ._plans import write_run_job
 from .test_cli import TASK, run_cli
 
 SIMULATED = "synthetic:classes=3,channels=1"
@@ -48,7 +50,7 @@ FIELDS = [field.name for field in dataclasses.fields(RunPlan)]
 def planned_and_written(run: RunConfig, out: Path, mode: str) -> tuple[RunPlan, Path]:
     run = validated(run, check_files=False)
     task = task_of(run)
-    return resolve(run, mode, task), export_job(run, out, task, mode=mode)
+    return resolve(run, mode, task=task), write_run_job(run, out, task, mode=mode)
 
 
 @pytest.mark.parametrize("method", list_methods())
@@ -206,19 +208,19 @@ def test_a_resolved_task_is_handed_down_instead_of_read_again(tmp_path: Path, mo
     from medflare import launch
 
     run = RunConfig(method="fedavg", data={"source": SIMULATED}, shot_thresholds=[30, 10])
-    run = validated(run, check_files=False)
-    task = task_of(run)
+    task = task_of(validated(run, check_files=False))
 
     def read_again(run: RunConfig) -> None:
         raise AssertionError("the task was read from the data again")
 
     monkeypatch.setattr(plan_module, "task_of", read_again)
     monkeypatch.setattr(plan_module, "_inferred_task", read_again)
-    sites, counts = plan_module.describe_sites(run, task)
-    job = launch.export_run_job(run, tmp_path, "byoc", task=task)
-    assert set(sites) == {"site-1", "site-2"} and len(counts) == task.num_classes
+    plan = plan_module.resolve(run, "byoc", task=task)
+    sites, counts = plan_module.describe_sites(plan)
+    job = write_job(plan, tmp_path, "byoc")
+    assert set(sites) == {"site-1", "site-2"} and len(counts) == task.num_classes and plan.shot_groups
     assert plan_from_job(job).task == task
-    assert launch.summary_config(plan_module.resolve(run, "byoc", task, counts))["task"]["num_classes"] == task.num_classes
+    assert launch.summary_config(plan)["task"]["num_classes"] == task.num_classes
 
 
 def deployed_to(job: Path, participant: str, root: Path) -> FLContext:
@@ -257,3 +259,28 @@ def test_a_site_data_job_hands_its_own_data_options_to_the_sites(tmp_path: Path)
                     task={"num_classes": 2, "in_channels": 1, "image_size": 32})
     plan, job = planned_and_written(run, tmp_path, "preinstalled")
     assert plan_from_job(job).data == {"source": "site", "augment": "none", "image_size": 32, "seed": 0} == plan.data
+
+
+def calls_named(name: str) -> dict[str, list[ast.Call]]:
+    """Module of the package (its path under ``custom/medflare``) -> its calls of a function or method named
+    ``name`` (``name(...)`` or ``x.name(...)``; ``stats_from_dict`` is another name)."""
+    package = Path(plan_module.__file__).parent
+    found: dict[str, list[ast.Call]] = {}
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            func = getattr(node, "func", None)
+            if isinstance(node, ast.Call) and name in (getattr(func, "id", None), getattr(func, "attr", None)):
+                found.setdefault(str(path.relative_to(package)), []).append(node)
+    return found
+
+
+def test_only_the_resolver_looks_a_method_up_and_types_its_options() -> None:
+    """Issue 50: a method is looked up in at most 4 modules besides the registry (the plan, the catalog; 17 before),
+    ``from_dict`` is called in at most 6 (15 before), and a method's options are typed only in ``plan.py``."""
+    lookups = set(calls_named("get_method")) - {"registry.py"}
+    typings = calls_named("from_dict")
+    method_options = {module for module, calls in typings.items()
+                      if any("config_cls" in ast.unparse(call.args[0]) for call in calls if call.args)}
+    assert "plan.py" in lookups and len(lookups) <= 4, sorted(lookups)
+    assert {"plan.py", "site_config.py"} <= set(typings) and len(typings) <= 6, sorted(typings)
+    assert method_options == {"plan.py"}

@@ -16,7 +16,6 @@ from nvflare.recipe import PocEnv, ProdEnv, SimEnv
 from medflare import plan as plan_module
 from medflare.cli import main
 from medflare.errors import ConfigError
-from medflare.plan import task_of
 from medflare.recipes import (
     CONSOLE_FILTER,
     CONSOLE_LOG_FILE,
@@ -56,7 +55,7 @@ def test_a_recipe_reads_the_data_for_its_task_once_and_writes_every_job_from_tha
     from medflare.run_config import RunConfig
 
     job = recipe("fedavg", rounds=1, data="synthetic:n=200")
-    task = task_of(job.run_config)
+    task = job.plan.task
 
     def read_again(run: RunConfig) -> None:
         raise AssertionError("the task was read from the data again")

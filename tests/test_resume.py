@@ -12,7 +12,7 @@ import torch
 
 from medflare import resume
 from medflare.errors import ConfigError
-from medflare.plan import RunPlan, build_global_model
+from medflare.plan import RunPlan, build_global_model, resolve
 from medflare.run_config import RunConfig
 
 from ._plans import run_plan
@@ -70,7 +70,7 @@ def test_a_simulation_checks_the_resume_folder_before_anything_is_written(tmp_pa
     run = RunConfig(method="fedavg", rounds=2, task=dict(TASK), data={"source": "synthetic:classes=3,channels=1"},
                     resume_from=str(previous_run(tmp_path / "prev")))
     with pytest.raises(ConfigError, match="already has 2 round"):
-        run_simulation(run, tmp_path / "out", echo=lambda line: None)
+        run_simulation(resolve(run, "byoc"), tmp_path / "out", echo=lambda line: None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prev"]
 
 

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
-from medflare.deploy.apps import DEPLOY_TASK, deployment_run, stale_files, write_per_method
+from medflare.deploy.apps import deployment_plan, stale_files, write_per_method
 
 REPO_DIR = Path(__file__).resolve().parents[1]
 TEMPLATES_DIR = REPO_DIR / "job_templates"
@@ -72,12 +72,9 @@ COMMENTS: dict[str, str] = {
 
 
 def template_plan(method: str) -> Any:
-    """The plan a template is written for: :func:`medflare.deploy.apps.deployment_run`'s (site-local data, the
+    """The plan a template is written for: :func:`medflare.deploy.apps.deployment_plan`'s (site-local data, the
     declared task, the deployment's defences), as a pre-installed deployment's job carries it."""
-    from medflare.plan import resolve
-    from medflare.site_config import TaskSpec
-
-    return resolve(deployment_run(method), "preinstalled", TaskSpec(**DEPLOY_TASK))
+    return deployment_plan(method)
 
 
 def write_template(method: str, out_dir: str | Path) -> Path:

@@ -119,56 +119,51 @@ def cmd_config(args: argparse.Namespace) -> int:
     from medflare.plan import resolve, validated
     from medflare.run_options import build_run_config, option_layers
 
-    run = validated(build_run_config(args), check_files=False)  # checked as 'run' checks it; the data is not read
     if args.plan:  # what the simulator job will do, resolved (this reads the data for the task's shape)
-        plan = resolve(run, "byoc")
+        plan = resolve(build_run_config(args), "byoc", check_files=False)
         print(plan.describe(), end="")
         print(f"plan {plan.digest()}: the server and every site log this fingerprint of the plan they run",
               file=sys.stderr)
         return 0
+    run = validated(build_run_config(args), check_files=False)  # checked as 'run' checks it; the data is not read
     print(config_toml(run, option_layers(args)), end="")
     return 0
 
 
 def checked_run(args: argparse.Namespace, method: str | None = None, seed: int | None = None,
                 data_defaults: dict[str, Any] | None = None) -> tuple[Any, Any]:
-    """The validated run of ``args`` (its data read) and the plan of the job ``--env`` gets: every check before
+    """The layered run of ``args`` and the plan of the job ``--env`` gets (its data read): every check before
     anything starts. ``compare`` passes each ``seed`` and one protocol's ``data_defaults`` for every method."""
-    from medflare.plan import describe_sites, resolve, task_of, validated
+    from medflare.plan import describe_sites, resolve
     from medflare.run_options import build_run_config
 
     run = build_run_config(args, method)
     if seed is not None:
         run.seed = seed
-    if args.env == "poc":
-        from medflare.deploy.poc import as_deployed
-
-        as_deployed(run)
-    run = validated(run, data_defaults=data_defaults)
-    task = task_of(run)
-    _, counts = describe_sites(run, task)  # reads and partitions the data: a missing file or a too-small site fails here
-    return run, resolve(run, args.mode if args.env == "poc" else "byoc", task, counts)
+    poc = args.env == "poc"  # a POC is a deployment: its job gets the robust defences, simulated data or not
+    plan = resolve(run, args.mode if poc else "byoc", deployed=poc, data_defaults=data_defaults)
+    describe_sites(plan)  # reads and partitions the data: a missing file or a too-small site fails here
+    return run, plan
 
 
-def show_task(run: Any) -> None:
-    """Print the task a checked run trains and each site's images (``launch.task_lines``, from the cached data)."""
+def show_task(run: Any, plan: Any) -> None:
+    """Print the task a plan trains and each site's images (``launch.task_lines``, from the cached data)."""
     from medflare.launch import task_lines
-    from medflare.plan import describe_sites, task_of
+    from medflare.plan import describe_sites
 
-    task = task_of(run)
-    for line in task_lines(run, task, describe_sites(run, task)[0]):
+    for line in task_lines(plan, describe_sites(plan)[0], run):
         print(line)
 
 
-def run_in_env(args: argparse.Namespace, run: Any, plan: Any, out: Path, overwrite: bool = False) -> dict[str, Any]:
+def run_in_env(args: argparse.Namespace, plan: Any, out: Path, overwrite: bool = False) -> dict[str, Any]:
     """Run the job of ``plan`` (:func:`checked_run`'s) where ``--env`` says, outputs in ``out``; its summary."""
     if args.env == "poc":
         from medflare.deploy.poc import run_poc
 
-        return run_poc(run, out, mode=args.mode, overwrite=overwrite, plan=plan)
+        return run_poc(plan, out, mode=args.mode, overwrite=overwrite)
     from medflare.simulate import run_simulation
 
-    return run_simulation(run, out, overwrite=overwrite, plan=plan)
+    return run_simulation(plan, out, overwrite=overwrite)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -182,15 +177,16 @@ def cmd_run(args: argparse.Namespace) -> int:
                               "reads a folder a job names); resubmit the job with resume_from=<earlier job id>")
         args.set = [*args.set, f"resume_from={args.resume}"]
     run, plan = checked_run(args)
-    for line in preset_notes(args, [run.method]):
+    for line in preset_notes(args, [plan.method]):
         print(line)
-    _tracking_note(run)
-    out = Path(args.out or f"runs/{run.job_name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    _tracking_note(plan)
+    out = Path(args.out or f"runs/{plan.job_name}-{time.strftime('%Y%m%d-%H%M%S')}")
     OutputTarget(out, overwrite=args.overwrite).check()
-    where = f"a {run.clients}-site FLARE POC" if args.env == "poc" else f"{run.clients} simulated sites"
-    show_task(run)
-    print(f"medflare: running {run.method} on {where} for {run.rounds} rounds -> {out}")
-    summary = run_in_env(args, run, plan, out, overwrite=args.overwrite)
+    sites = len(plan.sites)
+    where = f"a {sites}-site FLARE POC" if args.env == "poc" else f"{sites} simulated sites"
+    show_task(run, plan)
+    print(f"medflare: running {plan.method} on {where} for {len(plan.rounds)} rounds -> {out}")
+    summary = run_in_env(args, plan, out, overwrite=args.overwrite)
     if summary.get("stopped_early"):
         print(f"medflare: stopped early after round {summary['stopped_early']['after_round']}: "
               f"{summary['stopped_early']['reason']}")
@@ -198,11 +194,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tracking_note(run: Any) -> None:
+def _tracking_note(plan: Any) -> None:
     """One line when a chosen tracker's package is missing here (the simulator's and a local POC's server)."""
     from medflare.flare.tracking import missing_notice
 
-    notice = missing_notice(run.tracking)
+    notice = missing_notice(plan.tracking)
     if notice:
         print(f"medflare: note: {notice}", file=sys.stderr)
 
@@ -234,22 +230,23 @@ def cmd_compare(args: argparse.Namespace) -> int:
     protocol = shared_data_defaults(methods, given=build_run_config(args, methods[0]).data)
     # every run is checked before any starts
     checked = [checked_run(args, method, seed, protocol) for method in methods for seed in seeds]
-    runs = [run for run, _ in checked]
+    plans = [plan for _, plan in checked]
     for line in preset_notes(args, methods):
         print(line)
-    _tracking_note(runs[0])
+    _tracking_note(plans[0])
     out = Path(args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
     target = OutputTarget(out, overwrite=args.overwrite)
     staging = target.begin()
-    show_task(runs[0])  # one data protocol: the same task for every run
+    show_task(*checked[0])  # one data protocol: the same task for every run
     summaries: list[dict[str, Any]] = []
     try:
-        for run, plan in checked:
-            step = f"[{len(summaries) + 1}/{len(runs)}]"
-            seed = f" seed {run.seed}" if len(seeds) > 1 else ""
-            print(f"medflare: {step} {run.method}{seed} on {run.clients} sites, {run.rounds} rounds ({args.env})")
-            folder = staging / run.method / f"seed{run.seed}" if len(seeds) > 1 else staging / run.method
-            summaries.append(run_in_env(args, run, plan, folder))
+        for plan in plans:
+            step = f"[{len(summaries) + 1}/{len(plans)}]"
+            seed = f" seed {plan.seed}" if len(seeds) > 1 else ""
+            print(f"medflare: {step} {plan.method}{seed} on {len(plan.sites)} sites, {len(plan.rounds)} rounds "
+                  f"({args.env})")
+            folder = staging / plan.method / f"seed{plan.seed}" if len(seeds) > 1 else staging / plan.method
+            summaries.append(run_in_env(args, plan, folder))
         comparison_outputs(summaries, staging)
         target.publish()
     except BaseException as exc:
@@ -273,34 +270,35 @@ def _compare_failure_log(staging: Path, finished: list[str], exc: BaseException)
 def cmd_export(args: argparse.Namespace) -> int:
     """``medflare export``: the run's FLARE job folder, to submit with FLARE's own tools."""
     from medflare.files import OutputTarget
-    from medflare.launch import export_run_job
-    from medflare.plan import resolve, validated
+    from medflare.job_export import write_job
+    from medflare.plan import resolve
     from medflare.run_options import build_run_config, data_was_chosen
 
     run = build_run_config(args)
     if not data_was_chosen(args):
         run.data["source"] = "site"  # an exported job is for POC/production: each hospital reads its own data
-    run = validated(run, check_files=False)  # a weights file is read by the server, which may be another machine
-    plan = resolve(run, args.mode)  # every check before anything is written
-    for line in preset_notes(args, [run.method]):
+    # every check before anything is written; a weights file is read by the server, which may be another machine
+    plan = resolve(run, args.mode, check_files=False)
+    for line in preset_notes(args, [plan.method]):
         print(line)
-    if run.pretrained not in (None, "imagenet") and not Path(run.pretrained).is_file():
-        print(f"medflare: note: --pretrained {run.pretrained} is not here; the FLARE server loads it", file=sys.stderr)
-    target = OutputTarget(Path(args.output), unit=run.job_name, overwrite=args.overwrite, option="-o")
+    if plan.pretrained not in (None, "imagenet") and not Path(plan.pretrained).is_file():
+        print(f"medflare: note: --pretrained {plan.pretrained} is not here; the FLARE server loads it",
+              file=sys.stderr)
+    target = OutputTarget(Path(args.output), unit=plan.job_name, overwrite=args.overwrite, option="-o")
     staging = target.begin()
     try:
-        export_run_job(run, staging, args.mode, plan=plan)
-        job_dir = target.publish(source=staging / run.job_name)
+        write_job(plan, staging, args.mode)
+        job_dir = target.publish(source=staging / plan.job_name)
     except BaseException:
         target.abandon()
         raise
-    if run.data["source"] == "site":
+    if plan.data["source"] == "site":
         print(f"wrote {job_dir} ({args.mode}); each site reads its images from local/medflare_site.json. "
               f"Submit it with: nvflare job submit -j {job_dir}")
     else:
-        print(f"wrote {job_dir} ({args.mode}) with simulated data '{run.data['source']}'; "
-              f"run it with: nvflare simulator {job_dir} -n {run.clients} -t {run.clients}")
-    show_task(run)
+        print(f"wrote {job_dir} ({args.mode}) with simulated data '{plan.data['source']}'; "
+              f"run it with: nvflare simulator {job_dir} -n {len(plan.sites)} -t {len(plan.sites)}")
+    show_task(run, plan)
     print(robust_note(plan))
     print(f"plan {plan.digest()}: the server and every site log this fingerprint once they run it")
     return 0

@@ -10,6 +10,7 @@ sums, adds N(0, (σ·C)²) and divides by the expected batch size. What is *not*
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
@@ -19,7 +20,6 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from medflare.config import from_dict
 from medflare.errors import ConfigError, SiteDeclined
 
 ACCOUNTANTS = ("rdp", "prv")
@@ -83,15 +83,15 @@ class SiteDPPolicy:
                               f"be >= 0 and max_delta in (0, 1), got {self}")
 
 
-def site_dp_settings(job: Mapping[str, Any] | None, policy: Mapping[str, Any] | None, site: str) -> DPSGDConfig | None:
-    """The DP-SGD settings this site trains with: the job's, checked against the site's policy (whose lower
-    ``max_epsilon`` wins); None = off.
+def site_dp_settings(cfg: DPSGDConfig | None, rules: SiteDPPolicy, site: str) -> DPSGDConfig | None:
+    """The DP-SGD settings this site trains with: the job's ``cfg`` (None: it has none), checked against the site's
+    ``rules`` (whose lower ``max_epsilon`` wins); None = off. Both come typed from
+    :func:`medflare.site_config.resolve_site_dp`.
 
     Raises:
         SiteDeclined: one line naming what the job asks for and what the site demands (before any training).
     """
-    rules = from_dict(SiteDPPolicy, dict(policy or {}), "medflare_site.json dp_sgd")
-    if not job:
+    if cfg is None:
         # fail closed: a floor, a ceiling or a budget demands DP-SGD as "required" does (without it ε is unbounded)
         demands = [name for name, set_ in (("required", rules.required), ("min_noise_multiplier",
                    rules.min_noise_multiplier > 0), ("max_grad_norm", rules.max_grad_norm > 0),
@@ -101,7 +101,6 @@ def site_dp_settings(job: Mapping[str, Any] | None, policy: Mapping[str, Any] | 
                                "requires DP-SGD and the job has none; submit it with a dp_sgd section (e.g. --set "
                                "dp_sgd.noise_multiplier=1.0)", reason="dp_policy")
         return None
-    cfg = from_dict(DPSGDConfig, dict(job), "dp_sgd")
     refusals = [
         (cfg.noise_multiplier < rules.min_noise_multiplier,
          f"noise_multiplier {cfg.noise_multiplier:g} is below its floor {rules.min_noise_multiplier:g}"),
@@ -116,8 +115,7 @@ def site_dp_settings(job: Mapping[str, Any] | None, policy: Mapping[str, Any] | 
         raise SiteDeclined(f"{site} declines the job's dp_sgd: {'; '.join(reasons)} (its medflare_site.json)",
                            reason="dp_policy")
     budgets = [b for b in (cfg.max_epsilon, rules.max_epsilon) if b > 0]
-    cfg.max_epsilon = min(budgets, default=0.0)
-    return cfg
+    return dataclasses.replace(cfg, max_epsilon=min(budgets, default=0.0))
 
 
 def check_method_supports_dp(method: str, blocker: str) -> None:

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +20,7 @@ from medflare.contracts import TRAIN_PHASE as TASK_TRAIN, privacy_scope
 from medflare.errors import ConfigError
 from medflare.files import write_recorded
 from medflare.flare import tracking
-from medflare.plan import APP_NAME, ENCRYPTED_AGGREGATOR, PLAN_FILE, RunPlan, resolve, set_plan_resume, write_plan
-from medflare.run_config import RunConfig
-from medflare.site_config import TaskSpec
+from medflare.plan import APP_NAME, ENCRYPTED_AGGREGATOR, PLAN_FILE, RunPlan, set_plan_resume, write_plan
 
 PACKAGE_DIR = Path(__file__).resolve().parent  # .../custom/medflare
 MODES = ("byoc", "preinstalled")
@@ -144,26 +143,20 @@ def meta_config(plan: RunPlan) -> dict[str, Any]:
     }
 
 
-def export_job(run: RunConfig, out_dir: str | Path, task: TaskSpec, mode: str = "byoc") -> Path:
-    """Write ``out_dir/<job name>/`` for ``run`` (its plan: :func:`medflare.plan.resolve`) with :func:`write_job`."""
-    return write_job(resolve(run, mode, task), out_dir, mode, run.plugins)
-
-
-def write_job(plan: RunPlan, out_dir: str | Path, mode: str = "byoc", plugin_files: list | tuple = ()) -> Path:
-    """Write the job of ``plan`` (BYOC: with ``plugin_files``) to ``out_dir/<job name>/`` and return its path. An
+def write_job(plan: RunPlan, out_dir: str | Path, mode: str = "byoc") -> Path:
+    """Write the job of ``plan`` (:func:`medflare.plan.resolve`) to ``out_dir/<job name>/`` and return its path; a
+    BYOC job carries medflare and the plan's plugin modules (their source, as this process imported them). An
     existing folder is replaced once the new one is complete, and only if it holds just what medflare recorded
     writing there (:func:`medflare.files.write_recorded`; else OutputError)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got '{mode}'")
     if plan.plugins and mode != "byoc":  # refused before anything is written
-        named = ", ".join(map(str, plugin_files or plan.plugins))
-        raise ConfigError(f"plugin files ship inside the job ({named}), so they need --mode byoc; for a "
-                          "pre-installed site, install them as a package (docs/own-model-and-data.md)")
-    return write_recorded(Path(out_dir), plan.job_name,
-                          lambda staging: _write_job(plan, staging, mode, list(plugin_files)))
+        raise ConfigError(f"plugin files ship inside the job ({', '.join(plan.plugins)}), so they need --mode byoc; "
+                          "for a pre-installed site, install them as a package (docs/own-model-and-data.md)")
+    return write_recorded(Path(out_dir), plan.job_name, lambda staging: _write_job(plan, staging, mode))
 
 
-def _write_job(plan: RunPlan, staging: Path, mode: str, plugin_files: list) -> None:
+def _write_job(plan: RunPlan, staging: Path, mode: str) -> None:
     """The job's files (meta, plan, configs, and for BYOC the code) into the empty ``staging``."""
     config_dir = staging / APP_NAME / "config"
     config_dir.mkdir(parents=True)
@@ -173,20 +166,22 @@ def _write_job(plan: RunPlan, staging: Path, mode: str, plugin_files: list) -> N
     _write_json(config_dir / "config_fed_client.json", client_config(plan))
     if mode == "byoc":
         shutil.copytree(PACKAGE_DIR, staging / APP_NAME / "custom" / "medflare", ignore=_ignore_caches)
-        _copy_plugins(plugin_files, list(plan.plugins), staging / APP_NAME / "custom")
+        _copy_plugins(list(plan.plugins), staging / APP_NAME / "custom")
 
 
-def _copy_plugins(files: list, modules: list[str], custom_dir: Path) -> None:
-    """Plugin files go to app/custom/medflare_plugins/, the package the job's components import them from."""
-    if not files:
+def _copy_plugins(modules: list[str], custom_dir: Path) -> None:
+    """Plugin modules go to app/custom/medflare_plugins/, the package the job's components import them from: the
+    source this process loaded each from (the resolver imported them, so the job runs the code that was checked)."""
+    if not modules:
         return
-    from medflare.registry import PLUGIN_PACKAGE
+    from medflare.registry import PLUGIN_PACKAGE, load_plugins
 
+    load_plugins(modules)
     package = custom_dir / PLUGIN_PACKAGE
     package.mkdir()
     (package / "__init__.py").write_text('"""Methods this job brings along (medflare plugins)."""\n')
-    for path, module in zip(files, modules):
-        shutil.copy(path, package / (module.rsplit(".", 1)[1] + ".py"))
+    for module in modules:
+        shutil.copy(sys.modules[module].__file__, package / (module.rsplit(".", 1)[1] + ".py"))
 
 
 def set_resume(job_dir: str | Path, previous_job_id: str) -> Path:

@@ -16,10 +16,9 @@ from typing import TYPE_CHECKING, Any, Mapping
 from medflare import readback
 from medflare.errors import ConfigError, MedflareError
 
-if TYPE_CHECKING:  # importing the run configuration pulls in torch: only the commands that build a run pay it
+if TYPE_CHECKING:  # importing the plan pulls in torch: only the commands that build a run pay it
     from medflare.plan import RunPlan
     from medflare.run_config import RunConfig
-    from medflare.site_config import TaskSpec
 
 # the encrypted model is what a secure_aggregation=he server writes instead (flare/he.py; only a site decrypts it)
 MODEL_FILES = ("FL_global_model.pt", "best_FL_global_model.pt", "FL_global_model.ckks.npz")
@@ -28,29 +27,31 @@ MODEL_FILES = ("FL_global_model.pt", "best_FL_global_model.pt", "FL_global_model
 LARGE_IMAGES = 512  # px: above this, an image size nobody chose gets a note (slow, and more than a CPU may hold)
 
 
-def task_lines(run: RunConfig, task: TaskSpec, sites: Mapping[str, Any]) -> list[str]:
-    """What the run will train, shown before anything starts: the task, each simulated site's images per split
-    (``sites``: :func:`medflare.plan.describe_sites`'), and :func:`image_size_notes`."""
+def task_lines(plan: RunPlan, sites: Mapping[str, Any], run: RunConfig) -> list[str]:
+    """What the plan will train, shown before anything starts: the task, each simulated site's images per split
+    (``sites``: :func:`medflare.plan.describe_sites`'), and :func:`image_size_notes` of the ``run`` it came from."""
+    task = plan.task
     kind = "findings" if task.multi_label else "classes"
     names = f" ({', '.join(task.class_names)})" if task.class_names else " (unnamed: the job names none)"
     lines = [f"medflare: task: {task.num_classes} {kind}{names}, {task.in_channels} channel(s), "
              f"{task.image_size} x {task.image_size} px"]
     lines += [f"medflare:   {site}: {facts['n_train']} train / {facts['n_val']} val / {facts['n_test']} test images"
               for site, facts in sites.items()]
-    if run.data.get("source", "site") == "site":
+    if plan.data.get("source", "site") == "site":
         lines.append("medflare:   each site reads its own images and checks them against this task")
-    return lines + image_size_notes(run, task)
+    return lines + image_size_notes(plan, run)
 
 
-def image_size_notes(run: RunConfig, task: TaskSpec) -> list[str]:
-    """Notes on an image size read off the data (not set by ``data.image_size`` or ``task.image_size``)."""
-    if run.data.get("image_size") or "image_size" in run.task or run.data.get("source", "site") == "site":
+def image_size_notes(plan: RunPlan, run: RunConfig) -> list[str]:
+    """Notes on an image size read off the data: one neither ``data.image_size`` nor ``task.image_size`` of the
+    layered ``run`` chose (the plan records the size, not who chose it)."""
+    if run.data.get("image_size") or "image_size" in run.task or plan.data.get("source", "site") == "site":
         return []
     from medflare.data import load_source
 
-    splits = load_source(run.data["source"], seed=run.seed, num_classes=run.task.get("num_classes"))  # cached
+    splits = load_source(plan.data["source"], seed=plan.seed, num_classes=run.task.get("num_classes"))  # cached
     shapes = [tuple(shape) for shape in splits.info.get("image_shapes", [])]
-    size, notes = task.image_size, []
+    size, notes = plan.task.image_size, []
     if size > LARGE_IMAGES:
         notes.append(f"medflare: note: the images are {size} px (the first image's height) and no image size is set: "
                      f"training at {size} px is slow, and may not fit a CPU's memory; set e.g. "
@@ -60,16 +61,6 @@ def image_size_notes(run: RunConfig, task: TaskSpec) -> list[str]:
         notes.append(f"medflare: note: the images are not all {size} x {size} px ({seen}): each is resized to "
                      f"{size} x {size}, which squashes other aspect ratios; set --set data.image_size=N to choose")
     return notes
-
-
-def export_run_job(run: RunConfig, out_dir: str | Path, mode: str, class_counts: list[int] | None = None,
-                   task: TaskSpec | None = None, plan: RunPlan | None = None) -> Path:
-    """The validated run's FLARE job (``byoc`` or ``preinstalled``) in ``out_dir/<job name>/``, as every environment
-    gets it; ``plan`` (:func:`medflare.plan.resolve`) is built here when not given."""
-    from medflare.job_export import write_job
-    from medflare.plan import resolve
-
-    return write_job(plan or resolve(run, mode, task, class_counts), out_dir, mode, run.plugins)
 
 
 # ----- outputs -----------------------------------------------------------------------------------------

@@ -1,10 +1,11 @@
 """The run plan: what one job will do, resolved once from the layered :class:`RunConfig` and its task.
 
-The one resolver of a run (the only module that looks a method up by name and types its arguments): it checks a run
-(:func:`validated`), reads its task (:func:`task_of`) and builds the typed, complete :class:`RunPlan`
-(:func:`build_plan`). A job carries it as ``app/config/medflare_plan.json``; every medflare component reads only that
-file (:func:`read_plan`), and a site localises it with its ``medflare_site.json`` (:meth:`RunPlan.localise`).
-Nothing here imports FLARE's glue (``medflare.flare``).
+The one resolver of a run (the only module that looks a method up by name and types its arguments): :func:`resolve`
+checks a copy of the run (:func:`validated`), reads its task (:func:`task_of`) and builds the typed, complete
+:class:`RunPlan` (:func:`build_plan`), which is all a runner, the job writer and the outputs take. A job carries it
+as ``app/config/medflare_plan.json``; every medflare component reads only that file (:func:`read_plan`), and a site
+localises it with its ``medflare_site.json`` (:meth:`RunPlan.localise`). Nothing here imports FLARE's glue
+(``medflare.flare``).
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ class RunPlan:
         object.__setattr__(self, "robust", typed_robust(self.robust))
         object.__setattr__(self, "defences", RobustConfig(**self.robust))
         if not self.sites or not self.model:
-            raise ConfigError(f"the plan names no {'model' if self.sites else 'site'} (build it from plan.validated)")
+            raise ConfigError(f"the plan names no {'model' if self.sites else 'site'} (build it with plan.resolve)")
         if not 1 <= self.min_clients <= len(self.sites):
             raise ConfigError(f"min_clients must be between 1 and the plan's {len(self.sites)} sites, got "
                               f"{self.min_clients}")
@@ -457,22 +458,25 @@ def build_plan(run: RunConfig, task: TaskSpec, robust: Mapping[str, Any],
     )
 
 
-def resolve(run: RunConfig, mode: str | None = None, task: TaskSpec | None = None,
-            class_counts: list[int] | None = None) -> RunPlan:
-    """The plan of a validated ``run``, as a job written in ``mode`` carries it (robust settings: :func:`job_robust`'s;
-    no mode: the run's own): the one entry every runner, export and recipe takes. ``task`` (:func:`task_of`) and
-    ``class_counts`` (:func:`describe_sites`, for head/medium/tail groups) are read off the data when needed."""
+def resolve(run: RunConfig, mode: str | None = None, *, deployed: bool = False, check_files: bool = True,
+            data_defaults: Mapping[str, Any] | None = None, task: TaskSpec | None = None) -> RunPlan:
+    """The plan of the layered ``run`` (never changed) as a job written in ``mode`` carries it: the one entry every
+    runner, export and recipe takes, and the only place a run is checked (:func:`validated`, with ``check_files``
+    and ``data_defaults``). Robust settings: the run's own without a mode, else :func:`job_robust`'s (``deployed``:
+    a POC or production job, whatever its data). ``task`` (:func:`task_of`) is read off the data when not given; so
+    are the class counts of head/medium/tail groups when the run sets ``shot_thresholds``."""
+    robust = typed_robust(run.robust) if mode is None else job_robust(run, mode, deployed)
+    run = validated(dataclasses.replace(run, robust=robust), check_files, data_defaults)
     task = task or task_of(run)
-    if class_counts is None and run.shot_thresholds:
-        _, class_counts = describe_sites(run, task)
-    robust = typed_robust(run.robust) if mode is None else job_robust(run, mode)
-    return build_plan(run, task, robust, shot_groups=shot_groups_for(run, class_counts))
+    counts = site_facts(run.site_data(), run.site_names, task.num_classes)[1] if run.shot_thresholds else None
+    return build_plan(run, task, run.robust, shot_groups=shot_groups_for(run, counts))
 
 
-def job_robust(run: RunConfig, mode: str) -> dict[str, float]:
+def job_robust(run: RunConfig, mode: str, deployed: bool = False) -> dict[str, float]:
     """The robust settings a job written in ``mode`` carries: the run's own in a BYOC job with simulated data (what
-    FLARE's simulator runs), else the deployment defaults under them (a POC run with simulated data is deployed)."""
-    if mode == "byoc" and run.data.get("source", "site") != "site":
+    FLARE's simulator runs) unless ``deployed``, else the deployment defaults under them (a POC run with simulated
+    data is deployed)."""
+    if not deployed and mode == "byoc" and run.data.get("source", "site") != "site":
         return typed_robust(run.robust)
     return deployment_robust(run.robust, run.secure_aggregation == "he")
 
@@ -487,18 +491,22 @@ def shot_groups_for(run: RunConfig, class_counts: list[int] | None) -> dict | No
     return shot_groups_from_counts(class_counts, head_min=head_min, tail_max=tail_max)
 
 
-def describe_sites(run: RunConfig, task: TaskSpec | None = None) -> tuple[dict[str, Any], list[int] | None]:
-    """Per-site partition facts (simulated data only) and global training class counts; ``task``: the run's
-    resolved task, read from the data when not given."""
-    if run.data.get("source", "site") == "site":
+def describe_sites(plan: RunPlan) -> tuple[dict[str, Any], list[int] | None]:
+    """Per-site partition facts of the plan's simulated data (none for site data) and its global training class
+    counts: what a run's outputs and ``medflare run`` show of each site."""
+    return site_facts(plan.data, [site.name for site in plan.sites], plan.task.num_classes)
+
+
+def site_facts(data: Mapping[str, Any], site_names: list[str],
+               num_classes: int) -> tuple[dict[str, Any], list[int] | None]:
+    """:func:`describe_sites` of the data the sites receive (``RunConfig.site_data``) split among ``site_names``."""
+    if data.get("source", "site") == "site":
         return {}, None
     from medflare.data import describe_partition
     from medflare.site_config import typed_data_config
 
-    num_classes = (task or task_of(run)).num_classes
-    data_cfg = typed_data_config({**run.site_data(), "num_classes": num_classes})
-    facts = describe_partition(data_cfg)
-    sites = {name: facts[i] for i, name in enumerate(run.site_names)}
+    facts = describe_partition(typed_data_config({**data, "num_classes": num_classes}))
+    sites = {name: facts[i] for i, name in enumerate(site_names)}
     totals = [sum(int(f["class_counts"][k]) for f in facts) for k in range(len(facts[0]["class_counts"]))]
     return sites, totals
 

@@ -10,7 +10,7 @@ Example (a ``job.py`` in FLARE 2.9's style)::
     job.execute(SimEnv(num_clients=3))   # `python job.py --export --export-dir jobs/` writes the job instead
 
 A recipe writes its job with the builder ``medflare export`` and ``medflare run`` use
-(:func:`medflare.launch.export_run_job`), so the two cannot drift apart; options are ``medflare run``'s, checked
+(:func:`medflare.plan.resolve`, then :func:`medflare.job_export.write_job`), so the two cannot drift apart; options are ``medflare run``'s, checked
 the same way. With ``PocEnv`` or ``ProdEnv`` the job gets the server's robust defences (``server_setup.DEPLOY_ROBUST`` under
 the recipe's own ``robust``); with ``SimEnv`` it keeps the recipe's settings; exported without an environment it
 decides as ``medflare export`` does. In ``SimEnv`` the console shows medflare's lines and every warning and error
@@ -20,7 +20,6 @@ decides as ``medflare export`` does. In ``SimEnv`` the console shows medflare's 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import os
 from pathlib import Path
@@ -34,10 +33,8 @@ from nvflare.recipe.sim_env import SimEnv
 from nvflare.recipe.spec import ExecEnv, Recipe
 
 from medflare.errors import ConfigError
-from medflare.plan import task_of, validated
+from medflare.plan import RunPlan, resolve
 from medflare.run_config import RunConfig, merge_run_config
-from medflare.server_setup import deployment_robust
-from medflare.site_config import TaskSpec
 
 __all__ = ["MedflareRecipe", "recipe"]
 
@@ -50,30 +47,28 @@ CONSOLE_FILTER = "MedflareConsole"
 class _MedflareJobConfig(FedJobConfig):
     """FLARE's job configuration whose job folder is written by medflare's own builder."""
 
-    def __init__(self, run: RunConfig, mode: str, task: TaskSpec) -> None:
-        super().__init__(job_name=run.job_name, min_clients=run.required_clients)
-        self.run = run
+    def __init__(self, run: RunConfig, mode: str, plan: RunPlan) -> None:
+        super().__init__(job_name=plan.job_name, min_clients=plan.min_clients)
+        self.run = run  # the layered options, for the plan of a deployed job (resolved when one is written)
         self.mode = mode
-        self.task = task  # read from the data once, when the recipe was built
+        self.plan = plan  # the simulator's or an export's (its task read from the data once)
         self.deployed = False  # set by the recipe when it knows the job goes to a POC or production
 
     def generate_job_config(self, job_root: str) -> None:
         """Write ``job_root/<job name>/`` from the job's plan (FLARE calls this for export, the simulator, POC and
-        production)."""
-        from medflare.launch import export_run_job
+        production); a deployed job's plan has the defences on, whatever its mode and data."""
+        from medflare.job_export import write_job
 
-        run = self.run
-        if self.deployed:  # whatever its mode and data (a POC may run simulated data): defences on
-            run = dataclasses.replace(run, robust=deployment_robust(run.robust))
-        export_run_job(run, Path(job_root), self.mode, task=self.task)
+        plan = resolve(self.run, self.mode, deployed=True, task=self.plan.task) if self.deployed else self.plan
+        write_job(plan, Path(job_root), self.mode)
 
 
 class _MedflareJob(FedJob):
     """A FedJob whose apps come from medflare's builder; FLARE's environments deploy it like any FedJob."""
 
-    def __init__(self, run: RunConfig, mode: str, task: TaskSpec) -> None:
-        super().__init__(name=run.job_name, min_clients=run.required_clients)
-        self.job = _MedflareJobConfig(run, mode, task)
+    def __init__(self, run: RunConfig, mode: str, plan: RunPlan) -> None:
+        super().__init__(name=plan.job_name, min_clients=plan.min_clients)
+        self.job = _MedflareJobConfig(run, mode, plan)
         self.clients = [ALL_SITES]  # the app goes to every site; the simulator names them site-1..N
 
 
@@ -85,11 +80,9 @@ class MedflareRecipe(Recipe):
     def __init__(self, run: RunConfig, mode: str = "byoc") -> None:
         if mode not in MODES:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}, got '{mode}'")
-        run = validated(run)
-        task = task_of(run)  # reads the data once: a missing file or an impossible partition fails here
-        self.run_config = run
+        self.plan = resolve(run, mode)  # every check, the data read once: a missing file fails here
         self.mode = mode
-        super().__init__(_MedflareJob(run, mode, task))
+        super().__init__(_MedflareJob(run, mode, self.plan))
 
     def run(self, env: ExecEnv, server_exec_params: dict | None = None,
             client_exec_params: dict | None = None) -> Any:
@@ -107,7 +100,7 @@ class MedflareRecipe(Recipe):
                               "build the recipe with mode='byoc'")
         count = getattr(env, "num_clients", None)
         names = getattr(env, "clients", None)
-        expected = self.run_config.site_names
+        expected = [site.name for site in self.plan.sites]
         if (names and list(names) != expected) or (count and count != len(expected)):
             raise ConfigError(f"the environment has sites {names or count} but the recipe was built for "
                               f"{len(expected)} sites {expected}; pass clients={len(expected)} to recipe() or "

@@ -17,11 +17,11 @@ from medflare.files import OutputTarget
 from medflare.flare.controller import RESULTS_FILE
 from medflare.flare.memory import with_allocator_settings
 from medflare.flare.tracking import keep_server_records
-from medflare.launch import export_run_job, failure_note, first_site_said, keep_site_logs, write_job_outputs
-from medflare.plan import RunPlan, describe_sites, resolve, task_of, validated
+from medflare.job_export import write_job
+from medflare.launch import failure_note, first_site_said, keep_site_logs, write_job_outputs
+from medflare.plan import RunPlan, describe_sites
 from medflare.processes import nvflare_command, signals_held, start_kept, stop_process_tree
 from medflare.resume import check_resumable
-from medflare.run_config import RunConfig
 from medflare.site_runtime import SITE_LOG_FILE
 
 __all__ = ["SimulationError", "nvflare_command", "run_simulation"]
@@ -50,43 +50,37 @@ class SimulationError(MedflareError, RuntimeError):
     """The FLARE simulator exited with an error."""
 
 
-def run_simulation(
-    run: RunConfig, out_dir: str | Path, echo: Callable[[str], None] = print, overwrite: bool = False,
-    plan: RunPlan | None = None,
-) -> dict[str, Any]:
-    """Export the job, run ``nvflare simulator`` with one thread per site, and write the run's outputs through
-    :class:`medflare.files.OutputTarget` (a failure stops every process and leaves ``<out>.failed.log``).
-    ``plan``: ``plan.resolve(run, "byoc")`` when the caller validated ``run``; else resolved here."""
-    if run.secure_aggregation == "he":
+def run_simulation(plan: RunPlan, out_dir: str | Path, echo: Callable[[str], None] = print,
+                   overwrite: bool = False) -> dict[str, Any]:
+    """Write the job of ``plan`` (``plan.resolve(run, "byoc")``), run ``nvflare simulator`` with one thread per site,
+    and write the run's outputs through :class:`medflare.files.OutputTarget` (a failure stops every process and
+    leaves ``<out>.failed.log``)."""
+    if plan.secure_aggregation == "he":
         raise ConfigError(SIMULATOR_HAS_NO_HE)
-    if plan is None:
-        run = validated(run)
     target = OutputTarget(Path(out_dir), overwrite=overwrite)
     target.check()
-    task = plan.task if plan is not None else task_of(run)  # the data is read for the task once, handed down
-    clients, class_counts = describe_sites(run, task)  # bad data fails before anything is written
-    # what the job does, resolved once: the job and the summary are written from it
-    plan = plan or resolve(run, "byoc", task, class_counts)
+    clients, _ = describe_sites(plan)  # bad data fails before anything is written
     if plan.resume_from:  # same method, model and stages, more rounds: before anything is written
         check_resumable(plan, plan.resume_from)
     staging = target.begin()
     workspace = staging / "workspace"
+    rounds = len(plan.rounds)
     try:
         # BYOC: the simulator enforces the same class allow-list as a real site, and a simulated site has not
         # allow-listed medflare; carrying the code is what a researcher submitting to POC does too.
-        job_dir = export_run_job(run, staging / "job", "byoc", class_counts, plan=plan)
+        job_dir = write_job(plan, staging / "job", "byoc")
         launched_at = time.time()
-        _launch(run, job_dir, workspace, staging / SIMULATOR_LOG, echo)
+        _launch(len(plan.sites), job_dir, workspace, staging / SIMULATOR_LOG, echo)
         keep_site_logs(workspace, staging)
         keep_server_records(_server_app_dir(workspace).parent, staging)  # TensorBoard / MLflow records
         _plot_site_logs(plan, staging)  # before the report, which shows every plot of the run
         summary = write_job_outputs(plan, _results_file(workspace), staging, clients, launched_at)
         if summary.get("error"):
             raise SimulationError(f"the job stopped early: {summary['error']}{first_site_said(workspace)}")
-        finished = run.rounds == summary["rounds_completed"] or summary.get("stopped_early")
+        finished = rounds == summary["rounds_completed"] or summary.get("stopped_early")
         if not finished:  # e.g. sites that could not even load the job
             raise SimulationError(
-                f"the job completed {summary['rounds_completed']} of {run.rounds} rounds without an error from the "
+                f"the job completed {summary['rounds_completed']} of {rounds} rounds without an error from the "
                 f"server{first_site_said(workspace)}; the sites' errors are in the simulator log kept as "
                 f"{Path(out_dir).name}.failed.log"
             )
@@ -95,7 +89,7 @@ def run_simulation(
         return summary
     except BaseException as exc:
         with signals_held():
-            target.abandon(_failure_log(run, staging, workspace, exc))
+            target.abandon(_failure_log(rounds, staging, workspace, exc))
         raise
 
 
@@ -155,16 +149,14 @@ def _lost_site_line(lines: list[str]) -> str | None:
     return next((line.strip() for line in lines if LOST_SITE.search(line)), None)
 
 
-def _launch(run: RunConfig, job_dir: Path, workspace: Path, log_path: Path, echo: Callable[[str], None]) -> None:
-    command = nvflare_command() + [
-        "simulator", str(job_dir), "-w", str(workspace), "-n", str(run.clients), "-t", str(run.clients),
-    ]
+def _launch(sites: int, job_dir: Path, workspace: Path, log_path: Path, echo: Callable[[str], None]) -> None:
+    command = nvflare_command() + ["simulator", str(job_dir), "-w", str(workspace), "-n", str(sites), "-t", str(sites)]
     env = with_allocator_settings({**os.environ, "PYTHONUNBUFFERED": "1"})  # the workers inherit it
     tail: list[str] = []
     with log_path.open("w") as log:
         # through a keeper: the simulator and its workers (each in its own session) die with medflare, SIGKILL too
         proc = start_kept(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        watch = SimulatorWatch(workspace, proc, run.clients)
+        watch = SimulatorWatch(workspace, proc, sites)
         watch.start()
         try:
             assert proc.stdout is not None
@@ -197,11 +189,11 @@ def _launch(run: RunConfig, job_dir: Path, workspace: Path, log_path: Path, echo
         )
 
 
-def _failure_log(run: RunConfig, staging: Path, workspace: Path, exc: BaseException) -> str:
+def _failure_log(rounds: int, staging: Path, workspace: Path, exc: BaseException) -> str:
     """The simulator log plus one closing line: why the run ended and how many rounds finished."""
     log = staging / SIMULATOR_LOG
     text = log.read_text(errors="replace") if log.is_file() else ""
-    return text + failure_note(run.rounds, workspace, exc)
+    return text + failure_note(rounds, workspace, exc)
 
 
 def _shorten(line: str) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, TypeVar
 
 from medflare.config import from_dict
 from medflare.errors import ConfigError, DataError
@@ -16,6 +16,7 @@ from medflare.methods.base import MethodSpec, TrainConfig
 if TYPE_CHECKING:
     from medflare.data import DataConfig
 
+T = TypeVar("T")
 SITE_CONFIG_FILE = "medflare_site.json"  # in a site's local/ folder (POC and production)
 ALLOW_JOB_DATA = "allow_job_data"  # a site's opt-in (in that file): jobs may bring their own, e.g. simulated, data
 EVALUATION_MODES = ("every_round", "final", "off")
@@ -222,12 +223,13 @@ def resolve_site_dp(
     """The DP-SGD settings this site trains with ({} = off): the job's ``dp_sgd`` against its file's ``dp_sgd``
     policy (DP-SGD required, a σ floor, clipping/δ ceilings, a budget). Raises SiteDeclined (one line, sent to the
     server) when the job asks for less than the site demands."""
-    policy = SiteFile.of(site_config_dir).get("dp_sgd")
-    if not job_dp and not policy:
+    site_file = SiteFile.of(site_config_dir)
+    if not job_dp and not site_file.get("dp_sgd"):
         return {}
-    from medflare.dp_sgd import site_dp_settings  # local: opacus is an extra, needed only when DP-SGD is in play
+    from medflare.dp_sgd import DPSGDConfig, SiteDPPolicy, site_dp_settings  # local: needed only with DP-SGD
 
-    cfg = site_dp_settings(job_dp, policy, site)
+    job = from_dict(DPSGDConfig, dict(job_dp), "dp_sgd") if job_dp else None
+    cfg = site_dp_settings(job, site_file.section("dp_sgd", SiteDPPolicy), site)
     return dataclasses.asdict(cfg) if cfg is not None else {}
 
 
@@ -257,6 +259,11 @@ class SiteFile:
 
     def get(self, key: str, default: Any = None) -> Any:
         return (self.content or {}).get(key, default)
+
+    def section(self, key: str, cls: type[T]) -> T:
+        """The file's ``key`` object typed as ``cls`` (its defaults where the file sets none): the one place a site's
+        own sections (``policy``, ``dp_sgd``) are typed. ConfigError names the file, the section and the field."""
+        return from_dict(cls, dict(self.get(key) or {}), f"{SITE_CONFIG_FILE} {key}")
 
 
 def site_index_from_name(site_name: str, sites: list[str] | None) -> int:

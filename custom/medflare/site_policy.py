@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from medflare.config import from_dict
 from medflare.contracts import DP_EPSILON, MAX_SAMPLES
 from medflare.errors import ConfigError
 from medflare.plan import RunPlan
+from medflare.site_config import SiteFile
 
 AUDIT_FILE = "medflare_audit.jsonl"  # in the site's local/ folder, unless the policy names another
 # what a policy may require of a job, and how the job's plan shows it
@@ -55,10 +55,9 @@ class SitePolicy:
         return f"the job has no {', '.join(missing)}, which this site requires" if missing else ""
 
 
-def site_policy(content: Mapping[str, Any] | None) -> SitePolicy:
-    """The ``policy`` object of a site's ``medflare_site.json`` content (default: none); ConfigError for a bad
-    field."""
-    return from_dict(SitePolicy, dict((content or {}).get("policy") or {}), "medflare_site.json policy")
+def site_policy(site_file: SiteFile) -> SitePolicy:
+    """The ``policy`` object of a site's ``medflare_site.json`` (default: none); ConfigError for a bad field."""
+    return site_file.section("policy", SitePolicy)
 
 
 class AuditLog:

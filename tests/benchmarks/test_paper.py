@@ -61,10 +61,10 @@ def test_the_cpu_refusal_multiplies_measured_step_times_by_planned_steps(paper: 
                    for key, n in paper.planned_steps(run).items())
     assert est.total_seconds == pytest.approx(expected)
     # FCA: 1 epoch of full batches of 64 per site and round
-    from medflare.plan import describe_sites
+    from medflare.plan import describe_sites, resolve
 
     fca = runs["fca"][0]
-    sites, _ = describe_sites(fca)
+    sites, _ = describe_sites(resolve(fca, "byoc"))
     per_round = sum(max(f["n_train"] // 64, 1) for f in sites.values())
     assert sum(paper.planned_steps(fca).values()) == per_round * fca.rounds
     # FedLSM: T iterations per site and round; its baselines take as many optimizer steps

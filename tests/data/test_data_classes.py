@@ -111,7 +111,7 @@ def test_a_deployed_site_refuses_the_job_or_trains_in_its_order_with_class_map(p
     task = {"num_classes": 3, "in_channels": 1, "image_size": 12, "class_names": JOB}
     run = RunConfig(method="fedavg", clients=1, data={"source": "site"}, task=task, train={"max_steps": 1})
     run = validated(run)
-    plan = resolve(run, "preinstalled", TaskSpec(**task))
+    plan = resolve(run, "preinstalled", task=TaskSpec(**task))
     source = hospital(png_class_folder, {"normal": "Normal"})
     site = plan.sites[0].name
 
@@ -129,6 +129,6 @@ def test_a_job_cannot_set_a_sites_class_map(png_class_folder, tmp_path) -> None:
     task = {"num_classes": 3, "in_channels": 1, "image_size": 12, "class_names": JOB}
     run = RunConfig(method="fedavg", clients=1, data={"source": "site", "class_map": {"Normal": "effusion"}},
                     task=task, train={"max_steps": 1})
-    plan = resolve(run, "preinstalled", TaskSpec(**task))
+    plan = resolve(run, "preinstalled", task=TaskSpec(**task))
     with pytest.raises(DataError, match="class_map"):
         plan.localise(plan.sites[0].name, site_file(tmp_path, {"source": hospital(png_class_folder, {})}), False)

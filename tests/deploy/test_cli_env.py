@@ -12,21 +12,21 @@ from medflare.cli import main
 from medflare.report import build_summary
 
 
-def fake_summary(run) -> dict:
-    return build_summary({"method": run.method, "rounds": []}, {"method": run.method}, {})
+def fake_summary(plan) -> dict:
+    return build_summary({"method": plan.method, "rounds": []}, {"method": plan.method}, {})
 
 
 @pytest.mark.parametrize("env,mode", [("poc", "preinstalled"), ("poc", "byoc"), ("sim", "byoc")])
 def test_env_option_dispatches(env: str, mode: str, monkeypatch, tmp_path: Path) -> None:
     calls = []
 
-    def fake_poc(run, out, mode="byoc", **kwargs):
-        calls.append(("poc", run.method, run.rounds, mode))
-        return fake_summary(run)
+    def fake_poc(plan, out, mode="byoc", **kwargs):
+        calls.append(("poc", plan.method, len(plan.rounds), mode))
+        return fake_summary(plan)
 
-    def fake_sim(run, out, echo=print, **kwargs):
-        calls.append(("sim", run.method, run.rounds, None))
-        return fake_summary(run)
+    def fake_sim(plan, out, echo=print, **kwargs):
+        calls.append(("sim", plan.method, len(plan.rounds), None))
+        return fake_summary(plan)
 
     monkeypatch.setattr(poc_module, "run_poc", fake_poc)
     monkeypatch.setattr(simulate_module, "run_simulation", fake_sim)
@@ -38,9 +38,9 @@ def test_env_option_dispatches(env: str, mode: str, monkeypatch, tmp_path: Path)
 def test_compare_runs_every_method_and_seed_in_the_chosen_env(monkeypatch, tmp_path: Path) -> None:
     calls = []
 
-    def fake_poc(run, out, mode="byoc", **kwargs):
-        calls.append((run.method, run.seed, mode, Path(out).relative_to(tmp_path / "out.partial").as_posix()))
-        return fake_summary(run)
+    def fake_poc(plan, out, mode="byoc", **kwargs):
+        calls.append((plan.method, plan.seed, mode, Path(out).relative_to(tmp_path / "out.partial").as_posix()))
+        return fake_summary(plan)
 
     monkeypatch.setattr(poc_module, "run_poc", fake_poc)
     monkeypatch.setattr(simulate_module, "run_simulation", lambda *a, **k: pytest.fail("the simulator was used"))

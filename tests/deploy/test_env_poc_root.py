@@ -14,6 +14,7 @@ import medflare.deploy.poc as poc_module
 from medflare.cli import main
 from medflare.deploy.poc import PocError, PocSession, admin_kit, run_poc
 from medflare.errors import ConfigError
+from medflare.plan import resolve
 from medflare.report import build_summary
 from medflare.run_config import RunConfig
 
@@ -23,9 +24,9 @@ def poc_steps(monkeypatch) -> list[dict]:
     """Stands in for the POC's steps: records the session's root and port and the run's staging folder."""
     seen: list[dict] = []
 
-    def record(run, plan, session, target, staging, mode, timeout):
+    def record(plan, session, target, staging, mode, timeout):
         seen.append({"root": session.root, "port": session.port, "staging": staging})
-        return build_summary({"method": run.method, "rounds": []}, {"method": run.method}, {})
+        return build_summary({"method": plan.method, "rounds": []}, {"method": plan.method}, {})
 
     monkeypatch.setattr(poc_module, "_run_in_poc", record)
     return seen
@@ -54,7 +55,7 @@ def test_medflare_run_env_poc_makes_its_poc_where_the_variables_say(
 def test_without_the_variables_the_poc_lives_in_the_runs_staging_folder(
     poc_steps: list[dict], no_poc_env, tmp_path: Path
 ) -> None:
-    run_poc(smoke_run(), tmp_path / "o", echo=lambda line: None)
+    run_poc(resolve(smoke_run(), "byoc", deployed=True), tmp_path / "o", echo=lambda line: None)
     assert poc_steps == [{"root": tmp_path / "o.partial" / "poc", "port": 8002, "staging": tmp_path / "o.partial"}]
 
 
@@ -73,7 +74,7 @@ def test_a_shared_root_in_use_is_refused_and_leaves_no_staging_folder(
     monkeypatch.setenv("MEDFLARE_POC_ROOT", str(tmp_path / "pocs"))
     with PocSession(tmp_path / "pocs").hold():  # as another medflare process would
         with pytest.raises(PocError, match="in use by medflare process"):
-            run_poc(smoke_run(), tmp_path / "o", echo=lambda line: None)
+            run_poc(resolve(smoke_run(), "byoc", deployed=True), tmp_path / "o", echo=lambda line: None)
     assert poc_steps == [] and not (tmp_path / "o.partial").exists()
 
 

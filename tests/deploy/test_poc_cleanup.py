@@ -22,6 +22,7 @@ import pytest
 
 import medflare.deploy.poc as poc_module
 from medflare.deploy.poc import PocError, PocSession
+from medflare.plan import resolve
 from medflare.processes import Interrupted, signals_held, stop_on_signals
 from medflare.run_config import merge_run_config
 
@@ -61,7 +62,7 @@ def test_a_stop_request_during_clean_up_does_not_leave_the_poc_running(tmp_path:
     out = tmp_path / "out"
     try:
         with stop_on_signals():
-            poc_module.run_poc(run, out, echo=lambda line: None)
+            poc_module.run_poc(resolve(run, "byoc", deployed=True), out, echo=lambda line: None)
     except Interrupted:  # a KeyboardInterrupt would end the whole pytest session: report it as this test's failure
         pytest.fail("the stop request cut the clean-up short")
     except BrokenPipeError:
@@ -132,7 +133,7 @@ def test_a_poc_that_fails_offline_says_why_ends_its_processes_and_keeps_a_failed
     workspace = tmp_path / "out.partial" / "poc" / "poc"
     try:
         with pytest.raises(PocError, match="connection to the server timed out"):  # the cause, not the stop
-            poc_module.run_poc(run, out, echo=lines.append)
+            poc_module.run_poc(resolve(run, "byoc", deployed=True), out, echo=lines.append)
         assert time.monotonic() - started < 30  # the POC is discarded without its (hung) orderly stop
         assert left_after(workspace, seconds=5) == []  # the server and the site loop are ended
         failed = [i for i, line in enumerate(lines) if "failed:" in line]

@@ -19,11 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from medflare.deploy.poc import PocSession, export_poc_job, retarget_job, write_run_outputs
+from medflare.deploy.poc import PocSession, retarget_job, write_run_outputs
 from medflare.deploy.policies import SERVER_STORAGE, site_data_config
 from medflare.registry import get_method
 from medflare.run_config import RunConfig
 from medflare.site_policy import AUDIT_FILE
+
+from .._plans import write_run_job
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +61,7 @@ def poc(tmp_path_factory, poc_lock, poc_port):
         session.start(exclude=["site-3"])
         timings["prepare_and_start"] = time.time() - t0
         for mode in ("preinstalled", "byoc"):
-            job_dir = export_poc_job(two_site_run(f"{METHOD}-{mode}"), root / "jobs" / mode, mode)
+            job_dir = write_run_job(two_site_run(f"{METHOD}-{mode}"), root / "jobs" / mode, mode=mode)
             jobs[mode] = {"dir": job_dir, "id": session.submit(job_dir)}
         t1 = time.time()
         for job in jobs.values():
@@ -96,7 +98,7 @@ def test_downloaded_results_become_the_usual_report(poc, mode: str, tmp_path: Pa
     job = poc["jobs"][mode]
     assert "download" in job, f"{mode} job did not complete: {job['status']}"
     extra = {"env": "poc", "mode": mode, "job_id": job["id"]}
-    summary = write_run_outputs(two_site_run(f"{METHOD}-{mode}"), job["download"], tmp_path, None, extra)
+    summary = write_run_outputs(job["download"], tmp_path, None, extra)  # the plan the downloaded job carries
     for name in ("summary.json", "rounds.csv", "report.md", "FL_global_model.pt"):
         assert (tmp_path / name).is_file(), name
     assert summary["rounds_completed"] == 2 and not summary["error"]
@@ -123,7 +125,7 @@ def test_preflight_passes_a_site_against_its_job_with_the_server_up_and_writes_n
     """Issue 48, item 4: the admin's command, as a user runs it, against the running POC server (FLARE's own
     connectivity check with the site's certificate) and a job for that site."""
     kit = poc["session"].kit("site-3")
-    job_dir = export_poc_job(site3_run("site3-preflight"), tmp_path / "job", "preinstalled")
+    job_dir = write_run_job(site3_run("site3-preflight"), tmp_path / "job", mode="preinstalled")
     retarget_job(job_dir, ["site-3"], "site3-preflight")
     before = {folder: _tree_bytes(kit / folder) for folder in ("local", "startup")}
     done = subprocess.run([sys.executable, "-m", "medflare.cli", "preflight", str(kit), "--job", str(job_dir),
@@ -154,7 +156,7 @@ def site3(poc) -> dict:
     t0 = time.time()
     for name in SITE3_JOBS:
         run = two_site_run(f"site3-{name}") if name == "data" else site3_run(f"site3-{name}")
-        job_dir = export_poc_job(run, poc["root"] / "site3-jobs" / name, "byoc" if name == "byoc" else "preinstalled")
+        job_dir = write_run_job(run, poc["root"] / "site3-jobs" / name, mode="byoc" if name == "byoc" else "preinstalled")
         retarget_job(job_dir, ["site-3"], f"site3-{name}")
         if name == "tamper":  # both sides build their configs at job start, each refuses on its own
             for side, kit in (("client", "site-3"), ("server", server)):

@@ -24,13 +24,15 @@ import pytest
 import torch
 
 from medflare.deploy.apps import deployment_run
-from medflare.deploy.poc import PocSession, export_poc_job, find_results, retarget_job
+from medflare.deploy.poc import PocSession, find_results, retarget_job
 from medflare.deploy.policies import SITE_HEARTBEAT_TIMEOUT
 from medflare.flare.controller import CHECKPOINT_FILE
 from medflare.job_export import set_resume
 from medflare.ops.checkpoint import load_checkpoint
 from medflare.plan import build_global_model, task_of
 from medflare.run_config import RunConfig
+
+from .._plans import write_run_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # make test-heavy
 
@@ -67,7 +69,7 @@ def faults(tmp_path_factory, poc_lock, poc_port):
 def test_a_dead_site_costs_its_updates_not_the_job(faults) -> None:
     session: PocSession = faults["session"]
     run = fault_run("site-outage", rounds=3)
-    job_id = session.submit(export_poc_job(run, faults["root"] / "jobs" / "outage", "preinstalled"))
+    job_id = session.submit(write_run_job(run, faults["root"] / "jobs" / "outage", mode="preinstalled"))
     _wait_for_checkpoint(session, job_id, next_round=1)
     killed = _kill(session, "site-2")  # the whole site: its FLARE daemon, client and job processes
     killed_at = time.time()
@@ -90,7 +92,7 @@ def test_a_restarted_server_resumes_the_job_from_its_last_round(faults) -> None:
     session: PocSession = faults["session"]
     server = session.state["server"]
     run = fault_run("server-crash", rounds=3)
-    first_dir = export_poc_job(run, faults["root"] / "jobs" / "crash", "preinstalled")
+    first_dir = write_run_job(run, faults["root"] / "jobs" / "crash", mode="preinstalled")
     retarget_job(first_dir, ["site-1", "site-3"], "server-crash")  # site-2 may be down after the outage test
     first = session.submit(first_dir)
     checkpoint = _wait_for_checkpoint(session, first, next_round=1)

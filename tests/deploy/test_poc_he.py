@@ -15,12 +15,14 @@ import pytest
 pytest.importorskip("tenseal")
 
 from medflare.checkpoint import read_checkpoint  # noqa: E402
-from medflare.deploy.poc import PocSession, export_poc_job, find_results  # noqa: E402
+from medflare.deploy.poc import PocSession, find_results  # noqa: E402
 from medflare.flare.he import CLIENT_CONTEXT_FILE, MODEL_FILE, read_encrypted_model  # noqa: E402
 from medflare.ops import he_aggregate  # noqa: E402
 from medflare.plan import validated
 from medflare.run_config import RunConfig  # noqa: E402
 from medflare.server_setup import deployment_robust  # noqa: E402
+
+from .._plans import write_run_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # make test-heavy
 
@@ -50,7 +52,7 @@ def finished(tmp_path_factory, poc_lock, poc_port):
         session.prepare(2, allow_job_data=True, he=True)
         session.start()
         runs = [job_run(method, he) for method in METHODS for he in (True, False)]
-        ids = {run.job_name: session.submit(export_poc_job(run, root / "jobs", "byoc")) for run in runs}
+        ids = {run.job_name: session.submit(write_run_job(run, root / "jobs", mode="byoc")) for run in runs}
         statuses = {name: session.wait(job_id, timeout=JOB_TIMEOUT) for name, job_id in ids.items()}
         assert set(statuses.values()) == {"FINISHED:COMPLETED"}, (statuses, session.server_log()[-3000:])
         downloads = {name: find_results(session.download(job_id, root / "download" / name)).parent

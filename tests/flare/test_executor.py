@@ -12,12 +12,12 @@ from nvflare.apis.fl_constant import ReservedKey
 from medflare import readback
 from medflare.errors import DataError
 from medflare.flare.executor import MedflareExecutor
-from medflare.job_export import export_job
 from medflare.methods.base import RoundContext
 from medflare.plan import APP_NAME, PLAN_FILE, resolve, task_of, validated
 from medflare.run_config import RunConfig
-from medflare.site_config import SITE_CONFIG_FILE
+from medflare.site_config import SITE_CONFIG_FILE, SiteFile
 
+from .._plans import write_run_job
 from ..test_plan import deployed_to
 
 SITE_DATA = {"source": "synthetic:n=60,classes=2,channels=1,size=28", "augment": "none"}
@@ -29,7 +29,7 @@ def test_a_site_trains_what_the_plan_says_with_the_data_and_model_its_own_file_n
                     site_train={"site-2": {"lr": 0.5}}, task={"num_classes": 2, "in_channels": 1, "image_size": 28})
     run = validated(run, check_files=False)
     plan = resolve(run, "preinstalled")
-    job = export_job(run, tmp_path / "jobs", task_of(run), mode="preinstalled")
+    job = write_run_job(run, tmp_path / "jobs", task_of(run), mode="preinstalled")
     fl_ctx = deployed_to(job, "site-2", tmp_path / "workspaces")
     site_file = tmp_path / "workspaces" / "site-2" / "local" / SITE_CONFIG_FILE
     site_file.write_text(json.dumps({"data": SITE_DATA}))
@@ -55,7 +55,7 @@ def test_a_site_trains_with_a_value_edited_in_the_jobs_plan_file(tmp_path: Path)
     run = RunConfig(method="fedavg", clients=2, data={"source": "site"}, train={"lr": 0.02, "max_steps": 1,
                     "batch_size": 8}, task={"num_classes": 2, "in_channels": 1, "image_size": 28})
     run = validated(run, check_files=False)
-    job = export_job(run, tmp_path / "jobs", task_of(run), mode="preinstalled")
+    job = write_run_job(run, tmp_path / "jobs", task_of(run), mode="preinstalled")
     plan_file = job / APP_NAME / "config" / PLAN_FILE
     record = json.loads(plan_file.read_text())
     assert record["plan"]["sites"][1]["name"] == "site-2" and record["plan"]["sites"][1]["train"]["lr"] == 0.02
@@ -77,7 +77,7 @@ def test_a_site_without_its_data_file_says_so_before_anything_trains(tmp_path: P
     run = RunConfig(method="fedavg", data={"source": "site"}, task={"num_classes": 2, "in_channels": 1,
                                                                     "image_size": 28})
     run = validated(run, check_files=False)
-    job = export_job(run, tmp_path / "jobs", task_of(run), mode="preinstalled")
+    job = write_run_job(run, tmp_path / "jobs", task_of(run), mode="preinstalled")
     fl_ctx = deployed_to(job, "site-1", tmp_path / "workspaces")
     fl_ctx.set_prop(ReservedKey.IDENTITY_NAME, "site-1", private=True, sticky=False)
     with pytest.raises(DataError, match="this site has no data configured"):
@@ -91,7 +91,7 @@ def site_executor(tmp_path: Path, site_content: dict, **run_options) -> tuple[Me
     task = {"num_classes": 2, "in_channels": 1, "image_size": 28}
     run = RunConfig(**{"method": "fedavg", "data": {"source": "site"}, "task": task, **run_options})
     run = validated(run, check_files=False)
-    job = export_job(run, tmp_path / "jobs", task_of(run), mode="preinstalled")
+    job = write_run_job(run, tmp_path / "jobs", task_of(run), mode="preinstalled")
     fl_ctx = deployed_to(job, "site-1", tmp_path / "workspaces")
     local = tmp_path / "workspaces" / "site-1" / "local"
     (local / SITE_CONFIG_FILE).write_text(json.dumps(site_content))
@@ -163,7 +163,7 @@ def test_the_policys_class_floor_reaches_the_statistics_the_site_sends(tmp_path:
     finally:
         runtime.close()
     with pytest.raises(ConfigError, match="min_class_samples must be a count"):
-        site_policy({"policy": {"min_class_samples": -1}})
+        site_policy(SiteFile(tmp_path / "medflare_site.json", {"policy": {"min_class_samples": -1}}))
 
 
 def test_a_task_its_own_filter_refused_is_declined_with_the_cause(tmp_path: Path, monkeypatch) -> None:

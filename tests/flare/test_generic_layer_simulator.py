@@ -15,10 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from medflare.plan import task_of, validated
+from medflare.plan import resolve, task_of, validated
 from medflare.registry import get_method
 from medflare.run_config import RunConfig
 from medflare.simulate import nvflare_command, run_simulation
+
+from .._plans import write_run_job
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +39,7 @@ def test_each_site_receives_its_own_array_in_a_per_site_phase(tmp_path: Path) ->
         method="test-exchange", rounds=2, clients=3, data=SMALL_DATA, train={"max_steps": 1, "batch_size": 16},
         plugins=[str(PLUGINS / "exchange.py")],
     )
-    summary = run_simulation(run, tmp_path / "out", echo=lambda line: None)
+    summary = run_simulation(resolve(run, "byoc"), tmp_path / "out", echo=lambda line: None)
     assert summary["rounds_completed"] == 2
     for entry in summary["per_round"]:
         sent = entry["target_sums_sent"]  # what the server built for each site
@@ -60,7 +62,7 @@ def test_two_stages_change_counters_key_sets_and_scoring(tmp_path: Path) -> None
         method="test-staged", rounds=3, clients=2, data=SMALL_DATA, train={"max_steps": 1, "batch_size": 16},
         plugins=[str(PLUGINS / "staged.py")],
     )
-    summary = run_simulation(run, tmp_path / "out", echo=lambda line: None)
+    summary = run_simulation(resolve(run, "byoc"), tmp_path / "out", echo=lambda line: None)
     assert summary["rounds_completed"] == 3
     log = site_log(tmp_path / "out", "site-1")
     rounds = [(r["round"], r["stage"], r["stage_round"], r["stage_rounds"], r["scored"]) for r in log if r["event"] == "round"]
@@ -88,7 +90,7 @@ def test_heterogeneous_sites_and_a_server_without_a_model(tmp_path: Path) -> Non
         method="local-only", rounds=2, clients=3, data=SMALL_DATA, train={"max_steps": 2, "batch_size": 16},
         site_model={"site-2": "mobilenet_v2", "site-3": "shufflenet"},
     )
-    summary = run_simulation(run, tmp_path / "out", echo=lambda line: None)
+    summary = run_simulation(resolve(run, "byoc"), tmp_path / "out", echo=lambda line: None)
     assert summary["rounds_completed"] == 2
     checkpoint = torch.load(tmp_path / "out" / "FL_global_model.pt", weights_only=False)
     assert checkpoint["model"] == {}  # the server holds no model
@@ -103,7 +105,6 @@ def test_heterogeneous_sites_and_a_server_without_a_model(tmp_path: Path) -> Non
 def test_site_state_survives_a_restart_bit_for_bit(tmp_path: Path) -> None:
     """Run a job, then start a fresh site runtime on the same job workspace: it reloads the state the site
     saved after its last round (optimizer moments and the private head) exactly."""
-    from medflare.job_export import export_job
     from medflare.site_config import SiteSettings
     from medflare.site_runtime import SITE_STATE_FILE, SiteRuntime
 
@@ -113,7 +114,7 @@ def test_site_state_survives_a_restart_bit_for_bit(tmp_path: Path) -> None:
     )
     run = validated(run)
     task = task_of(run)
-    job = export_job(run, tmp_path / "jobs", task)
+    job = write_run_job(run, tmp_path / "jobs", task)
     workspace = tmp_path / "ws"
     subprocess.run(
         nvflare_command() + ["simulator", str(job), "-w", str(workspace), "-n", "2", "-t", "2"],

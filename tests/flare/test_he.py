@@ -25,7 +25,7 @@ from medflare.flare.he import (  # noqa: E402
 from medflare.methods.base import RoundContext  # noqa: E402
 from medflare.ops import he_aggregate  # noqa: E402
 from medflare.ops.he_aggregate import EncryptedArray, encryption_refusal  # noqa: E402
-from medflare.plan import validated  # noqa: E402
+from medflare.plan import resolve, validated  # noqa: E402
 from medflare.registry import get_method  # noqa: E402
 
 from .._plans import app_context, deploy_plan, site_data_plan
@@ -200,7 +200,7 @@ def test_the_simulator_refuses_and_a_run_refuses_what_the_server_cannot_do(tmp_p
     from medflare.simulate import run_simulation
 
     with pytest.raises(ConfigError, match="simulator"):
-        run_simulation(RunConfig(secure_aggregation="he"), tmp_path / "out")
+        run_simulation(resolve(RunConfig(secure_aggregation="he"), "byoc"), tmp_path / "out")
     assert not (tmp_path / "out").exists()
     with pytest.raises(ConfigError, match="max_norm_ratio"):
         validated(RunConfig(secure_aggregation="he", robust={"max_norm_ratio": 10}), check_files=False)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from medflare.flare.memory import ALLOCATOR_ENV, collect_round_garbage, freeze_startup_objects, with_allocator_settings
+from medflare.plan import resolve
 from medflare.run_config import RunConfig
 from medflare.simulate import run_simulation
 
@@ -66,7 +67,7 @@ def test_frozen_start_up_objects_do_not_hide_a_later_rounds_garbage(automatic_gc
 def test_the_server_collects_after_every_round_in_the_simulator(tmp_path: Path) -> None:
     config = RunConfig(method="fedavg", rounds=2, clients=2, data={"source": "synthetic:n=240,classes=3"},
                        train={"max_steps": 2, "batch_size": 16})
-    run_simulation(config, tmp_path / "run", echo=lambda line: None)
+    run_simulation(resolve(config, "byoc"), tmp_path / "run", echo=lambda line: None)
     results = json.loads((tmp_path / "run" / "medflare_results.json").read_text())
     assert results["allocator"] == ALLOCATOR_ENV  # the launcher started FLARE's processes with it
     rounds = results["rounds"]

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from medflare.plan import resolve
 from medflare.run_config import RunConfig
 from medflare.simulate import run_simulation
 
@@ -20,7 +21,7 @@ SITES = 3
 def test_a_streamed_job_finishes_with_a_finite_model_and_records_each_round(tmp_path: Path) -> None:
     config = RunConfig(method="fedavg", rounds=2, clients=SITES, data={"source": "synthetic:n=240,classes=3"},
                        train={"max_steps": 2, "batch_size": 16}, stream_aggregation=True)
-    run_simulation(config, tmp_path / "run", echo=lambda line: None)
+    run_simulation(resolve(config, "byoc"), tmp_path / "run", echo=lambda line: None)
     rounds = json.loads((tmp_path / "run" / "medflare_results.json").read_text())["rounds"]
     assert len(rounds) == 2
     for record in rounds:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from medflare.plan import build_global_model
+from medflare.plan import build_global_model, resolve
 from medflare.run_config import RunConfig
 from medflare.simulate import run_simulation
 
@@ -24,7 +24,7 @@ def run(tmp_path: Path, name: str, **options) -> tuple[dict, dict, Path]:
     quick = {"rounds": 1, "data": {"source": "synthetic:n=240,classes=3", "partition": "iid"},
              "train": {"max_steps": 3, "batch_size": 16}}
     config = RunConfig(method="fedavg", clients=2, audit=True, **{**quick, **options})
-    summary = run_simulation(config, tmp_path / name, echo=lambda line: None)
+    summary = run_simulation(resolve(config, "byoc"), tmp_path / name, echo=lambda line: None)
     final = torch.load(tmp_path / name / "FL_global_model.pt", weights_only=False)["model"]
     return summary, final, tmp_path / name
 

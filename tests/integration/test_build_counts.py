@@ -18,13 +18,13 @@ import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.smoke]
 
-# Loaded by every Python process of the run (the command line, FLARE's simulator, its sites): wraps the two
-# builders where they are defined, before any module binds them, and appends one line per call to a log.
+# Loaded by every Python process of the run (the command line, FLARE's simulator, its sites): wraps the
+# builders and the checks where they are defined, before any module binds them, and appends one line per call to a log.
 COUNTER = textwrap.dedent('''
     import hashlib, importlib.machinery, json, os, sys
 
-    TARGETS = {"medflare.server_setup": "server_rule", "medflare.site_config": "resolve_train_config",
-               "medflare.plan": "read_plan"}
+    TARGETS = {"medflare.server_setup": ("server_rule",), "medflare.site_config": ("resolve_train_config",),
+               "medflare.plan": ("read_plan", "validated")}
 
     def _counted(module_name, function):
         def counted(*args, **kwargs):
@@ -45,7 +45,8 @@ COUNTER = textwrap.dedent('''
 
             def exec_module(module):
                 run(module)
-                setattr(module, TARGETS[name], _counted(name, getattr(module, TARGETS[name])))
+                for function in TARGETS[name]:
+                    setattr(module, function, _counted(name, getattr(module, function)))
             spec.loader.exec_module = exec_module
             return spec
 
@@ -81,3 +82,5 @@ def test_one_simulator_run_builds_the_server_rule_and_each_sites_training_once_p
     assert len(reads) >= 3 and len(set(reads.values())) == 1, by_process  # the server and each site: one plan, once
     assert sum(trains) == 1, by_process  # the command line resolves the job's (the sites set none of their own);
     # each site takes its typed settings from the plan file and resolves nothing again
+    checks = [n for counts in by_process.values() for (builder, _), n in counts.items() if builder == "validated"]
+    assert checks == [1], by_process  # the layered run is checked once, by the resolver; no runner checks it again

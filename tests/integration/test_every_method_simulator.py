@@ -19,7 +19,7 @@ from nvflare.recipe import SimEnv
 from medflare.flare.audit import AUDIT_FILE
 from medflare.flare.controller import RESULTS_FILE
 from medflare.launch import write_job_outputs
-from medflare.plan import describe_sites, resolve
+from medflare.plan import describe_sites
 from medflare.recipes import MedflareRecipe
 from medflare.registry import get_method, list_methods
 from medflare.run_config import RunConfig
@@ -40,13 +40,12 @@ def run_recipe_in_simenv(run: RunConfig, tmp_path: Path) -> tuple[Path, dict, di
     ``sites/<site>/``."""
     recipe = MedflareRecipe(run)
     result = recipe.execute(SimEnv(num_clients=run.clients, workspace_root=str(tmp_path / "ws")))
-    run = recipe.run_config  # the run as the recipe checked it (its method's protocol data options filled in)
     workspace = Path(result.get_result())
     results_file = workspace / "server" / "simulate_job" / "app_server" / RESULTS_FILE
     out = tmp_path / "run"
     out.mkdir()
-    plan = resolve(run, "byoc")
-    summary = write_job_outputs(plan, results_file, out, describe_sites(run)[0], launched_at=None)
+    plan = recipe.plan  # as the recipe resolved it (its method's protocol data options filled in)
+    summary = write_job_outputs(plan, results_file, out, describe_sites(plan)[0], launched_at=None)
     for audit in workspace.glob(f"site-*/**/{AUDIT_FILE}"):
         site = audit.relative_to(workspace).parts[0]
         (out / "sites" / site).mkdir(parents=True)

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from medflare.plan import resolve
 from medflare.run_config import RunConfig
 from medflare.simulate import run_simulation
 
@@ -16,7 +17,7 @@ def test_fedmas_records_rf_and_rf_weighted_shares(tmp_path: Path) -> None:
         data={"source": "synthetic:n=600,imbalance=10", "partition": "dirichlet:0.5"},
         train={"max_steps": 3, "batch_size": 32}, method_args={"prior_input_size": 32},
     )
-    summary = run_simulation(run, tmp_path / "fedmas", echo=lambda line: None)
+    summary = run_simulation(resolve(run, "byoc"), tmp_path / "fedmas", echo=lambda line: None)
     sites = {"site-1", "site-2", "site-3"}
     for entry in summary["per_round"]:
         assert set(entry["rf"]) == sites and all(0 < v <= 1 for v in entry["rf"].values())

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from medflare.models import create_model
+from medflare.plan import resolve
 from medflare.run_config import RunConfig
 from medflare.simulate import SimulationError, run_simulation
 
@@ -34,7 +35,7 @@ def test_four_architectures_exchange_only_probabilities_and_scalars(tmp_path: Pa
         train={"max_steps": 2, "batch_size": 8}, method_args={"chunks": 2, "public_per_round": 16}, audit=True,
     )
     out = tmp_path / "mdhfl"
-    summary = run_simulation(run, out, echo=lambda line: None)
+    summary = run_simulation(resolve(run, "byoc"), out, echo=lambda line: None)
 
     assert summary["rounds_completed"] == 2
     assert torch.load(out / "FL_global_model.pt", weights_only=False)["model"] == {}  # the server holds no model
@@ -64,4 +65,4 @@ def test_a_site_with_another_copy_of_the_public_set_stops_the_job(tmp_path: Path
         method_args={"public_per_round": 16}, plugins=[str(PLUGINS / "corrupt_public_copy.py")],
     )
     with pytest.raises(SimulationError, match=r"public set mismatch: site-2 hold\(s\) a different copy"):
-        run_simulation(run, tmp_path / "out", echo=lambda line: None)
+        run_simulation(resolve(run, "byoc"), tmp_path / "out", echo=lambda line: None)

@@ -11,6 +11,7 @@ import pytest
 
 from medflare.cli import main
 from medflare.data import load_source
+from medflare.plan import resolve
 from medflare.run_config import merge_run_config
 from medflare.scenarios import load_scenario
 from medflare.simulate import run_simulation
@@ -30,7 +31,7 @@ def demo_run(tmp_path_factory) -> tuple[Path, dict, object]:
         "method": "fedmas", "clients": 2, "rounds": 1, "shot_thresholds": None, "train": {"max_steps": 3},
         "data": {"source": SOURCE, "site_shift": 0.0}, "method_args": {"prior_input_size": 32}})
     out = tmp_path_factory.mktemp("runs") / "demo"
-    summary = run_simulation(run, out, echo=lambda line: None)
+    summary = run_simulation(resolve(run, "byoc"), out, echo=lambda line: None)
     return out, summary, run
 
 

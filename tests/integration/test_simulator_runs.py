@@ -25,7 +25,7 @@ FEDAVG = RunConfig(method="fedavg", rounds=2, clients=2, data=DATA, train=QUICK)
 @pytest.fixture(scope="module")
 def fedavg_run(tmp_path_factory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("runs") / "fedavg"
-    summary = run_simulation(FEDAVG, out, echo=lambda line: None)
+    summary = run_simulation(resolve(FEDAVG, "byoc"), out, echo=lambda line: None)
     return out, summary
 
 
@@ -122,7 +122,7 @@ DIVERGING_SITE_2 = {"site-2": {"optimizer": "sgd", "lr": 1e30}}
 @pytest.mark.heavy  # make test-heavy
 def test_a_failing_site_is_left_out_and_the_round_goes_on(tmp_path: Path) -> None:
     run = RunConfig(method="fedavg", rounds=2, clients=2, min_clients=1, data=DATA, train=QUICK, site_train=DIVERGING_SITE_2)
-    summary = run_simulation(run, tmp_path / "out", echo=lambda line: None)
+    summary = run_simulation(resolve(run, "byoc"), tmp_path / "out", echo=lambda line: None)
     for entry in summary["per_round"]:
         assert entry["share"] == {"site-1": 1.0}
         assert "site-2" in entry["failed"]
@@ -135,7 +135,7 @@ def test_too_few_sites_stops_the_job_with_a_clear_error_and_no_output(tmp_path: 
 
     run = RunConfig(method="fedavg", rounds=2, clients=2, data=DATA, train=QUICK, site_train=DIVERGING_SITE_2)
     with pytest.raises(MedflareError, match="min_clients=2"):
-        run_simulation(run, tmp_path / "out", echo=lambda line: None)
+        run_simulation(resolve(run, "byoc"), tmp_path / "out", echo=lambda line: None)
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
     assert (tmp_path / "out.failed.log").is_file()
 
@@ -147,7 +147,7 @@ def test_baselines_complete_on_pneumoniamnist(method: str, medmnist_file, tmp_pa
     path = medmnist_file("pneumoniamnist.npz")
     run = RunConfig(method=method, rounds=2, clients=3, data={"source": f"medmnist:{path}", "partition": "dirichlet:0.5"},
                     train=QUICK)
-    summary = run_simulation(run, tmp_path / method, echo=lambda line: None)
+    summary = run_simulation(resolve(run, "byoc"), tmp_path / method, echo=lambda line: None)
     assert summary["rounds_completed"] == 2
     assert summary["config"]["task"] == {"num_classes": 2, "in_channels": 1, "image_size": 28,
                                          "class_names": ["class_0", "class_1"], "multi_label": False}

@@ -12,6 +12,7 @@ import pytest
 
 from medflare.flare import tracking
 from medflare.flare.progress import entries_from_results, format_progress
+from medflare.plan import resolve
 from medflare.run_config import RunConfig
 from medflare.simulate import run_simulation
 
@@ -27,7 +28,7 @@ def tracked_run(tmp_path_factory) -> tuple[Path, dict, list[str]]:
                     data={"source": "synthetic:n=300", "partition": "iid"},
                     train={"max_steps": 6, "batch_size": 32, "local_epochs": EPOCHS})
     lines: list[str] = []
-    summary = run_simulation(run, out, echo=lines.append)
+    summary = run_simulation(resolve(run, "byoc"), out, echo=lines.append)
     return out, summary, lines
 
 

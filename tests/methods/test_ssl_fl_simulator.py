@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from medflare.plan import resolve
 from medflare.run_config import RunConfig
 from medflare.simulate import run_simulation
 
@@ -37,7 +38,7 @@ def test_one_job_pretrains_then_finetunes_a_tiny_vit(method: str, tmp_path: Path
         train={"max_steps": 2, "batch_size": 16},
     )
     out = tmp_path / method
-    summary = run_simulation(run, out, echo=lambda line: None)
+    summary = run_simulation(resolve(run, "byoc"), out, echo=lambda line: None)
 
     assert summary["rounds_completed"] == len(stages)
     assert [entry["stage"] for entry in summary["per_round"]] == stages

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from medflare.files import OutputError
-from medflare.plan import validated
+from medflare.plan import RunPlan, resolve
 from medflare.run_config import RunConfig
 from medflare.server_setup import DEPLOY_ROBUST, deployment_robust
 
@@ -38,20 +38,25 @@ README = "README.md"
 
 
 def deployment_run(method: str, **overrides: Any) -> RunConfig:
-    """The run configuration behind a method's app and job template: site-local data, declared task, and the
+    """The layered run behind a method's app and job template: site-local data, declared task, and the
     deployment's robust defences under any ``robust`` of ``overrides``."""
     fields: dict[str, Any] = {
         "method": method, "rounds": DEPLOY_ROUNDS, "clients": DEPLOY_SITES, "min_clients": DEPLOY_MIN_SITES,
         "data": {"source": "site"}, "task": dict(DEPLOY_TASK), "straggler_seconds": 600, **overrides}
     fields["robust"] = deployment_robust(fields.get("robust", {}), fields.get("secure_aggregation") == "he")
-    return validated(RunConfig(**fields), check_files=False)
+    return RunConfig(**fields)
+
+
+def deployment_plan(method: str, **overrides: Any) -> RunPlan:
+    """The plan of a method's app and job template (:func:`deployment_run`, deployed, pre-installed)."""
+    return resolve(deployment_run(method, **overrides), "preinstalled", deployed=True, check_files=False)
 
 
 def write_app(method: str, out_dir: str | Path) -> Path:
     """Write ``out_dir/<method>/`` (pre-installed job with the method's privacy scope); return it."""
-    from medflare.deploy.poc import export_poc_job
+    from medflare.job_export import write_job
 
-    return export_poc_job(deployment_run(method), out_dir, "preinstalled")
+    return write_job(deployment_plan(method), out_dir, "preinstalled")
 
 
 def write_apps(out_dir: str | Path = APPS_DIR, methods: list[str] | None = None) -> list[Path]:

@@ -50,8 +50,8 @@ from medflare.errors import ConfigError, MedflareError
 from medflare.files import OutputTarget
 from medflare.flare.memory import with_allocator_settings
 from medflare.flare.tracking import keep_server_records
+from medflare.job_export import write_job
 from medflare.launch import (
-    export_run_job,
     failure_note,
     first_site_said,
     job_plan_in,
@@ -59,7 +59,7 @@ from medflare.launch import (
     results_text,
     write_job_outputs,
 )
-from medflare.plan import describe_sites, resolve, validated
+from medflare.plan import RunPlan, describe_sites, resolve
 from medflare.processes import (
     end_processes,
     flare_admin_popen_args,
@@ -70,7 +70,6 @@ from medflare.processes import (
     signals_held,
 )
 from medflare.run_options import add_run_options, build_run_config
-from medflare.server_setup import deployment_robust
 
 REPO_DIR = Path(__file__).resolve().parents[3]
 DEFAULT_PROJECT = REPO_DIR / "provisioning" / "project.yml"
@@ -454,10 +453,6 @@ def retarget_job(job_dir: str | Path, sites: list[str], name: str) -> None:
     meta_path.write_text(json.dumps(meta, indent=2) + "\n")
 
 
-# The run's job as POC and production get it (apps.py and the POC tests use this name).
-export_poc_job = export_run_job
-
-
 def find_results(download_dir: str | Path) -> Path:
     """The controller's results file inside a downloaded job."""
     from medflare.flare.controller import RESULTS_FILE
@@ -468,13 +463,13 @@ def find_results(download_dir: str | Path) -> Path:
     return found[0]
 
 
-def write_run_outputs(run: Any, download_dir: Path, out: Path, launched_at: float | None, extra: dict,
-                      plan: Any = None) -> dict:
+def write_run_outputs(download_dir: Path, out: Path, launched_at: float | None, extra: dict,
+                      plan: RunPlan | None = None) -> dict:
     """summary.json / rounds.csv / report.md / plots (as ``medflare run`` writes them) from a downloaded job;
     ``plan``: the job's plan (``plan.resolve``; when not given, the one the downloaded job carries)."""
     results_path = find_results(download_dir)
     plan = plan or job_plan_in(results_path.parent)
-    clients, _ = describe_sites(run, plan.task)
+    clients, _ = describe_sites(plan)
     summary = write_job_outputs(plan, results_path, out, clients, launched_at, deployment=extra)
     keep_server_records(results_path.parent.parent, out)  # TensorBoard / MLflow records of the job
     server_log = results_path.parent.parent / "log.txt"
@@ -512,30 +507,18 @@ def follow_job(session: PocSession, job_id: str, echo: Echo, timeout: float) -> 
         echo(f"poc: no round-by-round progress ({exc}); waiting for the job to end")
 
 
-def as_deployed(run: Any) -> Any:
-    """``run`` as a POC deploys it (in place): a POC is a real deployment, so its job gets the robust defences
-    (:func:`medflare.server_setup.deployment_robust` under the run's own), simulated data or not. Returns ``run``."""
-    run.robust = deployment_robust(run.robust, encrypted=run.secure_aggregation == "he")
-    return run
-
-
-def run_poc(run: Any, out_dir: str | Path, echo: Echo = print, mode: str = "byoc", port: int | None = None,
-            timeout: float = 1800, overwrite: bool = False, root: Path | None = None, plan: Any = None) -> dict[str, Any]:
-    """The POC twin of ``run_simulation``: prepare and start a POC (``run.clients`` sites), submit the job as the
-    lead, wait, download, write the run's outputs, stop and clean.
+def run_poc(plan: RunPlan, out_dir: str | Path, echo: Echo = print, mode: str = "byoc", port: int | None = None,
+            timeout: float = 1800, overwrite: bool = False, root: Path | None = None) -> dict[str, Any]:
+    """The POC twin of ``run_simulation``: prepare and start a POC (one site per site of ``plan``), submit the job
+    of ``plan`` (``plan.resolve(run, mode, deployed=True)``: a POC is a deployment, so its job gets the robust
+    defences, simulated data or not) as the lead, wait, download, write the run's outputs, stop and clean.
 
     Everything is staged in ``<out>.partial`` (the POC too, unless ``root`` or ``$MEDFLARE_POC_ROOT`` says where it
     goes: then there, replacing a POC left in it) and moved to ``out`` only after success (``OutputTarget`` rules: a
     non-empty ``out`` needs ``overwrite``). On failure or SIGTERM/SIGINT the POC is stopped and removed and its server
-    log, with the rounds that finished, kept as ``<out>.failed.log``. The job gets the robust defences of a
-    deployment (:func:`as_deployed`). ``mode``: "byoc" (the job carries medflare) or "preinstalled". ``port``:
-    default ``$MEDFLARE_POC_PORT`` or 8002, read now. ``plan``: the job's plan when the caller validated ``run`` as
-    deployed and resolved it (``plan.resolve``, as ``medflare run --env poc`` does); else both happen here.
+    log, with the rounds that finished, kept as ``<out>.failed.log``. ``mode``: "byoc" (the job carries medflare) or
+    "preinstalled". ``port``: default ``$MEDFLARE_POC_PORT`` or 8002, read now.
     """
-    as_deployed(run)
-    if plan is None:
-        run = validated(run)
-        plan = resolve(run, mode)  # the data is read for the task once; the job and its outputs come from the plan
     target = OutputTarget(Path(out_dir), overwrite=overwrite)
     staging = target.begin()
     poc_root = root or env_root() or staging / "poc"
@@ -546,29 +529,29 @@ def run_poc(run: Any, out_dir: str | Path, echo: Echo = print, mode: str = "byoc
         except PocError:
             target.abandon()
             raise
-        return _run_in_poc(run, plan, session, target, staging, mode, timeout)
+        return _run_in_poc(plan, session, target, staging, mode, timeout)
 
 
-def _run_in_poc(run: Any, plan: Any, session: PocSession, target: OutputTarget, staging: Path, mode: str,
+def _run_in_poc(plan: RunPlan, session: PocSession, target: OutputTarget, staging: Path, mode: str,
                 timeout: float) -> dict[str, Any]:
     """:func:`run_poc`'s steps in the session's POC, writing into ``staging``; on failure the cause is printed first,
     then the POC is ended and its server log kept as ``<out>.failed.log``."""
     echo = session.echo
     try:
-        session.prepare(run.clients, allow_job_data=run.data.get("source", "site") != "site",
-                        he=run.secure_aggregation == "he")
-        job_dir = export_run_job(run, staging / "job", mode, plan=plan)
+        session.prepare(len(plan.sites), allow_job_data=plan.data.get("source", "site") != "site",
+                        he=plan.secure_aggregation == "he")
+        job_dir = write_job(plan, staging / "job", mode)
         launched_at = time.time()
         session.start()
         job_id = session.submit(job_dir)
-        echo(f"poc: waiting for job {job_id} ({run.rounds} rounds)")
+        echo(f"poc: waiting for job {job_id} ({len(plan.rounds)} rounds)")
         follow_job(session, job_id, echo, timeout)
         status = session.wait(job_id, timeout=timeout)
         if status != "FINISHED:COMPLETED":
             raise PocError(f"job {job_id} ended as {status}{first_site_said(session.prod_dir())}; see the server log")
         download = session.download(job_id, staging / "download")
         extra = {"env": "poc", "mode": mode, "job_id": job_id, "status": status, "sites": session.state["sites"]}
-        summary = write_run_outputs(run, download, staging, launched_at, extra, plan)
+        summary = write_run_outputs(download, staging, launched_at, extra, plan)
         keep_site_logs(session.prod_dir(), staging, job_id)  # a POC's sites are on this machine too
         if summary.get("error"):
             raise PocError(f"the job stopped early: {summary['error']}{first_site_said(session.prod_dir())}")
@@ -579,7 +562,7 @@ def _run_in_poc(run: Any, plan: Any, session: PocSession, target: OutputTarget, 
         return summary
     except BaseException as exc:
         with signals_held():  # a stop request during the clean-up must not leave the POC running
-            note = failure_note(run.rounds, session.root, exc)
+            note = failure_note(len(plan.rounds), session.root, exc)
             session.echo = quiet_on_closed_output(echo)  # a gone terminal must not stop the clean-up
             session.echo(f"{note.strip()}; stopping the POC")  # the cause first
             log = (session.server_log() if session.state else "") + note
@@ -589,8 +572,9 @@ def _run_in_poc(run: Any, plan: Any, session: PocSession, target: OutputTarget, 
 
 
 # ----- command line ---------------------------------------------------------------------------------
-def _run_config_from_args(args: Any) -> Any:
-    return validated(as_deployed(build_run_config(args)))
+def _plan_from_args(args: Any) -> RunPlan:
+    """The plan of the job ``submit``/``run`` sends: the command line's options, deployed."""
+    return resolve(build_run_config(args), args.mode, deployed=True)
 
 
 def _cmd_prepare(session: PocSession, args: Any) -> int:
@@ -605,12 +589,10 @@ def _cmd_start(session: PocSession, args: Any) -> int:
 
 
 def _cmd_submit(session: PocSession, args: Any) -> int:
-    import dataclasses
-
-    run = _run_config_from_args(args)
-    job_dir = export_poc_job(run, session.root / "jobs" / args.mode, args.mode)
+    plan = _plan_from_args(args)
+    job_dir = write_job(plan, session.root / "jobs" / args.mode, args.mode)
     job_id = session.submit(job_dir, args.user)
-    session.state["jobs"][job_id].update(run=dataclasses.asdict(run), mode=args.mode)
+    session.state["jobs"][job_id].update(job_name=plan.job_name, mode=args.mode)
     session._save_state()
     print(job_id)
     return 0
@@ -623,14 +605,11 @@ def _cmd_wait(session: PocSession, args: Any) -> int:
 
 
 def _cmd_download(session: PocSession, args: Any) -> int:
-    from medflare.run_config import merge_run_config
-
     job_id = args.job_id or session.state.get("last_job")
     if not job_id:
         raise PocError("no job submitted in this POC")
     job = session.state["jobs"][job_id]
-    run = merge_run_config(job["run"])  # as the POC stored it, typed again
-    out = Path(args.output or f"runs/poc-{run.job_name}-{job_id[:8]}")
+    out = Path(args.output or f"runs/poc-{job.get('job_name', 'job')}-{job_id[:8]}")
     target = OutputTarget(out, overwrite=args.overwrite, option="-o")
     target.check()
     download = session.download(job_id, session.root / "downloads")
@@ -638,7 +617,7 @@ def _cmd_download(session: PocSession, args: Any) -> int:
              "sites": session.state["sites"]}
     staging = target.begin()
     try:
-        summary = write_run_outputs(run, download, staging, None, extra)
+        summary = write_run_outputs(download, staging, None, extra)  # the plan the downloaded job carries
         target.publish()
     except BaseException:
         target.abandon()
@@ -655,11 +634,11 @@ def _cmd_stop(session: PocSession, args: Any) -> int:
 
 
 def _cmd_run(session: PocSession, args: Any) -> int:
-    run = _run_config_from_args(args)
-    out = Path(args.output or f"runs/poc-{run.job_name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    plan = _plan_from_args(args)
+    out = Path(args.output or f"runs/poc-{plan.job_name}-{time.strftime('%Y%m%d-%H%M%S')}")
     # run_poc holds the POC root itself: --root or $MEDFLARE_POC_ROOT when given, else inside the run's staging
     root = Path(args.root) if args.root else None
-    summary = run_poc(run, out, mode=args.mode, port=args.port, overwrite=args.overwrite, root=root)
+    summary = run_poc(plan, out, mode=args.mode, port=args.port, overwrite=args.overwrite, root=root)
     print(results_text([summary], out))
     return 0
 

@@ -213,7 +213,7 @@ def _site_file(kit: Path) -> tuple[Any, str, str]:
 def _policy(site_file: Any) -> tuple[Any, str, str]:
     from medflare.site_policy import site_policy
 
-    policy = site_policy(site_file.content)
+    policy = site_policy(site_file)
     accepts = ", ".join(policy.methods) if policy.methods is not None else "any method"
     required = ", ".join(policy.require) or "nothing"
     return policy, PASS, (f"accepts {accepts}; requires {required}; min_class_samples {policy.min_class_samples}; "

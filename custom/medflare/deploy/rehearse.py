@@ -308,12 +308,11 @@ class Stage:
             transfer_dtype=plan.transfer_dtype, download_dtype=plan.download_dtype, name=f"rehearse-{plan.method}")
 
     def export(self) -> Path:
-        from medflare.launch import export_run_job
-        from medflare.plan import validated
+        from medflare.job_export import write_job
+        from medflare.plan import resolve
 
-        run = validated(self.run_config(), check_files=False)
-        self.run = run
-        return export_run_job(run, self.work / "jobs", "preinstalled")  # what `medflare export` writes
+        plan = resolve(self.run_config(), "preinstalled", check_files=False)
+        return write_job(plan, self.work / "jobs", "preinstalled")  # what `medflare export` writes
 
     def preflight(self, job_dir: Path) -> dict[str, str]:
         """``medflare preflight KIT --job JOB`` for each hospital, in its namespace, as its admin runs it before

@@ -90,7 +90,7 @@ class MedflareExecutor(Executor):
         """The hospital's policy (``medflare.site_policy``; the default one in FLARE's simulator) against the job,
         before any image is read, raising :class:`SiteDeclined` when it refuses; a site with its own file keeps an
         audit record of the job (its refusal included)."""
-        policy = site_policy(site_file.content)
+        policy = site_policy(site_file)
         if site_file.content is None:  # FLARE's simulator: no hospital, no policy
             return policy
         self._audit = AuditLog(site_file.path.parent / policy.audit_log, job_id, plan)
