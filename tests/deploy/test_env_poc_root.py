@@ -102,3 +102,13 @@ def test_wait_and_download_before_any_submit_say_so_in_one_line(tmp_path: Path) 
     for act in (lambda: session.wait(), lambda: session.download(None, tmp_path / "out")):
         with pytest.raises(ConfigError, match="no job was submitted to this POC yet"):
             act()
+
+
+def test_a_poc_runs_only_a_plan_resolved_as_deployed(poc_steps: list[dict], no_poc_env, tmp_path: Path) -> None:
+    """A POC is a deployment: a plan resolved for the simulator (a defence left out, so off) is refused before
+    anything is made; the same run resolved as deployed reaches the POC's steps."""
+    with pytest.raises(ConfigError, match=r"deployed=True"):
+        run_poc(resolve(smoke_run(), "byoc"), tmp_path / "o", echo=lambda line: None)
+    assert poc_steps == [] and not list(tmp_path.iterdir())
+    run_poc(resolve(smoke_run(), "byoc", deployed=True), tmp_path / "o", echo=lambda line: None)
+    assert [seen["staging"] for seen in poc_steps] == [tmp_path / "o.partial"]

@@ -70,6 +70,7 @@ from medflare.processes import (
     signals_held,
 )
 from medflare.run_options import add_run_options, build_run_config
+from medflare.server_setup import DEPLOY_ROBUST
 
 REPO_DIR = Path(__file__).resolve().parents[3]
 DEFAULT_PROJECT = REPO_DIR / "provisioning" / "project.yml"
@@ -517,8 +518,12 @@ def run_poc(plan: RunPlan, out_dir: str | Path, echo: Echo = print, mode: str = 
     goes: then there, replacing a POC left in it) and moved to ``out`` only after success (``OutputTarget`` rules: a
     non-empty ``out`` needs ``overwrite``). On failure or SIGTERM/SIGINT the POC is stopped and removed and its server
     log, with the rounds that finished, kept as ``<out>.failed.log``. ``mode``: "byoc" (the job carries medflare) or
-    "preinstalled". ``port``: default ``$MEDFLARE_POC_PORT`` or 8002, read now.
+    "preinstalled". ``port``: default ``$MEDFLARE_POC_PORT`` or 8002, read now. ConfigError for a plan not resolved
+    as deployed: its job would leave a defence off because a setting was left out.
     """
+    if not set(DEPLOY_ROBUST) <= set(plan.robust):  # a deployed plan states each defence, on or off
+        raise ConfigError("a POC is a deployment: resolve its plan with plan.resolve(run, mode, deployed=True), which "
+                          "turns the robust defences on unless the run turns them off")
     target = OutputTarget(Path(out_dir), overwrite=overwrite)
     staging = target.begin()
     poc_root = root or env_root() or staging / "poc"
