@@ -134,7 +134,7 @@ def test_the_accountant_counts_every_step_and_survives_a_restart() -> None:
 # ----- the model every party builds -----------------------------------------------------------------------------
 def test_server_and_site_build_the_same_dp_compatible_architecture(tmp_path: Path) -> None:
     server = build_global_model("fedavg", "cnn", 3, 1, 16, dp_sgd=True).state_dict()
-    site = SiteRuntime(site_settings({"noise_multiplier": 1.0}), "site-1", 0, log=lambda _: None)
+    site = SiteRuntime(site_settings(DPSGDConfig(noise_multiplier=1.0)), "site-1", 0, log=lambda _: None)
     assert {k: v.shape for k, v in server.items()} == {k: v.shape for k, v in site.model.state_dict().items()}
     assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in site.model.modules())
     assert any(k.endswith("running_mean") for k in build_global_model("fedavg", "cnn", 3, 1, 16).state_dict())
@@ -191,18 +191,18 @@ def test_a_site_with_a_dp_bound_but_without_required_declines_a_job_without_dp_s
     (tmp_path / SITE_CONFIG_FILE).write_text(json.dumps({"data": {"source": "folder:/x"}, "dp_sgd": bound}))
     with pytest.raises(SiteDeclined, match=f"site-1 declines the job: .*dp_sgd \\({next(iter(bound))}\\) requires"):
         resolve_site_dp({}, "site-1", tmp_path)
-    assert resolve_site_dp({"noise_multiplier": 1.2}, "site-1", tmp_path)["noise_multiplier"] == 1.2
+    assert resolve_site_dp({"noise_multiplier": 1.2}, "site-1", tmp_path).noise_multiplier == 1.2
 
 
 def test_a_site_takes_the_lower_budget_and_a_site_without_policy_takes_the_job(tmp_path: Path) -> None:
     rules = SiteDPPolicy(**POLICY)
     assert site_dp_settings(DPSGDConfig(noise_multiplier=1.2), rules, "site-1").max_epsilon == 8
     assert site_dp_settings(DPSGDConfig(noise_multiplier=1.2, max_epsilon=3), rules, "site-1").max_epsilon == 3
-    assert resolve_site_dp({"noise_multiplier": 1.2}, "site-1", tmp_path)["noise_multiplier"] == 1.2  # no file
-    assert resolve_site_dp({}, "site-1", tmp_path) == {}
+    assert resolve_site_dp({"noise_multiplier": 1.2}, "site-1", tmp_path).noise_multiplier == 1.2  # no file
+    assert resolve_site_dp({}, "site-1", tmp_path) is None
 
 
-def site_settings(dp_sgd: dict) -> SiteSettings:
+def site_settings(dp_sgd: DPSGDConfig) -> SiteSettings:
     return SiteSettings(spec=get_method("fedavg"), task=TaskSpec(num_classes=3, in_channels=1, image_size=16), data=SYNTHETIC,
                         train={"batch_size": 16, "max_steps": 3}, dp_sgd=dp_sgd, evaluation="off")
 
@@ -211,7 +211,7 @@ def test_a_site_stops_at_its_budget_and_a_restarted_site_remembers_what_it_spent
     one_round = epsilon_of([(1.0, 16 / 120, 3)], DELTA)  # 3 steps at q = 16/120: about 3.07
     two_rounds = epsilon_of([(1.0, 16 / 120, 6)], DELTA)  # about 3.66
     budget = (one_round + two_rounds) / 2
-    settings = site_settings(dataclass_dict(noise_multiplier=1.0, max_epsilon=budget))
+    settings = site_settings(DPSGDConfig(noise_multiplier=1.0, max_epsilon=budget))
     site = SiteRuntime(settings, "site-1", 0, log=lambda _: None, local_dir=tmp_path)
     _, meta = site.train(site.shared_weights(), RoundContext(0, 3))
     assert meta["dp_epsilon"] == pytest.approx(one_round)

@@ -4,7 +4,6 @@ on them is :mod:`medflare.site_runtime`."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, TypeVar
@@ -15,6 +14,7 @@ from medflare.methods.base import MethodSpec, TrainConfig
 
 if TYPE_CHECKING:
     from medflare.data import DataConfig
+    from medflare.dp_sgd import DPSGDConfig
 
 T = TypeVar("T")
 SITE_CONFIG_FILE = "medflare_site.json"  # in a site's local/ folder (POC and production)
@@ -47,7 +47,7 @@ class SiteSettings:
     train: TrainConfig | Mapping[str, Any] = field(default_factory=dict)
     seed: int = 0
     evaluation: str = "every_round"  # every_round | final | off: when the site sends evaluation counts
-    dp_sgd: dict[str, Any] = field(default_factory=dict)  # DP-SGD as this site trains it (resolve_site_dp); {} = off
+    dp_sgd: DPSGDConfig | None = None  # DP-SGD as this site trains it (resolve_site_dp); None = off
     min_class_samples: int = 0  # the site policy's floor: no statistics about a class with fewer samples leave
 
     def __post_init__(self) -> None:
@@ -219,18 +219,17 @@ def resolve_site_model(
 
 def resolve_site_dp(
     job_dp: Mapping[str, Any] | None, site: str, site_config_dir: str | Path | SiteFile | None
-) -> dict[str, Any]:
-    """The DP-SGD settings this site trains with ({} = off): the job's ``dp_sgd`` against its file's ``dp_sgd``
+) -> DPSGDConfig | None:
+    """The DP-SGD settings this site trains with (None = off), typed once: the job's ``dp_sgd`` against its file's ``dp_sgd``
     policy (DP-SGD required, a σ floor, clipping/δ ceilings, a budget). Raises SiteDeclined (one line, sent to the
     server) when the job asks for less than the site demands."""
     site_file = SiteFile.of(site_config_dir)
     if not job_dp and not site_file.get("dp_sgd"):
-        return {}
+        return None
     from medflare.dp_sgd import DPSGDConfig, SiteDPPolicy, site_dp_settings  # local: needed only with DP-SGD
 
     job = from_dict(DPSGDConfig, dict(job_dp), "dp_sgd") if job_dp else None
-    cfg = site_dp_settings(job, site_file.section("dp_sgd", SiteDPPolicy), site)
-    return dataclasses.asdict(cfg) if cfg is not None else {}
+    return site_dp_settings(job, site_file.section("dp_sgd", SiteDPPolicy), site)
 
 
 @dataclass(frozen=True)

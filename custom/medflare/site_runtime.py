@@ -107,9 +107,9 @@ class SiteRuntime:
 
     def _enable_dp_sgd(self) -> None:
         """Per-sample clipping, noise and this site's accountant for the whole job (kept in its state file)."""
-        from medflare.dp_sgd import DPSGDConfig, PrivateTraining
+        from medflare.dp_sgd import PrivateTraining
 
-        cfg = DPSGDConfig(**self.settings.dp_sgd)  # typed where the site resolved it (site_config.resolve_site_dp)
+        cfg = self.settings.dp_sgd  # typed where the site resolved it (site_config.resolve_site_dp)
         self.trainer.enable_dp_sgd(PrivateTraining(cfg, self.model, len(self.trainer.train_dataset())))
         budget = f", budget ε ≤ {cfg.max_epsilon:g}" if cfg.max_epsilon > 0 else ""
         self.log(f"DP-SGD: σ = {cfg.noise_multiplier:g}, C = {cfg.max_grad_norm:g}, δ = {cfg.delta:g}, "
