@@ -175,6 +175,7 @@ class Stage:
         self.job_ids: list[str] = []  # the jobs submitted, in order (a second one after a server crash)
         self.resume_from = ""  # a crashed job whose server is back: the lead submits it again with resume_from
         self.t0 = time.time()
+        self.job_plan: Any = None  # the lead job's RunPlan, once exported
 
     @contextlib.contextmanager
     def timed(self, name: str) -> Iterator[None]:
@@ -311,8 +312,8 @@ class Stage:
         from medflare.job_export import write_job
         from medflare.plan import resolve
 
-        plan = resolve(self.run_config(), "preinstalled", check_files=False)
-        return write_job(plan, self.work / "jobs", "preinstalled")  # what `medflare export` writes
+        self.job_plan = resolve(self.run_config(), "preinstalled", check_files=False)
+        return write_job(self.job_plan, self.work / "jobs", "preinstalled")  # what `medflare export` writes
 
     def preflight(self, job_dir: Path) -> dict[str, str]:
         """``medflare preflight KIT --job JOB`` for each hospital, in its namespace, as its admin runs it before
@@ -517,19 +518,21 @@ class Stage:
 
 
 # ----- checks ----------------------------------------------------------------------------------------------------
-def model_is_finite(path: Path, run: Any) -> str | None:
-    """None when the persisted global model loads with exactly the method's keys and only finite values, else why."""
+def model_is_finite(path: Path, job_plan: Any) -> str | None:
+    """None when the persisted global model loads with exactly the keys of the model of ``job_plan`` (the job's
+    :class:`medflare.plan.RunPlan`) and only finite values, else why."""
     import numpy as np
     import torch
 
-    from medflare.plan import build_global_model, task_of
+    from medflare.plan import build_global_model
 
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)["model"]
     except Exception as exc:  # noqa: BLE001 - any failure to load is the finding
         return f"{path.name} does not load: {exc}"
-    task = task_of(run)
-    expected = build_global_model(run.method, run.model, task.num_classes, task.in_channels, task.image_size)
+    task = job_plan.task
+    expected = build_global_model(job_plan.method, job_plan.model, task.num_classes, task.in_channels,
+                                  task.image_size, method_args=job_plan.method_cfg)
     if set(state) != set(expected.state_dict()):
         return f"{path.name} has keys {sorted(set(state) ^ set(expected.state_dict()))} the method's model has not"
     bad = [k for k, v in state.items() if not np.isfinite(np.asarray(v, dtype=np.float64)).all()]
@@ -695,7 +698,7 @@ def rehearse(plan: Rehearsal, out_dir: str | Path, echo: Echo = print, overwrite
         with stage.timed("download_and_report"):
             results_path = stage.download_and_report(job_id)
         results = json.loads(results_path.read_text())
-        model_problem = model_is_finite(results_path.parent / "FL_global_model.pt", stage.run)
+        model_problem = model_is_finite(results_path.parent / "FL_global_model.pt", stage.job_plan)
         checks = check_outcome(plan, status, results, model_problem, stage.hospitals, stage.events, rejoined,
                                stage.server_log(), job_id)
         record["stalled_rounds"] = stalled_rounds(plan, results.get("rounds", []), stage.events, stage.submitted_at)
