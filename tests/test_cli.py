@@ -265,7 +265,8 @@ def job_written_by(monkeypatch, export_function: str) -> dict:
     written: dict = {}
 
     def export_then_stop(plan, out_dir, mode, *args, **kwargs):
-        written["robust"], written["record"] = written_robust(job_export.write_job(plan, out_dir, mode, *args, **kwargs))
+        job = job_export.write_job(plan, out_dir, mode, *args, **kwargs)
+        written["robust"], written["record"] = written_robust(job)
         raise JobWritten
 
     monkeypatch.setattr(export_function, export_then_stop)

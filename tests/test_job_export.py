@@ -143,7 +143,8 @@ def test_a_job_with_plugin_files_is_refused_for_pre_installed_sites_before_anyth
     with pytest.raises(ConfigError, match="need --mode byoc"):
         write_run_job(run, out, TASK, mode="preinstalled")
     assert not out.exists()  # no empty folder, no partial job
-    assert (write_run_job(run, out, TASK, mode="byoc") / "app" / "custom" / "medflare_plugins" / "exchange.py").is_file()
+    job = write_run_job(run, out, TASK, mode="byoc")
+    assert (job / "app" / "custom" / "medflare_plugins" / "exchange.py").is_file()
 
 
 def test_both_sides_pull_arrays_in_the_chunks_the_job_sets_under_the_name_flare_reads(tmp_path: Path) -> None:

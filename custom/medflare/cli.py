@@ -131,9 +131,10 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def checked_run(args: argparse.Namespace, method: str | None = None, seed: int | None = None,
-                data_defaults: dict[str, Any] | None = None) -> tuple[Any, Any]:
-    """The layered run of ``args`` and the plan of the job ``--env`` gets (its data read): every check before
-    anything starts. ``compare`` passes each ``seed`` and one protocol's ``data_defaults`` for every method."""
+                data_defaults: dict[str, Any] | None = None) -> tuple[Any, Any, dict[str, Any]]:
+    """The layered run of ``args``, the plan of the job ``--env`` gets and its sites' facts (the data read and
+    partitioned): every check before anything starts. ``compare`` passes each ``seed`` and one protocol's
+    ``data_defaults`` for every method."""
     from medflare.plan import describe_sites, resolve
     from medflare.run_options import build_run_config
 
@@ -142,16 +143,16 @@ def checked_run(args: argparse.Namespace, method: str | None = None, seed: int |
         run.seed = seed
     poc = args.env == "poc"  # a POC is a deployment: its job gets the robust defences, simulated data or not
     plan = resolve(run, args.mode if poc else "byoc", deployed=poc, data_defaults=data_defaults)
-    describe_sites(plan)  # reads and partitions the data: a missing file or a too-small site fails here
-    return run, plan
+    sites, _ = describe_sites(plan)  # reads and partitions the data: a missing file or a too-small site fails here
+    return run, plan, sites
 
 
-def show_task(run: Any, plan: Any) -> None:
-    """Print the task a plan trains and each site's images (``launch.task_lines``, from the cached data)."""
+def show_task(run: Any, plan: Any, sites: dict[str, Any]) -> None:
+    """Print the task a plan trains and each site's images (``launch.task_lines``; ``sites``: :func:`checked_run`'s,
+    or ``plan.describe_sites``')."""
     from medflare.launch import task_lines
-    from medflare.plan import describe_sites
 
-    for line in task_lines(plan, describe_sites(plan)[0], run):
+    for line in task_lines(plan, sites, run):
         print(line)
 
 
@@ -176,15 +177,14 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise ConfigError("--resume RUN_DIR works with the simulator only (a POC or production server never "
                               "reads a folder a job names); resubmit the job with resume_from=<earlier job id>")
         args.set = [*args.set, f"resume_from={args.resume}"]
-    run, plan = checked_run(args)
+    run, plan, sites = checked_run(args)
     for line in preset_notes(args, [plan.method]):
         print(line)
     _tracking_note(plan)
     out = Path(args.out or f"runs/{plan.job_name}-{time.strftime('%Y%m%d-%H%M%S')}")
     OutputTarget(out, overwrite=args.overwrite).check()
-    sites = len(plan.sites)
-    where = f"a {sites}-site FLARE POC" if args.env == "poc" else f"{sites} simulated sites"
-    show_task(run, plan)
+    where = f"a {len(plan.sites)}-site FLARE POC" if args.env == "poc" else f"{len(plan.sites)} simulated sites"
+    show_task(run, plan, sites)
     print(f"medflare: running {plan.method} on {where} for {len(plan.rounds)} rounds -> {out}")
     summary = run_in_env(args, plan, out, overwrite=args.overwrite)
     if summary.get("stopped_early"):
@@ -230,7 +230,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     protocol = shared_data_defaults(methods, given=build_run_config(args, methods[0]).data)
     # every run is checked before any starts
     checked = [checked_run(args, method, seed, protocol) for method in methods for seed in seeds]
-    plans = [plan for _, plan in checked]
+    plans = [plan for _, plan, _ in checked]
     for line in preset_notes(args, methods):
         print(line)
     _tracking_note(plans[0])
@@ -271,7 +271,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     """``medflare export``: the run's FLARE job folder, to submit with FLARE's own tools."""
     from medflare.files import OutputTarget
     from medflare.job_export import write_job
-    from medflare.plan import resolve
+    from medflare.plan import describe_sites, resolve
     from medflare.run_options import build_run_config, data_was_chosen
 
     run = build_run_config(args)
@@ -298,7 +298,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     else:
         print(f"wrote {job_dir} ({args.mode}) with simulated data '{plan.data['source']}'; "
               f"run it with: nvflare simulator {job_dir} -n {len(plan.sites)} -t {len(plan.sites)}")
-    show_task(run, plan)
+    show_task(run, plan, describe_sites(plan)[0])
     print(robust_note(plan))
     print(f"plan {plan.digest()}: the server and every site log this fingerprint once they run it")
     return 0

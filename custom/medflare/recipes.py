@@ -9,8 +9,8 @@ Example (a ``job.py`` in FLARE 2.9's style)::
     job = recipe("fedmas", rounds=5, clients=3, data="synthetic:imbalance=20", partition="dirichlet:0.5")
     job.execute(SimEnv(num_clients=3))   # `python job.py --export --export-dir jobs/` writes the job instead
 
-A recipe writes its job with the builder ``medflare export`` and ``medflare run`` use
-(:func:`medflare.plan.resolve`, then :func:`medflare.job_export.write_job`), so the two cannot drift apart; options are ``medflare run``'s, checked
+A recipe writes its job with the builder ``medflare export`` and ``medflare run`` use (:func:`medflare.plan.resolve`,
+then :func:`medflare.job_export.write_job`), so the two cannot drift apart; options are ``medflare run``'s, checked
 the same way. With ``PocEnv`` or ``ProdEnv`` the job gets the server's robust defences (``server_setup.DEPLOY_ROBUST`` under
 the recipe's own ``robust``); with ``SimEnv`` it keeps the recipe's settings; exported without an environment it
 decides as ``medflare export`` does. In ``SimEnv`` the console shows medflare's lines and every warning and error

@@ -220,8 +220,8 @@ def resolve_site_model(
 def resolve_site_dp(
     job_dp: Mapping[str, Any] | None, site: str, site_config_dir: str | Path | SiteFile | None
 ) -> DPSGDConfig | None:
-    """The DP-SGD settings this site trains with (None = off), typed once: the job's ``dp_sgd`` against its file's ``dp_sgd``
-    policy (DP-SGD required, a σ floor, clipping/δ ceilings, a budget). Raises SiteDeclined (one line, sent to the
+    """The DP-SGD settings this site trains with (None = off), typed once: the job's ``dp_sgd`` against its file's
+    ``dp_sgd`` policy (DP-SGD required, a σ floor, clipping/δ ceilings, a budget). Raises SiteDeclined (one line, sent to the
     server) when the job asks for less than the site demands."""
     site_file = SiteFile.of(site_config_dir)
     if not job_dp and not site_file.get("dp_sgd"):

@@ -156,7 +156,8 @@ def site3(poc) -> dict:
     t0 = time.time()
     for name in SITE3_JOBS:
         run = two_site_run(f"site3-{name}") if name == "data" else site3_run(f"site3-{name}")
-        job_dir = write_run_job(run, poc["root"] / "site3-jobs" / name, mode="byoc" if name == "byoc" else "preinstalled")
+        mode = "byoc" if name == "byoc" else "preinstalled"
+        job_dir = write_run_job(run, poc["root"] / "site3-jobs" / name, mode=mode)
         retarget_job(job_dir, ["site-3"], f"site3-{name}")
         if name == "tamper":  # both sides build their configs at job start, each refuses on its own
             for side, kit in (("client", "site-3"), ("server", server)):

@@ -38,11 +38,14 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from medflare.deploy.netns import Wan, sweep_stale, unavailable_reason
 from medflare.errors import ConfigError, MedflareError
 from medflare.processes import end_processes, run_kept
+
+if TYPE_CHECKING:
+    from medflare.plan import RunPlan
 
 # provisioning, policies and FLARE are imported where used: `medflare --help` builds this command's options
 
@@ -175,7 +178,7 @@ class Stage:
         self.job_ids: list[str] = []  # the jobs submitted, in order (a second one after a server crash)
         self.resume_from = ""  # a crashed job whose server is back: the lead submits it again with resume_from
         self.t0 = time.time()
-        self.job_plan: Any = None  # the lead job's RunPlan, once exported
+        self.job_plan: RunPlan | None = None  # the lead job's, once exported
 
     @contextlib.contextmanager
     def timed(self, name: str) -> Iterator[None]:
@@ -518,7 +521,7 @@ class Stage:
 
 
 # ----- checks ----------------------------------------------------------------------------------------------------
-def model_is_finite(path: Path, job_plan: Any) -> str | None:
+def model_is_finite(path: Path, job_plan: RunPlan) -> str | None:
     """None when the persisted global model loads with exactly the keys of the model of ``job_plan`` (the job's
     :class:`medflare.plan.RunPlan`) and only finite values, else why."""
     import numpy as np
