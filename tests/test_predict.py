@@ -254,3 +254,31 @@ def test_a_really_full_disk_while_predicting_leaves_nothing(tmp_path: Path, tiny
     assert main(["predict", str(model_file), str(npz), "-o", str(tiny_disk / "pred.csv")]) == 2
     assert "no space left to write" in capsys.readouterr().err
     assert [p.name for p in tiny_disk.iterdir()] == ["filler"]
+
+
+class _Whole(torch.nn.Module):
+    """A model saved whole, in torch's legacy (non-zip) format."""
+
+
+@pytest.mark.parametrize("old_file", ["pickle_protocol_4", "legacy_torch_format"])
+def test_an_old_pickle_gets_medflares_one_line_and_no_torch_warning(tmp_path: Path, capsys, old_file: str) -> None:
+    """Issue 60, item 8: ``predict`` printed torch's two-line UserWarning ("Detected pickle protocol 4 ... please
+    file an issue") before its own error; the hospital sees only medflare's line."""
+    import pickle
+    import warnings
+
+    path = tmp_path / "old_model.pt"
+    if old_file == "pickle_protocol_4":
+        path.write_bytes(pickle.dumps({"model": {"w": [1.0, 2.0]}}, protocol=4))
+    else:
+        torch.save(_Whole(), path, _use_new_zipfile_serialization=False)
+    npz, _ = ten_synthetic_images(tmp_path)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code = main(["predict", str(path), str(npz), "-o", str(tmp_path / "p.csv")])
+
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and f"{path} " in err, err
+    assert [str(w.message) for w in caught] == []
+    assert not (tmp_path / "p.csv").exists()
