@@ -282,3 +282,19 @@ def test_an_old_pickle_gets_medflares_one_line_and_no_torch_warning(tmp_path: Pa
     assert code == 2 and len(err.strip().splitlines()) == 1 and f"{path} " in err, err
     assert [str(w.message) for w in caught] == []
     assert not (tmp_path / "p.csv").exists()
+
+
+def test_a_class_folder_in_another_unicode_form_labels_its_images(tmp_path: Path) -> None:
+    """Issue 60, item 8: folder names are matched to the model's class names in NFC, as at the sites (a Mac writes
+    "Ödem" decomposed), so a labelled folder is scored as labelled."""
+    run = RunConfig(method="fedavg", data={"source": "synthetic:n=200,channels=1,classes=2"},
+                    task={"class_names": ["\u00d6dem", "normal"]})
+    model_file = save_global_model(tmp_path / "m.pt", run)
+    for name in ("O\u0308dem", "normal"):
+        (tmp_path / "new" / name).mkdir(parents=True)
+        Image.fromarray(np.zeros((28, 28), np.uint8)).save(tmp_path / "new" / name / "x.png")
+
+    predict_file(model_file, tmp_path / "new", tmp_path / "folder.csv")
+
+    rows = list(csv.DictReader((tmp_path / "folder.csv").open(encoding="utf-8")))
+    assert [r["label"] for r in rows] == ["\u00d6dem", "normal"]
