@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from medflare.data import load_source
-from medflare.data.classes import align_to_job
+from medflare.data.classes import align_to_job, class_names_refusal
 from medflare.data.types import UNLABELED, DataSplits, ImageSet
 from medflare.errors import ConfigError, DataError
 from medflare.plan import resolve, task_of, validated
@@ -155,7 +155,8 @@ def test_a_site_whose_folder_spells_a_class_in_another_unicode_form_trains_under
 @pytest.mark.parametrize("names, refused", [
     ([ODEM_NFC, ODEM_NFD, "normal"], "task.class_names: '\\xd6dem' and 'O\\u0308dem' are one class name in Unicode NFC"),
     (["normal", "\u202elamron", "nodule"], "task.class_names: the class name '\\u202elamron' holds U+202E"),
-    (["normal", "nod\u2067ule", "x"], "holds U+2067 (a control or right-to-left character"),
+    (["normal", "nod\u2067ule", "x"], "holds U+2067 (a control, invisible or right-to-left character"),
+    (["normal", "nor\u200bmal", "x"], "'nor\\u200bmal' holds U+200B"),  # looks like "normal"
     (["normal", "tab\there", "x"], "holds U+0009"),
 ])
 def test_class_names_a_hospital_cannot_tell_apart_are_refused_in_one_line(names: list[str], refused: str) -> None:
@@ -166,6 +167,7 @@ def test_class_names_a_hospital_cannot_tell_apart_are_refused_in_one_line(names:
         validated(RunConfig(method="fedavg", clients=1, data={"source": "site"}, task=task))
     message = str(error.value)
     assert refused in message and "\n" not in message and "\u202e" not in message
+    assert not class_names_refusal(["\u0645\u06cc\u200c\u0634\u0648\u062f", "normal", "x"])  # a Persian joiner is no trick
 
 
 def test_a_data_folder_whose_name_holds_a_right_to_left_override_is_refused_before_the_job(png_class_folder) -> None:

@@ -9,9 +9,9 @@ into the job's order (a multi-label site's columns reordered). Data that does no
 file, a CSV with numeric labels only) is taken in the job's order, as before.
 
 Names are compared in Unicode NFC (:func:`same_form`): a folder written on macOS spells "é" as "e" and a combining
-accent (NFD), a plan as one character, and both name one class. A name holding a control character or a
-bidirectional control (U+202E shows "lamron" as "normal") is refused (:func:`class_names_refusal`): it would read
-as another name in the console, the predictions and report.md.
+accent (NFD), a plan as one character, and both name one class. A name holding a control character or a format
+character that is invisible (U+200B) or reorders the text (U+202E shows "lamron" as "normal") is refused
+(:func:`class_names_refusal`): it would read as another name in the console, the predictions and report.md.
 """
 
 from __future__ import annotations
@@ -26,8 +26,14 @@ from medflare.data.types import UNLABELED, DataSplits, ImageSet
 from medflare.errors import DataError
 
 CLASS_MAP_KEY = "class_map"  # a site's data block: its own class names -> the job's
-# bidirectional controls (Unicode's Bidi_Control property): they reorder how the text around them is shown
-BIDI_CONTROLS = frozenset(chr(code) for code in (0x061C, 0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x2066, 0x206A)))
+# The joiners shape letters (Persian, Indic scripts, emoji); every other format character is invisible (U+200B) or
+# reorders the text around it (the bidirectional controls, U+202E): with control characters, refused in a name
+JOINERS = frozenset("\u200c\u200d")
+
+
+def _hidden(character: str) -> bool:
+    category = unicodedata.category(character)
+    return category == "Cc" or (category == "Cf" and character not in JOINERS)
 
 
 def same_form(name: str) -> str:
@@ -36,15 +42,15 @@ def same_form(name: str) -> str:
 
 
 def class_names_refusal(names: Sequence[str]) -> str:
-    """Why ``names`` cannot name a job's classes ("" when they can): a name holding a control character or a
-    bidirectional control, or two names that are one in NFC. Names are shown escaped (``ascii``), so the two
-    spellings of one name print differently."""
+    """Why ``names`` cannot name a job's classes ("" when they can): a name holding a control character or an
+    invisible or bidirectional format character (a joiner excepted), or two names that are one in NFC. Names are
+    shown escaped (``ascii``), so the two spellings of one name print differently."""
     for name in names:
-        hidden = sorted({c for c in str(name) if c in BIDI_CONTROLS or unicodedata.category(c) == "Cc"})
+        hidden = sorted({c for c in str(name) if _hidden(c)})
         if hidden:
             codes = ", ".join(f"U+{ord(c):04X}" for c in hidden)
-            return (f"the class name {ascii(str(name))} holds {codes} (a control or right-to-left character that "
-                    "changes how the name is shown); rename the class")
+            return (f"the class name {ascii(str(name))} holds {codes} (a control, invisible or right-to-left "
+                    "character: the name would show as another); rename the class")
     forms = [same_form(name) for name in names]
     repeated = next((name for name, form in zip(names, forms) if forms.count(form) > 1), None)
     if repeated is not None:

@@ -292,6 +292,7 @@ class DecryptTask(_SiteContext):
     def __init__(self) -> None:
         super().__init__()
         self._last: dict[str, np.ndarray] = {}  # the last plausible decrypted model (stays at the site)
+        self._initial: dict[str, np.ndarray] = {}  # the job's initial model, built for the first one
 
     def process(self, shareable: Shareable, fl_ctx: FLContext) -> Shareable:
         try:
@@ -327,10 +328,11 @@ class DecryptTask(_SiteContext):
             return self._last, "the last round"
         from medflare.flare.models import global_model_of  # local: only an encrypted job's first task builds it
 
-        network = global_model_of(deployed_plan(fl_ctx, PLAN_FILE)[0])
-        initial = {key: value.detach().cpu().numpy() for key, value in network.state_dict().items()
-                   if value.is_floating_point()}
-        return initial, "the job's initial model"
+        if not self._initial:
+            network = global_model_of(deployed_plan(fl_ctx, PLAN_FILE)[0])
+            self._initial = {key: value.detach().cpu().numpy() for key, value in network.state_dict().items()
+                             if value.is_floating_point()}
+        return self._initial, "the job's initial model"
 
 
 class EncryptResult(_SiteContext):
