@@ -254,3 +254,47 @@ def test_a_really_full_disk_while_predicting_leaves_nothing(tmp_path: Path, tiny
     assert main(["predict", str(model_file), str(npz), "-o", str(tiny_disk / "pred.csv")]) == 2
     assert "no space left to write" in capsys.readouterr().err
     assert [p.name for p in tiny_disk.iterdir()] == ["filler"]
+
+
+class _Whole(torch.nn.Module):
+    """A model saved whole, in torch's legacy (non-zip) format."""
+
+
+@pytest.mark.parametrize("old_file", ["pickle_protocol_4", "legacy_torch_format"])
+def test_an_old_pickle_gets_medflares_one_line_and_no_torch_warning(tmp_path: Path, capsys, old_file: str) -> None:
+    """Issue 60, item 8: ``predict`` printed torch's two-line UserWarning ("Detected pickle protocol 4 ... please
+    file an issue") before its own error; the hospital sees only medflare's line."""
+    import pickle
+    import warnings
+
+    path = tmp_path / "old_model.pt"
+    if old_file == "pickle_protocol_4":
+        path.write_bytes(pickle.dumps({"model": {"w": [1.0, 2.0]}}, protocol=4))
+    else:
+        torch.save(_Whole(), path, _use_new_zipfile_serialization=False)
+    npz, _ = ten_synthetic_images(tmp_path)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code = main(["predict", str(path), str(npz), "-o", str(tmp_path / "p.csv")])
+
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and f"{path} " in err, err
+    assert [str(w.message) for w in caught] == []
+    assert not (tmp_path / "p.csv").exists()
+
+
+def test_a_class_folder_in_another_unicode_form_labels_its_images(tmp_path: Path) -> None:
+    """Issue 60, item 8: folder names are matched to the model's class names in NFC, as at the sites (a Mac writes
+    "Ödem" decomposed), so a labelled folder is scored as labelled."""
+    run = RunConfig(method="fedavg", data={"source": "synthetic:n=200,channels=1,classes=2"},
+                    task={"class_names": ["\u00d6dem", "normal"]})
+    model_file = save_global_model(tmp_path / "m.pt", run)
+    for name in ("O\u0308dem", "normal"):
+        (tmp_path / "new" / name).mkdir(parents=True)
+        Image.fromarray(np.zeros((28, 28), np.uint8)).save(tmp_path / "new" / name / "x.png")
+
+    predict_file(model_file, tmp_path / "new", tmp_path / "folder.csv")
+
+    rows = list(csv.DictReader((tmp_path / "folder.csv").open(encoding="utf-8")))
+    assert [r["label"] for r in rows] == ["\u00d6dem", "normal"]

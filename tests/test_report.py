@@ -371,3 +371,14 @@ def test_class_names_from_the_data_are_escaped_in_report_md(tmp_path: Path) -> N
     text = (tmp_path / "report.md").read_text()
     assert "| 0 | a\\|b |" in text and "\\<img src=x onerror=alert(1)\\>" in text and "\\[click\\](http://x)" in text
     assert "<img" not in text.replace("\\<img", "")
+
+
+def test_a_right_to_left_override_in_a_class_name_reaches_report_md_escaped(tmp_path: Path) -> None:
+    """Issue 60, item 8: U+202E (right-to-left override) in a class name of a run's results reached report.md raw,
+    where it shows the text after it reversed ("lamron" read as "normal"); it is written as its escape."""
+    task = {"num_classes": 3, "in_channels": 3, "image_size": 28,
+            "class_names": ["nevus", "\u202elamron", "bcc\u2066x\u2069"]}
+    write_outputs(build_summary(results(), config(task=task), CLIENTS), tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    assert not {"\u202e", "\u2066", "\u2069"} & set(text)
+    assert "| 1 | \\\\u202elamron |" in text and "bcc\\\\u2066x\\\\u2069" in text

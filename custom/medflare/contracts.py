@@ -27,6 +27,10 @@ EVAL_TEST = "eval_test"  # same on the site's test split (reported, never used f
 EVAL_TEST_BY_ATTRIBUTE = "eval_test_by_attribute"  # {attribute value: EvalStats dict} when images carry one
 EVAL_EXTRA = "eval_extra"  # {evaluation name: {"val"|"test": EvalStats dict}}: method-declared evaluations
 FILTER_HISTORY = "filter_history"  # added by FLARE's DXO filters: the names of the filters a result went through
+# The only words filter_history may carry out of a hospital: the class names FLARE's DXOFilter writes there, of
+# FLARE's own result filters (a site's own filter class, or a forged entry, could name a path or a patient)
+FILTER_NAMES = frozenset({"PercentilePrivacy", "SVTPrivacy", "ExcludeVars", "DXOBlocker", "StatisticsPrivacyFilter",
+                          "ConvertWeights", "HEModelEncryptor", "HEModelDecryptor", "ModelQuantizer", "ModelDequantizer"})
 DP_EPSILON = "dp_epsilon"  # DP-SGD only: ε the site has spent in this job so far, at the job's δ (medflare.dp_sgd)
 DECLINED_HEADER = "medflare_declined"  # header of an error reply: why the site declined, a key of DECLINE_REASONS
 # The only words a site's decline may carry out of the hospital (free text could carry a path or a patient's name);
@@ -168,14 +172,17 @@ def class_mask(name: str) -> MetaValidator:
     return _class_vector_of(name, lambda v: v in (0.0, 1.0), "only 0 and 1")
 
 
-def short_names(name: str, max_items: int = 16, max_length: int = 200) -> MetaValidator:
-    """Validator for a short list of short strings (e.g. FLARE's ``filter_history``)."""
+def declared_words(name: str, words: frozenset[str], max_items: int = 16) -> MetaValidator:
+    """Validator for a short list of words out of ``words`` (e.g. FLARE's ``filter_history``: :data:`FILTER_NAMES`);
+    the refusal gives the positions of other entries, never their text (the site's log has it)."""
 
     def check(value: Any, ctx: ContractContext) -> list[str]:
         if not isinstance(value, list) or len(value) > max_items:
             raise PayloadError(f"'{name}' must be a list of at most {max_items} names")
-        if not all(isinstance(v, str) and len(v) <= max_length for v in value):
-            raise PayloadError(f"'{name}' must hold names of at most {max_length} characters")
+        other = [index for index, word in enumerate(value) if not isinstance(word, str) or word not in words]
+        if other:
+            raise PayloadError(f"'{name}' may name only {', '.join(sorted(words))}; entries {other[:5]} are not (their "
+                               "text is not repeated here: free text could name a path or a patient)")
         return list(value)
 
     return check
@@ -238,7 +245,7 @@ COMMON_META: dict[str, MetaValidator] = {
     EVAL_TEST: eval_stats_dict(EVAL_TEST),
     EVAL_TEST_BY_ATTRIBUTE: eval_stats_by_group(EVAL_TEST_BY_ATTRIBUTE),
     EVAL_EXTRA: eval_extra(EVAL_EXTRA),
-    FILTER_HISTORY: short_names(FILTER_HISTORY),
+    FILTER_HISTORY: declared_words(FILTER_HISTORY, FILTER_NAMES),
     DP_EPSILON: non_negative_number(DP_EPSILON),
 }
 

@@ -61,20 +61,26 @@ def summarize(
 ) -> dict[str, Any]:
     """Pooled (``val``/``test``, sums in ``*_stats``), per-site (``by_site``), ``site_mean``, per-attribute and
     ``extra`` (per declared evaluation) metrics of one model version. With ``share_cap`` (robust.max_share) no site's
-    images weigh more than that in a pooled metric, as in the aggregate (capped shares: ``<split>_capped``)."""
+    images weigh more than that in any pooled metric, per attribute and per declared evaluation too, as in the
+    aggregate (capped shares: ``<split>_capped``, ``test_by_attribute_capped``)."""
     evaluations = dict(sorted(evaluations.items()))  # sum in site order, not arrival order: reproducible bits
     summary: dict[str, Any] = {"sites": list(evaluations)}
     summary.update(_split_block(evaluations, shot_groups, with_stats=True, share_cap=share_cap))
-    by_attribute: dict[str, list[EvalStats]] = {}
-    for evaluation in evaluations.values():
+    by_attribute: dict[str, dict[str, EvalStats]] = {}
+    for site, evaluation in evaluations.items():
         for attribute, stats in evaluation.get("test_by_attribute", {}).items():
-            by_attribute.setdefault(attribute, []).append(stats)
+            by_attribute.setdefault(attribute, {})[site] = stats
     if by_attribute:
-        summary["test_by_attribute"] = {a: compute_metrics(_sum(parts)) for a, parts in sorted(by_attribute.items())}
+        pooled = {a: capped_pool(parts, share_cap) for a, parts in sorted(by_attribute.items())}
+        summary["test_by_attribute"] = {a: compute_metrics(stats) for a, (stats, _) in pooled.items()}
+        capped = {a: shares for a, (_, shares) in pooled.items() if shares}
+        if capped:
+            summary["test_by_attribute_capped"] = capped
     names = sorted({name for e in evaluations.values() for name in e.get("extra", {})})
     if names:
         summary["extra"] = {name: _split_block({site: e["extra"][name] for site, e in evaluations.items()
-                                                if name in e.get("extra", {})}, shot_groups) for name in names}
+                                                if name in e.get("extra", {})}, shot_groups, share_cap=share_cap)
+                            for name in names}
     return summary
 
 

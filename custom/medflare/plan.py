@@ -325,8 +325,11 @@ def _typed_task(task: Mapping[str, Any]) -> dict[str, Any]:
     if names is not None and "num_classes" in typed and len(names) != typed["num_classes"]:
         raise ConfigError(f"task.class_names lists {len(names)} names for task.num_classes={typed['num_classes']}; "
                           "give one name per class")
-    if names is not None and len(set(names)) != len(names):
-        raise ConfigError(f"task.class_names has a repeated name: {names}; give each class its own name")
+    from medflare.data.classes import class_names_refusal  # local: as _data_config_cls, no data at import
+
+    refusal = class_names_refusal(names) if names is not None else ""
+    if refusal:
+        raise ConfigError(f"task.class_names: {refusal}")
     return typed
 
 
@@ -338,6 +341,7 @@ def _inferred_task(run: RunConfig) -> TaskSpec:
             "(e.g. --set task.num_classes=2 --set task.in_channels=1 --set task.image_size=28)"
         )
     from medflare.data import load_source
+    from medflare.data.classes import class_names_refusal, same_form
     from medflare.data.readers import parse_window
 
     splits = load_source(run.data["source"], seed=run.seed, num_classes=run.task.get("num_classes"))
@@ -353,8 +357,12 @@ def _inferred_task(run: RunConfig) -> TaskSpec:
             raise ConfigError(f"task.{key}={declared} but the data '{run.data['source']}' gives {key}={inferred[key]}; "
                               f"fix task.{key} or {fix}")
     named = splits.info["class_names"] if splits.info.get("named_classes") else None
+    refusal = class_names_refusal(named) if named is not None else ""
+    if refusal:
+        raise ConfigError(f"the data '{run.data['source']}': {refusal}")
     declared_names = run.task.get("class_names")
-    if declared_names is not None and named is not None and list(declared_names) != list(named):
+    if declared_names is not None and named is not None and [same_form(n) for n in declared_names] != [
+            same_form(n) for n in named]:
         raise ConfigError(f"task.class_names={list(declared_names)} but the data '{run.data['source']}' names its "
                           f"classes {named} (in label order); drop task.class_names or fix it")
     if declared_names is not None and len(declared_names) != inferred["num_classes"]:

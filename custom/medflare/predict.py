@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from medflare.checkpoint import Checkpoint, normalization, read_checkpoint
+from medflare.data.classes import same_form
 from medflare.data.readers import IMAGE_SUFFIXES, is_image_file, parse_window, read_image
 from medflare.data.sources import CSV_CLASS_PREFIX, class_columns, manifest_rows
 from medflare.data.types import UNLABELED, ImageSet
@@ -240,7 +241,8 @@ def _folder_images(root: Path, class_names: list[str],
     ids = [p.relative_to(root).as_posix() for p in files]
     if multi_label:
         return ids, [str(p) for p in files], None
-    folders = [Path(i).parts[0] if len(Path(i).parts) == 2 else None for i in ids]
+    class_names = [same_form(name) for name in class_names]  # a folder a Mac wrote (NFD) names the class too
+    folders = [same_form(Path(i).parts[0]) if len(Path(i).parts) == 2 else None for i in ids]
     if files and all(folder in class_names for folder in folders):
         return ids, [str(p) for p in files], np.array([class_names.index(f) for f in folders], dtype=np.int64)
     unknown = sorted({f for f in folders if f is not None} - set(class_names))

@@ -8,6 +8,7 @@ launched, and a bad file becomes ONE line naming the file, the field and what to
 from __future__ import annotations
 
 import json
+import warnings
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -173,7 +174,9 @@ def load_torch_weights(path: Path, error: type[MedflareError] = DataError, where
     if not path.is_file():
         raise error(f"{name} not found; give an existing .pt file")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's advice on a file it then refuses (an old pickle's protocol, say):
+            warnings.simplefilter("ignore")  # the one line below says what the file is and what to do
+            return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - torch raises many types; its text advises weights_only=False
         if "Unsupported global" in str(exc):
             raise error(f"{name} is a pickled model file (Python objects, not a medflare weights-only file): loading "

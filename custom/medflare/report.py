@@ -253,8 +253,11 @@ _MARKDOWN_SPECIAL = str.maketrans({c: f"\\{c}" for c in "\\`*[]<>|"} | {"\n": " 
 
 
 def markdown_text(text: str) -> str:
-    """``text`` from the data (a class name, say) as literal Markdown: no table cell broken, no HTML, no link."""
-    return str(text).translate(_MARKDOWN_SPECIAL)
+    r"""``text`` from the data (a class name, say) as literal Markdown: no table cell broken, no HTML, no link, and
+    no invisible character (a right-to-left override U+202E would show the text after it reversed): each shows as
+    its escape, ``\u202e``."""
+    literal = str(text).translate(_MARKDOWN_SPECIAL)
+    return "".join(c if c.isprintable() else f"\\\\u{ord(c):04x}" for c in literal)
 
 
 def class_names(summary: Mapping[str, Any]) -> list[str]:

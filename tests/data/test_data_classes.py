@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from medflare.data import load_source
-from medflare.data.classes import align_to_job
+from medflare.data.classes import align_to_job, class_names_refusal
 from medflare.data.types import UNLABELED, DataSplits, ImageSet
-from medflare.errors import DataError
-from medflare.plan import resolve, validated
+from medflare.errors import ConfigError, DataError
+from medflare.plan import resolve, task_of, validated
 from medflare.run_config import RunConfig
 from medflare.site_config import SiteFile, TaskSpec
 from medflare.site_runtime import SiteRuntime
@@ -132,3 +132,48 @@ def test_a_job_cannot_set_a_sites_class_map(png_class_folder, tmp_path) -> None:
     plan = resolve(run, "preinstalled", task=TaskSpec(**task))
     with pytest.raises(DataError, match="class_map"):
         plan.localise(plan.sites[0].name, site_file(tmp_path, {"source": hospital(png_class_folder, {})}), False)
+
+
+ODEM_NFC, ODEM_NFD = "\u00d6dem", "O\u0308dem"  # "Ödem" composed (a plan, Windows, Linux) and decomposed (macOS)
+
+
+def test_a_site_whose_folder_spells_a_class_in_another_unicode_form_trains_under_the_jobs_name(png_class_folder) -> None:
+    """Issue 60, item 8: a hospital's macOS-written folder "Ödem" (NFD) was refused against the job's "Ödem" (NFC)
+    in a line that printed both identically; the names are one in NFC, so the site's data is the job's."""
+    job = [ODEM_NFC, "normal"]
+    splits = load_source(f"folder:{png_class_folder({ODEM_NFD: 6, 'normal': 9})}")
+    assert splits.info["class_names"] == [ODEM_NFD, "normal"]
+
+    aligned = align_to_job(splits, job, None, "hospital-b")
+
+    assert aligned.info["class_names"] == job
+    assert np.array_equal(aligned.train.labels, splits.train.labels)  # same order: each image keeps its class
+    mapped = align_to_job(splits, job, {ODEM_NFC: ODEM_NFD}, "hospital-b")  # a class_map key in either form
+    assert mapped.info["class_names"] == job
+
+
+@pytest.mark.parametrize("names, refused", [
+    ([ODEM_NFC, ODEM_NFD, "normal"], "task.class_names: '\\xd6dem' and 'O\\u0308dem' are one class name in Unicode NFC"),
+    (["normal", "\u202elamron", "nodule"], "task.class_names: the class name '\\u202elamron' holds U+202E"),
+    (["normal", "nod\u2067ule", "x"], "holds U+2067 (a control, invisible or right-to-left character"),
+    (["normal", "nor\u200bmal", "x"], "'nor\\u200bmal' holds U+200B"),  # looks like "normal"
+    (["normal", "tab\there", "x"], "holds U+0009"),
+])
+def test_class_names_a_hospital_cannot_tell_apart_are_refused_in_one_line(names: list[str], refused: str) -> None:
+    """Issue 60, item 8: two spellings of one name, or a right-to-left override (which reached report.md raw), in the
+    job's class names: one line, the names escaped so that the two spellings print differently."""
+    task = {"num_classes": 3, "in_channels": 1, "image_size": 12, "class_names": names}
+    with pytest.raises(ConfigError) as error:
+        validated(RunConfig(method="fedavg", clients=1, data={"source": "site"}, task=task))
+    message = str(error.value)
+    assert refused in message and "\n" not in message and "\u202e" not in message
+    assert not class_names_refusal(["\u0645\u06cc\u200c\u0634\u0648\u062f", "normal", "x"])  # a Persian joiner is no trick
+
+
+def test_a_data_folder_whose_name_holds_a_right_to_left_override_is_refused_before_the_job(png_class_folder) -> None:
+    """The names a simulated job takes from its data source are held to the same check as declared ones."""
+    source = "folder:" + str(png_class_folder({"normal": 6, "\u202elamron": 6}))
+    with pytest.raises(ConfigError) as error:
+        task_of(validated(RunConfig(method="fedavg", clients=1, data={"source": source})))
+    message = str(error.value)
+    assert f"the data '{source}': the class name '\\u202elamron' holds U+202E" in message and "\u202e" not in message

@@ -463,3 +463,20 @@ def test_the_flare_aggregator_learns_the_sites_from_flares_client_list() -> None
     assert aggregator.accept(result("site-2"), fl_ctx) and aggregator.accept(result("site-1"), fl_ctx)
     assert aggregator.core.stream.expected == {"site-1", "site-2", "site-3"}
     assert not aggregator.core.stream.waiting  # site-2 waited only for site-1, not for the aggregation
+
+
+def test_filter_history_carries_only_the_names_of_flares_result_filters(core: RoundAggregation) -> None:
+    """Issue 60, item 8: ``filter_history`` took any 16 strings of 200 characters (a path, a patient's name) into
+    the server's record; now only the class names FLARE's result filters write there. The reason names the
+    position, never the text; the site's own privacy filter applies the same check before anything leaves."""
+    from medflare.contracts import ContractContext, check_result_values
+    from medflare.errors import PayloadError
+
+    arrays, meta = update(1.0)
+    free_text = {**meta, "filter_history": ["ExcludeVars", "MRN 0042 Jane Doe /data/scans"]}
+    reason = core.accept("site-1", arrays, free_text)
+    assert "'filter_history' may name only " in reason and "entries [1] are not" in reason and "Jane" not in reason
+    with pytest.raises(PayloadError, match="entries \\[1\\] are not"):
+        check_result_values(get_method("fedavg").payload, arrays, free_text, ContractContext(3), "train")
+    assert core.accept("site-2", arrays, {**meta, "filter_history": ["ExcludeVars", "PercentilePrivacy"]}) is None
+    assert core.updates["site-2"].meta["filter_history"] == ["ExcludeVars", "PercentilePrivacy"]

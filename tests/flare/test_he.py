@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("tenseal")
 
 from nvflare.apis.dxo import DXO, DataKind, from_shareable  # noqa: E402
+from nvflare.apis.fl_context import FLContext  # noqa: E402
 
 from medflare import contracts  # noqa: E402
 from medflare.errors import ConfigError  # noqa: E402
@@ -74,6 +75,11 @@ def rounds(method: str, contexts, updates: dict, method_args=None, robust=None, 
     return plain.aggregate(), sealed
 
 
+def site_app(tmp_path) -> FLContext:
+    """A site's FLARE context running a deployed fedavg job (DecryptTask builds its initial model from the plan)."""
+    return app_context(deploy_plan(tmp_path / "app", site_data_plan("fedavg", 3)))
+
+
 def decrypted(site_context, params: dict) -> dict[str, np.ndarray]:
     return {k: he_aggregate.decrypt_array(site_context, v.serialize(), v.shape, v.dtype)
             if isinstance(v, EncryptedArray) else v for k, v in params.items()}
@@ -130,7 +136,7 @@ def test_a_plaintext_model_array_is_refused(contexts) -> None:
     assert "encrypts 5 values" in sealed.accept("site-3", sealed_arrays, sealed_meta)
 
 
-def test_the_next_round_sends_ciphertexts_the_sites_decrypt(contexts) -> None:
+def test_the_next_round_sends_ciphertexts_the_sites_decrypt(contexts, tmp_path) -> None:
     """The encrypted global model goes out as bytes the task header declares; DecryptTask restores the arrays."""
     plain, sealed = rounds("fedavg", contexts, {"site-1": site_update(1, 10), "site-2": site_update(2, 20)})
     sealed.start_round(sealed.aggregate().params, RoundContext(1, 2))
@@ -141,7 +147,7 @@ def test_the_next_round_sends_ciphertexts_the_sites_decrypt(contexts) -> None:
     task = DXO(DataKind.WEIGHTS, data=outgoing, meta=header).to_shareable()
     decrypt = DecryptTask()
     decrypt._context = contexts[0]
-    received = from_shareable(decrypt.process(task, None))
+    received = from_shareable(decrypt.process(task, site_app(tmp_path)))
     assert contracts.ENCRYPTED_ARRAYS not in received.meta
     assert_close(received.data, plain.params)
 
@@ -208,14 +214,15 @@ def test_the_simulator_refuses_and_a_run_refuses_what_the_server_cannot_do(tmp_p
         validated(RunConfig(method="local-only", secure_aggregation="he"), check_files=False)
 
 
-def test_a_site_refuses_a_decrypted_model_that_is_garbage_or_far_out_of_range(contexts) -> None:
+def test_a_site_refuses_a_decrypted_model_that_is_garbage_or_far_out_of_range(contexts, tmp_path) -> None:
     """Issue 49, item 4: the server cannot look inside the aggregate; the site checks what it decrypted."""
     plain, sealed = rounds("fedavg", contexts, {"site-1": site_update(1, 10), "site-2": site_update(2, 20)})
     sealed.start_round(sealed.aggregate().params, RoundContext(1, 2))
     outgoing, header = sealed.start_phase("train"), sealed.task_header()
     decrypt = DecryptTask()
     decrypt._context = contexts[0]
-    good = decrypt.process(DXO(DataKind.WEIGHTS, data=dict(outgoing), meta=dict(header)).to_shareable(), None)
+    good = decrypt.process(DXO(DataKind.WEIGHTS, data=dict(outgoing), meta=dict(header)).to_shareable(),
+                           site_app(tmp_path))
     assert good.get_header(contracts.REFUSED_TASK_HEADER) is None  # and it is now the site's last model
     other_key = he_aggregate.make_context()  # a ciphertext made under another consortium's key
     forged = {k: he_aggregate.encrypt_array(other_key, v) if k in header[contracts.ENCRYPTED_ARRAYS] else v
@@ -226,3 +233,35 @@ def test_a_site_refuses_a_decrypted_model_that_is_garbage_or_far_out_of_range(co
               for k, v in plain.params.items()}
     task = decrypt.process(DXO(DataKind.WEIGHTS, data=scaled, meta=dict(header)).to_shareable(), None)
     assert "since the last round, over 10 x its norm" in task.get_header(contracts.REFUSED_TASK_HEADER)
+
+
+def test_the_first_encrypted_model_is_checked_against_the_jobs_initial_model(contexts, tmp_path) -> None:
+    """Issue 60, item 4: the first encrypted model a site received was checked only against |w| <= 1e6 (the site had
+    no last round's model); now against the initial model the site builds from the job's plan, as the server's
+    persistor does, and every later one against the last round's."""
+    from medflare.flare.models import global_model_of
+
+    plan = site_data_plan("fedavg", 3)
+    ctx = app_context(deploy_plan(tmp_path / "app", plan))
+    initial = {k: v.numpy() for k, v in global_model_of(plan).state_dict().items()}
+    sealed = ("head.weight", "head.bias")
+
+    def task(scale: float):
+        """The round-1 task: the initial model, its head encrypted and scaled by ``scale``."""
+        data = {k: he_aggregate.encrypt_array(contexts[0], v * scale) if k in sealed else v for k, v in initial.items()}
+        declared = {k: [list(initial[k].shape), initial[k].dtype.name] for k in sealed}
+        return DXO(DataKind.WEIGHTS, data=data, meta={contracts.ENCRYPTED_ARRAYS: declared}).to_shareable()
+
+    def site() -> DecryptTask:
+        decrypt = DecryptTask()
+        decrypt._context = contexts[0]
+        return decrypt
+
+    assert max(float(np.abs(initial[k] * 1000).max()) for k in sealed) < 1e6  # inside the old bound
+    refused = site().process(task(1000.0), ctx).get_header(contracts.REFUSED_TASK_HEADER)
+    assert refused.startswith("the decrypted global model is implausible: the model moved ")
+    assert "since the job's initial model, over 10 x its norm" in refused and "\n" not in refused
+    honest = site()
+    assert honest.process(task(1.5), ctx).get_header(contracts.REFUSED_TASK_HEADER) is None
+    later = honest.process(task(1000.0), ctx).get_header(contracts.REFUSED_TASK_HEADER)
+    assert "since the last round, over 10 x its norm" in later

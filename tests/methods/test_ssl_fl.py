@@ -475,6 +475,33 @@ def test_code_statistics_reach_the_round_record_and_a_collapsed_tokenizer_fails_
         assert FED_BEIT.payload.meta["code_perplexity"](meta["code_perplexity"], None) == meta["code_perplexity"]
 
 
+BEIT_QUICK_ARGS = {"tokenizer_rounds": 1, "pretrain_rounds": 1, "min_code_perplexity": 0.0}
+
+
+@pytest.mark.parametrize(("used", "perplexity", "refused"), [
+    (10, 1e8, "'code_perplexity' is 1e+08, outside 1..10"),  # issue 60: accepted with a 512-code book
+    (512, 600.0, "'code_perplexity' is 600, outside 1..512"),
+    (10, 0.5, "'code_perplexity' is 0.5, outside 1..10"),
+    (600, 100.0, "'codes_used' is 600, not a whole number of codes in 1..512 (method.vocab_size)"),
+    (0, 1.0, "'codes_used' is 0, not a whole number of codes in 1..512"),
+    (10.5, 5.0, "'codes_used' is 10.5, not a whole number"),
+])
+def test_a_sites_code_statistics_are_bounded_by_the_codebook(used: float, perplexity: float, refused: str) -> None:
+    """Issue 60, item 4: the server's own round code refuses code statistics no histogram over the job's 512 codes
+    can have (perplexity is exp of an entropy: 1 <= perplexity <= codes used <= codebook)."""
+    core = RoundAggregation(get_method("fed-beit"), BEIT_QUICK_ARGS, TASK.num_classes, 3)
+    pretrain = RoundContext(1, 3, stage="pretrain", stage_round=0, stage_rounds=1, scored=False)
+    core.start_round(_global("fed-beit", BEIT_QUICK_ARGS), pretrain)
+    task = core.start_phase(contracts.TRAIN_PHASE)
+    meta = {contracts.N_SAMPLES: 10, N_IMAGES: 10, "codes_used": used, "code_perplexity": perplexity}
+    reason = core.accept("site-1", dict(task), meta)
+    assert reason is not None and refused in reason and "\n" not in reason
+    uniform = {**meta, "codes_used": 512, "code_perplexity": 512 * (1 + 1e-13)}  # a uniform histogram, rounded
+    assert core.accept("site-2", dict(task), uniform) is None
+    alone = {key: value for key, value in uniform.items() if key != "codes_used"}
+    assert "'code_perplexity' without its pair" in core.accept("site-3", dict(task), alone)
+
+
 def test_norm_pix_loss_defaults_off_at_small_patches_and_on_at_mae_patches() -> None:
     """auto: off at 4-px patches (28 px images; with it on Fed-MAE's features collapsed there), on at 16 px."""
     assert FedMaeConfig().norm_pix_loss == "auto"

@@ -24,7 +24,7 @@ from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable
 
 from medflare import contracts
-from medflare.errors import ConfigError, PayloadError
+from medflare.errors import ConfigError, MedflareError, PayloadError
 from medflare.flare.aggregator import MedflareAggregator, RoundAggregation, require_finite
 from medflare.flare.tasks import deployed_plan
 from medflare.methods.base import AggregateResult, PerSite, aggregate_updates
@@ -260,11 +260,12 @@ MAX_DECRYPTED_ABS = 1e6  # no weight of a trained classifier comes near it
 MAX_CHANGE_RATIO = 10.0  # ||new - last|| <= 10 x ||last|| over the model: ten times any round's step seen
 
 
-def implausible(arrays: Mapping[str, np.ndarray], last: Mapping[str, np.ndarray]) -> str:
+def implausible(arrays: Mapping[str, np.ndarray], last: Mapping[str, np.ndarray], since: str = "the last round") -> str:
     """Why a decrypted global model is not one a site should train on ("" when it is plausible): an array that is
     not finite or holds a value above :data:`MAX_DECRYPTED_ABS`, or a model that moved more than
-    :data:`MAX_CHANGE_RATIO` times its own norm since the last model this site received (over the arrays both hold:
-    one array's norm can be near zero, a freshly trained bias, say)."""
+    :data:`MAX_CHANGE_RATIO` times its own norm since ``last``, the last model this site received or, before the
+    first, the job's initial model (over the arrays both hold: one array's norm can be near zero, a freshly trained
+    bias, say); ``since`` names ``last`` in the reason."""
     for key, value in arrays.items():
         value = np.asarray(value, np.float64)
         if not np.all(np.isfinite(value)):
@@ -278,18 +279,20 @@ def implausible(arrays: Mapping[str, np.ndarray], last: Mapping[str, np.ndarray]
     change = float(np.sqrt(sum(np.sum((np.asarray(arrays[k], np.float64) - last[k]) ** 2) for k in common)))
     norm = float(np.sqrt(sum(np.sum(np.asarray(last[k], np.float64) ** 2) for k in common)))
     if change > MAX_CHANGE_RATIO * max(norm, 1e-3):
-        return f"the model moved {change:.3g} since the last round, over {MAX_CHANGE_RATIO:g} x its norm {norm:.3g}"
+        return f"the model moved {change:.3g} since {since}, over {MAX_CHANGE_RATIO:g} x its norm {norm:.3g}"
     return ""
 
 
 class DecryptTask(_SiteContext):
     """Site task-data filter: decrypts the arrays a task declares encrypted (``contracts.ENCRYPTED_ARRAYS``) into
     the shapes and dtypes it declares. A decrypted model the site finds :func:`implausible` (the server could not
-    look) gets :data:`contracts.REFUSED_TASK_HEADER`: the executor declines the task instead of training on garbage."""
+    look) against the last one it decrypted, or the job's initial model before the first, gets
+    :data:`contracts.REFUSED_TASK_HEADER`: the executor declines the task instead of training on garbage."""
 
     def __init__(self) -> None:
         super().__init__()
         self._last: dict[str, np.ndarray] = {}  # the last plausible decrypted model (stays at the site)
+        self._initial: dict[str, np.ndarray] = {}  # the job's initial model, built for the first one
 
     def process(self, shareable: Shareable, fl_ctx: FLContext) -> Shareable:
         try:
@@ -304,7 +307,10 @@ class DecryptTask(_SiteContext):
         for key, (shape, dtype) in declared.items():
             data[key] = he_aggregate.decrypt_array(context, data[key], shape, dtype)
         opened = {key: data[key] for key in declared if np.asarray(data[key]).dtype.kind == "f"}
-        why = implausible(opened, self._last)
+        try:
+            why = implausible(opened, *self._reference(fl_ctx))
+        except MedflareError as exc:
+            why = f"this site cannot build the job's initial model to check it against: {exc}"
         if why:
             shareable.set_header(contracts.REFUSED_TASK_HEADER, f"the decrypted global model is implausible: {why}")
             return shareable
@@ -313,6 +319,20 @@ class DecryptTask(_SiteContext):
         dxo.remove_meta_props([contracts.ENCRYPTED_ARRAYS])
         dxo.update_shareable(shareable)
         return shareable
+
+    def _reference(self, fl_ctx: FLContext) -> tuple[dict[str, np.ndarray], str]:
+        """(the model a decrypted one is checked against, its name): the last plausible model this site decrypted,
+        or before the first (whose only other bound was |w| <= 1e6) the job's initial model, built from the
+        deployed plan as the server's persistor builds it (same model, seed and warm start)."""
+        if self._last:
+            return self._last, "the last round"
+        from medflare.flare.models import global_model_of  # local: only an encrypted job's first task builds it
+
+        if not self._initial:
+            network = global_model_of(deployed_plan(fl_ctx, PLAN_FILE)[0])
+            self._initial = {key: value.detach().cpu().numpy() for key, value in network.state_dict().items()
+                             if value.is_floating_point()}
+        return self._initial, "the job's initial model"
 
 
 class EncryptResult(_SiteContext):

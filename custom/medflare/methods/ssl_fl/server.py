@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 from medflare import contracts
 from medflare.errors import ConfigError, PayloadError
@@ -12,6 +12,26 @@ from medflare.methods.ssl_fl.model import PRETRAIN, UNLABELLED_STAGES
 from medflare.ops.influence import Weighting, bound
 
 MEAN_PERPLEXITY = "code_perplexity_mean"  # round record: the sites' perplexities, weighted by their images
+# exp of an entropy over n codes is at most n; float rounding of a uniform histogram may overshoot by ~1e-13
+PERPLEXITY_ROUNDING = 1e-9
+
+
+def code_statistics_refusal(meta: Mapping[str, Any], codebook: int) -> str:
+    """Why a site's code statistics are none a histogram over ``codebook`` codes can have ("" when they can, or
+    when it sent none): both or neither of them, 1 <= codes used <= codebook (a whole number), and
+    1 <= perplexity <= codes used (exp of the entropy of a histogram over that many codes)."""
+    sent = [key for key in (CODES_USED, CODE_PERPLEXITY) if key in meta]
+    if not sent:
+        return ""
+    if len(sent) == 1:
+        return f"fed-beit: a result carries '{sent[0]}' without its pair; a site sends {CODES_USED} and {CODE_PERPLEXITY}"
+    used, perplexity = float(meta[CODES_USED]), float(meta[CODE_PERPLEXITY])
+    if not used.is_integer() or not 1 <= used <= codebook:
+        return f"fed-beit: '{CODES_USED}' is {used:g}, not a whole number of codes in 1..{codebook} (method.vocab_size)"
+    if not 1.0 <= perplexity <= used * (1 + PERPLEXITY_ROUNDING):
+        return (f"fed-beit: '{CODE_PERPLEXITY}' is {perplexity:g}, outside 1..{used:g} (the codes it used of the "
+                f"{codebook}-code book: exp of an entropy over {used:g} codes is at most {used:g})")
+    return ""
 
 
 class SslFlRule(ServerRule):
@@ -32,6 +52,13 @@ class SslFlRule(ServerRule):
         if float(images) < labelled:
             raise PayloadError(f"{N_IMAGES}={images:g} is fewer than the site's {labelled:g} labelled images")
         return float(images)
+
+    def check_update(self, phase: str, update: SiteUpdate, ctx: RoundContext) -> None:
+        """Fed-BEiT's code statistics bounded by the job's codebook (:func:`code_statistics_refusal`): one site's
+        perplexity of 1e8 would pass a collapsed tokenizer's floor check."""
+        refusal = code_statistics_refusal(update.meta, int(getattr(self.cfg, "vocab_size", 0)))
+        if refusal:
+            raise PayloadError(refusal)
 
     def round_info(self, updates: list[SiteUpdate], ctx: RoundContext) -> dict[str, Any]:
         """Fed-BEiT: each site's codes used and code perplexity, and their image-weighted mean perplexity, each
