@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("tenseal")
 
@@ -258,6 +259,13 @@ def test_the_first_encrypted_model_is_checked_against_the_jobs_initial_model(con
         return decrypt
 
     assert max(float(np.abs(initial[k] * 1000).max()) for k in sealed) < 1e6  # inside the old bound
+    torch.manual_seed(123)
+    drawn_without_he = torch.rand(4)
+    torch.manual_seed(123)
+    assert site().process(task(1.0), ctx).get_header(contracts.REFUSED_TASK_HEADER) is None
+    # building the initial model (which seeds torch) leaves the site's random state as it was: the CI's POC caught
+    # an encrypted job drawing other batches than the plaintext one
+    assert torch.equal(torch.rand(4), drawn_without_he)
     refused = site().process(task(1000.0), ctx).get_header(contracts.REFUSED_TASK_HEADER)
     assert refused.startswith("the decrypted global model is implausible: the model moved ")
     assert "since the job's initial model, over 10 x its norm" in refused and "\n" not in refused

@@ -326,10 +326,14 @@ class DecryptTask(_SiteContext):
         deployed plan as the server's persistor builds it (same model, seed and warm start)."""
         if self._last:
             return self._last, "the last round"
+        import torch
+
         from medflare.flare.models import global_model_of  # local: only an encrypted job's first task builds it
 
         if not self._initial:
-            network = global_model_of(deployed_plan(fl_ctx, PLAN_FILE)[0])
+            # global_model seeds torch's generators; this site's training must draw what it draws without HE
+            with torch.random.fork_rng():
+                network = global_model_of(deployed_plan(fl_ctx, PLAN_FILE)[0])
             self._initial = {key: value.detach().cpu().numpy() for key, value in network.state_dict().items()
                              if value.is_floating_point()}
         return self._initial, "the job's initial model"
