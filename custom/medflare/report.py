@@ -63,6 +63,7 @@ def build_summary(
         "error": results.get("error"),
         "stopped_early": results.get("stopped_early"),
         "plan": results.get("plan"),  # the fingerprint of the plan the server ran (each site logs its own)
+        "resumed": results.get("resumed", []),  # the jobs (or folders) this one continued, in order
     }
 
 
@@ -291,11 +292,20 @@ def _header(summary: Mapping[str, Any]) -> list[str]:
         f"- classes: {', '.join(markdown_text(name) for name in class_names(summary)) or 'n/a'}",
         *([f"- plan `{summary['plan']}` (the server's; every site logs the one it runs, `medflare config --plan` "
            f"prints the plan){_plan_check_text(summary)}"] if summary.get("plan") else []),
+        *[resumed_text(start) for start in summary.get("resumed", [])],
         f"- mean round wall time {format_seconds(timing.get('mean_round_seconds'), 2)}; {startup_text(timing)}",
         f"- metrics are of {scored} on the sites' held-out test splits, summed as confusion counts "
         f"(exact pooled values); the headline metric is {metric_name(metric)} (`{metric}`), and the best model is chosen by "
         "its value on validation only; round r is the model after r rounds (round 0: the initial model)",
     ]
+
+
+def resumed_text(start: Mapping[str, Any]) -> str:
+    """A report line for one resume (``resume.start_record``): which job or folder, from which round, which model."""
+    origin = f"job `{markdown_text(start['from_job'])}`" if "from_job" in start else \
+        f"`{markdown_text(start.get('from', '?'))}`"
+    digest = markdown_text(str(start.get("initial_model_digest", "?"))[:12])
+    return f"- resumed from {origin} after {markdown_text(start.get('start_round', '?'))} round(s) (its model `{digest}`)"
 
 
 def _plan_check_text(summary: Mapping[str, Any]) -> str:

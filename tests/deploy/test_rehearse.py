@@ -7,6 +7,7 @@ everywhere). The small rehearsal (2 hospitals, fedavg on cnn, 2 rounds) takes ab
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import psutil
 import pytest
@@ -30,9 +32,12 @@ from medflare.deploy.rehearse import (
     add_rehearse_options,
     check_outcome,
     consortium,
+    failure_cause,
     plan_from_args,
     rehearse,
+    server_reason,
     stalled_rounds,
+    summary_line,
 )
 from medflare.errors import ConfigError
 
@@ -170,6 +175,33 @@ def test_the_checks_catch_a_round_over_its_bound_and_a_site_that_never_came_back
     gone["rounds"][2]["share"] = without_b
     failed = [c["check"] for c in check_outcome(plan, args[0], gone, *args[2:]) if not c["ok"]]
     assert failed == ["hospital-b back in the job"]
+
+
+def test_an_outage_that_ends_the_job_names_its_cause_in_the_summary_line() -> None:
+    """--min-clients 1 and hospital-b's link down in round 2: FLARE fails the job (ABNORMAL). The summary line
+    names the failed checks, the status and the controller's error, the fault and its site, and the server's
+    reason (was: "CHECKS FAILED" and nothing else)."""
+    plan = Rehearsal(hospitals=2, min_clients=1, rounds=3, faults=[Fault.parse("outage", "hospital-b@round2:60")])
+    results = {"rounds": [{"round": 0, "wall_seconds": 5, "share": {"hospital-a": 1, "hospital-b": 1}}],
+               "error": "round 2: only 0 site(s) sent a valid result"}
+    event = {"fault": plan.faults[0].describe(), "struck_at": 20.0, "recovered_at": 80.0}
+    server_log = ("2026-12-02 01:00:00,000 - ServerRunner - INFO - round 2 started\n"
+                  "2026-12-02 01:00:01,000 - FedServer - WARNING - Failing job J1: terminal outcome unavailable from "
+                  "hospital-b: heartbeat lost\n2026-12-02 01:00:02,000 - X - ERROR - [run=J1]: later noise\n")
+    checks = check_outcome(plan, "FINISHED:ABNORMAL", results, None, ["hospital-a", "hospital-b"], [event],
+                           {"hospital-b": True}, server_log, "J1")
+    record = {"checks": checks, "ok": False, "status": "FINISHED:ABNORMAL", "job_id": "J1", "faults": [event],
+              "timings": {"total": 99.0}}
+    record["cause"] = failure_cause(record, results, server_log)
+    line = summary_line(record, Path("runs/rehearse"))
+    assert line.count("\n") == 0 and "CHECKS FAILED" in line
+    for named in ("failed: job status, rounds", "job J1 ended FINISHED:ABNORMAL: round 2: only 0 site(s)",
+                  "hospital-b: link down at round 2 for 60 s",
+                  "server: 2026-12-02 01:00:01,000 - FedServer - WARNING - Failing job J1: terminal outcome"):
+        assert named in line, line
+    no_failing_line = "a\n2026-12-02 - X - ERROR - [run=J2]: other job\n2026-12-02 - Y - ERROR - [run=J1]: boom\n"
+    assert server_reason(no_failing_line, "J1").endswith("[run=J1]: boom")
+    assert server_reason("all fine\n", "J1") is None
 
 
 def test_the_round_bound_states_both_set_ups_and_a_stalled_round_names_its_cause() -> None:
@@ -364,3 +396,67 @@ def test_ctrl_c_mid_rehearsal_removes_everything(tmp_path: Path) -> None:
     assert not ours(child.pid) and not processes_naming(str(out))
     assert not out.exists() and not out.with_name("out.partial").exists()
     assert out.with_name("out.failed.log").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.heavy  # make test-heavy
+@needs_netns
+def test_a_server_killed_mid_job_is_resumed_and_the_report_accepts_the_resumed_job(tmp_path: Path) -> None:
+    """The server SIGKILLed in round 2 of 3 and its kit started again: the lead resubmits with resume_from, the job
+    finishes every round once from the checkpoint, and `medflare report` accepts the resumed job (its own plan) and
+    names the crashed job (was: the resumed job carried the crashed job's plan fingerprint; report refused it)."""
+    out = tmp_path / "out"
+    lines: list[str] = []
+    record = rehearse(Rehearsal(hospitals=2, rounds=3, faults=[Fault.server_crash("round2:3")]), out,
+                      echo=lines.append)
+    assert record["ok"], json.dumps(record["checks"], indent=1) + "\n".join(lines[-30:])
+    crash = next(e for e in record["faults"] if "crashed_job" in e)
+    assert record["jobs"] == [crash["crashed_job"], crash["resumed_job"]] and record["job_id"] == crash["resumed_job"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["plan_check"] == "matches" and summary["rounds_completed"] == 3
+    assert f"resumed from job `{crash['crashed_job']}`" in (out / "report.md").read_text()
+    assert not ours()
+
+
+def _gone_within(seconds: float, left: Callable[[], list]) -> list:
+    """``left()`` polled until it is empty or ``seconds`` passed; what was left last."""
+    deadline = time.time() + seconds
+    while (remaining := left()) and time.time() < deadline:
+        time.sleep(0.5)
+    return remaining
+
+
+@pytest.mark.slow
+@pytest.mark.heavy  # make test-heavy
+@needs_netns
+def test_sigkill_of_medflare_rehearse_leaves_no_namespace_hosts_entry_or_process(tmp_path: Path) -> None:
+    """SIGKILL while the hospitals' preflights run: its reaper removes its namespaces, /etc/netns entries and every
+    process it started (the preflight included) within a bound (was: a running preflight, 5 namespaces and their
+    /etc/netns entries left until the next rehearsal)."""
+    out = tmp_path / "out"
+    child = subprocess.Popen([sys.executable, "-m", "medflare.cli", "rehearse", "--rounds", "20", "-o", str(out)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines = []
+    try:
+        for line in child.stdout:
+            lines.append(line)
+            if "started from their kits and connected" in line:  # the preflights start next
+                break
+        preflight = f"preflight {out}"  # a hospital's preflight of its kit, below this rehearsal's folder
+        assert _gone_within(30, lambda: [] if processes_naming(preflight) else ["none yet"]) == [], "".join(lines)
+        made = ours(child.pid)
+        assert len(set(made)) == 5, made  # the bridge, the server, 2 hospitals, the lead
+        child.kill()
+        child.wait()
+        assert _gone_within(60, lambda: ours(child.pid)) == []
+        assert _gone_within(30, lambda: processes_naming(str(out))) == []  # preflight, server, sites, the reaper
+        assert not list(out.parent.rglob("*.key"))  # the kits, with their private keys
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        for ns in set(ours(child.pid)):
+            netns.delete_namespace(ns)
+        for pid in processes_naming(str(out)):
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()

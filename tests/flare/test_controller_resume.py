@@ -171,3 +171,61 @@ def test_a_failed_job_keeps_its_last_good_model(tmp_path: Path) -> None:
     assert "only 0 site(s)" in ctl.results.data["error"]
     assert len(ctl.persistor.saved) == 1
     np.testing.assert_array_equal(ctl.persistor.saved[0]["weights"]["w"], np.full((2, 3), 1.0))
+
+
+# ----- a resumed job is reported as itself ---------------------------------------------------------------
+def _round_record(index: int) -> dict:
+    """A round's record as the controller writes it (two sites, equal shares)."""
+    return {"round": index, "started_at": 1000.0 + 10 * index, "wall_seconds": 9.0, "failed": {}, "rejected": {},
+            "payload": {}, "server_seconds": {}, "share": {"site-1": 0.5, "site-2": 0.5},
+            "sites": {s: {"n_samples": 50, "train_loss": 0.7} for s in ("site-1", "site-2")}}
+
+
+def _with_header(ctl: MedflareController) -> MedflareController:
+    """``ctl`` with the results header start_controller writes (run_results.results_header) for its own plan."""
+    from medflare.flare.run_results import results_header
+
+    ctl.aggregator.core.robust = SimpleNamespace(record=lambda: {"rule": "mean"})
+    ctl.results.data = results_header(ctl.plan, ctl.aggregator)
+    return ctl
+
+
+def test_a_resumed_job_keeps_its_own_plan_and_medflare_report_accepts_it(tmp_path: Path) -> None:
+    """After a server crash the job resubmitted with ``resume_from`` (its plan differs by that field) records its
+    own plan fingerprint and start, the crashed job's rounds, and the report checks it against its own plan and
+    says which job it resumed (was: the crashed job's fingerprint, so ``medflare report`` refused the results)."""
+    from medflare.launch import report_from_results
+    from medflare.plan import write_plan
+
+    job_id = str(uuid.uuid4())
+    crashed_app = tmp_path / job_id / "app_server"
+    crashed_app.mkdir(parents=True)
+    _write_meta(crashed_app.parent, LEAD)
+    crashed = _with_header(controller(crashed_app))
+    for index in range(2):  # the rounds the crashed job checkpointed, as _run_round finishes them
+        crashed.results.finish_round(_round_record(index))
+        crashed.results.record_evaluation(index + 1, {"val": {"balanced_accuracy": 0.5 + index / 10}}, None)
+    save_round_checkpoint(str(crashed_app), crashed.results, crashed.global_params, crashed._checkpoint_write)
+    crashed._checkpoint_write.wait()
+
+    ctl, ctx = new_job(tmp_path, job_id)
+    ctl.use_plan(dataclasses.replace(ctl.plan, resume_from=job_id))  # what set_resume writes into the job
+    _with_header(ctl)
+    own_header = {k: ctl.results.data[k] for k in ("plan", "controller_started_at", "robust_aggregation")}
+    ctl._resume(ctx)
+    assert ctl.plan.digest() != crashed.plan.digest()
+    assert {k: ctl.results.data[k] for k in own_header} == own_header  # this job's, not the crashed job's
+    assert ctl.results.data["rounds"] == crashed.results.data["rounds"] and ctl.results.best == 0.6
+    for index in range(2, ROUNDS):  # the resumed job finishes the rest
+        ctl.results.finish_round(_round_record(index))
+    ctl.results.data["evaluations"].update({str(r): {"test": {"balanced_accuracy": 0.6}, "val": {}}
+                                            for r in range(ROUNDS + 1)})
+    ctl._write_results()
+    (Path(ctl.results_path).parent / "config").mkdir()  # FLARE deploys the job's config beside its results
+    write_plan(ctl.plan, Path(ctl.results_path).parent / "config")
+
+    summary = report_from_results(Path(ctl.results_path), tmp_path / "report")
+
+    assert summary["plan_check"] == "matches" and summary["rounds_completed"] == ROUNDS
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert f"resumed from job `{job_id}` after 2 round(s)" in report

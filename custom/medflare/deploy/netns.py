@@ -2,8 +2,8 @@
 that lives in a namespace of its own (``medflare rehearse``; needs root).
 
 Every namespace (``mfr-<owner pid>-<role>``), veth pair, qdisc and ``/etc/netns/<ns>/hosts`` file made here is
-removed by :meth:`Wan.teardown`, also after a failure; those of a rehearsal that was SIGKILLed are swept by
-:func:`sweep_stale` the next time one starts. Nothing is added to the root network namespace: the veth pairs are
+removed by :meth:`Wan.teardown`, also after a failure; those of a rehearsal that was SIGKILLed by its reaper
+(:mod:`medflare.deploy.reaper`, :func:`sweep_owner`) at once, and by :func:`sweep_stale` the next time one starts. Nothing is added to the root network namespace: the veth pairs are
 made inside the bridge's namespace and their far ends moved into the participants'.
 
 Per participant the link can be shaped (``tc tbf`` both ways: ``eth0``'s egress is its upload, the bridge port's
@@ -107,6 +107,19 @@ def sweep_stale() -> list[str]:
             delete_namespace(ns)
             stale.append(ns)
     return stale
+
+
+def sweep_owner(owner: int) -> list[str]:
+    """Delete the namespaces (their processes ended first) and hosts folders of the rehearsal of process ``owner``
+    (``mfr-<owner>-*``: what its :class:`Wan` made, and nothing else); return their names."""
+    prefix = f"{PREFIX}-{owner}-"
+    names = set(list_namespaces()) | ({p.name for p in NETNS_ETC.iterdir()} if NETNS_ETC.is_dir() else set())
+    owned = sorted(ns for ns in names if ns.startswith(prefix) and NAME.match(ns))
+    with contextlib.suppress(Exception):  # every participant's processes in one grace period
+        end_namespace_processes([ns for ns in owned if ns in list_namespaces()], sig=signal.SIGTERM)
+    for ns in owned:
+        delete_namespace(ns)
+    return owned
 
 
 @dataclass

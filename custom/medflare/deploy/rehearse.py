@@ -12,8 +12,9 @@ with ``resume_from`` (``docs/deploy.md``). At the end the deployment's promises 
 (timings, rounds, faults, checks) written beside the report.
 
 Everything it made is removed at the end, also on failure, SIGTERM or Ctrl-C; the server and sites run under
-medflare's process keeper (:mod:`medflare.processes`), so they die with it even when it is SIGKILLed, and its
-namespaces are swept by the next rehearsal.
+medflare's process keeper (:mod:`medflare.processes`), so they die with it even when it is SIGKILLed, and its reaper
+(:mod:`medflare.deploy.reaper`, started first) then removes its namespaces, every process in them (a preflight, the
+lead's watch) and the kits; a rehearsal whose reaper died too is swept by the next one.
 
 Command line::
 
@@ -41,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from medflare.deploy.netns import Wan, sweep_stale, unavailable_reason
+from medflare.deploy.reaper import start_reaper, stop_reaper
 from medflare.errors import ConfigError, MedflareError
 from medflare.processes import end_processes, run_kept
 
@@ -58,6 +60,8 @@ WORK_ALLOWANCE = 60.0  # seconds a round may take for the sites' local work and 
 # a hospital whose link or processes come back reconnects (FLARE's retry back-off) and redoes its task in this long
 RECONNECT_ALLOWANCE = 30.0
 SERVER = "server"  # the ``site`` of a server fault: the consortium's server, whatever its name
+ERROR_LINE = re.compile(r"\bERROR\b")  # a line FLARE logged at error level
+PRIVATE_FOLDERS = ("kits", "home")  # below the work folder: every participant's private key, the admins' home
 Echo = Callable[[str], None]
 
 
@@ -516,8 +520,12 @@ class Stage:
             end_processes([k for keepers in self.keepers.values() for k in keepers])
         if self.wan is not None:
             self.wan.teardown()
-        shutil.rmtree(self.work / "kits", ignore_errors=True)  # every participant's private key
-        shutil.rmtree(self.work / "home", ignore_errors=True)
+        for folder in self.private_folders():  # every participant's private key
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def private_folders(self) -> list[Path]:
+        """What :meth:`close` removes besides namespaces and processes (the reaper's too, if this process dies)."""
+        return [self.work / name for name in PRIVATE_FOLDERS]
 
 
 # ----- checks ----------------------------------------------------------------------------------------------------
@@ -655,7 +663,6 @@ def _check(check: str, expected: str, observed: str, ok: bool) -> dict[str, Any]
 def rehearse(plan: Rehearsal, out_dir: str | Path, echo: Echo = print, overwrite: bool = False) -> dict[str, Any]:
     """Run one rehearsal; write report, logs and ``rehearsal.json`` into ``out_dir``; return the record (``ok``
     false when a check failed). RehearseError: namespaces are unavailable (one line why), or it could not run."""
-    from medflare.deploy.policies import SITE_HEARTBEAT_TIMEOUT
     from medflare.files import OutputTarget
 
     reason = unavailable_reason()
@@ -672,6 +679,18 @@ def rehearse(plan: Rehearsal, out_dir: str | Path, echo: Echo = print, overwrite
     # (whose folder the next one sweeps) never leaves them open to others in the meantime
     stage.work.mkdir(mode=0o700)
     stage.work.chmod(0o700)
+    reaper = start_reaper(os.getpid(), stage.private_folders())  # before any namespace: SIGKILL cannot be caught
+    try:
+        return _rehearse(plan, out_dir, echo, stage, target, staging)
+    finally:
+        stop_reaper(reaper)
+
+
+def _rehearse(plan: Rehearsal, out_dir: str | Path, echo: Echo, stage: Stage, target: Any,
+              staging: Path) -> dict[str, Any]:
+    """:func:`rehearse` once its output folder (``target``, staged in ``staging``) and its reaper are set up."""
+    from medflare.deploy.policies import SITE_HEARTBEAT_TIMEOUT
+
     record: dict[str, Any] = {"plan": {**asdict(plan), "project_file": str(plan.project_file)}}
     try:
         stage.provision()
@@ -713,6 +732,8 @@ def rehearse(plan: Rehearsal, out_dir: str | Path, echo: Echo = print, overwrite
             rounds=[{"round": r["round"] + 1, "wall_seconds": r.get("wall_seconds"),
                      "sites": sorted(r.get("share", {}))} for r in results.get("rounds", [])],
             faults=stage.events, checks=checks, ok=all(c["ok"] for c in checks))
+        if not record["ok"]:
+            record["cause"] = failure_cause(record, results, stage.server_log())
         for item in (stage.work / "report").iterdir():
             shutil.move(str(item), staging / item.name)
         shutil.copy(results_path, staging / results_path.name)  # the lead's download: per-round bytes and timings
@@ -735,12 +756,44 @@ def rehearse(plan: Rehearsal, out_dir: str | Path, echo: Echo = print, overwrite
     record["timings"] = {k: round(v, 1) for k, v in stage.timings.items()}
     shutil.rmtree(stage.work, ignore_errors=True)
     (staging / "rehearsal.json").write_text(json.dumps(record, indent=2) + "\n")
-    (staging / "rehearsal.md").write_text(checks_table(record["checks"]) + "\n")
+    cause = f"\n\nCause: {record['cause']}" if "cause" in record else ""
+    (staging / "rehearsal.md").write_text(checks_table(record["checks"]) + cause + "\n")
     target.publish()
     echo(checks_table(record["checks"]))
-    echo(f"rehearse: {'all checks passed' if record['ok'] else 'CHECKS FAILED'}; "
-         f"{Path(out_dir)}/rehearsal.json, report.md, logs/ ({record['timings']['total']:.0f} s)")
+    echo(summary_line(record, Path(out_dir)))
     return record
+
+
+def summary_line(record: dict[str, Any], out_dir: Path) -> str:
+    """A rehearsal's last line: passed, or CHECKS FAILED with its cause (:func:`failure_cause`); where it wrote."""
+    outcome = "all checks passed" if record["ok"] else f"CHECKS FAILED ({record.get('cause', 'cause unknown')})"
+    return f"rehearse: {outcome}; {out_dir}/rehearsal.json, report.md, logs/ ({record['timings']['total']:.0f} s)"
+
+
+def failure_cause(record: dict[str, Any], results: dict[str, Any], server_log: str) -> str:
+    """Why a rehearsal failed, in one line for its summary: the failed checks; a job that did not complete with its
+    status and the controller's recorded error; the faults that struck (which, at which site); and the server's
+    own reason (FLARE's "Failing job" line, else its first error line about the job)."""
+    parts = ["failed: " + ", ".join(c["check"] for c in record["checks"] if not c["ok"])]
+    if record["status"] != "FINISHED:COMPLETED":
+        error = results.get("error")
+        parts.append(f"job {record['job_id']} ended {record['status']}" + (f": {error}" if error else ""))
+    struck = [event["fault"] for event in record["faults"] if "struck_at" in event]
+    parts.append("faults that struck: " + "; ".join(struck) if struck else "no fault struck")
+    reason = server_reason(server_log, record["job_id"])
+    if reason:
+        parts.append(f"server: {reason}")
+    return " | ".join(parts)
+
+
+def server_reason(server_log: str, job_id: str, limit: int = 300) -> str | None:
+    """The server log's first line saying why job ``job_id`` failed: FLARE's "Failing job <id>" line, else the first
+    ERROR line naming the job, else the first ERROR line (cut to ``limit`` characters); None when there is none."""
+    lines = server_log.splitlines()
+    found = next((line for line in lines if f"Failing job {job_id}" in line), None) or \
+        next((line for line in lines if ERROR_LINE.search(line) and job_id in line), None) or \
+        next((line for line in lines if ERROR_LINE.search(line)), None)
+    return found.strip()[:limit] if found else None
 
 
 def markdown_table(rows: list[dict[str, Any]], columns: list[str]) -> str:

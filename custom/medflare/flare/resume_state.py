@@ -43,8 +43,9 @@ def resumed_job_id(resume_from: str, in_simulator: bool) -> str | None:
 
 def resume_job(run: RunResults, job_id: str, app_root: str, model: Mapping[str, Any], method: str,
                num_rounds: int) -> tuple[dict[str, np.ndarray], str]:
-    """Restore into ``run`` the last checkpoint of job ``job_id`` (same submitter) from this server's own
-    workspace: (its model, its app folder)."""
+    """Restore into ``run`` the history (rounds, evaluations, best score) of job ``job_id``'s last checkpoint (same
+    submitter) from this server's own workspace, under this job's own header (its plan fingerprint, start, defences:
+    what ``medflare report`` checks against the job's plan): (its model, its app folder)."""
     run_dir = os.path.dirname(app_root)
     previous_run = os.path.join(os.path.dirname(run_dir), job_id)
     if _submitter(previous_run) != _submitter(run_dir):
@@ -52,9 +53,10 @@ def resume_job(run: RunResults, job_id: str, app_root: str, model: Mapping[str, 
     previous_app = os.path.join(previous_run, os.path.basename(app_root))
     params, state = load_checkpoint(os.path.join(previous_app, CHECKPOINT_FILE))
     check_same_model(params, model)
+    header = dict(run.data)  # this job's, written by results_header before anything is restored
     run.restore(state, method, num_rounds)
     start = {**resume.start_record(f"job {job_id}", run.next_round, params), "from_job": job_id}
-    run.data["resumed"] = [*run.data.get("resumed", []), start]
+    run.data = resume.continued_results(run.data, header, start)
     return params, previous_app
 
 
