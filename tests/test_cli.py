@@ -83,7 +83,7 @@ BAD_INPUTS = [
     (["--lr", "nan"], "train.lr must be a finite number"),
     (["--lr", "inf"], "train.lr must be a finite number"),
     (["--lr", "-0.1"], "train.lr must be > 0"),
-    (["--max-steps", "-1"], "train.max_steps must be >= 0"),
+    (["--max-steps", "-1"], "train.max_steps must be between 0 (no cap) and 1000000000, got -1"),
     (["--batch-size", "0"], "batch_size"),
     (["--set", "train.lr=abc"], "train.lr must be a finite number, got 'abc'"),
     (["--set", "train.optimizer=lbfgs"], "train.optimizer"),
@@ -95,7 +95,7 @@ BAD_INPUTS = [
     (["--set", "min_clients=5"], "min_clients must be between 0 and clients=2"),
     (["--set", "seed=-1"], "seed must be between 0 and 2147483647, got -1"),
     (["--set", "site_evaluation=sometimes"], "site_evaluation must be one of"),
-    (["--set", "task_request_interval=0"], "task_request_interval must be > 0"),
+    (["--set", "task_request_interval=0"], "task_request_interval must be between 0 (excluded) and 60, got 0"),
     (["--set", "shot_thresholds=[1]"], "shot_thresholds must be"),
     (["--set", "shot_thresholds=lots"], "shot_thresholds must be a JSON list"),
     (["--set", 'site_train={"site-9": {"lr": 0.1}}'], "site_train names 'site-9'"),
@@ -117,7 +117,7 @@ BAD_INPUTS = [
     (["--scenario", "no-such-scenario"], "unknown scenario 'no-such-scenario'"),
     (["--set", "robust.off=true", "--set", "robust.max_share=0.4"], "robust.off=true turns every defence off"),
     (["--set", "robust.off=maybe"], "robust.off must be true or false"),
-    (["--set", "robust.max_share=2"], "max_share in [0, 1]"),
+    (["--set", "robust.max_share=2"], "robust.max_share must be between 0 (off) and 1, got 2"),
     (["--set", "robust.nope=1"], "robust: unknown option(s) nope; valid options: max_norm_ratio, max_share, rule, hostile_sites, trim_fraction, krum_keep, off"),
 ]
 COMMANDS = {

@@ -149,7 +149,7 @@ def test_fedmas_prior_cache_with_a_drawing_augmentation_is_refused_before_anythi
     ("image_size", 10**400, ("data.image_size must be an integer", "of magnitude below 2**53", "(401 characters)")),
     ("label_noise", 10**400, ("data.label_noise must be a finite number", "within a float's range")),
     ("seed", 2**64, ("data.seed must be an integer of magnitude below 2**53, got 18446744073709551616",)),
-    ("image_size", 100_000, ("image_size=100000 must be between 1 and 4096",)),
+    ("image_size", 100_000, ("data.image_size must be between 1 and 4096, got 100000",)),
 ], ids=["image_size-10^400", "label_noise-10^400", "seed-2^64", "image_size-100000"])
 def test_a_huge_number_in_a_data_block_is_one_line(key: str, value: int, expected: tuple[str, ...]) -> None:
     with pytest.raises(ConfigError) as refused:

@@ -161,7 +161,7 @@ def test_the_run_config_writes_out_every_dp_setting() -> None:
     run = validated(run, check_files=False)
     assert run.dp_sgd == {"noise_multiplier": 1.5, "max_grad_norm": 1.0, "delta": DELTA, "max_epsilon": 0.0,
                           "accountant": "rdp"}
-    with pytest.raises(ConfigError, match="dp_sgd.delta must be in"):
+    with pytest.raises(ConfigError, match=r"dp_sgd.delta must be between 0 \(excluded\) and 1 \(excluded\), got 2"):
         validated(RunConfig(method="fedavg", dp_sgd={"delta": 2}), check_files=False)
 
 

@@ -5,11 +5,14 @@ train.lr=abc`` fails here, with one line naming the option, and never reaches a 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
+import re
 import types
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
@@ -22,6 +25,121 @@ NONE_WORDS = ("none", "null")
 MAX_WHOLE = 2**53  # whole numbers at or beyond it are refused: a float holds no larger integer exactly
 SHOWN_CHARACTERS = 80  # of a refused value in a message
 MAX_IMAGE_SIZE = 4096  # px: a task's or a data config's image size (every image is resized to it)
+# Bounds of a run's numbers: beyond them a job is a typo or an attack (a round plan of 10^20 rounds filled memory;
+# a seed of 2^64 failed inside FLARE; site indices are added to the seed, and numpy takes seeds below 2^32).
+MAX_ROUNDS = 100_000
+MAX_CLIENTS = 1_000
+MAX_SEED = 2**31 - 1
+MAX_SECONDS = 7 * 24 * 3600  # a week: straggler and task limits
+BOUND = "medflare_bound"  # the key of a field's :class:`Bound` in its dataclass field metadata
+
+
+@dataclass(frozen=True)
+class Bound:
+    """What a config field's value may be beyond its type: the one schema of bounds. A field declares it in its
+    metadata (:func:`bounded`); :func:`fields_typed` (every ``--set``, config file and ``medflare_plan.json`` read)
+    and :func:`check_fields` (a dataclass built directly) apply it. Numbers inside lists and dict values are each
+    held to ``low``/``high``; ``items`` caps a list's length.
+
+    Attributes:
+        low, high: the range of each number (None: that side open-ended); ``low_open``/``high_open`` exclude it.
+        zero: what 0 means, shown beside a low of 0 (``"no limit"``).
+        choices: the texts allowed. pattern: a regular expression the whole text matches.
+        items: most elements of a list or tuple.
+        checked_by: a text not bounded here, and the check that holds it (a registry look-up, a path check).
+        words: the allowed values in words, instead of the range (a pattern's meaning).
+    """
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    zero: str = ""
+    choices: tuple[str, ...] = ()
+    pattern: str = ""
+    items: int | None = None
+    checked_by: str = ""
+    words: str = ""
+
+    def describe(self) -> str:
+        """The allowed values in words, as a message says them (``between 0 (no limit) and 604800``)."""
+        if self.words:
+            return self.words
+        if self.choices:
+            return "one of " + ", ".join(self.choices)
+        low = f"{_number(self.low)}{f' ({self.zero})' if self.zero and self.low == 0 else ''}"
+        if self.low is not None and self.high is not None:
+            marks = (" (excluded)" if self.low_open else "", " (excluded)" if self.high_open else "")
+            return f"between {low}{marks[0]} and {_number(self.high)}{marks[1]}"
+        if self.low is not None:
+            return f"{'>' if self.low_open else '>='} {low}"
+        if self.high is not None:
+            return f"{'<' if self.high_open else '<='} {_number(self.high)}"
+        return f"text checked by {self.checked_by}" if self.checked_by else "any value"
+
+    def fits(self, value: Any) -> bool:
+        """Whether ``value`` (already typed) is inside the bound; None always is (a field's 'not set')."""
+        if value is None or isinstance(value, bool):
+            return True
+        if isinstance(value, (list, tuple)):
+            return (self.items is None or len(value) <= self.items) and all(self.fits(v) for v in value)
+        if isinstance(value, Mapping):
+            return all(self.fits(v) for v in value.values())
+        if isinstance(value, str):
+            return ((not self.choices or value in self.choices)
+                    and (not self.pattern or re.fullmatch(self.pattern, value) is not None))
+        if isinstance(value, (int, float)):
+            return not ((self.low is not None and (value < self.low or (self.low_open and value == self.low)))
+                        or (self.high is not None and (value > self.high or (self.high_open and value == self.high))))
+        return True
+
+
+def bounded(default: Any = dataclasses.MISSING, **bound: Any) -> Any:
+    """A dataclass field with :class:`Bound` ``bound`` in its metadata; a list or dict ``default`` is copied for
+    each instance."""
+    metadata = {BOUND: Bound(**bound)}
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def bound_of(cls: type, name: str) -> Bound | None:
+    """The :class:`Bound` field ``name`` of dataclass ``cls`` declares (None: none), so another dataclass that
+    carries the same value (the plan's copy of a run option) declares the same bound, not a second one."""
+    field_ = {f.name: f for f in dataclasses.fields(cls)}[name]
+    return field_.metadata.get(BOUND)
+
+
+def same_bound(cls: type, name: str, default: Any = dataclasses.MISSING) -> Any:
+    """A dataclass field bounded as ``cls.name`` is (:func:`bound_of`)."""
+    bound = bound_of(cls, name)
+    return bounded(default, **dataclasses.asdict(bound)) if bound else dataclasses.field(default=default)
+
+
+def check_length(value: Any, bound: Bound | None, option: str) -> None:
+    """ConfigError for a list longer than ``bound.items``, checked before its elements are (a 10^6-round plan is
+    refused by its length, not by its millionth round)."""
+    if bound is not None and bound.items is not None and isinstance(value, (list, tuple)) and len(value) > bound.items:
+        raise ConfigError(f"{option} must be a list of at most {bound.items} entries, got {len(value)}")
+
+
+def check_bound(value: Any, bound: Bound | None, option: str) -> None:
+    """ConfigError ``"<option> must be <bound>, got <value>"`` (one line) for a typed value outside ``bound``."""
+    check_length(value, bound, option)
+    if bound is not None and not bound.fits(value):
+        raise ConfigError(f"{option} must be {bound.describe()}, got {_render(value)}")
+
+
+def check_fields(obj: Any, where: str = "") -> None:
+    """Every field of dataclass instance ``obj`` against its :class:`Bound` (a dataclass built directly, not
+    through :func:`from_dict`); ``where`` names its section in the message."""
+    for field_ in dataclasses.fields(obj):
+        check_bound(getattr(obj, field_.name), field_.metadata.get(BOUND),
+                    f"{where}.{field_.name}" if where else field_.name)
+
+
+def _number(value: float | None) -> str:
+    return str(int(value)) if value is not None and float(value).is_integer() else str(value)
 
 
 def from_dict(cls: type[T], values: dict[str, Any] | None, where: str) -> T:
@@ -41,8 +159,13 @@ def fields_typed(cls: type, values: dict[str, Any] | None, where: str, owner: st
         raise ConfigError(f"{owner or where or 'run options'}: unknown option(s) {', '.join(unknown)}; {valid}")
     hints = get_type_hints(cls)
     examples = {key: None if f.default is dataclasses.MISSING else f.default for key, f in fields.items()}
-    return {key: check_value(value, hints[key], f"{where}.{key}" if where else key, examples[key])
-            for key, value in values.items()}
+    typed = {}
+    for key, value in values.items():
+        option = f"{where}.{key}" if where else key
+        check_length(value, fields[key].metadata.get(BOUND), option)
+        typed[key] = check_value(value, hints[key], option, examples[key])
+        check_bound(typed[key], fields[key].metadata.get(BOUND), option)
+    return typed
 
 
 def check_value(value: Any, hint: Any, option: str, example: Any = None) -> Any:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from medflare.config import bounded, check_fields
 from medflare.errors import ConfigError, SiteDeclined
 
 ACCOUNTANTS = ("rdp", "prv")
@@ -46,23 +47,14 @@ class DPSGDConfig:
         accountant: "rdp" (Rényi DP, Mironov 2017) or "prv" (privacy random variables, Gopi et al. 2021; tighter).
     """
 
-    noise_multiplier: float = 1.0
-    max_grad_norm: float = 1.0
-    delta: float = 1e-5
-    max_epsilon: float = 0.0
-    accountant: Literal["rdp", "prv"] = "rdp"
+    noise_multiplier: float = bounded(1.0, low=0, low_open=True)
+    max_grad_norm: float = bounded(1.0, low=0, low_open=True)
+    delta: float = bounded(1e-5, low=0, high=1, low_open=True, high_open=True)
+    max_epsilon: float = bounded(0.0, low=0, zero="no budget")
+    accountant: Literal["rdp", "prv"] = bounded("rdp", choices=ACCOUNTANTS)
 
     def __post_init__(self) -> None:
-        checks = (
-            (self.noise_multiplier > 0, "noise_multiplier", "> 0"),
-            (self.max_grad_norm > 0, "max_grad_norm", "> 0"),
-            (0 < self.delta < 1, "delta", "in (0, 1)"),
-            (self.max_epsilon >= 0, "max_epsilon", ">= 0 (0 = no budget)"),
-            (self.accountant in ACCOUNTANTS, "accountant", f"one of {', '.join(ACCOUNTANTS)}"),
-        )
-        for ok, name, allowed in checks:
-            if not ok:
-                raise ConfigError(f"dp_sgd.{name} must be {allowed}, got {getattr(self, name)!r}")
+        check_fields(self, "dp_sgd")
 
 
 @dataclass

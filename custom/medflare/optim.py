@@ -19,13 +19,13 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Mapping
 
 import torch
 from torch import nn
 
-from medflare.config import fields_typed
+from medflare.config import MAX_ROUNDS, bounded, check_fields, fields_typed
 from medflare.errors import ConfigError
 
 __all__ = [
@@ -46,6 +46,11 @@ __all__ = [
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCHEDULES = ("constant", "cosine", "warmup_cosine", "multistep")
 FRESH_OPTIMIZER = ("never", "stage", "round", "step")
+# Bounds of a site's training numbers: beyond them a setting is a typo or an attack on the site's machine
+MAX_BATCH = 65_536
+MAX_LOCAL_EPOCHS = 10_000
+MAX_WORKERS = 64  # data-loader processes
+MAX_THREADS = 1_024  # torch CPU threads
 
 #: Where a step sits: (stage name, round, step in round); compared by :func:`rebuild_due`.
 OptimizerKey = tuple[str, int, int]
@@ -57,43 +62,38 @@ class TrainConfig:
     the optimizer and schedule options their meaning."""
 
     optimizer: Literal["sgd", "adam", "adamw"] = "adam"
-    lr: float = 1e-3
-    momentum: float = 0.9  # sgd only
+    lr: float = bounded(1e-3, low=0, low_open=True)
+    momentum: float = bounded(0.9, low=0, high=1, high_open=True)  # sgd only
     nesterov: bool = False  # sgd only
-    betas: tuple[float, float] = (0.9, 0.999)  # adam/adamw only (MAE pre-training uses (0.9, 0.95))
-    eps: float = 1e-8  # adam/adamw only
-    weight_decay: float = 0.0
+    betas: tuple[float, float] = bounded((0.9, 0.999), low=0, high=1, high_open=True)  # adam/adamw only (MAE pre-training uses (0.9, 0.95))
+    eps: float = bounded(1e-8, low=0, high=1, low_open=True)  # adam/adamw only
+    weight_decay: float = bounded(0.0, low=0, high=10)
     no_decay_norm_bias: bool = False  # no weight decay on 1-D params (norms, biases) and e.g. a ViT's pos_embed
-    layer_decay: float = 1.0  # layer-wise lr decay for vit_* models (BEiT/MAE fine-tuning use 0.65); 1 = off
-    batch_size: int = 64
-    local_epochs: int = 1
-    max_steps: int = 0  # cap on optimizer steps per round; 0 = no cap (use for quick CPU runs)
-    grad_clip: float = 0.0  # max gradient norm; 0 = off
+    layer_decay: float = bounded(1.0, low=0, high=1, low_open=True, words="in (0, 1] (1 = off)")  # layer-wise lr decay for vit_* models (BEiT/MAE fine-tuning use 0.65); 1 = off
+    batch_size: int = bounded(64, low=1, high=MAX_BATCH)
+    local_epochs: int = bounded(1, low=1, high=MAX_LOCAL_EPOCHS)
+    max_steps: int = bounded(0, low=0, high=10**9, zero="no cap")  # cap on optimizer steps per round; 0 = no cap (use for quick CPU runs)
+    grad_clip: float = bounded(0.0, low=0, zero="off")  # max gradient norm; 0 = off
     # constant | cosine (once per round, as Fed-MAS does) | warmup_cosine (per step, MAE/BEiT) | multistep (FCA)
     lr_schedule: Literal["constant", "cosine", "warmup_cosine", "multistep"] = "constant"
-    min_lr: float = 1e-4  # cosine floor (cosine, warmup_cosine)
-    warmup_rounds: float = 0.0  # warmup_cosine: linear warm-up from 0 over this many rounds of the stage
-    milestones: tuple[int, ...] = ()  # multistep: stage rounds at which lr is multiplied by gamma
-    gamma: float = 0.1  # multistep factor
+    min_lr: float = bounded(1e-4, low=0)  # cosine floor (cosine, warmup_cosine)
+    warmup_rounds: float = bounded(0.0, low=0, high=MAX_ROUNDS)  # warmup_cosine: linear warm-up from 0 over this many rounds of the stage
+    milestones: tuple[int, ...] = bounded((), low=0, high=MAX_ROUNDS, items=MAX_ROUNDS)  # multistep: stage rounds at which lr is multiplied by gamma
+    gamma: float = bounded(0.1, low=0, low_open=True)  # multistep factor
     # never: state kept across rounds | stage: new at a stage change | round | step (MDH-FL's fresh Adam per step)
     fresh_optimizer: Literal["never", "stage", "round", "step"] = "never"
-    eval_batch_size: int = 256
-    num_workers: int = 0
-    torch_threads: int = 1  # CPU threads per site; keeps simulated sites from fighting over cores
-    base_batch: int = 0  # > 0: lr is given per base_batch images and scales with batch_size (MAE: 256); 0 = as given
+    eval_batch_size: int = bounded(256, low=1, high=MAX_BATCH)
+    num_workers: int = bounded(0, low=0, high=MAX_WORKERS)  # data-loader processes per site
+    torch_threads: int = bounded(1, low=1, high=MAX_THREADS)  # CPU threads per site; keeps simulated sites from fighting over cores
+    base_batch: int = bounded(0, low=0, high=MAX_BATCH, zero="lr as given")  # > 0: lr is given per base_batch images and scales with batch_size (MAE: 256); 0 = as given
     # stage name -> overrides of the options above in that stage (SSL-FL pre-trains and fine-tunes differently)
-    stages: dict[str, dict[str, Any]] = field(default_factory=dict)
+    stages: dict[str, dict[str, Any]] = bounded({}, checked_by="the method's stage names; values as train.*")
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)  # type: ignore[assignment]  # JSON/TOML give lists
         self.milestones = tuple(self.milestones)
+        check_fields(self, "train")  # the bounds of each option (Bound, in the field's metadata)
         check_train_options(self)
-        if self.batch_size < 1 or self.local_epochs < 1:
-            raise ConfigError("train.batch_size and train.local_epochs must be >= 1")
-        if self.lr <= 0:
-            raise ConfigError(f"train.lr must be > 0, got {self.lr}")
-        if self.max_steps < 0:
-            raise ConfigError(f"train.max_steps must be >= 0 (0 = no cap), got {self.max_steps}")
         # each stage's overrides typed once, here, so a stage's settings are checked before any round needs them
         self.stages = {stage: self._typed_stage(stage, overrides) for stage, overrides in self.stages.items()}
         for stage in self.stages:
@@ -117,20 +117,10 @@ def check_train_options(cfg: TrainConfig) -> None:
     for name, allowed in choices:
         if getattr(cfg, name) not in allowed:
             raise ConfigError(f"train.{name} must be one of {', '.join(allowed)}, got '{getattr(cfg, name)}'")
-    checks = (
-        (len(cfg.betas) == 2 and all(0.0 <= b < 1.0 for b in cfg.betas), "betas", "two numbers in [0, 1)"),
-        (cfg.eps > 0, "eps", "> 0"),
-        (0.0 < cfg.layer_decay <= 1.0, "layer_decay", "in (0, 1] (1 = off)"),
-        (cfg.warmup_rounds >= 0, "warmup_rounds", ">= 0"),
-        (cfg.min_lr >= 0, "min_lr", ">= 0"),
-        (cfg.gamma > 0, "gamma", "> 0"),
-        (cfg.base_batch >= 0, "base_batch", ">= 0 (0 = lr as given)"),
-        (all(m >= 0 for m in cfg.milestones) and list(cfg.milestones) == sorted(set(cfg.milestones)),
-         "milestones", "increasing round numbers >= 0"),
-    )
-    for ok, name, allowed in checks:
-        if not ok:
-            raise ConfigError(f"train.{name} must be {allowed}, got {getattr(cfg, name)!r}")
+    if len(cfg.betas) != 2:
+        raise ConfigError(f"train.betas must be two numbers in [0, 1), got {cfg.betas!r}")
+    if list(cfg.milestones) != sorted(set(cfg.milestones)):
+        raise ConfigError(f"train.milestones must be increasing round numbers >= 0, got {cfg.milestones!r}")
 
 
 def lr_at(cfg: TrainConfig, t: float, stage_rounds: int) -> float:

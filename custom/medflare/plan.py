@@ -19,13 +19,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from medflare.config import fields_typed, from_dict
+from medflare.config import MAX_CLIENTS, MAX_ROUNDS, bounded, check_fields, fields_typed, from_dict, same_bound
 from medflare.errors import ConfigError
 from medflare.methods.base import MethodSpec, TrainConfig
 from medflare.registry import get_method, list_methods, load_plugins
-from medflare.run_config import IMAGENET, TASK_BOUNDS, TASK_SHAPE, RunConfig, load_plugin_files
+from medflare.run_config import (
+    IMAGENET,
+    JOB_NAME,
+    JOB_NAME_WORDS,
+    TASK_SHAPE,
+    RunConfig,
+    SecureAggregation,
+    Tracking,
+    WireDtype,
+    WireKind,
+    load_plugin_files,
+)
 from medflare.server_setup import RobustConfig, deployment_robust, global_model, round_plan, server_rule, typed_robust
 from medflare.site_config import (
+    MAX_CLASSES,
     SiteFile,
     SiteSettings,
     TaskSpec,
@@ -56,55 +68,57 @@ PLAN_SCHEMA = 1  # of PLAN_FILE; a plan of another schema is refused with the re
 class SitePlan:
     """One site: its architecture and training settings (method defaults < job options < the site's override)."""
 
-    name: str
-    model: str
-    train: TrainConfig
+    name: str = bounded(checked_by="the job's site names (FLARE's client names)")
+    model: str = same_bound(RunConfig, "model")
+    train: TrainConfig = dataclasses.field()
 
 
 @dataclass(frozen=True)
 class RoundPlan:
     """One round: its stage, whether sites score it, and the phases (tasks) the server sends, in order."""
 
-    round: int
-    stage: str
-    scored: bool
-    phases: tuple[str, ...]
+    round: int = bounded(low=0, high=MAX_ROUNDS, high_open=True)
+    stage: str = bounded(checked_by="the method's stages (build_plan)")
+    scored: bool = dataclasses.field()
+    phases: tuple[str, ...] = bounded(checked_by="the method's server rule (build_plan)")
 
 
 @dataclass(frozen=True)
 class RunPlan:
     """Everything a job does, resolved (see the module's doc)."""
 
-    job_name: str
-    method: str
-    method_args: dict[str, Any]  # every hyperparameter of the method, typed, defaults filled in
-    model: str  # the server's (global) model; each site's is in ``sites``
-    pretrained: str | None
-    seed: int
+    job_name: str = bounded(pattern=JOB_NAME.pattern, words=JOB_NAME_WORDS)
+    method: str = same_bound(RunConfig, "method")
+    method_args: dict[str, Any] = dataclasses.field()  # every hyperparameter of the method, typed, defaults filled in
+    model: str = same_bound(RunConfig, "model")  # the server's (global) model; each site's is in ``sites``
+    pretrained: str | None = same_bound(RunConfig, "pretrained")
+    seed: int = same_bound(RunConfig, "seed")
     task: TaskSpec
     data: dict[str, Any]  # what the sites receive ({"source": "site"}: each reads its own)
     train: TrainConfig  # the method's defaults under the job's options: a site the plan does not name trains so
-    sites: tuple[SitePlan, ...]  # the named sites, each with its own options over the job's
-    min_clients: int  # valid updates a round needs
-    rounds: tuple[RoundPlan, ...]
-    evaluation: str
-    patience: int
-    straggler_seconds: int
-    task_timeout: int  # effective: DEFAULT_TASK_TIMEOUT when the run sets none
-    task_request_interval: float
-    resume_from: str
+    sites: tuple[SitePlan, ...] = bounded(items=MAX_CLIENTS)  # the named sites, each with its own options
+    min_clients: int = bounded(low=1, high=MAX_CLIENTS)  # valid updates a round needs
+    rounds: tuple[RoundPlan, ...] = bounded(items=MAX_ROUNDS)
+    evaluation: str = same_bound(RunConfig, "site_evaluation")
+    patience: int = same_bound(RunConfig, "patience")
+    straggler_seconds: int = same_bound(RunConfig, "straggler_seconds")
+    task_timeout: int = same_bound(RunConfig, "task_timeout")  # effective: DEFAULT_TASK_TIMEOUT when the run sets none
+    task_request_interval: float = same_bound(RunConfig, "task_request_interval")
+    resume_from: str = same_bound(RunConfig, "resume_from")
     robust: dict[str, Any]  # as the job carries it (deployment defaults under the run's own in a deployed job)
-    transfer_dtype: str
-    download_dtype: str
-    transfer_kind: str
-    stream_aggregation: bool
-    dp: dict[str, Any]
-    dp_sgd: dict[str, Any]
-    secure_aggregation: str
-    audit: bool
-    tracking: str
-    plugins: tuple[str, ...]  # module names inside the job
-    shot_groups: dict[str, list[int]] | None = None  # head/medium/tail class ids for long-tail metrics
+    transfer_dtype: WireDtype = dataclasses.field()
+    download_dtype: WireDtype = dataclasses.field()
+    transfer_kind: WireKind = dataclasses.field()
+    stream_aggregation: bool = dataclasses.field()
+    dp: dict[str, Any] = dataclasses.field()
+    dp_sgd: dict[str, Any] = dataclasses.field()
+    secure_aggregation: SecureAggregation = dataclasses.field()
+    audit: bool = dataclasses.field()
+    tracking: Tracking = dataclasses.field()
+    plugins: tuple[str, ...] = bounded(checked_by="the job's plugin modules (imported by read_plan)")
+    # head/medium/tail class ids for long-tail metrics
+    shot_groups: dict[str, list[int]] | None = bounded(None, low=0, high=MAX_CLASSES, high_open=True,
+                                                       checked_by="the group names medflare.metrics writes")
     if TYPE_CHECKING:  # what consumers take, typed once per plan from its record (not fields: a replace re-types)
         method_cfg: Any  # the method's config object (``method_args`` is its record)
         defences: RobustConfig  # ``robust`` as the server's defences
@@ -115,6 +129,8 @@ class RunPlan:
         object.__setattr__(self, "method_args", dataclasses.asdict(method_cfg))
         object.__setattr__(self, "robust", typed_robust(self.robust))
         object.__setattr__(self, "defences", RobustConfig(**self.robust))
+        check_fields(self, PLAN_FILE)
+        check_sections(self)
         if not self.sites or not self.model:
             raise ConfigError(f"the plan names no {'model' if self.sites else 'site'} (build it with plan.resolve)")
         if not 1 <= self.min_clients <= len(self.sites):
@@ -173,6 +189,18 @@ class RunPlan:
     def describe(self) -> str:
         """The plan as indented JSON (``medflare config --plan``)."""
         return json.dumps(self.to_dict(), indent=2) + "\n"
+
+
+def check_sections(plan: RunPlan) -> None:
+    """The plan's untyped sections held to the bounds of the config they become at a site (the data options, the
+    dp filter, DP-SGD), so an edited ``medflare_plan.json`` is refused where it is read, before any training."""
+    fields_typed(_data_config_cls(), dict(plan.data), f"{PLAN_FILE}.data")
+    if plan.dp:
+        check_dp_filter(plan.dp)
+    if plan.dp_sgd:
+        from medflare.dp_sgd import DPSGDConfig
+
+        DPSGDConfig(**fields_typed(DPSGDConfig, dict(plan.dp_sgd), f"{PLAN_FILE}.dp_sgd"))
 
 
 # ----- the resolver: a layered run checked against its method, its task, the plan ---------------------------------
@@ -318,9 +346,6 @@ def _data_config_cls() -> type:
 def _typed_task(task: Mapping[str, Any]) -> dict[str, Any]:
     """The declared task fields, typed, with their ranges checked."""
     typed = fields_typed(TaskSpec, dict(task), "task")
-    for key, (low, high) in TASK_BOUNDS.items():
-        if key in typed and not low <= typed[key] <= high:
-            raise ConfigError(f"task.{key} must be between {low} and {high}, got {typed[key]}")
     names = typed.get("class_names")
     if names is not None and "num_classes" in typed and len(names) != typed["num_classes"]:
         raise ConfigError(f"task.class_names lists {len(names)} names for task.num_classes={typed['num_classes']}; "

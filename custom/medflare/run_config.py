@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Mapping
 
 from medflare.catalog import default_model
-from medflare.config import MAX_IMAGE_SIZE, from_dict
+from medflare.config import (
+    MAX_CLIENTS,
+    MAX_ROUNDS,
+    MAX_SECONDS,
+    MAX_SEED,
+    bounded,
+    check_fields,
+    from_dict,
+)
 from medflare.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -25,14 +33,15 @@ SECTIONS = {"method": "method_args", "train": "train", "data": "data", "task": "
 JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 SITE_EVALUATION = ("every_round", "final", "off")
 TASK_SHAPE = ("num_classes", "in_channels", "image_size")  # the task fields a job must know (class_names optional)
-# Bounds of a run's numbers: beyond them a job is a typo or an attack (a round plan of 10^20 rounds filled memory;
-# a seed of 2^64 failed inside FLARE; site indices are added to the seed, and numpy takes seeds below 2^32).
-MAX_ROUNDS = 100_000
-MAX_CLIENTS = 1_000
-MAX_SEED = 2**31 - 1
-MAX_SECONDS = 7 * 24 * 3600  # a week: straggler and task limits
-TASK_BOUNDS = {"num_classes": (2, 100_000), "in_channels": (1, 16), "image_size": (8, MAX_IMAGE_SIZE)}
-IMAGENET = "imagenet"  # the `pretrained` value naming a model's offline ImageNet weights
+MAX_POLL_SECONDS = 60.0  # task_request_interval: FLARE's default is 2; a minute between polls is already slow
+# a job name's words, where a refusal says what it must be
+JOB_NAME_WORDS = "a plain job name (letters, digits, '.', '_', '-'; no '/'; at most 64)"
+IMAGENET = "imagenet"
+Tracking = Literal["tensorboard", "mlflow", "both", "off"]
+SecureAggregation = Literal["off", "he"]
+# medflare.ops.wire's DTYPES and KINDS (not imported: medflare.ops pulls in torch; tests/test_bounds.py keeps them one)
+WireDtype = Literal["float32", "float16"]
+WireKind = Literal["weights", "diff"]  # the `pretrained` value naming a model's offline ImageNet weights
 
 # run option ``tracking`` -> the receivers it puts on the server (:mod:`medflare.flare.tracking`)
 TRACKERS = {"tensorboard": ("tensorboard",), "mlflow": ("mlflow",), "both": ("tensorboard", "mlflow"), "off": ()}
@@ -104,60 +113,50 @@ class RunConfig:
             production only; :mod:`medflare.flare.he`, docs/privacy.md).
     """
 
-    method: str = "fedavg"
-    model: str = ""  # "" = the method's default (MethodSpec.default_model: cnn, a ViT for SSL-FL, ...)
-    pretrained: str | None = None
-    rounds: int = 3
-    clients: int = 2
-    min_clients: int = 0
-    seed: int = 0
+    method: str = bounded("fedavg", checked_by="the method registry")
+    # "" = the method's default (MethodSpec.default_model: cnn, a ViT for SSL-FL, ...)
+    model: str = bounded("", checked_by="the model registry")
+    pretrained: str | None = bounded(None, checked_by="'imagenet' or an existing weights file")
+    rounds: int = bounded(3, low=1, high=MAX_ROUNDS)
+    clients: int = bounded(2, low=1, high=MAX_CLIENTS)
+    min_clients: int = bounded(0, low=0, high=MAX_CLIENTS, zero="all sites")
+    seed: int = bounded(0, low=0, high=MAX_SEED)
     data: dict[str, Any] = field(default_factory=lambda: {"source": "synthetic", "partition": "iid"})
     train: dict[str, Any] = field(default_factory=dict)
     method_args: dict[str, Any] = field(default_factory=dict)
     task: dict[str, Any] = field(default_factory=dict)
-    shot_thresholds: list[int] | None = None
-    site_train: dict[str, dict[str, Any]] = field(default_factory=dict)
-    site_evaluation: str = "every_round"
-    straggler_seconds: int = 600
-    task_timeout: int = 0
-    task_request_interval: float = 0.1
-    name: str = ""
-    site_model: dict[str, str] = field(default_factory=dict)
+    shot_thresholds: list[int] | None = bounded(None, low=0, high=10**9, items=2)
+    # site name -> TrainConfig options (typed as train.*): the names checked against the job's sites
+    site_train: dict[str, dict[str, Any]] = bounded({}, checked_by="the job's site names")
+    site_evaluation: str = bounded("every_round", choices=SITE_EVALUATION)
+    straggler_seconds: int = bounded(600, low=0, high=MAX_SECONDS)
+    task_timeout: int = bounded(0, low=0, high=MAX_SECONDS, zero="no limit")
+    task_request_interval: float = bounded(0.1, low=0, high=MAX_POLL_SECONDS, low_open=True)
+    name: str = bounded("", pattern=f"(?:{JOB_NAME.pattern})?", words=JOB_NAME_WORDS)
+    site_model: dict[str, str] = bounded({}, checked_by="the model registry and the job's site names")
     robust: dict[str, Any] = field(default_factory=dict)
-    transfer_dtype: str = "float32"
-    download_dtype: str = "float32"
+    transfer_dtype: WireDtype = "float32"
+    download_dtype: WireDtype = "float32"
     stream_aggregation: bool = False
-    plugins: list[str] = field(default_factory=list)
-    transfer_kind: str = "weights"
+    plugins: list[str] = bounded([], checked_by="existing plugin files")
+    transfer_kind: WireKind = "weights"
     dp: dict[str, Any] = field(default_factory=dict)
     dp_sgd: dict[str, Any] = field(default_factory=dict)
     audit: bool = False
-    tracking: Literal["tensorboard", "mlflow", "both", "off"] = "tensorboard"
-    patience: int = 0
-    resume_from: str = ""
-    secure_aggregation: Literal["off", "he"] = "off"
+    tracking: Tracking = "tensorboard"
+    patience: int = bounded(0, low=0, high=MAX_ROUNDS, zero="no early stopping")
+    resume_from: str = bounded("", checked_by="the previous run's folder")
+    secure_aggregation: SecureAggregation = "off"
 
     def __post_init__(self) -> None:
         self.model = self.model or default_model(self.method)
+        check_fields(self)  # the bounds of each option (the ones medflare_plan.json is read with)
         checks = [
-            (1 <= self.rounds <= MAX_ROUNDS, f"rounds must be between 1 and {MAX_ROUNDS}, got {self.rounds}"),
-            (1 <= self.clients <= MAX_CLIENTS, f"clients must be between 1 and {MAX_CLIENTS}, got {self.clients}"),
-            (0 <= self.min_clients <= self.clients,
+            (self.min_clients <= self.clients,
              f"min_clients must be between 0 and clients={self.clients}, got {self.min_clients}"),
-            (0 <= self.seed <= MAX_SEED, f"seed must be between 0 and {MAX_SEED}, got {self.seed}"),
-            (self.site_evaluation in SITE_EVALUATION,
-             f"site_evaluation must be one of {', '.join(SITE_EVALUATION)}, got '{self.site_evaluation}'"),
-            (0 <= self.straggler_seconds <= MAX_SECONDS,
-             f"straggler_seconds must be between 0 and {MAX_SECONDS}, got {self.straggler_seconds}"),
-            (0 <= self.task_timeout <= MAX_SECONDS,
-             f"task_timeout must be between 0 (no limit) and {MAX_SECONDS}, got {self.task_timeout}"),
-            (self.task_request_interval > 0, f"task_request_interval must be > 0, got {self.task_request_interval}"),
             (self.shot_thresholds is None or (len(self.shot_thresholds) == 2
                                                and self.shot_thresholds[0] >= self.shot_thresholds[1] >= 0),
              f"shot_thresholds must be [head_min, tail_max], head_min >= tail_max >= 0, got {self.shot_thresholds}"),
-            (not self.name or JOB_NAME.fullmatch(self.name) is not None,
-             f"name must be a plain job name (letters, digits, '.', '_', '-'; no '/'; at most 64), got '{self.name}'"),
-            (self.patience >= 0, f"patience must be >= 0 (0 = no early stopping), got {self.patience}"),
             (not self.patience or self.site_evaluation == "every_round",
              f"patience needs the sites' validation scores every round: site_evaluation=every_round, got "
              f"'{self.site_evaluation}'"),

@@ -11,7 +11,7 @@ from typing import Any, Literal, Mapping, get_args, get_type_hints
 import torch
 from torch import nn
 
-from medflare.config import check_value, fields_typed
+from medflare.config import MAX_CLIENTS, bounded, check_value, fields_typed
 from medflare.errors import ConfigError
 from medflare.methods.base import MethodSpec, RoundContext, ServerRule, Stage
 from medflare.ops import wire
@@ -50,12 +50,12 @@ class RobustConfig:
         krum_keep: Multi-Krum's m, the sites kept (0: n − f).
     """
 
-    max_norm_ratio: float = 0.0
-    max_share: float = 0.0
+    max_norm_ratio: float = bounded(0.0, low=0, zero="off")
+    max_share: float = bounded(0.0, low=0, high=1, zero="off")
     rule: Literal["mean", "median", "trimmed_mean", "krum", "multi_krum", "bulyan"] = "mean"
-    hostile_sites: int = 1
-    trim_fraction: float = 0.2
-    krum_keep: int = 0
+    hostile_sites: int = bounded(1, low=0, high=100)
+    trim_fraction: float = bounded(0.2, low=0, high=0.5, low_open=True, high_open=True)
+    krum_keep: int = bounded(0, low=0, high=MAX_CLIENTS, zero="n - f")
 
     def __post_init__(self) -> None:
         rules = get_args(get_type_hints(RobustConfig)["rule"])

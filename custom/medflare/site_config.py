@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, TypeVar
 
-from medflare.config import from_dict
+from medflare.config import MAX_IMAGE_SIZE, bounded, check_fields, from_dict
 from medflare.errors import ConfigError, DataError
 from medflare.methods.base import MethodSpec, TrainConfig
 
@@ -20,6 +20,7 @@ T = TypeVar("T")
 SITE_CONFIG_FILE = "medflare_site.json"  # in a site's local/ folder (POC and production)
 ALLOW_JOB_DATA = "allow_job_data"  # a site's opt-in (in that file): jobs may bring their own, e.g. simulated, data
 EVALUATION_MODES = ("every_round", "final", "off")
+MAX_CLASSES = 100_000  # a task's classes
 
 
 @dataclass
@@ -27,11 +28,14 @@ class TaskSpec:
     """Facts about the task that site and server must agree on (no data, no paths). ``multi_label``: multi-hot
     labels, sigmoid scores, BCE (read off simulated data, declared for site data); ``class_names``: for reports."""
 
-    num_classes: int
-    in_channels: int
-    image_size: int
+    num_classes: int = bounded(low=2, high=MAX_CLASSES)
+    in_channels: int = bounded(low=1, high=16)
+    image_size: int = bounded(low=8, high=MAX_IMAGE_SIZE)
     multi_label: bool = False
-    class_names: list[str] | None = None
+    class_names: list[str] | None = bounded(None, items=MAX_CLASSES, checked_by="one distinct name per class")
+
+    def __post_init__(self) -> None:
+        check_fields(self, "task")
 
 
 @dataclass

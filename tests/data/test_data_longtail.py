@@ -57,5 +57,5 @@ def test_too_steep_an_imbalance_for_the_data_is_refused(tmp_path: Path) -> None:
     path = write_npz(tmp_path / "small.npz", [12, 12])
     with pytest.raises(DataError, match="data.imbalance=50 would leave class .* without training images"):
         describe_partition(DataConfig(source=f"medmnist:{path}", imbalance=50.0, min_size=1))
-    with pytest.raises(ConfigError, match="imbalance=0.5 must be >= 1"):
+    with pytest.raises(ConfigError, match="data.imbalance must be between 1 and 1000000, got 0.5"):
         DataConfig(imbalance=0.5)

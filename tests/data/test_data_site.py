@@ -153,7 +153,7 @@ def test_label_noise_per_site() -> None:
 
 @pytest.mark.parametrize(("values", "message"), [
     ({"label_noise": [0.1, 0.2, 0.3]}, "3 rates for 2 sites"),
-    ({"label_noise": [0.1, 1.2]}, "must be in"),
+    ({"label_noise": [0.1, 1.2]}, r"data.label_noise must be between 0 and 1, got \[0.1, 1.2\]"),
     ({"eval_split": "iid"}, "eval_split"),
 ])
 def test_bad_per_site_data_options_are_config_errors(values: dict, message: str) -> None:
@@ -238,11 +238,11 @@ def test_empty_training_split_names_the_site(png_manifest: Callable[..., Path]) 
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"num_sites": 0}, "num_sites=0"),
-    ({"label_noise": 1.5}, "label_noise=1.5"),
-    ({"noise_kind": "asym"}, "noise_kind='asym'"),
+    ({"num_sites": 0}, "data.num_sites must be between 1 and 1000, got 0"),
+    ({"label_noise": 1.5}, "data.label_noise must be between 0 and 1, got 1.5"),
+    ({"noise_kind": "asym"}, "data.noise_kind must be one of .*, got 'asym'"),
     ({"partition": "random"}, "unknown scheme 'random'"),
-    ({"augment": "heavy"}, "augment='heavy'"),
+    ({"augment": "heavy"}, "data.augment must be one of .*, got 'heavy'"),
 ])
 def test_bad_data_config_fails_early(kwargs: dict, message: str) -> None:
     """Invalid settings raise ConfigError when the config is built, before any data is touched."""
@@ -284,7 +284,7 @@ def test_label_fraction_per_site() -> None:
 
 
 @pytest.mark.parametrize(("values", "message"), [
-    ({"label_fraction": 0.0}, "label_fraction=0.0 must be in"),
+    ({"label_fraction": 0.0}, r"data.label_fraction must be between 0 \(excluded\) and 1, got 0.0"),
     ({"label_fraction": [0.1]}, "1 shares for 2 sites"),
 ])
 def test_bad_label_fraction_is_a_config_error(values: dict, message: str) -> None:

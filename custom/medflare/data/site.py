@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import ConcatDataset, Dataset
 
-from medflare.config import MAX_IMAGE_SIZE
+from medflare.config import MAX_CLIENTS, MAX_IMAGE_SIZE, MAX_SEED, bounded, check_fields
 from medflare.data.classes import align_to_job
 from medflare.data.longtail import long_tail_indices
 from medflare.data.noise import NOISE_KINDS, inject_label_noise
@@ -38,6 +38,7 @@ from medflare.errors import ConfigError, DataError
 # Val/test slices are allowed to be small (or empty for tiny sources); only training needs min_size.
 _EVAL_MIN_SIZE = 0
 EVAL_SPLITS = ("pooled", "like_train")
+MAX_SITE_SHIFT = 10.0  # acquisition-shift strength of in-memory demo sources
 
 
 class ImageDataset(Dataset):
@@ -106,51 +107,39 @@ class DataConfig:
         class_map: this site's class names -> the job's (its `local/medflare_site.json`; `data.classes`).
     """
 
-    source: str = "synthetic"
-    partition: str = "iid"
+    source: str = bounded("synthetic", checked_by="load_source")
+    partition: str = bounded("iid", checked_by="parse_scheme")
     eval_split: Literal["pooled", "like_train"] = "pooled"
-    num_sites: int = 2
-    seed: int = 0
-    image_size: int | None = None
-    label_noise: float | list[float] = 0.0
-    noise_kind: str = "symmetric"
-    site_shift: float = 0.0
+    num_sites: int = bounded(2, low=1, high=MAX_CLIENTS)
+    seed: int = bounded(0, low=0, high=MAX_SEED)
+    image_size: int | None = bounded(None, low=1, high=MAX_IMAGE_SIZE)
+    label_noise: float | list[float] = bounded(0.0, low=0, high=1, items=MAX_CLIENTS)
+    noise_kind: str = bounded("symmetric", choices=NOISE_KINDS)
+    site_shift: float = bounded(0.0, low=0, high=MAX_SITE_SHIFT)
     local: bool = False
-    min_size: int = 10
-    num_classes: int | None = None
-    augment: str = "basic"
-    public_fraction: float = 0.0
-    public_source: str = ""
-    label_fraction: float | list[float] = 1.0
+    min_size: int = bounded(10, low=0, high=10**9)
+    num_classes: int | None = bounded(None, low=2, high=100_000)
+    augment: str = bounded("basic", choices=AUGMENTATIONS)
+    public_fraction: float = bounded(0.0, low=0, high=1, high_open=True)
+    public_source: str = bounded("", checked_by="check_public_options and the source's reader")
+    label_fraction: float | list[float] = bounded(1.0, low=0, high=1, low_open=True, items=MAX_CLIENTS)
     identified: list | None = None
-    imbalance: float = 1.0
-    window: str = ""
-    class_map: dict[str, str] | None = None
+    imbalance: float = bounded(1.0, low=1, high=1e6)
+    window: str = bounded("", checked_by="parse_window")
+    class_map: dict[str, str] | None = bounded(None, checked_by="align_to_job (the job's class names)")
 
     def __post_init__(self) -> None:
+        check_fields(self, "data")  # the bounds of each option (Bound, in the field's metadata)
         parse_scheme(self.partition)  # fail early on a bad scheme string
         parse_window(self.window)
         rates = self.label_noise if isinstance(self.label_noise, list) else [self.label_noise]
         fractions = self.label_fraction if isinstance(self.label_fraction, list) else [self.label_fraction]
         checks = [
             (self.eval_split in EVAL_SPLITS, f"eval_split='{self.eval_split}' must be one of {EVAL_SPLITS}"),
-            (self.num_sites >= 1, f"num_sites={self.num_sites} must be >= 1"),
-            (self.seed >= 0, f"seed={self.seed} must be >= 0"),
-            (self.image_size is None or 1 <= self.image_size <= MAX_IMAGE_SIZE,
-             f"image_size={self.image_size} must be between 1 and {MAX_IMAGE_SIZE}"),
-            (all(0.0 <= rate <= 1.0 for rate in rates), f"label_noise={self.label_noise} must be in [0, 1]"),
             (not isinstance(self.label_noise, list) or len(rates) == self.num_sites,
              f"label_noise lists {len(rates)} rates for {self.num_sites} sites; give one rate per site"),
-            (self.noise_kind in NOISE_KINDS, f"noise_kind='{self.noise_kind}' must be one of {NOISE_KINDS}"),
-            (self.site_shift >= 0.0, f"site_shift={self.site_shift} must be >= 0"),
-            (self.min_size >= 0, f"min_size={self.min_size} must be >= 0"),
-            (self.num_classes is None or self.num_classes >= 2, f"num_classes={self.num_classes} must be >= 2"),
-            (self.augment in AUGMENTATIONS, f"augment='{self.augment}' must be one of {AUGMENTATIONS}"),
-            (all(isinstance(f, (int, float)) and 0.0 < f <= 1.0 for f in fractions),
-             f"label_fraction={self.label_fraction} must be in (0, 1]"),
             (not isinstance(self.label_fraction, list) or len(fractions) == self.num_sites,
              f"label_fraction lists {len(fractions)} shares for {self.num_sites} sites; give one share per site"),
-            (self.imbalance >= 1.0, f"imbalance={self.imbalance} must be >= 1 (largest/smallest class ratio)"),
         ]
         problems = [message for ok, message in checks if not ok] + _identified_problems(self)
         problems += check_public_options(self.public_fraction, self.public_source, self.local)
