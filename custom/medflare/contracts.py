@@ -40,6 +40,8 @@ DECLINE_REASONS = {
     "dp_policy": "its DP-SGD policy declines the job's dp_sgd",
     "dp_budget": "its DP-SGD budget is spent; it stops contributing",
     "implausible_model": "the decrypted global model is implausible",
+    "server_plan": "the server runs another plan than this site's copy, or does not prove its plan",
+    "server_defences": "the server's declared defences are weaker than this site's policy requires",
 }
 # header a site's task filter puts on a task it refuses to train on (e.g. an implausible decrypted model): the
 # executor declines the task with that reason instead of training
@@ -68,6 +70,11 @@ SCORED = "scored"  # False in stages without a classifier (pre-training): sites 
 ARRAY_DIMS = "array_dims"  # named dimensions of this task's declared arrays, e.g. {"rows": 512}
 TRANSFER_DTYPE = "transfer_dtype"  # "float32" (default) or "float16": how float weights travel
 TRANSFER_KIND = "transfer_kind"  # "weights" (default) or "diff": updates as differences (for DP filters)
+# The server proves its plan (medflare.plan_proof): every task carries its plan's fingerprint and the defences it runs
+# with; every result carries the site's fingerprint back (a Shareable header), so each side compares with its own copy
+SERVER_PLAN = "server_plan"  # the server's plan fingerprint (RunPlan.digest)
+SERVER_DEFENCES = "server_defences"  # {"robust": RobustConfig fields, "min_clients": int, "secure_aggregation": str}
+SITE_PLAN_HEADER = "medflare_site_plan"  # header of a site's result: the fingerprint of the plan the site runs
 # secure_aggregation=he: {name: [shape, dtype]} of the arrays a task or result carries as CKKS ciphertexts
 ENCRYPTED_ARRAYS = "encrypted_arrays"
 

@@ -39,6 +39,7 @@ from medflare.methods.base import PerSite, RoundContext
 from medflare.ops.background import BackgroundWrite
 from medflare.ops.timing import timed
 from medflare.plan import PLAN_FILE, RunPlan
+from medflare.plan_proof import server_proof, site_plan_refusal
 from medflare.server_setup import round_plan
 
 # The longest a site's request for its next task is held between two phases (then it hears "try again"): longer than
@@ -108,6 +109,8 @@ class MedflareController(Controller):
         self.persistor_id = persistor_id
         self.aggregator_id = aggregator_id
         self.plan: RunPlan | None = None  # the job's, loaded at START_RUN (before start_controller)
+        self.plan_digest = ""  # its fingerprint: every task proves it, every site's result must carry it
+        self.plan_proof: dict[str, Any] = {}  # what every task carries to prove it, fixed by start_controller
         self.results = RunResults("")  # the run's record, made for the plan by use_plan
         self._progress: list[dict[str, Any]] = []  # what show_stats serves to `medflare watch`
         self._checkpoint_write = BackgroundWrite("medflare-checkpoint")  # written while the sites train
@@ -116,7 +119,7 @@ class MedflareController(Controller):
 
     def use_plan(self, plan: RunPlan) -> MedflareController:
         """Run ``plan`` (at START_RUN from the job's plan file; a test may hand one in)."""
-        self.plan = plan
+        self.plan, self.plan_digest = plan, plan.digest()
         self.num_rounds, self.min_clients = len(plan.rounds), plan.min_clients
         self.wait_time_after_min_received, self.train_timeout = plan.straggler_seconds, plan.task_timeout
         self.shot_groups, self.resume_from = plan.shot_groups, plan.resume_from
@@ -133,6 +136,7 @@ class MedflareController(Controller):
         if not isinstance(self.aggregator, MedflareAggregator):
             self.system_panic(f"component '{self.aggregator_id}' must be a MedflareAggregator", fl_ctx)
             return
+        self.plan_proof = self._plan_proof()
         learnable = self.persistor.load(fl_ctx)
         self.global_params = {k: np.asarray(v) for k, v in learnable[ModelLearnableKey.WEIGHTS].items()}
         self.results_path = os.path.join(fl_ctx.get_prop(FLContextKey.APP_ROOT), RESULTS_FILE)
@@ -292,7 +296,7 @@ class MedflareController(Controller):
     def _send_phase(self, phase: str, outgoing: dict | PerSite, ctx: RoundContext, record: dict,
                     evaluations: dict[str, dict], abort_signal: Signal, fl_ctx: FLContext) -> None:
         """Send a phase's task (one broadcast, or one task per site) and collect results as they arrive."""
-        header = {**round_meta(ctx), **self.aggregator.core.task_header()}
+        header = {**round_meta(ctx), **self.aggregator.core.task_header(), **self.plan_proof}
         answers = PhaseAnswers()
 
         def on_result(client_task: ClientTask, fl_ctx: FLContext) -> None:
@@ -321,6 +325,12 @@ class MedflareController(Controller):
         self._next_task.task_out()
         self._run_housekeeping()  # the previous round's, while the sites fetch and train
         self._wait_for_answers(tasks, answers, abort_signal, fl_ctx)
+
+    def _plan_proof(self) -> dict[str, Any]:
+        """What every task carries to prove the server's plan: its fingerprint and the defences this server's
+        aggregator runs with (:mod:`medflare.plan_proof`)."""
+        return server_proof(self.plan_digest, self.aggregator.core.robust, self.min_clients,
+                            not self.aggregator.holds_plaintext)
 
     def _wait_for_answers(self, tasks: list[Task], answers: PhaseAnswers, abort_signal: Signal,
                           fl_ctx: FLContext) -> None:
@@ -354,6 +364,13 @@ class MedflareController(Controller):
             declined = result.get_header(contracts.DECLINED_HEADER)  # e.g. its DP-SGD budget is spent
             record["failed"][site] = declined_text(rc, declined)
             self.log_warning(fl_ctx, f"{site} returned {rc} for '{task_name}'; see that site's log")
+            return
+        site_plan = result.get_header(contracts.SITE_PLAN_HEADER)
+        self.results.data.setdefault("site_plans", {})[site] = site_plan if isinstance(site_plan, str) else None
+        other_plan = site_plan_refusal(site, site_plan, self.plan_digest)
+        if other_plan:  # the site trained another job: nothing of it is aggregated or scored
+            record["rejected"][site] = other_plan
+            self.log_warning(fl_ctx, f"medflare: REFUSED the '{task_name}' result of {other_plan}")
             return
         try:
             dxo = from_shareable(result)

@@ -20,6 +20,7 @@ from medflare.flare.tasks import TASK_SUBMIT_MODEL, TASK_TRAIN, TASK_VALIDATE, d
 from medflare.flare.tracking import EPOCH_LOSS, send_scalars, site_training_scalars, site_validation_scalars
 from medflare.methods.base import LocalTrainer
 from medflare.plan import PLAN_FILE, RunPlan
+from medflare.plan_proof import task_refusal
 from medflare.run_config import TRACKERS
 from medflare.site_config import SiteFile
 from medflare.site_policy import AuditLog, SitePolicy, site_policy
@@ -41,6 +42,8 @@ class MedflareExecutor(Executor):
         super().__init__()
         self.plan_file = plan_file
         self._plan: RunPlan | None = None  # loaded at the first task
+        self._plan_digest = ""  # its fingerprint: every task's server plan must be it, every result carries it
+        self._policy = SitePolicy()  # the hospital's, read at the first task (the simulator's: the default)
         self._runtime: SiteRuntime | DataParallelSite | None = None
         self._declined = ""  # the site policy's reason, once it declined this job (every task gets it)
         self._audit: AuditLog | None = None  # the site's audit record of this job (a site with its own file)
@@ -70,6 +73,7 @@ class MedflareExecutor(Executor):
                 self.log_info(fl_ctx, f"{site}: {loaded}")
             plan = self._plan
             policy = self._check_policy(site, site_file, plan, fl_ctx.get_job_id())
+            self._plan_digest, self._policy = plan.digest(), policy
             # FLARE's simulator sets SIMULATE_MODE (private, sticky); a job's configuration cannot.
             settings, index = plan.localise(site, site_file, fl_ctx.get_prop(FLContextKey.SIMULATE_MODE, False))
             settings.min_class_samples = policy.min_class_samples
@@ -102,6 +106,17 @@ class MedflareExecutor(Executor):
             raise SiteDeclined(self._declined)
         return policy
 
+    def _check_server_plan(self, site: str, task: Shareable) -> None:
+        """Decline (:class:`SiteDeclined`) a task whose server runs another plan, declares weaker defences than this
+        site's policy requires, or proves nothing (:mod:`medflare.plan_proof`)."""
+        try:
+            meta = from_shareable(task).meta or {}
+        except ValueError:  # not a DXO: it carries no proof
+            meta = {}
+        refusal = task_refusal(self._plan, self._plan_digest, self._policy, meta)
+        if refusal is not None:
+            raise SiteDeclined(f"{site} declines the task: {refusal.detail} ({refusal.reason})", reason=refusal.reason)
+
     def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
         if event_type == EventType.END_RUN:
             if self._audit is not None:
@@ -129,10 +144,12 @@ class MedflareExecutor(Executor):
             if refused:  # a task filter of this site refused what the task carries (e.g. he.DecryptTask)
                 raise SiteDeclined(f"{site} refuses the task: {refused}", reason="implausible_model")
             runtime = self._get_runtime(fl_ctx)
+            self._check_server_plan(site, shareable)
             if self.stream_metrics:  # the trainer's per-epoch report, as FLARE analytics events of this task
                 _trainer(runtime).epoch_listener = (
                     lambda epoch, loss: send_scalars(self, fl_ctx, {EPOCH_LOSS: loss}, epoch))
             result = self._dispatch(runtime, task_name, shareable, abort_signal)
+            result.set_header(contracts.SITE_PLAN_HEADER, self._plan_digest)  # the server compares it with its own
             self._unstreamed_task = (runtime, task_name, shareable)  # streamed once FLARE has filtered the result
             return result
         except SiteDeclined as exc:  # the site's own policy: its one-line reason is what the server records
