@@ -175,6 +175,29 @@ def test_the_checks_catch_a_round_over_its_bound_and_a_site_that_never_came_back
     gone["rounds"][2]["share"] = without_b
     failed = [c["check"] for c in check_outcome(plan, args[0], gone, *args[2:]) if not c["ok"]]
     assert failed == ["hospital-b back in the job"]
+    # the same rounds, the outage over only after the last round started (--rounds 3, hospital-b@round2:30 with
+    # --min-clients 1): no round was left to come back in, which is no failure; recovered before it, it is
+    submitted = 1000.0
+    for index, started in enumerate((1001.0, 1010.0, 1020.0)):
+        gone["rounds"][index]["started_at"] = started
+    late = [{"fault": "hospital-b: link down", "site": "hospital-b", "struck_at": 12.0, "recovered_at": 42.0}]
+    timed = (args[0], gone, None, args[3], late, *args[5:], submitted)
+    assert all(c["ok"] for c in check_outcome(plan, *timed))
+    assert "the job had no later round" in {c["check"]: c["observed"] for c in check_outcome(plan, *timed)}[
+        "hospital-b back in the job"]
+    early = [{**late[0], "recovered_at": 15.0}]
+    failed = [c["check"] for c in check_outcome(plan, args[0], gone, None, args[3], early, *args[5:], submitted)
+              if not c["ok"]]
+    assert failed == ["hospital-b back in the job"]
+
+
+def test_a_completed_jobs_error_lines_are_no_cause() -> None:
+    """A completed job whose checks failed: the server's error lines at its end (a job cell gone) are not named as
+    the reason (the real --min-clients 1 outage rehearsal named a 'target_unreachable' line)."""
+    record = {"checks": [{"check": "x", "ok": False}], "status": "FINISHED:COMPLETED", "job_id": "J1", "faults": []}
+    log = "2026-12-02 - CoreCell - ERROR - cannot send to 'server.J1': target_unreachable\n"
+    assert "server:" not in failure_cause(record, {}, log)
+    assert "server: 2026-12-02 - CoreCell" in failure_cause({**record, "status": "FINISHED:ABNORMAL"}, {}, log)
 
 
 def test_an_outage_that_ends_the_job_names_its_cause_in_the_summary_line() -> None:

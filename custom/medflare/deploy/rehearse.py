@@ -425,7 +425,7 @@ class Stage:
                 self._advance(item, None)
 
     def _schedule(self, fault: Fault) -> dict[str, Any]:
-        return {"fault": fault, "state": "waiting", "due": None, "record": {"fault": fault.describe()}}
+        return {"fault": fault, "state": "waiting", "due": None, "record": {"fault": fault.describe(), "site": fault.site}}
 
     def _advance(self, item: dict[str, Any], rounds_started: int | None) -> None:
         fault, record, now = item["fault"], item["record"], time.time()
@@ -552,8 +552,9 @@ def model_is_finite(path: Path, job_plan: RunPlan) -> str | None:
 
 def check_outcome(plan: Rehearsal, status: str, results: dict[str, Any], model_problem: str | None,
                   hospitals: list[str], events: list[dict[str, Any]], rejoined: dict[str, bool],
-                  server_log: str, job_id: str) -> list[dict[str, Any]]:
-    """What the deployment promises, each as {check, expected, observed, ok}."""
+                  server_log: str, job_id: str, submitted_at: float | None = None) -> list[dict[str, Any]]:
+    """What the deployment promises, each as {check, expected, observed, ok}; ``submitted_at`` (the job's
+    submission time) places the faults' times, relative to it, among the rounds'."""
     from medflare.deploy.policies import SITE_HEARTBEAT_TIMEOUT
 
     rounds = results.get("rounds", [])
@@ -596,9 +597,12 @@ def check_outcome(plan: Rehearsal, status: str, results: dict[str, Any], model_p
                                  "through the outage", f"missed rounds {missed}", not missed))
         elif outage and outage[0].duration < SITE_HEARTBEAT_TIMEOUT:
             back = bool(missed) and any(site in r.get("share", {}) for r in rounds if r["round"] + 1 > missed[0])
+            # an outage that outlasts the last round's start leaves no round to come back in: nothing to hold against
+            none_left = bool(missed) and not back and not rounds_after_recovery(site, rounds, events, submitted_at)
+            observed = "; back afterwards" if back else "; the job had no later round" if none_left else "; not back"
             checks.append(_check(f"{site} back in the job", "misses the cut-off round(s), in a later round's "
-                                 "aggregate again",
-                                 f"missed rounds {missed}" + ("; back afterwards" if back else "; not back"), back))
+                                 "aggregate again (when the job has one)", f"missed rounds {missed}" + observed,
+                                 back or none_left))
         else:
             checks.append(_check(f"{site} rounds missed", "recorded", f"{missed}", True))
     for event in events:
@@ -607,6 +611,15 @@ def check_outcome(plan: Rehearsal, status: str, results: dict[str, Any], model_p
         checks.append(_check("fault played", event["fault"], played, "struck_at" in event))
     crashes = [e for e in events if "crashed_job" in e]
     return checks + (server_crash_checks(plan, results, crashes[0]) if crashes else [])
+
+
+def rounds_after_recovery(site: str, rounds: list[dict[str, Any]], events: list[dict[str, Any]],
+                          submitted_at: float | None) -> list[dict[str, Any]]:
+    """The rounds that started after ``site``'s last fault recovered (every round when the times are unknown)."""
+    recovered = [e["recovered_at"] for e in events if e.get("site") == site and "recovered_at" in e]
+    if submitted_at is None or not recovered:
+        return rounds
+    return [r for r in rounds if float(r.get("started_at") or 0.0) - submitted_at >= max(recovered)]
 
 
 def stalled_rounds(plan: Rehearsal, rounds: list[dict[str, Any]], events: list[dict[str, Any]],
@@ -722,7 +735,7 @@ def _rehearse(plan: Rehearsal, out_dir: str | Path, echo: Echo, stage: Stage, ta
         results = json.loads(results_path.read_text())
         model_problem = model_is_finite(results_path.parent / "FL_global_model.pt", stage.job_plan)
         checks = check_outcome(plan, status, results, model_problem, stage.hospitals, stage.events, rejoined,
-                               stage.server_log(), job_id)
+                               stage.server_log(), job_id, stage.submitted_at)
         record["stalled_rounds"] = stalled_rounds(plan, results.get("rounds", []), stage.events, stage.submitted_at)
         for stalled in record["stalled_rounds"]:
             stage.echo(f"rehearse: round {stalled['round']} took {stalled['wall_seconds']} s: {stalled['cause']}")
@@ -780,7 +793,8 @@ def failure_cause(record: dict[str, Any], results: dict[str, Any], server_log: s
         parts.append(f"job {record['job_id']} ended {record['status']}" + (f": {error}" if error else ""))
     struck = [event["fault"] for event in record["faults"] if "struck_at" in event]
     parts.append("faults that struck: " + "; ".join(struck) if struck else "no fault struck")
-    reason = server_reason(server_log, record["job_id"])
+    # a completed job's error lines (a job cell gone at its end) are no reason: only a failed job's are
+    reason = server_reason(server_log, record["job_id"]) if record["status"] != "FINISHED:COMPLETED" else None
     if reason:
         parts.append(f"server: {reason}")
     return " | ".join(parts)
