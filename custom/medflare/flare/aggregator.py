@@ -282,8 +282,8 @@ class RoundAggregation:
 
     def _rule_facts(self, result: AggregateResult) -> dict[str, Any]:
         """What a round's record says about ``robust.rule``: the sites it kept, the largest share any of them had
-        (of any row too), and whether that share was within what the rule tolerates from one site (a cap that
-        relaxed to equal shares among few sites can exceed it: two sites, or fewer than 1/trim_fraction)."""
+        (of any row too), and whether that share was within what the rule tolerates from one site (a round with too
+        few sites for the cap was refused by :meth:`_require_rule_sites`; a Krum rule's f >= 1 by RobustConfig)."""
         largest = max(result.info.get(LARGEST_SHARE, result.shares).values())
         tolerated = {"median": largest < 0.5, "trimmed_mean": largest <= self.robust.trim_fraction + 1e-12}
         return {"rule": self.robust.rule, "kept": sorted(result.shares), "largest_share": round(float(largest), 6),
