@@ -305,15 +305,21 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def robust_note(plan: Any) -> str:
-    """One line saying which of the server's robust defences the exported job has on (meta.json records them)."""
+    """One line saying which of the server's robust defences the exported job has on (meta.json records them):
+    "on" only where they guarantee something for the job's sites (a rule that holds for them, or the deployment's
+    bounds: :meth:`~medflare.server_setup.RobustConfig.guarantee_refusal`)."""
     from medflare.server_setup import DEPLOY_ROBUST
 
     record = plan.defences.record()
+    turn_on = " ".join(f"--set robust.{key}={value:g}" for key, value in DEPLOY_ROBUST.items())
     if not record["on"]:
-        turn_on = " ".join(f"--set robust.{key}={value:g}" for key, value in DEPLOY_ROBUST.items())
         return f"robust aggregation: off (one site can take over the aggregate); on: {turn_on}"
     settings = ", ".join(f"{key}={value:g}" if not isinstance(value, str) else f"{key}={value}"
                          for key, value in record.items() if key != "on")
+    shortfall = plan.defences.guarantee_refusal(len(plan.sites))
+    if shortfall:
+        return (f"robust aggregation: no guarantee for this job's {len(plan.sites)} sites ({settings}): {shortfall}; "
+                f"bounded: {turn_on}")
     return f"robust aggregation: on ({settings}); off: --set robust.off=true (docs/deploy-lead.md)"
 
 

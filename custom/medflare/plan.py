@@ -136,6 +136,7 @@ class RunPlan:
         if not 1 <= self.min_clients <= len(self.sites):
             raise ConfigError(f"min_clients must be between 1 and the plan's {len(self.sites)} sites, got "
                               f"{self.min_clients}")
+        self.defences.check_quorum(self.min_clients, len(self.sites))  # at export and wherever a plan is read
         if not self.rounds or [r.round for r in self.rounds] != list(range(len(self.rounds))):
             raise ConfigError("the plan's rounds must be numbered 0, 1, ... in order")
         check_multi_label_support(self.spec, self.task, multi_label_methods())
@@ -466,9 +467,8 @@ def build_plan(run: RunConfig, task: TaskSpec, robust: Mapping[str, Any],
     the method's own ``check_run``."""
     spec = get_method(run.method)
     method_cfg = spec.config_cls(**run.method_args)
-    rule, stages, defences = server_rule(spec, method_cfg, run.rounds, robust, run.transfer_dtype,
-                                         run.transfer_kind, run.download_dtype, task.multi_label)
-    defences.check_quorum(run.required_clients, run.clients)
+    rule, stages, _ = server_rule(spec, method_cfg, run.rounds, robust, run.transfer_dtype,
+                                  run.transfer_kind, run.download_dtype, task.multi_label)
     train = resolve_train_config(spec, run.train)
     sites = tuple(SitePlan(site, run.site_model.get(site, run.model),  # a site's own options make its own settings
                            resolve_train_config(spec, {**run.train, **run.site_train[site]})

@@ -5,6 +5,7 @@ defences, the wire format and the initial global model. The FLARE glue (:mod:`me
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping, get_args, get_type_hints
 
@@ -28,6 +29,15 @@ DEPLOY_ROBUST = {"max_norm_ratio": 10.0, "max_share": 0.6}
 # Both defences off, as `robust.off=true` writes it: explicit zeros, so a job says "off" instead of omitting it
 ROBUST_OFF = {"max_norm_ratio": 0.0, "max_share": 0.0}
 ROBUST_OFF_KEY = "off"
+COORDINATE_RULES = ("median", "trimmed_mean")  # combine the sites' values per coordinate, weighted by their shares
+MIN_COORDINATE_SITES = 3  # a coordinate rule outvotes one site only among three: with two, the median is the mean
+# what a rule's site count comes from, for the line that refuses too few sites
+RULE_NEEDS = {
+    "median": "3 sites for the median to outvote one, and max_share x sites >= 1 for the cap to hold",
+    "trimmed_mean": "3 sites, trim_fraction x sites >= 1 to cut a whole site from each end, and max_share x sites "
+                    ">= 1 for the cap to hold",
+    "krum": "n >= f + 3", "multi_krum": "n >= f + 3", "bulyan": "n >= 4f + 3"}
+_TIE = 1e-9  # a fraction x sites this close to one counts as one (0.2 x 5 in floats)
 
 
 @dataclass(frozen=True)
@@ -75,6 +85,10 @@ class RobustConfig:
                 f"share reaches {'one half' if self.rule == 'median' else 'the trimmed fraction'}: set "
                 f"robust.max_share {tolerated[self.rule][1]}, got {self.max_share:g}"
             )
+        if self.selects and self.hostile_sites == 0:
+            raise ConfigError(f"robust.rule={self.rule} with hostile_sites=0 assumes no hostile site and keeps every "
+                              "site: it is no defence; set robust.hostile_sites to the sites it should resist (>= 1), "
+                              "or robust.rule=mean")
 
     @property
     def selects(self) -> bool:
@@ -82,9 +96,41 @@ class RobustConfig:
         return self.rule in SELECTING_RULES
 
     def sites_needed(self) -> int:
-        """The fewest sites a round needs for the rule to be defined (Krum: f + 3, Bulyan: 4f + 3)."""
+        """The fewest sites for which the rule's guarantee against a hostile site holds, so the fewest a job under
+        it has and a round under it aggregates (:data:`RULE_NEEDS`): Krum and Multi-Krum f + 3, Bulyan 4f + 3; the
+        median and trimmed mean 3, and enough that the cap can be met (else it relaxes to equal shares) and the
+        trimmed mean cuts a whole site; the mean, which guarantees nothing, 1."""
         f = self.hostile_sites
+        if self.rule in COORDINATE_RULES:
+            fractions = (self.max_share, self.trim_fraction) if self.rule == "trimmed_mean" else (self.max_share,)
+            return max(MIN_COORDINATE_SITES, *(math.ceil(1 / fraction - _TIE) for fraction in fractions))
         return {"krum": f + 3, "multi_krum": f + 3, "bulyan": 4 * f + 3}.get(self.rule, 1)
+
+    def needs(self, sites_needed: int | None = None) -> str:
+        """The rule, the options its site count depends on, and the sites it needs, as a refusal begins."""
+        options = ("trim_fraction", "max_share") if self.rule == "trimmed_mean" else \
+            ("max_share",) if self.rule == "median" else ("hostile_sites",)
+        settings = " and ".join(f"{option}={getattr(self, option):g}" for option in options)
+        return (f"robust.rule={self.rule} with {settings} ({RULE_NEEDS.get(self.rule, 'any number of sites')}) needs "
+                f"at least {sites_needed or self.sites_needed()} sites")
+
+    def guarantee_refusal(self, sites: int, max_share: float = DEPLOY_ROBUST["max_share"],
+                          max_norm_ratio: float = DEPLOY_ROBUST["max_norm_ratio"]) -> str:
+        """Why these defences guarantee nothing against a hostile site among a job's ``sites`` ("" when they
+        do): a rule whose guarantee holds for them, or concrete bounds: an update-norm bound of at most
+        ``max_norm_ratio`` x the others' median, and no site's share above ``max_share`` (the cap, or the equal
+        share it relaxes to where the sites cannot meet it). The defaults are the deployment's."""
+        if self.rule != "mean" and sites >= self.sites_needed():
+            return ""
+        problems = [f"{self.needs()}; the job has {sites}"] if self.rule != "mean" else []
+        if not self.max_norm_ratio or self.max_norm_ratio > max_norm_ratio:
+            problems.append(f"max_norm_ratio={self.max_norm_ratio:g} is above {max_norm_ratio:g}" if self.max_norm_ratio
+                            else "the update-norm bound is off")
+        largest = max(self.max_share, 1 / max(sites, 1))  # where the sites cannot meet the cap, equal shares
+        if not self.max_share or largest > max_share + _TIE:
+            problems.append(f"max_share={self.max_share:g} lets one of {sites} site(s) weigh {largest:g}, above "
+                            f"{max_share:g}" if self.max_share else "the share cap is off")
+        return "; ".join(problems)
 
     def kept(self, answered: int) -> int:
         """How many of ``answered`` sites the rule keeps for the aggregate."""
@@ -93,10 +139,10 @@ class RobustConfig:
             self.rule, answered)
 
     def check_quorum(self, min_clients: int, sites: int | None = None) -> None:
-        """Refuse (ConfigError) a rule that can never keep ``min_clients`` sites, or not run with ``sites``."""
+        """Refuse (ConfigError) a rule that can never keep ``min_clients`` sites, or whose guarantee does not hold
+        for the job's ``sites`` (:meth:`sites_needed`)."""
         if sites is not None and sites < self.sites_needed():
-            raise ConfigError(f"robust.rule={self.rule} with hostile_sites={self.hostile_sites} needs at least "
-                              f"{self.sites_needed()} sites; the job has {sites}")
+            raise ConfigError(f"{self.needs()}; the job has {sites}")
         largest = self.kept(max(sites or 0, self.sites_needed(), min_clients))
         if self.selects and largest < min_clients:
             raise ConfigError(f"robust.rule={self.rule} keeps {largest} site(s) per round and the job needs "

@@ -77,7 +77,6 @@ class Replay:
     rejected: list[dict[str, str]]
     sent: list[dict[str, dict[str, np.ndarray]]]
     params: dict[str, np.ndarray]
-    rejected_at_aggregation: dict[str, str] = field(default_factory=dict)  # the robust rules' too
 
 
 def smoke_run(method: str) -> RunConfig:
@@ -141,7 +140,7 @@ def replay(round_: Round, overrides: dict[int, dict[str, Result]], absent: tuple
                 core.accept(site, *overrides.get(index, {}).get(site, result))
         rejected.append(dict(core.rejected))
     params = core.aggregate().params
-    return Replay(rejected, sent, params, dict(core.rejected))
+    return Replay(rejected, sent, params)
 
 
 # ----- tampering ----------------------------------------------------------------------------------------------------
@@ -374,9 +373,9 @@ def test_forged_evaluation_counts_are_refused_or_capped(job: tuple[str, list[Rou
 
 
 # robust.rule at three sites: the attacker is one of three; each coordinate rule with the largest cap it tolerates
-# (the median: below one half; the trimmed mean: at most its fraction); Krum's f = 0 (n >= f + 3), keeping two
-RULES = {"median": {"max_share": 0.45}, "trimmed_mean": {"trim_fraction": 0.34, "max_share": 0.34},
-         "multi_krum": {"hostile_sites": 0, "krum_keep": 2, "max_share": CAP}}
+# (the median: below one half; the trimmed mean: at most its fraction, which cuts a whole site of three). The Krum
+# family is left out: with f = 1 it needs n >= f + 3 = 4 sites, and f = 0 is refused (it assumes no hostile site)
+RULES = {"median": {"max_share": 0.45}, "trimmed_mean": {"trim_fraction": 0.34, "max_share": 0.34}}
 
 
 def test_every_robust_rule_composes_with_the_methods_weighting(job: tuple[str, list[Round]]) -> None:
@@ -405,7 +404,6 @@ def test_every_robust_rule_composes_with_the_methods_weighting(job: tuple[str, l
             replayed = replay(dataclasses.replace(round_, start=start), {position: {ATTACKER: forged}})
             if ATTACKER in replayed.rejected[position]:
                 continue  # the method's own checks refused the step before any rule
-            assert ATTACKER in replayed.rejected_at_aggregation or rule != "multi_krum", f"{method}: {rule} kept it"
             honest = [round_.results[position][site][0] for site in ("site-1", "site-2")]
             for key, value in replayed.params.items():
                 if key in honest[0] and np.asarray(value).dtype.kind == "f":

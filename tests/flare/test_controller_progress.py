@@ -101,13 +101,14 @@ def test_watch_still_reads_the_entries_of_an_earlier_server() -> None:
     assert format_progress(earlier) == "model 1 test balanced accuracy 0.5000, val 0.4000 (2 sites)"
 
 
-def started(multi_label: bool, tmp_path: Path, monkeypatch, robust: dict | None = None) -> MedflareController:
+def started(multi_label: bool, tmp_path: Path, monkeypatch, robust: dict | None = None,
+            clients: int = 2) -> MedflareController:
     """A controller after FLARE's ``start_controller``, its engine stubbed: a MedflareAggregator of this task."""
     from medflare.flare import controller as controller_module
     from medflare.flare.aggregator import MedflareAggregator
 
     monkeypatch.setattr(controller_module, "freeze_startup_objects", lambda: None)  # no gc.freeze in the test run
-    plan = site_data_plan("fedavg", 3, rounds=2, multi_label=multi_label, robust=robust or {})
+    plan = site_data_plan("fedavg", 3, rounds=2, multi_label=multi_label, clients=clients, robust=robust or {})
     aggregator = MedflareAggregator().use_plan(plan)
     persistor = SimpleNamespace(load=lambda fl_ctx: {ModelLearnableKey.WEIGHTS: {"w": np.zeros(2, np.float32)}})
     controller = MedflareController().use_plan(plan)

@@ -204,6 +204,7 @@ class RoundAggregation:
             result = self._streamed_aggregate(self.stream)
         else:
             updates, note = self._drop_outlier_updates(self.accepted())
+            self._require_rule_sites(updates)
             updates = self._select(updates)
             self._require_quorum(updates)
             result = aggregate_updates(self.rule, self.global_params, updates, self.ctx, self.robust.max_share,
@@ -242,20 +243,29 @@ class RoundAggregation:
             f"{'; '.join(f'{site}: {why}' for site, why in sorted(self.rejected.items()))}; the job needs "
             f"min_clients={self.min_clients}, so this round is not aggregated and the previous global model is kept")
 
+    def _require_rule_sites(self, updates: list[SiteUpdate]) -> None:
+        """A round whose answering sites (after the norm bound) are fewer than ``robust.rule`` needs for its
+        guarantee (:meth:`~medflare.server_setup.RobustConfig.sites_needed`; a selecting rule also the sites it
+        keeps) fails (a :class:`PayloadError`; the previous global model is kept): the median of two sites would be
+        their mean."""
+        robust = self.robust
+        if robust.rule == "mean" or not updates:
+            return
+        answered, keep = len(updates), robust.kept(len(updates))
+        if answered < robust.sites_needed() or not 1 <= keep <= answered:
+            raise PayloadError(
+                f"{robust.needs(max(robust.sites_needed(), keep))}; {answered} answered "
+                f"({', '.join(u.site for u in updates)}), so this round is not aggregated and the previous "
+                "global model is kept")
+
     def _select(self, updates: list[SiteUpdate]) -> list[SiteUpdate]:
         """The sites a selecting ``robust.rule`` (Krum, Multi-Krum, Bulyan) keeps, by the distances between their
-        model arrays; the others are rejected with their score (a :class:`PayloadError` when fewer sites answered
-        than the rule is defined for)."""
+        model arrays; the others are rejected with their score (:meth:`_require_rule_sites` has checked that
+        enough sites answered)."""
         robust = self.robust
         if not robust.selects or not updates:
             return updates
         answered, keep = len(updates), robust.kept(len(updates))
-        if answered < robust.sites_needed() or not 1 <= keep <= answered:
-            raise PayloadError(
-                f"robust.rule={robust.rule} with hostile_sites={robust.hostile_sites} needs at least "
-                f"{max(robust.sites_needed(), keep)} sites; {answered} answered "
-                f"({', '.join(u.site for u in updates)}), so this round is not aggregated and the previous "
-                "global model is kept")
         keys = [k for k, v in self.global_params.items()
                 if np.asarray(v).dtype.kind == "f" and all(k in u.arrays for u in updates)]
         distances = robust_rules.squared_distances([u.arrays for u in updates], keys)
@@ -272,8 +282,8 @@ class RoundAggregation:
 
     def _rule_facts(self, result: AggregateResult) -> dict[str, Any]:
         """What a round's record says about ``robust.rule``: the sites it kept, the largest share any of them had
-        (of any row too), and whether that share was within what the rule tolerates from one site (a cap that
-        relaxed to equal shares among few sites can exceed it: two sites, or fewer than 1/trim_fraction)."""
+        (of any row too), and whether that share was within what the rule tolerates from one site (a round with too
+        few sites for the cap was refused by :meth:`_require_rule_sites`; a Krum rule's f >= 1 by RobustConfig)."""
         largest = max(result.info.get(LARGEST_SHARE, result.shares).values())
         tolerated = {"median": largest < 0.5, "trimmed_mean": largest <= self.robust.trim_fraction + 1e-12}
         return {"rule": self.robust.rule, "kept": sorted(result.shares), "largest_share": round(float(largest), 6),
