@@ -136,3 +136,12 @@ def test_an_audit_log_whose_path_leads_out_of_local_through_a_symlink_is_refused
         with pytest.raises(ConfigError, match="a symlink leads out of it"):
             audit_file(local, name)
     assert audit_file(local, "logs/audit.jsonl") == (local / "logs" / "audit.jsonl").resolve()
+
+
+def test_a_numpy_epsilon_is_written_as_a_json_number(tmp_path: Path, plan) -> None:
+    path = tmp_path / AUDIT_FILE
+    log = AuditLog(path, "job-1", plan)
+    log.task("train", 0, {}, {"dp_epsilon": np.float32(0.5)})
+    log.close()
+    task, end = verify_audit(path.read_bytes()).records
+    assert (task["dp_epsilon"], end["dp_epsilon_spent"]) == (0.5, 0.5)

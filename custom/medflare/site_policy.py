@@ -13,6 +13,7 @@ import datetime
 import fcntl
 import hashlib
 import json
+import numbers
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -106,10 +107,11 @@ class AuditLog:
         """What left the site in one task's result: array names and bytes, meta keys, and ε when DP-SGD trains."""
         sizes = {key: int(getattr(value, "nbytes", 0)) for key, value in sorted(arrays.items())}
         self.tasks, self.bytes = self.tasks + 1, self.bytes + sum(sizes.values())
-        self.epsilon = meta.get(DP_EPSILON, self.epsilon)
+        spent = _as_number(meta[DP_EPSILON]) if DP_EPSILON in meta else None
+        self.epsilon = self.epsilon if spent is None else spent
         self._append({"event": "task", "task": name, "round": round_index, "arrays": sizes, "array_count": len(sizes),
                       "bytes": sum(sizes.values()), "meta_keys": sorted(meta),
-                      **({DP_EPSILON: meta[DP_EPSILON]} if DP_EPSILON in meta else {})})
+                      **({DP_EPSILON: spent} if spent is not None else {})})
 
     def failed(self, name: str, why: str) -> None:
         """A task the site could not do or declined (its data, a crash, another server plan)."""
@@ -135,6 +137,11 @@ class AuditLog:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _as_number(value: Any) -> Any:
+    """A real number (numpy's too) as a JSON number; anything else as it is, for the verifier to flag."""
+    return float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else value
 
 
 def _utc_now() -> str:

@@ -1,7 +1,8 @@
 """``medflare preflight``: a hospital admin's check of a site, on the site machine, before a job arrives.
 
-It checks the kit (files, the certificate's chain and dates, the server's name resolving and answering FLARE's own
-connectivity check), ``local/medflare_site.json`` (schema, policy, paths), every image (corrupt files, counts per
+It checks the kit (files and the shape of ``fed_client.json``; the certificate's root, dates and site name, and its
+key; the server's name resolving and answering FLARE's own connectivity check), ``local/medflare_site.json``
+(schema, policy, paths), the site's audit log (its hash chain, its ε values), every image (corrupt files, counts per
 class, sizes, intensity ranges), disk space, devices, the installed versions against the kit's, and the DP-SGD
 budget; with ``--job``, the site's data and policy against that job, with the functions the site runs when the job
 arrives (``RunPlan.localise``, ``site_runtime.load_site_data``, ``SitePolicy.refusal``). Every check gives PASS,
