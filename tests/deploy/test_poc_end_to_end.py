@@ -23,7 +23,7 @@ from medflare.deploy.poc import PocSession, retarget_job, write_run_outputs
 from medflare.deploy.policies import SERVER_STORAGE, site_data_config
 from medflare.registry import get_method
 from medflare.run_config import RunConfig
-from medflare.site_policy import AUDIT_FILE
+from medflare.site_policy import AUDIT_FILE, verify_audit
 
 from .._plans import write_run_job
 
@@ -192,9 +192,11 @@ def test_site_refuses_tamper_jobs_and_job_chosen_data(poc, site3) -> None:
     after = dict(site3["local_after"]["site-3"])
     audit = after.pop(AUDIT_FILE, b"").decode()  # medflare's own record of the jobs that reached its executor
     assert {**site3["local_after"], "site-3": after} == site3["local_before"]  # the policies are as they were
-    records = [json.loads(line) for line in audit.splitlines()]
-    assert records and {r["job_id"] for r in records} <= set(site3["ids"].values())
-    assert all(r["decision"] in ("accepted", "declined") and len(r["plan"]) == 12 for r in records)
+    chain = verify_audit(audit.encode())  # one hash-chained line per decision, task, failure and job end
+    assert chain.broken is None and chain.records, chain
+    assert {r["job_id"] for r in chain.records} <= set(site3["ids"].values())
+    assert all(r["event"] in ("decision", "task", "failed", "end") and len(r["plan"]) == 12 for r in chain.records)
+    assert {r["decision"] for r in chain.records if r["event"] == "decision"} <= {"accepted", "declined"}
     # the tamper component's index depends on how many components the job has (tracking adds some)
     refusal = re.compile(r"Component 'medflare\.deploy\.policies\.install_site_policies' at config path "
                          r"'components\.#\d+' is not in")

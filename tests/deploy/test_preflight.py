@@ -156,3 +156,144 @@ def test_the_command_prints_json_and_exits_1_on_fail(kit: Path, capsys) -> None:
         "check": "kit files", "status": PASS, "detail": f"{kit.resolve()} (hospital-a)"}
     assert main(["preflight", str(kit.parent / "nowhere")]) == 1
     assert "is not a site's startup kit: startup/fed_client.json" in capsys.readouterr().out
+
+
+# ----- issue 60, item 7: the kit's certificate and key, malformed kit files, the audit log -------------------------
+def only_fail(checks: list) -> tuple[str, str]:
+    """The one FAIL row of a report (the server nobody runs aside), as (check, detail)."""
+    [row] = [(c.check, c.detail) for c in checks if c.status == FAIL and c.check != "server"]
+    return row
+
+
+@pytest.mark.parametrize("files, detail", [
+    ({"client.crt": "hospital-b", "client.key": "hospital-b"},
+     "client.crt is issued to hospital-b, not to this site hospital-a (fed_client.json)"),
+    ({"client.key": "hospital-b"}, "client.key is not the key of client.crt (their public keys differ)"),
+    ({"client.key": b"-----BEGIN PRIVATE KEY-----\nnot a key\n-----END PRIVATE KEY-----\n"},
+     "client.key is not an unencrypted PEM private key"),
+    ({"client.key": "rootCA.pem"}, "client.key is not an unencrypted PEM private key"),
+    ({"client.crt": b"not a certificate"}, "client.crt is not a PEM certificate"),
+])
+def test_a_certificate_and_key_that_are_not_this_sites_pair_fail(kit: Path, provisioned: Path, files: dict,
+                                                                 detail: str) -> None:
+    """Another site's certificate and key (signed by the same root), a key of another site, and a key file that
+    is no key each give one FAIL row (preflight passed the first three)."""
+    kits = provisioned / "medflare" / "prod_00"
+    for name, source in files.items():
+        content = source if isinstance(source, bytes) else (
+            kit / "startup" / source if source == "rootCA.pem" else kits / source / "startup" / name).read_bytes()
+        (kit / "startup" / name).write_bytes(content)
+    check, found = only_fail(preflight(kit, progress=lambda line: None))
+    assert check == "certificate" and found.startswith(detail), found
+
+
+FED_CLIENTS = {  # what fed_client.json holds, and what its FAIL row says
+    "a list": ("[]", "the top level is list, not an object"),
+    "no client": ('{"servers": [{"service": {"target": "h:1"}}]}', "client is missing"),
+    "no servers": ('{"client": {}}', "servers is missing"),
+    "servers an object": ('{"servers": {"service": {}}, "client": {}}', "servers is dict, not a list"),
+    "no server": ('{"servers": [], "client": {}}', "servers is empty"),
+    "a target number": ('{"servers": [{"service": {"target": 8002}}], "client": {}}',
+                        "servers[0].service.target is int, not a string"),
+    "a target without port": ('{"servers": [{"service": {"target": "fl-server"}}], "client": {}}',
+                              "servers[0].service.target is 'fl-server', not host:port"),
+    "an fqsn number": ('{"servers": [{"service": {"target": "h:1"}}], "client": {"fqsn": 3}}',
+                       "client.fqsn is int, not a string"),
+    "not JSON": ('{"servers": [', "is not valid JSON"),
+    "not UTF-8": ("\udcff", "cannot be read"),
+}
+
+
+@pytest.mark.parametrize("case", FED_CLIENTS)
+def test_a_malformed_fed_client_json_is_one_fail_row(kit: Path, case: str) -> None:
+    content, detail = FED_CLIENTS[case]
+    (kit / "startup" / "fed_client.json").write_bytes(content.encode("utf-8", "surrogateescape"))
+    [row] = preflight(kit, progress=lambda line: None)  # nothing else can be found without it
+    assert (row.check, row.status) == ("kit files", FAIL) and detail in row.detail, row
+    assert "\n" not in row.detail and "ask the project admin for this site's kit" in row.detail
+
+
+def test_a_malformed_kit_versions_file_is_one_fail_row(kit: Path) -> None:
+    (kit / "local" / "medflare_kit.json").write_text('["nvflare", "2.9.0"]')
+    check, detail = only_fail(preflight(kit, progress=lambda line: None))
+    assert check == "versions" and "the top level is list, not an object" in detail
+
+
+def audit_log_of(kit: Path, lines: list[dict]) -> Path:
+    """The kit's audit log as the site writes it (chained), one line per record of ``lines``."""
+    from medflare.plan import resolve, validated
+    from medflare.run_config import RunConfig
+    from medflare.site_policy import AUDIT_FILE, AuditLog
+
+    run = RunConfig(method="fedavg", data={"source": "site"}, task={"num_classes": 2, "in_channels": 1,
+                                                                    "image_size": 28})
+    plan = resolve(validated(run, check_files=False), "preinstalled")
+    path = kit / "local" / AUDIT_FILE
+    for line in lines:
+        log = AuditLog(path, line["job"], plan)
+        if "decided" in line:
+            log.decided(line["decided"])
+        if "epsilon" in line:
+            log.task("train", 0, {"w": np.zeros(2)}, {"dp_epsilon": line["epsilon"]})
+        if line.get("end"):
+            log.close()
+    return path
+
+
+def with_dp_policy(kit: Path) -> None:
+    site_file = kit / "local" / "medflare_site.json"
+    site_file.write_text(json.dumps({**json.loads(site_file.read_text()), "policy": {"require": ["dp_sgd"]},
+                                     "dp_sgd": {"max_epsilon": 8.0}}))
+
+
+def test_an_intact_audit_log_passes_and_counts_a_killed_jobs_epsilon(kit: Path) -> None:
+    with_dp_policy(kit)
+    audit_log_of(kit, [{"job": "job-1", "decided": "accepted"}, {"job": "job-1", "epsilon": 0.5},
+                       {"job": "job-1", "epsilon": 1.25, "end": True},
+                       {"job": "job-2", "decided": "accepted"}, {"job": "job-2", "epsilon": 0.75}])  # killed
+    checks = statuses(preflight(kit, progress=lambda line: None))
+    assert checks["audit log"][0] == PASS and checks["audit log"][1].startswith(
+        "medflare_audit.jsonl: 6 lines of 2 job(s), chain intact")
+    # each job's last ε (cumulative within a job), the killed job's from its task line
+    assert checks["DP-SGD"] == (PASS, "each job may spend ε ≤ 8; past jobs in the audit log spent ε 2 in all")
+
+
+AUDIT_DAMAGE = {  # what is done to an intact 3-line log, and the start of the FAIL row after the file's name
+    "a line edited": (lambda lines: [lines[0], lines[1].replace(b'"w": 16', b'"w": 0'), lines[2]],
+                      "line 3 does not carry the hash of line 2"),
+    "a line removed": (lambda lines: [lines[0], lines[2]], "line 2 does not carry the hash of line 1"),
+    "a line that is not JSON": (lambda lines: [lines[0], b"}{", *lines[1:]], "line 2 is not JSON"),
+    "a line that is a JSON list": (lambda lines: [*lines, b"[]"], "line 4 is a JSON list, not an object"),
+    "a line that is a number": (lambda lines: [b"1e999", *lines], "line 1 is a JSON float, not an object"),
+}
+
+
+@pytest.mark.parametrize("case", AUDIT_DAMAGE)
+def test_a_damaged_audit_log_is_one_fail_row_naming_its_first_broken_line(kit: Path, case: str) -> None:
+    with_dp_policy(kit)  # the DP-SGD check read every line, and crashed on a list
+    damage, detail = AUDIT_DAMAGE[case]
+    path = audit_log_of(kit, [{"job": "job-1", "decided": "accepted"}, {"job": "job-1", "epsilon": 1.0},
+                              {"job": "job-2", "decided": "accepted"}])
+    path.write_bytes(b"\n".join(damage(path.read_bytes().splitlines())) + b"\n")
+    checks = preflight(kit, progress=lambda line: None)
+    check, found = only_fail(checks)
+    assert check == "audit log" and found.startswith(f"{path} {detail}"), found
+    assert statuses(checks)["DP-SGD"][0] == "WARN"  # what past jobs spent is unknown
+
+
+@pytest.mark.parametrize("epsilon", [-1.0, float("nan"), float("inf")])
+def test_an_audit_log_epsilon_no_accountant_reports_fails(kit: Path, epsilon: float) -> None:
+    """Preflight reported "spent ε -1 in all" (or nan): a value no DP-SGD accountant gives is a FAIL row, even
+    in a line whose chain holds."""
+    with_dp_policy(kit)
+    path = audit_log_of(kit, [{"job": "job-1", "decided": "accepted"}, {"job": "job-1", "epsilon": epsilon}])
+    check, detail = only_fail(preflight(kit, progress=lambda line: None))
+    assert check == "audit log" and detail.startswith(f"{path} line 2: dp_epsilon is {epsilon!r}, not a finite ε >= 0")
+
+
+@pytest.mark.parametrize("audit_log", ["../elsewhere.jsonl", "/tmp/medflare_audit.jsonl"])
+def test_an_audit_log_outside_local_fails(kit: Path, audit_log: str) -> None:
+    site_file = kit / "local" / "medflare_site.json"
+    site_file.write_text(json.dumps({**json.loads(site_file.read_text()), "policy": {"audit_log": audit_log}}))
+    check, detail = only_fail(preflight(kit, progress=lambda line: None))
+    assert check == "audit log" and detail.startswith(f"policy.audit_log '{audit_log}' is not a file inside")

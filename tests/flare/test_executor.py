@@ -16,6 +16,7 @@ from medflare.methods.base import RoundContext
 from medflare.plan import APP_NAME, PLAN_FILE, resolve, task_of, validated
 from medflare.run_config import RunConfig
 from medflare.site_config import SITE_CONFIG_FILE, SiteFile
+from medflare.site_policy import AUDIT_GENESIS, verify_audit
 
 from .._plans import write_run_job
 from ..test_plan import deployed_to
@@ -120,31 +121,82 @@ def test_a_job_the_sites_policy_refuses_is_declined_before_any_image_is_read_and
         with pytest.raises(SiteDeclined, match=f"^site-1 declines the job: {reason}"):
             executor._get_runtime(fl_ctx)
     [line] = audit_lines(local)
-    assert (line["decision"], line["method"], line["job_id"]) == ("declined", "fedavg", "job-1")
-    assert line["reason"].startswith(reason) and len(line["plan"]) == 12 and line["tasks"] == []
+    assert (line["event"], line["decision"], line["method"], line["job_id"]) == ("decision", "declined", "fedavg",
+                                                                                 "job-1")
+    assert line["reason"].startswith(reason) and len(line["plan"]) == 12 and line["prev"] == AUDIT_GENESIS
 
 
-def test_an_accepted_job_leaves_one_audit_line_with_what_left_the_site(tmp_path: Path) -> None:
+def finish_task(executor: MedflareExecutor, fl_ctx, runtime, round_index: int, meta: dict) -> None:
+    """One train task of ``round_index`` whose (filtered) result left the site with one array and ``meta``."""
     import numpy as np
     from nvflare.apis.dxo import DXO, DataKind
     from nvflare.apis.event_type import EventType
     from nvflare.apis.fl_constant import FLContextKey
 
+    task = DXO(DataKind.WEIGHTS, data={}, meta={"round": round_index}).to_shareable()
+    result = DXO(DataKind.WEIGHTS, data={"w": np.zeros(4, np.float32)}, meta=meta).to_shareable()
+    executor._unstreamed_task = (runtime, "train", task)
+    fl_ctx.set_prop(FLContextKey.TASK_RESULT, result, private=True, sticky=False)
+    executor.handle_event(EventType.AFTER_TASK_RESULT_FILTER, fl_ctx)
+
+
+def test_an_accepted_job_leaves_a_chained_line_per_step_with_what_left_the_site(tmp_path: Path) -> None:
+    from nvflare.apis.event_type import EventType
+
     policy = {"methods": ["fedavg"], "require": ["robust"]}  # a pre-installed job has the deployment defences
     executor, fl_ctx, local = site_executor(tmp_path, {"data": SITE_DATA, "policy": policy})
     runtime = executor._get_runtime(fl_ctx)
     try:
-        task = DXO(DataKind.WEIGHTS, data={}, meta={"round": 3}).to_shareable()
-        result = DXO(DataKind.WEIGHTS, data={"w": np.zeros(4, np.float32)}, meta={"n_samples": 60}).to_shareable()
-        executor._unstreamed_task = (runtime, "train", task)
-        fl_ctx.set_prop(FLContextKey.TASK_RESULT, result, private=True, sticky=False)
-        executor.handle_event(EventType.AFTER_TASK_RESULT_FILTER, fl_ctx)
+        finish_task(executor, fl_ctx, runtime, 3, {"n_samples": 60})
         executor.handle_event(EventType.END_RUN, fl_ctx)
     finally:
         runtime.close()
-    [line] = audit_lines(local)
-    assert line["decision"] == "accepted" and "reason" not in line
-    assert line["tasks"] == [{"task": "train", "round": 3, "meta_keys": ["n_samples"], "arrays": {"w": 16}}]
+    accepted, task, end = audit_lines(local)
+    assert (accepted["event"], accepted["decision"]) == ("decision", "accepted") and "reason" not in accepted
+    assert {k: task[k] for k in ("event", "task", "round", "meta_keys", "arrays", "array_count", "bytes")} == {
+        "event": "task", "task": "train", "round": 3, "meta_keys": ["n_samples"], "arrays": {"w": 16},
+        "array_count": 1, "bytes": 16}
+    assert {k: end[k] for k in ("event", "tasks", "failed", "bytes")} == {"event": "end", "tasks": 1, "failed": 0,
+                                                                          "bytes": 16}
+    assert verify_audit((local / "medflare_audit.jsonl").read_bytes()).broken is None
+
+
+def test_a_job_killed_mid_run_leaves_its_accept_and_task_lines_with_the_epsilon_spent(tmp_path: Path) -> None:
+    """Issue 60: the log was written only at END_RUN, so a killed job left no line. Here the job never ends (no
+    END_RUN, the executor is dropped as a SIGKILL drops it) and the file holds what happened up to then."""
+    from medflare import contracts
+
+    executor, fl_ctx, local = site_executor(tmp_path, {"data": SITE_DATA}, tracking="off")  # no curves to stream
+    runtime = executor._get_runtime(fl_ctx)
+    try:
+        assert [line["decision"] for line in audit_lines(local)] == ["accepted"]  # before any image is read
+        for round_index, spent in enumerate((0.4, 0.9)):
+            finish_task(executor, fl_ctx, runtime, round_index, {"n_samples": 60, contracts.DP_EPSILON: spent})
+    finally:
+        runtime.close()
+    del executor
+    lines = audit_lines(local)
+    assert [line["event"] for line in lines] == ["decision", "task", "task"]
+    assert [line[contracts.DP_EPSILON] for line in lines[1:]] == [0.4, 0.9]
+    assert [line["round"] for line in lines[1:]] == [0, 1]
+    assert verify_audit((local / "medflare_audit.jsonl").read_bytes()).broken is None
+
+
+@pytest.mark.parametrize("audit_log", ["../medflare_audit.jsonl", "ESCAPE"])
+def test_an_audit_log_outside_local_is_refused_before_the_job_runs(tmp_path: Path, monkeypatch,
+                                                                   audit_log: str) -> None:
+    """Issue 60: ``policy.audit_log`` led anywhere, e.g. into another site's folder or through a symlink."""
+    from medflare.errors import ConfigError
+
+    outside = tmp_path / "workspaces" / "site-1" / "outside"
+    outside.mkdir(parents=True)
+    executor, fl_ctx, local = site_executor(tmp_path, {"data": SITE_DATA, "policy": {"audit_log": audit_log}})
+    if audit_log == "ESCAPE":  # a link inside local/ to a folder outside it
+        (local / "ESCAPE").symlink_to(outside / "audit.jsonl")
+    monkeypatch.setattr("medflare.flare.executor.SiteRuntime", lambda *a, **k: pytest.fail("the site read its data"))
+    with pytest.raises(ConfigError, match=f"^policy.audit_log '{audit_log}' is not a file inside the site's"):
+        executor._get_runtime(fl_ctx)
+    assert not list(outside.iterdir()) and not (local.parent / "medflare_audit.jsonl").exists()
 
 
 def test_the_policys_class_floor_reaches_the_statistics_the_site_sends(tmp_path: Path) -> None:

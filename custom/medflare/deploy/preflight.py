@@ -1,7 +1,8 @@
 """``medflare preflight``: a hospital admin's check of a site, on the site machine, before a job arrives.
 
-It checks the kit (files, the certificate's chain and dates, the server's name resolving and answering FLARE's own
-connectivity check), ``local/medflare_site.json`` (schema, policy, paths), every image (corrupt files, counts per
+It checks the kit (files and the shape of ``fed_client.json``; the certificate's root, dates and site name, and its
+key; the server's name resolving and answering FLARE's own connectivity check), ``local/medflare_site.json``
+(schema, policy, paths), the site's audit log (its hash chain, its ε values), every image (corrupt files, counts per
 class, sizes, intensity ranges), disk space, devices, the installed versions against the kit's, and the DP-SGD
 budget; with ``--job``, the site's data and policy against that job, with the functions the site runs when the job
 arrives (``RunPlan.localise``, ``site_runtime.load_site_data``, ``SitePolicy.refusal``). Every check gives PASS,
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import shutil
 import socket
@@ -24,7 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from medflare.errors import MedflareError
+from medflare import readback
+from medflare.contracts import DP_EPSILON
+from medflare.errors import DataError, MedflareError
 
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
 CERT_WARN_DAYS = 30  # a certificate that expires sooner gets a WARN: re-provisioning takes the consortium time
@@ -54,20 +58,22 @@ def preflight(kit: str | Path, job: str | Path | None = None, max_images: int = 
     line), for a site set up before the consortium's server runs."""
     kit = Path(kit).resolve()
     checks: list[Check] = []
-    for name, check in (("kit files", _kit_files), ("certificate", _certificate), ("server", _server),
-                        ("versions", _versions), ("disk", _disk)):
-        unchecked = name == "server" and not server
-        checks.append(Check(name, WARN, "not checked (--no-server)") if unchecked else _run(name, check, kit))
-    if checks[0].status == FAIL:  # no kit: nothing else can be found
+    client = _run_value(checks, "kit files", _kit_files, kit)
+    if client is None:  # no kit: nothing else can be found
         return checks
-    site = _site_name(kit)
+    checks.append(_run("certificate", _certificate, kit, client))
+    checks.append(_run("server", _server, kit, client) if server else
+                  Check("server", WARN, "not checked (--no-server)"))
+    checks += [_run("versions", _versions, kit), _run("disk", _disk, kit)]
+    site = client.site
     site_file = _run_value(checks, "site file", _site_file, kit)
     policy = _run_value(checks, "policy", _policy, site_file) if site_file is not None else None
     if policy is not None:
+        audit = _run_value(checks, "audit log", _audit_log, site_file, policy)
         found = _run_value(checks, "data", _site_data, site, site_file)
         if found is not None:
             checks += _image_checks(*found, policy.min_class_samples, max_images, progress)
-        checks.append(_run("DP-SGD", _dp_budget, site_file, policy))
+        checks.append(_run("DP-SGD", _dp_budget, site_file, policy, audit))
         checks.append(_run("devices", _devices, site_file))
         if job is not None:
             checks += _job_checks(Path(job), site, site_file, policy)
@@ -101,29 +107,58 @@ def _one_line(exc: BaseException) -> str:
 
 
 # ----- the kit ---------------------------------------------------------------------------------------------------
-def _kit_files(kit: Path) -> tuple[str, str]:
+@dataclass(frozen=True)
+class FedClient:
+    """What preflight needs of the kit's ``startup/fed_client.json``: the site's name and the server's address."""
+
+    site: str
+    target: str  # host:port
+
+
+_FED_CLIENT = readback.obj(
+    required={"servers": readback.list_of(readback.obj(required={"service": readback.obj(
+        required={"target": readback.STR})})), "client": readback.obj(optional={"fqsn": readback.STR})})
+
+
+def _kit_files(kit: Path) -> tuple[FedClient, str, str]:
     missing = [name for name in KIT_FILES if not (kit / name).exists()]
     if missing:
         raise Failed(f"{kit} is not a site's startup kit: {', '.join(missing)} missing (the kit of a hospital "
                      "holds startup/fed_client.json, its certificate and key, rootCA.pem and local/)")
-    return PASS, f"{kit} ({_site_name(kit)})"
+    client = _fed_client(kit)
+    return client, PASS, f"{kit} ({client.site})"
 
 
-def _site_name(kit: Path) -> str:
-    return str(json.loads((kit / "startup" / "fed_client.json").read_text())["client"].get("fqsn") or kit.name)
+def _fed_client(kit: Path) -> FedClient:
+    """The kit's ``startup/fed_client.json``, of the shape FLARE's provisioning writes; Failed (one line) otherwise."""
+    path = kit / "startup" / "fed_client.json"
+    fix = "the kit was altered: ask the project admin for this site's kit"
+    config = readback.check(readback.load_json(path, DataError, fix=fix), _FED_CLIENT, str(path), DataError, fix)
+    if not config["servers"]:
+        raise Failed(f"{path}: servers is empty; {fix}")
+    target = config["servers"][0]["service"]["target"]
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise Failed(f"{path}: servers[0].service.target is '{target}', not host:port; {fix}")
+    return FedClient(config["client"].get("fqsn") or kit.name, target)
 
 
-def _certificate(kit: Path) -> tuple[str, str]:
-    from cryptography import x509
+def _certificate(kit: Path, client: FedClient) -> tuple[str, str]:
+    from cryptography.x509.oid import NameOID
 
     startup = kit / "startup"
-    cert = x509.load_pem_x509_certificate((startup / "client.crt").read_bytes())
-    root = x509.load_pem_x509_certificate((startup / "rootCA.pem").read_bytes())
+    cert, root = _pem_certificate(startup / "client.crt"), _pem_certificate(startup / "rootCA.pem")
     try:
         cert.verify_directly_issued_by(root)
     except Exception as exc:  # noqa: BLE001 - cryptography raises several types for a foreign or altered cert
         raise Failed(f"client.crt is not signed by the kit's rootCA.pem ({type(exc).__name__}); the kit was altered "
                      "or mixes two provisionings: ask the project admin for this site's kit") from exc
+    names = [str(a.value) for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+    if names != [client.site]:
+        raise Failed(f"client.crt is issued to {', '.join(names) or 'no site (no CN)'}, not to this site "
+                     f"{client.site} (fed_client.json): the kit holds another site's certificate; ask the project "
+                     "admin for this site's kit")
+    _check_key_pair(startup / "client.key", cert)
     now = datetime.datetime.now(datetime.timezone.utc)
     start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
     if now < start:
@@ -133,14 +168,40 @@ def _certificate(kit: Path) -> tuple[str, str]:
     days = (end - now).days
     status = WARN if days < CERT_WARN_DAYS else PASS
     return status, f"{cert.subject.rfc4514_string()}, issued by {root.subject.rfc4514_string()}, valid until " \
-                   f"{end:%Y-%m-%d} ({days} days)"
+                   f"{end:%Y-%m-%d} ({days} days); client.key is its key"
 
 
-def _server(kit: Path) -> tuple[str, str]:
+def _pem_certificate(path: Path) -> Any:
+    from cryptography import x509
+
+    try:
+        return x509.load_pem_x509_certificate(path.read_bytes())
+    except ValueError as exc:
+        raise Failed(f"{path.name} is not a PEM certificate ({_one_line(exc)}); ask the project admin for this "
+                     "site's kit") from exc
+
+
+def _check_key_pair(path: Path, cert: Any) -> None:
+    """``path`` holds the private key of ``cert`` (FLARE's mTLS would refuse the site's connection otherwise)."""
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    except (ValueError, TypeError, UnsupportedAlgorithm) as exc:  # not a key, encrypted, or of no known kind
+        raise Failed(f"client.key is not an unencrypted PEM private key ({_one_line(exc)}); ask the project admin "
+                     "for this site's kit") from exc
+    public = serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    if key.public_key().public_bytes(*public) != cert.public_key().public_bytes(*public):
+        raise Failed("client.key is not the key of client.crt (their public keys differ): the kit mixes two "
+                     "sites' or two provisionings' files; ask the project admin for this site's kit")
+
+
+def _server(kit: Path, client: FedClient) -> tuple[str, str]:
     from nvflare.tool.package_checker.check_rule import CHECK_PASSED, CheckServerAvailable
     from nvflare.tool.package_checker.utils import NVFlareRole
 
-    target = json.loads((kit / "startup" / "fed_client.json").read_text())["servers"][0]["service"]["target"]
+    target = client.target
     host, _, port = target.rpartition(":")
     try:
         address = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0][4][0]
@@ -164,7 +225,10 @@ def _versions(kit: Path) -> tuple[str, str]:
     here, recorded = installed_versions(), kit / "local" / KIT_VERSIONS_FILE
     if not recorded.is_file():
         return WARN, f"no local/{KIT_VERSIONS_FILE} (a kit medflare did not set up); installed: {_versions_text(here)}"
-    kit_versions = json.loads(recorded.read_text())
+    fix = "the kit's local/ was altered: reinstall its policies (python -m medflare.deploy.provision --reinstall)"
+    kit_versions = readback.check(readback.load_json(recorded, DataError, fix=fix),
+                                  readback.obj(optional={"nvflare": readback.STR, "medflare": readback.STR}),
+                                  str(recorded), DataError, fix)
     if kit_versions.get("nvflare") != here["nvflare"]:
         raise Failed(f"FLARE {here['nvflare']} is installed but the kit was set up with {kit_versions.get('nvflare')}"
                      f"; install nvflare=={kit_versions.get('nvflare')}")
@@ -323,7 +387,33 @@ def _class_check(sets: dict[str, Any], names: list[str], floor: int) -> Check:
     return Check("classes", PASS, detail)
 
 
-def _dp_budget(site_file: Any, policy: Any) -> tuple[str, str]:
+def _audit_log(site_file: Any, policy: Any) -> tuple[list[dict[str, Any]], str, str]:
+    """The site's audit log (in ``local/``): its chain holds to the last line, and every ε in it is one a DP-SGD
+    accountant can report; yields its records."""
+    from medflare.site_policy import audit_file, verify_audit
+
+    path = audit_file(site_file.path.parent, policy.audit_log)
+    if not path.exists():
+        return [], PASS, f"no {path.name} yet (the site's first job starts it)"
+    chain = verify_audit(path.read_bytes())
+    if chain.broken is not None:
+        raise Failed(f"{path} line {chain.broken} {chain.why}; the lines before it hold. Keep the file as evidence "
+                     "and move it aside: the next job starts a new log")
+    for number, record in enumerate(chain.records, 1):
+        for key in (DP_EPSILON, "dp_epsilon_spent"):
+            if key in record and not _is_epsilon(record[key]):
+                raise Failed(f"{path} line {number}: {key} is {record[key]!r}, not a finite ε >= 0 (a DP-SGD "
+                             "accountant reports nothing else); the line is not medflare's record")
+    jobs = len({record.get("job_id") for record in chain.records})
+    return chain.records, PASS, f"{path.name}: {len(chain.records)} lines of {jobs} job(s), chain intact; its " \
+                                f"last hash {chain.head[:16]} (a copy kept elsewhere shows a removed last line)"
+
+
+def _is_epsilon(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
+def _dp_budget(site_file: Any, policy: Any, audit: list[dict[str, Any]] | None) -> tuple[str, str]:
     dp = site_file.get("dp_sgd") or {}
     if not dp and "dp_sgd" not in policy.require:
         return PASS, "no DP-SGD policy (jobs without DP-SGD are accepted)"
@@ -332,17 +422,21 @@ def _dp_budget(site_file: Any, policy: Any) -> tuple[str, str]:
     except ImportError as exc:
         raise Failed("this site's policy asks for DP-SGD, but opacus is not installed: pip install "
                      "'medflare[dp]'") from exc
-    spent = _epsilon_spent(site_file.path.parent / policy.audit_log)
     budget = dp.get("max_epsilon")
     limit = f"each job may spend ε ≤ {budget:g}" if budget else "no per-job ε budget set (max_epsilon)"
-    return PASS, f"{limit}; past jobs in the audit log spent ε {spent:g} in all"
+    if audit is None:
+        return WARN, f"{limit}; what past jobs spent is unknown (the audit log fails its check)"
+    return PASS, f"{limit}; past jobs in the audit log spent ε {_epsilon_spent(audit):g} in all"
 
 
-def _epsilon_spent(audit: Path) -> float:
-    if not audit.is_file():
-        return 0.0
-    lines = (json.loads(line) for line in audit.read_text().splitlines() if line.strip())
-    return float(sum(line.get("dp_epsilon_spent", 0) or 0 for line in lines))
+def _epsilon_spent(audit: list[dict[str, Any]]) -> float:
+    """The ε past jobs spent, in all: each job's last report (ε is cumulative within a job), a killed job's too."""
+    last: dict[Any, float] = {}
+    for record in audit:
+        spent = record.get(DP_EPSILON, record.get("dp_epsilon_spent"))
+        if spent is not None:
+            last[record.get("job_id")] = float(spent)
+    return float(sum(last.values()))
 
 
 # ----- a job at this site ---------------------------------------------------------------------------------------

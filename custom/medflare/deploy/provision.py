@@ -152,9 +152,9 @@ def site_config_example() -> dict[str, Any]:
         f"{COMMENT_PREFIX}_policy": (
             "The jobs this site runs: methods = the methods it accepts (null = any); require = what every job must "
             "have, among dp_sgd, robust (the server's update-norm bound and share cap) and secure_aggregation. A "
-            "job the policy refuses is declined before any image is read, with the reason. audit_log: one JSON "
-            "line per job (id, plan fingerprint, method, decision, what left the site in each task, DP budget "
-            "spent), relative to this folder. min_class_samples: a class this site has fewer images of (in the "
+            "job the policy refuses is declined before any image is read, with the reason. audit_log: a file in "
+            "this folder (no path out of it) that gets a hash-chained JSON line at each decision, task (what left "
+            "the site, its bytes, the DP epsilon spent) and job end; medflare preflight verifies it. min_class_samples: a class this site has fewer images of (in the "
             "split or group a statistic describes) is left out of every statistic it sends (0 = no floor)."
         ),
         "policy": {"methods": None, "require": ["robust"], "audit_log": "medflare_audit.jsonl", "min_class_samples": 0},

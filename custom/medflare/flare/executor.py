@@ -23,7 +23,7 @@ from medflare.plan import PLAN_FILE, RunPlan
 from medflare.plan_proof import task_refusal
 from medflare.run_config import TRACKERS
 from medflare.site_config import SiteFile
-from medflare.site_policy import AuditLog, SitePolicy, site_policy
+from medflare.site_policy import AuditLog, SitePolicy, audit_file, site_policy
 from medflare.site_runtime import SiteRuntime
 
 
@@ -97,13 +97,14 @@ class MedflareExecutor(Executor):
         policy = site_policy(site_file)
         if site_file.content is None:  # FLARE's simulator: no hospital, no policy
             return policy
-        self._audit = AuditLog(site_file.path.parent / policy.audit_log, job_id, plan)
+        self._audit = AuditLog(audit_file(site_file.path.parent, policy.audit_log), job_id, plan)
         reason = policy.refusal(plan)
         if reason:
             self._declined = f"{site} declines the job: {reason} (its medflare_site.json policy)"
-            self._audit.close("declined", reason)
+            self._audit.decided("declined", reason)
             self._audit = None
             raise SiteDeclined(self._declined)
+        self._audit.decided("accepted")  # on disk before any image is read
         return policy
 
     def _check_server_plan(self, site: str, task: Shareable) -> None:
@@ -120,7 +121,7 @@ class MedflareExecutor(Executor):
     def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
         if event_type == EventType.END_RUN:
             if self._audit is not None:
-                self._audit.close("accepted")
+                self._audit.close()
                 self._audit = None
             if self._runtime is not None:
                 self._runtime.close()
@@ -154,6 +155,7 @@ class MedflareExecutor(Executor):
             return result
         except SiteDeclined as exc:  # the site's own policy: its one-line reason is what the server records
             self.log_error(fl_ctx, f"{site}: task '{task_name}' declined: {exc}")
+            self._audit_failure(task_name, exc)
             reply = make_reply(ReturnCode.EXECUTION_EXCEPTION)
             reply.set_header(contracts.DECLINED_HEADER, exc.reason)  # a word of DECLINE_REASONS, no free text
             return reply
@@ -166,7 +168,7 @@ class MedflareExecutor(Executor):
         return make_reply(ReturnCode.EXECUTION_EXCEPTION)
 
     def _audit_failure(self, task_name: str, exc: BaseException) -> None:
-        """A task the site could not do, in its audit record (which stays at the site)."""
+        """A task the site could not do or declined, in its audit log (which stays at the site)."""
         if self._audit is not None:
             self._audit.failed(task_name, f"{type(exc).__name__}: {exc}")
 
