@@ -56,7 +56,7 @@ class DistributedConfig:
 def site_distributed_config(site_config_dir: str | Path | SiteFile) -> DistributedConfig:
     """The site's ``distributed`` block from ``local/medflare_site.json``, at most one process per GPU FLARE made
     visible to the job (CUDA_VISIBLE_DEVICES, from its ``resource_spec``)."""
-    config = DistributedConfig(**SiteFile.of(site_config_dir).get("distributed", {}))
+    config = SiteFile.of(site_config_dir).section("distributed", DistributedConfig)
     if torch.cuda.is_available() and config.processes > torch.cuda.device_count():
         config.processes = max(1, torch.cuda.device_count())
     return config

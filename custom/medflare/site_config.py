@@ -19,6 +19,10 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 SITE_CONFIG_FILE = "medflare_site.json"  # in a site's local/ folder (POC and production)
 ALLOW_JOB_DATA = "allow_job_data"  # a site's opt-in (in that file): jobs may bring their own, e.g. simulated, data
+# Every top-level key of that file medflare reads; a key beside them would be ignored (a misspelt "polcy" turned the
+# site's policy off), so any other is refused. "_comment..." keys are notes (JSON has no comments).
+SITE_FILE_KEYS = ("data", "model", "dp_sgd", "distributed", "policy", ALLOW_JOB_DATA)
+COMMENT_PREFIX = "_comment"
 EVALUATION_MODES = ("every_round", "final", "off")
 MAX_CLASSES = 100_000  # a task's classes
 
@@ -258,7 +262,9 @@ class SiteFile:
         # "data" and ALLOW_JOB_DATA are checked where they are used (a missing data object, only true opts in)
         schema = readback.obj(optional={"model": readback.STR, "dp_sgd": readback.OBJECT,
                                         "distributed": readback.OBJECT, "policy": readback.OBJECT})
-        return cls(path, readback.check(readback.load_json(path, DataError, fix=fix), schema, str(path), DataError, fix))
+        content = readback.check(readback.load_json(path, DataError, fix=fix), schema, str(path), DataError, fix)
+        unknown_key_refusal(content, path)
+        return cls(path, content)
 
     def get(self, key: str, default: Any = None) -> Any:
         return (self.content or {}).get(key, default)
@@ -267,6 +273,19 @@ class SiteFile:
         """The file's ``key`` object typed as ``cls`` (its defaults where the file sets none): the one place a site's
         own sections (``policy``, ``dp_sgd``) are typed. ConfigError names the file, the section and the field."""
         return from_dict(cls, dict(self.get(key) or {}), f"{SITE_CONFIG_FILE} {key}")
+
+
+def unknown_key_refusal(content: Mapping[str, Any], path: Path) -> None:
+    """DataError naming the first top-level key of a site file that medflare does not read (its likely spelling and
+    the keys there are), so that a typo never turns a setting off unseen."""
+    import difflib
+
+    unknown = [key for key in content if key not in SITE_FILE_KEYS and not str(key).startswith(COMMENT_PREFIX)]
+    if unknown:
+        close = difflib.get_close_matches(str(unknown[0]), SITE_FILE_KEYS, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise DataError(f"{path}: unknown key {unknown[0]!r}{hint}, which medflare would ignore; a site file has "
+                        f"{', '.join(sorted(SITE_FILE_KEYS))} and {COMMENT_PREFIX}... notes; rename or remove it")
 
 
 def site_index_from_name(site_name: str, sites: list[str] | None) -> int:

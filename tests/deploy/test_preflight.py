@@ -297,3 +297,27 @@ def test_an_audit_log_outside_local_fails(kit: Path, audit_log: str) -> None:
     site_file.write_text(json.dumps({**json.loads(site_file.read_text()), "policy": {"audit_log": audit_log}}))
     check, detail = only_fail(preflight(kit, progress=lambda line: None))
     assert check == "audit log" and detail.startswith(f"policy.audit_log '{audit_log}' is not a file inside")
+
+
+# ----- issue 61, item 5: every key of the site file is one medflare reads -------------------------------------------
+@pytest.mark.parametrize("edit, detail", [
+    ({"polcy": {"require": ["robust"]}}, "unknown key 'polcy' (did you mean 'policy'?), which medflare would ignore"),
+    ({"dp_sgdd": {"max_epsilon": 2.0}}, "unknown key 'dp_sgdd' (did you mean 'dp_sgd'?)"),
+    ({"dp_sgd": {"max_epsilonn": 2.0}}, "medflare_site.json dp_sgd: unknown option(s) max_epsilonn; valid options: "),
+    ({"distributed": {"procesess": 2}}, "medflare_site.json distributed: unknown option(s) procesess; valid options: "
+                                        "backend, processes, shuffle_seed"),
+])
+def test_a_misspelt_key_of_the_site_file_is_one_fail_row_naming_it(kit: Path, edit: dict, detail: str) -> None:
+    """A misspelt top-level key turned the site's policy (or DP-SGD budget) off with a PASS; a misspelt option of
+    dp_sgd passed preflight and of distributed gave a TypeError. Now one FAIL row names the key and the valid ones."""
+    site_file = kit / "local" / "medflare_site.json"
+    site_file.write_text(json.dumps({**json.loads(site_file.read_text()), **edit}))
+    check, shown = only_fail(preflight(kit, progress=lambda line: None))
+    assert detail in shown and "\n" not in shown, (check, shown)
+
+
+def test_comment_keys_of_the_site_file_are_notes(kit: Path) -> None:
+    site_file = kit / "local" / "medflare_site.json"
+    site_file.write_text(json.dumps({"_comment": "JSON has no comments", "_comment_data": "where the images are",
+                                     **json.loads(site_file.read_text())}))
+    assert [c.check for c in preflight(kit, progress=lambda line: None) if c.status == FAIL] == ["server"]

@@ -126,6 +126,19 @@ def test_a_job_the_sites_policy_refuses_is_declined_before_any_image_is_read_and
     assert line["reason"].startswith(reason) and len(line["plan"]) == 12 and line["prev"] == AUDIT_GENESIS
 
 
+def test_a_misspelt_key_of_the_site_file_refuses_the_job_before_any_image_is_read(tmp_path: Path,
+                                                                                  monkeypatch) -> None:
+    """Issue 61, item 5: ``polcy`` beside ``data`` was ignored, so the site trained with no policy at all."""
+    from medflare.errors import DataError
+
+    executor, fl_ctx, _ = site_executor(tmp_path, {"data": SITE_DATA, "polcy": {"require": ["dp_sgd"]}})
+    monkeypatch.setattr("medflare.flare.executor.SiteRuntime", lambda *a, **k: pytest.fail("the site read its data"))
+    with pytest.raises(DataError, match=r"unknown key 'polcy' \(did you mean 'policy'\?\), which medflare would "
+                                        r"ignore; a site file has allow_job_data, data, distributed, dp_sgd, model, "
+                                        r"policy and _comment\.\.\. notes"):
+        executor._get_runtime(fl_ctx)
+
+
 def finish_task(executor: MedflareExecutor, fl_ctx, runtime, round_index: int, meta: dict) -> None:
     """One train task of ``round_index`` whose (filtered) result left the site with one array and ``meta``."""
     import numpy as np

@@ -414,7 +414,10 @@ def _is_epsilon(value: Any) -> bool:
 
 
 def _dp_budget(site_file: Any, policy: Any, audit: list[dict[str, Any]] | None) -> tuple[str, str]:
+    from medflare.dp_sgd import SiteDPPolicy
+
     dp = site_file.get("dp_sgd") or {}
+    site_file.section("dp_sgd", SiteDPPolicy)  # a misspelt option is a FAIL here, as it is when a job arrives
     if not dp and "dp_sgd" not in policy.require:
         return PASS, "no DP-SGD policy (jobs without DP-SGD are accepted)"
     try:

@@ -24,7 +24,7 @@ import yaml
 
 from medflare.deploy.policies import SITE_MODES, install_site_policies, is_site_kit
 from medflare.processes import nvflare_command
-from medflare.site_config import SITE_CONFIG_FILE
+from medflare.site_config import COMMENT_PREFIX, SITE_CONFIG_FILE
 
 STATE_DIR = "state"  # <workspace>/<project>/state/cert.json: the root CA and every participant's private key
 # FLARE writes <workspace>/<project name>/prod_NN/<participant name>/: each name must stay one plain folder name.
@@ -37,9 +37,8 @@ PLAIN_NAME_RULE = ("one plain folder name (a string of letters, digits, '.', '_'
 # Beside the real file in a hospital kit's local/: medflare reads only medflare_site.json, so the example never acts.
 SITE_CONFIG_EXAMPLE = f"{SITE_CONFIG_FILE}.example"
 # JSON has no comments: the example explains each top-level setting in a "_comment_<setting>" key before it. The
-# site's loader reads only data, model, distributed and allow_job_data (each checked field by field), so the
-# comment keys may stay in a copied file; inside "data" and "distributed" every key is an option, so none go there.
-COMMENT_PREFIX = "_comment"
+# site's loader reads site_config.SITE_FILE_KEYS (each checked field by field) and allows the comment keys
+# (COMMENT_PREFIX), so they may stay in a copied file; inside a section every key is an option, so none go there.
 
 
 # FLARE's HEBuilder (TenSEAL CKKS contexts for secure_aggregation=he: client_context.tenseal with the secret key in
