@@ -27,9 +27,10 @@ ALL_ENTRIES = entries_from_results(RESULTS)
 class FakeSession:
     """FLARE's Session as watch uses it: the job runs for a few polls, growing its progress, then finishes."""
 
-    def __init__(self, tmp_path: Path, shown_per_poll: list[int], downloadable: bool = True) -> None:
+    def __init__(self, tmp_path: Path, shown_per_poll: list[int], downloadable: bool = True,
+                 status: str = "FINISHED:COMPLETED", results: dict = RESULTS) -> None:
         self.tmp_path, self.shown_per_poll, self.downloadable = tmp_path, shown_per_poll, downloadable
-        self.poll = 0
+        self.poll, self.status, self.results = 0, status, results
 
     def show_stats(self, job_id: str, target_type: str) -> dict:
         count = self.shown_per_poll[self.poll]
@@ -40,14 +41,14 @@ class FakeSession:
         for poll in range(len(self.shown_per_poll)):
             self.poll = poll  # what show_stats shows at this poll
             cb(self, job_id, {"status": "RUNNING"})
-        return "JOB_FINISHED", {"status": "FINISHED:COMPLETED"}
+        return "JOB_FINISHED", {"status": self.status}
 
     def download_job_result(self, job_id: str, destination: str) -> str:
         if not self.downloadable:
             raise PermissionError("not authorized for download_job")
         app = Path(destination) / job_id / "workspace" / "app_server"
         app.mkdir(parents=True)
-        (app / "medflare_results.json").write_text(json.dumps(RESULTS))
+        (app / "medflare_results.json").write_text(json.dumps(self.results))
         return str(Path(destination) / job_id)
 
 
@@ -62,6 +63,27 @@ def test_without_the_download_right_the_polled_rounds_are_what_is_shown(tmp_path
     lines: list[str] = []
     watch_job(FakeSession(tmp_path, [1, 3], downloadable=False), "job-1", lines.append)
     assert lines == [f"  {format_progress(e)}" for e in ALL_ENTRIES[:3]]
+
+
+def test_a_failed_job_is_shown_with_its_first_cause_not_only_flares_status(tmp_path: Path) -> None:
+    """Issue 61, item 4: a job one site's policy declined showed only FINISHED:EXECUTION_EXCEPTION; the reason was
+    a line in the server's log. Now watch prints the declining site, its reason and the server's error."""
+    declined = {"num_rounds": 3, "error": "round 1: only 1 site(s) sent a valid result, 2 needed",
+                "rounds": [{"round": 0, "wall_seconds": 1.0, "share": {},
+                            "failed": {"site-2": "EXECUTION_EXCEPTION: declined: its policy declines the job"}}]}
+    lines: list[str] = []
+    status = watch_job(FakeSession(tmp_path, [0], status="FINISHED:EXECUTION_EXCEPTION", results=declined), "job-1",
+                       lines.append)
+    assert status == "FINISHED:EXECUTION_EXCEPTION"
+    assert lines[-1] == ("  why: round 1: site-2 EXECUTION_EXCEPTION: declined: its policy declines the job | the "
+                         "server: round 1: only 1 site(s) sent a valid result, 2 needed")
+    unreadable: list[str] = []
+    watch_job(FakeSession(tmp_path / "other", [0], downloadable=False, status="FINISHED:ABNORMAL"), "job-2",
+              unreadable.append)
+    assert unreadable[-1].startswith("  why: not in what this account can read of the job; see the server's log")
+    completed: list[str] = []
+    watch_job(FakeSession(tmp_path / "ok", [0]), "job-3", completed.append)
+    assert not any(line.startswith("  why:") for line in completed)
 
 
 def test_printer_never_repeats_and_survives_a_shorter_read() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from medflare.errors import MedflareError
-from medflare.flare.progress import STATS_GROUP, entries_from_results, format_progress
+from medflare.flare.progress import STATS_GROUP, entries_from_results, failure_cause, format_progress
 
 Echo = Callable[[str], None]
 FINISHED_OK = "FINISHED:COMPLETED"
@@ -94,7 +94,12 @@ def watch_job(session: Any, job_id: str, echo: Echo = print, timeout: float = 0,
     missed = _results_of_finished_job(session, job_id)
     if missed is not None and len(entries := entries_from_results(missed)) >= printer.shown:
         printer.show(entries)
-    return str(meta.get("status"))
+    status = str(meta.get("status"))
+    if status != FINISHED_OK:  # FLARE's status says that it failed; the results say why, where the user looks
+        cause = failure_cause(missed) if missed is not None else ""
+        echo(f"  why: {cause}" if cause else "  why: not in what this account can read of the job; see the "
+                                            "server's log (and the sites' logs)")
+    return status
 
 
 def _results_of_finished_job(session: Any, job_id: str) -> dict[str, Any] | None:

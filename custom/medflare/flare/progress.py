@@ -50,6 +50,21 @@ def entries_from_results(results: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [entry for entry in entries if entry is not None]
 
 
+def failure_cause(results: Mapping[str, Any]) -> str:
+    """Why a job failed, in one line, from its results file: the first round where a site failed or declined (which
+    site, in medflare's words) and the controller's recorded error; "" when the file records neither."""
+    parts = []
+    for record in results.get("rounds", []):
+        failed = record.get("failed") or {}
+        if failed:
+            sites = "; ".join(f"{site} {why}" for site, why in sorted(failed.items()))
+            parts.append(f"round {record.get('round', 0) + 1}: {sites}")
+            break
+    if results.get("error"):
+        parts.append(f"the server: {results['error']}")
+    return " | ".join(parts)
+
+
 def format_progress(entry: Mapping[str, Any]) -> str:
     """The line an entry is shown as, in the server log and by ``medflare watch``."""
     kind = entry.get("kind")
