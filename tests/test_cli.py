@@ -144,6 +144,7 @@ def test_bad_input_is_one_line_naming_the_option_and_nothing_is_written(
     (["run", "no-such-method"], "unknown method 'no-such-method'"),
     (["compare", "fedavg", "no-such-method"], "unknown method 'no-such-method'"),
     (["export", "no-such-method", *TASK], "unknown method 'no-such-method'"),
+    (["run", "fedavgg"], "unknown method 'fedavgg' (did you mean 'fedavg'?); registered methods: "),  # issue 61
     (["run", "fedavg", "--pretrained", "/does/not/exist.pt"], "--pretrained: weights file '/does/not/exist.pt'"),
     (["compare", "fedavg", "fedprox", "--pretrained", "/does/not/exist.pt"], "not found"),
     (["compare", "fedprox", "fedavg", "--set", "method.mu=0.1"], "method 'fedavg': unknown option(s) mu"),

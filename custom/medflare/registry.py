@@ -3,6 +3,7 @@ register (``register_method``), looked up by name."""
 
 from __future__ import annotations
 
+import difflib
 from typing import TYPE_CHECKING
 
 from medflare.errors import ConfigError
@@ -25,7 +26,9 @@ def get_method(name: str) -> MethodSpec:
     """The spec of a registered method, or a ConfigError listing what exists."""
     methods = _registered()
     if name not in methods:
-        raise ConfigError(f"unknown method '{name}'; registered methods: {', '.join(sorted(methods))}")
+        close = difflib.get_close_matches(str(name), list(methods), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ConfigError(f"unknown method '{name}'{hint}; registered methods: {', '.join(sorted(methods))}")
     return methods[name]
 
 

@@ -138,10 +138,13 @@ def test_partition_too_small_sites_raise_with_site_and_fix() -> None:
     labels = _labels(200)
 
     # Execute / Assert
-    with pytest.raises(DataError, match=r"site \d+ only \d+ samples.*lower the number of sites, raise ALPHA"):
+    with pytest.raises(DataError, match=r"site-\d+ only \d+ samples.*lower the number of sites, raise its ALPHA"):
         partition(labels, 30, "dirichlet:0.01", seed=0, min_size=10)
-    with pytest.raises(DataError, match="min_size=50"):
+    with pytest.raises(DataError) as iid:
         partition(labels, 8, "iid", seed=0, min_size=50)
+    # issue 61 (minors): iid has no ALPHA, and sites are named as the job names them (site-1, not site 0)
+    assert "data.min_size=50" in str(iid.value) and "ALPHA" not in str(iid.value)
+    assert "site-0" not in str(iid.value) and "site 0" not in str(iid.value)
 
 
 @pytest.mark.parametrize("alpha, spread", [(0.5, "skewed"), (10000.0, "even")])

@@ -190,6 +190,22 @@ def test_bad_specs_and_missing_paths(spec: str, error: type, message: str) -> No
         assert all(form in str(caught.value) for form in SOURCE_FORMS)
 
 
+@pytest.mark.parametrize("spec, hint", [
+    ("{folder}", "(did you mean 'folder:{folder}'?)"),
+    ("foldr:{folder}", "(did you mean 'folder:{folder}'?)"),
+    ("/data/manifest.csv", "(did you mean 'csv:/data/manifest.csv'?)"),
+    ("/data/chestmnist.npz", "(did you mean 'medmnist:/data/chestmnist.npz'?)"),
+    ("medmnst:/data/x.npz", "(did you mean 'medmnist:/data/x.npz'?)"),
+])
+def test_a_source_without_its_kind_or_a_misspelt_kind_gets_the_likely_spelling(tmp_path: Path, spec: str,
+                                                                                 hint: str) -> None:
+    """Issue 61 (minors): a folder given without 'folder:' or a misspelt kind was only 'Unknown data source'."""
+    spec, hint = spec.format(folder=tmp_path), hint.format(folder=tmp_path)
+    with pytest.raises(ConfigError) as caught:
+        load_source(spec)
+    assert str(caught.value).startswith(f"Unknown data source '{spec}' {hint}; valid forms: "), caught.value
+
+
 def test_results_are_cached_and_read_only() -> None:
     """Repeated loads return the cached object, whose arrays cannot be written; get_image returns copies."""
     # Execute

@@ -37,6 +37,7 @@ SCHEME_FORMS = (
     "class-dirichlet:A1/.../AK[:P]",
 )
 MAX_REDRAWS = 100
+ALPHA_SCHEMES = ("dirichlet", "quantity", "longtail-missing")  # the schemes a concentration ALPHA skews
 MULTI_LABEL_SCHEMES = ("iid", "quantity", "attribute", "labelset")
 
 
@@ -341,8 +342,9 @@ def _check_min_size(sites: list[np.ndarray], min_size: int, scheme: str, tries: 
     sizes = [len(site) for site in sites]
     smallest = int(np.argmin(sizes)) if sizes else 0
     if sizes and sizes[smallest] < min_size:
+        alpha = ", raise its ALPHA" if scheme.split(":")[0] in ALPHA_SCHEMES else ""  # only these take one
         raise DataError(
-            f"Partition '{scheme}' gives site {smallest} only {sizes[smallest]} samples (min_size={min_size}) "
-            f"after {tries} draw(s) over {sum(sizes)} samples; lower the number of sites, raise ALPHA, "
-            "or lower min_size."
+            f"Partition '{scheme}' gives site-{smallest + 1} only {sizes[smallest]} samples (data.min_size="
+            f"{min_size}) after {tries} draw(s) over {sum(sizes)} samples; lower the number of sites{alpha}, "
+            "or lower data.min_size."
         )

@@ -93,6 +93,21 @@ def clear_source_cache() -> None:
         _load_source_cached.cache_clear()
 
 
+def _source_hint(spec: str) -> str:
+    """' (did you mean ...?)' for a source that is a path without its kind (a folder, a .csv or .npz file) or a
+    misspelt kind; "" otherwise."""
+    import difflib
+
+    kind, sep, argument = spec.partition(":")
+    path = Path(spec)
+    if path.is_dir():
+        return f" (did you mean 'folder:{spec}'?)"
+    if path.suffix.lower() in (".csv", ".npz") and not sep:
+        return f" (did you mean '{'csv' if path.suffix.lower() == '.csv' else 'medmnist'}:{spec}'?)"
+    close = difflib.get_close_matches(kind, ["synthetic", "medmnist", "folder", "csv", *source_kinds()], n=1)
+    return f" (did you mean '{close[0]}:{argument}'?)" if sep and close else ""
+
+
 @functools.lru_cache(maxsize=8)
 def _load_source_cached(spec: str, seed: int, num_classes: int | None) -> DataSplits:
     kind, _, argument = spec.partition(":")
@@ -105,7 +120,8 @@ def _load_source_cached(spec: str, seed: int, num_classes: int | None) -> DataSp
     loader = loaders.get(kind) or plugin_loader(kind)  # a plugin's own kind (medflare.data.plugins)
     if loader is None or (kind in loaders and kind != "synthetic" and not argument):
         plugins = [f"{name}:..." for name in source_kinds()]
-        raise ConfigError(f"Unknown data source '{spec}'; valid forms: {', '.join([*SOURCE_FORMS, *plugins])}.")
+        raise ConfigError(f"Unknown data source '{spec}'{_source_hint(spec)}; valid forms: "
+                          f"{', '.join([*SOURCE_FORMS, *plugins])}.")
     splits = loader(argument, seed, num_classes)
     splits.info = _describe(splits, spec, kind) | splits.info
     for image_set in (splits.train, splits.val, splits.test):

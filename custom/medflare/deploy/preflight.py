@@ -151,7 +151,9 @@ def _certificate(kit: Path, client: FedClient) -> tuple[str, str]:
     try:
         cert.verify_directly_issued_by(root)
     except Exception as exc:  # noqa: BLE001 - cryptography raises several types for a foreign or altered cert
-        raise Failed(f"client.crt is not signed by the kit's rootCA.pem ({type(exc).__name__}); the kit was altered "
+        # cryptography: ValueError when the issuer is another CA, InvalidSignature when the signature does not hold
+        why = "its issuer is another CA" if isinstance(exc, ValueError) else "its signature does not verify"
+        raise Failed(f"client.crt is not signed by the kit's rootCA.pem ({why}); the kit was altered "
                      "or mixes two provisionings: ask the project admin for this site's kit") from exc
     names = [str(a.value) for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
     if names != [client.site]:
