@@ -93,3 +93,15 @@ def test_every_setting_is_commented_and_the_data_block_sets_only_site_keys() -> 
     assert set(example["data"]) <= SITE_ONLY_DATA_KEYS
     for key in example["data"]:
         assert f"{key}:" in example[f"{COMMENT_PREFIX}_data"], key
+
+
+def test_a_poc_sites_kit_gets_the_example_too_and_its_server_none(tmp_path: Path) -> None:
+    """Issue 61 (minors): POC kits had no example, so a POC rehearsal of a hospital's set-up had nothing to copy."""
+    from medflare.deploy.poc import PocSession
+
+    session = PocSession(tmp_path / "poc", echo=lambda line: None)
+    with session.hold():
+        session.prepare(2, allow_job_data=False)
+    for site in session.state["sites"]:
+        assert json.loads((session.kit(site) / "local" / SITE_CONFIG_EXAMPLE).read_text()) == site_config_example()
+    assert not (session.kit(session.state["server"]) / "local" / SITE_CONFIG_EXAMPLE).exists()

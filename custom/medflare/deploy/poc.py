@@ -36,10 +36,11 @@ from typing import Any, Callable, Iterator, Mapping
 import psutil
 import yaml
 
-from medflare.deploy.policies import SITE_MODES, install_site_policies, site_data_config
+from medflare.deploy.policies import SITE_MODES, site_data_config
 from medflare.deploy.provision import (
     STATE_DIR,
     admin_with_role,
+    install_kit,
     load_project,
     participants,
     protect_secrets,
@@ -283,7 +284,7 @@ class PocSession:
         }
         opt_in = site_data_config(allow_job_data=True) if allow_job_data else None
         for site in [self.state["server"], *sites]:
-            install_site_policies(self.kit(site), self.state["site_modes"].get(site, default_mode), site_config=opt_in)
+            install_kit(self.kit(site), self.state["site_modes"].get(site, default_mode), site_config=opt_in)
         signing_key = root_signing_key(self.workspace / project["name"]) if he else None
         bind_to_loopback(self.kit(self.state["server"]), signing_key)
         self._save_state()
