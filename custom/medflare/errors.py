@@ -2,6 +2,16 @@
 
 from __future__ import annotations
 
+import difflib
+from typing import Callable, Iterable
+
+
+def did_you_mean(word: str, choices: Iterable[str], shown: Callable[[str], str] = str) -> str:
+    """' (did you mean 'X'?)' for the one of ``choices`` closest to a misspelt ``word`` (``shown`` writes it as the
+    user would type it), or "" when none is close: the hint every "unknown ..." line gives."""
+    close = difflib.get_close_matches(str(word), list(choices), n=1)
+    return f" (did you mean '{shown(close[0])}'?)" if close else ""
+
 
 class MedflareError(Exception):
     """Base class: every error medflare raises on purpose derives from it."""

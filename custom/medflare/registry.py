@@ -3,10 +3,9 @@ register (``register_method``), looked up by name."""
 
 from __future__ import annotations
 
-import difflib
 from typing import TYPE_CHECKING
 
-from medflare.errors import ConfigError
+from medflare.errors import ConfigError, did_you_mean
 
 if TYPE_CHECKING:  # importing it imports every method, and torch: only a lookup does
     from medflare.methods.base import MethodSpec
@@ -26,9 +25,8 @@ def get_method(name: str) -> MethodSpec:
     """The spec of a registered method, or a ConfigError listing what exists."""
     methods = _registered()
     if name not in methods:
-        close = difflib.get_close_matches(str(name), list(methods), n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise ConfigError(f"unknown method '{name}'{hint}; registered methods: {', '.join(sorted(methods))}")
+        raise ConfigError(f"unknown method '{name}'{did_you_mean(name, methods)}; registered methods: "
+                          f"{', '.join(sorted(methods))}")
     return methods[name]
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, TypeVar
 
 from medflare.config import MAX_IMAGE_SIZE, bounded, check_fields, from_dict
-from medflare.errors import ConfigError, DataError
+from medflare.errors import ConfigError, DataError, did_you_mean
 from medflare.methods.base import MethodSpec, TrainConfig
 
 if TYPE_CHECKING:
@@ -278,12 +278,9 @@ class SiteFile:
 def unknown_key_refusal(content: Mapping[str, Any], path: Path) -> None:
     """DataError naming the first top-level key of a site file that medflare does not read (its likely spelling and
     the keys there are), so that a typo never turns a setting off unseen."""
-    import difflib
-
     unknown = [key for key in content if key not in SITE_FILE_KEYS and not str(key).startswith(COMMENT_PREFIX)]
     if unknown:
-        close = difflib.get_close_matches(str(unknown[0]), SITE_FILE_KEYS, n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        hint = did_you_mean(unknown[0], SITE_FILE_KEYS)
         raise DataError(f"{path}: unknown key {unknown[0]!r}{hint}, which medflare would ignore; a site file has "
                         f"{', '.join(sorted(SITE_FILE_KEYS))} and {COMMENT_PREFIX}... notes; rename or remove it")
 

@@ -22,7 +22,7 @@ import functools
 import io
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +32,7 @@ from medflare.data.plugins import plugin_loader, source_kinds
 from medflare.data.readers import IMAGE_SUFFIXES, PIL_SUFFIXES, is_image_file, read_image
 from medflare.data.synthetic import SyntheticConfig, make_synthetic
 from medflare.data.types import UNLABELED, DataSplits, ImageSet, labelled_counts
-from medflare.errors import ConfigError, DataError
+from medflare.errors import ConfigError, DataError, did_you_mean
 
 SOURCE_FORMS = ("synthetic", "synthetic:key=val,...", "medmnist:PATH", "folder:DIR", "csv:FILE")
 SPLITS = ("train", "val", "test")
@@ -93,19 +93,16 @@ def clear_source_cache() -> None:
         _load_source_cached.cache_clear()
 
 
-def _source_hint(spec: str) -> str:
+def _source_hint(spec: str, kinds: Iterable[str]) -> str:
     """' (did you mean ...?)' for a source that is a path without its kind (a folder, a .csv or .npz file) or a
-    misspelt kind; "" otherwise."""
-    import difflib
-
+    misspelt one of ``kinds``; "" otherwise."""
     kind, sep, argument = spec.partition(":")
     path = Path(spec)
     if path.is_dir():
         return f" (did you mean 'folder:{spec}'?)"
     if path.suffix.lower() in (".csv", ".npz") and not sep:
         return f" (did you mean '{'csv' if path.suffix.lower() == '.csv' else 'medmnist'}:{spec}'?)"
-    close = difflib.get_close_matches(kind, ["synthetic", "medmnist", "folder", "csv", *source_kinds()], n=1)
-    return f" (did you mean '{close[0]}:{argument}'?)" if sep and close else ""
+    return did_you_mean(kind, kinds, lambda close: f"{close}:{argument}") if sep else ""
 
 
 @functools.lru_cache(maxsize=8)
@@ -120,7 +117,7 @@ def _load_source_cached(spec: str, seed: int, num_classes: int | None) -> DataSp
     loader = loaders.get(kind) or plugin_loader(kind)  # a plugin's own kind (medflare.data.plugins)
     if loader is None or (kind in loaders and kind != "synthetic" and not argument):
         plugins = [f"{name}:..." for name in source_kinds()]
-        raise ConfigError(f"Unknown data source '{spec}'{_source_hint(spec)}; valid forms: "
+        raise ConfigError(f"Unknown data source '{spec}'{_source_hint(spec, [*loaders, *source_kinds()])}; valid forms: "
                           f"{', '.join([*SOURCE_FORMS, *plugins])}.")
     splits = loader(argument, seed, num_classes)
     splits.info = _describe(splits, spec, kind) | splits.info

@@ -112,7 +112,12 @@ class FedClient:
     """What preflight needs of the kit's ``startup/fed_client.json``: the site's name and the server's address."""
 
     site: str
-    target: str  # host:port
+    host: str
+    port: int
+
+    @property
+    def target(self) -> str:
+        return f"{self.host}:{self.port}"
 
 
 _FED_CLIENT = readback.obj(
@@ -140,7 +145,7 @@ def _fed_client(kit: Path) -> FedClient:
     host, _, port = target.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise Failed(f"{path}: servers[0].service.target is '{target}', not host:port; {fix}")
-    return FedClient(config["client"].get("fqsn") or kit.name, target)
+    return FedClient(config["client"].get("fqsn") or kit.name, host, int(port))
 
 
 def _certificate(kit: Path, client: FedClient) -> tuple[str, str]:
@@ -203,16 +208,15 @@ def _server(kit: Path, client: FedClient) -> tuple[str, str]:
     from nvflare.tool.package_checker.check_rule import CHECK_PASSED, CheckServerAvailable
     from nvflare.tool.package_checker.utils import NVFlareRole
 
-    target = client.target
-    host, _, port = target.rpartition(":")
+    target, host, port = client.target, client.host, client.port
     try:
-        address = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0][4][0]
+        address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0]
     except socket.gaierror as exc:
         raise Failed(f"the server's name {host} does not resolve ({exc.strerror}); ask your IT for a DNS or "
                      "/etc/hosts entry") from exc
     with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.settimeout(10)
-        if probe.connect_ex((address, int(port))) != 0:
+        if probe.connect_ex((address, port)) != 0:
             raise Failed(f"nothing answers at {target} ({address}): the server is not running, or a firewall "
                          "blocks the port")
     result = CheckServerAvailable("server available", role=NVFlareRole.CLIENT)(str(kit), None)  # FLARE's own
@@ -418,16 +422,15 @@ def _is_epsilon(value: Any) -> bool:
 def _dp_budget(site_file: Any, policy: Any, audit: list[dict[str, Any]] | None) -> tuple[str, str]:
     from medflare.dp_sgd import SiteDPPolicy
 
-    dp = site_file.get("dp_sgd") or {}
-    site_file.section("dp_sgd", SiteDPPolicy)  # a misspelt option is a FAIL here, as it is when a job arrives
-    if not dp and "dp_sgd" not in policy.require:
+    dp = site_file.section("dp_sgd", SiteDPPolicy)  # a misspelt option is a FAIL here, as when a job arrives
+    if not site_file.get("dp_sgd") and "dp_sgd" not in policy.require:
         return PASS, "no DP-SGD policy (jobs without DP-SGD are accepted)"
     try:
         import opacus  # noqa: F401 - DP-SGD trains with it at this site
     except ImportError as exc:
         raise Failed("this site's policy asks for DP-SGD, but opacus is not installed: pip install "
                      "'medflare[dp]'") from exc
-    budget = dp.get("max_epsilon")
+    budget = dp.max_epsilon
     limit = f"each job may spend ε ≤ {budget:g}" if budget else "no per-job ε budget set (max_epsilon)"
     if audit is None:
         return WARN, f"{limit}; what past jobs spent is unknown (the audit log fails its check)"
