@@ -46,7 +46,7 @@ def automatic_gc_off() -> Iterator[None]:
 def test_the_round_collection_frees_a_cycle_that_holds_a_buffer(automatic_gc_off: None) -> None:
     buffer = cycle_holding_a_buffer()
     assert buffer() is not None  # the control: dropping the last name frees nothing in a cycle
-    assert collect_round_garbage() >= 2
+    assert collect_round_garbage() >= 1  # the Holder; its __dict__ counts only where Python materialised it
     assert buffer() is None
 
 
