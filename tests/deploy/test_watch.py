@@ -13,6 +13,7 @@ from medflare.deploy.poc import admin_kit
 from medflare.deploy.watch import ProgressPrinter, progress_entries, watch_job
 from medflare.errors import ConfigError
 from medflare.flare.progress import STATS_GROUP, entries_from_results, format_progress
+from medflare.flare.run_results import RunResults, declined_text, new_record
 
 EVALUATION = {"sites": ["site-1", "site-2"], "test": {"balanced_accuracy": 0.5}}
 RESULTS = {
@@ -68,15 +69,17 @@ def test_without_the_download_right_the_polled_rounds_are_what_is_shown(tmp_path
 def test_a_failed_job_is_shown_with_its_first_cause_not_only_flares_status(tmp_path: Path) -> None:
     """Issue 61, item 4: a job one site's policy declined showed only FINISHED:EXECUTION_EXCEPTION; the reason was
     a line in the server's log. Now watch prints the declining site, its reason and the server's error."""
-    declined = {"num_rounds": 3, "error": "round 1: only 1 site(s) sent a valid result, 2 needed",
-                "rounds": [{"round": 0, "wall_seconds": 1.0, "share": {},
-                            "failed": {"site-2": "EXECUTION_EXCEPTION: declined: its policy declines the job"}}]}
+    record = {**new_record(0, 0.0), "failed": {"site-2": declined_text("EXECUTION_EXCEPTION", "policy")}}
+    results = RunResults("balanced_accuracy")
+    results.fail_round(record, "train")  # what the controller keeps of the round that ended the job
+    declined = {**results.data, "num_rounds": 3, "error": "round 1: only 1 site(s) sent a valid result, 2 needed"}
     lines: list[str] = []
     status = watch_job(FakeSession(tmp_path, [0], status="FINISHED:EXECUTION_EXCEPTION", results=declined), "job-1",
                        lines.append)
     assert status == "FINISHED:EXECUTION_EXCEPTION"
-    assert lines[-1] == ("  why: round 1: site-2 EXECUTION_EXCEPTION: declined: its policy declines the job | the "
-                         "server: round 1: only 1 site(s) sent a valid result, 2 needed")
+    assert lines[-1] == ("  why: round 1: site-2 EXECUTION_EXCEPTION: declined: its site policy declines the job "
+                         "(methods or required defences) | the server: round 1: only 1 site(s) sent a valid result, "
+                         "2 needed")
     unreadable: list[str] = []
     watch_job(FakeSession(tmp_path / "other", [0], downloadable=False, status="FINISHED:ABNORMAL"), "job-2",
               unreadable.append)

@@ -288,10 +288,11 @@ class MedflareController(Controller):
         record["rejected"].update(core.rejected)
         accepted = len(core.updates)
         if accepted < self.min_clients:
+            self.results.fail_round(record, phase)
             raise RuntimeError(
                 f"round {round_index + 1} ({phase}): only {accepted} site(s) sent a valid result, the job needs "
-                f"min_clients={self.min_clients}. Failed: {record['failed']}; rejected: {record['rejected']}. "
-                "Check those sites' logs, or lower min_clients.")
+                f"min_clients={self.min_clients}. Failed: {run_results.sites_text(record['failed'])}; rejected: "
+                f"{run_results.sites_text(record['rejected'])}. Check those sites' logs, or lower min_clients.")
 
     def _send_phase(self, phase: str, outgoing: dict | PerSite, ctx: RoundContext, record: dict,
                     evaluations: dict[str, dict], abort_signal: Signal, fl_ctx: FLContext) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from medflare.evaluation import metric_name, selection_metric
+from medflare.flare.run_results import sites_text
 
 STATS_GROUP = "medflare"  # the group name in FLARE's show_stats reply
 
@@ -51,15 +52,17 @@ def entries_from_results(results: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def failure_cause(results: Mapping[str, Any]) -> str:
-    """Why a job failed, in one line, from its results file: the first round where a site failed or declined (which
-    site, in medflare's words) and the controller's recorded error; "" when the file records neither."""
+    """Why a job failed, in one line, from its results file: the round that ended it (which sites failed or
+    declined, in medflare's words; else the first earlier round where one did) and the controller's error; ""
+    when the file records neither."""
+    ended = results.get("failed_round")
+    failing = ended if ended and (ended.get("failed") or ended.get("rejected")) else next(
+        (record for record in results.get("rounds", []) if record.get("failed")), None)
     parts = []
-    for record in results.get("rounds", []):
-        failed = record.get("failed") or {}
-        if failed:
-            sites = "; ".join(f"{site} {why}" for site, why in sorted(failed.items()))
-            parts.append(f"round {record.get('round', 0) + 1}: {sites}")
-            break
+    if failing is not None:
+        said = [sites_text(failing["failed"])] if failing.get("failed") else []
+        said += [f"rejected {sites_text(failing['rejected'])}"] if failing.get("rejected") else []
+        parts.append(f"round {failing.get('round', 0) + 1}: {'; '.join(said)}")
     if results.get("error"):
         parts.append(f"the server: {results['error']}")
     return " | ".join(parts)

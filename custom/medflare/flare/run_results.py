@@ -51,6 +51,12 @@ def declined_text(rc: str, declined: Any) -> str:
     return f"{rc}: declined: {sentence}" if sentence else f"{rc}: declined (an unrecognised reason, not recorded)"
 
 
+def sites_text(reasons: Mapping[str, str]) -> str:
+    """``{"site-2": "EXECUTION_EXCEPTION: declined: ..."}`` as ``site-2 EXECUTION_EXCEPTION: declined: ...`` (one
+    site after another, by name; "none" when empty), as the console and the server's error line show it."""
+    return "; ".join(f"{site} {why}" for site, why in sorted(reasons.items())) or "none"
+
+
 def note_arrival(record: dict, site: str, arrays: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
     """A site's result reached the controller: when, and its array keys, meta keys and bytes (arrays + JSON meta)."""
     record["sites"].setdefault(site, {})[RESULT_AT] = time.time() - record["started_at"]
@@ -100,6 +106,12 @@ class RunResults:
         elif evaluation:
             evaluations[site] = evaluation
         return refusal
+
+    def fail_round(self, record: dict, phase: str) -> None:
+        """The round of ``record`` ends the job (too few valid results): its failed and rejected sites are kept as
+        ``failed_round``, where ``medflare watch`` and ``run`` read why the job failed."""
+        self.data["failed_round"] = {"round": record["round"], "phase": phase, "failed": dict(record["failed"]),
+                                     "rejected": dict(record["rejected"])}
 
     def finish_round(self, record: dict) -> None:
         self.data["rounds"].append(record)
