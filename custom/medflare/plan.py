@@ -330,10 +330,17 @@ def _check_models(run: RunConfig, spec: MethodSpec, check_files: bool) -> None:
 
 
 def task_of(run: RunConfig) -> TaskSpec:
-    """The declared task of a validated run; missing fields are read off the data (simulation) or must be given
-    (site data). Raises ConfigError also when the method cannot train the task (multi-label needs
+    """The declared task of a validated run; missing fields and the class names are read off the data
+    (simulation) or must be given (site data: unnamed classes get the placeholder ``<class 1>``, ... that every site
+    refuses until the lead sets ``task.class_names``). Raises ConfigError also when the method cannot train the task (multi-label needs
     ``MethodSpec.multi_label``)."""
-    task = TaskSpec(**run.task) if set(TASK_SHAPE) <= set(run.task) else _inferred_task(run)
+    site_data = run.data.get("source", "site") == "site"
+    declared = set(TASK_SHAPE) <= set(run.task) and (site_data or run.task.get("class_names") is not None)
+    task = TaskSpec(**run.task) if declared else _inferred_task(run)  # names from the data the lead points at
+    if task.class_names is None:  # site data the lead named no classes of: the placeholder every site refuses
+        from medflare.data.classes import placeholder_class_names
+
+        task = dataclasses.replace(task, class_names=placeholder_class_names(task.num_classes))
     check_multi_label_support(method_of(run), task, multi_label_methods())  # before anything is exported or launched
     return task
 

@@ -116,7 +116,7 @@ def test_a_deployed_site_refuses_the_job_or_trains_in_its_order_with_class_map(p
     site = plan.sites[0].name
 
     settings, index = plan.localise(site, site_file(tmp_path / "plain", {"source": source}), simulated=False)
-    with pytest.raises(DataError, match=r"this site's classes \['Normal', 'effusion', 'nodule'\] are not the job's"):
+    with pytest.raises(DataError, match=r"this site's classes \['Normal', 'effusion', 'nodule'\] are not among the job's"):
         SiteRuntime(settings, site, index, log=lambda line: None)
 
     mapped = site_file(tmp_path / "mapped", {"source": source, "class_map": {"Normal": "normal"}})

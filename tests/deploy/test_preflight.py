@@ -105,7 +105,7 @@ def test_a_corrupt_image_fails_naming_the_file(kit: Path, tmp_path: Path) -> Non
 def test_a_class_name_mismatch_with_the_job_fails_and_class_map_fixes_it(kit: Path, tmp_path: Path) -> None:
     job = job_with(tmp_path, ["Effusion", "Normal"])
     status, detail = statuses(preflight(kit, job=job, progress=lambda line: None))["job data"]
-    assert status == FAIL and "classes ['effusion', 'normal'] are not the job's ['Effusion', 'Normal']" in detail
+    assert status == FAIL and "classes ['effusion', 'normal'] are not among the job's ['Effusion', 'Normal']" in detail
     site_file = kit / "local" / "medflare_site.json"
     content = json.loads(site_file.read_text())
     content["data"]["class_map"] = {"effusion": "Effusion", "normal": "Normal"}

@@ -104,7 +104,8 @@ class DataConfig:
         imbalance: largest/smallest training class ratio after a seeded long-tail cut (1 = keep everything).
         window: DICOM/NIfTI intensity window: "CENTER,WIDTH", a CT preset ("brain", "lung", ...), "file" (each
             DICOM's own) or "" (min-max per image).
-        class_map: this site's class names -> the job's (its `local/medflare_site.json`; `data.classes`).
+        class_map: this site's class names -> the job's, or None to leave a class out (its
+            `local/medflare_site.json`; `data.classes`).
     """
 
     source: str = bounded("synthetic", checked_by="load_source")
@@ -126,7 +127,7 @@ class DataConfig:
     identified: list | None = None
     imbalance: float = bounded(1.0, low=1, high=1e6)
     window: str = bounded("", checked_by="parse_window")
-    class_map: dict[str, str] | None = bounded(None, checked_by="align_to_job (the job's class names)")
+    class_map: dict[str, str | None] | None = bounded(None, checked_by="align_to_job (the job's class names)")
 
     def __post_init__(self) -> None:
         check_fields(self, "data")  # the bounds of each option (Bound, in the field's metadata)
@@ -153,7 +154,8 @@ class SiteData:
     test and the unlabelled public set use the deterministic transform. `class_counts`: int64 `[K]` labelled
     training samples (multi-label: known positives); `identified`: bool `[K]` annotated classes, or None;
     `pooled_test` (simulation, on request): every site's test slice as that site sees it (FCA's
-    generalization)."""
+    generalization); `class_names`: in label order; `class_notes`: one line per job class the site lacks and per class it left out
+    (`align_to_job`), for preflight's WARN rows and the site log."""
 
     train: ImageDataset
     val: ImageDataset
@@ -168,6 +170,8 @@ class SiteData:
     public: ImageDataset | None = None
     multi_label: bool = False
     pooled_test: Dataset | None = None
+    class_names: tuple[str, ...] = ()
+    class_notes: tuple[str, ...] = ()
 
 
 def make_site_data(cfg: DataConfig, site_index: int, site_name: str = "", pooled_test: bool = False,
@@ -180,7 +184,8 @@ def make_site_data(cfg: DataConfig, site_index: int, site_name: str = "", pooled
         DataError: the source cannot be loaded, its class names are not the job's, or the training split is empty.
     """
     site_name = site_name or f"site-{site_index + 1}"
-    splits = load_source(cfg.source, seed=cfg.seed, num_classes=cfg.num_classes)
+    # a job that names its classes counts them itself: a site may hold a subset (align_to_job checks the rest)
+    splits = load_source(cfg.source, seed=cfg.seed, num_classes=None if class_names else cfg.num_classes)
     splits = align_to_job(splits, class_names, cfg.class_map, site_name)
     train, val, test, identified = _site_sets(cfg, splits, site_index, site_name)
     train, val, test = (_as_seen(image_set, cfg, site_index) for image_set in (train, val, test))
@@ -202,6 +207,8 @@ def make_site_data(cfg: DataConfig, site_index: int, site_name: str = "", pooled
         public=None if public is None else ImageDataset(public, build_transform(channels, image_size, train=False)),
         multi_label=train.multi_label,
         pooled_test=_pooled_test(cfg, splits, channels, image_size) if pooled_test and not cfg.local else None,
+        class_names=tuple(splits.info["class_names"]),
+        class_notes=tuple(splits.info.get("class_notes", ())),
     )
 
 

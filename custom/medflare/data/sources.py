@@ -211,10 +211,12 @@ def _load_folder(root: str, seed: int, num_classes: int | None) -> DataSplits:
         )
     files = {split: _list_class_files(folder, class_names) for split, folder in split_roots.items()}
     counts = np.bincount(np.concatenate([labels for _, labels in files.values()]), minlength=len(class_names))
-    if (counts == 0).any():
-        empty = [class_names[k] for k in np.flatnonzero(counts == 0)]
-        raise DataError(f"Image folder '{root}': class folder(s) {', '.join(empty)} hold no images with suffixes "
-                        f"{', '.join(IMAGE_SUFFIXES)}; add images or remove the folder(s).")
+    if (counts == 0).all():
+        raise DataError(f"Image folder '{root}': its class folders ({', '.join(class_names)}) hold no images with "
+                        f"suffixes {', '.join(IMAGE_SUFFIXES)}; add images.")
+    if (counts == 0).any():  # an empty class folder is a class this site lacks (a job may name it: align_to_job)
+        class_names = [name for name, count in zip(class_names, counts) if count]
+        files = {split: _list_class_files(folder, class_names) for split, folder in split_roots.items()}
     if "all" in files:
         paths, labels = files["all"]
         parts = stratified_split(labels, SPLIT_FRACTIONS, seed)

@@ -297,7 +297,7 @@ def _site_data(site: str, site_file: Any) -> tuple[Any, str, str]:
 
     data_config = {**read_site_data_config(site_file, None), "local": True, "num_sites": 1}
     data = make_site_data(typed_data_config(data_config), 0, site)
-    names = list(_source_info(data_config)["class_names"])  # the site's own (before any job's class_map)
+    names = list(data.class_names)  # the site's own (no job's order), less the classes its class_map leaves out
     return (data, names), PASS, f"{data_config['source']}: {len(data.train)} train / {len(data.val)} val / " \
                        f"{len(data.test)} test images"
 
@@ -453,7 +453,8 @@ def _job_checks(job: Path, site: str, site_file: Any, policy: Any) -> list[Check
     plan = _run_value(checks, "job", _job_plan, job)
     if plan is not None:
         checks.append(_run("job policy", _job_policy, plan, policy))
-        checks.append(_run("job data", _job_data, plan, site, site_file))
+        data = _run_value(checks, "job data", _job_data, plan, site, site_file)
+        checks += [Check("job classes", WARN, note) for note in (data.class_notes if data is not None else ())]
     return checks
 
 
@@ -471,7 +472,7 @@ def _job_policy(plan: Any, policy: Any) -> tuple[str, str]:
     return PASS, "the site's policy accepts the job"
 
 
-def _job_data(plan: Any, site: str, site_file: Any) -> tuple[str, str]:
+def _job_data(plan: Any, site: str, site_file: Any) -> tuple[Any, str, str]:
     from medflare.site_runtime import load_site_data
 
     settings, index = plan.localise(site, site_file, False)
@@ -481,8 +482,8 @@ def _job_data(plan: Any, site: str, site_file: Any) -> tuple[str, str]:
     detail = f"{len(data.train)} train images fit the job's {names}, {task.in_channels} channel(s)"
     native = _source_info(settings.data)["image_size"]
     if native != task.image_size:
-        return WARN, f"{detail}; this site's images ({native} px) are resized to the job's {task.image_size} px"
-    return PASS, f"{detail}, {native} px"
+        return data, WARN, f"{detail}; this site's images ({native} px) are resized to the job's {task.image_size} px"
+    return data, PASS, f"{detail}, {native} px"
 
 
 def _source_info(data_config: dict[str, Any]) -> dict[str, Any]:
