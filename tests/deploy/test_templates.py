@@ -139,12 +139,15 @@ def test_job_create_yields_exactly_the_exported_job(method: str, created_jobs: P
 @pytest.mark.heavy  # make test-heavy
 def test_documented_job_with_its_plan_edited_runs_in_the_simulator(tmp_path: Path) -> None:
     """The job made verbatim from the docs, its plan edited by hand as a user would to try it (simulated images
-    shaped like the declared task, 3 rounds, 5 steps a round), trains in FLARE's simulator."""
+    shaped like the declared task, its placeholder class names filled in, 3 rounds, 5 steps a round), trains in
+    FLARE's simulator."""
     job = create_job("fedavg", tmp_path)
     path = job / APP_NAME / "config" / PLAN_FILE
     record = json.loads(path.read_text())
     plan = record["plan"]
     plan["data"] = {"source": EXAMPLE_SOURCE, "partition": "iid", "num_sites": len(plan["sites"]), "seed": 0}
+    assert plan["task"]["class_names"] == ["<class 1>", "<class 2>"]  # the placeholder every site refuses
+    plan["task"]["class_names"] = ["normal", "pneumonia"]
     plan["rounds"] = plan["rounds"][:3]
     for train in (plan["train"], *(site["train"] for site in plan["sites"])):
         train["max_steps"] = 5
