@@ -27,7 +27,8 @@ def site_data_plan(method: str = "fedavg", num_classes: int = 2, rounds: int = 3
 
 @functools.cache
 def _site_data_plan(method: str, num_classes: int, rounds: int, multi_label: bool, clients: int) -> RunPlan:
-    task = {"num_classes": num_classes, "in_channels": 1, "image_size": 28, "multi_label": multi_label}
+    task = {"num_classes": num_classes, "in_channels": 1, "image_size": 28, "multi_label": multi_label,
+            "class_names": [f"class_{k}" for k in range(num_classes)]}  # every job names its classes
     run = RunConfig(method=method, data={"source": "site"}, task=task, rounds=rounds, clients=clients)
     run = validated(run, check_files=False)
     return build_plan(run, task_of(run), {})

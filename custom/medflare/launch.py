@@ -30,6 +30,8 @@ LARGE_IMAGES = 512  # px: above this, an image size nobody chose gets a note (sl
 def task_lines(plan: RunPlan, sites: Mapping[str, Any], run: RunConfig) -> list[str]:
     """What the plan will train, shown before anything starts: the task, each simulated site's images per split
     (``sites``: :func:`medflare.plan.describe_sites`'), and :func:`image_size_notes` of the ``run`` it came from."""
+    from medflare.data.classes import placeholder_refusal  # local: as plan.py, no data package at import
+
     task = plan.task
     kind = "findings" if task.multi_label else "classes"
     names = f" ({', '.join(task.class_names)})" if task.class_names else " (unnamed: the job names none)"
@@ -39,6 +41,9 @@ def task_lines(plan: RunPlan, sites: Mapping[str, Any], run: RunConfig) -> list[
               for site, facts in sites.items()]
     if plan.data.get("source", "site") == "site":
         lines.append("medflare:   each site reads its own images and checks them against this task")
+    if placeholder_refusal(task.class_names, "medflare"):
+        lines.append("medflare:   the class names are the placeholder, which every site refuses: name the classes "
+                     "in label order with --set 'task.class_names=[...]'")
     return lines + image_size_notes(plan, run)
 
 

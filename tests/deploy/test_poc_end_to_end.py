@@ -41,7 +41,8 @@ def two_site_run(name: str) -> RunConfig:
 
 def site3_run(name: str) -> RunConfig:
     """A one-site job that reads its data from the site's own local/medflare_site.json."""
-    task = {"num_classes": 5, "in_channels": 3, "image_size": 28}  # what synthetic:n=200 yields
+    task = {"num_classes": 5, "in_channels": 3, "image_size": 28,  # what synthetic:n=200 yields
+            "class_names": [f"class_{k}" for k in range(5)]}
     return RunConfig(method=METHOD, rounds=1, clients=1, data={"source": "site"}, task=task, train=dict(QUICK),
                      name=name)
 

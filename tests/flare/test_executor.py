@@ -23,11 +23,13 @@ from ..test_plan import deployed_to
 
 SITE_DATA = {"source": "synthetic:n=60,classes=2,channels=1,size=28", "augment": "none"}
 
+TASK = {"num_classes": 2, "in_channels": 1, "image_size": 28, "class_names": ["class_0", "class_1"]}
+
 
 def test_a_site_trains_what_the_plan_says_with_the_data_and_model_its_own_file_names(tmp_path: Path,
                                                                                      monkeypatch) -> None:
     run = RunConfig(method="fedavg", clients=2, data={"source": "site"}, train={"lr": 0.02, "batch_size": 8},
-                    site_train={"site-2": {"lr": 0.5}}, task={"num_classes": 2, "in_channels": 1, "image_size": 28})
+                    site_train={"site-2": {"lr": 0.5}}, task=TASK)
     run = validated(run, check_files=False)
     plan = resolve(run, "preinstalled")
     job = write_run_job(run, tmp_path / "jobs", task_of(run), mode="preinstalled")
@@ -54,7 +56,7 @@ def test_a_site_trains_with_a_value_edited_in_the_jobs_plan_file(tmp_path: Path)
     """Issue 50: one training option edited in the job's medflare_plan.json, and nothing else, is what the site's
     optimizer steps with (the plan is the only place the site reads it from)."""
     run = RunConfig(method="fedavg", clients=2, data={"source": "site"}, train={"lr": 0.02, "max_steps": 1,
-                    "batch_size": 8}, task={"num_classes": 2, "in_channels": 1, "image_size": 28})
+                    "batch_size": 8}, task=TASK)
     run = validated(run, check_files=False)
     job = write_run_job(run, tmp_path / "jobs", task_of(run), mode="preinstalled")
     plan_file = job / APP_NAME / "config" / PLAN_FILE
@@ -75,8 +77,7 @@ def test_a_site_trains_with_a_value_edited_in_the_jobs_plan_file(tmp_path: Path)
 
 
 def test_a_site_without_its_data_file_says_so_before_anything_trains(tmp_path: Path) -> None:
-    run = RunConfig(method="fedavg", data={"source": "site"}, task={"num_classes": 2, "in_channels": 1,
-                                                                    "image_size": 28})
+    run = RunConfig(method="fedavg", data={"source": "site"}, task=TASK)
     run = validated(run, check_files=False)
     job = write_run_job(run, tmp_path / "jobs", task_of(run), mode="preinstalled")
     fl_ctx = deployed_to(job, "site-1", tmp_path / "workspaces")
@@ -89,8 +90,7 @@ def test_a_site_without_its_data_file_says_so_before_anything_trains(tmp_path: P
 def site_executor(tmp_path: Path, site_content: dict, **run_options) -> tuple[MedflareExecutor, object, Path]:
     """The executor of a pre-installed job (fedavg unless ``run_options`` say otherwise) deployed to site-1, whose
     ``local/medflare_site.json`` holds ``site_content``; with its FLContext and that file's folder."""
-    task = {"num_classes": 2, "in_channels": 1, "image_size": 28}
-    run = RunConfig(**{"method": "fedavg", "data": {"source": "site"}, "task": task, **run_options})
+    run = RunConfig(**{"method": "fedavg", "data": {"source": "site"}, "task": TASK, **run_options})
     run = validated(run, check_files=False)
     job = write_run_job(run, tmp_path / "jobs", task_of(run), mode="preinstalled")
     fl_ctx = deployed_to(job, "site-1", tmp_path / "workspaces")

@@ -53,7 +53,8 @@ if TYPE_CHECKING:
 
 REPO_DIR = Path(__file__).resolve().parents[3]
 DEFAULT_PROJECT = REPO_DIR / "provisioning" / "project.yml"
-TASK = {"num_classes": 2, "in_channels": 1, "image_size": 28}  # what each hospital's synthetic data yields
+TASK = {"num_classes": 2, "in_channels": 1, "image_size": 28,  # what each hospital's synthetic data yields
+        "class_names": ["class_0", "class_1"]}
 MID_ROUND_DELAY = 1.0  # seconds after a round starts that a round-triggered fault strikes (sites are training)
 STRAGGLER_SLACK = 3.0  # seconds the server may take past the straggler wait to cancel the task and aggregate
 WORK_ALLOWANCE = 60.0  # seconds a round may take for the sites' local work and transfers, on top of the waits
