@@ -33,8 +33,14 @@ def load_site_data(settings: SiteSettings, site_index: int, site_name: str, pool
     ``pooled_test``: the trainer scores its own model on the pooled test set (FCA). Raises DataError (one line
     naming the site) when the data cannot be read or does not fit the task."""
     from medflare.data import make_site_data
+    from medflare.data.classes import unnamed_job_refusal
+    from medflare.data.sources import load_source
 
     cfg = typed_data_config({**settings.data, "num_classes": settings.task.num_classes})
+    if not settings.task.class_names:  # a job from before every job named its classes, or class_names set to null
+        info = load_source(cfg.source, seed=cfg.seed).info
+        if info.get("named_classes"):
+            raise DataError(unnamed_job_refusal(info["class_names"], site_name))
     data = make_site_data(cfg, site_index, site_name, pooled_test=pooled_test, class_names=settings.task.class_names)
     task = settings.task
     if data.channels != task.in_channels:
@@ -91,6 +97,8 @@ class SiteRuntime:
         pooled_test = bool(getattr(self.spec.trainer_cls, "scores_pooled_test", False))
         data = load_site_data(self.settings, site_index, self.site_name, pooled_test)
         self.log(f"{len(data.train)} train / {len(data.val)} val / {len(data.test)} test images")
+        for note in data.class_notes:  # missing classes, classes left out: the site's admin reads them here
+            self.log(note)
         return data
 
     def _build_model(self) -> torch.nn.Module:

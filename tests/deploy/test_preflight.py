@@ -63,7 +63,8 @@ def statuses(checks: list) -> dict[str, tuple[str, str]]:
 
 def job_with(tmp_path: Path, class_names: list[str]) -> Path:
     out = tmp_path / "jobs"
-    assert main(["export", "fedavg", "-o", str(out), "--mode", "preinstalled", "--set", "task.num_classes=2",
+    assert main(["export", "fedavg", "-o", str(out), "--mode", "preinstalled",
+                 "--set", f"task.num_classes={len(class_names)}",
                  "--set", "task.in_channels=1", "--set", "task.image_size=28",
                  "--set", f"task.class_names={json.dumps(class_names)}"]) == 0
     return out / "fedavg"
@@ -324,3 +325,59 @@ def test_comment_keys_of_the_site_file_are_notes(kit: Path) -> None:
     site_file.write_text(json.dumps({"_comment": "JSON has no comments", "_comment_data": "where the images are",
                                      **json.loads(site_file.read_text())}))
     assert [c.check for c in preflight(kit, progress=lambda line: None) if c.status == FAIL] == ["server"]
+
+
+# ----- issue 61, items 1 and 2: the job's classes are the contract; a site may hold a subset of them ---------------
+def preflight_lines(kit: Path, job: Path, capsys) -> list[str]:
+    """``medflare preflight KIT --job JOB --no-server`` as the admin runs it: the lines it prints."""
+    capsys.readouterr()
+    main(["preflight", str(kit), "--job", str(job), "--no-server"])
+    return capsys.readouterr().out.splitlines()
+
+
+def test_a_site_missing_one_of_the_jobs_classes_gets_a_warn_row_naming_it(kit: Path, tmp_path: Path,
+                                                                          capsys) -> None:
+    """Folders effusion/ and normal/ against a job of [cardiomegaly, effusion, normal]: it FAILed with "fix
+    num_classes", which a site cannot do; now the job's data check passes and a WARN row names the missing class."""
+    lines = preflight_lines(kit, job_with(tmp_path, ["cardiomegaly", "effusion", "normal"]), capsys)
+    assert any(line.startswith("PASS") and "job data" in line and "16 train images fit the job's classes "
+               "['cardiomegaly', 'effusion', 'normal']" in line for line in lines), lines
+    warn = [line for line in lines if " job classes " in line]
+    assert len(warn) == 1 and warn[0].startswith("WARN"), lines
+    assert warn[0].endswith("hospital-a: this site holds no images of the job's class(es) cardiomegaly; it trains "
+                            "on the others, numbered in the job's order (add images of them to contribute them)")
+
+
+def test_class_map_null_leaves_an_extra_class_out_with_a_warn_row_counting_its_images(kit: Path, tmp_path: Path,
+                                                                                      capsys) -> None:
+    """An extra class folder is refused with the fix; ``"class_map": {"cardiomegaly": null}`` leaves its 5 images
+    out (WARN), and the site's own classes row lists only the classes it keeps."""
+    extra = tmp_path / "images" / "cardiomegaly"
+    extra.mkdir()
+    for index in range(5):
+        Image.fromarray(np.zeros((28, 28), dtype=np.uint8)).save(extra / f"{index}.png")
+    job = job_with(tmp_path, list(NAMES))
+    refused = [line for line in preflight_lines(kit, job, capsys) if "job data" in line]
+    assert len(refused) == 1 and refused[0].startswith("FAIL") and "not among the job's ['effusion', 'normal']" in \
+        refused[0] and '{"cardiomegaly": null}' in refused[0], refused
+
+    site_file = kit / "local" / "medflare_site.json"
+    content = json.loads(site_file.read_text())
+    content["data"]["class_map"] = {"cardiomegaly": None}
+    site_file.write_text(json.dumps(content))
+    lines = preflight_lines(kit, job, capsys)
+    assert [line.split(None, 1)[0] for line in lines if " job data " in line] == ["PASS"], lines
+    warn = [line for line in lines if " job classes " in line]
+    assert len(warn) == 1 and warn[0].startswith("WARN") and "class_map leaves out cardiomegaly: 5 image(s) " \
+        "neither trained nor checked" in warn[0], lines
+    assert any("2 classes (train/val/test): effusion 8/2/2; normal 8/2/2" in line for line in lines), lines
+
+
+def test_a_job_with_the_placeholder_class_names_is_refused_saying_how_to_name_them(kit: Path, tmp_path: Path,
+                                                                                   capsys) -> None:
+    out = tmp_path / "jobs"
+    assert main(["export", "fedavg", "-o", str(out), "--mode", "preinstalled", "--set", "task.num_classes=2",
+                 "--set", "task.in_channels=1", "--set", "task.image_size=28"]) == 0
+    refused = [line for line in preflight_lines(kit, out / "fedavg", capsys) if " job data " in line]
+    assert len(refused) == 1 and refused[0].startswith("FAIL"), refused
+    assert "the job's class names are the placeholder ['<class 1>', '<class 2>']; the lead sets them" in refused[0]

@@ -134,8 +134,7 @@ def align_to_job(splits: DataSplits, job_names: Sequence[str] | None, class_map:
                         + '": "<the job\'s name>"}}}, or leave a class out with {"' + extra[0] + '": null}')
     missing = [name for name in job_names if name not in kept]
     if missing:
-        notes.append(f"{where}: this site holds no images of the job's class(es) {', '.join(missing)}; it trains "
-                     "on the others, numbered in the job's order (add images of them to contribute them)")
+        notes.append(_missing_note(missing, where))
     order = np.array([UNLABELED if name is None else job_names.index(same_form(name)) for name in mapped],
                      dtype=np.int64)  # site class id -> the job's (a left-out class has no rows left)
     if not notes and np.array_equal(order, np.arange(len(order))) and site_names == job_names:
@@ -146,19 +145,35 @@ def align_to_job(splits: DataSplits, job_names: Sequence[str] | None, class_map:
 
 def _unnamed_in_job_order(splits: DataSplits, job_names: Sequence[str] | None, where: str) -> DataSplits:
     """Data that names no classes (MedMNIST, a CSV of label ids) read in the job's order: its ids must be below
-    the job's class count; a site lacking the top ids holds a subset."""
-    if not job_names or splits.train.num_classes == len(job_names):
+    the job's class count; a job class no image carries is named in a note (the site holds a subset)."""
+    if not job_names:
         return splits
     if splits.train.num_classes > len(job_names):
         raise DataError(f"{where}: this site's labels go up to {splits.train.num_classes - 1} but the job has "
                         f"{len(job_names)} classes {list(job_names)}; relabel the data with the job's ids "
                         f"0..{len(job_names) - 1}, in the job's order")
+    missing = _absent(splits, job_names)
+    if splits.train.num_classes == len(job_names) and not missing:
+        return splits
     sets = {split: dataclasses.replace(getattr(splits, split), num_classes=len(job_names))
             for split in ("train", "val", "test")}
-    missing = list(job_names)[splits.train.num_classes:]
-    notes = [f"{where}: this site holds no images of the job's class(es) {', '.join(missing)}; it trains on the "
-             "others, numbered in the job's order (add images of them to contribute them)"]
-    return DataSplits(**sets, info={**splits.info, "class_names": list(job_names), "class_notes": notes})
+    return DataSplits(**sets, info={**splits.info, "class_names": list(job_names),
+                                    "class_notes": [_missing_note(missing, where)] if missing else []})
+
+
+def _absent(splits: DataSplits, job_names: Sequence[str]) -> list[str]:
+    """The job's classes no labelled image of ``splits`` carries (single-label data; multi-label: none)."""
+    labels = [np.asarray(getattr(splits, split).labels) for split in ("train", "val", "test")]
+    if labels[0].ndim == 2:
+        return []
+    every = np.concatenate(labels)
+    counts = np.bincount(every[every != UNLABELED], minlength=len(job_names))
+    return [name for name, count in zip(job_names, counts) if count == 0]
+
+
+def _missing_note(missing: Sequence[str], where: str) -> str:
+    return (f"{where}: this site holds no images of the job's class(es) {', '.join(missing)}; it trains on the "
+            "others, numbered in the job's order (add images of them to contribute them)")
 
 
 def _left_out(splits: DataSplits, site_names: list[str], mapped: list[str | None],
