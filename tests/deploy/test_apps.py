@@ -67,3 +67,19 @@ def test_production_jobs_turn_the_robust_aggregation_on() -> None:
         assert robust["max_share"] * plan.min_clients >= 1, method
         meta = json.loads((APPS_DIR / method / "meta.json").read_text())
         assert meta["robust_aggregation"] == {"on": True, **DEPLOY_ROBUST}, method
+
+
+def test_every_shipped_job_names_its_classes_or_carries_the_placeholder_sites_refuse() -> None:
+    """Issue 61: every job in apps/ had class_names null, so a site with Effusion/Normal/Pneumonia passed and trained
+    in whatever order its folders sorted into. Every shipped job (apps/ and job_templates/) now carries names: these
+    read site data the lead has not seen, so the placeholder <class 1>, <class 2>, which every site refuses."""
+    from medflare.data.classes import placeholder_class_names, placeholder_refusal
+
+    plans = {path: json.loads(path.read_text())["plan"] for path in [
+        *sorted(APPS_DIR.glob("*/app/config/medflare_plan.json")),
+        *sorted((APPS_DIR.parent / "job_templates").glob("*/medflare_plan.json"))]}
+    assert len(plans) == 2 * len(list_methods())
+    for path, plan in plans.items():
+        task = plan["task"]
+        assert task["class_names"] == placeholder_class_names(task["num_classes"]), path
+        assert placeholder_refusal(task["class_names"], "site-1"), path  # what a site says when the job arrives
