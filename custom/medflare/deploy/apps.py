@@ -126,6 +126,12 @@ installed and allow-listed), reads each hospital's images from that site's `loca
 (`"data": {{"source": "site"}}`), runs {DEPLOY_ROUNDS} rounds, declares the task ({task}), and names the
 method's privacy scope (`medflare-<method>`) that sites define in `local/privacy.json`.
 
+Their class names (`task.class_names` in `app/config/medflare_plan.json`) are the placeholder `<class 1>`,
+`<class 2>`: the hospitals' data is not known here, and every site refuses the placeholder until the lead writes
+the consortium's names there in label order, or exports the job with them: `medflare export METHOD -o jobs/ --mode
+preinstalled --set task.num_classes=2 --set task.in_channels=1 --set task.image_size=28 --set
+'task.class_names=["normal","pneumonia"]'`.
+
 Each round needs valid updates from {DEPLOY_MIN_SITES} sites (`min_clients`, also the sites the job needs to
 start) of the {DEPLOY_SITES} hospitals of `provisioning/project.yml`, and a site may take at most
 {DEFAULT_TASK_TIMEOUT} s per task (`train_timeout`): a site that is down or stuck costs that round its update,
