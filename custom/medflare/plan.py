@@ -329,15 +329,21 @@ def _check_models(run: RunConfig, spec: MethodSpec, check_files: bool) -> None:
                           "from the folder medflare runs in); give an existing file or 'imagenet'")
 
 
+UNNAMED_SOURCES = ("synthetic", "medmnist")  # source kinds whose data never names its classes
+
+
 def task_of(run: RunConfig) -> TaskSpec:
     """The declared task of a validated run; missing fields and the class names are read off the data
-    (simulation) or must be given (site data: unnamed classes get the placeholder ``<class 1>``, ... that every site
-    refuses until the lead sets ``task.class_names``). Raises ConfigError also when the method cannot train the task (multi-label needs
-    ``MethodSpec.multi_label``)."""
-    site_data = run.data.get("source", "site") == "site"
-    declared = set(TASK_SHAPE) <= set(run.task) and (site_data or run.task.get("class_names") is not None)
-    task = TaskSpec(**run.task) if declared else _inferred_task(run)  # names from the data the lead points at
-    if task.class_names is None:  # site data the lead named no classes of: the placeholder every site refuses
+    (simulation) or must be given (site data: unnamed classes get the placeholder ``<class 1>``, ... that every
+    site refuses until the lead sets ``task.class_names``). Raises ConfigError also when the method cannot train
+    the task (multi-label needs ``MethodSpec.multi_label``)."""
+    kind = str(run.data.get("source", "site")).partition(":")[0]
+    site_data = kind == "site"
+    # names from the data the lead points at, when it may name them (generated data and MedMNIST files never do)
+    named_by_data = not site_data and kind not in UNNAMED_SOURCES and run.task.get("class_names") is None
+    declared = set(TASK_SHAPE) <= set(run.task) and not named_by_data
+    task = TaskSpec(**run.task) if declared else _inferred_task(run)
+    if task.class_names is None and site_data:  # site data the lead named no classes of: the placeholder sites refuse
         from medflare.data.classes import placeholder_class_names
 
         task = dataclasses.replace(task, class_names=placeholder_class_names(task.num_classes))
