@@ -150,3 +150,16 @@ def test_every_job_names_its_classes(png_class_folder) -> None:
     folder_run = validated(RunConfig(method="fedavg", data={"source": f"folder:{folder}"},
                                      task={**declared, "image_size": 12}))
     assert task_of(folder_run).class_names == ["nodule", "normal"]
+
+
+def test_a_multi_label_site_missing_a_finding_leaves_its_column_not_annotated() -> None:
+    from medflare.data.types import UNLABELED, DataSplits, ImageSet
+
+    rows = np.array([[1, 0], [0, 1]])  # this site's columns: c, a
+    image_set = ImageSet(labels=rows, num_classes=2, channels=1, images=np.zeros((2, 4, 4, 1), dtype=np.uint8))
+    splits = DataSplits(train=image_set, val=image_set, test=image_set,
+                        info={"class_names": ["c", "a"], "named_classes": True})
+    aligned = align_to_job(splits, ["a", "b", "c"], None, "site-1")
+    assert aligned.train.num_classes == 3
+    assert aligned.train.labels.tolist() == [[0, UNLABELED, 1], [1, UNLABELED, 0]]  # a, b (unknown here), c
+    assert "class(es) b" in aligned.info["class_notes"][0]
