@@ -96,7 +96,7 @@ def align_to_job(splits: DataSplits, job_names: Sequence[str] | None, class_map:
             names its classes.
         job_names: the job's class names in label order (``task.class_names``); None: no job to check against.
         class_map: the site's own name -> the job's name, for the names that differ, or None to leave that class
-            out (its images are never read); only the site sets it.
+            out (its rows are dropped before any image is decoded); only the site sets it.
         where: the site, for the message.
 
     Returns:
