@@ -133,7 +133,9 @@ def site_config_example() -> dict[str, Any]:
             "labels); null = every class. public_source: this site's copy of the unlabelled public set of mdhfl "
             "and fedmd, images:/DIR; empty = none. DICOM/NIfTI may add \"window\": \"40,80\" (center,width) "
             "or a preset such as \"brain\"; set here, it wins over the job's. class_map: this site's own "
-            "class names -> the job's, for folders spelled differently, e.g. {\"Normal\": \"normal\"}."
+            "class names -> the job's, for folders spelled differently, e.g. {\"Normal\": \"normal\"}, or null to "
+            "leave a class the job does not train out, e.g. {\"cardiomegaly\": null}. This site may lack some of "
+            "the job's classes: it trains on the others, numbered in the job's order."
         ),
         "data": {"source": "folder:/data/medflare/images", "identified": None, "public_source": ""},
         f"{COMMENT_PREFIX}_model": (
