@@ -116,10 +116,13 @@ def align_to_job(splits: DataSplits, job_names: Sequence[str] | None, class_map:
                         "class_name or label_<name> columns); remove class_map")
     if site_names is None:
         return _unnamed_in_job_order(splits, job_names, where)
-    mapped = _mapped_names(site_names, dict(class_map or {}), where)
-    splits, notes = _left_out(splits, site_names, mapped, where)
+    skipped = dict(splits.info.get("left_out", {}))  # class_map's null classes the loader skipped unread
+    mapped = _mapped_names(site_names, dict(class_map or {}), skipped, where)
+    splits, notes = _left_out(splits, site_names, mapped, skipped, where)
+    absent = set(_absent(splits, site_names))  # a class id naming no image (a CSV's job-order ids with a gap)
+    mapped = [None if site in absent else name for site, name in zip(site_names, mapped)]
     if not job_names:  # no job (preflight's view of the site's own data): the site's names, less those left out
-        if not notes:
+        if not notes and None not in mapped:
             return splits
         mapped = [None if name is None else site for site, name in zip(site_names, mapped)]
         job_names = [name for name in mapped if name is not None]
@@ -148,9 +151,10 @@ def _unnamed_in_job_order(splits: DataSplits, job_names: Sequence[str] | None, w
     the job's class count; a job class no image carries is named in a note (the site holds a subset)."""
     if not job_names:
         return splits
-    if splits.train.num_classes > len(job_names):
-        raise DataError(f"{where}: this site's labels go up to {splits.train.num_classes - 1} but the job has "
-                        f"{len(job_names)} classes {list(job_names)}; relabel the data with the job's ids "
+    found = splits.train.num_classes
+    if found > len(job_names) or (splits.train.multi_label and found != len(job_names)):
+        raise DataError(f"{where}: this site's data has {found} classes (label ids 0..{found - 1}) but the job has "
+                        f"{len(job_names)}: {list(job_names)}; relabel the data with the job's ids "
                         f"0..{len(job_names) - 1}, in the job's order")
     missing = _absent(splits, job_names)
     if splits.train.num_classes == len(job_names) and not missing:
@@ -176,13 +180,14 @@ def _missing_note(missing: Sequence[str], where: str) -> str:
             "others, numbered in the job's order (add images of them to contribute them)")
 
 
-def _left_out(splits: DataSplits, site_names: list[str], mapped: list[str | None],
+def _left_out(splits: DataSplits, site_names: list[str], mapped: list[str | None], skipped: Mapping[str, int],
               where: str) -> tuple[DataSplits, list[str]]:
-    """``splits`` without the classes ``class_map`` maps to None (their rows dropped before any image is decoded),
-    and a note saying how many images were left out; the labels still number the site's classes."""
+    """``splits`` without the classes ``class_map`` maps to None, and a note saying how many images were left out;
+    the labels still number the site's classes. ``skipped``: the left-out classes a folder or CSV loader never
+    listed (name -> images), so none of their images was read; a plugin's are dropped here, before any is decoded."""
     dropped = [k for k, name in enumerate(mapped) if name is None]
     if not dropped:
-        return splits, []
+        return splits, [_skipped_note(skipped, 0, [], where)] if skipped else []
     if len(dropped) == len(mapped):
         raise DataError(f"{where}: class_map leaves out every class of this site ({site_names}); keep at least one")
     if splits.train.multi_label:
@@ -194,18 +199,24 @@ def _left_out(splits: DataSplits, site_names: list[str], mapped: list[str | None
         keep = ~np.isin(np.asarray(image_set.labels), dropped)
         left += int((~keep).sum())
         sets[split] = image_set.subset(np.flatnonzero(keep))
-    names = ", ".join(site_names[k] for k in dropped)
-    note = (f"{where}: class_map leaves out {names}: {left} image(s) neither trained nor checked (map a class to "
-            "one of the job's names to train on it)")
-    return DataSplits(**sets, info=splits.info), [note]
+    return DataSplits(**sets, info=splits.info), [_skipped_note(skipped, left, [site_names[k] for k in dropped],
+                                                                where)]
 
 
-def _mapped_names(site_names: list[str], class_map: dict[str, str | None], where: str) -> list[str | None]:
-    """The site's names with ``class_map`` applied (None: left out); every key must be one of them, no two may
-    become one."""
-    forms = {same_form(name): name for name in site_names}  # a class_map key in either form names the site's class
+def _skipped_note(skipped: Mapping[str, int], dropped: int, dropped_names: list[str], where: str) -> str:
+    """The line naming the classes ``class_map`` leaves out and how many images they hold."""
+    names = ", ".join([*skipped, *dropped_names])
+    return (f"{where}: class_map leaves out {names}: {sum(skipped.values()) + dropped} image(s) neither trained "
+            "nor checked (map a class to one of the job's names to train on it)")
+
+
+def _mapped_names(site_names: list[str], class_map: dict[str, str | None], skipped: Mapping[str, int],
+                  where: str) -> list[str | None]:
+    """The site's names with ``class_map`` applied (None: left out); every key must be one of them (or a class the
+    loader ``skipped``), no two may become one."""
+    forms = {same_form(name): name for name in [*site_names, *skipped]}  # a key in either form names the class
     class_map = {forms.get(same_form(key), key): value for key, value in class_map.items()}
-    unknown = sorted(set(class_map) - set(site_names))
+    unknown = sorted(set(class_map) - set(site_names) - set(skipped))
     if unknown:
         raise DataError(f"{where}: class_map names {unknown}, which are not among this site's classes {site_names}")
     mapped = [None if name in class_map and class_map[name] is None else str(class_map.get(name, name))

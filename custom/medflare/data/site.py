@@ -185,7 +185,9 @@ def make_site_data(cfg: DataConfig, site_index: int, site_name: str = "", pooled
     """
     site_name = site_name or f"site-{site_index + 1}"
     # a job that names its classes counts them itself: a site may hold a subset (align_to_job checks the rest)
-    splits = load_source(cfg.source, seed=cfg.seed, num_classes=None if class_names else cfg.num_classes)
+    left_out = [name for name, job_name in (cfg.class_map or {}).items() if job_name is None]  # skipped unread
+    splits = load_source(cfg.source, seed=cfg.seed, num_classes=None if class_names else cfg.num_classes,
+                         left_out=left_out)
     splits = align_to_job(splits, class_names, cfg.class_map, site_name)
     train, val, test, identified = _site_sets(cfg, splits, site_index, site_name)
     train, val, test = (_as_seen(image_set, cfg, site_index) for image_set in (train, val, test))

@@ -31,6 +31,7 @@ from medflare.data.partition import multi_label_strata
 from medflare.data.plugins import plugin_loader, source_kinds
 from medflare.data.readers import IMAGE_SUFFIXES, PIL_SUFFIXES, is_image_file, read_image
 from medflare.data.synthetic import SyntheticConfig, make_synthetic
+from medflare.data.classes import same_form
 from medflare.data.types import UNLABELED, DataSplits, ImageSet, labelled_counts
 from medflare.errors import ConfigError, DataError, did_you_mean
 
@@ -47,10 +48,12 @@ PATH_SOURCES = {"medmnist": "file", "folder": "dir", "csv": "file"}
 _LOAD_LOCK = threading.Lock()
 
 
-def load_source(spec: str, *, seed: int = 0, num_classes: int | None = None) -> DataSplits:
+def load_source(spec: str, *, seed: int = 0, num_classes: int | None = None,
+                left_out: Iterable[str] = ()) -> DataSplits:
     """Loads (or generates) a data source as train/val/test splits plus `info` (class_names, channels,
     image_size, counts, ...); the same object for repeated calls in one process. `seed` seeds the synthetic
-    generator and the automatic split; `num_classes` is checked against the data.
+    generator and the automatic split; `num_classes` is checked against the data. `left_out`: class names (a
+    site's ``class_map`` nulls) whose images a folder or CSV source skips unread; `info["left_out"]` counts them.
 
     Raises:
         ConfigError: Unknown spec form or bad synthetic options.
@@ -58,7 +61,8 @@ def load_source(spec: str, *, seed: int = 0, num_classes: int | None = None) -> 
             `num_classes`.
     """
     with _LOAD_LOCK:
-        return _load_source_cached(spec.strip(), int(seed), None if num_classes is None else int(num_classes))
+        return _load_source_cached(spec.strip(), int(seed), None if num_classes is None else int(num_classes),
+                                   tuple(sorted({same_form(name) for name in left_out})))
 
 
 def absolute_source(spec: str, option: str = "data.source", check: bool = True) -> str:
@@ -106,7 +110,7 @@ def _source_hint(spec: str, kinds: Iterable[str]) -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def _load_source_cached(spec: str, seed: int, num_classes: int | None) -> DataSplits:
+def _load_source_cached(spec: str, seed: int, num_classes: int | None, left_out: tuple[str, ...] = ()) -> DataSplits:
     kind, _, argument = spec.partition(":")
     loaders: dict[str, Callable[[str, int, int | None], DataSplits]] = {
         "synthetic": _load_synthetic,
@@ -119,6 +123,8 @@ def _load_source_cached(spec: str, seed: int, num_classes: int | None) -> DataSp
         plugins = [f"{name}:..." for name in source_kinds()]
         raise ConfigError(f"Unknown data source '{spec}'{_source_hint(spec, [*loaders, *source_kinds()])}; valid forms: "
                           f"{', '.join([*SOURCE_FORMS, *plugins])}.")
+    if left_out and kind in ("folder", "csv"):  # they name their classes before reading an image
+        loader = functools.partial(loader, left_out=left_out)
     splits = loader(argument, seed, num_classes)
     splits.info = _describe(splits, spec, kind) | splits.info
     for image_set in (splits.train, splits.val, splits.test):
@@ -191,7 +197,7 @@ def _npz_attributes(arrays: dict[str, np.ndarray], split: str, count: int, path:
     return values.astype(np.int64)
 
 
-def _load_folder(root: str, seed: int, num_classes: int | None) -> DataSplits:
+def _load_folder(root: str, seed: int, num_classes: int | None, left_out: tuple[str, ...] = ()) -> DataSplits:
     _require_path(root, "Image folder", "dir")
     present = [split for split in SPLITS if os.path.isdir(os.path.join(root, split))]
     if present and len(present) < len(SPLITS):
@@ -202,6 +208,12 @@ def _load_folder(root: str, seed: int, num_classes: int | None) -> DataSplits:
         )
     split_roots = {split: os.path.join(root, split) for split in present} or {"all": root}
     class_names = sorted({name for folder in split_roots.values() for name in _subfolders(folder)})
+    skipped = {name: sum(len(_list_class_files(folder, [name])[0]) for folder in split_roots.values())
+               for name in class_names if same_form(name) in left_out}  # the class_map nulls: listed, never read
+    class_names = [name for name in class_names if name not in skipped]
+    if skipped and not class_names:
+        raise DataError(f"Image folder '{root}': class_map leaves out every class ({', '.join(skipped)}); keep "
+                        "at least one.")
     if not class_names:
         raise DataError(f"Image folder '{root}' has no class folders; expected {root}/<class_name>/<image files>.")
     if num_classes is not None and num_classes != len(class_names):
@@ -222,7 +234,7 @@ def _load_folder(root: str, seed: int, num_classes: int | None) -> DataSplits:
         parts = stratified_split(labels, SPLIT_FRACTIONS, seed)
         files = {split: ([paths[i] for i in part], labels[part]) for split, part in zip(SPLITS, parts)}
     splits = _file_splits(files, len(class_names), f"folder:{root}", class_names)
-    splits.info["named_classes"] = True
+    splits.info |= {"named_classes": True, "left_out": skipped}
     return splits
 
 
@@ -267,8 +279,17 @@ def _read_manifest(manifest: str) -> tuple[list[str], list[tuple[dict[str, str],
     return header, rows
 
 
-def _load_csv(manifest: str, seed: int, num_classes: int | None) -> DataSplits:
+def _load_csv(manifest: str, seed: int, num_classes: int | None, left_out: tuple[str, ...] = ()) -> DataSplits:
     header, rows = _read_manifest(manifest)
+    skipped: dict[str, int] = {}  # the class_map nulls by class_name: their rows are dropped, their files never read
+    if left_out and "class_name" in header:
+        for row, _ in rows:
+            if same_form(row["class_name"]) in left_out:
+                skipped[row["class_name"]] = skipped.get(row["class_name"], 0) + 1
+        rows = [(row, line) for row, line in rows if row["class_name"] not in skipped]
+        if not rows:
+            raise DataError(f"CSV manifest '{manifest}': class_map leaves out every class ({', '.join(skipped)}); "
+                            "keep at least one.")
     base = os.path.dirname(os.path.abspath(manifest))
 
     def at(line: int) -> str:
@@ -324,7 +345,8 @@ def _load_csv(manifest: str, seed: int, num_classes: int | None) -> DataSplits:
     if columns_of_classes and "label" not in header:
         info["named_classes"] = True  # the label_<name> columns name the classes
     if "class_name" in header and "label" in header:
-        info |= {"class_names": _csv_class_names(rows, labels, num_found, at), "named_classes": True}
+        info |= {"class_names": _csv_class_names(rows, labels, num_found, at), "named_classes": True,
+                 "left_out": skipped}
     return DataSplits(**sets, info=info)
 
 
