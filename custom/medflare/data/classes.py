@@ -151,10 +151,10 @@ def _unnamed_in_job_order(splits: DataSplits, job_names: Sequence[str] | None, w
     the job's class count; a job class no image carries is named in a note (the site holds a subset)."""
     if not job_names:
         return splits
-    found = splits.train.num_classes
+    found = splits.train.num_classes  # multi-label: columns, which cannot be widened to the job's
     if found > len(job_names) or (splits.train.multi_label and found != len(job_names)):
-        raise DataError(f"{where}: this site's data has {found} classes (label ids 0..{found - 1}) but the job has "
-                        f"{len(job_names)}: {list(job_names)}; relabel the data with the job's ids "
+        raise DataError(f"{where}: this site's labels go up to {found - 1} but the job has "
+                        f"{len(job_names)} classes {list(job_names)}; relabel the data with the job's ids "
                         f"0..{len(job_names) - 1}, in the job's order")
     missing = _absent(splits, job_names)
     if splits.train.num_classes == len(job_names) and not missing:

@@ -27,11 +27,11 @@ from pathlib import Path
 
 import numpy as np
 
+from medflare.data.classes import same_form
 from medflare.data.partition import multi_label_strata
 from medflare.data.plugins import plugin_loader, source_kinds
 from medflare.data.readers import IMAGE_SUFFIXES, PIL_SUFFIXES, is_image_file, read_image
 from medflare.data.synthetic import SyntheticConfig, make_synthetic
-from medflare.data.classes import same_form
 from medflare.data.types import UNLABELED, DataSplits, ImageSet, labelled_counts
 from medflare.errors import ConfigError, DataError, did_you_mean
 
