@@ -66,6 +66,12 @@ def class_names_refusal(names: Sequence[str]) -> str:
     return ""
 
 
+def left_out_classes(class_map: Mapping[str, str | None] | None) -> list[str]:
+    """The site's classes its ``class_map`` leaves out (mapped to null): a folder or CSV source skips them unread
+    (``load_source(left_out=...)``)."""
+    return [name for name, job_name in (class_map or {}).items() if job_name is None]
+
+
 def placeholder_class_names(num_classes: int) -> list[str]:
     """The names a job on site data carries when its lead gave none: ``<class 1>`` .. ``<class K>``. Every site
     refuses them (:func:`placeholder_refusal`) until the lead sets ``task.class_names`` or exports from data."""

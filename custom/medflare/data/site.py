@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import ConcatDataset, Dataset
 
 from medflare.config import MAX_CLIENTS, MAX_IMAGE_SIZE, MAX_SEED, bounded, check_fields
-from medflare.data.classes import align_to_job
+from medflare.data.classes import align_to_job, left_out_classes
 from medflare.data.longtail import long_tail_indices
 from medflare.data.noise import NOISE_KINDS, inject_label_noise
 from medflare.data.partition import Partition, apply_label_mask, parse_scheme, partition, partition_like
@@ -185,9 +185,8 @@ def make_site_data(cfg: DataConfig, site_index: int, site_name: str = "", pooled
     """
     site_name = site_name or f"site-{site_index + 1}"
     # a job that names its classes counts them itself: a site may hold a subset (align_to_job checks the rest)
-    left_out = [name for name, job_name in (cfg.class_map or {}).items() if job_name is None]  # skipped unread
     splits = load_source(cfg.source, seed=cfg.seed, num_classes=None if class_names else cfg.num_classes,
-                         left_out=left_out)
+                         left_out=left_out_classes(cfg.class_map))  # a class_map null: never read
     splits = align_to_job(splits, class_names, cfg.class_map, site_name)
     train, val, test, identified = _site_sets(cfg, splits, site_index, site_name)
     train, val, test = (_as_seen(image_set, cfg, site_index) for image_set in (train, val, test))

@@ -487,10 +487,13 @@ def _job_data(plan: Any, site: str, site_file: Any) -> tuple[Any, str, str]:
 
 
 def _source_info(data_config: dict[str, Any]) -> dict[str, Any]:
-    """What the site's source says of itself: class names (when it names them) and its first image's size."""
+    """What the site's source says of itself: class names (when it names them) and its first image's size (the
+    classes its class_map leaves out unread, as the job reads it)."""
+    from medflare.data.classes import left_out_classes
     from medflare.data.sources import load_source
 
-    return load_source(data_config["source"], seed=int(data_config.get("seed", 0))).info
+    return load_source(data_config["source"], seed=int(data_config.get("seed", 0)),
+                       left_out=left_out_classes(data_config.get("class_map"))).info
 
 
 # ----- the report -----------------------------------------------------------------------------------------------
