@@ -83,8 +83,8 @@ def placeholder_refusal(job_names: Sequence[str] | None, where: str) -> str:
     if not job_names or not all(str(name) == PLACEHOLDER.format(k + 1) for k, name in enumerate(job_names)):
         return ""
     return (f"{where}: the job's class names are the placeholder {list(job_names)}; the lead sets them in label "
-            "order and exports the job again (medflare export ... --set "
-            "'task.class_names=[\"normal\",\"pneumonia\"]')")  # not --data: a job naming its data is refused
+            "order (--set 'task.class_names=[\"normal\",\"pneumonia\"]' on medflare export) and exports the "
+            "job again")  # not --data folder:DIR: a job naming the lead's data is refused at every hospital
 
 
 def unnamed_job_refusal(site_names: Sequence[str], where: str) -> str:
