@@ -33,12 +33,12 @@ def load_site_data(settings: SiteSettings, site_index: int, site_name: str, pool
     ``pooled_test``: the trainer scores its own model on the pooled test set (FCA). Raises DataError (one line
     naming the site) when the data cannot be read or does not fit the task."""
     from medflare.data import make_site_data
-    from medflare.data.classes import unnamed_job_refusal
+    from medflare.data.classes import left_out_classes, unnamed_job_refusal
     from medflare.data.sources import load_source
 
     cfg = typed_data_config({**settings.data, "num_classes": settings.task.num_classes})
     if not settings.task.class_names:  # a job from before every job named its classes, or class_names set to null
-        info = load_source(cfg.source, seed=cfg.seed).info
+        info = load_source(cfg.source, seed=cfg.seed, left_out=left_out_classes(cfg.class_map)).info
         if info.get("named_classes"):
             raise DataError(unnamed_job_refusal(info["class_names"], site_name))
     data = make_site_data(cfg, site_index, site_name, pooled_test=pooled_test, class_names=settings.task.class_names)

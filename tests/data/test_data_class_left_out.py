@@ -4,6 +4,8 @@ label ids follow the job's order may lack one of them."""
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,7 +15,10 @@ import pytest
 from medflare.data import load_source, make_site_data
 from medflare.data.classes import align_to_job
 from medflare.errors import DataError
-from medflare.site_config import typed_data_config
+from medflare.plan import resolve, validated
+from medflare.run_config import RunConfig
+from medflare.site_config import SiteFile, TaskSpec, typed_data_config
+from medflare.site_runtime import SiteRuntime
 
 JOB = ["effusion", "nodule", "normal"]  # the job's names, in label order
 LEFT_OUT = 5  # cardiomegaly images at the site, which the job has no class for
@@ -86,3 +91,22 @@ def test_leaving_out_every_class_is_refused_in_one_line(png_class_folder: Callab
     root = png_class_folder({"cardiomegaly": 4})
     with pytest.raises(DataError, match=r"class_map leaves out every class \(cardiomegaly\); keep at least one"):
         load_source(f"folder:{root}", left_out=["cardiomegaly"])
+
+
+def test_a_job_naming_no_classes_is_refused_without_reading_a_left_out_class(png_class_folder, tmp_path) -> None:
+    """The site's check of a job without names reads its source as the job would: the class_map null class unread,
+    so the refusal is the one saying to add the names (not a broken file's), and it lists only the kept classes."""
+    root = png_class_folder({"nodule": 9, "normal": 12})
+    unreadable(root / "cardiomegaly", LEFT_OUT)
+    task = {"num_classes": 2, "in_channels": 1, "image_size": 12, "class_names": None}
+    run = validated(RunConfig(method="fedavg", clients=1, data={"source": "site"}, task=task, train={"max_steps": 1}))
+    plan = resolve(run, "preinstalled", task=TaskSpec(**task))
+    site = plan.sites[0].name
+    (tmp_path / "local").mkdir()
+    (tmp_path / "local" / "medflare_site.json").write_text(json.dumps(
+        {"data": {"source": f"folder:{root}", "class_map": {"cardiomegaly": None}}}))
+    settings, index = plan.localise(site, SiteFile.of(tmp_path / "local"), simulated=False)
+
+    with pytest.raises(DataError, match=re.escape("site-1: the job names no classes but this site's data names "
+                                                  "['nodule', 'normal']")):
+        SiteRuntime(settings, site, index, log=lambda line: None)
