@@ -102,7 +102,8 @@ def align_to_job(splits: DataSplits, job_names: Sequence[str] | None, class_map:
             names its classes.
         job_names: the job's class names in label order (``task.class_names``); None: no job to check against.
         class_map: the site's own name -> the job's name, for the names that differ, or None to leave that class
-            out (its rows are dropped before any image is decoded); only the site sets it.
+            out (a folder or CSV source skipped it unread, ``info["left_out"]``; a plugin's rows are dropped
+            here, before any image is decoded); only the site sets it.
         where: the site, for the message.
 
     Returns:
