@@ -508,10 +508,14 @@ def _grouping(sets: dict[str, ImageSet], key: str | None, note: str) -> dict:
     how many patients have images in more than one split (explicit splits can do that), and the split's note."""
     if key is None:
         return {"key": None, "groups": None, "shared": None, "note": note}
-    members = {split: set(map(str, image_set.patients)) for split, image_set in sets.items()}
-    splits_of = collections.Counter(patient for patients in members.values() for patient in patients)
-    return {"key": key, "groups": {split: len(patients) for split, patients in members.items()},
-            "shared": sum(1 for count in splits_of.values() if count > 1), "note": note}
+    return {"key": key, "groups": {split: len(set(image_set.patients)) for split, image_set in sets.items()},
+            "shared": len(shared_patients(sets)), "note": note}
+
+
+def shared_patients(sets: dict[str, ImageSet]) -> list[str]:
+    """The patients (sorted) with images in more than one of ``sets``, whose patients are known."""
+    splits_of = collections.Counter(patient for image_set in sets.values() for patient in set(image_set.patients))
+    return sorted(str(patient) for patient, count in splits_of.items() if count > 1)
 
 
 def _probe_first_image(paths: list[str]) -> tuple[int, int]:
