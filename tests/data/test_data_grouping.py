@@ -12,6 +12,7 @@ import pytest
 
 from medflare.data import load_source
 from medflare.data.sources import PATIENT_FOLDER, grouped_split, stratified_split
+from medflare.errors import ConfigError, DataError
 
 from .test_data_readers import hounsfield_image, pydicom, write_dicom
 
@@ -110,3 +111,21 @@ def test_every_class_keeps_a_patient_in_train(tmp_path: Path) -> None:
         owners = [set(patients[part]) for part in parts]
         assert not (owners[0] & owners[1]) and not (owners[0] & owners[2]) and not (owners[1] & owners[2])
         assert sorted(np.concatenate(parts).tolist()) == list(range(len(labels)))
+
+
+def test_data_patient_column_names_another_csv_column(png_manifest: Callable[..., Path]) -> None:
+    rows = [{"path": f"img/{label}_{patient}_{index}.png", "label": label, "PatientID": f"P{label}{patient}"}
+            for label in (0, 1) for patient in range(10) for index in range(2)]
+    manifest = png_manifest(rows, header=("path", "label", "PatientID"))
+    assert load_source(f"csv:{manifest}").info["grouping"]["key"] is None  # not the default column
+    splits = load_source(f"csv:{manifest}", patient_column="PatientID")
+    assert splits.info["grouping"] == {"key": "PatientID column", "groups": dict(zip(SPLITS, (14, 3, 3))),
+                                       "shared": 0, "note": ""}
+    with pytest.raises(DataError, match=r"has no column 'patient' \(data.patient_column\); name one of its columns: "
+                                        "path,label,PatientID"):
+        load_source(f"csv:{manifest}", patient_column="patient")
+
+
+def test_data_patient_column_on_a_folder_source_is_refused(png_class_folder: Callable[..., Path]) -> None:
+    with pytest.raises(ConfigError, match="names a CSV manifest's column, but the source 'folder:.*' is not a CSV"):
+        load_source(f"folder:{png_class_folder({'a': 3, 'b': 3})}", patient_column="PatientID")

@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+from PIL import Image
+
 from medflare.deploy.preflight import PASS, WARN, preflight
 
 from ..data.test_data_readers import hounsfield_image, write_dicom
@@ -59,3 +62,19 @@ def test_slices_without_a_patient_key_are_a_warn(kit: Path, tmp_path: Path) -> N
 def test_photos_without_a_patient_key_pass_with_the_hint(kit: Path) -> None:
     status, detail = patients_row(kit)  # the kit's own 28x28 PNGs in <class>/ folders
     assert status == PASS and detail.startswith("no patient key: each image is split alone")
+
+
+def test_the_site_files_patient_column_is_the_key_preflight_reports(kit: Path, tmp_path: Path) -> None:
+    lines = ["path,label,PatientID"]
+    rng = np.random.default_rng(0)
+    for label in (0, 1):
+        for patient in range(10):
+            for index in range(2):
+                name = f"img/{label}_{patient}_{index}.png"
+                (tmp_path / "img").mkdir(exist_ok=True)
+                Image.fromarray(rng.integers(0, 256, (28, 28), dtype=np.uint8)).save(tmp_path / name)
+                lines.append(f"{name},{label},P{label}{patient}")
+    (tmp_path / "manifest.csv").write_text("\n".join(lines) + "\n")
+    (kit / "local" / "medflare_site.json").write_text(json.dumps(
+        {"data": {"source": f"csv:{tmp_path / 'manifest.csv'}", "patient_column": "PatientID"}}))
+    assert patients_row(kit) == (PASS, "by PatientID column: 14/3/3 patients (train/val/test), none in two splits")

@@ -60,10 +60,11 @@ _LOAD_LOCK = threading.Lock()
 _LOG = logging.getLogger(__name__)
 
 
-def load_source(spec: str, *, seed: int = 0, num_classes: int | None = None) -> DataSplits:
+def load_source(spec: str, *, seed: int = 0, num_classes: int | None = None, patient_column: str = "") -> DataSplits:
     """Loads (or generates) a data source as train/val/test splits plus `info` (class_names, channels,
-    image_size, counts, ...); the same object for repeated calls in one process. `seed` seeds the synthetic
-    generator and the automatic split; `num_classes` is checked against the data.
+    image_size, counts, grouping, ...); the same object for repeated calls in one process. `seed` seeds the
+    synthetic generator and the automatic split; `num_classes` is checked against the data; `patient_column` names
+    a CSV manifest's patient column ("": `PATIENT_COLUMN`, when the manifest has it).
 
     Raises:
         ConfigError: Unknown spec form or bad synthetic options.
@@ -71,7 +72,8 @@ def load_source(spec: str, *, seed: int = 0, num_classes: int | None = None) -> 
             `num_classes`.
     """
     with _LOAD_LOCK:
-        return _load_source_cached(spec.strip(), int(seed), None if num_classes is None else int(num_classes))
+        return _load_source_cached(spec.strip(), int(seed), None if num_classes is None else int(num_classes),
+                                   patient_column.strip())
 
 
 def absolute_source(spec: str, option: str = "data.source", check: bool = True) -> str:
@@ -119,19 +121,23 @@ def _source_hint(spec: str, kinds: Iterable[str]) -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def _load_source_cached(spec: str, seed: int, num_classes: int | None) -> DataSplits:
+def _load_source_cached(spec: str, seed: int, num_classes: int | None, patient_column: str) -> DataSplits:
     kind, _, argument = spec.partition(":")
     loaders: dict[str, Callable[[str, int, int | None], DataSplits]] = {
         "synthetic": _load_synthetic,
         "medmnist": _load_medmnist,
         "folder": _load_folder,
-        "csv": _load_csv,
+        "csv": functools.partial(_load_csv, patient_column=patient_column or PATIENT_COLUMN),
     }
     loader = loaders.get(kind) or plugin_loader(kind)  # a plugin's own kind (medflare.data.plugins)
     if loader is None or (kind in loaders and kind != "synthetic" and not argument):
         plugins = [f"{name}:..." for name in source_kinds()]
         raise ConfigError(f"Unknown data source '{spec}'{_source_hint(spec, [*loaders, *source_kinds()])}; valid forms: "
                           f"{', '.join([*SOURCE_FORMS, *plugins])}.")
+    if patient_column and kind != "csv":
+        raise ConfigError(f"data.patient_column='{patient_column}' names a CSV manifest's column, but the source "
+                          f"'{spec}' is not a CSV; remove data.patient_column (a folder source finds patients in "
+                          "<class>/<patient>/ folders or the DICOMs' PatientID).")
     splits = loader(argument, seed, num_classes)
     splits.info = _describe(splits, spec, kind) | splits.info
     for image_set in (splits.train, splits.val, splits.test):
@@ -281,8 +287,11 @@ def _read_manifest(manifest: str) -> tuple[list[str], list[tuple[dict[str, str],
     return header, rows
 
 
-def _load_csv(manifest: str, seed: int, num_classes: int | None) -> DataSplits:
+def _load_csv(manifest: str, seed: int, num_classes: int | None, patient_column: str = PATIENT_COLUMN) -> DataSplits:
     header, rows = _read_manifest(manifest)
+    if patient_column != PATIENT_COLUMN and patient_column not in header:
+        raise DataError(f"CSV manifest '{manifest}' has no column '{patient_column}' (data.patient_column); name one "
+                        f"of its columns: {','.join(header)}.")
     base = os.path.dirname(os.path.abspath(manifest))
 
     def at(line: int) -> str:
@@ -317,8 +326,8 @@ def _load_csv(manifest: str, seed: int, num_classes: int | None) -> DataSplits:
         class_names = [column[len(CSV_CLASS_PREFIX):] for column in columns_of_classes]
     columns: dict[str, np.ndarray] = {}
     patients = None
-    if PATIENT_COLUMN in header:  # an empty cell: the row is a patient of its own
-        patients = np.array([row[PATIENT_COLUMN] or f"row {line}" for row, line in rows], dtype=object)
+    if patient_column in header:  # an empty cell: the row is a patient of its own
+        patients = np.array([row[patient_column] or f"row {line}" for row, line in rows], dtype=object)
         columns["patients"] = patients
     if "attribute" in header:
         columns["attributes"] = np.array([integer(row, "attribute", line) for row, line in rows], dtype=np.int64)
@@ -339,7 +348,7 @@ def _load_csv(manifest: str, seed: int, num_classes: int | None) -> DataSplits:
                             **{key: value[part] for key, value in columns.items()})
             for split, part in zip(SPLITS, parts)}
     info = {"class_names": class_names, "image_size": image_size, "image_shapes": shapes,
-            "grouping": _grouping(sets, f"{PATIENT_COLUMN} column" if patients is not None else None, note)}
+            "grouping": _grouping(sets, f"{patient_column} column" if patients is not None else None, note)}
     if columns_of_classes and "label" not in header:
         info["named_classes"] = True  # the label_<name> columns name the classes
     if "class_name" in header and "label" in header:

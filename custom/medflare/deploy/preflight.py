@@ -521,7 +521,8 @@ def _source_info(data_config: dict[str, Any]) -> dict[str, Any]:
     """What the site's source says of itself: class names (when it names them) and its first image's size."""
     from medflare.data.sources import load_source
 
-    return load_source(data_config["source"], seed=int(data_config.get("seed", 0))).info
+    return load_source(data_config["source"], seed=int(data_config.get("seed", 0)),
+                       patient_column=str(data_config.get("patient_column", ""))).info
 
 
 # ----- the report -----------------------------------------------------------------------------------------------
