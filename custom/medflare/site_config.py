@@ -139,9 +139,10 @@ JOB_SETTABLE_DATA_KEYS = frozenset({
 })
 # Only the site's own file sets these: they name what is read (source, public_source), carve the site's images
 # into a set whose predictions go to the server (public_fraction), or state what its labels mean (identified,
-# class_map: its own class names -> the job's).
+# class_map: its own class names -> the job's; patient_column: which of its CSV's columns names the patient).
 # The refusal covers every key outside JOB_SETTABLE_DATA_KEYS; this set records the review of DataConfig's fields.
-SITE_ONLY_DATA_KEYS = frozenset({"source", "public_source", "public_fraction", "identified", "class_map"})
+SITE_ONLY_DATA_KEYS = frozenset({"source", "public_source", "public_fraction", "identified", "class_map",
+                                 "patient_column"})
 # Fixed by medflare at a site that reads its own data: a job's (or the file's) value is replaced.
 SITE_FIXED_DATA = {"local": True, "num_sites": 1}
 

@@ -20,8 +20,8 @@ nibabel = pytest.importorskip("nibabel", reason="NIfTI tests need nibabel: pip i
 
 
 def write_dicom(path: Path, stored: np.ndarray, intercept: float = -1024.0, monochrome: str = "MONOCHROME2",
-                window: tuple[float, float] | None = None) -> Path:
-    """A CT-like 12-bit DICOM: stored values + intercept = Hounsfield units."""
+                window: tuple[float, float] | None = None, tags: dict[str, str] | None = None) -> Path:
+    """A CT-like 12-bit DICOM: stored values + intercept = Hounsfield units; ``tags`` e.g. its PatientID."""
     from pydicom.dataset import Dataset, FileMetaDataset
     from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, generate_uid
 
@@ -37,6 +37,8 @@ def write_dicom(path: Path, stored: np.ndarray, intercept: float = -1024.0, mono
     dataset.RescaleIntercept, dataset.RescaleSlope = intercept, 1.0
     if window:
         dataset.WindowCenter, dataset.WindowWidth = window
+    for tag, value in (tags or {}).items():
+        setattr(dataset, tag, value)
     path.parent.mkdir(parents=True, exist_ok=True)
     dataset.save_as(path, enforce_file_format=True)
     return path

@@ -39,6 +39,8 @@ WINDOW_PRESETS: dict[str, tuple[float, float]] = {
     "lung": (-600.0, 1500.0),
     "bone": (400.0, 1800.0),
 }
+#: The DICOM tags that name an image's patient, in the order tried (see `dicom_patient`).
+DICOM_PATIENT_TAGS = ("PatientID", "StudyInstanceUID")
 #: `data.window=file`: each DICOM's own WindowCenter/WindowWidth.
 FILE_WINDOW = "file"
 
@@ -215,6 +217,24 @@ def _dicom_own_window(dataset: object, path: str) -> Window:
                         f"(e.g. data.window=40,80) or a preset ({', '.join(WINDOW_PRESETS)}).")
     first = [float(v[0]) if hasattr(v, "__len__") and not isinstance(v, str) else float(v) for v in (center, width)]
     return Window(*first)
+
+
+def dicom_patient(path: str) -> tuple[str, str] | None:
+    """The patient a DICOM file belongs to, as (tag, value): its PatientID, else its StudyInstanceUID (an
+    anonymised file may blank the first); None when it has neither. Reads the header only, no pixel."""
+    _require_backend(path)
+    import pydicom
+
+    try:
+        header = pydicom.dcmread(path, stop_before_pixels=True, specific_tags=list(DICOM_PATIENT_TAGS))
+    except Exception as err:  # pydicom raises many unrelated types for a broken file
+        raise DataError(f"Cannot read the DICOM header of '{path}' ({type(err).__name__}: {err}); replace or remove "
+                        "the file.") from err
+    for tag in DICOM_PATIENT_TAGS:
+        value = str(getattr(header, tag, "") or "").strip()
+        if value:
+            return tag, value
+    return None
 
 
 def _read_nifti(path: str, window: WindowSpec) -> np.ndarray:

@@ -106,6 +106,8 @@ class DataConfig:
             DICOM's own) or "" (min-max per image).
         class_map: this site's class names -> the job's, or None to leave a class out (its
             `local/medflare_site.json`; `data.classes`).
+        patient_column: a CSV manifest's column naming each image's patient, whose images then share one split
+            ("": the `patient_id` column, when there is one; folders and DICOMs carry their own, see `load_source`).
     """
 
     source: str = bounded("synthetic", checked_by="load_source")
@@ -128,6 +130,7 @@ class DataConfig:
     imbalance: float = bounded(1.0, low=1, high=1e6)
     window: str = bounded("", checked_by="parse_window")
     class_map: dict[str, str | None] | None = bounded(None, checked_by="align_to_job (the job's class names)")
+    patient_column: str = bounded("", checked_by="load_source (the CSV's header)")
 
     def __post_init__(self) -> None:
         check_fields(self, "data")  # the bounds of each option (Bound, in the field's metadata)
@@ -186,7 +189,8 @@ def make_site_data(cfg: DataConfig, site_index: int, site_name: str = "", pooled
     site_name = site_name or f"site-{site_index + 1}"
     # a job that names its classes counts them itself: a site may hold a subset (align_to_job checks the rest)
     splits = load_source(cfg.source, seed=cfg.seed, num_classes=None if class_names else cfg.num_classes,
-                         left_out=left_out_classes(cfg.class_map))  # a class_map null: never read
+                         left_out=left_out_classes(cfg.class_map),  # a class_map null: never read
+                         patient_column=cfg.patient_column)
     splits = align_to_job(splits, class_names, cfg.class_map, site_name)
     train, val, test, identified = _site_sets(cfg, splits, site_index, site_name)
     train, val, test = (_as_seen(image_set, cfg, site_index) for image_set in (train, val, test))
@@ -238,7 +242,7 @@ def describe_partition(cfg: DataConfig) -> list[dict]:
     """
     if cfg.local:
         raise ConfigError("describe_partition is for simulation only; with local=True each site owns its data.")
-    splits = load_source(cfg.source, seed=cfg.seed, num_classes=cfg.num_classes)
+    splits = load_source(cfg.source, seed=cfg.seed, num_classes=cfg.num_classes, patient_column=cfg.patient_column)
     num_classes = splits.train.num_classes
     summary = []
     for site_index in range(cfg.num_sites):

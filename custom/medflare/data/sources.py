@@ -5,23 +5,31 @@ Spec forms:
     medmnist:PATH             a MedMNIST .npz (train/val/test images and labels; any size, 1 or 3 channels;
                               optional <split>_attributes, one integer per image); `(N, K)` 0/1 labels with
                               K > 1 (e.g. ChestMNIST) load as multi-label
-    folder:DIR                DIR/<class>/<images> or DIR/{train,val,test}/<class>/<images>
-    csv:FILE                  manifest with header path,label[,site][,attribute][,split][,class_name]; a multi-label
-                              manifest has one column per class, label_<name>, holding 1, 0, or -1 / empty
-                              for "not annotated", instead of `label`
+    folder:DIR                DIR/<class>/<images> or DIR/{train,val,test}/<class>/<images>; the images may lie in
+                              subfolders, DIR/<class>/<patient>/<images> (e.g. one DICOM series per patient)
+    csv:FILE                  manifest with header path,label[,site][,attribute][,split][,class_name][,patient_id];
+                              a multi-label manifest has one column per class, label_<name>, holding 1, 0, or
+                              -1 / empty for "not annotated", instead of `label`
 
-Without explicit splits a seeded stratified 70/15/15 split is made. Class names come from the data where it has
-them (`info["named_classes"]`), else `class_<k>`. Results are cached in-process with read-only arrays.
+Without explicit splits a seeded stratified 70/15/15 split is made that keeps every patient's images in one split
+(`grouped_split`): the patient is the folder below the class folder, else a DICOM's PatientID (or StudyInstanceUID),
+or a CSV's patient_id column; `info["grouping"]` records the key and the patients per split. Class names come from
+the data where it has them (`info["named_classes"]`), else `class_<k>`. Results are cached in-process with
+read-only arrays.
 """
 
 from __future__ import annotations
 
 import codecs
+import collections
 import csv
+import dataclasses
 import functools
 import io
+import logging
 import os
 import threading
+import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -30,7 +38,7 @@ import numpy as np
 from medflare.data.classes import same_form
 from medflare.data.partition import multi_label_strata
 from medflare.data.plugins import plugin_loader, source_kinds
-from medflare.data.readers import IMAGE_SUFFIXES, PIL_SUFFIXES, is_image_file, read_image
+from medflare.data.readers import DICOM_SUFFIXES, IMAGE_SUFFIXES, PIL_SUFFIXES, dicom_patient, is_image_file, read_image
 from medflare.data.synthetic import SyntheticConfig, make_synthetic
 from medflare.data.types import UNLABELED, DataSplits, ImageSet, labelled_counts
 from medflare.errors import ConfigError, DataError, did_you_mean
@@ -41,19 +49,25 @@ SPLIT_FRACTIONS = (0.70, 0.15, 0.15)
 SHAPE_PROBES = 200  # image headers read to tell a source of mixed or non-square sizes (probe_shapes)
 CSV_REQUIRED = ("path", "label")
 CSV_CLASS_PREFIX = "label_"  # multi-label manifests: one column label_<class name> per class
-CSV_OPTIONAL = ("site", "attribute", "split", "class_name")
+PATIENT_COLUMN = "patient_id"  # a CSV manifest's patient (or study) column: a patient's rows share one split
+CSV_OPTIONAL = ("site", "attribute", "split", "class_name", PATIENT_COLUMN)
+PATIENT_FOLDER = "folder <class>/<patient>/"  # the patient key of images in subfolders of their class folder
+GROUP_FOLDS = 20  # StratifiedGroupKFold folds: 14 train / 3 val / 3 test are 70/15/15 in whole patients
+MIN_GROUPS = 3  # one patient per split at least; with fewer the images are split one by one (a note says so)
 # The spec forms whose argument names a file or folder (see `absolute_source`), and which of the two it must be
 PATH_SOURCES = {"medmnist": "file", "folder": "dir", "csv": "file"}
 # Simulated sites may run as threads of one process: load each source once instead of racing to build it.
 _LOAD_LOCK = threading.Lock()
+_LOG = logging.getLogger(__name__)
 
 
-def load_source(spec: str, *, seed: int = 0, num_classes: int | None = None,
-                left_out: Iterable[str] = ()) -> DataSplits:
+def load_source(spec: str, *, seed: int = 0, num_classes: int | None = None, left_out: Iterable[str] = (),
+                patient_column: str = "") -> DataSplits:
     """Loads (or generates) a data source as train/val/test splits plus `info` (class_names, channels,
-    image_size, counts, ...); the same object for repeated calls in one process. `seed` seeds the synthetic
-    generator and the automatic split; `num_classes` is checked against the data. `left_out`: class names (a
-    site's ``class_map`` nulls) whose images a folder or CSV source skips unread; `info["left_out"]` counts them.
+    image_size, counts, grouping, ...); the same object for repeated calls in one process. `seed` seeds the
+    synthetic generator and the automatic split; `num_classes` is checked against the data. `left_out`: class names
+    (a site's ``class_map`` nulls) whose images a folder or CSV source skips unread; `info["left_out"]` counts them.
+    `patient_column` names a CSV manifest's patient column ("": `PATIENT_COLUMN`, when the manifest has it).
 
     Raises:
         ConfigError: Unknown spec form or bad synthetic options.
@@ -62,7 +76,7 @@ def load_source(spec: str, *, seed: int = 0, num_classes: int | None = None,
     """
     with _LOAD_LOCK:
         return _load_source_cached(spec.strip(), int(seed), None if num_classes is None else int(num_classes),
-                                   tuple(sorted({same_form(name) for name in left_out})))
+                                   tuple(sorted({same_form(name) for name in left_out})), patient_column.strip())
 
 
 def absolute_source(spec: str, option: str = "data.source", check: bool = True) -> str:
@@ -110,19 +124,24 @@ def _source_hint(spec: str, kinds: Iterable[str]) -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def _load_source_cached(spec: str, seed: int, num_classes: int | None, left_out: tuple[str, ...] = ()) -> DataSplits:
+def _load_source_cached(spec: str, seed: int, num_classes: int | None, left_out: tuple[str, ...] = (),
+                        patient_column: str = "") -> DataSplits:
     kind, _, argument = spec.partition(":")
     loaders: dict[str, Callable[[str, int, int | None], DataSplits]] = {
         "synthetic": _load_synthetic,
         "medmnist": _load_medmnist,
         "folder": _load_folder,
-        "csv": _load_csv,
+        "csv": functools.partial(_load_csv, patient_column=patient_column or PATIENT_COLUMN),
     }
     loader = loaders.get(kind) or plugin_loader(kind)  # a plugin's own kind (medflare.data.plugins)
     if loader is None or (kind in loaders and kind != "synthetic" and not argument):
         plugins = [f"{name}:..." for name in source_kinds()]
         raise ConfigError(f"Unknown data source '{spec}'{_source_hint(spec, [*loaders, *source_kinds()])}; valid forms: "
                           f"{', '.join([*SOURCE_FORMS, *plugins])}.")
+    if patient_column and kind != "csv":
+        raise ConfigError(f"data.patient_column='{patient_column}' names a CSV manifest's column, but the source "
+                          f"'{spec}' is not a CSV; remove data.patient_column (a folder source finds patients in "
+                          "<class>/<patient>/ folders or the DICOMs' PatientID).")
     if left_out and kind in ("folder", "csv"):  # they name their classes before reading an image
         loader = functools.partial(loader, left_out=left_out)
     splits = loader(argument, seed, num_classes)
@@ -229,11 +248,14 @@ def _load_folder(root: str, seed: int, num_classes: int | None, left_out: tuple[
     if (counts == 0).any():  # an empty class folder is a class this site lacks (a job may name it: align_to_job)
         class_names = [name for name, count in zip(class_names, counts) if count]
         files = {split: _list_class_files(folder, class_names) for split, folder in split_roots.items()}
+    patients, key = _folder_patients(files, split_roots)
+    note = ""
     if "all" in files:
-        paths, labels = files["all"]
-        parts = stratified_split(labels, SPLIT_FRACTIONS, seed)
+        (paths, labels), every = files["all"], patients["all"]
+        parts, note = grouped_split(labels, every, seed)
         files = {split: ([paths[i] for i in part], labels[part]) for split, part in zip(SPLITS, parts)}
-    splits = _file_splits(files, len(class_names), f"folder:{root}", class_names)
+        patients = {split: None if every is None else every[part] for split, part in zip(SPLITS, parts)}
+    splits = _with_patients(_file_splits(files, len(class_names), f"folder:{root}", class_names), patients, key, note)
     splits.info |= {"named_classes": True, "left_out": skipped}
     return splits
 
@@ -279,8 +301,12 @@ def _read_manifest(manifest: str) -> tuple[list[str], list[tuple[dict[str, str],
     return header, rows
 
 
-def _load_csv(manifest: str, seed: int, num_classes: int | None, left_out: tuple[str, ...] = ()) -> DataSplits:
+def _load_csv(manifest: str, seed: int, num_classes: int | None, left_out: tuple[str, ...] = (),
+              patient_column: str = PATIENT_COLUMN) -> DataSplits:
     header, rows = _read_manifest(manifest)
+    if patient_column != PATIENT_COLUMN and patient_column not in header:
+        raise DataError(f"CSV manifest '{manifest}' has no column '{patient_column}' (data.patient_column); name one "
+                        f"of its columns: {','.join(header)}.")
     skipped: dict[str, int] = {}  # the class_map nulls by class_name: their rows are dropped, their files never read
     if left_out and "class_name" in header:
         for row, _ in rows:
@@ -323,6 +349,10 @@ def _load_csv(manifest: str, seed: int, num_classes: int | None, left_out: tuple
         num_found = _check_multi_hot({"all": labels}, num_classes, where)
         class_names = [column[len(CSV_CLASS_PREFIX):] for column in columns_of_classes]
     columns: dict[str, np.ndarray] = {}
+    patients = None
+    if patient_column in header:  # an empty cell: the row is a patient of its own
+        patients = np.array([row[patient_column] or f"row {line}" for row, line in rows], dtype=object)
+        columns["patients"] = patients
     if "attribute" in header:
         columns["attributes"] = np.array([integer(row, "attribute", line) for row, line in rows], dtype=np.int64)
     if "site" in header:
@@ -332,16 +362,17 @@ def _load_csv(manifest: str, seed: int, num_classes: int | None, left_out: tuple
         bad = next((i for i, name in enumerate(names) if name not in SPLITS), None)
         if bad is not None:
             raise DataError(f"{at(lines[bad])}: split '{rows[bad][0]['split']}' is not one of {', '.join(SPLITS)}.")
-        parts = [np.flatnonzero(np.array(names) == split) for split in SPLITS]
+        parts, note = [np.flatnonzero(np.array(names) == split) for split in SPLITS], ""
     else:
-        parts = stratified_split(multi_label_strata(labels) if labels.ndim == 2 else labels, SPLIT_FRACTIONS, seed)
+        parts, note = grouped_split(multi_label_strata(labels) if labels.ndim == 2 else labels, patients, seed)
     channels, image_size = _probe_first_image(paths)
     shapes = probe_shapes(paths)
     sets = {split: ImageSet(labels=labels[part], num_classes=num_found, channels=channels,
                             paths=[paths[i] for i in part], name=f"csv:{manifest}[{split}]",
                             **{key: value[part] for key, value in columns.items()})
             for split, part in zip(SPLITS, parts)}
-    info = {"class_names": class_names, "image_size": image_size, "image_shapes": shapes}
+    info = {"class_names": class_names, "image_size": image_size, "image_shapes": shapes,
+            "grouping": _grouping(sets, f"{patient_column} column" if patients is not None else None, note)}
     if columns_of_classes and "label" not in header:
         info["named_classes"] = True  # the label_<name> columns name the classes
     if "class_name" in header and "label" in header:
@@ -414,6 +445,38 @@ def stratified_split(labels: np.ndarray, fractions: tuple[float, ...], seed: int
     return [np.sort(np.concatenate(part)) if part else np.empty(0, dtype=np.int64) for part in parts]
 
 
+def grouped_split(strata: np.ndarray, patients: np.ndarray | None, seed: int) -> tuple[list[np.ndarray], str]:
+    """Seeded, stratified train/val/test index parts (sorted) near 70/15/15 that keep each patient's images in one
+    part, and a note ("" when none): sklearn's StratifiedGroupKFold deals whole patients into 20 folds (fewer with
+    fewer patients), 3 of 20 become val, 3 test, the rest train; a class with no patient in train gets one moved
+    there, as `stratified_split` keeps every class in train. Without patients (None) the images are split one by
+    one; with fewer than `MIN_GROUPS` too, and the note (also logged) says that patients may then share splits."""
+    from sklearn.model_selection import StratifiedGroupKFold
+
+    if patients is None:
+        return stratified_split(strata, SPLIT_FRACTIONS, seed), ""
+    _, group_of = np.unique(np.asarray(patients).astype(str), return_inverse=True)
+    num_groups = int(group_of.max()) + 1 if len(group_of) else 0
+    if num_groups < MIN_GROUPS:
+        note = (f"only {num_groups} patient(s), too few to keep each in one of 3 splits: the images are split one by "
+                f"one, so a patient's images may be in train and test; add patients (at least {MIN_GROUPS})")
+        _LOG.warning("medflare: %s", note)
+        return stratified_split(strata, SPLIT_FRACTIONS, seed), note
+    folds = min(GROUP_FOLDS, num_groups)
+    held = [max(1, round(folds * fraction)) for fraction in SPLIT_FRACTIONS[1:]]  # val and test folds
+    splitter = StratifiedGroupKFold(n_splits=folds, shuffle=True, random_state=seed)
+    part_of = np.zeros(len(strata), dtype=np.int64)  # 0 train, 1 val, 2 test
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "least populated class has fewer members than n_splits"
+        for fold, (_, members) in enumerate(splitter.split(np.zeros(len(strata)), strata, group_of)):
+            part_of[members] = 1 if fold < held[0] else 2 if fold < sum(held) else 0
+    for k in np.unique(strata):
+        members = np.flatnonzero(strata == k)
+        if not (part_of[members] == 0).any():
+            part_of[group_of == group_of[members[0]]] = 0
+    return [np.flatnonzero(part_of == part) for part in range(len(SPLITS))], ""
+
+
 def _check_labels(labels: dict[str, np.ndarray], num_classes: int | None,
                   where: Callable[[str, int], str]) -> int:
     """Checks labels against [0, C) and returns C (the declared count, or max label + 1)."""
@@ -443,6 +506,50 @@ def _file_splits(files: dict[str, tuple[list[str], np.ndarray]], num_classes: in
                             name=f"{name}[{split}]") for split, (paths, labels) in files.items()}
     info = {"class_names": class_names, "image_size": image_size, "image_shapes": probe_shapes(every_path)}
     return DataSplits(**sets, info=info)
+
+
+def _folder_patients(files: dict[str, tuple[list[str], np.ndarray]],
+                     split_roots: dict[str, str]) -> tuple[dict[str, np.ndarray | None], str | None]:
+    """Per split, the patient of each image file, and the key that names them (None, and no arrays, when no file
+    names one): the folder below its class folder (<class>/<patient>/...), else a DICOM's PatientID or
+    StudyInstanceUID (`dicom_patient`, the header only). A file naming none is a patient of its own."""
+    found = {split: [_file_patient(path, split_roots[split]) for path in paths] for split, (paths, _) in files.items()}
+    keys = sorted({patient[0] for patients in found.values() for patient in patients if patient is not None})
+    if not keys:
+        return dict.fromkeys(files), None
+    arrays = {split: np.array([path if patient is None else patient[1] for path, patient in zip(paths, found[split])],
+                              dtype=object) for split, (paths, _) in files.items()}
+    return arrays, " or ".join(keys)
+
+
+def _file_patient(path: str, folder: str) -> tuple[str, str] | None:
+    """(key, patient) of one image file under a split's ``folder``, or None (see `_folder_patients`)."""
+    parts = Path(os.path.relpath(path, folder)).parts  # <class>/[<patient>/...]<file>
+    if len(parts) > 2:
+        return PATIENT_FOLDER, parts[1]
+    return dicom_patient(path) if path.lower().endswith(DICOM_SUFFIXES) else None
+
+
+def _with_patients(splits: DataSplits, patients: dict[str, np.ndarray | None], key: str | None,
+                   note: str) -> DataSplits:
+    """``splits`` with each set's patients and `info["grouping"]`."""
+    sets = {split: dataclasses.replace(getattr(splits, split), patients=patients[split]) for split in SPLITS}
+    return DataSplits(**sets, info=splits.info | {"grouping": _grouping(sets, key, note)})
+
+
+def _grouping(sets: dict[str, ImageSet], key: str | None, note: str) -> dict:
+    """`info["grouping"]`: the patient key (None: not known, each image is split alone), the patients per split,
+    how many patients have images in more than one split (explicit splits can do that), and the split's note."""
+    if key is None:
+        return {"key": None, "groups": None, "shared": None, "note": note}
+    return {"key": key, "groups": {split: len(set(image_set.patients)) for split, image_set in sets.items()},
+            "shared": len(shared_patients(sets)), "note": note}
+
+
+def shared_patients(sets: dict[str, ImageSet]) -> list[str]:
+    """The patients (sorted) with images in more than one of ``sets``, whose patients are known."""
+    splits_of = collections.Counter(patient for image_set in sets.values() for patient in set(image_set.patients))
+    return sorted(str(patient) for patient, count in splits_of.items() if count > 1)
 
 
 def _probe_first_image(paths: list[str]) -> tuple[int, int]:
@@ -487,7 +594,7 @@ def _describe(splits: DataSplits, spec: str, kind: str) -> dict:
 
 def _freeze(image_set: ImageSet) -> None:
     """Marks cached arrays read-only, so no caller can silently change what other sites load."""
-    for array in (image_set.labels, image_set.images, image_set.attributes, image_set.groups):
+    for array in (image_set.labels, image_set.images, image_set.attributes, image_set.groups, image_set.patients):
         if array is not None:
             array.setflags(write=False)
 
@@ -504,15 +611,15 @@ def _subfolders(folder: str) -> list[str]:
 
 
 def _list_class_files(folder: str, class_names: list[str]) -> tuple[list[str], np.ndarray]:
-    """Image files under `folder/<class>/` in sorted order (so labels come in a deterministic order)."""
+    """Image files under `folder/<class>/`, also in its subfolders (`<class>/<patient>/*.dcm`; hidden ones skipped),
+    in sorted order (so labels come in a deterministic order)."""
     paths, labels = [], []
     for label, name in enumerate(class_names):
-        class_folder = os.path.join(folder, name)
-        if not os.path.isdir(class_folder):
-            continue
-        for file_name in sorted(os.listdir(class_folder)):
-            path = os.path.join(class_folder, file_name)
-            if is_image_file(file_name) and os.path.isfile(path):
-                paths.append(path)
-                labels.append(label)
+        for current, subfolders, file_names in os.walk(os.path.join(folder, name)):
+            subfolders[:] = sorted(sub for sub in subfolders if not sub.startswith("."))
+            for file_name in sorted(file_names):
+                path = os.path.join(current, file_name)
+                if is_image_file(file_name) and os.path.isfile(path):
+                    paths.append(path)
+                    labels.append(label)
     return paths, np.array(labels, dtype=np.int64)

@@ -22,7 +22,8 @@ class ImageSet:
     Labels are int64 `[N]` class ids or `[N, K]` multi-hot rows (1, 0); unknown is `UNLABELED` (-1) in both, for
     a whole sample or one entry, so masks are `labels >= 0` either way and no NaN handling is needed anywhere.
     `num_classes` is the task's; `attributes` an optional int64 `[N]` binary attribute (0 light / 1 dark skin);
-    `groups` a CSV manifest's site column; `name` where the set comes from, for messages.
+    `groups` a CSV manifest's site column; `patients` the patient (or study) each image comes from, whose images
+    all share one split (None: not known); `name` where the set comes from, for messages.
     """
 
     labels: np.ndarray
@@ -32,6 +33,7 @@ class ImageSet:
     paths: list[str] | None = None
     attributes: np.ndarray | None = None
     groups: np.ndarray | None = None
+    patients: np.ndarray | None = None
     name: str = ""
     window: WindowSpec = None
 
@@ -53,7 +55,7 @@ class ImageSet:
             raise DataError(f"{where}: {stored} images but {n} labels.")
         if self.attributes is not None:
             self.attributes = np.asarray(self.attributes, dtype=np.int64).reshape(-1)
-        for column, values in (("attributes", self.attributes), ("groups", self.groups)):
+        for column, values in (("attributes", self.attributes), ("groups", self.groups), ("patients", self.patients)):
             if values is not None and len(values) != n:
                 raise DataError(f"{where}: {column} has {len(values)} entries but there are {n} labels.")
         if self.multi_label:
@@ -91,6 +93,7 @@ class ImageSet:
             paths=None if self.paths is None else [self.paths[i] for i in indices],
             attributes=None if self.attributes is None else self.attributes[indices],
             groups=None if self.groups is None else self.groups[indices],
+            patients=None if self.patients is None else self.patients[indices],
             name=self.name,
             window=self.window,
         )

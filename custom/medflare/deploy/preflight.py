@@ -73,6 +73,7 @@ def preflight(kit: str | Path, job: str | Path | None = None, max_images: int = 
         found = _run_value(checks, "data", _site_data, site, site_file)
         if found is not None:
             checks += _image_checks(*found, policy.min_class_samples, max_images, progress)
+            checks.append(_run("patients", _patient_check, found[0], site_file))
         checks.append(_run("DP-SGD", _dp_budget, site_file, policy, audit))
         checks.append(_run("devices", _devices, site_file))
         if job is not None:
@@ -393,6 +394,37 @@ def _class_check(sets: dict[str, Any], names: list[str], floor: int) -> Check:
     return Check("classes", PASS, detail)
 
 
+def _patient_check(data: Any, site_file: Any) -> tuple[str, str]:
+    """Whether every patient's images are in one split (test metrics of a patient also seen in training are
+    optimistic): the patient key the source found (``info["grouping"]``), patients per split of what trains and is
+    tested, and a WARN naming what the site can do when patients are shared or, for slices, not known."""
+    from medflare.data.readers import DICOM_SUFFIXES, NIFTI_SUFFIXES
+    from medflare.data.sources import shared_patients
+    from medflare.site_config import read_site_data_config
+
+    grouping = _source_info(read_site_data_config(site_file, None)).get("grouping")
+    sets = {split: getattr(data, split).images for split in ("train", "val", "test")}
+    if grouping is None:  # in memory (MedMNIST, synthetic): the source's own splits
+        return PASS, "the source's own train/val/test splits (no patient key)"
+    if grouping["key"] is None:
+        paths = [path for image_set in sets.values() for path in image_set.paths or []]
+        slices = any(path.lower().endswith(DICOM_SUFFIXES + NIFTI_SUFFIXES) for path in paths)
+        detail = ("no patient key: each image is split alone, so one patient's images may be in train and test; "
+                  "put each patient's files in <class>/<patient>/ folders (or give the DICOMs a PatientID), or add a "
+                  "patient_id column to the CSV")
+        return (WARN, f"{detail} (these are slices: test metrics are optimistic)") if slices else (PASS, detail)
+    counts = "/".join(str(len(set(image_set.patients))) for image_set in sets.values())
+    shared = shared_patients(sets)
+    detail = f"by {grouping['key']}: {counts} patients (train/val/test)"
+    if shared:
+        shown = ", ".join(shared[:3]) + (", ..." if len(shared) > 3 else "")
+        fix = grouping["note"] or ("a split folder or the CSV's split column puts them there: move each patient's "
+                                   "images into one split, or drop the split folders/column so medflare splits by "
+                                   "patient")
+        return WARN, f"{detail}; {len(shared)} patient(s) in more than one split ({shown}): {fix}"
+    return PASS, f"{detail}, none in two splits"
+
+
 def _audit_log(site_file: Any, policy: Any) -> tuple[list[dict[str, Any]], str, str]:
     """The site's audit log (in ``local/``): its chain holds to the last line, and every ε in it is one a DP-SGD
     accountant can report; yields its records."""
@@ -493,7 +525,8 @@ def _source_info(data_config: dict[str, Any]) -> dict[str, Any]:
     from medflare.data.sources import load_source
 
     return load_source(data_config["source"], seed=int(data_config.get("seed", 0)),
-                       left_out=left_out_classes(data_config.get("class_map"))).info
+                       left_out=left_out_classes(data_config.get("class_map")),
+                       patient_column=str(data_config.get("patient_column", ""))).info
 
 
 # ----- the report -----------------------------------------------------------------------------------------------
