@@ -306,21 +306,31 @@ def test_an_audit_log_outside_local_fails(kit: Path, audit_log: str) -> None:
 @pytest.mark.parametrize("edit, detail", [
     ({"polcy": {"require": ["robust"]}}, "unknown key 'polcy' (did you mean 'policy'?), which medflare would ignore"),
     ({"dp_sgdd": {"max_epsilon": 2.0}}, "unknown key 'dp_sgdd' (did you mean 'dp_sgd'?)"),
-    ({"dp_sgd": {"max_epsilonn": 2.0}}, "medflare_site.json dp_sgd: unknown option(s) max_epsilonn; valid options: "),
-    ({"distributed": {"procesess": 2}}, "medflare_site.json distributed: unknown option(s) procesess; valid options: "
-                                        "backend, processes, shuffle_seed"),
+    ({"dp_sgd": {"max_epsilonn": 2.0}}, "medflare_site.json dp_sgd: unknown option(s) max_epsilonn (did you mean "
+                                        "'max_epsilon'?); valid options: "),
+    ({"distributed": {"procesess": 2}}, "medflare_site.json distributed: unknown option(s) procesess (did you mean "
+                                        "'processes'?); valid options: backend, processes, shuffle_seed"),
+    # issue 61 minors: every level, not only the top one
+    ({"policy": {"requir": ["dp_sgd"]}}, "medflare_site.json policy: unknown option(s) requir (did you mean "
+                                         "'require'?); valid options: audit_log, methods, min_class_samples, require"),
+    ({"data": {"windw": "lung"}}, "medflare_site.json data: unknown option(s) windw (did you mean 'window'?); valid "
+                                  "options: augment, class_map,"),
 ])
 def test_a_misspelt_key_of_the_site_file_is_one_fail_row_naming_it(kit: Path, edit: dict, detail: str) -> None:
     """A misspelt top-level key turned the site's policy (or DP-SGD budget) off with a PASS; a misspelt option of
     dp_sgd passed preflight and of distributed gave a TypeError. Now one FAIL row names the key and the valid ones."""
     site_file = kit / "local" / "medflare_site.json"
-    site_file.write_text(json.dumps({**json.loads(site_file.read_text()), **edit}))
+    content = json.loads(site_file.read_text())
+    site_file.write_text(json.dumps({**content, **edit, "data": {**content["data"], **edit.get("data", {})}}))
     check, shown = only_fail(preflight(kit, progress=lambda line: None))
     assert detail in shown and "\n" not in shown, (check, shown)
 
 
 def test_comment_keys_of_the_site_file_are_notes(kit: Path) -> None:
     site_file = kit / "local" / "medflare_site.json"
+    data = json.loads(site_file.read_text())["data"]
     site_file.write_text(json.dumps({"_comment": "JSON has no comments", "_comment_data": "where the images are",
-                                     **json.loads(site_file.read_text())}))
+                                     "data": {**data, "_comment": "a note inside a section"},
+                                     "policy": {"_comment": "who may train here", "min_class_samples": 0},
+                                     "dp_sgd": {"_comment_budget": "none yet"}, "distributed": {"_comment": "one"}}))
     assert [c.check for c in preflight(kit, progress=lambda line: None) if c.status == FAIL] == ["server"]
