@@ -121,6 +121,17 @@ def test_a_policy_that_refuses_the_job_fails(kit: Path, tmp_path: Path) -> None:
                                           "requires")
 
 
+def test_every_reason_the_policy_refuses_a_job_for_is_named(kit: Path, tmp_path: Path) -> None:
+    """Issue 61 minors: only the first refusal was named, so its author fixed one and was refused again."""
+    site_file = kit / "local" / "medflare_site.json"
+    policy = {"methods": ["fedprox"], "require": ["dp_sgd", "secure_aggregation"]}
+    site_file.write_text(json.dumps({**json.loads(site_file.read_text()), "policy": policy}))
+    checks = statuses(preflight(kit, job=job_with(tmp_path, list(NAMES)), progress=lambda line: None))
+    assert checks["job policy"] == (FAIL, "the site would decline this job: method 'fedavg' is not among the methods "
+                                          "this site accepts (fedprox); the job has no dp_sgd, secure_aggregation, "
+                                          "which this site requires")
+
+
 def test_an_expired_certificate_fails(kit: Path, provisioned: Path) -> None:
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
@@ -334,3 +345,30 @@ def test_comment_keys_of_the_site_file_are_notes(kit: Path) -> None:
                                      "policy": {"_comment": "who may train here", "min_class_samples": 0},
                                      "dp_sgd": {"_comment_budget": "none yet"}, "distributed": {"_comment": "one"}}))
     assert [c.check for c in preflight(kit, progress=lambda line: None) if c.status == FAIL] == ["server"]
+
+
+# ----- issue 61 minors: the image rows say what a site sees ---------------------------------------------------------
+def test_a_12_bit_tiff_site_sees_its_raw_range_and_what_it_is_scaled_to(kit: Path, tmp_path: Path) -> None:
+    images = tmp_path / "tiff"
+    for name in NAMES:
+        (images / name).mkdir(parents=True)
+        for index in range(12):
+            pixels = np.full((28, 28), 100 * index, dtype=np.uint16)
+            pixels[0, 0], pixels[-1, -1] = 7, 4095 if index == 3 else 300  # 12 bits: 0 to 4095
+            Image.fromarray(pixels).save(images / name / f"{index}.tif")
+    (kit / "local" / "medflare_site.json").write_text(json.dumps({"data": {"source": f"folder:{images}"}}))
+    status, detail = statuses(preflight(kit, progress=lambda line: None))["intensities"]
+    assert (status, detail) == (PASS, "scaled to [0, 1]; raw 0 to 4095, scaled to 0 to 1")
+
+
+def test_mixed_image_sizes_warn_with_what_the_site_can_do(kit: Path, tmp_path: Path) -> None:
+    images = tmp_path / "mixed"
+    for name in NAMES:
+        (images / name).mkdir(parents=True)
+        for index in range(12):
+            Image.fromarray(np.zeros((28, 28 + index % 2 * 4), dtype=np.uint8)).save(images / name / f"{index}.png")
+    (kit / "local" / "medflare_site.json").write_text(json.dumps({"data": {"source": f"folder:{images}"}}))
+    status, detail = statuses(preflight(kit, progress=lambda line: None))["image sizes"]
+    assert status == "WARN" and detail.endswith(
+        "every job resizes them to its own square image size, stretching non-square ones (to keep their aspect "
+        "ratio, crop or pad the images to squares)") and "data.image_size" not in detail

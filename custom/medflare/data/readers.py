@@ -41,6 +41,8 @@ WINDOW_PRESETS: dict[str, tuple[float, float]] = {
 }
 #: `data.window=file`: each DICOM's own WindowCenter/WindowWidth.
 FILE_WINDOW = "file"
+# PIL modes deeper than 8 bits: read with every level kept and scaled to [0, 1] (as a DICOM is)
+DEEP_PIL_MODES = ("I;16", "I;16B", "I;16L", "I", "F")
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,30 @@ def read_image(path: str, channels: int | None = None, window: WindowSpec = None
     return to_channels(pixels, channels)
 
 
+def stored_range(path: str) -> tuple[float, float] | None:
+    """The lowest and highest value a deeper-than-8-bit grayscale file stores, before :func:`read_image` scales it
+    to [0, 1] (a DICOM's after its modality rescale, e.g. in HU); None for an 8-bit or colour file, read as is. For
+    a site's check of its images (a 12-bit TIFF's 0 to 4095), not for training."""
+    lower = path.lower()
+    if lower.endswith(PIL_SUFFIXES):
+        from PIL import Image
+
+        with Image.open(path) as image:
+            values = np.asarray(image, dtype=np.float64) if image.mode in DEEP_PIL_MODES else None
+    elif lower.endswith(DICOM_SUFFIXES):
+        _require_backend(path)
+        import pydicom
+
+        dataset = pydicom.dcmread(path)
+        values = None if int(getattr(dataset, "SamplesPerPixel", 1)) == 3 else _dicom_values(dataset)
+    elif lower.endswith(NIFTI_SUFFIXES):
+        _require_backend(path)
+        values = _nifti_values(path)
+    else:
+        values = None
+    return None if values is None else (float(values.min()), float(values.max()))
+
+
 def to_channels(pixels: np.ndarray, channels: int | None) -> np.ndarray:
     """Converts `[H, W]` or `[H, W, C]` (C in 1, 3, 4; uint8 or float32) to `[H, W, channels]` (None = keep C)."""
     if pixels.ndim == 2:
@@ -148,7 +174,7 @@ def _read_with_pil(path: str, window: WindowSpec) -> np.ndarray:
 
     with Image.open(path) as image:
         image.load()  # force full decoding here, so a truncated file fails now and not inside a DataLoader
-        if image.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
+        if image.mode in DEEP_PIL_MODES:
             # deeper than 8 bits: every level kept (PIL's convert("L") would clip at 255), scaled as a DICOM's
             return _scaled(np.asarray(image, dtype=np.float64), window, path)
         if image.mode not in ("L", "RGB", "RGBA"):
@@ -187,7 +213,6 @@ def _read_dicom(path: str, window: WindowSpec) -> np.ndarray:
     """A 2-D DICOM: modality rescale (e.g. to Hounsfield units), window or min-max, MONOCHROME1 inverted."""
     _require_backend(path)
     import pydicom
-    from pydicom.pixels import apply_modality_lut
 
     dataset = pydicom.dcmread(path)
     pixels = dataset.pixel_array
@@ -199,13 +224,20 @@ def _read_dicom(path: str, window: WindowSpec) -> np.ndarray:
             raise DataError(f"data.window is set but DICOM '{path}' is a colour image; windowing applies to "
                             "grayscale values. Remove data.window for this source.")
         return pixels.astype(np.uint8) if pixels.dtype != np.uint8 else pixels
-    values = np.asarray(apply_modality_lut(pixels, dataset), dtype=np.float64)
+    values = _dicom_values(dataset)
     if window == FILE_WINDOW:
         window = _dicom_own_window(dataset, path)
     scaled = window.apply(values) if isinstance(window, Window) else rescale_to_unit(values)
     if str(getattr(dataset, "PhotometricInterpretation", "")).upper() == "MONOCHROME1":
         scaled = 1.0 - scaled  # MONOCHROME1 shows low values bright; medflare's images are MONOCHROME2
     return scaled.astype(np.float32)
+
+
+def _dicom_values(dataset: object) -> np.ndarray:
+    """A grayscale DICOM's values in the file's units: its modality rescale applied (HU for CT)."""
+    from pydicom.pixels import apply_modality_lut
+
+    return np.asarray(apply_modality_lut(dataset.pixel_array, dataset), dtype=np.float64)
 
 
 def _dicom_own_window(dataset: object, path: str) -> Window:
@@ -220,10 +252,15 @@ def _dicom_own_window(dataset: object, path: str) -> Window:
 def _read_nifti(path: str, window: WindowSpec) -> np.ndarray:
     """A 2-D NIfTI slice: scaled values (scl_slope/inter), window or min-max, rows = the second voxel axis."""
     _require_backend(path)
-    import nibabel
-
-    values = np.squeeze(np.asarray(nibabel.load(path).dataobj, dtype=np.float64))
+    values = _nifti_values(path)
     if values.ndim != 2:
         raise DataError(f"NIfTI '{path}' has shape {values.shape}; medflare reads 2-D slices only. "
                         "Extract the slices you want to classify into separate files first.")
     return _scaled(values.T, window, path)  # NIfTI stores x (columns) first; images here are [rows, columns]
+
+
+def _nifti_values(path: str) -> np.ndarray:
+    """A NIfTI file's scaled values (scl_slope/inter), size-1 axes dropped."""
+    import nibabel
+
+    return np.squeeze(np.asarray(nibabel.load(path).dataobj, dtype=np.float64))
