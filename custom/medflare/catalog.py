@@ -15,6 +15,7 @@ from typing import Any
 
 from medflare.installed import installed_entry_points
 
+# JSON, named .jsonc: `nvflare job create -sd custom` lists every .json/.conf/.yml it copies as a job variable
 CATALOG_FILE = Path(__file__).with_name("catalog.jsonc")
 # The task parameters are counted for: RGB input and a binary head (other tasks change only the stem and the head)
 COUNTED_TASK = {"num_classes": 2, "in_channels": 3}
