@@ -190,14 +190,14 @@ def _site_data_block(path: Path, site_file: dict[str, Any] | None) -> dict[str, 
     site_data = site_file.get("data")
     if not isinstance(site_data, dict):
         raise DataError(f"{path} has no 'data' object; add e.g. {{\"data\": {{\"source\": \"folder:/path\"}}}}")
-    from medflare.data import DataConfig  # local, as in typed_data_config
-
-    fields_typed(DataConfig, site_data, f"{SITE_CONFIG_FILE} data")  # a misspelt key is refused here, naming the file
     source = site_data.get("source")
     if not isinstance(source, str) or not source.strip():
         raise DataError(f"{path}: its 'data' object names no source, so this site has no images to train on; add "
                         '"source", e.g. {"data": {"source": "folder:/path/to/images"}} (or csv:/path/manifest.csv, '
                         "medmnist:/path/file.npz)")
+    from medflare.data import DataConfig  # local, as in typed_data_config
+
+    fields_typed(DataConfig, site_data, f"{SITE_CONFIG_FILE} data")  # a misspelt key is refused here, naming the file
     return site_data
 
 
