@@ -203,3 +203,14 @@ def test_stored_range_is_what_a_deeper_file_holds_before_scaling(tmp_path: Path)
     assert stored_range(str(ct)) == (-1000.0, 400.0)
     assert stored_range(str(nifti)) == (-5.0, 9.0)
     assert stored_range(str(tmp_path / "x.png")) is None  # 8-bit: read as is, nothing scaled
+
+
+def test_a_window_is_noted_only_for_files_whose_values_are_grey_levels() -> None:
+    from medflare.data.readers import window_note
+
+    window = parse_window("brain")
+    assert window_note(["a.dcm", "b.nii.gz"], window) == ""  # HU (or the scanner's units): what a window is for
+    assert window_note(["a.png", "b.dcm"], None) == ""
+    assert window_note(["a.png", "b.dcm", "c.TIF"], window).startswith(
+        "data.window=40,80 is a window for DICOM/NIfTI values such as Hounsfield units, but 2 of 3 images are "
+        "PNG/JPEG/TIFF files")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,6 +87,20 @@ def parse_window(text: str | None) -> WindowSpec:
 def is_image_file(path: str) -> bool:
     """Whether `path` has one of the supported image suffixes (case-insensitive)."""
     return path.lower().endswith(IMAGE_SUFFIXES)
+
+
+def window_note(paths: Sequence[str], window: WindowSpec) -> str:
+    """One line when a window (in the units of a DICOM's or NIfTI's values, e.g. HU) is set for PNG/JPEG/TIFF files,
+    whose values are grey levels: it clips them as if they were HU, so images may come out blank; "" otherwise."""
+    if not isinstance(window, Window):
+        return ""
+    grey_levels = sum(str(path).lower().endswith(PIL_SUFFIXES) for path in paths)
+    if not grey_levels:
+        return ""
+    return (f"data.window={window.center:g},{window.width:g} is a window for DICOM/NIfTI values such as Hounsfield "
+            f"units, but {grey_levels} of {len(paths)} images are PNG/JPEG/TIFF files, whose grey levels (0 to 255 "
+            "for 8-bit) it clips as if they were HU (images may come out blank); remove data.window unless these "
+            "files store HU")
 
 
 def read_image(path: str, channels: int | None = None, window: WindowSpec = None) -> np.ndarray:
