@@ -262,3 +262,20 @@ def test_a_hu_window_on_8_bit_pngs_is_noted_in_the_site_log(tmp_path: Path) -> N
                 log=lines.append)
     notes = [line for line in lines if line.startswith("note: data.window=40,80 ")]
     assert len(notes) == 1 and "but 14 of 14 images are PNG/JPEG/TIFF files" in notes[0], lines
+
+
+def test_a_folder_mixing_colour_and_grey_images_is_noted_in_the_site_log(tmp_path: Path) -> None:
+    """Issue 61 minors: the first file decides the channel count; the site log says so when the files mix."""
+    from PIL import Image
+
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        for index in range(10):
+            shape = (28, 28) if index % 2 else (28, 28, 3)  # 0.png, the first file, is colour
+            Image.fromarray(np.zeros(shape, dtype=np.uint8)).save(tmp_path / name / f"{index}.png")
+    lines: list[str] = []
+    data = {"source": f"folder:{tmp_path}", "local": True}
+    SiteRuntime(SiteSettings(get_method("fedavg"), TaskSpec(2, 3, 28, class_names=["a", "b"]), data), "site-1", 0,
+                log=lines.append)
+    notes = [line for line in lines if line.startswith("note: the images mix colour and grey files")]
+    assert len(notes) == 1 and "read as 3-channel, as the first file is (grey ones repeated in 3 channels)" in notes[0]

@@ -372,3 +372,23 @@ def test_mixed_image_sizes_warn_with_what_the_site_can_do(kit: Path, tmp_path: P
     assert status == "WARN" and detail.endswith(
         "every job resizes them to its own square image size, stretching non-square ones (to keep their aspect "
         "ratio, crop or pad the images to squares)") and "data.image_size" not in detail
+
+
+def test_a_folder_mixing_colour_and_grey_images_warns_with_what_it_is_read_as(kit: Path, tmp_path: Path) -> None:
+    """Issue 61 minors: the channel count came from the first file, without a word."""
+    images = tmp_path / "mixed-colour"
+    for name in NAMES:
+        (images / name).mkdir(parents=True)
+        for index in range(12):
+            shape = (28, 28, 3) if index % 2 else (28, 28)  # 0.png, the first file, is grey
+            Image.fromarray(np.zeros(shape, dtype=np.uint8)).save(images / name / f"{index}.png")
+    (kit / "local" / "medflare_site.json").write_text(json.dumps({"data": {"source": f"folder:{images}"}}))
+    checks = statuses(preflight(kit, progress=lambda line: None))
+    status, detail = checks["image channels"]
+    assert status == "WARN" and detail.startswith("the images mix colour and grey files (") and detail.endswith(
+        "all are read as 1-channel, as the first file is (colour ones converted to grey); to choose, convert them "
+        "all to one kind"), detail
+
+
+def test_one_kind_of_image_has_no_channel_row(kit: Path) -> None:
+    assert "image channels" not in statuses(preflight(kit, progress=lambda line: None))

@@ -44,6 +44,9 @@ WINDOW_PRESETS: dict[str, tuple[float, float]] = {
 FILE_WINDOW = "file"
 # PIL modes deeper than 8 bits: read with every level kept and scaled to [0, 1] (as a DICOM is)
 DEEP_PIL_MODES = ("I;16", "I;16B", "I;16L", "I", "F")
+# PIL modes read as one channel (_read_with_pil converts every other mode, palette and 1-bit too, to colour)
+GREY_PIL_MODES = ("L", *DEEP_PIL_MODES)
+CHANNEL_PROBES = 200  # image headers read to tell colour and grey files apart (channel_mix_note)
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,27 @@ def window_note(paths: Sequence[str], window: WindowSpec) -> str:
             f"units, but {grey_levels} of {len(paths)} images are PNG/JPEG/TIFF files, whose grey levels (0 to 255 "
             "for 8-bit) it clips as if they were HU (images may come out blank); remove data.window unless these "
             "files store HU")
+
+
+def channel_mix_note(paths: Sequence[str], channels: int, most: int = CHANNEL_PROBES) -> str:
+    """One line when PNG/JPEG/TIFF files among ``paths`` (up to ``most`` headers, spread evenly) mix colour and grey
+    images: every image is then read with ``channels``, the first file's count, converted; "" otherwise."""
+    from PIL import Image
+
+    counts = {"colour": 0, "grey": 0}
+    for path in list(paths)[::max(1, len(paths) // most)][:most]:
+        if str(path).lower().endswith(PIL_SUFFIXES):
+            try:
+                with Image.open(path) as image:  # the header: no pixel is decoded
+                    counts["grey" if image.mode in GREY_PIL_MODES else "colour"] += 1
+            except Exception:  # noqa: BLE001 - a broken file is named when it is read (read_image's DataError)
+                continue
+    if not (counts["colour"] and counts["grey"]):
+        return ""
+    how = "grey ones repeated in 3 channels" if channels == 3 else "colour ones converted to grey"
+    return (f"the images mix colour and grey files ({counts['colour']} colour, {counts['grey']} grey of "
+            f"{sum(counts.values())} checked): all are read as {channels}-channel, as the first file is ({how}); to "
+            "choose, convert them all to one kind")
 
 
 def read_image(path: str, channels: int | None = None, window: WindowSpec = None) -> np.ndarray:

@@ -305,7 +305,16 @@ def _site_data(site: str, site_file: Any) -> tuple[Any, str, str]:
 def _image_checks(data: Any, names: list[str], floor: int, max_images: int, progress: Progress) -> list[Check]:
     sets = {split: getattr(data, split).images for split in ("train", "val", "test")}
     scan = _scan(sets, max_images, progress)
-    return [_corrupt_check(scan), _size_check(scan), _intensity_check(scan), _class_check(sets, names, floor)]
+    return [_corrupt_check(scan), _size_check(scan), _intensity_check(scan), *_channel_check(data),
+            _class_check(sets, names, floor)]
+
+
+def _channel_check(data: Any) -> list[Check]:
+    """A WARN row when colour and grey files are mixed (read with the first file's channel count); none otherwise."""
+    from medflare.data.readers import channel_mix_note
+
+    note = channel_mix_note(data.train.images.paths or (), data.channels)
+    return [Check("image channels", WARN, note)] if note else []
 
 
 @dataclass
