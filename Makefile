@@ -14,6 +14,7 @@ DEMO_OUT ?= runs/demo
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --no-compile --upgrade "pip<26.2"
+	@rm -rf custom/medflare.egg-info  # older installs wrote it there, where `nvflare job create -sd custom` copies it
 	$(PY) -m pip install --quiet --no-compile -e ".[test]"
 	$(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" > /dev/null || true
 	@touch $(STAMP)

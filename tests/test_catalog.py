@@ -1,4 +1,4 @@
-"""The listing commands (``methods``, ``models``, ``--help``) answer from ``catalog.json`` without importing torch,
+"""The listing commands (``methods``, ``models``, ``--help``) answer from ``catalog.jsonc`` without importing torch,
 and that snapshot is what the registries and the real modules say (issue 30, items 6 and 11)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from medflare.installed import forget_installed
 def test_the_catalog_is_what_the_registries_say() -> None:
     written = json.loads(CATALOG_FILE.read_text())
 
-    assert written == build_catalog(), "catalog.json is stale: regenerate it with  python -m medflare.catalog"
+    assert written == build_catalog(), "catalog.jsonc is stale: regenerate it with  python -m medflare.catalog"
 
 
 @pytest.mark.parametrize("model", ["cnn", "resnet10", "efficientnet_lite0", "vit_micro"])

@@ -434,7 +434,7 @@ def test_a_run_whose_server_ran_another_plan_keeps_its_outputs_and_says_so(tmp_p
                                 tmp_path / "out", {}, None)
     assert summary["plan_check"].startswith("differs: the server ran plan 0123456789ab")
     assert (tmp_path / "out" / "summary.json").is_file()  # nothing of a finished run is lost
-    assert "**warning:** the configuration below differs" in (tmp_path / "out" / "report.md").read_text()
+    assert "**warning:** the configuration in `summary.json` (`config`) differs" in (tmp_path / "out" / "report.md").read_text()
     assert "medflare: warning: fedavg: the plan differs" in results_text([summary], tmp_path / "out")
 
 

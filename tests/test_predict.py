@@ -298,3 +298,20 @@ def test_a_class_folder_in_another_unicode_form_labels_its_images(tmp_path: Path
 
     rows = list(csv.DictReader((tmp_path / "folder.csv").open(encoding="utf-8")))
     assert [r["label"] for r in rows] == ["\u00d6dem", "normal"]
+
+
+def test_a_hu_window_on_8_bit_pngs_gets_one_note_and_none_without_it(tmp_path: Path, capsys) -> None:
+    """Issue 61 minors: a HU window clipped 8-bit grey levels as if they were HU, without a word."""
+    run = RunConfig(method="fedavg", data={"source": "synthetic:n=200,channels=1"})
+    model_file = save_global_model(tmp_path / "m.pt", run)
+    (tmp_path / "new" / "lesion_type_1").mkdir(parents=True)
+    Image.fromarray(np.full((28, 28), 90, dtype=np.uint8)).save(tmp_path / "new" / "lesion_type_1" / "x.png")
+    assert main(["predict", str(model_file), str(tmp_path / "new"), "-o", str(tmp_path / "a.csv"),
+                 "--window", "lung"]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("medflare: note:")]
+    assert notes == ["medflare: note: data.window=-600,1500 is a window for DICOM/NIfTI values such as Hounsfield "
+                     "units, but 1 of 1 images are PNG/JPEG/TIFF files, whose grey levels (0 to 255 for 8-bit) it "
+                     "clips as if they were HU (images may come out blank); remove data.window unless these files "
+                     "store HU"]
+    assert main(["predict", str(model_file), str(tmp_path / "new"), "-o", str(tmp_path / "b.csv")]) == 0
+    assert "note:" not in capsys.readouterr().err

@@ -63,7 +63,7 @@ def written(tmp_path: Path) -> tuple[Path, dict]:
 def test_report_has_per_site_extra_and_per_class_tables(written) -> None:
     out, _ = written
     report = (out / "report.md").read_text()
-    assert "## Per site" in report and "| site | test images | accuracy | balanced_accuracy |" in report
+    assert "## Per site" in report and "| site | test images | balanced_accuracy | accuracy |" in report
     assert "| site-1 | 30 | 0.7500 | 0.7500 |" in report and "| site-2 | 30 | 0.6500 | 0.6500 |" in report
     assert "| **mean over sites** | - | 0.7000 | 0.7000 |" in report
     assert "## Evaluation 'own' (declared by fedmas)" in report and "| **pooled** | - | 0.9000 | 0.9000 |" in report
@@ -205,6 +205,8 @@ def test_a_multi_label_run_is_headlined_and_selected_by_auroc_everywhere(tmp_pat
     assert [r["test_auc_macro_ovr"] for r in rows] == ["0.6", "0.65", "0.7"]
     assert [r["val_auc_macro_ovr"] for r in rows] == ["0.6", "0.65", "0.7"]
     assert comparison_table([summary]).splitlines()[0].endswith("| vs best (auc_macro_ovr) |")
+    # issue 61 minors: the headline leads report.md's tables (it was their last column)
+    assert "| method | rounds | auc_macro_ovr |" in report and "| site | test images | auc_macro_ovr |" in report
 
 
 def test_a_multi_label_run_without_a_recorded_metric_is_headlined_by_its_task(tmp_path: Path) -> None:
@@ -324,6 +326,15 @@ def test_comparison_reports_mean_std_and_no_difference_within_one_std() -> None:
     assert "| fedavg | 3 | 3 | 0.6200 ± 0.0200 | 0.6200 ± 0.0200 | best |" in table
     assert "| fedprox | 3 | 3 | 0.6100 ± 0.0200 | 0.6100 ± 0.0200 | no difference (gap 0.0100 ≤ 1 std 0.0200) |" in table
     assert "| moon | 3 | 3 | 0.4100 ± 0.0100 | 0.4100 ± 0.0100 | worse by 0.2100 (> 1 std 0.0200) |" in table
+
+
+def test_a_one_seed_comparison_gives_the_gap_and_says_the_spread_is_unknown() -> None:
+    """Issue 61 minors: with one seed each std is 0, so an equal pair read "no difference (... ≤ 1 std 0.0000)" and
+    any gap "worse by"; one seed measures no spread."""
+    table = comparison_table(seeded("fedavg", [0.62]) + seeded("fedprox", [0.62]) + seeded("moon", [0.41]))
+    assert "| fedprox | 1 | 3 | 0.6200 ± 0.0000 | 0.6200 ± 0.0000 | gap 0.0000; spread unknown with one seed" in table
+    assert "| moon | 1 | 3 | 0.4100 ± 0.0000 | 0.4100 ± 0.0000 | gap 0.2100; spread unknown with one seed" in table
+    assert "no difference" not in table and "worse by" not in table
 
 
 def test_verdict_uses_the_larger_of_the_two_spreads() -> None:

@@ -6,6 +6,7 @@ import re
 import typing
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from medflare.data import DataConfig
@@ -245,3 +246,36 @@ def test_a_jobs_dp_filter_is_checked_against_the_arguments_of_flares_filters() -
                       ({"args": {"percentle": 10}}, "args percentle not taken by FLARE's 'percentile' filter")):
         with pytest.raises(ConfigError, match=re.escape(words)):
             check_dp_filter(dp)
+
+
+def test_a_hu_window_on_8_bit_pngs_is_noted_in_the_site_log(tmp_path: Path) -> None:
+    """Issue 61 minors: data.window on PNGs clips grey levels as if they were HU; the site log says so, once."""
+    from PIL import Image
+
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        for index in range(10):
+            Image.fromarray(np.full((28, 28), 20 * index, dtype=np.uint8)).save(tmp_path / name / f"{index}.png")
+    lines: list[str] = []
+    data = {"source": f"folder:{tmp_path}", "window": "40,80", "local": True}
+    SiteRuntime(SiteSettings(get_method("fedavg"), TaskSpec(2, 1, 28, class_names=["a", "b"]), data), "site-1", 0,
+                log=lines.append)
+    notes = [line for line in lines if line.startswith("note: data.window=40,80 ")]
+    assert len(notes) == 1 and "but 14 of 14 images are PNG/JPEG/TIFF files" in notes[0], lines
+
+
+def test_a_folder_mixing_colour_and_grey_images_is_noted_in_the_site_log(tmp_path: Path) -> None:
+    """Issue 61 minors: the first file decides the channel count; the site log says so when the files mix."""
+    from PIL import Image
+
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        for index in range(10):
+            shape = (28, 28) if index % 2 else (28, 28, 3)  # 0.png, the first file, is colour
+            Image.fromarray(np.zeros(shape, dtype=np.uint8)).save(tmp_path / name / f"{index}.png")
+    lines: list[str] = []
+    data = {"source": f"folder:{tmp_path}", "local": True}
+    SiteRuntime(SiteSettings(get_method("fedavg"), TaskSpec(2, 3, 28, class_names=["a", "b"]), data), "site-1", 0,
+                log=lines.append)
+    notes = [line for line in lines if line.startswith("note: the images mix colour and grey files")]
+    assert len(notes) == 1 and "read as 3-channel, as the first file is (grey ones repeated in 3 channels)" in notes[0]

@@ -350,6 +350,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
     done = predict_file(args.checkpoint, args.input, args.output, split=args.split, window=args.window,
                         batch_size=args.batch_size, device=args.device, threads=args.threads)
+    if done["note"]:
+        print(f"medflare: note: {done['note']}", file=sys.stderr)
     kind = "findings" if done["multi_label"] else "classes"
     print(f"medflare: wrote {done['images']} predictions of {done['method']} ({done['model']}, {kind} "
           f"{', '.join(done['class_names'])}, on {done['device']}) to {done['output']}")

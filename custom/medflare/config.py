@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
-from medflare.errors import ConfigError
+from medflare.errors import ConfigError, did_you_mean
 
 T = TypeVar("T")
 TRUE_WORDS = ("true", "yes", "on", "1")
@@ -156,7 +156,8 @@ def fields_typed(cls: type, values: dict[str, Any] | None, where: str, owner: st
     unknown = sorted(set(values) - set(fields))
     if unknown:
         valid = f"valid options: {', '.join(sorted(fields))}" if fields else "it takes no options"
-        raise ConfigError(f"{owner or where or 'run options'}: unknown option(s) {', '.join(unknown)}; {valid}")
+        hint = did_you_mean(unknown[0], fields)
+        raise ConfigError(f"{owner or where or 'run options'}: unknown option(s) {', '.join(unknown)}{hint}; {valid}")
     hints = get_type_hints(cls)
     examples = {key: None if f.default is dataclasses.MISSING else f.default for key, f in fields.items()}
     typed = {}

@@ -58,14 +58,18 @@ def server_config(plan: RunPlan) -> dict[str, Any]:
 
 def mlflow_args(plan: RunPlan) -> dict[str, Any] | None:
     """The MLflow receiver's arguments (None without it): the experiment (``$MLFLOW_EXPERIMENT_NAME`` where the job
-    is written), the run's name ``<method>-<model>-s<seed>`` and the settings as params named as ``--set`` keys."""
+    is written), the run's name ``<method>-<model>-s<seed>`` and the settings as params named as ``--set`` keys, the
+    task's facts (``task.num_classes``, ...) beside them."""
     if "mlflow" not in tracking.TRACKERS[plan.tracking]:
         return None
     train = plan.train  # a site's own options (site_train) are in the plan, not in these params
     params = {
         **{key: getattr(plan, key) for key in ("method", "model", "pretrained", "seed")},
         "rounds": len(plan.rounds), "clients": len(plan.sites), "min_clients": plan.min_clients,
+        **{f"task.{key}": value for key, value in dataclasses.asdict(plan.task).items()},
         **{f"data.{key}": value for key, value in plan.data.items()},
+        # named even when unset, so that a search on it finds the runs without a window too
+        "data.window": plan.data.get("window") or "none",
         **{f"train.{key}": value for key, value in dataclasses.asdict(train).items()},
         **{f"method.{key}": value for key, value in plan.method_args.items()},
     }

@@ -22,7 +22,7 @@ import numpy as np
 
 from medflare.checkpoint import Checkpoint, normalization, read_checkpoint
 from medflare.data.classes import same_form
-from medflare.data.readers import IMAGE_SUFFIXES, is_image_file, parse_window, read_image
+from medflare.data.readers import IMAGE_SUFFIXES, is_image_file, parse_window, read_image, window_note
 from medflare.data.sources import CSV_CLASS_PREFIX, class_columns, manifest_rows
 from medflare.data.types import UNLABELED, ImageSet
 from medflare.errors import ConfigError, DataError
@@ -43,6 +43,7 @@ class PredictInput:
     images: ImageSet
     ids: list[str]
     labelled: bool
+    note: str = ""  # readers.window_note: a HU window set for PNG/JPEG/TIFF files
 
 
 def predict_file(checkpoint_path: str | Path, input_path: str | Path, output: str | Path, *, split: str = "test",
@@ -72,7 +73,7 @@ def predict_file(checkpoint_path: str | Path, input_path: str | Path, output: st
     write_predictions(output, inputs, probabilities, checkpoint.class_names, multi_label=multi_label)
     return {"images": len(inputs.ids), "output": str(output), "method": checkpoint.facts["method"],
             "model": checkpoint.facts["model"], "class_names": checkpoint.class_names, "multi_label": multi_label,
-            "trained_with": checkpoint.facts.get("medflare_version"), "device": str(chosen_device),
+            "trained_with": checkpoint.facts.get("medflare_version"), "device": str(chosen_device), "note": inputs.note,
             **label_metrics(inputs, probabilities, multi_label)}
 
 
@@ -218,7 +219,7 @@ def read_input(path: Path, channels: int, class_names: list[str], split: str, wi
     labelled = labels is not None
     images = ImageSet(labels=labels if labelled else _unknown_labels(len(paths), len(class_names), multi_label),
                       num_classes=len(class_names), channels=channels, paths=paths, name=str(path), window=parsed)
-    return PredictInput(images, ids, labelled)
+    return PredictInput(images, ids, labelled, window_note(paths, parsed))
 
 
 def _unknown_labels(count: int, num_classes: int, multi_label: bool) -> np.ndarray:

@@ -216,20 +216,21 @@ def _fmt(value: Any) -> str:
     return "" if value is None else f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
-def metric_columns(*metrics: Mapping[str, Any]) -> list[str]:
+def metric_columns(*metrics: Mapping[str, Any], headline: str = "") -> list[str]:
     """The metrics shown in tables: the standard four, plus head/medium/tail and per-attribute ones when present
-    (in any of ``metrics``)."""
+    (in any of ``metrics``); ``headline`` (a report's headline metric) leads, so a multi-label run's macro AUROC is
+    its first column, not its last."""
     present = {key for m in metrics for key, value in m.items() if value is not None}
     attributes = sorted(k for k in present if k.startswith("bacc_attr_") and k not in ATTRIBUTE_METRICS)
-    ordered = TABLE_METRICS + LONG_TAIL_METRICS + tuple(attributes) + ATTRIBUTE_METRICS
+    ordered = (headline,) + TABLE_METRICS + LONG_TAIL_METRICS + tuple(attributes) + ATTRIBUTE_METRICS
     return [m for m in dict.fromkeys(ordered) if m in present]
 
 
-def results_table(summaries: list[Mapping[str, Any]], with_seed: bool = False) -> str:
-    """A markdown table of final test metrics, one row per run (and its seed, when asked)."""
+def results_table(summaries: list[Mapping[str, Any]], with_seed: bool = False, headline: str = "") -> str:
+    """A markdown table of final test metrics, one row per run (and its seed, when asked; ``headline`` first)."""
     if not summaries:
         return ""
-    columns = metric_columns(*(s["final"] for s in summaries))
+    columns = metric_columns(*(s["final"] for s in summaries), headline=headline)
     first = ["method", "seed", "rounds"] if with_seed else ["method", "rounds"]
     lines = ["| " + " | ".join(first + columns) + " |", "|---" * (len(columns) + len(first)) + "|"]
     for s in summaries:
@@ -272,7 +273,8 @@ def class_names(summary: Mapping[str, Any]) -> list[str]:
 def markdown_report(summary: Mapping[str, Any], plots: list[str] | None = None) -> str:
     """A human-readable report of :func:`build_summary`'s result: set-up, final metrics, best model, per site,
     per class, and ``plots`` (the run's image files, relative to the report)."""
-    sections = [_header(summary), ["## Final test metrics", "", results_table([summary]), "", *best_model_lines(summary)],
+    table = results_table([summary], headline=plotting.headline(summary))
+    sections = [_header(summary), ["## Final test metrics", "", table, "", *best_model_lines(summary)],
                 _per_site_section(summary), *_extra_sections(summary), _per_class_section(summary),
                 _sites_section(summary), _plots_section(plots or [])]
     if summary.get("error"):
@@ -312,8 +314,9 @@ def _plan_check_text(summary: Mapping[str, Any]) -> str:
     """What the job config this report describes is to the plan the server ran (``launch.plan_check``)."""
     check = summary.get("plan_check")
     if check == "matches":
-        return "; the configuration below resolves to the same plan"
-    return f"; **warning:** the configuration below {check}" if check and check != "unknown" else ""
+        return "; the configuration in `summary.json` (`config`) resolves to the same plan"
+    return f"; **warning:** the configuration in `summary.json` (`config`) {check}" if check and check != "unknown" \
+        else ""
 
 
 def server_holds_model(summary: Mapping[str, Any]) -> bool:
@@ -370,7 +373,7 @@ def _per_site_table(title: str, note: str, block: Mapping[str, Any], summary: Ma
     """Each site's row, the pooled value and the unweighted mean over sites."""
     if not block.get("by_site"):
         return []
-    columns = metric_columns(*block["by_site"].values())
+    columns = metric_columns(*block["by_site"].values(), headline=plotting.headline(summary))
     clients = summary.get("clients", {})
     rows = [(site, clients.get(site, {}).get("n_test", "-"), m) for site, m in block["by_site"].items()]
     rows += [("**pooled**", "-", block.get("test", block)), ("**mean over sites**", "-", block["site_mean"])]
@@ -537,9 +540,11 @@ def seed_statistics(runs: list[Mapping[str, Any]], columns: list[str]) -> dict[s
             for column, vs in values.items()}
 
 
-def verdicts(stats: Mapping[str, Mapping[str, tuple[float, float] | None]], metric: str) -> dict[str, str]:
+def verdicts(stats: Mapping[str, Mapping[str, tuple[float, float] | None]], metric: str,
+             seeds: Mapping[str, int] | None = None) -> dict[str, str]:
     """Each method against the best mean of ``metric``: a gap within one standard deviation (the larger of the
-    two methods') is **no difference** (the project's rule for seeded comparisons)."""
+    two methods') is **no difference** (the project's rule for seeded comparisons). Where either method ran one
+    seed (``seeds``: runs per method; None: several), its spread is unknown, and the verdict gives the gap only."""
     known = {m: s[metric] for m, s in stats.items() if s.get(metric) is not None}
     if not known:
         return {}
@@ -547,8 +552,11 @@ def verdicts(stats: Mapping[str, Mapping[str, tuple[float, float] | None]], metr
     out = {}
     for method, (mean, std) in known.items():
         gap, spread = known[best][0] - mean, max(std, known[best][1])
-        out[method] = ("best" if method == best else f"no difference (gap {gap:.4f} ≤ 1 std {spread:.4f})"
-                       if gap <= spread else f"worse by {gap:.4f} (> 1 std {spread:.4f})")
+        one_seed = seeds is not None and min(seeds[method], seeds[best]) < 2
+        out[method] = ("best" if method == best else
+                       f"gap {gap:.4f}; spread unknown with one seed (compare with --seeds 0 1 2)" if one_seed else
+                       f"no difference (gap {gap:.4f} ≤ 1 std {spread:.4f})" if gap <= spread else
+                       f"worse by {gap:.4f} (> 1 std {spread:.4f})")
     return out
 
 
@@ -558,7 +566,7 @@ def comparison_table(summaries: list[Mapping[str, Any]]) -> str:
     columns = metric_columns(*(s["final"] for s in summaries))
     stats = {method: seed_statistics(runs, columns) for method, runs in groups.items()}
     metric = plotting.headline(summaries[0])  # one task for every run compared
-    verdict = verdicts(stats, metric)
+    verdict = verdicts(stats, metric, {method: len(runs) for method, runs in groups.items()})
     lines = [f"| method | seeds | rounds | {' | '.join(columns)} | vs best ({metric}) |", "|---" * (len(columns) + 4) + "|"]
     for method, runs in groups.items():
         cells = " | ".join("n/a" if stats[method][c] is None else f"{stats[method][c][0]:.4f} ± {stats[method][c][1]:.4f}"

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, TypeVar
 
-from medflare.config import MAX_IMAGE_SIZE, bounded, check_fields, from_dict
+from medflare.config import MAX_IMAGE_SIZE, bounded, check_fields, fields_typed, from_dict
 from medflare.errors import ConfigError, DataError, did_you_mean
 from medflare.methods.base import MethodSpec, TrainConfig
 
@@ -196,6 +196,9 @@ def _site_data_block(path: Path, site_file: dict[str, Any] | None) -> dict[str, 
         raise DataError(f"{path}: its 'data' object names no source, so this site has no images to train on; add "
                         '"source", e.g. {"data": {"source": "folder:/path/to/images"}} (or csv:/path/manifest.csv, '
                         "medmnist:/path/file.npz)")
+    from medflare.data import DataConfig  # local, as in typed_data_config
+
+    fields_typed(DataConfig, site_data, f"{SITE_CONFIG_FILE} data")  # a misspelt key is refused here, naming the file
     return site_data
 
 
@@ -265,7 +268,8 @@ class SiteFile:
                                         "distributed": readback.OBJECT, "policy": readback.OBJECT})
         content = readback.check(readback.load_json(path, DataError, fix=fix), schema, str(path), DataError, fix)
         unknown_key_refusal(content, path)
-        return cls(path, content)
+        # notes are dropped here, once, so each section's typed reader refuses every other unknown key, at any level
+        return cls(path, without_comments(content))
 
     def get(self, key: str, default: Any = None) -> Any:
         return (self.content or {}).get(key, default)
@@ -284,6 +288,15 @@ def unknown_key_refusal(content: Mapping[str, Any], path: Path) -> None:
         hint = did_you_mean(unknown[0], SITE_FILE_KEYS)
         raise DataError(f"{path}: unknown key {unknown[0]!r}{hint}, which medflare would ignore; a site file has "
                         f"{', '.join(sorted(SITE_FILE_KEYS))} and {COMMENT_PREFIX}... notes; rename or remove it")
+
+
+def without_comments(value: Any) -> Any:
+    """``value`` with every ``_comment...`` key of every object in it left out (a site file's notes, at any level)."""
+    if isinstance(value, dict):
+        return {k: without_comments(v) for k, v in value.items() if not str(k).startswith(COMMENT_PREFIX)}
+    if isinstance(value, list):
+        return [without_comments(v) for v in value]
+    return value
 
 
 def site_index_from_name(site_name: str, sites: list[str] | None) -> int:

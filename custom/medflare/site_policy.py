@@ -62,12 +62,17 @@ class SitePolicy:
             raise ConfigError(f"policy.require names {unknown}; it may require {', '.join(REQUIREMENTS)}")
 
     def refusal(self, plan: RunPlan) -> str:
-        """Why this site declines the job of ``plan`` ("" when it accepts it)."""
+        """Why this site declines the job of ``plan`` ("" when it accepts it): every reason, "; "-joined, so that a
+        job's author fixes them all in one go."""
+        reasons = []
         if self.methods is not None and plan.method not in self.methods:
-            return f"method '{plan.method}' is not among the methods this site accepts ({', '.join(self.methods)})"
+            reasons.append(f"method '{plan.method}' is not among the methods this site accepts "
+                           f"({', '.join(self.methods)})")
         missing = [name for name in self.require if not REQUIREMENTS[name](plan, self)]
         why = f" ({self.robust_shortfall(plan)})" if "robust" in missing else ""
-        return f"the job has no {', '.join(missing)}, which this site requires{why}" if missing else ""
+        if missing:
+            reasons.append(f"the job has no {', '.join(missing)}, which this site requires{why}")
+        return "; ".join(reasons)
 
     def robust_shortfall(self, plan: RunPlan) -> str:
         """Why the job's defences are not robust by this site's bounds ("" when they are), for the job's sites."""

@@ -94,11 +94,17 @@ class SiteRuntime:
         self._restore_state()  # a site process restarted inside a running job continues where it stopped
 
     def _load_data(self, site_index: int) -> Any:
+        from medflare.data.readers import channel_mix_note, window_note
+
         pooled_test = bool(getattr(self.spec.trainer_cls, "scores_pooled_test", False))
         data = load_site_data(self.settings, site_index, self.site_name, pooled_test)
         self.log(f"{len(data.train)} train / {len(data.val)} val / {len(data.test)} test images")
         for note in data.class_notes:  # missing classes, classes left out: the site's admin reads them here
             self.log(note)
+        paths = data.train.images.paths or ()
+        for note in (window_note(paths, data.train.images.window), channel_mix_note(paths, data.channels)):
+            if note:
+                self.log(f"note: {note}")
         return data
 
     def _build_model(self) -> torch.nn.Module:

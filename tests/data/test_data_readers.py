@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from medflare.data import DataConfig, load_source, make_site_data
-from medflare.data.readers import WINDOW_PRESETS, Window, parse_window, read_image
+from medflare.data.readers import WINDOW_PRESETS, Window, parse_window, read_image, stored_range
 from medflare.errors import ConfigError, DataError
 
 pydicom = pytest.importorskip("pydicom", reason="DICOM tests need pydicom: pip install medflare[dicom]")
@@ -192,3 +192,27 @@ def test_missing_reader_package_names_the_extra(tmp_path: Path, monkeypatch) -> 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pydicom" else real(name, *a))
     with pytest.raises(DataError, match=r"needs the optional package 'pydicom'.*pip install medflare\[dicom\]"):
         read_image(str(path))
+
+
+def test_stored_range_is_what_a_deeper_file_holds_before_scaling(tmp_path: Path) -> None:
+    """Issue 61 minors: what preflight shows beside [0, 1] (HU for a CT, 0 to 4095 for a 12-bit TIFF)."""
+    tiff = np.array([[3, 4095]], dtype=np.uint16)
+    Image.fromarray(tiff).save(tmp_path / "x.tif")
+    Image.fromarray(np.array([[3, 200]], dtype=np.uint8)).save(tmp_path / "x.png")
+    ct = write_dicom(tmp_path / "ct.dcm", hounsfield_image([-1000, 400]))
+    nifti = write_nifti(tmp_path / "x.nii.gz", np.array([[-5, 0], [7, 9]]))
+    assert stored_range(str(tmp_path / "x.tif")) == (3.0, 4095.0)
+    assert stored_range(str(ct)) == (-1000.0, 400.0)
+    assert stored_range(str(nifti)) == (-5.0, 9.0)
+    assert stored_range(str(tmp_path / "x.png")) is None  # 8-bit: read as is, nothing scaled
+
+
+def test_a_window_is_noted_only_for_files_whose_values_are_grey_levels() -> None:
+    from medflare.data.readers import window_note
+
+    window = parse_window("brain")
+    assert window_note(["a.dcm", "b.nii.gz"], window) == ""  # HU (or the scanner's units): what a window is for
+    assert window_note(["a.png", "b.dcm"], None) == ""
+    assert window_note(["a.png", "b.dcm", "c.TIF"], window).startswith(
+        "data.window=40,80 is a window for DICOM/NIfTI values such as Hounsfield units, but 2 of 3 images are "
+        "PNG/JPEG/TIFF files")

@@ -122,6 +122,17 @@ def test_a_policy_that_refuses_the_job_fails(kit: Path, tmp_path: Path) -> None:
                                           "requires")
 
 
+def test_every_reason_the_policy_refuses_a_job_for_is_named(kit: Path, tmp_path: Path) -> None:
+    """Issue 61 minors: only the first refusal was named, so its author fixed one and was refused again."""
+    site_file = kit / "local" / "medflare_site.json"
+    policy = {"methods": ["fedprox"], "require": ["dp_sgd", "secure_aggregation"]}
+    site_file.write_text(json.dumps({**json.loads(site_file.read_text()), "policy": policy}))
+    checks = statuses(preflight(kit, job=job_with(tmp_path, list(NAMES)), progress=lambda line: None))
+    assert checks["job policy"] == (FAIL, "the site would decline this job: method 'fedavg' is not among the methods "
+                                          "this site accepts (fedprox); the job has no dp_sgd, secure_aggregation, "
+                                          "which this site requires")
+
+
 def test_an_expired_certificate_fails(kit: Path, provisioned: Path) -> None:
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
@@ -307,23 +318,33 @@ def test_an_audit_log_outside_local_fails(kit: Path, audit_log: str) -> None:
 @pytest.mark.parametrize("edit, detail", [
     ({"polcy": {"require": ["robust"]}}, "unknown key 'polcy' (did you mean 'policy'?), which medflare would ignore"),
     ({"dp_sgdd": {"max_epsilon": 2.0}}, "unknown key 'dp_sgdd' (did you mean 'dp_sgd'?)"),
-    ({"dp_sgd": {"max_epsilonn": 2.0}}, "medflare_site.json dp_sgd: unknown option(s) max_epsilonn; valid options: "),
-    ({"distributed": {"procesess": 2}}, "medflare_site.json distributed: unknown option(s) procesess; valid options: "
-                                        "backend, processes, shuffle_seed"),
+    ({"dp_sgd": {"max_epsilonn": 2.0}}, "medflare_site.json dp_sgd: unknown option(s) max_epsilonn (did you mean "
+                                        "'max_epsilon'?); valid options: "),
+    ({"distributed": {"procesess": 2}}, "medflare_site.json distributed: unknown option(s) procesess (did you mean "
+                                        "'processes'?); valid options: backend, processes, shuffle_seed"),
+    # issue 61 minors: every level, not only the top one
+    ({"policy": {"requir": ["dp_sgd"]}}, "medflare_site.json policy: unknown option(s) requir (did you mean "
+                                         "'require'?); valid options: audit_log, methods, min_class_samples, require"),
+    ({"data": {"windw": "lung"}}, "medflare_site.json data: unknown option(s) windw (did you mean 'window'?); valid "
+                                  "options: augment, class_map,"),
 ])
 def test_a_misspelt_key_of_the_site_file_is_one_fail_row_naming_it(kit: Path, edit: dict, detail: str) -> None:
     """A misspelt top-level key turned the site's policy (or DP-SGD budget) off with a PASS; a misspelt option of
     dp_sgd passed preflight and of distributed gave a TypeError. Now one FAIL row names the key and the valid ones."""
     site_file = kit / "local" / "medflare_site.json"
-    site_file.write_text(json.dumps({**json.loads(site_file.read_text()), **edit}))
+    content = json.loads(site_file.read_text())
+    site_file.write_text(json.dumps({**content, **edit, "data": {**content["data"], **edit.get("data", {})}}))
     check, shown = only_fail(preflight(kit, progress=lambda line: None))
     assert detail in shown and "\n" not in shown, (check, shown)
 
 
 def test_comment_keys_of_the_site_file_are_notes(kit: Path) -> None:
     site_file = kit / "local" / "medflare_site.json"
+    data = json.loads(site_file.read_text())["data"]
     site_file.write_text(json.dumps({"_comment": "JSON has no comments", "_comment_data": "where the images are",
-                                     **json.loads(site_file.read_text())}))
+                                     "data": {**data, "_comment": "a note inside a section"},
+                                     "policy": {"_comment": "who may train here", "min_class_samples": 0},
+                                     "dp_sgd": {"_comment_budget": "none yet"}, "distributed": {"_comment": "one"}}))
     assert [c.check for c in preflight(kit, progress=lambda line: None) if c.status == FAIL] == ["server"]
 
 
@@ -381,3 +402,50 @@ def test_a_job_with_the_placeholder_class_names_is_refused_saying_how_to_name_th
     refused = [line for line in preflight_lines(kit, out / "fedavg", capsys) if " job data " in line]
     assert len(refused) == 1 and refused[0].startswith("FAIL"), refused
     assert "the job's class names are the placeholder ['<class 1>', '<class 2>']; the lead sets them" in refused[0]
+
+
+# ----- issue 61 minors: the image rows say what a site sees ---------------------------------------------------------
+def test_a_12_bit_tiff_site_sees_its_raw_range_and_what_it_is_scaled_to(kit: Path, tmp_path: Path) -> None:
+    images = tmp_path / "tiff"
+    for name in NAMES:
+        (images / name).mkdir(parents=True)
+        for index in range(12):
+            pixels = np.full((28, 28), 100 * index, dtype=np.uint16)
+            pixels[0, 0], pixels[-1, -1] = 7, 4095 if index == 3 else 300  # 12 bits: 0 to 4095
+            Image.fromarray(pixels).save(images / name / f"{index}.tif")
+    (kit / "local" / "medflare_site.json").write_text(json.dumps({"data": {"source": f"folder:{images}"}}))
+    status, detail = statuses(preflight(kit, progress=lambda line: None))["intensities"]
+    assert (status, detail) == (PASS, "scaled to [0, 1]; raw 0 to 4095, scaled to 0 to 1")
+
+
+def test_mixed_image_sizes_warn_with_what_the_site_can_do(kit: Path, tmp_path: Path) -> None:
+    images = tmp_path / "mixed"
+    for name in NAMES:
+        (images / name).mkdir(parents=True)
+        for index in range(12):
+            Image.fromarray(np.zeros((28, 28 + index % 2 * 4), dtype=np.uint8)).save(images / name / f"{index}.png")
+    (kit / "local" / "medflare_site.json").write_text(json.dumps({"data": {"source": f"folder:{images}"}}))
+    status, detail = statuses(preflight(kit, progress=lambda line: None))["image sizes"]
+    assert status == "WARN" and detail.endswith(
+        "every job resizes them to its own square image size, stretching non-square ones (to keep their aspect "
+        "ratio, crop or pad the images to squares)") and "data.image_size" not in detail
+
+
+def test_a_folder_mixing_colour_and_grey_images_warns_with_what_it_is_read_as(kit: Path, tmp_path: Path) -> None:
+    """Issue 61 minors: the channel count came from the first file, without a word."""
+    images = tmp_path / "mixed-colour"
+    for name in NAMES:
+        (images / name).mkdir(parents=True)
+        for index in range(12):
+            shape = (28, 28, 3) if index % 2 else (28, 28)  # 0.png, the first file, is grey
+            Image.fromarray(np.zeros(shape, dtype=np.uint8)).save(images / name / f"{index}.png")
+    (kit / "local" / "medflare_site.json").write_text(json.dumps({"data": {"source": f"folder:{images}"}}))
+    checks = statuses(preflight(kit, progress=lambda line: None))
+    status, detail = checks["image channels"]
+    assert status == "WARN" and detail.startswith("the images mix colour and grey files (") and detail.endswith(
+        "all are read as 1-channel, as the first file is (colour ones converted to grey); to choose, convert them "
+        "all to one kind"), detail
+
+
+def test_one_kind_of_image_has_no_channel_row(kit: Path) -> None:
+    assert "image channels" not in statuses(preflight(kit, progress=lambda line: None))

@@ -98,7 +98,38 @@ def created_jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     proc = subprocess.run([sys.executable, "-c", CREATE_EVERY_JOB, str(workdir), *commands], capture_output=True,
                           text=True, env={**os.environ, "HOME": str(workdir)}, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (workdir / CREATE_OUTPUT).write_text(proc.stdout)  # the variables nvflare lists, for the test below
     return workdir / "jobs"
+
+
+CREATE_OUTPUT = "job_create.out"
+# the files whose variables `nvflare job create` may list: the job's own configs (it lists every .json/.conf/.yml
+# it finds under the job, the BYOC code's included)
+JOB_CONFIG_FILES = {"meta.conf", "config_fed_client.conf", "config_fed_server.conf"}
+
+
+def test_job_create_lists_only_the_jobs_settings_and_copies_no_install_metadata(created_jobs: Path) -> None:
+    """Issue 61 minors: it listed the catalog's keys (224, default_model, ...) as job variables and copied
+    medflare.egg-info into every job."""
+    table = (created_jobs.parent / CREATE_OUTPUT).read_text()
+    listed = {line.split()[0] for line in table.splitlines() if re.match(r"\s+\S+\.(json|conf|ya?ml)\s", line)}
+    assert listed == JOB_CONFIG_FILES, table[-3000:]
+    for method in list_methods():
+        assert not list((created_jobs / method / "app" / "custom").glob("*.egg-info")), method
+
+
+def test_an_editable_install_writes_its_metadata_outside_custom(tmp_path: Path) -> None:
+    """What pip runs first for ``pip install -e .`` (the build backend's egg_info) on the project's pyproject.toml:
+    the egg-info goes to the repository root, not into the custom/ folder a job's BYOC code is copied from."""
+    (tmp_path / "custom" / "medflare").mkdir(parents=True)
+    (tmp_path / "custom" / "medflare" / "__init__.py").write_text("")
+    for name in ("pyproject.toml", "README.md"):
+        (tmp_path / name).write_text((REPO / name).read_text())
+    hook = "from setuptools import build_meta; build_meta.get_requires_for_build_editable()"
+    proc = subprocess.run([sys.executable, "-c", hook], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [p.name for p in tmp_path.glob("*.egg-info")] == ["medflare.egg-info"]
+    assert not list((tmp_path / "custom").glob("*.egg-info"))
 
 
 def test_every_config_header_shows_the_documented_command() -> None:

@@ -139,6 +139,33 @@ def test_a_misspelt_key_of_the_site_file_refuses_the_job_before_any_image_is_rea
         executor._get_runtime(fl_ctx)
 
 
+@pytest.mark.parametrize("site_file, refusal", [
+    ({"data": SITE_DATA, "policy": {"requir": ["dp_sgd"]}},
+     r"medflare_site.json policy: unknown option\(s\) requir \(did you mean 'require'\?\); valid options: "),
+    ({"data": {**SITE_DATA, "augmnt": "none"}},
+     r"medflare_site.json data: unknown option\(s\) augmnt \(did you mean 'augment'\?\); valid options: "),
+])
+def test_a_misspelt_key_inside_a_section_of_the_site_file_refuses_the_job_before_any_image_is_read(
+    tmp_path: Path, monkeypatch, site_file: dict, refusal: str
+) -> None:
+    """Issue 61 minors: a typo one level down (``policy.requir``) is refused as the top-level one is."""
+    from medflare.errors import MedflareError
+
+    executor, fl_ctx, _ = site_executor(tmp_path, site_file)
+    monkeypatch.setattr("medflare.flare.executor.SiteRuntime", lambda *a, **k: pytest.fail("the site read its data"))
+    with pytest.raises(MedflareError, match=refusal):
+        executor._get_runtime(fl_ctx)
+
+
+def test_comment_keys_inside_the_site_files_sections_are_notes(tmp_path: Path) -> None:
+    site_dir = tmp_path / "local"
+    site_dir.mkdir()
+    (site_dir / SITE_CONFIG_FILE).write_text(json.dumps({
+        "data": {**SITE_DATA, "_comment": "where the images are", "class_map": {"_comment": "none", "a": "b"}},
+        "policy": {"_comment_who": "any method"}}))
+    assert SiteFile.of(site_dir).content == {"data": {**SITE_DATA, "class_map": {"a": "b"}}, "policy": {}}
+
+
 def finish_task(executor: MedflareExecutor, fl_ctx, runtime, round_index: int, meta: dict) -> None:
     """One train task of ``round_index`` whose (filtered) result left the site with one array and ``meta``."""
     import numpy as np

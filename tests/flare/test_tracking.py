@@ -39,7 +39,7 @@ def test_round_scalars_cover_pooled_site_mean_per_site_and_declared_evaluations(
     }
     assert tracking.round_scalars(evaluation) == {
         "val/balanced_accuracy": 0.5, "test/accuracy": 0.75, "test/loss": 1.25, "site_mean/accuracy": 0.7,
-        "site-1/test_accuracy": 0.6, "site-2/test_accuracy": 0.8, "specialization/test/accuracy": 0.9,
+        "site-1/test/accuracy": 0.6, "site-2/test/accuracy": 0.8, "specialization/test/accuracy": 0.9,
     }  # lists and undefined (None) metrics are not scalars
 
 

@@ -60,6 +60,12 @@ def test_the_mlflow_receiver_is_configured_with_the_experiment_run_name_tags_and
         "method": "fedprox", "model": "cnn", "rounds": "4", "clients": "2", "seed": "3", "min_clients": "2"}
     assert params["train.lr"] == "0.01" and params["method.mu"] == "0.1"
     assert params["data.source"] == "synthetic" and params["data.partition"] == "dirichlet:0.5"
+    # the task and the intensity window are params too (issue 61): runs of other tasks or windows are told apart
+    assert {key: params[key] for key in params if key.startswith("task.")} == {
+        "task.num_classes": "3", "task.in_channels": "1", "task.image_size": "28", "task.multi_label": "False",
+        "task.class_names": "None"}
+    assert params["data.window"] == "none"
+    assert receiver_args(fedprox_run(data={"source": "site", "window": "40,80"}))["params"]["data.window"] == "40,80"
     # the effective settings, the method's defaults included, each named as its --set key
     assert {"train.batch_size", "train.local_epochs", "train.max_steps", "train.optimizer"} <= set(params)
     assert all(isinstance(value, str) for value in params.values())

@@ -67,7 +67,7 @@ def test_tensorboard_holds_every_rounds_pooled_metrics_as_in_the_results(tracked
         assert_series(recorded[f"{split}/balanced_accuracy"], list(zip(versions, expected)))
     assert recorded["test/balanced_accuracy"][-1][1] == pytest.approx(summary["final"]["balanced_accuracy"], abs=1e-6)
     for site in ("site-1", "site-2"):
-        assert [s for s, _ in recorded[f"{site}/test_balanced_accuracy"]] == versions
+        assert [s for s, _ in recorded[f"{site}/test/balanced_accuracy"]] == versions
         assert_series(recorded[f"train_loss/{site}"], round_losses(results, site))
     shares = [(r + 1, record["share"]["site-1"]) for r, record in enumerate(results["rounds"])]
     assert_series(recorded["share/site-1"], shares)

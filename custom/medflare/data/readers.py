@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +44,11 @@ WINDOW_PRESETS: dict[str, tuple[float, float]] = {
 DICOM_PATIENT_TAGS = ("PatientID", "StudyInstanceUID")
 #: `data.window=file`: each DICOM's own WindowCenter/WindowWidth.
 FILE_WINDOW = "file"
+# PIL modes deeper than 8 bits: read with every level kept and scaled to [0, 1] (as a DICOM is)
+DEEP_PIL_MODES = ("I;16", "I;16B", "I;16L", "I", "F")
+# PIL modes read as one channel (_read_with_pil converts every other mode, palette and 1-bit too, to colour)
+GREY_PIL_MODES = ("L", *DEEP_PIL_MODES)
+CHANNEL_PROBES = 200  # image headers read to tell colour and grey files apart (channel_mix_note)
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,41 @@ def is_image_file(path: str) -> bool:
     return path.lower().endswith(IMAGE_SUFFIXES)
 
 
+def window_note(paths: Sequence[str], window: WindowSpec) -> str:
+    """One line when a window (in the units of a DICOM's or NIfTI's values, e.g. HU) is set for PNG/JPEG/TIFF files,
+    whose values are grey levels: it clips them as if they were HU, so images may come out blank; "" otherwise."""
+    if not isinstance(window, Window):
+        return ""
+    grey_levels = sum(str(path).lower().endswith(PIL_SUFFIXES) for path in paths)
+    if not grey_levels:
+        return ""
+    return (f"data.window={window.center:g},{window.width:g} is a window for DICOM/NIfTI values such as Hounsfield "
+            f"units, but {grey_levels} of {len(paths)} images are PNG/JPEG/TIFF files, whose grey levels (0 to 255 "
+            "for 8-bit) it clips as if they were HU (images may come out blank); remove data.window unless these "
+            "files store HU")
+
+
+def channel_mix_note(paths: Sequence[str], channels: int, most: int = CHANNEL_PROBES) -> str:
+    """One line when PNG/JPEG/TIFF files among ``paths`` (up to ``most`` headers, spread evenly) mix colour and grey
+    images: every image is then read with ``channels``, the first file's count, converted; "" otherwise."""
+    from PIL import Image
+
+    counts = {"colour": 0, "grey": 0}
+    for path in list(paths)[::max(1, len(paths) // most)][:most]:
+        if str(path).lower().endswith(PIL_SUFFIXES):
+            try:
+                with Image.open(path) as image:  # the header: no pixel is decoded
+                    counts["grey" if image.mode in GREY_PIL_MODES else "colour"] += 1
+            except Exception:  # noqa: BLE001 - a broken file is named when it is read (read_image's DataError)
+                continue
+    if not (counts["colour"] and counts["grey"]):
+        return ""
+    how = "grey ones repeated in 3 channels" if channels == 3 else "colour ones converted to grey"
+    return (f"the images mix colour and grey files ({counts['colour']} colour, {counts['grey']} grey of "
+            f"{sum(counts.values())} checked): all are read as {channels}-channel, as the first file is ({how}); to "
+            "choose, convert them all to one kind")
+
+
 def read_image(path: str, channels: int | None = None, window: WindowSpec = None) -> np.ndarray:
     """Decodes one image file into `[H, W, channels]`: uint8 for 8-bit files, float32 in [0, 1] for deeper ones.
     Grayscale is repeated or RGB reduced to luma as `channels` asks (None: the file's own); alpha is dropped.
@@ -115,6 +156,30 @@ def read_image(path: str, channels: int | None = None, window: WindowSpec = None
             f"Cannot decode image file '{path}' ({type(err).__name__}: {err}); replace or remove the file."
         ) from err
     return to_channels(pixels, channels)
+
+
+def stored_range(path: str) -> tuple[float, float] | None:
+    """The lowest and highest value a deeper-than-8-bit grayscale file stores, before :func:`read_image` scales it
+    to [0, 1] (a DICOM's after its modality rescale, e.g. in HU); None for an 8-bit or colour file, read as is. For
+    a site's check of its images (a 12-bit TIFF's 0 to 4095), not for training."""
+    lower = path.lower()
+    if lower.endswith(PIL_SUFFIXES):
+        from PIL import Image
+
+        with Image.open(path) as image:
+            values = np.asarray(image, dtype=np.float64) if image.mode in DEEP_PIL_MODES else None
+    elif lower.endswith(DICOM_SUFFIXES):
+        _require_backend(path)
+        import pydicom
+
+        dataset = pydicom.dcmread(path)
+        values = None if int(getattr(dataset, "SamplesPerPixel", 1)) == 3 else _dicom_values(dataset)
+    elif lower.endswith(NIFTI_SUFFIXES):
+        _require_backend(path)
+        values = _nifti_values(path)
+    else:
+        values = None
+    return None if values is None else (float(values.min()), float(values.max()))
 
 
 def to_channels(pixels: np.ndarray, channels: int | None) -> np.ndarray:
@@ -150,7 +215,7 @@ def _read_with_pil(path: str, window: WindowSpec) -> np.ndarray:
 
     with Image.open(path) as image:
         image.load()  # force full decoding here, so a truncated file fails now and not inside a DataLoader
-        if image.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
+        if image.mode in DEEP_PIL_MODES:
             # deeper than 8 bits: every level kept (PIL's convert("L") would clip at 255), scaled as a DICOM's
             return _scaled(np.asarray(image, dtype=np.float64), window, path)
         if image.mode not in ("L", "RGB", "RGBA"):
@@ -189,7 +254,6 @@ def _read_dicom(path: str, window: WindowSpec) -> np.ndarray:
     """A 2-D DICOM: modality rescale (e.g. to Hounsfield units), window or min-max, MONOCHROME1 inverted."""
     _require_backend(path)
     import pydicom
-    from pydicom.pixels import apply_modality_lut
 
     dataset = pydicom.dcmread(path)
     pixels = dataset.pixel_array
@@ -201,13 +265,20 @@ def _read_dicom(path: str, window: WindowSpec) -> np.ndarray:
             raise DataError(f"data.window is set but DICOM '{path}' is a colour image; windowing applies to "
                             "grayscale values. Remove data.window for this source.")
         return pixels.astype(np.uint8) if pixels.dtype != np.uint8 else pixels
-    values = np.asarray(apply_modality_lut(pixels, dataset), dtype=np.float64)
+    values = _dicom_values(dataset)
     if window == FILE_WINDOW:
         window = _dicom_own_window(dataset, path)
     scaled = window.apply(values) if isinstance(window, Window) else rescale_to_unit(values)
     if str(getattr(dataset, "PhotometricInterpretation", "")).upper() == "MONOCHROME1":
         scaled = 1.0 - scaled  # MONOCHROME1 shows low values bright; medflare's images are MONOCHROME2
     return scaled.astype(np.float32)
+
+
+def _dicom_values(dataset: object) -> np.ndarray:
+    """A grayscale DICOM's values in the file's units: its modality rescale applied (HU for CT)."""
+    from pydicom.pixels import apply_modality_lut
+
+    return np.asarray(apply_modality_lut(dataset.pixel_array, dataset), dtype=np.float64)
 
 
 def _dicom_own_window(dataset: object, path: str) -> Window:
@@ -240,10 +311,15 @@ def dicom_patient(path: str) -> tuple[str, str] | None:
 def _read_nifti(path: str, window: WindowSpec) -> np.ndarray:
     """A 2-D NIfTI slice: scaled values (scl_slope/inter), window or min-max, rows = the second voxel axis."""
     _require_backend(path)
-    import nibabel
-
-    values = np.squeeze(np.asarray(nibabel.load(path).dataobj, dtype=np.float64))
+    values = _nifti_values(path)
     if values.ndim != 2:
         raise DataError(f"NIfTI '{path}' has shape {values.shape}; medflare reads 2-D slices only. "
                         "Extract the slices you want to classify into separate files first.")
     return _scaled(values.T, window, path)  # NIfTI stores x (columns) first; images here are [rows, columns]
+
+
+def _nifti_values(path: str) -> np.ndarray:
+    """A NIfTI file's scaled values (scl_slope/inter), size-1 axes dropped."""
+    import nibabel
+
+    return np.squeeze(np.asarray(nibabel.load(path).dataobj, dtype=np.float64))

@@ -306,7 +306,16 @@ def _site_data(site: str, site_file: Any) -> tuple[Any, str, str]:
 def _image_checks(data: Any, names: list[str], floor: int, max_images: int, progress: Progress) -> list[Check]:
     sets = {split: getattr(data, split).images for split in ("train", "val", "test")}
     scan = _scan(sets, max_images, progress)
-    return [_corrupt_check(scan), _size_check(scan), _intensity_check(scan), _class_check(sets, names, floor)]
+    return [_corrupt_check(scan), _size_check(scan), _intensity_check(scan), *_channel_check(data),
+            _class_check(sets, names, floor)]
+
+
+def _channel_check(data: Any) -> list[Check]:
+    """A WARN row when colour and grey files are mixed (read with the first file's channel count); none otherwise."""
+    from medflare.data.readers import channel_mix_note
+
+    note = channel_mix_note(data.train.images.paths or (), data.channels)
+    return [Check("image channels", WARN, note)] if note else []
 
 
 @dataclass
@@ -319,6 +328,9 @@ class _Scan:
     high: float = float("-inf")
     blank: int = 0
     kinds: set[str] = field(default_factory=set)
+    # the values deeper files store before they are scaled to [0, 1] (a 12-bit TIFF's 0 to 4095)
+    raw_low: float = float("inf")
+    raw_high: float = float("-inf")
 
 
 def _scan(sets: dict[str, Any], max_images: int, progress: Progress) -> _Scan:
@@ -337,6 +349,8 @@ def _scan(sets: dict[str, Any], max_images: int, progress: Progress) -> _Scan:
 
 
 def _read_one(image_set: Any, index: int, scan: _Scan) -> None:
+    from medflare.data.readers import stored_range
+
     scan.read += 1
     try:
         pixels = image_set.get_image(index)
@@ -348,6 +362,9 @@ def _read_one(image_set: Any, index: int, scan: _Scan) -> None:
     low, high = float(pixels.min()), float(pixels.max())
     scan.low, scan.high = min(scan.low, low), max(scan.high, high)
     scan.blank += low == high
+    stored = stored_range(image_set.paths[index]) if image_set.paths and pixels.dtype != np.uint8 else None
+    if stored is not None:
+        scan.raw_low, scan.raw_high = min(scan.raw_low, stored[0]), max(scan.raw_high, stored[1])
 
 
 def _corrupt_check(scan: _Scan) -> Check:
@@ -365,14 +382,16 @@ def _size_check(scan: _Scan) -> Check:
     sizes = sorted(scan.sizes, key=lambda hw: -scan.sizes[hw])
     shown = ", ".join(f"{h}x{w} ({scan.sizes[(h, w)]})" for h, w in sizes[:4]) + (" ..." if len(sizes) > 4 else "")
     odd = len(sizes) > 1 or sizes[0][0] != sizes[0][1]
-    note = "; mixed or non-square sizes are resized to the job's square image_size (set data.image_size)"
+    note = ("; every job resizes them to its own square image size, stretching non-square ones (to keep their "
+            "aspect ratio, crop or pad the images to squares)")
     return Check("image sizes", WARN if odd else PASS, shown + (note if odd else ""))
 
 
 def _intensity_check(scan: _Scan) -> Check:
     if not scan.sizes:
         return Check("intensities", WARN, "no image could be read")
-    detail = f"{', '.join(sorted(scan.kinds))}; values {scan.low:g} to {scan.high:g}"
+    raw = f"raw {scan.raw_low:g} to {scan.raw_high:g}, scaled to " if scan.raw_low <= scan.raw_high else "values "
+    detail = f"{', '.join(sorted(scan.kinds))}; {raw}{scan.low:g} to {scan.high:g}"
     if scan.blank:
         return Check("intensities", WARN, f"{detail}; {scan.blank} image(s) hold one value only (blank?)")
     return Check("intensities", PASS, detail)

@@ -111,12 +111,12 @@ def send_scalars(component: FLComponent, fl_ctx: FLContext, scalars: Mapping[str
 
 def round_scalars(evaluation: Mapping[str, Any]) -> dict[str, float]:
     """The scalar metrics of one model version as TensorBoard tags: ``val/`` and ``test/<metric>`` pooled over
-    sites, ``site_mean/<metric>`` the unweighted mean of the sites' test metrics, ``<site>/test_<metric>`` each
-    site's own, and ``<name>/...`` of each method-declared evaluation."""
+    sites, ``site_mean/<metric>`` the unweighted mean of the sites' test metrics, ``<site>/test/<metric>`` each
+    site's own (named as the site's own ``<site>/val/<metric>`` series), and ``<name>/...`` of each method-declared evaluation."""
     scalars = {tag: value for split in ("val", "test", "site_mean")
                for tag, value in _prefixed(f"{split}/", evaluation.get(split, {})).items()}
     for site, metrics in evaluation.get("by_site", {}).items():
-        scalars.update(_prefixed(f"{site}/test_", metrics))
+        scalars.update(_prefixed(f"{site}/test/", metrics))
     for name, block in evaluation.get("extra", {}).items():
         scalars.update({f"{name}/{tag}": value for tag, value in round_scalars(block).items()})
     return scalars
