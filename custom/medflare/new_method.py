@@ -30,8 +30,8 @@ NAME_RULE = re.compile(r"[a-z][a-z0-9]*(-[a-z0-9]+)*")
 NAME_HELP = "lowercase letters and digits, words joined by single hyphens, starting with a letter (e.g. fed-xyz)"
 MAX_NAME = 24  # `medflare methods` aligns names; longer ones push every summary out of line
 METHOD_TABLE_HEADER = "| name | for | paper |"  # README.md's table of methods
-# Every file the registry feeds, rewritten as its Makefile target does (``$(PY) ARGS``; tests compare them with the
-# Makefile), in order: the catalog first, since the other generators read a method's default model from it.
+# Every file the registry feeds, rewritten as its Makefile target does (``$(PY) ARGS``; `make regenerate` runs them
+# all, and a test compares them with the Makefile): the catalog first, as the others read default models from it.
 REGENERATORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("catalog", ("-m", "medflare.catalog")),
     ("apps", ("-m", "medflare.deploy.apps")),
@@ -39,7 +39,6 @@ REGENERATORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("policies", ("-c", "from medflare.deploy.policies import write_policy_templates as w; w()")),
     ("privacy-doc", ("tools/privacy_doc.py",)),
 )
-GENERATORS_TEXT = "python -m medflare.catalog and make " + " ".join(target for target, _ in REGENERATORS[1:])
 DEFAULT_SUMMARY = "{name}: starts as FedAvg (cross-entropy locally, sample-count-weighted average)"
 DEFAULT_REFERENCE = "none named yet (it starts as FedAvg: McMahan et al. 2017)"  # every spec names one (tests)
 
@@ -171,7 +170,7 @@ def regenerate(root: Path = ROOT, log: Callable[[str], None] = print) -> None:
         if failed:
             last = (failed[0][1].strip().splitlines() or ["no output"])[-1]
             raise MedflareError(f"regenerating {', '.join(target for target, _ in failed)} failed ({last}); the "
-                                f"method's files are written: fix the cause, then run {GENERATORS_TEXT}")
+                                f"method's files are written: fix the cause, then run 'make regenerate'")
         log(f"regenerated {', '.join(target for target, _ in batch)} ({time.perf_counter() - start:.1f} s)")
 
 
@@ -204,9 +203,9 @@ NEXT_STEPS = """
   client.py    the local training step: {title}Trainer.compute_loss (and on_round_start for per-round state)
   __init__.py  what travels: Payload (private_keys, arrays, meta); {title}Config's options; summary, reference
   server.py    the aggregation: {title}Rule (site_weight, row_weights, phases: docs/architecture.md, "The hooks")
-then change tests/methods/test_{package}.py and ledger.toml to the paper's equations, and rerun the generators
-after a change to Payload, summary or options: make deploy-artifacts (apps, templates, policies, privacy-doc) and
-python -m medflare.catalog. Check: python tools/mutants.py --method {package}
+then change tests/methods/test_{package}.py and ledger.toml to the paper's equations; after a change to the
+Payload, the summary or the options, 'make regenerate' (catalog, apps, templates, policies, privacy doc). Check:
+python tools/mutants.py --method {package} and make test
 """
 
 
