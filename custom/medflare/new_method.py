@@ -134,24 +134,27 @@ def registry_line_added(init_text: str, package: str) -> str:
     return init_text[:found.start(2)] + lines + init_text[found.end(2):]
 
 
+def method_table_rows(lines: list[str]) -> range:
+    """The indexes of README.md's method-table rows (below its header and rule); ConfigError without the table."""
+    header = next((i for i, line in enumerate(lines) if line.startswith(METHOD_TABLE_HEADER)), None)
+    if header is None:
+        raise ConfigError(f"README.md has no method table (a line '{METHOD_TABLE_HEADER}'): add the new method's "
+                          "row by hand")
+    end = next((i for i in range(header, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return range(header + 2, end)
+
+
 def readme_row_added(readme: str, method: NewMethod) -> str:
     """README.md with ``method``'s row appended to the method table."""
     lines = readme.splitlines(keepends=True)
-    if not any(line.startswith(METHOD_TABLE_HEADER) for line in lines):
-        raise ConfigError(f"README.md has no method table (a line '{METHOD_TABLE_HEADER}'): add the row for "
-                          f"'{method.name}' by hand")
-    start = next(i for i, line in enumerate(lines) if line.startswith(METHOD_TABLE_HEADER))
-    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
-    row = f"| `{method.name}` | {method.summary} | {method.reference} |\n"
-    return "".join(lines[:end] + [row] + lines[end:])
+    end = method_table_rows(lines).stop
+    return "".join([*lines[:end], f"| `{method.name}` | {method.summary} | {method.reference} |\n", *lines[end:]])
 
 
 def table_methods(readme: str) -> list[str]:
     """The method names README.md's method table lists, in its order."""
     lines = readme.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith(METHOD_TABLE_HEADER)) + 2  # header, rule
-    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
-    return [line.split("`")[1] for line in lines[start:end]]
+    return [lines[i].split("`")[1] for i in method_table_rows(lines)]
 
 
 def regenerate(root: Path = ROOT, log: Callable[[str], None] = print) -> None:
@@ -183,19 +186,14 @@ def create_method(method: NewMethod, root: Path = ROOT, log: Callable[[str], Non
     check_checkout(root)
     check_free(method, root)
     init_file, readme_file = root / "custom" / "medflare" / "methods" / "__init__.py", root / "README.md"
-    init_text, readme_text = registry_line_added(init_file.read_text(), method.package), \
-        readme_row_added(readme_file.read_text(), method)
-    written = []
-    for path, text in method.files(root).items():
+    files = {**method.files(root), init_file: registry_line_added(init_file.read_text(), method.package),
+             readme_file: readme_row_added(readme_file.read_text(), method)}  # all built before the first write
+    for path, text in files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-        written.append(path)
-    init_file.write_text(init_text)
-    readme_file.write_text(readme_text)
-    for path in [*written, init_file, readme_file]:
         log(f"wrote {path.relative_to(root)}")
     regenerate(root, log)
-    return [*written, init_file, readme_file]
+    return list(files)
 
 
 NEXT_STEPS = """
