@@ -192,7 +192,7 @@ clean:
 	rm -rf runs .pytest_cache
 
 # ----- deployment (issue 4): generated artifacts, provisioning, POC, the site wheel -------------------------
-.PHONY: apps templates policies privacy-doc deploy-artifacts provision poc-demo wheel rehearse rehearse-faults \
+.PHONY: catalog apps templates policies privacy-doc deploy-artifacts regenerate provision poc-demo wheel rehearse rehearse-faults \
 	bench-link
 PROJECT ?= provisioning/project.yml
 PROVISION_WS ?= runs/provision
@@ -215,6 +215,14 @@ privacy-doc: install
 	$(PY) tools/privacy_doc.py
 
 deploy-artifacts: apps templates policies privacy-doc
+
+# custom/medflare/catalog.jsonc: what `medflare methods` and `medflare models` list without importing torch.
+catalog: install
+	$(PY) -m medflare.catalog
+
+# Everything the method registry feeds, after a method's summary, options or Payload changed (`medflare new-method`
+# runs the same commands: medflare/new_method.py's REGENERATORS, checked against these targets).
+regenerate: catalog deploy-artifacts
 
 # Startup kits for provisioning/project.yml (with site policies) in $(PROVISION_WS).
 provision: install

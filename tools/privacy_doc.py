@@ -1,18 +1,22 @@
-"""The generated part of ``docs/privacy.md``: what each registered method sends, straight from its declaration.
+"""The generated parts of ``docs/privacy.md``: what each registered method sends, straight from its declaration, and
+which methods aggregate encrypted, straight from their server rules.
 
-``python tools/privacy_doc.py`` rewrites the block between the markers; a test fails when it is stale, so the
-document cannot drift from the Payloads the code enforces.
+``python tools/privacy_doc.py`` rewrites each block between its markers; a test fails when one is stale, so the
+document cannot drift from the Payloads and rules the code enforces, and a new method needs no hand edit.
 """
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Any
 
+from medflare.ops.he_aggregate import encryption_refusal
 from medflare.registry import get_method, list_methods
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "privacy.md"
 BEGIN = "<!-- BEGIN GENERATED: python tools/privacy_doc.py -->"
+ENCRYPTION_BEGIN = "<!-- BEGIN GENERATED: python tools/privacy_doc.py (encryption) -->"
 END = "<!-- END GENERATED -->"
 
 
@@ -46,11 +50,36 @@ def dp_cell(spec: Any) -> str:
         "ε covers the weights"
 
 
+def encryption_paragraph() -> str:
+    """The encrypted-aggregation section's "Per method" paragraph: the methods whose rule declares no refusal, then
+    the refused ones grouped by their rule's reason (``he_aggregate.encryption_refusal``, as a job is refused)."""
+    runs: list[str] = []
+    refused: dict[str, list[str]] = {}
+    for name in list_methods():
+        refusal = encryption_refusal(get_method(name))
+        if refusal:
+            refused.setdefault(refusal.partition("cannot aggregate encrypted: ")[2], []).append(name)
+        else:
+            runs.append(name)
+    groups = "; ".join(f"for {' and '.join(f'`{n}`' for n in names)}, {reason}" for reason, names in refused.items())
+    text = (f"**Per method.** Every method whose aggregate is the server's weighted sum of the sites' models runs "
+            f"encrypted: {', '.join(f'`{n}`' for n in runs)}. Refused, from the rule's declared "
+            f"`encrypted_aggregation_refusal`: {groups or 'none'}.")
+    return textwrap.fill(text, width=118, break_long_words=False, break_on_hyphens=False)
+
+
+BLOCKS = ((BEGIN, payload_table), (ENCRYPTION_BEGIN, encryption_paragraph))  # marker -> its content, in file order
+
+
 def rendered(text: str) -> str:
-    """``text`` with the generated block replaced by the current table."""
-    head, _, rest = text.partition(BEGIN)
-    _, _, tail = rest.partition(END)
-    return f"{head}{BEGIN}\n{payload_table()}\n{END}{tail}"
+    """``text`` with every generated block replaced by its current content."""
+    for begin, content in BLOCKS:
+        head, found, rest = text.partition(begin)
+        if not found:
+            raise ValueError(f"{DOC} lacks the marker {begin}: put it back above its block")
+        _, _, tail = rest.partition(END)
+        text = f"{head}{begin}\n{content()}\n{END}{tail}"
+    return text
 
 
 def main() -> None:

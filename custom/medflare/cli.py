@@ -492,6 +492,13 @@ def make_parser() -> argparse.ArgumentParser:
     preflight.add_argument("--max-images", type=int, default=0,
                            help="read at most this many images per split (default 0: every image)")
     preflight.set_defaults(func=cmd_preflight)
+    new_method = sub.add_parser(
+        "new-method", help="in a source checkout: write a new method (folder, registry line, ledger, card, tests) "
+                           "and regenerate what the registry feeds, so the tests pass right after")
+    from medflare.new_method import add_new_method_options, cmd_new_method
+
+    add_new_method_options(new_method)
+    new_method.set_defaults(func=cmd_new_method)
     return parser
 
 

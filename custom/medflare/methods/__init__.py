@@ -1,4 +1,5 @@
-"""Built-in methods. Adding a method = one folder plus one import line here."""
+"""Built-in methods, one import line each. A new one: `medflare new-method NAME` writes its folder and this line and
+regenerates what the registry feeds (docs/architecture.md, "Adding a method")."""
 
 from medflare.methods import (  # noqa: F401
     bsm_fl,
