@@ -12,7 +12,7 @@ Spec forms:
                               -1 / empty for "not annotated", instead of `label`
 
 Without explicit splits a seeded stratified 70/15/15 split is made that keeps every patient's images in one split
-(`grouped_split`): the patient is the folder below the class folder, else a DICOM's PatientID (or StudyInstanceUID),
+(`grouped_split`): the patient is a DICOM's PatientID (or StudyInstanceUID), else the folder below the class folder,
 or a CSV's patient_id column; `info["grouping"]` records the key and the patients per split. Class names come from
 the data where it has them (`info["named_classes"]`), else `class_<k>`. Results are cached in-process with
 read-only arrays.
@@ -486,8 +486,8 @@ def _file_splits(files: dict[str, tuple[list[str], np.ndarray]], num_classes: in
 def _folder_patients(files: dict[str, tuple[list[str], np.ndarray]],
                      split_roots: dict[str, str]) -> tuple[dict[str, np.ndarray | None], str | None]:
     """Per split, the patient of each image file, and the key that names them (None, and no arrays, when no file
-    names one): the folder below its class folder (<class>/<patient>/...), else a DICOM's PatientID or
-    StudyInstanceUID (`dicom_patient`, the header only). A file naming none is a patient of its own."""
+    names one): a DICOM's PatientID or StudyInstanceUID (`dicom_patient`, the header only), else the folder below
+    its class folder (<class>/<patient>/...). A file naming none is a patient of its own."""
     found = {split: [_file_patient(path, split_roots[split]) for path in paths] for split, (paths, _) in files.items()}
     keys = sorted({patient[0] for patients in found.values() for patient in patients if patient is not None})
     if not keys:
@@ -498,11 +498,12 @@ def _folder_patients(files: dict[str, tuple[list[str], np.ndarray]],
 
 
 def _file_patient(path: str, folder: str) -> tuple[str, str] | None:
-    """(key, patient) of one image file under a split's ``folder``, or None (see `_folder_patients`)."""
+    """(key, patient) of one image file under a split's ``folder``, or None (see `_folder_patients`). A DICOM's own
+    header comes first: exports often hold one folder per series (<class>/<series>/*.dcm), and two series of one
+    patient named by their folders would be two patients, free to land in train and test."""
+    header = dicom_patient(path) if path.lower().endswith(DICOM_SUFFIXES) else None
     parts = Path(os.path.relpath(path, folder)).parts  # <class>/[<patient>/...]<file>
-    if len(parts) > 2:
-        return PATIENT_FOLDER, parts[1]
-    return dicom_patient(path) if path.lower().endswith(DICOM_SUFFIXES) else None
+    return header or ((PATIENT_FOLDER, parts[1]) if len(parts) > 2 else None)
 
 
 def _with_patients(splits: DataSplits, patients: dict[str, np.ndarray | None], key: str | None,
