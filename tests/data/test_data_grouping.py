@@ -88,6 +88,17 @@ def test_split_folders_that_share_a_patient_are_counted(tmp_path: Path) -> None:
     assert grouping == {"key": PATIENT_FOLDER, "groups": dict.fromkeys(SPLITS, 2), "shared": 1, "note": ""}
 
 
+def test_a_csv_of_dicoms_without_a_patient_column_splits_by_their_patient_id(tmp_path: Path) -> None:
+    root = ct_series(tmp_path / "ct", patients=10, slices=3, layout="flat")
+    files = sorted(root.rglob("*.dcm"))
+    manifest = tmp_path / "ct.csv"
+    manifest.write_text("path,label\n" + "".join(f"{path},{CLASSES.index(path.parent.name)}\n" for path in files))
+    splits = load_source(f"csv:{manifest}", seed=0)
+    seen = {split: patients_in(getattr(splits, split).paths, "PatientID") for split in SPLITS}
+    assert not (seen["train"] & seen["val"]) and not (seen["train"] & seen["test"]) and not (seen["val"] & seen["test"])
+    assert splits.info["grouping"]["key"] == "PatientID" and [len(seen[split]) for split in SPLITS] == [14, 3, 3]
+
+
 def test_a_csv_patient_id_column_keeps_each_patients_rows_in_one_split(png_manifest: Callable[..., Path]) -> None:
     rows = [{"path": f"img/{label}_{patient}_{index}.png", "label": label, "patient_id": f"P{label}{patient}"}
             for label in (0, 1) for patient in range(10) for index in range(3)]
