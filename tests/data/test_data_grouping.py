@@ -42,7 +42,7 @@ def patients_in(split_paths: list[str], tag: str) -> set[str]:
 
 @pytest.mark.parametrize(("layout", "key", "tag"), [("flat", "PatientID", "PatientID"),
                                                      ("study", "StudyInstanceUID", "StudyInstanceUID"),
-                                                     ("nested", PATIENT_FOLDER, "PatientID")])
+                                                     ("nested", "PatientID", "PatientID")])
 def test_a_ct_series_splits_with_no_patient_in_two_splits(tmp_path: Path, layout: str, key: str, tag: str) -> None:
     root = ct_series(tmp_path / "ct", patients=10, slices=4, layout=layout)
     splits = load_source(f"folder:{root}", seed=3)
@@ -55,6 +55,21 @@ def test_a_ct_series_splits_with_no_patient_in_two_splits(tmp_path: Path, layout
     assert [len(seen[split]) for split in SPLITS] == [14, 3, 3]  # 20 patients, near 70/15/15
     assert set(splits.train.labels.tolist()) == {0, 1}
     assert all(len(paths[split]) == 4 * len(seen[split]) for split in SPLITS)  # every slice with its patient
+
+
+def test_series_folders_of_one_patient_are_one_patient(tmp_path: Path) -> None:
+    """An export with one folder per series (<class>/<series>/*.dcm): the header's PatientID, not the folder, is
+    the patient, so a patient's two series never sit in train and test."""
+    for name in CLASSES:
+        for patient in range(10):
+            for series in ("axial", "coronal"):
+                for index in range(2):
+                    write_dicom(tmp_path / "ct" / name / f"{name}-{patient}-{series}" / f"{index}.dcm",
+                                hounsfield_image([index]), tags={"PatientID": f"{name}-{patient}"})
+    splits = load_source(f"folder:{tmp_path / 'ct'}", seed=0)
+    seen = {split: patients_in(getattr(splits, split).paths, "PatientID") for split in SPLITS}
+    assert not (seen["train"] & seen["val"]) and not (seen["train"] & seen["test"]) and not (seen["val"] & seen["test"])
+    assert splits.info["grouping"]["key"] == "PatientID" and [len(seen[split]) for split in SPLITS] == [14, 3, 3]
 
 
 def test_the_patient_split_is_seeded(tmp_path: Path) -> None:
@@ -71,6 +86,17 @@ def test_split_folders_that_share_a_patient_are_counted(tmp_path: Path) -> None:
                 write_dicom(tmp_path / "ct" / split / name / patient / "0.dcm", hounsfield_image([0]))
     grouping = load_source(f"folder:{tmp_path / 'ct'}").info["grouping"]
     assert grouping == {"key": PATIENT_FOLDER, "groups": dict.fromkeys(SPLITS, 2), "shared": 1, "note": ""}
+
+
+def test_a_csv_of_dicoms_without_a_patient_column_splits_by_their_patient_id(tmp_path: Path) -> None:
+    root = ct_series(tmp_path / "ct", patients=10, slices=3, layout="flat")
+    files = sorted(root.rglob("*.dcm"))
+    manifest = tmp_path / "ct.csv"
+    manifest.write_text("path,label\n" + "".join(f"{path},{CLASSES.index(path.parent.name)}\n" for path in files))
+    splits = load_source(f"csv:{manifest}", seed=0)
+    seen = {split: patients_in(getattr(splits, split).paths, "PatientID") for split in SPLITS}
+    assert not (seen["train"] & seen["val"]) and not (seen["train"] & seen["test"]) and not (seen["val"] & seen["test"])
+    assert splits.info["grouping"]["key"] == "PatientID" and [len(seen[split]) for split in SPLITS] == [14, 3, 3]
 
 
 def test_a_csv_patient_id_column_keeps_each_patients_rows_in_one_split(png_manifest: Callable[..., Path]) -> None:

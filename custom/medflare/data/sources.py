@@ -12,10 +12,10 @@ Spec forms:
                               -1 / empty for "not annotated", instead of `label`
 
 Without explicit splits a seeded stratified 70/15/15 split is made that keeps every patient's images in one split
-(`grouped_split`): the patient is the folder below the class folder, else a DICOM's PatientID (or StudyInstanceUID),
-or a CSV's patient_id column; `info["grouping"]` records the key and the patients per split. Class names come from
-the data where it has them (`info["named_classes"]`), else `class_<k>`. Results are cached in-process with
-read-only arrays.
+(`grouped_split`): the patient is a DICOM's PatientID (or StudyInstanceUID), else the folder below the class folder,
+or a CSV's patient_id column (else its DICOMs' headers); `info["grouping"]` records the key and the patients per
+split. Class names come from the data where it has them (`info["named_classes"]`), else `class_<k>`. Results are
+cached in-process with read-only arrays.
 """
 
 from __future__ import annotations
@@ -349,9 +349,12 @@ def _load_csv(manifest: str, seed: int, num_classes: int | None, left_out: tuple
         num_found = _check_multi_hot({"all": labels}, num_classes, where)
         class_names = [column[len(CSV_CLASS_PREFIX):] for column in columns_of_classes]
     columns: dict[str, np.ndarray] = {}
-    patients = None
     if patient_column in header:  # an empty cell: the row is a patient of its own
         patients = np.array([row[patient_column] or f"row {line}" for row, line in rows], dtype=object)
+        patient_key: str | None = f"{patient_column} column"
+    else:  # a manifest of DICOM files: their headers name the patients, as in a folder source
+        patients, patient_key = _dicom_patients(paths)
+    if patients is not None:
         columns["patients"] = patients
     if "attribute" in header:
         columns["attributes"] = np.array([integer(row, "attribute", line) for row, line in rows], dtype=np.int64)
@@ -372,7 +375,7 @@ def _load_csv(manifest: str, seed: int, num_classes: int | None, left_out: tuple
                             **{key: value[part] for key, value in columns.items()})
             for split, part in zip(SPLITS, parts)}
     info = {"class_names": class_names, "image_size": image_size, "image_shapes": shapes,
-            "grouping": _grouping(sets, f"{patient_column} column" if patients is not None else None, note)}
+            "grouping": _grouping(sets, patient_key, note)}
     if columns_of_classes and "label" not in header:
         info["named_classes"] = True  # the label_<name> columns name the classes
     if "class_name" in header and "label" in header:
@@ -511,23 +514,39 @@ def _file_splits(files: dict[str, tuple[list[str], np.ndarray]], num_classes: in
 def _folder_patients(files: dict[str, tuple[list[str], np.ndarray]],
                      split_roots: dict[str, str]) -> tuple[dict[str, np.ndarray | None], str | None]:
     """Per split, the patient of each image file, and the key that names them (None, and no arrays, when no file
-    names one): the folder below its class folder (<class>/<patient>/...), else a DICOM's PatientID or
-    StudyInstanceUID (`dicom_patient`, the header only). A file naming none is a patient of its own."""
-    found = {split: [_file_patient(path, split_roots[split]) for path in paths] for split, (paths, _) in files.items()}
-    keys = sorted({patient[0] for patients in found.values() for patient in patients if patient is not None})
-    if not keys:
+    names one): a DICOM's PatientID or StudyInstanceUID (`dicom_patient`, the header only), else the folder below
+    its class folder (<class>/<patient>/...). A file naming none is a patient of its own."""
+    found = [_file_patient(path, split_roots[split]) for split, (paths, _) in files.items() for path in paths]
+    every, key = _named_patients(found, [path for paths, _ in files.values() for path in paths])
+    if every is None:
         return dict.fromkeys(files), None
-    arrays = {split: np.array([path if patient is None else patient[1] for path, patient in zip(paths, found[split])],
-                              dtype=object) for split, (paths, _) in files.items()}
-    return arrays, " or ".join(keys)
+    ends = np.cumsum([len(paths) for paths, _ in files.values()])[:-1]
+    return dict(zip(files, np.split(every, ends))), key
+
+
+def _named_patients(found: list[tuple[str, str] | None], paths: list[str]) -> tuple[np.ndarray | None, str | None]:
+    """The patient of each file from its (key, patient) or None (then the file is a patient of its own), and the
+    key(s) that named them; (None, None) when no file names one."""
+    keys = sorted({patient[0] for patient in found if patient is not None})
+    if not keys:
+        return None, None
+    patients = np.array([path if patient is None else patient[1] for path, patient in zip(paths, found)], dtype=object)
+    return patients, " or ".join(keys)
+
+
+def _dicom_patients(paths: list[str]) -> tuple[np.ndarray | None, str | None]:
+    """`_named_patients` of files whose DICOM headers name their patient (other formats name none)."""
+    return _named_patients([dicom_patient(path) if path.lower().endswith(DICOM_SUFFIXES) else None for path in paths],
+                           paths)
 
 
 def _file_patient(path: str, folder: str) -> tuple[str, str] | None:
-    """(key, patient) of one image file under a split's ``folder``, or None (see `_folder_patients`)."""
+    """(key, patient) of one image file under a split's ``folder``, or None (see `_folder_patients`). A DICOM's own
+    header comes first: exports often hold one folder per series (<class>/<series>/*.dcm), and two series of one
+    patient named by their folders would be two patients, free to land in train and test."""
+    header = dicom_patient(path) if path.lower().endswith(DICOM_SUFFIXES) else None
     parts = Path(os.path.relpath(path, folder)).parts  # <class>/[<patient>/...]<file>
-    if len(parts) > 2:
-        return PATIENT_FOLDER, parts[1]
-    return dicom_patient(path) if path.lower().endswith(DICOM_SUFFIXES) else None
+    return header or ((PATIENT_FOLDER, parts[1]) if len(parts) > 2 else None)
 
 
 def _with_patients(splits: DataSplits, patients: dict[str, np.ndarray | None], key: str | None,
