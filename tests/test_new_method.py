@@ -16,9 +16,10 @@ import mutants  # tools/ (tests/conftest.py puts it on the path)
 import pytest
 
 from medflare import new_method
-from medflare.cli import main
 from medflare.new_method import NewMethod, readme_row_added, registry_line_added, table_methods
 from medflare.registry import list_methods
+
+from .test_cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 # The name the copies get: demo, or the first free one after it where demo exists (a checkout after
@@ -26,15 +27,6 @@ ROOT = Path(__file__).resolve().parents[1]
 FRESH = next(name for name in ("demo", *(f"demo{i}" for i in range(2, 100))) if name not in list_methods())
 PACKAGE = FRESH.replace("-", "_")
 HAS_XDIST = importlib.util.find_spec("xdist") is not None
-
-
-def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
-    try:
-        code = main(args)
-    except SystemExit as exc:
-        code = exc.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 @pytest.mark.parametrize("name, says", [

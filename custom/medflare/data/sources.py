@@ -246,8 +246,10 @@ def _load_folder(root: str, seed: int, num_classes: int | None, left_out: tuple[
         raise DataError(f"Image folder '{root}': its class folders ({', '.join(class_names)}) hold no images with "
                         f"suffixes {', '.join(IMAGE_SUFFIXES)}; add images.")
     if (counts == 0).any():  # an empty class folder is a class this site lacks (a job may name it: align_to_job)
-        class_names = [name for name, count in zip(class_names, counts) if count]
-        files = {split: _list_class_files(folder, class_names) for split, folder in split_roots.items()}
+        kept = np.flatnonzero(counts)
+        renumber = np.cumsum(counts > 0) - 1  # old class id -> its id among the kept classes
+        class_names = [class_names[k] for k in kept]
+        files = {split: (paths, renumber[labels]) for split, (paths, labels) in files.items()}
     patients, key = _folder_patients(files, split_roots)
     note = ""
     if "all" in files:
@@ -309,9 +311,8 @@ def _load_csv(manifest: str, seed: int, num_classes: int | None, left_out: tuple
                         f"of its columns: {','.join(header)}.")
     skipped: dict[str, int] = {}  # the class_map nulls by class_name: their rows are dropped, their files never read
     if left_out and "class_name" in header:
-        for row, _ in rows:
-            if same_form(row["class_name"]) in left_out:
-                skipped[row["class_name"]] = skipped.get(row["class_name"], 0) + 1
+        skipped = dict(collections.Counter(row["class_name"] for row, _ in rows
+                                           if same_form(row["class_name"]) in left_out))
         rows = [(row, line) for row, line in rows if row["class_name"] not in skipped]
         if not rows:
             raise DataError(f"CSV manifest '{manifest}': class_map leaves out every class ({', '.join(skipped)}); "
