@@ -31,6 +31,7 @@ def test_every_method_folder_keeps_a_ledger(folder: str) -> None:
     found = mutants.read_ledger(path.parent)
     assert found, f"{path}: no invariant with a mutant"
     assert all(m.invariant and m.source and m.tests for m in found), f"{path}: every invariant names its source"
+    assert {m.seam for m in found} <= {"", *mutants.SEAMS}, f"{path}: a seam must be one of {mutants.SEAMS}"
 
 
 @pytest.mark.parametrize("mutant", [m for ms in mutants.ledgers().values() for m in ms],
@@ -54,3 +55,14 @@ def test_an_invariant_filter_keeps_only_the_matching_invariants_and_drops_empty_
     assert mutants.ledgers(["fedmd"], invariant="no such invariant") == {}
     plan = mutants.ledgers(files=["custom/medflare/plan.py"])
     assert plan and all(m.file == "custom/medflare/plan.py" for ms in plan.values() for m in ms)
+
+
+def test_the_report_counts_each_seam_class_and_the_invariants_of_one_part() -> None:
+    def mutant(seam: str) -> mutants.Mutant:
+        return mutants.Mutant("m", "i", "s", "custom/x.py", "a", "b", ("t",), seam)
+
+    rows = [(mutant("gradient reach"), mutants.KILLED, 1.0), (mutant("gradient reach"), mutants.SURVIVED, 1.0),
+            (mutant(""), mutants.KILLED, 1.0)]
+    counts = mutants.seam_counts(rows)
+    assert "| gradient reach | 2 | 1 |" in counts and "| one part alone | 1 | 1 |" in counts
+    assert "preset" not in counts

@@ -7,6 +7,7 @@ more mutants (a file, an exact text that occurs once in it, its replacement) and
     name = "the EMA teacher follows the student every step"
     source = "spec §5(a) step 4; paper Eq. 2"
     tests = ["tests/methods/test_fedlsm.py::test_the_ema_teacher_moves_towards_the_student"]
+    seam = "stage schedule"  # optional: the seam class the invariant pins (SEAMS), counted in the report
 
     [[invariant.mutant]]
     file = "custom/medflare/methods/fedlsm/client.py"
@@ -19,7 +20,8 @@ the ledger names the few changes that silently turn one method into another, say
 keeps the tests that guard it in one reviewed place. ``tests/test_ledgers.py`` keeps every ledger well formed in
 the default suite (each mutant's text occurs exactly once, each named test exists), so a ledger cannot rot.
 
-Usage: ``python tools/mutants.py [--method NAME ...] [--invariant TEXT] [--file PATH ...] [--out runs/mutants]`` (``make mutants``). Exit code 1 when a
+Usage: ``python tools/mutants.py [--method NAME ...] [--invariant TEXT] [--file PATH ...] [--seam CLASS]
+[--out runs/mutants]`` (``make mutants``). Exit code 1 when a
 mutant survives, or the unmutated tests fail.
 """
 
@@ -41,6 +43,9 @@ ROOT = Path(__file__).resolve().parents[1]
 METHODS = ROOT / "custom" / "medflare" / "methods"
 LEDGER = "ledger.toml"
 KILLED, SURVIVED, ERROR = "killed", "SURVIVED", "error"
+# The seams between a method's parts (issue 62), where a test that hands a function its inputs by hand misses what
+# the trainer, the data build or the evaluation really passes on; an invariant that pins one names it (``seam``)
+SEAMS = ("evaluation aggregation", "data option", "stage schedule", "gradient reach", "architecture", "preset")
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,7 @@ class Mutant:
     find: str
     replace: str
     tests: tuple[str, ...]
+    seam: str = ""  # one of SEAMS, or "" for an invariant of a part alone
 
 
 def read_ledger(folder: Path) -> list[Mutant]:
@@ -63,17 +69,19 @@ def read_ledger(folder: Path) -> list[Mutant]:
     for invariant in content.get("invariant", []):
         for mutant in invariant.get("mutant", []):
             mutants.append(Mutant(folder.name, invariant["name"], invariant.get("source", ""), mutant["file"],
-                                  mutant["find"], mutant["replace"], tuple(mutant.get("tests", invariant["tests"]))))
+                                  mutant["find"], mutant["replace"], tuple(mutant.get("tests", invariant["tests"])),
+                                  invariant.get("seam", "")))
     return mutants
 
 
 def ledgers(methods: list[str] | None = None, invariant: str | None = None,
-            files: list[str] | None = None) -> dict[str, list[Mutant]]:
+            files: list[str] | None = None, seam: str | None = None) -> dict[str, list[Mutant]]:
     """method folder -> its mutants (every folder under methods/ that has a ledger), only those of invariants whose
-    name contains ``invariant`` and those that change one of ``files`` (paths from the root) when given."""
+    name contains ``invariant``, those that change one of ``files`` (paths from the root) and those of ``seam`` (a
+    class of SEAMS) when given."""
     folders = sorted(p.parent for p in METHODS.glob(f"*/{LEDGER}"))
     found = {f.name: [m for m in read_ledger(f) if (not invariant or invariant in m.invariant)
-                      and (not files or m.file in files)]
+                      and (not files or m.file in files) and (not seam or m.seam == seam)]
              for f in folders if not methods or f.name in methods}
     return {name: mutants for name, mutants in found.items() if mutants}
 
@@ -116,13 +124,23 @@ def try_mutant(tree: Path, mutant: Mutant, timeout: int) -> str:
 
 def table(rows: list[tuple[Mutant, str, float]]) -> str:
     """The markdown table ``make mutants`` prints and writes."""
-    lines = ["| method | invariant | source | mutant (file: replaced text) | tests | result | s |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| method | invariant | seam | source | mutant (file: replaced text) | tests | result | s |",
+             "|---|---|---|---|---|---|---|---|"]
     for mutant, result, seconds in rows:
         text = mutant.find.strip().splitlines()[0][:60].replace("|", "\\|")
         tests = ", ".join(t.split("::")[-1] for t in mutant.tests)
-        lines.append(f"| {mutant.method} | {mutant.invariant} | {mutant.source} | `{Path(mutant.file).name}`: "
-                     f"`{text}` | {tests} | {result} | {seconds:.0f} |")
+        lines.append(f"| {mutant.method} | {mutant.invariant} | {mutant.seam or '-'} | {mutant.source} | "
+                     f"`{Path(mutant.file).name}`: `{text}` | {tests} | {result} | {seconds:.0f} |")
+    return "\n".join(lines)
+
+
+def seam_counts(rows: list[tuple[Mutant, str, float]]) -> str:
+    """Killed of run per seam class (and the invariants of one part alone), the table the docs carry."""
+    lines = ["| seam class | mutants | killed |", "|---|---|---|"]
+    for seam in (*SEAMS, ""):
+        picked = [result for mutant, result, _ in rows if mutant.seam == seam]
+        if picked:
+            lines.append(f"| {seam or 'one part alone'} | {len(picked)} | {picked.count(KILLED)} |")
     return "\n".join(lines)
 
 
@@ -132,10 +150,11 @@ def main() -> int:
     parser.add_argument("--invariant", help="only the invariants whose name contains this text")
     parser.add_argument("--file", action="append", help="only the mutants of this file (repeatable), e.g. "
                                                         "custom/medflare/plan.py after a change to it")
+    parser.add_argument("--seam", choices=SEAMS, help="only the invariants of this seam class")
     parser.add_argument("--out", default=str(ROOT / "runs" / "mutants"), help="where the table is written")
     parser.add_argument("--timeout", type=int, default=600, help="seconds one mutant's tests may take")
     args = parser.parse_args()
-    found = ledgers(args.method, args.invariant, args.file)
+    found = ledgers(args.method, args.invariant, args.file, args.seam)
     if not found:
         print("mutants: no ledger found" + (f" for {args.method}" if args.method else ""), file=sys.stderr)
         return 2
@@ -154,7 +173,7 @@ def main() -> int:
                 result = try_mutant(tree, mutant, args.timeout)
                 rows.append((mutant, result, time.perf_counter() - start))
                 print(f"  {method} {index}/{len(mutants)}: {result:8s} {mutant.invariant}", flush=True)
-    report = table(rows)
+    report = table(rows) + "\n\n" + seam_counts(rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "mutants.md").write_text(report + "\n")
