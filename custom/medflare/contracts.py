@@ -84,11 +84,13 @@ MetaValidator = Callable[[Any, "ContractContext"], Any]
 @dataclass(frozen=True)
 class ContractContext:
     """What a validator may need to know about the task (never about a site's data): K, the task's named array
-    dimensions (:class:`ArraySpec`) and whether it is multi-label."""
+    dimensions (:class:`ArraySpec`), whether it is multi-label, and the most local epochs a site of the job trains
+    (what a value summed over epochs, such as Fed-MAS's Eq. 3 rescue factor, can reach)."""
 
     num_classes: int
     dims: Mapping[str, int] = field(default_factory=dict)
     multi_label: bool = False
+    local_epochs: int = 1
 
     def resolve(self, dim: int | str) -> int | None:
         """A declared dimension as a number: ints as they are, "num_classes" = K, other names from ``dims``."""

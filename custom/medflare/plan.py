@@ -164,6 +164,11 @@ class RunPlan:
         index = 0 if settings.data.get("local") else site_index_from_name(site, [s.name for s in self.sites])
         return settings, index
 
+    @property
+    def max_local_epochs(self) -> int:
+        """The most local epochs any site of the plan trains a round (a bound of values summed over epochs)."""
+        return max([self.train.local_epochs, *(named.train.local_epochs for named in self.sites)])
+
     def site_train(self, site: str) -> TrainConfig:
         """The training settings of ``site``: its own in the plan, else the job's (a hospital's own name)."""
         return next((named.train for named in self.sites if named.name == site), self.train)

@@ -173,7 +173,8 @@ def server_rule(
     Raises ConfigError for stages that do not add up to ``num_rounds``, a defence out of range, an unknown wire
     option, or a rule that combines the sites' arrays itself."""
     method = spec.name
-    rule = spec.server_rule_cls(spec.config_of(method_args), num_rounds, spec.payload)
+    method_cfg = spec.config_of(method_args)
+    rule = spec.server_rule_cls(method_cfg, num_rounds, spec.payload_of(method_cfg))
     rule.multi_label = multi_label
     stages = checked_stages(rule.stages(), num_rounds, method)
     defences = robust if isinstance(robust, RobustConfig) else RobustConfig(**typed_robust(robust or {}))

@@ -80,8 +80,9 @@ class SiteRuntime:
         self.device = get_device()  # CUDA when the site has a GPU, else CPU
         self.data = self._load_data(site_index)
         self.model = self._build_model()
+        self.payload = self.spec.payload_of(self.method_cfg)  # what this job's sites may send (both ends check it)
         self.trainer: LocalTrainer = self.spec.trainer_cls(
-            self.model, self.data, self.train_cfg, self.method_cfg, self.spec.payload, self.device, log
+            self.model, self.data, self.train_cfg, self.method_cfg, self.payload, self.device, log
         )
         self.trainer.min_class_samples = settings.min_class_samples
         if settings.dp_sgd:
@@ -190,8 +191,9 @@ class SiteRuntime:
     def _check_outgoing(self, arrays: Mapping[str, Any], meta: Mapping[str, Any], phase: str, ctx: RoundContext) -> None:
         task = self.settings.task
         dims = ctx.server_meta.get(contracts.ARRAY_DIMS) or {}
-        contract = ContractContext(task.num_classes, dims=dims, multi_label=task.multi_label)
-        self.spec.payload.check_outgoing(arrays, meta, self.model_keys, contract, phase=phase, stage=ctx.stage)
+        contract = ContractContext(task.num_classes, dims=dims, multi_label=task.multi_label,
+                                   local_epochs=self.train_cfg.local_epochs)
+        self.payload.check_outgoing(arrays, meta, self.model_keys, contract, phase=phase, stage=ctx.stage)
 
     # ----- state kept at the site ------------------------------------------------------------------
     def save_state(self) -> None:

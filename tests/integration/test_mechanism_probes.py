@@ -105,8 +105,9 @@ def test_fed_beit_tokenizer_hard_codes_reconstruct_better_than_the_mean_image(en
     assert from_codes < 0.95 * from_mean, (from_codes, from_mean)
 
 
-def fedmas_rounds(engine: ModuleType, partition: str) -> list[dict[str, Any]]:
-    run = RunConfig(method="fedmas", model="cnn", clients=3, rounds=2, seed=0,
+def fedmas_rounds(engine: ModuleType, partition: str, clients: int = 3, rounds: int = 2,
+                  **method_args: Any) -> list[dict[str, Any]]:
+    run = RunConfig(method="fedmas", model="cnn", clients=clients, rounds=rounds, seed=0, method_args=method_args,
                     data={"source": "synthetic", "partition": partition}, train={"max_steps": 10, "batch_size": 32})
     return round_infos(engine, run)
 
@@ -120,7 +121,7 @@ def test_fed_mas_rescue_factor_follows_where_a_sites_divergence_concentrates(eng
     not: a site whose every image carries the dark-background attribute (`attribute:0/0/1`, the same classes as the
     others) gets the same RF as the others (0.200 each, within 0.001): the normalisation cancels a shift that
     raises the divergence of every class alike, so the paper's "RF rescues attribute-shifted sites" is not what the
-    code-normalised RF measures (the method card says so)."""
+    code-normalised RF measures (the method card says so; Eq. 3's form does, the next probe)."""
     skewed = fedmas_rounds(engine, "dirichlet:0.1")
     for info in skewed:
         rf, shares = info["rf"], info["shares"]
@@ -131,6 +132,25 @@ def test_fed_mas_rescue_factor_follows_where_a_sites_divergence_concentrates(eng
     for info in shifted:
         values = list(info["rf"].values())
         assert max(values) - min(values) < 0.01, info  # the attribute-shifted site-3 is not singled out
+
+
+def test_fed_mas_eq3_rescue_factor_raises_the_attribute_shifted_sites_share_and_the_normalised_one_does_not(
+    engine: ModuleType,
+) -> None:
+    """Issue 62: Fed-MAS's RF in both forms on four sites with the same classes, the fourth all dark-background
+    (`attribute:0/0/0/1`), 3 rounds. Eq. 3 as printed (``rf_normalise=false``, RF = Σ_k w_k ŵ_k) keeps the scale of
+    the divergence, which the shift raises in every class once the global model has learnt from the three light
+    sites; the code's normalised RF cancels it. Measured (seed 0): Eq. 3 gives site-4 shares 0.256, 0.266, 0.299
+    (the others 0.232-0.249); seed 1: 0.247, 0.265, 0.269; seed 2: 0.246, 0.266, 0.277 (round 0's global model is
+    the random initial one, which no site's data shaped). The normalised RF gives every site RF 0.200 and share 0.250 in every round (seed 0). Asserted from round 1 on: under
+    Eq. 3 site-4 holds the largest share and at least 0.26, under the normalised form no site's share is more than
+    0.01 from 0.25."""
+    partition = "attribute:0.0/0.0/0.0/1.0"
+    for info in fedmas_rounds(engine, partition, clients=4, rounds=3, rf_normalise=False)[1:]:
+        shares = info["shares"]
+        assert max(shares, key=shares.get) == "site-4" and shares["site-4"] >= 0.26, info
+    for info in fedmas_rounds(engine, partition, clients=4, rounds=3)[1:]:
+        assert all(abs(share - 0.25) <= 0.01 for share in info["shares"].values()), info
 
 
 def test_fedlsm_pseudo_labels_fire_and_beat_chance_on_the_classes_a_site_does_not_label(

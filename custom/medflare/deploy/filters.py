@@ -94,7 +94,7 @@ class PayloadGuard(Filter):
         phase = contracts.TRAIN_PHASE if task_name == SUBMIT_MODEL else task_name  # both carry the weights
         sent = self.sent_with(fl_ctx, task_name, payload.is_frozen)
         contract = ContractContext(plan.task.num_classes, dims=dict(sent.dims if sent is not None else {}),
-                                   multi_label=plan.task.multi_label)
+                                   multi_label=plan.task.multi_label, local_epochs=plan.max_local_epochs)
         check_result_arrays(payload, arrays, sent, phase, contract)
         check_frozen_parts(payload, arrays, sent)
         contracts.check_result_values(payload, arrays, meta, contract, phase)
@@ -113,7 +113,7 @@ class PayloadGuard(Filter):
         if self.method and self.method != plan.method:
             raise PayloadError(f"site privacy policy: this scope's guard is for '{self.method}' results and the "
                                f"job's plan runs '{plan.method}'; its results are refused")
-        return plan.spec.payload
+        return plan.spec.payload_of(plan.method_cfg)
 
     @classmethod
     def sent_with(

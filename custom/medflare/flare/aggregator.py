@@ -52,8 +52,8 @@ class RoundAggregation:
     def __init__(self, spec: MethodSpec, method_args: Any, num_classes: int, num_rounds: int,
                  robust: Mapping[str, Any] | None = None, transfer_dtype: str = "float32",
                  transfer_kind: str = "weights", multi_label: bool = False, stream_aggregation: bool = False,
-                 download_dtype: str = "float32", min_clients: int = 1):
-        self.min_clients = min_clients
+                 download_dtype: str = "float32", min_clients: int = 1, local_epochs: int = 1):
+        self.min_clients, self.local_epochs = min_clients, local_epochs
         self.spec = spec
         self.rule, self.stages, self.robust = server_rule(spec, method_args, num_rounds, robust, transfer_dtype,
                                                           transfer_kind, download_dtype, multi_label)
@@ -61,7 +61,7 @@ class RoundAggregation:
         self.multi_label = multi_label
         self.transfer_dtype, self.transfer_kind, self.download_dtype = transfer_dtype, transfer_kind, download_dtype
         self.num_classes = num_classes
-        self.contract = ContractContext(num_classes=num_classes, multi_label=multi_label)
+        self.contract = ContractContext(num_classes=num_classes, multi_label=multi_label, local_epochs=local_epochs)
         self.global_params: dict[str, np.ndarray] = {}
         self.ctx = RoundContext(round=0, total_rounds=num_rounds)
         self.phase = ""
@@ -79,7 +79,7 @@ class RoundAggregation:
         """The round core a job of ``plan`` runs (the FLARE aggregator's, and the in-process loop's)."""
         return cls(plan.spec, plan.method_cfg, plan.task.num_classes, len(plan.rounds), plan.defences,
                    plan.transfer_dtype, plan.transfer_kind, plan.task.multi_label, plan.stream_aggregation,
-                   plan.download_dtype, plan.min_clients)
+                   plan.download_dtype, plan.min_clients, plan.max_local_epochs)
 
     def start_round(self, global_params: Mapping[str, np.ndarray], ctx: RoundContext) -> None:
         """Forget the previous round."""
@@ -100,7 +100,8 @@ class RoundAggregation:
         if isinstance(outgoing, Mixture):  # arrays built from what the sites sent: bounded like any aggregate
             outgoing = PerSite(mix(outgoing, self.robust.max_share))
         dims = dict(self.rule.array_dims(phase, self.ctx))
-        self.contract = ContractContext(self.num_classes, dims=dims, multi_label=self.multi_label)
+        self.contract = ContractContext(self.num_classes, dims=dims, multi_label=self.multi_label,
+                                        local_epochs=self.local_epochs)
         self.expected = self.rule.expected_arrays(phase, self.ctx, self.global_params, self.contract)
         if isinstance(outgoing, PerSite):
             return PerSite({site: self.downloaded(arrays) for site, arrays in outgoing.arrays.items()})
@@ -155,7 +156,7 @@ class RoundAggregation:
             reason = f"the result carries {kind}, the job sends {expected_kind}"
         else:
             try:
-                clean, clean_meta = validate_update(arrays, meta, self.expected, self.spec.payload, self.contract)
+                clean, clean_meta = validate_update(arrays, meta, self.expected, self.rule.payload, self.contract)
                 if self.phase == contracts.TRAIN_PHASE:  # against the frozen parts as the sites received them
                     frozen = {k: self.global_params[k] for k in clean
                               if self.spec.payload.is_frozen(k) and k in self.global_params}

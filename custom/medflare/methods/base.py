@@ -6,7 +6,7 @@ into the next global model. Neither knows about FLARE."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
 
 import numpy as np
@@ -568,6 +568,9 @@ class MethodSpec:
     config_cls: type  # dataclass of the method's hyperparameters
     trainer_cls: type[LocalTrainer]
     payload: Payload = Payload()  # what leaves a site
+    # the payload of a job's method config when its meta bounds depend on it (Fed-MAS's RF: <= 1 normalised, larger
+    # as Eq. 3 prints it); None = ``payload`` for every config. Only meta validators may differ from ``payload``.
+    payload_for: Callable[[Any], Payload] | None = None
     server_rule_cls: type[ServerRule] = ServerRule
     build_model: ModelBuilder = default_model_builder  # network builder (method-specific heads go here)
     train_defaults: Mapping[str, Any] = field(default_factory=dict)  # TrainConfig overrides the method's paper uses
@@ -608,6 +611,15 @@ class MethodSpec:
     def __post_init__(self) -> None:
         if not self.server_model and self.payload.sends_weights:
             raise ValueError(f"method '{self.name}': a server without a model cannot receive weights")
+
+    def payload_of(self, method_cfg: Any) -> Payload:
+        """What a site of a job with ``method_cfg`` may send: both ends check its results against this one."""
+        if self.payload_for is None:
+            return self.payload
+        payload = self.payload_for(method_cfg)
+        if replace(payload, meta=self.payload.meta) != self.payload:
+            raise ValueError(f"method '{self.name}': payload_for may change only the meta validators")
+        return payload
 
     def config_of(self, method_args: Any) -> Any:
         """The method's typed configuration: a plan's (``RunPlan.method_cfg``) as it is, else options typed here."""

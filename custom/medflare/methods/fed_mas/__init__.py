@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping
 
-from medflare.contracts import Payload, positive_number
+from medflare.contracts import ContractContext, MetaValidator, Payload, positive_number
 from medflare.data import DataConfig
 from medflare.errors import ConfigError
 from medflare.methods.base import COUNTS_UNCOVERED, MethodSpec, TrainConfig, builtin_method, default_model_builder
@@ -15,6 +15,7 @@ from medflare.methods.fed_mas.model import FedMasNet
 from medflare.methods.fed_mas.paper import PAPER
 from medflare.methods.fed_mas.plots import plot_divergence
 from medflare.methods.fed_mas.prior import IMAGENET_LITE0, prior_feature_dim
+from medflare.methods.fed_mas.rescue import eq3_bound
 from medflare.methods.fed_mas.server import FedMasRule
 
 AGGREGATIONS = ("mas", "mas_inv", "mas_drw", "samples")
@@ -32,6 +33,9 @@ class FedMasConfig:
     lambda_f: float = 3.0  # weight of the distillation distance L_f (paper ablation: 0, 1, 3; 7 hurts)
     aux_head_weight: float = 1.0  # BSM on the projector's auxiliary head (code, not paper; spec §2(e)1)
     aggregation: str = "mas"  # mas | mas_inv | mas_drw | samples (samples = the BSM-FL w/ KD ablation)
+    # RF over w, ŵ normalised to sum 1 (the authors' code, whose numbers the paper reports); false = Eq. 3 as printed,
+    # RF = Σ_k w_k ŵ_k, which a shift raising every class's divergence alike does raise (README, "Deviations")
+    rf_normalise: bool = True
     max_share: float = 0.0  # cap on any one site's share of the aggregate; 0 = off (the paper's rule)
     prior: str = IMAGENET_LITE0  # imagenet-lite0 | moco:PATH | torchscript:PATH | state_dict:PATH
     prior_dim: int = 0  # feature dimension of a torchscript/state_dict prior (others are known)
@@ -58,6 +62,9 @@ class FedMasConfig:
         if self.prior_precision not in PRIOR_PRECISIONS or self.w_pass_per_class < 0:
             raise ConfigError(f"fedmas prior_precision must be one of {PRIOR_PRECISIONS} and w_pass_per_class >= 0 "
                               f"(0 = every image), got '{self.prior_precision}', {self.w_pass_per_class}")
+        if not self.rf_normalise and self.aggregation == "mas_inv":
+            raise ConfigError("fedmas rf_normalise=false (Eq. 3) has no inverse form: 1/ŵ_k of a barely drifting "
+                              "class has no bound; use aggregation=mas or mas_drw, or keep rf_normalise=true")
         if not 0 <= self.max_share <= 1:
             raise ConfigError(f"fedmas max_share must be in [0, 1], got {self.max_share}")
         prior_feature_dim(self.prior, self.prior_dim)  # fails early on an unknown prior
@@ -86,6 +93,24 @@ def check_prior_cache(cfg: FedMasConfig, trains: Mapping[str, TrainConfig], data
             f"{', '.join(FIXED_VIEW_AUGMENTATIONS)}, or turn the cache off"]
 
 
+def rf_validator(cfg: FedMasConfig) -> MetaValidator:
+    """RF's check at both ends: > 0 and <= 1 normalised; > 0 and <= :func:`eq3_bound` of the task's K and the job's
+    most local epochs as Eq. 3 prints it (what the job's own sites can reach; the job's share cap still holds)."""
+    normalised = positive_number(RF_KEY, upper=1.0 + 1e-9)
+
+    def check(value: Any, ctx: ContractContext) -> float:
+        if cfg.rf_normalise:
+            return normalised(value, ctx)
+        return positive_number(RF_KEY, upper=eq3_bound(ctx.num_classes, ctx.local_epochs))(value, ctx)
+
+    return check
+
+
+def fedmas_payload(cfg: FedMasConfig) -> Payload:
+    """What a Fed-MAS site sends besides its weights: RF, bounded as the job's RF form can reach."""
+    return Payload(meta={RF_KEY: rf_validator(cfg)})
+
+
 TRAIN_DEFAULTS = {"grad_clip": 5.0}  # clipping at 5.0 is in the code, not the paper (spec §2(e)6)
 
 SPEC = builtin_method(
@@ -96,7 +121,8 @@ SPEC = builtin_method(
         summary="Fed-MAS: BSM + distillation to a frozen prior; sites weighted by rescue factor RF",
         config_cls=FedMasConfig,
         trainer_cls=FedMasTrainer,
-        payload=Payload(meta={RF_KEY: positive_number(RF_KEY, upper=1.0 + 1e-9)}),
+        payload=fedmas_payload(FedMasConfig()),
+        payload_for=fedmas_payload,
         server_rule_cls=FedMasRule,
         build_model=build_fedmas_model,
         train_defaults=TRAIN_DEFAULTS,
@@ -104,8 +130,9 @@ SPEC = builtin_method(
         site_log_plot=plot_divergence,
         check_run=check_prior_cache,
         presets={"paper": PAPER},
-        reveals=("RF, one number in (0, 1]: how much the site's class-wise distances to the prior changed during local "
-                 "training; not the per-class distances w and ŵ, which stay in the site's own log"),
+        reveals=("RF, one number in (0, 1] (up to K·16·E with rf_normalise=false): how much the site's class-wise "
+                 "distances to the prior changed during local training; not the per-class distances w and ŵ, which "
+                 "stay in the site's own log"),
     )
 )
 

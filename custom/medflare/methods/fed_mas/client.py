@@ -100,6 +100,6 @@ class FedMasTrainer(LocalTrainer):
         if not self.sends_rf:
             return {}
         w_hat = self.w_hat.per_class(self.data.class_counts)
-        rf = rescue_factor(self.w, w_hat, invert=self.cfg.aggregation == "mas_inv")
+        rf = rescue_factor(self.w, w_hat, invert=self.cfg.aggregation == "mas_inv", normalise=self.cfg.rf_normalise)
         self.record_locally(round=ctx.round, w=self.w.tolist(), w_hat=w_hat.tolist(), rf=rf)
         return {RF_KEY: rf}

@@ -32,18 +32,32 @@ class ClassMeanAccumulator:
         return np.divide(sums, counts, out=np.zeros_like(sums), where=counts > 0)
 
 
-def rescue_factor(w: np.ndarray, w_hat: np.ndarray, invert: bool = False) -> float:
-    """RF = Σ_{k: w_k ≠ 0} w̄_k ŵ̄_k with w̄, ŵ̄ normalised to sum 1 (the authors' normalisation, spec §2(e)2). ``w`` is
-    the received global model's per-class distance before training, ``w_hat`` the one accumulated during local training
-    (``invert``, the ``mas_inv`` option: 1/ŵ_k for ŵ_k > 0). RF lies in (0, 1]: 1 for a one-class site, about 1/K_local
-    for a site whose classes all look alike; ValueError when no distance is positive."""
+# L_f = 2 - 2 cos lies in [0, 4], so a class's mean distance w_k does too, and ŵ_k, a sum of E per-epoch means, in
+# [0, 4E]: the most Eq. 3's RF = Σ_k w_k ŵ_k can reach is K · 4 · 4E.
+MAX_DISTANCE = 4.0
+
+
+def rescue_factor(w: np.ndarray, w_hat: np.ndarray, invert: bool = False, normalise: bool = True) -> float:
+    """RF = Σ_{k: w_k ≠ 0} w̄_k ŵ̄_k. ``w`` is the received global model's per-class distance before training, ``w_hat``
+    the one accumulated during local training (``invert``, the ``mas_inv`` option: 1/ŵ_k for ŵ_k > 0). ``normalise``
+    (the authors' code, spec §2(e)2): w̄, ŵ̄ are w, ŵ normalised to sum 1, so RF lies in (0, 1]: 1 for a one-class
+    site, about 1/K_local for a site whose classes all look alike, whatever the scale of the distances. Without it,
+    Eq. 3 as printed: w̄ = w, ŵ̄ = ŵ, so a site whose every class drifted further from the prior sends a larger RF
+    (at most :func:`eq3_bound`). ValueError when no distance is positive."""
     w, w_hat = np.asarray(w, dtype=np.float64), np.asarray(w_hat, dtype=np.float64)
     if invert:
         w_hat = np.divide(1.0, w_hat, out=np.zeros_like(w_hat), where=w_hat > 0)
     if w.sum() <= 0 or w_hat.sum() <= 0:
         raise ValueError("rescue factor undefined: every per-class distance is zero")
     present = w != 0
-    return float(np.sum((w / w.sum())[present] * (w_hat / w_hat.sum())[present]))
+    if normalise:
+        w, w_hat = w / w.sum(), w_hat / w_hat.sum()
+    return float(np.sum(w[present] * w_hat[present]))
+
+
+def eq3_bound(num_classes: int, local_epochs: int) -> float:
+    """The largest unnormalised RF (Eq. 3) a site of K classes training E local epochs can send: K · 4 · 4E."""
+    return num_classes * MAX_DISTANCE * MAX_DISTANCE * max(1, local_epochs)
 
 
 def stratified_subsample(labels: np.ndarray, per_class: int, seed: int | tuple[int, ...]) -> np.ndarray:
