@@ -21,8 +21,8 @@ from medflare.evaluation import summarize
 from medflare.flare.aggregator import RoundAggregation
 from medflare.flare.run_results import RunResults, new_record
 from medflare.flare.tasks import TASK_VALIDATE
-from medflare.methods.base import RoundContext
-from medflare.methods.fedlsm import SPEC, client as fedlsm_client
+from medflare.methods.base import RoundContext, TrainConfig
+from medflare.methods.fedlsm import SPEC, FedLsmConfig, client as fedlsm_client
 from medflare.methods.fedlsm.server import POS_WEIGHT, Q_KEY
 from medflare.methods.presets import PAPER
 from medflare.metrics.eval_stats import DEFAULT_BINS, score_bins
@@ -31,7 +31,7 @@ from medflare.plan import preset_layer, resolve, validated
 from medflare.run_config import RunConfig, merge_run_config
 from tests.benchmarks.conftest import load_benchmark
 
-from .test_fedlsm import fedlsm_trainer
+from .test_fedlsm import fedlsm_trainer, tiny_net
 
 SINGLE = "synthetic:n=60,classes=3,size=8"
 MULTI = "synthetic:multilabel=1,classes=4,n=60,size=8"
@@ -155,3 +155,185 @@ def test_single_label_metrics_are_the_papers_macro_averages_of_the_pooled_test_s
     precision, recall, f1, _ = precision_recall_fscore_support(y, predicted, average="macro", zero_division=0)
     assert (test["macro_precision"], test["macro_recall"], test["macro_f1"]) == pytest.approx((precision, recall, f1))
     assert test["accuracy"] == pytest.approx(accuracy_score(y, predicted))
+
+
+# ----- data option: a site's class subset reaches the labels its data build produces ---------------------------------
+def masked_by_hand(truth: np.ndarray, identified: np.ndarray) -> np.ndarray:
+    """The site's labels with every class it does not annotate unknown (-1): the sample (single-label) or the entry."""
+    if truth.ndim == 2:
+        return np.where(identified[None, :], truth, -1)
+    return np.where(identified[truth], truth, -1)
+
+
+@pytest.mark.parametrize("source", [SINGLE, MULTI])
+@pytest.mark.parametrize("option", ["labelset", "identified"])
+def test_a_sites_class_subset_marks_its_unannotated_labels_unknown(source: str, option: str) -> None:
+    """Paper §2.1 and §3.2 (each client annotates s of the classes, the union of the annotated sets is every class,
+    Eq. 2; spec §5(d)) through the site's data build: ``partition=labelset:2`` (the paper's random s classes per
+    site) and an explicit ``data.identified`` mark every training label of a class the site does not annotate
+    unknown (-1, card deviation: the paper writes 0), keep every other label, leave val and test whole, and the
+    FedLSM trainer built on that data pseudo-labels exactly the unannotated classes."""
+    explicit = {"identified": [[0], [1, 2]] if source == SINGLE else [[0, 1], [2, 3]]} if option == "identified" else {}
+    partition = "labelset:2" if option == "labelset" else "iid"  # labelset deals the samples as iid does
+    annotated = []
+    for site in range(2):
+        data = make_site_data(DataConfig(source=source, partition=partition, num_sites=2, **explicit), site)
+        whole = make_site_data(DataConfig(source=source, partition="iid", num_sites=2), site)
+        identified = np.asarray(data.identified, dtype=bool)
+        annotated.append(identified)
+        if option == "labelset":
+            assert identified.sum() == 2
+        truth, labels = np.asarray(whole.train.labels), np.asarray(data.train.labels)
+        np.testing.assert_array_equal(labels, masked_by_hand(truth, identified))
+        assert (labels == -1).any() and (labels >= 0).any()
+        for split in ("val", "test"):
+            np.testing.assert_array_equal(getattr(data, split).labels, getattr(whole, split).labels)
+        trainer = fedlsm_client.FedLsmTrainer(tiny_net(data.num_classes), data, TrainConfig(batch_size=12),
+                                              FedLsmConfig(uncertain_pool=4, confident_pool=6), SPEC.payload,
+                                              torch.device("cpu"), log=lambda m: None)
+        np.testing.assert_array_equal(trainer.pseudo_classes.numpy(), ~identified)
+    assert np.logical_or.reduce(annotated).all()  # Eq. 2: every class is annotated somewhere
+
+
+# ----- stage schedule: what each round's steps read --------------------------------------------------------------------
+def test_pseudo_labels_fire_from_the_first_round_and_the_teacher_trails_by_a_constant_decay(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Paper §2.3 and Table 4 (spec §5(a)4-5): no warm-up: in round 0 of 50 an unlabelled image whose teacher is
+    confident about a class the site does not annotate is pseudo-labelled (and counted in q); a round is
+    ``local_iterations`` (T) optimizer steps, not a pass over the pool; after each step the teacher moves to
+    d·teacher + (1 − d)·student with the same d = 0.999 from the first step on (no mean-teacher ramp-up)."""
+    trainer = fedlsm_trainer(SINGLE)
+    unannotated = int(np.flatnonzero(~np.asarray(trainer.data.identified))[0])
+    with torch.no_grad():
+        trainer.model.head.bias[unannotated] = 20.0  # the received model is sure of that class everywhere
+    received = [p.detach().clone() for p in trainer.model.parameters()]
+    students: list[list[torch.Tensor]] = []
+    after_step = trainer.after_step
+
+    def record_and_update() -> None:
+        students.append([p.detach().clone() for p in trainer.model.parameters()])
+        after_step()
+
+    monkeypatch.setattr(trainer, "after_step", record_and_update)
+    meta = trainer.train_round(RoundContext(0, 50))
+    assert len(students) == trainer.cfg.local_iterations == 3
+    assert meta[Q_KEY][unannotated] > 0
+    decay, expected = trainer.cfg.ema_decay, received
+    for student in students:
+        expected = [decay * e + (1 - decay) * s for e, s in zip(expected, student)]
+    for teacher, want in zip(trainer.teacher.model.parameters(), expected):
+        torch.testing.assert_close(teacher, want, rtol=0, atol=1e-6)
+
+
+# ----- gradient reach ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("term", ["pool", "mixup"])
+def test_each_multi_label_loss_term_reaches_every_student_layer_and_never_the_teacher(
+    term: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Multi-label (paper Eq. 5 and UDE, spec §5(a)5): the pool's weighted BCE alone (w/o UDE) and the MixUp BCE alone
+    (every pool entry uncertain, so weight 0; the partners fully labelled) each give every student layer a gradient;
+    the EMA teacher none."""
+    trainer = fedlsm_trainer(MULTI, ude=term == "mixup")
+    images, labels = trainer.draw_batch()
+    teacher = trainer.teacher.model
+    if term == "mixup":
+        labels[:trainer.pool_rows] = -1
+        labels[trainer.pool_rows:] = torch.tensor([1, 0, 1, 0])
+        monkeypatch.setattr(trainer.teacher, "model", lambda x: torch.zeros(len(x), 4))  # sigmoid 0.5: uncertain
+    trainer.model.train()
+    trainer.compute_loss(images, labels).backward()
+    for name, parameter in trainer.model.named_parameters():
+        assert parameter.grad is not None and parameter.grad.abs().sum() > 0, f"the {term} term does not reach {name}"
+    assert all(parameter.grad is None for parameter in teacher.parameters())
+
+
+@pytest.mark.parametrize("source, repo_compat", [(SINGLE, False), (MULTI, False), (MULTI, True)])
+def test_every_target_the_losses_get_is_a_constant(source: str, repo_compat: bool,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pseudo-labels are the teacher's (paper §2.3, f_g on the weak view): every target handed to a loss, the
+    authors' soft multi-label targets (``repo_compat``, the teacher's sigmoid on uncertain entries) included, carries
+    no gradient, so the student learns towards them and never moves them."""
+    trainer = fedlsm_trainer(source, repo_compat=repo_compat)
+    targets: list[torch.Tensor] = []
+
+    def spying(loss):
+        def spy(logits, target, *args, **kwargs):
+            targets.append(target)
+            return loss(logits, target, *args, **kwargs)
+        return spy
+
+    monkeypatch.setattr(fedlsm_client, "soft_cross_entropy", spying(fedlsm_client.soft_cross_entropy))
+    monkeypatch.setattr(fedlsm_client, "weighted_bce", spying(fedlsm_client.weighted_bce))
+    monkeypatch.setattr(fedlsm_client.F, "binary_cross_entropy_with_logits",
+                        spying(fedlsm_client.F.binary_cross_entropy_with_logits))
+    images, labels = trainer.draw_batch()
+    trainer.model.train()
+    trainer.compute_loss(images, labels).backward()
+    assert len(targets) >= 2 and all(not t.requires_grad for t in targets)
+    assert all(p.grad is not None for p in trainer.model.parameters())
+
+
+def test_the_round_core_weights_classifier_rows_by_q_and_the_extractor_by_n(multi_label_job: Job) -> None:
+    """Paper Eq. 7 (AWPA) through the round core FLARE's aggregator drives, on the sites' own results: classifier
+    weight row and bias entry c ← Σ_k q_c^k ψ_{k,c} / Σ_j q_c^j (n_k for a class nobody counted); every other key
+    ← Σ_k n_k θ_k / Σ n (FedAvg, §2.2)."""
+    (done,) = multi_label_job.rounds
+    updates, params = done.accepted, done.aggregate.params
+    q = np.array([u.meta[Q_KEY] for u in updates], dtype=np.float64)  # [sites, K]
+    n = np.array([float(u.meta[contracts.N_SAMPLES]) for u in updates])
+    assert RoundAggregation.of_plan(multi_label_job.plan).robust.max_share == 0  # no cap: the plain weights
+    row_weights = np.where(q.sum(axis=0) > 0, q, n[:, None])
+    row_weights = row_weights / row_weights.sum(axis=0)
+    for key in ("head.weight", "head.bias"):
+        rows = np.stack([u.arrays[key] for u in updates]).astype(np.float64)
+        by_q = np.einsum("sk,sk...->k...", row_weights, rows)
+        np.testing.assert_allclose(params[key], by_q, rtol=1e-5, atol=1e-6)
+        by_n = np.einsum("s,s...->...", n / n.sum(), rows)
+        assert np.abs(by_q - by_n).max() > 1e-4  # the case tells q from n
+    extractor = [k for k in params if not k.startswith("head.") and params[k].dtype.kind == "f"]
+    assert extractor
+    for key in extractor:
+        by_n = np.einsum("s,s...->...", n / n.sum(), np.stack([u.arrays[key] for u in updates]).astype(np.float64))
+        np.testing.assert_allclose(params[key], by_n, rtol=1e-5, atol=1e-6)
+
+
+# ----- preset: every value of --preset paper against the paper ---------------------------------------------------------
+PAPER_ISIC2018 = {
+    "model": "densenet121",  # §3.2 "DenseNet121 as the backbone"
+    "clients": 5,  # §3.2 Task 2: k = 5
+    "rounds": 50,  # §3.2 "total communication rounds were 50"
+    "data": {"image_size": 224},  # §3.2 Task 2 images resized to 224×224
+    "train": {"optimizer": "adam", "lr": 1e-4,  # §3.2 Adam; Table 4 lr 1e-4
+              "betas": [0.9, 0.99],  # §3.2 "momentum terms were set to 0.9 and 0.99"
+              "weight_decay": 5e-4,  # Table 4 lr_decay 5e-4 (the authors' Adam weight decay, spec §5(c))
+              "batch_size": 64},  # §3.2 "total batch size was 64"
+    "method_args": {"local_iterations": 30,  # §3.2 "30 for Task 2"
+                    "uncertain_pool": 50, "confident_pool": 200,  # n^h / n^l: the authors' ISIC config (spec §5(c))
+                    "tau": 0.95, "tau_uncertain": 0.85,  # Table 4 Task 2 τ, τ_l
+                    "lambda_ude": 0.1, "ema_decay": 0.999, "mixup_alpha": 0.2,  # Table 4 λ, EMA, α in MixUp
+                    "mix_batch": 4,  # §3.2 "4 generated samples using UDE"
+                    "aggregation": "awpa"},  # §2.4 Eq. 7 (the full method, not Table 3's ablations)
+}
+
+
+def test_every_value_of_the_paper_preset_is_the_papers_isic2018_setting() -> None:
+    """FedLSM paper §3.2 and Table 4 (Task 2, ISIC2018), spec §5(c) for the pool sizes the paper leaves to its
+    configs: the preset holds exactly these values, and each reaches the resolved job: the method's typed config,
+    every site's optimizer (the learning rate constant and the Adam moments kept across rounds, as in the code: its
+    scheduler is never stepped, spec §5(c), (a)1), the model, the sites and the rounds."""
+    preset = SPEC.presets[PAPER]
+    assert json.loads(json.dumps(preset.overrides)) == PAPER_ISIC2018
+    run = validated(merge_run_config(preset_layer(PAPER, "fedlsm"),
+                                     {"method": "fedlsm", "data": {"source": "synthetic:n=4000,classes=7"}}))
+    plan = resolve(run, "byoc")
+    assert (plan.model, len(plan.sites), len(plan.rounds), run.data["image_size"]) == (
+        "densenet121", 5, 50, 224)
+    method = plan.method_cfg
+    assert {key: getattr(method, key) for key in PAPER_ISIC2018["method_args"]} == PAPER_ISIC2018["method_args"]
+    for site in plan.sites:
+        train = site.train
+        assert (train.optimizer, train.lr, list(train.betas), train.weight_decay, train.batch_size) == (
+            "adam", 1e-4, [0.9, 0.99], 5e-4, 64)
+        assert (train.local_epochs, train.max_steps, train.lr_schedule, train.fresh_optimizer) == (
+            1, 0, "constant", "never")
