@@ -23,7 +23,7 @@ from medflare.flare.run_results import RunResults, new_record
 from medflare.flare.tasks import TASK_VALIDATE
 from medflare.methods.base import RoundContext, TrainConfig
 from medflare.methods.fedlsm import SPEC, FedLsmConfig, client as fedlsm_client
-from medflare.methods.fedlsm.server import POS_WEIGHT, Q_KEY
+from medflare.methods.fedlsm.server import Q_KEY
 from medflare.methods.presets import PAPER
 from medflare.metrics.eval_stats import DEFAULT_BINS, score_bins
 from medflare.metrics.roc import binned_auc_error_bound
