@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from medflare import contracts
-from medflare.evaluation import SiteEvaluation, site_evaluation
+from medflare.evaluation import SiteEvaluation, site_evaluation, summarize
 from medflare.flare.aggregator import RoundAggregation
 from medflare.flare.models import global_model_of
 from medflare.flare.tasks import TASK_VALIDATE, round_context, round_meta
@@ -152,5 +152,13 @@ def _final_validation(sites: InProcessSites, core: RoundAggregation, params: dic
     for site in sites.sites:
         with sites.at(site) as runtime:
             _, meta = deliver(runtime, TASK_VALIDATE, arrays, header)
-        evaluations[site] = site_evaluation(meta, core.num_classes)
+        evaluations[site] = site_evaluation(meta, core.num_classes, core.multi_label)  # as the controller parses
     return evaluations
+
+
+def final_summary(job: RunPlan | RunConfig, evaluations: dict[str, SiteEvaluation]) -> dict[str, Any]:
+    """:func:`run_rounds`' final evaluations summarised as FLARE's controller summarises them: the plan's shot
+    groups and the job's ``robust.max_share`` cap on any site's say in a pooled metric."""
+    plan = plan_of(job)
+    present = {site: evaluation for site, evaluation in evaluations.items() if evaluation is not None}
+    return summarize(present, plan.shot_groups, share_cap=RoundAggregation.of_plan(plan).robust.max_share)

@@ -465,9 +465,7 @@ def run_arm(method: str, arm: Arm, seed: int, opts: RunOptions, log: Any = print
     """One arm's job through the in-process loop, resumed from its last save; 'finished', 'skipped' (finished
     before) or 'stopped' (--stop-after-rounds)."""
     import torch
-    from inprocess import RoundDone, run_rounds
-
-    from medflare.evaluation import summarize
+    from inprocess import RoundDone, final_summary, run_rounds
 
     run = lease_run(method, arm, seed, opts.tiny)
     folder, fingerprint = arm_folder(opts.out, method, arm.name, seed), run_fingerprint(run)
@@ -514,7 +512,7 @@ def run_arm(method: str, arm: Arm, seed: int, opts: RunOptions, log: Any = print
     except Stopped as stopped:
         log(f"{method}/{arm.name} seed {seed}: stopped after round {stopped.args[0]} (saved)")
         return "stopped"
-    metrics = summarize(evaluations)["test"]
+    metrics = final_summary(run, evaluations)["test"]  # as the FLARE controller summarises them
     _, device = device_name()
     row = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"), "device": device,
            "commit": git_commit(), "seed": seed, "method": method, "arm": arm.name, "rounds": run.rounds,

@@ -56,7 +56,7 @@ def split_pools(uncertainty: torch.Tensor, n_uncertain: int,
 
 def single_label_targets(labels: torch.Tensor, teacher_probs: torch.Tensor, tau: float,
                          pseudo_classes: torch.Tensor) -> torch.Tensor:
-    """One-hot targets ``[B, K]``: the label where there is one, else a pseudo-label (paper Eq. 4). An unlabelled sample
+    """One-hot targets ``[B, K]``: the label where there is one, else a pseudo-label (Eq. 4's ŷ). An unlabelled sample
     gets a one-hot at the teacher's argmax when that class is one the site does not annotate (``pseudo_classes``) and
     its probability is at least ``tau``; otherwise its row stays all-zero (no target, but it still counts in the loss's
     mean)."""
