@@ -111,3 +111,22 @@ def check_pooled_test_scores_raw_logits(method: str, **options: Any) -> None:
     assert summary["test"]["balanced_accuracy"] == pytest.approx(balanced, abs=1e-9)
     assert summary["test"]["loss"] == pytest.approx(loss, rel=1e-4)
     assert summary["test_stats"]["count"] == sum(len(rt.data.test) for rt in runtimes)  # the union of test splits
+
+
+def check_absent_class_is_not_pushed_down(method: str) -> None:
+    """The trainer's loss on a built site's first batch leaves the logit of the class the site lacks (almost) alone:
+    the head's bias of that class gets no gradient worth the name, while each present class's does, and plain CE on
+    the same logits would push the absent class down."""
+    trainer = site_runtime(method, LONG_TAIL_MISSING, train={"batch_size": 32}).trainer
+    absent = built_train_counts(trainer) == 0
+    images, labels = first_batch(trainer)
+    trainer.model.eval()  # one deterministic forward
+    trainer.model.zero_grad()
+    trainer.compute_loss(images, labels).backward()
+    bias_grad = trainer.model.head.bias.grad.abs()
+    trainer.model.zero_grad()
+    torch.nn.functional.cross_entropy(trainer.model(images), labels).backward()
+    ce_grad = trainer.model.head.bias.grad.abs()
+    assert absent.any() and float(bias_grad[absent].max()) < 1e-6, bias_grad
+    assert bool((bias_grad[~absent] > 1e-4).all()), bias_grad
+    assert float(ce_grad[absent].min()) > 1e-3  # the cross-entropy FedAvg trains with does push it down

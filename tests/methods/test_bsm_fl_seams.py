@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from ._seams import (
     LONG_TAIL_MISSING,
     built_train_counts,
+    check_absent_class_is_not_pushed_down,
     check_long_tail_reached,
     check_pooled_test_scores_raw_logits,
     first_batch,
@@ -42,3 +43,10 @@ def test_the_pooled_test_metrics_score_the_raw_logits_not_the_prior_shifted_ones
     §3 (B-acc of the global model): the controller's pooled test metrics, from every site's evaluation counts, are
     the raw logits' balanced accuracy and CE over the union of the test splits."""
     check_pooled_test_scores_raw_logits("bsm-fl", train={"batch_size": 32})
+
+
+def test_the_loss_does_not_push_down_the_logit_of_a_class_the_site_lacks() -> None:
+    """Spec §1.1: 'Classes missing from a client's data get an offset near −20 to −28. That is intended: the client
+    does not push those logits down.' (Ren et al. 2020 §3.1: the softmax is shifted by the local label prior.) On a
+    site the data build left without a class, the loss's gradient on that class's head bias is ~0."""
+    check_absent_class_is_not_pushed_down("bsm-fl")

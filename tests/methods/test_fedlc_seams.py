@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from ._seams import (
     LONG_TAIL_MISSING,
     built_train_counts,
+    check_absent_class_is_not_pushed_down,
     check_long_tail_reached,
     check_pooled_test_scores_raw_logits,
     first_batch,
@@ -43,3 +44,10 @@ def test_the_pooled_test_metrics_score_the_raw_logits_not_the_calibrated_ones() 
     (B-acc of the global model): the controller's pooled test metrics are the raw logits' over the union of the test
     splits."""
     check_pooled_test_scores_raw_logits("fedlc", train={"batch_size": 32})
+
+
+def test_the_loss_does_not_push_down_the_logit_of_a_class_the_site_lacks() -> None:
+    """Zhang et al. 2022 §4 (calibration by n_k^(−1/4) stops a site from suppressing classes it rarely or never sees)
+    and the Fed-MAS repo's count floor 1e-8 (spec §1.10): the absent class's logit is lowered by 100 τ = 50 inside
+    the loss, so the loss's gradient on that class's head bias is ~0."""
+    check_absent_class_is_not_pushed_down("fedlc")

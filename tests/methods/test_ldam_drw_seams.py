@@ -74,3 +74,19 @@ def test_margins_come_from_the_labels_the_sites_data_build_produced() -> None:
         expected[present] = counts[present] ** -0.25
         expected *= 0.5 / expected.max()
         np.testing.assert_allclose(trainer.ldam_loss.margins.numpy(), expected, rtol=1e-6)
+
+
+def test_the_ldam_loss_reaches_the_cosine_rows_and_every_backbone_layer_but_no_margin() -> None:
+    """Cao et al. 2019 §3.2-3.3 (LDAM trains the whole network on normalised features and weights, the margins Δ_j
+    fixed by the class counts); spec §1.10: the trainer's loss on its own first batch sends a gradient into every
+    row of the cosine head and, through the normalised features, every backbone parameter; the margins are a buffer
+    of the loss, never a parameter of the model or of the optimizer."""
+    trainer = site_runtime("ldam-drw", LONG_TAIL_MISSING, train={"batch_size": 32}).trainer
+    images, labels = next(iter(trainer.train_loader()))
+    trainer.model.zero_grad()
+    trainer.compute_loss(images, labels).backward()
+    for name, parameter in trainer.model.named_parameters():
+        assert parameter.grad is not None and parameter.grad.abs().sum() > 0, f"LDAM does not reach {name}"
+    assert bool((trainer.model.head.weight.grad.abs().sum(dim=1) > 0).all())  # every class's row
+    assert not any(name.endswith("margins") for name, _ in trainer.model.named_parameters())
+    assert all(p is not trainer.ldam_loss.margins for p in trainer.parameters_to_train())
