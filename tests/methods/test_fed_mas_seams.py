@@ -8,14 +8,17 @@ import numpy as np
 import pytest
 from torch import nn
 
+from medflare.methods.base import RoundContext
 from medflare.methods.fed_mas import SPEC
 from medflare.plan import resolve
+from medflare.report import with_attribute_scores
 from medflare.run_config import merge_run_config
 
 from ._seams import (
     LONG_TAIL_MISSING,
     NUM_CLASSES,
     built_train_counts,
+    balanced_accuracy,
     final_summary,
     paper_run,
     pooled_test_logits,
@@ -62,6 +65,25 @@ def test_head_medium_tail_follow_the_sites_pooled_training_counts_and_all_is_the
     assert test["balanced_accuracy"] == pytest.approx(float(np.mean(recall)))
     # the case tells the means apart: the groups' plain mean is neither B-acc nor a class-weighted mean of the groups
     assert np.mean(list(by_group.values())) != pytest.approx(np.mean(recall))
+
+
+def test_each_attributes_bacc_pools_its_images_over_every_site_and_avg_is_their_plain_mean(sites: list) -> None:
+    """Fed-MAS §3 'Evaluation Metrics' (ISIC-FL): 'we report the B-Acc separately for each attribute (Light, Dark)
+    and the average of these scores Avg', of the global model over every client's test images. Through the sites'
+    evaluation counts per attribute, the controller's summary and the report's figures."""
+    for round_index in range(3):  # a global model that tells classes apart (an untrained one predicts one class)
+        sites[0].trainer.train_round(RoundContext(round_index, 3))
+    metrics = with_attribute_scores(final_summary(sites, sites[0].shared_weights()))
+    labels, logits = pooled_test_logits(sites)
+    attributes = np.concatenate([rt.data.attributes_test for rt in sites])
+    predicted = logits.argmax(dim=1).numpy()
+    by_attribute = {int(a): balanced_accuracy(labels[attributes == a], predicted[attributes == a])
+                    for a in np.unique(attributes)}
+    assert sorted(by_attribute) == [0, 1]  # light and dark
+    for value, bacc in by_attribute.items():
+        assert metrics[f"bacc_attr_{value}"] == pytest.approx(bacc), value
+    assert metrics["bacc_attr_mean"] == pytest.approx(np.mean(list(by_attribute.values())))
+    assert metrics["bacc_attr_mean"] != pytest.approx(metrics["balanced_accuracy"])  # Avg is not the overall B-acc
 
 
 def test_the_projector_and_auxiliary_head_are_the_authors_and_only_the_main_head_predicts(sites: list) -> None:
