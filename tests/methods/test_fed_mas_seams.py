@@ -17,8 +17,8 @@ from medflare.run_config import merge_run_config
 from ._seams import (
     LONG_TAIL_MISSING,
     NUM_CLASSES,
-    built_train_counts,
     balanced_accuracy,
+    built_train_counts,
     final_summary,
     paper_run,
     pooled_test_logits,
