@@ -16,14 +16,23 @@ import torch.nn.functional as F
 from medflare.cli import make_parser
 from medflare.flare.aggregator import RoundAggregation
 from medflare.methods.base import PerSite, RoundContext
-from medflare.methods.mdhfl import client as mdhfl_client
 from medflare.methods.mdhfl.protocol import DISTILL_PHASE, PROBS, PROBS_PHASE, PUBLIC_ROWS, SETUP_PHASE, TARGET
 from medflare.methods.presets import PAPER
 from medflare.plan import build_plan, task_of, validated
 from medflare.run_options import build_run_config
 from medflare.site_config import SiteFile
 
-from .test_mdhfl_seams import K, PAPER_VALUES, SITES, check_stage_settings, gradient, planned, runtime, sgd_plan
+from .test_mdhfl_seams import (
+    PAPER_VALUES,
+    SITES,
+    check_site_scores,
+    check_stage_settings,
+    gradient,
+    planned,
+    runtime,
+    sgd_plan,
+    trained_sites,
+)
 
 
 def test_each_stage_of_a_round_reads_its_own_setting_through_the_runtime(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -94,6 +103,13 @@ def test_the_revisit_step_moves_the_model_by_cross_entropy_alone(monkeypatch: py
     for name, parameter in site.model.named_parameters():
         torch.testing.assert_close(parameter.detach() - moved[name].detach(), -0.5 * by_hand[name], rtol=1e-3,
                                    atol=1e-6, msg=name)
+
+
+def test_the_summary_scores_each_sites_own_model_and_averages_the_sites_unweighted() -> None:
+    """MDH-FL paper §4.2 (Tables 2-4 score FedMD as MDH-FL: each client's accuracy, then their average): per site
+    the top-1 and balanced accuracy of that site's own network on its own clean test split, ``site_mean`` their
+    plain mean over sites (not the image-weighted pooled score)."""
+    check_site_scores(trained_sites("fedmd")[1])
 
 
 def test_each_fedmd_site_trains_its_own_architecture() -> None:
