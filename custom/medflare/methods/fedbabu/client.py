@@ -11,7 +11,13 @@ from torch import nn
 from medflare.evaluation import SPECIALIZATION
 from medflare.losses import balanced_softmax_loss
 from medflare.methods.base import RoundContext
-from medflare.methods.personalization import PersonalizedTrainer, fit_head, frozen_features, head_optimizer
+from medflare.methods.personalization import (
+    PersonalizedTrainer,
+    every_training_batch,
+    fit_head,
+    frozen_features,
+    head_optimizer,
+)
 
 __all__ = ["FedBabuTrainer"]
 
@@ -42,7 +48,7 @@ class FedBabuTrainer(PersonalizedTrainer):
         if self._finetuned is not None and self._finetuned[0] == self._model_version:
             return self._finetuned[1]
         head = copy.deepcopy(self.model.head).requires_grad_(True)
-        features, labels = frozen_features(self.model, self.train_loader(), self.device)
+        features, labels = frozen_features(self.model, every_training_batch(self), self.device)
         optimizer = head_optimizer(self.model, head, self.train_cfg, self._round_ctx)
         fit_head(head, features, labels, self._loss, optimizer, self.cfg.finetune_epochs, self.train_cfg.batch_size)
         self._finetuned = (self._model_version, head.eval())
