@@ -71,6 +71,28 @@ def test_the_body_trains_local_epochs_and_the_head_fine_tunes_finetune_epochs_at
     assert seen["finetune"][-1]["lr"] == [pytest.approx(expected_lr)]
 
 
+def test_a_restarted_site_fine_tunes_at_the_lr_of_the_round_that_trained_its_body(monkeypatch, tmp_path) -> None:
+    """The fine-tune reads the lr of the round that trained the body, also in a site restarted after that round (it
+    kept the round in its state; it fine-tuned at the schedule's end, min_lr, before issue 62's fix)."""
+    options = {"train": TRAIN, "method_args": {"finetune_epochs": 1}, "local_dir": tmp_path}
+    site = default_job_site("fedbabu", **options)
+    ctx = RoundContext(1, 3)
+    site.train(site.shared_weights(), ctx)
+    site.close()  # the state write is on disk
+    restarted = default_job_site("fedbabu", **options)
+    rates: list[list[float]] = []
+    real_fit = fedbabu_client.fit_head
+
+    def recording_fit(head, features, labels, loss_fn, optimizer, epochs, batch_size):
+        rates.append([group["lr"] for group in optimizer.param_groups])
+        return real_fit(head, features, labels, loss_fn, optimizer, epochs, batch_size)
+
+    monkeypatch.setattr(fedbabu_client, "fit_head", recording_fit)
+    restarted.validate(restarted.shared_weights(), RoundContext(2, 3))
+    expected = round_lr(restarted.trainer.train_cfg, ctx)
+    assert expected != pytest.approx(TRAIN["min_lr"]) and rates == [[pytest.approx(expected)]]
+
+
 def test_the_head_gets_no_gradient_while_the_body_trains_and_its_fine_tune_is_a_copy(monkeypatch) -> None:
     """Oh et al. 2022, §3 (the head stays at its random initialisation during FL): in every body step no head
     parameter is trainable or receives a gradient, so the head the site sends back is bit for bit the one it got;

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -32,9 +32,25 @@ class FedBabuTrainer(PersonalizedTrainer):
 
     _model_version = 0  # local rounds trained, so a fine-tuned head is reused only for the model it was fitted on
     _finetuned: tuple[int, nn.Module] | None = None
+    # the round that last trained the body, kept across a restart: the fine-tune reads its lr (the loop's own round
+    # context starts afresh in a restarted site, which fine-tuned at another lr than an uninterrupted one)
+    _trained_in: RoundContext | None = None
 
     def on_round_start(self, ctx: RoundContext) -> None:
         self._model_version += 1
+        self._trained_in = ctx
+
+    def extra_state(self) -> dict[str, Any]:
+        trained = self._trained_in
+        where = {} if trained is None else {"trained_in": {"round": trained.round, "total_rounds": trained.total_rounds,
+                                                           "stage": trained.stage, "stage_round": trained.stage_round,
+                                                           "stage_rounds": trained.stage_rounds}}
+        return {**super().extra_state(), **where}
+
+    def load_extra_state(self, state: Mapping[str, Any]) -> None:
+        super().load_extra_state(state)
+        if "trained_in" in state:
+            self._trained_in = RoundContext(**state["trained_in"])
 
     def compute_loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         labelled = labels >= 0
@@ -49,7 +65,7 @@ class FedBabuTrainer(PersonalizedTrainer):
             return self._finetuned[1]
         head = copy.deepcopy(self.model.head).requires_grad_(True)
         features, labels = frozen_features(self.model, every_training_batch(self), self.device)
-        optimizer = head_optimizer(self.model, head, self.train_cfg, self._round_ctx)
+        optimizer = head_optimizer(self.model, head, self.train_cfg, self._trained_in or self._round_ctx)
         fit_head(head, features, labels, self._loss, optimizer, self.cfg.finetune_epochs, self.train_cfg.batch_size)
         self._finetuned = (self._model_version, head.eval())
         return head
