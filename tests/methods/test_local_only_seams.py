@@ -26,7 +26,7 @@ def test_a_default_job_trains_each_site_with_plain_cross_entropy_and_rhfls_sce_w
 
 def test_generalization_is_the_unweighted_mean_of_each_sites_own_model_on_the_pooled_test_set() -> None:
     """FCA §4.2 (local learning's G column, Table 4): each site's own model on the pooled test set, averaged over
-    sites with equal weight; S: each on its own test split. Through each site's final validation, the controller's
+    sites with equal weight (in bACC and bAUC); S: each on its own test split. Through each site's final validation, the controller's
     accept_site_result and summarize, and the method's final_metrics."""
     sites = [default_job_site("local-only", site=f"site-{i}", train={"local_epochs": 3, "lr": 0.05, "batch_size": 16}) for i in (1, 2)]
     results, evaluations, record = RunResults("balanced_accuracy"), {}, new_record(0, time.time())
@@ -42,4 +42,9 @@ def test_generalization_is_the_unweighted_mean_of_each_sites_own_model_on_the_po
     figures = rule.final_metrics(summarize(evaluations))
     assert figures["generalization_bacc"] == pytest.approx(float(np.mean(own_on_pool)), abs=1e-12)
     assert figures["specialization_bacc"] == pytest.approx(float(np.mean(own)), abs=1e-12)
+    # every site scores the same pooled set, so the pooled bACC equals the mean; bAUC tells the two apart
+    by_site = figures["generalization_by_site"]
+    assert [by_site[site.site_name]["bacc"] for site in sites] == pytest.approx(own_on_pool, abs=1e-12)
+    assert figures["generalization_bauc"] == pytest.approx(float(np.mean([m["bauc"] for m in by_site.values()])),
+                                                           abs=1e-12)
     assert own_on_pool[0] != pytest.approx(own_on_pool[1])  # two different models: the mean is not one site's
