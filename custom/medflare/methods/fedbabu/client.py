@@ -21,6 +21,8 @@ from medflare.methods.personalization import (
 
 __all__ = ["FedBabuTrainer"]
 
+_ROUND_KEYS = ("round", "total_rounds", "stage", "stage_round", "stage_rounds")  # a RoundContext as the state keeps it
+
 
 class FedBabuTrainer(PersonalizedTrainer):
     """Balanced softmax through the frozen head (only the body trains and is averaged); the specialization evaluation
@@ -42,9 +44,7 @@ class FedBabuTrainer(PersonalizedTrainer):
 
     def extra_state(self) -> dict[str, Any]:
         trained = self._trained_in
-        where = {} if trained is None else {"trained_in": {"round": trained.round, "total_rounds": trained.total_rounds,
-                                                           "stage": trained.stage, "stage_round": trained.stage_round,
-                                                           "stage_rounds": trained.stage_rounds}}
+        where = {} if trained is None else {"trained_in": {key: getattr(trained, key) for key in _ROUND_KEYS}}
         return {**super().extra_state(), **where}
 
     def load_extra_state(self, state: Mapping[str, Any]) -> None:
