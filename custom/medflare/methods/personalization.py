@@ -17,8 +17,8 @@ from medflare.methods.base import LocalTrainer, RoundContext, ServerRule, TrainC
 from medflare.models import Classifier
 from medflare.optim import build_optimizer, set_step_lr
 
-__all__ = ["FiguresRule", "HeadLoss", "PersonalizedTrainer", "fit_head", "frozen_features", "head_optimizer",
-           "own_model_generalization"]
+__all__ = ["FiguresRule", "HeadLoss", "PersonalizedTrainer", "every_training_batch", "fit_head", "frozen_features",
+           "head_optimizer", "own_model_generalization"]
 
 HeadLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> scalar loss
 
@@ -41,6 +41,12 @@ def frozen_features(model: Classifier, loader: DataLoader, device: torch.device)
     if not features:
         return torch.zeros(0, model.num_features, device=device), torch.zeros(0, dtype=torch.long, device=device)
     return torch.cat(features), torch.cat(labels)
+
+
+def every_training_batch(trainer: LocalTrainer) -> DataLoader:
+    """Every training sample once, in order: the head trains on all of the site's labelled images (the shuffled
+    training loader drops its last partial batch, which left a random remainder of up to a batch out)."""
+    return DataLoader(trainer.train_dataset(), batch_size=trainer.train_cfg.eval_batch_size, shuffle=False)
 
 
 def head_optimizer(model: nn.Module, head: nn.Module, cfg: TrainConfig, ctx: RoundContext) -> torch.optim.Optimizer:

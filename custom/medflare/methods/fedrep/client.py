@@ -12,6 +12,7 @@ from medflare.losses import balanced_softmax_loss
 from medflare.methods.base import RoundContext
 from medflare.methods.personalization import (
     PersonalizedTrainer,
+    every_training_batch,
     fit_head,
     frozen_features,
     head_optimizer,
@@ -30,7 +31,7 @@ class FedRepTrainer(PersonalizedTrainer):
     def on_round_start(self, ctx: RoundContext) -> None:
         head = self.model.head
         head.requires_grad_(True)
-        features, labels = frozen_features(self.model, self.train_loader(), self.device)
+        features, labels = frozen_features(self.model, every_training_batch(self), self.device)
         loss = fit_head(head, features, labels, self._loss, head_optimizer(self.model, head, self.train_cfg, ctx),
                         self.cfg.head_epochs, self.train_cfg.batch_size)
         self.record_locally(round=ctx.round, head_loss=loss)
