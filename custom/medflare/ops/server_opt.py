@@ -36,6 +36,7 @@ DEFAULT_LR = {"fedavgm": 1.0, "fedadam": 1e-1, "fedyogi": 1e-2, "fedadagrad": 1e
 RULE_OPTIONS = {"fedavgm": ("lr", "momentum"), "fedadam": ("lr", "beta1", "beta2", "tau"),
                 "fedyogi": ("lr", "beta1", "beta2", "tau"), "fedadagrad": ("lr", "beta1", "tau"), "none": ()}
 SECTION = "server_optimizer"
+STATE_PREFIX = "server_optimizer:"  # a checkpoint's optimizer buffers: "server_optimizer:m/<key>", ".../v/<key>"
 
 
 @dataclass(frozen=True)
@@ -166,3 +167,22 @@ class ServerOptimizer:
         previous = self.v.get(key, np.full_like(delta, cfg.tau ** 2))  # Algorithm 2: v₋₁ >= τ²
         self.v[key] = SECOND_MOMENTS[cfg.name](previous, delta * delta, cfg.beta2)
         return eta * self.m[key] / (np.sqrt(self.v[key]) + cfg.tau)
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """The buffers as checkpoint arrays (:data:`STATE_PREFIX`), for the server's resume checkpoint only; each
+        round's step replaces the arrays, so a background write of these needs no copy."""
+        return {f"{STATE_PREFIX}{name}/{key}": value for name, buffers in (("m", self.m), ("v", self.v))
+                for key, value in buffers.items()}
+
+    def restore(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Continue from :meth:`state_arrays` of an earlier job (its other arrays ignored)."""
+        for name, value in arrays.items():
+            if name.startswith(STATE_PREFIX):
+                buffer, _, key = name[len(STATE_PREFIX):].partition("/")
+                {"m": self.m, "v": self.v}[buffer][key] = np.asarray(value, np.float64)
+
+
+def split_state(arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """A checkpoint's arrays as (the model, the server optimizer's buffers)."""
+    model = {k: v for k, v in arrays.items() if not k.startswith(STATE_PREFIX)}
+    return model, {k: v for k, v in arrays.items() if k.startswith(STATE_PREFIX)}
