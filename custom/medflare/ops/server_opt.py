@@ -118,6 +118,7 @@ def check_server_optimizer(config: ServerOptConfig, method: str, server_model: b
 
 # ----- the rules ------------------------------------------------------------------------------------------------
 def adam_moment(v: np.ndarray, squared: np.ndarray, beta2: float) -> np.ndarray:
+    """Adam's second moment: the β₂ moving average of Δ²."""
     return beta2 * v + (1 - beta2) * squared
 
 
@@ -127,6 +128,7 @@ def yogi_moment(v: np.ndarray, squared: np.ndarray, beta2: float) -> np.ndarray:
 
 
 def adagrad_moment(v: np.ndarray, squared: np.ndarray, beta2: float) -> np.ndarray:
+    """Adagrad's second moment: the sum of every Δ² (β₂ unused)."""
     return v + squared
 
 
