@@ -92,11 +92,12 @@ def test_every_option_is_listed_with_its_type(capsys) -> None:
     text = printed_config(["fedprox"], capsys)
 
     options = options_by_section(text)
-    sections = {"method_args", "train", "data", "task", "robust", "dp_sgd"}
+    sections = {"method_args", "train", "data", "task", "robust", "dp_sgd", "server_optimizer"}
     assert set(options[""]) == {f.name for f in dataclasses.fields(RunConfig)} - sections
     assert set(options["train"]) == {f.name for f in dataclasses.fields(TrainConfig)}
     assert set(options["robust"]) == {"max_norm_ratio", "max_share", "rule", "hostile_sites", "trim_fraction",
                                       "krum_keep", "off"}
+    assert set(options["server_optimizer"]) == {"name", "lr", "beta1", "beta2", "tau", "momentum"}
     assert "# lr = 0.001  # a finite number; default 0.001; from default" in text
     assert "tracking = \"tensorboard\"  # one of 'tensorboard', 'mlflow', 'both', 'off';" in text
     assert "# num_classes =  # an integer; default from the data; from default" in text

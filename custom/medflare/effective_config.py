@@ -62,6 +62,8 @@ def _section_note(section: str) -> list[str]:
         return ["# read from the data unless all of num_classes, in_channels and image_size are given"]
     if section == "dp_sgd":
         return ["# DP-SGD at every site: off unless an option is set here (medflare[dp]; docs/privacy.md)"]
+    if section == "server_optimizer":
+        return ["# the server's step on the aggregate: none unless name is set (docs/server-optimizers.md)"]
     return []
 
 
@@ -88,6 +90,7 @@ def _sections(run: RunConfig) -> dict[str, Section]:
     from medflare.data import DataConfig
     from medflare.dp_sgd import DPSGDConfig
     from medflare.methods.base import TrainConfig
+    from medflare.ops.server_opt import ServerOptConfig
     from medflare.server_setup import RobustConfig
     from medflare.site_config import TaskSpec, resolve_train_config
 
@@ -103,6 +106,7 @@ def _sections(run: RunConfig) -> dict[str, Section]:
         "robust": Section({**_field_hints(RobustConfig), ROBUST_OFF_KEY: bool},
                           {**_field_defaults(RobustConfig), ROBUST_OFF_KEY: False}),
         "dp_sgd": Section(_field_hints(DPSGDConfig), _field_defaults(DPSGDConfig)),
+        "server_optimizer": Section(_field_hints(ServerOptConfig), _field_defaults(ServerOptConfig)),
     }
 
 

@@ -22,6 +22,12 @@ from typing import TYPE_CHECKING, Any, Mapping
 from medflare.config import MAX_CLIENTS, MAX_ROUNDS, bounded, check_fields, fields_typed, from_dict, same_bound
 from medflare.errors import ConfigError
 from medflare.methods.base import MethodSpec, TrainConfig
+from medflare.ops.server_opt import (
+    ServerOptConfig,
+    check_server_optimizer,
+    typed_server_optimizer,
+    written_server_optimizer,
+)
 from medflare.registry import get_method, list_methods, load_plugins
 from medflare.run_config import (
     IMAGENET,
@@ -119,9 +125,13 @@ class RunPlan:
     # head/medium/tail class ids for long-tail metrics
     shot_groups: dict[str, list[int]] | None = bounded(None, low=0, high=MAX_CLASSES, high_open=True,
                                                        checked_by="the group names medflare.metrics writes")
+    # the server optimizer's options as typed (empty: none); left out of the record when empty, so a plan written
+    # before it existed reads (and fingerprints) the same
+    server_optimizer: dict[str, Any] = dataclasses.field(default_factory=dict)
     if TYPE_CHECKING:  # what consumers take, typed once per plan from its record (not fields: a replace re-types)
         method_cfg: Any  # the method's config object (``method_args`` is its record)
         defences: RobustConfig  # ``robust`` as the server's defences
+        server_opt: ServerOptConfig  # ``server_optimizer`` as the server steps with it
 
     def __post_init__(self) -> None:
         method_cfg = from_dict(self.spec.config_cls, dict(self.method_args), f"{PLAN_FILE}: method '{self.method}'")
@@ -129,6 +139,10 @@ class RunPlan:
         object.__setattr__(self, "method_args", dataclasses.asdict(method_cfg))
         object.__setattr__(self, "robust", typed_robust(self.robust))
         object.__setattr__(self, "defences", RobustConfig(**self.robust))
+        object.__setattr__(self, "server_optimizer", typed_server_optimizer(self.server_optimizer))
+        object.__setattr__(self, "server_opt", ServerOptConfig(**self.server_optimizer))
+        check_server_optimizer(self.server_opt, self.method, self.spec.server_model,
+                               self.secure_aggregation == "he")
         check_fields(self, PLAN_FILE)
         check_sections(self)
         if not self.sites or not self.model:
@@ -178,8 +192,12 @@ class RunPlan:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON types (the TrainConfigs as dicts; ``method_cfg`` and ``defences`` are read off the record)."""
-        return json.loads(json.dumps(dataclasses.asdict(self)))
+        """Plain JSON types (the TrainConfigs as dicts; ``method_cfg``, ``defences`` and ``server_opt`` are read off
+        the record); an empty ``server_optimizer`` is left out."""
+        record = json.loads(json.dumps(dataclasses.asdict(self)))
+        if not record["server_optimizer"]:
+            del record["server_optimizer"]
+        return record
 
     @classmethod
     def from_dict(cls, record: Mapping[str, Any], where: str = PLAN_FILE) -> RunPlan:
@@ -237,6 +255,9 @@ def validated(run: RunConfig, check_files: bool = True, data_defaults: Mapping[s
     spec.config_cls(**run.method_args)  # the method's own range checks
     run.train = fields_typed(TrainConfig, run.train, "train")
     run.robust = typed_robust(run.robust)  # before the aggregator sees it: it knows no "off"
+    run.server_optimizer = written_server_optimizer(run.server_optimizer)
+    check_server_optimizer(ServerOptConfig(**run.server_optimizer), run.method, spec.server_model,
+                           run.secure_aggregation == "he")
     _check_privacy(run, spec)
     for site, overrides in run.site_train.items():
         if site not in run.site_names:
@@ -506,6 +527,7 @@ def build_plan(run: RunConfig, task: TaskSpec, robust: Mapping[str, Any],
         stream_aggregation=run.stream_aggregation, dp=dict(run.dp), dp_sgd=dict(run.dp_sgd),
         secure_aggregation=run.secure_aggregation, audit=run.audit, tracking=run.tracking,
         plugins=tuple(run.plugin_modules() if plugins is None else plugins), shot_groups=shot_groups,
+        server_optimizer=dict(run.server_optimizer),
     )
 
 

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 # --set prefixes and the RunConfig field each one writes into
 SECTIONS = {"method": "method_args", "train": "train", "data": "data", "task": "task", "robust": "robust",
-            "dp_sgd": "dp_sgd"}
+            "dp_sgd": "dp_sgd", "server_optimizer": "server_optimizer"}
 # A job name becomes a folder name: one plain path component, never a path
 JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 SITE_EVALUATION = ("every_round", "final", "off")
@@ -111,6 +111,9 @@ class RunConfig:
         secure_aggregation: "off" (default) or "he": sites encrypt their arrays with their kit's TenSEAL CKKS
             context (FLARE's HEBuilder); the server aggregates ciphertexts and never reads an update (POC and
             production only; :mod:`medflare.flare.he`, docs/privacy.md).
+        server_optimizer: a server optimizer stepping the global model on the pseudo-gradient (aggregate − global
+            model) after the bounded aggregate (:class:`medflare.ops.server_opt.ServerOptConfig`), e.g. ``--set
+            server_optimizer.name=fedadam``; empty = none (docs/server-optimizers.md).
     """
 
     method: str = bounded("fedavg", checked_by="the method registry")
@@ -147,6 +150,7 @@ class RunConfig:
     patience: int = bounded(0, low=0, high=MAX_ROUNDS, zero="no early stopping")
     resume_from: str = bounded("", checked_by="the previous run's folder")
     secure_aggregation: SecureAggregation = "off"
+    server_optimizer: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.model = self.model or default_model(self.method)

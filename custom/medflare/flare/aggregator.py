@@ -29,6 +29,7 @@ from medflare.methods.base import (
 from medflare.ops import normalise_weights, robust_rules, wire
 from medflare.ops.aggregate import SiteOrderedSum
 from medflare.ops.influence import Mixture, combine, mix
+from medflare.ops.server_opt import ServerOptConfig, ServerOptimizer, check_server_optimizer
 from medflare.ops.wire import decode_weights
 from medflare.plan import PLAN_FILE, RunPlan
 from medflare.server_setup import server_rule
@@ -38,6 +39,7 @@ INFO = "info"
 STREAM_INFO = "stream_aggregation"  # a round's record: whether its results were summed as they arrived
 NORM_BOUND_INFO = "norm_bound"  # a round's record: why the update-norm bound named no outlier, when it could not
 RULE_INFO = "robust_rule"  # a round's record: the robust rule's kept sites and whether its guarantee held
+SERVER_OPT_INFO = "server_optimizer"  # a round's record: the server optimizer's rule and η
 MIN_SITES_FOR_OUTLIER = 3  # with two sites each one's reference median is the other: a tiny update evicts the other
 
 
@@ -47,12 +49,17 @@ class RoundAggregation:
     fields; float weights travel in ``transfer_dtype``/``download_dtype``, up as ``transfer_kind`` "weights" or
     "diff" (the server keeps its own precision); ``stream_aggregation`` adds each accepted train result to one float64
     running sum in site-name order instead of holding every update (linear rules; :meth:`expect_sites` frees results
-    early); ``min_clients``: no robust decision may leave fewer valid results (the round fails instead)."""
+    early); ``min_clients``: no robust decision may leave fewer valid results (the round fails instead);
+    ``server_optimizer``: :class:`medflare.ops.server_opt.ServerOptConfig` fields, the rule that steps the global model
+    on the pseudo-gradient after the bounded aggregate (its buffers stay here, never in what is sent)."""
+
+    reads_plaintext = True  # the results are plaintext arrays (False: flare.he.EncryptedRoundAggregation)
 
     def __init__(self, spec: MethodSpec, method_args: Any, num_classes: int, num_rounds: int,
                  robust: Mapping[str, Any] | None = None, transfer_dtype: str = "float32",
                  transfer_kind: str = "weights", multi_label: bool = False, stream_aggregation: bool = False,
-                 download_dtype: str = "float32", min_clients: int = 1, local_epochs: int = 1):
+                 download_dtype: str = "float32", min_clients: int = 1, local_epochs: int = 1,
+                 server_optimizer: Mapping[str, Any] | None = None):
         self.min_clients, self.local_epochs = min_clients, local_epochs
         self.spec = spec
         self.rule, self.stages, self.robust = server_rule(spec, method_args, num_rounds, robust, transfer_dtype,
@@ -73,13 +80,16 @@ class RoundAggregation:
         self.stream_aggregation = stream_aggregation
         self.stream: SiteOrderedSum | None = None  # the train phase's running sum while it streams
         self.norms: dict[str, float] = {}  # site -> its update's norm, taken as it arrives (the norm bound's input)
+        opt_config = ServerOptConfig(**dict(server_optimizer or {}))
+        check_server_optimizer(opt_config, spec.name, spec.server_model, not self.reads_plaintext)
+        self.server_opt = ServerOptimizer(opt_config) if opt_config.on else None
 
     @classmethod
     def of_plan(cls, plan: RunPlan) -> RoundAggregation:
         """The round core a job of ``plan`` runs (the FLARE aggregator's, and the in-process loop's)."""
         return cls(plan.spec, plan.method_cfg, plan.task.num_classes, len(plan.rounds), plan.defences,
                    plan.transfer_dtype, plan.transfer_kind, plan.task.multi_label, plan.stream_aggregation,
-                   plan.download_dtype, plan.min_clients, plan.max_local_epochs)
+                   plan.download_dtype, plan.min_clients, plan.max_local_epochs, plan.server_optimizer)
 
     def start_round(self, global_params: Mapping[str, np.ndarray], ctx: RoundContext) -> None:
         """Forget the previous round."""
@@ -216,7 +226,19 @@ class RoundAggregation:
                 result = dataclasses.replace(result, info={**result.info, RULE_INFO: self._rule_facts(result)})
         if self.stream_aggregation:
             result = dataclasses.replace(result, info={**result.info, STREAM_INFO: self._stream_facts()})
-        return require_finite(result)
+        return self._server_step(require_finite(result))
+
+    def _server_step(self, result: AggregateResult) -> AggregateResult:
+        """The server optimizer's step on the pseudo-gradient (the bounded aggregate − the global model) over the
+        float arrays this round's stage trains (the shared, not frozen keys); the aggregate itself without one."""
+        if self.server_opt is None:
+            return result
+        payload = self.spec.payload
+        keys = [k for k in payload.shared_keys(list(self.global_params), self.ctx.stage)
+                if not payload.is_frozen(k) and k in result.params]
+        params = self.server_opt.step(self.global_params, result.params, keys)
+        facts = {"name": self.server_opt.config.name, "lr": self.server_opt.config.step_size}
+        return dataclasses.replace(result, params=params, info={**result.info, SERVER_OPT_INFO: facts})
 
     def _streamed_aggregate(self, stream: SiteOrderedSum) -> AggregateResult:
         """What ``ServerRule.aggregate`` gives for a linear rule, from the running sum."""

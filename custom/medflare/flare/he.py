@@ -59,6 +59,8 @@ class EncryptedRoundAggregation(RoundAggregation):
     parts travel in plaintext as the server sent them (and are checked). :meth:`use_context` sets the server's
     context (no secret key) before the first result arrives."""
 
+    reads_plaintext = False  # no server optimizer can step on an encrypted aggregate
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         he_aggregate.check_encrypted_run(

@@ -19,14 +19,20 @@ from medflare import resume
 from medflare.flare.run_results import RunResults, json_default
 from medflare.ops.background import BackgroundWrite
 from medflare.ops.checkpoint import load_checkpoint, save_checkpoint
+from medflare.ops.server_opt import ServerOptimizer, split_state
 
 CHECKPOINT_FILE = "medflare_checkpoint.npz"  # a run's state and model after every round, for a resumed job
+SERVER_OPT_STATE = "server_optimizer"  # the checkpoint state's name of the rule whose buffers it holds
 
 
 def save_round_checkpoint(app_dir: str, run: RunResults, params: Mapping[str, np.ndarray],
-                          writer: BackgroundWrite) -> None:
-    """Write ``run``'s state and the model ``params`` in the background (``writer``), while the sites train."""
-    save_checkpoint(os.path.join(app_dir, CHECKPOINT_FILE), params, run.state(), json_default, writer=writer)
+                          writer: BackgroundWrite, server_opt: ServerOptimizer | None = None) -> None:
+    """Write ``run``'s state and the model ``params`` in the background (``writer``), while the sites train; with
+    ``server_opt``, its buffers too (the server's own file: nothing of it is ever sent)."""
+    state, arrays = run.state(), dict(params)
+    if server_opt is not None:
+        state, arrays = {**state, SERVER_OPT_STATE: server_opt.config.name}, {**arrays, **server_opt.state_arrays()}
+    save_checkpoint(os.path.join(app_dir, CHECKPOINT_FILE), arrays, state, json_default, writer=writer)
 
 
 def resumed_job_id(resume_from: str, in_simulator: bool) -> str | None:
@@ -42,17 +48,21 @@ def resumed_job_id(resume_from: str, in_simulator: bool) -> str | None:
 
 
 def resume_job(run: RunResults, job_id: str, app_root: str, model: Mapping[str, Any], method: str,
-               num_rounds: int) -> tuple[dict[str, np.ndarray], str]:
+               num_rounds: int, server_opt: ServerOptimizer | None = None) -> tuple[dict[str, np.ndarray], str]:
     """Restore into ``run`` the history (rounds, evaluations, best score) of job ``job_id``'s last checkpoint (same
     submitter) from this server's own workspace, under this job's own header (its plan fingerprint, start, defences:
-    what ``medflare report`` checks against the job's plan): (its model, its app folder)."""
+    what ``medflare report`` checks against the job's plan): (its model, its app folder). ``server_opt`` continues
+    from the checkpoint's buffers when they are of its rule (else it starts afresh: m = 0, v = τ²)."""
     run_dir = os.path.dirname(app_root)
     previous_run = os.path.join(os.path.dirname(run_dir), job_id)
     if _submitter(previous_run) != _submitter(run_dir):
         raise ValueError(f"job {job_id} was submitted by someone else; only its submitter may resume it")
     previous_app = os.path.join(previous_run, os.path.basename(app_root))
     params, state = load_checkpoint(os.path.join(previous_app, CHECKPOINT_FILE))
+    params, buffers = split_state(params)
     check_same_model(params, model)
+    if server_opt is not None and state.get(SERVER_OPT_STATE) == server_opt.config.name:
+        server_opt.restore(buffers)
     header = dict(run.data)  # this job's, written by results_header before anything is restored
     run.restore(state, method, num_rounds)
     start = {**resume.start_record(f"job {job_id}", run.next_round, params), "from_job": job_id}
