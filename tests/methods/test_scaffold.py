@@ -13,7 +13,9 @@ from medflare.errors import ConfigError, PayloadError
 from medflare.flare.aggregator import RoundAggregation
 from medflare.methods.base import RoundContext
 from medflare.methods.scaffold.control import DELTA_CONTROL, SERVER_CONTROL
+from medflare.plan import resolve
 from medflare.registry import get_method
+from medflare.run_config import RunConfig
 
 from ._trainers import make_trainer
 from .conftest import make_site
@@ -124,6 +126,10 @@ def test_the_corrected_step_needs_plain_sgd(linear) -> None:
         trainer.train_round(RoundContext(0, 1))
     spec = get_method(METHOD)
     assert spec.train_defaults["optimizer"] == "sgd" and spec.train_defaults["momentum"] == 0.0
+    resolve(RunConfig(method=METHOD, clients=2), "byoc")  # the defaults pass the pre-launch check
+    for train, named in (({"momentum": 0.9}, "train.momentum=0.9"), ({"optimizer": "adam"}, "train.optimizer=adam")):
+        with pytest.raises(ConfigError, match=f"needs plain SGD, but site-1 has {named}"):
+            resolve(RunConfig(method=METHOD, clients=2, train=train), "byoc")  # refused before anything launches
 
 
 def test_the_correction_reaches_every_trained_parameter_and_leaves_the_loss_unchanged(linear) -> None:
