@@ -49,6 +49,7 @@ class ScaffoldTrainer(LocalTrainer):
         self._start: Controls = {}  # x: the weights received this round
         self._lr_sums: dict[str, float] = {}  # Σ_k η_k per parameter over the round's steps (K η_l at a constant lr)
         self._delta: np.ndarray | None = None  # Δc_i of the last round trained, flat (control.py's layout)
+        self._params: dict[str, nn.Parameter] = {}  # the parameters the round's controls cover (_controlled)
 
     # ----- what travels -----------------------------------------------------------------------------------------
     def receive(self, arrays: Mapping[str, np.ndarray]) -> None:
@@ -75,7 +76,7 @@ class ScaffoldTrainer(LocalTrainer):
         if problem:
             raise ConfigError(f"scaffold's corrected step y ← y − η_l (g − c_i + c) needs plain SGD, got {problem}: "
                               "set train.optimizer=sgd and train.momentum=0")
-        params = self._controlled()
+        params = self._params = self._controlled()
         self._start = {name: param.detach().clone() for name, param in params.items()}
         self._correction = {name: self._server_c(name, param) - self._own_c(name, param)
                             for name, param in params.items()}
@@ -84,12 +85,12 @@ class ScaffoldTrainer(LocalTrainer):
 
     def compute_loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         supervised = self.supervised_loss(self.model(images), labels)  # CE, or BCE for multi-label tasks
-        return supervised + drift_correction(self._controlled(), self._correction)
+        return supervised + drift_correction(self._params, self._correction)
 
     def after_step(self) -> None:
         assert self.optimizer is not None
         lr_of = {id(param): group["lr"] for group in self.optimizer.param_groups for param in group["params"]}
-        for name, param in self._controlled().items():
+        for name, param in self._params.items():
             self._lr_sums[name] += float(lr_of.get(id(param), 0.0))
 
     def train_round(self, ctx: RoundContext, should_abort: Callable[[], bool] = lambda: False) -> dict[str, Any]:
@@ -101,7 +102,7 @@ class ScaffoldTrainer(LocalTrainer):
         """c_i⁺ = c_i − c + (x − y) / (K η_l) for every parameter that stepped; Δc_i = c_i⁺ − c_i (0 for one that did
         not: without a step the round says nothing about its gradient)."""
         updated = {}
-        for name, param in self._controlled().items():
+        for name, param in self._params.items():
             own, server = self._own_c(name, param), self._server_c(name, param)
             steps_lr = self._lr_sums[name]
             updated[name] = own - server + (self._start[name] - param.detach()) / steps_lr if steps_lr > 0 else own
