@@ -40,6 +40,7 @@ STREAM_INFO = "stream_aggregation"  # a round's record: whether its results were
 NORM_BOUND_INFO = "norm_bound"  # a round's record: why the update-norm bound named no outlier, when it could not
 RULE_INFO = "robust_rule"  # a round's record: the robust rule's kept sites and whether its guarantee held
 SERVER_OPT_INFO = "server_optimizer"  # a round's record: the server optimizer's rule and η
+MODEL_PART = "model"  # the norm bound's name for an update's model step (beside its declared float arrays)
 MIN_SITES_FOR_OUTLIER = 3  # with two sites each one's reference median is the other: a tiny update evicts the other
 
 
@@ -79,7 +80,9 @@ class RoundAggregation:
         self.first_samples: dict[str, float] = {}  # site -> n_samples of its first accepted update
         self.stream_aggregation = stream_aggregation
         self.stream: SiteOrderedSum | None = None  # the train phase's running sum while it streams
-        self.norms: dict[str, float] = {}  # site -> its update's norm, taken as it arrives (the norm bound's input)
+        # site -> {part: norm} of its update's model step and declared float arrays, taken as it arrives (the norm
+        # bound's input)
+        self.norms: dict[str, dict[str, float]] = {}
         opt_config = ServerOptConfig(**dict(server_optimizer or {}))
         check_server_optimizer(opt_config, spec.name, spec.server_model, not self.reads_plaintext)
         self.server_opt = ServerOptimizer(opt_config) if opt_config.on else None
@@ -180,7 +183,7 @@ class RoundAggregation:
                     if self.stream is not None:
                         update = self._stream(update, weight)
                     elif self.robust.max_norm_ratio > 0 and self.global_params:  # while later results travel
-                        self.norms[site] = update_norm(update.arrays, self.global_params)
+                        self.norms[site] = self.part_norms(update)
                 self.updates[site] = update
                 return None
             except (MedflareError, KeyError, TypeError, ValueError) as exc:
@@ -198,6 +201,18 @@ class RoundAggregation:
         self.stream.arrive(update.site, model, weight)
         rest = {k: v for k, v in update.arrays.items() if k not in self.global_params}
         return SiteUpdate(update.site, rest, update.meta)
+
+    def part_norms(self, update: SiteUpdate) -> dict[str, float]:
+        """The norms the update-norm bound compares between sites: the model step ‖θ_site − θ_global‖ under
+        :data:`MODEL_PART`, and the L2 norm of each float array the method declares for the train phase (e.g.
+        SCAFFOLD's Δc_i), so a hostile site can no more send a huge declared array than a huge step."""
+        declared = self.spec.payload.arrays_for(contracts.TRAIN_PHASE)
+        norms = {MODEL_PART: update_norm(update.arrays, self.global_params)}
+        for name, spec in sorted(declared.items()):
+            value = update.arrays.get(name)
+            if value is not None and not spec.integral and np.asarray(value).dtype.kind == "f":
+                norms[name] = float(np.linalg.norm(np.asarray(value, np.float64).ravel()))
+        return norms
 
     def _check_sample_count(self, update: SiteUpdate) -> None:
         """A site's training-set size does not change within a job: a jump is a forged aggregation weight."""
@@ -334,17 +349,25 @@ class RoundAggregation:
         if len(updates) < MIN_SITES_FOR_OUTLIER:
             return updates, (f"not applied: {len(updates)} sites answered, and naming an outlier needs at least "
                              f"{MIN_SITES_FOR_OUTLIER} (with two, each site's reference is the other's norm)")
-        norms = {u.site: self.norms[u.site] if u.site in self.norms else update_norm(u.arrays, self.global_params)
-                 for u in updates}
+        norms = {u.site: self.norms[u.site] if u.site in self.norms else self.part_norms(u) for u in updates}
         kept = []
         for update in updates:
-            others = float(np.median([n for s, n in norms.items() if s != update.site]))
-            if others > 0 and norms[update.site] > ratio * others:
-                self._reject(update.site, f"update norm {norms[update.site]:.4g} exceeds {ratio:g} x the other "
-                                          f"sites' median {others:.4g}")
+            excess = next((why for part in norms[update.site] if (why := self._norm_excess(norms, update.site, part))),
+                          "")
+            if excess:
+                self._reject(update.site, excess)
             else:
                 kept.append(update)
         return kept, ""
+
+    def _norm_excess(self, norms: Mapping[str, Mapping[str, float]], site: str, part: str) -> str:
+        """Why ``site``'s norm of ``part`` exceeds ``max_norm_ratio`` × the other sites' median of it ("" if not)."""
+        ratio, mine = self.robust.max_norm_ratio, norms[site][part]
+        others = float(np.median([n[part] for s, n in norms.items() if s != site and part in n] or [0.0]))
+        if others <= 0 or mine <= ratio * others:
+            return ""
+        what = "update norm" if part == MODEL_PART else f"the norm of '{part}'"
+        return f"{what} {mine:.4g} exceeds {ratio:g} x the other sites' median {others:.4g}"
 
     def _reject(self, site: str, reason: str) -> None:
         """A robust decision drops ``site``'s accepted update."""

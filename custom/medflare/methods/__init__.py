@@ -18,5 +18,6 @@ from medflare.methods import (  # noqa: F401
     local_only,
     mdhfl,
     moon,
+    scaffold,
     ssl_fl,
 )
