@@ -3,7 +3,7 @@ and a paper preset as a run resolves it (not collected: no ``test_`` prefix)."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import pytest
@@ -51,6 +51,25 @@ def first_batch(trainer: LocalTrainer) -> tuple[torch.Tensor, torch.Tensor]:
     """The first training batch the trainer's own loader gives (augmented images, built labels)."""
     images, labels = next(iter(trainer.train_loader()))
     return images.to(trainer.device), labels.to(trainer.device)
+
+
+def check_loss_is_ce_on_count_shifted_logits(method: str, shift: Callable[[torch.Tensor], torch.Tensor],
+                                             check_missing: Callable[[torch.Tensor], None]) -> None:
+    """On every site of LONG_TAIL_MISSING (the job's long-tail cut reached, checked first), the trainer's loss of its
+    own first batch is CE(z + shift(counts), y), ``counts`` the labels its data build produced (float64);
+    ``check_missing`` checks the shift of the class the site lacks."""
+    trainers = [site_runtime(method, LONG_TAIL_MISSING, index, train={"batch_size": 32}).trainer
+                for index in range(LONG_TAIL_MISSING["num_sites"])]
+    check_long_tail_reached(trainers, LONG_TAIL_MISSING["imbalance"])
+    for trainer in trainers:
+        images, labels = first_batch(trainer)
+        trainer.model.eval()  # one deterministic forward for the loss and the hand-written reference
+        offsets = shift(torch.as_tensor(built_train_counts(trainer), dtype=torch.float64))
+        check_missing(offsets)
+        with torch.no_grad():
+            expected = torch.nn.functional.cross_entropy(trainer.model(images).double() + offsets, labels)
+            loss = trainer.compute_loss(images, labels)
+        torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-6)
 
 
 def split_tensors(trainer: LocalTrainer, split: str) -> tuple[torch.Tensor, np.ndarray]:

@@ -4,16 +4,11 @@ evaluation scoring the raw logits."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ._seams import (
-    LONG_TAIL_MISSING,
-    built_train_counts,
     check_absent_class_is_not_pushed_down,
-    check_long_tail_reached,
+    check_loss_is_ce_on_count_shifted_logits,
     check_pooled_test_scores_raw_logits,
-    first_batch,
-    site_runtime,
 )
 
 EPS = 1e-12  # Fed-MAS's prior floor (spec §1.1)
@@ -23,19 +18,11 @@ def test_the_prior_is_the_frequency_of_the_labels_the_sites_data_build_produced(
     """Ren et al. 2020 (balanced softmax) as Fed-MAS's BSM-FL (spec §1.1): CE(z + log(π + eps), y), π the site's
     training-set class frequency after the job's long-tail cut (data.imbalance) and its split; the class the site
     lacks gets log(1e-12) ≈ −27.6. Checked on the trainer's loss of its own first batch."""
-    trainers = [site_runtime("bsm-fl", LONG_TAIL_MISSING, index, train={"batch_size": 32}).trainer
-                for index in range(LONG_TAIL_MISSING["num_sites"])]
-    check_long_tail_reached(trainers, LONG_TAIL_MISSING["imbalance"])
-    for trainer in trainers:
-        images, labels = first_batch(trainer)
-        trainer.model.eval()  # one deterministic forward for the loss and the hand-written reference
-        counts = torch.as_tensor(built_train_counts(trainer), dtype=torch.float64)
-        log_prior = torch.log(counts / counts.sum() + EPS)
+    def missing_class_floor(log_prior: torch.Tensor) -> None:
         assert float(log_prior.min()) < -27  # the missing class
-        with torch.no_grad():
-            expected = F.cross_entropy(trainer.model(images).double() + log_prior, labels)
-            loss = trainer.compute_loss(images, labels)
-        torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-6)
+
+    check_loss_is_ce_on_count_shifted_logits("bsm-fl", lambda counts: torch.log(counts / counts.sum() + EPS),
+                                             missing_class_floor)
 
 
 def test_the_pooled_test_metrics_score_the_raw_logits_not_the_prior_shifted_ones() -> None:
