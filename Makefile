@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.medflare-installed
 DEMO_OUT ?= runs/demo
 
-.PHONY: install demo test test-heavy test-fast lint mutants bench-overhead bench-scaling bench-peer bench-transfer flower-robust-reference bench-robust bench-fedmas bench-fedmas-cost bench-fca bench-mdhfl bench-mdhfl-cpu60 bench-ssl-fl bench-fedlsm bench-dp bench-he bench-paper bench-paper-lease bench-fixed clean
+.PHONY: install demo test test-heavy test-fast lint mutants bench-overhead bench-scaling bench-peer bench-transfer flower-robust-reference bench-robust bench-fedmas bench-fedmas-cost bench-fca bench-mdhfl bench-mdhfl-cpu60 bench-ssl-fl bench-fedlsm bench-converged bench-dp bench-he bench-paper bench-paper-lease bench-fixed clean
 
 # pip (not uv/poetry) so torch==2.14.1 / torchvision==0.29.1 come from this machine's local wheel store. pip
 # byte-compiles what it installs one file at a time; compileall does the same on every core (a fresh install took
@@ -123,6 +123,12 @@ bench-ssl-fl: install
 bench-fedlsm: install
 	nice -n 10 $(PY) benchmarks/fedlsm.py --setting retina --rounds 15 --steps 10 --out runs/bench-fedlsm-retina
 	nice -n 10 $(PY) benchmarks/fedlsm.py --setting synthetic-ml --rounds 15 --steps 10 --out runs/bench-fedlsm-synthetic-ml
+
+# Evidence at convergence (issue 63): each seed paper's claim run until validation stops improving, FedAvg and
+# FedAdam in every table, lr tuned per arm, 5 paired seeds; resumable (rows in benchmarks/results/converged.json).
+# `python benchmarks/converged.py --dry-run` prints the plan and its CPU estimate.
+bench-converged: install
+	nice -n 10 $(PY) benchmarks/converged.py --workers 2
 
 # Accuracy against ε (∞, 8, 3, 1): FedAvg with DP-SGD at every site on PneumoniaMNIST, 3 seeds (docs/privacy.md)
 bench-dp: install

@@ -19,9 +19,10 @@ import numpy as np
 import torch
 
 from medflare import contracts
-from medflare.evaluation import SiteEvaluation, site_evaluation, summarize
+from medflare.evaluation import SiteEvaluation, headline_metric, site_evaluation, summarize
 from medflare.flare.aggregator import RoundAggregation
 from medflare.flare.models import global_model_of
+from medflare.flare.run_results import RunResults
 from medflare.flare.tasks import TASK_VALIDATE, round_context, round_meta
 from medflare.methods.base import AggregateResult, PerSite, RoundContext, SiteUpdate
 from medflare.plan import RunPlan, resolve
@@ -92,7 +93,8 @@ def run_rounds(job: RunPlan | RunConfig, deliver: Deliver = run_at_site,
                on_result: Callable[..., None] = lambda *result: None,
                on_round: Callable[[RoundDone], None] = lambda done: None,
                on_sites: Callable[[InProcessSites], None] = lambda sites: None,
-               start: tuple[int, dict] | None = None) -> tuple[dict, dict[str, SiteEvaluation]]:
+               start: tuple[int, dict] | None = None,
+               results: RunResults | None = None) -> tuple[dict, dict[str, SiteEvaluation]]:
     """The controller's loop over ``job`` (a plan, or a run: :func:`plan_of`): the seeded global model, round by
     round each phase's task to every site in turn (a refused result raises RuntimeError), then every site's
     evaluation of the last model, which is returned too.
@@ -102,6 +104,11 @@ def run_rounds(job: RunPlan | RunConfig, deliver: Deliver = run_at_site,
     result as it arrives, ``on_round`` each round once the server aggregated it, ``on_sites`` the sites once built
     (a resumed job restores their state there). ``start`` = (rounds done, the global model after them) resumes a
     stopped job: the rounds before it are skipped, as FLARE's controller continues a resumed job's round counter.
+
+    ``results`` (a fresh :class:`RunResults`, or :func:`selecting` of the plan) records as FLARE's controller does:
+    each scored round's pooled evaluation of the model the sites received (``site_evaluation=every_round``), the
+    best model version by validation, and early stopping after ``plan.patience`` scored versions without a better
+    one; the returned model is then the last one trained, as the controller's.
     """
     plan = plan_of(job)
     core = RoundAggregation.of_plan(plan)
@@ -115,16 +122,38 @@ def run_rounds(job: RunPlan | RunConfig, deliver: Deliver = run_at_site,
         last = ctx
         if ctx.round < done_rounds:
             continue
-        started = time.perf_counter()
+        started, evaluations = time.perf_counter(), {}
         core.start_round(params, dataclasses.replace(ctx, server_meta=core.rule.server_meta(ctx)))
         for phase in core.rule.phases(core.ctx):
             outgoing = core.start_phase(phase)
             tasks = outgoing.arrays if isinstance(outgoing, PerSite) else {site: outgoing for site in sites.sites}
-            _send(sites, core, phase, tasks, deliver, on_result)
+            _send(sites, core, phase, tasks, deliver, _collecting(on_result, evaluations, core))
+        if results is not None and ctx.scored and evaluations:  # as the controller: the received model's scores
+            results.record_evaluation(ctx.round, summarize(evaluations, plan.shot_groups,
+                                                           share_cap=core.robust.max_share), None)
         aggregate = core.aggregate()
         params = aggregate.params
         on_round(RoundDone(ctx, aggregate, core.accepted(), time.perf_counter() - started))
+        if results is not None and results.stop_early(ctx):
+            break
     return params, _final_validation(sites, core, params, last, deliver)
+
+
+def selecting(job: RunPlan | RunConfig) -> RunResults:
+    """The controller's record for ``job``: its task's headline metric selects, ``plan.patience`` stops early."""
+    plan = plan_of(job)
+    return RunResults(headline_metric(plan.task.multi_label), plan.patience)
+
+
+def _collecting(on_result: Callable[..., None], evaluations: dict[str, SiteEvaluation],
+                core: RoundAggregation) -> Callable[..., None]:
+    """``on_result``, after keeping each result's evaluation statistics (if it sent any) in ``evaluations``."""
+    def collect(ctx: RoundContext, site: str, result: tuple[dict, dict]) -> None:
+        evaluation = site_evaluation(result[1], core.num_classes, core.multi_label)
+        if evaluation:
+            evaluations[site] = evaluation
+        on_result(ctx, site, result)
+    return collect
 
 
 def _send(sites: InProcessSites, core: RoundAggregation, phase: str, tasks: dict[str, dict], deliver: Deliver,

@@ -42,3 +42,32 @@ def test_a_refused_result_stops_the_job_naming_the_site(engine: ModuleType) -> N
 
     with pytest.raises(RuntimeError, match="site-1 rejected in round 1"):
         engine.run_rounds(small_run(), deliver=broken)
+
+
+def test_with_a_record_it_scores_each_received_model_and_stops_early_as_the_controller(engine: ModuleType) -> None:
+    # a vanishing learning rate: model 0 stays the best, models 1 and 2 bring nothing, so patience 2 stops the
+    # job after round 3 of 6 (as tests/integration/test_early_stop_and_resume.py shows FLARE's controller does)
+    run = RunConfig(method="fedavg", rounds=6, clients=2, model="cnn", patience=2,
+                    data={"source": "synthetic:n=80,classes=3,n_val=8,n_test=8,size=16", "augment": "none"},
+                    train={"max_steps": 1, "batch_size": 8, "lr": 1e-12})
+    results, rounds = engine.selecting(run), []
+    engine.run_rounds(run, on_round=rounds.append, results=results)
+    assert [done.plan.round for done in rounds] == [0, 1, 2]
+    assert sorted(results.data["evaluations"], key=int) == ["0", "1", "2"]
+    assert results.data["best"]["model_version"] == 0 and results.data["stopped_early"]["after_round"] == 3
+    assert results.key_metric == "balanced_accuracy"
+    scored = results.data["evaluations"]["0"]
+    assert scored["sites"] == ["site-1", "site-2"] and scored["val_stats"]["count"] == 8 and "test" in scored
+
+
+def test_with_a_record_a_learning_job_keeps_its_best_version_and_runs_to_the_cap(engine: ModuleType) -> None:
+    run = RunConfig(method="fedavg", rounds=3, clients=2, model="cnn", patience=5,
+                    data={"source": "synthetic:n=80,classes=3,n_val=8,n_test=8,size=16", "augment": "none"},
+                    train={"max_steps": 2, "batch_size": 8, "lr": 1e-2})
+    results = engine.selecting(run)
+    engine.run_rounds(run, results=results)
+    scores = {int(v): e["val"]["balanced_accuracy"] for v, e in results.data["evaluations"].items()}
+    assert sorted(scores) == [0, 1, 2] and "stopped_early" not in results.data
+    best = results.data["best"]
+    assert best["balanced_accuracy"] == max(scores.values())
+    assert best["model_version"] == min(v for v, s in scores.items() if s == max(scores.values()))
