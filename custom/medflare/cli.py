@@ -270,7 +270,7 @@ def _compare_failure_log(staging: Path, finished: list[str], exc: BaseException)
 def cmd_export(args: argparse.Namespace) -> int:
     """``medflare export``: the run's FLARE job folder, to submit with FLARE's own tools."""
     from medflare.files import OutputTarget
-    from medflare.job_export import write_job
+    from medflare.job_export import job_code_digest, write_job
     from medflare.plan import describe_sites, resolve
     from medflare.run_options import build_run_config, data_was_chosen
 
@@ -292,6 +292,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     except BaseException:
         target.abandon()
         raise
+    print(f"code digest: {job_code_digest(job_dir)} (send it to the sites: a site whose policy lists approved "
+          "code runs only jobs of those digests, policy.approved_code)")
     if plan.data["source"] == "site":
         print(f"wrote {job_dir} ({args.mode}); each site reads its images from local/medflare_site.json. "
               f"Submit it with: nvflare job submit -j {job_dir}")

@@ -42,6 +42,8 @@ DECLINE_REASONS = {
     "implausible_model": "the decrypted global model is implausible",
     "server_plan": "the server runs another plan than this site's copy, or does not prove its plan",
     "server_defences": "the server's declared defences are weaker than this site's policy requires",
+    "platform": "this site's or the server's FLARE is below the first release without the known advisories",
+    "code": "the job's code is not among the code this site approves",
 }
 # header a site's task filter puts on a task it refuses to train on (e.g. an implausible decrypted model): the
 # executor declines the task with that reason instead of training
@@ -74,6 +76,7 @@ TRANSFER_KIND = "transfer_kind"  # "weights" (default) or "diff": updates as dif
 # with; every result carries the site's fingerprint back (a Shareable header), so each side compares with its own copy
 SERVER_PLAN = "server_plan"  # the server's plan fingerprint (RunPlan.digest)
 SERVER_DEFENCES = "server_defences"  # {"robust": RobustConfig fields, "min_clients": int, "secure_aggregation": str}
+SERVER_NVFLARE = "server_nvflare"  # the FLARE release the server runs (medflare.advisories judges it at each site)
 SITE_PLAN_HEADER = "medflare_site_plan"  # header of a site's result: the fingerprint of the plan the site runs
 # secure_aggregation=he: {name: [shape, dtype]} of the arrays a task or result carries as CKKS ciphertexts
 ENCRYPTED_ARRAYS = "encrypted_arrays"

@@ -20,6 +20,7 @@ from medflare.contracts import TRAIN_PHASE as TASK_TRAIN, privacy_scope
 from medflare.errors import ConfigError
 from medflare.files import write_recorded
 from medflare.flare import tracking
+from medflare.job_code import META_KEY, code_digest
 from medflare.plan import APP_NAME, ENCRYPTED_AGGREGATOR, PLAN_FILE, RunPlan, set_plan_resume, write_plan
 
 PACKAGE_DIR = Path(__file__).resolve().parent  # .../custom/medflare
@@ -164,13 +165,19 @@ def _write_job(plan: RunPlan, staging: Path, mode: str) -> None:
     """The job's files (meta, plan, configs, and for BYOC the code) into the empty ``staging``."""
     config_dir = staging / APP_NAME / "config"
     config_dir.mkdir(parents=True)
-    _write_json(staging / "meta.json", meta_config(plan))
     write_plan(plan, config_dir)
     _write_json(config_dir / "config_fed_server.json", server_config(plan))
     _write_json(config_dir / "config_fed_client.json", client_config(plan))
     if mode == "byoc":
         shutil.copytree(PACKAGE_DIR, staging / APP_NAME / "custom" / "medflare", ignore=_ignore_caches)
         _copy_plugins(list(plan.plugins), staging / APP_NAME / "custom")
+    # last: the digest of the code just written (a site approves it; it computes the digest again itself)
+    _write_json(staging / "meta.json", {**meta_config(plan), META_KEY: code_digest(staging / APP_NAME / "custom")})
+
+
+def job_code_digest(job_dir: str | Path) -> str:
+    """The digest of the code a written job brings (:func:`medflare.job_code.code_digest` of its app/custom)."""
+    return code_digest(Path(job_dir) / APP_NAME / "custom")
 
 
 def _copy_plugins(modules: list[str], custom_dir: Path) -> None:

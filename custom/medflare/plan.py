@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
+from medflare.advisories import installed_nvflare
 from medflare.config import MAX_CLIENTS, MAX_ROUNDS, bounded, check_fields, fields_typed, from_dict, same_bound
 from medflare.errors import ConfigError
 from medflare.methods.base import MethodSpec, TrainConfig
@@ -128,6 +129,9 @@ class RunPlan:
     # the server optimizer's options as typed (empty: none); left out of the record when empty, so a plan written
     # before it existed reads (and fingerprints) the same
     server_optimizer: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # the FLARE release the plan was resolved (the job exported) with: a participant on another one warns
+    # (medflare.advisories); left out of the record when empty, as in a plan written before it existed
+    nvflare: str = bounded("", pattern=r"[0-9A-Za-z.+!_-]{0,40}", words="a FLARE release such as 2.9.0")
     if TYPE_CHECKING:  # what consumers take, typed once per plan from its record (not fields: a replace re-types)
         method_cfg: Any  # the method's config object (``method_args`` is its record)
         defences: RobustConfig  # ``robust`` as the server's defences
@@ -195,8 +199,9 @@ class RunPlan:
         """Plain JSON types (the TrainConfigs as dicts; ``method_cfg``, ``defences`` and ``server_opt`` are read off
         the record); an empty ``server_optimizer`` is left out."""
         record = json.loads(json.dumps(dataclasses.asdict(self)))
-        if not record["server_optimizer"]:
-            del record["server_optimizer"]
+        for name in ("server_optimizer", "nvflare"):
+            if not record[name]:
+                del record[name]
         return record
 
     @classmethod
@@ -527,7 +532,7 @@ def build_plan(run: RunConfig, task: TaskSpec, robust: Mapping[str, Any],
         stream_aggregation=run.stream_aggregation, dp=dict(run.dp), dp_sgd=dict(run.dp_sgd),
         secure_aggregation=run.secure_aggregation, audit=run.audit, tracking=run.tracking,
         plugins=tuple(run.plugin_modules() if plugins is None else plugins), shot_groups=shot_groups,
-        server_optimizer=dict(run.server_optimizer),
+        server_optimizer=dict(run.server_optimizer), nvflare=installed_nvflare(),
     )
 
 

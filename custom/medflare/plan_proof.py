@@ -1,11 +1,12 @@
 """The server proves its plan: every task carries the fingerprint of the server's plan and the defences it runs
 with (:func:`server_proof`); a site compares them with its own copy of the plan and its policy
 (:func:`task_refusal`) and declines a task of a server that runs another plan, declares weaker defences than the site
-requires, or proves nothing. The server, in turn, refuses a result whose site runs another plan
+requires, runs a FLARE release with known advisories (:mod:`medflare.advisories`), or proves nothing. The server, in turn, refuses a result whose site runs another plan
 (:func:`site_plan_refusal`).
 
 What this catches: an edited or misdeployed server app (FLARE's ``deploy_map`` gives the server another app). What it
-cannot: a server that lies about its fingerprint and defences (only attestation or encryption bound that).
+cannot: a server that lies about its fingerprint, defences or FLARE release (only attestation or encryption bound
+that).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from medflare import contracts
+from medflare.advisories import installed_nvflare, platform_refusal
 from medflare.errors import ConfigError
 from medflare.plan import RunPlan
 from medflare.server_setup import RobustConfig
@@ -33,9 +35,10 @@ class TaskRefusal:
 
 
 def server_proof(plan_digest: str, robust: RobustConfig, min_clients: int, encrypted: bool) -> dict[str, Any]:
-    """The task meta that proves the server's plan: its fingerprint and the defences its aggregator runs with."""
+    """The task meta that proves the server's plan: its fingerprint, the defences its aggregator runs with and the
+    FLARE release it runs on."""
     settings = {name: value for name, value in robust.record().items() if name != "on"}  # the rule's own options
-    return {contracts.SERVER_PLAN: plan_digest,
+    return {contracts.SERVER_PLAN: plan_digest, contracts.SERVER_NVFLARE: installed_nvflare(),
             contracts.SERVER_DEFENCES: {"robust": settings, "min_clients": int(min_clients),
                                         "secure_aggregation": "he" if encrypted else "off"}}
 
@@ -65,6 +68,9 @@ def task_refusal(site_plan: RunPlan, site_digest: str, policy: SitePolicy,
     if server_digest != site_digest:
         return TaskRefusal("server_plan", f"the server runs plan {server_digest[:MAX_SHOWN]!r}, this site's copy of "
                                           f"the job's plan is {site_digest!r}")
+    unsafe = platform_refusal(meta.get(contracts.SERVER_NVFLARE, "none"), "the server")
+    if unsafe:
+        return TaskRefusal("platform", unsafe)
     try:
         as_declared = declared_plan(site_plan, declared)
     except ConfigError as exc:

@@ -23,6 +23,7 @@ from typing import Any, Callable
 from medflare.config import bounded, check_fields
 from medflare.contracts import DP_EPSILON, MAX_SAMPLES
 from medflare.errors import ConfigError
+from medflare.job_code import PREINSTALLED
 from medflare.plan import RunPlan
 from medflare.server_setup import DEPLOY_ROBUST
 from medflare.site_config import SITE_CONFIG_FILE, SiteFile
@@ -43,7 +44,10 @@ class SitePolicy:
     statistic describes is left out of every statistic the site sends (evaluation and per-class counts; 0: none).
     ``require: ["robust"]`` holds for a job whose server combines with a robust rule whose guarantee holds for the
     job's sites, or bounds each site's share at ``robust_max_share`` and rejects updates above
-    ``robust_max_norm_ratio`` x the others' median norm (by default the deployment's, 0.6 and 10)."""
+    ``robust_max_norm_ratio`` x the others' median norm (by default the deployment's, 0.6 and 10).
+    ``approved_code``: the digests (:func:`medflare.job_code.code_digest`, as ``medflare export`` prints them) of
+    the job code this site runs; None: any; [] only its pre-installed code. A job that brings no code always runs
+    the site's own installation."""
 
     methods: list[str] | None = None
     require: list[str] = field(default_factory=list)
@@ -51,6 +55,9 @@ class SitePolicy:
     min_class_samples: int = 0
     robust_max_share: float = bounded(DEPLOY_ROBUST["max_share"], low=0, high=1, low_open=True, high_open=True)
     robust_max_norm_ratio: float = bounded(DEPLOY_ROBUST["max_norm_ratio"], low=0, high=1e6, low_open=True)
+    approved_code: list[str] | None = bounded(None, items=1000, pattern=r"sha256:[0-9a-f]{64}",
+                                              words="a list of code digests sha256:<64 hex digits> (medflare export "
+                                                    "prints a job's)")
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_class_samples <= MAX_SAMPLES:
@@ -73,6 +80,15 @@ class SitePolicy:
         if missing:
             reasons.append(f"the job has no {', '.join(missing)}, which this site requires{why}")
         return "; ".join(reasons)
+
+    def code_refusal(self, digest: str) -> str:
+        """Why this site declines a job whose code has ``digest`` ("" when it runs it)."""
+        if digest == PREINSTALLED or self.approved_code is None or digest in self.approved_code:
+            return ""
+        allowed = "only its pre-installed code" if not self.approved_code else \
+            f"{len(self.approved_code)} approved digest(s)"
+        return f"the job brings code {digest}, which is not among the code this site approves ({allowed}; " \
+               "policy.approved_code)"
 
     def robust_shortfall(self, plan: RunPlan) -> str:
         """Why the job's defences are not robust by this site's bounds ("" when they are), for the job's sites."""

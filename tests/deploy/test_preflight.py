@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 from medflare.cli import main
-from medflare.deploy.preflight import FAIL, PASS, preflight
+from medflare.deploy.preflight import FAIL, PASS, WARN, preflight
 from medflare.deploy.provision import provision
 
 REPO = Path(__file__).resolve().parents[2]
@@ -324,7 +324,7 @@ def test_an_audit_log_outside_local_fails(kit: Path, audit_log: str) -> None:
                                         "'processes'?); valid options: backend, processes, shuffle_seed"),
     # issue 61 minors: every level, not only the top one
     ({"policy": {"requir": ["dp_sgd"]}}, "medflare_site.json policy: unknown option(s) requir (did you mean "
-                                         "'require'?); valid options: audit_log, methods, min_class_samples, require"),
+                                         "'require'?); valid options: approved_code, audit_log, methods, min_class_samples, require"),
     ({"data": {"windw": "lung"}}, "medflare_site.json data: unknown option(s) windw (did you mean 'window'?); valid "
                                   "options: augment, class_map,"),
 ])
@@ -449,3 +449,70 @@ def test_a_folder_mixing_colour_and_grey_images_warns_with_what_it_is_read_as(ki
 
 def test_one_kind_of_image_has_no_channel_row(kit: Path) -> None:
     assert "image channels" not in statuses(preflight(kit, progress=lambda line: None))
+
+
+# ----- the platform and the job's code (issue 64) ------------------------------------------------------------------
+def byoc_job(tmp_path: Path) -> Path:
+    out = tmp_path / "byoc-jobs"
+    assert main(["export", "fedavg", "-o", str(out), "--mode", "byoc", "--set", "task.num_classes=2",
+                 "--set", "task.in_channels=1", "--set", "task.image_size=28",
+                 "--set", f"task.class_names={json.dumps(list(NAMES))}"]) == 0
+    return out / "fedavg"
+
+
+def with_policy(kit: Path, policy: dict) -> None:
+    site_file = kit / "local" / "medflare_site.json"
+    site_file.write_text(json.dumps({**json.loads(site_file.read_text()), "policy": policy}))
+
+
+@pytest.mark.parametrize("faked", ["installed", "kit"])
+def test_a_flare_below_the_advisory_floor_is_a_fail_naming_the_cves(kit: Path, monkeypatch, faked: str) -> None:
+    from medflare.deploy.policies import KIT_VERSIONS_FILE
+
+    if faked == "installed":  # what this machine runs
+        monkeypatch.setattr("medflare.advisories.installed_nvflare", lambda: "2.7.1")
+    else:  # what the kit was set up with
+        recorded = kit / "local" / KIT_VERSIONS_FILE
+        recorded.write_text(json.dumps({**json.loads(recorded.read_text()), "nvflare": "2.6.2"}))
+    status, detail = statuses(preflight(kit, progress=lambda line: None))["platform"]
+    assert status == FAIL and "below 2.7.2" in detail
+    assert all(cve in detail for cve in ("CVE-2026-24178", "CVE-2026-24186", "CVE-2026-24204"))
+    assert statuses(preflight(kit, progress=lambda line: None))["platform"][0] == FAIL
+
+
+def test_the_pinned_flare_passes_the_platform_check(kit: Path) -> None:
+    assert statuses(preflight(kit, progress=lambda line: None))["platform"][0] == PASS
+
+
+def test_a_job_exported_with_another_flare_is_a_warn(kit: Path, tmp_path: Path, monkeypatch) -> None:
+    job = job_with(tmp_path, list(NAMES))
+    assert statuses(preflight(kit, job=job, progress=lambda line: None))["job platform"][0] == PASS
+    monkeypatch.setattr("medflare.advisories.installed_nvflare", lambda: "2.9.1")
+    status, detail = statuses(preflight(kit, job=job, progress=lambda line: None))["job platform"]
+    assert (status, detail) == (WARN, "this site runs nvflare 2.9.1, the job was exported with 2.9.0; medflare was "
+                                      "tested with the job's")
+
+
+def test_preflight_shows_the_jobs_code_digest_and_the_policys_verdict(kit: Path, tmp_path: Path, capsys) -> None:
+    from medflare.job_export import job_code_digest
+
+    job = byoc_job(tmp_path)
+    digest = job_code_digest(job)
+    assert f"code digest: {digest}" in capsys.readouterr().out  # export prints what the lead sends the sites
+    assert statuses(preflight(kit, job=job, progress=lambda line: None))["job code"] == (
+        PASS, f"{digest}: any code is accepted (policy.approved_code is not set)")
+    with_policy(kit, {"approved_code": [digest]})
+    assert statuses(preflight(kit, job=job, progress=lambda line: None))["job code"] == (
+        PASS, f"{digest}: approved by this site's policy")
+    with_policy(kit, {"approved_code": ["sha256:" + "0" * 64]})
+    status, detail = statuses(preflight(kit, job=job, progress=lambda line: None))["job code"]
+    assert status == FAIL and detail.startswith(f"the site would decline this job: the job brings code {digest}")
+    with_policy(kit, {})  # the code edited after export: the digest found is not the one recorded
+    plan_module = job / "app" / "custom" / "medflare" / "plan.py"
+    plan_module.write_text(plan_module.read_text() + "\n")
+    status, detail = statuses(preflight(kit, job=job, progress=lambda line: None))["job code"]
+    assert status == WARN and f"its export recorded {digest} (the code changed since)" in detail
+    preinstalled = job_with(tmp_path, list(NAMES))
+    with_policy(kit, {"approved_code": []})
+    assert statuses(preflight(kit, job=preinstalled, progress=lambda line: None))["job code"] == (
+        PASS, "preinstalled: pre-installed code: runs this site's own installation")

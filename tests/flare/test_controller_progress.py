@@ -198,3 +198,24 @@ def test_the_results_record_the_defences_the_server_ran_with(robust: dict, recor
                                                                monkeypatch) -> None:
     """Issue 49, item 5: the server's record comes from its own aggregator, not from what meta.json says."""
     assert started(False, tmp_path, monkeypatch, robust).results.data["robust_aggregation"] == record
+
+
+@pytest.mark.parametrize("nvflare, panics, warns", [("2.7.1", True, False), ("2.9.1", False, True),
+                                                    ("2.9.0", False, False)])
+def test_the_server_refuses_to_start_on_a_flare_with_known_advisories_and_warns_on_another_release(
+        tmp_path: Path, monkeypatch, nvflare: str, panics: bool, warns: bool) -> None:
+    """Issue 64: the controller checks the FLARE it runs on when the job starts (the plan was resolved on 2.9.0)."""
+    from medflare.flare import controller as controller_module
+
+    panicked, warned = [], []
+    monkeypatch.setattr(controller_module, "installed_nvflare", lambda: nvflare)
+    monkeypatch.setattr(MedflareController, "system_panic", lambda self, reason, fl_ctx: panicked.append(reason))
+    monkeypatch.setattr(MedflareController, "log_warning", lambda self, fl_ctx, message: warned.append(message))
+    controller = started(False, tmp_path, monkeypatch)
+    assert bool(panicked) == panics and bool(warned) == warns
+    if panics:
+        assert "the server runs nvflare 2.7.1, below 2.7.2" in panicked[0] and "CVE-2026-24204" in panicked[0]
+        assert not hasattr(controller, "global_params")  # nothing of the job was started
+    if warns:
+        assert warned == ["medflare: the server runs nvflare 2.9.1, the job was exported with 2.9.0; medflare was "
+                          "tested with the job's"]

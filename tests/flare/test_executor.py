@@ -276,3 +276,59 @@ def test_a_task_its_own_filter_refused_is_declined_with_the_cause(tmp_path: Path
     assert reply.get_header(contracts.DECLINED_HEADER) == "implausible_model"
     assert logged == ["site-1: task 'train' declined: site-1 refuses the task: the decrypted global model is "
                       "implausible: 'w' is not finite"]
+
+
+# ----- the code a job brings and the FLARE it runs on (issue 64) ----------------------------------------------------
+def byoc_site_executor(tmp_path: Path, policy: dict, edit: bool = False) -> tuple[MedflareExecutor, object, Path, str]:
+    """A BYOC job deployed to site-1 whose policy is ``policy`` (``edit``: a byte of its code changed after
+    export); with the digest ``medflare export`` recorded."""
+    from medflare.job_code import META_KEY
+
+    run = validated(RunConfig(method="fedavg", data={"source": "site"}, task=TASK), check_files=False)
+    job = write_run_job(run, tmp_path / "jobs", task_of(run), mode="byoc")
+    exported = json.loads((job / "meta.json").read_text())[META_KEY]
+    if edit:
+        losses = job / APP_NAME / "custom" / "medflare" / "losses" / "__init__.py"
+        losses.write_text(losses.read_text() + "\n# a change after export\n")
+    fl_ctx = deployed_to(job, "site-1", tmp_path / "workspaces")
+    local = tmp_path / "workspaces" / "site-1" / "local"
+    (local / SITE_CONFIG_FILE).write_text(json.dumps({"data": SITE_DATA, "policy": policy}))
+    fl_ctx.set_prop(ReservedKey.IDENTITY_NAME, "site-1", private=True, sticky=False)
+    return MedflareExecutor(), fl_ctx, local, exported
+
+
+def test_a_site_runs_the_code_it_approved_and_declines_the_same_job_edited_after_export(tmp_path: Path,
+                                                                                       monkeypatch) -> None:
+    from medflare.errors import SiteDeclined
+
+    executor, fl_ctx, local, exported = byoc_site_executor(tmp_path / "a", {"approved_code": []})
+    executor_ok, fl_ctx_ok, _, _ = byoc_site_executor(tmp_path / "b", {"approved_code": [exported]})
+    runtime = executor_ok._get_runtime(fl_ctx_ok)  # the digest export printed: the site runs it
+    runtime.close()
+    monkeypatch.setattr("medflare.flare.executor.SiteRuntime", lambda *a, **k: pytest.fail("the site read its data"))
+    with pytest.raises(SiteDeclined, match="only its pre-installed code") as declined:
+        executor._get_runtime(fl_ctx)  # a site that runs only its own installation
+    assert declined.value.reason == "code"
+    edited, fl_ctx_edited, local_edited, _ = byoc_site_executor(tmp_path / "c", {"approved_code": [exported]}, edit=True)
+    with pytest.raises(SiteDeclined, match=r"the job brings code sha256:[0-9a-f]{64}, which is not among") as declined:
+        edited._get_runtime(fl_ctx_edited)
+    assert declined.value.reason == "code" and exported not in str(declined.value)  # the site computed its own
+    [line] = audit_lines(local_edited)
+    assert line["decision"] == "declined" and "not among the code this site approves" in line["reason"]
+
+
+def test_a_site_on_a_flare_with_known_advisories_declines_every_job_in_the_simulator_too(tmp_path: Path,
+                                                                                        monkeypatch) -> None:
+    from medflare.errors import SiteDeclined
+
+    monkeypatch.setattr("medflare.flare.executor.installed_nvflare", lambda: "2.7.1")
+    monkeypatch.setattr("medflare.flare.executor.SiteRuntime", lambda *a, **k: pytest.fail("the site read its data"))
+    run = validated(RunConfig(method="fedavg", data={"source": "site"}, task=TASK), check_files=False)
+    job = write_run_job(run, tmp_path / "jobs", task_of(run), mode="preinstalled")
+    fl_ctx = deployed_to(job, "site-1", tmp_path / "workspaces")  # no medflare_site.json: as in the simulator
+    fl_ctx.set_prop(ReservedKey.IDENTITY_NAME, "site-1", private=True, sticky=False)
+    executor = MedflareExecutor()
+    for _ in range(2):  # every task gets the same answer
+        with pytest.raises(SiteDeclined, match="site-1 runs nvflare 2.7.1, below 2.7.2.*CVE-2026-24178") as declined:
+            executor._get_runtime(fl_ctx)
+        assert declined.value.reason == "platform"

@@ -134,3 +134,20 @@ def test_the_server_takes_a_result_of_its_own_plan_on_to_the_aggregator() -> Non
                           None)
     assert seen == ["accept"] and record["rejected"] == {}
     assert controller.results.data["site_plans"] == {"site-1": plan.digest()}
+
+
+@pytest.mark.parametrize("server_nvflare", ["2.7.1", None])
+def test_a_task_of_a_server_on_a_flare_with_known_advisories_is_declined(tmp_path, monkeypatch,
+                                                                        server_nvflare) -> None:
+    """Issue 64: every task carries the server's FLARE release; one below 2.7.2, or none, is declined."""
+    executor, fl_ctx, logged = executor_with_policy(tmp_path, monkeypatch, {})
+    proof = honest_proof(executor)
+    assert proof[contracts.SERVER_NVFLARE] == "2.9.0"  # what this server runs
+    if server_nvflare is None:
+        del proof[contracts.SERVER_NVFLARE]
+    else:
+        proof[contracts.SERVER_NVFLARE] = server_nvflare
+    reply = executor.execute("train", proved_task(proof), fl_ctx, Signal())
+    assert reply.get_header(contracts.DECLINED_HEADER) == "platform" and "platform" in contracts.DECLINE_REASONS
+    [line] = logged
+    assert "the server runs nvflare" in line and ("below 2.7.2" in line if server_nvflare else "'none'" in line)

@@ -5,7 +5,6 @@ is aggregated without the defences; with the server's app unedited the same spli
 import json
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,8 @@ from medflare import contracts
 from medflare.job_export import write_job
 from medflare.plan import APP_NAME, PLAN_FILE, resolve
 from medflare.run_config import RunConfig
-from medflare.simulate import nvflare_command
+
+from ._simulated import simulate
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
@@ -36,16 +36,6 @@ def split_job(tmp_path: Path, edit_server_plan: bool) -> Path:
     meta["deploy_map"] = {SERVER_APP: ["server"], APP_NAME: ["site-1", "site-2"]}
     (job / "meta.json").write_text(json.dumps(meta, indent=2))
     return job
-
-
-def simulate(job: Path, workspace: Path) -> tuple[dict, str]:
-    """The server's results of ``job`` run by ``nvflare simulator`` (2 sites), and every log it wrote."""
-    sim = subprocess.run(nvflare_command() + ["simulator", str(job), "-w", str(workspace), "-n", "2", "-t", "2"],
-                         capture_output=True, text=True, timeout=600)
-    logs = "\n".join(path.read_text(errors="replace") for path in workspace.glob("**/log.txt"))
-    found = sorted(workspace.glob("**/app_server/medflare_results.json"))
-    assert found, f"no results: {sim.stdout[-2000:]}{sim.stderr[-2000:]}"
-    return json.loads(found[0].read_text()), logs + sim.stdout + sim.stderr
 
 
 def test_sites_decline_an_edited_server_app_and_nothing_is_aggregated_without_its_defences(tmp_path: Path) -> None:

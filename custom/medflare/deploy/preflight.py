@@ -3,9 +3,11 @@
 It checks the kit (files and the shape of ``fed_client.json``; the certificate's root, dates and site name, and its
 key; the server's name resolving and answering FLARE's own connectivity check), ``local/medflare_site.json``
 (schema, policy, paths), the site's audit log (its hash chain, its ε values), every image (corrupt files, counts per
-class, sizes, intensity ranges), disk space, devices, the installed versions against the kit's, and the DP-SGD
-budget; with ``--job``, the site's data and policy against that job, with the functions the site runs when the job
-arrives (``RunPlan.localise``, ``site_runtime.load_site_data``, ``SitePolicy.refusal``). Every check gives PASS,
+class, sizes, intensity ranges), disk space, devices, the installed versions against the kit's and against FLARE's
+known advisories (:mod:`medflare.advisories`), and the DP-SGD budget; with ``--job``, the site's data and policy
+against that job, the digest of the code it brings against the policy's approved code and its FLARE release, with
+the functions the site runs when the job arrives (``RunPlan.localise``, ``site_runtime.load_site_data``,
+``SitePolicy.refusal`` and ``code_refusal``). Every check gives PASS,
 WARN or FAIL with one line of detail; nothing is written but the report (stdout).
 """
 
@@ -64,7 +66,7 @@ def preflight(kit: str | Path, job: str | Path | None = None, max_images: int = 
     checks.append(_run("certificate", _certificate, kit, client))
     checks.append(_run("server", _server, kit, client) if server else
                   Check("server", WARN, "not checked (--no-server)"))
-    checks += [_run("versions", _versions, kit), _run("disk", _disk, kit)]
+    checks += [_run("versions", _versions, kit), _run("platform", _platform, kit), _run("disk", _disk, kit)]
     site = client.site
     site_file = _run_value(checks, "site file", _site_file, kit)
     policy = _run_value(checks, "policy", _policy, site_file) if site_file is not None else None
@@ -232,16 +234,40 @@ def _versions(kit: Path) -> tuple[str, str]:
     here, recorded = installed_versions(), kit / "local" / KIT_VERSIONS_FILE
     if not recorded.is_file():
         return WARN, f"no local/{KIT_VERSIONS_FILE} (a kit medflare did not set up); installed: {_versions_text(here)}"
-    fix = "the kit's local/ was altered: reinstall its policies (python -m medflare.deploy.provision --reinstall)"
-    kit_versions = readback.check(readback.load_json(recorded, DataError, fix=fix),
-                                  readback.obj(optional={"nvflare": readback.STR, "medflare": readback.STR}),
-                                  str(recorded), DataError, fix)
+    kit_versions = _kit_versions(recorded)
     if kit_versions.get("nvflare") != here["nvflare"]:
         raise Failed(f"FLARE {here['nvflare']} is installed but the kit was set up with {kit_versions.get('nvflare')}"
                      f"; install nvflare=={kit_versions.get('nvflare')}")
     if kit_versions.get("medflare") != here["medflare"]:
         return WARN, f"medflare {here['medflare']} is installed, the kit was set up with {kit_versions['medflare']}"
     return PASS, _versions_text(here)
+
+
+def _kit_versions(recorded: Path) -> dict[str, str]:
+    """The versions a kit was set up with (``local/medflare_kit_versions.json``), schema-checked."""
+    fix = "the kit's local/ was altered: reinstall its policies (python -m medflare.deploy.provision --reinstall)"
+    return readback.check(readback.load_json(recorded, DataError, fix=fix),
+                          readback.obj(optional={"nvflare": readback.STR, "medflare": readback.STR}),
+                          str(recorded), DataError, fix)
+
+
+def _platform(kit: Path) -> tuple[str, str]:
+    """FAIL when the FLARE installed here, or the one the kit was set up with, has known advisories."""
+    from medflare.advisories import NVFLARE_FLOOR, installed_nvflare, platform_refusal
+    from medflare.deploy.policies import KIT_VERSIONS_FILE
+
+    here = installed_nvflare()
+    unsafe = platform_refusal(here, "this site")
+    recorded = kit / "local" / KIT_VERSIONS_FILE
+    if not unsafe and recorded.is_file():
+        try:
+            kit_nvflare = _kit_versions(recorded).get("nvflare")
+        except DataError:  # the versions row reports the malformed file
+            kit_nvflare = None
+        unsafe = platform_refusal(kit_nvflare, "the kit (set up with it)") if kit_nvflare else ""
+    if unsafe:
+        raise Failed(unsafe)
+    return PASS, f"nvflare {here}: at or above {NVFLARE_FLOOR}, the first release without the known advisories"
 
 
 def _versions_text(versions: dict[str, str]) -> str:
@@ -504,6 +530,8 @@ def _job_checks(job: Path, site: str, site_file: Any, policy: Any) -> list[Check
     plan = _run_value(checks, "job", _job_plan, job)
     if plan is not None:
         checks.append(_run("job policy", _job_policy, plan, policy))
+        checks.append(_run("job code", _job_code, job, policy))
+        checks.append(_run("job platform", _job_platform, plan))
         data = _run_value(checks, "job data", _job_data, plan, site, site_file)
         checks += [Check("job classes", WARN, note) for note in (data.class_notes if data is not None else ())]
     return checks
@@ -521,6 +549,35 @@ def _job_policy(plan: Any, policy: Any) -> tuple[str, str]:
     if reason:
         raise Failed(f"the site would decline this job: {reason}")
     return PASS, "the site's policy accepts the job"
+
+
+def _job_code(job: Path, policy: Any) -> tuple[str, str]:
+    """The digest of the code the job brings (computed here, as the site computes it when the job arrives), and the
+    site policy's verdict on it; a WARN when it differs from the digest the job's export recorded."""
+    from medflare.job_code import META_KEY
+    from medflare.job_export import job_code_digest
+
+    digest = job_code_digest(job)
+    refusal = policy.code_refusal(digest)
+    if refusal:
+        raise Failed(f"the site would decline this job: {refusal}")
+    verdict = "pre-installed code: runs this site's own installation" if digest == "preinstalled" else         "approved by this site's policy" if policy.approved_code is not None else "any code is accepted "         "(policy.approved_code is not set)"
+    exported = readback.load_json(job / "meta.json", DataError).get(META_KEY)
+    if exported is not None and exported != digest:
+        return WARN, f"{digest}: {verdict}; its export recorded {str(exported)[:80]} (the code changed since)"
+    return PASS, f"{digest}: {verdict}"
+
+
+def _job_platform(plan: Any) -> tuple[str, str]:
+    """WARN when this site runs another FLARE release than the job was exported with."""
+    from medflare.advisories import exported_mismatch, installed_nvflare
+
+    if not plan.nvflare:
+        return WARN, "the job does not record the FLARE release it was exported with (export it again)"
+    other = exported_mismatch(installed_nvflare(), plan.nvflare, "this site")
+    if other:
+        return WARN, f"{other}; medflare was tested with the job's"
+    return PASS, f"the job was exported with nvflare {plan.nvflare}, the release installed here"
 
 
 def _job_data(plan: Any, site: str, site_file: Any) -> tuple[Any, str, str]:

@@ -13,11 +13,13 @@ from nvflare.apis.shareable import Shareable, make_reply
 from nvflare.apis.signal import Signal
 
 from medflare import contracts
+from medflare.advisories import exported_mismatch, installed_nvflare, platform_refusal
 from medflare.distributed import DataParallelSite, site_distributed_config
 from medflare.errors import ConfigError, MedflareError, SiteDeclined
 from medflare.flare.memory import collect_round_garbage, freeze_startup_objects
 from medflare.flare.tasks import TASK_SUBMIT_MODEL, TASK_TRAIN, TASK_VALIDATE, deployed_plan, round_context
 from medflare.flare.tracking import EPOCH_LOSS, send_scalars, site_training_scalars, site_validation_scalars
+from medflare.job_code import code_digest
 from medflare.methods.base import LocalTrainer
 from medflare.plan import PLAN_FILE, RunPlan
 from medflare.plan_proof import task_refusal
@@ -45,7 +47,7 @@ class MedflareExecutor(Executor):
         self._plan_digest = ""  # its fingerprint: every task's server plan must be it, every result carries it
         self._policy = SitePolicy()  # the hospital's, read at the first task (the simulator's: the default)
         self._runtime: SiteRuntime | DataParallelSite | None = None
-        self._declined = ""  # the site policy's reason, once it declined this job (every task gets it)
+        self._declined: SiteDeclined | None = None  # once the site declined this job, every task gets it
         self._audit: AuditLog | None = None  # the site's audit record of this job (a site with its own file)
         # the last task whose curves wait for its filtered result (FLARE's AFTER_TASK_RESULT_FILTER event)
         self._unstreamed_task: tuple[SiteRuntime | DataParallelSite, str, Shareable] | None = None
@@ -61,8 +63,8 @@ class MedflareExecutor(Executor):
         return self._plan is not None and bool(TRACKERS[self._plan.tracking])
 
     def _get_runtime(self, fl_ctx: FLContext) -> SiteRuntime | DataParallelSite:
-        if self._declined:
-            raise SiteDeclined(self._declined)
+        if self._declined is not None:
+            raise self._declined
         if self._runtime is None:
             site = fl_ctx.get_identity_name()
             workspace = fl_ctx.get_engine().get_workspace()
@@ -72,7 +74,10 @@ class MedflareExecutor(Executor):
                 self._plan, loaded = deployed_plan(fl_ctx, self.plan_file)
                 self.log_info(fl_ctx, f"{site}: {loaded}")
             plan = self._plan
-            policy = self._check_policy(site, site_file, plan, fl_ctx.get_job_id())
+            self._check_platform(site, plan, fl_ctx)
+            code = code_digest(workspace.get_app_custom_dir(fl_ctx.get_job_id()))  # what FLARE deployed here
+            self.log_info(fl_ctx, f"{site}: the job's code is {code}")
+            policy = self._check_policy(site, site_file, plan, fl_ctx.get_job_id(), code)
             self._plan_digest, self._policy = plan.digest(), policy
             # FLARE's simulator sets SIMULATE_MODE (private, sticky); a job's configuration cannot.
             settings, index = plan.localise(site, site_file, fl_ctx.get_prop(FLContextKey.SIMULATE_MODE, False))
@@ -90,20 +95,35 @@ class MedflareExecutor(Executor):
             freeze_startup_objects()
         return self._runtime
 
-    def _check_policy(self, site: str, site_file: SiteFile, plan: RunPlan, job_id: str) -> SitePolicy:
-        """The hospital's policy (``medflare.site_policy``; the default one in FLARE's simulator) against the job,
-        before any image is read, raising :class:`SiteDeclined` when it refuses; a site with its own file keeps an
-        audit record of the job (its refusal included)."""
+    def _check_platform(self, site: str, plan: RunPlan, fl_ctx: FLContext) -> None:
+        """Decline the job on a FLARE release with known advisories (:mod:`medflare.advisories`), in the simulator
+        too; warn when this site runs another release than the job was exported with."""
+        nvflare = installed_nvflare()
+        unsafe = platform_refusal(nvflare, site)
+        if unsafe:
+            self._declined = SiteDeclined(f"{site} declines the job: {unsafe}", reason="platform")
+            raise self._declined
+        other = exported_mismatch(nvflare, plan.nvflare, site)
+        if other:
+            self.log_warning(fl_ctx, f"{other}; medflare was tested with the job's")
+
+    def _check_policy(self, site: str, site_file: SiteFile, plan: RunPlan, job_id: str, code: str) -> SitePolicy:
+        """The hospital's policy (``medflare.site_policy``; the default one in FLARE's simulator) against the job and
+        the digest of the ``code`` it brought, before any image is read, raising :class:`SiteDeclined` when it
+        refuses; a site with its own file keeps an audit record of the job (its refusal included)."""
         policy = site_policy(site_file)
         if site_file.content is None:  # FLARE's simulator: no hospital, no policy
             return policy
         self._audit = AuditLog(audit_file(site_file.path.parent, policy.audit_log), job_id, plan)
-        reason = policy.refusal(plan)
+        reason, word = policy.refusal(plan), "policy"
+        if not reason:
+            reason, word = policy.code_refusal(code), "code"
         if reason:
-            self._declined = f"{site} declines the job: {reason} (its medflare_site.json policy)"
+            self._declined = SiteDeclined(f"{site} declines the job: {reason} (its medflare_site.json policy)",
+                                          reason=word)
             self._audit.decided("declined", reason)
             self._audit = None
-            raise SiteDeclined(self._declined)
+            raise self._declined
         self._audit.decided("accepted")  # on disk before any image is read
         return policy
 
