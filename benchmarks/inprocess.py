@@ -27,7 +27,6 @@ from medflare.flare.tasks import TASK_VALIDATE, round_context, round_meta
 from medflare.methods.base import AggregateResult, PerSite, RoundContext, SiteUpdate
 from medflare.plan import RunPlan, resolve
 from medflare.run_config import RunConfig
-from medflare.server_setup import round_plan
 from medflare.site_config import SiteFile
 from medflare.site_runtime import SiteRuntime
 
@@ -118,13 +117,13 @@ def run_rounds(job: RunPlan | RunConfig, deliver: Deliver = run_at_site,
     on_sites(sites)
     done_rounds, params = start if start is not None else (0, params)
     last = None
-    for ctx in round_plan(core.stages, len(plan.rounds)):
+    for ctx in plan.round_contexts():
         last = ctx
         if ctx.round < done_rounds:
             continue
         started, evaluations = time.perf_counter(), {}
         core.start_round(params, dataclasses.replace(ctx, server_meta=core.rule.server_meta(ctx)))
-        for phase in core.rule.phases(core.ctx):
+        for phase in plan.rounds[ctx.round].phases:
             outgoing = core.start_phase(phase)
             tasks = outgoing.arrays if isinstance(outgoing, PerSite) else {site: outgoing for site in sites.sites}
             _send(sites, core, phase, tasks, deliver, _collecting(on_result, evaluations, core))

@@ -284,3 +284,28 @@ def test_only_the_resolver_looks_a_method_up_and_types_its_options() -> None:
     assert "plan.py" in lookups and len(lookups) <= 4, sorted(lookups)
     assert {"plan.py", "site_config.py"} <= set(typings) and len(typings) <= 6, sorted(typings)
     assert method_options == {"plan.py"}
+
+
+@pytest.mark.parametrize("method", list_methods())
+def test_the_plans_rounds_are_the_schedule_the_server_rule_builds_stage_by_stage(method: str) -> None:
+    """Issue 64: the controller and the in-process engine run ``plan.round_contexts()`` and each round's recorded
+    phases; both equal what the method's stages and server rule give, so the plan is the one schedule."""
+    from medflare.server_setup import round_plan, server_rule
+
+    from .integration._smoke import smoke_run
+
+    plan = resolve(smoke_run(method), "byoc")
+    rule, stages, _ = server_rule(plan.spec, plan.method_cfg, len(plan.rounds), plan.robust, plan.transfer_dtype,
+                                  plan.transfer_kind, plan.download_dtype, plan.task.multi_label)
+    built = round_plan(stages, len(plan.rounds))
+    assert plan.round_contexts() == tuple(built)
+    assert [step.phases for step in plan.rounds] == [tuple(rule.phases(ctx)) for ctx in built]
+
+
+def test_round_contexts_restart_the_stage_counters_with_each_stage() -> None:
+    plan = resolve(RunConfig(method="fed-mae", rounds=5, clients=2, method_args={"pretrain_rounds": 2},
+                             data={"source": "synthetic:n=60,classes=2,size=16"}), "byoc")
+    assert [(c.round, c.stage, c.stage_round, c.stage_rounds, c.total_rounds, c.scored)
+            for c in plan.round_contexts()] == [(0, "pretrain", 0, 2, 5, False), (1, "pretrain", 1, 2, 5, False),
+                                                (2, "finetune", 0, 3, 5, True), (3, "finetune", 1, 3, 5, True),
+                                                (4, "finetune", 2, 3, 5, True)]

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from medflare.advisories import installed_nvflare
 from medflare.config import MAX_CLIENTS, MAX_ROUNDS, bounded, check_fields, fields_typed, from_dict, same_bound
 from medflare.errors import ConfigError
-from medflare.methods.base import MethodSpec, TrainConfig
+from medflare.methods.base import MethodSpec, RoundContext, TrainConfig
 from medflare.ops.server_opt import (
     ServerOptConfig,
     check_server_optimizer,
@@ -42,7 +42,15 @@ from medflare.run_config import (
     WireKind,
     load_plugin_files,
 )
-from medflare.server_setup import RobustConfig, deployment_robust, global_model, round_plan, server_rule, typed_robust
+from medflare.server_setup import (
+    GlobalNetwork,
+    RobustConfig,
+    deployment_robust,
+    global_model,
+    round_plan,
+    server_rule,
+    typed_robust,
+)
 from medflare.site_config import (
     MAX_CLASSES,
     SiteFile,
@@ -163,6 +171,26 @@ class RunPlan:
     def spec(self) -> MethodSpec:
         """The registered method this plan runs."""
         return get_method(self.method)
+
+    def round_contexts(self) -> tuple[RoundContext, ...]:
+        """The job's rounds as the server runs them (``rounds``): each round's context with its stage's own counters
+        (``stage_round`` restarts with each stage); the phases each sends are ``rounds[i].phases``."""
+        lengths: dict[int, int] = {}  # the first round of each stage -> its stage's length
+        starts = []
+        for step in self.rounds:
+            first = starts[-1] if starts and self.rounds[starts[-1]].stage == step.stage else step.round
+            starts.append(first)
+            lengths[first] = lengths.get(first, 0) + 1
+        return tuple(RoundContext(step.round, len(self.rounds), stage=step.stage, stage_round=step.round - first,
+                                  stage_rounds=lengths[first], scored=step.scored)
+                     for step, first in zip(self.rounds, starts))
+
+    @property
+    def network(self) -> GlobalNetwork:
+        """What the job's initial global network is built from (``server_setup.global_model`` takes it)."""
+        task = self.task
+        return GlobalNetwork(self.spec, self.method_cfg, self.model, task.num_classes, task.in_channels,
+                             task.image_size, self.pretrained, self.seed, bool(self.dp_sgd))
 
     def site(self, name: str) -> SitePlan:
         for site in self.sites:
@@ -493,7 +521,8 @@ def build_global_model(method: str, model: str, num_classes: int, in_channels: i
     spec = method_of(method, plugins)
     args = method_args if isinstance(method_args, spec.config_cls) else \
         from_dict(spec.config_cls, dict(method_args or {}), f"method '{method}'")
-    return global_model(spec, args, model, num_classes, in_channels, image_size, pretrained, seed, dp_sgd)
+    return global_model(GlobalNetwork(spec, args, model, num_classes, in_channels, image_size, pretrained, seed,
+                                      dp_sgd))
 
 
 def checkpoint_method(facts: Mapping[str, Any]) -> tuple[MethodSpec, Any]:

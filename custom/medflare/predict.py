@@ -14,7 +14,7 @@ import contextlib
 import csv
 import io
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -135,7 +135,7 @@ def scorer(checkpoint: Checkpoint, device: Any) -> Callable[[Any], Any]:
 
     from medflare.methods.base import LocalTrainer
     from medflare.plan import checkpoint_method
-    from medflare.server_setup import global_model
+    from medflare.server_setup import GlobalNetwork, global_model
 
     facts, where = checkpoint.facts, checkpoint.path
     if not facts.get("server_model", True) or not checkpoint.weights:
@@ -147,8 +147,9 @@ def scorer(checkpoint: Checkpoint, device: Any) -> Callable[[Any], Any]:
                           f"{normalization()}; use the medflare version {facts.get('medflare_version')} that trained it")
     spec, method_cfg = checkpoint_method(facts)
     task = facts["task"]
-    network = global_model(spec, asdict(method_cfg), facts["model"], int(task["num_classes"]),
-                           int(task["in_channels"]), int(task["image_size"]), dp_sgd=bool(facts.get("dp_sgd"))).network
+    network = global_model(GlobalNetwork(spec, method_cfg, facts["model"], int(task["num_classes"]),
+                                         int(task["in_channels"]), int(task["image_size"]),
+                                         dp_sgd=bool(facts.get("dp_sgd")))).network
     missing, unexpected = network.load_state_dict(dict(checkpoint.weights), strict=False)
     private = [k for k in missing if spec.payload.is_private(k)]
     if private:

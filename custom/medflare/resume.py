@@ -109,11 +109,11 @@ def check_resumable(plan: Any, folder: str | Path) -> Path:
 
 def _check_model(plan: Any, checkpoint: Path) -> None:
     """The checkpoint must hold exactly the keys and shapes of this run's global model."""
+    from dataclasses import replace
+
     from medflare.server_setup import global_model
 
-    task = plan.task
-    expected = global_model(plan.spec, plan.method_cfg, plan.model, task.num_classes, task.in_channels,
-                            task.image_size, None, plan.seed, bool(plan.dp_sgd)).state_dict()
+    expected = global_model(replace(plan.network, pretrained=None)).state_dict()  # keys and shapes
     saved = read_model(checkpoint.parent)
     shapes = {k: tuple(np.shape(v)) for k, v in saved.items()}
     wanted = {k: tuple(v.shape) for k, v in expected.items()}

@@ -266,16 +266,34 @@ def round_plan(stages: list[Stage], total_rounds: int) -> list[RoundContext]:
             for index, (stage, stage_round) in enumerate(per_stage)]
 
 
-def global_model(spec: MethodSpec, method_args: Any, model: str, num_classes: int, in_channels: int,
-                 image_size: int, pretrained: str | None = None, seed: int = 0, dp_sgd: bool = False) -> nn.Module:
-    """Initial global network of ``spec``, seeded so a job starts from the same weights in the simulator, POC and
-    production; with ``dp_sgd``, the DP-compatible one every site builds."""
+@dataclass(frozen=True)
+class GlobalNetwork:
+    """What a job's initial global network is built from, as one typed value (``RunPlan.network``, or a saved
+    model's facts): the method and its config, the model, the task's shape, the initial weights, the seed and
+    whether it trains with DP-SGD."""
+
+    spec: MethodSpec
+    method_cfg: Any
+    model: str
+    num_classes: int
+    in_channels: int
+    image_size: int
+    pretrained: str | None = None
+    seed: int = 0
+    dp_sgd: bool = False
+
+
+def global_model(network: GlobalNetwork) -> nn.Module:
+    """Initial global network of ``network.spec``, seeded so a job starts from the same weights in the simulator,
+    POC and production; with ``dp_sgd``, the DP-compatible one every site builds."""
+    spec = network.spec
     if not spec.server_model:
         return ServerModel(None, None)
-    torch.manual_seed(seed)
-    network = spec.build_model(model, num_classes, in_channels, image_size, pretrained, spec.config_of(method_args))
-    if dp_sgd:
+    torch.manual_seed(network.seed)
+    built = spec.build_model(network.model, network.num_classes, network.in_channels, network.image_size,
+                             network.pretrained, spec.config_of(network.method_cfg))
+    if network.dp_sgd:
         from medflare.dp_sgd import dp_compatible_model
 
-        network = dp_compatible_model(network)
-    return ServerModel(network, spec.payload.private_keys)
+        built = dp_compatible_model(built)
+    return ServerModel(built, spec.payload.private_keys)

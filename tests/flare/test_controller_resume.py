@@ -81,13 +81,15 @@ def test_a_resumed_job_continues_where_the_crashed_one_stopped(tmp_path: Path) -
     assert ran == [(2, "train"), (3, "train"), "final"]
 
 
-def test_a_fresh_job_runs_every_round(tmp_path: Path) -> None:
+def test_a_fresh_job_runs_every_round_of_its_plan(tmp_path: Path) -> None:
+    """The plan's rounds, not a schedule rebuilt from the aggregator's stages (here stubbed as another one)."""
     ctl = controller(tmp_path)
     ran = []
     ctl._run_round = lambda ctx, abort, fl_ctx: ran.append((ctx.round, ctx.stage))
     ctl._final_validation = lambda last, abort, fl_ctx: None
     ctl.control_flow(Signal(), FLContext())
-    assert ran == [(0, "warmup"), (1, "train"), (2, "train"), (3, "train")]
+    assert ran == [(0, "train"), (1, "train"), (2, "train"), (3, "train")]
+    assert ran == [(ctx.round, ctx.stage) for ctx in ctl.plan.round_contexts()]
 
 
 @pytest.mark.parametrize("change", ["method", "rounds", "shape"])

@@ -37,7 +37,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -536,15 +536,13 @@ def model_is_finite(path: Path, job_plan: RunPlan) -> str | None:
     import numpy as np
     import torch
 
-    from medflare.plan import build_global_model
+    from medflare.server_setup import global_model
 
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)["model"]
     except Exception as exc:  # noqa: BLE001 - any failure to load is the finding
         return f"{path.name} does not load: {exc}"
-    task = job_plan.task
-    expected = build_global_model(job_plan.method, job_plan.model, task.num_classes, task.in_channels,
-                                  task.image_size, method_args=job_plan.method_cfg)
+    expected = global_model(replace(job_plan.network, pretrained=None))
     if set(state) != set(expected.state_dict()):
         return f"{path.name} has keys {sorted(set(state) ^ set(expected.state_dict()))} the method's model has not"
     bad = [k for k, v in state.items() if not np.isfinite(np.asarray(v, dtype=np.float64)).all()]

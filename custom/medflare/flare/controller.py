@@ -41,7 +41,6 @@ from medflare.ops.background import BackgroundWrite
 from medflare.ops.timing import timed
 from medflare.plan import PLAN_FILE, RunPlan
 from medflare.plan_proof import server_proof, site_plan_refusal
-from medflare.server_setup import round_plan
 
 # The longest a site's request for its next task is held between two phases (then it hears "try again"): longer than
 # the server's usual turn (0.1-0.3 s), short enough for FLARE's heartbeats, waiting for the same lock, to stay in time.
@@ -196,7 +195,8 @@ class MedflareController(Controller):
             stages = self.aggregator.core.stages
             results["stages"] = [dataclasses.asdict(stage) for stage in stages]
             last = None
-            for ctx in round_plan(stages, self.num_rounds)[self.results.next_round:]:  # a resumed job skips some
+            schedule = self.plan.round_contexts()  # the plan's rounds, decided once when the job was resolved
+            for ctx in schedule[self.results.next_round:]:  # a resumed job skips some
                 if abort_signal.triggered:
                     break
                 self._run_round(ctx, abort_signal, fl_ctx)
@@ -207,7 +207,7 @@ class MedflareController(Controller):
             self._persist_global_model(fl_ctx)
             if abort_signal.triggered:
                 return
-            self._final_validation(last or round_plan(stages, self.num_rounds)[-1], abort_signal, fl_ctx)
+            self._final_validation(last or schedule[-1], abort_signal, fl_ctx)
             self._checkpoint_write.wait()  # the last round's checkpoint is complete before the job ends
             results["finished_at"] = time.time()
             self._write_results()
@@ -239,7 +239,7 @@ class MedflareController(Controller):
         self.fire_event(AppEventType.ROUND_STARTED, fl_ctx)
         record = {**run_results.new_record(ctx.round, started), "stage": ctx.stage}
         evaluations: dict[str, dict] = {}
-        for phase in core.rule.phases(ctx):
+        for phase in self.plan.rounds[ctx.round].phases:
             outgoing = core.start_phase(phase)
             self._send_phase(phase, outgoing, ctx, record, evaluations, abort_signal, fl_ctx)
             if abort_signal.triggered:

@@ -10,6 +10,4 @@ from medflare.server_setup import global_model
 
 def global_model_of(plan: RunPlan) -> nn.Module:
     """The initial global network of a job's ``plan`` (the persistor's, and the in-process loop's)."""
-    task = plan.task
-    return global_model(plan.spec, plan.method_cfg, plan.model, task.num_classes, task.in_channels, task.image_size,
-                        plan.pretrained, plan.seed, bool(plan.dp_sgd))
+    return global_model(plan.network)
