@@ -60,7 +60,7 @@ class RoundAggregation:
                  robust: Mapping[str, Any] | None = None, transfer_dtype: str = "float32",
                  transfer_kind: str = "weights", multi_label: bool = False, stream_aggregation: bool = False,
                  download_dtype: str = "float32", min_clients: int = 1, local_epochs: int = 1,
-                 server_optimizer: Mapping[str, Any] | None = None):
+                 server_optimizer: ServerOptConfig | Mapping[str, Any] | None = None):
         self.min_clients, self.local_epochs = min_clients, local_epochs
         self.spec = spec
         self.rule, self.stages, self.robust = server_rule(spec, method_args, num_rounds, robust, transfer_dtype,
@@ -83,7 +83,8 @@ class RoundAggregation:
         # site -> {part: norm} of its update's model step and declared float arrays, taken as it arrives (the norm
         # bound's input)
         self.norms: dict[str, dict[str, float]] = {}
-        opt_config = ServerOptConfig(**dict(server_optimizer or {}))
+        opt_config = server_optimizer if isinstance(server_optimizer, ServerOptConfig) else \
+            ServerOptConfig(**dict(server_optimizer or {}))  # typed by the plan; a test may give options
         check_server_optimizer(opt_config, spec.name, spec.server_model, not self.reads_plaintext)
         self.server_opt = ServerOptimizer(opt_config) if opt_config.on else None
 
@@ -92,7 +93,7 @@ class RoundAggregation:
         """The round core a job of ``plan`` runs (the FLARE aggregator's, and the in-process loop's)."""
         return cls(plan.spec, plan.method_cfg, plan.task.num_classes, len(plan.rounds), plan.defences,
                    plan.transfer_dtype, plan.transfer_kind, plan.task.multi_label, plan.stream_aggregation,
-                   plan.download_dtype, plan.min_clients, plan.max_local_epochs, plan.server_optimizer)
+                   plan.download_dtype, plan.min_clients, plan.max_local_epochs, plan.server_opt)
 
     def start_round(self, global_params: Mapping[str, np.ndarray], ctx: RoundContext) -> None:
         """Forget the previous round."""
