@@ -65,7 +65,7 @@ def test_the_plan_types_its_method_and_defences_once_and_consumers_take_them_as_
     """Issue 50: a consumer takes the plan's typed objects, not a dict it must type again: the server's round core
     gets the plan's method config and defences, a site's settings the same config and its own TrainConfig. A
     plan's record replaced in place is typed again (the views never go stale)."""
-    from medflare.flare.aggregator import RoundAggregation
+    from medflare.server_round import RoundAggregation
     from medflare.site_config import SiteFile
 
     run = RunConfig(method="fedprox", method_args={"mu": 0.1}, robust={"max_share": 0.5}, data={"source": SIMULATED},
