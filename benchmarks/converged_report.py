@@ -76,8 +76,9 @@ def claim_result(rows: Sequence[Mapping[str, Any]], claim: Claim) -> dict[str, A
     complete = all(len(picked) == len(SEEDS) for picked in arms.values())
     word = claim_reading(c["reading"] for c in comparisons.values()) if complete else "not run to the end"
     rounds = {name: _mean_std([r["rounds_run"] for r in picked]) for name, picked in arms.items()}
+    at_cap = {name: sum(not r["stopped_early"] for r in picked) for name, picked in arms.items()}
     return {"lrs": lrs, "figures": figures, "comparisons": comparisons, "reading": word, "rounds": rounds,
-            "arms": arms, "complete": complete}
+            "at_cap": at_cap, "arms": arms, "complete": complete}
 
 
 def _mean_std(values: Sequence[float]) -> tuple[float, float, int]:
@@ -99,13 +100,13 @@ def claim_markdown(claim: Claim, result: Mapping[str, Any], plot: str | None) ->
     lines = [f"### {claim.name}: {claim.statement}", "",
              f"{claim.paper}. Reading figure: `{claim.figure}` (test, the model chosen on validation). "
              f"Reading: **{result['reading']}**.", "",
-             "| arm | lr | rounds run | " + " | ".join(columns) + " |",
-             "|---|---|---|" + "---|" * len(columns)]
+             "| arm | lr | rounds run | seeds at the cap | " + " | ".join(columns) + " |",
+             "|---|---|---|---|" + "---|" * len(columns)]
     for arm in claim.arms:
         lr = result["lrs"][arm.name]
         label = arm.name + (" (reference)" if arm.name in claim.references else "")
         lines.append(f"| {label} | {'—' if lr is None else f'{lr:g}'} | {_rounds(result['rounds'][arm.name])} | "
-                     + " | ".join(_cell(result["figures"][arm.name].get(k)) for k in columns) + " |")
+                     f"{result['at_cap'][arm.name]} | " + " | ".join(_cell(result["figures"][arm.name].get(k)) for k in columns) + " |")
     lines += ["", "| comparison (paired per seed) | mean difference | std | method above in | reading |",
               "|---|---|---|---|---|"]
     for (method, baseline), c in result["comparisons"].items():

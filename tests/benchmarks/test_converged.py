@@ -71,7 +71,7 @@ def test_a_run_config_carries_the_arm_the_seed_the_lr_and_the_budget(converged) 
 
 def row(claim: str, arm: str, seed: int, lr: float, val: float, figure: dict, tuning: bool = False) -> dict:
     return {"claim": claim, "arm": arm, "seed": seed, "lr": lr, "tuning": tuning, "val_best": val,
-            "figures": figure, "rounds_run": 10, "curve": [[0, 0.2], [1, val]], "metric": "balanced_accuracy",
+            "figures": figure, "rounds_run": 10, "stopped_early": seed != 4, "curve": [[0, 0.2], [1, val]], "metric": "balanced_accuracy",
             "commit": "abc", "cpu": "cpu", "config": "x"}
 
 
@@ -107,7 +107,7 @@ def test_each_arms_lr_is_chosen_on_the_tuning_seeds_validation_and_its_seeds_are
     assert result["figures"]["bsm-fl"]["balanced_accuracy"][0] == pytest.approx(0.52)
     first = result["comparisons"][("fedmas", "bsm-fl")]
     assert first["mean"] == pytest.approx(0.1) and first["above"] == 5 and first["reading"] == "above"
-    assert result["reading"] == "reproduced"
+    assert result["reading"] == "reproduced" and result["at_cap"]["fedmas"] == 1  # seed 4 ran to the cap
     text = report.write_report(rows, [claim], tmp_path)
     assert "Reading: **reproduced**" in text and "| fedmas − bsm-fl | +0.100 | 0.000 | 5 of 5 | above |" in text
     assert (tmp_path / "converged-fedmas-retina-lt.png").is_file() and (tmp_path / "converged.md").is_file()
