@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from medflare.deploy.apps import deployment_run
-from medflare.job_export import set_resume
+from medflare.console.deploy.apps import deployment_run
+from medflare.console.job_export import set_resume
 from medflare.plan import APP_NAME, DEFAULT_TASK_TIMEOUT, PLAN_FILE, plan_from_job, read_plan, resolve
 from medflare.run_config import RunConfig
 from medflare.server_setup import DEPLOY_ROBUST, ROBUST_OFF
@@ -109,7 +109,7 @@ def test_a_job_folder_is_replaced_only_where_it_holds_what_medflare_recorded_wri
     """Issue 49, item 5: writing a job over an earlier one removes only the files medflare recorded (with their
     SHA-256) and that still hold that content; a folder of the job's name that medflare did not write, or one with a
     file added or changed, is refused and kept whole."""
-    from medflare.files import MARKER, OutputError
+    from medflare.console.files import MARKER, OutputError
 
     out, run, task = tmp_path / "jobs", RunConfig(method="fedavg", data={"source": "site"}), TaskSpec(2, 1, 28)
     job = write_run_job(run, out, task, "preinstalled")

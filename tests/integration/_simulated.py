@@ -4,7 +4,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from medflare.simulate import nvflare_command
+from medflare.console.simulate import nvflare_command
 
 
 def simulate(job: Path, workspace: Path, sites: int = 2) -> tuple[dict, str]:
