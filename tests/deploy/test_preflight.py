@@ -1,4 +1,4 @@
-"""deploy/preflight.py: a hospital admin's check of a site before a job (issue 48, item 4).
+"""console/deploy/preflight.py: a hospital admin's check of a site before a job (issue 48, item 4).
 
 A kit provisioned from provisioning/project.yml (its server pointed at a loopback port nothing listens on; the
 POC test checks a reachable server), a folder of PNGs as the site's data, and a job exported as the lead does.
