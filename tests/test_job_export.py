@@ -168,3 +168,20 @@ def test_both_sides_pull_arrays_in_the_chunks_the_job_sets_under_the_name_flare_
         done = subprocess.run([sys.executable, "-c", read, str(config), str(config.parent)], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr[-2000:]
         assert int(done.stdout.split()[-1]) == 16 * 1024 * 1024 > 2 * 1024 * 1024, (side, done.stdout)
+
+
+def python_lines(folder: Path) -> int:
+    return sum(len(path.read_text().splitlines()) for path in folder.rglob("*.py"))
+
+
+def test_a_byoc_job_ships_the_job_package_without_the_console_or_caches(tmp_path: Path) -> None:
+    """Issue 64: a job's processes never import medflare.console (tests/test_layering.py), so its app/custom carries
+    every other file of the package, no console/ and no byte code: at most 75 % of the package's Python lines."""
+    package = Path(__file__).resolve().parents[1] / "custom" / "medflare"
+    shipped = write_run_job(RunConfig(data=SIMULATED), tmp_path, TASK, mode="byoc") / APP_NAME / "custom" / "medflare"
+    expected = {path.relative_to(package) for path in package.rglob("*")
+                if path.is_file() and "console" != path.relative_to(package).parts[0]
+                and "__pycache__" not in path.parts and path.suffix != ".pyc"}
+    assert {path.relative_to(shipped) for path in shipped.rglob("*") if path.is_file()} == expected
+    assert {Path("flare/executor.py"), Path("deploy/filters.py"), Path("methods/fedavg/__init__.py")} <= expected
+    assert python_lines(shipped) <= 0.75 * python_lines(package)
