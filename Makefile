@@ -198,7 +198,7 @@ clean:
 	rm -rf runs .pytest_cache
 
 # ----- deployment (issue 4): generated artifacts, provisioning, POC, the site wheel -------------------------
-.PHONY: catalog apps templates policies privacy-doc deploy-artifacts regenerate provision poc-demo wheel rehearse rehearse-faults \
+.PHONY: catalog apps templates policies privacy-doc deploy-artifacts regenerate provision poc-demo wheel site-wheel rehearse rehearse-faults \
 	bench-link
 PROJECT ?= provisioning/project.yml
 PROVISION_WS ?= runs/provision
@@ -259,3 +259,8 @@ bench-link: install
 # The wheel a pre-installed site reviews and installs (pip install dist/medflare-*.whl).
 wheel: install
 	$(PY) -m pip wheel --no-deps --wheel-dir dist . && rm -rf build
+
+# dist/medflare_site-*.whl: the job package alone (no medflare.console), for sites that pre-install medflare (issue
+# 64; packaging/site/pyproject.toml, built in a temporary folder by tools/site_wheel.py).
+site-wheel: install
+	$(PY) tools/site_wheel.py dist
