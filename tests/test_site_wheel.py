@@ -6,11 +6,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 # what FLARE starts by class path in a medflare job (config_fed_*.json, a site's privacy.json) and what it builds on
