@@ -177,24 +177,31 @@ def test_the_package_keeps_its_layers(rule) -> None:
 
 # Each rule meets the import it forbids (the shapes issue 9 found), so the checks above cannot pass by reading nothing.
 FORBIDDEN = [
-    (imports_the_command_line, "medflare.console.deploy.poc", "def f():\n    from medflare.console.cli import build_run_config\n"),
+    (imports_the_command_line, "medflare.console.deploy.poc",
+     "def f():\n    from medflare.console.cli import build_run_config\n"),
     (lower_floor_imports_launching_or_reporting, "medflare.methods.fed_mas.plots",
      "from medflare.console.report import integer_ticks, pyplot\n"),
     (lower_floor_imports_launching_or_reporting, "medflare.console.job_export", "import medflare.console.launch\n"),
     # issue 50: the layer both launch through borrows from neither
-    (shared_launching_imports_a_launcher, "medflare.console.launch", "def f():\n    from medflare.console.deploy.poc import PocSession\n"),
-    (shared_launching_imports_a_launcher, "medflare.console.run_options", "from medflare.console.cli import make_parser\n"),
-    (deployment_borrows_the_simulator, "medflare.console.deploy.poc", "from medflare.console.simulate import describe_sites\n"),
-    (takes_private_names_of_another_package, "medflare.console.deploy.poc", "from medflare.console.cli import _add_run_options\n"),
+    (shared_launching_imports_a_launcher, "medflare.console.launch",
+     "def f():\n    from medflare.console.deploy.poc import PocSession\n"),
+    (shared_launching_imports_a_launcher, "medflare.console.run_options",
+     "from medflare.console.cli import make_parser\n"),
+    (deployment_borrows_the_simulator, "medflare.console.deploy.poc",
+     "from medflare.console.simulate import describe_sites\n"),
+    (takes_private_names_of_another_package, "medflare.console.deploy.poc",
+     "from medflare.console.cli import _add_run_options\n"),
     (takes_private_names_of_another_package, "medflare.console.deploy.poc", "from ..report import _fmt\n"),
     # the shapes issue 33 found
-    (what_flare_builds_on_imports_flare, "medflare.resume", "def f():\n    from medflare.flare.tasks import round_plan\n"),
+    (what_flare_builds_on_imports_flare, "medflare.resume",
+     "def f():\n    from medflare.flare.tasks import round_plan\n"),
     (what_flare_builds_on_imports_flare, "medflare.methods.base", "import medflare.flare.aggregator\n"),
     (run_layer_imports_flare, "medflare.run_config",
      "def f():\n    from medflare.flare.aggregator import RoundAggregation\n"),
     (run_layer_imports_flare, "medflare.plan",
      "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .flare.privacy import UpdatePrivacy\n"),
-    (deployment_imports_reporting, "medflare.console.deploy.poc", "from medflare.console.report import results_table\n"),
+    (deployment_imports_reporting, "medflare.console.deploy.poc",
+     "from medflare.console.report import results_table\n"),
     # issue 64: the job package imports no console module, however it is reached
     (the_job_package_imports_the_console, "medflare.flare.executor",
      "def f():\n    from medflare.console.files import write_recorded\n"),

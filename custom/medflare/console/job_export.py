@@ -151,9 +151,9 @@ def meta_config(plan: RunPlan) -> dict[str, Any]:
 
 def write_job(plan: RunPlan, out_dir: str | Path, mode: str = "byoc") -> Path:
     """Write the job of ``plan`` (:func:`medflare.plan.resolve`) to ``out_dir/<job name>/`` and return its path; a
-    BYOC job carries medflare's job package (no console) and the plan's plugin modules (their source, as this process imported them). An
-    existing folder is replaced once the new one is complete, and only if it holds just what medflare recorded
-    writing there (:func:`medflare.console.files.write_recorded`; else OutputError)."""
+    BYOC job carries medflare's job package (no console) and the plan's plugin modules (their source, as this
+    process imported them). An existing folder is replaced once the new one is complete, and only if it holds just
+    what medflare recorded writing there (:func:`medflare.console.files.write_recorded`; else OutputError)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got '{mode}'")
     if plan.plugins and mode != "byoc":  # refused before anything is written
