@@ -20,13 +20,13 @@ import torch
 
 from medflare import contracts
 from medflare.evaluation import SiteEvaluation, headline_metric, site_evaluation, summarize
-from medflare.flare.aggregator import RoundAggregation
 from medflare.flare.models import global_model_of
 from medflare.flare.run_results import RunResults
 from medflare.flare.tasks import TASK_VALIDATE, round_context, round_meta
 from medflare.methods.base import AggregateResult, PerSite, RoundContext, SiteUpdate
 from medflare.plan import RunPlan, resolve
 from medflare.run_config import RunConfig
+from medflare.server_round import RoundAggregation
 from medflare.site_config import SiteFile
 from medflare.site_runtime import SiteRuntime
 

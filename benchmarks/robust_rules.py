@@ -31,8 +31,8 @@ from benchmarking import mean_std, versus  # noqa: E402
 from medflare.data.checksums import verify_medmnist_file  # noqa: E402
 from medflare.errors import MedflareError  # noqa: E402
 from medflare.evaluation import summarize  # noqa: E402
-from medflare.flare.aggregator import RoundAggregation  # noqa: E402
 from medflare.run_config import RunConfig  # noqa: E402
+from medflare.server_round import RoundAggregation  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "medmnist" / "pneumoniamnist.npz"
 SITES, HOSTILE, REVERSED = 7, "site-7", 8.0

@@ -180,7 +180,7 @@ REFUSED_JOBS = [
 def test_a_site_declines_a_job_that_asks_for_less_than_its_policy(tmp_path: Path, job: dict, reason: str) -> None:
     (tmp_path / SITE_CONFIG_FILE).write_text(json.dumps({"data": {"source": "folder:/x"}, "dp_sgd": POLICY}))
     with pytest.raises(SiteDeclined, match=f"site-1 declines the job.*{reason}"):
-        resolve_site_dp(job, "site-1", tmp_path)
+        resolve_site_dp(DPSGDConfig(**job) if job else None, "site-1", tmp_path)
 
 
 @pytest.mark.parametrize("bound", [{"max_epsilon": 8}, {"min_noise_multiplier": 1.0}, {"max_grad_norm": 1.0}])
@@ -190,16 +190,16 @@ def test_a_site_with_a_dp_bound_but_without_required_declines_a_job_without_dp_s
     no noise at all (unbounded ε) unless the site also wrote "required": true (issue 49, item 5)."""
     (tmp_path / SITE_CONFIG_FILE).write_text(json.dumps({"data": {"source": "folder:/x"}, "dp_sgd": bound}))
     with pytest.raises(SiteDeclined, match=f"site-1 declines the job: .*dp_sgd \\({next(iter(bound))}\\) requires"):
-        resolve_site_dp({}, "site-1", tmp_path)
-    assert resolve_site_dp({"noise_multiplier": 1.2}, "site-1", tmp_path).noise_multiplier == 1.2
+        resolve_site_dp(None, "site-1", tmp_path)
+    assert resolve_site_dp(DPSGDConfig(noise_multiplier=1.2), "site-1", tmp_path).noise_multiplier == 1.2
 
 
 def test_a_site_takes_the_lower_budget_and_a_site_without_policy_takes_the_job(tmp_path: Path) -> None:
     rules = SiteDPPolicy(**POLICY)
     assert site_dp_settings(DPSGDConfig(noise_multiplier=1.2), rules, "site-1").max_epsilon == 8
     assert site_dp_settings(DPSGDConfig(noise_multiplier=1.2, max_epsilon=3), rules, "site-1").max_epsilon == 3
-    assert resolve_site_dp({"noise_multiplier": 1.2}, "site-1", tmp_path).noise_multiplier == 1.2  # no file
-    assert resolve_site_dp({}, "site-1", tmp_path) is None
+    assert resolve_site_dp(DPSGDConfig(noise_multiplier=1.2), "site-1", tmp_path).noise_multiplier == 1.2  # no file
+    assert resolve_site_dp(None, "site-1", tmp_path) is None
 
 
 def site_settings(dp_sgd: DPSGDConfig) -> SiteSettings:

@@ -65,7 +65,7 @@ def test_the_plan_types_its_method_and_defences_once_and_consumers_take_them_as_
     """Issue 50: a consumer takes the plan's typed objects, not a dict it must type again: the server's round core
     gets the plan's method config and defences, a site's settings the same config and its own TrainConfig. A
     plan's record replaced in place is typed again (the views never go stale)."""
-    from medflare.flare.aggregator import RoundAggregation
+    from medflare.server_round import RoundAggregation
     from medflare.site_config import SiteFile
 
     run = RunConfig(method="fedprox", method_args={"mu": 0.1}, robust={"max_share": 0.5}, data={"source": SIMULATED},
@@ -309,3 +309,28 @@ def test_round_contexts_restart_the_stage_counters_with_each_stage() -> None:
             for c in plan.round_contexts()] == [(0, "pretrain", 0, 2, 5, False), (1, "pretrain", 1, 2, 5, False),
                                                 (2, "finetune", 0, 3, 5, True), (3, "finetune", 1, 3, 5, True),
                                                 (4, "finetune", 2, 3, 5, True)]
+
+
+def test_the_plans_sections_are_typed_once_where_it_is_read_and_an_ill_typed_one_is_refused(tmp_path: Path) -> None:
+    """Issue 64: ``data``, ``dp`` and ``dp_sgd`` are typed when the plan is built or read (``dp_filter``,
+    ``dp_sgd_cfg``); every reader takes those (the sites' privacy filter, each site's DP-SGD)."""
+    from medflare.dp_sgd import DPSGDConfig
+    from medflare.site_config import DPFilter
+
+    run = RunConfig(method="fedavg", data={"source": "synthetic:n=60", "imbalance": 4},
+                    dp={"filter": "svt", "args": {"epsilon": 0.1}}, dp_sgd={"noise_multiplier": 1.5},
+                    transfer_kind="diff")
+    plan = resolve(run, "byoc")
+    assert plan.data["imbalance"] == 4.0 and isinstance(plan.data["imbalance"], float)  # typed as DataConfig's
+    assert plan.dp_filter == DPFilter("svt", {"epsilon": 0.1})
+    assert isinstance(plan.dp_sgd_cfg, DPSGDConfig) and plan.dp_sgd_cfg.noise_multiplier == 1.5
+    job = write_job(plan, tmp_path / "jobs", "byoc")
+    rebuilt = plan_from_job(job)
+    assert (rebuilt.dp_filter, rebuilt.dp_sgd_cfg, rebuilt.data) == (plan.dp_filter, plan.dp_sgd_cfg, plan.data)
+    assert resolve(RunConfig(method="fedavg", data={"source": "synthetic:n=60"}), "byoc").dp_sgd_cfg is None
+    plan_file = job / APP_NAME / "config" / PLAN_FILE
+    record = json.loads(plan_file.read_text())
+    record["plan"]["dp"] = {"filter": "gauss"}
+    plan_file.write_text(json.dumps(record))
+    with pytest.raises(ConfigError, match="UpdatePrivacy filter must be one of"):
+        plan_from_job(job)

@@ -68,7 +68,9 @@ from medflare.site_config import (
 if TYPE_CHECKING:
     from torch import nn
 
+    from medflare.dp_sgd import DPSGDConfig
     from medflare.methods.presets import Preset
+    from medflare.site_config import DPFilter
 
 # Seconds a site may take for one task when the run sets no task_timeout. FLARE's own default (no limit) let
 # one dead site keep a job RUNNING forever; with a limit the site counts as failed for that round.
@@ -144,6 +146,8 @@ class RunPlan:
         method_cfg: Any  # the method's config object (``method_args`` is its record)
         defences: RobustConfig  # ``robust`` as the server's defences
         server_opt: ServerOptConfig  # ``server_optimizer`` as the server steps with it
+        dp_sgd_cfg: DPSGDConfig | None  # ``dp_sgd`` as every site's DP-SGD starts from it (None: off)
+        dp_filter: DPFilter | None  # ``dp`` as the sites' UpdatePrivacy result filter runs it (None: none)
 
     def __post_init__(self) -> None:
         method_cfg = from_dict(self.spec.config_cls, dict(self.method_args), f"{PLAN_FILE}: method '{self.method}'")
@@ -156,7 +160,7 @@ class RunPlan:
         check_server_optimizer(self.server_opt, self.method, self.spec.server_model,
                                self.secure_aggregation == "he")
         check_fields(self, PLAN_FILE)
-        check_sections(self)
+        type_sections(self)
         if not self.sites or not self.model:
             raise ConfigError(f"the plan names no {'model' if self.sites else 'site'} (build it with plan.resolve)")
         if not 1 <= self.min_clients <= len(self.sites):
@@ -206,7 +210,7 @@ class RunPlan:
             spec=self.spec, task=self.task, data=read_site_data_config(site_file, self.data, simulated),
             model=resolve_site_model(self.spec, self.model, {s.name: s.model for s in self.sites}, site, site_file),
             method_args=self.method_cfg, train=self.site_train(site), seed=self.seed, evaluation=self.evaluation,
-            dp_sgd=resolve_site_dp(self.dp_sgd, site, site_file))
+            dp_sgd=resolve_site_dp(self.dp_sgd_cfg, site, site_file))
         index = 0 if settings.data.get("local") else site_index_from_name(site, [s.name for s in self.sites])
         return settings, index
 
@@ -248,16 +252,19 @@ class RunPlan:
         return json.dumps(self.to_dict(), indent=2) + "\n"
 
 
-def check_sections(plan: RunPlan) -> None:
-    """The plan's untyped sections held to the bounds of the config they become at a site (the data options, the
-    dp filter, DP-SGD), so an edited ``medflare_plan.json`` is refused where it is read, before any training."""
-    fields_typed(_data_config_cls(), dict(plan.data), f"{PLAN_FILE}.data")
-    if plan.dp:
-        check_dp_filter(plan.dp)
+def type_sections(plan: RunPlan) -> None:
+    """The plan's sections typed once, where the plan is built or read, and held to the bounds of the config they
+    become at a site, so an edited ``medflare_plan.json`` is refused before any training: ``data`` (its options
+    typed in place: each site's own file completes them), ``dp`` as ``dp_filter`` and ``dp_sgd`` as ``dp_sgd_cfg``
+    (their records stay as written)."""
+    object.__setattr__(plan, "data", fields_typed(_data_config_cls(), dict(plan.data), f"{PLAN_FILE}.data"))
+    object.__setattr__(plan, "dp_filter", check_dp_filter(plan.dp) if plan.dp else None)
+    dp_sgd_cfg = None
     if plan.dp_sgd:
         from medflare.dp_sgd import DPSGDConfig
 
-        DPSGDConfig(**fields_typed(DPSGDConfig, dict(plan.dp_sgd), f"{PLAN_FILE}.dp_sgd"))
+        dp_sgd_cfg = DPSGDConfig(**fields_typed(DPSGDConfig, dict(plan.dp_sgd), f"{PLAN_FILE}.dp_sgd"))
+    object.__setattr__(plan, "dp_sgd_cfg", dp_sgd_cfg)
 
 
 # ----- the resolver: a layered run checked against its method, its task, the plan ---------------------------------

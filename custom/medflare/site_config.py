@@ -94,8 +94,16 @@ DP_FILTER_ARGS = {
 }
 
 
-def check_dp_filter(dp: Mapping[str, Any]) -> None:
-    """A job's dp result filter (``{"filter": ..., "args": {...}}``), checked without FLARE."""
+@dataclass(frozen=True)
+class DPFilter:
+    """A job's dp result filter, typed: FLARE's filter name (:data:`DP_FILTER_ARGS`) and its own arguments."""
+
+    filter: str
+    args: Mapping[str, Any]
+
+
+def check_dp_filter(dp: Mapping[str, Any]) -> DPFilter:
+    """A job's dp result filter (``{"filter": ..., "args": {...}}``), checked without FLARE, and typed."""
     unknown = sorted(set(dp) - {"filter", "args"})
     name, args = dp.get("filter", "percentile"), dp.get("args") or {}
     if unknown:
@@ -106,6 +114,7 @@ def check_dp_filter(dp: Mapping[str, Any]) -> None:
     if wrong:
         raise ConfigError(f"dp: args {', '.join(wrong)} not taken by FLARE's '{name}' filter; it takes "
                           f"{', '.join(DP_FILTER_ARGS[name])}")
+    return DPFilter(name, dict(args))
 
 
 def resolve_train_config(spec: MethodSpec, overrides: Mapping[str, Any] | None) -> TrainConfig:
@@ -230,18 +239,17 @@ def resolve_site_model(
 
 
 def resolve_site_dp(
-    job_dp: Mapping[str, Any] | None, site: str, site_config_dir: str | Path | SiteFile | None
+    job_dp: DPSGDConfig | None, site: str, site_config_dir: str | Path | SiteFile | None
 ) -> DPSGDConfig | None:
-    """The DP-SGD settings this site trains with (None = off), typed once: the job's ``dp_sgd`` against its file's
-    ``dp_sgd`` policy (DP-SGD required, a σ floor, clipping/δ ceilings, a budget). Raises SiteDeclined (one line, sent to the
-    server) when the job asks for less than the site demands."""
+    """The DP-SGD settings this site trains with (None = off): the job's ``dp_sgd`` (typed once with the plan,
+    ``RunPlan.dp_sgd_cfg``) against its file's ``dp_sgd`` policy (DP-SGD required, a σ floor, clipping/δ ceilings,
+    a budget). Raises SiteDeclined (one line, sent to the server) when the job asks for less than the site demands."""
     site_file = SiteFile.of(site_config_dir)
-    if not job_dp and not site_file.get("dp_sgd"):
+    if job_dp is None and not site_file.get("dp_sgd"):
         return None
-    from medflare.dp_sgd import DPSGDConfig, SiteDPPolicy, site_dp_settings  # local: needed only with DP-SGD
+    from medflare.dp_sgd import SiteDPPolicy, site_dp_settings  # local: needed only with DP-SGD
 
-    job = from_dict(DPSGDConfig, dict(job_dp), "dp_sgd") if job_dp else None
-    return site_dp_settings(job, site_file.section("dp_sgd", SiteDPPolicy), site)
+    return site_dp_settings(job_dp, site_file.section("dp_sgd", SiteDPPolicy), site)
 
 
 @dataclass(frozen=True)

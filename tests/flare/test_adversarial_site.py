@@ -30,12 +30,12 @@ from medflare import contracts
 from medflare.config import from_dict
 from medflare.contracts import ContractContext
 from medflare.errors import MedflareError
-from medflare.flare.aggregator import RoundAggregation
 from medflare.flare.tasks import round_context, round_meta
 from medflare.methods.base import PerSite
 from medflare.plan import build_global_model, task_of, validated
 from medflare.registry import get_method, list_methods
 from medflare.run_config import RunConfig, merge_sections
+from medflare.server_round import RoundAggregation
 from medflare.server_setup import round_plan
 from medflare.site_config import SiteSettings
 from medflare.site_runtime import SiteRuntime

@@ -6,9 +6,9 @@ import re
 import numpy as np
 import pytest
 
-from medflare.flare.aggregator import RoundAggregation
 from medflare.methods.base import RoundContext
 from medflare.registry import get_method
+from medflare.server_round import RoundAggregation
 
 from .._plans import run_plan, site_data_plan
 
@@ -295,13 +295,13 @@ def test_rules_that_cannot_compose_are_refused_with_the_reason() -> None:
 
 
 def test_a_non_finite_aggregate_is_refused(core: RoundAggregation, monkeypatch: pytest.MonkeyPatch) -> None:
+    from medflare import server_round
     from medflare.errors import PayloadError
-    from medflare.flare import aggregator
     from medflare.methods.base import AggregateResult
 
     core.accept("site-1", *update(1.0))
     broken = {"w": np.full((2, 3), np.inf, np.float32)}  # e.g. combining math that overflows
-    monkeypatch.setattr(aggregator, "aggregate_updates",
+    monkeypatch.setattr(server_round, "aggregate_updates",
                         lambda *args: AggregateResult(params=broken, shares={"site-1": 1.0}))
     with pytest.raises(PayloadError, match="NaN/Inf"):
         core.aggregate()

@@ -17,12 +17,12 @@ from medflare import contracts
 from medflare.contracts import ContractContext
 from medflare.deploy.filters import check_result_arrays, received_task
 from medflare.errors import ConfigError, PayloadError
-from medflare.flare.aggregator import RoundAggregation
 from medflare.flare.controller import TASK_BYTES, MedflareController
 from medflare.methods.base import PerSite, RoundContext
 from medflare.ops.wire import encode_download, encode_weights
 from medflare.plan import build_global_model
 from medflare.registry import get_method
+from medflare.server_round import RoundAggregation
 from medflare.site_config import SiteSettings, TaskSpec
 from medflare.site_runtime import SiteRuntime
 

@@ -16,7 +16,6 @@ from nvflare.apis.fl_context import FLContext  # noqa: E402
 
 from medflare import contracts  # noqa: E402
 from medflare.errors import ConfigError  # noqa: E402
-from medflare.flare.aggregator import RoundAggregation  # noqa: E402
 from medflare.flare.he import (  # noqa: E402
     DecryptTask,
     EncryptedRoundAggregation,
@@ -29,6 +28,7 @@ from medflare.ops import he_aggregate  # noqa: E402
 from medflare.ops.he_aggregate import EncryptedArray, encryption_refusal  # noqa: E402
 from medflare.plan import resolve, validated  # noqa: E402
 from medflare.registry import get_method  # noqa: E402
+from medflare.server_round import RoundAggregation  # noqa: E402
 
 from .._plans import app_context, deploy_plan, site_data_plan
 

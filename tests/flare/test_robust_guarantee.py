@@ -17,12 +17,12 @@ import pytest
 from medflare.console.cli import robust_note
 from medflare.errors import ConfigError, PayloadError
 from medflare.flare import run_results
-from medflare.flare.aggregator import RoundAggregation
 from medflare.methods.base import RoundContext
 from medflare.plan import read_plan, write_plan
 from medflare.plan_proof import server_proof, task_refusal
 from medflare.registry import get_method
 from medflare.run_config import RunConfig
+from medflare.server_round import RoundAggregation
 from medflare.server_setup import DEPLOY_ROBUST, RobustConfig
 from medflare.site_config import SiteFile
 from medflare.site_policy import SitePolicy, site_policy

@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from medflare.flare.aggregator import RoundAggregation
 from medflare.methods.base import RoundContext
 from medflare.registry import get_method
+from medflare.server_round import RoundAggregation
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORDED = ROOT / "benchmarks" / "results" / "robust_rules_flower.json"

@@ -17,9 +17,9 @@ import torch
 
 from medflare import contracts
 from medflare.errors import ConfigError
-from medflare.flare.aggregator import SERVER_OPT_INFO, RoundAggregation
 from medflare.plan import PLAN_FILE, RunPlan, read_plan, resolve, write_plan
 from medflare.run_config import RunConfig
+from medflare.server_round import SERVER_OPT_INFO, RoundAggregation
 from tests.benchmarks.conftest import load_benchmark
 
 FEDADAM = {"name": "fedadam", "lr": 0.05}

@@ -8,7 +8,6 @@ import pytest
 
 from medflare import contracts
 from medflare.errors import ConfigError
-from medflare.flare.aggregator import RoundAggregation
 from medflare.methods.base import LARGEST_SHARE, RoundContext, ServerRule, SiteUpdate
 from medflare.methods.fedlsm.server import LABEL_COUNTS, NEGATIVES, POS_WEIGHT, POSITIVES
 from medflare.methods.mdhfl.protocol import (
@@ -21,6 +20,7 @@ from medflare.methods.mdhfl.protocol import (
     TARGET,
 )
 from medflare.registry import get_method, list_methods, register_method
+from medflare.server_round import RoundAggregation
 
 K = 3
 ROBUST = {"max_norm_ratio": 10, "max_share": 0.6}

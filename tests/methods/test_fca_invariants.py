@@ -118,7 +118,7 @@ def test_the_server_averages_the_shared_keys_by_sample_count_and_holds_no_person
 
 @pytest.mark.parametrize("key", ["personal_head.weight", "personal_head.bias"])
 def test_the_server_refuses_a_result_that_carries_a_personal_head(key: str) -> None:
-    from medflare.flare.aggregator import RoundAggregation
+    from medflare.server_round import RoundAggregation
 
     start = global_weights(seed=0)
     core = RoundAggregation(get_method("fca"), {}, num_classes=TASK.num_classes, num_rounds=2)

@@ -9,7 +9,6 @@ from nvflare.apis.dxo import from_shareable
 from nvflare.apis.signal import Signal
 
 from medflare.errors import ConfigError
-from medflare.flare.aggregator import RoundAggregation
 from medflare.flare.executor import MedflareExecutor
 from medflare.methods.base import RoundContext
 from medflare.methods.fed_mas import FedMasConfig
@@ -17,6 +16,7 @@ from medflare.methods.fed_mas.prior import IMAGENET_MEAN, IMAGENET_STD, MOCO_PRE
 from medflare.methods.fed_mas.rescue import ClassMeanAccumulator, distillation_distance, rescue_factor
 from medflare.ops import cap_shares
 from medflare.registry import get_method
+from medflare.server_round import RoundAggregation
 from medflare.site_config import SiteSettings, TaskSpec
 from medflare.site_runtime import SiteRuntime
 

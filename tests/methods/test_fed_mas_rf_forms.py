@@ -11,13 +11,13 @@ import pytest
 
 from medflare.contracts import Payload
 from medflare.errors import ConfigError, PayloadError
-from medflare.flare.aggregator import RoundAggregation
 from medflare.methods.base import RoundContext
 from medflare.methods.fed_mas import FedMasConfig
 from medflare.methods.fed_mas.rescue import eq3_bound, rescue_factor
 from medflare.plan import build_plan, task_of, validated
 from medflare.registry import get_method
 from medflare.run_config import RunConfig
+from medflare.server_round import RoundAggregation
 from medflare.site_runtime import SiteRuntime, SiteSettings
 
 from .test_fed_mas import SITE_OPTIONS, tiny_fedmas_trainer

@@ -15,7 +15,6 @@ from torch import nn
 from medflare import contracts
 from medflare.data import DataConfig, make_site_data
 from medflare.errors import ConfigError, PayloadError
-from medflare.flare.aggregator import RoundAggregation
 from medflare.losses import weighted_bce
 from medflare.methods.base import RoundContext, SiteUpdate, TrainConfig
 from medflare.methods.fedavg_masked import SPEC as MASKED_SPEC, FedAvgMaskedConfig
@@ -36,6 +35,7 @@ from medflare.methods.fedlsm.pseudo import (
 from medflare.methods.fedlsm.server import LABEL_COUNTS, POS_WEIGHT, FedLsmRule
 from medflare.models import Classifier, EmaTeacher
 from medflare.registry import get_method
+from medflare.server_round import RoundAggregation
 
 # ----- server: AWPA, masked rows, fallback ------------------------------------------------------------
 

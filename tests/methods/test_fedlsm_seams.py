@@ -18,7 +18,6 @@ from sklearn.metrics import accuracy_score, precision_recall_fscore_support, roc
 from medflare import contracts
 from medflare.data import DataConfig, make_site_data
 from medflare.evaluation import summarize
-from medflare.flare.aggregator import RoundAggregation
 from medflare.flare.run_results import RunResults, new_record
 from medflare.flare.tasks import TASK_VALIDATE
 from medflare.methods.base import RoundContext, TrainConfig
@@ -29,6 +28,7 @@ from medflare.metrics.eval_stats import DEFAULT_BINS, score_bins
 from medflare.metrics.roc import binned_auc_error_bound
 from medflare.plan import preset_layer, resolve, validated
 from medflare.run_config import RunConfig, merge_run_config
+from medflare.server_round import RoundAggregation
 from tests.benchmarks.conftest import load_benchmark
 
 from .test_fedlsm import fedlsm_trainer, tiny_net

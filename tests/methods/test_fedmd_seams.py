@@ -15,11 +15,11 @@ import torch.nn.functional as F
 
 from medflare.console.cli import make_parser
 from medflare.console.run_options import build_run_config
-from medflare.flare.aggregator import RoundAggregation
 from medflare.methods.base import PerSite, RoundContext
 from medflare.methods.mdhfl.protocol import DISTILL_PHASE, PROBS, PROBS_PHASE, PUBLIC_ROWS, SETUP_PHASE, TARGET
 from medflare.methods.presets import PAPER
 from medflare.plan import build_plan, task_of, validated
+from medflare.server_round import RoundAggregation
 from medflare.site_config import SiteFile
 
 from .test_mdhfl_seams import (

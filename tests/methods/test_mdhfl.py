@@ -11,7 +11,6 @@ import torch
 
 from medflare.data import DataConfig, make_site_data
 from medflare.errors import ConfigError, PayloadError
-from medflare.flare.aggregator import RoundAggregation
 from medflare.losses import kl_to_teacher
 from medflare.methods.base import PerSite, RoundContext, TrainConfig
 from medflare.methods.mdhfl import MdhflConfig
@@ -33,6 +32,7 @@ from medflare.models import create_model
 from medflare.plan import validated
 from medflare.registry import get_method
 from medflare.run_config import RunConfig
+from medflare.server_round import RoundAggregation
 
 from .._plans import run_plan
 

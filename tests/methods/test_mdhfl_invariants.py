@@ -13,7 +13,6 @@ import torch
 from torch.utils.data import DataLoader
 
 from medflare.data import DataConfig, make_site_data
-from medflare.flare.aggregator import RoundAggregation
 from medflare.methods.base import RoundContext, TrainConfig
 from medflare.methods.mdhfl.protocol import (
     DISTILL_PHASE,
@@ -30,6 +29,7 @@ from medflare.methods.mdhfl.protocol import (
 from medflare.methods.mdhfl.targets import ccr_weights
 from medflare.models import create_model
 from medflare.registry import get_method
+from medflare.server_round import RoundAggregation
 
 K = 3
 DIGEST = "ab" * 32

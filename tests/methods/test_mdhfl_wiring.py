@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from medflare.data import DataConfig, make_site_data
-from medflare.flare.aggregator import RoundAggregation
 from medflare.methods.base import RoundContext, TrainConfig
 from medflare.methods.local_only import client as local_only_client
 from medflare.methods.mdhfl import client as mdhfl_client
@@ -26,6 +25,7 @@ from medflare.methods.mdhfl.protocol import (
 from medflare.methods.mdhfl.targets import mixed_target_loss
 from medflare.models import create_model
 from medflare.registry import get_method
+from medflare.server_round import RoundAggregation
 
 from .test_mdhfl_invariants import hand_sce
 

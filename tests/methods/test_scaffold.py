@@ -10,12 +10,12 @@ import torch.nn.functional as F
 
 from medflare import contracts
 from medflare.errors import ConfigError, PayloadError
-from medflare.flare.aggregator import RoundAggregation
 from medflare.methods.base import RoundContext
 from medflare.methods.scaffold.control import DELTA_CONTROL, SERVER_CONTROL
 from medflare.plan import resolve
 from medflare.registry import get_method
 from medflare.run_config import RunConfig
+from medflare.server_round import RoundAggregation
 
 from ._trainers import make_trainer
 from .conftest import make_site

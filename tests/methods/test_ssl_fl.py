@@ -14,7 +14,6 @@ from timm.layers import PatchEmbed
 
 from medflare import contracts
 from medflare.errors import ConfigError, DataError, PayloadError
-from medflare.flare.aggregator import RoundAggregation
 from medflare.methods.base import RoundContext, SiteUpdate, Stage, TrainConfig
 from medflare.methods.fed_mas.prior import build_prior
 from medflare.methods.ssl_fl import (
@@ -34,6 +33,7 @@ from medflare.methods.ssl_fl.tokenizer import DalleEncoder, DalleTokenizer, Disc
 from medflare.optim import lr_at, set_step_lr
 from medflare.plan import build_global_model
 from medflare.registry import get_method
+from medflare.server_round import RoundAggregation
 from medflare.site_config import SiteSettings, TaskSpec
 from medflare.site_runtime import SiteRuntime
 

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from medflare import contracts
-from medflare.flare.aggregator import RoundAggregation
 from medflare.methods.base import MethodSpec, RoundContext
 from medflare.methods.ssl_fl import FED_BEIT, FED_MAE, FedBeitConfig, FedMaeConfig, build_fed_beit, build_fed_mae
 from medflare.methods.ssl_fl.client import N_IMAGES
@@ -20,6 +19,7 @@ from medflare.methods.ssl_fl.masking import BlockMaskGenerator, random_mask
 from medflare.methods.ssl_fl.model import patchify
 from medflare.plan import build_global_model
 from medflare.registry import get_method
+from medflare.server_round import RoundAggregation
 from medflare.site_config import SiteSettings, TaskSpec
 from medflare.site_runtime import SiteRuntime
 

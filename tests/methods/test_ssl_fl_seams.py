@@ -17,7 +17,6 @@ from torch.utils.data import DataLoader
 
 import medflare.methods.ssl_fl.model as ssl_model
 from medflare.evaluation import site_evaluation, summarize
-from medflare.flare.aggregator import RoundAggregation
 from medflare.flare.tasks import round_context, round_meta
 from medflare.methods.base import RoundContext
 from medflare.methods.presets import PAPER
@@ -26,6 +25,7 @@ from medflare.models.vit import vit_patch_size
 from medflare.plan import build_global_model, preset_layer, validated
 from medflare.registry import get_method
 from medflare.run_config import merge_run_config
+from medflare.server_round import RoundAggregation
 from medflare.server_setup import round_plan
 from medflare.site_config import SiteSettings, TaskSpec, resolve_train_config
 from medflare.site_runtime import SiteRuntime

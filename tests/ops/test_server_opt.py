@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from medflare.errors import ConfigError
-from medflare.flare.aggregator import SERVER_OPT_INFO, RoundAggregation
 from medflare.methods.base import RoundContext
 from medflare.ops.server_opt import DEFAULT_LR, ServerOptConfig, typed_server_optimizer
 from medflare.registry import get_method
+from medflare.server_round import SERVER_OPT_INFO, RoundAggregation
 
 SHAPE = (2, 3)
 START = {"w": np.zeros(SHAPE, np.float32), "bn.num_batches_tracked": np.array(0, np.int64)}

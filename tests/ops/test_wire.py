@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 
 from medflare.errors import PayloadError
-from medflare.flare.aggregator import RoundAggregation
 from medflare.methods.base import RoundContext
 from medflare.ops.wire import decode_weights, encode_weights
 from medflare.registry import get_method
+from medflare.server_round import RoundAggregation
 
 GLOBAL = {"w": np.full((2, 3), 1.0, np.float32), "bn.num_batches_tracked": np.array(5, np.int64)}
 LOCAL = {"w": np.full((2, 3), 1.25, np.float32), "bn.num_batches_tracked": np.array(9, np.int64)}

@@ -30,7 +30,7 @@ from medflare.advisories import exported_mismatch, installed_nvflare, platform_r
 from medflare.errors import MedflareError, PayloadError
 from medflare.evaluation import headline_metric, summarize
 from medflare.flare import progress, resume_state, run_results
-from medflare.flare.aggregator import INFO, SHARES, MedflareAggregator
+from medflare.flare.aggregator import MedflareAggregator
 from medflare.flare.memory import collect_round_garbage, freeze_startup_objects
 from medflare.flare.resume_state import CHECKPOINT_FILE  # noqa: F401  (where tests and tools find it)
 from medflare.flare.run_results import RESULTS_FILE, TASK_BYTES, RunResults, declined_text
@@ -41,6 +41,7 @@ from medflare.ops.background import BackgroundWrite
 from medflare.ops.timing import timed
 from medflare.plan import PLAN_FILE, RunPlan
 from medflare.plan_proof import server_proof, site_plan_refusal
+from medflare.server_round import INFO, SHARES
 
 # The longest a site's request for its next task is held between two phases (then it hears "try again"): longer than
 # the server's usual turn (0.1-0.3 s), short enough for FLARE's heartbeats, waiting for the same lock, to stay in time.

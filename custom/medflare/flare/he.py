@@ -25,13 +25,14 @@ from nvflare.apis.shareable import Shareable
 
 from medflare import contracts
 from medflare.errors import ConfigError, MedflareError, PayloadError
-from medflare.flare.aggregator import MedflareAggregator, RoundAggregation, require_finite
+from medflare.flare.aggregator import MedflareAggregator
 from medflare.flare.tasks import deployed_plan
 from medflare.methods.base import AggregateResult, PerSite, aggregate_updates
 from medflare.ops import he_aggregate
 from medflare.ops.he_aggregate import EncryptedArray, stand_in
 from medflare.ops.influence import Shares, combine
 from medflare.plan import PLAN_FILE
+from medflare.server_round import RoundAggregation, require_finite
 
 MODE = "he"  # RunConfig.secure_aggregation's value that turns it on
 SERVER_CONTEXT_FILE = "server_context.tenseal"  # FLARE's ProvFileName.SERVER_CONTEXT_TENSEAL (HEBuilder)

@@ -39,8 +39,11 @@ class UpdatePrivacy(Filter):
         if self._dp is None:
             from medflare.flare.tasks import deployed_plan  # local: a site's own filter needs no plan
 
-            dp = deployed_plan(fl_ctx, self.plan_file)[0].dp
-            self._dp = _flare_filter(dp.get("filter", "percentile"), dp.get("args") or {})
+            dp = deployed_plan(fl_ctx, self.plan_file)[0].dp_filter  # typed once, where the plan was read
+            if dp is None:
+                raise PayloadError("the job's plan has no dp section, but its configuration names UpdatePrivacy with "
+                                   "plan_file: export the job again")
+            self._dp = _flare_filter(dp.filter, dict(dp.args))
         if shareable.get_return_code() not in (None, ReturnCode.OK):
             return shareable
         kind = from_shareable(shareable).data_kind
