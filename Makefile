@@ -198,7 +198,7 @@ clean:
 	rm -rf runs .pytest_cache
 
 # ----- deployment (issue 4): generated artifacts, provisioning, POC, the site wheel -------------------------
-.PHONY: catalog apps templates policies privacy-doc deploy-artifacts regenerate provision poc-demo wheel rehearse rehearse-faults \
+.PHONY: catalog apps templates policies privacy-doc deploy-artifacts regenerate provision poc-demo wheel site-wheel rehearse rehearse-faults \
 	bench-link
 PROJECT ?= provisioning/project.yml
 PROVISION_WS ?= runs/provision
@@ -206,7 +206,7 @@ POC_METHOD ?= fedavg
 
 # apps/<method>/: the ready-to-submit (pre-installed) job of every registered method; tests fail when stale.
 apps: install
-	$(PY) -m medflare.deploy.apps
+	$(PY) -m medflare.console.deploy.apps
 
 # job_templates/<method>/: one `nvflare job create` template per method, from the same builders.
 templates: install
@@ -214,7 +214,7 @@ templates: install
 
 # provisioning/site_local/: the reviewed site-local policy files (authorization, privacy, resources).
 policies: install
-	$(PY) -c "from medflare.deploy.policies import write_policy_templates as w; w()"
+	$(PY) -c "from medflare.console.deploy.policies import write_policy_templates as w; w()"
 
 # docs/privacy.md's per-method table, generated from each method's Payload.
 privacy-doc: install
@@ -227,7 +227,7 @@ catalog: install
 	$(PY) -m medflare.catalog
 
 # Everything the method registry feeds, after a method's summary, options or Payload changed (`medflare new-method`
-# runs the same commands: medflare/new_method.py's REGENERATORS, checked against these targets).
+# runs the same commands: medflare/console/new_method.py's REGENERATORS, checked against these targets).
 regenerate: catalog deploy-artifacts
 
 # Startup kits for provisioning/project.yml (with site policies) in $(PROVISION_WS).
@@ -243,12 +243,12 @@ poc-demo: install
 # (e.g. --hospitals 3 --rate hospital-c=10 --outage hospital-b@round2:30).
 REHEARSE_ARGS ?=
 rehearse: install
-	$(PY) -m medflare.cli rehearse -o runs/rehearse --overwrite $(REHEARSE_ARGS)
+	$(PY) -m medflare.console.cli rehearse -o runs/rehearse --overwrite $(REHEARSE_ARGS)
 
 # The fault matrix (docs/reliability.md): link down mid-round, a hospital killed and restarted, a 10 Mbit/s hospital,
 # the server killed and restarted and the job resubmitted with resume_from.
 rehearse-faults: install
-	$(PY) -m medflare.deploy.rehearse faults -o runs/rehearse-faults --overwrite
+	$(PY) -m medflare.console.deploy.rehearse faults -o runs/rehearse-faults --overwrite
 
 # Round time of FedAvg with ResNet-18 over hospital links shaped at 1000, 100 and 20 Mbit/s against the floor the
 # link sets (issue 29; needs root: one rehearsal per speed). BENCH_LINK_ARGS adds options (e.g. --dtype float16).
@@ -259,3 +259,8 @@ bench-link: install
 # The wheel a pre-installed site reviews and installs (pip install dist/medflare-*.whl).
 wheel: install
 	$(PY) -m pip wheel --no-deps --wheel-dir dist . && rm -rf build
+
+# dist/medflare_site-*.whl: the job package alone (no medflare.console), for sites that pre-install medflare (issue
+# 64; packaging/site/pyproject.toml, built in a temporary folder by tools/site_wheel.py).
+site-wheel: install
+	$(PY) tools/site_wheel.py dist

@@ -57,7 +57,7 @@ def run_cell(
     if reuse and (summary := finished_summary(run, run_dir)) is not None:
         echo(f"         reused the finished run in {run_dir}")
         return summary, True
-    from medflare.simulate import run_simulation  # FLARE is imported only when something runs
+    from medflare.console.simulate import run_simulation  # FLARE is imported only when something runs
 
     fingerprint_file(run_dir).unlink(missing_ok=True)  # a stopped rerun must not leave the old record valid
     summary = run_simulation(resolve(run, "byoc"), run_dir, echo=lambda line: None, overwrite=True)

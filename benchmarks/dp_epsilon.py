@@ -32,11 +32,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from medflare.console.simulate import run_simulation
 from medflare.data.checksums import verify_medmnist_file
 from medflare.dp_sgd import noise_for_epsilon
 from medflare.plan import resolve
 from medflare.run_config import RunConfig
-from medflare.simulate import run_simulation
 
 PNEUMONIA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "medmnist" / "pneumoniamnist.npz"
 TRAIN_IMAGES = 4708  # PneumoniaMNIST's training split (../shared/data/README.md)

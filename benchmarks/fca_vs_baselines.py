@@ -34,11 +34,11 @@ from typing import Any
 
 from benchmarking import mean_std, run_cell
 
+from medflare.console.processes import stop_on_signals
+from medflare.console.scenarios import load_scenario
 from medflare.data.checksums import verify_medmnist_file
 from medflare.evaluation import personalization_figures
-from medflare.processes import stop_on_signals
 from medflare.run_config import RunConfig, merge_sections
-from medflare.scenarios import load_scenario
 
 RETINA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "medmnist" / "retinamnist.npz"
 METHODS = ("fca", "bsm-fl", "fedrep", "fedbabu", "fedrs", "local-only")

@@ -31,8 +31,8 @@ from typing import Any
 
 from benchmarking import mean_std, run_cell
 
+from medflare.console.processes import stop_on_signals
 from medflare.data.checksums import verify_medmnist_file
-from medflare.processes import stop_on_signals
 from medflare.registry import get_method
 from medflare.run_config import RunConfig, merge_sections
 

@@ -60,8 +60,8 @@ PARTS = ("prior_forward", "w_pass", "student", "evaluate")
 
 def run_config(args: argparse.Namespace, variant: str, seed: int) -> Any:
     """The demo job of one variant and seed (``make demo``'s scenario, sites and rounds)."""
+    from medflare.console.scenarios import load_scenario
     from medflare.run_config import RunConfig, merge_sections
-    from medflare.scenarios import load_scenario
 
     method, method_args, data = VARIANTS[variant]
     train = {"max_steps": args.steps} if args.steps else {}
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from medflare.processes import stop_on_signals
+    from medflare.console.processes import stop_on_signals
 
     with stop_on_signals():
         main()

@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from medflare.config import parse_value
+from medflare.console.scenarios import load_scenario
+from medflare.console.simulate import run_simulation
 from medflare.data.checksums import verify_medmnist_file
 from medflare.plan import resolve
 from medflare.run_config import RunConfig, merge_sections
-from medflare.scenarios import load_scenario
-from medflare.simulate import run_simulation
 
 RETINA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "medmnist" / "retinamnist.npz"
 

@@ -3,7 +3,7 @@
 Three timings, each ``--repeats`` times (mean, min and max printed):
 
 - ``simulator``: ``medflare run fedavg`` (2 sites, 2 rounds of 2 steps, synthetic data) through
-  :func:`medflare.simulate.run_simulation`: launch to the first round's start, the job's last round line to the
+  :func:`medflare.console.simulate.run_simulation`: launch to the first round's start, the job's last round line to the
   simulator's exit (FLARE's end of run and shutdown), and the whole call;
 - ``poc-start``: :meth:`PocSession.prepare` and :meth:`PocSession.start` of a 2-site POC (FLARE's ``poc start``
   returns once every site is connected);
@@ -30,8 +30,8 @@ if str(HERE) not in sys.path:  # benchmarks/ is not a package: the sibling scrip
 
 from he_cost import free_port  # noqa: E402
 
-import medflare.simulate as simulate  # noqa: E402
-from medflare.deploy.poc import PocSession  # noqa: E402
+import medflare.console.simulate as simulate  # noqa: E402
+from medflare.console.deploy.poc import PocSession  # noqa: E402
 from medflare.plan import resolve  # noqa: E402
 from medflare.run_config import RunConfig  # noqa: E402
 

@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from medflare.deploy.poc import PocSession, find_results
-from medflare.job_export import write_job
+from medflare.console.deploy.poc import PocSession, find_results
+from medflare.console.job_export import write_job
 from medflare.plan import resolve
 from medflare.run_config import RunConfig
 

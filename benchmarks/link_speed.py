@@ -1,7 +1,7 @@
 """Seconds per round of FedAvg with ResNet-18 over a rate-limited hospital link, against the floor the link sets
 (issue 29, item 3). Needs root: it runs ``medflare rehearse``.
 
-Each speed is one rehearsal (:mod:`medflare.deploy.rehearse`): the consortium provisioned, the server and 2
+Each speed is one rehearsal (:mod:`medflare.console.deploy.rehearse`): the consortium provisioned, the server and 2
 hospitals started from their own kits, each in its own network namespace, the lead's job over mTLS to the server's
 FQDN; every hospital's link is shaped with ``tc tbf`` at the speed, both ways (the server's own link is not
 shaped). Per speed it reports:
@@ -164,14 +164,14 @@ def markdown(rows: list[dict[str, Any]], config: dict[str, Any]) -> str:
 # ----- running it ---------------------------------------------------------------------------------------------
 def hospitals(count: int) -> list[str]:
     """The names the rehearsal gives its first ``count`` hospitals (from provisioning/project.yml)."""
-    from medflare.deploy.provision import load_project, participants
-    from medflare.deploy.rehearse import DEFAULT_PROJECT, consortium
+    from medflare.console.deploy.provision import load_project, participants
+    from medflare.console.deploy.rehearse import DEFAULT_PROJECT, consortium
 
     return [c["name"] for c in participants(consortium(load_project(DEFAULT_PROJECT), count), "client")]
 
 
 def rehearsal(args: argparse.Namespace, mbit: float) -> Any:
-    from medflare.deploy.rehearse import Rehearsal
+    from medflare.console.deploy.rehearse import Rehearsal
 
     rates = {name: mbit for name in hospitals(args.hospitals)}
     return Rehearsal(hospitals=args.hospitals, model=args.model, rounds=args.rounds, max_steps=args.steps,
@@ -181,7 +181,7 @@ def rehearsal(args: argparse.Namespace, mbit: float) -> Any:
 
 def measure(args: argparse.Namespace, mbit: float) -> dict[str, Any]:
     """One rehearsal at ``mbit``; its table line, the job's status and whether the rehearsal's checks passed."""
-    from medflare.deploy.rehearse import rehearse
+    from medflare.console.deploy.rehearse import rehearse
     from medflare.flare.controller import RESULTS_FILE
 
     out = args.out / f"{mbit:g}mbit"
@@ -212,8 +212,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from medflare.console.processes import Interrupted, stop_on_signals
     from medflare.errors import MedflareError
-    from medflare.processes import Interrupted, stop_on_signals
 
     args = parse_args(argv)
     rows = []

@@ -41,12 +41,12 @@ from typing import Any
 import torch
 
 from medflare import contracts
+from medflare.console.simulate import run_simulation
 from medflare.data.checksums import verify_medmnist_file
 from medflare.evaluation import summarize
 from medflare.methods.base import RoundContext
 from medflare.plan import resolve
 from medflare.run_config import RunConfig
-from medflare.simulate import run_simulation
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:  # benchmarks/ is not a package: the sibling scripts are imported by name

@@ -131,12 +131,12 @@ def flare_run(run: Any, out: Path, env: str = "sim") -> dict[str, Any]:
     children, so their CPU-seconds are not counted (None); the whole-job time runs from starting the POC (its
     processes, which in production run all the time) to the end of the last round."""
     if env == "poc":
-        from medflare.deploy.poc import run_poc
+        from medflare.console.deploy.poc import run_poc
 
         summary = run_poc(resolve(run, "byoc", deployed=True), out, echo=print, overwrite=True)
         total, cpu = summary["timing"]["total_seconds"], None
     else:
-        from medflare.simulate import run_simulation
+        from medflare.console.simulate import run_simulation
 
         cpu, launched = cpu_seconds(), time.perf_counter()
         summary = run_simulation(resolve(run, "byoc"), out, echo=print, overwrite=True)  # its progress lines only
@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    from medflare.processes import stop_on_signals
+    from medflare.console.processes import stop_on_signals
 
     with stop_on_signals():
         main()

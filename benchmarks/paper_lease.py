@@ -609,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from medflare.processes import stop_on_signals
+    from medflare.console.processes import stop_on_signals
 
     with stop_on_signals():
         sys.exit(main())

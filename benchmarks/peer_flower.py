@@ -24,7 +24,7 @@ the device.
 Per side: seconds per round (mean of rounds 2..R; round 1 holds start-up), its ratio to bare, coordination per
 round (round wall minus the slowest site's own work), the whole job from launch to exit, CPU-seconds of all the
 side's processes, the peak of their summed resident memory, and the bytes a site sends and receives per round.
-Each side runs under a keeper (``medflare.processes``) in its own process tree, so CPU-seconds count every process
+Each side runs under a keeper (``medflare.console.processes``) in its own process tree, so CPU-seconds count every process
 it started (also a POC's), and nothing it started outlives it, also on failure or Ctrl-C. Goal (issue 32): medflare
 at or below Flower's seconds per round, simulator against simulation engine and POC against deployment engine.
 
@@ -283,7 +283,7 @@ def end_leftovers(spared: set[int]) -> None:
     test session say, keeps the children it had, and their exit statuses stay theirs to collect."""
     import psutil
 
-    from medflare.processes import end_processes
+    from medflare.console.processes import end_processes
 
     end_processes([child for child in psutil.Process().children() if child.pid not in spared])  # reaps them too
 
@@ -293,7 +293,7 @@ def run_side(side: str, command: list[str], env: dict[str, str], log: Path, resu
     """Run one side under a keeper; wall, CPU-seconds and peak memory of its whole process tree, and its record."""
     import scaling
 
-    from medflare.processes import end_processes, start_kept
+    from medflare.console.processes import end_processes, start_kept
 
     result.unlink(missing_ok=True)
     spared = own_children()
@@ -444,7 +444,7 @@ def wait_for_port(port: int, process: subprocess.Popen, timeout: float = 60.0) -
 def deploy_flower(args: argparse.Namespace, clients: int, result: Path) -> None:
     """Flower's deployment engine on loopback: SuperLink, one SuperNode per site, ``flwr run``; the ServerApp
     writes ``result`` when its last round is done. Everything started here is ended on the way out."""
-    from medflare.processes import end_processes
+    from medflare.console.processes import end_processes
 
     home = result.with_suffix("").with_name(result.stem + "-flwr-home")
     home.mkdir(parents=True, exist_ok=True)
@@ -536,7 +536,7 @@ def write_results(out: Path, config: dict[str, Any], cells: dict[str, dict[str, 
 
 
 if __name__ == "__main__":
-    from medflare.processes import stop_on_signals
+    from medflare.console.processes import stop_on_signals
 
     with stop_on_signals():
         main()

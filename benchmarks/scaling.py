@@ -347,8 +347,8 @@ def measure_site_count(args: argparse.Namespace, clients: int) -> dict[str, Any]
     """One simulator job at ``clients`` sites, sampled throughout: its seconds, memory, bytes and device line."""
     import torch
 
+    from medflare.console.simulate import run_simulation
     from medflare.plan import resolve
-    from medflare.simulate import run_simulation
 
     run, out = scaling_run(args, clients), args.out / f"sites-{clients}"
     with TreeSampler(args.sample_seconds, gpu_utilisation_reader()) as sampler:
@@ -388,8 +388,8 @@ def scaling_part(args: argparse.Namespace) -> dict[str, Any]:
 
 def parity_run(args: argparse.Namespace, dtype: str, seed: int) -> Any:
     """The demo job (``make demo``'s scenario, sites and rounds) with weights travelling in ``dtype``."""
+    from medflare.console.scenarios import load_scenario
     from medflare.run_config import RunConfig, merge_sections
-    from medflare.scenarios import load_scenario
 
     override = {"method": args.parity_method, "clients": 4, "rounds": args.parity_rounds, "seed": seed,
                 "transfer_dtype": dtype, "name": f"parity-{dtype}-{seed}"}
@@ -541,7 +541,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    from medflare.processes import stop_on_signals
+    from medflare.console.processes import stop_on_signals
 
     with stop_on_signals():
         main()

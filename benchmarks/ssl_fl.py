@@ -49,6 +49,7 @@ from benchmarking import mean_std, versus
 
 from medflare import contracts
 from medflare.config import from_dict, parse_value
+from medflare.console.simulate import run_simulation
 from medflare.data.checksums import verify_medmnist_file
 from medflare.evaluation import summarize
 from medflare.methods.ssl_fl.export import ENCODER_FORMAT, export_global_model
@@ -57,7 +58,6 @@ from medflare.plan import describe_sites, resolve, task_of
 from medflare.plotting import legend_outside, pyplot, save
 from medflare.registry import get_method
 from medflare.run_config import RunConfig
-from medflare.simulate import run_simulation
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:  # benchmarks/ is not a package: the sibling scripts are imported by name

@@ -5,4 +5,4 @@ if ! "$PYTHON" -c "import medflare, nvflare" 2>/dev/null; then
   echo "$(basename "$0"): '$PYTHON' cannot import medflare and nvflare; activate .venv or set PYTHON" >&2
   exit 2
 fi
-poc() { exec "$PYTHON" -m medflare.deploy.poc "$@"; }
+poc() { exec "$PYTHON" -m medflare.console.deploy.poc "$@"; }

@@ -43,4 +43,4 @@ done
   echo "provision.sh: '$PYTHON' cannot import medflare and nvflare; activate the medflare venv or set PYTHON" >&2
   exit 2
 }
-exec "$PYTHON" -m medflare.deploy.provision -p "$project" -w "$workspace" "${args[@]}"
+exec "$PYTHON" -m medflare.console.deploy.provision -p "$project" -w "$workspace" "${args[@]}"

@@ -11,7 +11,7 @@ from typing import Any
 from nvflare.apis.fl_constant import FLContextKey
 from nvflare.apis.fl_context import FLContext
 
-from medflare.job_export import write_job
+from medflare.console.job_export import write_job
 from medflare.plan import RunPlan, build_plan, resolve, task_of, validated, write_plan
 from medflare.run_config import RunConfig
 from medflare.site_config import TaskSpec

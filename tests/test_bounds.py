@@ -13,8 +13,8 @@ from typing import Any, Callable, Literal, Union, get_args, get_origin, get_type
 
 import pytest
 
-from medflare.cli import main
 from medflare.config import BOUND
+from medflare.console.cli import main
 from medflare.data import DataConfig
 from medflare.dp_sgd import DPSGDConfig
 from medflare.errors import ConfigError

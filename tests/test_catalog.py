@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from medflare.catalog import CATALOG_FILE, COUNTED_SIZES, COUNTED_TASK, build_catalog, is_installed
-from medflare.cli import main
+from medflare.console.cli import main
 from medflare.installed import forget_installed
 
 
@@ -32,7 +32,7 @@ def test_parameter_counts_are_those_of_the_real_modules(model: str) -> None:
 
 NO_TORCH = """
 import sys
-from medflare.cli import main
+from medflare.console.cli import main
 for argv in {commands!r}:
     try:
         main(argv)
@@ -83,8 +83,8 @@ def test_models_shows_parameters_input_and_offline_weights(capsys) -> None:
 
 
 def test_help_lists_every_scenario_and_partition_from_their_registries(capsys, monkeypatch) -> None:
+    from medflare.console.scenarios import list_scenarios
     from medflare.data.partition import SCHEME_FORMS
-    from medflare.scenarios import list_scenarios
 
     monkeypatch.setenv("COLUMNS", "400")  # no line breaks inside a name
     with pytest.raises(SystemExit):
@@ -119,7 +119,7 @@ def test_a_closed_pipe_ends_a_listing_quietly() -> None:
     import subprocess
     import sys
 
-    code = "import sys; from medflare.cli import main; sys.exit(main(['models']))"
+    code = "import sys; from medflare.console.cli import main; sys.exit(main(['models']))"
     reader, writer = os.pipe()
     os.close(reader)  # the reader is gone before the table is printed: every write meets a closed pipe
     try:

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from medflare.cli import main
-from medflare.launch import report_from_results
+from medflare.console.cli import main
+from medflare.console.launch import report_from_results
 from medflare.plan import PLAN_FILE, plan_from_job, task_of, validated
 from medflare.run_config import RunConfig
 from medflare.server_setup import DEPLOY_ROBUST, ROBUST_OFF
@@ -165,7 +165,7 @@ def test_command_specific_bad_input(args: list[str], expected: str, tmp_path: Pa
 
 
 def test_compare_checks_every_method_before_running_any(tmp_path: Path, monkeypatch, capsys) -> None:
-    import medflare.simulate as simulate_module
+    import medflare.console.simulate as simulate_module
 
     started = []
     monkeypatch.setattr(simulate_module, "run_simulation", lambda run, *a, **k: started.append(run.method))
@@ -261,7 +261,7 @@ class JobWritten(Exception):
 def job_written_by(monkeypatch, export_function: str) -> dict:
     """Replace ``export_function`` (a module's name for job_export.write_job) by one that writes the job, records
     what its robust settings are, and stops the command."""
-    from medflare import job_export
+    from medflare.console import job_export
 
     written: dict = {}
 
@@ -285,11 +285,11 @@ def job_written_by(monkeypatch, export_function: str) -> dict:
 def test_run_turns_the_defences_on_in_a_poc_and_leaves_the_simulator_as_told(
     env: str, options: list[str], expected: dict, tmp_path: Path, monkeypatch
 ) -> None:
-    from medflare.deploy.poc import PocSession
+    from medflare.console.deploy.poc import PocSession
 
     monkeypatch.setattr(PocSession, "prepare", lambda self, *args, **kwargs: None)  # no POC is provisioned
-    written = job_written_by(monkeypatch, "medflare.simulate.write_job" if env == "sim"
-                             else "medflare.deploy.poc.write_job")
+    written = job_written_by(monkeypatch, "medflare.console.simulate.write_job" if env == "sim"
+                             else "medflare.console.deploy.poc.write_job")
     with pytest.raises(JobWritten):
         main(["run", "fedavg", "--env", env, "--data", "synthetic:n=200", "--rounds", "1", *options,
               "--out", str(tmp_path / "out")])
@@ -298,17 +298,17 @@ def test_run_turns_the_defences_on_in_a_poc_and_leaves_the_simulator_as_told(
 
 
 def test_a_job_submitted_to_a_poc_gets_the_deployment_defences(tmp_path: Path, monkeypatch) -> None:
-    from medflare.deploy.poc import main as poc_main
+    from medflare.console.deploy.poc import main as poc_main
 
-    written = job_written_by(monkeypatch, "medflare.deploy.poc.write_job")
+    written = job_written_by(monkeypatch, "medflare.console.deploy.poc.write_job")
     with pytest.raises(JobWritten):
         poc_main(["--root", str(tmp_path), "submit", "fedavg", "--data", "synthetic:n=200", "--rounds", "1"])
     assert written["robust"] == DEPLOY_ROBUST
 
 
 def test_flags_merge_with_the_defaults_not_replace_them() -> None:
-    from medflare.cli import make_parser
-    from medflare.run_options import build_run_config
+    from medflare.console.cli import make_parser
+    from medflare.console.run_options import build_run_config
 
     run = build_run_config(make_parser().parse_args(["run", "fedavg", "--partition", "dirichlet:0.5", "--lr", "0.1"]))
     assert run.data == {"source": RunConfig().data["source"], "partition": "dirichlet:0.5"}
@@ -317,8 +317,8 @@ def test_flags_merge_with_the_defaults_not_replace_them() -> None:
 
 @pytest.mark.parametrize("method,model", [("fed-mae", "vit_tiny"), ("fca", "efficientnet_lite0"), ("fedavg", "cnn")])
 def test_without_model_a_command_trains_the_methods_default_model(method: str, model: str) -> None:
-    from medflare.cli import make_parser
-    from medflare.run_options import build_run_config
+    from medflare.console.cli import make_parser
+    from medflare.console.run_options import build_run_config
 
     assert validated(build_run_config(make_parser().parse_args(["run", method])), check_files=False).model == model
     chosen = validated(build_run_config(make_parser().parse_args(["run", method, "--model", "vit_micro"])),
@@ -423,7 +423,7 @@ def test_results_from_before_the_server_recorded_its_plan_are_reported_unchecked
 
 
 def test_a_run_whose_server_ran_another_plan_keeps_its_outputs_and_says_so(tmp_path: Path) -> None:
-    from medflare.launch import results_text, write_job_outputs
+    from medflare.console.launch import results_text, write_job_outputs
     from medflare.plan import resolve
 
     run = RunConfig(method="fedavg", rounds=2, data={"source": "synthetic:n=200"})
@@ -445,7 +445,7 @@ def test_report_on_a_missing_file_is_one_line(tmp_path: Path, capsys) -> None:
 
 
 def test_a_downloaded_job_reads_back_the_plan_it_was_written_with(tmp_path: Path) -> None:
-    from medflare.launch import job_plan_in
+    from medflare.console.launch import job_plan_in
 
     run = RunConfig(method="fedprox", rounds=4, clients=3, min_clients=2, seed=5, name="x1",
                     data={"source": "synthetic:n=200", "partition": "iid", "label_noise": 0.1},
@@ -457,7 +457,7 @@ def test_a_downloaded_job_reads_back_the_plan_it_was_written_with(tmp_path: Path
 
 
 def test_a_downloaded_job_reads_back_each_sites_architecture(tmp_path: Path) -> None:
-    from medflare.launch import job_plan_in
+    from medflare.console.launch import job_plan_in
 
     run = RunConfig(method="local-only", clients=2, data={"source": "synthetic:n=200"},
                     site_model={"site-1": "resnet10"})

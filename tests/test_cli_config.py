@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from medflare.cli import main, make_parser
+from medflare.console.cli import main, make_parser
+from medflare.console.run_options import build_run_config
 from medflare.methods.base import TrainConfig
 from medflare.plan import validated
 from medflare.run_config import RunConfig
-from medflare.run_options import build_run_config
 
 LINE = re.compile(r"^(?:# )?(\w+) = (.*?)  # (.+); default (.+); from (.+)$")
 

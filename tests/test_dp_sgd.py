@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from medflare.console.report import build_summary, markdown_report
 from medflare.dp_sgd import DPSGDConfig, PrivateTraining, SiteDPPolicy, epsilon_of, site_dp_settings
 from medflare.errors import ConfigError, SiteDeclined
 from medflare.methods.base import RoundContext
 from medflare.plan import build_global_model, validated
 from medflare.registry import get_method, list_methods
-from medflare.report import build_summary, markdown_report
 from medflare.run_config import RunConfig
 from medflare.site_config import SITE_CONFIG_FILE, SiteSettings, TaskSpec, resolve_site_dp
 from medflare.site_runtime import SiteRuntime

@@ -29,7 +29,7 @@ def medflare(args: list[str], out: Path | None = None, python_path: Path | None 
     env = dict(os.environ)
     if python_path is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(python_path), env.get("PYTHONPATH")]))
-    command = [sys.executable, "-m", "medflare.cli", *args, *(["--out", str(out)] if out else [])]
+    command = [sys.executable, "-m", "medflare.console.cli", *args, *(["--out", str(out)] if out else [])]
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == expect, f"exit {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from medflare.files import FolderLock, OutputError, atomic_write_bytes, atomic_write_text, confined
+from medflare.console.files import FolderLock, OutputError, atomic_write_bytes, atomic_write_text, confined
 
 
 def disk_full_below(folder: Path, monkeypatch) -> None:

@@ -1,6 +1,6 @@
 """FLARE's admin side looks for its optional comm_config.json by walking the whole working directory unless a config
 path is set (FLARE sets one for its server and sites only): medflare runs its ``nvflare`` commands in a folder of
-its own and gives its admin sessions the kit as config path (medflare/processes.py says why)."""
+its own and gives its admin sessions the kit as config path (medflare/console/processes.py says why)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 from nvflare.fuel.utils.config_service import ConfigService
 
-import medflare.deploy.poc as poc_module
-from medflare.deploy.poc import PocSession
-from medflare.processes import confine_flare_config_search, flare_admin_popen_args
+import medflare.console.deploy.poc as poc_module
+from medflare.console.deploy.poc import PocSession
+from medflare.console.processes import confine_flare_config_search, flare_admin_popen_args
 
 
 def test_admin_commands_run_in_the_given_folder_with_an_absolute_pythonpath(tmp_path: Path, monkeypatch) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from medflare.console.job_export import job_code_digest
 from medflare.job_code import META_KEY, PREINSTALLED, code_digest
-from medflare.job_export import job_code_digest
 from medflare.run_config import RunConfig
 from medflare.site_policy import SitePolicy
 

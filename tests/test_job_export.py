@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from medflare.deploy.apps import deployment_run
-from medflare.job_export import set_resume
+from medflare.console.deploy.apps import deployment_run
+from medflare.console.job_export import set_resume
 from medflare.plan import APP_NAME, DEFAULT_TASK_TIMEOUT, PLAN_FILE, plan_from_job, read_plan, resolve
 from medflare.run_config import RunConfig
 from medflare.server_setup import DEPLOY_ROBUST, ROBUST_OFF
@@ -109,7 +109,7 @@ def test_a_job_folder_is_replaced_only_where_it_holds_what_medflare_recorded_wri
     """Issue 49, item 5: writing a job over an earlier one removes only the files medflare recorded (with their
     SHA-256) and that still hold that content; a folder of the job's name that medflare did not write, or one with a
     file added or changed, is refused and kept whole."""
-    from medflare.files import MARKER, OutputError
+    from medflare.console.files import MARKER, OutputError
 
     out, run, task = tmp_path / "jobs", RunConfig(method="fedavg", data={"source": "site"}), TaskSpec(2, 1, 28)
     job = write_run_job(run, out, task, "preinstalled")
@@ -168,3 +168,20 @@ def test_both_sides_pull_arrays_in_the_chunks_the_job_sets_under_the_name_flare_
         done = subprocess.run([sys.executable, "-c", read, str(config), str(config.parent)], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr[-2000:]
         assert int(done.stdout.split()[-1]) == 16 * 1024 * 1024 > 2 * 1024 * 1024, (side, done.stdout)
+
+
+def python_lines(folder: Path) -> int:
+    return sum(len(path.read_text().splitlines()) for path in folder.rglob("*.py"))
+
+
+def test_a_byoc_job_ships_the_job_package_without_the_console_or_caches(tmp_path: Path) -> None:
+    """Issue 64: a job's processes never import medflare.console (tests/test_layering.py), so its app/custom carries
+    every other file of the package, no console/ and no byte code: at most 75 % of the package's Python lines."""
+    package = Path(__file__).resolve().parents[1] / "custom" / "medflare"
+    shipped = write_run_job(RunConfig(data=SIMULATED), tmp_path, TASK, mode="byoc") / APP_NAME / "custom" / "medflare"
+    expected = {path.relative_to(package) for path in package.rglob("*")
+                if path.is_file() and "console" != path.relative_to(package).parts[0]
+                and "__pycache__" not in path.parts and path.suffix != ".pyc"}
+    assert {path.relative_to(shipped) for path in shipped.rglob("*") if path.is_file()} == expected
+    assert {Path("flare/executor.py"), Path("deploy/filters.py"), Path("methods/fedavg/__init__.py")} <= expected
+    assert python_lines(shipped) <= 0.75 * python_lines(package)

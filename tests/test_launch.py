@@ -15,12 +15,12 @@ from types import SimpleNamespace
 
 import pytest
 
-import medflare.simulate as simulate_module
-from medflare.cli import main
+import medflare.console.simulate as simulate_module
+from medflare.console.cli import main
+from medflare.console.files import MARKER, OutputTarget
+from medflare.console.launch import first_site_error
 from medflare.errors import ConfigError
-from medflare.files import MARKER, OutputTarget
 from medflare.flare.controller import RESULTS_FILE
-from medflare.launch import first_site_error
 from medflare.plan import plan_from_job
 
 QUICK = ["--data", "synthetic:n=200", "--rounds", "2"]
@@ -261,7 +261,7 @@ def test_unreadable_marker_vouches_for_nothing(tmp_path: Path) -> None:
 
 
 def test_a_poc_run_keeps_its_own_jobs_site_logs_only(tmp_path: Path) -> None:
-    from medflare.launch import SITE_FLARE_LOG, keep_site_logs
+    from medflare.console.launch import SITE_FLARE_LOG, keep_site_logs
 
     kits = tmp_path / "prod_00"
     for job, text in (("job-a", "this job"), ("job-b", "an earlier job")):
@@ -387,7 +387,7 @@ def test_a_really_full_disk_during_a_run_leaves_only_the_log(tiny_disk: Path, fa
 def test_a_marker_nested_too_deep_vouches_for_nothing(tmp_path: Path) -> None:
     """A crafted `.medflare-outputs.json` nested 100,000 deep was an uncaught RecursionError under --overwrite; it
     now vouches for nothing, so nothing is removed."""
-    from medflare.files import MARKER, read_marker as _read_marker
+    from medflare.console.files import MARKER, read_marker as _read_marker
 
     (tmp_path / MARKER).write_text("[" * 100_000 + "]" * 100_000)
     assert _read_marker(tmp_path) == []
@@ -429,7 +429,7 @@ def test_overwrite_keeps_a_file_whose_content_changed_since_medflare_wrote_it(tm
 
 
 def test_a_marker_without_digests_vouches_for_no_deletion(tmp_path: Path) -> None:
-    from medflare.files import remove_recorded
+    from medflare.console.files import remove_recorded
 
     (tmp_path / "job").mkdir()
     (tmp_path / "job" / "meta.json").write_text("{}")

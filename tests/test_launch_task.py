@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from medflare.launch import task_lines
+from medflare.console.launch import task_lines
 from medflare.plan import describe_sites, resolve, task_of, validated
 from medflare.run_config import RunConfig
 

@@ -1,12 +1,17 @@
 """The package's layers, read from its import graph: every import counts, at the top, in a function or under
 TYPE_CHECKING.
 
+Two packages (issue 64): the job package (everything a FLARE job's processes import: methods, models, data, flare/,
+the run layer, ``medflare.deploy.filters``) and the console (``medflare.console``: the command line, the simulator
+wrapper, the job writer, reports, the deployment tools). Nothing outside the console imports it; the console builds
+on the job package. A BYOC job and the site wheel ship the job package alone.
+
 Floors, bottom to top: the algorithm floors (methods, losses, metrics, ops, models, data) and the run layer (a run's
 configuration, its validation and the site and server work without FLARE) know nothing of FLARE's glue (flare), and
-nothing flare/ builds on imports it; the job writer (job_export) and flare know nothing of how runs are launched or
-reported; deployment tools (deploy) never import the reporting internals (report, plotting): the POC writes a run's
-outputs through the runner, as the simulator does; only ``medflare.cli`` is the command line, and nothing imports
-it. No two modules import each other, however indirectly.
+nothing flare/ builds on imports it; the job writer (console.job_export) and flare know nothing of how runs are
+launched or reported; deployment tools (console.deploy) never import the reporting internals (report, plotting): the
+POC writes a run's outputs through the runner, as the simulator does; only ``medflare.console.cli`` is the command
+line, and nothing imports it. No two modules import each other, however indirectly.
 """
 
 from __future__ import annotations
@@ -17,17 +22,20 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "custom" / "medflare"
-LOWER_FLOORS = ("methods", "losses", "metrics", "ops", "models", "data", "flare", "job_export")
-LAUNCH_AND_REPORT = ("medflare.cli", "medflare.simulate", "medflare.deploy", "medflare.launch", "medflare.run_options",
-                     "medflare.report")
+CONSOLE = "medflare.console"
+DEPLOYMENT = "medflare.console.deploy"
+LOWER_FLOORS = ("methods", "losses", "metrics", "ops", "models", "data", "flare", "console.job_export")
+LAUNCH_AND_REPORT = ("medflare.console.cli", "medflare.console.simulate", DEPLOYMENT, "medflare.console.launch",
+                     "medflare.console.run_options", "medflare.console.report")
 # issue 50: what the command line and the deployment tools both need, in a layer below both
-BELOW_THE_LAUNCHERS = ("medflare.launch", "medflare.run_options", "medflare.processes", "medflare.files")
-LAUNCHERS = ("medflare.cli", "medflare.simulate", "medflare.deploy")
-RUN_LAYER = ("medflare.config", "medflare.run_config", "medflare.effective_config", "medflare.registry",
-             "medflare.scenarios", "medflare.site_config", "medflare.server_setup", "medflare.resume",
+BELOW_THE_LAUNCHERS = ("medflare.console.launch", "medflare.console.run_options", "medflare.console.processes",
+                       "medflare.console.files")
+LAUNCHERS = ("medflare.console.cli", "medflare.console.simulate", DEPLOYMENT)
+RUN_LAYER = ("medflare.config", "medflare.run_config", "medflare.console.effective_config", "medflare.registry",
+             "medflare.console.scenarios", "medflare.site_config", "medflare.server_setup", "medflare.resume",
              "medflare.plan")
 SITE_RUNTIME = "medflare.site_runtime"  # the site's torch runtime: what a site runs is decided in site_config
-REPORTING = ("medflare.report", "medflare.plotting")
+REPORTING = ("medflare.console.report", "medflare.plotting")
 
 
 def module_name(path: Path) -> str:
@@ -37,7 +45,7 @@ def module_name(path: Path) -> str:
 
 def imports(path: Path, module: str) -> list[tuple[str, list[str], int]]:
     """(module, imported names, line) of every import in the file of ``module``, relative imports resolved; a
-    package module taken by name (``from medflare import report``) is an import of that module."""
+    package module taken by name (``from medflare.console import report``) is an import of that module."""
     found = []
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text())):
@@ -91,7 +99,7 @@ def under(module: str, prefix: str) -> bool:
 
 
 def imports_the_command_line(source: str, target: str, names: list[str]) -> bool:
-    return under(target, "medflare.cli") and source != "medflare.cli"
+    return under(target, "medflare.console.cli") and source != "medflare.console.cli"
 
 
 def lower_floor_imports_launching_or_reporting(source: str, target: str, names: list[str]) -> bool:
@@ -106,12 +114,14 @@ def shared_launching_imports_a_launcher(source: str, target: str, names: list[st
 
 
 def deployment_borrows_the_simulator(source: str, target: str, names: list[str]) -> bool:
-    return under(source, "medflare.deploy") and under(target, "medflare.simulate")
+    return under(source, DEPLOYMENT) and under(target, "medflare.console.simulate")
 
 
 def home(module: str) -> str:
-    """The top-level package part a module belongs to (``medflare.methods.fed_mas.plots`` -> ``medflare.methods``)."""
-    return ".".join(module.split(".")[:2])
+    """The top-level package part a module belongs to (``medflare.methods.fed_mas.plots`` -> ``medflare.methods``;
+    in the console one level down: ``medflare.console.deploy.poc`` -> ``medflare.console.deploy``)."""
+    depth = 3 if under(module, CONSOLE) else 2
+    return ".".join(module.split(".")[:depth])
 
 
 def takes_private_names_of_another_package(source: str, target: str, names: list[str]) -> bool:
@@ -138,14 +148,19 @@ def run_layer_imports_the_site_runtime(source: str, target: str, names: list[str
     return any(under(source, module) for module in RUN_LAYER) and under(target, SITE_RUNTIME)
 
 
+def the_job_package_imports_the_console(source: str, target: str, names: list[str]) -> bool:
+    """Issue 64: a job's processes never need the console, so a job and the site wheel can ship without it."""
+    return not under(source, CONSOLE) and under(target, CONSOLE)
+
+
 def deployment_imports_reporting(source: str, target: str, names: list[str]) -> bool:
-    return under(source, "medflare.deploy") and any(under(target, module) for module in REPORTING)
+    return under(source, DEPLOYMENT) and any(under(target, module) for module in REPORTING)
 
 
 RULES = [imports_the_command_line, lower_floor_imports_launching_or_reporting, shared_launching_imports_a_launcher,
          deployment_borrows_the_simulator,
          takes_private_names_of_another_package, what_flare_builds_on_imports_flare, run_layer_imports_flare,
-         run_layer_imports_the_site_runtime, deployment_imports_reporting]
+         run_layer_imports_the_site_runtime, deployment_imports_reporting, the_job_package_imports_the_console]
 
 
 def violations(rule, modules: dict[str, Path]) -> list[str]:
@@ -162,25 +177,37 @@ def test_the_package_keeps_its_layers(rule) -> None:
 
 # Each rule meets the import it forbids (the shapes issue 9 found), so the checks above cannot pass by reading nothing.
 FORBIDDEN = [
-    (imports_the_command_line, "medflare.deploy.poc", "def f():\n    from medflare.cli import build_run_config\n"),
+    (imports_the_command_line, "medflare.console.deploy.poc",
+     "def f():\n    from medflare.console.cli import build_run_config\n"),
     (lower_floor_imports_launching_or_reporting, "medflare.methods.fed_mas.plots",
-     "from medflare.report import integer_ticks, pyplot\n"),
-    (lower_floor_imports_launching_or_reporting, "medflare.job_export", "import medflare.launch\n"),
+     "from medflare.console.report import integer_ticks, pyplot\n"),
+    (lower_floor_imports_launching_or_reporting, "medflare.console.job_export", "import medflare.console.launch\n"),
     # issue 50: the layer both launch through borrows from neither
-    (shared_launching_imports_a_launcher, "medflare.launch", "def f():\n    from medflare.deploy.poc import PocSession\n"),
-    (shared_launching_imports_a_launcher, "medflare.run_options", "from medflare.cli import make_parser\n"),
-    (deployment_borrows_the_simulator, "medflare.deploy.poc", "from medflare.simulate import describe_sites\n"),
-    (takes_private_names_of_another_package, "medflare.deploy.poc", "from medflare.cli import _add_run_options\n"),
-    (takes_private_names_of_another_package, "medflare.deploy.poc", "from ..report import _fmt\n"),
+    (shared_launching_imports_a_launcher, "medflare.console.launch",
+     "def f():\n    from medflare.console.deploy.poc import PocSession\n"),
+    (shared_launching_imports_a_launcher, "medflare.console.run_options",
+     "from medflare.console.cli import make_parser\n"),
+    (deployment_borrows_the_simulator, "medflare.console.deploy.poc",
+     "from medflare.console.simulate import describe_sites\n"),
+    (takes_private_names_of_another_package, "medflare.console.deploy.poc",
+     "from medflare.console.cli import _add_run_options\n"),
+    (takes_private_names_of_another_package, "medflare.console.deploy.poc", "from ..report import _fmt\n"),
     # the shapes issue 33 found
-    (what_flare_builds_on_imports_flare, "medflare.resume", "def f():\n    from medflare.flare.tasks import round_plan\n"),
+    (what_flare_builds_on_imports_flare, "medflare.resume",
+     "def f():\n    from medflare.flare.tasks import round_plan\n"),
     (what_flare_builds_on_imports_flare, "medflare.methods.base", "import medflare.flare.aggregator\n"),
     (run_layer_imports_flare, "medflare.run_config",
      "def f():\n    from medflare.flare.aggregator import RoundAggregation\n"),
-    (run_layer_imports_flare, "medflare.effective_config",
+    (run_layer_imports_flare, "medflare.plan",
      "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .flare.privacy import UpdatePrivacy\n"),
-    (deployment_imports_reporting, "medflare.deploy.poc", "from medflare.report import results_table\n"),
-    (deployment_imports_reporting, "medflare.deploy.rehearse", "def f():\n    from medflare import plotting\n"),
+    (deployment_imports_reporting, "medflare.console.deploy.poc",
+     "from medflare.console.report import results_table\n"),
+    # issue 64: the job package imports no console module, however it is reached
+    (the_job_package_imports_the_console, "medflare.flare.executor",
+     "def f():\n    from medflare.console.files import write_recorded\n"),
+    (the_job_package_imports_the_console, "medflare.deploy.filters", "from medflare import console\n"),
+    (the_job_package_imports_the_console, "medflare.methods.base", "from ..console import processes\n"),
+    (deployment_imports_reporting, "medflare.console.deploy.rehearse", "def f():\n    from medflare import plotting\n"),
 ]
 
 
@@ -198,9 +225,9 @@ def test_no_modules_import_each_other() -> None:
 # The circles issue 33 found (in functions, under TYPE_CHECKING, through a package's own import line), and a module
 # that imports one of them but is not part of it.
 CIRCLES = [
-    ({"medflare.deploy.poc": "def f():\n    from medflare.deploy.watch import watch\n",
-      "medflare.deploy.watch": "def f():\n    from medflare.deploy.poc import PocSession\n"},
-     ("medflare.deploy.poc", "medflare.deploy.watch")),
+    ({"medflare.console.deploy.poc": "def f():\n    from medflare.console.deploy.watch import watch\n",
+      "medflare.console.deploy.watch": "def f():\n    from medflare.console.deploy.poc import PocSession\n"},
+     ("medflare.console.deploy.poc", "medflare.console.deploy.watch")),
     ({"medflare.methods.base": "from medflare.optim import build_optimizer\n",
       "medflare.optim": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .methods.base import TrainConfig\n",
       "medflare.run_config": "import medflare.optim\n"},
@@ -236,3 +263,19 @@ def test_the_layered_run_input_imports_no_torch_and_looks_no_method_up() -> None
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
                           env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)})
     assert done.stdout.split() == ["efficientnet_lite0", "4", "{'lr':", "'0.1'}", "[]"]
+
+
+# What FLARE starts in a job's processes, by class path (config_fed_*.json, the sites' privacy.json), and what the
+# method, model and data registries import by name at a site.
+JOB_ENTRIES = ("medflare.flare", "medflare.deploy.filters", "medflare.methods", "medflare.models", "medflare.data",
+               "medflare.losses")
+
+
+def test_the_console_builds_on_the_job_package_and_a_job_reaches_no_console_module() -> None:
+    """Issue 64: the console imports the job package (the job writer resolves plans); everything a job's
+    processes import, from the components FLARE starts, lies outside the console."""
+    assert {"medflare.plan", "medflare.job_code"} <= GRAPH["medflare.console.job_export"]
+    entries = {module for module in GRAPH if any(under(module, entry) for entry in JOB_ENTRIES)}
+    job_side = entries.union(*(reached(GRAPH, module) for module in entries))
+    assert len(job_side) > 50 and {"medflare.site_runtime", "medflare.plan", "medflare.deploy.filters"} <= job_side
+    assert sorted(module for module in job_side if under(module, CONSOLE)) == []

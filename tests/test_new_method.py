@@ -15,8 +15,8 @@ from pathlib import Path
 import mutants  # tools/ (tests/conftest.py puts it on the path)
 import pytest
 
-from medflare import new_method
-from medflare.new_method import NewMethod, readme_row_added, registry_line_added, table_methods
+from medflare.console import new_method
+from medflare.console.new_method import NewMethod, readme_row_added, registry_line_added, table_methods
 from medflare.registry import list_methods
 
 from .test_cli import run_cli
@@ -129,7 +129,7 @@ def copy_env(copy: Path) -> dict[str, str]:
 
 
 def medflare_in(copy: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "medflare.cli", *args], cwd=copy, env=copy_env(copy),
+    return subprocess.run([sys.executable, "-m", "medflare.console.cli", *args], cwd=copy, env=copy_env(copy),
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -20,11 +20,11 @@ from nvflare.fuel.utils.zip_utils import zip_directory_to_bytes
 from nvflare.private.fed.utils.app_deployer import AppDeployer
 
 from medflare import plan as plan_module
-from medflare.cli import main
-from medflare.deploy.apps import deployment_run
+from medflare.console.cli import main
+from medflare.console.deploy.apps import deployment_run
+from medflare.console.job_export import write_job
 from medflare.errors import ConfigError
 from medflare.flare.tasks import deployed_plan
-from medflare.job_export import write_job
 from medflare.plan import (
     APP_NAME,
     DEFAULT_TASK_TIMEOUT,
@@ -205,7 +205,7 @@ def test_medflare_config_plan_prints_the_plan_export_writes(tmp_path: Path, caps
 def test_a_resolved_task_is_handed_down_instead_of_read_again(tmp_path: Path, monkeypatch) -> None:
     """The runners read the data for the task once: given the task, the sites' description, the job and the
     summary's configuration never read it again."""
-    from medflare import launch
+    from medflare.console import launch
 
     run = RunConfig(method="fedavg", data={"source": SIMULATED}, shot_thresholds=[30, 10])
     task = task_of(validated(run, check_files=False))

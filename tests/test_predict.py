@@ -15,9 +15,9 @@ import torch
 from PIL import Image
 
 from medflare.checkpoint import FACTS_KEY, read_checkpoint
-from medflare.cli import main
+from medflare.console.cli import main
+from medflare.console.predict import predict_file
 from medflare.errors import ConfigError
-from medflare.predict import predict_file
 from medflare.run_config import RunConfig, load_plugin_files
 
 from ._predicting import (
@@ -74,8 +74,8 @@ def test_multi_label_predict_scores_a_sigmoid_per_finding_as_the_sites_do(tmp_pa
 
 
 def test_multi_label_predicted_lists_the_findings_at_or_above_one_half(tmp_path: Path) -> None:
+    from medflare.console.predict import PredictInput, write_predictions
     from medflare.data.types import ImageSet
-    from medflare.predict import PredictInput, write_predictions
 
     inputs = PredictInput(ImageSet(labels=np.full((2, 3), -1), num_classes=3, channels=1,
                                    images=np.zeros((2, 4, 4, 1), np.uint8)), ["a", "b"], labelled=False)
@@ -211,8 +211,8 @@ def test_predict_never_writes_through_a_symlink_or_over_a_users_partial_file(tmp
 
 @pytest.mark.parametrize("multi_label", [False, True])
 def test_names_that_a_spreadsheet_would_run_as_formulas_are_escaped(multi_label: bool, tmp_path: Path) -> None:
+    from medflare.console.predict import PredictInput, write_predictions
     from medflare.data.types import ImageSet
-    from medflare.predict import PredictInput, write_predictions
 
     names = ['=HYPERLINK("http://x")', "-1", "ok"]
     ids = ["=cmd()|x.png", "+1.png", "@SUM(A1).png", "\tx.png", "\rx.png", "plain-name.png"]

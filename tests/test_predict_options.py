@@ -11,11 +11,11 @@ import pytest
 import torch
 from sklearn.metrics import accuracy_score, balanced_accuracy_score, roc_auc_score
 
-from medflare.cli import main
+from medflare.console.cli import main
+from medflare.console.predict import predict_file
 from medflare.errors import ConfigError
 from medflare.methods.base import TrainConfig
 from medflare.metrics import EvalStats, MultiLabelEvalStats, binned_auc_error_bound
-from medflare.predict import predict_file
 from medflare.run_config import RunConfig
 
 from ._predicting import read_probabilities, save_global_model, ten_synthetic_images, write_images_npz
@@ -109,7 +109,7 @@ def test_a_missing_gpu_is_one_line(model_file, tmp_path, capsys) -> None:
 
 
 def test_scoring_runs_on_the_trainers_threads_and_restores_torchs(model_file, tmp_path, monkeypatch) -> None:
-    import medflare.predict as predict
+    import medflare.console.predict as predict
 
     npz, _ = ten_synthetic_images(tmp_path)
     seen: list[int] = []

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from medflare.cli import main, make_parser
+from medflare.console.cli import main, make_parser
+from medflare.console.run_options import build_run_config
 from medflare.errors import ConfigError
 from medflare.methods.presets import PAPER, PRESET_KEYS, Preset
 from medflare.plan import preset_layer, validated
 from medflare.registry import get_method, list_methods
 from medflare.run_config import merge_run_config
-from medflare.run_options import build_run_config
 
 SEED_METHODS = ("fedmas", "mdhfl", "fed-mae", "fed-beit", "fedlsm", "fca")
 # What a simulation must add that a preset leaves to the data (MDH-FL's public set)
@@ -86,7 +86,7 @@ def test_methods_lists_the_presets(capsys) -> None:
 
 
 def test_run_prints_what_differs_before_it_starts(monkeypatch, tmp_path: Path, capsys) -> None:
-    import medflare.cli as cli
+    import medflare.console.cli as cli
 
     def stop(*args, **kwargs):
         raise ConfigError("stopped before the run")

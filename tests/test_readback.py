@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from medflare.checkpoint import FACTS_KEY, read_checkpoint
-from medflare.cli import main
+from medflare.console.cli import main
 from medflare.errors import ConfigError, DataError
 from medflare.run_config import RunConfig
 from medflare.site_config import read_site_data_config

@@ -14,9 +14,8 @@ import pytest
 from nvflare.recipe import PocEnv, ProdEnv, SimEnv
 
 from medflare import plan as plan_module
-from medflare.cli import main
-from medflare.errors import ConfigError
-from medflare.recipes import (
+from medflare.console.cli import main
+from medflare.console.recipes import (
     CONSOLE_FILTER,
     CONSOLE_LOG_FILE,
     MedflareRecipe,
@@ -24,6 +23,7 @@ from medflare.recipes import (
     quiet_simulator_console,
     recipe,
 )
+from medflare.errors import ConfigError
 from medflare.registry import list_methods
 from medflare.server_setup import DEPLOY_ROBUST, ROBUST_OFF
 

@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from medflare import plotting, report as report_module
-from medflare.launch import results_text
-from medflare.report import build_summary, comparison_table, startup_text, verdicts, write_outputs
+from medflare import plotting
+from medflare.console import report as report_module
+from medflare.console.launch import results_text
+from medflare.console.report import build_summary, comparison_table, startup_text, verdicts, write_outputs
 
 SITES = ("site-1", "site-2")
 
@@ -354,7 +355,7 @@ def test_verdict_uses_the_larger_of_the_two_spreads() -> None:
     (lambda r: r.update(final=[]), "final is list, not an object"),
 ])
 def test_report_on_a_tampered_results_file_is_one_line(tmp_path: Path, capsys, change, field: str) -> None:
-    from medflare.cli import main
+    from medflare.console.cli import main
     from medflare.run_config import RunConfig
 
     from .test_cli import downloaded_job

@@ -65,7 +65,7 @@ def test_what_cannot_be_resumed_is_refused_in_one_line(tmp_path: Path, case: str
 
 
 def test_a_simulation_checks_the_resume_folder_before_anything_is_written(tmp_path: Path) -> None:
-    from medflare.simulate import run_simulation
+    from medflare.console.simulate import run_simulation
 
     run = RunConfig(method="fedavg", rounds=2, task=dict(TASK), data={"source": "synthetic:classes=3,channels=1"},
                     resume_from=str(previous_run(tmp_path / "prev")))

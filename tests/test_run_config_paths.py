@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import medflare.simulate as simulate_module
-from medflare.cli import main
+import medflare.console.simulate as simulate_module
+from medflare.console.cli import main
 from medflare.data import DataConfig, make_site_data
 from medflare.errors import DataError, MedflareError
 from medflare.plan import PLAN_FILE, validated

@@ -5,7 +5,7 @@ A block runs when the line right above its opening fence is the marker ``<!-- ru
 one that needs a live deployment); every PREFIX must match a command, so a skip cannot outlive its command. A marked
 block runs in bash, command after command, from the root of a copy of the repository with ``../shared`` beside it,
 as CI's clone has, and with this environment's ``medflare`` on PATH; it must exit 0. ``MEDFLARE_SMOKE=1`` caps each
-run the block builds (``medflare.run_options.SMOKE_CAPS``), so the commands stay exactly as written but run in seconds;
+run the block builds (``medflare.console.run_options.SMOKE_CAPS``), so the commands stay exactly as written but run in seconds;
 each capped run says so in its output.
 
 Every other ``medflare`` command of a bash block must at least parse: the command line accepts its options, so an
@@ -134,7 +134,7 @@ def test_the_docs_have_runnable_blocks_and_medflare_commands() -> None:
 @pytest.mark.parametrize("where, argv", MEDFLARE_CALLS, ids=[where for where, _ in MEDFLARE_CALLS])
 def test_every_documented_medflare_command_parses(where: str, argv: list[str],
                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    from medflare.cli import make_parser
+    from medflare.console.cli import make_parser
 
     try:
         make_parser().parse_args(argv)
@@ -192,8 +192,8 @@ def test_runnable_block_runs_as_written(block: ShellBlock, tmp_path: Path) -> No
 
 
 def test_smoke_caps_each_run_and_says_so(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from medflare import run_options
-    from medflare.cli import make_parser
+    from medflare.console import run_options
+    from medflare.console.cli import make_parser
 
     args = make_parser().parse_args(["run", "fedavg", "--rounds", "30", "--set", "train.max_steps=0",
                                      "--set", "train.local_epochs=1"])

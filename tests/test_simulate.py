@@ -9,8 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from medflare.processes import start_process
-from medflare.simulate import LOST_SITE, SimulatorWatch, lost_site
+from medflare.console.processes import start_process
+from medflare.console.simulate import LOST_SITE, SimulatorWatch, lost_site
 
 # The line FLARE 2.9's simulator wrote when site-1's worker never connected (seen in a benchmark run).
 LOST_LINE = ("2026-11-25 02:49:21,720 - SimulatorClientRunner - ERROR - Communication error with client site-1: "

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
-from medflare.deploy.apps import deployment_plan, stale_files, write_per_method
+from medflare.console.deploy.apps import deployment_plan, stale_files, write_per_method
 
 REPO_DIR = Path(__file__).resolve().parents[1]
 TEMPLATES_DIR = REPO_DIR / "job_templates"
@@ -72,7 +72,7 @@ COMMENTS: dict[str, str] = {
 
 
 def template_plan(method: str) -> Any:
-    """The plan a template is written for: :func:`medflare.deploy.apps.deployment_plan`'s (site-local data, the
+    """The plan a template is written for: :func:`medflare.console.deploy.apps.deployment_plan`'s (site-local data, the
     declared task, the deployment's defences), as a pre-installed deployment's job carries it."""
     return deployment_plan(method)
 
@@ -80,14 +80,14 @@ def template_plan(method: str) -> Any:
 def write_template(method: str, out_dir: str | Path) -> Path:
     """Write ``out_dir/<method>/`` (info.conf, info.md, meta.conf, client and server configs)."""
 
-    from medflare.files import write_recorded
+    from medflare.console.files import write_recorded
 
     return write_recorded(Path(out_dir), method, lambda folder: _fill_template(method, folder))
 
 
 def _fill_template(method: str, folder: Path) -> None:
     """The template's files into the empty ``folder``."""
-    from medflare.job_export import client_config, meta_config, server_config
+    from medflare.console.job_export import client_config, meta_config, server_config
     from medflare.plan import write_plan
 
     plan = template_plan(method)
@@ -179,7 +179,7 @@ Site: `MedflareExecutor` (all tasks). Each takes one argument, `plan_file`: the 
 `app/config/medflare_plan.json`, which holds everything the job does (`medflare config --plan` prints one). A
 pre-installed site allow-lists each component path exactly, never a package prefix: FLARE calls whatever a
 `path` names with the job's `args`, so a prefix such as `medflare.` lets a code-free job call any medflare function
-(one rewrote a site's `authorization.json`). `python -m medflare.deploy.provision --mode preinstalled` writes the
+(one rewrote a site's `authorization.json`). `python -m medflare.console.deploy.provision --mode preinstalled` writes the
 exact list into every kit's `local/resources.json` (`docs/deploy.md` §3). The paths this template names:
 
 {listed}

@@ -58,7 +58,7 @@ MAX_INTEGER_BUFFER = 2**53
 
 
 def privacy_scope(method: str) -> str:
-    """The FLARE privacy scope a job of ``method`` names in meta.json (see deploy/policies.py)."""
+    """The FLARE privacy scope a job of ``method`` names in meta.json (see console/deploy/policies.py)."""
     return PRIVACY_SCOPE_PREFIX + method
 
 

@@ -9,7 +9,7 @@ import benchmarking
 import pytest
 from benchmarking import fingerprint_file, goal_verdict, mean_std, run_cell, versus
 
-import medflare.simulate
+import medflare.console.simulate
 from medflare.run_config import RunConfig
 
 
@@ -30,7 +30,7 @@ def fake_simulation(calls: list[RunConfig]) -> Any:
 @pytest.fixture
 def calls(monkeypatch: pytest.MonkeyPatch) -> list[RunConfig]:
     made: list[RunConfig] = []
-    monkeypatch.setattr(medflare.simulate, "run_simulation", fake_simulation(made))
+    monkeypatch.setattr(medflare.console.simulate, "run_simulation", fake_simulation(made))
     return made
 
 

@@ -2,7 +2,7 @@
 
 FLARE's loader imports the module part of a component ``path`` and calls the attribute it names with the job's
 ``args``. Whatever the class allow-list lets through is therefore callable by any job; with the old ``medflare.``
-prefix that included ``medflare.deploy.policies.install_site_policies`` (issue 7, item 1).
+prefix that included ``medflare.console.deploy.policies.install_site_policies`` (issue 7, item 1).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from nvflare.app_common.widgets.component_path_authorizer import ComponentPathAu
 from nvflare.fuel.utils.class_loader import load_class
 
 import medflare
-from medflare.deploy.apps import deployment_run
-from medflare.deploy.policies import (
+from medflare.console.deploy.apps import deployment_run
+from medflare.console.deploy.policies import (
     CLIENT_COMPONENTS,
     COMPONENT_NAMESPACE,
     SERVER_COMPONENTS,
@@ -30,7 +30,7 @@ from medflare.deploy.policies import (
     flare_defaults,
     server_resources_policy,
 )
-from medflare.job_export import client_config, server_config
+from medflare.console.job_export import client_config, server_config
 from medflare.plan import resolve
 from medflare.registry import list_methods
 from medflare.site_config import TaskSpec

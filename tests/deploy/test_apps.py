@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from medflare.deploy.apps import APPS_DIR, add_code, stale_apps, write_app
+from medflare.console.deploy.apps import APPS_DIR, add_code, stale_apps, write_app
 from medflare.plan import plan_from_job
 from medflare.registry import list_methods
 from medflare.server_setup import DEPLOY_ROBUST
@@ -38,7 +38,7 @@ def test_add_code_turns_an_app_into_a_byoc_job(tmp_path: Path) -> None:
 def test_regenerating_removes_only_what_medflare_recorded_writing(tmp_path: Path, capsys) -> None:
     """Issue 49, item 5: the folder of a method no longer registered goes only when it holds medflare's recorded,
     unchanged files; a folder someone put there, or one with a file changed, is kept and named."""
-    from medflare.deploy.apps import write_per_method
+    from medflare.console.deploy.apps import write_per_method
 
     method = list_methods()[0]
     write_app(method, tmp_path)

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-import medflare.deploy.poc as poc_module
-import medflare.simulate as simulate_module
-from medflare.cli import main
-from medflare.report import build_summary
+import medflare.console.deploy.poc as poc_module
+import medflare.console.simulate as simulate_module
+from medflare.console.cli import main
+from medflare.console.report import build_summary
 
 
 def fake_summary(plan) -> dict:

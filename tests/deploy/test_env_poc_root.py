@@ -1,5 +1,5 @@
 """``MEDFLARE_POC_ROOT`` and ``MEDFLARE_POC_PORT`` are read when a POC is made, not when medflare is imported:
-``medflare run --env poc``, ``python -m medflare.deploy.poc run`` (``poc/run.sh``) and ``medflare watch`` use the
+``medflare run --env poc``, ``python -m medflare.console.deploy.poc run`` (``poc/run.sh``) and ``medflare watch`` use the
 root the variable names at that moment (issue 30, item 11). The POC steps themselves are stood in for: the real
 POC runs in test_poc_*.py."""
 
@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-import medflare.deploy.poc as poc_module
-from medflare.cli import main
-from medflare.deploy.poc import PocError, PocSession, admin_kit, run_poc
+import medflare.console.deploy.poc as poc_module
+from medflare.console.cli import main
+from medflare.console.deploy.poc import PocError, PocSession, admin_kit, run_poc
+from medflare.console.report import build_summary
 from medflare.errors import ConfigError
 from medflare.plan import resolve
-from medflare.report import build_summary
 from medflare.run_config import RunConfig
 
 

@@ -19,11 +19,11 @@ from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable
 from nvflare.apis.signal import Signal
 
+from medflare.console.job_export import task_names
 from medflare.deploy.filters import PayloadGuard
 from medflare.errors import PayloadError
 from medflare.flare.executor import MedflareExecutor
 from medflare.flare.tasks import TASK_SUBMIT_MODEL
-from medflare.job_export import task_names
 from medflare.methods.mdhfl.protocol import PROBS, PROBS_PHASE
 from medflare.plan import resolve
 from medflare.run_config import RunConfig

@@ -21,8 +21,8 @@ from nvflare.apis.utils.task_utils import apply_filters
 from nvflare.private.privacy_manager import Scope
 
 from medflare import contracts
+from medflare.console.deploy.policies import scope_name
 from medflare.deploy.filters import SUBMIT_MODEL, PayloadGuard
-from medflare.deploy.policies import scope_name
 from medflare.errors import PayloadError
 from medflare.methods.fedlsm.server import LABEL_COUNTS, NEGATIVES, POS_WEIGHT, POSITIVES
 from medflare.methods.mdhfl.protocol import PROBS, PROBS_PHASE

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-import medflare.deploy.poc as poc_module
-from medflare.deploy.poc import PocError, PocSession
+import medflare.console.deploy.poc as poc_module
+from medflare.console.deploy.poc import PocError, PocSession
+from medflare.console.processes import Interrupted, signals_held, stop_on_signals
 from medflare.plan import resolve
-from medflare.processes import Interrupted, signals_held, stop_on_signals
 from medflare.run_config import merge_run_config
 
 from .._processes import kill_all, left_after, processes_naming
@@ -185,7 +185,7 @@ def test_a_poc_that_does_not_start_in_time_says_what_each_participant_last_logge
 # A medflare that starts a tied POC (its ``poc start`` leaves a server running in a session of its own) and waits.
 TIED_POC = textwrap.dedent("""
     import sys, time
-    from medflare.deploy import poc
+    from medflare.console.deploy import poc
     marker = sys.argv[1]
     start = [sys.executable, "-c", f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', "
              f"'import time; time.sleep(600)', '{marker}'], start_new_session=True)"]

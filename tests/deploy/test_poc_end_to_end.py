@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from medflare.deploy.poc import PocSession, retarget_job, write_run_outputs
-from medflare.deploy.policies import SERVER_STORAGE, site_data_config
+from medflare.console.deploy.poc import PocSession, retarget_job, write_run_outputs
+from medflare.console.deploy.policies import SERVER_STORAGE, site_data_config
 from medflare.registry import get_method
 from medflare.run_config import RunConfig
 from medflare.site_policy import AUDIT_FILE, verify_audit
@@ -129,7 +129,7 @@ def test_preflight_passes_a_site_against_its_job_with_the_server_up_and_writes_n
     job_dir = write_run_job(site3_run("site3-preflight"), tmp_path / "job", mode="preinstalled")
     retarget_job(job_dir, ["site-3"], "site3-preflight")
     before = {folder: _tree_bytes(kit / folder) for folder in ("local", "startup")}
-    done = subprocess.run([sys.executable, "-m", "medflare.cli", "preflight", str(kit), "--job", str(job_dir),
+    done = subprocess.run([sys.executable, "-m", "medflare.console.cli", "preflight", str(kit), "--job", str(job_dir),
                            "--json"], capture_output=True, text=True, timeout=180)
     report = json.loads(done.stdout)
     statuses = {check["check"]: check["status"] for check in report["checks"]}
@@ -162,7 +162,7 @@ def site3(poc) -> dict:
         retarget_job(job_dir, ["site-3"], f"site3-{name}")
         if name == "tamper":  # both sides build their configs at job start, each refuses on its own
             for side, kit in (("client", "site-3"), ("server", server)):
-                tamper = {"id": "tamper", "path": "medflare.deploy.policies.install_site_policies",
+                tamper = {"id": "tamper", "path": "medflare.console.deploy.policies.install_site_policies",
                           "args": {"kit_dir": str(session.kit(kit)), "mode": "byoc"}}
                 _add_component(job_dir / "app" / "config" / f"config_fed_{side}.json", tamper)
         jobs[name] = session.submit(job_dir)

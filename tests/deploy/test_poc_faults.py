@@ -23,11 +23,11 @@ import numpy as np
 import pytest
 import torch
 
-from medflare.deploy.apps import deployment_run
-from medflare.deploy.poc import PocSession, find_results, retarget_job
-from medflare.deploy.policies import SITE_HEARTBEAT_TIMEOUT
+from medflare.console.deploy.apps import deployment_run
+from medflare.console.deploy.poc import PocSession, find_results, retarget_job
+from medflare.console.deploy.policies import SITE_HEARTBEAT_TIMEOUT
+from medflare.console.job_export import set_resume
 from medflare.flare.controller import CHECKPOINT_FILE
-from medflare.job_export import set_resume
 from medflare.ops.checkpoint import load_checkpoint
 from medflare.plan import build_global_model, task_of
 from medflare.run_config import RunConfig

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("tenseal")
 
 from medflare.checkpoint import read_checkpoint  # noqa: E402
-from medflare.deploy.poc import PocSession, find_results  # noqa: E402
+from medflare.console.deploy.poc import PocSession, find_results  # noqa: E402
 from medflare.flare.he import CLIENT_CONTEXT_FILE, MODEL_FILE, read_encrypted_model  # noqa: E402
 from medflare.ops import he_aggregate  # noqa: E402
 from medflare.plan import validated

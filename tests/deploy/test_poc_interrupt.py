@@ -32,7 +32,7 @@ def test_sigterm_stops_the_poc_and_its_server_listens_on_loopback(
 ) -> None:
     monkeypatch.setenv("MEDFLARE_POC_PORT", str(poc_port))  # a free port: an earlier POC may still hold 8002
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "medflare.cli", "run", "fedavg", "--env", "poc", "--data", "synthetic:n=400",
+    command = [sys.executable, "-m", "medflare.console.cli", "run", "fedavg", "--env", "poc", "--data", "synthetic:n=400",
                "--rounds", "40", "--max-steps", "3", "--out", str(out)]
     with LiveProcess(command) as live:
         live.wait_for("poc: waiting for job", timeout=300)

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from medflare.deploy.poc import PocSession, write_run_outputs
-from medflare.deploy.policies import site_data_config
+from medflare.console.deploy.poc import PocSession, write_run_outputs
+from medflare.console.deploy.policies import site_data_config
 from medflare.run_config import RunConfig
 from medflare.site_config import SITE_CONFIG_FILE, TaskSpec
 

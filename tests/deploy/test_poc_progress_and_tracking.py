@@ -33,7 +33,7 @@ def test_poc_run_and_watch_show_every_round_and_tensorboard_records_them(
     monkeypatch.setenv("MEDFLARE_POC_PORT", str(poc_port))  # a free port: an earlier POC may still hold 8002
 
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "medflare.cli", "run", "fedavg", "--env", "poc", "--data", "synthetic:n=300",
+    command = [sys.executable, "-m", "medflare.console.cli", "run", "fedavg", "--env", "poc", "--data", "synthetic:n=300",
                "--rounds", str(ROUNDS), "--max-steps", "3", "--local-epochs", "2", "--out", str(out)]
     with LiveProcess(command) as live:
         live.wait_for("poc: submitted", timeout=300)
@@ -42,7 +42,7 @@ def test_poc_run_and_watch_show_every_round_and_tensorboard_records_them(
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parents[2] / "custom"),
                                                           env.get("PYTHONPATH")]))
         watched = subprocess.run(
-            [sys.executable, "-m", "medflare.cli", "watch", job_id, "--poc", str(tmp_path / "out.partial" / "poc"),
+            [sys.executable, "-m", "medflare.console.cli", "watch", job_id, "--poc", str(tmp_path / "out.partial" / "poc"),
              "--interval", "1"], capture_output=True, text=True, timeout=900, env=env,
         )
         live.wait_for("results:", timeout=900)

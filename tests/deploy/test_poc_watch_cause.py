@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from medflare.deploy.poc import PocSession
-from medflare.deploy.policies import site_data_config
+from medflare.console.deploy.poc import PocSession
+from medflare.console.deploy.policies import site_data_config
 from medflare.run_config import RunConfig
 from medflare.site_config import SITE_CONFIG_FILE
 
@@ -39,7 +39,7 @@ def test_watch_names_the_declining_site_and_its_reason(tmp_path: Path, poc_lock,
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parents[2] / "custom"),
                                                           env.get("PYTHONPATH")]))
         watched = subprocess.run(
-            [sys.executable, "-m", "medflare.cli", "watch", job_id, "--poc", str(tmp_path / "poc"),
+            [sys.executable, "-m", "medflare.console.cli", "watch", job_id, "--poc", str(tmp_path / "poc"),
              "--interval", "1"], capture_output=True, text=True, timeout=600, env=env,
         )
     finally:

@@ -1,4 +1,4 @@
-"""deploy/preflight.py: a hospital admin's check of a site before a job (issue 48, item 4).
+"""console/deploy/preflight.py: a hospital admin's check of a site before a job (issue 48, item 4).
 
 A kit provisioned from provisioning/project.yml (its server pointed at a loopback port nothing listens on; the
 POC test checks a reachable server), a folder of PNGs as the site's data, and a job exported as the lead does.
@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from medflare.cli import main
-from medflare.deploy.preflight import FAIL, PASS, WARN, preflight
-from medflare.deploy.provision import provision
+from medflare.console.cli import main
+from medflare.console.deploy.preflight import FAIL, PASS, WARN, preflight
+from medflare.console.deploy.provision import provision
 
 REPO = Path(__file__).resolve().parents[2]
 NAMES = ("effusion", "normal")
@@ -467,7 +467,7 @@ def with_policy(kit: Path, policy: dict) -> None:
 
 @pytest.mark.parametrize("faked", ["installed", "kit"])
 def test_a_flare_below_the_advisory_floor_is_a_fail_naming_the_cves(kit: Path, monkeypatch, faked: str) -> None:
-    from medflare.deploy.policies import KIT_VERSIONS_FILE
+    from medflare.console.deploy.policies import KIT_VERSIONS_FILE
 
     if faked == "installed":  # what this machine runs
         monkeypatch.setattr("medflare.advisories.installed_nvflare", lambda: "2.7.1")
@@ -494,7 +494,7 @@ def test_a_job_exported_with_another_flare_is_a_warn(kit: Path, tmp_path: Path, 
 
 
 def test_preflight_shows_the_jobs_code_digest_and_the_policys_verdict(kit: Path, tmp_path: Path, capsys) -> None:
-    from medflare.job_export import job_code_digest
+    from medflare.console.job_export import job_code_digest
 
     job = byoc_job(tmp_path)
     digest = job_code_digest(job)

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from medflare.deploy.preflight import PASS, WARN, preflight
+from medflare.console.deploy.preflight import PASS, WARN, preflight
 
 from ..data.test_data_readers import hounsfield_image, write_dicom
 from . import test_preflight

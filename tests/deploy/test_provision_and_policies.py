@@ -21,9 +21,7 @@ from nvflare.fuel.utils.config_service import ConfigService
 from nvflare.private.privacy_manager import PrivacyManager
 
 from medflare import contracts
-from medflare.contracts import ArraySpec, ContractContext, Payload
-from medflare.deploy.filters import PayloadGuard, check_result_keys
-from medflare.deploy.policies import (
+from medflare.console.deploy.policies import (
     CLIENT_COMPONENTS,
     SERVER_COMPONENTS,
     SERVER_STORAGE,
@@ -32,7 +30,9 @@ from medflare.deploy.policies import (
     privacy_policy,
     scope_name,
 )
-from medflare.deploy.provision import ProvisionError, load_project, main, participants, provision
+from medflare.console.deploy.provision import ProvisionError, load_project, main, participants, provision
+from medflare.contracts import ArraySpec, ContractContext, Payload
+from medflare.deploy.filters import PayloadGuard, check_result_keys
 from medflare.errors import PayloadError
 from medflare.registry import get_method, list_methods
 
@@ -227,7 +227,7 @@ def test_reinstall_rewrites_one_moved_kit(kits: Path, tmp_path: Path, capsys) ->
 
 
 def test_committed_policy_templates_are_up_to_date() -> None:
-    from medflare.deploy.policies import stale_policy_templates
+    from medflare.console.deploy.policies import stale_policy_templates
 
     assert stale_policy_templates() == [], "provisioning/site_local is stale: run 'make policies'"
 

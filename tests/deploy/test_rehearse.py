@@ -20,10 +20,10 @@ from typing import Callable
 import psutil
 import pytest
 
-from medflare.cli import main as medflare_main
-from medflare.deploy import netns
-from medflare.deploy.netns import NETNS_ETC, PREFIX, Wan, list_namespaces, sweep_stale, unavailable_reason
-from medflare.deploy.rehearse import (
+from medflare.console.cli import main as medflare_main
+from medflare.console.deploy import netns
+from medflare.console.deploy.netns import NETNS_ETC, PREFIX, Wan, list_namespaces, sweep_stale, unavailable_reason
+from medflare.console.deploy.rehearse import (
     RECONNECT_ALLOWANCE,
     WORK_ALLOWANCE,
     Fault,
@@ -318,7 +318,7 @@ def test_the_wan_resolves_the_server_shapes_links_and_cuts_them() -> None:
 
 @needs_netns
 def test_namespaces_of_a_killed_rehearsal_are_swept() -> None:
-    code = ("from medflare.deploy.netns import Wan; import time; w = Wan(['a', 'b'], {'x.org': 'a'}); w.up(); "
+    code = ("from medflare.console.deploy.netns import Wan; import time; w = Wan(['a', 'b'], {'x.org': 'a'}); w.up(); "
             "print('up', flush=True); time.sleep(60)")
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
@@ -396,7 +396,7 @@ def test_a_rehearsal_leaves_nothing_behind(small) -> None:
 @needs_netns
 def test_ctrl_c_mid_rehearsal_removes_everything(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    child = subprocess.Popen([sys.executable, "-m", "medflare.deploy.rehearse", "run", "--rounds", "20", "-o",
+    child = subprocess.Popen([sys.executable, "-m", "medflare.console.deploy.rehearse", "run", "--rounds", "20", "-o",
                               str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              start_new_session=True)
     lines = []
@@ -457,7 +457,7 @@ def test_sigkill_of_medflare_rehearse_leaves_no_namespace_hosts_entry_or_process
     process it started (the preflight included) within a bound (was: a running preflight, 5 namespaces and their
     /etc/netns entries left until the next rehearsal)."""
     out = tmp_path / "out"
-    child = subprocess.Popen([sys.executable, "-m", "medflare.cli", "rehearse", "--rounds", "20", "-o", str(out)],
+    child = subprocess.Popen([sys.executable, "-m", "medflare.console.cli", "rehearse", "--rounds", "20", "-o", str(out)],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines = []
     try:

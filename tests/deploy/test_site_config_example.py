@@ -10,9 +10,15 @@ from pathlib import Path
 import pytest
 
 from medflare.config import from_dict
+from medflare.console.deploy.policies import flare_defaults
+from medflare.console.deploy.provision import (
+    COMMENT_PREFIX,
+    SITE_CONFIG_EXAMPLE,
+    install_policies,
+    main,
+    site_config_example,
+)
 from medflare.data import DataConfig, make_site_data
-from medflare.deploy.policies import flare_defaults
-from medflare.deploy.provision import COMMENT_PREFIX, SITE_CONFIG_EXAMPLE, install_policies, main, site_config_example
 from medflare.distributed import site_distributed_config
 from medflare.errors import ConfigError, DataError
 from medflare.registry import get_method
@@ -97,7 +103,7 @@ def test_every_setting_is_commented_and_the_data_block_sets_only_site_keys() -> 
 
 def test_a_poc_sites_kit_gets_the_example_too_and_its_server_none(tmp_path: Path) -> None:
     """Issue 61 (minors): POC kits had no example, so a POC rehearsal of a hospital's set-up had nothing to copy."""
-    from medflare.deploy.poc import PocSession
+    from medflare.console.deploy.poc import PocSession
 
     session = PocSession(tmp_path / "poc", echo=lambda line: None)
     with session.hold():

@@ -9,7 +9,7 @@ import pytest
 from pyhocon import ConfigFactory
 
 from job_templates import TEMPLATES_DIR
-from medflare.deploy.policies import CLIENT_COMPONENTS, SERVER_COMPONENTS
+from medflare.console.deploy.policies import CLIENT_COMPONENTS, SERVER_COMPONENTS
 from medflare.registry import list_methods
 
 CONFIG_FILES = ("config_fed_server.conf", "config_fed_client.conf")

@@ -15,10 +15,10 @@ import pytest
 from pyhocon import ConfigFactory
 
 from job_templates import TEMPLATES_DIR, example_command, stale_templates, template_plan
-from medflare.deploy.apps import DEPLOY_TASK
-from medflare.job_export import client_config, server_config
+from medflare.console.deploy.apps import DEPLOY_TASK
+from medflare.console.job_export import client_config, server_config
+from medflare.console.processes import nvflare_command
 from medflare.plan import APP_NAME, PLAN_FILE, plan_from_job, read_plan
-from medflare.processes import nvflare_command
 from medflare.registry import list_methods
 from medflare.server_setup import DEPLOY_ROBUST
 

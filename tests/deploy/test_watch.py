@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from medflare.deploy.poc import admin_kit
-from medflare.deploy.watch import ProgressPrinter, progress_entries, watch_job
+from medflare.console.deploy.poc import admin_kit
+from medflare.console.deploy.watch import ProgressPrinter, progress_entries, watch_job
 from medflare.errors import ConfigError
 from medflare.flare.progress import STATS_GROUP, entries_from_results, format_progress
 from medflare.flare.run_results import RunResults, declined_text, new_record
@@ -152,8 +152,8 @@ def test_a_poc_kit_names_the_admin_of_its_certificate(tmp_path: Path, monkeypatc
 
 def test_watch_says_as_whom_it_follows_and_leaves_the_words_out_when_unknown(tmp_path: Path, monkeypatch,
                                                                             capsys) -> None:
-    import medflare.deploy.watch as watch_module
-    from medflare.cli import main
+    import medflare.console.deploy.watch as watch_module
+    from medflare.console.cli import main
 
     monkeypatch.delenv("NVFLARE_STARTUP_KIT_DIR", raising=False)
     followed: list[str] = []

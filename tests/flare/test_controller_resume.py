@@ -196,7 +196,7 @@ def test_a_resumed_job_keeps_its_own_plan_and_medflare_report_accepts_it(tmp_pat
     """After a server crash the job resubmitted with ``resume_from`` (its plan differs by that field) records its
     own plan fingerprint and start, the crashed job's rounds, and the report checks it against its own plan and
     says which job it resumed (was: the crashed job's fingerprint, so ``medflare report`` refused the results)."""
-    from medflare.launch import report_from_results
+    from medflare.console.launch import report_from_results
     from medflare.plan import write_plan
 
     job_id = str(uuid.uuid4())

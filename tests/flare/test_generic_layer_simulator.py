@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
+from medflare.console.simulate import nvflare_command, run_simulation
 from medflare.plan import resolve, task_of, validated
 from medflare.registry import get_method
 from medflare.run_config import RunConfig
-from medflare.simulate import nvflare_command, run_simulation
 
 from .._plans import write_run_job
 

@@ -203,8 +203,8 @@ def test_the_saved_model_is_encrypted_and_a_site_decrypts_it(contexts, tmp_path)
 
 
 def test_the_simulator_refuses_and_a_run_refuses_what_the_server_cannot_do(tmp_path) -> None:
+    from medflare.console.simulate import run_simulation
     from medflare.run_config import RunConfig
-    from medflare.simulate import run_simulation
 
     with pytest.raises(ConfigError, match="simulator"):
         run_simulation(resolve(RunConfig(secure_aggregation="he"), "byoc"), tmp_path / "out")

@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from medflare.console.simulate import run_simulation
 from medflare.flare.memory import ALLOCATOR_ENV, collect_round_garbage, freeze_startup_objects, with_allocator_settings
 from medflare.plan import resolve
 from medflare.run_config import RunConfig
-from medflare.simulate import run_simulation
 
 
 class Holder:

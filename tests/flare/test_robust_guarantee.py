@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from medflare.cli import robust_note
+from medflare.console.cli import robust_note
 from medflare.errors import ConfigError, PayloadError
 from medflare.flare import run_results
 from medflare.methods.base import RoundContext

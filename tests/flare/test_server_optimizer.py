@@ -198,7 +198,7 @@ def test_fedadam_through_flares_simulator_gives_the_in_process_engines_model(eng
     """The FLARE controller path (MedflareAggregator over the same round core) steps the global model as the
     in-process engine does: the simulator's final FL_global_model.pt is the engine's model after the same rounds, and
     each round's record names the server optimizer."""
-    from medflare.simulate import run_simulation
+    from medflare.console.simulate import run_simulation
 
     plan = resolve(TINY, "byoc")
     run_simulation(plan, tmp_path / "run", echo=lambda line: None)

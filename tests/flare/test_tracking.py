@@ -14,9 +14,9 @@ from nvflare.apis.fl_constant import FLContextKey
 from nvflare.apis.fl_context import FLContext
 from nvflare.apis.utils.analytix_utils import create_analytic_dxo
 
+from medflare.console.job_export import client_config, server_config
 from medflare.flare import tracking
 from medflare.flare.executor import MedflareExecutor
-from medflare.job_export import client_config, server_config
 from medflare.plan import resolve
 from medflare.run_config import RunConfig
 from medflare.site_config import TaskSpec

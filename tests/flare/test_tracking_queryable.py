@@ -21,9 +21,9 @@ from nvflare.fuel.utils.json_scanner import JsonScanner
 from nvflare.fuel.utils.wfconf import resolve_var_refs
 
 from medflare import contracts
+from medflare.console.job_export import server_config
 from medflare.flare import executor as executor_module, tracking
 from medflare.flare.tasks import TASK_TRAIN, TASK_VALIDATE, round_meta
-from medflare.job_export import server_config
 from medflare.methods.base import RoundContext
 from medflare.metrics import EvalStats, MultiLabelEvalStats, compute_metrics
 from medflare.plan import resolve

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from medflare.console.simulate import run_simulation
 from medflare.plan import build_global_model, resolve
 from medflare.run_config import RunConfig
-from medflare.simulate import run_simulation
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # make test-heavy
 

@@ -60,7 +60,7 @@ def test_one_simulator_run_builds_the_server_rule_and_each_sites_training_once_p
     (hooks / "sitecustomize.py").write_text(COUNTER)
     env = {**os.environ, "MEDFLARE_BUILD_LOG": str(log),
            "PYTHONPATH": os.pathsep.join([str(hooks), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    medflare = [sys.executable, "-c", "import sys; from medflare.cli import main; sys.exit(main())"]
+    medflare = [sys.executable, "-c", "import sys; from medflare.console.cli import main; sys.exit(main())"]
     done = subprocess.run([*medflare, "run", "fedavg", "--rounds", "2", "--clients", "2", "--max-steps", "2",
                            "--data", "synthetic:n=200", "--out", str(tmp_path / "out")],
                           env=env, capture_output=True, text=True, timeout=600)

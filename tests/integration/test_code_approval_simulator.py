@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from medflare import contracts
-from medflare.job_export import job_code_digest, write_job
+from medflare.console.job_export import job_code_digest, write_job
 from medflare.plan import APP_NAME, resolve
 from medflare.run_config import RunConfig
 

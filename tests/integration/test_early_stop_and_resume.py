@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from medflare.cli import main
+from medflare.console.cli import main
 from medflare.resume import model_digest
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # make test-heavy

@@ -16,11 +16,11 @@ import pytest
 import torch
 from nvflare.recipe import SimEnv
 
+from medflare.console.launch import write_job_outputs
+from medflare.console.recipes import MedflareRecipe
 from medflare.flare.audit import AUDIT_FILE
 from medflare.flare.controller import RESULTS_FILE
-from medflare.launch import write_job_outputs
 from medflare.plan import describe_sites
-from medflare.recipes import MedflareRecipe
 from medflare.registry import get_method, list_methods
 from medflare.run_config import RunConfig
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from medflare.cli import main
+from medflare.console.cli import main
 
 from ._rescoring import rescore_global_model, rescore_multi_label_model, run_of_summary
 from ._smoke import check_audit

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
+from medflare.console.simulate import run_simulation
 from medflare.plan import resolve
 from medflare.run_config import RunConfig
-from medflare.simulate import run_simulation
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # make test-heavy
 

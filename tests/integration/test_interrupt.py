@@ -16,7 +16,7 @@ from .._processes import LiveProcess, alive, kill_all, left_after, processes_nam
 
 def medflare_run(out: Path, rounds: int) -> list[str]:
     """A small synthetic ``medflare run`` in the simulator (``rounds`` long enough to be interrupted)."""
-    return [sys.executable, "-m", "medflare.cli", "run", "fedavg", "--data", "synthetic:n=400", "--rounds",
+    return [sys.executable, "-m", "medflare.console.cli", "run", "fedavg", "--data", "synthetic:n=400", "--rounds",
             str(rounds), "--max-steps", "3", "--out", str(out)]
 
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from medflare.console.simulate import SimulationError, run_simulation
 from medflare.models import create_model
 from medflare.plan import resolve
 from medflare.run_config import RunConfig
-from medflare.simulate import SimulationError, run_simulation
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # make test-heavy
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from medflare.cli import main
+from medflare.console.cli import main
+from medflare.console.scenarios import load_scenario
+from medflare.console.simulate import run_simulation
 from medflare.data import load_source
 from medflare.plan import resolve
 from medflare.run_config import merge_run_config
-from medflare.scenarios import load_scenario
-from medflare.simulate import run_simulation
 
 from .._predicting import read_probabilities, site_probabilities, write_images_npz
 

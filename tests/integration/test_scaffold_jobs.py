@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from medflare import contracts
+from medflare.console.simulate import run_simulation
 from medflare.methods.scaffold.control import DELTA_CONTROL, SERVER_CONTROL
 from medflare.plan import resolve
-from medflare.simulate import run_simulation
 from tests.benchmarks.conftest import load_benchmark
 
 from ._smoke import check_audit, smoke_run

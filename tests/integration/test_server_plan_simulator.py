@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from medflare import contracts
-from medflare.job_export import write_job
+from medflare.console.job_export import write_job
 from medflare.plan import APP_NAME, PLAN_FILE, resolve
 from medflare.run_config import RunConfig
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from medflare.console.simulate import nvflare_command, run_simulation
 from medflare.plan import resolve, validated
 from medflare.run_config import RunConfig
-from medflare.simulate import nvflare_command, run_simulation
 
 from ._rescoring import rescore_global_model
 
@@ -101,7 +101,7 @@ def test_outputs_written_and_nothing_partial_left(fedavg_run) -> None:
 @pytest.mark.heavy  # make test-heavy
 def test_exported_byoc_job_runs_under_nvflare_simulator(tmp_path: Path) -> None:
     export = subprocess.run(
-        [sys.executable, "-m", "medflare.cli", "export", "fedprox", "-o", str(tmp_path / "jobs"), "--mode", "byoc",
+        [sys.executable, "-m", "medflare.console.cli", "export", "fedprox", "-o", str(tmp_path / "jobs"), "--mode", "byoc",
          "--data", "synthetic:n=300", "--rounds", "1", "--set", "train.max_steps=2"],
         capture_output=True, text=True, check=True,
     )

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from medflare.console.simulate import run_simulation
 from medflare.flare import tracking
 from medflare.flare.progress import entries_from_results, format_progress
 from medflare.plan import resolve
 from medflare.run_config import RunConfig
-from medflare.simulate import run_simulation
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # make test-heavy
 

@@ -211,8 +211,8 @@ def test_bad_config_is_refused_with_the_field_name(field: str, value) -> None:
                                           (["--scenario", "ich-split2-like"], "efficientnet_lite0"),
                                           (["--model", "cnn"], "cnn")])
 def test_the_command_line_trains_the_papers_backbone_unless_told_otherwise(extra: list[str], model: str) -> None:
-    from medflare.cli import make_parser
-    from medflare.run_options import build_run_config
+    from medflare.console.cli import make_parser
+    from medflare.console.run_options import build_run_config
 
     assert build_run_config(make_parser().parse_args(["run", "fca", *extra])).model == model
 

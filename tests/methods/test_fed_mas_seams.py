@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from torch import nn
 
+from medflare.console.report import with_attribute_scores
 from medflare.methods.base import RoundContext
 from medflare.methods.fed_mas import SPEC
 from medflare.plan import resolve
-from medflare.report import with_attribute_scores
 from medflare.run_config import merge_run_config
 
 from ._seams import (

@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from medflare.cli import make_parser
+from medflare.console.cli import make_parser
+from medflare.console.run_options import build_run_config
 from medflare.methods.base import PerSite, RoundContext
 from medflare.methods.mdhfl.protocol import DISTILL_PHASE, PROBS, PROBS_PHASE, PUBLIC_ROWS, SETUP_PHASE, TARGET
 from medflare.methods.presets import PAPER
 from medflare.plan import build_plan, task_of, validated
-from medflare.run_options import build_run_config
 from medflare.server_round import RoundAggregation
 from medflare.site_config import SiteFile
 

@@ -390,8 +390,8 @@ def test_pretraining_trains_the_local_model_before_the_first_exchange() -> None:
 
 
 def test_the_noisy_heterogeneous_scenario_runs_only_methods_that_send_no_weights() -> None:
+    from medflare.console.scenarios import load_scenario
     from medflare.run_config import RunConfig, merge_sections
-    from medflare.scenarios import load_scenario
 
     scenario = load_scenario("noisy-heterogeneous")
     for method in ("mdhfl", "fedmd", "local-only"):

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from medflare import contracts
-from medflare.cli import make_parser
+from medflare.console.cli import make_parser
+from medflare.console.run_options import build_run_config
 from medflare.evaluation import site_evaluation, summarize
 from medflare.methods.base import PerSite, RoundContext
 from medflare.methods.mdhfl import client as mdhfl_client
@@ -29,7 +30,6 @@ from medflare.methods.mdhfl.protocol import DISTILL_PHASE, PROBS_PHASE, PUBLIC_R
 from medflare.methods.presets import PAPER
 from medflare.plan import RunPlan, build_plan, task_of, validated
 from medflare.registry import get_method
-from medflare.run_options import build_run_config
 from medflare.server_round import RoundAggregation
 from medflare.site_config import SiteFile
 from medflare.site_runtime import SiteRuntime, load_site_data

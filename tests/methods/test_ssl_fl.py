@@ -198,8 +198,8 @@ def test_stage_plans_add_up_and_name_the_options_when_they_do_not() -> None:
 def test_a_job_that_names_no_model_gets_a_vit_and_a_stage_plan_that_fits_two_rounds() -> None:
     """``medflare run fed-mae --rounds 2 --set train.max_steps=1``: the method's default_model (not fedavg's cnn,
     the RunConfig defaults' own method), and default budgets of 1 pre-training + 1 fine-tuning round."""
-    from medflare.cli import make_parser
-    from medflare.run_options import build_run_config
+    from medflare.console.cli import make_parser
+    from medflare.console.run_options import build_run_config
 
     parser = make_parser()
     for method, rounds in (("fed-mae", 2), ("fed-beit", 3)):

@@ -1,6 +1,3 @@
-"""Cross-hospital deployment: provisioning, site-local policies, POC runs, job templates, apps, multi-GPU sites.
-
-Nothing here is needed to train; it turns the FLARE job that :mod:`medflare.job_export` writes into something a
-consortium can provision, review and run. Every method in :func:`medflare.registry.list_methods` is covered
-without naming any method.
+"""What a provisioned site's FLARE runs from deployment: the update filters a site's privacy policy names by class path
+(``medflare.deploy.filters``). The deployment tools themselves are in :mod:`medflare.console.deploy`.
 """

@@ -3,7 +3,7 @@ that lives in a namespace of its own (``medflare rehearse``; needs root).
 
 Every namespace (``mfr-<owner pid>-<role>``), veth pair, qdisc and ``/etc/netns/<ns>/hosts`` file made here is
 removed by :meth:`Wan.teardown`, also after a failure; those of a rehearsal that was SIGKILLed by its reaper
-(:mod:`medflare.deploy.reaper`, :func:`sweep_owner`) at once, and by :func:`sweep_stale` the next time one starts. Nothing is added to the root network namespace: the veth pairs are
+(:mod:`medflare.console.deploy.reaper`, :func:`sweep_owner`) at once, and by :func:`sweep_stale` the next time one starts. Nothing is added to the root network namespace: the veth pairs are
 made inside the bridge's namespace and their far ends moved into the participants'.
 
 Per participant the link can be shaped (``tc tbf`` both ways: ``eth0``'s egress is its upload, the bridge port's
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psutil
 
-from medflare.processes import end_processes
+from medflare.console.processes import end_processes
 
 PREFIX = "mfr"  # every namespace this module makes is mfr-<pid>-<role>
 NETNS_ETC = Path("/etc/netns")

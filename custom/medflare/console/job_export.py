@@ -1,7 +1,7 @@
 """Write a FLARE job folder for any registered method: one builder for every method and every environment.
 
 Modes: ``byoc`` carries the medflare package in ``app/custom/``; ``preinstalled`` carries configs only, for sites
-that allow-list exactly these ``medflare.flare.`` components (:mod:`medflare.deploy.policies`). Every job but a
+that allow-list exactly these ``medflare.flare.`` components (:mod:`medflare.console.deploy.policies`). Every job but a
 BYOC one with simulated data (what the simulator runs) gets the server's robust defences
 (``server_setup.DEPLOY_ROBUST``). Outside ``medflare.flare``: nothing a job can name may write files.
 """
@@ -16,14 +16,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from medflare.console.files import write_recorded
 from medflare.contracts import TRAIN_PHASE as TASK_TRAIN, privacy_scope
 from medflare.errors import ConfigError
-from medflare.files import write_recorded
 from medflare.flare import tracking
 from medflare.job_code import META_KEY, code_digest
 from medflare.plan import APP_NAME, ENCRYPTED_AGGREGATOR, PLAN_FILE, RunPlan, set_plan_resume, write_plan
 
-PACKAGE_DIR = Path(__file__).resolve().parent  # .../custom/medflare
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # .../custom/medflare
+CONSOLE_DIR = Path(__file__).resolve().parent  # what a job never imports (tests/test_layering.py), so never ships
 MODES = ("byoc", "preinstalled")
 PLAIN_AGGREGATOR = "medflare.flare.aggregator.MedflareAggregator"
 # FLARE's receiver pulls a model's arrays in chunks, one request each (2 MiB by default). Over a 100 Mbit/s link,
@@ -150,9 +151,9 @@ def meta_config(plan: RunPlan) -> dict[str, Any]:
 
 def write_job(plan: RunPlan, out_dir: str | Path, mode: str = "byoc") -> Path:
     """Write the job of ``plan`` (:func:`medflare.plan.resolve`) to ``out_dir/<job name>/`` and return its path; a
-    BYOC job carries medflare and the plan's plugin modules (their source, as this process imported them). An
-    existing folder is replaced once the new one is complete, and only if it holds just what medflare recorded
-    writing there (:func:`medflare.files.write_recorded`; else OutputError)."""
+    BYOC job carries medflare's job package (no console) and the plan's plugin modules (their source, as this
+    process imported them). An existing folder is replaced once the new one is complete, and only if it holds just
+    what medflare recorded writing there (:func:`medflare.console.files.write_recorded`; else OutputError)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got '{mode}'")
     if plan.plugins and mode != "byoc":  # refused before anything is written
@@ -169,7 +170,7 @@ def _write_job(plan: RunPlan, staging: Path, mode: str) -> None:
     _write_json(config_dir / "config_fed_server.json", server_config(plan))
     _write_json(config_dir / "config_fed_client.json", client_config(plan))
     if mode == "byoc":
-        shutil.copytree(PACKAGE_DIR, staging / APP_NAME / "custom" / "medflare", ignore=_ignore_caches)
+        copy_job_package(staging / APP_NAME / "custom" / "medflare")
         _copy_plugins(list(plan.plugins), staging / APP_NAME / "custom")
     # last: the digest of the code just written (a site approves it; it computes the digest again itself)
     _write_json(staging / "meta.json", {**meta_config(plan), META_KEY: code_digest(staging / APP_NAME / "custom")})
@@ -201,8 +202,14 @@ def set_resume(job_dir: str | Path, previous_job_id: str) -> Path:
     return Path(job_dir)
 
 
-def _ignore_caches(directory: str, names: list[str]) -> list[str]:
-    return [n for n in names if n == "__pycache__" or n.endswith(".pyc")]
+def copy_job_package(target: Path) -> None:
+    """Copy the job package (medflare without its console and without caches) to ``target``."""
+    shutil.copytree(PACKAGE_DIR, target, ignore=_not_shipped)
+
+
+def _not_shipped(directory: str, names: list[str]) -> list[str]:
+    console = [CONSOLE_DIR.name] if Path(directory).resolve() == PACKAGE_DIR else []
+    return console + [n for n in names if n == "__pycache__" or n.endswith(".pyc")]
 
 
 def _write_json(path: Path, content: dict[str, Any]) -> None:

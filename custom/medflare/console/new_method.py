@@ -24,7 +24,7 @@ from typing import Callable
 
 from medflare.errors import ConfigError, MedflareError
 
-PACKAGE_DIR = Path(__file__).resolve().parent  # custom/medflare of the checkout this medflare runs from
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # custom/medflare of the checkout this medflare runs from
 ROOT = PACKAGE_DIR.parents[1]
 NAME_RULE = re.compile(r"[a-z][a-z0-9]*(-[a-z0-9]+)*")
 NAME_HELP = "lowercase letters and digits, words joined by single hyphens, starting with a letter (e.g. fed-xyz)"
@@ -34,9 +34,9 @@ METHOD_TABLE_HEADER = "| name | for | paper |"  # README.md's table of methods
 # all, and a test compares them with the Makefile): the catalog first, as the others read default models from it.
 REGENERATORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("catalog", ("-m", "medflare.catalog")),
-    ("apps", ("-m", "medflare.deploy.apps")),
+    ("apps", ("-m", "medflare.console.deploy.apps")),
     ("templates", ("tools/job_templates.py",)),
-    ("policies", ("-c", "from medflare.deploy.policies import write_policy_templates as w; w()")),
+    ("policies", ("-c", "from medflare.console.deploy.policies import write_policy_templates as w; w()")),
     ("privacy-doc", ("tools/privacy_doc.py",)),
 )
 DEFAULT_SUMMARY = "{name}: starts as FedAvg (cross-entropy locally, sample-count-weighted average)"

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
+from medflare.console.files import disk_full_message, is_disk_full
 from medflare.errors import ConfigError, MedflareError
-from medflare.files import disk_full_message, is_disk_full
 
 EXAMPLES = """examples:
   medflare methods
@@ -115,9 +115,9 @@ def short_count(count: int) -> str:
 
 def cmd_config(args: argparse.Namespace) -> int:
     """``medflare config``: the effective configuration of a run as TOML, or its resolved plan (``--plan``)."""
-    from medflare.effective_config import config_toml
+    from medflare.console.effective_config import config_toml
+    from medflare.console.run_options import build_run_config, option_layers
     from medflare.plan import resolve, validated
-    from medflare.run_options import build_run_config, option_layers
 
     if args.plan:  # what the simulator job will do, resolved (this reads the data for the task's shape)
         plan = resolve(build_run_config(args), "byoc", check_files=False)
@@ -135,8 +135,8 @@ def checked_run(args: argparse.Namespace, method: str | None = None, seed: int |
     """The layered run of ``args``, the plan of the job ``--env`` gets and its sites' facts (the data read and
     partitioned): every check before anything starts. ``compare`` passes each ``seed`` and one protocol's
     ``data_defaults`` for every method."""
+    from medflare.console.run_options import build_run_config
     from medflare.plan import describe_sites, resolve
-    from medflare.run_options import build_run_config
 
     run = build_run_config(args, method)
     if seed is not None:
@@ -150,7 +150,7 @@ def checked_run(args: argparse.Namespace, method: str | None = None, seed: int |
 def show_task(run: Any, plan: Any, sites: dict[str, Any]) -> None:
     """Print the task a plan trains and each site's images (``launch.task_lines``; ``sites``: :func:`checked_run`'s,
     or ``plan.describe_sites``')."""
-    from medflare.launch import task_lines
+    from medflare.console.launch import task_lines
 
     for line in task_lines(plan, sites, run):
         print(line)
@@ -159,18 +159,18 @@ def show_task(run: Any, plan: Any, sites: dict[str, Any]) -> None:
 def run_in_env(args: argparse.Namespace, plan: Any, out: Path, overwrite: bool = False) -> dict[str, Any]:
     """Run the job of ``plan`` (:func:`checked_run`'s) where ``--env`` says, outputs in ``out``; its summary."""
     if args.env == "poc":
-        from medflare.deploy.poc import run_poc
+        from medflare.console.deploy.poc import run_poc
 
         return run_poc(plan, out, mode=args.mode, overwrite=overwrite)
-    from medflare.simulate import run_simulation
+    from medflare.console.simulate import run_simulation
 
     return run_simulation(plan, out, overwrite=overwrite)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     """``medflare run``: one method's job in the simulator, a POC or production, and its outputs."""
-    from medflare.files import OutputTarget
-    from medflare.launch import results_text
+    from medflare.console.files import OutputTarget
+    from medflare.console.launch import results_text
 
     if args.resume:  # checked with everything else: same method, model and stages, more rounds
         if args.env == "poc":
@@ -205,8 +205,8 @@ def _tracking_note(plan: Any) -> None:
 
 def cmd_watch(args: argparse.Namespace) -> int:
     """``medflare watch``: a submitted job's progress, round by round, and its outputs when it ends."""
-    from medflare.deploy.poc import admin_kit
-    from medflare.deploy.watch import FINISHED_OK, as_user, watch
+    from medflare.console.deploy.poc import admin_kit
+    from medflare.console.deploy.watch import FINISHED_OK, as_user, watch
 
     kit, user = admin_kit(args.startup_kit, args.poc)
     print(f"medflare: following job {args.job_id}{as_user(user)}")
@@ -217,11 +217,11 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """``medflare compare``: several methods (and seeds) on the same data, with a comparison table and plots."""
-    from medflare.files import OutputTarget
-    from medflare.launch import results_text
+    from medflare.console.files import OutputTarget
+    from medflare.console.launch import results_text
+    from medflare.console.report import comparison_outputs
+    from medflare.console.run_options import build_run_config
     from medflare.plan import preset_lead, shared_data_defaults
-    from medflare.report import comparison_outputs
-    from medflare.run_options import build_run_config
 
     seeds = list(dict.fromkeys(args.seeds or [None]))
     methods = list(dict.fromkeys(args.methods))
@@ -269,10 +269,10 @@ def _compare_failure_log(staging: Path, finished: list[str], exc: BaseException)
 
 def cmd_export(args: argparse.Namespace) -> int:
     """``medflare export``: the run's FLARE job folder, to submit with FLARE's own tools."""
-    from medflare.files import OutputTarget
-    from medflare.job_export import job_code_digest, write_job
+    from medflare.console.files import OutputTarget
+    from medflare.console.job_export import job_code_digest, write_job
+    from medflare.console.run_options import build_run_config, data_was_chosen
     from medflare.plan import describe_sites, resolve
-    from medflare.run_options import build_run_config, data_was_chosen
 
     run = build_run_config(args)
     if not data_was_chosen(args):
@@ -327,8 +327,8 @@ def robust_note(plan: Any) -> str:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """``medflare report``: a run's outputs rebuilt from a downloaded job's results."""
-    from medflare.files import OutputTarget
-    from medflare.launch import report_from_results, results_text
+    from medflare.console.files import OutputTarget
+    from medflare.console.launch import report_from_results, results_text
 
     results = Path(args.results)
     beside = results if results.is_dir() else results.parent
@@ -348,7 +348,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_predict(args: argparse.Namespace) -> int:
     """``medflare predict``: a saved global model's predictions for new images, as CSV."""
-    from medflare.predict import predict_file
+    from medflare.console.predict import predict_file
 
     done = predict_file(args.checkpoint, args.input, args.output, split=args.split, window=args.window,
                         batch_size=args.batch_size, device=args.device, threads=args.threads)
@@ -375,7 +375,7 @@ def metrics_text(metrics: dict[str, float | None], labelled: int) -> str:
 
 def cmd_preflight(args: argparse.Namespace) -> int:
     """``medflare preflight``: a site checked before a job (``deploy.preflight``); exit 1 when a check fails."""
-    from medflare.deploy.preflight import FAIL, as_json, overall, preflight, table
+    from medflare.console.deploy.preflight import FAIL, as_json, overall, preflight, table
 
     checks = preflight(args.kit, job=args.job, max_images=args.max_images, server=not args.no_server)
     print(as_json(checks) if args.json else table(checks))
@@ -393,7 +393,7 @@ def add_env_options(parser: argparse.ArgumentParser) -> None:
 
 def make_parser() -> argparse.ArgumentParser:
     """The ``medflare`` command line: one subcommand per ``cmd_*`` function."""
-    from medflare.run_options import add_run_options
+    from medflare.console.run_options import add_run_options
 
     parser = OneLineParser(prog="medflare", description=__doc__, epilog=EXAMPLES,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -451,7 +451,7 @@ def make_parser() -> argparse.ArgumentParser:
     watch.add_argument("job_id", help="the job id 'nvflare job submit' (or 'medflare run --env poc') printed")
     watch.add_argument("--startup-kit", help="an admin's startup kit (default: $NVFLARE_STARTUP_KIT_DIR, else the "
                                              "lead's kit of the POC in --poc)")
-    watch.add_argument("--poc", help="a POC prepared by python -m medflare.deploy.poc (default $MEDFLARE_POC_ROOT "
+    watch.add_argument("--poc", help="a POC prepared by python -m medflare.console.deploy.poc (default $MEDFLARE_POC_ROOT "
                                      "or runs/poc)")
     watch.add_argument("--interval", type=float, default=2.0, help="seconds between polls (default 2)")
     watch.add_argument("--timeout", type=float, default=0, help="stop following after this many seconds (0 = never)")
@@ -478,7 +478,7 @@ def make_parser() -> argparse.ArgumentParser:
     rehearse = sub.add_parser(
         "rehearse", help="rehearse a deployment on this machine (root): provisioned kits, one network namespace per "
                          "participant, the lead's job over a shaped WAN, scripted faults; all removed afterwards")
-    from medflare.deploy.rehearse import add_rehearse_options, cmd_rehearse
+    from medflare.console.deploy.rehearse import add_rehearse_options, cmd_rehearse
 
     add_rehearse_options(rehearse)
     rehearse.set_defaults(func=cmd_rehearse)
@@ -497,7 +497,7 @@ def make_parser() -> argparse.ArgumentParser:
     new_method = sub.add_parser(
         "new-method", help="in a source checkout: write a new method (folder, registry line, ledger, card, tests) "
                            "and regenerate what the registry feeds, so the tests pass right after")
-    from medflare.new_method import add_new_method_options, cmd_new_method
+    from medflare.console.new_method import add_new_method_options, cmd_new_method
 
     add_new_method_options(new_method)
     new_method.set_defaults(func=cmd_new_method)
@@ -506,7 +506,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """The ``medflare`` console script: parse, run the subcommand, and turn a medflare error into one line."""
-    from medflare.processes import Interrupted, stop_on_signals
+    from medflare.console.processes import Interrupted, stop_on_signals
 
     args = make_parser().parse_args(argv)
     try:

@@ -21,12 +21,12 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from medflare.checkpoint import Checkpoint, normalization, read_checkpoint
+from medflare.console.files import atomic_write_text
 from medflare.data.classes import same_form
 from medflare.data.readers import IMAGE_SUFFIXES, is_image_file, parse_window, read_image, window_note
 from medflare.data.sources import CSV_CLASS_PREFIX, class_columns, manifest_rows
 from medflare.data.types import UNLABELED, ImageSet
 from medflare.errors import ConfigError, DataError
-from medflare.files import atomic_write_text
 from medflare.metrics.multi_label import THRESHOLD
 
 NPZ_IMAGE_KEYS = ("images",)  # else <split>_images (MedMNIST layout)
@@ -347,7 +347,7 @@ def _checked_labels(values: list[Any], num_classes: int, where: Path) -> np.ndar
 def write_predictions(output: Path, inputs: PredictInput, probabilities: np.ndarray, class_names: list[str], *,
                       multi_label: bool = False) -> None:
     """``image[,label],predicted,p_<class>...`` (multi-label: ``label_<class>`` columns as a manifest holds them,
-    ``predicted`` the ``;``-joined findings), written atomically (:func:`medflare.files.atomic_write_text`); names
+    ``predicted`` the ``;``-joined findings), written atomically (:func:`medflare.console.files.atomic_write_text`); names
     pass :func:`spreadsheet_text`. OutputError: disk full or ``output`` appeared meanwhile (nothing is left)."""
     names = [spreadsheet_text(n) for n in class_names]  # file and class names come from the input: untrusted
     label_header = [CSV_CLASS_PREFIX + n for n in names] if multi_label else ["label"]

@@ -229,7 +229,7 @@ def _server(kit: Path, client: FedClient) -> tuple[str, str]:
 
 
 def _versions(kit: Path) -> tuple[str, str]:
-    from medflare.deploy.policies import KIT_VERSIONS_FILE, installed_versions
+    from medflare.console.deploy.policies import KIT_VERSIONS_FILE, installed_versions
 
     here, recorded = installed_versions(), kit / "local" / KIT_VERSIONS_FILE
     if not recorded.is_file():
@@ -245,7 +245,7 @@ def _versions(kit: Path) -> tuple[str, str]:
 
 def _kit_versions(recorded: Path) -> dict[str, str]:
     """The versions a kit was set up with (``local/medflare_kit_versions.json``), schema-checked."""
-    fix = "the kit's local/ was altered: reinstall its policies (python -m medflare.deploy.provision --reinstall)"
+    fix = "the kit's local/ was altered: reinstall its policies (python -m medflare.console.deploy.provision --reinstall)"
     return readback.check(readback.load_json(recorded, DataError, fix=fix),
                           readback.obj(optional={"nvflare": readback.STR, "medflare": readback.STR}),
                           str(recorded), DataError, fix)
@@ -254,7 +254,7 @@ def _kit_versions(recorded: Path) -> dict[str, str]:
 def _platform(kit: Path) -> tuple[str, str]:
     """FAIL when the FLARE installed here, or the one the kit was set up with, has known advisories."""
     from medflare.advisories import NVFLARE_FLOOR, installed_nvflare, platform_refusal
-    from medflare.deploy.policies import KIT_VERSIONS_FILE
+    from medflare.console.deploy.policies import KIT_VERSIONS_FILE
 
     here = installed_nvflare()
     unsafe = platform_refusal(here, "this site")
@@ -554,8 +554,8 @@ def _job_policy(plan: Any, policy: Any) -> tuple[str, str]:
 def _job_code(job: Path, policy: Any) -> tuple[str, str]:
     """The digest of the code the job brings (computed here, as the site computes it when the job arrives), and the
     site policy's verdict on it; a WARN when it differs from the digest the job's export recorded."""
+    from medflare.console.job_export import job_code_digest
     from medflare.job_code import META_KEY
-    from medflare.job_export import job_code_digest
 
     digest = job_code_digest(job)
     refusal = policy.code_refusal(digest)

@@ -120,7 +120,7 @@ def watch(job_id: str, kit: Path, username: str, echo: Echo = print, timeout: fl
     """Open an admin session with ``kit`` and :func:`watch_job`; the session is always closed."""
     from nvflare.fuel.flare_api.flare_api import new_secure_session
 
-    from medflare.processes import confine_flare_config_search
+    from medflare.console.processes import confine_flare_config_search
 
     confine_flare_config_search(Path(kit))
     try:

@@ -2,9 +2,9 @@ r"""Provision a consortium: ``nvflare provision`` writes the startup kits, then 
 
 Command line (what ``provisioning/provision.sh`` runs)::
 
-    python -m medflare.deploy.provision -p provisioning/project.yml -w /secure/workspace \
+    python -m medflare.console.deploy.provision -p provisioning/project.yml -w /secure/workspace \
         [--mode byoc|preinstalled] [--site-mode hospital-b=preinstalled] [--gpus hospital-a=2]
-    python -m medflare.deploy.provision --reinstall /path/to/kit --mode preinstalled   # one existing kit
+    python -m medflare.console.deploy.provision --reinstall /path/to/kit --mode preinstalled   # one existing kit
 
 Every hospital kit also gets ``local/medflare_site.json.example``: the one file hospital IT writes, commented
 (:func:`site_config_example`).
@@ -22,8 +22,8 @@ from typing import Any, Mapping
 
 import yaml
 
-from medflare.deploy.policies import SITE_MODES, install_site_policies, is_site_kit
-from medflare.processes import nvflare_command
+from medflare.console.deploy.policies import SITE_MODES, install_site_policies, is_site_kit
+from medflare.console.processes import nvflare_command
 from medflare.site_config import COMMENT_PREFIX, SITE_CONFIG_FILE
 
 STATE_DIR = "state"  # <workspace>/<project>/state/cert.json: the root CA and every participant's private key
@@ -249,7 +249,7 @@ def _pairs(items: list[str], flag: str) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m medflare.deploy.provision``: startup kits for a project, with each site's policies."""
+    """``python -m medflare.console.deploy.provision``: startup kits for a project, with each site's policies."""
     parser = argparse.ArgumentParser(description="Provision a medflare consortium (startup kits + site policies).")
     parser.add_argument("-p", "--project", help="project.yml")
     parser.add_argument("-w", "--workspace", help="folder for the kits (keep it private)")

@@ -4,7 +4,7 @@ SIGKILL cannot be caught, so the rehearsal starts this small process first (:fun
 namespace exists) and holds the write end of a pipe to its stdin. The reaper blocks reading it; end of file means
 the rehearsal closed it (it cleaned up itself: nothing is left to do) or died. Then the reaper removes exactly what
 the rehearsal owns: the namespaces and ``/etc/netns`` folders named ``mfr-<its pid>-*``
-(:func:`medflare.deploy.netns.sweep_owner`), every process inside them (its servers, sites, preflights and watch,
+(:func:`medflare.console.deploy.netns.sweep_owner`), every process inside them (its servers, sites, preflights and watch,
 all started inside its namespaces; their qdiscs go with the namespaces), and the folders it names (the kits with
 their private keys, and its home). Nothing else is touched.
 """
@@ -28,7 +28,7 @@ def start_reaper(owner: int, folders: list[Path]) -> subprocess.Popen:
     to the rehearsal's process group leaves it to do its work."""
     package_root = str(Path(medflare.__file__).resolve().parents[1])  # this medflare, whatever the cwd
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
-    return subprocess.Popen([sys.executable, "-m", "medflare.deploy.reaper", "--owner", str(owner),
+    return subprocess.Popen([sys.executable, "-m", "medflare.console.deploy.reaper", "--owner", str(owner),
                              *map(str, folders)],
                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True, env=env)
 
@@ -47,7 +47,7 @@ def stop_reaper(reaper: subprocess.Popen, timeout: float = 60.0) -> None:
 def reap(owner: int, folders: list[Path]) -> list[str]:
     """Remove what the rehearsal of process ``owner`` made: its namespaces with their processes and hosts folders,
     and ``folders``; return the namespaces removed."""
-    from medflare.deploy.netns import sweep_owner
+    from medflare.console.deploy.netns import sweep_owner
 
     removed = sweep_owner(owner)
     for folder in folders:

@@ -24,7 +24,7 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     """The options every command that builds a job takes (``run``, ``compare``, ``export``, ``config``, POC
     ``submit``)."""
     from medflare.catalog import load_catalog  # not the partition module itself: that imports torch
-    from medflare.scenarios import list_scenarios
+    from medflare.console.scenarios import list_scenarios
 
     parser.add_argument("--data", help="synthetic[:k=v,...] | medmnist:PATH | folder:DIR | csv:FILE | site; "
                                        "--set data.imbalance=IR cuts a long-tailed training split from any source, "
@@ -127,8 +127,8 @@ def option_layers(args: argparse.Namespace, method: str | None = None) -> list[t
 
 def run_layers(args: argparse.Namespace, method: str | None = None) -> list[tuple[str, dict[str, Any]]]:
     """The layers under ``--set``, lowest first, named as the user gave them: --preset, --scenario, --config, flags."""
+    from medflare.console.scenarios import load_scenario
     from medflare.plan import preset_layer
-    from medflare.scenarios import load_scenario
 
     # compare: a method without the preset takes the shared part of the first compared method's that has one
     preset = preset_layer(getattr(args, "preset", None), method or args.method, getattr(args, "preset_lead", None))

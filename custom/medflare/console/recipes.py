@@ -4,13 +4,13 @@
 Example (a ``job.py`` in FLARE 2.9's style)::
 
     from nvflare.recipe import SimEnv
-    from medflare.recipes import recipe
+    from medflare.console.recipes import recipe
 
     job = recipe("fedmas", rounds=5, clients=3, data="synthetic:imbalance=20", partition="dirichlet:0.5")
     job.execute(SimEnv(num_clients=3))   # `python job.py --export --export-dir jobs/` writes the job instead
 
 A recipe writes its job with the builder ``medflare export`` and ``medflare run`` use (:func:`medflare.plan.resolve`,
-then :func:`medflare.job_export.write_job`), so the two cannot drift apart; options are ``medflare run``'s, checked
+then :func:`medflare.console.job_export.write_job`), so the two cannot drift apart; options are ``medflare run``'s, checked
 the same way. With ``PocEnv`` or ``ProdEnv`` the job gets the server's robust defences (``server_setup.DEPLOY_ROBUST`` under
 the recipe's own ``robust``); with ``SimEnv`` it keeps the recipe's settings; exported without an environment it
 decides as ``medflare export`` does. In ``SimEnv`` the console shows medflare's lines and every warning and error
@@ -57,7 +57,7 @@ class _MedflareJobConfig(FedJobConfig):
     def generate_job_config(self, job_root: str) -> None:
         """Write ``job_root/<job name>/`` from the job's plan (FLARE calls this for export, the simulator, POC and
         production); a deployed job's plan has the defences on, whatever its mode and data."""
-        from medflare.job_export import write_job
+        from medflare.console.job_export import write_job
 
         plan = resolve(self.run, self.mode, deployed=True, task=self.plan.task) if self.deployed else self.plan
         write_job(plan, Path(job_root), self.mode)

@@ -12,15 +12,15 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from medflare.console.files import OutputTarget
+from medflare.console.job_export import write_job
+from medflare.console.launch import failure_note, first_site_said, keep_site_logs, write_job_outputs
+from medflare.console.processes import nvflare_command, signals_held, start_kept, stop_process_tree
 from medflare.errors import ConfigError, MedflareError
-from medflare.files import OutputTarget
 from medflare.flare.controller import RESULTS_FILE
 from medflare.flare.memory import with_allocator_settings
 from medflare.flare.tracking import keep_server_records
-from medflare.job_export import write_job
-from medflare.launch import failure_note, first_site_said, keep_site_logs, write_job_outputs
 from medflare.plan import RunPlan, describe_sites
-from medflare.processes import nvflare_command, signals_held, start_kept, stop_process_tree
 from medflare.resume import check_resumable
 from medflare.site_runtime import SITE_LOG_FILE
 
@@ -43,7 +43,7 @@ SITE_RUN_ENDED = re.compile(r"ClientRunner - INFO - .*END_RUN fired")
 # no startup kits, so no provisioned TenSEAL contexts (FLARE's FedAvgRecipeWithHE refuses SimEnv likewise)
 SIMULATOR_HAS_NO_HE = ("secure_aggregation=he needs the TenSEAL contexts FLARE's HEBuilder provisions into startup "
                        "kits, which the simulator has none of; run it in a POC (medflare run --env poc, or "
-                       "python -m medflare.deploy.poc run) or in production")
+                       "python -m medflare.console.deploy.poc run) or in production")
 
 
 class SimulationError(MedflareError, RuntimeError):
@@ -53,7 +53,7 @@ class SimulationError(MedflareError, RuntimeError):
 def run_simulation(plan: RunPlan, out_dir: str | Path, echo: Callable[[str], None] = print,
                    overwrite: bool = False) -> dict[str, Any]:
     """Write the job of ``plan`` (``plan.resolve(run, "byoc")``), run ``nvflare simulator`` with one thread per site,
-    and write the run's outputs through :class:`medflare.files.OutputTarget` (a failure stops every process and
+    and write the run's outputs through :class:`medflare.console.files.OutputTarget` (a failure stops every process and
     leaves ``<out>.failed.log``)."""
     if plan.secure_aggregation == "he":
         raise ConfigError(SIMULATOR_HAS_NO_HE)

@@ -19,7 +19,7 @@ from medflare.contracts import privacy_scope
 from medflare.site_config import ALLOW_JOB_DATA, SITE_CONFIG_FILE
 
 SITE_MODES = ("byoc", "preinstalled")
-# The only medflare paths a job may name, by kit kind: the classes medflare.job_export writes (tests check both ways)
+# The only medflare paths a job may name, by kit kind: the classes medflare.console.job_export writes (tests check both ways)
 COMPONENT_NAMESPACE = "medflare.flare."
 SERVER_COMPONENTS = (
     "medflare.flare.persistor.MedflareModelPersistor",
@@ -214,7 +214,7 @@ def _write(path: Path, content: dict[str, Any]) -> Path:
 
 
 # ----- committed policy templates (provisioning/site_local/) ----------------------------------------
-POLICY_TEMPLATES_DIR = Path(__file__).resolve().parents[3] / "provisioning" / "site_local"
+POLICY_TEMPLATES_DIR = Path(__file__).resolve().parents[4] / "provisioning" / "site_local"
 _TEMPLATE_KEYS = {"client": "local_client_resources", "server": "local_server_resources"}
 
 

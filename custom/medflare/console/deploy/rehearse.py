@@ -1,9 +1,9 @@
 r"""Rehearse a cross-hospital deployment on one machine: ``medflare rehearse`` (needs root).
 
-The consortium is provisioned with the normal flow (:func:`medflare.deploy.provision.provision`) from
+The consortium is provisioned with the normal flow (:func:`medflare.console.deploy.provision.provision`) from
 ``provisioning/project.yml``, cut to the server, N hospitals and the people. Every participant runs from its own
 startup kit (``startup/start.sh``) in its own network namespace and address, joined by a bridge
-(:mod:`medflare.deploy.netns`); the server's names resolve through ``/etc/netns/<ns>/hosts``. Each hospital reads
+(:mod:`medflare.console.deploy.netns`); the server's names resolve through ``/etc/netns/<ns>/hosts``. Each hospital reads
 its own synthetic images from its kit's ``local/medflare_site.json``. The lead, in its namespace, submits a
 pre-installed job (``nvflare job submit``, as ``docs/deploy-lead.md`` says), follows it with ``medflare watch``,
 downloads it and builds the report (``medflare report``). Meanwhile links are shaped (``tc tbf``), taken down and
@@ -12,8 +12,8 @@ with ``resume_from`` (``docs/deploy.md``). At the end the deployment's promises 
 (timings, rounds, faults, checks) written beside the report.
 
 Everything it made is removed at the end, also on failure, SIGTERM or Ctrl-C; the server and sites run under
-medflare's process keeper (:mod:`medflare.processes`), so they die with it even when it is SIGKILLed, and its reaper
-(:mod:`medflare.deploy.reaper`, started first) then removes its namespaces, every process in them (a preflight, the
+medflare's process keeper (:mod:`medflare.console.processes`), so they die with it even when it is SIGKILLed, and its reaper
+(:mod:`medflare.console.deploy.reaper`, started first) then removes its namespaces, every process in them (a preflight, the
 lead's watch) and the kits; a rehearsal whose reaper died too is swept by the next one.
 
 Command line::
@@ -22,7 +22,7 @@ Command line::
     medflare rehearse --hospitals 3 --min-clients 2 --straggler 10 --rate hospital-c=10 \
         --outage hospital-b@round2:25 --kill hospital-c@round3:5 -o runs/rehearse-faults
     medflare rehearse --hospitals 3 --min-clients 2 --rounds 4 --kill-server round3:5 -o runs/rehearse-server
-    python -m medflare.deploy.rehearse faults -o runs/rehearse-faults     # the fault matrix (make rehearse-faults)
+    python -m medflare.console.deploy.rehearse faults -o runs/rehearse-faults     # the fault matrix (make rehearse-faults)
 """
 
 from __future__ import annotations
@@ -41,17 +41,17 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from medflare.deploy.netns import Wan, sweep_stale, unavailable_reason
-from medflare.deploy.reaper import start_reaper, stop_reaper
+from medflare.console.deploy.netns import Wan, sweep_stale, unavailable_reason
+from medflare.console.deploy.reaper import start_reaper, stop_reaper
+from medflare.console.processes import end_processes, run_kept
 from medflare.errors import ConfigError, MedflareError
-from medflare.processes import end_processes, run_kept
 
 if TYPE_CHECKING:
     from medflare.plan import RunPlan
 
 # provisioning, policies and FLARE are imported where used: `medflare --help` builds this command's options
 
-REPO_DIR = Path(__file__).resolve().parents[3]
+REPO_DIR = Path(__file__).resolve().parents[4]
 DEFAULT_PROJECT = REPO_DIR / "provisioning" / "project.yml"
 TASK = {"num_classes": 2, "in_channels": 1, "image_size": 28,  # what each hospital's synthetic data yields
         "class_names": ["class_0", "class_1"]}
@@ -159,7 +159,7 @@ class Rehearsal:
 def consortium(project: dict[str, Any], hospitals: int) -> dict[str, Any]:
     """project.yml cut to the server, ``hospitals`` hospitals (the project's first, then hospital-d, -e, ...; orgs
     likewise) and the project's people."""
-    from medflare.deploy.provision import participants
+    from medflare.console.deploy.provision import participants
 
     chosen = [dict(c) for c in participants(project, "client")[:hospitals]]
     for index in range(len(chosen), hospitals):
@@ -198,8 +198,8 @@ class Stage:
     def provision(self) -> None:
         import yaml
 
-        from medflare.deploy.policies import site_data_config
-        from medflare.deploy.provision import admin_with_role, load_project, participants, provision
+        from medflare.console.deploy.policies import site_data_config
+        from medflare.console.deploy.provision import admin_with_role, load_project, participants, provision
 
         project = consortium(load_project(self.plan.project_file), self.plan.hospitals)
         self.server = participants(project, "server")[0]
@@ -268,14 +268,14 @@ class Stage:
             raise RehearseError(f"{participant}'s startup/start.sh failed ({done.returncode}): {done.stderr[-500:]}")
 
     def in_ns(self, participant: str, command: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-        from medflare.processes import flare_admin_popen_args  # in the rehearsal's home: processes.py says why
+        from medflare.console.processes import flare_admin_popen_args  # in the rehearsal's home: processes.py says why
 
         return subprocess.run([*self.wan.exec_prefix(participant), *command], capture_output=True, text=True,
                               timeout=timeout, **flare_admin_popen_args(self.work / "home", self.env()))
 
     def nvflare(self, participant: str, admin: str, *args: str, timeout: float = 300) -> dict[str, Any]:
         """``nvflare ... --startup-kit <admin's kit> --format json`` run in ``participant``'s namespace."""
-        from medflare.processes import nvflare_command, nvflare_reply
+        from medflare.console.processes import nvflare_command, nvflare_reply
 
         command = [*nvflare_command(), *args, "--startup-kit", str(self.kit(admin)), "--format", "json"]
         return nvflare_reply(self.in_ns(participant, command, timeout))
@@ -306,7 +306,7 @@ class Stage:
 
     # ----- the job -----------------------------------------------------------------------------------------
     def run_config(self) -> Any:
-        from medflare.deploy.apps import deployment_run
+        from medflare.console.deploy.apps import deployment_run
 
         plan = self.plan
         return deployment_run(
@@ -317,7 +317,7 @@ class Stage:
             transfer_dtype=plan.transfer_dtype, download_dtype=plan.download_dtype, name=f"rehearse-{plan.method}")
 
     def export(self) -> Path:
-        from medflare.job_export import write_job
+        from medflare.console.job_export import write_job
         from medflare.plan import resolve
 
         self.job_plan = resolve(self.run_config(), "preinstalled", check_files=False)
@@ -329,7 +329,7 @@ class Stage:
         failing checks."""
         results = {}
         for site in self.hospitals:
-            done = self.in_ns(site, [sys.executable, "-m", "medflare.cli", "preflight", str(self.kit(site)),
+            done = self.in_ns(site, [sys.executable, "-m", "medflare.console.cli", "preflight", str(self.kit(site)),
                                      "--job", str(job_dir), "--json"], timeout=300)
             try:
                 report = json.loads(done.stdout.strip().splitlines()[-1])
@@ -357,7 +357,7 @@ class Stage:
     def resubmit(self, job_dir: Path) -> str:
         """The documented recovery from a server crash (``docs/deploy.md`` §8): once every hospital is connected to
         the restarted server, the lead submits the same job again with ``resume_from`` = the crashed job's id."""
-        from medflare.job_export import set_resume
+        from medflare.console.job_export import set_resume
 
         crashed, self.resume_from = self.resume_from, ""
         event = next(e for e in self.events if e.get("crashed_job") == crashed)
@@ -377,7 +377,7 @@ class Stage:
     def follow(self, job_id: str) -> int:
         """``medflare watch`` in the lead's namespace until the job ends, while the scripted faults play out;
         returns watch's exit code."""
-        command = [*self.wan.exec_prefix(self.lead), sys.executable, "-m", "medflare.cli", "watch", job_id,
+        command = [*self.wan.exec_prefix(self.lead), sys.executable, "-m", "medflare.console.cli", "watch", job_id,
                    "--startup-kit", str(self.kit(self.lead)), "--interval", "1",
                    "--timeout", str(int(self.plan.job_timeout))]
         watcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -488,7 +488,7 @@ class Stage:
         found = sorted((self.work / "download").glob(f"**/app_server/{RESULTS_FILE}"))
         if not found:
             raise RehearseError(f"the downloaded job has no {RESULTS_FILE}: it did not run (see the server log)")
-        done = self.in_ns(self.lead, [sys.executable, "-m", "medflare.cli", "report", str(found[0]), "-o",
+        done = self.in_ns(self.lead, [sys.executable, "-m", "medflare.console.cli", "report", str(found[0]), "-o",
                                       str(self.work / "report")])
         if done.returncode != 0:
             last = "\n".join((done.stderr or done.stdout).strip().splitlines()[-3:])
@@ -554,7 +554,7 @@ def check_outcome(plan: Rehearsal, status: str, results: dict[str, Any], model_p
                   server_log: str, job_id: str, submitted_at: float | None = None) -> list[dict[str, Any]]:
     """What the deployment promises, each as {check, expected, observed, ok}; ``submitted_at`` (the job's
     submission time) places the faults' times, relative to it, among the rounds'."""
-    from medflare.deploy.policies import SITE_HEARTBEAT_TIMEOUT
+    from medflare.console.deploy.policies import SITE_HEARTBEAT_TIMEOUT
 
     rounds = results.get("rounds", [])
     walls = [r.get("wall_seconds", 0.0) for r in rounds]
@@ -675,7 +675,7 @@ def _check(check: str, expected: str, observed: str, ok: bool) -> dict[str, Any]
 def rehearse(plan: Rehearsal, out_dir: str | Path, echo: Echo = print, overwrite: bool = False) -> dict[str, Any]:
     """Run one rehearsal; write report, logs and ``rehearsal.json`` into ``out_dir``; return the record (``ok``
     false when a check failed). RehearseError: namespaces are unavailable (one line why), or it could not run."""
-    from medflare.files import OutputTarget
+    from medflare.console.files import OutputTarget
 
     reason = unavailable_reason()
     if reason:
@@ -701,7 +701,7 @@ def rehearse(plan: Rehearsal, out_dir: str | Path, echo: Echo = print, overwrite
 def _rehearse(plan: Rehearsal, out_dir: str | Path, echo: Echo, stage: Stage, target: Any,
               staging: Path) -> dict[str, Any]:
     """:func:`rehearse` once its output folder (``target``, staged in ``staging``) and its reaper are set up."""
-    from medflare.deploy.policies import SITE_HEARTBEAT_TIMEOUT
+    from medflare.console.deploy.policies import SITE_HEARTBEAT_TIMEOUT
 
     record: dict[str, Any] = {"plan": {**asdict(plan), "project_file": str(plan.project_file)}}
     try:
@@ -751,7 +751,7 @@ def _rehearse(plan: Rehearsal, out_dir: str | Path, echo: Echo, stage: Stage, ta
         shutil.copy(results_path, staging / results_path.name)  # the lead's download: per-round bytes and timings
         stage.keep_logs(staging)
     except BaseException as exc:
-        from medflare.processes import quiet_on_closed_output, signals_held
+        from medflare.console.processes import quiet_on_closed_output, signals_held
 
         with signals_held():  # a second Ctrl-C must not stop the clean-up half-way
             stage.echo = quiet_on_closed_output(echo)
@@ -928,12 +928,12 @@ def cmd_rehearse(args: Any) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m medflare.deploy.rehearse``: a rehearsal, or its fault matrix (``faults``)."""
+    """``python -m medflare.console.deploy.rehearse``: a rehearsal, or its fault matrix (``faults``)."""
     import argparse
 
-    from medflare.processes import Interrupted, stop_on_signals
+    from medflare.console.processes import Interrupted, stop_on_signals
 
-    parser = argparse.ArgumentParser(prog="python -m medflare.deploy.rehearse", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m medflare.console.deploy.rehearse", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     one = sub.add_parser("run", help="one rehearsal (as medflare rehearse)")

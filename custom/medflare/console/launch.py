@@ -1,7 +1,7 @@
 """Running a job in any environment (simulator, POC, rehearsal): its sites, its FLARE job, its outputs, and what a job
-that ran elsewhere was built from. The layer below ``medflare.cli`` and ``medflare.deploy``, importing neither
-(``tests/test_layering.py``); the one door to :mod:`medflare.report`. Outputs go through
-:class:`medflare.files.OutputTarget` (never deletes what medflare did not write; a failure leaves ``.failed.log``).
+that ran elsewhere was built from. The layer below ``medflare.console.cli`` and ``medflare.console.deploy``, importing neither
+(``tests/test_layering.py``); the one door to :mod:`medflare.console.report`. Outputs go through
+:class:`medflare.console.files.OutputTarget` (never deletes what medflare did not write; a failure leaves ``.failed.log``).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def write_job_outputs(plan: RunPlan, results_file: Path, out: Path, clients: Map
                       copy_models: bool = True) -> dict[str, Any]:
     """summary.json, rounds.csv, report.md, plots and (``copy_models``) the global models, from the controller's
     results file: the same outputs in every environment."""
-    from medflare.report import build_summary, write_outputs
+    from medflare.console.report import build_summary, write_outputs
 
     results = json.loads(results_file.read_text())
     config = {**summary_config(plan), **(deployment or {})}
@@ -115,7 +115,13 @@ def plan_check(server_plan: str | None, plan: RunPlan) -> str:
 def results_text(summaries: list[Mapping[str, Any]], out: Path, seeds: int = 1) -> str:
     """What a finished command prints: the results table (mean ± std over several seeds), a single run's timing,
     warnings (untrained best model, a differing plan) and where the files are."""
-    from medflare.report import comparison_table, format_seconds, results_table, startup_text, untrained_best_warning
+    from medflare.console.report import (
+        comparison_table,
+        format_seconds,
+        results_table,
+        startup_text,
+        untrained_best_warning,
+    )
 
     lines = ["", comparison_table(summaries) if seeds > 1 else results_table(summaries)]
     if len(summaries) == 1:
@@ -135,8 +141,8 @@ def report_from_results(results_file: Path, out: Path, copy_models: bool = True)
     """The usual run outputs in ``out`` from a job's ``medflare_results.json`` (or its folder) and the plan FLARE
     deployed beside it (``app_server/config/``). ConfigError: a missing or unreadable file or plan, or a plan
     whose fingerprint differs from the one the server ran."""
+    from medflare.console.report import read_results
     from medflare.flare.controller import RESULTS_FILE
-    from medflare.report import read_results
 
     results_file = results_file / RESULTS_FILE if results_file.is_dir() else results_file
     if not results_file.is_file():

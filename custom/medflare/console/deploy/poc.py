@@ -1,7 +1,7 @@
 """Run medflare jobs in a real FLARE POC (provisioned mTLS kits, separate server/site processes) on one machine.
 
 Everything a POC touches lives under one root folder: its own ``HOME`` (FLARE's startup-kit registry, and the
-working folder of the ``nvflare`` commands: medflare/processes.py says why) and ``NVFLARE_POC_WORKSPACE``, so nothing
+working folder of the ``nvflare`` commands: medflare/console/processes.py says why) and ``NVFLARE_POC_WORKSPACE``, so nothing
 leaks into ``~/.nvflare`` and re-running is safe. One medflare process at a time works on a root (a lock file names
 the owner's PID). A POC that ``run`` (or ``medflare run --env poc``) starts dies with it, even when it is SIGKILLed;
 one started step by step lives until ``stop``. The POC is prepared from ``provisioning/project.yml`` (same server,
@@ -9,14 +9,14 @@ orgs and admin roles; clients renamed ``site-1..N``), and jobs are submitted as 
 
 Command line (what the ``poc/*.sh`` scripts run)::
 
-    python -m medflare.deploy.poc prepare --sites 2
-    python -m medflare.deploy.poc start
-    python -m medflare.deploy.poc submit fedavg --mode preinstalled [run options]
-    python -m medflare.deploy.poc wait
-    python -m medflare.deploy.poc download -o runs/poc-fedavg
-    python -m medflare.deploy.poc stop
-    python -m medflare.deploy.poc clean
-    python -m medflare.deploy.poc run fedavg --mode byoc -o runs/poc-fedavg   # all of the above
+    python -m medflare.console.deploy.poc prepare --sites 2
+    python -m medflare.console.deploy.poc start
+    python -m medflare.console.deploy.poc submit fedavg --mode preinstalled [run options]
+    python -m medflare.console.deploy.poc wait
+    python -m medflare.console.deploy.poc download -o runs/poc-fedavg
+    python -m medflare.console.deploy.poc stop
+    python -m medflare.console.deploy.poc clean
+    python -m medflare.console.deploy.poc run fedavg --mode byoc -o runs/poc-fedavg   # all of the above
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from typing import Any, Callable, Iterator, Mapping
 import psutil
 import yaml
 
-from medflare.deploy.policies import SITE_MODES, site_data_config
-from medflare.deploy.provision import (
+from medflare.console.deploy.policies import SITE_MODES, site_data_config
+from medflare.console.deploy.provision import (
     STATE_DIR,
     admin_with_role,
     install_kit,
@@ -46,13 +46,10 @@ from medflare.deploy.provision import (
     protect_secrets,
     with_he_builder,
 )
-from medflare.deploy.watch import KIT_ENV, WatchError, kit_username, watch
-from medflare.errors import ConfigError, MedflareError
-from medflare.files import OutputTarget
-from medflare.flare.memory import with_allocator_settings
-from medflare.flare.tracking import keep_server_records
-from medflare.job_export import write_job
-from medflare.launch import (
+from medflare.console.deploy.watch import KIT_ENV, WatchError, kit_username, watch
+from medflare.console.files import OutputTarget
+from medflare.console.job_export import write_job
+from medflare.console.launch import (
     failure_note,
     first_site_said,
     job_plan_in,
@@ -60,8 +57,7 @@ from medflare.launch import (
     results_text,
     write_job_outputs,
 )
-from medflare.plan import RunPlan, describe_sites, resolve
-from medflare.processes import (
+from medflare.console.processes import (
     end_processes,
     flare_admin_popen_args,
     nvflare_command,
@@ -70,10 +66,14 @@ from medflare.processes import (
     run_kept,
     signals_held,
 )
-from medflare.run_options import add_run_options, build_run_config
+from medflare.console.run_options import add_run_options, build_run_config
+from medflare.errors import ConfigError, MedflareError
+from medflare.flare.memory import with_allocator_settings
+from medflare.flare.tracking import keep_server_records
+from medflare.plan import RunPlan, describe_sites, resolve
 from medflare.server_setup import DEPLOY_ROBUST
 
-REPO_DIR = Path(__file__).resolve().parents[3]
+REPO_DIR = Path(__file__).resolve().parents[4]
 DEFAULT_PROJECT = REPO_DIR / "provisioning" / "project.yml"
 # Read when a POC is made, not at import: a test or a long-lived process may set them later
 ROOT_ENV, DEFAULT_ROOT = "MEDFLARE_POC_ROOT", Path("runs/poc")
@@ -164,7 +164,7 @@ class PocSession:
     """One isolated POC: its root folder (``home/``, ``poc/``: FLARE's POC workspace, ``medflare_poc.json``), the
     server's single FL/admin ``port`` on loopback, and the FLARE CLI calls that drive it.
 
-    ``tied``: the server and sites die with this process (through keepers, :mod:`medflare.processes`), as in
+    ``tied``: the server and sites die with this process (through keepers, :mod:`medflare.console.processes`), as in
     :func:`run_poc`; otherwise they outlive it, for the step-by-step command line's next step. ``stop_timeout``:
     seconds ``nvflare poc stop`` may take (it hangs while the network is down) before the processes are ended.
     """
@@ -650,10 +650,10 @@ def _cmd_run(session: PocSession, args: Any) -> int:
 
 
 def make_parser() -> Any:
-    """The command line of ``python -m medflare.deploy.poc`` (the steps ``poc/*.sh`` call)."""
+    """The command line of ``python -m medflare.console.deploy.poc`` (the steps ``poc/*.sh`` call)."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m medflare.deploy.poc", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m medflare.console.deploy.poc", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--root", help="folder for this POC (HOME, workspace, jobs); default $MEDFLARE_POC_ROOT or "
                                        "runs/poc ('run': or inside its result folder's staging)")
@@ -700,10 +700,10 @@ def make_parser() -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m medflare.deploy.poc``: one POC step (prepare, start, submit, wait, download, stop, clean)."""
+    """``python -m medflare.console.deploy.poc``: one POC step (prepare, start, submit, wait, download, stop, clean)."""
     import sys
 
-    from medflare.processes import Interrupted, stop_on_signals
+    from medflare.console.processes import Interrupted, stop_on_signals
 
     args = make_parser().parse_args(argv)
     try:
