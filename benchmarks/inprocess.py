@@ -123,7 +123,7 @@ def run_rounds(job: RunPlan | RunConfig, deliver: Deliver = run_at_site,
             continue
         started, evaluations = time.perf_counter(), {}
         core.start_round(params, dataclasses.replace(ctx, server_meta=core.rule.server_meta(ctx)))
-        for phase in plan.rounds[ctx.round].phases:
+        for phase in core.rule.phases(core.ctx):  # as the controller: the rule names them as it runs
             outgoing = core.start_phase(phase)
             tasks = outgoing.arrays if isinstance(outgoing, PerSite) else {site: outgoing for site in sites.sites}
             _send(sites, core, phase, tasks, deliver, _collecting(on_result, evaluations, core))

@@ -288,8 +288,9 @@ def test_only_the_resolver_looks_a_method_up_and_types_its_options() -> None:
 
 @pytest.mark.parametrize("method", list_methods())
 def test_the_plans_rounds_are_the_schedule_the_server_rule_builds_stage_by_stage(method: str) -> None:
-    """Issue 64: the controller and the in-process engine run ``plan.round_contexts()`` and each round's recorded
-    phases; both equal what the method's stages and server rule give, so the plan is the one schedule."""
+    """Issue 64: the controller and the in-process engine run ``plan.round_contexts()``, which equal the method's
+    stages round by round; each round's recorded phases are a fresh rule's (a stateful rule decides them as it runs:
+    tests/integration/test_fedlsm_simulator.py, FedLSM's set-up phase in round 0 only)."""
     from medflare.server_setup import round_plan, server_rule
 
     from .integration._smoke import smoke_run

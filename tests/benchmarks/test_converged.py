@@ -130,6 +130,11 @@ def test_the_store_appends_atomically_and_finds_a_row_only_with_the_same_configu
     assert again.find(key, "digest-a")["val_best"] == 0.4
     assert again.find(key, "digest-b") is None  # another configuration is run again, not reused
     assert json.loads(path.read_text())[0]["arm"] == "fca" and not path.with_suffix(".tmp").exists()
+    if SHARED.is_file():  # only rows of today's configuration are read by the report
+        seed_1 = converged.RunKey(key.claim, key.arm, 1, key.lr)
+        store.add({**row(key.claim, key.arm, 1, key.lr, 0.5, {}), "config": converged.config_digest(
+            converged.run_config(seed_1))})
+        assert [r["seed"] for r in converged.Store(path).current([converged.CLAIM["fca-retina"]])] == [1]
 
 
 @pytest.mark.slow

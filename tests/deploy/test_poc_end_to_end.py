@@ -199,7 +199,7 @@ def test_site_refuses_tamper_jobs_and_job_chosen_data(poc, site3) -> None:
     assert all(r["event"] in ("decision", "task", "failed", "end") and len(r["plan"]) == 12 for r in chain.records)
     assert {r["decision"] for r in chain.records if r["event"] == "decision"} <= {"accepted", "declined"}
     # the tamper component's index depends on how many components the job has (tracking adds some)
-    refusal = re.compile(r"Component 'medflare\.deploy\.policies\.install_site_policies' at config path "
+    refusal = re.compile(r"Component 'medflare\.console\.deploy\.policies\.install_site_policies' at config path "
                          r"'components\.#\d+' is not in")
     site_log = _site3_job_log(session, site3["ids"]["tamper"])
     assert refusal.search(site_log), site_log[-2000:]

@@ -240,7 +240,9 @@ class MedflareController(Controller):
         self.fire_event(AppEventType.ROUND_STARTED, fl_ctx)
         record = {**run_results.new_record(ctx.round, started), "stage": ctx.stage}
         evaluations: dict[str, dict] = {}
-        for phase in self.plan.rounds[ctx.round].phases:
+        # the rule names the round's phases as it runs: the plan records a fresh rule's, and a stateful rule adds
+        # one where it lacks what it needs (FedLSM's label_counts set-up again after a resume)
+        for phase in core.rule.phases(ctx):
             outgoing = core.start_phase(phase)
             self._send_phase(phase, outgoing, ctx, record, evaluations, abort_signal, fl_ctx)
             if abort_signal.triggered:
