@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -151,9 +152,14 @@ def classification_table(summary: Mapping[str, Any]) -> dict[str, float | None]:
 
 
 # ----- the claims ---------------------------------------------------------------------------------------------
+@functools.cache
+def verified_retina() -> Path:
+    """RetinaMNIST, its MD5 checked once per process (every run's configuration names it)."""
+    return verify_medmnist_file(RETINA)
+
+
 def retina(**data: Any) -> dict[str, Any]:
-    verify_medmnist_file(RETINA)
-    return {"source": f"medmnist:{RETINA}", **data}
+    return {"source": f"medmnist:{verified_retina()}", **data}
 
 
 CNN_TRAIN = {"optimizer": "adam", "batch_size": 64, "local_epochs": 1}
@@ -420,6 +426,12 @@ class Store:
         os.replace(tmp, self.path)
 
 
+def pretrainings(claims: list[Claim]) -> list[tuple[str, int]]:
+    """SSL-FL's pre-training jobs of ``claims``: one per (method, seed), shared by the label fractions."""
+    return sorted({(arm.pretrain, seed) for claim in claims for arm in claim.arms if arm.pretrain
+                   for seed in (TUNING_SEED, *SEEDS)})
+
+
 def tuning_keys(claim: Claim) -> list[RunKey]:
     return [RunKey(claim.name, arm.name, TUNING_SEED, lr) for arm in claim.arms for lr in LR_GRID]
 
@@ -449,8 +461,7 @@ def estimate(claims: list[Claim]) -> tuple[str, float, float]:
     arm's measured ``round_seconds``) and its bound (every run to the cap); SSL-FL's pre-training jobs are counted once per
     (method, seed), as the label fractions share them."""
     lines, expected, bound = [], 0.0, 0.0
-    pretrainings = {(arm.pretrain, seed) for claim in claims for arm in claim.arms if arm.pretrain
-                    for seed in (TUNING_SEED, *SEEDS)}
+    jobs = pretrainings(claims)
     for claim in claims:
         runs = len(LR_GRID) + len(SEEDS)
         cost = sum(claim.round_seconds[arm.name] for arm in claim.arms) * runs
@@ -461,9 +472,9 @@ def estimate(claims: list[Claim]) -> tuple[str, float, float]:
                      f"{len(SEEDS)} seeds) = {len(claim.arms) * runs} runs, ~{cost * claim.typical_rounds / 60:.0f} "
                      "CPU-min "
                      f"(every run to the cap: {cost * ROUNDS_CAP / 60:.0f})")
-    extra = sum(PRETRAIN_SECONDS[method] for method, _ in pretrainings)
-    if pretrainings:
-        lines.append(f"  SSL-FL pre-training: {len(pretrainings)} jobs, ~{extra / 60:.0f} CPU-min")
+    extra = sum(PRETRAIN_SECONDS[method] for method, _ in jobs)
+    if jobs:
+        lines.append(f"  SSL-FL pre-training: {len(jobs)} jobs, ~{extra / 60:.0f} CPU-min")
     return "\n".join(lines), expected + extra, bound + extra
 
 
@@ -474,11 +485,10 @@ PRETRAIN_SECONDS = {"fed-mae": 50.0, "fed-beit": 100.0}
 def run_pack(claims: list[Claim], store: Store, out: Path, workers: int) -> None:
     """SSL-FL's pre-training jobs, then the tuning grid of every claim, then its seeds at each arm's chosen lr;
     finished rows (and cached encoders) are skipped, so a stopped pack resumes."""
-    pretrainings = sorted({(arm.pretrain, seed) for claim in claims for arm in claim.arms if arm.pretrain
-                           for seed in (TUNING_SEED, *SEEDS)})
-    print(f"converged: pre-training: {len(pretrainings)} encoders (cached ones are reused)", flush=True)
+    jobs = pretrainings(claims)
+    print(f"converged: pre-training: {len(jobs)} encoders (cached ones are reused)", flush=True)
     _in_pool(workers, [(pretrain_encoder, (method, seed, out), f"pre-training {method} seed {seed}")
-                       for method, seed in pretrainings], lambda label, result: None)
+                       for method, seed in jobs], lambda label, result: None)
     for phase in ("tune", "seeds"):
         todo = []
         for key, planned in planned_runs(claims):

@@ -14,6 +14,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from benchmarking import mean_std
 from converged import LR_GRID, PATIENCE, ROUNDS_CAP, SEEDS, TUNING_SEED, Claim
 
 REPRODUCED, NOT_REPRODUCED, NO_DIFFERENCE = "reproduced", "not reproduced", "no difference"
@@ -82,9 +83,11 @@ def claim_result(rows: Sequence[Mapping[str, Any]], claim: Claim) -> dict[str, A
 
 
 def _mean_std(values: Sequence[float]) -> tuple[float, float, int]:
-    if not values:
+    """benchmarking.mean_std with the count, and no spread (nan) from one value."""
+    found = mean_std(list(values))
+    if found is None:
         return math.nan, math.nan, 0
-    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else math.nan, len(values)
+    return found[0], found[1] if len(values) > 1 else math.nan, len(values)
 
 
 def _cell(value: tuple[float, float, int] | None) -> str:

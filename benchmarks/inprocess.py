@@ -21,7 +21,7 @@ import torch
 from medflare import contracts
 from medflare.evaluation import SiteEvaluation, headline_metric, site_evaluation, summarize
 from medflare.flare.models import global_model_of
-from medflare.flare.run_results import RunResults
+from medflare.flare.run_results import RunResults, new_record
 from medflare.flare.tasks import TASK_VALIDATE, round_context, round_meta
 from medflare.methods.base import AggregateResult, PerSite, RoundContext, SiteUpdate
 from medflare.plan import RunPlan, resolve
@@ -122,11 +122,13 @@ def run_rounds(job: RunPlan | RunConfig, deliver: Deliver = run_at_site,
         if ctx.round < done_rounds:
             continue
         started, evaluations = time.perf_counter(), {}
+        record = new_record(ctx.round, time.time())  # what the controller's record of the round would hold
         core.start_round(params, dataclasses.replace(ctx, server_meta=core.rule.server_meta(ctx)))
         for phase in core.rule.phases(core.ctx):  # as the controller: the rule names them as it runs
             outgoing = core.start_phase(phase)
             tasks = outgoing.arrays if isinstance(outgoing, PerSite) else {site: outgoing for site in sites.sites}
-            _send(sites, core, phase, tasks, deliver, _collecting(on_result, evaluations, core))
+            _send(sites, core, phase, tasks, deliver,
+                  on_result if results is None else _recording(on_result, results, record, evaluations, core))
         if results is not None and ctx.scored and evaluations:  # as the controller: the received model's scores
             results.record_evaluation(ctx.round, summarize(evaluations, plan.shot_groups,
                                                            share_cap=core.robust.max_share), None)
@@ -144,15 +146,14 @@ def selecting(job: RunPlan | RunConfig) -> RunResults:
     return RunResults(headline_metric(plan.task.multi_label), plan.patience)
 
 
-def _collecting(on_result: Callable[..., None], evaluations: dict[str, SiteEvaluation],
-                core: RoundAggregation) -> Callable[..., None]:
-    """``on_result``, after keeping each result's evaluation statistics (if it sent any) in ``evaluations``."""
-    def collect(ctx: RoundContext, site: str, result: tuple[dict, dict]) -> None:
-        evaluation = site_evaluation(result[1], core.num_classes, core.multi_label)
-        if evaluation:
-            evaluations[site] = evaluation
+def _recording(on_result: Callable[..., None], results: RunResults, record: dict,
+               evaluations: dict[str, SiteEvaluation], core: RoundAggregation) -> Callable[..., None]:
+    """``on_result``, after ``results`` took each result's facts and evaluation statistics (into ``evaluations``)
+    as the controller's record takes them (:meth:`RunResults.accept_site_result`)."""
+    def accept(ctx: RoundContext, site: str, result: tuple[dict, dict]) -> None:
+        results.accept_site_result(record, evaluations, site, result[1], core.num_classes, core.multi_label)
         on_result(ctx, site, result)
-    return collect
+    return accept
 
 
 def _send(sites: InProcessSites, core: RoundAggregation, phase: str, tasks: dict[str, dict], deliver: Deliver,

@@ -54,6 +54,14 @@ def platform_refusal(nvflare: object, who: str) -> str:
     return ""
 
 
+def startup_check(who: str, exported: str) -> tuple[str, str]:
+    """What ``who`` makes of the FLARE installed here when a job exported with ``exported`` starts: (why it must not
+    run, "" when it may; a warning's text, "" when none)."""
+    nvflare = installed_nvflare()
+    other = exported_mismatch(nvflare, exported, who)
+    return platform_refusal(nvflare, who), f"{other}; medflare was tested with the job's" if other else ""
+
+
 def exported_mismatch(nvflare: str, exported: str, who: str) -> str:
     """A WARN's text when ``who`` runs another FLARE than the job was exported with ("" when the same or unknown)."""
     if not exported or nvflare == exported:

@@ -16,13 +16,14 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
+from itertools import groupby
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from medflare.advisories import installed_nvflare
 from medflare.config import MAX_CLIENTS, MAX_ROUNDS, bounded, check_fields, fields_typed, from_dict, same_bound
 from medflare.errors import ConfigError
-from medflare.methods.base import MethodSpec, RoundContext, TrainConfig
+from medflare.methods.base import MethodSpec, RoundContext, Stage, TrainConfig
 from medflare.ops.server_opt import (
     ServerOptConfig,
     check_server_optimizer,
@@ -179,15 +180,9 @@ class RunPlan:
     def round_contexts(self) -> tuple[RoundContext, ...]:
         """The job's rounds as the server runs them (``rounds``): each round's context with its stage's own counters
         (``stage_round`` restarts with each stage); the phases each sends are ``rounds[i].phases``."""
-        lengths: dict[int, int] = {}  # the first round of each stage -> its stage's length
-        starts = []
-        for step in self.rounds:
-            first = starts[-1] if starts and self.rounds[starts[-1]].stage == step.stage else step.round
-            starts.append(first)
-            lengths[first] = lengths.get(first, 0) + 1
-        return tuple(RoundContext(step.round, len(self.rounds), stage=step.stage, stage_round=step.round - first,
-                                  stage_rounds=lengths[first], scored=step.scored)
-                     for step, first in zip(self.rounds, starts))
+        stages = [Stage(name, len(steps), steps[0].scored)
+                  for name, steps in ((name, list(group)) for name, group in groupby(self.rounds, lambda r: r.stage))]
+        return tuple(round_plan(stages, len(self.rounds)))
 
     @property
     def network(self) -> GlobalNetwork:

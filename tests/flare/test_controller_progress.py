@@ -205,10 +205,9 @@ def test_the_results_record_the_defences_the_server_ran_with(robust: dict, recor
 def test_the_server_refuses_to_start_on_a_flare_with_known_advisories_and_warns_on_another_release(
         tmp_path: Path, monkeypatch, nvflare: str, panics: bool, warns: bool) -> None:
     """Issue 64: the controller checks the FLARE it runs on when the job starts (the plan was resolved on 2.9.0)."""
-    from medflare.flare import controller as controller_module
 
     panicked, warned = [], []
-    monkeypatch.setattr(controller_module, "installed_nvflare", lambda: nvflare)
+    monkeypatch.setattr("medflare.advisories.installed_nvflare", lambda: nvflare)
     monkeypatch.setattr(MedflareController, "system_panic", lambda self, reason, fl_ctx: panicked.append(reason))
     monkeypatch.setattr(MedflareController, "log_warning", lambda self, fl_ctx, message: warned.append(message))
     controller = started(False, tmp_path, monkeypatch)

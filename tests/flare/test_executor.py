@@ -321,7 +321,7 @@ def test_a_site_on_a_flare_with_known_advisories_declines_every_job_in_the_simul
                                                                                         monkeypatch) -> None:
     from medflare.errors import SiteDeclined
 
-    monkeypatch.setattr("medflare.flare.executor.installed_nvflare", lambda: "2.7.1")
+    monkeypatch.setattr("medflare.advisories.installed_nvflare", lambda: "2.7.1")
     monkeypatch.setattr("medflare.flare.executor.SiteRuntime", lambda *a, **k: pytest.fail("the site read its data"))
     run = validated(RunConfig(method="fedavg", data={"source": "site"}, task=TASK), check_files=False)
     job = write_run_job(run, tmp_path / "jobs", task_of(run), mode="preinstalled")

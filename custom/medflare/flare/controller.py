@@ -26,7 +26,7 @@ from nvflare.app_common.app_event_type import AppEventType
 from nvflare.widgets.info_collector import GroupInfoCollector, InfoCollector
 
 from medflare import contracts
-from medflare.advisories import exported_mismatch, installed_nvflare, platform_refusal
+from medflare.advisories import startup_check
 from medflare.errors import MedflareError, PayloadError
 from medflare.evaluation import headline_metric, summarize
 from medflare.flare import progress, resume_state, run_results
@@ -137,14 +137,12 @@ class MedflareController(Controller):
         if not isinstance(self.aggregator, MedflareAggregator):
             self.system_panic(f"component '{self.aggregator_id}' must be a MedflareAggregator", fl_ctx)
             return
-        nvflare = installed_nvflare()
-        unsafe = platform_refusal(nvflare, "the server")
+        unsafe, warning = startup_check("the server", self.plan.nvflare)
         if unsafe:
             self.system_panic(f"medflare: {unsafe}", fl_ctx)
             return
-        other = exported_mismatch(nvflare, self.plan.nvflare, "the server")
-        if other:
-            self.log_warning(fl_ctx, f"medflare: {other}; medflare was tested with the job's")
+        if warning:
+            self.log_warning(fl_ctx, f"medflare: {warning}")
         self.plan_proof = self._plan_proof()
         learnable = self.persistor.load(fl_ctx)
         self.global_params = {k: np.asarray(v) for k, v in learnable[ModelLearnableKey.WEIGHTS].items()}

@@ -13,7 +13,7 @@ from nvflare.apis.shareable import Shareable, make_reply
 from nvflare.apis.signal import Signal
 
 from medflare import contracts
-from medflare.advisories import exported_mismatch, installed_nvflare, platform_refusal
+from medflare.advisories import startup_check
 from medflare.distributed import DataParallelSite, site_distributed_config
 from medflare.errors import ConfigError, MedflareError, SiteDeclined
 from medflare.flare.memory import collect_round_garbage, freeze_startup_objects
@@ -98,14 +98,12 @@ class MedflareExecutor(Executor):
     def _check_platform(self, site: str, plan: RunPlan, fl_ctx: FLContext) -> None:
         """Decline the job on a FLARE release with known advisories (:mod:`medflare.advisories`), in the simulator
         too; warn when this site runs another release than the job was exported with."""
-        nvflare = installed_nvflare()
-        unsafe = platform_refusal(nvflare, site)
+        unsafe, warning = startup_check(site, plan.nvflare)
         if unsafe:
             self._declined = SiteDeclined(f"{site} declines the job: {unsafe}", reason="platform")
             raise self._declined
-        other = exported_mismatch(nvflare, plan.nvflare, site)
-        if other:
-            self.log_warning(fl_ctx, f"{other}; medflare was tested with the job's")
+        if warning:
+            self.log_warning(fl_ctx, warning)
 
     def _check_policy(self, site: str, site_file: SiteFile, plan: RunPlan, job_id: str, code: str) -> SitePolicy:
         """The hospital's policy (``medflare.site_policy``; the default one in FLARE's simulator) against the job and
