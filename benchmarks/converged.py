@@ -211,6 +211,12 @@ def fedlsm_upper_bound() -> Arm:
     return Arm("fedavg, every label (upper bound)", "fedavg", sections={"data": {"identified": None}})
 
 
+# SSL-FL's local epochs a round at each label fraction: a site holds about 22 labelled images at 10 % (one batch of
+# 32) and 65 at 30 % (two), so one epoch is one or two steps, and a run at chance stopped by the patience rule after
+# 7-9 steps in all (the first tuning runs, fed-mae at 0.200 on every lr); these give 4-5 steps a site a round
+SSL_LOCAL_EPOCHS = {0.1: 5, 0.3: 2}
+
+
 def ssl_base(fraction: float) -> Callable[[], dict[str, Any]]:
     def base() -> dict[str, Any]:
         from ssl_fl import FINETUNE_ARGS, FINETUNE_DATA, MODEL  # noqa: PLC0415
@@ -218,7 +224,7 @@ def ssl_base(fraction: float) -> Callable[[], dict[str, Any]]:
         data = retina(partition="dirichlet:0.5", **FINETUNE_DATA,
                       **({"label_fraction": fraction} if fraction < 1 else {}))
         return {"clients": 5, "model": MODEL, "data": data, "method_args": {"pretrain_rounds": 0, **FINETUNE_ARGS},
-                "train": {"batch_size": 32, "local_epochs": 1, "base_batch": 0}}
+                "train": {"batch_size": 32, "local_epochs": SSL_LOCAL_EPOCHS[fraction], "base_batch": 0}}
     return base
 
 
@@ -237,7 +243,8 @@ def ssl_claim(fraction: float) -> Claim:
         f"Fed-MAE and Fed-BEiT pre-training beats training from scratch ({fraction:.0%} of the labels)",
         ssl_base(fraction), ssl_arms(), "balanced_accuracy",
         (("fed-mae", scratch), ("fed-mae", adam), ("fed-beit", beit_scratch), ("fed-beit", adam)),
-        classification_table, {arm.name: {0.1: 1.5, 0.3: 2.2}[fraction] for arm in ssl_arms()})
+        # measured on 1 core: 1.2 s a round at one step a site, 0.45 s each further step (5 sites)
+        classification_table, {arm.name: {0.1: 3.0, 0.3: 3.1}[fraction] for arm in ssl_arms()})
 
 
 CLAIMS: tuple[Claim, ...] = (
@@ -327,6 +334,26 @@ def config_digest(run: RunConfig) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def key_digest(key: RunKey, rounds_cap: int = ROUNDS_CAP, patience: int = PATIENCE,
+               extra_train: Mapping[str, Any] | None = None) -> str:
+    """The digest a run of ``key`` stores and is found by: its job with the encoder named by its pre-training
+    job's configuration, not by the file's path (which depends on ``--out``, and which the pack's planner, choosing
+    what is left to run, has not built yet)."""
+    arm = CLAIM[key.claim].arm(key.arm)
+    return config_digest(run_config(key, rounds_cap, patience, extra_train, pretraining_label(arm, key.seed)))
+
+
+def pretraining_label(arm: Arm, seed: int) -> str | None:
+    """SSL-FL: the pre-training job behind an arm's encoder on ``seed``, as its name and configuration's sha256."""
+    if not arm.pretrain:
+        return None
+    from ssl_fl import job_config, pretrain_run  # noqa: PLC0415
+
+    job = pretrain_run(arm.pretrain, "retina", 0.5, seed)
+    text = json.dumps(job_config(job), sort_keys=True, default=str)
+    return f"pre-training {job.name} {hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
 def encoder_for(arm: Arm, seed: int, out: Path) -> str | None:
     """SSL-FL: the exported encoder of the arm's federated pre-training on this seed's split (run once, cached
     under ``out``; the pre-training budget is ssl_fl.py's, fixed, not run to convergence)."""
@@ -358,18 +385,19 @@ def run_one(key: RunKey, out: Path, rounds_cap: int = ROUNDS_CAP, patience: int 
               f"{done.seconds:.1f}s", flush=True)
 
     run_rounds(run, on_round=progress, results=results)
-    return row_of(key, run, results.data, time.perf_counter() - started, results.key_metric)
+    return row_of(key, key_digest(key, rounds_cap, patience, extra_train), results.data,
+                  time.perf_counter() - started, results.key_metric)
 
 
-def row_of(key: RunKey, run: RunConfig, data: Mapping[str, Any], seconds: float, metric: str) -> dict[str, Any]:
-    """The stored row of a finished run (``data``: the controller's record, RunResults.data)."""
+def row_of(key: RunKey, digest: str, data: Mapping[str, Any], seconds: float, metric: str) -> dict[str, Any]:
+    """The stored row of a finished run (``digest``: key_digest; ``data``: the controller's record, RunResults.data)."""
     evaluations, best = data["evaluations"], data.get("best")
     if not best:
         raise RuntimeError(f"{key.label()}: no round was scored on validation")
     chosen = evaluations[str(best["model_version"])]
     return {
         "claim": key.claim, "arm": key.arm, "seed": key.seed, "lr": key.lr, "tuning": key.tuning,
-        "config": config_digest(run), "metric": metric, "best_version": best["model_version"], "val_best": best[metric],
+        "config": digest, "metric": metric, "best_version": best["model_version"], "val_best": best[metric],
         "curve": [[int(v), e.get("val", {}).get(metric)] for v, e in sorted(evaluations.items(), key=lambda i: int(i[0]))],
         "rounds_run": len(evaluations), "stopped_early": "stopped_early" in data,
         "figures": CLAIM[key.claim].table(chosen), "seconds": round(seconds, 1),
@@ -416,7 +444,7 @@ class Store:
         stays in the file, as a record, but is not read)."""
         names = {claim.name for claim in claims}
         return [r for r in self.rows if r["claim"] in names and r["arm"] in {a.name for a in CLAIM[r["claim"]].arms}
-                and r["config"] == config_digest(run_config(RunKey(r["claim"], r["arm"], r["seed"], r["lr"])))]
+                and r["config"] == key_digest(RunKey(r["claim"], r["arm"], r["seed"], r["lr"]))]
 
     def add(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
@@ -441,7 +469,7 @@ def chosen_lr(store: Store, claim: Claim, arm: str) -> float | None:
     found = {}
     for key in tuning_keys(claim):
         if key.arm == arm:
-            row = store.find(key, config_digest(run_config(key)))
+            row = store.find(key, key_digest(key))
             if row is None:
                 return None
             found[key.lr] = row["val_best"]
@@ -456,22 +484,26 @@ def planned_runs(claims: list[Claim]) -> list[tuple[RunKey, str]]:
     return runs
 
 
-def estimate(claims: list[Claim]) -> tuple[str, float, float]:
-    """The dry run's plan text, its expected CPU seconds (every run its claim's ``typical_rounds`` rounds of its
-    arm's measured ``round_seconds``) and its bound (every run to the cap); SSL-FL's pre-training jobs are counted once per
-    (method, seed), as the label fractions share them."""
+def estimate(claims: list[Claim], store: Store | None = None) -> tuple[str, float, float]:
+    """The dry run's plan text, its expected CPU seconds and its bound (every run to the cap). A run ``store``
+    holds at today's configuration counts what it took; one still to run counts its claim's ``typical_rounds``
+    rounds of its arm's measured ``round_seconds``. SSL-FL's pre-training jobs are counted once per (method, seed),
+    as the label fractions share them."""
     lines, expected, bound = [], 0.0, 0.0
     jobs = pretrainings(claims)
+    runs = len(LR_GRID) + len(SEEDS)
     for claim in claims:
-        runs = len(LR_GRID) + len(SEEDS)
-        cost = sum(claim.round_seconds[arm.name] for arm in claim.arms) * runs
-        overhead = RUN_SECONDS * runs * len(claim.arms)
-        expected += cost * claim.typical_rounds + overhead
-        bound += cost * ROUNDS_CAP + overhead
+        finished = {(r["arm"], r["seed"], r["lr"]): r["seconds"] for r in (store.current([claim]) if store else [])}
+        left = {arm.name: runs - sum(1 for a, _, _ in finished if a == arm.name) for arm in claim.arms}
+        model = {arm.name: claim.round_seconds[arm.name] * claim.typical_rounds + RUN_SECONDS for arm in claim.arms}
+        measured = sum(finished.values())
+        claim_expected = measured + sum(model[name] * count for name, count in left.items())
+        expected += claim_expected
+        bound += sum((claim.round_seconds[arm.name] * ROUNDS_CAP + RUN_SECONDS) * runs for arm in claim.arms)
         lines.append(f"  {claim.name}: {len(claim.arms)} arms x ({len(LR_GRID)} lr on seed {TUNING_SEED} + "
-                     f"{len(SEEDS)} seeds) = {len(claim.arms) * runs} runs, ~{cost * claim.typical_rounds / 60:.0f} "
-                     "CPU-min "
-                     f"(every run to the cap: {cost * ROUNDS_CAP / 60:.0f})")
+                     f"{len(SEEDS)} seeds) = {len(claim.arms) * runs} runs, ~{claim_expected / 60:.0f} CPU-min "
+                     f"({len(finished)} done in {measured / 60:.0f} CPU-min; every run to the cap: "
+                     f"{sum(claim.round_seconds[a.name] for a in claim.arms) * runs * ROUNDS_CAP / 60:.0f})")
     extra = sum(PRETRAIN_SECONDS[method] for method, _ in jobs)
     if jobs:
         lines.append(f"  SSL-FL pre-training: {len(jobs)} jobs, ~{extra / 60:.0f} CPU-min")
@@ -499,7 +531,7 @@ def run_pack(claims: list[Claim], store: Store, out: Path, workers: int) -> None
                 if lr is None:
                     raise SystemExit(f"converged: {key.claim} {key.arm}: the tuning grid has not finished")
                 key = dataclasses.replace(key, lr=lr)
-            if store.find(key, config_digest(run_config(key))) is None:
+            if store.find(key, key_digest(key)) is None:
                 todo.append(key)
         print(f"converged: {phase}: {len(todo)} runs to go", flush=True)
         _in_pool(workers, [(run_one, (key, out), key) for key in todo], lambda key, row: _store(store, key, row))
@@ -553,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     claims = [CLAIM[name] for name in args.claims]
     if args.dry_run:
-        text, expected, bound = estimate(claims)
+        text, expected, bound = estimate(claims, Store(args.results))
         print(f"converged: {len(planned_runs(claims))} runs; lr grid {list(LR_GRID)} on seed {TUNING_SEED}, seeds "
               f"{list(SEEDS)}, patience {PATIENCE}, cap {ROUNDS_CAP} rounds\n{text}\n"
               f"converged: estimate {expected / 3600:.1f} CPU-hours ({expected / 3600 / max(args.workers, 1):.1f} h "

@@ -69,6 +69,34 @@ def test_a_run_config_carries_the_arm_the_seed_the_lr_and_the_budget(converged) 
     assert converged.config_digest(upper) != converged.config_digest(lower)
 
 
+@pytest.mark.skipif(not SHARED.is_file(), reason="needs ../shared/data (RetinaMNIST)")
+def test_an_ssl_run_is_found_by_its_pre_training_job_not_by_the_encoders_path(converged) -> None:
+    # the planner looks a run up before any encoder exists: the digest names the pre-training job, so a stored
+    # fine-tuning run is found again (it was not, and ran twice) and is never mistaken for its scratch arm
+    pretrained = converged.RunKey("ssl-fl-retina-f0.1", "fed-mae", 100, 1e-3)
+    scratch = converged.RunKey("ssl-fl-retina-f0.1", "scratch (FedAvg, MAE recipe)", 100, 1e-3)
+    assert converged.key_digest(pretrained) != converged.key_digest(scratch)
+    assert converged.key_digest(pretrained) != converged.key_digest(converged.RunKey(
+        "ssl-fl-retina-f0.1", "fed-mae", 0, 1e-3))  # another seed: another pre-training job
+    label = converged.pretraining_label(converged.CLAIM[pretrained.claim].arm("fed-mae"), 100)
+    assert label.startswith("pre-training fed-mae-pt-retina-a0.5-s100 ") and "/" not in label
+    for fraction, epochs in converged.SSL_LOCAL_EPOCHS.items():
+        run = converged.run_config(converged.RunKey(f"ssl-fl-retina-f{fraction:g}", "fed-beit", 0, 1e-3))
+        assert run.train["local_epochs"] == epochs and run.data["label_fraction"] == fraction
+
+
+def test_the_estimate_counts_a_finished_run_at_what_it_took(converged, tmp_path) -> None:
+    claims = [converged.CLAIM["fca-retina"]]
+    _, planned, _ = converged.estimate(claims)
+    store = converged.Store(tmp_path / "converged.json")
+    key = converged.RunKey("fca-retina", "fca", converged.TUNING_SEED, converged.LR_GRID[0])
+    store.add({**row(key.claim, key.arm, key.seed, key.lr, 0.4, {}), "seconds": 1.0,
+               "config": converged.key_digest(key)})
+    text, measured, _ = converged.estimate(claims, store)
+    model = claims[0].round_seconds["fca"] * claims[0].typical_rounds + converged.RUN_SECONDS
+    assert measured == pytest.approx(planned - model + 1.0) and "1 done in 0 CPU-min" in text
+
+
 def row(claim: str, arm: str, seed: int, lr: float, val: float, figure: dict, tuning: bool = False) -> dict:
     return {"claim": claim, "arm": arm, "seed": seed, "lr": lr, "tuning": tuning, "val_best": val,
             "figures": figure, "rounds_run": 10, "stopped_early": seed != 4, "curve": [[0, 0.2], [1, val]], "metric": "balanced_accuracy",
@@ -132,8 +160,7 @@ def test_the_store_appends_atomically_and_finds_a_row_only_with_the_same_configu
     assert json.loads(path.read_text())[0]["arm"] == "fca" and not path.with_suffix(".tmp").exists()
     if SHARED.is_file():  # only rows of today's configuration are read by the report
         seed_1 = converged.RunKey(key.claim, key.arm, 1, key.lr)
-        store.add({**row(key.claim, key.arm, 1, key.lr, 0.5, {}), "config": converged.config_digest(
-            converged.run_config(seed_1))})
+        store.add({**row(key.claim, key.arm, 1, key.lr, 0.5, {}), "config": converged.key_digest(seed_1)})
         assert [r["seed"] for r in converged.Store(path).current([converged.CLAIM["fca-retina"]])] == [1]
 
 
