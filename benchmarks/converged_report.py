@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from benchmarking import mean_std
-from converged import LR_GRID, PATIENCE, ROUNDS_CAP, SEEDS, TUNING_SEED, Claim
+from converged import CPU_BUDGET_SECONDS, LR_GRID, PATIENCE, ROUNDS_CAP, SEEDS, TUNING_SEED, Claim
 
 REPRODUCED, NOT_REPRODUCED, NO_DIFFERENCE = "reproduced", "not reproduced", "no difference"
 
@@ -150,6 +150,13 @@ def plot_curves(claim: Claim, result: Mapping[str, Any], path: Path) -> None:
     save(figure, path)
 
 
+def cpu_line(rows: Sequence[Mapping[str, Any]], claims: Sequence[Claim]) -> str:
+    """What the pack's runs took: the sum of their seconds (each on one torch thread), against the budget."""
+    seconds = sum(r["seconds"] for r in rows if r.get("claim") in {c.name for c in claims})
+    return (f"The {len(rows)} runs took {seconds / 3600:.2f} CPU-hours in all (each on one torch thread; SSL-FL's "
+            f"pre-training jobs not included), budget {CPU_BUDGET_SECONDS / 3600:.0f}.")
+
+
 def write_report(rows: Sequence[Mapping[str, Any]], claims: Sequence[Claim], folder: Path) -> str:
     """``converged.md`` (and one ``converged-<claim>.png`` per claim with rows) in ``folder``; returns the text."""
     sections = [f"# Evidence at convergence (issue 63)\n\nCommand: `make bench-converged`. Protocol: lr grid "
@@ -157,7 +164,7 @@ def write_report(rows: Sequence[Mapping[str, Any]], claims: Sequence[Claim], fol
                 f"paired; each run stops after {PATIENCE} scored rounds without a better validation score (cap "
                 f"{ROUNDS_CAP}); the best model on validation is scored on test. Simulated splits. Commits: "
                 f"{', '.join(sorted({r['commit'] for r in rows})) or 'none'}; CPU: "
-                f"{', '.join(sorted({r['cpu'] for r in rows})) or 'none'}."]
+                f"{', '.join(sorted({r['cpu'] for r in rows})) or 'none'}. {cpu_line(rows, claims)}"]
     for claim in claims:
         result = claim_result(rows, claim)
         plot = None

@@ -27,8 +27,9 @@ def report() -> ModuleType:
     return load_benchmark("converged_report")
 
 
-def test_the_dry_run_prints_every_claim_and_an_estimate_within_the_budget(converged, capsys) -> None:
-    assert converged.main(["--dry-run"]) == 0  # exit 1 when the estimate is over the 5 CPU-hour budget
+def test_the_dry_run_prints_every_claim_and_an_estimate_within_the_budget(converged, capsys, tmp_path) -> None:
+    # the plan alone, no run finished (exit 1 when the estimate is over the 5 CPU-hour budget)
+    assert converged.main(["--dry-run", "--results", str(tmp_path / "none.json")]) == 0
     text = capsys.readouterr().out
     for claim in converged.CLAIMS:
         assert claim.name in text
@@ -85,6 +86,19 @@ def test_an_ssl_run_is_found_by_its_pre_training_job_not_by_the_encoders_path(co
         assert run.train["local_epochs"] == epochs and run.data["label_fraction"] == fraction
 
 
+@pytest.mark.skipif(not SHARED.is_file(), reason="needs ../shared/data (RetinaMNIST)")
+def test_a_runs_digest_does_not_depend_on_where_the_shared_data_lies(converged) -> None:
+    # a clone elsewhere (CI's) must find the rows this machine stored: the file is named, its MD5 checked
+    import dataclasses
+
+    run = converged.run_config(converged.RunKey("fca-retina", "fca", 0, 1e-3))
+    moved = dataclasses.asdict(run)
+    moved["data"]["source"] = "medmnist:/elsewhere/clone/../shared/data/medmnist/retinamnist.npz"
+    assert converged._digest(moved) == converged.config_digest(run)
+    moved["data"]["source"] = "medmnist:/elsewhere/pneumoniamnist.npz"
+    assert converged._digest(moved) != converged.config_digest(run)  # another file is another job
+
+
 def test_the_estimate_counts_a_finished_run_at_what_it_took(converged, tmp_path) -> None:
     claims = [converged.CLAIM["fca-retina"]]
     _, planned, _ = converged.estimate(claims)
@@ -100,7 +114,7 @@ def test_the_estimate_counts_a_finished_run_at_what_it_took(converged, tmp_path)
 def row(claim: str, arm: str, seed: int, lr: float, val: float, figure: dict, tuning: bool = False) -> dict:
     return {"claim": claim, "arm": arm, "seed": seed, "lr": lr, "tuning": tuning, "val_best": val,
             "figures": figure, "rounds_run": 10, "stopped_early": seed != 4, "curve": [[0, 0.2], [1, val]], "metric": "balanced_accuracy",
-            "commit": "abc", "cpu": "cpu", "config": "x"}
+            "commit": "abc", "cpu": "cpu", "config": "x", "seconds": 7.2}
 
 
 def test_the_paired_reading_against_a_hand_computed_case(report) -> None:
@@ -138,6 +152,7 @@ def test_each_arms_lr_is_chosen_on_the_tuning_seeds_validation_and_its_seeds_are
     assert result["reading"] == "reproduced" and result["at_cap"]["fedmas"] == 1  # seed 4 ran to the cap
     text = report.write_report(rows, [claim], tmp_path)
     assert "Reading: **reproduced**" in text and "| fedmas − bsm-fl | +0.100 | 0.000 | 5 of 5 | above |" in text
+    assert f"The {len(rows)} runs took {len(rows) * 7.2 / 3600:.2f} CPU-hours in all" in text  # 7.2 s each
     assert (tmp_path / "converged-fedmas-retina-lt.png").is_file() and (tmp_path / "converged.md").is_file()
 
 
