@@ -108,7 +108,7 @@ def claim_markdown(claim: Claim, result: Mapping[str, Any], plot: str | None) ->
     for arm in claim.arms:
         lr = result["lrs"][arm.name]
         label = arm.name + (" (reference)" if arm.name in claim.references else "")
-        lines.append(f"| {label} | {'—' if lr is None else f'{lr:g}'} | {_rounds(result['rounds'][arm.name])} | "
+        lines.append(f"| {label} | {_lr(lr)} | {_rounds(result['rounds'][arm.name])} | "
                      f"{result['at_cap'][arm.name]} | " + " | ".join(_cell(result["figures"][arm.name].get(k)) for k in columns) + " |")
     lines += ["", "| comparison (paired per seed) | mean difference | std | method above in | reading |",
               "|---|---|---|---|---|"]
@@ -118,6 +118,13 @@ def claim_markdown(claim: Claim, result: Mapping[str, Any], plot: str | None) ->
     if plot:
         lines += ["", f"Validation curves: [{plot}]({plot})"]
     return "\n".join(lines)
+
+
+def _lr(lr: float | None) -> str:
+    """The chosen lr; one at an end of the grid is marked, as a better one may lie beyond it."""
+    if lr is None:
+        return "—"
+    return f"{lr:g}" + (" (grid edge)" if lr in (min(LR_GRID), max(LR_GRID)) else "")
 
 
 def _rounds(value: tuple[float, float, int]) -> str:

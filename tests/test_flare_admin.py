@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 from nvflare.fuel.utils.config_service import ConfigService
@@ -39,6 +40,22 @@ def test_a_poc_session_runs_nvflare_in_its_home_with_absolute_paths(tmp_path: Pa
     assert kwargs["cwd"] == str(tmp_path / "poc" / "home")
     assert command[command.index("-j") + 1] == str(tmp_path / "job")
     assert command[command.index("--startup-kit") + 1].startswith(str(tmp_path / "poc"))
+
+
+# what FLARE's admin client does on `nvflare job submit` (file_transfer.py): the signed job, zipped into a file
+# named by a uuid in tempfile.gettempdir(), never deleted; this command prints where it wrote its file
+WRITES_A_TEMPORARY_FILE = ("import json, os, sys, tempfile, uuid; path = os.path.join(tempfile.gettempdir(), "
+                           "str(uuid.uuid4())); open(path, 'w').write('job zip'); "
+                           "print(json.dumps({'status': 'ok', 'data': {'path': path}}))")
+
+
+def test_an_admin_command_leaves_no_file_in_the_machines_temporary_folder(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(poc_module, "nvflare_command", lambda: [sys.executable, "-c", WRITES_A_TEMPORARY_FILE])
+    session = PocSession(tmp_path / "poc", port=18002, echo=lambda line: None)
+    written = Path(session.nvflare("job", "submit")["data"]["path"])
+    assert written.parent.parent == tmp_path / "poc" / "home"  # a folder of its own in the POC's home ...
+    assert not written.parent.exists()  # ... removed, zip and all, once the command is done
+    assert list((tmp_path / "poc" / "home").iterdir()) == []
 
 
 def test_an_admin_session_finds_comm_config_in_its_kit_not_below_the_working_folder(tmp_path: Path,

@@ -152,6 +152,8 @@ def test_each_arms_lr_is_chosen_on_the_tuning_seeds_validation_and_its_seeds_are
     assert result["reading"] == "reproduced" and result["at_cap"]["fedmas"] == 1  # seed 4 ran to the cap
     text = report.write_report(rows, [claim], tmp_path)
     assert "Reading: **reproduced**" in text and "| fedmas − bsm-fl | +0.100 | 0.000 | 5 of 5 | above |" in text
+    assert f"| fedmas | {converged.LR_GRID[0]:g} (grid edge) |" in text  # the best lr may lie beyond the grid
+    assert f"| bsm-fl | {converged.LR_GRID[1]:g} |" in text
     assert f"The {len(rows)} runs took {len(rows) * 7.2 / 3600:.2f} CPU-hours in all" in text  # 7.2 s each
     assert (tmp_path / "converged-fedmas-retina-lt.png").is_file() and (tmp_path / "converged.md").is_file()
 

@@ -205,3 +205,41 @@ def test_the_update_norm_bound_covers_delta_c() -> None:
     core.aggregate()
     assert "the norm of 'scaffold_delta_c'" in core.rejected["site-3"]
     assert sorted(core.rule.sites_seen) == ["site-1", "site-2"]  # c moved by the two honest sites only
+
+
+def test_a_job_resumed_from_its_round_checkpoint_corrects_with_the_c_it_had(tmp_path) -> None:
+    """The server's c and its N sites are in the round checkpoint (never sent): the resumed job's next task carries
+    the c of the crashed job, and its next update of c uses the same |S|/N, so c is what the crashed job's would
+    be (a fresh rule would send c = 0 and count N from 0)."""
+    from medflare.flare.resume_state import RULE_PREFIX, save_round_checkpoint
+    from medflare.ops.checkpoint import load_checkpoint
+    from tests.flare import test_controller_resume as resume_tests
+
+    d1, d2 = np.arange(9.0), np.full(9, -2.0)
+    crashed_core = RoundAggregation(get_method(METHOD), {}, 3, 3, {})
+    server_round(crashed_core, 0, {"site-1": site_result(d1, 1), "site-2": site_result(d2, 3)})
+    job_id, crashed = resume_tests.crashed_job(tmp_path)
+    app = tmp_path / job_id / "app_server"
+    save_round_checkpoint(str(app), crashed.results, GLOBAL, crashed._checkpoint_write, None, crashed_core.rule)
+    crashed._checkpoint_write.wait()
+    saved, _ = load_checkpoint(app / "medflare_checkpoint.npz")
+    assert set(saved) == {"w", "b", RULE_PREFIX + SERVER_CONTROL}
+
+    ctl, ctx = resume_tests.new_job(tmp_path, job_id)
+    resumed_core = RoundAggregation(get_method(METHOD), {}, 3, 3, {})
+    ctl.global_params, ctl.aggregator.core.rule = dict(GLOBAL), resumed_core.rule
+    ctl._resume(ctx)
+    assert set(ctl.global_params) == {"w", "b"}  # c stays out of the model the sites receive
+    np.testing.assert_array_equal(resumed_core.rule.control, crashed_core.rule.control)
+    task = server_round(resumed_core, 1, {"site-1": site_result(d2, 1)})
+    np.testing.assert_allclose(task[SERVER_CONTROL], (0.25 * d1 + 0.75 * d2).astype(np.float32))
+    server_round(crashed_core, 1, {"site-1": site_result(d2, 1)})
+    np.testing.assert_allclose(resumed_core.rule.control, crashed_core.rule.control)  # |S|/N = 1/2 in both
+
+
+def test_an_unusable_checkpointed_c_is_refused() -> None:
+    rule = RoundAggregation(get_method(METHOD), {}, 3, 3, {}).rule
+    with pytest.raises(ValueError, match="control variate"):
+        rule.restore({"sites_seen": ["site-1"]}, {SERVER_CONTROL: np.array([1.0, np.nan])})
+    with pytest.raises(ValueError, match="control variate"):
+        rule.restore({}, {SERVER_CONTROL: np.zeros(3)})

@@ -16,6 +16,7 @@ import ctypes
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -212,6 +213,20 @@ def flare_admin_popen_args(folder: Path, env: Mapping[str, str]) -> dict[str, An
         env["PYTHONPATH"] = os.pathsep.join(str(Path(entry).resolve()) if entry else entry
                                             for entry in env["PYTHONPATH"].split(os.pathsep))
     return {"cwd": str(folder), "env": env}
+
+
+@contextlib.contextmanager
+def flare_admin_command(folder: Path, env: Mapping[str, str]) -> Iterator[dict[str, Any]]:
+    """:func:`flare_admin_popen_args` for one admin command that starts nothing, with ``TMPDIR`` a fresh folder
+    under ``folder``, removed (with what is in it) when the command is done: FLARE's admin client zips every job it
+    submits, signed, into the temporary folder and never deletes the zip (``nvflare/fuel/hci/client/
+    file_transfer.py``), which would leave a copy of each job in the machine's /tmp."""
+    args = flare_admin_popen_args(folder, env)
+    scratch = Path(tempfile.mkdtemp(prefix="flare-admin-", dir=folder))
+    try:
+        yield {**args, "env": {**args["env"], "TMPDIR": str(scratch)}}
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def confine_flare_config_search(folder: Path) -> None:

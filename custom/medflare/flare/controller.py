@@ -270,7 +270,8 @@ class MedflareController(Controller):
             if self.aggregator.holds_plaintext:  # an encrypted job's server holds ciphertexts: no resume point
                 resume_state.save_round_checkpoint(os.path.dirname(self.results_path), self.results,
                                                    self.global_params, self._checkpoint_write,
-                                                   getattr(self.aggregator.core, "server_opt", None))
+                                                   getattr(self.aggregator.core, "server_opt", None),
+                                                   getattr(self.aggregator.core, "rule", None))
         with timed(spans, "gc"):  # FLARE's transfers of this round sit in reference cycles (flare/memory.py)
             record["gc_objects_freed"] = collect_round_garbage()
 
@@ -481,7 +482,7 @@ class MedflareController(Controller):
         else:
             self.global_params, previous_app = resume_state.resume_job(
                 self.results, job_id, app_root, self.global_params, self.plan.method, self.num_rounds,
-                getattr(self.aggregator.core, "server_opt", None))
+                getattr(self.aggregator.core, "server_opt", None), getattr(self.aggregator.core, "rule", None))
         self.persistor.save(make_model_learnable(self.global_params, {}), fl_ctx)
         resume_state.carry_best_model(previous_app, app_root)
         self._progress = progress.entries_from_results(self.results.data)  # watchers see the whole history

@@ -499,6 +499,14 @@ class ServerRule:
         """What to record about this round besides the shares."""
         return {}
 
+    def checkpoint(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """What this rule carries from round to round that a resumed job continues from, as (JSON-able facts,
+        arrays): written into the server's own round checkpoint, never sent. A rule without such state: nothing."""
+        return {}, {}
+
+    def restore(self, facts: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> None:
+        """Continue from what :meth:`checkpoint` returned in the crashed job being resumed (ValueError if unusable)."""
+
     def streams(self, ctx: RoundContext) -> bool:
         """Whether this round's aggregate is Σ site_weight·arrays / Σ site_weight, so the server may add each result
         to a running sum as it arrives (``stream_aggregation``) and keep no site's model arrays: true unless the rule

@@ -59,6 +59,7 @@ from medflare.console.launch import (
 )
 from medflare.console.processes import (
     end_processes,
+    flare_admin_command,
     flare_admin_popen_args,
     nvflare_command,
     nvflare_reply,
@@ -212,13 +213,17 @@ class PocSession:
         """Run one ``nvflare ... --format json`` command in this POC's environment; return its JSON reply.
         ``starts``: the command starts POC processes; in a ``tied`` session they run under a keeper."""
         command = nvflare_command() + list(args) + ["--format", "json"]
-        popen_args = flare_admin_popen_args(self.home, self.env())  # not the user's folder: processes.py says why
         try:
-            if starts and self.tied:
-                proc, keeper = run_kept(command, timeout, **popen_args)
-                self.keepers.append(keeper)
+            if starts:  # what it starts keeps the machine's temporary folder
+                popen_args = flare_admin_popen_args(self.home, self.env())  # not the user's folder: processes.py
+                if self.tied:
+                    proc, keeper = run_kept(command, timeout, **popen_args)
+                    self.keepers.append(keeper)
+                else:
+                    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, **popen_args)
             else:
-                proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, **popen_args)
+                with flare_admin_command(self.home, self.env()) as popen_args:
+                    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, **popen_args)
         except subprocess.TimeoutExpired as exc:
             raise PocError(f"'nvflare {' '.join(args)}' did not finish within {timeout:.0f} s") from exc
         reply = nvflare_reply(proc)

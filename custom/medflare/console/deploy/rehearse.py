@@ -268,10 +268,11 @@ class Stage:
             raise RehearseError(f"{participant}'s startup/start.sh failed ({done.returncode}): {done.stderr[-500:]}")
 
     def in_ns(self, participant: str, command: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-        from medflare.console.processes import flare_admin_popen_args  # in the rehearsal's home: processes.py says why
+        from medflare.console.processes import flare_admin_command  # in the rehearsal's home: processes.py says why
 
-        return subprocess.run([*self.wan.exec_prefix(participant), *command], capture_output=True, text=True,
-                              timeout=timeout, **flare_admin_popen_args(self.work / "home", self.env()))
+        with flare_admin_command(self.work / "home", self.env()) as popen_args:
+            return subprocess.run([*self.wan.exec_prefix(participant), *command], capture_output=True, text=True,
+                                  timeout=timeout, **popen_args)
 
     def nvflare(self, participant: str, admin: str, *args: str, timeout: float = 300) -> dict[str, Any]:
         """``nvflare ... --startup-kit <admin's kit> --format json`` run in ``participant``'s namespace."""

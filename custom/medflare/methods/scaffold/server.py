@@ -53,3 +53,16 @@ class ScaffoldRule(ServerRule):
         mean_delta = sum(shares[u.site] * np.asarray(u.arrays[DELTA_CONTROL], np.float64) for u in updates)
         self.control = self.control + len(updates) / len(self.sites_seen) * mean_delta
         return {CONTROL_INFO: float(np.linalg.norm(self.control))}
+
+    def checkpoint(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """c and N's sites, so a job resumed from the round checkpoint corrects with the c it had, not with 0."""
+        if self.control is None:
+            return {}, {}
+        return {"sites_seen": sorted(self.sites_seen)}, {SERVER_CONTROL: self.control}
+
+    def restore(self, facts: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> None:
+        control = np.asarray(arrays.get(SERVER_CONTROL, np.zeros(0)), np.float64)
+        if control.ndim != 1 or not np.all(np.isfinite(control)) or not isinstance(facts.get("sites_seen"), list):
+            raise ValueError("the checkpoint's SCAFFOLD control variate c is unusable (not one finite vector, or "
+                             "without its sites)")
+        self.control, self.sites_seen = control, {str(site) for site in facts["sites_seen"]}
