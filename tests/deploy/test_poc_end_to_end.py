@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from medflare.console.deploy.poc import PocSession, retarget_job, write_run_outputs
+from medflare.console.deploy.poc import PROCESS_TMP, PocSession, retarget_job, write_run_outputs
 from medflare.console.deploy.policies import SERVER_STORAGE, site_data_config
 from medflare.registry import get_method
 from medflare.run_config import RunConfig
@@ -116,9 +116,15 @@ def test_downloaded_results_become_the_usual_report(poc, mode: str, tmp_path: Pa
 def test_member_cannot_submit(poc) -> None:
     session: PocSession = poc["session"]
     member = next(name for name, role in session.state["admins"].items() if role == "member")
+    kept = session.workspace / PROCESS_TMP
+    before = set(kept.iterdir())
     reply = session.try_submit(poc["jobs"]["preinstalled"]["dir"], member)
     assert reply["exit_code"] != 0
     assert "not authorized" in json.dumps(reply), reply
+    # FLARE's server keeps the refused job it received, zipped, in its temporary folder: the POC's processes have
+    # theirs in the workspace (removed with it), so the machine's /tmp keeps no copy of the job
+    left = [f for f in set(kept.iterdir()) - before if zipfile.is_zipfile(f)]
+    assert any(name.endswith("/meta.json") for f in left for name in zipfile.ZipFile(f).namelist()), left
 
 
 @pytest.mark.smoke  # the one POC of make test

@@ -160,6 +160,9 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
     return False
 
 
+PROCESS_TMP = "medflare-tmp"  # the POC processes' TMPDIR, under the workspace (PocSession._process_tmp)
+
+
 @dataclass
 class PocSession:
     """One isolated POC: its root folder (``home/``, ``poc/``: FLARE's POC workspace, ``medflare_poc.json``), the
@@ -214,8 +217,8 @@ class PocSession:
         ``starts``: the command starts POC processes; in a ``tied`` session they run under a keeper."""
         command = nvflare_command() + list(args) + ["--format", "json"]
         try:
-            if starts:  # what it starts keeps the machine's temporary folder
-                popen_args = flare_admin_popen_args(self.home, self.env())  # not the user's folder: processes.py
+            if starts:  # what it starts keeps its temporary files in the workspace, which clean() removes
+                popen_args = flare_admin_popen_args(self.home, {**self.env(), "TMPDIR": str(self._process_tmp())})
                 if self.tied:
                     proc, keeper = run_kept(command, timeout, **popen_args)
                     self.keepers.append(keeper)
@@ -410,6 +413,13 @@ class PocSession:
     def _submitter_kit(self, job_id: str) -> str:
         """The kit of the admin who submitted ``job_id`` (the lead for a job this POC did not record)."""
         return str(self.kit(self.state["jobs"].get(job_id, {}).get("user", self.state["lead"])))
+
+    def _process_tmp(self) -> Path:
+        """The POC processes' temporary folder, in the workspace: FLARE's server writes every job it receives there
+        (``nvflare/fuel/hci/binary_proto.py``) and never deletes it, which would leave a copy of each job in /tmp."""
+        folder = self.workspace / PROCESS_TMP
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
 
     def _log(self, participant: str) -> str:
         path = self.kit(participant) / "log.txt"

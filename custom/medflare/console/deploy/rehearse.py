@@ -246,12 +246,14 @@ class Stage:
 
     def env(self) -> dict[str, str]:
         """The environment every participant starts from: this interpreter's environment first on PATH (the kits'
-        ``sub_start.sh`` runs ``python3``), a HOME of the rehearsal's own (no ~/.nvflare of the user's)."""
+        ``sub_start.sh`` runs ``python3``), a HOME of the rehearsal's own (no ~/.nvflare of the user's), and a
+        TMPDIR of its own, removed with the rehearsal's folder."""
         from medflare.flare.memory import with_allocator_settings
 
-        home = self.work / "home"
+        home, tmp = self.work / "home", self.work / "tmp"  # FLARE leaves each job it sends or receives in TMPDIR
         home.mkdir(exist_ok=True)
-        env = with_allocator_settings({**os.environ, "HOME": str(home)})
+        tmp.mkdir(exist_ok=True)
+        env = with_allocator_settings({**os.environ, "HOME": str(home), "TMPDIR": str(tmp)})
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         env.pop("NVFLARE_STARTUP_KIT_DIR", None)
         return env
